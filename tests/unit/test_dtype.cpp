@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -15,11 +16,6 @@
 
 namespace kestrel {
 namespace {
-
-bool same_bits_or_both_nan(float a, float b) {
-  if (std::isnan(a) && std::isnan(b)) return true;
-  return std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b);
-}
 
 // ---- bf16 -------------------------------------------------------------------------------------
 TEST(DTypeBf16, AllPatternsRoundTrip) {
@@ -68,44 +64,72 @@ TEST(DTypeBf16, SpecialValues) {
 }
 
 // ---- f16 --------------------------------------------------------------------------------------
-// Oracle: the compiler's _Float16 conversion (hardware or libgcc soft-float, RNE).
-TEST(DTypeF16, AllPatternsDecodeLikeCompiler) {
-  for (uint32_t h = 0; h < 65536; ++h) {
-    _Float16 x;
-    const uint16_t hb = uint16_t(h);
-    std::memcpy(&x, &hb, 2);
-    const float want = float(x);
-    const float got = f16_to_f32(hb);
-    EXPECT_TRUE(same_bits_or_both_nan(got, want)) << h;
-    if (!std::isnan(got)) {
-      EXPECT_EQ(f32_to_f16(got), hb) << h;
-    }
-  }
+// Oracle: the value table built from the IEEE formula in double, and a nearest-value search with
+// ties to the even code; no bit tricks shared with the code under test.
+double f16_reference_value(uint32_t h) {
+  const int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
+  const double mag = e == 0 ? std::ldexp(m, -24) : std::ldexp(1024 + m, e - 25);
+  return s ? -mag : mag;
 }
 
-TEST(DTypeF16, EncodeMatchesCompilerOnMidpointsAndRandom) {
-  auto check = [](float f) {
-    const _Float16 x = _Float16(f);
-    uint16_t want;
-    std::memcpy(&want, &x, 2);
-    const uint16_t got = f32_to_f16(f);
-    if (std::isnan(f)) {
-      EXPECT_TRUE(std::isnan(f16_to_f32(got)));
-    } else {
-      EXPECT_EQ(got, want) << "f=" << f;
+uint16_t f16_oracle(float f) {
+  static const std::vector<double> table = [] {
+    std::vector<double> t;
+    for (uint32_t h = 0; h < 0x7c00; ++h) t.push_back(f16_reference_value(h));
+    return t;
+  }();
+  const uint16_t sign = std::signbit(f) ? 0x8000 : 0;
+  const double a = std::fabs(double(f));
+  if (a >= 65520.0) return uint16_t(sign | 0x7c00);  // halfway to 2^16 and beyond: Inf
+  const auto it = std::lower_bound(table.begin(), table.end(), a);
+  const uint32_t hi = uint32_t(it - table.begin());
+  if (hi == 0) return sign;
+  const uint32_t lo = hi - 1;
+  const double dlo = a - table[lo], dhi = table[hi] - a;
+  const uint32_t pick = dlo < dhi ? lo : dhi < dlo ? hi : ((lo & 1) ? hi : lo);
+  return uint16_t(sign | pick);
+}
+
+TEST(DTypeF16, AllPatternsDecodeExactly) {
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float got = f16_to_f32(uint16_t(h));
+    if (((h >> 10) & 31) == 31) {
+      EXPECT_EQ(std::isnan(got), (h & 1023) != 0) << h;
+      EXPECT_EQ(std::isinf(got), (h & 1023) == 0) << h;
+      continue;
     }
-  };
-  for (uint32_t h = 0; h < 0x7c00; ++h) {
-    const double a = f16_to_f32(uint16_t(h)), b = f16_to_f32(uint16_t(h + 1));
+    EXPECT_EQ(double(got), f16_reference_value(h)) << h;
+    EXPECT_EQ(std::signbit(got), (h >> 15) != 0) << h;
+    EXPECT_EQ(f32_to_f16(got), uint16_t(h)) << "round trip " << h;
+  }
+  EXPECT_TRUE(std::isnan(f16_to_f32(f32_to_f16(std::numeric_limits<float>::quiet_NaN()))));
+}
+
+TEST(DTypeF16, EncodeMatchesOracleOnMidpointsAndRandom) {
+  auto check = [](float f) { EXPECT_EQ(f32_to_f16(f), f16_oracle(f)) << "f=" << f; };
+  for (uint32_t h = 0; h < 0x7bff; ++h) {
+    const double a = f16_reference_value(h), b = f16_reference_value(h + 1);
     const float mid = float((a + b) / 2);
+    ASSERT_EQ(double(mid), (a + b) / 2);
     for (float s : {1.0f, -1.0f}) {
       check(s * mid);
       check(s * std::nextafter(mid, 0.0f));
       check(s * std::nextafter(mid, 1e9f));
     }
   }
+  check(65504.0f);
+  check(65519.99f);
+  check(65520.0f);
+  check(std::ldexp(1.0f, -25));                       // ties to zero
+  check(std::nextafter(std::ldexp(1.0f, -25), 1.0f));  // rounds up to the smallest subnormal
+  EXPECT_EQ(f32_to_f16(std::numeric_limits<float>::infinity()), 0x7c00);
+  EXPECT_EQ(f32_to_f16(-1e30f), 0xfc00);
   std::mt19937 rng(7);
-  for (int i = 0; i < 2000000; ++i) check(std::bit_cast<float>(uint32_t(rng())));
+  for (int i = 0; i < 300000; ++i) {
+    const float f = std::bit_cast<float>(uint32_t(rng()));
+    if (std::isnan(f)) continue;
+    check(f);
+  }
 }
 
 // ---- f8 e4m3 ------------------------------------------------------------------------------------
