@@ -84,6 +84,7 @@ uint16_t f16_oracle(float f) {
   const auto it = std::lower_bound(table.begin(), table.end(), a);
   const uint32_t hi = uint32_t(it - table.begin());
   if (hi == 0) return sign;
+  if (hi == table.size()) return uint16_t(sign | 0x7bff);  // (65504, 65520): nearest is the max
   const uint32_t lo = hi - 1;
   const double dlo = a - table[lo], dhi = table[hi] - a;
   const uint32_t pick = dlo < dhi ? lo : dhi < dlo ? hi : ((lo & 1) ? hi : lo);
