@@ -12,8 +12,9 @@ real K3.1 Pro (config and tokenizer only; its weights would be ~600 GB).
 Reproducibility (golden test data depends on it: same config + seed => byte-identical files anywhere):
 - Every tensor has its own PCG64 stream seeded from sha256(seed, tensor name), so generation order, the
   shard layout and unrelated config changes never alter a tensor's bytes.
-- Only the raw 64-bit PCG64 output is used (`random_raw`); uniforms are (raw >> 11)·2^-53, normals come
-  from Box–Muller whose log/cos/sin are evaluated here with +,-,*,/ only. numpy dispatches its own
+- Only draws that are plain functions of the raw 64-bit PCG64 output are used: full-range `integers()`
+  (= raw) and `random()` (= (raw >> 11)·2^-53; a test pins both). Normals come from Box–Muller whose
+  log/cos/sin are evaluated here with +,-,*,/ only (series after an exact range reduction). numpy dispatches its own
   transcendental functions to CPU-specific SIMD code (SVML on AVX-512) whose last bits differ between
   machines; IEEE basic operations do not.
 - Values go float64 -> float32 (IEEE round-to-nearest) -> BF16 by round-to-nearest-even on the float32 bit
@@ -302,15 +303,20 @@ def write_tokenizer(out, vocab_size):
 _LN2 = 0.6931471805599453
 _SQRT_HALF = 0.7071067811865476
 _HALF_PI = 1.5707963267948966
-_LOG_COEF = [2.0 / k for k in range(19, 0, -2)]                                   # atanh series, high first
-_SIN_COEF = [(-1) ** k / math.factorial(2 * k + 1) for k in range(11, -1, -1)]
-_COS_COEF = [(-1) ** k / math.factorial(2 * k) for k in range(11, -1, -1)]
+# Series coefficients, highest power first; truncation error < 1e-13 on the reduced ranges used below.
+_LOG_COEF = [2.0 / k for k in range(17, 0, -2)]                                   # 2·atanh(s)/s in s²
+_SIN_COEF = [(-1) ** k / math.factorial(2 * k + 1) for k in range(7, -1, -1)]     # sin(x)/x in x²
+_COS_COEF = [(-1) ** k / math.factorial(2 * k) for k in range(8, -1, -1)]         # cos(x) in x²
+_SGN_COS = np.array([1.0, -1.0, -1.0, 1.0])
+_SGN_SIN = np.array([1.0, 1.0, -1.0, -1.0])
 
 
 def _poly(coefs, x):
-    acc = np.full_like(x, coefs[0])
-    for c in coefs[1:]:
-        acc = acc * x + c
+    acc = coefs[0] * x
+    for c in coefs[1:-1]:
+        acc += c
+        acc *= x
+    acc += coefs[-1]
     return acc
 
 
@@ -318,23 +324,25 @@ def det_log(u):
     """ln(u) for u > 0 from frexp + odd atanh series; only IEEE basic ops (bit-identical everywhere)."""
     m, e = np.frexp(u)
     small = m < _SQRT_HALF
-    m = np.where(small, m * 2.0, m)
-    e = np.where(small, e - 1, e).astype(np.float64)
-    s = (m - 1.0) / (m + 1.0)                                  # |s| <= 0.172
+    m[small] *= 2.0                                           # m in [sqrt(1/2), sqrt(2))
+    e = e.astype(np.float64)
+    e[small] -= 1.0
+    s = (m - 1.0) / (m + 1.0)                                 # |s| <= 0.172
     return e * _LN2 + s * _poly(_LOG_COEF, s * s)
 
 
 def det_cos_sin_2pi(u):
-    """(cos 2πu, sin 2πu) for u in [0, 1): exact quadrant split, Taylor series on [0, π/2)."""
+    """(cos 2πu, sin 2πu) for u in [0, 1): exact quadrant split to |x| <= π/4, then Taylor series."""
     t = u * 4.0
-    q = np.floor(t)
-    x = (t - q) * _HALF_PI
+    q = np.floor(t + 0.5)
+    x = (t - q) * _HALF_PI                                    # t - q is exact
     x2 = x * x
     c, s = _poly(_COS_COEF, x2), x * _poly(_SIN_COEF, x2)
-    q = q.astype(np.int64)
-    cos = np.choose(q, [c, -s, -c, s])
-    sin = np.choose(q, [s, c, -s, -c])
-    return cos, sin
+    qi = q.astype(np.int64) & 3
+    odd = (qi & 1).astype(bool)
+    cc = np.where(odd, s, c)
+    ss = np.where(odd, c, s)
+    return cc * _SGN_COS[qi], ss * _SGN_SIN[qi]
 
 
 class Stream:
@@ -342,13 +350,15 @@ class Stream:
 
     def __init__(self, seed, name):
         digest = hashlib.sha256(b"kestrel-ckpt-v1\0%d\0%s" % (seed, name.encode())).digest()
-        self.bits = np.random.Generator(np.random.PCG64(int.from_bytes(digest[:16], "little"))).bit_generator
+        self.gen = np.random.Generator(np.random.PCG64(int.from_bytes(digest[:16], "little")))
 
     def raw(self, n):
-        return self.bits.random_raw(n)
+        """Raw 64-bit PCG64 outputs (full-range integers() returns them unchanged)."""
+        return self.gen.integers(0, 1 << 64, size=n, dtype=np.uint64)
 
     def uniform(self, n):
-        return (self.raw(n) >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+        """[0, 1) doubles; random() is exactly (raw >> 11)·2^-53 of the same stream (tested)."""
+        return self.gen.random(n)
 
     def normal(self, n):
         pairs = (n + 1) // 2
@@ -371,7 +381,7 @@ def bf16_bits(x):
 
 DTYPE_BYTES = {"BF16": 2, "F32": 4, "U8": 1}
 ST_DTYPE = {"BF16": "bfloat16", "F32": "float32", "U8": "uint8"}
-CHUNK = 1 << 22          # elements per draw; even, so chunking never changes the stream
+CHUNK = 1 << 16          # elements per draw (cache-sized); even, so chunking never changes the stream
 
 
 class Tensor:

@@ -355,6 +355,21 @@ def test_value_statistics(nano_tensors):
     assert np.array_equal(mc.bf16_bits(raw.astype(np.uint32).__lshift__(16).view(np.float32)), raw)
 
 
+def test_random_streams_are_raw_pcg64():
+    # The generator relies on these two draws being plain functions of the raw PCG64 stream.
+    raw = np.random.PCG64(12345).random_raw(1000)
+    g = np.random.Generator(np.random.PCG64(12345))
+    assert np.array_equal(g.integers(0, 1 << 64, size=1000, dtype=np.uint64), raw)
+    g = np.random.Generator(np.random.PCG64(12345))
+    assert np.array_equal(g.random(1000), (raw >> np.uint64(11)).astype(np.float64) * 2.0 ** -53)
+    u = np.random.default_rng(0).random(100000)
+    assert np.abs(mc.det_log(1 - u) - np.log(1 - u)).max() < 1e-13
+    c, s = mc.det_cos_sin_2pi(u)
+    assert np.abs(c - np.cos(2 * np.pi * u)).max() < 1e-13 and np.abs(s - np.sin(2 * np.pi * u)).max() < 1e-13
+    st = mc.Stream(3, "t")
+    assert np.array_equal(np.concatenate([st.normal(4), st.normal(6)]), mc.Stream(3, "t").normal(10))
+
+
 def test_fast_experts_plausible():
     packed, scale = mc.fast_expert(0, "x", 256, 3584)
     w = mxfp4.dequantize_mxfp4(packed, scale)
