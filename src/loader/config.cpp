@@ -115,6 +115,7 @@ TextConfig parse_text(const Reader& r) {
   t.routed_expert_hidden_size = r.get_i32("routed_expert_hidden_size", t.hidden_size / 2);
   t.moe_intermediate_size = r.get_i32("moe_intermediate_size");
   t.num_shared_experts = r.get_i32("num_shared_experts", 0);
+  t.shared_experts_intermediate_size = r.get_i32("shared_experts_intermediate_size", 0);
   t.latent_moe_use_norm = r.get_bool("latent_moe_use_norm", true);
   t.moe_router_activation_func = r.get_str("moe_router_activation_func", "sigmoid");
   t.moe_renormalize = r.get_bool("moe_renormalize", true);
@@ -282,6 +283,9 @@ void validate(const ModelConfig& c, const std::string& what) {
     bad("moe_intermediate_size",
         fmt::format("= {} must be a multiple of 32 (MXFP4 blocks run along it)", t.moe_intermediate_size));
   if (t.num_shared_experts < 0) bad("num_shared_experts", "must not be negative");
+  if (t.shared_experts_intermediate_size < 0 ||
+      (t.shared_experts_intermediate_size > 0 && t.num_shared_experts == 0))
+    bad("shared_experts_intermediate_size", "must be positive and needs num_shared_experts > 0");
   if (t.first_k_dense_replace < 0 || t.first_k_dense_replace > t.num_hidden_layers)
     bad("first_k_dense_replace", fmt::format("= {} must be in 0..num_hidden_layers", t.first_k_dense_replace));
   if (t.moe_layer_freq < 1) bad("moe_layer_freq", "must be at least 1");

@@ -70,6 +70,9 @@ struct TextConfig {
   int routed_expert_hidden_size = 0;  // Lt
   int moe_intermediate_size = 0;      // I
   int num_shared_experts = 0;
+  // kestrel extension for per-rank test configs (mini): the fused shared-expert width when it is
+  // not moe_intermediate_size * num_shared_experts (TP-sharded). 0 = the release's rule.
+  int shared_experts_intermediate_size = 0;
   bool latent_moe_use_norm = true;
   std::string moe_router_activation_func = "sigmoid";
   bool moe_renormalize = true;
@@ -91,7 +94,10 @@ struct TextConfig {
   bool has_indexer() const { return index_n_heads > 0; }
   int mla_qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   int mla_cache_width() const { return kv_lora_rank + qk_rope_head_dim; }  // 576 in the release
-  int shared_intermediate() const { return moe_intermediate_size * num_shared_experts; }  // Is
+  int shared_intermediate() const {  // Is
+    return shared_experts_intermediate_size > 0 ? shared_experts_intermediate_size
+                                                : moe_intermediate_size * num_shared_experts;
+  }
   // Blocks stored by AttnRes at the end of the stack: writes happen at layers 0, bs, 2bs, ...
   int num_attn_res_blocks() const { return (num_hidden_layers + attn_res_block_size - 1) / attn_res_block_size; }
   bool attn_res_writes(int layer) const { return layer % attn_res_block_size == 0; }

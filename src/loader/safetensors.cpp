@@ -202,11 +202,13 @@ Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
              name, f);
       by_file[f].push_back(name);
     }
-    for (const auto& [f, names] : by_file) {
-      const fs::path p = root / f;
-      if (!fs::exists(p, ec))
+    // Existence first: a missing shard is the root cause and must not hide behind the
+    // consequences it has for other shards.
+    for (const auto& [f, names] : by_file)
+      if (!fs::exists(root / f, ec))
         fail("{}: shard '{}' listed for tensor '{}' does not exist", index.string(), f, names.front());
-      SafetensorsFile* sf = add_file(p.string());
+    for (const auto& [f, names] : by_file) {
+      SafetensorsFile* sf = add_file((root / f).string());
       std::set<std::string> listed(names.begin(), names.end());
       for (const auto& n : names) {
         const TensorInfo* t = sf->find(n);

@@ -489,14 +489,19 @@ def test_mini_config_only(tmp_path):
     assert tc["linear_attn_config"]["num_heads"] == 12 and tc["index_topk"] == 2048
 
 
-@pytest.mark.skipif(not os.environ.get("KESTREL_SLOW_TESTS"), reason="set KESTREL_SLOW_TESTS=1")
-def test_mini_reduced_generation(tmp_path):
+def test_mini_reduced_generation(tmp_path, kestrel_bin):
+    # Real per-rank shapes, fewer of them: 4 layers (MLA at 0-indexed 3), 4 experts, small vocab.
     d = str(tmp_path / "mini")
     run("--config", "mini", "--out", d, "--fast-experts", "--no-vision", "--override", "num_experts=4",
-        "--override", "vocab_size=2048")
+        "--override", "vocab_size=2048", "--override", "num_hidden_layers=4")
     got = load_all(d)
     m = "language_model.model.layers.1.block_sparse_moe."
     assert got[m + "experts.0.w1.weight_packed"][1] == (3072, 1792)
     assert got[m + "experts.3.w2.weight_scale"][1] == (3584, 96)
     assert got[m + "shared_experts.down_proj.weight"][1] == (7168, 768)
     assert got["language_model.model.layers.3.self_attn.indexer.wq_b.weight"][1] == (4096, 1536)
+    # The engine binds every tensor at these real per-rank shapes.
+    r = subprocess.run([kestrel_bin, "inspect", d], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "all bound and shape-checked" in r.stdout
+    assert "MoE               4 experts, top-2, latent 3584, intermediate 3072, 2 shared (768 wide)" in r.stdout
