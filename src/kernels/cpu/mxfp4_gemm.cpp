@@ -21,7 +21,7 @@ void mxfp4_gemm(const uint8_t* packed, const uint8_t* scale, const float* x, flo
   KCHECK(out > 0 && T >= 0, "bad MXFP4 shape out={} T={}", out, T);
   if (T == 0) return;
   const int64_t nblk = in / kMxBlock;
-  const bool par = out * in * T >= (1 << 15);
+  const bool par = out * in * T >= kParallelMinWork;
 #pragma omp parallel if (par)
   {
     std::vector<float> lanes(size_t(T * 8));
