@@ -4,7 +4,8 @@
 // State is per request and owns every cross-step cache: KDA recurrent + conv state per KDA layer,
 // MLA latent cache + index-key cache per MLA layer, and the position. Requests never share state, so
 // interleaving two requests' steps gives each exactly the logits it gets alone. decode() is prefill()
-// of one token; by default prefill uses the naive MLA form and decode the absorbed one.
+// of one token; by default prefill uses the naive MLA form and decode the absorbed one. A call that
+// throws may leave some layers advanced: reset() the State before reusing it.
 //
 // Observer captures (all bf16 unless noted), T = tokens of the call:
 //   embed [T, D]; L{L}.attn_in [T, D] (AttnRes Mix output before input_layernorm); L{L}.attn_out
