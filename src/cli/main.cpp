@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   CLI::App app{"kestrel: inference engine for Kimi K3.1 Pro"};
   app.require_subcommand(1);
   kestrel::cli::register_inspect(app);
+  kestrel::cli::register_generate(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
