@@ -319,7 +319,9 @@ TEST(IndexerCpu, SmallTopkSelectsSubsetAndDiffers) {
       if (i <= t) {
         EXPECT_GE(row[i], 0);
         EXPECT_LE(row[i], t);
-        if (i) EXPECT_LT(row[i - 1], row[i]) << "ascending, distinct";
+        if (i) {
+          EXPECT_LT(row[i - 1], row[i]) << "ascending, distinct";
+        }
       } else {
         EXPECT_EQ(row[i], -1);
       }
