@@ -72,7 +72,8 @@ def _vec(g, n, mean, std, dtype=torch.bfloat16):
     return (mean + std * torch.randn(n, generator=g, dtype=torch.float64)).to(dtype)
 
 
-def make_tensors(tc: dict, seed: int) -> dict:
+def make_tensors(tc: dict, seed: int, mix_std: float = 0.2, mlp_gain: float = 2.0, attn_gain: float = 2.0,
+                 router_gain: float = 2.0) -> dict:
     g = torch.Generator().manual_seed(seed)
     D, V, nL = tc["hidden_size"], tc["vocab_size"], tc["num_hidden_layers"]
     lac = tc["linear_attn_config"]
@@ -88,13 +89,13 @@ def make_tensors(tc: dict, seed: int) -> dict:
     t[pre + "lm_head.weight"] = _lin(g, V, D)
     t[pre + "model.norm.weight"] = _vec(g, D, 1.0, 0.1)
     t[pre + "model.output_attn_res_norm.weight"] = _vec(g, D, 1.0, 0.1)
-    t[pre + "model.output_attn_res_proj.weight"] = _vec(g, D, 0.0, 0.2).view(1, D)
+    t[pre + "model.output_attn_res_proj.weight"] = _vec(g, D, 0.0, mix_std).view(1, D)
     for L in range(nL):
         P = f"{pre}model.layers.{L}."
         for n in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
             t[P + n + ".weight"] = _vec(g, D, 1.0, 0.1)
         for n in ("self_attention_res_proj", "mlp_res_proj"):
-            t[P + n + ".weight"] = _vec(g, D, 0.0, 0.2).view(1, D)
+            t[P + n + ".weight"] = _vec(g, D, 0.0, mix_std).view(1, D)
         A = P + "self_attn."
         if (L + 1) in lac["kda_layers"]:
             for n in ("q_proj", "k_proj", "v_proj", "g_proj"):
@@ -115,15 +116,15 @@ def make_tensors(tc: dict, seed: int) -> dict:
         else:
             t[A + "q_a_proj.weight"] = _lin(g, Q, D)
             t[A + "q_a_layernorm.weight"] = _vec(g, Q, 1.0, 0.1)
-            t[A + "q_b_proj.weight"] = _lin(g, Hm * (N + R), Q, gain=2.0)
+            t[A + "q_b_proj.weight"] = _lin(g, Hm * (N + R), Q, gain=attn_gain)
             t[A + "kv_a_proj_with_mqa.weight"] = _lin(g, C + R, D)
             t[A + "kv_a_layernorm.weight"] = _vec(g, C, 1.0, 0.1)
-            t[A + "kv_b_proj.weight"] = _lin(g, Hm * (N + Dv), C, gain=2.0)
+            t[A + "kv_b_proj.weight"] = _lin(g, Hm * (N + Dv), C, gain=attn_gain)
             t[A + "g_proj.weight"] = _lin(g, Hm * Dv, D)
             t[A + "o_proj.weight"] = _lin(g, D, Hm * Dv)
             if tc.get("index_topk", 0) > 0:
                 J = A + "indexer."
-                t[J + "wq_b.weight"] = _lin(g, Hi * Di, Q, gain=2.0)
+                t[J + "wq_b.weight"] = _lin(g, Hi * Di, Q, gain=attn_gain)
                 t[J + "wk.weight"] = _lin(g, Di, D)
                 t[J + "k_norm.weight"] = _vec(g, Di, 1.0, 0.1)
                 t[J + "k_norm.bias"] = _vec(g, Di, 0.0, 0.1)
@@ -131,12 +132,12 @@ def make_tensors(tc: dict, seed: int) -> dict:
         if L < tc["first_k_dense_replace"]:
             M = P + "mlp."
             F = tc["intermediate_size"]
-            t[M + "gate_proj.weight"] = _lin(g, F, D, 2.0)
-            t[M + "up_proj.weight"] = _lin(g, F, D, 2.0)
+            t[M + "gate_proj.weight"] = _lin(g, F, D, mlp_gain)
+            t[M + "up_proj.weight"] = _lin(g, F, D, mlp_gain)
             t[M + "down_proj.weight"] = _lin(g, D, F)
         else:
             M = P + "block_sparse_moe."
-            t[M + "gate.weight"] = _lin(g, X, D, 2.0)
+            t[M + "gate.weight"] = _lin(g, X, D, router_gain)
             t[M + "gate.e_score_correction_bias"] = _vec(g, X, 0.0, 0.05, torch.float32)
             t[M + "routed_expert_down_proj.weight"] = _lin(g, Lt, D)
             t[M + "routed_expert_norm.weight"] = _vec(g, Lt, 1.0, 0.1)
@@ -144,23 +145,24 @@ def make_tensors(tc: dict, seed: int) -> dict:
             for e in range(X):
                 for w, (o, i) in (("w1", (I, Lt)), ("w3", (I, Lt)), ("w2", (Lt, I))):
                     packed, scale = mxfp4.quantize(torch.randn(o, i, generator=g, dtype=torch.float64)
-                                                   * 2.0 / math.sqrt(i))
+                                                   * mlp_gain / math.sqrt(i))
                     t[f"{M}experts.{e}.{w}.weight_packed"] = packed
                     t[f"{M}experts.{e}.{w}.weight_scale"] = scale
-            t[M + "shared_experts.gate_proj.weight"] = _lin(g, Is, D, 2.0)
-            t[M + "shared_experts.up_proj.weight"] = _lin(g, Is, D, 2.0)
+            t[M + "shared_experts.gate_proj.weight"] = _lin(g, Is, D, mlp_gain)
+            t[M + "shared_experts.up_proj.weight"] = _lin(g, Is, D, mlp_gain)
             t[M + "shared_experts.down_proj.weight"] = _lin(g, D, Is)
     return t
 
 
-def write_checkpoint(out_dir: str, overrides: dict | None = None, seed: int = 0, n_shards: int = 2) -> str:
+def write_checkpoint(out_dir: str, overrides: dict | None = None, seed: int = 0, n_shards: int = 2,
+                     **gains) -> str:
     tc = json.loads(json.dumps(NANO))
     for k, v in (overrides or {}).items():
         if k == "linear_attn_config":
             tc[k].update(v)
         else:
             tc[k] = v
-    tensors = make_tensors(tc, seed)
+    tensors = make_tensors(tc, seed, **gains)
     os.makedirs(out_dir, exist_ok=True)
     names = sorted(tensors)
     weight_map = {}
