@@ -64,7 +64,9 @@ def indexer_qkw(ck, cfg, L, x, c_q, pos):
 def indexer_select(cfg, qI, w, ikeys, pos):
     """Scores `I[t,s] = Σ_h w[t,h]·Hi^-½·Di^-½·ReLU(q_I[t,h]·k_I[s])` for s ≤ pos_t, then
     TopK(min(topk, pos_t+1)) with ties toward the lower key index.
-    Returns (idx [T, topk] int64 in selection order, −1 padded; scores [T, S])."""
+    Returns (idx [T, topk] int64 in selection order, −1 padded; scores [T, S]; margin [T]) where margin =
+    score of the last selected key minus the best unselected visible key (+inf when every visible key is
+    selected; 0 = exact tie, decided by the lower-index rule)."""
     Hi, Di, topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
     S = ikeys.shape[0]
     dots = torch.relu(torch.einsum("thd,sd->ths", qI, ikeys))
@@ -72,12 +74,18 @@ def indexer_select(cfg, qI, w, ikeys, pos):
     causal = torch.arange(S).unsqueeze(0) <= pos.unsqueeze(1)           # [T, S]
     I = torch.where(causal, I, torch.full_like(I, -torch.inf))
     kk = min(topk, S)
-    idx = topk_lower_index(I, kk)                                       # [T, kk]
+    order = topk_lower_index(I, min(topk + 1, S))
+    idx = order[:, :kk]                                                 # [T, kk]
+    margin = torch.full((I.shape[0],), torch.inf, dtype=I.dtype)
+    if order.shape[1] > topk:
+        srt = torch.gather(I, 1, order)
+        decided = (pos + 1) > topk
+        margin = torch.where(decided, srt[:, topk - 1] - srt[:, topk], margin)
     n_valid = torch.clamp(pos + 1, max=topk).unsqueeze(1)              # min(topk, t+1)
     idx = torch.where(torch.arange(kk).unsqueeze(0) < n_valid, idx, torch.full_like(idx, -1))
     if kk < topk:
         idx = torch.cat([idx, torch.full((idx.shape[0], topk - kk), -1, dtype=idx.dtype)], dim=1)
-    return idx, I
+    return idx, I, margin
 
 
 def selection_mask(idx: torch.Tensor, S: int) -> torch.Tensor:
@@ -153,11 +161,12 @@ def mla_layer(ck, cfg, L: int, x: torch.Tensor, st: dict, form: str = "naive", t
             cfg_sel = _with_topk(cfg, topk_override)
         else:
             cfg_sel = cfg
-        idx, _ = indexer_select(cfg_sel, qI, w, st["ikey"], pos)
+        idx, _, margin = indexer_select(cfg_sel, qI, w, st["ikey"], pos)
         mask = selection_mask(idx, S) & causal
         if capture is not None:
             srt = torch.sort(torch.where(idx < 0, torch.full_like(idx, 1 << 40), idx), dim=1).values
             capture["index_topk"] = torch.where(srt == (1 << 40), torch.full_like(srt, -1), srt).to(torch.int32)
+            capture["index_margin"] = margin.to(torch.float32)
     # 4. attention
     kv_b = ck.layer(L, p + "kv_b_proj.weight")
     core = attn_naive if form == "naive" else attn_absorbed

@@ -11,7 +11,8 @@ layer the latent cache [S, C+R] and the index-key cache [S, Di].  AttnRes is tok
 
 `capture` (optional dict) receives, for the tokens of the call: `L{L}.attn_in`, `L{L}.attn_out`, `L{L}.mlp_in`,
 `L{L}.mlp_out` [T, D]; `L{L}.index_topk` [T, topk] (MLA layers with an indexer); `L{L}.router_ids` /
-`L{L}.router_weights` [T, K] (MoE layers); `final_hidden` [T, D]; `logits` [T, V].
+`L{L}.router_weights` [T, K], `L{L}.router_margin` [T] (MoE layers); `L{L}.index_margin` [T]
+(MLA layers); `final_hidden` [T, D]; `logits` [T, V].
 """
 from __future__ import annotations
 

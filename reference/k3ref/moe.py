@@ -15,14 +15,19 @@ def glu_mlp(x, w_gate, w_up, w_down, cfg):
 def route(x, w_gate, bias, cfg):
     """§3.6.1 router, wide precision: s = σ(x·W_gateᵀ); select TopK(s + bias) (ties -> lower id); weights are
     the un-biased s of the selected experts, renormalised (Σ + 1e-20), times routed_scaling_factor.
-    Returns (ids [T, K] int64 in selection order, weights [T, K])."""
+    Returns (ids [T, K] int64 in selection order, weights [T, K], margin [T]) where margin = selection score
+    of the K-th chosen expert minus that of the best unchosen one (≥ 0; 0 = exact tie)."""
     s = torch.sigmoid(lin_nr(x, w_gate))
     sel = s + bias if bias is not None else s
-    ids = topk_lower_index(sel, cfg.num_experts_per_token)
+    K = cfg.num_experts_per_token
+    order = topk_lower_index(sel, min(K + 1, sel.shape[-1]))
+    ids = order[:, :K]
+    srt = torch.gather(sel, 1, order)
+    margin = srt[:, K - 1] - srt[:, K] if order.shape[1] > K else torch.full_like(srt[:, 0], torch.inf)
     w = torch.gather(s, 1, ids)
     if cfg.moe_renormalize:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return ids, w * cfg.routed_scaling_factor
+    return ids, w * cfg.routed_scaling_factor, margin
 
 
 def moe_layer(ck, cfg, L: int, x: torch.Tensor, capture: dict | None = None) -> torch.Tensor:
@@ -30,10 +35,11 @@ def moe_layer(ck, cfg, L: int, x: torch.Tensor, capture: dict | None = None) -> 
     p = "block_sparse_moe."
     T = x.shape[0]
     # 1. router (reads full-width x)
-    ids, wts = route(x, ck.layer(L, p + "gate.weight"), ck.layer_opt(L, p + "gate.e_score_correction_bias"), cfg)
+    ids, wts, margin = route(x, ck.layer(L, p + "gate.weight"), ck.layer_opt(L, p + "gate.e_score_correction_bias"), cfg)
     if capture is not None:
         capture["router_ids"] = ids.to(torch.int32)
         capture["router_weights"] = wts.to(torch.float32)
+        capture["router_margin"] = margin.to(torch.float32)
     # 2. latent down-projection
     z = lin(x, ck.layer(L, p + "routed_expert_down_proj.weight"))       # [T, Lt] BF16
     # 3.+4. experts (gate/up GEMM outputs BF16, SiTU-GLU -> BF16, down -> BF16), late weighting, one rounding

@@ -96,5 +96,5 @@ def test_indexer_ties_to_lower_index():
     qI = -torch.ones(1, 2, 4, dtype=torch.float64)            # all ReLU scores 0 -> all tied
     keys = torch.ones(10, 4, dtype=torch.float64)
     w = torch.ones(1, 2, dtype=torch.float64)
-    idx, scores = mla.indexer_select(cfg, qI, w, keys, torch.tensor([9]))
-    assert idx.tolist() == [[0, 1, 2]] and bool((scores[0] == 0).all())
+    idx, scores, margin = mla.indexer_select(cfg, qI, w, keys, torch.tensor([9]))
+    assert idx.tolist() == [[0, 1, 2]] and bool((scores[0] == 0).all()) and margin.tolist() == [0.0]
