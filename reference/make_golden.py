@@ -122,7 +122,7 @@ def main(argv=None):
                     help="command that produced --ckpt (recorded in golden.json)")
     ap.add_argument("--no-sensitivity", action="store_true", help="skip the FP32-compute sensitivity runs")
     args = ap.parse_args(argv)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(1)  # tiny ops; more threads only add overhead
 
     ck = Checkpoint(args.ckpt, torch.float64)
     cfg = ck.cfg

@@ -10,7 +10,7 @@ from k3ref.fixture import write_checkpoint  # noqa: E402
 from k3ref.loader import Checkpoint  # noqa: E402
 from k3ref.model import Model  # noqa: E402
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # tiny ops: threading only adds overhead (and spins on a busy machine)
 
 
 @pytest.fixture(scope="session")
