@@ -45,6 +45,7 @@ class Checkpoint:
             raise KeyError(f"tensors listed in the index but absent from their shard: {missing[:5]} ...")
         self._conv: dict[str, torch.Tensor] = {}
         self._experts: dict[tuple, torch.Tensor] = {}
+        self.used: set = set()  # full names of the tensors read so far (tests: every text tensor is used)
 
     # ---- plain tensors ---------------------------------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -54,7 +55,10 @@ class Checkpoint:
         """Tensor `language_model.<name>` in the compute dtype."""
         t = self._conv.get(name)
         if t is None:
+            if TEXT + name not in self._raw:
+                raise KeyError(f"checkpoint {self.dir} has no tensor {TEXT + name}")
             raw = self._raw[TEXT + name]
+            self.used.add(TEXT + name)
             if not raw.is_floating_point():
                 raise TypeError(f"{name} is {raw.dtype}, not floating")
             t = raw.to(self.dtype)
@@ -82,11 +86,16 @@ class Checkpoint:
         if t is None:
             base = f"{TEXT}model.layers.{L}.block_sparse_moe.experts.{e}.{w}."
             if base + "weight_packed" in self._raw:
+                self.used |= {base + "weight_packed", base + "weight_scale"}
                 t = mxfp4.dequant(self._raw[base + "weight_packed"], self._raw[base + "weight_scale"], self.dtype)
             else:
+                self.used.add(base + "weight")
                 t = self._raw[base + "weight"].to(self.dtype)
             self._experts[key] = t
         return t
+
+    def text_tensor_names(self) -> set:
+        return {k for k in self._raw if k.startswith(TEXT)}
 
     # ---- fingerprint -----------------------------------------------------------------------------------
     def fingerprint(self) -> dict:

@@ -123,3 +123,12 @@ def test_bad_layer_lists_rejected(tmp_path):
         json.dump({"text_config": tc}, f)
     with pytest.raises(ValueError):
         load_config(str(tmp_path))
+
+
+def test_every_text_tensor_is_used(nano_dir):
+    """After a long prompt (every expert gets routed to), every language_model.* tensor has been read."""
+    from k3ref.loader import Checkpoint
+    ck = Checkpoint(nano_dir)
+    m = Model(ck)
+    m.prefill(prompt(150, seed=10), m.new_state())
+    assert ck.text_tensor_names() - ck.used == set()
