@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs what kestrel needs on a Debian machine (12 "bookworm" or newer) and prepares .venv with
+# the Python test tools. Idempotent and quick when everything is present: apt-get runs only for
+# packages that are missing. The CUDA toolkit is optional: CUDA sources build whenever nvcc exists.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+pkgs=(build-essential cmake ninja-build pkg-config clang libclang-rt-14-dev
+      nlohmann-json3-dev libcli11-dev libfmt-dev libspdlog-dev libgtest-dev libgmock-dev libbenchmark-dev
+      libutf8proc-dev libicu-dev libopenblas-dev libcpp-httplib-dev python3 python3-venv python3-pip)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing Debian packages: ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+if ! .venv/bin/python -c "import numpy, safetensors, pytest" 2>/dev/null || \
+   ! cmp -s reference/requirements.txt .venv/.requirements 2>/dev/null; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check -r reference/requirements.txt
+  cp reference/requirements.txt .venv/.requirements
+fi

@@ -1,0 +1,226 @@
+// `kestrel generate`: CPU text generation with the reference forward pass (src/model), for checking
+// a checkpoint end to end and for small-model benchmarks.
+//
+//   kestrel generate --model DIR (--prompt-tokens 1,2,3 | --prompt TEXT) --max-tokens N
+//                    [--temperature T --top-p P --seed S] [--dump-logits FILE]
+//
+// Prints the generated ids (and their text when the prompt was text), then prefill and decode
+// throughput. Generation stops after N tokens or at eos_token_id.
+// --dump-logits writes every position fed through the model (prompt, then each generated token but
+// the last) as a NumPy .npy v1.0 file: magic "\x93NUMPY", version 1 0, u16 little-endian header
+// length, an ASCII dict {'descr': '<f4', 'fortran_order': False, 'shape': (positions, vocab), }
+// padded with spaces and a final '\n' so the data starts at a multiple of 64 bytes, then the
+// row-major little-endian float32 logits.
+//
+// STOPGAP until the real tokenizer lands: --prompt maps each UTF-8 byte to the token whose
+// tiktoken.model entry is that single byte (the test vocabularies have them), and output ids are
+// turned back into text through the same file. No merges are applied, so this is not the model's
+// tokenisation of the text; it only lets a human type a prompt.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cli/commands.h"
+#include "core/check.h"
+#include "loader/config.h"
+#include "loader/safetensors.h"
+#include "loader/weights.h"
+#include "model/model.h"
+#include "runtime/sampler.h"
+
+namespace kestrel::cli {
+namespace {
+
+// ---- stopgap byte-level vocabulary (see the file comment) ----------------------------------------
+
+std::string base64_decode(const std::string& s, const std::string& where) {
+  auto val = [&](char c) -> int {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+') return 62;
+    if (c == '/') return 63;
+    fail("{}: invalid base64 character '{}'", where, c);
+  };
+  std::string out;
+  uint32_t acc = 0;
+  int bits = 0;
+  for (char c : s) {
+    if (c == '=') break;
+    acc = (acc << 6) | uint32_t(val(c));
+    bits += 6;
+    if (bits >= 8) {
+      bits -= 8;
+      out.push_back(char((acc >> bits) & 0xFF));
+    }
+  }
+  return out;
+}
+
+struct ByteVocab {
+  std::map<int32_t, std::string> id_to_bytes;
+  int32_t byte_to_id[256];
+};
+
+ByteVocab load_byte_vocab(const std::string& dir) {
+  const std::string path = (std::filesystem::path(dir) / "tiktoken.model").string();
+  std::ifstream in(path);
+  if (!in) fail("{}: cannot open (needed for --prompt and text output)", path);
+  ByteVocab v;
+  std::fill(std::begin(v.byte_to_id), std::end(v.byte_to_id), -1);
+  std::string line;
+  int lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    if (line.empty()) continue;
+    std::istringstream ls(line);
+    std::string b64;
+    int64_t rank = -1;
+    if (!(ls >> b64 >> rank) || rank < 0 || rank > INT32_MAX) fail("{}:{}: expected 'base64 rank'", path, lineno);
+    const std::string bytes = base64_decode(b64, fmt::format("{}:{}", path, lineno));
+    v.id_to_bytes[int32_t(rank)] = bytes;
+    if (bytes.size() == 1) v.byte_to_id[uint8_t(bytes[0])] = int32_t(rank);
+  }
+  return v;
+}
+
+std::vector<int32_t> encode_bytes(const ByteVocab& v, const std::string& text) {
+  std::vector<int32_t> ids;
+  for (unsigned char b : text) {
+    if (v.byte_to_id[b] < 0) fail("byte 0x{:02x} has no single-byte token in tiktoken.model", b);
+    ids.push_back(v.byte_to_id[b]);
+  }
+  return ids;
+}
+
+std::string decode_bytes(const ByteVocab& v, const std::vector<int32_t>& ids) {
+  std::string s;
+  for (int32_t id : ids) {
+    auto it = v.id_to_bytes.find(id);
+    s += it == v.id_to_bytes.end() ? fmt::format("<|{}|>", id) : it->second;
+  }
+  return s;
+}
+
+// ---- helpers --------------------------------------------------------------------------------------
+
+std::vector<int32_t> parse_ids(const std::string& s) {
+  std::vector<int32_t> ids;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    size_t used = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      fail("--prompt-tokens: '{}' is not an integer", item);
+    }
+    if (used != item.size() || v < 0 || v > INT32_MAX) fail("--prompt-tokens: '{}' is not a token id", item);
+    ids.push_back(int32_t(v));
+  }
+  if (ids.empty()) fail("--prompt-tokens is empty");
+  return ids;
+}
+
+void write_npy(const std::string& path, const std::vector<float>& data, int64_t rows, int64_t cols) {
+  std::string header = fmt::format("{{'descr': '<f4', 'fortran_order': False, 'shape': ({}, {}), }}", rows, cols);
+  const size_t prefix = 10;  // magic(6) + version(2) + header length(2)
+  header.append((64 - (prefix + header.size() + 1) % 64) % 64, ' ');
+  header.push_back('\n');
+  std::ofstream out(path, std::ios::binary);
+  if (!out) fail("{}: cannot open for writing", path);
+  const uint16_t hl = uint16_t(header.size());
+  out.write("\x93NUMPY\x01\x00", 8);
+  const char len[2] = {char(hl & 0xFF), char(hl >> 8)};
+  out.write(len, 2);
+  out.write(header.data(), std::streamsize(header.size()));
+  static_assert(std::endian::native == std::endian::little, "npy writer assumes a little-endian host");
+  out.write(reinterpret_cast<const char*>(data.data()), std::streamsize(data.size() * sizeof(float)));
+  if (!out) fail("{}: write failed", path);
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+void register_generate(CLI::App& app) {
+  struct Opts {
+    std::string model, prompt_tokens, prompt, dump_logits;
+    int max_tokens = 16;
+    float temperature = 0.0f, top_p = 1.0f;
+    uint64_t seed = 0;
+  };
+  auto o = std::make_shared<Opts>();
+  CLI::App* cmd = app.add_subcommand("generate", "Generate tokens on the CPU with the reference forward pass");
+  cmd->add_option("--model", o->model, "checkpoint directory")->required();
+  auto* pt = cmd->add_option("--prompt-tokens", o->prompt_tokens, "comma-separated prompt token ids");
+  auto* pr = cmd->add_option("--prompt", o->prompt, "prompt text (stopgap byte-level mapping, see --help)");
+  pt->excludes(pr);
+  cmd->add_option("--max-tokens", o->max_tokens, "tokens to generate")->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--temperature", o->temperature, "0 = greedy");
+  cmd->add_option("--top-p", o->top_p, "nucleus mass in (0, 1]");
+  cmd->add_option("--seed", o->seed, "sampler seed");
+  cmd->add_option("--dump-logits", o->dump_logits, "write f32 logits [positions, vocab] as .npy");
+  cmd->callback([o] {
+    if (o->prompt_tokens.empty() == o->prompt.empty()) fail("give exactly one of --prompt-tokens or --prompt");
+    runtime::Sampler sampler({o->temperature, o->top_p, o->seed});
+    const ModelConfig cfg = load_config(o->model);
+    const Checkpoint ckpt(o->model);
+    const ModelWeights w = bind_weights(cfg, ckpt);
+    const int64_t V = cfg.text.vocab_size;
+
+    const bool text = !o->prompt.empty();
+    ByteVocab vocab;
+    if (text) vocab = load_byte_vocab(o->model);
+    const std::vector<int32_t> prompt = text ? encode_bytes(vocab, o->prompt) : parse_ids(o->prompt_tokens);
+    for (int32_t id : prompt)
+      if (id >= V) fail("prompt token {} is outside the vocabulary (size {})", id, V);
+
+    const bool dump = !o->dump_logits.empty();
+    model::State state(cfg);
+    model::ForwardOptions opt;
+    opt.last_logits_only = !dump;
+    std::vector<float> dumped;  // f32 [positions, V]
+    std::vector<float> logits(size_t(dump ? int64_t(prompt.size()) * V : V));
+
+    auto t0 = std::chrono::steady_clock::now();
+    model::prefill(w, cfg, state, prompt, logits.data(), opt);
+    const double t_prefill = seconds_since(t0);
+    if (dump) dumped = logits;
+    std::vector<int32_t> out;
+    out.push_back(sampler.sample(std::span<const float>(logits.data() + (dump ? (int64_t(prompt.size()) - 1) * V : 0), size_t(V))));
+    logits.resize(size_t(V));
+    t0 = std::chrono::steady_clock::now();
+    while (int(out.size()) < o->max_tokens && out.back() != cfg.text.eos_token_id) {
+      model::decode(w, cfg, state, out.back(), logits.data(), opt);
+      if (dump) dumped.insert(dumped.end(), logits.begin(), logits.end());
+      out.push_back(sampler.sample(logits));
+    }
+    const double t_decode = seconds_since(t0);
+    const int decoded = int(out.size()) - 1;
+
+    fmt::print("tokens: {}\n", fmt::join(out, ","));
+    if (text) fmt::print("text: {}\n", decode_bytes(vocab, out));
+    fmt::print("prefill: {} tokens in {:.3f} s ({:.1f} tok/s)\n", prompt.size(), t_prefill,
+               double(prompt.size()) / t_prefill);
+    if (decoded > 0)
+      fmt::print("decode: {} tokens in {:.3f} s ({:.1f} tok/s)\n", decoded, t_decode, double(decoded) / t_decode);
+    if (dump) {
+      write_npy(o->dump_logits, dumped, int64_t(dumped.size()) / V, V);
+      fmt::print("logits: {} positions written to {}\n", int64_t(dumped.size()) / V, o->dump_logits);
+    }
+  });
+}
+
+}  // namespace kestrel::cli

@@ -1,0 +1,12 @@
+// Subcommands of the `kestrel` binary. Each registers itself on the CLI11 app; main() owns error
+// handling so every subcommand may simply throw kestrel::Error.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace kestrel::cli {
+
+void register_inspect(CLI::App& app);
+void register_generate(CLI::App& app);
+
+}  // namespace kestrel::cli

@@ -1,0 +1,77 @@
+// Indexer forward, MODEL.md §3.5 steps 1–6 in order.
+#include "model/indexer.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/dtype.h"
+#include "kernels/cpu/cpu_ops.h"
+
+namespace kestrel::model {
+
+void indexer_select(const IndexerWeights& w, const TextConfig& c, Bf16Vec& key_cache, const uint16_t* x,
+                    const uint16_t* c_q, int64_t T, int64_t pos0, std::vector<int32_t>& sel) {
+  const int64_t D = c.hidden_size, Q = c.q_lora_rank, Hi = c.index_n_heads, Di = c.index_head_dim,
+                Ki = c.index_topk;
+  KCHECK(Ki > 0, "index_topk must be positive, got {}", Ki);
+  KCHECK(c.index_rope_head_dim == 0, "indexer RoPE (index_rope_head_dim = {}) is not implemented on the CPU path",
+         c.index_rope_head_dim);
+  KCHECK(key_cache.size() == size_t(pos0 * Di), "index-key cache holds {} values, expected {} tokens × {}",
+         key_cache.size(), pos0, Di);
+  // Step 1: q_I = Lin(wq_b)(c_q) → [Hi, Di].
+  Bf16Vec qi(size_t(T * Hi * Di));  // bf16 [T, Hi*Di]
+  cpu::gemm_bf16(c_q, Q, bf16_ptr(w.wq_b), qi.data(), Hi * Di, T, Q, Hi * Di);
+  // Step 2: k_I = LayerNorm_{eps 1e-6}(Lin(wk)(x)) with weight and optional bias, one BF16 rounding.
+  Bf16Vec kraw(size_t(T * Di));  // bf16 [T, Di]
+  cpu::gemm_bf16(x, D, bf16_ptr(w.wk), kraw.data(), Di, T, D, Di);
+  const uint16_t* kn_w = bf16_ptr(w.k_norm);
+  const uint16_t* kn_b = w.k_norm_bias.empty() ? nullptr : bf16_ptr(w.k_norm_bias);
+  key_cache.resize(size_t((pos0 + T) * Di));
+  for (int64_t t = 0; t < T; ++t) {
+    const uint16_t* k = kraw.data() + t * Di;
+    double mean = 0.0, var = 0.0;
+    for (int64_t i = 0; i < Di; ++i) mean += bf16_to_f32(k[i]);
+    mean /= double(Di);
+    for (int64_t i = 0; i < Di; ++i) var += std::pow(bf16_to_f32(k[i]) - mean, 2);
+    const float rstd = float(1.0 / std::sqrt(var / double(Di) + 1e-6));
+    for (int64_t i = 0; i < Di; ++i) {
+      const float b = kn_b ? bf16_to_f32(kn_b[i]) : 0.0f;
+      key_cache[size_t((pos0 + t) * Di + i)] =
+          f32_to_bf16((bf16_to_f32(k[i]) - float(mean)) * rstd * bf16_to_f32(kn_w[i]) + b);
+    }
+  }
+  // Step 3: w = weights_proj(x) in FP32 (no BF16 rounding of the output).
+  std::vector<float> hw(size_t(T * Hi));  // f32 [T, Hi]
+  cpu::gemm_bf16_f32(x, D, bf16_ptr(w.weights_proj), hw.data(), Hi, T, D, Hi);
+
+  // Steps 5–6: I[t,s] = Σ_h w[t,h]·Hi^−½·Di^−½·ReLU(q_I[t,h]·k_I[s]); top-k over s ≤ p.
+  const float scale = 1.0f / std::sqrt(float(Hi) * float(Di));
+  sel.assign(size_t(T * Ki), -1);
+  std::vector<float> score;
+  std::vector<float> qf(size_t(Hi * Di));
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t p = pos0 + t, visible = p + 1;
+    int32_t* out = sel.data() + t * Ki;
+    if (visible <= Ki) {
+      for (int64_t s = 0; s < visible; ++s) out[s] = int32_t(s);
+      continue;
+    }
+    cpu::bf16_to_f32_n(qi.data() + t * Hi * Di, qf.data(), Hi * Di);
+    score.assign(size_t(visible), 0.0f);
+#pragma omp parallel for schedule(static) if (visible * Hi * Di >= cpu::kParallelMinWork)
+    for (int64_t s = 0; s < visible; ++s) {
+      const uint16_t* k = key_cache.data() + s * Di;
+      float acc = 0.0f;
+      for (int64_t h = 0; h < Hi; ++h) {
+        float d = 0.0f;
+        for (int64_t i = 0; i < Di; ++i) d += qf[size_t(h * Di + i)] * bf16_to_f32(k[i]);
+        acc += hw[size_t(t * Hi + h)] * scale * std::max(d, 0.0f);
+      }
+      score[size_t(s)] = acc;
+    }
+    cpu::topk(score.data(), visible, Ki, out);
+    std::sort(out, out + Ki);
+  }
+}
+
+}  // namespace kestrel::model

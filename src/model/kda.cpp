@@ -1,0 +1,119 @@
+// KDA forward, MODEL.md §3.3, steps 1–8 in order. The projections run over all T tokens at once
+// (one GEMM each); the short conv, gates and delta-rule recurrence then walk the tokens in order,
+// heads in parallel.
+#include "model/kda.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/dtype.h"
+#include "kernels/cpu/cpu_ops.h"
+
+namespace kestrel::model {
+
+void KdaState::reset(const TextConfig& c) {
+  const int64_t H = c.kda.num_heads, Dk = c.kda.head_dim;
+  S.assign(size_t(H * Dk * Dk), 0.0f);
+  conv.assign(size_t(3 * (c.kda.conv_size - 1) * H * Dk), 0);
+}
+
+void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st, const uint16_t* x, int64_t T, uint16_t* out) {
+  const int64_t D = c.hidden_size, H = c.kda.num_heads, Dk = c.kda.head_dim, HD = H * Dk, W = c.kda.conv_size;
+  KCHECK(st.S.size() == size_t(H * Dk * Dk) && st.conv.size() == size_t(3 * (W - 1) * HD), "KDA state not initialised");
+  using cpu::gemm_bf16;
+
+  // §3.3 step 1: q̃, k̃, ṽ = Lin(q/k/v_proj)(x).
+  Bf16Vec qkv(size_t(3 * T * HD));  // bf16 [3, T, HD]
+  const TensorView* proj[3] = {&w.q_proj, &w.k_proj, &w.v_proj};
+  for (int p = 0; p < 3; ++p) gemm_bf16(x, D, bf16_ptr(*proj[p]), qkv.data() + p * T * HD, HD, T, D, HD);
+
+  // Step 4 inputs: z = Lin(f_b)(Lin(f_a)(x)) (both BF16 Lin outputs; dt_bias added in FP32 below).
+  Bf16Vec fa(size_t(T * Dk)), z(size_t(T * HD));  // bf16 [T, Dk], bf16 [T, HD]
+  gemm_bf16(x, D, bf16_ptr(w.f_a_proj), fa.data(), Dk, T, D, Dk);
+  gemm_bf16(fa.data(), Dk, bf16_ptr(w.f_b_proj), z.data(), HD, T, Dk, HD);
+  // Step 5 input: Lin(b_proj)(x); step 7 input: Lin(g_proj)(x).
+  Bf16Vec bl(size_t(T * H)), gate(size_t(T * HD));  // bf16 [T, H], bf16 [T, HD]
+  gemm_bf16(x, D, bf16_ptr(w.b_proj), bl.data(), H, T, D, H);
+  gemm_bf16(x, D, bf16_ptr(w.g_proj), gate.data(), HD, T, D, HD);
+
+  const float* conv_w[3] = {f32_ptr(w.q_conv), f32_ptr(w.k_conv), f32_ptr(w.v_conv)};  // f32 [HD, 1, W]
+  const float* a_log = f32_ptr(w.a_log);    // f32 [>= H]
+  const float* dt_bias = f32_ptr(w.dt_bias);  // f32 [HD]
+  const float* o_norm = f32_ptr(w.o_norm);    // f32 [Dk]
+  const float lower = c.kda.gate_lower_bound, eps = c.rms_norm_eps;
+  const float q_scale = 1.0f / std::sqrt(float(Dk));
+
+  // Per-head scratch lives on the stack inside the parallel loop, where nothing may throw.
+  constexpr int64_t kMaxDk = 512;
+  KCHECK(Dk <= kMaxDk, "KDA head dim {} > {}", Dk, kMaxDk);
+  Bf16Vec ohat(size_t(T * HD));  // bf16 [T, HD], gated normed output
+  std::vector<float> qkv_t(size_t(3 * HD));  // f32 [3, HD], post-conv q, k, v of one token
+  for (int64_t t = 0; t < T; ++t) {
+    // Step 2: causal depthwise conv over [W−1 stored inputs, current], SiLU, BF16; then shift history.
+    for (int p = 0; p < 3; ++p) {
+      uint16_t* hist = st.conv.data() + p * (W - 1) * HD;  // bf16 [W-1, HD]
+      const uint16_t* cur = qkv.data() + (p * T + t) * HD;
+      for (int64_t ch = 0; ch < HD; ++ch) {
+        const float* wc = conv_w[p] + ch * W;
+        float y = 0.0f;
+        for (int64_t j = 0; j < W - 1; ++j) y += wc[j] * bf16_to_f32(hist[j * HD + ch]);
+        y += wc[W - 1] * bf16_to_f32(cur[ch]);
+        qkv_t[size_t(p * HD + ch)] = round_bf16(cpu::silu(y));
+      }
+      if (W > 1) {
+        std::memmove(hist, hist + HD, size_t((W - 2) * HD) * 2);
+        std::memcpy(hist + (W - 2) * HD, cur, size_t(HD) * 2);
+      }
+    }
+#pragma omp parallel for schedule(static) if (4 * H * Dk * Dk >= cpu::kParallelMinWork)
+    for (int64_t h = 0; h < H; ++h) {
+      float* q = qkv_t.data() + h * Dk;
+      float* k = qkv_t.data() + HD + h * Dk;
+      const float* v = qkv_t.data() + 2 * HD + h * Dk;
+      // Step 3: L2-normalise q and k per head (eps inside the sqrt), q scaled by Dk^−½.
+      float qq = 0.0f, kk = 0.0f;
+      for (int64_t i = 0; i < Dk; ++i) {
+        qq += q[i] * q[i];
+        kk += k[i] * k[i];
+      }
+      const float qn = q_scale / std::sqrt(qq + 1e-6f), kn = 1.0f / std::sqrt(kk + 1e-6f);
+      for (int64_t i = 0; i < Dk; ++i) {
+        q[i] *= qn;
+        k[i] *= kn;
+      }
+      // Step 4: g = lower · σ(exp(A_log[h]) · (z + dt_bias)), a log-decay in (lower, 0).
+      // Step 5: β = σ(b).
+      const float a = std::exp(a_log[h]);
+      const float beta = cpu::sigmoid(bf16_to_f32(bl[size_t(t * H + h)]));
+      float* S = st.S.data() + h * Dk * Dk;  // f32 [Dk(key), Dk(value)]
+      // Step 6: S ← diag(exp(g)) S; v' = β (v − Sᵀk); S ← S + k v'ᵀ; o = Sᵀq.
+      for (int64_t i = 0; i < Dk; ++i) {
+        const float zi = bf16_to_f32(z[size_t(t * HD + h * Dk + i)]) + dt_bias[h * Dk + i];
+        const float decay = std::exp(lower * cpu::sigmoid(a * zi));
+        for (int64_t j = 0; j < Dk; ++j) S[i * Dk + j] *= decay;
+      }
+      float vp[kMaxDk], o[kMaxDk];
+      for (int64_t j = 0; j < Dk; ++j) vp[j] = 0.0f;
+      for (int64_t i = 0; i < Dk; ++i)
+        for (int64_t j = 0; j < Dk; ++j) vp[j] += S[i * Dk + j] * k[i];
+      for (int64_t j = 0; j < Dk; ++j) vp[j] = beta * (v[j] - vp[j]);
+      for (int64_t i = 0; i < Dk; ++i)
+        for (int64_t j = 0; j < Dk; ++j) S[i * Dk + j] += k[i] * vp[j];
+      for (int64_t j = 0; j < Dk; ++j) o[j] = 0.0f;
+      for (int64_t i = 0; i < Dk; ++i)
+        for (int64_t j = 0; j < Dk; ++j) o[j] += S[i * Dk + j] * q[i];
+      // Step 7: ô = RMSNorm_{o_norm}(o) ⊙ σ(gate), all FP32, one rounding.
+      float ss = 0.0f;
+      for (int64_t j = 0; j < Dk; ++j) ss += o[j] * o[j];
+      const float r = 1.0f / std::sqrt(ss / float(Dk) + eps);
+      for (int64_t j = 0; j < Dk; ++j) {
+        const float g = cpu::sigmoid(bf16_to_f32(gate[size_t(t * HD + h * Dk + j)]));
+        ohat[size_t(t * HD + h * Dk + j)] = f32_to_bf16(o[j] * r * o_norm[j] * g);
+      }
+    }
+  }
+  // Step 8: out = Lin(o_proj)(ô).
+  gemm_bf16(ohat.data(), HD, bf16_ptr(w.o_proj), out, D, T, HD, D);
+}
+
+}  // namespace kestrel::model

@@ -1,0 +1,35 @@
+// MLA layer (NoPE, gated; MODEL.md §3.4) with the K3.1 indexer (§3.5) choosing the keys.
+//
+// Per-request cache, contiguous here: per token the latent row [ĉ (C) | k_pe (R)] in BF16, the
+// 576-wide row of the paged GPU cache, plus the indexer key. Two attention forms share it:
+//  - naive: k_nope, v = kv_b_proj(ĉ) for every cached token (BF16 Lin outputs), per-head attention
+//    over [k_nope | k_pe]; the spec's equations literally, used for prefill;
+//  - absorbed: q̃_h = W_UKᵀ q_nope,h and o_h = W_UV ô_h in FP32, attention over the 576-wide cache
+//    directly (MQA, one KV head); the decode form. It skips the BF16 rounding of k_nope and v, so the
+//    two forms agree to BF16 noise, not bit for bit (tests state the bound).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "loader/config.h"
+#include "loader/weights.h"
+#include "model/common.h"
+
+namespace kestrel::model {
+
+enum class MlaForm : uint8_t { naive, absorbed };
+
+struct MlaCache {
+  Bf16Vec latent;   // bf16 [S, C+R]: ĉ | k_pe
+  Bf16Vec index_k;  // bf16 [S, Di], empty without an indexer
+  int64_t len = 0;  // S
+
+  void reset() { latent.clear(), index_k.clear(), len = 0; }
+};
+
+void mla_forward(const MlaWeights& w, const TextConfig& c, MlaCache& cache,
+                 const uint16_t* x /* bf16 [T, D], input_layernorm output */, int64_t T,
+                 uint16_t* out /* bf16 [T, D] */, MlaForm form, const Probe& probe);
+
+}  // namespace kestrel::model

@@ -1,0 +1,105 @@
+// Layer stack of MODEL.md §3: AttnRes bookkeeping (§3.2 steps 1–6) around KDA/MLA attention and
+// dense/MoE MLPs, then the final Mix, model.norm and lm_head (§3.8).
+#include "model/model.h"
+
+#include <cstring>
+
+#include "core/dtype.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "model/attn_res.h"
+#include "model/mlp.h"
+#include "model/moe.h"
+
+namespace kestrel::model {
+
+State::State(const ModelConfig& c) { reset(c); }
+
+void State::reset(const ModelConfig& c) {
+  const TextConfig& t = c.text;
+  kda.assign(size_t(t.num_hidden_layers), KdaState{});
+  mla.assign(size_t(t.num_hidden_layers), MlaCache{});
+  for (int L = 0; L < t.num_hidden_layers; ++L)
+    if (t.attn_kind[size_t(L)] == AttnKind::kda) kda[size_t(L)].reset(t);
+  pos = 0;
+}
+
+void prefill(const ModelWeights& w, const ModelConfig& c, State& st, std::span<const int32_t> tokens, float* logits_out,
+             const ForwardOptions& opt) {
+  const TextConfig& tc = c.text;
+  const int64_t T = int64_t(tokens.size()), D = tc.hidden_size, V = tc.vocab_size;
+  KCHECK(T > 0, "empty token list");
+  KCHECK(int64_t(w.layers.size()) == tc.num_hidden_layers, "weights have {} layers, config {}", w.layers.size(),
+         tc.num_hidden_layers);
+  for (int64_t i = 0; i < T; ++i)
+    if (tokens[size_t(i)] < 0 || tokens[size_t(i)] >= V) fail("token id {} at position {} is outside [0, {})", tokens[size_t(i)], i, V);
+  const MlaForm mla_form = T == 1 ? opt.mla_form_decode : opt.mla_form_prefill;
+  const float eps = tc.rms_norm_eps;
+  const Probe top{&opt.observer, -1};
+
+  // §3.1: e = embed_tokens[id]; the stream starts as P = e with no stored blocks.
+  AttnResStream rs(T, D, tc.num_attn_res_blocks());
+  const uint16_t* embed = bf16_ptr(w.embed);
+  for (int64_t t = 0; t < T; ++t) std::memcpy(rs.partial.data() + t * D, embed + int64_t(tokens[size_t(t)]) * D, size_t(D) * 2);
+  top("embed", rs.partial.data(), DType::bf16, {T, D});
+
+  Bf16Vec hin(size_t(T * D)), normed(size_t(T * D)), y(size_t(T * D));  // bf16 [T, D] each
+  for (int L = 0; L < tc.num_hidden_layers; ++L) {
+    const LayerWeights& lw = w.layers[size_t(L)];
+    const Probe probe{&opt.observer, L};
+    // §3.2 step 1: x_attn_in = Mix([B_0..B_{n−1}, P]).
+    attn_res_mix(rs, bf16_ptr(lw.attn_res_norm), bf16_ptr(lw.attn_res_proj), eps, hin.data());
+    probe("attn_in", hin.data(), DType::bf16, {T, D});
+    // Step 2: a write layer stores P as the next block and empties it.
+    const bool write = tc.attn_res_writes(L);
+    if (write) rs.write_block();
+    // Step 3: a = Attn_L(RMSNorm_input_layernorm(x_attn_in)).
+    cpu::rmsnorm_bf16(hin.data(), bf16_ptr(lw.input_norm), normed.data(), T, D, eps);
+    if (lw.attn_kind == AttnKind::kda)
+      kda_forward(lw.kda, tc, st.kda[size_t(L)], normed.data(), T, y.data());
+    else
+      mla_forward(lw.mla, tc, st.mla[size_t(L)], normed.data(), T, y.data(), mla_form, probe);
+    probe("attn_out", y.data(), DType::bf16, {T, D});
+    // Step 4: P := a on a write layer, else P := bf16(P + a).
+    if (write)
+      rs.partial = y;
+    else
+      for (int64_t i = 0; i < T * D; ++i)
+        rs.partial[size_t(i)] = f32_to_bf16(bf16_to_f32(rs.partial[size_t(i)]) + bf16_to_f32(y[size_t(i)]));
+    // Step 5: x_mlp_in = Mix([B_0..B_{|B|−1}, P]).
+    attn_res_mix(rs, bf16_ptr(lw.mlp_res_norm), bf16_ptr(lw.mlp_res_proj), eps, hin.data());
+    probe("mlp_in", hin.data(), DType::bf16, {T, D});
+    // Step 6: m = MLP_L(RMSNorm_post_attention_layernorm(x_mlp_in)); P := bf16(P + m).
+    cpu::rmsnorm_bf16(hin.data(), bf16_ptr(lw.post_attn_norm), normed.data(), T, D, eps);
+    if (lw.mlp_kind == MlpKind::dense)
+      mlp_forward(lw.dense, tc, normed.data(), T, y.data());
+    else
+      moe_forward(lw.moe, tc, normed.data(), T, y.data(), probe);
+    probe("mlp_out", y.data(), DType::bf16, {T, D});
+    for (int64_t i = 0; i < T * D; ++i)
+      rs.partial[size_t(i)] = f32_to_bf16(bf16_to_f32(rs.partial[size_t(i)]) + bf16_to_f32(y[size_t(i)]));
+  }
+  st.pos += T;
+
+  // §3.2 final: h = Mix([B_0..B_{Nb−1}, P]; output_attn_res_*); §3.8: logits = lm_head(RMSNorm(h)).
+  attn_res_mix(rs, bf16_ptr(w.out_res_norm), bf16_ptr(w.out_res_proj), eps, hin.data());
+  top("final_hidden", hin.data(), DType::bf16, {T, D});
+  if (!logits_out && !top.active()) return;
+  const int64_t first = opt.last_logits_only ? T - 1 : 0, rows = T - first;
+  cpu::rmsnorm_bf16(hin.data() + first * D, bf16_ptr(w.final_norm), normed.data(), rows, D, eps);
+  const TensorView& head = w.lm_head.empty() ? w.embed : w.lm_head;  // tied embeddings share the table
+  std::vector<float> local;
+  float* logits = logits_out;
+  if (!logits) {
+    local.resize(size_t(rows * V));
+    logits = local.data();
+  }
+  cpu::gemm_bf16_f32(normed.data(), D, bf16_ptr(head), logits, V, rows, D, V);
+  top("logits", logits, DType::f32, {rows, V});
+}
+
+void decode(const ModelWeights& w, const ModelConfig& c, State& state, int32_t token, float* logits_out,
+            const ForwardOptions& options) {
+  prefill(w, c, state, std::span<const int32_t>(&token, 1), logits_out, options);
+}
+
+}  // namespace kestrel::model

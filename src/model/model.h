@@ -1,0 +1,56 @@
+// The K3.1 text model on the CPU: embedding → layers with AttnRes → final Mix → final norm → lm_head
+// (MODEL.md §3.1–§3.8), reference precision (BF16 activations, FP32 accumulation, FP32 logits).
+//
+// State is per request and owns every cross-step cache: KDA recurrent + conv state per KDA layer,
+// MLA latent cache + index-key cache per MLA layer, and the position. Requests never share state, so
+// interleaving two requests' steps gives each exactly the logits it gets alone. decode() is prefill()
+// of one token; by default prefill uses the naive MLA form and decode the absorbed one. A call that
+// throws may leave some layers advanced: reset() the State before reusing it.
+//
+// Observer captures (all bf16 unless noted), T = tokens of the call:
+//   embed [T, D]; L{L}.attn_in [T, D] (AttnRes Mix output before input_layernorm); L{L}.attn_out
+//   [T, D] (attention output a); L{L}.mlp_in [T, D] (Mix before post_attention_layernorm);
+//   L{L}.mlp_out [T, D] (MLP/MoE output m); L{L}.index_topk i32 [T, Ki] (selected key positions,
+//   ascending, −1 padded; MLA layers with an indexer); L{L}.router_ids i32 [T, K] and
+//   L{L}.router_weights f32 [T, K] (best first; MoE layers); final_hidden [T, D] (final Mix output,
+//   before model.norm); logits f32 [T or 1, V].
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "loader/config.h"
+#include "loader/weights.h"
+#include "model/common.h"
+#include "model/kda.h"
+#include "model/mla.h"
+
+namespace kestrel::model {
+
+struct State {
+  std::vector<KdaState> kda;  // per layer index; empty for MLA layers
+  std::vector<MlaCache> mla;  // per layer index; empty for KDA layers
+  int64_t pos = 0;            // tokens consumed so far
+
+  explicit State(const ModelConfig& c);
+  void reset(const ModelConfig& c);
+};
+
+struct ForwardOptions {
+  Observer observer;                       // optional activation captures (see above)
+  MlaForm mla_form_prefill = MlaForm::naive;
+  MlaForm mla_form_decode = MlaForm::absorbed;  // used when the call has exactly one token
+  bool last_logits_only = false;           // write only the last position's logits (f32 [1, V])
+};
+
+// Runs `tokens` (ids in [0, V)) after whatever `state` holds and writes FP32 logits for every token
+// (f32 [T, V]) or only the last (f32 [1, V], options.last_logits_only); logits_out may be null.
+void prefill(const ModelWeights& w, const ModelConfig& c, State& state, std::span<const int32_t> tokens,
+             float* logits_out /* f32 [T, V] or [1, V] */, const ForwardOptions& options = {});
+
+// One token: prefill of length 1.
+void decode(const ModelWeights& w, const ModelConfig& c, State& state, int32_t token, float* logits_out /* f32 [V] */,
+            const ForwardOptions& options = {});
+
+}  // namespace kestrel::model
