@@ -1,6 +1,6 @@
 // KDA forward, MODEL.md §3.3, steps 1–8 in order. The projections run over all T tokens at once
-// (one GEMM each); the short conv, gates and delta-rule recurrence then walk the tokens in order,
-// heads in parallel.
+// (one GEMM each); the short conv walks the tokens (its history is state); the delta-rule scan runs
+// per head in parallel, chunked (WY/UT, kernels/cpu/kda_scan.h) for prefill and recurrent for decode.
 #include "model/kda.h"
 
 #include <cmath>
@@ -8,6 +8,7 @@
 
 #include "core/dtype.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/kda_scan.h"
 
 namespace kestrel::model {
 
@@ -17,7 +18,8 @@ void KdaState::reset(const TextConfig& c) {
   conv.assign(size_t(3 * (c.kda.conv_size - 1) * H * Dk), 0);
 }
 
-void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st, const uint16_t* x, int64_t T, uint16_t* out) {
+void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st, const uint16_t* x, int64_t T, uint16_t* out,
+                 KdaForm form) {
   const int64_t D = c.hidden_size, H = c.kda.num_heads, Dk = c.kda.head_dim, HD = H * Dk, W = c.kda.conv_size;
   KCHECK(st.S.size() == size_t(H * Dk * Dk) && st.conv.size() == size_t(3 * (W - 1) * HD), "KDA state not initialised");
   using cpu::gemm_bf16;
@@ -43,34 +45,38 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st, const u
   const float lower = c.kda.gate_lower_bound, eps = c.rms_norm_eps;
   const float q_scale = 1.0f / std::sqrt(float(Dk));
 
-  // Per-head scratch lives on the stack inside the parallel loop, where nothing may throw.
-  constexpr int64_t kMaxDk = 512;
-  KCHECK(Dk <= kMaxDk, "KDA head dim {} > {}", Dk, kMaxDk);
-  Bf16Vec ohat(size_t(T * HD));  // bf16 [T, HD], gated normed output
-  std::vector<float> qkv_t(size_t(3 * HD));  // f32 [3, HD], post-conv q, k, v of one token
+  // Step 2: causal depthwise conv over [W−1 stored inputs, current], SiLU, BF16; then shift history.
+  // Sequential over tokens (the history is the carried state); q, k, v stay f32 from here on.
+  std::vector<float> qkv_f(size_t(3 * T * HD));  // f32 [3, T, HD], post-conv q, k, v
   for (int64_t t = 0; t < T; ++t) {
-    // Step 2: causal depthwise conv over [W−1 stored inputs, current], SiLU, BF16; then shift history.
     for (int p = 0; p < 3; ++p) {
       uint16_t* hist = st.conv.data() + p * (W - 1) * HD;  // bf16 [W-1, HD]
       const uint16_t* cur = qkv.data() + (p * T + t) * HD;
+      float* dst = qkv_f.data() + (p * T + t) * HD;
       for (int64_t ch = 0; ch < HD; ++ch) {
         const float* wc = conv_w[p] + ch * W;
         float y = 0.0f;
         for (int64_t j = 0; j < W - 1; ++j) y += wc[j] * bf16_to_f32(hist[j * HD + ch]);
         y += wc[W - 1] * bf16_to_f32(cur[ch]);
-        qkv_t[size_t(p * HD + ch)] = round_bf16(cpu::silu(y));
+        dst[ch] = round_bf16(cpu::silu(y));
       }
       if (W > 1) {
         std::memmove(hist, hist + HD, size_t((W - 2) * HD) * 2);
         std::memcpy(hist + (W - 2) * HD, cur, size_t(HD) * 2);
       }
     }
-#pragma omp parallel for schedule(static) if (4 * H * Dk * Dk >= cpu::kParallelMinWork)
+  }
+  float* qf = qkv_f.data();
+  float* kf = qkv_f.data() + T * HD;
+  const float* vf = qkv_f.data() + 2 * T * HD;
+
+  // Steps 3–5 for every token and head: L2-normalise q and k (eps inside the sqrt, q scaled by
+  // Dk^−½); log-decay g = lower · σ(exp(A_log[h]) · (z + dt_bias)) ∈ (lower, 0); β = σ(b).
+  std::vector<float> g(size_t(T * HD)), beta(size_t(T * H));  // f32 [T, HD], f32 [T, H]
+  for (int64_t t = 0; t < T; ++t) {
     for (int64_t h = 0; h < H; ++h) {
-      float* q = qkv_t.data() + h * Dk;
-      float* k = qkv_t.data() + HD + h * Dk;
-      const float* v = qkv_t.data() + 2 * HD + h * Dk;
-      // Step 3: L2-normalise q and k per head (eps inside the sqrt), q scaled by Dk^−½.
+      float* q = qf + t * HD + h * Dk;
+      float* k = kf + t * HD + h * Dk;
       float qq = 0.0f, kk = 0.0f;
       for (int64_t i = 0; i < Dk; ++i) {
         qq += q[i] * q[i];
@@ -81,34 +87,40 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st, const u
         q[i] *= qn;
         k[i] *= kn;
       }
-      // Step 4: g = lower · σ(exp(A_log[h]) · (z + dt_bias)), a log-decay in (lower, 0).
-      // Step 5: β = σ(b).
       const float a = std::exp(a_log[h]);
-      const float beta = cpu::sigmoid(bf16_to_f32(bl[size_t(t * H + h)]));
-      float* S = st.S.data() + h * Dk * Dk;  // f32 [Dk(key), Dk(value)]
-      // Step 6: S ← diag(exp(g)) S; v' = β (v − Sᵀk); S ← S + k v'ᵀ; o = Sᵀq.
       for (int64_t i = 0; i < Dk; ++i) {
         const float zi = bf16_to_f32(z[size_t(t * HD + h * Dk + i)]) + dt_bias[h * Dk + i];
-        const float decay = std::exp(lower * cpu::sigmoid(a * zi));
-        for (int64_t j = 0; j < Dk; ++j) S[i * Dk + j] *= decay;
+        g[size_t(t * HD + h * Dk + i)] = lower * cpu::sigmoid(a * zi);
       }
-      float vp[kMaxDk], o[kMaxDk];
-      for (int64_t j = 0; j < Dk; ++j) vp[j] = 0.0f;
-      for (int64_t i = 0; i < Dk; ++i)
-        for (int64_t j = 0; j < Dk; ++j) vp[j] += S[i * Dk + j] * k[i];
-      for (int64_t j = 0; j < Dk; ++j) vp[j] = beta * (v[j] - vp[j]);
-      for (int64_t i = 0; i < Dk; ++i)
-        for (int64_t j = 0; j < Dk; ++j) S[i * Dk + j] += k[i] * vp[j];
-      for (int64_t j = 0; j < Dk; ++j) o[j] = 0.0f;
-      for (int64_t i = 0; i < Dk; ++i)
-        for (int64_t j = 0; j < Dk; ++j) o[j] += S[i * Dk + j] * q[i];
-      // Step 7: ô = RMSNorm_{o_norm}(o) ⊙ σ(gate), all FP32, one rounding.
+      beta[size_t(t * H + h)] = cpu::sigmoid(bf16_to_f32(bl[size_t(t * H + h)]));
+    }
+  }
+
+  // Step 6: the delta-rule scan per head — recurrent for single tokens, chunked (C = 64) otherwise.
+  const bool chunked = form == KdaForm::chunked || (form == KdaForm::automatic && T > 1);
+  std::vector<float> o(size_t(T * HD));  // f32 [T, HD]
+#pragma omp parallel for schedule(static) if (4 * T * H * Dk * Dk >= cpu::kParallelMinWork)
+  for (int64_t h = 0; h < H; ++h) {
+    const cpu::KdaHeadIo io{qf + h * Dk, kf + h * Dk, vf + h * Dk, g.data() + h * Dk, beta.data() + h, HD, H,
+                            o.data() + h * Dk};
+    float* S = st.S.data() + h * Dk * Dk;  // f32 [Dk(key), Dk(value)]
+    if (chunked)
+      cpu::kda_scan_chunked(io, T, Dk, S);
+    else
+      cpu::kda_scan_recurrent(io, T, Dk, S);
+  }
+
+  // Step 7: ô = RMSNorm_{o_norm}(o) ⊙ σ(gate), per head, all FP32, one rounding.
+  Bf16Vec ohat(size_t(T * HD));  // bf16 [T, HD]
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      const float* oh = o.data() + t * HD + h * Dk;
       float ss = 0.0f;
-      for (int64_t j = 0; j < Dk; ++j) ss += o[j] * o[j];
+      for (int64_t j = 0; j < Dk; ++j) ss += oh[j] * oh[j];
       const float r = 1.0f / std::sqrt(ss / float(Dk) + eps);
       for (int64_t j = 0; j < Dk; ++j) {
-        const float g = cpu::sigmoid(bf16_to_f32(gate[size_t(t * HD + h * Dk + j)]));
-        ohat[size_t(t * HD + h * Dk + j)] = f32_to_bf16(o[j] * r * o_norm[j] * g);
+        const float gt = cpu::sigmoid(bf16_to_f32(gate[size_t(t * HD + h * Dk + j)]));
+        ohat[size_t(t * HD + h * Dk + j)] = f32_to_bf16(oh[j] * r * o_norm[j] * gt);
       }
     }
   }

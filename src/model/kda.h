@@ -1,9 +1,9 @@
-// KDA (Kimi Delta Attention) layer, MODEL.md §3.3, recurrent token-by-token form.
+// KDA (Kimi Delta Attention) layer, MODEL.md §3.3: chunked WY/UT scan for prefill, recurrent for decode.
 //
 // Per-request state: the FP32 recurrent matrix S per head (key index = row) and, per projection
 // q/k/v, the last W−1 pre-conv inputs in BF16 (MODEL.md §0.4). Prefill and decode run the same
-// per-token recurrence, so prefill(N) followed by decode(M) sees exactly the recurrence of
-// prefill(N+M); only the BLAS vs GEMV summation order of the projections differs.
+// recurrence in exact arithmetic; the chunked form reorders the f32 sums (measured against the
+// recurrent form in tests/unit/test_kda_scan.cpp), and BLAS vs GEMV reorder the projections.
 #pragma once
 
 #include <cstdint>
@@ -22,8 +22,11 @@ struct KdaState {
   void reset(const TextConfig& c);
 };
 
+// Which form of the step-6 scan to run; `automatic` = chunked for T > 1, recurrent for one token.
+enum class KdaForm { automatic, recurrent, chunked };
+
 void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st,
                  const uint16_t* x /* bf16 [T, D], input_layernorm output */, int64_t T,
-                 uint16_t* out /* bf16 [T, D] */);
+                 uint16_t* out /* bf16 [T, D] */, KdaForm form = KdaForm::automatic);
 
 }  // namespace kestrel::model
