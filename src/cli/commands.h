@@ -8,5 +8,6 @@ namespace kestrel::cli {
 
 void register_inspect(CLI::App& app);
 void register_generate(CLI::App& app);
+void register_tokenize(CLI::App& app);
 
 }  // namespace kestrel::cli

@@ -1,0 +1,57 @@
+// K3 chat encoding ("XTML", MODEL.md §7): OpenAI-style chat requests -> prompt token ids.
+//
+// The prompt is built as a list of segments, each encoded on its own (no BPE merge across a
+// boundary). Only structural segments (<|open|>, <|close|>, <|sep|>, <|end_of_msg|>, image prompts)
+// may produce special ids; tag names, attribute text and every piece of user/tool/assistant text
+// are encoded with specials disallowed, so request text can never inject control tokens.
+// docs/tokenizer.md lists every interpretation of the spec made here.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tokenizer/tokenizer.h"
+
+namespace kestrel::tok {
+
+// One image's prompt expansion (MODEL.md §6): `<|media_begin|>image {W}x{H}<|media_content|>` +
+// num_pads × `<|media_pad|>` + `<|media_end|>`. W,H = original upload size.
+struct ImagePrompt {
+  int width = 0;
+  int height = 0;
+  size_t num_pads = 0;
+};
+
+struct ChatSegment {
+  std::string text;
+  bool allow_special = false;
+};
+
+struct ChatPrompt {
+  std::string text;                 // rendered prompt (the segments concatenated)
+  std::vector<TokenId> ids;         // segment-wise encoding
+  std::vector<ChatSegment> segments;
+  bool thinking = true;             // generation starts inside <|open|>think<|sep|>
+  std::vector<std::string> tool_names;  // declared tools, for validating parsed calls
+  std::optional<std::string> forced_tool;  // tool_choice named a function
+  size_t num_images = 0;            // image placeholders rendered (expanded when prompts were given)
+};
+
+class ChatEncoder {
+ public:
+  explicit ChatEncoder(const Tokenizer& tok);
+
+  // request: the JSON body of /v1/chat/completions (messages, tools, tool_choice, response_format,
+  // reasoning_effort, thinking / chat_template_kwargs). images: one prompt per image part in
+  // message order; when empty, image parts render as `<|kimi_image_placeholder|>` (display only).
+  // Malformed requests raise kestrel::Error with a message fit for a 400 response.
+  ChatPrompt encode_request(const nlohmann::ordered_json& request, const std::vector<ImagePrompt>& images = {}) const;
+
+ private:
+  const Tokenizer* tok_;
+};
+
+}  // namespace kestrel::tok
