@@ -6,6 +6,8 @@
 // known dtype, non-negative shape whose byte size equals the offset range, ranges inside the file
 // and pairwise disjoint, no duplicate names. A failure throws kestrel::Error naming the file and the
 // tensor. Tensors are returned as TensorViews pointing into the read-only mapping (zero copy).
+// Like every mmap reader, this assumes nobody truncates a shard while it is mapped: the kernel
+// answers a read past the new end with SIGBUS, which no validation can prevent.
 //
 // A checkpoint directory holds either `model.safetensors` or shards listed by
 // `model.safetensors.index.json` ({"weight_map": {tensor: file}}); every index entry must exist in

@@ -7,6 +7,9 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include <fmt/format.h>
+#include <unistd.h>
+
 #include "core/check.h"
 #include "loader/safetensors.h"
 
@@ -15,9 +18,16 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
+// Each test process (ctest runs them in parallel) and each test gets its own directory: rewriting a
+// file that another process has memory-mapped would crash that process with SIGBUS.
+fs::path test_dir() {
+  const auto* info = testing::UnitTest::GetInstance()->current_test_info();
+  return fs::path(testing::TempDir()) / fmt::format("kestrel_st_{}_{}", ::getpid(), info ? info->name() : "none");
+}
+
 std::string write_raw(const std::string& name, const std::string& header, const std::string& data,
                       int64_t len_override = -1) {
-  const fs::path dir = fs::path(testing::TempDir()) / "kestrel_st";
+  const fs::path dir = test_dir();
   fs::create_directories(dir);
   const std::string path = (dir / name).string();
   std::ofstream out(path, std::ios::binary);
@@ -69,7 +79,7 @@ TEST(Safetensors, ReadsValidFileExactly) {
 }
 
 TEST(Safetensors, RejectsTinyAndTruncatedFiles) {
-  const fs::path dir = fs::path(testing::TempDir()) / "kestrel_st";
+  const fs::path dir = test_dir();
   fs::create_directories(dir);
   const std::string tiny = (dir / "tiny.safetensors").string();
   std::ofstream(tiny, std::ios::binary) << "abc";
