@@ -20,6 +20,10 @@ void AttnResStream::write_block() {
   ++num_blocks;
 }
 
+void AttnResStream::accumulate(const uint16_t* y) {
+  for (int64_t i = 0; i < T * D; ++i) partial[size_t(i)] = f32_to_bf16(bf16_to_f32(partial[size_t(i)]) + bf16_to_f32(y[i]));
+}
+
 void attn_res_mix(const AttnResStream& s, const uint16_t* norm_w, const uint16_t* proj_w, float eps, uint16_t* out) {
   const int64_t D = s.D, n = s.num_blocks + 1;
   // u = norm_w ⊙ proj_w, fused once (§3.2).

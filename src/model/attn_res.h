@@ -19,6 +19,9 @@ struct AttnResStream {
   const uint16_t* block(int i) const { return blocks.data() + int64_t(i) * T * D; }
   // §3.2 step 2: append P as the next stored block and empty P.
   void write_block();
+  // §3.2 steps 4 and 6: P := bf16(P + y) for a layer output y (bf16 [T, D]). Step 4 on a write layer
+  // is P := a instead (P was just emptied): assign `partial` directly.
+  void accumulate(const uint16_t* y);
 };
 
 // h = Mix([B_0..B_{n-1}, P]; norm_w, proj_w) for every token, rounded to BF16 (the reference rounds

@@ -63,8 +63,7 @@ void prefill(const ModelWeights& w, const ModelConfig& c, State& st, std::span<c
     if (write)
       rs.partial = y;
     else
-      for (int64_t i = 0; i < T * D; ++i)
-        rs.partial[size_t(i)] = f32_to_bf16(bf16_to_f32(rs.partial[size_t(i)]) + bf16_to_f32(y[size_t(i)]));
+      rs.accumulate(y.data());
     // Step 5: x_mlp_in = Mix([B_0..B_{|B|−1}, P]).
     attn_res_mix(rs, bf16_ptr(lw.mlp_res_norm), bf16_ptr(lw.mlp_res_proj), eps, hin.data());
     probe("mlp_in", hin.data(), DType::bf16, {T, D});
@@ -75,8 +74,7 @@ void prefill(const ModelWeights& w, const ModelConfig& c, State& st, std::span<c
     else
       moe_forward(lw.moe, tc, normed.data(), T, y.data(), probe);
     probe("mlp_out", y.data(), DType::bf16, {T, D});
-    for (int64_t i = 0; i < T * D; ++i)
-      rs.partial[size_t(i)] = f32_to_bf16(bf16_to_f32(rs.partial[size_t(i)]) + bf16_to_f32(y[size_t(i)]));
+    rs.accumulate(y.data());
   }
   st.pos += T;
 
