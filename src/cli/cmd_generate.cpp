@@ -12,10 +12,8 @@
 // padded with spaces and a final '\n' so the data starts at a multiple of 64 bytes, then the
 // row-major little-endian float32 logits.
 //
-// STOPGAP until the real tokenizer lands: --prompt maps each UTF-8 byte to the token whose
-// tiktoken.model entry is that single byte (the test vocabularies have them), and output ids are
-// turned back into text through the same file. No merges are applied, so this is not the model's
-// tokenisation of the text; it only lets a human type a prompt.
+// --prompt is encoded with the checkpoint's own tokenizer (tiktoken.model + tokenizer_config.json,
+// src/tokenizer) as plain text: special-token text in it stays ordinary text.
 #include <fmt/format.h>
 
 #include <chrono>
@@ -23,8 +21,8 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -35,82 +33,10 @@
 #include "loader/weights.h"
 #include "model/model.h"
 #include "runtime/sampler.h"
+#include "tokenizer/tokenizer.h"
 
 namespace kestrel::cli {
 namespace {
-
-// ---- stopgap byte-level vocabulary (see the file comment) ----------------------------------------
-
-std::string base64_decode(const std::string& s, const std::string& where) {
-  auto val = [&](char c) -> int {
-    if (c >= 'A' && c <= 'Z') return c - 'A';
-    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
-    if (c >= '0' && c <= '9') return c - '0' + 52;
-    if (c == '+') return 62;
-    if (c == '/') return 63;
-    fail("{}: invalid base64 character '{}'", where, c);
-  };
-  std::string out;
-  uint32_t acc = 0;
-  int bits = 0;
-  for (char c : s) {
-    if (c == '=') break;
-    acc = (acc << 6) | uint32_t(val(c));
-    bits += 6;
-    if (bits >= 8) {
-      bits -= 8;
-      out.push_back(char((acc >> bits) & 0xFF));
-    }
-  }
-  return out;
-}
-
-struct ByteVocab {
-  std::map<int32_t, std::string> id_to_bytes;
-  int32_t byte_to_id[256];
-};
-
-ByteVocab load_byte_vocab(const std::string& dir) {
-  const std::string path = (std::filesystem::path(dir) / "tiktoken.model").string();
-  std::ifstream in(path);
-  if (!in) fail("{}: cannot open (needed for --prompt and text output)", path);
-  ByteVocab v;
-  std::fill(std::begin(v.byte_to_id), std::end(v.byte_to_id), -1);
-  std::string line;
-  int lineno = 0;
-  while (std::getline(in, line)) {
-    ++lineno;
-    if (line.empty()) continue;
-    std::istringstream ls(line);
-    std::string b64;
-    int64_t rank = -1;
-    if (!(ls >> b64 >> rank) || rank < 0 || rank > INT32_MAX) fail("{}:{}: expected 'base64 rank'", path, lineno);
-    const std::string bytes = base64_decode(b64, fmt::format("{}:{}", path, lineno));
-    v.id_to_bytes[int32_t(rank)] = bytes;
-    if (bytes.size() == 1) v.byte_to_id[uint8_t(bytes[0])] = int32_t(rank);
-  }
-  return v;
-}
-
-std::vector<int32_t> encode_bytes(const ByteVocab& v, const std::string& text) {
-  std::vector<int32_t> ids;
-  for (unsigned char b : text) {
-    if (v.byte_to_id[b] < 0) fail("byte 0x{:02x} has no single-byte token in tiktoken.model", b);
-    ids.push_back(v.byte_to_id[b]);
-  }
-  return ids;
-}
-
-std::string decode_bytes(const ByteVocab& v, const std::vector<int32_t>& ids) {
-  std::string s;
-  for (int32_t id : ids) {
-    auto it = v.id_to_bytes.find(id);
-    s += it == v.id_to_bytes.end() ? fmt::format("<|{}|>", id) : it->second;
-  }
-  return s;
-}
-
-// ---- helpers --------------------------------------------------------------------------------------
 
 std::vector<int32_t> parse_ids(const std::string& s) {
   std::vector<int32_t> ids;
@@ -165,7 +91,7 @@ void register_generate(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("generate", "Generate tokens on the CPU with the reference forward pass");
   cmd->add_option("--model", o->model, "checkpoint directory")->required();
   auto* pt = cmd->add_option("--prompt-tokens", o->prompt_tokens, "comma-separated prompt token ids");
-  auto* pr = cmd->add_option("--prompt", o->prompt, "prompt text (stopgap byte-level mapping, see --help)");
+  auto* pr = cmd->add_option("--prompt", o->prompt, "prompt text, encoded with the checkpoint's tokenizer");
   pt->excludes(pr);
   cmd->add_option("--max-tokens", o->max_tokens, "tokens to generate")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--temperature", o->temperature, "0 = greedy");
@@ -181,9 +107,15 @@ void register_generate(CLI::App& app) {
     const int64_t V = cfg.text.vocab_size;
 
     const bool text = !o->prompt.empty();
-    ByteVocab vocab;
-    if (text) vocab = load_byte_vocab(o->model);
-    const std::vector<int32_t> prompt = text ? encode_bytes(vocab, o->prompt) : parse_ids(o->prompt_tokens);
+    std::optional<tok::Tokenizer> tokenizer;
+    std::vector<int32_t> prompt;
+    if (text) {
+      tokenizer = tok::Tokenizer::load(o->model);
+      for (tok::TokenId id : tokenizer->encode(o->prompt, /*allow_special=*/false)) prompt.push_back(int32_t(id));
+      if (prompt.empty()) fail("--prompt encodes to no tokens");
+    } else {
+      prompt = parse_ids(o->prompt_tokens);
+    }
     for (int32_t id : prompt)
       if (id >= V) fail("prompt token {} is outside the vocabulary (size {})", id, V);
 
@@ -211,7 +143,15 @@ void register_generate(CLI::App& app) {
     const int decoded = int(out.size()) - 1;
 
     fmt::print("tokens: {}\n", fmt::join(out, ","));
-    if (text) fmt::print("text: {}\n", decode_bytes(vocab, out));
+    if (text) {
+      // Ids past the tokenizer's table (a model vocab padded beyond it) have no text; they are
+      // still listed under "tokens" above.
+      std::vector<tok::TokenId> ids;
+      for (int32_t id : out)
+        if (size_t(id) < tokenizer->vocab_size()) ids.push_back(tok::TokenId(id));
+      fmt::print("prompt tokens: {}\n", fmt::join(prompt, ","));
+      fmt::print("text: {}\n", tokenizer->decode(ids));
+    }
     fmt::print("prefill: {} tokens in {:.3f} s ({:.1f} tok/s)\n", prompt.size(), t_prefill,
                double(prompt.size()) / t_prefill);
     if (decoded > 0)
