@@ -37,5 +37,6 @@ def nano_copy(nano_dir, tmp_path):
     return dst
 
 
-def run_kestrel(kestrel_bin, *args, timeout=120):
-    return subprocess.run([kestrel_bin, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+def run_kestrel(kestrel_bin, *args, timeout=120, input_text=None):
+    return subprocess.run([kestrel_bin, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          input=input_text)
