@@ -117,11 +117,14 @@ bool CacheManager::admit(RequestId id, const PrefixHit& hit) {
   KCHECK(!seqs_.count(id), "request {} admitted twice", id);
   KCHECK(hit.pages.size() == hit.entries.size() && hit.num_tokens == int64_t(hit.pages.size()) * config_.block_size,
          "inconsistent prefix hit for request {}", id);
+  for (size_t i = 0; i < hit.entries.size(); ++i)
+    KCHECK(cache_.contains(hit.entries[i]) && cache_.get(hit.entries[i]).page == hit.pages[i],
+           "stale prefix hit for request {}", id);
   // Pin before taking a slot: the slot search may evict checkpoints, never the one we restore.
   EntryId pin = 0;
   if (!hit.entries.empty()) {
     pin = hit.entries.back();
-    KCHECK(cache_.get(pin).checkpoint == hit.checkpoint, "stale prefix hit for request {}", id);
+    KCHECK(cache_.get(pin).checkpoint == hit.checkpoint && hit.checkpoint >= 0, "stale prefix hit for request {}", id);
     cache_.pin_restore(pin);
   }
   const SlotId slot = acquire_slot(SlotRole::running);
@@ -134,7 +137,6 @@ bool CacheManager::admit(RequestId id, const PrefixHit& hit) {
   s.restore_pin = pin;
   s.chain = hit.entries;
   for (size_t i = 0; i < hit.entries.size(); ++i) {
-    KCHECK(cache_.get(hit.entries[i]).page == hit.pages[i], "stale prefix hit for request {}", id);
     pages_.ref(hit.pages[i]);
     cache_.touch(hit.entries[i]);
   }
