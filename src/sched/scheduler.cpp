@@ -8,6 +8,9 @@
 #include "core/check.h"
 
 namespace kestrel::sched {
+namespace {
+int64_t max_budget(const SchedulerConfig& c) { return c.max_num_batched_tokens; }
+}  // namespace
 
 Scheduler::Scheduler(const SchedulerConfig& config, const cache::CacheConfig& cache_config)
     : config_(config), cache_(cache_config) {
@@ -158,7 +161,7 @@ StepPlan Scheduler::schedule() {
   plan.step = next_step_++;
   plan.finished.swap(finished_since_);
   plan.cancelled.swap(cancelled_since_);
-  int64_t budget = config_.max_num_batched_tokens;
+  int64_t budget = max_budget(config_);
   std::set<RequestId> scheduled;
   const int P = cache_.config().block_size;
 
@@ -206,8 +209,11 @@ StepPlan Scheduler::schedule() {
       if (b > hit.num_tokens) s.checkpoints.insert(b);
     s.computed = hit.num_tokens;
     const int64_t end = chunk_end(s, budget);
-    if (cache_.available_pages(&hit) < pages_for(end) - int32_t(hit.pages.size())) break;
-    if (!cache_.admit(s.req.id, hit)) break;
+    if (cache_.available_pages(&hit) < pages_for(end) - int32_t(hit.pages.size()) || !cache_.admit(s.req.id, hit)) {
+      s.computed = 0;  // a waiting request holds no progress
+      s.checkpoints.clear();
+      break;
+    }
     // Cannot fail: the pages were counted above and taking a slot evicts no pages.
     KCHECK(cache_.grow(s.req.id, end), "admission of request {} lost its pages", s.req.id);
     waiting_.erase(waiting_.begin());
@@ -228,8 +234,9 @@ StepPlan Scheduler::schedule() {
   }
   for (const cache::SlotCopy& c : cache_.drain_copies())
     (c.phase == cache::CopyPhase::before_forward ? plan.copies_before : plan.copies_after).push_back(c);
-  for (const auto& x : plan.decodes) plan.num_tokens += x.end - x.start;
-  for (const auto& x : plan.prefills) plan.num_tokens += x.end - x.start;
+  for (const auto& x : plan.decodes) stats_.decode_tokens += x.end - x.start;
+  for (const auto& x : plan.prefills) stats_.prefill_tokens += x.end - x.start;
+  plan.num_tokens = max_budget(config_) - budget;
   ++stats_.steps;
   in_flight_ = true;
   in_flight_step_ = plan.step;
