@@ -205,8 +205,9 @@ StepPlan Scheduler::schedule() {
         wanted.insert(b);
     if (hit.matched_tokens > hit.num_tokens) wanted.insert(hit.matched_tokens);  // a branch point
     s.checkpoints.clear();
-    for (int64_t b : wanted)
-      if (b > hit.num_tokens) s.checkpoints.insert(b);
+    if (cache_.config().enable_prefix_cache)  // otherwise nobody would read a snapshot
+      for (int64_t b : wanted)
+        if (b > hit.num_tokens) s.checkpoints.insert(b);
     s.computed = hit.num_tokens;
     const int64_t end = chunk_end(s, budget);
     if (cache_.available_pages(&hit) < pages_for(end) - int32_t(hit.pages.size()) || !cache_.admit(s.req.id, hit)) {
