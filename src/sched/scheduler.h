@@ -1,0 +1,168 @@
+// Scheduler: continuous batching over the CacheManager, emitting plain-data step plans. It never
+// touches tensors; an executor turns a StepPlan into kernel launches and reports the sampled tokens.
+//
+// Loop: submit()/cancel() at any time; then repeatedly plan = schedule(), run it, complete(plan,
+// result). Each schedule() fills one step under max_num_batched_tokens and max_num_seqs:
+//  1. decodes of running requests (one token each), oldest first: decode before prefill keeps
+//     inter-token latency flat while prompts stream in;
+//  2. the next chunk of running requests still prefilling (chunked prefill);
+//  3. admission of waiting requests, strictly first come first served (a head that does not fit
+//     blocks the queue, so a big request is never starved by small ones). Admission looks up the
+//     prefix cache first; a hit skips the cached tokens and restores the KDA checkpoint.
+// When a running request cannot get pages, the newest running request not yet scheduled in this
+// step is preempted by recompute (pages and slot freed, requeued by arrival); if there is none newer
+// than the requester, the requester itself yields. A preempted request keeps its generated tokens
+// and later re-prefills prompt + outputs, so its output is unchanged. The oldest request can always
+// progress, because submit() rejects anything whose prompt + max_tokens could never fit.
+//
+// Prefill chunks end at the block boundaries where a KDA checkpoint is wanted (the prompt's last
+// full block, every checkpoint_interval_blocks blocks, and the point where a cached chain stops):
+// the executor snapshots state after the forward pass, which must be exactly the boundary state.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cache/cache_manager.h"
+
+namespace kestrel::sched {
+
+using cache::PageId;
+using cache::RequestId;
+using cache::SlotId;
+
+struct Request {
+  RequestId id = 0;
+  std::vector<int32_t> prompt;
+  int32_t max_tokens = 1;               // tokens to generate at most
+  std::vector<cache::MediaSpan> media;  // image placeholders in the prompt (prefix-cache keys)
+};
+
+struct SchedulerConfig {
+  int32_t max_num_seqs = 256;
+  int32_t max_num_batched_tokens = 8192;
+  // Extra KDA checkpoints every N blocks of a prompt (0 = only the prompt's last full block and the
+  // end of a matched cached chain). More checkpoints = more prefix hits, more state slots.
+  int32_t checkpoint_interval_blocks = 0;
+  int32_t vocab_size = 0;  // > 0: prompt and sampled ids are checked against it
+};
+
+// One request's work in a step: compute positions [start, end) from `tokens`.
+struct ScheduledSeq {
+  RequestId id = 0;
+  int64_t start = 0;
+  int64_t end = 0;
+  std::vector<int32_t> tokens;       // ids at positions [start, end)
+  bool sample = false;               // end is the sequence end: sample the next token from the last logits
+  bool reset_state = false;          // zero the KDA state slot first (a fresh start without restore)
+  SlotId state_slot = -1;
+  std::vector<PageId> block_table;   // covers positions [0, end)
+};
+
+struct StepPlan {
+  uint64_t step = 0;
+  std::vector<ScheduledSeq> decodes;  // one token each; listed first
+  std::vector<ScheduledSeq> prefills;
+  std::vector<cache::SlotCopy> copies_before;  // restore checkpoint → running slot, before the forward
+  std::vector<cache::SlotCopy> copies_after;   // snapshot running → checkpoint slot, after the forward
+  std::vector<RequestId> preempted;  // this step; their slots and pages are already released
+  std::vector<RequestId> finished;   // since the previous plan; resources released
+  std::vector<RequestId> cancelled;  // since the previous plan; resources released
+  int64_t num_tokens = 0;            // Σ (end − start)
+
+  bool has_work() const { return !decodes.empty() || !prefills.empty(); }
+};
+
+// The executor's answer for every ScheduledSeq with sample = true.
+struct SeqResult {
+  RequestId id = 0;
+  int32_t token = -1;
+  bool finished = false;  // stop condition seen by the sampler (EOS, stop string)
+};
+struct StepResult {
+  std::vector<SeqResult> seqs;
+};
+
+enum class FinishReason : uint8_t { length, stop, cancelled };
+struct FinishedRequest {
+  RequestId id = 0;
+  std::vector<int32_t> output;
+  FinishReason reason = FinishReason::length;
+};
+
+struct SchedulerStats {
+  int64_t steps = 0;
+  int64_t admitted = 0;           // admissions, re-admissions after preemption included
+  int64_t preemptions = 0;
+  int64_t prefix_hits = 0;        // admissions that restored a checkpoint
+  int64_t prefix_hit_tokens = 0;  // prefill tokens skipped thanks to the prefix cache
+  int64_t prefill_tokens = 0;
+  int64_t decode_tokens = 0;
+  int64_t finished = 0;
+  int64_t cancelled = 0;
+};
+
+class Scheduler {
+ public:
+  Scheduler(const SchedulerConfig& config, const cache::CacheConfig& cache_config);
+
+  // Queues a request; throws kestrel::Error for a malformed one or one that can never fit.
+  void submit(Request r);
+  // Frees everything the request holds (deferred to complete() while a plan is in flight). False
+  // when the id is unknown or already finished.
+  bool cancel(RequestId id);
+  StepPlan schedule();
+  void complete(const StepPlan& plan, const StepResult& result);
+  std::vector<FinishedRequest> drain_finished();
+
+  bool idle() const { return seqs_.empty(); }
+  size_t num_waiting() const { return waiting_.size(); }
+  size_t num_running() const { return running_.size(); }
+  const SchedulerStats& stats() const { return stats_; }
+  const cache::CacheManager& cache() const { return cache_; }
+  // Drops every unshared prefix-cache entry (between steps only).
+  int32_t evict_prefix_cache();
+  void check_integrity() const;
+
+ private:
+  struct Seq {
+    Request req;
+    std::vector<int32_t> tokens;   // prompt + generated
+    std::vector<uint64_t> extras;  // prefix-cache extra key per full prompt block
+    uint64_t arrival = 0;          // priority: lower = older = more important
+    bool running = false;
+    bool prefill_done = false;     // sampled since the last (re)admission
+    bool cancel_pending = false;
+    int64_t computed = 0;          // positions whose caches are written
+    int64_t cacheable = 0;         // tokens known at admission: blocks below may enter the prefix cache
+    std::set<int64_t> checkpoints; // token boundaries where a KDA snapshot is wanted
+  };
+  using Key = std::pair<uint64_t, RequestId>;  // (arrival, id): ordered by priority
+
+  Seq& seq(RequestId id);
+  int64_t chunk_end(const Seq& s, int64_t budget) const;
+  bool grow_or_preempt(Seq& s, int64_t end, const std::set<RequestId>& scheduled, StepPlan& plan);
+  void preempt(Seq& s, StepPlan& plan);
+  ScheduledSeq make_scheduled(const Seq& s, int64_t end, bool reset) const;
+  void finish(Seq& s, FinishReason why);
+  int32_t pages_for(int64_t tokens) const;
+
+  SchedulerConfig config_;
+  cache::CacheManager cache_;
+  std::map<RequestId, Seq> seqs_;
+  std::set<Key> waiting_;
+  std::set<Key> running_;
+  uint64_t next_arrival_ = 0;
+  uint64_t next_step_ = 0;
+  bool in_flight_ = false;
+  uint64_t in_flight_step_ = 0;
+  std::vector<RequestId> finished_since_;
+  std::vector<RequestId> cancelled_since_;
+  std::vector<FinishedRequest> outputs_;
+  SchedulerStats stats_;
+};
+
+}  // namespace kestrel::sched

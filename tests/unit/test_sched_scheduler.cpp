@@ -1,0 +1,252 @@
+// Scheduler policy, one rule per test: decode before prefill, the token budget, chunked prefill,
+// admission gated by pages and by state slots, rejection of requests that can never fit,
+// cancellation (immediate, and deferred while a step is in flight), preemption by recompute,
+// prefix hits that skip prefill, and complete() refusing a result that does not match its plan.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "core/check.h"
+#include "sched/scheduler.h"
+#include "sched_fake_executor.h"
+
+namespace kestrel::sched {
+namespace {
+
+cache::CacheConfig cache_config(int32_t pages, int32_t slots, int block = 16) {
+  cache::CacheConfig c;
+  c.num_pages = pages;
+  c.num_state_slots = slots;
+  c.block_size = block;
+  return c;
+}
+
+Request request(RequestId id, int n, int32_t max_tokens, int32_t first = 1) {
+  Request r;
+  r.id = id;
+  r.prompt.resize(size_t(n));
+  std::iota(r.prompt.begin(), r.prompt.end(), first);
+  r.max_tokens = max_tokens;
+  return r;
+}
+
+struct Harness {
+  cache::CacheConfig cc;
+  Scheduler s;
+  testing::FakeModel model{7, 1000, 0};
+  testing::FakeExecutor exec;
+  Harness(const SchedulerConfig& sc, const cache::CacheConfig& c) : cc(c), s(sc, c), exec(model, c) {}
+  StepPlan step() {
+    StepPlan p = s.schedule();
+    s.complete(p, exec.run(p, s.cache()));
+    s.check_integrity();
+    return p;
+  }
+};
+
+SchedulerConfig sched_config(int32_t budget, int32_t seqs = 8) {
+  SchedulerConfig c;
+  c.max_num_batched_tokens = budget;
+  c.max_num_seqs = seqs;
+  return c;
+}
+
+TEST(SchedPolicy, DecodeBeforePrefill) {
+  Harness h(sched_config(64), cache_config(32, 4));
+  h.s.submit(request(1, 10, 5));
+  h.step();  // request 1 prefilled, now decoding
+  h.s.submit(request(2, 40, 5));
+  StepPlan p = h.step();
+  ASSERT_EQ(p.decodes.size(), 1u);
+  EXPECT_EQ(p.decodes[0].id, 1u);
+  EXPECT_EQ(p.decodes[0].end - p.decodes[0].start, 1);
+  ASSERT_EQ(p.prefills.size(), 1u);
+  EXPECT_EQ(p.prefills[0].id, 2u);
+  // With a budget of one token, the decode takes it and the prefill waits.
+  Harness tight(sched_config(1), cache_config(32, 4));
+  tight.s.submit(request(1, 1, 5));
+  tight.step();
+  tight.s.submit(request(2, 8, 5));
+  p = tight.step();
+  EXPECT_EQ(p.decodes.size(), 1u);
+  EXPECT_TRUE(p.prefills.empty());
+}
+
+TEST(SchedPolicy, TokenBudgetAndSeqLimitRespected) {
+  Harness h(sched_config(20, 3), cache_config(64, 8));
+  for (RequestId id = 1; id <= 6; ++id) h.s.submit(request(id, 9, 4, int32_t(100 * id)));
+  for (int i = 0; i < 30 && !h.s.idle(); ++i) {
+    const StepPlan p = h.step();
+    EXPECT_LE(p.num_tokens, 20);
+    EXPECT_LE(p.decodes.size() + p.prefills.size(), 3u);
+    EXPECT_LE(h.s.num_running(), 3u);
+  }
+  EXPECT_TRUE(h.s.idle());
+}
+
+TEST(SchedPolicy, ChunkedPrefillSplitsALongPrompt) {
+  Harness h(sched_config(32), cache_config(32, 4));
+  h.s.submit(request(1, 100, 2));
+  std::vector<std::pair<int64_t, int64_t>> chunks;
+  std::vector<bool> sampled;
+  for (int i = 0; i < 4; ++i) {
+    const StepPlan p = h.step();
+    ASSERT_EQ(p.prefills.size(), 1u);
+    chunks.emplace_back(p.prefills[0].start, p.prefills[0].end);
+    sampled.push_back(p.prefills[0].sample);
+    EXPECT_EQ(p.prefills[0].block_table.size(), size_t((p.prefills[0].end + 15) / 16));
+  }
+  // 96 = the prompt's last full block: a KDA checkpoint boundary, so a chunk ends there.
+  EXPECT_EQ(chunks, (std::vector<std::pair<int64_t, int64_t>>{{0, 32}, {32, 64}, {64, 96}, {96, 100}}));
+  EXPECT_EQ(sampled, (std::vector<bool>{false, false, false, true}));
+  const StepPlan d = h.step();
+  ASSERT_EQ(d.decodes.size(), 1u);
+  EXPECT_EQ(d.decodes[0].start, 100);
+}
+
+TEST(SchedPolicy, AdmissionWaitsForPages) {
+  Harness h(sched_config(256), cache_config(8, 4));  // 128 tokens
+  h.s.submit(request(1, 100, 10));     // first chunk [0, 96): 6 pages, 2 left
+  h.s.submit(request(2, 50, 1, 500));  // first chunk [0, 48): 3 pages, must wait
+  StepPlan p = h.step();
+  EXPECT_EQ(p.prefills.size(), 1u);
+  EXPECT_EQ(h.s.num_waiting(), 1u);
+  int waited = 0;
+  while (h.s.num_waiting() == 1 && waited < 50) h.step(), ++waited;
+  EXPECT_GT(waited, 3);
+  EXPECT_TRUE(h.s.stats().preemptions == 0);
+}
+
+TEST(SchedPolicy, AdmissionWaitsForStateSlots) {
+  cache::CacheConfig cc = cache_config(64, 1);
+  cc.enable_prefix_cache = false;
+  Harness h(sched_config(256), cc);
+  h.s.submit(request(1, 10, 3));
+  h.s.submit(request(2, 10, 3, 50));
+  StepPlan p = h.step();
+  ASSERT_EQ(p.prefills.size(), 1u);
+  EXPECT_EQ(h.s.num_waiting(), 1u);
+  h.step(), h.step();  // request 1 finishes at its third token
+  EXPECT_EQ(h.s.num_waiting(), 1u);
+  p = h.step();
+  ASSERT_EQ(p.prefills.size(), 1u);
+  EXPECT_EQ(p.prefills[0].id, 2u);
+  EXPECT_EQ(p.finished, (std::vector<RequestId>{1}));
+}
+
+TEST(SchedPolicy, RejectsWhatCanNeverFit) {
+  Scheduler s(sched_config(64), cache_config(4, 2));  // 64 tokens
+  try {
+    s.submit(request(1, 60, 10));
+    FAIL() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("can never run"), std::string::npos) << e.what();
+  }
+  s.submit(request(2, 60, 5));  // 64 positions exactly
+  EXPECT_THROW(s.submit(request(2, 4, 1)), Error);  // duplicate id
+  EXPECT_THROW(s.submit(request(3, 0, 1)), Error);
+  EXPECT_THROW(s.submit(request(4, 4, 0)), Error);
+  Request bad = request(5, 4, 1);
+  bad.media = {{2, 9, 1}};
+  EXPECT_THROW(s.submit(bad), Error);
+  s.check_integrity();
+}
+
+TEST(SchedPolicy, CancelFreesEverythingAtOnce) {
+  cache::CacheConfig cc = cache_config(16, 4);
+  cc.enable_prefix_cache = false;
+  Harness h(sched_config(64), cc);
+  h.s.submit(request(1, 50, 20));
+  h.s.submit(request(2, 5, 20, 70));
+  h.step();
+  EXPECT_LT(h.s.cache().pages().num_free(), 16);
+  EXPECT_TRUE(h.s.cancel(1));
+  EXPECT_TRUE(h.s.cancel(2));
+  EXPECT_FALSE(h.s.cancel(1));
+  EXPECT_EQ(h.s.cache().pages().num_free(), 16);
+  EXPECT_EQ(h.s.cache().slots().num_free(), 4);
+  h.s.check_integrity();
+  const auto done = h.s.drain_finished();
+  ASSERT_EQ(done.size(), 2u);
+  EXPECT_EQ(done[0].reason, FinishReason::cancelled);
+  EXPECT_EQ(done[0].output.size(), 1u);  // no prefix cache: no checkpoint split, one chunk
+  EXPECT_EQ(done[1].output.size(), 1u);
+  EXPECT_EQ(h.s.schedule().cancelled, (std::vector<RequestId>{1, 2}));
+}
+
+TEST(SchedPolicy, CancelDuringAStepIsDeferred) {
+  Harness h(sched_config(64), cache_config(16, 4));
+  h.s.submit(request(1, 20, 20));
+  const StepPlan p = h.s.schedule();
+  EXPECT_TRUE(h.s.cancel(1));
+  EXPECT_LT(h.s.cache().pages().num_free(), 16);  // the step still reads them
+  h.s.complete(p, h.exec.run(p, h.s.cache()));
+  h.s.check_integrity();
+  EXPECT_TRUE(h.s.idle());
+  const auto done = h.s.drain_finished();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_TRUE(done[0].output.empty());
+}
+
+TEST(SchedPolicy, PreemptionByRecomputeKeepsOutput) {
+  cache::CacheConfig cc = cache_config(6, 4, 8);  // 48 tokens for two requests of up to 40
+  Harness h(sched_config(64), cc);
+  const Request a = request(1, 10, 30), b = request(2, 10, 30, 300);
+  h.s.submit(a), h.s.submit(b);
+  std::vector<FinishedRequest> done;
+  bool saw_preempt = false;
+  for (int i = 0; i < 200 && !h.s.idle(); ++i) {
+    const StepPlan p = h.step();
+    if (!p.preempted.empty()) {
+      saw_preempt = true;
+      EXPECT_EQ(p.preempted[0], 2u);  // the newer one yields
+    }
+    for (auto& f : h.s.drain_finished()) done.push_back(f);
+  }
+  EXPECT_TRUE(saw_preempt);
+  ASSERT_EQ(done.size(), 2u);
+  for (const auto& f : done) {
+    const Request& r = f.id == 1 ? a : b;
+    EXPECT_EQ(f.output, h.model.solo_output(r.prompt, r.max_tokens)) << "request " << f.id;
+  }
+}
+
+TEST(SchedPrefix, HitSkipsPrefillAndRestoresState) {
+  Harness h(sched_config(256), cache_config(32, 6));
+  const Request a = request(1, 70, 3);
+  h.s.submit(a);
+  while (!h.s.idle()) h.step();
+  const auto first = h.s.drain_finished();
+  Request b = a;
+  b.id = 2;
+  h.s.submit(b);
+  const StepPlan p = h.s.schedule();
+  ASSERT_EQ(p.prefills.size(), 1u);
+  EXPECT_EQ(p.prefills[0].start, 64);  // 4 cached blocks with a checkpoint at 64
+  EXPECT_FALSE(p.prefills[0].reset_state);
+  ASSERT_EQ(p.copies_before.size(), 1u);
+  EXPECT_EQ(p.copies_before[0].dst, p.prefills[0].state_slot);
+  h.s.complete(p, h.exec.run(p, h.s.cache()));
+  while (!h.s.idle()) h.step();
+  const auto second = h.s.drain_finished();
+  ASSERT_EQ(second.size(), 1u);
+  EXPECT_EQ(second[0].output, first[0].output);
+  EXPECT_EQ(h.s.stats().prefix_hit_tokens, 64);
+}
+
+TEST(SchedPolicy, CompleteRejectsMismatchedResults) {
+  Harness h(sched_config(64), cache_config(16, 4));
+  h.s.submit(request(1, 5, 4));
+  EXPECT_THROW(h.s.complete(StepPlan{}, {}), Error);  // nothing in flight
+  const StepPlan p = h.s.schedule();
+  EXPECT_THROW(h.s.schedule(), Error);                 // one step at a time
+  EXPECT_THROW(h.s.complete(p, {}), Error);            // token missing
+  EXPECT_THROW(h.s.complete(p, {{{1, -3, false}}}), Error);
+  EXPECT_THROW(h.s.complete(p, {{{1, 3, false}, {9, 3, false}}}), Error);
+  h.s.check_integrity();
+  h.s.complete(p, {{{1, 3, false}}});
+  h.s.check_integrity();
+}
+
+}  // namespace
+}  // namespace kestrel::sched
