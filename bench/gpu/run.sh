@@ -9,6 +9,9 @@
 #   bench/gpu/run.sh pack    # here: build, copy binaries + libfmt into .gpu-carry/ (git-ignored)
 #   bench/gpu/run.sh test    # there: run every GPU test binary from .gpu-carry/
 # With the device tool: run `bench/gpu/run.sh test` with carry [".gpu-carry"].
+# The device tool sends the session's main checkout, not a helper's worktree: from a worktree, copy
+# .gpu-carry/ and bench/gpu/run.sh into a git-ignored folder F of that checkout (F/.gpu-carry,
+# F/bench/gpu/run.sh), carry [F] and run `bash F/bench/gpu/run.sh test`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 case "${1:-}" in
