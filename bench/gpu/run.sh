@@ -2,26 +2,43 @@
 # GPU tests (and, later, benchmarks) on the H200 machine.
 #
 # The GPU machine has CUDA, CMake and ninja but none of our Debian -dev packages and no network,
-# so the binaries are built here (same x86-64, -arch sm_90a) and carried there with the one shared
-# library the image lacks (libfmt). Two steps:
+# so the binaries are built here (same x86-64, -arch sm_90a) and carried there, stripped of debug
+# info, with the shared libraries the image lacks (libfmt; OpenBLAS, libgomp and OpenBLAS's Fortran
+# runtime, which the GPU tests need because they link the CPU twins). cuBLASLt comes from the image's
+# CUDA toolkit. Two steps:
 #   bench/gpu/run.sh pack    # here: build, copy binaries + libfmt into .gpu-carry/ (git-ignored)
 #   bench/gpu/run.sh test    # there: run every GPU test binary from .gpu-carry/
 # With the device tool: run `bench/gpu/run.sh test` with carry [".gpu-carry"].
+# The device tool sends the session's main checkout, not a helper's worktree: from a worktree, copy
+# .gpu-carry/ and bench/gpu/run.sh into a git-ignored folder F of that checkout (F/.gpu-carry,
+# F/bench/gpu/run.sh), carry [F] and run `bash F/bench/gpu/run.sh test`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 case "${1:-}" in
   pack)
-    scripts/build.sh >/dev/null
-    grep -qx "/.gpu-carry/" .git/info/exclude 2>/dev/null || echo "/.gpu-carry/" >> .git/info/exclude
+    # An existing build/ (configured as the developer likes) is reused; otherwise configure one.
+    if [ -f build/build.ninja ]; then ninja -C build >/dev/null; else scripts/build.sh >/dev/null; fi
+    excl="$(git rev-parse --git-path info/exclude)"  # .git is a file in a worktree
+    grep -qx "/.gpu-carry/" "$excl" 2>/dev/null || echo "/.gpu-carry/" >> "$excl"
     rm -rf .gpu-carry && mkdir -p .gpu-carry/lib
-    cp build/tests/gpu/kestrel_gpu_tests build/src/cli/kestrel .gpu-carry/
-    cp -L "$(ldconfig -p | awk '/libfmt.so.9 /{print $NF; exit}')" .gpu-carry/lib/
+    for b in build/tests/gpu/kestrel_gpu_tests build/src/cli/kestrel; do
+      objcopy --strip-debug "$b" ".gpu-carry/$(basename "$b")"
+    done
+    for l in libfmt.so.9 libopenblas.so.0 libgomp.so.1 libgfortran.so.5 libquadmath.so.0; do
+      cp -L "$(ldconfig -p | awk -v l="$l" '$1 == l {print $NF; exit}')" .gpu-carry/lib/
+    done
     du -sh .gpu-carry
     ;;
   test)
     export LD_LIBRARY_PATH="$PWD/.gpu-carry/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-    .gpu-carry/kestrel_gpu_tests
+    if ! ldd .gpu-carry/kestrel_gpu_tests | grep -q "libcublasLt.so.13 => /"; then
+      # Fall back to the pip wheel's copy (nvidia-cublas) if the toolkit's is not on the path.
+      d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
+      export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
+    fi
+    ldd .gpu-carry/kestrel_gpu_tests | grep -E "not found|cublasLt|openblas" || true
+    OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}" .gpu-carry/kestrel_gpu_tests "${@:2}"
     ;;
   *)
     echo "usage: $0 pack|test" >&2

@@ -8,6 +8,7 @@
 
 #include "core/dtype.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/kda_ops.h"
 #include "kernels/cpu/kda_scan.h"
 
 namespace kestrel::model {
@@ -43,58 +44,21 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st, const u
   const float* dt_bias = f32_ptr(w.dt_bias);  // f32 [HD]
   const float* o_norm = f32_ptr(w.o_norm);    // f32 [Dk]
   const float lower = c.kda.gate_lower_bound, eps = c.rms_norm_eps;
-  const float q_scale = 1.0f / std::sqrt(float(Dk));
 
-  // Step 2: causal depthwise conv over [W−1 stored inputs, current], SiLU, BF16; then shift history.
-  // Sequential over tokens (the history is the carried state); q, k, v stay f32 from here on.
+  // Step 2: causal depthwise conv over [W−1 stored inputs, current], SiLU, BF16; the history shifts
+  // token by token (it is the carried state). q, k, v stay f32 from here on.
   std::vector<float> qkv_f(size_t(3 * T * HD));  // f32 [3, T, HD], post-conv q, k, v
-  for (int64_t t = 0; t < T; ++t) {
-    for (int p = 0; p < 3; ++p) {
-      uint16_t* hist = st.conv.data() + p * (W - 1) * HD;  // bf16 [W-1, HD]
-      const uint16_t* cur = qkv.data() + (p * T + t) * HD;
-      float* dst = qkv_f.data() + (p * T + t) * HD;
-      for (int64_t ch = 0; ch < HD; ++ch) {
-        const float* wc = conv_w[p] + ch * W;
-        float y = 0.0f;
-        for (int64_t j = 0; j < W - 1; ++j) y += wc[j] * bf16_to_f32(hist[j * HD + ch]);
-        y += wc[W - 1] * bf16_to_f32(cur[ch]);
-        dst[ch] = round_bf16(cpu::silu(y));
-      }
-      if (W > 1) {
-        std::memmove(hist, hist + HD, size_t((W - 2) * HD) * 2);
-        std::memcpy(hist + (W - 2) * HD, cur, size_t(HD) * 2);
-      }
-    }
-  }
+  for (int p = 0; p < 3; ++p)
+    cpu::kda_conv_silu(qkv.data() + p * T * HD, HD, conv_w[p], st.conv.data() + p * (W - 1) * HD,
+                       qkv_f.data() + p * T * HD, HD, T, HD, W);
   float* qf = qkv_f.data();
   float* kf = qkv_f.data() + T * HD;
   const float* vf = qkv_f.data() + 2 * T * HD;
 
-  // Steps 3–5 for every token and head: L2-normalise q and k (eps inside the sqrt, q scaled by
-  // Dk^−½); log-decay g = lower · σ(exp(A_log[h]) · (z + dt_bias)) ∈ (lower, 0); β = σ(b).
+  // Steps 3–5: L2-normalise q and k (eps inside the sqrt, q scaled by Dk^−½); log-decay
+  // g = lower · σ(exp(A_log[h]) · (z + dt_bias)) ∈ (lower, 0); β = σ(b).
   std::vector<float> g(size_t(T * HD)), beta(size_t(T * H));  // f32 [T, HD], f32 [T, H]
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t h = 0; h < H; ++h) {
-      float* q = qf + t * HD + h * Dk;
-      float* k = kf + t * HD + h * Dk;
-      float qq = 0.0f, kk = 0.0f;
-      for (int64_t i = 0; i < Dk; ++i) {
-        qq += q[i] * q[i];
-        kk += k[i] * k[i];
-      }
-      const float qn = q_scale / std::sqrt(qq + 1e-6f), kn = 1.0f / std::sqrt(kk + 1e-6f);
-      for (int64_t i = 0; i < Dk; ++i) {
-        q[i] *= qn;
-        k[i] *= kn;
-      }
-      const float a = std::exp(a_log[h]);
-      for (int64_t i = 0; i < Dk; ++i) {
-        const float zi = bf16_to_f32(z[size_t(t * HD + h * Dk + i)]) + dt_bias[h * Dk + i];
-        g[size_t(t * HD + h * Dk + i)] = lower * cpu::sigmoid(a * zi);
-      }
-      beta[size_t(t * H + h)] = cpu::sigmoid(bf16_to_f32(bl[size_t(t * H + h)]));
-    }
-  }
+  cpu::kda_qk_norm_gates(qf, kf, z.data(), dt_bias, a_log, bl.data(), lower, g.data(), beta.data(), T, H, Dk);
 
   // Step 6: the delta-rule scan per head — recurrent for single tokens, chunked (C = 64) otherwise.
   const bool chunked = form == KdaForm::chunked || (form == KdaForm::automatic && T > 1);
@@ -112,18 +76,7 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st, const u
 
   // Step 7: ô = RMSNorm_{o_norm}(o) ⊙ σ(gate), per head, all FP32, one rounding.
   Bf16Vec ohat(size_t(T * HD));  // bf16 [T, HD]
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t h = 0; h < H; ++h) {
-      const float* oh = o.data() + t * HD + h * Dk;
-      float ss = 0.0f;
-      for (int64_t j = 0; j < Dk; ++j) ss += oh[j] * oh[j];
-      const float r = 1.0f / std::sqrt(ss / float(Dk) + eps);
-      for (int64_t j = 0; j < Dk; ++j) {
-        const float gt = cpu::sigmoid(bf16_to_f32(gate[size_t(t * HD + h * Dk + j)]));
-        ohat[size_t(t * HD + h * Dk + j)] = f32_to_bf16(oh[j] * r * o_norm[j] * gt);
-      }
-    }
-  }
+  cpu::kda_out_norm_gate(o.data(), gate.data(), o_norm, eps, ohat.data(), T, H, Dk);
   // Step 8: out = Lin(o_proj)(ô).
   gemm_bf16(ohat.data(), HD, bf16_ptr(w.o_proj), out, D, T, HD, D);
 }

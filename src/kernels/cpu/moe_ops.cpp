@@ -1,0 +1,72 @@
+// See moe_ops.h. The loops are those of the original model/moe.cpp, unchanged in order and precision.
+#include "kernels/cpu/moe_ops.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "core/check.h"
+#include "core/dtype.h"
+#include "kernels/cpu/cpu_ops.h"
+
+namespace kestrel::cpu {
+
+void moe_route(const float* r, const float* bias, int64_t T, int64_t X, int64_t K, bool renormalize, float scaling,
+               int32_t* ids, float* wts) {
+  KCHECK(K > 0 && K <= X, "top-{} of {} experts", K, X);
+  std::vector<float> s(static_cast<size_t>(X)), sel(static_cast<size_t>(X));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t e = 0; e < X; ++e) {
+      s[size_t(e)] = sigmoid(r[t * X + e]);
+      sel[size_t(e)] = s[size_t(e)] + bias[e];
+    }
+    int32_t* id = ids + t * K;
+    float* wt = wts + t * K;
+    topk(sel.data(), X, K, id);
+    float sum = 0.0f;
+    for (int64_t k = 0; k < K; ++k) sum += (wt[k] = s[size_t(id[k])]);
+    for (int64_t k = 0; k < K; ++k) {
+      if (renormalize) wt[k] /= (sum + 1e-20f);
+      wt[k] *= scaling;
+    }
+  }
+}
+
+void moe_experts(const uint16_t* z, const int32_t* ids, const float* wts, const ExpertPtrs* experts, int64_t T,
+                 int64_t X, int64_t K, int64_t Lt, int64_t I, float beta, float linear_beta, uint16_t* ut) {
+  std::vector<float> y(size_t(T * K * Lt));  // f32 [T, K, Lt], BF16-valued
+  std::vector<std::vector<int64_t>> users(static_cast<size_t>(X));  // expert -> flat (t*K + k) slots
+  for (int64_t i = 0; i < T * K; ++i) {
+    KCHECK(ids[i] >= 0 && ids[i] < X, "expert id {} out of range (X = {})", ids[i], X);
+    users[size_t(ids[i])].push_back(i);
+  }
+  std::vector<float> zf, gf, uf, yf;
+  std::vector<uint16_t> gb, ub, ab;
+  for (int64_t e = 0; e < X; ++e) {
+    const std::vector<int64_t>& slots = users[size_t(e)];
+    const int64_t n = int64_t(slots.size());
+    if (n == 0) continue;
+    const ExpertPtrs& ew = experts[e];
+    zf.resize(size_t(n * Lt)), gf.resize(size_t(n * I)), uf.resize(size_t(n * I)), yf.resize(size_t(n * Lt));
+    gb.resize(size_t(n * I)), ub.resize(size_t(n * I)), ab.resize(size_t(n * I));
+    for (int64_t i = 0; i < n; ++i) bf16_to_f32_n(z + (slots[size_t(i)] / K) * Lt, zf.data() + i * Lt, Lt);
+    mxfp4_gemm(ew.w1.packed, ew.w1.scale, zf.data(), gf.data(), n, I, Lt);
+    mxfp4_gemm(ew.w3.packed, ew.w3.scale, zf.data(), uf.data(), n, I, Lt);
+    f32_to_bf16_n(gf.data(), gb.data(), n * I);
+    f32_to_bf16_n(uf.data(), ub.data(), n * I);
+    situ_glu(gb.data(), ub.data(), ab.data(), n * I, beta, linear_beta);
+    bf16_to_f32_n(ab.data(), gf.data(), n * I);
+    mxfp4_gemm(ew.w2.packed, ew.w2.scale, gf.data(), yf.data(), n, Lt, I);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < Lt; ++j) y[size_t(slots[size_t(i)] * Lt + j)] = round_bf16(yf[size_t(i * Lt + j)]);
+  }
+  // Step 4: ũ = bf16(Σ_k w_k · y_k), FP32 accumulation in top-k order.
+  std::vector<float> acc(static_cast<size_t>(Lt));
+  for (int64_t t = 0; t < T; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < Lt; ++j) acc[size_t(j)] += wts[t * K + k] * y[size_t((t * K + k) * Lt + j)];
+    f32_to_bf16_n(acc.data(), ut + t * Lt, Lt);
+  }
+}
+
+}  // namespace kestrel::cpu

@@ -1,0 +1,52 @@
+// Lin(W)(x) = x·Wᵀ on the GPU (MODEL.md §3 conventions): BF16 operands, FP32 accumulation, output
+// rounded once to BF16 (or kept FP32 for the router / lm_head). CPU twins: cpu::gemm_bf16 and
+// cpu::gemm_bf16_f32 (kernels/cpu/cpu_ops.h).
+//
+// GemmLt runs every shape through cuBLASLt (row-major x·Wᵀ is the column-major product W·xᵀ with W
+// transposed), caching the heuristic's algorithm per (shape, strides, alignment, output dtype).
+// gemv_bf16 is a hand-written T = 1 kernel (one warp per output row, 16-byte loads of W) for the
+// decode path, to be chosen over cuBLASLt where it measures faster.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <tuple>
+
+namespace kestrel::cuda {
+
+class GemmLt {
+ public:
+  explicit GemmLt(size_t workspace_bytes = size_t(32) << 20);
+  ~GemmLt();
+  GemmLt(const GemmLt&) = delete;
+  GemmLt& operator=(const GemmLt&) = delete;
+
+  // y = bf16(x·Wᵀ).
+  void bf16(const uint16_t* x /* bf16 [T, K], row stride ldx */, int64_t ldx,
+            const uint16_t* w /* bf16 [N, K], contiguous */, uint16_t* y /* bf16 [T, N], row stride ldy */,
+            int64_t ldy, int64_t T, int64_t K, int64_t N, cudaStream_t stream);
+  // y = x·Wᵀ in FP32.
+  void bf16_f32(const uint16_t* x /* bf16 [T, K], row stride ldx */, int64_t ldx,
+                const uint16_t* w /* bf16 [N, K], contiguous */, float* y /* f32 [T, N], row stride ldy */,
+                int64_t ldy, int64_t T, int64_t K, int64_t N, cudaStream_t stream);
+
+ private:
+  struct Plan;
+  void run(const uint16_t* x, int64_t ldx, const uint16_t* w, void* y, int64_t ldy, int64_t T, int64_t K, int64_t N,
+           bool f32_out, cudaStream_t stream);
+  void* handle_ = nullptr;     // cublasLtHandle_t
+  void* workspace_ = nullptr;  // device
+  size_t workspace_bytes_ = 0;
+  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, bool>, std::unique_ptr<Plan>> plans_;
+};
+
+// T = 1: y[n] = Σ_k x[k]·W[n, k], FP32 accumulation; bf16 output (y_bf16) or f32 output (y_f32):
+// exactly one of the two is non-null. K must be a multiple of 8; x and W 16-byte aligned.
+void gemv_bf16(const uint16_t* x /* bf16 [K] */, const uint16_t* w /* bf16 [N, K], contiguous */,
+               uint16_t* y_bf16 /* bf16 [N] or null */, float* y_f32 /* f32 [N] or null */, int64_t K, int64_t N,
+               cudaStream_t stream);
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,114 @@
+// cuBLASLt BF16 GEMM (host code, built by g++). Row-major y[T, N] = x[T, K]·W[N, K]ᵀ is, in cuBLASLt's
+// column-major terms, D[N, T] = op(A)·B with A = W viewed as a K×N column-major matrix (lda = K) and
+// op = transpose, B = x viewed as K×T (ldb = ldx), D = y viewed as N×T (ldd = ldy).
+#include <cublasLt.h>
+
+#include <algorithm>
+#include <string>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/gemm.h"
+
+#define KCUBLAS_CHECK(call)                                                                              \
+  do {                                                                                                   \
+    const cublasStatus_t kcublas_st_ = (call);                                                           \
+    KCUDA_REQUIRE(kcublas_st_ == CUBLAS_STATUS_SUCCESS,                                                  \
+                  std::string(#call) + " -> cuBLAS status " + std::to_string(int(kcublas_st_)));          \
+  } while (0)
+
+namespace kestrel::cuda {
+
+struct GemmLt::Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  ~Plan() {
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+GemmLt::GemmLt(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
+  cublasLtHandle_t h = nullptr;
+  KCUBLAS_CHECK(cublasLtCreate(&h));
+  handle_ = h;
+  if (workspace_bytes_) KCUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
+}
+
+GemmLt::~GemmLt() {
+  plans_.clear();
+  if (workspace_) cudaFree(workspace_);
+  if (handle_) cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
+}
+
+namespace {
+int alignment_of(const void* p, int64_t ld_elems, size_t elem) {
+  const uintptr_t v = reinterpret_cast<uintptr_t>(p) | uintptr_t(ld_elems * int64_t(elem));
+  int a = 256;
+  while (a > 1 && (v % uintptr_t(a)) != 0) a /= 2;
+  return a;
+}
+}  // namespace
+
+void GemmLt::run(const uint16_t* x, int64_t ldx, const uint16_t* w, void* y, int64_t ldy, int64_t T, int64_t K,
+                 int64_t N, bool f32_out, cudaStream_t stream) {
+  KCUDA_REQUIRE(x && w && y, std::string("gemm: null pointer"));
+  KCUDA_REQUIRE(T >= 0 && K > 0 && N > 0 && ldx >= K && ldy >= N,
+                "gemm: bad shape T=" + std::to_string(T) + " K=" + std::to_string(K) + " N=" + std::to_string(N) +
+                    " ldx=" + std::to_string(ldx) + " ldy=" + std::to_string(ldy));
+  KCUDA_REQUIRE(T < (int64_t(1) << 31) && K < (int64_t(1) << 31) && N < (int64_t(1) << 31),
+                std::string("gemm: dimension too large"));
+  if (T == 0) return;
+  const size_t out_elem = f32_out ? 4 : 2;
+  const int align = std::min({alignment_of(x, ldx, 2), alignment_of(w, K, 2), alignment_of(y, ldy, out_elem)});
+  auto key = std::make_tuple(T, K, N, ldx, ldy, align, f32_out);
+  auto it = plans_.find(key);
+  if (it == plans_.end()) {
+    auto p = std::make_unique<Plan>();
+    KCUBLAS_CHECK(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    KCUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    KCUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    const cudaDataType_t dt = f32_out ? CUDA_R_32F : CUDA_R_16BF;
+    KCUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->a, CUDA_R_16BF, uint64_t(K), uint64_t(N), K));
+    KCUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->b, CUDA_R_16BF, uint64_t(K), uint64_t(T), ldx));
+    KCUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->d, dt, uint64_t(N), uint64_t(T), ldy));
+    cublasLtMatmulPreference_t pref = nullptr;
+    KCUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t ws = workspace_bytes_;
+    const uint32_t al = uint32_t(align);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al, sizeof al);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al, sizeof al);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al, sizeof al);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al, sizeof al);
+    cublasLtMatmulHeuristicResult_t res{};
+    int found = 0;
+    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(static_cast<cublasLtHandle_t>(handle_), p->op, p->a,
+                                                             p->b, p->d, p->d, pref, 1, &res, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    KCUDA_REQUIRE(st == CUBLAS_STATUS_SUCCESS && found > 0,
+                  "cuBLASLt found no algorithm for T=" + std::to_string(T) + " K=" + std::to_string(K) +
+                      " N=" + std::to_string(N) + " (status " + std::to_string(int(st)) + ")");
+    p->algo = res.algo;
+    it = plans_.emplace(key, std::move(p)).first;
+  }
+  const Plan& p = *it->second;
+  const float alpha = 1.0f, beta = 0.0f;
+  KCUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w, p.a, x, p.b, &beta, y, p.d, y,
+                               p.d, &p.algo, workspace_, workspace_bytes_, stream));
+}
+
+void GemmLt::bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* y, int64_t ldy, int64_t T, int64_t K,
+                  int64_t N, cudaStream_t stream) {
+  run(x, ldx, w, y, ldy, T, K, N, false, stream);
+}
+
+void GemmLt::bf16_f32(const uint16_t* x, int64_t ldx, const uint16_t* w, float* y, int64_t ldy, int64_t T, int64_t K,
+                      int64_t N, cudaStream_t stream) {
+  run(x, ldx, w, y, ldy, T, K, N, true, stream);
+}
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,32 @@
+// RMSNorm and the fused AttnRes Mix + RMSNorm (MODEL.md §3 conventions, §3.2) on the GPU.
+// CPU twins: cpu::rmsnorm_bf16 (kernels/cpu/cpu_ops.h) and model::attn_res_mix (model/attn_res.h).
+// One thread block per token; rows are read with 16-byte loads, so every row length must be a
+// multiple of 8 and every row start 16-byte aligned (checked).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kestrel::cuda {
+
+// y = w ⊙ bf16(x · rsqrt(mean(x²) + eps)), normalised in FP32, rounded, times the weight, rounded.
+void rmsnorm_bf16(const uint16_t* x /* bf16 [T, n], row stride ldx */, int64_t ldx, const uint16_t* w /* bf16 [n] */,
+                  uint16_t* y /* bf16 [T, n], row stride ldy */, int64_t ldy, int64_t T, int64_t n, float eps,
+                  cudaStream_t stream);
+
+inline constexpr int kAttnResMaxSources = 16;
+
+// h = Mix([B_0..B_{nb-1}, P]; mix_norm_w, mix_proj_w) rounded to BF16 (the reference's rounding point),
+// then y = RMSNorm_{rms_w, eps}(h), all in one pass per token:
+//   u = mix_norm_w ⊙ mix_proj_w;  ℓ_i = (v_i·u)·rsqrt(mean(v_i²) + eps);  α = softmax(ℓ);  h = Σ α_i v_i.
+// Source i < nb is blocks + i·block_stride + t·ld; source nb is partial + t·ld. h_out may be null.
+void attn_res_mix_rmsnorm(const uint16_t* blocks /* bf16 [nb, T, D], block i at i·block_stride, row stride ld */,
+                          int64_t block_stride, int nb, const uint16_t* partial /* bf16 [T, D], row stride ld */,
+                          int64_t ld, const uint16_t* mix_norm_w /* bf16 [D] */,
+                          const uint16_t* mix_proj_w /* bf16 [D] */, const uint16_t* rms_w /* bf16 [D] */, float eps,
+                          uint16_t* h_out /* bf16 [T, D] row stride ldy, or null */,
+                          uint16_t* y /* bf16 [T, D], row stride ldy */, int64_t ldy, int64_t T, int64_t D,
+                          cudaStream_t stream);
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,87 @@
+#include "harness.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <mutex>
+
+#include "kernels/cuda/cuda_check.h"
+
+namespace kestrel::gputest {
+namespace {
+
+std::vector<std::string>& rows() {
+  static std::vector<std::string> r;
+  return r;
+}
+
+class SummaryEnv : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::printf("\n==== GPU op harness summary (GPU vs CPU twin) ====\n");
+    std::printf("%-28s %-34s %-11s %-11s %-38s %s\n", "op", "shape", "max|err|", "rel L2", "tolerance", "result");
+    for (const auto& r : rows()) std::printf("%s\n", r.c_str());
+  }
+};
+[[maybe_unused]] ::testing::Environment* const g_env = ::testing::AddGlobalTestEnvironment(new SummaryEnv);
+
+void add_row(const std::string& op, const std::string& shape, double max_abs, double rel_l2, const std::string& tol,
+             bool ok) {
+  rows().push_back(fmt::format("{:<28} {:<34} {:<11.3e} {:<11.3e} {:<38} {}", op, shape, max_abs, rel_l2, tol,
+                               ok ? "PASS" : "FAIL"));
+}
+
+}  // namespace
+
+std::string Tol::str() const { return fmt::format("atol {:.1e} rtol {:.1e} L2 {:.0e}", atol, rtol, rel_l2); }
+
+Stats check(const std::string& op, const std::string& shape, const float* got, const float* ref, size_t n,
+            const Tol& tol) {
+  Stats s;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double r = ref[i], g = got[i];
+    s.max_ref = std::max(s.max_ref, std::fabs(r));
+    if (!std::isfinite(g) && std::isfinite(r)) {
+      if (s.nonfinite++ == 0 && s.first_bad < 0) s.first_bad = int64_t(i);
+      continue;
+    }
+    const double d = std::fabs(g - r);
+    num += d * d;
+    den += r * r;
+    s.max_abs = std::max(s.max_abs, d);
+    if (d > tol.atol + tol.rtol * std::fabs(r)) {
+      if (s.bad++ == 0 && s.first_bad < 0) s.first_bad = int64_t(i);
+    }
+  }
+  s.rel_l2 = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  const bool ok = s.nonfinite == 0 && s.bad == 0 && s.rel_l2 <= tol.rel_l2;
+  add_row(op, shape, s.max_abs, s.rel_l2, tol.str(), ok);
+  EXPECT_TRUE(ok) << op << " " << shape << ": " << s.nonfinite << " unwritten/non-finite, " << s.bad
+                  << " beyond tolerance (first at " << s.first_bad << ": got " << (s.first_bad >= 0 ? got[s.first_bad] : 0)
+                  << " want " << (s.first_bad >= 0 ? ref[s.first_bad] : 0) << "), max abs " << s.max_abs
+                  << ", rel L2 " << s.rel_l2 << " (" << tol.str() << ")";
+  return s;
+}
+
+Stats check_bf16(const std::string& op, const std::string& shape, const std::vector<uint16_t>& got,
+                 const std::vector<uint16_t>& ref, const Tol& tol) {
+  EXPECT_EQ(got.size(), ref.size());
+  const std::vector<float> g = to_f32(got), r = to_f32(ref);
+  return check(op, shape, g.data(), r.data(), std::min(g.size(), r.size()), tol);
+}
+
+void check_exact(const std::string& op, const std::string& shape, const void* got, const void* ref, size_t bytes) {
+  const bool ok = std::memcmp(got, ref, bytes) == 0;
+  add_row(op, shape, 0.0, 0.0, "bit-exact", ok);
+  EXPECT_TRUE(ok) << op << " " << shape << ": not bit-identical to the CPU twin";
+}
+
+void note(const std::string& line) { rows().push_back(line); }
+
+void sync() {
+  KCUDA_CHECK(cudaGetLastError());
+  KCUDA_CHECK(cudaDeviceSynchronize());
+}
+
+}  // namespace kestrel::gputest
