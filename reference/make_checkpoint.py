@@ -28,7 +28,9 @@ so expert ids are spread over shards non-monotonically. Shards are cut on cumula
 ~2 GiB each, at least 4) and written one at a time, so memory stays bounded by about one shard.
 
 Initialisation (keeps a forward pass healthy through all layers; all "norm" weights are 1 + 0.02·N):
-linear weights N(0, 1/fan_in); embeddings N(0, 1); AttnRes projections N(0, 0.05²); short-conv taps
+linear weights N(0, 1/fan_in), except the layer output projections (KDA/MLA o_proj, dense and shared-expert
+down_proj: N(0, 0.03²/fan_in); routed_expert_up_proj: N(0, 0.01²/fan_in)); embeddings N(0, 1); AttnRes
+projections N(0, 0.03²/hidden) (see "Conditioning" below OUT_GAIN); short-conv taps
 N(0, 0.5²); A_log = log U(0.5, 2) so exp(A_log) = O(1); dt_bias N(0, 0.1²); router correction bias
 N(0, 0.01²); indexer k_norm bias N(0, 0.02²); vision position table N(0, 0.02²). Experts: N(0, 1/fan_in)
 in float32 quantised with reference/mxfp4.py, or with --fast-experts random E2M1 codes drawn from the code
@@ -395,8 +397,8 @@ class Tensor:
         return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
 
 
-def lin(name, out, inp):
-    return Tensor(name, (out, inp), "BF16", ("normal", 1.0 / math.sqrt(inp), 0.0))
+def lin(name, out, inp, gain=1.0):
+    return Tensor(name, (out, inp), "BF16", ("normal", gain / math.sqrt(inp), 0.0))
 
 
 def norm(name, dim, dtype="BF16"):
@@ -421,6 +423,17 @@ def permutation(seed, label, n):
     return np.argsort(keys, kind="stable").tolist()
 
 
+# Conditioning (reference/README.md "Conditioning of the random nano checkpoint"). Every layer writes into the
+# AttnRes stream through one output projection; with the plain 1/fan_in init each write is as large as the
+# embedding, every layer re-randomises the stream and a single BF16 flip (or the router/indexer decision it
+# moves) is amplified ~×10 per layer. Small output gains keep each layer a small correction to the embedding,
+# the routed experts smaller still (a router decision that flips at a near-tie then costs little), and
+# AttnRes Mix logits stay O(0.03) so the Mix weights barely move when a small block changes direction.
+OUT_GAIN = 0.03          # o_proj (KDA, MLA), mlp.down_proj, shared_experts.down_proj: std OUT_GAIN/sqrt(fan_in)
+ROUTED_UP_GAIN = 0.01    # routed_expert_up_proj
+RES_LOGIT_STD = 0.03     # AttnRes *_res_proj: std RES_LOGIT_STD/sqrt(hidden), i.e. Mix logits ~ N(0, 0.03²)
+
+
 def inventory(cfg, seed):
     """Units (lists of tensors that stay together) in storage order."""
     tc = cfg["text_config"]
@@ -432,13 +445,14 @@ def inventory(cfg, seed):
     Hi, Di = tc["index_n_heads"], tc["index_head_dim"]
     X, Lt, I = tc["num_experts"], tc["routed_expert_hidden_size"], tc["moe_intermediate_size"]
     Is = tc.get("shared_experts_intermediate_size", I * tc["num_shared_experts"])
+    res_std = RES_LOGIT_STD / math.sqrt(D)
     units = [[rand(LM + "model.embed_tokens.weight", (V, D), 1.0)]]
     for L in range(nL):
         P = LM + "model.layers.%d." % L
         t = [norm(P + "input_layernorm.weight", D), norm(P + "post_attention_layernorm.weight", D),
              norm(P + "self_attention_res_norm.weight", D), norm(P + "mlp_res_norm.weight", D),
-             rand(P + "self_attention_res_proj.weight", (1, D), 0.05),
-             rand(P + "mlp_res_proj.weight", (1, D), 0.05)]
+             rand(P + "self_attention_res_proj.weight", (1, D), res_std),
+             rand(P + "mlp_res_proj.weight", (1, D), res_std)]
         A = P + "self_attn."
         if (L + 1) in lac["kda_layers"]:
             t += [lin(A + p + "_proj.weight", H * Dk, D) for p in "qkvg"]
@@ -447,12 +461,12 @@ def inventory(cfg, seed):
                   lin(A + "b_proj.weight", H, D),
                   Tensor(A + "A_log", (-(-H // 128) * 128,), "F32", ("alog", H)),
                   rand(A + "dt_bias", (H * Dk,), 0.1, "F32"), norm(A + "o_norm.weight", Dk, "F32"),
-                  lin(A + "o_proj.weight", D, H * Dk)]
+                  lin(A + "o_proj.weight", D, H * Dk, OUT_GAIN)]
         else:
             t += [lin(A + "q_a_proj.weight", Q, D), norm(A + "q_a_layernorm.weight", Q),
                   lin(A + "q_b_proj.weight", Hm * (N + R), Q), lin(A + "kv_a_proj_with_mqa.weight", C + R, D),
                   norm(A + "kv_a_layernorm.weight", C), lin(A + "kv_b_proj.weight", Hm * (N + Dv), C),
-                  lin(A + "g_proj.weight", Hm * Dv, D), lin(A + "o_proj.weight", D, Hm * Dv),
+                  lin(A + "g_proj.weight", Hm * Dv, D), lin(A + "o_proj.weight", D, Hm * Dv, OUT_GAIN),
                   lin(A + "indexer.wq_b.weight", Hi * Di, Q), lin(A + "indexer.wk.weight", Di, D),
                   norm(A + "indexer.k_norm.weight", Di), rand(A + "indexer.k_norm.bias", (Di,), 0.02),
                   lin(A + "indexer.weights_proj.weight", Hi, D)]
@@ -460,19 +474,19 @@ def inventory(cfg, seed):
         if not moe:
             F = tc["intermediate_size"]
             t += [lin(P + "mlp.gate_proj.weight", F, D), lin(P + "mlp.up_proj.weight", F, D),
-                  lin(P + "mlp.down_proj.weight", D, F)]
+                  lin(P + "mlp.down_proj.weight", D, F, OUT_GAIN)]
             units += [[x] for x in t]
             continue
         M = P + "block_sparse_moe."
         t += [lin(M + "gate.weight", X, D), rand(M + "gate.e_score_correction_bias", (X,), 0.01, "F32"),
               lin(M + "routed_expert_down_proj.weight", Lt, D), norm(M + "routed_expert_norm.weight", Lt),
-              lin(M + "routed_expert_up_proj.weight", D, Lt),
+              lin(M + "routed_expert_up_proj.weight", D, Lt, ROUTED_UP_GAIN),
               lin(M + "shared_experts.gate_proj.weight", Is, D), lin(M + "shared_experts.up_proj.weight", Is, D),
-              lin(M + "shared_experts.down_proj.weight", D, Is)]
+              lin(M + "shared_experts.down_proj.weight", D, Is, OUT_GAIN)]
         units += [[x] for x in t]
         units += [expert_unit(M, e, Lt, I) for e in permutation(seed, "expert-order:" + M, X)]
     units += [[norm(LM + "model.norm.weight", D)], [norm(LM + "model.output_attn_res_norm.weight", D)],
-              [rand(LM + "model.output_attn_res_proj.weight", (1, D), 0.05)],
+              [rand(LM + "model.output_attn_res_proj.weight", (1, D), res_std)],
               [lin(LM + "lm_head.weight", V, D)]]
     vc = cfg.get("vision_config")
     if vc:

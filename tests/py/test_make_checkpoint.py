@@ -351,7 +351,15 @@ def test_value_statistics(nano_tensors):
     assert abs(t[lm + "layers.0.input_layernorm.weight"].mean() - 1) < 0.01
     assert t[lm + "layers.0.self_attn.o_norm.weight"].dtype == np.float32
     assert abs(t[lm + "layers.3.self_attn.indexer.k_norm.bias"]).max() < 0.1
-    assert 0.02 < t[lm + "layers.0.mlp_res_proj.weight"].std() < 0.1
+    # conditioning gains (reference/README.md "Conditioning"): AttnRes proj 0.03/sqrt(hidden), layer output
+    # projections 0.03/sqrt(fan_in), routed_expert_up_proj 0.01/sqrt(fan_in)
+    assert abs(t[lm + "layers.0.mlp_res_proj.weight"].std() * 16 / 0.03 - 1) < 0.2
+    assert abs(t[lm + "layers.0.self_attn.o_proj.weight"].std() * np.sqrt(128) / 0.03 - 1) < 0.05
+    assert abs(t[lm + "layers.0.mlp.down_proj.weight"].std() * np.sqrt(512) / 0.03 - 1) < 0.05
+    assert abs(t[lm + "layers.3.self_attn.o_proj.weight"].std() * np.sqrt(128) / 0.03 - 1) < 0.05
+    assert abs(t[lm + "layers.1.block_sparse_moe.shared_experts.down_proj.weight"].std() * np.sqrt(128) / 0.03 - 1) < 0.05
+    assert abs(t[lm + "layers.1.block_sparse_moe.routed_expert_up_proj.weight"].std() * np.sqrt(128) / 0.01 - 1) < 0.05
+    assert abs(t[lm + "layers.1.block_sparse_moe.gate.weight"].std() * 16 - 1) < 0.05
     assert abs(t[lm + "layers.1.block_sparse_moe.gate.e_score_correction_bias"]).max() < 0.1
     m = lm + "layers.2.block_sparse_moe.experts.5."
     w1 = mxfp4.dequantize_mxfp4(t[m + "w1.weight_packed"], t[m + "w1.weight_scale"])

@@ -1,8 +1,9 @@
 // A random-weight nano K3.1 model (MODEL.md Appendix A) held in HostTensors, for model tests that
 // must not depend on the checkpoint generator. Tensors come from the loader's own list
 // (for_each_tensor), so the structs are filled exactly as bind_weights would fill them; values follow
-// the generator's initialisation recipe (linear N(0, 1/fan_in), norms 1 + 0.02·N, ...), experts are
-// quantised to MXFP4 from N(0, 1/fan_in) floats.
+// the generator's initialisation recipe (reference/make_checkpoint.py: linear N(0, 1/fan_in), layer output
+// projections scaled by 0.03 (routed_expert_up_proj 0.01), AttnRes projections N(0, 0.03²/hidden), norms
+// 1 + 0.02·N, ...), experts are quantised to MXFP4 from N(0, 1/fan_in) floats.
 #pragma once
 
 #include <cmath>
@@ -71,9 +72,13 @@ RandomModel make_random_model(uint64_t seed, Edit edit) {
     else if (ends("conv1d.weight")) sd = 0.5f;
     else if (ends("e_score_correction_bias")) sd = 0.01f;
     else if (ends("k_norm.bias")) sd = 0.02f;
-    else if (ends("res_proj.weight")) sd = 0.05f;
+    else if (ends("res_proj.weight")) sd = 0.03f / std::sqrt(float(s.shape[s.shape.rank - 1]));
     else if (n.find("norm") != std::string::npos) mean = 1.0f, sd = 0.02f;
     else if (ends("embed_tokens.weight")) sd = 1.0f;
+    // Layer output projections (see "Conditioning" in reference/README.md).
+    else if (ends("o_proj.weight") || ends("mlp.down_proj.weight") || ends("shared_experts.down_proj.weight"))
+      sd *= 0.03f;
+    else if (ends("routed_expert_up_proj.weight")) sd *= 0.01f;
     auto value = [&]() -> float {
       if (a_log) return std::log(0.5f + 1.5f * std::uniform_real_distribution<float>(0, 1)(rng));
       return mean + sd * nd(rng);

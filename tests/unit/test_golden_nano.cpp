@@ -12,11 +12,13 @@
 //    the final norm + lm_head from golden final_hidden;
 //  - end to end: model::prefill / decode logits and greedy tokens for every case.
 //
-// Why per layer: the random nano checkpoint is chaotic under BF16 activations. One BF16 flip flips a
-// router decision a few layers later, so even the reference's own FP32 and FP64 runs differ by up to
-// 19 % at the logits (golden.json `fp32_compute_sensitivity`). Feeding each layer the golden input
-// stops errors from compounding, so those checks can hold BF16-level bounds; the end-to-end bound is
-// tight only on `short` (FP32 sensitivity 0.3 %) and derived from the measured sensitivity elsewhere.
+// Conditioning: the nano checkpoint's initialisation (reference/make_checkpoint.py, reference/README.md
+// "Conditioning") keeps every layer a small correction to the embedding, so a BF16 flip is not amplified
+// through the 8 layers: the reference's own FP32 run stays within 1.0–1.5e-3 of FP64 at the logits on
+// every case (golden.json `fp32_compute_sensitivity`), and the end-to-end test below holds MODEL.md
+// §0.10's bound (logits rel L2 ≤ 2e-2 at every position, same greedy token). The per-layer,
+// teacher-forced checks stay: fed the golden input, a layer's own arithmetic is compared at BF16-level
+// bounds, and a routing/indexer decision is compared wherever its golden margin is above the noise.
 //
 // Relative L2 = ||engine − golden|| / ||golden|| over the compared rows. Every bound below states the
 // value measured when it was chosen.
@@ -321,26 +323,27 @@ struct Capture {
 // A golden routing decision is compared only where its margin exceeds what the engine's FP32 arithmetic
 // can move. Router: scores are σ(x·Wᵀ) from the BF16 normed x; FP32 accumulation alone moves them by
 // ~1e-7, and a 1-ulp BF16 flip of one element of the normed x (FP32 vs FP64 RMSNorm) by ≲ 2^-8 · |w|
-// · σ' ≈ 6e-5 (|w| ~ 1/√D). 33 of 1890 golden rows have margin ≤ 1e-3, 7 ≤ 2e-4, min 1.9e-5; the
+// · σ' ≈ 6e-5 (|w| ~ 1/√D). 39 of 1890 golden rows have margin ≤ 1e-3, 8 ≤ 2e-4, min 2.0e-5; the
 // engine flips none of them (measured).
 constexpr double kRouterMarginNoise = 2e-4;
-// Indexer: same argument for Σ_h w_h ReLU(q_I·k_I)-scores (median margin 3e-3 on `long`; 9 rows in
-// (0, 1e-3], min 5.5e-5). Exact-zero margins (ties among ReLU-clipped zero scores, 59 rows) are left
+// Indexer: same argument for Σ_h w_h ReLU(q_I·k_I)-scores (median margin 4.5e-3 on `long`; 9 rows in
+// (0, 1e-3], min 1.5e-5). Exact-zero margins (ties among ReLU-clipped zero scores, 53 rows) are left
 // out too although the tie rule is deterministic; the engine matches them all anyway (measured).
 constexpr double kIndexMarginNoise = 1e-4;
 
 // Per-layer bounds (relative L2 of one case's rows for one layer / worst single row). Teacher-forced
 // layers see bit-identical BF16 inputs, so differences are FP32-vs-FP64 arithmetic flipping single
 // BF16 roundings (2^-9 relative each) inside the layer.
-//   attention: measured max 4.6e-4 (KDA) and 1.4e-3 (MLA, prefill_decode: decode uses the absorbed
-//   form, golden the naive one; reference/README.md measures 3.5e-3 between the two); worst row 4.6e-3.
+//   attention: measured max 6.2e-4 (KDA) and 1.5e-3 (MLA, batch; prefill_decode 1.2e-3: decode uses the
+//   absorbed form, golden the naive one; reference/README.md measures 3.5e-3 between the two); worst
+//   row 5.9e-3.
 constexpr double kAttnTensorBound = 5e-3, kAttnRowBound = 2e-2;
-//   dense MLP / MoE (rows with the golden expert set): measured max 7.2e-4, worst row 4.8e-3.
+//   dense MLP / MoE (rows with the golden expert set): measured max 6.7e-4, worst row 3.8e-3.
 constexpr double kMlpTensorBound = 5e-3, kMlpRowBound = 2e-2;
-//   router weights, same expert set: max |Δw| measured 3.3e-5 (an input BF16 flip), else ≤ 6e-8.
+//   router weights, same expert set: max |Δw| measured 1.8e-5 (an input BF16 flip), else ≤ 6e-8.
 constexpr double kRouterWeightBound = 2e-4;
 //   AttnRes Mix from the golden stream: identical inputs, FP32 softmax/sum vs FP64; measured max
-//   2.4e-5 per tensor, worst row 5.9e-4 (most Mix results are bit-identical).
+//   2.8e-5 per tensor, worst row 9.5e-4 (most Mix results are bit-identical).
 constexpr double kMixTensorBound = 1e-3, kMixRowBound = 5e-3;
 //   model.norm + lm_head from golden final_hidden: FP32 vs FP64 accumulation of identical BF16
 //   products, logits not rounded; measured 1.1e-7 (worst row 1.4e-7).
@@ -584,20 +587,26 @@ TEST(GoldenNano, FinalNormAndLmHeadFromGoldenHidden) {
   }
 }
 
-// End to end, and why the bounds are loose. MODEL.md §0.10 asks for logits rel L2 ≤ 2e-2 and the same
-// greedy token; that is not reachable on this checkpoint, not even on `short`. The reference's own
-// FP32 run happens to stay within 0.3 % on `short`, but that is luck, not conditioning: in the
-// reference's FP64 run, raising ONE element of L0.mlp_out of `short` by one BF16 ulp moves the logits
-// by 6–11 % rel L2 (worst row 26 %, greedy 7/8 in one of 4 trials; measured with k3ref by patching
-// Model._mlp). The engine's dense L0 MLP (FP32 accumulation) rounds one such element differently
-// (L0.mlp_out 8.8e-5 vs golden) and the chained run then grows ~×10 per layer to the BF16 noise
-// floor, and a router flip at L6 does the rest (measured chained L6.mlp_out 18 %). Per-layer tests
-// above are therefore the accuracy check; this one checks the wiring (AttnRes stream, state across
-// decode calls, independent requests), where a bug gives O(1) errors. Bound per case: twice the
-// larger of the case's FP32 sensitivity and the one-ulp-flip sensitivity of `short` (0.11), i.e.
-// 0.22–0.38. Greedy agreement: the FP32 reference agrees on 82–100 % of rows; bound 75 %.
-constexpr double kOneUlpFlipSensitivity = 0.11;
-constexpr double kGreedyAgreementBound = 0.75;
+// End to end, MODEL.md §0.10: logits relative L2 ≤ 2e-2 at every position (worst row) and the same
+// greedy token at every position. Measured (engine vs golden): whole case 1.1e-7 (short, bit-identical
+// activations) to 1.6e-3 (long), worst row 7.6e-3 (long; an indexer/router near-tie decided the other
+// way, worth ≤ 1 % at that row by construction of the checkpoint); the reference's own FP32 run is at
+// 1.0–1.5e-3. On top of §0.10, the whole case must stay within kE2eCaseBound: the conditioned
+// checkpoint's layers are small corrections to the embedding, so a wiring bug moves the logits by less
+// than 2e-2 per row, but on many rows. Measured in the FP64 reference on `long`: one layer's output
+// zeroed moves the whole case by 5.9e-3 (L3 or L7 MLA) to 1.9e-2 (L5 MoE), worst row 1.7–2.7e-2; decode
+// steps without the carried state (prefill_decode) 4.8e-2. The case bound catches all of them.
+constexpr double kE2eRowBound = 2e-2;   // MODEL.md §0.10
+constexpr double kE2eCaseBound = 3e-3;  // measured max 1.6e-3 (long)
+// Greedy: the same token at every position, except where the golden top-1/top-2 logit gap is a numerical
+// tie at BF16 level, gap < kGreedyTieGap · RMS(row logits): there either of the two tied tokens is
+// accepted. One golden row is such a tie: batch row 29 (request 2, position 12), gap 2.1e-4 · RMS, tokens
+// 185/488; even a 1-ulp change of one element of one layer's normed input flips it in the FP64
+// reference (reference/conditioning.py), and the engine (per-row error ~1e-3) picks 488. All 269 other
+// rows have gap ≥ 3.1e-3 · RMS (p1 4.3e-3) and must match exactly. With V = 1024 roughly Gaussian
+// logits, a row has gap < 1e-3 · RMS with probability ≈ 0.4 %, so about one such row in 270 is expected
+// for any random checkpoint: this is a property of random logits, not of the conditioning.
+constexpr double kGreedyTieGap = 1e-3;
 
 TEST(GoldenNano, EndToEndLogits) {
   REQUIRE_GOLDEN(g);
@@ -640,18 +649,39 @@ TEST(GoldenNano, EndToEndLogits) {
     }
     RelL2 err;
     err.add(got.data(), want.data(), T, V);
-    int greedy_same = 0;
+    int greedy_same = 0, ties = 0;
     for (int64_t t = 0; t < T; ++t) {
-      const auto a = std::max_element(got.begin() + t * V, got.begin() + (t + 1) * V) - (got.begin() + t * V);
-      const auto b = std::max_element(want.begin() + t * V, want.begin() + (t + 1) * V) - (want.begin() + t * V);
+      const float* g_row = got.data() + t * V;
+      const float* w_row = want.data() + t * V;
+      const int64_t a = std::max_element(g_row, g_row + V) - g_row;
+      // golden top-1 / top-2 and the row's logit RMS
+      int64_t b = 0, b2 = -1;
+      double ms = 0;
+      for (int64_t v = 0; v < V; ++v) {
+        ms += double(w_row[v]) * w_row[v];
+        if (v == 0) continue;
+        if (w_row[v] > w_row[b]) b2 = b, b = v;
+        else if (b2 < 0 || w_row[v] > w_row[b2]) b2 = v;
+      }
+      const double gap = (double(w_row[b]) - w_row[b2]) / std::sqrt(ms / double(V));
       greedy_same += a == b;
+      if (gap < kGreedyTieGap) {
+        ++ties;
+        EXPECT_TRUE(a == b || a == b2) << name << " row " << t << ": greedy " << a << " is neither of the tied golden "
+                                       << b << "/" << b2 << " (gap " << gap << " RMS)";
+        if (a != b) std::printf("e2e %-15s row %lld: tie (gap %.2e RMS), golden %lld/%lld, engine %lld\n", name.c_str(),
+                                (long long)t, gap, (long long)b, (long long)b2, (long long)a);
+      } else {
+        EXPECT_EQ(a, b) << name << " row " << t << ": greedy token differs (golden gap " << gap << " RMS)";
+      }
     }
+    EXPECT_LE(err.worst_row, kE2eRowBound) << name;
+    EXPECT_LE(err.value(), kE2eCaseBound) << name;
+    EXPECT_LE(ties, 1) << name << ": more golden near-ties than the one documented above";
     const double sens = c["fp32_compute_sensitivity"]["logits_rel_l2"];
-    const double bound = 2 * std::max(sens, kOneUlpFlipSensitivity);
-    EXPECT_LE(err.value(), bound) << name;
-    EXPECT_GE(double(greedy_same) / double(T), kGreedyAgreementBound) << name;
-    std::printf("e2e %-15s logits rel_l2 %.3e worst_row %.3e greedy %d/%lld  (ref fp32 sensitivity %.3e, greedy %.3f)\n",
-                name.c_str(), err.value(), err.worst_row, greedy_same, (long long)T, sens,
+    std::printf("e2e %-15s logits rel_l2 %.3e worst_row %.3e greedy %d/%lld (ties %d)  (ref fp32 sensitivity %.3e, "
+                "greedy %.3f)\n",
+                name.c_str(), err.value(), err.worst_row, greedy_same, (long long)T, ties, sens,
                 c["fp32_compute_sensitivity"]["greedy_match"].get<double>());
   }
 }

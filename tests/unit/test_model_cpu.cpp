@@ -5,8 +5,9 @@
 //    indexer selecting every key vs no indexer, repeated runs.
 //  - Relative L2 ≤ 1e-2 on one layer's output where only summation order or BF16 rounding points
 //    differ (BLAS prefill vs GEMV decode, naive vs absorbed MLA): such differences flip single BF16
-//    roundings of activations (2^-8 relative). Through all 8 layers of the untrained nano model the
-//    flips compound to ~2e-2 on logits (bound 5e-2, plus the same greedy token everywhere).
+//    roundings of activations (2^-8 relative). The nano model follows the generator's conditioned
+//    initialisation (small layer output gains, reference/README.md "Conditioning"), so such flips do
+//    not compound through the 8 layers: ~1e-3 on logits (bound 5e-3, plus the same greedy token).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -77,10 +78,10 @@ TEST(ModelCpu, LogitsFiniteAndDeterministic) {
 
 TEST(ModelCpu, PrefillThenDecodeMatchesLongerPrefill) {
   // KDA recurrent + conv state and the MLA caches must carry exactly what a longer prefill sees.
-  // Router top-k is discontinuous: a BF16-noise difference (BLAS vs GEMV order) can swap an expert
-  // and move a random-weight model's logits by ~20%. With every expert selected (16 of 16) and the
-  // indexer's top-k covering the context, the forward is continuous and the bound is meaningful.
-  const auto m = testing::make_random_model(11, [](nlohmann::json& t) { t["num_experts_per_token"] = 16; });
+  // The nano model's real top-4-of-16 routing is used: with the conditioned initialisation a router
+  // decision that BF16 noise (BLAS vs GEMV order) flips at a near-tie costs ≲ 1 % of that row (the
+  // routed experts' output gain is 0.01), where the old 1/fan_in init moved the logits by ~20 %.
+  const auto& m = nano();
   const auto toks = tokens(12, 2);
   const auto full = run_split(m, toks, toks.size());
   ForwardOptions naive_decode;
@@ -88,11 +89,12 @@ TEST(ModelCpu, PrefillThenDecodeMatchesLongerPrefill) {
   const auto split_naive = run_split(m, toks, 7, naive_decode);
   const auto split = run_split(m, toks, 7);  // absorbed decode
   const double e1 = rel_l2(split_naive, full), e2 = rel_l2(split, full);
-  // Measured 2.0e-2 for both: single BF16 flips (2^-8) from the BLAS-vs-GEMV order grow ~2x per layer
-  // through this untrained model (L0 output differs by 1e-4); the layer-level KDA test below is the
-  // tight check of the state hand-off.
-  EXPECT_LT(e1, 5e-2);
-  EXPECT_LT(e2, 5e-2);
+  // Measured 9.7e-4 (naive decode) and 9.0e-4 (absorbed decode): single BF16 flips (2^-8) from the
+  // BLAS-vs-GEMV order, not amplified through the layers (16 of 16 experts selected: 1.1e-3 for both;
+  // the old 1/fan_in init: 2.0e-2). The layer-level KDA test below is the tight check of the state
+  // hand-off.
+  EXPECT_LT(e1, 5e-3);
+  EXPECT_LT(e2, 5e-3);
   const size_t V = 1024;
   for (size_t t = 0; t < toks.size(); ++t) {
     auto arg = [&](const std::vector<float>& l) {
