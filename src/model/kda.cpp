@@ -20,8 +20,24 @@ void KdaState::reset(const TextConfig& c) {
 
 void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st, const uint16_t* x, int64_t T, uint16_t* out,
                  KdaForm form) {
+  KCHECK(st.S.size() == size_t(kda_recurrent_elems(c)) && st.conv.size() == size_t(kda_conv_elems(c)),
+         "KDA state not initialised");
+  kda_forward(w, c, st.view(), x, T, out, form);
+}
+
+void kda_forward(const KdaWeights& w, const TextConfig& c, const KdaStateView& st, const uint16_t* x, int64_t T,
+                 uint16_t* out, KdaForm form) {
   const int64_t D = c.hidden_size, H = c.kda.num_heads, Dk = c.kda.head_dim, HD = H * Dk, W = c.kda.conv_size;
-  KCHECK(st.S.size() == size_t(H * Dk * Dk) && st.conv.size() == size_t(3 * (W - 1) * HD), "KDA state not initialised");
+  KCHECK(st.recurrent && st.conv, "KDA state view is empty");
+  // f32 [H, Dk, Dk]: the state itself, or a widened copy of an f16 state written back at the end.
+  std::vector<float> widened;
+  float* Sbase = static_cast<float*>(st.recurrent);
+  if (st.recurrent_f16) {
+    const uint16_t* h16 = static_cast<const uint16_t*>(st.recurrent);
+    widened.resize(size_t(H * Dk * Dk));
+    for (size_t i = 0; i < widened.size(); ++i) widened[i] = f16_to_f32(h16[i]);
+    Sbase = widened.data();
+  }
   using cpu::gemm_bf16;
 
   // §3.3 step 1: q̃, k̃, ṽ = Lin(q/k/v_proj)(x).
@@ -50,7 +66,7 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st, const u
   std::vector<float> qkv_f(size_t(3 * T * HD));  // f32 [3, T, HD], post-conv q, k, v
   for (int64_t t = 0; t < T; ++t) {
     for (int p = 0; p < 3; ++p) {
-      uint16_t* hist = st.conv.data() + p * (W - 1) * HD;  // bf16 [W-1, HD]
+      uint16_t* hist = st.conv + p * (W - 1) * HD;  // bf16 [W-1, HD]
       const uint16_t* cur = qkv.data() + (p * T + t) * HD;
       float* dst = qkv_f.data() + (p * T + t) * HD;
       for (int64_t ch = 0; ch < HD; ++ch) {
@@ -103,11 +119,16 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st, const u
   for (int64_t h = 0; h < H; ++h) {
     const cpu::KdaHeadIo io{qf + h * Dk, kf + h * Dk, vf + h * Dk, g.data() + h * Dk, beta.data() + h, HD, H,
                             o.data() + h * Dk};
-    float* S = st.S.data() + h * Dk * Dk;  // f32 [Dk(key), Dk(value)]
+    float* S = Sbase + h * Dk * Dk;  // f32 [Dk(key), Dk(value)]
     if (chunked)
       cpu::kda_scan_chunked(io, T, Dk, S);
     else
       cpu::kda_scan_recurrent(io, T, Dk, S);
+  }
+
+  if (st.recurrent_f16) {
+    uint16_t* h16 = static_cast<uint16_t*>(st.recurrent);
+    for (size_t i = 0; i < widened.size(); ++i) h16[i] = f32_to_f16(widened[i]);
   }
 
   // Step 7: ô = RMSNorm_{o_norm}(o) ⊙ σ(gate), per head, all FP32, one rounding.
