@@ -25,6 +25,8 @@ CacheLayout CacheLayout::from_config(const TextConfig& t, const CacheFormats& f)
     const int64_t Di = t.index_head_dim;
     if (f.index_keys == IndexKeyFormat::fp8) {
       l.index_key_bytes_per_token = Di + 4;
+    } else if (f.index_keys == IndexKeyFormat::bf16) {
+      l.index_key_bytes_per_token = Di * 2;
     } else {
       if (Di % 32 != 0) fail("cache: MXFP4 index keys need index_head_dim % 32 == 0, got {}", Di);
       l.index_key_bytes_per_token = Di / 2 + Di / 32;
@@ -34,6 +36,24 @@ CacheLayout CacheLayout::from_config(const TextConfig& t, const CacheFormats& f)
   l.kda_recurrent_bytes = H * Dk * Dk * (f.kda_state == KdaStateDtype::f32 ? 4 : 2);
   l.kda_conv_bytes = 3 * (t.kda.conv_size - 1) * H * Dk * 2;
   return l;
+}
+
+LatentFormat parse_latent_format(const std::string& s) {
+  if (s == "bf16") return LatentFormat::bf16;
+  if (s == "fp8") return LatentFormat::fp8;
+  fail("latent cache dtype must be bf16 or fp8, got '{}'", s);
+}
+
+IndexKeyFormat parse_index_key_format(const std::string& s) {
+  if (s == "bf16") return IndexKeyFormat::bf16;
+  if (s == "fp8") return IndexKeyFormat::fp8;
+  if (s == "mxfp4") return IndexKeyFormat::mxfp4;
+  fail("index-key cache dtype must be bf16, fp8 or mxfp4, got '{}'", s);
+}
+
+const char* format_name(LatentFormat f) { return f == LatentFormat::bf16 ? "bf16" : "fp8"; }
+const char* format_name(IndexKeyFormat f) {
+  return f == IndexKeyFormat::bf16 ? "bf16" : f == IndexKeyFormat::fp8 ? "fp8" : "mxfp4";
 }
 
 std::string CacheLayout::describe() const {

@@ -8,6 +8,8 @@
 //            fp8 : C e4m3 + ceil(C/128) f32 scales + R bf16 = 512 + 16 + 128 = 656 B
 //   index key fp8 : Di e4m3 + 1 f32 scale              = 132 B
 //            mxfp4: Di/2 packed e2m1 + Di/32 e8m0       = 68 B
+//            bf16 : Di * 2                              = 256 B (the CPU reference format: exact, and
+//                   the baseline the quantised formats are measured against)
 // The indexer kernels use 64-token pages (§3.5); a 128-token manager page holds two of them, which the
 // executor derives from the page id, so the bookkeeping here never sees kernel pages.
 // A KDA state slot holds, for every KDA layer, the recurrent state H·Dk·Dk (f32, or f16 opt-in) and
@@ -22,7 +24,7 @@
 namespace kestrel::cache {
 
 enum class LatentFormat : uint8_t { bf16, fp8 };
-enum class IndexKeyFormat : uint8_t { fp8, mxfp4 };
+enum class IndexKeyFormat : uint8_t { fp8, mxfp4, bf16 };
 enum class KdaStateDtype : uint8_t { f32, f16 };
 
 struct CacheFormats {
@@ -31,6 +33,12 @@ struct CacheFormats {
   IndexKeyFormat index_keys = IndexKeyFormat::fp8;
   KdaStateDtype kda_state = KdaStateDtype::f32;
 };
+
+// "bf16"/"fp8" and "bf16"/"fp8"/"mxfp4" (CLI spellings); throw kestrel::Error for anything else.
+LatentFormat parse_latent_format(const std::string& s);
+IndexKeyFormat parse_index_key_format(const std::string& s);
+const char* format_name(LatentFormat f);
+const char* format_name(IndexKeyFormat f);
 
 struct CacheLayout {
   int block_size = 0;

@@ -9,15 +9,15 @@
 
 namespace kestrel::model {
 
-void indexer_select(const IndexerWeights& w, const TextConfig& c, Bf16Vec& key_cache, const uint16_t* x,
+void indexer_select(const IndexerWeights& w, const TextConfig& c, const MlaCacheView& cache, const uint16_t* x,
                     const uint16_t* c_q, int64_t T, int64_t pos0, std::vector<int32_t>& sel) {
   const int64_t D = c.hidden_size, Q = c.q_lora_rank, Hi = c.index_n_heads, Di = c.index_head_dim,
                 Ki = c.index_topk;
   KCHECK(Ki > 0, "index_topk must be positive, got {}", Ki);
   KCHECK(c.index_rope_head_dim == 0, "indexer RoPE (index_rope_head_dim = {}) is not implemented on the CPU path",
          c.index_rope_head_dim);
-  KCHECK(key_cache.size() == size_t(pos0 * Di), "index-key cache holds {} values, expected {} tokens × {}",
-         key_cache.size(), pos0, Di);
+  KCHECK(cache.Di == Di && cache.capacity() >= pos0 + T, "index-key cache view (Di {}, {} tokens) cannot take {} + {}",
+         cache.Di, cache.capacity(), pos0, T);
   // Step 1: q_I = Lin(wq_b)(c_q) → [Hi, Di].
   Bf16Vec qi(size_t(T * Hi * Di));  // bf16 [T, Hi*Di]
   cpu::gemm_bf16(c_q, Q, bf16_ptr(w.wq_b), qi.data(), Hi * Di, T, Q, Hi * Di);
@@ -26,7 +26,7 @@ void indexer_select(const IndexerWeights& w, const TextConfig& c, Bf16Vec& key_c
   cpu::gemm_bf16(x, D, bf16_ptr(w.wk), kraw.data(), Di, T, D, Di);
   const uint16_t* kn_w = bf16_ptr(w.k_norm);
   const uint16_t* kn_b = w.k_norm_bias.empty() ? nullptr : bf16_ptr(w.k_norm_bias);
-  key_cache.resize(size_t((pos0 + T) * Di));
+  Bf16Vec kn(static_cast<size_t>(Di));  // bf16 [Di]
   for (int64_t t = 0; t < T; ++t) {
     const uint16_t* k = kraw.data() + t * Di;
     double mean = 0.0, var = 0.0;
@@ -36,9 +36,16 @@ void indexer_select(const IndexerWeights& w, const TextConfig& c, Bf16Vec& key_c
     const float rstd = float(1.0 / std::sqrt(var / double(Di) + 1e-6));
     for (int64_t i = 0; i < Di; ++i) {
       const float b = kn_b ? bf16_to_f32(kn_b[i]) : 0.0f;
-      key_cache[size_t((pos0 + t) * Di + i)] =
-          f32_to_bf16((bf16_to_f32(k[i]) - float(mean)) * rstd * bf16_to_f32(kn_w[i]) + b);
+      kn[size_t(i)] = f32_to_bf16((bf16_to_f32(k[i]) - float(mean)) * rstd * bf16_to_f32(kn_w[i]) + b);
     }
+    cache.write_key(pos0 + t, kn.data());
+  }
+  // Keys as the scores see them: dequantised from the cache (exact for BF16).
+  // Skipped while every query still sees at most Ki keys (all selected, no scores).
+  Bf16Vec key_cache;  // bf16 [S, Di]
+  if (pos0 + T > Ki) {
+    key_cache.resize(size_t((pos0 + T) * Di));
+    cache.read_keys(pos0 + T, key_cache.data());
   }
   // Step 3: w = weights_proj(x) in FP32 (no BF16 rounding of the output).
   std::vector<float> hw(size_t(T * Hi));  // f32 [T, Hi]

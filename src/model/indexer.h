@@ -1,6 +1,7 @@
 // DSA lightning indexer, MODEL.md §3.5 (NoPE, §0.1): picks the keys each MLA query attends to.
 //
-// The index key k_I of every token is cached per request (BF16, one Di vector per token, MQA).
+// The index key k_I of every token is cached per request through the paged view (one Di vector per
+// token, MQA; BF16, FP8 or MXFP4, cache_view.h). Scores use the keys as read back from the cache.
 // Selection for query position p: when p+1 ≤ index_topk every visible key is selected (exactly dense
 // causal MLA, no scores computed); otherwise the top index_topk scores, ties to the lower position.
 // Selected positions are handed back sorted ascending, so the attention sum runs in position order
@@ -12,14 +13,15 @@
 
 #include "loader/config.h"
 #include "loader/weights.h"
+#include "model/cache_view.h"
 #include "model/common.h"
 
 namespace kestrel::model {
 
-// Appends the T new index keys to `key_cache` (bf16 [S, Di], S = pos0 before the call) and fills
+// Writes the T new index keys at positions [pos0, pos0+T) of `cache` and fills
 // `sel` (i32 [T, Ki], Ki = index_topk) with each query's selected key positions, ascending, padded
 // with −1 (§3.5 step 6).
-void indexer_select(const IndexerWeights& w, const TextConfig& c, Bf16Vec& key_cache,
+void indexer_select(const IndexerWeights& w, const TextConfig& c, const MlaCacheView& cache,
                     const uint16_t* x /* bf16 [T, D], normed hidden */,
                     const uint16_t* c_q /* bf16 [T, Q], q_a_layernorm output */, int64_t T, int64_t pos0,
                     std::vector<int32_t>& sel /* i32 [T, Ki] */);

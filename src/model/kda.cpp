@@ -21,8 +21,24 @@ void KdaState::reset(const TextConfig& c) {
 
 void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st, const uint16_t* x, int64_t T, uint16_t* out,
                  KdaForm form) {
+  KCHECK(st.S.size() == size_t(kda_recurrent_elems(c)) && st.conv.size() == size_t(kda_conv_elems(c)),
+         "KDA state not initialised");
+  kda_forward(w, c, st.view(), x, T, out, form);
+}
+
+void kda_forward(const KdaWeights& w, const TextConfig& c, const KdaStateView& st, const uint16_t* x, int64_t T,
+                 uint16_t* out, KdaForm form) {
   const int64_t D = c.hidden_size, H = c.kda.num_heads, Dk = c.kda.head_dim, HD = H * Dk, W = c.kda.conv_size;
-  KCHECK(st.S.size() == size_t(H * Dk * Dk) && st.conv.size() == size_t(3 * (W - 1) * HD), "KDA state not initialised");
+  KCHECK(st.recurrent && st.conv, "KDA state view is empty");
+  // f32 [H, Dk, Dk]: the state itself, or a widened copy of an f16 state written back at the end.
+  std::vector<float> widened;
+  float* Sbase = static_cast<float*>(st.recurrent);
+  if (st.recurrent_f16) {
+    const uint16_t* h16 = static_cast<const uint16_t*>(st.recurrent);
+    widened.resize(size_t(H * Dk * Dk));
+    for (size_t i = 0; i < widened.size(); ++i) widened[i] = f16_to_f32(h16[i]);
+    Sbase = widened.data();
+  }
   using cpu::gemm_bf16;
 
   // §3.3 step 1: q̃, k̃, ṽ = Lin(q/k/v_proj)(x).
@@ -49,7 +65,7 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st, const u
   // token by token (it is the carried state). q, k, v stay f32 from here on.
   std::vector<float> qkv_f(size_t(3 * T * HD));  // f32 [3, T, HD], post-conv q, k, v
   for (int p = 0; p < 3; ++p)
-    cpu::kda_conv_silu(qkv.data() + p * T * HD, HD, conv_w[p], st.conv.data() + p * (W - 1) * HD,
+    cpu::kda_conv_silu(qkv.data() + p * T * HD, HD, conv_w[p], st.conv + p * (W - 1) * HD,
                        qkv_f.data() + p * T * HD, HD, T, HD, W);
   float* qf = qkv_f.data();
   float* kf = qkv_f.data() + T * HD;
@@ -67,11 +83,16 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st, const u
   for (int64_t h = 0; h < H; ++h) {
     const cpu::KdaHeadIo io{qf + h * Dk, kf + h * Dk, vf + h * Dk, g.data() + h * Dk, beta.data() + h, HD, H,
                             o.data() + h * Dk};
-    float* S = st.S.data() + h * Dk * Dk;  // f32 [Dk(key), Dk(value)]
+    float* S = Sbase + h * Dk * Dk;  // f32 [Dk(key), Dk(value)]
     if (chunked)
       cpu::kda_scan_chunked(io, T, Dk, S);
     else
       cpu::kda_scan_recurrent(io, T, Dk, S);
+  }
+
+  if (st.recurrent_f16) {
+    uint16_t* h16 = static_cast<uint16_t*>(st.recurrent);
+    for (size_t i = 0; i < widened.size(); ++i) h16[i] = f32_to_f16(widened[i]);
   }
 
   // Step 7: ô = RMSNorm_{o_norm}(o) ⊙ σ(gate), per head, all FP32, one rounding.

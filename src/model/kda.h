@@ -11,6 +11,7 @@
 
 #include "loader/config.h"
 #include "loader/weights.h"
+#include "model/cache_view.h"
 #include "model/common.h"
 
 namespace kestrel::model {
@@ -20,11 +21,17 @@ struct KdaState {
   Bf16Vec conv;          // bf16 [3, W-1, H*Dk]: q, k, v pre-conv inputs, oldest first
 
   void reset(const TextConfig& c);
+  KdaStateView view() { return {S.data(), false, conv.data()}; }
 };
 
 // Which form of the step-6 scan to run; `automatic` = chunked for T > 1, recurrent for one token.
 enum class KdaForm { automatic, recurrent, chunked };
 
+// Reads and updates the state in place: an engine state slot or a KdaState. An f16 recurrent state
+// is widened to f32 for the scan and rounded back once per call (MODEL.md §0.4 opt-in).
+void kda_forward(const KdaWeights& w, const TextConfig& c, const KdaStateView& st,
+                 const uint16_t* x /* bf16 [T, D], input_layernorm output */, int64_t T,
+                 uint16_t* out /* bf16 [T, D] */, KdaForm form = KdaForm::automatic);
 void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st,
                  const uint16_t* x /* bf16 [T, D], input_layernorm output */, int64_t T,
                  uint16_t* out /* bf16 [T, D] */, KdaForm form = KdaForm::automatic);

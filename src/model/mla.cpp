@@ -15,11 +15,18 @@ namespace kestrel::model {
 
 void mla_forward(const MlaWeights& w, const TextConfig& c, MlaCache& cache, const uint16_t* x, int64_t T,
                  uint16_t* out, MlaForm form, const Probe& probe) {
+  const MlaCacheView v = cache.view(c, cache.len + T);
+  mla_forward(w, c, v, cache.len, x, T, out, form, probe);
+  cache.len += T;
+}
+
+void mla_forward(const MlaWeights& w, const TextConfig& c, const MlaCacheView& cache, int64_t pos0, const uint16_t* x,
+                 int64_t T, uint16_t* out, MlaForm form, const Probe& probe) {
   const int64_t D = c.hidden_size, Q = c.q_lora_rank, C = c.kv_lora_rank, R = c.qk_rope_head_dim,
                 N = c.qk_nope_head_dim, Dv = c.v_head_dim, Hm = c.num_attention_heads, QK = N + R, CW = C + R;
-  const int64_t pos0 = cache.len, S = pos0 + T;
-  KCHECK(cache.latent.size() == size_t(pos0 * CW), "MLA cache holds {} values, expected {} tokens × {}",
-         cache.latent.size(), pos0, CW);
+  const int64_t S = pos0 + T;
+  KCHECK(cache.C == C && cache.R == R, "MLA cache view is for C={} R={}, layer has {} {}", cache.C, cache.R, C, R);
+  KCHECK(cache.capacity() >= S, "MLA block table covers {} tokens, the step needs {}", cache.capacity(), S);
   const float eps = c.rms_norm_eps, scale = 1.0f / std::sqrt(float(QK));
   using cpu::gemm_bf16;
 
@@ -31,19 +38,21 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, MlaCache& cache, cons
   // Step 2: [c | k_pe] = Lin(kv_a_proj_with_mqa)(x); ĉ = RMSNorm_{kv_a_layernorm}(c); k_pe untouched.
   Bf16Vec kva(size_t(T * CW));  // bf16 [T, C+R]
   gemm_bf16(x, D, bf16_ptr(w.kv_a_proj), kva.data(), CW, T, D, CW);
-  cache.latent.resize(size_t(S * CW));
+  Bf16Vec row(static_cast<size_t>(CW));  // bf16 [C+R]
   for (int64_t t = 0; t < T; ++t) {
-    uint16_t* row = cache.latent.data() + (pos0 + t) * CW;
-    cpu::rmsnorm_bf16(kva.data() + t * CW, bf16_ptr(w.kv_a_norm), row, 1, C, eps);
-    std::memcpy(row + C, kva.data() + t * CW + C, size_t(R) * 2);
+    cpu::rmsnorm_bf16(kva.data() + t * CW, bf16_ptr(w.kv_a_norm), row.data(), 1, C, eps);
+    std::memcpy(row.data() + C, kva.data() + t * CW + C, size_t(R) * 2);
+    cache.write_latent(pos0 + t, row.data());
   }
-  cache.len = S;
+  // Every cached row as the attention sees it (dequantised when the cache is FP8).
+  Bf16Vec latent(size_t(S * CW));  // bf16 [S, C+R]: ĉ | k_pe
+  cache.read_latent(S, latent.data());
 
   // §3.5: which keys each query sees (dense causal without an indexer).
   std::vector<int32_t> sel;  // i32 [T, Ksel], ascending, −1 padded
   int64_t Ksel = 0;
   if (w.has_indexer) {
-    indexer_select(w.indexer, c, cache.index_k, x, cq.data(), T, pos0, sel);
+    indexer_select(w.indexer, c, cache, x, cq.data(), T, pos0, sel);
     Ksel = c.index_topk;
     probe("index_topk", sel.data(), DType::i32, {T, Ksel});
   }
@@ -53,7 +62,7 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, MlaCache& cache, cons
   Bf16Vec kv;  // bf16 [S, Hm*(N+Dv)]
   if (form == MlaForm::naive) {
     kv.resize(size_t(S * Hm * (N + Dv)));
-    gemm_bf16(cache.latent.data(), CW, kvb, kv.data(), Hm * (N + Dv), S, C, Hm * (N + Dv));
+    gemm_bf16(latent.data(), CW, kvb, kv.data(), Hm * (N + Dv), S, C, Hm * (N + Dv));
   }
 
   Bf16Vec o(size_t(T * Hm * Dv));  // bf16 [T, Hm*Dv]
@@ -77,7 +86,7 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, MlaCache& cache, cons
         for (int64_t i = 0; i < nk; ++i) {
           const int64_t j = keys[size_t(i)];
           const uint16_t* kn = kv.data() + (j * Hm + h) * (N + Dv);
-          const uint16_t* kpe = cache.latent.data() + j * CW + C;
+          const uint16_t* kpe = latent.data() + j * CW + C;
           float s = 0.0f;
           for (int64_t d = 0; d < N; ++d) s += bf16_to_f32(qh[d]) * bf16_to_f32(kn[d]);
           for (int64_t d = 0; d < R; ++d) s += bf16_to_f32(qh[N + d]) * bf16_to_f32(kpe[d]);
@@ -101,14 +110,14 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, MlaCache& cache, cons
         }
         for (int64_t d = 0; d < R; ++d) qt[size_t(C + d)] = bf16_to_f32(qh[N + d]);
         for (int64_t i = 0; i < nk; ++i) {
-          const uint16_t* row = cache.latent.data() + int64_t(keys[size_t(i)]) * CW;
+          const uint16_t* row = latent.data() + int64_t(keys[size_t(i)]) * CW;
           float s = 0.0f;
           for (int64_t d = 0; d < CW; ++d) s += qt[size_t(d)] * bf16_to_f32(row[d]);
           pr[size_t(i)] = s * scale;
         }
         cpu::softmax_inplace(pr.data(), nk);
         for (int64_t i = 0; i < nk; ++i) {
-          const uint16_t* row = cache.latent.data() + int64_t(keys[size_t(i)]) * CW;
+          const uint16_t* row = latent.data() + int64_t(keys[size_t(i)]) * CW;
           for (int64_t cc = 0; cc < C; ++cc) ohat[size_t(cc)] += pr[size_t(i)] * bf16_to_f32(row[cc]);
         }
         acc.assign(size_t(Dv), 0.0f);

@@ -1,7 +1,9 @@
 // MLA layer (NoPE, gated; MODEL.md §3.4) with the K3.1 indexer (§3.5) choosing the keys.
 //
-// Per-request cache, contiguous here: per token the latent row [ĉ (C) | k_pe (R)] in BF16, the
-// 576-wide row of the paged GPU cache, plus the indexer key. Two attention forms share it:
+// Cache: per token the latent row [ĉ (C) | k_pe (R)], the 576-wide row of the paged GPU cache, plus
+// the indexer key, both read and written through a paged MlaCacheView (cache_view.h) in the chosen
+// format; the new tokens' rows are written first and every row is read back through the cache, so a
+// quantised cache affects the current token exactly as it would on the GPU. Two attention forms:
 //  - naive: k_nope, v = kv_b_proj(ĉ) for every cached token (BF16 Lin outputs), per-head attention
 //    over [k_nope | k_pe]; the spec's equations literally, used for prefill;
 //  - absorbed: q̃_h = W_UKᵀ q_nope,h and o_h = W_UV ô_h in FP32, attention over the 576-wide cache
@@ -14,20 +16,19 @@
 
 #include "loader/config.h"
 #include "loader/weights.h"
+#include "model/cache_view.h"
 #include "model/common.h"
 
 namespace kestrel::model {
 
 enum class MlaForm : uint8_t { naive, absorbed };
 
-struct MlaCache {
-  Bf16Vec latent;   // bf16 [S, C+R]: ĉ | k_pe
-  Bf16Vec index_k;  // bf16 [S, Di], empty without an indexer
-  int64_t len = 0;  // S
+// Positions [pos0, pos0+T) are written; the view's block table must cover pos0 + T tokens.
+void mla_forward(const MlaWeights& w, const TextConfig& c, const MlaCacheView& cache, int64_t pos0,
+                 const uint16_t* x /* bf16 [T, D], input_layernorm output */, int64_t T,
+                 uint16_t* out /* bf16 [T, D] */, MlaForm form, const Probe& probe);
 
-  void reset() { latent.clear(), index_k.clear(), len = 0; }
-};
-
+// The same on a self-owned cache (grows it, advances cache.len).
 void mla_forward(const MlaWeights& w, const TextConfig& c, MlaCache& cache,
                  const uint16_t* x /* bf16 [T, D], input_layernorm output */, int64_t T,
                  uint16_t* out /* bf16 [T, D] */, MlaForm form, const Probe& probe);

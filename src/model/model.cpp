@@ -26,6 +26,28 @@ void State::reset(const ModelConfig& c) {
 void prefill(const ModelWeights& w, const ModelConfig& c, State& st, std::span<const int32_t> tokens, float* logits_out,
              const ForwardOptions& opt) {
   const TextConfig& tc = c.text;
+  const int64_t T = int64_t(tokens.size());
+  KCHECK(T > 0, "empty token list");
+  SeqCacheView v;
+  v.pos = st.pos;
+  v.kda.resize(size_t(tc.num_hidden_layers));
+  v.mla.resize(size_t(tc.num_hidden_layers));
+  for (int L = 0; L < tc.num_hidden_layers; ++L) {
+    if (tc.attn_kind[size_t(L)] == AttnKind::kda)
+      v.kda[size_t(L)] = st.kda[size_t(L)].view();
+    else
+      v.mla[size_t(L)] = st.mla[size_t(L)].view(tc, st.pos + T);
+  }
+  forward(w, c, v, tokens, logits_out, opt);
+  st.pos += T;
+  for (int L = 0; L < tc.num_hidden_layers; ++L)
+    if (tc.attn_kind[size_t(L)] != AttnKind::kda) st.mla[size_t(L)].len = st.pos;
+}
+
+void forward(const ModelWeights& w, const ModelConfig& c, const SeqCacheView& st, std::span<const int32_t> tokens,
+             float* logits_out, const ForwardOptions& opt) {
+  const TextConfig& tc = c.text;
+  const cpu::RowInvariantScope row_invariant(opt.row_invariant);
   const int64_t T = int64_t(tokens.size()), D = tc.hidden_size, V = tc.vocab_size;
   KCHECK(T > 0, "empty token list");
   KCHECK(int64_t(w.layers.size()) == tc.num_hidden_layers, "weights have {} layers, config {}", w.layers.size(),
@@ -55,9 +77,9 @@ void prefill(const ModelWeights& w, const ModelConfig& c, State& st, std::span<c
     // Step 3: a = Attn_L(RMSNorm_input_layernorm(x_attn_in)).
     cpu::rmsnorm_bf16(hin.data(), bf16_ptr(lw.input_norm), normed.data(), T, D, eps);
     if (lw.attn_kind == AttnKind::kda)
-      kda_forward(lw.kda, tc, st.kda[size_t(L)], normed.data(), T, y.data());
+      kda_forward(lw.kda, tc, st.kda[size_t(L)], normed.data(), T, y.data(), opt.kda_form);
     else
-      mla_forward(lw.mla, tc, st.mla[size_t(L)], normed.data(), T, y.data(), mla_form, probe);
+      mla_forward(lw.mla, tc, st.mla[size_t(L)], st.pos, normed.data(), T, y.data(), mla_form, probe);
     probe("attn_out", y.data(), DType::bf16, {T, D});
     // Step 4: P := a on a write layer, else P := bf16(P + a).
     if (write)
@@ -76,7 +98,6 @@ void prefill(const ModelWeights& w, const ModelConfig& c, State& st, std::span<c
     probe("mlp_out", y.data(), DType::bf16, {T, D});
     rs.accumulate(y.data());
   }
-  st.pos += T;
 
   // §3.2 final: h = Mix([B_0..B_{Nb−1}, P]; output_attn_res_*); §3.8: logits = lm_head(RMSNorm(h)).
   attn_res_mix(rs, bf16_ptr(w.out_res_norm), bf16_ptr(w.out_res_proj), eps, hin.data());

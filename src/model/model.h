@@ -1,11 +1,13 @@
 // The K3.1 text model on the CPU: embedding → layers with AttnRes → final Mix → final norm → lm_head
 // (MODEL.md §3.1–§3.8), reference precision (BF16 activations, FP32 accumulation, FP32 logits).
 //
-// State is per request and owns every cross-step cache: KDA recurrent + conv state per KDA layer,
-// MLA latent cache + index-key cache per MLA layer, and the position. Requests never share state, so
-// interleaving two requests' steps gives each exactly the logits it gets alone. decode() is prefill()
-// of one token; by default prefill uses the naive MLA form and decode the absorbed one. A call that
-// throws may leave some layers advanced: reset() the State before reusing it.
+// Layers touch cross-step state only through a SeqCacheView: per KDA layer a state view (an engine
+// slot or a State's own buffer), per MLA layer a paged cache view (an engine block table over shared
+// arenas, or a State's own pages). forward() is the one path; State is a single-request owner of
+// its caches for the CLI-free callers and tests. Requests never share state, so interleaving two
+// requests' steps gives each exactly the logits it gets alone. decode() is prefill() of one token; by
+// default prefill uses the naive MLA form and decode the absorbed one. A call that throws may leave
+// some layers advanced: reset() the State before reusing it.
 //
 // Observer captures (all bf16 unless noted), T = tokens of the call:
 //   embed [T, D]; L{L}.attn_in [T, D] (AttnRes Mix output before input_layernorm); L{L}.attn_out
@@ -37,12 +39,28 @@ struct State {
   void reset(const ModelConfig& c);
 };
 
+// One sequence's caches for a forward call: positions [0, pos) are already in them.
+struct SeqCacheView {
+  std::vector<KdaStateView> kda;  // per layer index; unused for MLA layers
+  std::vector<MlaCacheView> mla;  // per layer index; unused for KDA layers; block tables cover pos + T
+  int64_t pos = 0;
+};
+
 struct ForwardOptions {
   Observer observer;                       // optional activation captures (see above)
   MlaForm mla_form_prefill = MlaForm::naive;
   MlaForm mla_form_decode = MlaForm::absorbed;  // used when the call has exactly one token
   bool last_logits_only = false;           // write only the last position's logits (f32 [1, V])
+  KdaForm kda_form = KdaForm::automatic;
+  // Every op's result for a token independent of how many tokens share the call (recurrent KDA, one
+  // MLA form and per-row GEMV are the caller's choice together with this; see cpu::RowInvariantScope).
+  bool row_invariant = false;
 };
+
+// Runs `tokens` at positions [v.pos, v.pos + T) through the caches of `v` (which it updates; v.pos
+// is the caller's to advance) and writes logits as prefill() does.
+void forward(const ModelWeights& w, const ModelConfig& c, const SeqCacheView& v, std::span<const int32_t> tokens,
+             float* logits_out /* f32 [T, V] or [1, V] */, const ForwardOptions& options = {});
 
 // Runs `tokens` (ids in [0, V)) after whatever `state` holds and writes FP32 logits for every token
 // (f32 [T, V]) or only the last (f32 [1, V], options.last_logits_only); logits_out may be null.

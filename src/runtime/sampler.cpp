@@ -4,47 +4,145 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <unordered_map>
 
 #include "core/check.h"
 
 namespace kestrel::runtime {
 
-Sampler::Sampler(const SamplerConfig& cfg) : cfg_(cfg), rng_(cfg.seed) {
-  if (!(cfg.temperature >= 0.0f) || !std::isfinite(cfg.temperature))
-    fail("temperature must be a finite number >= 0, got {}", cfg.temperature);
-  if (!(cfg.top_p > 0.0f && cfg.top_p <= 1.0f)) fail("top_p must be in (0, 1], got {}", cfg.top_p);
+void SamplingParams::validate() const {
+  if (!(temperature >= 0.0f) || !std::isfinite(temperature))
+    fail("temperature must be a finite number >= 0, got {}", temperature);
+  if (!(top_p > 0.0f && top_p <= 1.0f)) fail("top_p must be in (0, 1], got {}", top_p);
+  if (!(min_p >= 0.0f && min_p <= 1.0f)) fail("min_p must be in [0, 1], got {}", min_p);
+  if (top_k < 0) fail("top_k must be >= 0 (0 = off), got {}", top_k);
+  if (!(repetition_penalty > 0.0f) || !std::isfinite(repetition_penalty))
+    fail("repetition_penalty must be a finite number > 0, got {}", repetition_penalty);
+  if (!std::isfinite(presence_penalty)) fail("presence_penalty must be finite, got {}", presence_penalty);
+  if (!std::isfinite(frequency_penalty)) fail("frequency_penalty must be finite, got {}", frequency_penalty);
+  if (logprobs > 1024) fail("logprobs must be <= 1024, got {}", logprobs);
+}
+
+double sample_uniform(uint64_t seed, uint64_t index) {
+  auto mix = [](uint64_t z) {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  const uint64_t r = mix(mix(seed) ^ index);
+  return double(r >> 11) * 0x1.0p-53;
+}
+
+SampleResult sample_token(const SamplingParams& p, std::span<const float> raw, std::span<const int32_t> prompt,
+                          std::span<const int32_t> output, uint64_t index) {
+  const size_t V = raw.size();
+  KCHECK(V > 0, "sampling from an empty vocabulary");
+  SampleResult res;
+
+  // Penalties on a copy of the logits; untouched when every penalty is off.
+  const bool rep = p.repetition_penalty != 1.0f, freq = p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f;
+  std::vector<float> adj;
+  std::span<const float> logits = raw;
+  if (rep || freq) {
+    adj.assign(raw.begin(), raw.end());
+    auto ok = [&](int32_t t) { return t >= 0 && size_t(t) < V; };
+    if (rep) {
+      std::vector<bool> seen(V, false);
+      for (auto list : {prompt, output})
+        for (int32_t t : list)
+          if (ok(t)) seen[size_t(t)] = true;
+      for (size_t i = 0; i < V; ++i)
+        if (seen[i]) adj[i] = adj[i] > 0.0f ? adj[i] / p.repetition_penalty : adj[i] * p.repetition_penalty;
+    }
+    if (freq) {
+      std::unordered_map<int32_t, int32_t> count;
+      for (int32_t t : output)
+        if (ok(t)) ++count[t];
+      for (auto [t, n] : count) adj[size_t(t)] -= p.frequency_penalty * float(n) + p.presence_penalty;
+    }
+    logits = adj;
+  }
+
+  if (p.temperature == 0.0f) {
+    res.token = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  } else {
+    // Candidates by decreasing logit, ties by lower id.
+    std::vector<int32_t> order(V);
+    std::iota(order.begin(), order.end(), 0);
+    auto better = [&](int32_t a, int32_t b) {
+      return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
+    };
+    size_t keep = V;
+    if (p.top_k > 0 && size_t(p.top_k) < V) {
+      keep = size_t(p.top_k);
+      std::partial_sort(order.begin(), order.begin() + std::ptrdiff_t(keep), order.end(), better);
+    } else {
+      std::sort(order.begin(), order.end(), better);
+    }
+    const double top = logits[size_t(order[0])], T = p.temperature;
+    // Softmax over the whole vocabulary (min-p and top-p see the full distribution's probabilities).
+    double Z = 0.0;
+    for (size_t i = 0; i < V; ++i) Z += std::exp((double(logits[i]) - top) / T);
+    std::vector<double> prob(keep);
+    for (size_t i = 0; i < keep; ++i) prob[i] = std::exp((double(logits[size_t(order[i])]) - top) / T) / Z;
+    if (p.min_p > 0.0f) {
+      const double cut = double(p.min_p) * prob[0];
+      size_t k = 1;
+      while (k < keep && prob[k] >= cut) ++k;
+      keep = k;
+    }
+    if (p.top_p < 1.0f) {
+      double mass = 0.0;
+      for (size_t i = 0; i < keep; ++i) {
+        mass += prob[i];
+        if (mass >= double(p.top_p)) {
+          keep = i + 1;
+          break;
+        }
+      }
+    }
+    double kept = 0.0;
+    for (size_t i = 0; i < keep; ++i) kept += prob[i];
+    const double u = sample_uniform(p.seed, index) * kept;
+    res.token = order[keep - 1];
+    double acc = 0.0;
+    for (size_t i = 0; i < keep; ++i) {
+      acc += prob[i];
+      if (u < acc) {
+        res.token = order[i];
+        break;
+      }
+    }
+  }
+
+  if (p.logprobs >= 0) {
+    // log-softmax of the raw logits in FP64.
+    const double mx = *std::max_element(raw.begin(), raw.end());
+    double Z = 0.0;
+    for (float v : raw) Z += std::exp(double(v) - mx);
+    const double lz = mx + std::log(Z);
+    res.logprob = float(double(raw[size_t(res.token)]) - lz);
+    const size_t n = std::min(V, size_t(p.logprobs));
+    std::vector<int32_t> ids(V);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::partial_sort(ids.begin(), ids.begin() + std::ptrdiff_t(n), ids.end(), [&](int32_t a, int32_t b) {
+      return raw[size_t(a)] > raw[size_t(b)] || (raw[size_t(a)] == raw[size_t(b)] && a < b);
+    });
+    for (size_t i = 0; i < n; ++i) res.top.push_back({ids[i], float(double(raw[size_t(ids[i])]) - lz)});
+  }
+  return res;
+}
+
+Sampler::Sampler(const SamplerConfig& cfg) {
+  params_.temperature = cfg.temperature;
+  params_.top_p = cfg.top_p;
+  params_.seed = cfg.seed;
+  params_.validate();
 }
 
 int32_t Sampler::sample(std::span<const float> logits) {
-  const size_t V = logits.size();
-  KCHECK(V > 0, "sampling from an empty vocabulary");
-  if (cfg_.temperature == 0.0f) return int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
-  order_.resize(V);
-  std::iota(order_.begin(), order_.end(), 0);
-  std::stable_sort(order_.begin(), order_.end(), [&](int32_t a, int32_t b) { return logits[size_t(a)] > logits[size_t(b)]; });
-  prob_.resize(V);
-  const double top = logits[size_t(order_[0])];
-  double sum = 0.0;
-  for (size_t i = 0; i < V; ++i) sum += (prob_[i] = std::exp((double(logits[size_t(order_[i])]) - top) / cfg_.temperature));
-  // Nucleus: keep the shortest prefix whose probability mass reaches top_p.
-  size_t keep = V;
-  double mass = 0.0;
-  for (size_t i = 0; i < V; ++i) {
-    mass += prob_[i] / sum;
-    if (mass >= double(cfg_.top_p)) {
-      keep = i + 1;
-      break;
-    }
-  }
-  double kept = 0.0;
-  for (size_t i = 0; i < keep; ++i) kept += prob_[i];
-  const double u = std::uniform_real_distribution<double>(0.0, kept)(rng_);
-  double acc = 0.0;
-  for (size_t i = 0; i < keep; ++i) {
-    acc += prob_[i];
-    if (u < acc) return order_[i];
-  }
-  return order_[keep - 1];
+  return sample_token(params_, logits, {}, {}, index_++).token;
 }
 
 }  // namespace kestrel::runtime

@@ -1,18 +1,61 @@
-// Minimal token sampler for `kestrel generate`: greedy, temperature, top-p (nucleus), seeded.
+// Token sampler: greedy, temperature, top-k, top-p, min-p, repetition / presence / frequency
+// penalties, a per-request seed, logprobs with top_logprobs.
 //
-// temperature == 0 is greedy (argmax, ties to the lower id). Otherwise logits are divided by the
-// temperature, softmaxed in FP64, the smallest set of most likely tokens whose mass reaches top_p is
-// kept (ties by lower id), and one token is drawn with std::mt19937_64 seeded by `seed`, so a seed
-// reproduces a run exactly.
+// sample_token() is a pure function of (params, logits, the request's prompt and output so far):
+// the random draw for output token i comes from a counter-based generator keyed by (seed, i), so a
+// request's tokens never depend on what else shares the batch, on preemption, or on the order in
+// which the engine samples requests (the "same seed ⇒ same tokens whatever the batch" rule).
+//
+// Order of operations (vLLM's): penalties on the raw logits → greedy argmax if temperature == 0
+// (ties to the lower id) → divide by temperature → softmax (FP64) → min-p (drop p < min_p · p_max) →
+// top-k → top-p (shortest most-likely prefix whose mass reaches top_p, ties by lower id) → draw.
+// Penalties: repetition r over prompt + output tokens (logit > 0 ? logit / r : logit · r);
+// frequency f and presence p over output tokens (logit −= f · count + p · [count > 0]).
+// Logprobs are of the raw model distribution (log-softmax of the unpenalised logits, vLLM's default
+// "raw_logprobs"), so they describe the model, not the sampling knobs.
 #pragma once
 
 #include <cstdint>
-#include <random>
 #include <span>
 #include <vector>
 
 namespace kestrel::runtime {
 
+struct SamplingParams {
+  float temperature = 0.0f;         // 0 = greedy
+  int32_t top_k = 0;                // 0 = off
+  float top_p = 1.0f;               // in (0, 1]
+  float min_p = 0.0f;               // in [0, 1]
+  float repetition_penalty = 1.0f;  // > 0; 1 = off
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  uint64_t seed = 0;
+  int32_t logprobs = -1;            // < 0: none; n >= 0: the sampled token's logprob + the n most likely
+
+  // Throws kestrel::Error naming the first bad field.
+  void validate() const;
+};
+
+struct TokenLogprob {
+  int32_t token = -1;
+  float logprob = 0.0f;
+};
+
+struct SampleResult {
+  int32_t token = -1;
+  float logprob = 0.0f;              // of `token` (only when params.logprobs >= 0)
+  std::vector<TokenLogprob> top;     // params.logprobs entries, most likely first, ties by lower id
+};
+
+// `index` is the output index of the token being drawn (output.size() in normal use).
+SampleResult sample_token(const SamplingParams& p, std::span<const float> logits /* f32 [V] */,
+                          std::span<const int32_t> prompt, std::span<const int32_t> output, uint64_t index);
+
+// The uniform draw in [0, 1) for (seed, index): SplitMix64 of the pair, 53 bits.
+double sample_uniform(uint64_t seed, uint64_t index);
+
+// The original single-stream interface of `kestrel generate`, kept for callers that sample one
+// sequence without penalties: draws output token i with index i.
 struct SamplerConfig {
   float temperature = 0.0f;
   float top_p = 1.0f;
@@ -25,10 +68,8 @@ class Sampler {
   int32_t sample(std::span<const float> logits /* f32 [V] */);
 
  private:
-  SamplerConfig cfg_;
-  std::mt19937_64 rng_;
-  std::vector<int32_t> order_;
-  std::vector<double> prob_;
+  SamplingParams params_;
+  uint64_t index_ = 0;
 };
 
 }  // namespace kestrel::runtime

@@ -70,3 +70,24 @@ def test_bad_inputs_fail_cleanly(kestrel_bin, nano_dir, tmp_path):
         assert msg in r.stderr, (extra, r.stderr)
     r = run_kestrel(kestrel_bin, "generate", "--model", tmp_path / "missing", "--prompt-tokens", "1")
     assert r.returncode == 1 and r.stderr.startswith("error: ")
+
+
+def test_prompts_file_runs_each_prompt_as_alone(kestrel_bin, nano_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("ids:5,17,300,42,9\n# a comment\n\nhello world\nids:11,200,37\n")
+    r = run_kestrel(kestrel_bin, "generate", "--model", nano_dir, "--prompts-file", prompts, "--max-tokens", "6",
+                    "--max-num-batched-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    assert "capacity" in r.stdout and "requests: 3 in" in r.stdout
+    batch = {int(l[1:l.index("]")]): [int(x) for x in l.split(": ", 1)[1].split(",")]
+             for l in r.stdout.splitlines() if l.startswith("[") and "] tokens: " in l}
+    solo = run_kestrel(kestrel_bin, "generate", "--model", nano_dir, "--prompt-tokens", "5,17,300,42,9",
+                       "--max-tokens", "6")
+    assert batch[0] == tokens_of(solo.stdout)
+
+
+def test_never_fitting_request_is_refused(kestrel_bin, nano_dir):
+    r = run_kestrel(kestrel_bin, "generate", "--model", nano_dir, "--prompt-tokens", "1,2,3", "--max-tokens", "500",
+                    "--memory-budget", "700K")  # 5 slots + 2 pages (256 tokens)
+    assert r.returncode == 1
+    assert "can never run" in r.stderr and "--memory-budget" in r.stderr, r.stderr

@@ -1,6 +1,10 @@
-// runtime::Sampler: greedy ties, seeded reproducibility, top-p truncation, argument checks.
+// runtime::Sampler / sample_token: greedy ties, seeded reproducibility, top-p truncation, argument
+// checks, and every knob of the serving sampler (top-k, min-p, penalties, per-index seeding, logprobs).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <random>
 #include <set>
 #include <vector>
 
@@ -39,6 +43,124 @@ TEST(Sampler, RejectsBadArguments) {
   EXPECT_THROW(runtime::Sampler({-1.0f, 1.0f, 0}), Error);
   EXPECT_THROW(runtime::Sampler({1.0f, 0.0f, 0}), Error);
   EXPECT_THROW(runtime::Sampler({1.0f, 1.5f, 0}), Error);
+}
+
+
+using runtime::SamplingParams;
+using runtime::sample_token;
+
+std::set<int32_t> support(const SamplingParams& p, const std::vector<float>& l, int n = 400) {
+  std::set<int32_t> seen;
+  for (int i = 0; i < n; ++i) seen.insert(sample_token(p, l, {}, {}, uint64_t(i)).token);
+  return seen;
+}
+
+TEST(SamplerKnobs, TopKKeepsTheKMostLikely) {
+  const std::vector<float> l = {1.0f, 3.0f, 2.0f, 2.9f, 0.5f};
+  SamplingParams p;
+  p.temperature = 1.0f;
+  p.top_k = 1;
+  EXPECT_EQ(support(p, l), (std::set<int32_t>{1}));
+  p.top_k = 2;
+  EXPECT_EQ(support(p, l), (std::set<int32_t>{1, 3}));
+  p.top_k = 0;
+  EXPECT_EQ(support(p, l).size(), 5u);
+}
+
+TEST(SamplerKnobs, MinPDropsTokensBelowAFractionOfTheTop) {
+  // p ∝ e^{3}, e^{2.9}, e^{1}: p2/p0 = e^-2 ≈ 0.135.
+  const std::vector<float> l = {3.0f, 2.9f, 1.0f};
+  SamplingParams p;
+  p.temperature = 1.0f;
+  p.min_p = 0.2f;
+  EXPECT_EQ(support(p, l), (std::set<int32_t>{0, 1}));
+  p.min_p = 0.1f;
+  EXPECT_EQ(support(p, l), (std::set<int32_t>{0, 1, 2}));
+  p.min_p = 0.95f;
+  EXPECT_EQ(support(p, l), (std::set<int32_t>{0}));
+}
+
+TEST(SamplerKnobs, Penalties) {
+  const std::vector<float> l = {2.0f, 1.9f, -1.0f};
+  SamplingParams p;  // greedy
+  EXPECT_EQ(sample_token(p, l, {}, {}, 0).token, 0);
+  // Repetition: token 0 in the prompt → 2.0 / 2 = 1.0 < 1.9.
+  p.repetition_penalty = 2.0f;
+  const std::vector<int32_t> prompt0 = {0}, none = {};
+  EXPECT_EQ(sample_token(p, l, prompt0, none, 0).token, 1);
+  // A negative logit is multiplied: −1 · 4 = −4 stays last, tokens 0, 1 untouched.
+  p.repetition_penalty = 4.0f;
+  const std::vector<int32_t> prompt2 = {2};
+  EXPECT_EQ(sample_token(p, l, prompt2, none, 0).token, 0);
+  p.repetition_penalty = 1.0f;
+  // Frequency counts occurrences in the output only: 2 − 2·0.06 = 1.88 < 1.9; one occurrence is not enough.
+  p.frequency_penalty = 0.06f;
+  EXPECT_EQ(sample_token(p, l, {}, std::vector<int32_t>{0, 0}, 2).token, 1);
+  EXPECT_EQ(sample_token(p, l, {}, std::vector<int32_t>{0}, 1).token, 0);
+  EXPECT_EQ(sample_token(p, l, prompt0, none, 0).token, 0);  // the prompt does not count
+  p.frequency_penalty = 0.0f;
+  // Presence: once, however often.
+  p.presence_penalty = 0.2f;
+  EXPECT_EQ(sample_token(p, l, {}, std::vector<int32_t>{0}, 1).token, 1);
+}
+
+TEST(SamplerKnobs, SeedAndIndexAloneDecideTheDraw) {
+  std::vector<float> l(64);
+  for (size_t i = 0; i < l.size(); ++i) l[i] = float(i % 7) * 0.3f;
+  SamplingParams p;
+  p.temperature = 1.0f, p.seed = 11;
+  // The same (seed, index) gives the same token whatever was drawn before (no hidden stream state):
+  // that is what makes a request's tokens independent of the batch it runs in.
+  std::vector<int32_t> fwd, bwd(50);
+  for (int i = 0; i < 50; ++i) fwd.push_back(sample_token(p, l, {}, {}, uint64_t(i)).token);
+  for (int i = 49; i >= 0; --i) bwd[size_t(i)] = sample_token(p, l, {}, {}, uint64_t(i)).token;
+  EXPECT_EQ(fwd, bwd);
+  p.seed = 12;
+  std::vector<int32_t> other;
+  for (int i = 0; i < 50; ++i) other.push_back(sample_token(p, l, {}, {}, uint64_t(i)).token);
+  EXPECT_NE(fwd, other);
+  // Uniformity sanity: the draw's mean over many indices is near 1/2.
+  double m = 0;
+  for (int i = 0; i < 10000; ++i) m += runtime::sample_uniform(5, uint64_t(i));
+  EXPECT_NEAR(m / 10000, 0.5, 0.02);
+}
+
+TEST(SamplerKnobs, LogprobsAreNormalisedAndSorted) {
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  std::vector<float> l(300);
+  for (float& v : l) v = nd(rng);
+  SamplingParams p;
+  p.temperature = 0.7f, p.top_k = 20, p.seed = 3, p.logprobs = 300;
+  p.repetition_penalty = 1.3f;  // logprobs describe the raw model, not the knobs
+  const auto r = sample_token(p, l, std::vector<int32_t>{1, 2, 3}, {}, 0);
+  ASSERT_EQ(r.top.size(), 300u);
+  double sum = 0;
+  for (size_t i = 0; i < r.top.size(); ++i) {
+    sum += std::exp(double(r.top[i].logprob));
+    if (i) EXPECT_GE(r.top[i - 1].logprob, r.top[i].logprob);
+    if (r.top[i].token == r.token) EXPECT_EQ(r.top[i].logprob, r.logprob);
+  }
+  EXPECT_NEAR(sum, 1.0, 1e-5);
+  EXPECT_EQ(r.top[0].token, int32_t(std::max_element(l.begin(), l.end()) - l.begin()));
+  // log p differences equal logit differences (raw distribution).
+  EXPECT_NEAR(r.top[0].logprob - r.top[1].logprob, l[size_t(r.top[0].token)] - l[size_t(r.top[1].token)], 1e-4);
+  p.logprobs = 2;
+  EXPECT_EQ(sample_token(p, l, {}, {}, 0).top.size(), 2u);
+  p.logprobs = -1;
+  EXPECT_TRUE(sample_token(p, l, {}, {}, 0).top.empty());
+}
+
+TEST(SamplerKnobs, RejectsBadKnobs) {
+  SamplingParams p;
+  p.top_k = -1;
+  EXPECT_THROW(p.validate(), Error);
+  p = {}, p.min_p = 1.5f;
+  EXPECT_THROW(p.validate(), Error);
+  p = {}, p.repetition_penalty = 0.0f;
+  EXPECT_THROW(p.validate(), Error);
+  p = {}, p.frequency_penalty = NAN;
+  EXPECT_THROW(p.validate(), Error);
 }
 
 }  // namespace

@@ -36,6 +36,20 @@ void gemm_bf16_f32(const uint16_t* x /* bf16 [T, in], row stride ldx */, int64_t
 void gemm_bf16(const uint16_t* x /* bf16 [T, in], row stride ldx */, int64_t ldx,
                const uint16_t* w /* bf16 [out, in], contiguous */,
                uint16_t* y /* bf16 [T, out], row stride ldy */, int64_t ldy, int64_t T, int64_t in, int64_t out);
+// Row-invariant mode for the calling thread: gemm_bf16* runs the T == 1 GEMV for every row, so a
+// token's result never depends on how many tokens share the call. The serving executor needs this:
+// chunked prefill, preemption (re-prefill of prompt + outputs) and batching must not change a
+// request's tokens, and sgemm and the GEMV differ in the last bits. Costs the BLAS speed-up of prefill.
+class RowInvariantScope {
+ public:
+  explicit RowInvariantScope(bool on);
+  ~RowInvariantScope();
+  RowInvariantScope(const RowInvariantScope&) = delete;
+  RowInvariantScope& operator=(const RowInvariantScope&) = delete;
+
+ private:
+  bool prev_;
+};
 // Which GEMV path gemm_bf16* takes for T == 1 on this machine ("avx2-fma" or "portable").
 const char* gemv_isa();
 // Tests force the portable GEMV to compare both paths; not for production use.

@@ -112,6 +112,12 @@ void check_args(int64_t ldx, int64_t ldy, int64_t T, int64_t in, int64_t out) {
 
 }  // namespace
 
+namespace {
+thread_local bool t_row_invariant = false;
+}
+RowInvariantScope::RowInvariantScope(bool on) : prev_(t_row_invariant) { t_row_invariant = on; }
+RowInvariantScope::~RowInvariantScope() { t_row_invariant = prev_; }
+
 const char* gemv_isa() { return have_avx2_fma() && !g_force_portable ? "avx2-fma" : "portable"; }
 void gemv_force_portable(bool on) { g_force_portable = on; }
 
@@ -130,6 +136,8 @@ void gemm_bf16_f32(const uint16_t* x, int64_t ldx, const uint16_t* w, float* y, 
   if (T == 0) return;
   if (T == 1)
     gemv(x, w, y, in, out);
+  else if (t_row_invariant)
+    for (int64_t t = 0; t < T; ++t) gemv(x + t * ldx, w, y + t * ldy, in, out);
   else
     gemm_blas(x, ldx, w, y, ldy, T, in, out);
 }

@@ -1,0 +1,62 @@
+// Executor: turns a scheduler StepPlan into CPU forward work over the CacheStore (docs/serving.md,
+// "What the executor does with a StepPlan"): zero the slots of fresh starts, run the restores, one
+// forward per scheduled sequence over its token range through its block table and state slot, hand
+// the last position's logits to the caller's sampler where `sample` is set, then the snapshots.
+//
+// Batch invariance: with options.batch_invariant (the default) every op's result for a token is
+// independent of the other tokens of the call (recurrent KDA scan, absorbed MLA for prefill and
+// decode, per-row GEMV), so chunked prefill, preemption + re-prefill and any batch composition give
+// a request bit-identical logits, hence identical greedy tokens. Off, prefill uses the model's
+// default (faster) forms: chunked KDA, naive MLA, BLAS.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+
+#include "loader/config.h"
+#include "loader/weights.h"
+#include "runtime/cache_store.h"
+#include "sched/scheduler.h"
+
+namespace kestrel::runtime {
+
+struct ExecutorOptions {
+  bool batch_invariant = true;
+};
+
+struct ExecutorStats {
+  int64_t steps = 0;
+  int64_t forwards = 0;          // forward calls (one per scheduled sequence)
+  int64_t tokens_forwarded = 0;  // positions run through the model: the prefill work actually done
+  int64_t samples = 0;
+  double forward_seconds = 0.0;
+};
+
+struct StepHooks {
+  // The sampled token (and stop flag) for a sequence with `sample` set, from its last logits.
+  std::function<sched::SeqResult(const sched::ScheduledSeq&, std::span<const float> logits /* f32 [V] */)> sample;
+  // Optional: requests for which every position's logits are wanted (debug dumps), and the sink
+  // that receives them, rows of positions [start, end).
+  std::function<bool(cache::RequestId)> wants_all_logits;
+  std::function<void(const sched::ScheduledSeq&, std::span<const float> rows /* f32 [end-start, V] */)> all_logits;
+};
+
+class Executor {
+ public:
+  Executor(const ModelWeights& w, const ModelConfig& c, const cache::CacheFormats& formats,
+           const cache::CacheConfig& cache_config, const ExecutorOptions& options = {});
+
+  sched::StepResult run(const sched::StepPlan& plan, const StepHooks& hooks);
+  const ExecutorStats& stats() const { return stats_; }
+  const CacheStore& store() const { return store_; }
+
+ private:
+  const ModelWeights& w_;
+  const ModelConfig& c_;
+  ExecutorOptions options_;
+  CacheStore store_;
+  ExecutorStats stats_;
+};
+
+}  // namespace kestrel::runtime

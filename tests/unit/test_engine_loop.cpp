@@ -1,0 +1,314 @@
+// The engine loop on the nano checkpoint: a mixed batch (different lengths, staggered arrivals,
+// chunked prefill forced by a small token budget, preemption forced by a small page pool) gives
+// every request exactly the tokens it gets alone, greedy and seeded; a prefix-cache hit gives the
+// same logits as a cold run and skips prefill work (counted); never-fitting requests are refused;
+// cancel, stop tokens and stop strings across token boundaries end requests as documented.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "cache/layout.h"
+#include "core/check.h"
+#include "nano_checkpoint.h"
+#include "runtime/engine.h"
+
+namespace kestrel {
+namespace {
+
+using runtime::Engine;
+using runtime::EngineConfig;
+using runtime::FinishReason;
+using runtime::GenerateRequest;
+using runtime::TokenEvent;
+
+// Collects each request's events; waits on progress from the test thread.
+class Collector {
+ public:
+  struct Out {
+    std::vector<int32_t> tokens;
+    std::string text;
+    FinishReason reason = FinishReason::none;
+    int finals = 0;
+    std::map<int64_t, std::vector<float>> logits;  // position → row (on_logits)
+  };
+  runtime::EventCallback callback(int key) {
+    return [this, key](const TokenEvent& ev) {
+      std::lock_guard<std::mutex> lk(mu_);
+      Out& o = out_[key];
+      if (ev.token >= 0) {
+        EXPECT_EQ(ev.index, int32_t(o.tokens.size()));
+        o.tokens.push_back(ev.token);
+      }
+      o.text += ev.text;
+      if (ev.finished) o.reason = ev.reason, ++o.finals;
+      cv_.notify_all();
+    };
+  }
+  std::function<void(int64_t, std::span<const float>)> logits_sink(int key) {
+    return [this, key](int64_t pos, std::span<const float> row) {
+      std::lock_guard<std::mutex> lk(mu_);
+      out_[key].logits[pos].assign(row.begin(), row.end());
+    };
+  }
+  void wait_tokens(int key, size_t n) {
+    std::unique_lock<std::mutex> lk(mu_);
+    ASSERT_TRUE(cv_.wait_for(lk, std::chrono::seconds(60), [&] { return out_[key].tokens.size() >= n || out_[key].finals; }));
+  }
+  Out get(int key) {
+    std::lock_guard<std::mutex> lk(mu_);
+    return out_[key];
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<int, Out> out_;
+};
+
+const testing::NanoCheckpoint& nano() { return testing::nano_checkpoint(); }
+
+std::vector<int32_t> random_prompt(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> p(n);
+  for (int32_t& t : p) t = int32_t(rng() % 768);  // ordinary ids, never EOS (770)
+  return p;
+}
+
+// Budget for `slots` state slots and `pages` pages of the given formats.
+int64_t budget_for(const cache::CacheFormats& f, int slots, int pages) {
+  const cache::CacheLayout l = cache::CacheLayout::from_config(nano().cfg.text, f);
+  return l.total_state_bytes(slots) + l.total_page_bytes(pages);
+}
+
+struct Case {
+  std::vector<int32_t> prompt;
+  int32_t max_tokens;
+  bool sampled;  // temperature 0.8, top-k 50, seed = index
+};
+
+GenerateRequest make_request(const Case& c, int i) {
+  GenerateRequest r;
+  r.prompt = c.prompt;
+  r.max_tokens = c.max_tokens;
+  r.ignore_eos = true;  // fixed lengths: the comparison covers every token
+  if (c.sampled) r.sampling.temperature = 0.8f, r.sampling.top_k = 50, r.sampling.seed = uint64_t(100 + i);
+  return r;
+}
+
+std::vector<Case> mixed_cases() {
+  const size_t lens[] = {5, 40, 150, 300, 77, 12};
+  const int32_t max_tokens[] = {10, 8, 12, 6, 9, 14};
+  std::vector<Case> cases;
+  for (int i = 0; i < 6; ++i) cases.push_back({random_prompt(lens[i], 7 + i), max_tokens[i], i % 2 == 1});
+  return cases;
+}
+
+TEST(EngineLoop, MixedBatchGivesEachRequestItsSoloTokens) {
+  const auto cases = mixed_cases();
+  // Alone: one request at a time, roomy engine, no prefix cache.
+  std::vector<std::vector<int32_t>> solo;
+  {
+    EngineConfig cfg;
+    cfg.memory_budget = 64 << 20;
+    cfg.max_running = 1;
+    cfg.enable_prefix_cache = false;
+    Engine e(nano().w, nano().cfg, cfg);
+    Collector col;
+    for (size_t i = 0; i < cases.size(); ++i) {
+      e.submit(make_request(cases[i], int(i)), col.callback(int(i)));
+      e.wait_idle();
+      solo.push_back(col.get(int(i)).tokens);
+      ASSERT_EQ(solo.back().size(), size_t(cases[i].max_tokens));
+    }
+  }
+  // Mixed: 16-token pages, 26 of them (416 tokens; the 300-token prompt alone needs 20), 4 running,
+  // 24 tokens per step, staggered arrivals.
+  EngineConfig cfg;
+  cfg.formats.block_size = 16;
+  cfg.max_running = 4;
+  cfg.checkpoint_slots = 2;
+  cfg.max_num_batched_tokens = 24;
+  cfg.memory_budget = budget_for(cfg.formats, 6, 26);
+  Engine e(nano().w, nano().cfg, cfg);
+  EXPECT_EQ(e.memory_plan().num_pages, 26);
+  Collector col;
+  for (int i : {0, 1, 2}) e.submit(make_request(cases[size_t(i)], i), col.callback(i));
+  col.wait_tokens(0, 3);
+  for (int i : {3, 4}) e.submit(make_request(cases[size_t(i)], i), col.callback(i));
+  col.wait_tokens(1, 1);
+  e.submit(make_request(cases[5], 5), col.callback(5));
+  e.wait_idle();
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const auto o = col.get(int(i));
+    EXPECT_EQ(o.tokens, solo[i]) << "request " << i << (cases[i].sampled ? " (seeded sampling)" : " (greedy)");
+    EXPECT_EQ(o.finals, 1);
+    EXPECT_EQ(o.reason, FinishReason::length);
+  }
+  const runtime::EngineStats st = e.stats();
+  fmt::print("mixed batch: {} steps, {} preemptions, {} positions computed for {} prompt + {} generated tokens\n",
+             st.steps, st.preemptions, st.tokens_forwarded, st.prompt_tokens, st.generation_tokens);
+  EXPECT_GT(st.preemptions, 0) << "the small page pool was meant to force preemption";
+  EXPECT_EQ(st.running + st.waiting, 0);
+  EXPECT_EQ(st.generation_tokens, 10 + 8 + 12 + 6 + 9 + 14);
+}
+
+TEST(EngineLoop, PrefixHitGivesColdLogitsAndSkipsPrefill) {
+  const std::vector<int32_t> shared = random_prompt(100, 99);
+  std::vector<int32_t> first = shared, second = shared;
+  first.push_back(5);
+  second.insert(second.end(), {6, 7});
+  auto run = [&](bool prefix_cache, int64_t* forwarded_second, int64_t* hit_tokens) {
+    EngineConfig cfg;
+    cfg.formats.block_size = 16;
+    cfg.max_running = 2;
+    cfg.checkpoint_slots = 4;
+    cfg.enable_prefix_cache = prefix_cache;
+    cfg.memory_budget = 16 << 20;
+    Engine e(nano().w, nano().cfg, cfg);
+    Collector col;
+    GenerateRequest a;
+    a.prompt = first, a.max_tokens = 3;
+    e.submit(a, col.callback(0));
+    e.wait_idle();
+    const int64_t before = e.stats().tokens_forwarded;
+    GenerateRequest b;
+    b.prompt = second, b.max_tokens = 4, b.on_logits = col.logits_sink(1);
+    e.submit(b, col.callback(1));
+    e.wait_idle();
+    *forwarded_second = e.stats().tokens_forwarded - before;
+    *hit_tokens = e.stats().prefix_hit_tokens;
+    return col.get(1);
+  };
+  int64_t fwd_hot = 0, fwd_cold = 0, hit = 0, hit_cold = 0;
+  const auto hot = run(true, &fwd_hot, &hit);
+  const auto cold = run(false, &fwd_cold, &hit_cold);
+  fmt::print("prefix hit: {} tokens restored; second request computed {} positions hot vs {} cold\n", hit, fwd_hot,
+             fwd_cold);
+  EXPECT_EQ(hit, 96);  // the first prompt's last full 16-token block ends at 96
+  EXPECT_EQ(hit_cold, 0);
+  EXPECT_EQ(fwd_cold - fwd_hot, hit);  // exactly the restored prefix was skipped
+  EXPECT_EQ(hot.tokens, cold.tokens);
+  // Every position the hot run computed has the cold run's logits, bit for bit.
+  EXPECT_EQ(int64_t(hot.logits.size()), int64_t(second.size()) + 3 - hit);
+  for (const auto& [pos, row] : hot.logits) {
+    ASSERT_TRUE(cold.logits.count(pos)) << pos;
+    EXPECT_EQ(row, cold.logits.at(pos)) << "position " << pos;
+  }
+}
+
+TEST(EngineLoop, RefusesRequestsThatCanNeverFit) {
+  EngineConfig cfg;
+  cfg.formats.block_size = 16;
+  cfg.max_running = 2;
+  cfg.checkpoint_slots = 0;
+  cfg.memory_budget = budget_for(cfg.formats, 2, 4);  // 64 tokens
+  Engine e(nano().w, nano().cfg, cfg);
+  EXPECT_EQ(e.memory_plan().longest_request, 64);
+  GenerateRequest r;
+  r.prompt = random_prompt(60, 1);
+  r.max_tokens = 10;  // 69 positions > 64
+  Collector col;
+  try {
+    e.submit(r, col.callback(0));
+    ADD_FAILURE() << "accepted a request that can never fit";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("can never run"), std::string::npos) << err.what();
+    EXPECT_NE(std::string(err.what()).find("longest single request 64 tokens"), std::string::npos) << err.what();
+  }
+  r.max_tokens = 5;  // 64 positions: fits exactly
+  e.submit(r, col.callback(1));
+  e.wait_idle();
+  EXPECT_EQ(col.get(1).tokens.size(), 5u);
+  // A budget that cannot hold the slots is refused at start-up.
+  cfg.memory_budget = 1000;
+  EXPECT_THROW(Engine(nano().w, nano().cfg, cfg), Error);
+  // Malformed requests.
+  GenerateRequest bad;
+  bad.prompt = {5000};
+  EXPECT_THROW(e.submit(bad, col.callback(2)), Error);
+  bad.prompt = {1}, bad.sampling.top_p = 0.0f;
+  EXPECT_THROW(e.submit(bad, col.callback(2)), Error);
+  bad.sampling.top_p = 1.0f, bad.stop = {"x"};  // no tokenizer
+  EXPECT_THROW(e.submit(bad, col.callback(2)), Error);
+}
+
+TEST(EngineLoop, CancelAndStopTokens) {
+  EngineConfig cfg;
+  cfg.memory_budget = 16 << 20;
+  cfg.max_running = 2;
+  Engine e(nano().w, nano().cfg, cfg);
+  Collector col;
+  GenerateRequest r;
+  r.prompt = random_prompt(20, 3);
+  r.max_tokens = 30000;  // fits the pool, far more than the test waits for
+  r.ignore_eos = true;
+  const auto id = e.submit(r, col.callback(0));
+  col.wait_tokens(0, 2);
+  EXPECT_TRUE(e.cancel(id));
+  e.wait_idle();
+  EXPECT_EQ(col.get(0).reason, FinishReason::cancelled);
+  EXPECT_EQ(col.get(0).finals, 1);
+  EXPECT_LT(col.get(0).tokens.size(), 30000u);
+  // Stop token: the greedy run's 4th token as a stop id ends the request there.
+  GenerateRequest g;
+  g.prompt = random_prompt(20, 4), g.max_tokens = 8, g.ignore_eos = true;
+  e.submit(g, col.callback(1));
+  e.wait_idle();
+  const auto full = col.get(1).tokens;
+  ASSERT_EQ(full.size(), 8u);
+  size_t first = 0;
+  while (first < 3 && full[first] != full[3]) ++first;  // the stop id may occur earlier
+  g.stop_token_ids = {full[3]};
+  e.submit(g, col.callback(2));
+  e.wait_idle();
+  EXPECT_EQ(col.get(2).reason, FinishReason::stop);
+  EXPECT_EQ(col.get(2).tokens, std::vector<int32_t>(full.begin(), full.begin() + std::ptrdiff_t(first) + 1));
+}
+
+TEST(EngineLoop, StopStringAcrossTokenBoundary) {
+  const tok::Tokenizer& tk = *nano().tok;
+  EngineConfig cfg;
+  cfg.memory_budget = 16 << 20;
+  cfg.max_running = 1;
+  Engine e(nano().w, nano().cfg, cfg, &tk);
+  Collector col;
+  GenerateRequest g;
+  g.prompt = random_prompt(12, 5), g.max_tokens = 24, g.ignore_eos = true;
+  e.submit(g, col.callback(0));
+  e.wait_idle();
+  const auto full = col.get(0);
+  // Text of each token as the stream decoder releases it; find two neighbours with text.
+  tok::StreamDecoder dec(tk);
+  std::vector<std::string> piece;
+  for (int32_t t : full.tokens) piece.push_back(size_t(t) < tk.vocab_size() ? dec.push(tok::TokenId(t)) : "");
+  size_t i = 0;
+  while (i + 1 < piece.size() && (piece[i].empty() || piece[i + 1].empty())) ++i;
+  ASSERT_LT(i + 1, piece.size()) << "no two neighbouring tokens with text";
+  const std::string stop = piece[i].substr(piece[i].size() - 1) + piece[i + 1].substr(0, 1);
+  std::string all;
+  for (const auto& p : piece) all += p;
+  const size_t at = all.find(stop);  // the first match (it may come before the boundary we picked)
+  ASSERT_NE(at, std::string::npos);
+  size_t end_tok = 0, len = 0;
+  while (len < at + stop.size()) len += piece[end_tok++].size();
+  g.stop = {stop};
+  e.submit(g, col.callback(1));
+  e.wait_idle();
+  const auto cut = col.get(1);
+  EXPECT_EQ(cut.reason, FinishReason::stop);
+  EXPECT_EQ(cut.text, all.substr(0, at)) << "stop string '" << stop << "'";
+  EXPECT_EQ(cut.tokens, std::vector<int32_t>(full.tokens.begin(), full.tokens.begin() + std::ptrdiff_t(end_tok)));
+  EXPECT_EQ(full.text.substr(0, at), cut.text);
+}
+
+}  // namespace
+}  // namespace kestrel
