@@ -138,8 +138,12 @@ TEST(SamplerKnobs, LogprobsAreNormalisedAndSorted) {
   double sum = 0;
   for (size_t i = 0; i < r.top.size(); ++i) {
     sum += std::exp(double(r.top[i].logprob));
-    if (i) EXPECT_GE(r.top[i - 1].logprob, r.top[i].logprob);
-    if (r.top[i].token == r.token) EXPECT_EQ(r.top[i].logprob, r.logprob);
+    if (i) {
+      EXPECT_GE(r.top[i - 1].logprob, r.top[i].logprob);
+    }
+    if (r.top[i].token == r.token) {
+      EXPECT_EQ(r.top[i].logprob, r.logprob);
+    }
   }
   EXPECT_NEAR(sum, 1.0, 1e-5);
   EXPECT_EQ(r.top[0].token, int32_t(std::max_element(l.begin(), l.end()) - l.begin()));
