@@ -17,6 +17,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <ctime>
 #include <optional>
@@ -593,7 +594,7 @@ struct Session : std::enable_shared_from_this<Session> {
       if (self->closed_) return;
       if (ec) return self->close();
       if (!self->out_.empty()) return self->flush();
-      if (self->close_after_write_) return self->close();
+      if (self->close_after_write_) return self->linger_close();
       if (self->response_done_ && !self->job_) {
         self->response_done_ = false;
         // Between requests: read the next one, unless the disconnect watch still owns the socket;
@@ -604,6 +605,30 @@ struct Session : std::enable_shared_from_this<Session> {
           if (!ec && !self->job_ && self->watching_ && !self->writing_) self->close();
         });
       }
+    });
+  }
+
+  // After an error answer to a request whose body was not read (413, malformed): closing at once
+  // would reset the connection while the client is still sending, and the client could lose our
+  // answer. So: end our side, discard what still comes (up to 1 MiB or 2 s), then close.
+  void linger_close() {
+    if (closed_) return;
+    if (watching_) return close();  // a finished response: the request was read whole, nothing to drain
+    beast::error_code ec;
+    stream_.socket().shutdown(tcp::socket::shutdown_send, ec);
+    idle_timer_.expires_after(std::chrono::seconds(2));
+    idle_timer_.async_wait([self = shared_from_this()](beast::error_code ec) {
+      if (!ec) self->close();
+    });
+    discard();
+  }
+
+  void discard() {
+    if (closed_) return;
+    stream_.socket().async_read_some(net::buffer(drain_buf_), [self = shared_from_this()](beast::error_code ec, size_t n) {
+      self->discarded_ += n;
+      if (ec || self->discarded_ > (1u << 20)) return self->close();
+      self->discard();
     });
   }
 
@@ -623,6 +648,8 @@ struct Session : std::enable_shared_from_this<Session> {
   beast::flat_buffer buf_;
   std::optional<Parser> parser_;
   std::string out_, inflight_;
+  std::array<char, 4096> drain_buf_{};
+  size_t discarded_ = 0;
   std::unique_ptr<Job> job_;
   uint64_t serial_ = 0;
   bool writing_ = false, watching_ = false, closed_ = false, close_after_write_ = false;

@@ -86,6 +86,15 @@ void LoopEngine::shutdown() {
   if (thread_.joinable()) thread_.join();
 }
 
+void LoopEngine::publish(const std::vector<std::unique_ptr<Seq>>& running) {
+  int64_t pages = 0;
+  for (auto& s : running) pages += pages_of(s->positions);
+  stats_.running = int(running.size());
+  stats_.waiting = int(waiting_.size());
+  stats_.kv_pages_used = pages;
+  stats_.kv_cache_usage = double(pages) / double(total_pages_);
+}
+
 int64_t LoopEngine::pages_of(int64_t positions) const { return (positions + opt_.block_size - 1) / opt_.block_size; }
 
 void LoopEngine::run() {
@@ -131,12 +140,7 @@ void LoopEngine::run() {
         running.push_back(std::move(waiting_.front()));
         waiting_.pop_front();
       }
-      int64_t pages = 0;
-      for (auto& s : running) pages += pages_of(s->positions);
-      stats_.running = int(running.size());
-      stats_.waiting = int(waiting_.size());
-      stats_.kv_pages_used = pages;
-      stats_.kv_cache_usage = double(pages) / double(total_pages_);
+      publish(running);
     }
     for (auto& s : aborted) {
       TokenEvent ev;
@@ -152,6 +156,10 @@ void LoopEngine::run() {
       if (!s->sink) s.reset();  // finished: its terminal event has been sent
     }
     running.erase(std::remove(running.begin(), running.end(), nullptr), running.end());
+    {
+      std::lock_guard lk(mu_);  // finished requests' pages are free as of now, not as of the next round
+      publish(running);
+    }
     backend_->end_of_round();
   }
   std::lock_guard lk(mu_);

@@ -75,6 +75,7 @@ class LoopEngine : public Engine {
   void run();
   void step(Seq& s, std::vector<float>& logits);
   int64_t pages_of(int64_t positions) const;
+  void publish(const std::vector<std::unique_ptr<Seq>>& running);  // stats_ from `running`; mu_ held
 
   std::unique_ptr<Backend> backend_;
   LoopEngineOptions opt_;
