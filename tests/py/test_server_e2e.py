@@ -18,7 +18,7 @@ MSG = [{"role": "user", "content": "Hello there"}]
 
 @pytest.fixture(scope="module")
 def server(kestrel_bin, nano_dir):
-    s = Server(kestrel_bin, nano_dir, "--served-model-name", MODEL, "--max-model-len", "512",
+    s = Server(kestrel_bin, nano_dir, "--served-model-name", MODEL, "--max-model-len", "2048",
                "--max-num-seqs", "4", "--max-request-bytes", "65536")
     yield s
     assert s.stop() == 0
@@ -33,7 +33,7 @@ def test_models_and_health(server, client):
     assert server.health() == 200
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
-    assert models.data[0].model_extra["max_model_len"] == 512
+    assert models.data[0].model_extra["max_model_len"] == 2048
 
 
 def test_chat_non_streaming(client):
@@ -165,17 +165,17 @@ def test_openai_errors(client, server):
         client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, temperature="hot")
     assert "temperature" in str(e.value)
     for bad in ({"max_tokens": -1}, {"top_p": 2}, {"n": "2"}, {"stop": 5}, {"messages": []},
-                {"messages": [{"role": "user"}]}, {"messages": "hi"}):
+                {"messages": [{"content": "no role"}]}, {"messages": "hi"}):
         body = {"model": MODEL, "messages": MSG, **bad}
         r = httpx.post(server.url + "/v1/chat/completions", json=body)
         assert r.status_code == 400, (bad, r.text)
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["message"]
     with pytest.raises(openai.BadRequestError) as e:  # context too long
-        client.completions.create(model=MODEL, prompt="word " * 2000, max_tokens=2)
+        client.completions.create(model=MODEL, prompt="word " * 5000, max_tokens=2)
     assert "maximum context length" in str(e.value)
     with pytest.raises(openai.BadRequestError):  # prompt fits, prompt + max_tokens does not
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=600)
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2100)
 
 
 def test_raw_http_malformed(server):
@@ -192,8 +192,9 @@ def test_raw_http_malformed(server):
     assert status(server.raw(b"GET / HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 20000 + b"\r\n\r\n")) == 431
     assert status(server.raw(b"DELETE /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")) == 405
     # Truncated body then close; binary noise; a half header: none of it may hurt the server.
-    server.raw(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"a\"", timeout=2)
-    server.raw(bytes(range(256)) * 4, timeout=2)
+    with socket.create_connection((server.host, server.port)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"a\"")
+    assert status(server.raw(bytes(range(256)) * 4, timeout=5)) == 400
     with socket.create_connection((server.host, server.port)) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHo")
     # Keep-alive: two requests on one connection.
