@@ -9,5 +9,6 @@ namespace kestrel::cli {
 void register_inspect(CLI::App& app);
 void register_generate(CLI::App& app);
 void register_tokenize(CLI::App& app);
+void register_serve(CLI::App& app);
 
 }  // namespace kestrel::cli

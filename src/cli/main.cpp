@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
   kestrel::cli::register_inspect(app);
   kestrel::cli::register_generate(app);
   kestrel::cli::register_tokenize(app);
+  kestrel::cli::register_serve(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,325 @@
+// Server tests without a model: the OpenAI protocol pieces (parameter validation, stop strings,
+// per-choice shaping of parser output into deltas) and the whole HTTP server in-process over a
+// fake engine whose greedy output is a fixed script, checked through raw sockets: SSE framing and
+// chunk shapes, tool-call deltas, usage, errors, authentication, /health and /metrics.
+#include <gtest/gtest.h>
+
+#include <utility>
+
+#include <boost/asio.hpp>
+#include <nlohmann/json.hpp>
+
+#include <thread>
+
+#include "server/backends.h"
+#include "server/http_server.h"
+#include "server/loop_engine.h"
+#include "server/openai.h"
+
+using namespace kestrel;
+using namespace kestrel::server;
+using nlohmann::json;
+
+namespace {
+
+const tok::Tokenizer& T() {
+  static const tok::Tokenizer t = tok::Tokenizer::load(std::string(KESTREL_SOURCE_DIR) + "/tests/data/tok_golden");
+  return t;
+}
+
+std::vector<int32_t> ids(const std::string& text) {
+  std::vector<int32_t> out;
+  for (auto id : T().encode(text, /*allow_special=*/true)) out.push_back(int32_t(id));
+  return out;
+}
+
+const std::string O = "<|open|>", C = "<|close|>", S = "<|sep|>", END = "<|end_of_msg|>";
+
+int status_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ApiError& e) {
+    return e.status;
+  }
+  return 0;
+}
+
+}  // namespace
+
+TEST(ServerStop, HoldsBackPrefixesAndCutsAtTheMatch) {
+  StopMatcher m({"STOP", "xy"});
+  EXPECT_EQ(m.push("abc S"), "abc ");
+  EXPECT_EQ(m.push("T"), "");
+  EXPECT_EQ(m.push("O!"), "STO!");  // not a stop after all: released
+  EXPECT_EQ(m.push("fooST"), "foo");
+  EXPECT_EQ(m.push("OP tail"), "");
+  EXPECT_TRUE(m.matched());
+  EXPECT_EQ(m.push("more"), "");
+  EXPECT_EQ(m.flush(), "");
+  StopMatcher n({"zz"});
+  EXPECT_EQ(n.push("az"), "a");
+  EXPECT_EQ(n.flush(), "z");
+}
+
+TEST(ServerParams, TypesAndRanges) {
+  auto chat = [](json j) { return parse_gen_params(ojson::parse(j.dump()), Api::kChat); };
+  GenParams g = chat({{"temperature", 0}, {"top_k", -1}, {"max_completion_tokens", 7}, {"max_tokens", 3},
+                      {"stop", "x"}, {"seed", -5}, {"logprobs", true}, {"top_logprobs", 2}, {"n", 2}});
+  EXPECT_EQ(g.sampling.temperature, 0.0f);
+  EXPECT_EQ(g.sampling.top_k, 0);
+  EXPECT_EQ(*g.max_tokens, 7);
+  EXPECT_EQ(g.stop, std::vector<std::string>{"x"});
+  EXPECT_TRUE(g.sampling.logprobs);
+  EXPECT_EQ(g.top_logprobs, 2);
+  EXPECT_EQ(g.n, 2);
+  for (json bad : {json{{"temperature", "hot"}}, json{{"temperature", 3}}, json{{"top_p", 0}}, json{{"n", 0}},
+                   json{{"max_tokens", 1.5}}, json{{"max_tokens", 0}}, json{{"stream", "yes"}},
+                   json{{"stop", json::array({1})}}, json{{"top_logprobs", 3}}, json{{"logprobs", 1}},
+                   json{{"stream_options", {{"include_usage", true}}}}, json{{"seed", "1"}}, json{{"min_p", -1}},
+                   json{{"presence_penalty", 9}}, json{{"model", 3}}, json{{"stop_token_ids", json::array({-1})}}})
+    EXPECT_EQ(status_of([&] { chat(bad); }), 400) << bad.dump();
+  GenParams c = parse_gen_params(ojson::parse(R"({"logprobs": 3})"), Api::kCompletion);
+  EXPECT_TRUE(c.logprobs);
+  EXPECT_EQ(c.top_logprobs, 3);
+  const json e = json::parse(error_body(404, "nope", "model"));
+  EXPECT_EQ(e["error"]["message"], "nope");
+  EXPECT_EQ(e["error"]["type"], "not_found_error");
+  EXPECT_EQ(e["error"]["param"], "model");
+  EXPECT_EQ(e["error"]["code"], 404);
+}
+
+namespace {
+// Feeds a script through a ChoiceStream as an engine would; the last token carries `fin`.
+std::vector<ChoiceStream::Delta> run_choice(ChoiceStream& c, const std::vector<int32_t>& script, Finish fin) {
+  std::vector<ChoiceStream::Delta> out;
+  for (size_t i = 0; i < script.size() && !c.done(); ++i) {
+    TokenEvent ev;
+    ev.token = script[i];
+    ev.prompt_tokens = i == 0 ? 5 : 0;
+    ev.finish = i + 1 == script.size() ? fin : Finish::kNone;
+    out.push_back(c.on_event(ev));
+  }
+  return out;
+}
+}  // namespace
+
+TEST(ServerChoice, ReasoningContentAndToolCallDeltas) {
+  const auto script = ids("Let me think." + C + "think" + S + O + "response" + S + "Calling." + C + "response" + S + O +
+                          "tools" + S + O + "call tool=\"get_weather\" index=\"1\"" + S + O +
+                          "argument key=\"city\" type=\"string\"" + S + "Paris" + C + "argument" + S + C + "call" + S +
+                          C + "tools" + S + END);
+  ChoiceStream c(Api::kChat, T(), /*thinking=*/true, {"get_weather"}, {}, /*logprobs=*/true);
+  auto deltas = run_choice(c, script, Finish::kStop);
+  ASSERT_TRUE(c.done());
+  EXPECT_EQ(c.finish_reason(), "tool_calls");
+  EXPECT_EQ(c.reasoning(), "Let me think.");
+  EXPECT_EQ(c.content(), "Calling.");
+  EXPECT_EQ(c.prompt_tokens(), 5);
+  EXPECT_EQ(c.completion_tokens(), int(script.size()));
+  EXPECT_GT(c.reasoning_tokens(), 0);
+  EXPECT_LT(c.reasoning_tokens(), c.completion_tokens());
+  std::string name, args, id;
+  int with_name = 0;
+  for (const auto& d : deltas)
+    for (const auto& t : d.tool_calls) {
+      EXPECT_EQ(t["index"], 0);
+      if (t.contains("id")) {
+        ++with_name;
+        id = t["id"];
+        name = t["function"]["name"];
+        EXPECT_EQ(t["type"], "function");
+      }
+      args += t["function"]["arguments"].get<std::string>();
+    }
+  EXPECT_EQ(with_name, 1);  // the name (and id) only on the call's first delta
+  EXPECT_EQ(name, "get_weather");
+  EXPECT_EQ(json::parse(args), json({{"city", "Paris"}}));
+  const json calls = c.tool_calls_message();
+  ASSERT_EQ(calls.size(), 1u);
+  EXPECT_EQ(calls[0]["id"], id);
+  EXPECT_EQ(json::parse(calls[0]["function"]["arguments"].get<std::string>()), json({{"city", "Paris"}}));
+  EXPECT_EQ(c.logprobs_all().size(), script.size());
+}
+
+TEST(ServerChoice, StopStringEndsContentAndAsksForCancel) {
+  const auto script = ids(O + "response" + S + "Hello STOP world, more text" + C + "response" + S + END);
+  ChoiceStream c(Api::kChat, T(), /*thinking=*/false, {}, {"STOP"}, false);
+  auto deltas = run_choice(c, script, Finish::kStop);
+  EXPECT_TRUE(c.done());
+  EXPECT_EQ(c.content(), "Hello ");
+  EXPECT_EQ(c.finish_reason(), "stop");
+  EXPECT_TRUE(deltas.back().cancel_engine);
+  std::string streamed;
+  for (const auto& d : deltas) streamed += d.content;
+  EXPECT_EQ(streamed, "Hello ");
+}
+
+TEST(ServerChoice, CompletionTextAndLength) {
+  const auto script = ids("abc def");
+  ChoiceStream c(Api::kCompletion, T(), false, {}, {}, false);
+  run_choice(c, script, Finish::kLength);
+  EXPECT_EQ(c.content(), "abc def");
+  EXPECT_EQ(c.finish_reason(), "length");
+}
+
+// ---- the HTTP server in-process --------------------------------------------------------------
+
+namespace {
+
+namespace net = boost::asio;
+using tcp = net::ip::tcp;
+
+struct Running {
+  explicit Running(std::vector<int32_t> script, std::string api_key = {}) {
+    FakeBackendOptions f;
+    f.vocab_size = int64_t(T().vocab_size());
+    f.context_len = 2048;
+    f.script = std::move(script);
+    engine = std::make_unique<LoopEngine>(std::make_unique<FakeBackend>(f), LoopEngineOptions{0, 4, 8, 16});
+    EXPECT_TRUE(engine->wait_loaded());
+    ServerOptions so;
+    so.port = 0;
+    so.api_key = std::move(api_key);
+    so.served_model_name = "m";
+    so.max_body_bytes = 64 * 1024;
+    server = std::make_unique<Server>(so, *engine, T());
+    server->listen();
+    port = server->port();
+    thread = std::thread([this] { server->run(); });
+  }
+  ~Running() {
+    server->shutdown();
+    thread.join();
+    engine->shutdown();
+    server.reset();
+  }
+  std::unique_ptr<LoopEngine> engine;
+  std::unique_ptr<Server> server;
+  uint16_t port = 0;
+  std::thread thread;
+};
+
+// Sends raw bytes, reads until the server closes; returns the raw response.
+std::string raw(uint16_t port, const std::string& data) {
+  net::io_context io;
+  tcp::socket s(io);
+  s.connect({net::ip::make_address("127.0.0.1"), port});
+  boost::system::error_code ec;
+  net::write(s, net::buffer(data), ec);  // the server may answer (413) and stop reading early
+  std::string out;
+  char buf[4096];
+  for (;;) {
+    size_t n = s.read_some(net::buffer(buf), ec);
+    out.append(buf, n);
+    if (ec) break;
+  }
+  return out;
+}
+
+std::string request(const std::string& method, const std::string& path, const std::string& body,
+                    const std::string& extra = "") {
+  return method + " " + path + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n" + extra +
+         "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+}
+
+int status(const std::string& resp) { return std::stoi(resp.substr(9, 3)); }
+
+std::string body_of(const std::string& resp) {
+  const size_t h = resp.find("\r\n\r\n");
+  std::string body = resp.substr(h + 4);
+  if (resp.substr(0, h).find("Transfer-Encoding: chunked") == std::string::npos) return body;
+  std::string out;  // de-chunk
+  size_t p = 0;
+  while (p < body.size()) {
+    const size_t e = body.find("\r\n", p);
+    const size_t n = std::stoul(body.substr(p, e - p), nullptr, 16);
+    if (n == 0) break;
+    out += body.substr(e + 2, n);
+    p = e + 2 + n + 2;
+  }
+  return out;
+}
+
+std::vector<std::string> sse_events(const std::string& body) {
+  std::vector<std::string> out;
+  size_t p = 0;
+  while ((p = body.find("data: ", p)) != std::string::npos) {
+    const size_t e = body.find("\n\n", p);
+    out.push_back(body.substr(p + 6, e - p - 6));
+    p = e + 2;
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(ServerHttp, StreamingChatWithToolCallInOpenAIShape) {
+  Running r(ids("Hmm." + C + "think" + S + O + "tools" + S + O + "call tool=\"f\"" + S + O +
+                "argument key=\"x\" type=\"number\"" + S + "3" + C + "argument" + S + C + "call" + S + C + "tools" + S + END));
+  const json req = {{"model", "m"}, {"stream", true}, {"stream_options", {{"include_usage", true}}}, {"temperature", 0},
+                    {"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                    {"tools", {{{"type", "function"}, {"function", {{"name", "f"}, {"parameters", {{"type", "object"}}}}}}}}};
+  const std::string resp = raw(r.port, request("POST", "/v1/chat/completions", req.dump()));
+  ASSERT_EQ(status(resp), 200) << resp;
+  EXPECT_NE(resp.find("Content-Type: text/event-stream"), std::string::npos);
+  const auto ev = sse_events(body_of(resp));
+  ASSERT_GE(ev.size(), 4u);
+  EXPECT_EQ(ev.back(), "[DONE]");
+  const json first = json::parse(ev[0]);
+  EXPECT_EQ(first["object"], "chat.completion.chunk");
+  EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_TRUE(first["usage"].is_null());
+  std::string reasoning, args, finish;
+  int names = 0;
+  for (size_t i = 0; i + 2 < ev.size(); ++i) {
+    const json c = json::parse(ev[i]);
+    EXPECT_EQ(c["id"], first["id"]);
+    EXPECT_EQ(c["model"], "m");
+    ASSERT_EQ(c["choices"].size(), 1u);
+    const json& d = c["choices"][0]["delta"];
+    if (d.contains("reasoning_content")) {
+      reasoning += d["reasoning_content"].get<std::string>();
+      EXPECT_EQ(d["reasoning"], d["reasoning_content"]);
+    }
+    if (d.contains("tool_calls"))
+      for (const auto& t : d["tool_calls"]) {
+        if (t["function"].contains("name")) ++names;
+        args += t["function"]["arguments"].get<std::string>();
+      }
+    if (!c["choices"][0]["finish_reason"].is_null()) finish = c["choices"][0]["finish_reason"];
+  }
+  EXPECT_EQ(reasoning, "Hmm.");
+  EXPECT_EQ(names, 1);
+  EXPECT_EQ(json::parse(args), json({{"x", 3}}));
+  EXPECT_EQ(finish, "tool_calls");
+  const json usage = json::parse(ev[ev.size() - 2]);
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_GT(usage["usage"]["prompt_tokens"].get<int>(), 0);
+  EXPECT_GT(usage["usage"]["completion_tokens"].get<int>(), 0);
+  EXPECT_GT(usage["usage"]["completion_tokens_details"]["reasoning_tokens"].get<int>(), 0);
+}
+
+TEST(ServerHttp, NonStreamingCompletionAndErrors) {
+  Running r(ids("one two three"), "sekrit");
+  const std::string auth = "Authorization: Bearer sekrit\r\n";
+  const json req = {{"model", "m"}, {"prompt", "hi"}, {"max_tokens", 3}, {"temperature", 0}};
+  std::string resp = raw(r.port, request("POST", "/v1/completions", req.dump(), auth));
+  ASSERT_EQ(status(resp), 200) << resp;
+  const json b = json::parse(body_of(resp));
+  EXPECT_EQ(b["object"], "text_completion");
+  EXPECT_EQ(b["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(b["usage"]["completion_tokens"], 3);
+
+  EXPECT_EQ(status(raw(r.port, request("POST", "/v1/completions", req.dump()))), 401);
+  EXPECT_EQ(status(raw(r.port, request("POST", "/v1/completions", "{bad json", auth))), 400);
+  EXPECT_EQ(status(raw(r.port, request("POST", "/v1/completions", R"({"prompt": "x", "model": "other"})", auth))), 404);
+  EXPECT_EQ(status(raw(r.port, request("POST", "/v1/completions", R"({"prompt": "x", "max_tokens": 5000})", auth))), 400);
+  EXPECT_EQ(status(raw(r.port, request("POST", "/v1/completions", std::string(70000, ' '), auth))), 413);
+  EXPECT_EQ(status(raw(r.port, request("GET", "/nope", ""))), 404);
+  EXPECT_EQ(status(raw(r.port, "GARBAGE\r\n\r\n")), 400);
+  EXPECT_EQ(status(raw(r.port, request("GET", "/health", ""))), 200);
+  const std::string m = body_of(raw(r.port, request("GET", "/metrics", "")));
+  EXPECT_NE(m.find("vllm:num_requests_running{model_name=\"m\"} 0"), std::string::npos) << m;
+  EXPECT_NE(m.find("vllm:generation_tokens_total{model_name=\"m\"} 3"), std::string::npos) << m;
+  EXPECT_NE(m.find("vllm:request_success_total{model_name=\"m\",finished_reason=\"length\"} 1"), std::string::npos) << m;
+}
