@@ -2,7 +2,10 @@
 // a checkpoint end to end and for small-model benchmarks.
 //
 //   kestrel generate --model DIR (--prompt-tokens 1,2,3 | --prompt TEXT) --max-tokens N
-//                    [--temperature T --top-p P --seed S] [--dump-logits FILE]
+//                    [--temperature T --top-p P --seed S] [--dump-logits FILE] [--device cpu|cuda]
+//
+// --device cuda runs the GPU forward pass (model/model_cuda.h; only in builds with CUDA); the default
+// is the CPU reference.
 //
 // Prints the generated ids (and their text when the prompt was text), then prefill and decode
 // throughput. Generation stops after N tokens or at eos_token_id.
@@ -20,6 +23,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <optional>
 #include <memory>
@@ -32,6 +36,9 @@
 #include "loader/safetensors.h"
 #include "loader/weights.h"
 #include "model/model.h"
+#ifdef KESTREL_WITH_CUDA
+#include "model/model_cuda.h"
+#endif
 #include "runtime/sampler.h"
 #include "tokenizer/tokenizer.h"
 
@@ -82,7 +89,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 void register_generate(CLI::App& app) {
   struct Opts {
-    std::string model, prompt_tokens, prompt, dump_logits;
+    std::string model, prompt_tokens, prompt, dump_logits, device = "cpu";
     int max_tokens = 16;
     float temperature = 0.0f, top_p = 1.0f;
     uint64_t seed = 0;
@@ -98,6 +105,7 @@ void register_generate(CLI::App& app) {
   cmd->add_option("--top-p", o->top_p, "nucleus mass in (0, 1]");
   cmd->add_option("--seed", o->seed, "sampler seed");
   cmd->add_option("--dump-logits", o->dump_logits, "write f32 logits [positions, vocab] as .npy");
+  cmd->add_option("--device", o->device, "cpu (reference) or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->callback([o] {
     if (o->prompt_tokens.empty() == o->prompt.empty()) fail("give exactly one of --prompt-tokens or --prompt");
     runtime::Sampler sampler({o->temperature, o->top_p, o->seed});
@@ -123,11 +131,29 @@ void register_generate(CLI::App& app) {
     model::State state(cfg);
     model::ForwardOptions opt;
     opt.last_logits_only = !dump;
+    // One forward of `ids` on the chosen device (the CPU state stays unused on the GPU path).
+    std::function<void(std::span<const int32_t>, float*)> run;
+    if (o->device == "cpu") {
+      run = [&](std::span<const int32_t> ids, float* lg) { model::prefill(w, cfg, state, ids, lg, opt); };
+    } else {
+#ifdef KESTREL_WITH_CUDA
+      struct Gpu {  // the state is freed before the model that owns its allocator
+        model::CudaModel m;
+        std::unique_ptr<model::CudaState, void (*)(model::CudaState*)> s;
+        Gpu(const ModelConfig& c, const ModelWeights& mw, int64_t cap) : m(c, mw), s(m.new_state(cap)) {}
+        ~Gpu() { s.reset(); }
+      };
+      auto gpu = std::make_shared<Gpu>(cfg, w, int64_t(prompt.size()) + o->max_tokens);
+      run = [gpu, last = !dump](std::span<const int32_t> ids, float* lg) { gpu->m.forward(*gpu->s, ids, lg, last); };
+#else
+      fail("--device cuda: this kestrel was built without CUDA");
+#endif
+    }
     std::vector<float> dumped;  // f32 [positions, V]
     std::vector<float> logits(size_t(dump ? int64_t(prompt.size()) * V : V));
 
     auto t0 = std::chrono::steady_clock::now();
-    model::prefill(w, cfg, state, prompt, logits.data(), opt);
+    run(prompt, logits.data());
     const double t_prefill = seconds_since(t0);
     if (dump) dumped = logits;
     std::vector<int32_t> out;
@@ -135,7 +161,7 @@ void register_generate(CLI::App& app) {
     logits.resize(size_t(V));
     t0 = std::chrono::steady_clock::now();
     while (int(out.size()) < o->max_tokens && out.back() != cfg.text.eos_token_id) {
-      model::decode(w, cfg, state, out.back(), logits.data(), opt);
+      run(std::span<const int32_t>(&out.back(), 1), logits.data());
       if (dump) dumped.insert(dumped.end(), logits.begin(), logits.end());
       out.push_back(sampler.sample(logits));
     }
