@@ -50,8 +50,14 @@ case "${1:-}" in
     python3 reference/make_checkpoint.py --config nano --out "$ck/nano" --seed 1 --no-vision >/dev/null &
     python3 reference/make_checkpoint.py --config mini --out "$ck/mini" --seed 1 --fast-experts --no-vision \
       --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 >/dev/null &
+    # Variants with every expert selected (router top-k = all: no discrete routing choice left).
+    python3 reference/make_checkpoint.py --config nano --out "$ck/nano_kall" --seed 1 --no-vision \
+      --override num_experts_per_token=16 >/dev/null &
+    python3 reference/make_checkpoint.py --config mini --out "$ck/mini_kall" --seed 1 --fast-experts --no-vision \
+      --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 \
+      --override num_experts_per_token=4 >/dev/null &
     wait
-    export KESTREL_GPU_CKPTS="$ck/nano:$ck/mini"
+    export KESTREL_GPU_CKPTS="$ck/nano:$ck/nano_kall:$ck/mini:$ck/mini_kall"
     "$0" test --gtest_brief=1 2>&1 | tee "$out/gpu_tests.log" | tail -60 || true
     "$0" bench ${BENCH_ARGS:-} --model "$ck/mini" 2>&1 | tee "$out/bench_ops.md"
     ;;

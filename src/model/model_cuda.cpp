@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <vector>
 
@@ -88,7 +89,30 @@ struct CudaModel::Impl {
   cuda::GemmLt lt;
   cudaStream_t stream = nullptr;
   CudaWeights w;
-  bool timing = false;
+  bool timing = false, capturing = false;
+  std::map<std::string, std::vector<int32_t>> caps;
+  std::map<std::string, std::vector<float>> fcaps;
+  void capture_bf16(const std::string& name, const u16* d, int64_t n) {
+    if (!capturing) return;
+    std::vector<u16> h(static_cast<size_t>(n));
+    KCUDA_CHECK(cudaMemcpyAsync(h.data(), d, size_t(n) * 2, cudaMemcpyDeviceToHost, stream));
+    KCUDA_CHECK(cudaStreamSynchronize(stream));
+    auto& v = fcaps[name];
+    for (u16 x : h) {
+      const uint32_t u = uint32_t(x) << 16;
+      float f;
+      std::memcpy(&f, &u, 4);
+      v.push_back(f);
+    }
+  }
+  void capture(int layer, const char* what, const int32_t* d, int64_t n) {
+    if (!capturing) return;
+    std::vector<int32_t> h(static_cast<size_t>(n));
+    KCUDA_CHECK(cudaMemcpyAsync(h.data(), d, size_t(n) * 4, cudaMemcpyDeviceToHost, stream));
+    KCUDA_CHECK(cudaStreamSynchronize(stream));
+    auto& v = caps["L" + std::to_string(layer) + "." + what];
+    v.insert(v.end(), h.begin(), h.end());
+  }
   std::vector<std::pair<std::string, cudaEvent_t>> marks;
   std::vector<cudaEvent_t> event_pool;
   size_t events_used = 0;
@@ -245,7 +269,7 @@ struct CudaModel::Impl {
     gemm(a, F, m.down, out, D, T, F, D);
   }
 
-  void moe(const DMoe& m, const u16* x, int64_t T, u16* out) {
+  void moe(const DMoe& m, int layer, const u16* x, int64_t T, u16* out) {
     const TextConfig& c = cfg.text;
     const int64_t D = c.hidden_size, X = c.num_experts, K = c.num_experts_per_token, Lt = c.routed_expert_hidden_size,
                   I = c.moe_intermediate_size;
@@ -254,6 +278,7 @@ struct CudaModel::Impl {
     float* wts = tmp<float>(T * K);
     lt.bf16_f32(x, D, m.router, r, X, T, D, X, stream);
     cuda::moe_route(r, m.router_bias, T, X, K, c.moe_renormalize, c.routed_scaling_factor, ids, wts, stream);
+    capture(layer, "router_ids", ids, T * K);
     u16* z = tmp<u16>(T * Lt);
     gemm(x, D, m.latent_down, z, Lt, T, D, Lt);
     mark("moe.router+down");
@@ -354,6 +379,7 @@ struct CudaModel::Impl {
         cuda::indexer_select(qi + t0 * Hi * Di, keys, hw + t0 * Hi, n, pos0 + t0, Hi, Di, Ki, scores, S,
                              sel + t0 * Ki, stream);
       }
+      capture(layer, "index_topk", sel, T * Ki);
       mark("mla.indexer");
     }
     const cuda::MlaDims dims{Hm, N, R, Dv, C};
@@ -430,6 +456,7 @@ struct CudaModel::Impl {
         kda(lw.kda, st, L, normed, T, y);
       else
         mla(lw.mla, st, L, normed, T, y);
+      capture_bf16("L" + std::to_string(L) + ".attn_out", y, T * D);
       // Step 4.
       if (write)
         KCUDA_CHECK(cudaMemcpyAsync(P, y, size_t(T * D) * 2, cudaMemcpyDeviceToDevice, stream));
@@ -443,8 +470,9 @@ struct CudaModel::Impl {
         mlp(lw.dense, normed, T, y);
         mark("dense_mlp");
       } else {
-        moe(lw.moe, normed, T, y);
+        moe(lw.moe, L, normed, T, y);
       }
+      capture_bf16("L" + std::to_string(L) + ".mlp_out", y, T * D);
       cuda::add_bf16(P, y, P, T * D, stream);
     }
     st.pos += T;
@@ -527,5 +555,8 @@ void CudaModel::forward(CudaState& st, std::span<const int32_t> tokens, float* l
 void CudaModel::enable_op_timing(bool on) { impl_->timing = on; }
 std::vector<std::pair<std::string, double>> CudaModel::op_times() const { return impl_->last_times; }
 size_t CudaModel::weight_bytes() const { return impl_->arena.bytes(); }
+void CudaModel::enable_captures(bool on) { impl_->capturing = on; }
+const std::map<std::string, std::vector<int32_t>>& CudaModel::captures() const { return impl_->caps; }
+const std::map<std::string, std::vector<float>>& CudaModel::activation_captures() const { return impl_->fcaps; }
 
 }  // namespace kestrel::model

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -52,6 +53,14 @@ class CudaModel {
   std::vector<std::pair<std::string, double>> op_times() const;
 
   size_t weight_bytes() const;
+
+  // Debug captures for tests: when on, every forward appends each MoE layer's router ids (i32 [T, K],
+  // "L{L}.router_ids") and each MLA layer's indexer selection (i32 [T, Ki], "L{L}.index_topk"), the
+  // names of model.h's observer. Costs a device sync per capture.
+  void enable_captures(bool on);
+  const std::map<std::string, std::vector<int32_t>>& captures() const;
+  // Also per layer "L{L}.attn_out", "L{L}.mlp_out" and "final_hidden" (bf16 [T, D] as f32), appended.
+  const std::map<std::string, std::vector<float>>& activation_captures() const;
 
  private:
   struct Impl;
