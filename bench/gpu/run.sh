@@ -8,6 +8,9 @@
 # CUDA toolkit. Two steps:
 #   bench/gpu/run.sh pack    # here: build, copy binaries + libfmt into .gpu-carry/ (git-ignored)
 #   bench/gpu/run.sh test    # there: run every GPU test binary from .gpu-carry/
+#   bench/gpu/run.sh all     # there: make the nano and reduced-mini checkpoints (reference/make_checkpoint.py),
+#                            # run the op tests + the GPU-vs-CPU model test on them, then bench_ops
+#                            # (logs to $OUT when set)
 # With the device tool: run `bench/gpu/run.sh test` with carry [".gpu-carry"].
 # The device tool sends the session's main checkout, not a helper's worktree: from a worktree, copy
 # .gpu-carry/ and bench/gpu/run.sh into a git-ignored folder F of that checkout (F/.gpu-carry,
@@ -21,7 +24,7 @@ case "${1:-}" in
     excl="$(git rev-parse --git-path info/exclude)"  # .git is a file in a worktree
     grep -qx "/.gpu-carry/" "$excl" 2>/dev/null || echo "/.gpu-carry/" >> "$excl"
     rm -rf .gpu-carry && mkdir -p .gpu-carry/lib
-    for b in build/tests/gpu/kestrel_gpu_tests build/src/cli/kestrel; do
+    for b in build/tests/gpu/kestrel_gpu_tests build/src/cli/kestrel build/bench/bench_ops; do
       objcopy --strip-debug "$b" ".gpu-carry/$(basename "$b")"
     done
     for l in libfmt.so.9 libopenblas.so.0 libgomp.so.1 libgfortran.so.5 libquadmath.so.0; do
@@ -40,8 +43,34 @@ case "${1:-}" in
     ldd .gpu-carry/kestrel_gpu_tests | grep -E "not found|cublasLt|openblas" || true
     OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}" .gpu-carry/kestrel_gpu_tests "${@:2}"
     ;;
+  all)
+    out="${OUT:-/tmp}"
+    ck=/tmp/kestrel_ckpt
+    mkdir -p "$ck"
+    python3 reference/make_checkpoint.py --config nano --out "$ck/nano" --seed 1 --no-vision >/dev/null &
+    python3 reference/make_checkpoint.py --config mini --out "$ck/mini" --seed 1 --fast-experts --no-vision \
+      --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 >/dev/null &
+    # Variants with every expert selected (router top-k = all: no discrete routing choice left).
+    python3 reference/make_checkpoint.py --config nano --out "$ck/nano_kall" --seed 1 --no-vision \
+      --override num_experts_per_token=16 >/dev/null &
+    python3 reference/make_checkpoint.py --config mini --out "$ck/mini_kall" --seed 1 --fast-experts --no-vision \
+      --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 \
+      --override num_experts_per_token=4 >/dev/null &
+    wait
+    export KESTREL_GPU_CKPTS="$ck/nano:$ck/nano_kall:$ck/mini:$ck/mini_kall"
+    "$0" test --gtest_brief=1 2>&1 | tee "$out/gpu_tests.log" | tail -60 || true
+    "$0" bench ${BENCH_ARGS:-} --model "$ck/mini" 2>&1 | tee "$out/bench_ops.md"
+    ;;
+  bench)
+    export LD_LIBRARY_PATH="$PWD/.gpu-carry/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
+    if ! ldd .gpu-carry/bench_ops | grep -q "libcublasLt.so.13 => /"; then
+      d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
+      export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
+    fi
+    .gpu-carry/bench_ops "${@:2}"
+    ;;
   *)
-    echo "usage: $0 pack|test" >&2
+    echo "usage: $0 pack|test|all|bench" >&2
     exit 2
     ;;
 esac

@@ -5,6 +5,10 @@
 //   kestrel generate --model DIR (--prompt-tokens 1,2,3 | --prompt TEXT | --prompts-file FILE)
 //                    --max-tokens N [sampling flags] [--memory-budget 2G | --gpu-memory-utilization F]
 //                    [--kv-cache-dtype bf16|fp8] [--index-cache-dtype bf16|fp8|mxfp4] [--dump-logits FILE]
+//                    [--device cpu|cuda]
+//
+// --device cuda (builds with CUDA only) runs one prompt through the GPU forward pass
+// (model/model_cuda.h) with the same sampler; the multi-request engine is CPU-only for now.
 //
 // Prints the memory plan (capacity in tokens, concurrent requests, longest single request), then
 // per request the generated ids (and text when the prompt was text), then throughput. A single
@@ -37,6 +41,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <optional>
 #include <memory>
@@ -50,6 +55,9 @@
 #include "loader/weights.h"
 #include "cache/layout.h"
 #include "runtime/engine.h"
+#ifdef KESTREL_WITH_CUDA
+#include "model/model_cuda.h"
+#endif
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel::cli {
@@ -123,12 +131,54 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// --device cuda: one prompt through the GPU forward pass, sampled with the engine's sampler.
+void generate_cuda(const ModelConfig& cfg, const ModelWeights& w, const std::vector<int32_t>& prompt,
+                   const runtime::SamplingParams& sp, int max_tokens, bool ignore_eos, const std::string& dump_path) {
+#ifdef KESTREL_WITH_CUDA
+  const int64_t V = cfg.text.vocab_size;
+  const bool dump = !dump_path.empty();
+  model::CudaModel m(cfg, w);
+  auto st = m.new_state(int64_t(prompt.size()) + max_tokens);
+  std::vector<float> logits(size_t(dump ? int64_t(prompt.size()) * V : V));  // f32 [T or 1, V]
+  std::vector<float> dumped;                                                  // f32 [positions, V]
+  std::vector<int32_t> out;
+  auto pick = [&](const float* row) {
+    return runtime::sample_token(sp, std::span<const float>(row, size_t(V)), prompt, out, out.size()).token;
+  };
+  auto t0 = std::chrono::steady_clock::now();
+  m.forward(*st, prompt, logits.data(), !dump);
+  const double t_prefill = seconds_since(t0);
+  if (dump) dumped = logits;
+  out.push_back(pick(logits.data() + (dump ? (int64_t(prompt.size()) - 1) * V : 0)));
+  logits.resize(size_t(V));
+  t0 = std::chrono::steady_clock::now();
+  while (int(out.size()) < max_tokens && (ignore_eos || out.back() != cfg.text.eos_token_id)) {
+    m.forward(*st, std::span<const int32_t>(&out.back(), 1), logits.data(), true);
+    if (dump) dumped.insert(dumped.end(), logits.begin(), logits.end());
+    out.push_back(pick(logits.data()));
+  }
+  const double t_decode = seconds_since(t0);
+  st.reset();
+  fmt::print("tokens: {}\n", fmt::join(out, ","));
+  fmt::print("prefill: {} tokens in {:.3f} s ({:.1f} tok/s)\n", prompt.size(), t_prefill, double(prompt.size()) / t_prefill);
+  if (out.size() > 1)
+    fmt::print("decode: {} tokens in {:.3f} s ({:.1f} tok/s)\n", out.size() - 1, t_decode, double(out.size() - 1) / t_decode);
+  if (dump) {
+    write_npy(dump_path, dumped, int64_t(dumped.size()) / V, V);
+    fmt::print("logits: {} positions written to {}\n", int64_t(dumped.size()) / V, dump_path);
+  }
+#else
+  (void)cfg, (void)w, (void)prompt, (void)sp, (void)max_tokens, (void)ignore_eos, (void)dump_path;
+  fail("--device cuda: this kestrel was built without CUDA");
+#endif
+}
+
 }  // namespace
 
 void register_generate(CLI::App& app) {
   struct Opts {
     std::string model, prompt_tokens, prompt, prompts_file, dump_logits, memory_budget;
-    std::string kv_cache_dtype = "bf16", index_cache_dtype = "bf16";
+    std::string kv_cache_dtype = "bf16", index_cache_dtype = "bf16", device = "cpu";
     double gpu_memory_utilization = 0.0;
     int max_tokens = 16, top_k = 0, logprobs = -1, max_running = 0, max_batched_tokens = 2048;
     float temperature = 0.0f, top_p = 1.0f, min_p = 0.0f, repetition_penalty = 1.0f, presence_penalty = 0.0f,
@@ -170,6 +220,8 @@ void register_generate(CLI::App& app) {
   cmd->add_option("--max-num-batched-tokens", o->max_batched_tokens, "token budget of one engine step");
   cmd->add_flag("--no-prefix-cache", o->no_prefix_cache, "disable prefix caching");
   cmd->add_flag("--quiet", o->quiet, "print only the summary for several prompts");
+  cmd->add_option("--device", o->device, "cpu (engine) or cuda (GPU forward pass, one prompt)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->callback([o] {
     if (int(!o->prompt_tokens.empty()) + int(!o->prompt.empty()) + int(!o->prompts_file.empty()) != 1)
       fail("give exactly one of --prompt-tokens, --prompt or --prompts-file");
@@ -216,6 +268,21 @@ void register_generate(CLI::App& app) {
     if (!o->stop.empty()) need_tok();
     const bool dump = !o->dump_logits.empty();
     if (dump && prompts.size() != 1) fail("--dump-logits works with a single prompt only");
+    if (o->device == "cuda") {
+      if (prompts.size() != 1) fail("--device cuda runs a single prompt");
+      runtime::SamplingParams sp;
+      sp.temperature = o->temperature;
+      sp.top_p = o->top_p;
+      sp.top_k = o->top_k;
+      sp.min_p = o->min_p;
+      sp.repetition_penalty = o->repetition_penalty;
+      sp.presence_penalty = o->presence_penalty;
+      sp.frequency_penalty = o->frequency_penalty;
+      sp.seed = o->seed;
+      sp.validate();
+      generate_cuda(cfg, w, prompts[0].first, sp, o->max_tokens, o->ignore_eos, o->dump_logits);
+      return;
+    }
 
     runtime::EngineConfig ec;
     ec.formats.latent = cache::parse_latent_format(o->kv_cache_dtype);

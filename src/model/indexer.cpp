@@ -6,6 +6,7 @@
 
 #include "core/dtype.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/mla_ops.h"
 
 namespace kestrel::model {
 
@@ -26,20 +27,9 @@ void indexer_select(const IndexerWeights& w, const TextConfig& c, const MlaCache
   cpu::gemm_bf16(x, D, bf16_ptr(w.wk), kraw.data(), Di, T, D, Di);
   const uint16_t* kn_w = bf16_ptr(w.k_norm);
   const uint16_t* kn_b = w.k_norm_bias.empty() ? nullptr : bf16_ptr(w.k_norm_bias);
-  Bf16Vec kn(static_cast<size_t>(Di));  // bf16 [Di]
-  for (int64_t t = 0; t < T; ++t) {
-    const uint16_t* k = kraw.data() + t * Di;
-    double mean = 0.0, var = 0.0;
-    for (int64_t i = 0; i < Di; ++i) mean += bf16_to_f32(k[i]);
-    mean /= double(Di);
-    for (int64_t i = 0; i < Di; ++i) var += std::pow(bf16_to_f32(k[i]) - mean, 2);
-    const float rstd = float(1.0 / std::sqrt(var / double(Di) + 1e-6));
-    for (int64_t i = 0; i < Di; ++i) {
-      const float b = kn_b ? bf16_to_f32(kn_b[i]) : 0.0f;
-      kn[size_t(i)] = f32_to_bf16((bf16_to_f32(k[i]) - float(mean)) * rstd * bf16_to_f32(kn_w[i]) + b);
-    }
-    cache.write_key(pos0 + t, kn.data());
-  }
+  Bf16Vec kn(size_t(T * Di));  // bf16 [T, Di]
+  cpu::indexer_key_norm(kraw.data(), kn_w, kn_b, T, Di, kn.data());
+  for (int64_t t = 0; t < T; ++t) cache.write_key(pos0 + t, kn.data() + t * Di);
   // Keys as the scores see them: dequantised from the cache (exact for BF16).
   // Skipped while every query still sees at most Ki keys (all selected, no scores).
   Bf16Vec key_cache;  // bf16 [S, Di]
@@ -52,33 +42,8 @@ void indexer_select(const IndexerWeights& w, const TextConfig& c, const MlaCache
   cpu::gemm_bf16_f32(x, D, bf16_ptr(w.weights_proj), hw.data(), Hi, T, D, Hi);
 
   // Steps 5–6: I[t,s] = Σ_h w[t,h]·Hi^−½·Di^−½·ReLU(q_I[t,h]·k_I[s]); top-k over s ≤ p.
-  const float scale = 1.0f / std::sqrt(float(Hi) * float(Di));
   sel.assign(size_t(T * Ki), -1);
-  std::vector<float> score;
-  std::vector<float> qf(size_t(Hi * Di));
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t p = pos0 + t, visible = p + 1;
-    int32_t* out = sel.data() + t * Ki;
-    if (visible <= Ki) {
-      for (int64_t s = 0; s < visible; ++s) out[s] = int32_t(s);
-      continue;
-    }
-    cpu::bf16_to_f32_n(qi.data() + t * Hi * Di, qf.data(), Hi * Di);
-    score.assign(size_t(visible), 0.0f);
-#pragma omp parallel for schedule(static) if (visible * Hi * Di >= cpu::kParallelMinWork)
-    for (int64_t s = 0; s < visible; ++s) {
-      const uint16_t* k = key_cache.data() + s * Di;
-      float acc = 0.0f;
-      for (int64_t h = 0; h < Hi; ++h) {
-        float d = 0.0f;
-        for (int64_t i = 0; i < Di; ++i) d += qf[size_t(h * Di + i)] * bf16_to_f32(k[i]);
-        acc += hw[size_t(t * Hi + h)] * scale * std::max(d, 0.0f);
-      }
-      score[size_t(s)] = acc;
-    }
-    cpu::topk(score.data(), visible, Ki, out);
-    std::sort(out, out + Ki);
-  }
+  cpu::indexer_select_topk(qi.data(), key_cache.data(), hw.data(), T, pos0, Hi, Di, Ki, sel.data());
 }
 
 }  // namespace kestrel::model

@@ -9,6 +9,7 @@
 
 #include "core/dtype.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/mla_ops.h"
 #include "model/indexer.h"
 
 namespace kestrel::model {
@@ -27,7 +28,7 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, const MlaCacheView& c
   const int64_t S = pos0 + T;
   KCHECK(cache.C == C && cache.R == R, "MLA cache view is for C={} R={}, layer has {} {}", cache.C, cache.R, C, R);
   KCHECK(cache.capacity() >= S, "MLA block table covers {} tokens, the step needs {}", cache.capacity(), S);
-  const float eps = c.rms_norm_eps, scale = 1.0f / std::sqrt(float(QK));
+  const float eps = c.rms_norm_eps;
   using cpu::gemm_bf16;
 
   // Step 1: c_q = RMSNorm_{q_a_layernorm}(Lin(q_a_proj)(x)); q = Lin(q_b_proj)(c_q) per head [N | R].
@@ -58,77 +59,16 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, const MlaCacheView& c
   }
 
   const uint16_t* kvb = bf16_ptr(w.kv_b_proj);  // bf16 [Hm*(N+Dv), C], per head [W_UK (N rows) | W_UV (Dv rows)]
-  // Step 3 (naive form): [k_nope | v] for every cached token.
-  Bf16Vec kv;  // bf16 [S, Hm*(N+Dv)]
-  if (form == MlaForm::naive) {
-    kv.resize(size_t(S * Hm * (N + Dv)));
-    gemm_bf16(latent.data(), CW, kvb, kv.data(), Hm * (N + Dv), S, C, Hm * (N + Dv));
-  }
-
+  const cpu::MlaDims dims{Hm, N, R, Dv, C};
+  const int32_t* keys = w.has_indexer ? sel.data() : nullptr;  // the indexer's selection, or 0..p
   Bf16Vec o(size_t(T * Hm * Dv));  // bf16 [T, Hm*Dv]
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t p = pos0 + t;
-    // Key list of this query: the indexer's selection, or 0..p.
-    std::vector<int32_t> keys;
-    if (w.has_indexer) {
-      for (int64_t i = 0; i < Ksel && sel[size_t(t * Ksel + i)] >= 0; ++i) keys.push_back(sel[size_t(t * Ksel + i)]);
-    } else {
-      for (int64_t s = 0; s <= p; ++s) keys.push_back(int32_t(s));
-    }
-    const int64_t nk = int64_t(keys.size());
-#pragma omp parallel for schedule(static) if (2 * Hm * nk * CW >= cpu::kParallelMinWork)
-    for (int64_t h = 0; h < Hm; ++h) {
-      const uint16_t* qh = q.data() + (t * Hm + h) * QK;  // [q_nope N | q_pe R]
-      std::vector<float> pr(static_cast<size_t>(nk));
-      std::vector<float> acc;
-      if (form == MlaForm::naive) {
-        // Step 4: s_j = (q_h · [k_nope,h,j | k_pe,j]) · (N+R)^−½; softmax; o_h = Σ_j p_j v_h,j.
-        for (int64_t i = 0; i < nk; ++i) {
-          const int64_t j = keys[size_t(i)];
-          const uint16_t* kn = kv.data() + (j * Hm + h) * (N + Dv);
-          const uint16_t* kpe = latent.data() + j * CW + C;
-          float s = 0.0f;
-          for (int64_t d = 0; d < N; ++d) s += bf16_to_f32(qh[d]) * bf16_to_f32(kn[d]);
-          for (int64_t d = 0; d < R; ++d) s += bf16_to_f32(qh[N + d]) * bf16_to_f32(kpe[d]);
-          pr[size_t(i)] = s * scale;
-        }
-        cpu::softmax_inplace(pr.data(), nk);
-        acc.assign(size_t(Dv), 0.0f);
-        for (int64_t i = 0; i < nk; ++i) {
-          const uint16_t* v = kv.data() + (int64_t(keys[size_t(i)]) * Hm + h) * (N + Dv) + N;
-          for (int64_t d = 0; d < Dv; ++d) acc[size_t(d)] += pr[size_t(i)] * bf16_to_f32(v[d]);
-        }
-      } else {
-        // Absorbed: q̃_h = W_UK,hᵀ q_nope,h ∈ R^C; s_j = (q̃_h·ĉ_j + q_pe,h·k_pe,j)·(N+R)^−½;
-        // ô_h = Σ_j p_j ĉ_j; o_h = W_UV,h ô_h.
-        const uint16_t* wuk = kvb + h * (N + Dv) * C;  // bf16 [N, C]
-        const uint16_t* wuv = wuk + N * C;             // bf16 [Dv, C]
-        std::vector<float> qt(static_cast<size_t>(CW), 0.0f), ohat(static_cast<size_t>(C), 0.0f);
-        for (int64_t n = 0; n < N; ++n) {
-          const float qn = bf16_to_f32(qh[n]);
-          for (int64_t cc = 0; cc < C; ++cc) qt[size_t(cc)] += qn * bf16_to_f32(wuk[n * C + cc]);
-        }
-        for (int64_t d = 0; d < R; ++d) qt[size_t(C + d)] = bf16_to_f32(qh[N + d]);
-        for (int64_t i = 0; i < nk; ++i) {
-          const uint16_t* row = latent.data() + int64_t(keys[size_t(i)]) * CW;
-          float s = 0.0f;
-          for (int64_t d = 0; d < CW; ++d) s += qt[size_t(d)] * bf16_to_f32(row[d]);
-          pr[size_t(i)] = s * scale;
-        }
-        cpu::softmax_inplace(pr.data(), nk);
-        for (int64_t i = 0; i < nk; ++i) {
-          const uint16_t* row = latent.data() + int64_t(keys[size_t(i)]) * CW;
-          for (int64_t cc = 0; cc < C; ++cc) ohat[size_t(cc)] += pr[size_t(i)] * bf16_to_f32(row[cc]);
-        }
-        acc.assign(size_t(Dv), 0.0f);
-        for (int64_t d = 0; d < Dv; ++d) {
-          float s = 0.0f;
-          for (int64_t cc = 0; cc < C; ++cc) s += bf16_to_f32(wuv[d * C + cc]) * ohat[size_t(cc)];
-          acc[size_t(d)] = s;
-        }
-      }
-      cpu::f32_to_bf16_n(acc.data(), o.data() + (t * Hm + h) * Dv, Dv);
-    }
+  if (form == MlaForm::naive) {
+    // Step 3 (naive form): [k_nope | v] for every cached token; step 4 per head (kernels/cpu/mla_ops.h).
+    Bf16Vec kv(size_t(S * Hm * (N + Dv)));  // bf16 [S, Hm*(N+Dv)]
+    gemm_bf16(latent.data(), CW, kvb, kv.data(), Hm * (N + Dv), S, C, Hm * (N + Dv));
+    cpu::mla_attn_naive(dims, q.data(), kv.data(), latent.data(), keys, Ksel, T, pos0, o.data());
+  } else {
+    cpu::mla_attn_absorbed(dims, q.data(), kvb, latent.data(), keys, Ksel, T, pos0, o.data());
   }
 
   // Step 5: ô = concat_h(o_h) ⊙ σ(Lin(g_proj)(x)); out = Lin(o_proj)(ô).

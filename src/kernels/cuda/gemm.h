@@ -32,6 +32,11 @@ class GemmLt {
   void bf16_f32(const uint16_t* x /* bf16 [T, K], row stride ldx */, int64_t ldx,
                 const uint16_t* w /* bf16 [N, K], contiguous */, float* y /* f32 [T, N], row stride ldy */,
                 int64_t ldy, int64_t T, int64_t K, int64_t N, cudaStream_t stream);
+  // Batched, W not transposed: for b < batch, y_b[M, N] = x_b[M, K]·W_b[K, N] in FP32 (the MLA absorbed
+  // q̃ = W_UKᵀ q_nope over heads). Matrix b starts at x + b·sx, w + b·sw, y + b·sy (elements).
+  void batched_xw_f32(const uint16_t* x, int64_t ldx, int64_t sx, const uint16_t* w, int64_t ldw, int64_t sw,
+                      float* y, int64_t ldy, int64_t sy, int64_t M, int64_t K, int64_t N, int64_t batch,
+                      cudaStream_t stream);
 
  private:
   struct Plan;
@@ -41,6 +46,9 @@ class GemmLt {
   void* workspace_ = nullptr;  // device
   size_t workspace_bytes_ = 0;
   std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, bool>, std::unique_ptr<Plan>> plans_;
+  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>,
+           std::unique_ptr<Plan>>
+      bplans_;
 };
 
 // T = 1: y[n] = Σ_k x[k]·W[n, k], FP32 accumulation; bf16 output (y_bf16) or f32 output (y_f32):

@@ -39,6 +39,7 @@ GemmLt::GemmLt(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
 
 GemmLt::~GemmLt() {
   plans_.clear();
+  bplans_.clear();
   if (workspace_) cudaFree(workspace_);
   if (handle_) cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
 }
@@ -109,6 +110,54 @@ void GemmLt::bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* y
 void GemmLt::bf16_f32(const uint16_t* x, int64_t ldx, const uint16_t* w, float* y, int64_t ldy, int64_t T, int64_t K,
                       int64_t N, cudaStream_t stream) {
   run(x, ldx, w, y, ldy, T, K, N, true, stream);
+}
+
+// Row-major y[M, N] = x[M, K]·W[K, N] is, column-major, D[N, M] = A[N, K]·B[K, M] with A = W (ld ldw) and
+// B = x (ld ldx), neither transposed.
+void GemmLt::batched_xw_f32(const uint16_t* x, int64_t ldx, int64_t sx, const uint16_t* w, int64_t ldw, int64_t sw,
+                            float* y, int64_t ldy, int64_t sy, int64_t M, int64_t K, int64_t N, int64_t batch,
+                            cudaStream_t stream) {
+  KCUDA_REQUIRE(x && w && y && M >= 0 && K > 0 && N > 0 && batch > 0 && ldx >= K && ldw >= N && ldy >= N,
+                std::string("batched gemm: bad arguments"));
+  if (M == 0) return;
+  auto key = std::make_tuple(M, K, N, ldx, ldw, ldy, sx, sw, sy, batch);
+  auto it = bplans_.find(key);
+  if (it == bplans_.end()) {
+    auto p = std::make_unique<Plan>();
+    KCUBLAS_CHECK(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t tn = CUBLAS_OP_N;
+    KCUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &tn, sizeof tn));
+    KCUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tn, sizeof tn));
+    KCUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->a, CUDA_R_16BF, uint64_t(N), uint64_t(K), ldw));
+    KCUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->b, CUDA_R_16BF, uint64_t(K), uint64_t(M), ldx));
+    KCUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->d, CUDA_R_32F, uint64_t(N), uint64_t(M), ldy));
+    const int32_t bc = int32_t(batch);
+    cublasLtMatrixLayout_t lay[3] = {p->a, p->b, p->d};
+    const int64_t strides[3] = {sw, sx, sy};
+    for (int i = 0; i < 3; ++i) {
+      KCUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(lay[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc, sizeof bc));
+      KCUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(lay[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &strides[i],
+                                                     sizeof strides[i]));
+    }
+    cublasLtMatmulPreference_t pref = nullptr;
+    KCUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t ws = workspace_bytes_;
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    cublasLtMatmulHeuristicResult_t res{};
+    int found = 0;
+    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(static_cast<cublasLtHandle_t>(handle_), p->op, p->a,
+                                                             p->b, p->d, p->d, pref, 1, &res, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    KCUDA_REQUIRE(st == CUBLAS_STATUS_SUCCESS && found > 0,
+                  "cuBLASLt found no batched algorithm for M=" + std::to_string(M) + " K=" + std::to_string(K) +
+                      " N=" + std::to_string(N) + " (status " + std::to_string(int(st)) + ")");
+    p->algo = res.algo;
+    it = bplans_.emplace(key, std::move(p)).first;
+  }
+  const Plan& p = *it->second;
+  const float alpha = 1.0f, beta = 0.0f;
+  KCUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w, p.a, x, p.b, &beta, y, p.d, y,
+                               p.d, &p.algo, workspace_, workspace_bytes_, stream));
 }
 
 }  // namespace kestrel::cuda

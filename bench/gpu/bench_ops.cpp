@@ -1,0 +1,396 @@
+// Roofline benchmark of the CUDA ops at one TP8 rank's K3.1 shapes (hidden 7168, 12 KDA heads × 128,
+// 12 MLA heads, 32 indexer heads × 128, latent 3584, expert intermediate 3072, 896 experts top-16).
+// Per op and batch (and context for attention): median time over timed repetitions (CUDA events, after
+// warm-ups), the bytes it must move and the FLOPs it must do, achieved GB/s and TFLOP/s, next to the
+// ceilings measured in the same run (device-to-device copy, large cuBLASLt BF16 GEMM) and the
+// ANCHORS.md figure. Inputs are random (never zeros). Optional: `--model DIR` times one batch-1 decode
+// step of that checkpoint through model_cuda, split by op group.
+//
+//   bench_ops [--quick] [--model DIR]
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/kda.h"
+#include "kernels/cuda/mla.h"
+#include "kernels/cuda/moe.h"
+#include "loader/config.h"
+#include "loader/safetensors.h"
+#include "loader/weights.h"
+#include "model/model_cuda.h"
+
+using namespace kestrel;
+
+namespace {
+
+// Random bytes on the device in [lo, lo+span): a splitmix hash per byte, filled on the host in 64 MiB pieces.
+void fill_random(void* d, size_t n, uint8_t lo, uint8_t span, uint64_t seed) {
+  const size_t piece = size_t(64) << 20;
+  std::vector<uint8_t> h(std::min(n, piece));
+  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (size_t i = 0; i < h.size(); ++i) {
+    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    h[i] = uint8_t(lo + (z ^ (z >> 31)) % span);
+  }
+  for (size_t off = 0; off < n; off += piece)
+    KCUDA_CHECK(cudaMemcpy(static_cast<char*>(d) + off, h.data(), std::min(piece, n - off), cudaMemcpyHostToDevice));
+}
+// bf16 values uniform-ish in ±[2^-3, 2^1): sign, exponent 124..127, random mantissa.
+void fill_bf16(void* d, size_t n_elems, uint64_t seed) {
+  std::vector<uint16_t> h(std::min<size_t>(n_elems, size_t(32) << 20));
+  std::mt19937_64 r(seed);
+  for (auto& x : h) {
+    const uint64_t z = r();
+    x = uint16_t(((z & 1) << 15) | ((124 + (z >> 1) % 4) << 7) | ((z >> 8) & 0x7f));
+  }
+  for (size_t off = 0; off < n_elems; off += h.size())
+    KCUDA_CHECK(cudaMemcpy(static_cast<uint16_t*>(d) + off, h.data(), std::min(h.size(), n_elems - off) * 2,
+                           cudaMemcpyHostToDevice));
+}
+
+struct Timer {
+  cudaEvent_t a, b;
+  Timer() {
+    KCUDA_CHECK(cudaEventCreate(&a));
+    KCUDA_CHECK(cudaEventCreate(&b));
+  }
+  double median_us(const std::function<void()>& fn, int warm, int reps) {
+    for (int i = 0; i < warm; ++i) fn();
+    KCUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<double> t;
+    for (int i = 0; i < reps; ++i) {
+      KCUDA_CHECK(cudaEventRecord(a));
+      fn();
+      KCUDA_CHECK(cudaEventRecord(b));
+      KCUDA_CHECK(cudaEventSynchronize(b));
+      float ms = 0;
+      KCUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+      t.push_back(ms * 1000.0);
+    }
+    KCUDA_CHECK(cudaGetLastError());
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  }
+};
+
+double g_bw = 0, g_tflops = 0;  // measured ceilings: GB/s, TFLOP/s
+
+void header(const std::string& title) {
+  fmt::print("\n### {}\n\n| op | shape | µs | bytes | GFLOP | GB/s | TFLOP/s | % of copy BW | % of GEMM rate | anchor µs |\n"
+             "|---|---|---|---|---|---|---|---|---|---|\n",
+             title);
+}
+void row(const std::string& op, const std::string& shape, double us, double bytes, double flops,
+         const std::string& anchor) {
+  const double gbs = bytes / us / 1e3, tf = flops / us / 1e6;
+  fmt::print("| {} | {} | {:.1f} | {:.3g} | {:.3g} | {:.0f} | {:.1f} | {:.0f}% | {:.1f}% | {} |\n", op, shape, us, bytes,
+             flops / 1e9, gbs, tf, 100 * gbs / g_bw, 100 * tf / g_tflops, anchor);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  std::string model_dir;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--quick")) quick = true;
+    if (!std::strcmp(argv[i], "--model") && i + 1 < argc) model_dir = argv[++i];
+  }
+  cudaDeviceProp prop{};
+  KCUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  fmt::print("device: {} ({} SMs, {:.1f} GiB)\n", prop.name, prop.multiProcessorCount,
+             double(prop.totalGlobalMem) / (1 << 30));
+  Timer tm;
+  cuda::GemmLt lt;
+  const int64_t D = 7168;
+  const std::vector<int64_t> batches = {1, 8, 64, 256};
+
+  // ---- ceilings ---------------------------------------------------------------------------------------------
+  {
+    const size_t n = size_t(4) << 30;
+    cuda::DeviceBuffer a(n), b(n);
+    fill_random(a.data(), n, 0, 255, 1);
+    const double us = tm.median_us([&] { KCUDA_CHECK(cudaMemcpyAsync(b.data(), a.data(), n, cudaMemcpyDeviceToDevice)); }, 2, 10);
+    g_bw = 2.0 * double(n) / us / 1e3;
+    const int64_t M = 8192;
+    cuda::DeviceBuffer x(size_t(M * M) * 2), w(size_t(M * M) * 2), y(size_t(M * M) * 2);
+    fill_bf16(x.data(), size_t(M * M), 2);
+    fill_bf16(w.data(), size_t(M * M), 3);
+    const double gus = tm.median_us([&] {
+      lt.bf16(static_cast<uint16_t*>(x.data()), M, static_cast<uint16_t*>(w.data()), static_cast<uint16_t*>(y.data()), M,
+              M, M, M, nullptr);
+    }, 3, 20);
+    g_tflops = 2.0 * double(M) * M * M / gus / 1e6;
+    fmt::print("ceilings measured now: device-to-device copy {:.0f} GB/s (4 GiB, read+write); cuBLASLt BF16 GEMM "
+               "8192^3 {:.0f} TFLOP/s (random data)\n", g_bw, g_tflops);
+  }
+
+  // ---- dense projections (cuBLASLt; T = 1 also the hand GEMV) -------------------------------------------------
+  {
+    header("BF16 projections, one layer, TP8 rank (cuBLASLt)");
+    struct G {
+      const char* name;
+      int64_t K, N;
+      const char* anchor;
+    };
+    const std::vector<G> gs = {{"KDA q|k|v", D, 3 * 1536, "—"},   {"KDA/MLA o_proj", 1536, D, "—"},
+                               {"MLA q_a", D, 1536, "—"},          {"MLA q_b", 1536, 12 * 192, "—"},
+                               {"indexer wq_b", 1536, 32 * 128, "—"}, {"MoE latent down", D, 3584, "—"},
+                               {"MoE latent up", 3584, D, "—"},    {"7168x7168 (anchor)", D, D, "28.8 (m=1)"}};
+    const int64_t maxK = D, maxN = 3 * 1536 > D ? 3 * 1536 : D;
+    cuda::DeviceBuffer x(size_t(256 * maxK) * 2), y(size_t(256 * maxN) * 4);
+    fill_bf16(x.data(), size_t(256 * maxK), 4);
+    // Rotate among weight copies so the 50 MB L2 does not serve repeated reads.
+    for (const G& g : gs) {
+      const int copies = 4;
+      cuda::DeviceBuffer w(size_t(copies * g.K * g.N) * 2);
+      fill_bf16(w.data(), size_t(copies * g.K * g.N), 5);
+      for (int64_t B : batches) {
+        int it = 0;
+        const double us = tm.median_us([&] {
+          lt.bf16(static_cast<uint16_t*>(x.data()), g.K, static_cast<uint16_t*>(w.data()) + (it++ % copies) * g.K * g.N,
+                  static_cast<uint16_t*>(y.data()), g.N, B, g.K, g.N, nullptr);
+        }, 5, quick ? 20 : 50);
+        const double bytes = 2.0 * (g.K * g.N + B * g.K + B * g.N), flops = 2.0 * B * g.K * g.N;
+        row(g.name, fmt::format("B={} {}→{}", B, g.K, g.N), us, bytes, flops, B == 1 ? g.anchor : "—");
+        if (B == 1) {
+          it = 0;
+          const double gus = tm.median_us([&] {
+            cuda::gemv_bf16(static_cast<uint16_t*>(x.data()), static_cast<uint16_t*>(w.data()) + (it++ % copies) * g.K * g.N,
+                            static_cast<uint16_t*>(y.data()), nullptr, g.K, g.N, nullptr);
+          }, 5, quick ? 20 : 50);
+          row(std::string(g.name) + " (GEMV)", fmt::format("B=1 {}→{}", g.K, g.N), gus, bytes, flops, g.anchor);
+        }
+      }
+    }
+  }
+
+  // ---- KDA recurrent decode --------------------------------------------------------------------------------
+  {
+    header("KDA decode core (recurrent delta rule), H=12, Dk=128, FP32 state in place");
+    const int64_t H = 12, Dk = 128, HD = H * Dk;
+    const int anchors_s[] = {0, 0, 0, 0};
+    (void)anchors_s;
+    const char* anchor[] = {"6.4 / 7.2", "7.5 / 7.4", "36.7 / 31.2", "136.6 / 115.7"};
+    for (size_t bi = 0; bi < batches.size(); ++bi) {
+      const int64_t B = batches[bi];
+      cuda::DeviceBuffer pool(size_t(B * H * Dk * Dk) * 4), io(size_t(5 * B * HD) * 4), beta(size_t(B * H) * 4),
+          cu(size_t(B + 1) * 4), slots(size_t(B) * 4);
+      fill_random(pool.data(), pool.size(), 0, 64, 6);  // small positive floats (exponent bits < 64 → tiny)
+      // q, k, v, g: |x| ≤ 1, g negative (decay); beta in (0, 1).
+      std::vector<float> h(size_t(5 * B * HD));
+      std::mt19937 r(7);
+      std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+      for (size_t i = 0; i < h.size(); ++i) h[i] = i >= size_t(3 * B * HD) && i < size_t(4 * B * HD) ? -0.05f * (1 + u(r)) : 0.1f * u(r);
+      KCUDA_CHECK(cudaMemcpy(io.data(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+      std::vector<float> hb(size_t(B * H), 0.5f);
+      KCUDA_CHECK(cudaMemcpy(beta.data(), hb.data(), hb.size() * 4, cudaMemcpyHostToDevice));
+      std::vector<int32_t> hc(size_t(B + 1)), hs(static_cast<size_t>(B));
+      std::iota(hc.begin(), hc.end(), 0);
+      std::iota(hs.begin(), hs.end(), 0);
+      KCUDA_CHECK(cudaMemcpy(cu.data(), hc.data(), hc.size() * 4, cudaMemcpyHostToDevice));
+      KCUDA_CHECK(cudaMemcpy(slots.data(), hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
+      KCUDA_CHECK(cudaMemset(pool.data(), 0, pool.size()));
+      float* f = static_cast<float*>(io.data());
+      const double us = tm.median_us([&] {
+        cuda::kda_recurrent(f, f + B * HD, f + 2 * B * HD, f + 3 * B * HD, HD, static_cast<float*>(beta.data()), H,
+                            static_cast<int32_t*>(cu.data()), static_cast<int32_t*>(slots.data()),
+                            static_cast<float*>(pool.data()), f + 4 * B * HD, B, H, Dk, nullptr);
+      }, 5, quick ? 20 : 50);
+      const double bytes = 2.0 * B * H * Dk * Dk * 4 + 5.0 * B * HD * 4;
+      const double flops = double(B) * H * Dk * Dk * 8;
+      row("kda_recurrent", fmt::format("B={}", B), us, bytes, flops, anchor[bi]);
+    }
+  }
+
+  // ---- MoE experts ----------------------------------------------------------------------------------------
+  {
+    const int64_t X = 896, K = 16, Lt = 3584, I = 3072;
+    const int64_t p13 = I * Lt / 2, s13 = I * Lt / 32, p2 = Lt * I / 2, s2 = Lt * I / 32;
+    const size_t total = size_t(X) * size_t(2 * p13 + 2 * s13 + p2 + s2);
+    header(fmt::format("MoE routed experts, MXFP4 W4A16, 896 experts top-16, Lt 3584, I 3072 ({:.1f} GB of expert "
+                       "weights on the GPU)", double(total) / 1e9));
+    cuda::DeviceBuffer w1p(size_t(X * p13)), w3p(size_t(X * p13)), w2p(size_t(X * p2)), w1s(size_t(X * s13)),
+        w3s(size_t(X * s13)), w2s(size_t(X * s2));
+    fill_random(w1p.data(), w1p.size(), 0, 255, 8);
+    fill_random(w3p.data(), w3p.size(), 0, 255, 9);
+    fill_random(w2p.data(), w2p.size(), 0, 255, 10);
+    fill_random(w1s.data(), w1s.size(), 118, 6, 11);  // scales 2^-9..2^-4: finite, realistic outputs
+    fill_random(w3s.data(), w3s.size(), 118, 6, 12);
+    fill_random(w2s.data(), w2s.size(), 118, 6, 13);
+    const cuda::MoeExpertWeights mw{static_cast<uint8_t*>(w1p.data()), static_cast<uint8_t*>(w1s.data()),
+                                    static_cast<uint8_t*>(w3p.data()), static_cast<uint8_t*>(w3s.data()),
+                                    static_cast<uint8_t*>(w2p.data()), static_cast<uint8_t*>(w2s.data()),
+                                    p13, s13, p2, s2};
+    const char* anchor[] = {"72", "177", "844", "862"};
+    for (size_t bi = 0; bi < batches.size(); ++bi) {
+      const int64_t B = batches[bi];
+      std::mt19937 r(uint32_t(14 + B));
+      std::vector<int32_t> ids(size_t(B * K));
+      std::vector<float> wts(size_t(B * K), 1.0f / K);
+      std::vector<char> used(size_t(X), 0);
+      for (int64_t t = 0; t < B; ++t) {
+        std::vector<int32_t> perm(static_cast<size_t>(X));
+        std::iota(perm.begin(), perm.end(), 0);
+        std::shuffle(perm.begin(), perm.end(), r);
+        for (int64_t k = 0; k < K; ++k) ids[size_t(t * K + k)] = perm[size_t(k)], used[size_t(perm[size_t(k)])] = 1;
+      }
+      const int64_t distinct = std::accumulate(used.begin(), used.end(), int64_t(0));
+      cuda::DeviceBuffer dz(size_t(B * Lt) * 2), dids(ids.size() * 4), dw(wts.size() * 4), dut(size_t(B * Lt) * 2),
+          ws(cuda::moe_experts_workspace_bytes(B, X, K, Lt, I));
+      fill_bf16(dz.data(), size_t(B * Lt), 15);
+      KCUDA_CHECK(cudaMemcpy(dids.data(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+      KCUDA_CHECK(cudaMemcpy(dw.data(), wts.data(), wts.size() * 4, cudaMemcpyHostToDevice));
+      const double us = tm.median_us([&] {
+        cuda::moe_experts_mxfp4(static_cast<uint16_t*>(dz.data()), static_cast<int32_t*>(dids.data()),
+                                static_cast<float*>(dw.data()), mw, B, X, K, Lt, I, 4.0f, 25.0f, ws.data(),
+                                static_cast<uint16_t*>(dut.data()), nullptr);
+      }, 3, quick ? 10 : 30);
+      const double bytes = double(distinct) * double(2 * p13 + 2 * s13 + p2 + s2) + 4.0 * B * Lt;
+      const double flops = 2.0 * B * K * (2 * I * Lt + Lt * I);
+      row("moe_experts_mxfp4", fmt::format("B={} ({} experts hit)", B, distinct), us, bytes, flops, anchor[bi]);
+    }
+  }
+
+  // ---- MLA absorbed decode (dense and sparse) ---------------------------------------------------------------
+  {
+    const cpu::MlaDims d{12, 128, 64, 128, 512};
+    const int64_t CW = d.cw();
+    header("MLA absorbed decode (q̃ GEMM + split-KV attention + combine + W_UV), 12 heads, BF16 latent cache [S, 576]");
+    const std::vector<int64_t> ctxs = quick ? std::vector<int64_t>{8192, 32768} : std::vector<int64_t>{8192, 32768, 131072};
+    const int64_t max_rows = 256 * int64_t(32768);  // 9.7 GB: the largest B×S run below; bigger ones wrap
+    cuda::DeviceBuffer cache(size_t(max_rows * CW) * 2);
+    fill_bf16(cache.data(), size_t(max_rows * CW), 16);
+    cuda::DeviceBuffer q(size_t(256 * d.Hm * d.qk()) * 2), kvb(size_t(d.Hm * (d.N + d.Dv) * d.C) * 2),
+        o(size_t(256 * d.Hm * d.Dv) * 2);
+    fill_bf16(q.data(), size_t(256 * d.Hm * d.qk()), 17);
+    fill_bf16(kvb.data(), size_t(d.Hm * (d.N + d.Dv) * d.C), 18);
+    for (bool sparse : {false, true}) {
+      for (int64_t S : ctxs) {
+        for (int64_t B : batches) {
+          if (!sparse && B * S > max_rows * 4) continue;  // > 39 GB of cache per call: skipped
+          // Requests share cache rows when B·S exceeds the buffer (each reads its own S rows either way; only
+          // L2 reuse could differ, and 9.7 GB is 200× the L2).
+          std::vector<const uint16_t*> ptrs(static_cast<size_t>(B));
+          for (int64_t b = 0; b < B; ++b)
+            ptrs[size_t(b)] = static_cast<uint16_t*>(cache.data()) + ((b * S) % std::max<int64_t>(1, max_rows - S + 1)) * CW;
+          std::vector<int32_t> lens(static_cast<size_t>(B), static_cast<int32_t>(S));
+          const int64_t Ksel = 2048;
+          std::vector<int32_t> sel;
+          if (sparse) {
+            std::mt19937 r(19);
+            for (int64_t b = 0; b < B; ++b) {
+              std::vector<int32_t> s;
+              for (int64_t i = 0; i < Ksel; ++i) s.push_back(int32_t(r() % uint32_t(S)));
+              std::sort(s.begin(), s.end());
+              sel.insert(sel.end(), s.begin(), s.end());
+            }
+          }
+          cuda::DeviceBuffer dptr(ptrs.size() * 8), dlens(lens.size() * 4), dsel(std::max<size_t>(1, sel.size()) * 4);
+          KCUDA_CHECK(cudaMemcpy(dptr.data(), ptrs.data(), ptrs.size() * 8, cudaMemcpyHostToDevice));
+          KCUDA_CHECK(cudaMemcpy(dlens.data(), lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
+          if (sparse) KCUDA_CHECK(cudaMemcpy(dsel.data(), sel.data(), sel.size() * 4, cudaMemcpyHostToDevice));
+          const int64_t keys = sparse ? Ksel : S;
+          const cuda::MlaDecodeBatch bt{static_cast<const uint16_t* const*>(dptr.data()),
+                                        static_cast<int32_t*>(dlens.data()),
+                                        sparse ? static_cast<int32_t*>(dsel.data()) : nullptr, Ksel, B, keys};
+          cuda::DeviceBuffer ws(cuda::mla_decode_workspace_bytes(d, B, keys));
+          const int reps = B * keys * CW * 2 > (int64_t(4) << 30) ? 5 : (quick ? 10 : 30);
+          const double us = tm.median_us([&] {
+            cuda::mla_decode_absorbed(lt, d, static_cast<uint16_t*>(q.data()), static_cast<uint16_t*>(kvb.data()), bt,
+                                      ws.data(), static_cast<uint16_t*>(o.data()), nullptr);
+          }, 2, reps);
+          const double bytes = double(B) * keys * CW * 2 + 2.0 * d.Hm * (d.N + d.Dv) * d.C;
+          const double flops = double(B) * d.Hm * (keys * (CW + d.C) * 2.0 + 2.0 * d.N * d.C + 2.0 * d.Dv * d.C);
+          std::string anchor = "—";
+          if (!sparse && S == 32768) anchor = B == 1 ? "29" : B == 8 ? "91" : B == 64 ? "563" : "2188";
+          if (!sparse && S == 32768) anchor += " (16 heads)";
+          row(sparse ? "mla_decode sparse top-2048" : "mla_decode dense", fmt::format("B={} S={}", B, S), us, bytes,
+              flops, anchor);
+        }
+      }
+    }
+  }
+
+  // ---- Indexer (scores + top-2048), one launch pair per request -------------------------------------------------
+  {
+    header("Indexer select: exact-order FP32 scores (32 heads × 128) + radix top-2048, per request");
+    const int64_t Hi = 32, Di = 128, Ki = 2048;
+    const std::vector<int64_t> ctxs = quick ? std::vector<int64_t>{8192} : std::vector<int64_t>{8192, 32768, 131072};
+    for (int64_t S : ctxs) {
+      for (int64_t B : batches) {
+        if (B * S > int64_t(8) << 20 && B > 8) continue;  // keep the run inside the lease
+        cuda::DeviceBuffer keys(size_t(B * S * Di) * 2), qi(size_t(B * Hi * Di) * 2), hw(size_t(B * Hi) * 4),
+            scores(size_t(B * S) * 4), sel(size_t(B * Ki) * 4);
+        fill_bf16(keys.data(), size_t(B * S * Di), 20);
+        fill_bf16(qi.data(), size_t(B * Hi * Di), 21);
+        std::vector<float> h(size_t(B * Hi));
+        std::mt19937 r(22);
+        for (auto& x : h) x = float(r() % 1000) / 500.0f - 0.5f;
+        KCUDA_CHECK(cudaMemcpy(hw.data(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+        const double us = tm.median_us([&] {
+          for (int64_t b = 0; b < B; ++b)
+            cuda::indexer_select(static_cast<uint16_t*>(qi.data()) + b * Hi * Di,
+                                 static_cast<uint16_t*>(keys.data()) + b * S * Di, static_cast<float*>(hw.data()) + b * Hi,
+                                 1, S - 1, Hi, Di, Ki, static_cast<float*>(scores.data()) + b * S, S,
+                                 static_cast<int32_t*>(sel.data()) + b * Ki, nullptr);
+        }, 2, quick ? 5 : 15);
+        const double bytes = double(B) * S * (Di * 2 + 4 + 5 * 4);  // keys, score write, 5 score passes of top-k
+        const double flops = double(B) * S * Hi * (2.0 * Di + 3);
+        row("indexer_select", fmt::format("B={} S={}", B, S), us, bytes, flops, S == 32768 ? "(DSA module 168/201/346/762)" : "—");
+      }
+    }
+  }
+
+  // ---- One decode step of a real checkpoint, split by op ---------------------------------------------------
+  if (!model_dir.empty()) {
+    const ModelConfig cfg = load_config(model_dir);
+    const Checkpoint ckpt(model_dir);
+    const ModelWeights w = bind_weights(cfg, ckpt);
+    model::CudaModel m(cfg, w);
+    auto st = m.new_state(4096);
+    std::vector<int32_t> prompt(512);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((i * 7919 + 13) % 8000);
+    std::vector<float> logits(size_t(cfg.text.vocab_size));
+    m.forward(*st, prompt, logits.data(), true);
+    int32_t tok = 17;
+    std::vector<double> step;
+    for (int i = 0; i < 20; ++i) {
+      cudaEvent_t a, b;
+      KCUDA_CHECK(cudaEventCreate(&a));
+      KCUDA_CHECK(cudaEventCreate(&b));
+      KCUDA_CHECK(cudaEventRecord(a));
+      m.forward(*st, std::span<const int32_t>(&tok, 1), logits.data(), true);
+      KCUDA_CHECK(cudaEventRecord(b));
+      KCUDA_CHECK(cudaEventSynchronize(b));
+      float ms = 0;
+      KCUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+      step.push_back(ms * 1000.0);
+    }
+    std::sort(step.begin(), step.end());
+    m.enable_op_timing(true);
+    m.forward(*st, std::span<const int32_t>(&tok, 1), logits.data(), true);
+    fmt::print("\n### One decode step, batch 1, context 512, {} ({} layers, {} experts, vocab {}; weights {:.2f} GB on "
+               "the GPU)\n\nmedian step {:.0f} µs (20 steps, default stream, host sync per step); one step with "
+               "events between op groups:\n\n| op group | µs |\n|---|---|\n",
+               model_dir, cfg.text.num_hidden_layers, cfg.text.num_experts, cfg.text.vocab_size,
+               double(m.weight_bytes()) / 1e9, step[step.size() / 2]);
+    double total = 0;
+    for (auto& [n, us] : m.op_times()) fmt::print("| {} | {:.1f} |\n", n, us), total += us;
+    fmt::print("| total | {:.1f} |\n", total);
+  }
+  return 0;
+}
