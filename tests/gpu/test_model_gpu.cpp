@@ -1,27 +1,23 @@
 // The whole GPU forward pass (model/model_cuda.h) against the CPU engine (model/model.h) on real
 // checkpoints: KESTREL_GPU_CKPTS = colon-separated checkpoint directories (the nano checkpoint and the
-// reduced mini one; bench/gpu/run.sh generates them on the GPU machine). Skipped when unset.
+// reduced mini one; bench/gpu/run.sh generates them on the GPU machine). Required.
 //
 // Per checkpoint: a prompt of P tokens (prefill, logits at every position), then G greedy decode steps.
 // The GPU is teacher-forced with the CPU's tokens so logits stay comparable at every position.
 // Discrete choices make the forward discontinuous: the MoE router's top-k and the indexer's top-k can
-// pick differently when BF16 noise (cuBLASLt vs OpenBLAS summation order) moves a near-tied score, and
-// one swapped expert moves a random-weight model's logits by tens of percent (test_model_cpu.cpp saw
-// ~20% CPU vs CPU). So both engines' router ids and index selections are captured at every position
-// and layer; at positions before the first differing choice (a choice at position t only affects
-// positions ≥ t) the logits must agree within rel L2 ≤ 0.15 and max |Δ| ≤ 15% of max |logit|, and the
-// argmax must be equal unless the CPU's top two logits are within 4% of max |logit| (a near tie,
-// reported). From the first differing choice on, positions are reported, not failed.
-// Why 0.15 (set after the first H200 runs, 2026-11-29, which measured 4.6e-2 / 8.7e-2 on nano and 0.11
-// on the reduced mini): the per-layer captures show where the difference enters and how it grows. On
-// nano, position 0 (no context) is bit-identical through all 8 layers; across positions the first
-// layer's output differs by 1.7e-5 (recurrent vs chunked KDA scan) and the error grows ~2-3x per layer
-// with no jump at any op, the same amplification through an untrained random-weight model that
-// test_model_cpu.cpp measures CPU vs CPU (2e-2 over 8 nano layers from BLAS-vs-GEMV order alone; here
-// every GEMM differs). On mini, L0's attention output differs by 3e-4 (7168-wide cuBLASLt vs OpenBLAS
-// sums) and grows to 4.5e-2 by L3's MLP. The tight checks live in the op tests (test_ops_gpu.cpp,
-// test_mla_gpu.cpp); here the first-layer bound below catches a wrong op before amplification:
-// L0.attn_out rel L2 over the compared positions ≤ 5e-3 (measured 1.7e-5 nano, 1.2e-3 mini).
+// pick differently when BF16 noise (cuBLASLt vs OpenBLAS summation order) moves a near-tied score. So
+// both engines' router ids and index selections are captured at every position and layer; at
+// positions before the first differing choice (a choice at position t only affects positions ≥ t) the
+// logits must agree within MODEL.md §0.10's rel L2 ≤ 2e-2, max |Δ| ≤ 5% of max |logit|, and the argmax
+// must be equal (at most one position may differ, and only where the CPU's top two logits are within
+// 4% of max |logit|: a near tie, reported). From the first differing choice on, positions are
+// reported, not failed. Measured on the H200 (2026-11-29) with the well-conditioned nano checkpoint
+// (reference/README.md "Conditioning"): nano rel L2 2.5e-3, greedy equal at 78/78 positions, no
+// differing choice; reduced mini 1.4e-3, 24/24. The first runs on the earlier, chaotic checkpoint had
+// measured 4.6e-2 / 0.11 with router flips — the checkpoint, not the kernels (per-layer captures
+// showed a smooth ~2-3x growth per layer from the first layer's 1.7e-5). The first-layer bound catches
+// a wrong op before any amplification: L0.attn_out rel L2 ≤ 5e-3 (measured 4.4e-6 nano, 1.3e-3 mini).
+// KESTREL_GPU_CKPTS must be set (bench/gpu/run.sh does it); an unset variable is a failure, not a skip.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -63,7 +59,7 @@ float top2_gap(const float* x, int64_t n) {
 
 TEST(GpuModel, MatchesCpuEngine) {
   const auto dirs = ckpt_dirs();
-  if (dirs.empty()) GTEST_SKIP() << "KESTREL_GPU_CKPTS not set";
+  ASSERT_FALSE(dirs.empty()) << "KESTREL_GPU_CKPTS is not set: run through bench/gpu/run.sh";
   ASSERT_GT(cuda::device_count(), 0);
   for (const std::string& dir : dirs) {
     const ModelConfig cfg = load_config(dir);
@@ -192,10 +188,10 @@ TEST(GpuModel, MatchesCpuEngine) {
         (tie ? near_ties : mismatched)++;
       }
     }
-    const bool ok = mismatched == 0 && worst_l2 <= 0.15 && worst_rel_abs <= 0.15 && l0_err <= 5e-3;
+    const bool ok = mismatched == 0 && near_ties <= 1 && worst_l2 <= 2e-2 && worst_rel_abs <= 5e-2 && l0_err <= 5e-3;
     note(fmt::format("{:<28} {:<34} {:<11.3e} {:<11.3e} {:<38} {}", "model logits (GPU vs CPU)",
                      fmt::format("{} P={} G={} pos<{}", name, P, G, first_diff), worst_rel_abs, worst_l2,
-                     "max|d|/max 0.15, L2 0.15, L0 5e-3", ok ? "PASS" : "FAIL"));
+                     "max|d|/max 5e-2, L2 2e-2, L0 5e-3", ok ? "PASS" : "FAIL"));
     note(fmt::format("  {}: greedy argmax equal at {}/{} compared positions ({} near ties); {} argmax differences "
                      "at the {} positions after the first differing choice; CPU greedy tokens {}",
                      name, first_diff - mismatched - near_ties, first_diff, near_ties, after, positions - first_diff,
