@@ -99,6 +99,12 @@ void write_npy(const std::string& path, const std::vector<float>& data, int64_t 
   if (!out) fail("{}: write failed", path);
 }
 
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
 // "512M", "2G", "1.5GiB", "1000000" -> bytes.
 int64_t parse_bytes(const std::string& s) {
   size_t used = 0;
@@ -127,12 +133,20 @@ int64_t checkpoint_bytes(const std::string& dir) {
   return n;
 }
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+int64_t memory_budget_from_flags(const std::string& memory_budget, double gpu_memory_utilization,
+                                 const std::string& model_dir, int64_t fallback) {
+  if (!memory_budget.empty()) return parse_bytes(memory_budget);
+  if (gpu_memory_utilization <= 0.0) return fallback;
+  if (gpu_memory_utilization > 1.0) fail("--gpu-memory-utilization must be in (0, 1]");
+  const double ram = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
+  const int64_t budget = int64_t(gpu_memory_utilization * ram) - checkpoint_bytes(model_dir);
+  if (budget <= 0) fail("--gpu-memory-utilization {} leaves no memory after the weights", gpu_memory_utilization);
+  return budget;
 }
 
+
 // --device cuda: one prompt through the GPU forward pass, sampled with the engine's sampler.
-void generate_cuda(const ModelConfig& cfg, const ModelWeights& w, const std::vector<int32_t>& prompt,
+static void generate_cuda(const ModelConfig& cfg, const ModelWeights& w, const std::vector<int32_t>& prompt,
                    const runtime::SamplingParams& sp, int max_tokens, bool ignore_eos, const std::string& dump_path) {
 #ifdef KESTREL_WITH_CUDA
   const int64_t V = cfg.text.vocab_size;
@@ -172,8 +186,6 @@ void generate_cuda(const ModelConfig& cfg, const ModelWeights& w, const std::vec
   fail("--device cuda: this kestrel was built without CUDA");
 #endif
 }
-
-}  // namespace
 
 void register_generate(CLI::App& app) {
   struct Opts {
@@ -290,14 +302,7 @@ void register_generate(CLI::App& app) {
     ec.max_running = o->max_running > 0 ? o->max_running : int32_t(std::min<size_t>(prompts.size(), 16));
     ec.max_num_batched_tokens = o->max_batched_tokens;
     ec.enable_prefix_cache = !o->no_prefix_cache;
-    if (!o->memory_budget.empty()) {
-      ec.memory_budget = parse_bytes(o->memory_budget);
-    } else if (o->gpu_memory_utilization > 0.0) {
-      if (o->gpu_memory_utilization > 1.0) fail("--gpu-memory-utilization must be in (0, 1]");
-      const double ram = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
-      ec.memory_budget = int64_t(o->gpu_memory_utilization * ram) - checkpoint_bytes(o->model);
-      if (ec.memory_budget <= 0) fail("--gpu-memory-utilization {} leaves no memory after the weights", o->gpu_memory_utilization);
-    }
+    ec.memory_budget = memory_budget_from_flags(o->memory_budget, o->gpu_memory_utilization, o->model, ec.memory_budget);
     const tok::Tokenizer* tp = tokenizer ? &*tokenizer : nullptr;
     runtime::Engine engine(w, cfg, ec, tp);
     fmt::print("memory plan ({} latent, {} index keys):\n{}\n", o->kv_cache_dtype, o->index_cache_dtype,

@@ -2,16 +2,20 @@
 //
 //   kestrel serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key K] [--served-model-name NAME]
 //                 [--max-model-len N] [--max-num-seqs N] [--max-queue N] [--block-size N]
+//                 [--memory-budget SIZE | --gpu-memory-utilization F] [--max-num-batched-tokens N]
+//                 [--kv-cache-dtype bf16|fp8] [--index-cache-dtype bf16|fp8|mxfp4] [--no-prefix-cache]
 //
 // Flags follow `vllm serve` where they mean the same. The server listens at once and answers
-// /health with 503 until the model is loaded (on the engine thread). The engine today is the CPU
-// reference model stepped a few requests at a time (src/server/loop_engine.h); --fake-engine swaps
-// it for random tokens without loading weights, to measure the HTTP layer alone (bench/).
+// /health with 503 until the model is loaded (off the io threads). The engine is the multi-request
+// paged engine (src/server/paged_engine.h over src/runtime/engine.h); once it is loaded its memory
+// plan's capacity is printed next to a curl line. --fake-engine swaps it for random tokens without
+// loading weights, to measure the HTTP layer alone (bench/).
 // SIGINT/SIGTERM drain running requests (up to --shutdown-timeout seconds) and exit 0.
 #include <fmt/format.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -21,14 +25,19 @@
 #include "server/backends.h"
 #include "server/http_server.h"
 #include "server/loop_engine.h"
+#include "server/paged_engine.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel::cli {
 
 void register_serve(CLI::App& app) {
   struct Opts {
-    std::string model, host = "127.0.0.1", api_key, served_name;
-    int port = 8000, max_num_seqs = 4, max_queue = 256, block_size = 16, threads = 1, shutdown_timeout = 10;
+    std::string model, host = "127.0.0.1", api_key, served_name, memory_budget;
+    std::string kv_cache_dtype = "bf16", index_cache_dtype = "bf16";
+    double gpu_memory_utilization = 0.0;
+    int port = 8000, max_num_seqs = 16, max_queue = 256, block_size = 0, threads = 1, shutdown_timeout = 10;
+    int max_batched_tokens = 2048;
+    bool no_prefix_cache = false;
     int64_t max_model_len = 0, max_request_bytes = 8 << 20;
     int max_connections = 16384;
     bool fake = false;
@@ -46,7 +55,17 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--max-num-seqs", o->max_num_seqs, "requests generating at once")->check(CLI::Range(1, 1 << 16));
   cmd->add_option("--max-queue", o->max_queue, "requests waiting beyond those; more are answered 429")
       ->check(CLI::Range(0, 1 << 20));
-  cmd->add_option("--block-size", o->block_size, "KV page size in tokens")->check(CLI::Range(1, 1 << 16));
+  cmd->add_option("--block-size", o->block_size, "KV page size in tokens (default: the engine's, 128)")
+      ->check(CLI::Range(1, 1 << 16));
+  auto* mb = cmd->add_option("--memory-budget", o->memory_budget, "bytes for KV pages + KDA state slots (e.g. 512M, 2G; default 1G)");
+  auto* gu = cmd->add_option("--gpu-memory-utilization", o->gpu_memory_utilization,
+                             "fraction of memory for weights + caches (CPU: of physical RAM)");
+  mb->excludes(gu);
+  cmd->add_option("--max-num-batched-tokens", o->max_batched_tokens, "token budget of one engine step")
+      ->check(CLI::Range(1, 1 << 24));
+  cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "MLA latent cache: bf16 | fp8");
+  cmd->add_option("--index-cache-dtype", o->index_cache_dtype, "indexer key cache: bf16 | fp8 | mxfp4");
+  cmd->add_flag("--no-prefix-cache", o->no_prefix_cache, "disable prefix caching");
   cmd->add_option("--max-request-bytes", o->max_request_bytes, "largest request body (413 beyond)")
       ->check(CLI::Range(int64_t(1024), int64_t(1) << 32));
   cmd->add_option("--max-connections", o->max_connections, "open connections; more are answered 503")
@@ -62,18 +81,49 @@ void register_serve(CLI::App& app) {
       if (const char* k = std::getenv("KESTREL_API_KEY")) o->api_key = k;
     const tok::Tokenizer tokenizer = tok::Tokenizer::load(o->model);
 
-    std::unique_ptr<server::Backend> backend;
+    // Either engine, behind the one interface the server codes against; `wait_loaded`, `load_error`
+    // and `capacity` are what the startup messages need from the concrete one.
+    std::unique_ptr<server::Engine> engine;
+    std::function<bool()> wait_loaded;
+    std::function<std::string()> load_error, capacity;
     if (o->fake) {
       server::FakeBackendOptions f;
       f.vocab_size = int64_t(tokenizer.vocab_size());
       f.context_len = o->max_model_len > 0 ? o->max_model_len : 4096;
       f.round_delay = std::chrono::milliseconds(o->fake_delay_ms);
       f.load_delay = std::chrono::milliseconds(o->fake_load_ms);
-      backend = std::make_unique<server::FakeBackend>(f);
+      auto e = std::make_unique<server::LoopEngine>(std::make_unique<server::FakeBackend>(f),
+          server::LoopEngineOptions{o->max_model_len, o->max_num_seqs, o->max_queue, o->block_size > 0 ? o->block_size : 16});
+      wait_loaded = [p = e.get()] { return p->wait_loaded(); };
+      load_error = [p = e.get()] { return p->load_error(); };
+      capacity = [] { return std::string("fake engine: random tokens, no model"); };
+      engine = std::move(e);
     } else {
-      backend = std::make_unique<server::CpuBackend>(o->model);
+      server::PagedEngineOptions p;
+      p.model_dir = o->model;
+      p.max_model_len = o->max_model_len;
+      p.max_queue = o->max_queue;
+      runtime::EngineConfig& ec = p.engine;
+      // Bad dtype or size spellings fail here, before anything listens.
+      ec.formats.latent = cache::parse_latent_format(o->kv_cache_dtype);
+      ec.formats.index_keys = cache::parse_index_key_format(o->index_cache_dtype);
+      if (o->block_size > 0) ec.formats.block_size = o->block_size;
+      ec.memory_budget = memory_budget_from_flags(o->memory_budget, o->gpu_memory_utilization, o->model, ec.memory_budget);
+      ec.max_running = o->max_num_seqs;
+      ec.max_num_batched_tokens = o->max_batched_tokens;
+      ec.enable_prefix_cache = !o->no_prefix_cache;
+      auto e = std::make_unique<server::PagedEngine>(p);
+      wait_loaded = [e = e.get()] { return e->wait_loaded(); };
+      load_error = [e = e.get()] { return e->load_error(); };
+      capacity = [e = e.get(), o] {
+        const sched::MemoryPlan& m = e->memory_plan();
+        return fmt::format("capacity: {} tokens of KV cache ({} pages of {}; {} latent, {} index keys), {} concurrent "
+                           "requests, longest single request {} tokens",
+                           m.token_capacity, m.num_pages, m.layout.block_size, o->kv_cache_dtype, o->index_cache_dtype,
+                           m.max_running, m.longest_request);
+      };
+      engine = std::move(e);
     }
-    server::LoopEngine engine(std::move(backend), {o->max_model_len, o->max_num_seqs, o->max_queue, o->block_size});
 
     server::ServerOptions so;
     so.host = o->host;
@@ -84,30 +134,30 @@ void register_serve(CLI::App& app) {
     so.threads = o->threads;
     so.max_connections = o->max_connections;
     so.shutdown_timeout = std::chrono::seconds(o->shutdown_timeout);
-    server::Server srv(so, engine, tokenizer);
+    server::Server srv(so, *engine, tokenizer);
     srv.listen();
     const std::string url = fmt::format("http://{}:{}", o->host.find(':') != std::string::npos ? "[" + o->host + "]" : o->host, srv.port());
     fmt::print("kestrel serve: listening on {} (model '{}', {}); /health answers 200 once loaded\n", url,
-               so.served_model_name, o->fake ? "fake engine" : "CPU engine");
-    fmt::print("try: curl {}/v1/chat/completions -H 'Content-Type: application/json'{} -d '{{\"model\": \"{}\", "
-               "\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"max_tokens\": 32}}'\n",
-               url, o->api_key.empty() ? "" : " -H 'Authorization: Bearer $KEY'", so.served_model_name);
+               so.served_model_name, o->fake ? "fake engine" : "paged engine");
     std::fflush(stdout);
 
-    std::string load_error;
+    std::string load_error_msg;
     std::thread watcher([&] {
-      if (engine.wait_loaded()) {
-        fmt::print("kestrel serve: model loaded, ready (max_model_len {})\n", engine.max_model_len());
+      if (wait_loaded()) {
+        fmt::print("kestrel serve: model loaded, ready (max_model_len {})\n  {}\n", engine->max_model_len(), capacity());
+        fmt::print("try: curl {}/v1/chat/completions -H 'Content-Type: application/json'{} -d '{{\"model\": \"{}\", "
+                   "\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"max_tokens\": 32}}'\n",
+                   url, o->api_key.empty() ? "" : " -H \"Authorization: Bearer $KESTREL_API_KEY\"", so.served_model_name);
         std::fflush(stdout);
       } else {
-        load_error = engine.load_error();
+        load_error_msg = load_error();
         srv.shutdown();
       }
     });
     srv.run();
-    engine.shutdown();
+    engine->shutdown();
     watcher.join();
-    if (!load_error.empty()) fail("{}", load_error);
+    if (!load_error_msg.empty()) fail("{}", load_error_msg);
     fmt::print("kestrel serve: shut down\n");
   });
 }

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <cstdint>
+#include <string>
 
 namespace kestrel::cli {
 
@@ -10,5 +12,15 @@ void register_inspect(CLI::App& app);
 void register_generate(CLI::App& app);
 void register_tokenize(CLI::App& app);
 void register_serve(CLI::App& app);
+
+// Shared by `generate` and `serve` (defined in cmd_generate.cpp).
+// "512M", "2G", "1.5GiB", "1000000" -> bytes; kestrel::Error for anything else.
+int64_t parse_bytes(const std::string& s);
+// Bytes of the checkpoint's .safetensors files (the weights' share of memory).
+int64_t checkpoint_bytes(const std::string& dir);
+// The cache budget from --memory-budget (a size) or --gpu-memory-utilization (a fraction of physical
+// memory, less the weights); `fallback` when neither is given.
+int64_t memory_budget_from_flags(const std::string& memory_budget, double gpu_memory_utilization,
+                                 const std::string& model_dir, int64_t fallback);
 
 }  // namespace kestrel::cli

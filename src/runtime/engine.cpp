@@ -115,10 +115,12 @@ EngineStats Engine::stats() const {
   s.waiting = int64_t(sched_.num_waiting());
   s.pages_total = sched_.cache().pages().num_pages();
   s.pages_used = s.pages_total - sched_.cache().pages().num_free();
+  s.pages_held = s.pages_total - sched_.cache().available_pages();
   s.kv_usage = s.pages_total ? double(s.pages_used) / s.pages_total : 0.0;
   s.prefix_queries = cfg_.enable_prefix_cache ? ss.admitted : 0;
   s.prefix_hits = ss.prefix_hits;
   s.prefix_hit_tokens = ss.prefix_hit_tokens;
+  s.prefix_query_tokens = ss.prefix_query_tokens;
   s.prompt_tokens = prompt_tokens_;
   s.generation_tokens = generation_tokens_;
   s.tokens_forwarded = exec_.stats().tokens_forwarded;
@@ -135,6 +137,11 @@ bool Engine::ready() const {
   return failed_.empty();
 }
 
+int64_t Engine::num_waiting() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return int64_t(sched_.num_waiting());
+}
+
 void Engine::wait_idle() {
   std::unique_lock<std::mutex> lk(mu_);
   idle_cv_.wait(lk, [&] { return reqs_.empty(); });
@@ -148,6 +155,7 @@ sched::SeqResult Engine::sample(Req& q, std::span<const float> logits) {
   ev.token = s.token;
   ev.logprob = s.logprob;
   ev.top_logprobs = s.top;
+  if (q.output.empty()) ev.cached_prompt_tokens = int32_t(std::max<int64_t>(q.cached, 0));
   q.output.push_back(s.token);
   bool stop = std::find(r.stop_token_ids.begin(), r.stop_token_ids.end(), s.token) != r.stop_token_ids.end() ||
               (!r.ignore_eos && s.token == c_.text.eos_token_id);
@@ -187,6 +195,11 @@ void Engine::loop() {
       plan = sched_.schedule();
       for (const auto* list : {&plan.decodes, &plan.prefills})
         for (const sched::ScheduledSeq& x : *list) in_step.push_back({x.id, reqs_.at(x.id).get()});
+      // A request's first prefill chunk starts where its prefix-cache hit ended.
+      for (const sched::ScheduledSeq& x : plan.prefills) {
+        Req& q = *reqs_.at(x.id);
+        if (q.cached < 0) q.cached = x.start;
+      }
     }
     auto find = [&](RequestId id) -> Req& {
       for (auto& [i, q] : in_step)

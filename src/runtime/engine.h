@@ -68,6 +68,7 @@ struct TokenEvent {
   float logprob = 0.0f;                   // when sampling.logprobs >= 0
   std::vector<TokenLogprob> top_logprobs;
   std::string text;     // newly released text (empty without a tokenizer)
+  int32_t cached_prompt_tokens = 0;  // index 0 only: prompt tokens the prefix cache served at admission
   bool finished = false;
   FinishReason reason = FinishReason::none;
   std::string error;    // reason == error: what went wrong (the engine stops accepting requests)
@@ -89,8 +90,10 @@ struct EngineConfig {
 struct EngineStats {
   int64_t running = 0, waiting = 0;
   int32_t pages_total = 0, pages_used = 0;  // used = not free (includes cached prefix pages)
+  int32_t pages_held = 0;                   // used and not reclaimable: held by requests (0 when idle)
   double kv_usage = 0.0;                    // pages_used / pages_total
-  int64_t prefix_queries = 0, prefix_hits = 0, prefix_hit_tokens = 0;
+  int64_t prefix_queries = 0, prefix_hits = 0, prefix_hit_tokens = 0;  // admissions; hits; tokens skipped
+  int64_t prefix_query_tokens = 0;          // prompt tokens looked up (vLLM's prefix_cache_queries)
   int64_t prompt_tokens = 0, generation_tokens = 0;  // accepted prompts; tokens sampled
   int64_t tokens_forwarded = 0;  // positions actually computed (prefill work incl. recompute + decodes)
   int64_t steps = 0, preemptions = 0, finished = 0, cancelled = 0;
@@ -114,6 +117,8 @@ class Engine {
   bool ready() const;
   // Blocks until no request is waiting or running (all events delivered).
   void wait_idle();
+  // Requests accepted and not yet admitted (cheap; for bounded queues in front of the engine).
+  int64_t num_waiting() const;
 
  private:
   struct Req {
@@ -125,6 +130,7 @@ class Engine {
     size_t released = 0;         // bytes of `text` already sent
     size_t stop_hold = 0;        // longest stop string − 1: bytes that may not be released yet
     int64_t logits_sent = 0;     // positions already passed to on_logits
+    int64_t cached = -1;         // prompt tokens skipped at the first admission (−1: not yet admitted)
     std::optional<TokenEvent> pending;  // this step's event, sent after complete()
   };
   void loop();

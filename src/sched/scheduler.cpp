@@ -222,6 +222,7 @@ StepPlan Scheduler::schedule() {
     s.running = true;
     s.cacheable = n;
     ++stats_.admitted;
+    if (cache_.config().enable_prefix_cache) stats_.prefix_query_tokens += n;
     if (hit.num_tokens > 0) ++stats_.prefix_hits;
     stats_.prefix_hit_tokens += hit.num_tokens;
     plan.prefills.push_back(make_scheduled(s, end, hit.checkpoint < 0));

@@ -96,6 +96,7 @@ struct FinishedRequest {
 struct SchedulerStats {
   int64_t steps = 0;
   int64_t admitted = 0;           // admissions, re-admissions after preemption included
+  int64_t prefix_query_tokens = 0;  // tokens of admitted sequences looked up in the prefix cache
   int64_t preemptions = 0;
   int64_t prefix_hits = 0;        // admissions that restored a checkpoint
   int64_t prefix_hit_tokens = 0;  // prefill tokens skipped thanks to the prefix cache

@@ -1,52 +1,11 @@
-// Backends: see backends.h.
+// FakeBackend: see backends.h.
 #include "server/backends.h"
 
 #include <random>
 #include <thread>
 
-#include "loader/config.h"
-#include "loader/safetensors.h"
-#include "loader/weights.h"
-#include "model/model.h"
 
 namespace kestrel::server {
-
-struct CpuBackend::Impl {
-  ModelConfig cfg;
-  std::unique_ptr<Checkpoint> ckpt;
-  ModelWeights w;
-};
-
-struct CpuState : Backend::SeqState {
-  explicit CpuState(const ModelConfig& c) : st(c) {}
-  model::State st;
-};
-
-CpuBackend::CpuBackend(std::string model_dir) : dir_(std::move(model_dir)) {}
-CpuBackend::~CpuBackend() = default;
-
-void CpuBackend::load() {
-  auto impl = std::make_unique<Impl>();
-  impl->cfg = load_config(dir_);
-  impl->ckpt = std::make_unique<Checkpoint>(dir_);
-  impl->w = bind_weights(impl->cfg, *impl->ckpt);
-  impl_ = std::move(impl);
-}
-
-int64_t CpuBackend::vocab_size() const { return impl_->cfg.text.vocab_size; }
-int64_t CpuBackend::context_len() const { return impl_->cfg.text.max_position_embeddings; }
-
-std::unique_ptr<Backend::SeqState> CpuBackend::new_state() { return std::make_unique<CpuState>(impl_->cfg); }
-
-void CpuBackend::prefill(SeqState& s, std::span<const int32_t> tokens, float* logits) {
-  model::ForwardOptions opt;
-  opt.last_logits_only = true;
-  model::prefill(impl_->w, impl_->cfg, static_cast<CpuState&>(s).st, tokens, logits, opt);
-}
-
-void CpuBackend::decode(SeqState& s, int32_t token, float* logits) {
-  model::decode(impl_->w, impl_->cfg, static_cast<CpuState&>(s).st, token, logits);
-}
 
 namespace {
 struct FakeState : Backend::SeqState {

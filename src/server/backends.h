@@ -1,36 +1,16 @@
-// Backends for LoopEngine (loop_engine.h).
-//
-// CpuBackend: the reference CPU model (src/model) on a checkpoint directory; one model::State per
-// request. FakeBackend: no model at all: logits that make a fixed script come out under greedy
-// sampling (tests of the server's output shaping), or random logits (anything else), optionally
-// sleeping per round so that streams last long enough to measure the HTTP layer with many of them.
+// The backend of the fake engine (LoopEngine, loop_engine.h): no model at all: logits that make a
+// fixed script come out under greedy sampling (tests of the server's output shaping), or random
+// logits (anything else), optionally sleeping per round so that streams last long enough to measure
+// the HTTP layer with many of them. Real generation is PagedEngine's (paged_engine.h).
 #pragma once
 
 #include <chrono>
 #include <memory>
-#include <string>
 #include <vector>
 
 #include "server/loop_engine.h"
 
 namespace kestrel::server {
-
-class CpuBackend : public Backend {
- public:
-  explicit CpuBackend(std::string model_dir);
-  ~CpuBackend() override;
-  void load() override;
-  int64_t vocab_size() const override;
-  int64_t context_len() const override;
-  std::unique_ptr<SeqState> new_state() override;
-  void prefill(SeqState& s, std::span<const int32_t> tokens, float* logits) override;
-  void decode(SeqState& s, int32_t token, float* logits) override;
-
- private:
-  struct Impl;
-  std::string dir_;
-  std::unique_ptr<Impl> impl_;
-};
 
 struct FakeBackendOptions {
   int64_t vocab_size = 1024;

@@ -1,6 +1,6 @@
 // What the HTTP server needs from an engine: the whole contract between `src/server` and whatever
-// generates tokens (today the single-request CPU adapter or the fake engine; later the multi-request
-// paged engine). Plain data and one small abstract class, so an engine can be swapped without the
+// generates tokens (the multi-request paged engine, paged_engine.h, or the fake engine for tests,
+// loop_engine.h). Plain data and one small abstract class, so an engine can be swapped without the
 // server noticing.
 //
 // Threading contract:
@@ -91,7 +91,8 @@ class Engine {
   virtual bool ready() const = 0;
   virtual int64_t max_model_len() const = 0;
   virtual int64_t vocab_size() const = 0;
-  // On kAccepted the sink will receive events; otherwise it is dropped unused.
+  // On kAccepted the sink will receive events; otherwise it is dropped unused. A request the engine
+  // can never serve (e.g. more KV cache than it has) throws kestrel::Error: the server answers 400.
   virtual SubmitResult submit(EngineRequest req, TokenSink sink) = 0;
   virtual void cancel(uint64_t id) = 0;
   virtual EngineStats stats() const = 0;

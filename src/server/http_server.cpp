@@ -387,7 +387,13 @@ struct Session : std::enable_shared_from_this<Session> {
         net::post(self->stream_.get_executor(),
                   [self, serial, i, ev = std::move(ev)]() mutable { self->on_event(serial, size_t(i), std::move(ev)); });
       };
-      const SubmitResult r = srv_->engine.submit(std::move(er), std::move(sink));
+      SubmitResult r;
+      try {
+        r = srv_->engine.submit(std::move(er), std::move(sink));
+      } catch (const Error& e) {  // a request this engine can never serve: a 400, choices so far cancelled
+        for (int k = 0; k < i; ++k) srv_->engine.cancel(job->engine_ids[size_t(k)]);
+        throw ApiError(400, e.what());
+      }
       if (r != SubmitResult::kAccepted) {
         for (int k = 0; k < i; ++k) srv_->engine.cancel(job->engine_ids[size_t(k)]);
         if (r == SubmitResult::kQueueFull) throw ApiError(429, "the server is overloaded (request queue full); retry later");

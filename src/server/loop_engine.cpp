@@ -2,12 +2,11 @@
 #include "server/loop_engine.h"
 
 #include <algorithm>
-#include <random>
 #include <unordered_map>
 
 #include "core/check.h"
 #include "runtime/sampler.h"
-#include "server/logits_processing.h"
+#include "server/paged_engine.h"
 
 namespace kestrel::server {
 
@@ -15,8 +14,8 @@ struct LoopEngine::Seq {
   EngineRequest req;
   TokenSink sink;
   std::unique_ptr<Backend::SeqState> state;
-  std::unique_ptr<runtime::Sampler> sampler;
-  TokenCounts counts;
+  runtime::SamplingParams sampling;  // the request's knobs in the one sampler's terms
+  std::vector<int32_t> output;
   int64_t positions = 0;  // tokens fed to the model
   int generated = 0;
   int32_t last = -1;
@@ -177,8 +176,7 @@ void LoopEngine::step(Seq& s, std::vector<float>& logits) {
         fail("prompt of {} tokens does not fit the context of {}", prompt.size(), max_model_len_);
       for (int32_t t : prompt)
         if (t < 0 || t >= vocab_) fail("prompt token {} is outside the vocabulary", t);
-      uint64_t seed = p.seed ? *p.seed : std::random_device{}() * 0x100000001ull + std::random_device{}();
-      s.sampler = std::make_unique<runtime::Sampler>(runtime::SamplerConfig{p.temperature, p.top_p, seed});
+      s.sampling = runtime_sampling(p);
       s.state = backend_->new_state();
       backend_->prefill(*s.state, prompt, logits.data());
       s.positions = int64_t(prompt.size());
@@ -191,15 +189,14 @@ void LoopEngine::step(Seq& s, std::vector<float>& logits) {
       backend_->decode(*s.state, s.last, logits.data());
       ++s.positions;
     }
-    std::vector<float> raw;
-    if (p.logprobs) raw = logits;
-    process_logits(logits, p, s.counts, s.req.prompt);
-    const int32_t tok = s.sampler->sample(logits);
+    runtime::SampleResult r = runtime::sample_token(s.sampling, logits, s.req.prompt, s.output, s.output.size());
+    const int32_t tok = r.token;
     ev.token = tok;
-    if (p.logprobs) compute_logprobs(raw, tok, p.top_logprobs, ev.logprob, ev.top_logprobs);
+    ev.logprob = r.logprob;
+    for (const runtime::TokenLogprob& t : r.top) ev.top_logprobs.push_back({t.token, t.logprob});
     s.last = tok;
     ++s.generated;
-    ++s.counts[tok];
+    s.output.push_back(tok);
     const bool stop_tok = !p.ignore_eos && std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), tok) != p.stop_token_ids.end();
     if (stop_tok)
       ev.finish = Finish::kStop;

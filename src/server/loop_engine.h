@@ -1,14 +1,14 @@
-// A simple Engine: one background thread, a bounded waiting queue, up to max_num_seqs requests
-// running at once, stepped round-robin one token each (a new request is prefilled whole when it
-// is admitted). What produces the logits is a Backend: the CPU reference model (cpu_backend.h) so
-// `kestrel serve` really generates today, or a fake (fake_backend.h) for tests and for measuring
-// the HTTP layer alone. The multi-request paged GPU engine replaces all of this behind engine_api.h.
+// The fake engine: one background thread, a bounded waiting queue, up to max_num_seqs requests
+// running at once, stepped round-robin one token each, with logits from a Backend that needs no
+// model (backends.h: a fixed script or random logits). It exists so the server's output shaping can
+// be tested and the HTTP layer measured (bench/) without the cost of a model; tokens are drawn by
+// the project's one sampler (runtime/sampler.h). `kestrel serve` generates for real through
+// PagedEngine (paged_engine.h).
 //
-// KV "pages" here are bookkeeping only (the CPU model keeps its caches in growable vectors): a
-// running request holds ceil(positions / block_size) pages out of max_num_seqs × ceil(max_model_len
-// / block_size), so /metrics reports the same occupancy a paged engine would and the tests can check
-// that finished and cancelled requests give everything back. There is no prefix cache (queries
-// counted, hits always 0).
+// KV "pages" here are bookkeeping only: a running request holds ceil(positions / block_size) pages
+// out of max_num_seqs × ceil(max_model_len / block_size), so /metrics reports the same occupancy a
+// paged engine would and the tests can check that finished and cancelled requests give everything
+// back. There is no prefix cache (queries counted, hits always 0).
 #pragma once
 
 #include <condition_variable>

@@ -2,6 +2,7 @@
 (streaming and not, tools, reasoning fields, usage, errors) and by raw HTTP for malformed input.
 The nano weights are random, so the text is noise: the tests check shapes and semantics, not meaning."""
 import json
+import re
 import signal
 import socket
 import time
@@ -203,27 +204,80 @@ def test_raw_http_malformed(server):
     assert server.health() == 200
 
 
+def metric(m, name):
+    return m[name + '{model_name="nano"}']
+
+
 def test_disconnect_cancels_and_metrics(server):
+    m0, _ = server.metrics()
     with httpx.Client(timeout=30) as h:
         with h.stream("POST", server.url + "/v1/completions",
-                      json={"model": MODEL, "prompt": "go", "max_tokens": 400, "stream": True, "ignore_eos": True}) as r:
+                      json={"model": MODEL, "prompt": "go", "max_tokens": 2000, "stream": True, "ignore_eos": True}) as r:
             lines = r.iter_lines()
             got = [next(lines) for _ in range(4)]
             assert any(g.startswith("data: ") for g in got)
+            # Mid-stream the request holds a state slot and KV pages (so "back to zero" below means something).
+            mid, _ = server.metrics()
+            assert metric(mid, "vllm:num_requests_running") == 1 and metric(mid, "kestrel:kv_pages_used") >= 1
     deadline = time.time() + 5
     while True:
         m, text = server.metrics()
-        running = m['vllm:num_requests_running{model_name="nano"}']
+        running = metric(m, "vllm:num_requests_running")
         if running == 0 or time.time() > deadline:
             break
         time.sleep(0.05)
-    assert running == 0 and m['kestrel:kv_pages_used{model_name="nano"}'] == 0
-    assert m['vllm:request_success_total{model_name="nano",finished_reason="abort"}'] >= 1
+    # Everything the cancelled request held is back: no running or waiting request, no page held.
+    assert running == 0 and metric(m, "vllm:num_requests_waiting") == 0
+    assert metric(m, "kestrel:kv_pages_used") == 0 and metric(m, "vllm:kv_cache_usage_perc") == 0
+    aborted = 'vllm:request_success_total{model_name="nano",finished_reason="abort"}'
+    assert m[aborted] - m0.get(aborted, 0) == 1
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
                  "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:request_success_total"):
         assert name in text, name
+
+
+def test_prefix_cache_hit_for_a_repeated_prompt(server, client):
+    # 300 prompt tokens = two full 128-token blocks + a tail: the second request reuses both blocks.
+    prompt = [(i * 7) % 700 + 3 for i in range(300)]
+    m0, _ = server.metrics()
+    a = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    b = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    m1, _ = server.metrics()
+    cached = [r.usage.model_dump()["prompt_tokens_details"]["cached_tokens"] for r in (a, b)]
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens == 300
+    assert cached[0] == 0 and cached[1] == 256, cached
+    assert a.choices[0].text == b.choices[0].text  # the cached prefix gives the same logits
+    queries = metric(m1, "vllm:prefix_cache_queries_total") - metric(m0, "vllm:prefix_cache_queries_total")
+    hits = metric(m1, "vllm:prefix_cache_hits_total") - metric(m0, "vllm:prefix_cache_hits_total")
+    assert queries == 600 and hits == 256, (queries, hits)
+    # Cached prefix pages nobody reads are reclaimable: idle means no page in use.
+    assert metric(m1, "kestrel:kv_pages_used") == 0 and metric(m1, "vllm:num_requests_running") == 0
+
+
+def test_memory_budget_bounds_max_model_len(kestrel_bin, nano_dir):
+    # A small budget: max_model_len defaults to the longest request the memory plan holds, printed at start.
+    s = Server(kestrel_bin, nano_dir, "--served-model-name", MODEL, "--memory-budget", "24M", "--max-num-seqs", "2",
+               "--block-size", "16")
+    try:
+        out = "".join(s.lines) + "".join(s.proc.stdout.readline() for _ in range(3))
+        m = re.search(r"longest single request (\d+) tokens", out)
+        assert m and "concurrent requests" in out and "try: curl" in out, out
+        longest = int(m.group(1))
+        assert httpx.get(s.url + "/v1/models").json()["data"][0]["max_model_len"] == longest
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": longest + 1})
+        assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+        ok = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        assert s.stop() == 0
+    # Asking for more context than the budget can hold is refused at start, with the reason.
+    bad = Server(kestrel_bin, nano_dir, "--memory-budget", "24M", "--max-num-seqs", "2", "--block-size", "16",
+                 "--max-model-len", str(longest * 2), wait_ready=False)
+    assert bad.proc.wait(timeout=30) == 1
+    assert "raise --memory-budget" in bad.proc.stdout.read()
+    bad.stop()
 
 
 def test_api_key(kestrel_bin, nano_dir):
