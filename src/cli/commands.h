@@ -10,5 +10,6 @@ void register_inspect(CLI::App& app);
 void register_generate(CLI::App& app);
 void register_tokenize(CLI::App& app);
 void register_serve(CLI::App& app);
+void register_bench(CLI::App& app);
 
 }  // namespace kestrel::cli
