@@ -205,7 +205,9 @@ void register_bench(CLI::App& app) {
 
     fmt::print("Starting main benchmark run...\n");
     fmt::print("Traffic request rate: {}\n", std::isfinite(rate) ? fmt::format("{}", rate) : "inf");
-    fmt::print("Burstiness factor: {} ({})\n", o->burstiness, o->burstiness == 1 ? "Poisson process" : "Gamma distribution");
+    // Printed as Python prints the float (1.0, 0.25), like vLLM.
+    fmt::print("Burstiness factor: {} ({})\n",
+               o->burstiness == std::floor(o->burstiness) ? fmt::format("{:.1f}", o->burstiness) : fmt::format("{}", o->burstiness), o->burstiness == 1 ? "Poisson process" : "Gamma distribution");
     fmt::print("Maximum request concurrency: {}\n", o->max_concurrency > 0 ? std::to_string(o->max_concurrency) : "None");
     std::fflush(stdout);
     ProgressBar bar(int(requests.size()), !o->no_progress);
