@@ -122,3 +122,49 @@ def test_bad_arguments(kestrel_bin):
                       (["--endpoint", "/v1/embeddings"], "--endpoint")):
         p = run_kestrel(kestrel_bin, "bench", "--model", "m", *args, timeout=30)
         assert p.returncode == 1 and msg in p.stderr, (args, p.stderr)
+
+
+def test_dropped_keepalive_connections_are_retried(kestrel_bin, tmp_path):
+    """A server that promises keep-alive but closes after every response (as one whose idle timeout
+    has passed would): the reused connection fails before any answer and the request is sent again
+    on a fresh one, instead of being counted as failed."""
+    import threading
+
+    body = "".join(f'data: {json.dumps({"choices": [{"index": 0, "text": t, "finish_reason": f}]})}\n\n'
+                   for t, f in (("a", None), ("b", None), ("c", "length")))
+    body += 'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}}\n\ndata: [DONE]\n\n'
+    response = (f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: {len(body)}\r\n"
+                f"Connection: keep-alive\r\n\r\n{body}").encode()
+    srv = socket.create_server(("127.0.0.1", 0))
+    served = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, rest = data.split(b"\r\n\r\n", 1)
+                n = int(re.search(rb"content-length: *(\d+)", head, re.I).group(1))
+                while len(rest) < n:
+                    rest += conn.recv(65536)
+                conn.sendall(response)
+                served.append(1)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    out = tmp_path / "r.json"
+    try:
+        p = run_kestrel(kestrel_bin, "bench", "--base-url", f"http://127.0.0.1:{srv.getsockname()[1]}", "--model", "m",
+                        "--input-len", 3, "--output-len", 3, "--num-prompts", 6, "--max-concurrency", 1,
+                        "--no-progress", "--result-file", out, timeout=30)
+    finally:
+        srv.close()
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    assert r["completed"] == 6 and r["failed"] == 0 and r["total_output_tokens"] == 18
+    assert len(served) == 7  # the test request and the six
