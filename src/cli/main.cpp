@@ -1,4 +1,4 @@
-// `kestrel`: one binary, many subcommands (inspect, generate, serve, ...).
+// `kestrel`: one binary, many subcommands (inspect, generate, serve, bench, ...).
 //
 // Every failure of outside input reaches here as a kestrel::Error and becomes one line on stderr
 // and exit status 1; usage errors exit 2 as CLI11 decides. Nothing is allowed to abort.
@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   kestrel::cli::register_generate(app);
   kestrel::cli::register_tokenize(app);
   kestrel::cli::register_serve(app);
+  kestrel::cli::register_bench(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
