@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -18,8 +17,6 @@ from k3ref.loader import Checkpoint  # noqa: E402
 from k3ref.model import Model  # noqa: E402
 
 
-@pytest.mark.skipif(not (os.path.exists(GEN) and os.path.exists(os.path.join(GOLDEN, "golden.json"))),
-                    reason="needs reference/make_checkpoint.py and tests/golden/nano")
 def test_committed_golden_reproduces(tmp_path):
     meta = json.load(open(os.path.join(GOLDEN, "golden.json")))
     d = str(tmp_path / "nano")
