@@ -53,6 +53,30 @@ int alignment_of(const void* p, int64_t ld_elems, size_t elem) {
 }
 }  // namespace
 
+// cuBLASLt's first heuristic choice for a plan's descriptors, within our workspace; `align` > 0 also
+// promises that alignment of every operand (0: no promise). One lookup per plan, cached by the callers.
+static cublasLtMatmulAlgo_t choose_algo(cublasLtHandle_t handle, uint64_t workspace_bytes, cublasLtMatmulDesc_t op,
+                                        cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t d,
+                                        int align, const std::string& what) {
+  cublasLtMatmulPreference_t pref = nullptr;
+  KCUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes,
+                                       sizeof workspace_bytes);
+  if (align > 0) {
+    const uint32_t al = uint32_t(align);
+    for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+      cublasLtMatmulPreferenceSetAttribute(pref, attr, &al, sizeof al);
+  }
+  cublasLtMatmulHeuristicResult_t res{};
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, op, a, b, d, d, pref, 1, &res, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  KCUDA_REQUIRE(st == CUBLAS_STATUS_SUCCESS && found > 0,
+                "cuBLASLt found no algorithm for " + what + " (status " + std::to_string(int(st)) + ")");
+  return res.algo;
+}
+
 void GemmLt::run(const uint16_t* x, int64_t ldx, const uint16_t* w, void* y, int64_t ldy, int64_t T, int64_t K,
                  int64_t N, bool f32_out, cudaStream_t stream) {
   KCUDA_REQUIRE(x && w && y, std::string("gemm: null pointer"));
@@ -76,24 +100,8 @@ void GemmLt::run(const uint16_t* x, int64_t ldx, const uint16_t* w, void* y, int
     KCUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->a, CUDA_R_16BF, uint64_t(K), uint64_t(N), K));
     KCUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->b, CUDA_R_16BF, uint64_t(K), uint64_t(T), ldx));
     KCUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->d, dt, uint64_t(N), uint64_t(T), ldy));
-    cublasLtMatmulPreference_t pref = nullptr;
-    KCUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    const uint64_t ws = workspace_bytes_;
-    const uint32_t al = uint32_t(align);
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al, sizeof al);
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al, sizeof al);
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al, sizeof al);
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al, sizeof al);
-    cublasLtMatmulHeuristicResult_t res{};
-    int found = 0;
-    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(static_cast<cublasLtHandle_t>(handle_), p->op, p->a,
-                                                             p->b, p->d, p->d, pref, 1, &res, &found);
-    cublasLtMatmulPreferenceDestroy(pref);
-    KCUDA_REQUIRE(st == CUBLAS_STATUS_SUCCESS && found > 0,
-                  "cuBLASLt found no algorithm for T=" + std::to_string(T) + " K=" + std::to_string(K) +
-                      " N=" + std::to_string(N) + " (status " + std::to_string(int(st)) + ")");
-    p->algo = res.algo;
+    p->algo = choose_algo(static_cast<cublasLtHandle_t>(handle_), workspace_bytes_, p->op, p->a, p->b, p->d, align,
+                          "T=" + std::to_string(T) + " K=" + std::to_string(K) + " N=" + std::to_string(N));
     it = plans_.emplace(key, std::move(p)).first;
   }
   const Plan& p = *it->second;
@@ -139,19 +147,8 @@ void GemmLt::batched_xw_f32(const uint16_t* x, int64_t ldx, int64_t sx, const ui
       KCUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(lay[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &strides[i],
                                                      sizeof strides[i]));
     }
-    cublasLtMatmulPreference_t pref = nullptr;
-    KCUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    const uint64_t ws = workspace_bytes_;
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
-    cublasLtMatmulHeuristicResult_t res{};
-    int found = 0;
-    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(static_cast<cublasLtHandle_t>(handle_), p->op, p->a,
-                                                             p->b, p->d, p->d, pref, 1, &res, &found);
-    cublasLtMatmulPreferenceDestroy(pref);
-    KCUDA_REQUIRE(st == CUBLAS_STATUS_SUCCESS && found > 0,
-                  "cuBLASLt found no batched algorithm for M=" + std::to_string(M) + " K=" + std::to_string(K) +
-                      " N=" + std::to_string(N) + " (status " + std::to_string(int(st)) + ")");
-    p->algo = res.algo;
+    p->algo = choose_algo(static_cast<cublasLtHandle_t>(handle_), workspace_bytes_, p->op, p->a, p->b, p->d, 0,
+                          "batched M=" + std::to_string(M) + " K=" + std::to_string(K) + " N=" + std::to_string(N));
     it = bplans_.emplace(key, std::move(p)).first;
   }
   const Plan& p = *it->second;
