@@ -9,18 +9,12 @@
 #include "core/check.h"
 #include "tokenizer/chat.h"
 
+#include "golden_vocab.h"
+
 using namespace kestrel::tok;
 
 namespace {
-const Tokenizer& tok() {
-  // The golden test vocabulary, found next to this source file (tests/data/tok_golden).
-  static const Tokenizer t = [] {
-    std::string dir = __FILE__;
-    dir = dir.substr(0, dir.rfind('/'));
-    return Tokenizer::load(dir + "/../data/tok_golden");
-  }();
-  return t;
-}
+const Tokenizer& tok() { return golden_tokenizer(); }
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
