@@ -5,6 +5,7 @@
 // - recurrent scan: one block of Dk threads per (head, request); thread j owns value column j of S
 //   in registers (Dk floats, compile-time indexed), so every state element is read and written once
 //   per launch and the reads are coalesced across the warp (row i of S is contiguous in j).
+// - chunked scan: see the comment at chunked_kernel.
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/kda.h"
@@ -137,6 +138,166 @@ __global__ void __launch_bounds__(DK) recurrent_kernel(const float* __restrict__
   for (int i = 0; i < DK; ++i) S[i * DK + j] = s[i];
 }
 
+// Chunked scan (kda_scan.h's WY/UT form), one block per (value slice of 32 columns, head, request).
+// Value columns of S evolve independently (u, o and S_end are linear in v column by column), so a head
+// is split over Dk/32 blocks; each block recomputes the chunk's key-side matrices. Per 64-token chunk:
+//   G (cumulative log-decay per key channel; running sum in f64) → A_ts, QK_ts (s ≤ t) → rhs
+//   v − (e^G⊙k)·S₀ and (e^G⊙q)·S₀ → forward substitution for u (one warp per 4 columns, no block
+//   barriers) → o = (e^G⊙q)·S₀ + QK·u and S_end = e^{G_end}⊙S₀ + (e^{G_end−G}⊙k)ᵀ·u.
+// The pairwise decays e^{G_t − G_s} are factored through a reference r = G at the end of the previous
+// 16-token sub-chunk of t: e^{G_t−r}·e^{r−G_s}. The first factor is ≤ 1; the second is ≤ 1 for s in an
+// earlier sub-chunk and ≤ e^{16·5} = e^80 (f32-safe) inside t's own, given the §3.3 bound g > −5. So the
+// 64×64×Dk pair products cost matrix FMAs, not one exponential each.
+constexpr int kChunk = 64, kSub = 16, kVs = 32, kChunkThreads = 256;
+
+template <int K>
+struct ChunkSmem {
+  static constexpr int KP = K + 1;  // odd row stride: 16 rows read at one column hit 16 banks
+  static constexpr size_t floats =
+      size_t(4 * kChunk * KP + 2 * kSub * KP + K * kVs + 2 * kChunk * kChunk + 2 * kChunk * kVs + kChunk + K);
+  static constexpr size_t bytes = floats * 4;
+};
+
+template <int K>
+__global__ void __launch_bounds__(kChunkThreads)
+    chunked_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                   const float* __restrict__ g, int64_t ld, const float* __restrict__ beta, int64_t ld_beta,
+                   const int32_t* __restrict__ cu, const int32_t* __restrict__ slots, float* __restrict__ pool,
+                   float* __restrict__ o, int64_t H) {
+  constexpr int CH = kChunk, KP = ChunkSmem<K>::KP, VS = kVs, NT = kChunkThreads;
+  extern __shared__ float sm[];
+  float* Kc = sm;              // [CH, KP] k, later e^G ⊙ k
+  float* Qc = Kc + CH * KP;    // [CH, KP] q, later e^G ⊙ q
+  float* Gc = Qc + CH * KP;    // [CH, KP] cumulative log-decay (rows ≥ n repeat the last)
+  float* E1 = Gc + CH * KP;    // [CH, KP] k_s e^{r − G_s}, later k_s e^{G_end − G_s}
+  float* Ek = E1 + CH * KP;    // [kSub, KP] k_t e^{G_t − r}
+  float* Eq = Ek + kSub * KP;  // [kSub, KP] q_t e^{G_t − r}
+  float* S = Eq + kSub * KP;   // [K, VS] this block's state columns
+  float* A = S + K * VS;       // [CH, CH]
+  float* QK = A + CH * CH;     // [CH, CH]
+  float* V = QK + CH * CH;     // [CH, VS] v, later (e^G⊙q)·S₀
+  float* U = V + CH * VS;      // [CH, VS] rhs, then u
+  float* bs = U + CH * VS;     // [CH] β
+  float* eG = bs + CH;         // [K] e^{G_end}
+  const int v0 = blockIdx.x * VS, tid = threadIdx.x;
+  const int64_t h = blockIdx.y, b = blockIdx.z;
+  float* Sg = pool + (int64_t(slots[b]) * H + h) * K * K;
+  for (int idx = tid; idx < K * VS; idx += NT) S[idx] = Sg[(idx / VS) * K + v0 + idx % VS];
+  const int64_t T0 = cu[b], T1 = cu[b + 1];
+  for (int64_t c0 = T0; c0 < T1; c0 += CH) {
+    const int n = int(T1 - c0 < CH ? T1 - c0 : int64_t(CH));
+    __syncthreads();  // the previous chunk is done with every buffer
+    for (int idx = tid; idx < CH * K; idx += NT) {
+      const int t = idx / K, i = idx % K;
+      float kv = 0.0f, qv = 0.0f, gv = 0.0f;
+      if (t < n) {
+        const int64_t row = (c0 + t) * ld + h * K + i;
+        kv = k[row], qv = q[row], gv = g[row];
+      }
+      Kc[t * KP + i] = kv, Qc[t * KP + i] = qv, Gc[t * KP + i] = gv;
+    }
+    for (int idx = tid; idx < CH * VS; idx += NT) {
+      const int t = idx / VS;
+      V[idx] = t < n ? v[(c0 + t) * ld + h * K + v0 + idx % VS] : 0.0f;
+    }
+    if (tid < CH) bs[tid] = tid < n ? beta[(c0 + tid) * ld_beta + h] : 0.0f;
+    __syncthreads();
+    if (tid < K) {
+      double acc = 0.0;
+      for (int t = 0; t < CH; ++t) {
+        if (t < n) acc += double(Gc[t * KP + tid]);
+        Gc[t * KP + tid] = float(acc);
+      }
+      eG[tid] = float(exp(acc));
+    }
+    __syncthreads();
+    // A_ts = Σ_i k_t k_s e^{G_t − G_s} (s < t), QK_ts = Σ_i q_t k_s e^{G_t − G_s} (s ≤ t), 16 rows at a time.
+    for (int j = 0; j * kSub < n; ++j) {
+      const int ns = kSub * (j + 1), t0 = kSub * j;
+      for (int idx = tid; idx < ns * K; idx += NT) {
+        const int s = idx / K, i = idx % K;
+        const float r = j ? Gc[(t0 - 1) * KP + i] : 0.0f;
+        E1[s * KP + i] = Kc[s * KP + i] * expf(r - Gc[s * KP + i]);
+      }
+      for (int idx = tid; idx < kSub * K; idx += NT) {
+        const int tt = idx / K, i = idx % K, t = t0 + tt;
+        const float r = j ? Gc[(t0 - 1) * KP + i] : 0.0f;
+        const float e = expf(Gc[t * KP + i] - r);
+        Ek[tt * KP + i] = Kc[t * KP + i] * e;
+        Eq[tt * KP + i] = Qc[t * KP + i] * e;
+      }
+      __syncthreads();
+      for (int idx = tid; idx < kSub * ns; idx += NT) {
+        const int tt = idx / ns, s = idx % ns, t = t0 + tt;
+        if (s > t) continue;
+        float a = 0.0f, qk = 0.0f;
+#pragma unroll 8
+        for (int i = 0; i < K; ++i) {
+          const float e1 = E1[s * KP + i];
+          a = fmaf(Ek[tt * KP + i], e1, a);
+          qk = fmaf(Eq[tt * KP + i], e1, qk);
+        }
+        A[t * CH + s] = s < t ? a : 0.0f;
+        QK[t * CH + s] = qk;
+      }
+      __syncthreads();
+    }
+    // kt = e^G ⊙ k, qt = e^G ⊙ q in place; E1 = e^{G_end − G} ⊙ k for the state update.
+    for (int idx = tid; idx < CH * K; idx += NT) {
+      const int t = idx / K, i = idx % K;
+      const float G = Gc[t * KP + i], kr = Kc[t * KP + i], e = expf(G);
+      E1[t * KP + i] = kr * expf(Gc[(n - 1) * KP + i] - G);
+      Kc[t * KP + i] = kr * e;
+      Qc[t * KP + i] *= e;
+    }
+    __syncthreads();
+    // rhs_t = v_t − S₀ᵀ kt_t (into U) and S₀ᵀ qt_t (into V, each thread rewrites only what it read).
+    for (int idx = tid; idx < CH * VS; idx += NT) {
+      const int t = idx / VS, c = idx % VS;
+      float w = 0.0f, op = 0.0f;
+#pragma unroll 8
+      for (int i = 0; i < K; ++i) {
+        const float sv = S[i * VS + c];
+        w = fmaf(Kc[t * KP + i], sv, w);
+        op = fmaf(Qc[t * KP + i], sv, op);
+      }
+      U[idx] = V[idx] - w;
+      V[idx] = op;
+    }
+    __syncthreads();
+    // u_t = β_t (rhs_t − Σ_{s<t} A_ts u_s): warp w owns columns 4w..4w+3, 8 lanes per column split the sum.
+    {
+      const int lane = tid & 31, c = 4 * (tid >> 5) + (lane >> 3), p = lane & 7;
+      for (int t = 0; t < n; ++t) {
+        float part = 0.0f;
+        for (int s = p; s < t; s += 8) part = fmaf(A[t * CH + s], U[s * VS + c], part);
+        part += __shfl_xor_sync(0xffffffffu, part, 1);
+        part += __shfl_xor_sync(0xffffffffu, part, 2);
+        part += __shfl_xor_sync(0xffffffffu, part, 4);
+        const float ut = bs[t] * (U[t * VS + c] - part);
+        __syncwarp();
+        if (p == 0) U[t * VS + c] = ut;
+        __syncwarp();
+      }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < n * VS; idx += NT) {
+      const int t = idx / VS, c = idx % VS;
+      float acc = V[idx];
+      for (int s = 0; s <= t; ++s) acc = fmaf(QK[t * CH + s], U[s * VS + c], acc);
+      o[(c0 + t) * ld + h * K + v0 + c] = acc;
+    }
+    for (int idx = tid; idx < K * VS; idx += NT) {
+      const int i = idx / VS, c = idx % VS;
+      float acc = S[idx] * eG[i];
+      for (int s = 0; s < n; ++s) acc = fmaf(E1[s * KP + i], U[s * VS + c], acc);
+      S[idx] = acc;
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < K * VS; idx += NT) Sg[(idx / VS) * K + v0 + idx % VS] = S[idx];
+}
+
 __global__ void out_norm_gate_kernel(const float* __restrict__ o, const uint16_t* __restrict__ gate,
                                      const float* __restrict__ o_norm, float eps, uint16_t* __restrict__ ohat,
                                      int64_t H, int Dk) {
@@ -228,6 +389,29 @@ void kda_recurrent(const float* q, const float* k, const float* v, const float* 
       break;
     default:
       KCUDA_REQUIRE(false, "kda_recurrent: Dk = " + std::to_string(Dk) + " (supported: 32, 64, 128)");
+  }
+  KCUDA_CHECK_LAUNCH();
+}
+
+void kda_chunked(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+                 int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
+                 int64_t B, int64_t H, int64_t Dk, cudaStream_t stream) {
+  KCUDA_REQUIRE(q && k && v && g && beta && cu_seqlens && slots && state_pool && o,
+                std::string("kda_chunked: null pointer"));
+  KCUDA_REQUIRE(B >= 0 && B < 65536 && H > 0 && H < 65536 && ld >= H * Dk && ld_beta >= H,
+                std::string("kda_chunked: bad B, H or strides"));
+  if (B == 0) return;
+  auto run = [&](auto kernel, size_t smem, int K) {
+    KCUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    kernel<<<dim3(unsigned(K / kVs), unsigned(H), unsigned(B)), kChunkThreads, smem, stream>>>(
+        q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, H);
+  };
+  switch (Dk) {
+    case 32: run(chunked_kernel<32>, ChunkSmem<32>::bytes, 32); break;
+    case 64: run(chunked_kernel<64>, ChunkSmem<64>::bytes, 64); break;
+    case 128: run(chunked_kernel<128>, ChunkSmem<128>::bytes, 128); break;
+    default:
+      KCUDA_REQUIRE(false, "kda_chunked: Dk = " + std::to_string(Dk) + " (supported: 32, 64, 128)");
   }
   KCUDA_CHECK_LAUNCH();
 }
