@@ -6,6 +6,10 @@
 //   in registers (Dk floats, compile-time indexed), so every state element is read and written once
 //   per launch and the reads are coalesced across the warp (row i of S is contiguous in j).
 // - chunked scan: see the comment at chunked_kernel.
+#include <mma.h>
+
+#include <type_traits>
+
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/kda.h"
@@ -148,11 +152,45 @@ __global__ void __launch_bounds__(DK) recurrent_kernel(const float* __restrict__
 // 16-token sub-chunk of t: e^{G_t−r}·e^{r−G_s}. The first factor is ≤ 1; the second is ≤ 1 for s in an
 // earlier sub-chunk and ≤ e^{16·5} = e^80 (f32-safe) inside t's own, given the §3.3 bound g > −5. So the
 // 64×64×Dk pair products cost matrix FMAs, not one exponential each.
+// The matrix products (A/QK, the S₀ products, the state update) run on the tensor cores as 3xTF32 WMMA
+// (x = hi + lo with hi, lo TF32; a·b ≈ hi·hi + hi·lo + lo·hi), which keeps FP32-level accuracy; the
+// forward substitution and the intra-chunk output (small, triangular) stay on the CUDA cores.
 constexpr int kChunk = 64, kSub = 16, kVs = 32, kChunkThreads = 256;
+
+namespace wm = nvcuda::wmma;
+using Acc = wm::fragment<wm::accumulator, 16, 16, 8, float>;
+
+template <class Frag>
+__device__ __forceinline__ void split_tf32(Frag& hi, Frag& lo) {
+#pragma unroll
+  for (int i = 0; i < hi.num_elements; ++i) {
+    const float x = hi.x[i], h = wm::__float_to_tf32(x);
+    hi.x[i] = h;
+    lo.x[i] = wm::__float_to_tf32(x - h);
+  }
+}
+
+// acc += A[16, 8·steps] · B[8·steps, 16] from shared memory (one warp). Layouts as WMMA's: a row-major A
+// advances by columns, a column-major one by lda·8; likewise for B.
+template <class LA, class LB>
+__device__ __forceinline__ void mma_3xtf32(Acc& acc, const float* a, int lda, const float* b, int ldb, int steps) {
+  constexpr bool a_row = std::is_same<LA, wm::row_major>::value, b_row = std::is_same<LB, wm::row_major>::value;
+  for (int k = 0; k < steps; ++k) {
+    wm::fragment<wm::matrix_a, 16, 16, 8, wm::precision::tf32, LA> ah, al;
+    wm::fragment<wm::matrix_b, 16, 16, 8, wm::precision::tf32, LB> bh, bl;
+    wm::load_matrix_sync(ah, a + (a_row ? k * 8 : k * 8 * lda), lda);
+    wm::load_matrix_sync(bh, b + (b_row ? k * 8 * ldb : k * 8), ldb);
+    split_tf32(ah, al);
+    split_tf32(bh, bl);
+    wm::mma_sync(acc, al, bh, acc);
+    wm::mma_sync(acc, ah, bl, acc);
+    wm::mma_sync(acc, ah, bh, acc);
+  }
+}
 
 template <int K>
 struct ChunkSmem {
-  static constexpr int KP = K + 1;  // odd row stride: 16 rows read at one column hit 16 banks
+  static constexpr int KP = K + 4;  // WMMA: row stride a multiple of 4 floats, tiles 32-byte aligned
   static constexpr size_t floats =
       size_t(4 * kChunk * KP + 2 * kSub * KP + K * kVs + 2 * kChunk * kChunk + 2 * kChunk * kVs + kChunk + K);
   static constexpr size_t bytes = floats * 4;
@@ -165,7 +203,7 @@ __global__ void __launch_bounds__(kChunkThreads)
                    const int32_t* __restrict__ cu, const int32_t* __restrict__ slots, float* __restrict__ pool,
                    float* __restrict__ o, int64_t H) {
   constexpr int CH = kChunk, KP = ChunkSmem<K>::KP, VS = kVs, NT = kChunkThreads;
-  extern __shared__ float sm[];
+  extern __shared__ __align__(128) float sm[];
   float* Kc = sm;              // [CH, KP] k, later e^G ⊙ k
   float* Qc = Kc + CH * KP;    // [CH, KP] q, later e^G ⊙ q
   float* Gc = Qc + CH * KP;    // [CH, KP] cumulative log-decay (rows ≥ n repeat the last)
@@ -227,18 +265,16 @@ __global__ void __launch_bounds__(kChunkThreads)
         Eq[tt * KP + i] = Qc[t * KP + i] * e;
       }
       __syncthreads();
-      for (int idx = tid; idx < kSub * ns; idx += NT) {
-        const int tt = idx / ns, s = idx % ns, t = t0 + tt;
-        if (s > t) continue;
-        float a = 0.0f, qk = 0.0f;
-#pragma unroll 8
-        for (int i = 0; i < K; ++i) {
-          const float e1 = E1[s * KP + i];
-          a = fmaf(Ek[tt * KP + i], e1, a);
-          qk = fmaf(Eq[tt * KP + i], e1, qk);
+      // Warp w: product w & 1 (A from Ek, QK from Eq), column tile w >> 1 of [16, ns]. Entries with s ≥ t
+      // (A) or s > t (QK) are computed too (finite: E1 ≤ e^80·|k|) and never read.
+      {
+        const int w = tid >> 5, ct = w >> 1;
+        if (ct <= j) {
+          Acc acc;
+          wm::fill_fragment(acc, 0.0f);
+          mma_3xtf32<wm::row_major, wm::col_major>(acc, (w & 1) ? Eq : Ek, KP, E1 + ct * 16 * KP, KP, K / 8);
+          wm::store_matrix_sync(((w & 1) ? QK : A) + t0 * CH + ct * 16, acc, CH, wm::mem_row_major);
         }
-        A[t * CH + s] = s < t ? a : 0.0f;
-        QK[t * CH + s] = qk;
       }
       __syncthreads();
     }
@@ -251,18 +287,22 @@ __global__ void __launch_bounds__(kChunkThreads)
       Qc[t * KP + i] *= e;
     }
     __syncthreads();
-    // rhs_t = v_t − S₀ᵀ kt_t (into U) and S₀ᵀ qt_t (into V, each thread rewrites only what it read).
-    for (int idx = tid; idx < CH * VS; idx += NT) {
-      const int t = idx / VS, c = idx % VS;
-      float w = 0.0f, op = 0.0f;
-#pragma unroll 8
-      for (int i = 0; i < K; ++i) {
-        const float sv = S[i * VS + c];
-        w = fmaf(Kc[t * KP + i], sv, w);
-        op = fmaf(Qc[t * KP + i], sv, op);
-      }
-      U[idx] = V[idx] - w;
-      V[idx] = op;
+    // rhs = v − kt·S₀ (into U) and qt·S₀ (into V): warp w owns the 16×16 tile (w >> 1, w & 1) of both, so
+    // it alone reads V there before overwriting it.
+    {
+      const int w = tid >> 5, lane = tid & 31, rt = w >> 1, ct = w & 1;
+      Acc fw, fo;
+      wm::fill_fragment(fw, 0.0f);
+      wm::fill_fragment(fo, 0.0f);
+      mma_3xtf32<wm::row_major, wm::row_major>(fw, Kc + rt * 16 * KP, KP, S + ct * 16, VS, K / 8);
+      mma_3xtf32<wm::row_major, wm::row_major>(fo, Qc + rt * 16 * KP, KP, S + ct * 16, VS, K / 8);
+      float* tU = U + rt * 16 * VS + ct * 16;
+      float* tV = V + rt * 16 * VS + ct * 16;
+      wm::store_matrix_sync(tU, fw, VS, wm::mem_row_major);
+      __syncwarp();
+      for (int e = lane; e < 256; e += 32) tU[(e / 16) * VS + e % 16] = tV[(e / 16) * VS + e % 16] - tU[(e / 16) * VS + e % 16];
+      __syncwarp();
+      wm::store_matrix_sync(tV, fo, VS, wm::mem_row_major);
     }
     __syncthreads();
     // u_t = β_t (rhs_t − Σ_{s<t} A_ts u_s): warp w owns columns 4w..4w+3, 8 lanes per column split the sum.
@@ -287,11 +327,19 @@ __global__ void __launch_bounds__(kChunkThreads)
       for (int s = 0; s <= t; ++s) acc = fmaf(QK[t * CH + s], U[s * VS + c], acc);
       o[(c0 + t) * ld + h * K + v0 + c] = acc;
     }
-    for (int idx = tid; idx < K * VS; idx += NT) {
-      const int i = idx / VS, c = idx % VS;
-      float acc = S[idx] * eG[i];
-      for (int s = 0; s < n; ++s) acc = fmaf(E1[s * KP + i], U[s * VS + c], acc);
-      S[idx] = acc;
+    // S_end = e^{G_end} ⊙ S₀ + E1ᵀ·U over all 64 rows (rows ≥ n of E1 and U are zero): tiles of [K, VS].
+    {
+      const int w = tid >> 5, lane = tid & 31;
+      for (int tile = w; tile < (K / 16) * (VS / 16); tile += NT / 32) {
+        const int rt = tile / (VS / 16), ct = tile % (VS / 16);
+        float* tS = S + rt * 16 * VS + ct * 16;
+        for (int e = lane; e < 256; e += 32) tS[(e / 16) * VS + e % 16] *= eG[rt * 16 + e / 16];
+        __syncwarp();
+        Acc acc;
+        wm::load_matrix_sync(acc, tS, VS, wm::mem_row_major);
+        mma_3xtf32<wm::col_major, wm::row_major>(acc, E1 + rt * 16, KP, U + ct * 16, VS, CH / 8);
+        wm::store_matrix_sync(tS, acc, VS, wm::mem_row_major);
+      }
     }
   }
   __syncthreads();
