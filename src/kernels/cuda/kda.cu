@@ -225,18 +225,35 @@ __global__ void __launch_bounds__(kChunkThreads)
   for (int64_t c0 = T0; c0 < T1; c0 += CH) {
     const int n = int(T1 - c0 < CH ? T1 - c0 : int64_t(CH));
     __syncthreads();  // the previous chunk is done with every buffer
-    for (int idx = tid; idx < CH * K; idx += NT) {
-      const int t = idx / K, i = idx % K;
-      float kv = 0.0f, qv = 0.0f, gv = 0.0f;
-      if (t < n) {
-        const int64_t row = (c0 + t) * ld + h * K + i;
-        kv = k[row], qv = q[row], gv = g[row];
+    // 16-byte loads, all issued before the first shared-memory store: one memory latency per chunk, not
+    // one per loop trip (the block is alone on its SM, so nothing else hides it).
+    {
+      constexpr int KV = K / 4, NL = CH * KV / NT, NV = CH * (VS / 4) / NT;
+      float4 kr[NL], qr[NL], gr[NL], vr[NV];
+#pragma unroll
+      for (int l = 0; l < NL; ++l) {
+        const int idx = tid + l * NT, t = idx / KV, i4 = idx % KV;
+        const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const int64_t row = (c0 + t) * ld + h * K + 4 * i4;
+        kr[l] = t < n ? __ldg(reinterpret_cast<const float4*>(k + row)) : z;
+        qr[l] = t < n ? __ldg(reinterpret_cast<const float4*>(q + row)) : z;
+        gr[l] = t < n ? __ldg(reinterpret_cast<const float4*>(g + row)) : z;
       }
-      Kc[t * KP + i] = kv, Qc[t * KP + i] = qv, Gc[t * KP + i] = gv;
-    }
-    for (int idx = tid; idx < CH * VS; idx += NT) {
-      const int t = idx / VS;
-      V[idx] = t < n ? v[(c0 + t) * ld + h * K + v0 + idx % VS] : 0.0f;
+#pragma unroll
+      for (int l = 0; l < NV; ++l) {
+        const int idx = tid + l * NT, t = idx / (VS / 4), c4 = idx % (VS / 4);
+        vr[l] = t < n ? __ldg(reinterpret_cast<const float4*>(v + (c0 + t) * ld + h * K + v0 + 4 * c4))
+                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+#pragma unroll
+      for (int l = 0; l < NL; ++l) {
+        const int idx = tid + l * NT, t = idx / KV, i = 4 * (idx % KV);
+        *reinterpret_cast<float4*>(Kc + t * KP + i) = kr[l];
+        *reinterpret_cast<float4*>(Qc + t * KP + i) = qr[l];
+        *reinterpret_cast<float4*>(Gc + t * KP + i) = gr[l];
+      }
+#pragma unroll
+      for (int l = 0; l < NV; ++l) *reinterpret_cast<float4*>(V + 4 * (tid + l * NT)) = vr[l];
     }
     if (tid < CH) bs[tid] = tid < n ? beta[(c0 + tid) * ld_beta + h] : 0.0f;
     __syncthreads();
@@ -446,8 +463,10 @@ void kda_chunked(const float* q, const float* k, const float* v, const float* g,
                  int64_t B, int64_t H, int64_t Dk, cudaStream_t stream) {
   KCUDA_REQUIRE(q && k && v && g && beta && cu_seqlens && slots && state_pool && o,
                 std::string("kda_chunked: null pointer"));
-  KCUDA_REQUIRE(B >= 0 && B < 65536 && H > 0 && H < 65536 && ld >= H * Dk && ld_beta >= H,
-                std::string("kda_chunked: bad B, H or strides"));
+  KCUDA_REQUIRE(B >= 0 && B < 65536 && H > 0 && H < 65536 && ld >= H * Dk && ld_beta >= H && ld % 4 == 0,
+                std::string("kda_chunked: bad B, H or strides (ld must be a multiple of 4)"));
+  for (const float* p : {q, k, v, g})
+    KCUDA_REQUIRE(reinterpret_cast<uintptr_t>(p) % 16 == 0, std::string("kda_chunked: q/k/v/g must be 16-byte aligned"));
   if (B == 0) return;
   auto run = [&](auto kernel, size_t smem, int K) {
     KCUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));

@@ -52,7 +52,8 @@ void kda_recurrent(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T,
 // cpu::kda_scan_recurrent): the same contract as kda_recurrent (varlen via cu_seqlens, state in
 // state_pool[slots[b]], f32 [H, Dk(key), Dk(value)], read at the start and written back at the end).
 // For prefill: the chunk-level products are matrix-shaped and the value columns are split across
-// blocks, so one request keeps several SMs busy. Dk ∈ {32, 64, 128}.
+// blocks, so one request keeps several SMs busy. Dk ∈ {32, 64, 128}; q, k, v, g 16-byte aligned and
+// ld a multiple of 4 (16-byte row loads); g > −5 per token (the §3.3 gate bound; see kda.cu).
 void kda_chunked(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
                  const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
                  const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
