@@ -6,6 +6,10 @@
 //  - absorbed decode: blocks over (key split, request); each block keeps all Hm heads' queries in shared
 //    memory and streams 32-key tiles of the 576-wide latent rows through shared memory once for every
 //    head (the MQA saving); online softmax; a second kernel merges the splits; a third applies W_UV.
+//  - paged reads (paged.h): the decode and indexer kernels are templates over where a row comes from
+//    (ContigRows / PagedRows, ContigKeys / PagedKeys): a paged source looks the page up in the request's
+//    block table and dequantises FP8/MXFP4 to the exact bf16 values the CPU reads back, so everything after
+//    the load is shared with the contiguous path.
 //  - indexer: one thread per (query, key) runs the CPU twin's sequential FP32 dot products with
 //    __fmul_rn/__fadd_rn (bit-identical scores); top-k is a 4-pass 8-bit radix select per query on an
 //    order-preserving integer image of the score, then an ordered compaction (ascending positions).

@@ -42,12 +42,11 @@ __device__ __forceinline__ float fp8_scale(float amax) {
 }
 
 __global__ void __launch_bounds__(kWriteThreads)
-    write_latent_kernel(PagedLatentFormat fmt, int P, int C, int R, int64_t tb, const uint16_t* __restrict__ rows,
+    write_latent_kernel(PagedLatentFormat fmt, int C, int R, int64_t tb, const uint16_t* __restrict__ rows,
                         int64_t ld, const int64_t* __restrict__ slots, uint8_t* __restrict__ arena) {
   __shared__ float scratch[32];
   const int64_t t = blockIdx.x, slot = slots[t];
   if (slot < 0) return;
-  (void)P;
   uint8_t* dst = arena + slot * tb;
   const uint16_t* row = rows + t * ld;
   if (fmt == PagedLatentFormat::bf16) {
@@ -129,7 +128,7 @@ void paged_write_latent(const PagedMlaCache& c, const uint16_t* rows, int64_t ld
   KCUDA_REQUIRE(rows && slots && c.latent && c.block_size > 0, std::string("paged_write_latent: null pointer"));
   KCUDA_REQUIRE(c.C > 0 && c.C % 8 == 0 && c.R >= 0 && c.R % 8 == 0 && ld >= c.C + c.R,
                 "paged_write_latent: bad shape C=" + std::to_string(c.C) + " R=" + std::to_string(c.R));
-  write_latent_kernel<<<unsigned(T), kWriteThreads, 0, stream>>>(c.latent_format, c.block_size, int(c.C), int(c.R),
+  write_latent_kernel<<<unsigned(T), kWriteThreads, 0, stream>>>(c.latent_format, int(c.C), int(c.R),
                                                                  c.latent_token_bytes(), rows, ld, slots, c.latent);
   KCUDA_CHECK_LAUNCH();
 }
