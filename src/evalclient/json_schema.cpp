@@ -171,6 +171,8 @@ struct JsonSchema::Impl {
   SchemaOptions opt;
   std::map<std::string, std::wregex> regexes;  // pattern source -> compiled
   std::map<std::string, const json*> refs;     // $ref string -> target inside root
+  std::map<std::string, std::string> ref_at;   // $ref string -> where it first appears
+  std::vector<std::pair<std::string, std::string>> unknown;  // (location, keyword) not understood
 
   const json* resolve(const std::string& ref) const {
     if (ref.empty() || ref[0] != '#')
@@ -318,8 +320,11 @@ struct JsonSchema::Impl {
       } else if (k == "$ref") {
         if (!v.is_string()) fail("schema {}: must be a string", p);
         refs.emplace(v.get<std::string>(), nullptr);
+        ref_at.emplace(v.get<std::string>(), p);
       } else {
-        fail("schema {}: unsupported keyword '{}'", p, k);
+        // Refused unless a $ref points into it (a container of subschemas under a name of its own,
+        // as the test suite's "escaped pointer ref" has): decided once every $ref is known.
+        unknown.emplace_back(p, k);
       }
     }
   }
@@ -568,8 +573,35 @@ struct JsonSchema::Impl {
 JsonSchema::JsonSchema(const json& schema, SchemaOptions opt) : impl_(std::make_unique<Impl>()) {
   impl_->root = schema;
   impl_->opt = opt;
-  impl_->check(impl_->root, "", 0, true);
-  for (auto& [ref, target] : impl_->refs) target = impl_->resolve(ref);
+  Impl& I = *impl_;
+  I.check(I.root, "", 0, true);
+  // Resolve every $ref, checking each target as a schema (a target inside an unknown keyword was not
+  // checked yet, and may hold more $refs: repeat until none is new).
+  for (bool more = true; more;) {
+    more = false;
+    for (auto& [ref, target] : I.refs) {
+      if (target) continue;
+      try {
+        target = I.resolve(ref);
+      } catch (const Error& e) {
+        fail("schema {}: {}", I.ref_at.at(ref), e.what());
+      }
+      const size_t before = I.refs.size();
+      I.check(*target, ref.substr(1), 1, target == &I.root);
+      if (I.refs.size() != before) {
+        more = true;
+        break;  // the map changed under the loop: start over
+      }
+    }
+  }
+  for (const auto& [where, keyword] : I.unknown) {
+    bool referenced = false;
+    for (const auto& [ref, target] : I.refs) {
+      const std::string frag = percent_decode(ref.substr(1), ref);
+      referenced = referenced || frag == where || frag.rfind(where + "/", 0) == 0;
+    }
+    if (!referenced) fail("schema {}: unsupported keyword '{}'", where, keyword);
+  }
 }
 
 JsonSchema::~JsonSchema() = default;

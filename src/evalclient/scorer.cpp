@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -23,6 +24,19 @@ std::string clip(std::string s, size_t n = 300) {
 }
 
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// Arithmetic rows in effort order (low, medium, high, max), anything else after them by name.
+std::vector<std::pair<std::string, Count>> efforts_in_order(const Summary& s) {
+  auto rank = [](const std::string& e) {
+    const char* order[] = {"none", "low", "medium", "high", "max"};
+    for (int i = 0; i < 5; ++i)
+      if (e == order[i]) return i;
+    return 5;
+  };
+  std::vector<std::pair<std::string, Count>> v(s.arith_by_effort.begin(), s.arith_by_effort.end());
+  std::stable_sort(v.begin(), v.end(), [&](const auto& a, const auto& b) { return rank(a.first) < rank(b.first); });
+  return v;
+}
 
 double pct(long long a, long long b) { return b > 0 ? 100.0 * double(a) / double(b) : 0.0; }
 
@@ -266,7 +280,7 @@ std::string format_tables(const Summary& s) {
     const std::string head = fmt::format("{:>10} {:>8} {:>9} {:>7}", "effort", "%", "correct", "errors");
     o << head << '\n';
     rule(head.size());
-    for (const auto& [e, c] : s.arith_by_effort)
+    for (const auto& [e, c] : efforts_in_order(s))
       o << fmt::format("{:>10} {:>8} {:>9} {:>7}\n", e, pct_cell(c.correct, c.n), fmt::format("{}/{}", c.correct, c.n),
                        c.errors);
     rule(head.size());
@@ -322,7 +336,7 @@ ojson summary_json(const Summary& s) {
   }
   if (s.arith.n > 0) {
     ojson by = ojson::array();
-    for (const auto& [e, c] : s.arith_by_effort) {
+    for (const auto& [e, c] : efforts_in_order(s)) {
       ojson x{{"effort", e}};
       x.update(count_json(c));
       by.push_back(std::move(x));
