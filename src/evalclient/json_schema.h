@@ -21,10 +21,11 @@
 // oneOf, not, if/then/else; $ref to the document itself ("#", "#/$defs/x", "#/definitions/x", any
 // local JSON pointer with ~0 ~1 and %-escapes). Keywords next to $ref apply too (2020-12 semantics;
 // draft-07 ignored them).
-// Annotations, accepted and ignored: $schema, $id (root only), $comment, $anchor-free metadata
-// (title, description, default, examples, deprecated, readOnly, writeOnly), format (an annotation
-// by default in 2020-12), contentMediaType, contentEncoding, contentSchema; $defs and definitions
-// hold subschemas (checked, applied only through $ref).
+// Annotations, accepted and ignored: $schema, $id (root only), $comment, title, description,
+// default, examples, deprecated, readOnly, writeOnly, format (an annotation by default in 2020-12),
+// contentMediaType, contentEncoding, contentSchema; $defs and definitions hold subschemas (checked,
+// applied only through $ref). Any other keyword is refused, unless a $ref points into it (a
+// container of subschemas under a name of its own); then what the $ref reaches is checked as a schema.
 #pragma once
 
 #include <memory>
