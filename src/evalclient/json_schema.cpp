@@ -335,12 +335,14 @@ struct JsonSchema::Impl {
   }
 
   bool match(const std::string& pattern, const std::string& s, std::string* reason) const {
-    if (s.size() > opt.max_pattern_input) {
-      *reason = fmt::format("a string of {} bytes is too long to match against a pattern", s.size());
+    const std::wstring w = to_wide(s);
+    if (w.size() > opt.max_pattern_input) {
+      *reason = fmt::format("a string of {} characters is too long to match against a pattern (limit {})", w.size(),
+                            opt.max_pattern_input);
       return false;
     }
     try {
-      if (std::regex_search(to_wide(s), regexes.at(pattern))) return true;
+      if (std::regex_search(w, regexes.at(pattern))) return true;
       *reason = fmt::format("{} does not match pattern '{}'", show(json(s)), pattern);
     } catch (const std::regex_error& e) {
       *reason = fmt::format("pattern '{}' failed to run: {}", pattern, e.what());
@@ -546,12 +548,12 @@ struct JsonSchema::Impl {
       }
       if (pprops) {
         for (auto jt = pprops->begin(); jt != pprops->end(); ++jt) {
-          std::string reason;
-          if (key.size() > opt.max_pattern_input)
+          const std::wstring wkey = to_wide(key);
+          if (wkey.size() > opt.max_pattern_input)
             return no(why, kp, sp + "/patternProperties", "a property name too long to match against a pattern");
           bool hit = false;
           try {
-            hit = std::regex_search(to_wide(key), regexes.at(jt.key()));
+            hit = std::regex_search(wkey, regexes.at(jt.key()));
           } catch (const std::regex_error& e) {
             return no(why, kp, sp + "/patternProperties", fmt::format("pattern '{}' failed to run: {}", jt.key(), e.what()));
           }

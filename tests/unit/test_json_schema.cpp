@@ -175,7 +175,13 @@ TEST(JsonSchema, LengthsCountCodePointsAndPatternsSearchCodePoints) {
   EXPECT_THROW(JsonSchema(json{{"pattern", "a"}}, no_patterns), kestrel::Error);
   SchemaOptions short_input;
   short_input.max_pattern_input = 4;
+  EXPECT_TRUE(JsonSchema(json{{"pattern", "a"}}, short_input).is_valid("\xC3\xA9\xC3\xA9" "a"));  // 3 code points
   EXPECT_NE(JsonSchema(json{{"pattern", "a"}}, short_input).validate("aaaaa").find("too long"), std::string::npos);
+  // The default limit keeps the per-character recursion of std::regex far from the stack's end: a
+  // long string is refused with a reason, not a crash.
+  EXPECT_NE(JsonSchema(json{{"pattern", "^(a|b)*$"}}).validate(std::string(100000, 'a')).find("too long"),
+            std::string::npos);
+  EXPECT_TRUE(JsonSchema(json{{"pattern", "^(a|b)*$"}}).is_valid(std::string(1000, 'a')));
 }
 
 TEST(JsonSchema, NumbersCompareExactlyAcrossIntAndFloat) {
