@@ -9,6 +9,7 @@ import http.server
 import json
 import re
 import threading
+import time
 
 import pytest
 
@@ -108,6 +109,9 @@ class FakeHandler(http.server.BaseHTTPRequestHandler):
         self.server.bodies.append((self.path, body))
         self.server.headers_seen.append(dict(self.headers))
         case = body["messages"][-1]["content"].split(":", 1)[1]
+        if case == "slow":
+            time.sleep(3)
+            case = "chat"
         self.send(*CANNED[case])
 
 
@@ -202,6 +206,18 @@ def test_fake_endpoint_limit_and_v1_base_url(kestrel_bin, fake, tmp_path):
     assert [i["id"] for i in s["items"]] == ["pk-1024-0.25", "pk-1024-0.75", "tl-1", "tl-2"]
     assert all(path == "/v1/chat/completions" and b["model"] == "m" and "seed" not in b for path, b in fake.bodies)
     assert "response" not in s["items"][0]  # only with --save-responses
+
+
+def test_timeout_is_that_items_error(kestrel_bin, fake, tmp_path):
+    items = [SET[0], item("ch-slow", "chat", "slow", {}, {})]
+    out = tmp_path / "r.json"
+    p = run_kestrel(kestrel_bin, "eval", "--set", write_set(tmp_path / "a.jsonl", items), "--base-url", fake.url,
+                    "--model", "m", "--timeout", 1, "--out", out, "--no-progress", timeout=60)
+    assert p.returncode == 0, p.stderr
+    s = json.loads(out.read_text())
+    assert s["summary"]["errors"] == 1 and s["summary"]["passkey"]["total"]["correct"] == 1
+    assert s["summary"]["chat"] == {"n": 1, "answered": 0, "errors": 1}
+    assert s["items"][1]["error"] == "no data from the server for 1 s"
 
 
 def test_unreachable_endpoint_counts_every_item_as_error(kestrel_bin, tmp_path):
