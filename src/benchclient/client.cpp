@@ -197,13 +197,34 @@ struct Client::Impl {
     co_return p.keep_alive();
   }
 
-  net::awaitable<void> request(const SampleRequest& rq, RequestOutput& out, Clock::time_point t0) {
+  http::request<http::string_body> post(const std::string& body, bool stream) const {
     http::request<http::string_body> req{http::verb::post, opt.base.path + opt.endpoint, 11};
     common_headers(req);
     req.set(http::field::content_type, "application/json");
-    req.set(http::field::accept, "text/event-stream");
-    req.body() = body(rq);
+    req.set(http::field::accept, stream ? "text/event-stream" : "application/json");
+    req.body() = body;
     req.prepare_payload();
+    return req;
+  }
+
+  // Reads a whole non-streamed response whose head is in `p`. Returns whether the connection may
+  // carry another request.
+  net::awaitable<bool> read_plain(Conn& c, Parser& p, Clock::time_point st, HttpReply& out) {
+    while (!p.is_done()) {
+      c.stream.expires_after(timeout());
+      co_await http::async_read_some(c.stream, c.buf, p, use_awaitable);
+    }
+    out.status = p.get().result_int();
+    out.body = std::move(p.get().body());
+    out.latency = secs(Clock::now() - st);
+    co_return p.keep_alive();
+  }
+
+  // Sends `req` on a kept-alive connection (or a new one) and reads the answer into exactly one of
+  // `streamed` (SSE, timed per chunk) or `plain` (the whole body). Network failures are recorded
+  // in the output, never thrown.
+  net::awaitable<void> exchange(const http::request<http::string_body>& req, Clock::time_point t0, int prompt_len,
+                                RequestOutput* streamed, HttpReply* plain) {
     for (int attempt = 0;; ++attempt) {
       std::unique_ptr<Conn> c;
       const bool reused = attempt == 0 && !idle.empty();
@@ -213,10 +234,14 @@ struct Client::Impl {
       } else {
         c = std::make_unique<Conn>(ioc);
       }
-      out = RequestOutput{};
-      out.prompt_len = rq.prompt_len;
       const auto st = Clock::now();
-      out.start_time = secs(st - t0);
+      if (streamed) {
+        *streamed = RequestOutput{};
+        streamed->prompt_len = prompt_len;
+        streamed->start_time = secs(st - t0);
+      } else {
+        *plain = HttpReply{};
+      }
       bool got_head = false, keep = false;
       try {
         if (!reused) {
@@ -230,18 +255,33 @@ struct Client::Impl {
         c->stream.expires_after(timeout());
         co_await http::async_read_header(c->stream, c->buf, p, use_awaitable);
         got_head = true;
-        keep = co_await read_response(*c, p, st, out);
+        keep = streamed ? co_await read_response(*c, p, st, *streamed) : co_await read_plain(*c, p, st, *plain);
       } catch (const boost::system::system_error& e) {
         // A kept-alive connection the server has meanwhile closed fails before any answer: that
         // is the pool's fault, not the request's, so it gets one fresh connection.
         if (reused && !got_head) continue;
-        out.success = false;
-        out.error = describe(e.code());
+        if (streamed) {
+          streamed->success = false;
+          streamed->error = describe(e.code());
+        } else {
+          plain->status = 0;
+          plain->error = describe(e.code());
+        }
         keep = false;
       }
       if (keep) idle.push_back(std::move(c));
       co_return;
     }
+  }
+
+  net::awaitable<void> request(const SampleRequest& rq, RequestOutput& out, Clock::time_point t0) {
+    const auto req = post(body(rq), true);
+    co_await exchange(req, t0, rq.prompt_len, &out, nullptr);
+  }
+
+  net::awaitable<void> post_one(const std::string* body, HttpReply* out) {
+    const auto req = post(*body, false);
+    co_await exchange(req, Clock::now(), 0, nullptr, out);
   }
 
   net::awaitable<void> run_one(const SampleRequest* rq, RequestOutput* out, Clock::time_point t0,
@@ -289,29 +329,30 @@ Client::~Client() = default;
 
 std::string Client::request_body(const SampleRequest& r) const { return impl_->body(r); }
 
-std::vector<RequestOutput> Client::run(const std::vector<SampleRequest>& requests, const Schedule& s,
-                                       const std::function<void(int, int)>& progress, double* duration_s) {
+// Arrivals per the schedule, at most max_concurrency jobs in flight, the rest waiting in arrival
+// order. job(i) makes request i's coroutine when it is launched; on_error(i, what) records anything
+// it threw that is not a network error (those are caught inside). Returns the last completion time.
+Clock::time_point Client::drive(size_t n, const Schedule& s, const std::function<void(int, int)>& progress,
+                                const std::function<net::awaitable<void>(size_t)>& job,
+                                const std::function<void(size_t, const std::string&)>& on_error,
+                                std::vector<Clock::time_point>* arrival) {
   Impl& I = *impl_;
   I.resolve();
   if (s.max_concurrency < 0) fail("--max-concurrency must not be negative");
   if (!(s.burstiness > 0)) fail("--burstiness must be positive (got {})", s.burstiness);
-  const size_t n = requests.size();
-  std::vector<RequestOutput> outs(n);
-  std::vector<Clock::time_point> arrival(n);
+  arrival->assign(n, Clock::time_point{});
   std::deque<size_t> waiting;
   int in_flight = 0, done = 0;
-  const auto t0 = Clock::now();
-  auto t_end = t0;
+  auto t_end = Clock::now();
 
   std::function<void(size_t)> launch = [&](size_t i) {
     ++in_flight;
-    net::co_spawn(I.ioc, I.run_one(&requests[i], &outs[i], t0, arrival[i]), [&, i](std::exception_ptr e) {
-      if (e) {  // anything but a network error (those are caught inside): still one failed request
+    net::co_spawn(I.ioc, job(i), [&, i](std::exception_ptr e) {
+      if (e) {
         try {
           std::rethrow_exception(e);
         } catch (const std::exception& x) {
-          outs[i].success = false;
-          outs[i].error = x.what();
+          on_error(i, x.what());
         }
       }
       --in_flight;
@@ -326,7 +367,7 @@ std::vector<RequestOutput> Client::run(const std::vector<SampleRequest>& request
     });
   };
   std::function<void(size_t)> on_arrival = [&](size_t i) {
-    arrival[i] = Clock::now();
+    (*arrival)[i] = Clock::now();
     if (s.max_concurrency == 0 || in_flight < s.max_concurrency)
       launch(i);
     else
@@ -335,7 +376,39 @@ std::vector<RequestOutput> Client::run(const std::vector<SampleRequest>& request
   net::co_spawn(I.ioc, I.arrivals(n, s, &on_arrival), net::detached);
   I.ioc.restart();
   I.ioc.run();
+  return t_end;
+}
+
+std::vector<RequestOutput> Client::run(const std::vector<SampleRequest>& requests, const Schedule& s,
+                                       const std::function<void(int, int)>& progress, double* duration_s) {
+  const size_t n = requests.size();
+  std::vector<RequestOutput> outs(n);
+  std::vector<Clock::time_point> arrival;
+  const auto t0 = Clock::now();
+  const auto t_end = drive(
+      n, s, progress, [&](size_t i) { return impl_->run_one(&requests[i], &outs[i], t0, arrival[i]); },
+      [&](size_t i, const std::string& what) {
+        outs[i].success = false;
+        outs[i].error = what;
+      },
+      &arrival);
   if (duration_s) *duration_s = secs(t_end - t0);
+  return outs;
+}
+
+std::vector<HttpReply> Client::post_all(const std::vector<std::string>& bodies, int max_concurrency,
+                                        const std::function<void(int, int)>& progress) {
+  std::vector<HttpReply> outs(bodies.size());
+  std::vector<Clock::time_point> arrival;
+  Schedule s;
+  s.max_concurrency = max_concurrency;
+  drive(
+      bodies.size(), s, progress, [&](size_t i) { return impl_->post_one(&bodies[i], &outs[i]); },
+      [&](size_t i, const std::string& what) {
+        outs[i].status = 0;
+        outs[i].error = what;
+      },
+      &arrival);
   return outs;
 }
 

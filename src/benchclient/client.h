@@ -12,7 +12,8 @@
 //
 // Output tokens of a request: usage.completion_tokens when the server sends it, else the generated
 // text re-encoded with the tokenizer when there is one, else the number of token chunks.
-// Nothing here throws for a failed request: it becomes a RequestOutput with success = false.
+// Nothing here throws for a failed request: it becomes a RequestOutput with success = false (or an
+// HttpReply with its error set, for the plain POSTs of `kestrel eval`).
 #pragma once
 
 #include <chrono>
@@ -21,12 +22,23 @@
 #include <string>
 #include <vector>
 
+#include <utility>  // before Boost 1.74: its asio/awaitable.hpp uses std::exchange without it
+
+#include <boost/asio/awaitable.hpp>
+
 #include "benchclient/dataset.h"
 #include "benchclient/sse.h"
 #include "benchclient/stats.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel::bench {
+
+// One non-streamed answer: status 0 and `error` set when no HTTP answer came (refused, timeout).
+struct HttpReply {
+  int status = 0;
+  std::string body, error;
+  double latency = 0;  // s, from sending to the last byte
+};
 
 // http://host[:port][/prefix]; only plain HTTP. Throws kestrel::Error.
 struct Url {
@@ -62,6 +74,11 @@ class Client {
   std::vector<RequestOutput> run(const std::vector<SampleRequest>& requests, const Schedule& s,
                                  const std::function<void(int, int)>& progress, double* duration_s);
 
+  // POSTs each body (non-streaming) to the endpoint, at most max_concurrency at a time (0: all at
+  // once); replies[i] belongs to bodies[i]. Used by `kestrel eval`.
+  std::vector<HttpReply> post_all(const std::vector<std::string>& bodies, int max_concurrency,
+                                  const std::function<void(int, int)>& progress);
+
   // GET base/v1/models: the first model's id. Throws kestrel::Error when unreachable or empty.
   std::string first_model();
 
@@ -69,6 +86,11 @@ class Client {
   std::string request_body(const SampleRequest& r) const;
 
  private:
+  std::chrono::steady_clock::time_point drive(
+      size_t n, const Schedule& s, const std::function<void(int, int)>& progress,
+      const std::function<boost::asio::awaitable<void>(size_t)>& job,
+      const std::function<void(size_t, const std::string&)>& on_error,
+      std::vector<std::chrono::steady_clock::time_point>* arrival);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

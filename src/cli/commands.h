@@ -13,6 +13,7 @@ void register_generate(CLI::App& app);
 void register_tokenize(CLI::App& app);
 void register_serve(CLI::App& app);
 void register_bench(CLI::App& app);
+void register_eval(CLI::App& app);
 
 // Shared by `generate` and `serve` (defined in cmd_generate.cpp).
 // "512M", "2G", "1.5GiB", "1000000" -> bytes; kestrel::Error for anything else.

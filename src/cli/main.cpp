@@ -1,4 +1,4 @@
-// `kestrel`: one binary, many subcommands (inspect, generate, serve, bench, ...).
+// `kestrel`: one binary, many subcommands (inspect, generate, serve, bench, eval, ...).
 //
 // Every failure of outside input reaches here as a kestrel::Error and becomes one line on stderr
 // and exit status 1; usage errors exit 2 as CLI11 decides. Nothing is allowed to abort.
@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
   kestrel::cli::register_tokenize(app);
   kestrel::cli::register_serve(app);
   kestrel::cli::register_bench(app);
+  kestrel::cli::register_eval(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
