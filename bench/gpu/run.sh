@@ -11,6 +11,9 @@
 #   bench/gpu/run.sh all     # there: make the nano and reduced-mini checkpoints (reference/make_checkpoint.py),
 #                            # run the op tests + the GPU-vs-CPU model test on them, then bench_ops
 #                            # (logs to $OUT when set)
+#   bench/gpu/run.sh serving # there: nano + reduced-mini checkpoints, the GPU serving tests (row copies,
+#                            # sampler, engine vs solo vs CPU, CUDA graphs) and the model test, then the
+#                            # batch-1/64 decode step of mini split by op (bench_ops --decode-only)
 # With the device tool: run `bench/gpu/run.sh test` with carry [".gpu-carry"].
 # The device tool sends the session's main checkout, not a helper's worktree: from a worktree, copy
 # .gpu-carry/ and bench/gpu/run.sh into a git-ignored folder F of that checkout (F/.gpu-carry,
@@ -61,6 +64,19 @@ case "${1:-}" in
     "$0" test --gtest_brief=1 2>&1 | tee "$out/gpu_tests.log" | tail -60 || true
     "$0" bench ${BENCH_ARGS:-} --model "$ck/mini" 2>&1 | tee "$out/bench_ops.md"
     ;;
+  serving)
+    out="${OUT:-/tmp}"
+    ck=/tmp/kestrel_ckpt
+    mkdir -p "$ck"
+    python3 reference/make_checkpoint.py --config nano --out "$ck/nano" --seed 1 --no-vision >/dev/null &
+    python3 reference/make_checkpoint.py --config mini --out "$ck/mini" --seed 1 --fast-experts --no-vision \
+      --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 >/dev/null &
+    wait
+    export KESTREL_GPU_CKPTS="$ck/nano:$ck/mini"
+    "$0" test --gtest_filter='GpuServingOps.*:GpuSampling.*:GpuEngine.*:GpuGraphs.*:GpuModel.*' 2>&1 \
+      | tee "$out/gpu_serving_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -80 || true
+    "$0" bench --model "$ck/mini" --decode-only 2>&1 | tee "$out/decode_step.md"
+    ;;
   bench)
     export LD_LIBRARY_PATH="$PWD/.gpu-carry/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
     if ! ldd .gpu-carry/bench_ops | grep -q "libcublasLt.so.13 => /"; then
@@ -70,7 +86,7 @@ case "${1:-}" in
     .gpu-carry/bench_ops "${@:2}"
     ;;
   *)
-    echo "usage: $0 pack|test|all|bench" >&2
+    echo "usage: $0 pack|test|all|serving|bench" >&2
     exit 2
     ;;
 esac
