@@ -95,6 +95,7 @@ __global__ void __launch_bounds__(1024) sample_kernel(const float* logits, int64
   __shared__ double cum[kSampleCandidates];
   __shared__ double sd[32];
   __shared__ long long si[32];
+  __shared__ unsigned long long su[32];
   __shared__ float sf[32];
   __shared__ int s_count;
   const int tid = threadIdx.x, nt = blockDim.x;
@@ -199,15 +200,75 @@ __global__ void __launch_bounds__(1024) sample_kernel(const float* logits, int64
         [](long long a, long long b) { return a < b ? a : b; }, si);
     if (f < kSampleCandidates) keep = int(f) + 1, closed = true;
   }
-  if (!closed) {  // the kept prefix runs past the candidates: the host samples this row
+  if (closed) {
+    const double target = uniform01(p.seed, p.index) * cum[keep - 1];
+    const long long pick = block_reduce<long long>(
+        (tid < keep && target < cum[tid]) ? (long long)tid : (long long)(keep - 1),
+        [](long long a, long long b) { return a < b ? a : b; }, si);
+    if (tid == 0) ids[blockIdx.x] = int32_t(0xFFFFFFFFu - uint32_t(keys[pick] & 0xFFFFFFFFull));
+    return;
+  }
+  // The kept prefix runs past the candidates. Without top-k and min-p (plain temperature, or top-p
+  // over a flat distribution) walk the tail by bisection on the composite key: the token where the
+  // running mass crosses M is the largest key x with cum[c−1] + mass{x ≤ key < last candidate} ≥ M
+  // (or > M for the draw). 64 passes over the row each; other cases go to the host.
+  if (p.min_p > 0.0f || Kc != V) {
     if (tid == 0) ids[blockIdx.x] = -1;
     return;
   }
-  const double target = uniform01(p.seed, p.index) * cum[keep - 1];
-  const long long pick = block_reduce<long long>(
-      (tid < keep && target < cum[tid]) ? (long long)tid : (long long)(keep - 1),
-      [](long long a, long long b) { return a < b ? a : b; }, si);
-  if (tid == 0) ids[blockIdx.x] = int32_t(0xFFFFFFFFu - uint32_t(keys[pick] & 0xFFFFFFFFull));
+  const uint64_t klast = keys[c - 1];
+  const double head = cum[c - 1];
+  auto tail_mass = [&](uint64_t from, uint64_t to) {  // Σ prob over keys in [from, to)
+    double m = 0.0;
+    for (int64_t v = tid; v < V; v += nt) {
+      const uint64_t key = (uint64_t(ord(x[v])) << 32) | uint64_t(0xFFFFFFFFu - uint32_t(v));
+      if (key >= from && key < to) m += exp((double(x[v]) - double(topf)) / T);
+    }
+    return block_reduce<double>(m, [](double a, double b) { return a + b; }, sd) / Z;
+  };
+  auto find = [&](double M, bool strict, uint64_t floor_key) -> uint64_t {  // ~0: not reached
+    auto ok = [&](uint64_t k) {
+      const double g = head + tail_mass(k, klast);
+      return strict ? g > M : g >= M;
+    };
+    if (!ok(floor_key)) return ~0ull;
+    uint64_t lo = floor_key, hi = klast - 1;
+    while (lo < hi) {
+      const uint64_t mid = lo + (hi - lo + 1) / 2;
+      if (ok(mid)) lo = mid;
+      else hi = mid - 1;
+    }
+    return lo;
+  };
+  uint64_t boundary = 0;  // smallest kept key
+  double kept;
+  if (p.top_p < 1.0f) {
+    const uint64_t b = find(double(p.top_p), false, 0);
+    boundary = b == ~0ull ? 0 : b;
+    kept = head + tail_mass(boundary, klast);
+  } else {
+    kept = head + tail_mass(0, klast);
+  }
+  const double target = uniform01(p.seed, p.index) * kept;
+  if (target < head) {
+    const long long pick = block_reduce<long long>(
+        (tid < c && target < cum[tid]) ? (long long)tid : (long long)(c - 1),
+        [](long long a, long long b) { return a < b ? a : b; }, si);
+    if (tid == 0) ids[blockIdx.x] = int32_t(0xFFFFFFFFu - uint32_t(keys[pick] & 0xFFFFFFFFull));
+    return;
+  }
+  uint64_t k = find(target, true, boundary);
+  if (k == ~0ull) {  // rounding: the last kept token (the smallest kept key), as the twin does
+    unsigned long long low = ~0ull;
+    for (int64_t v = tid; v < V; v += nt) {
+      const uint64_t key = (uint64_t(ord(x[v])) << 32) | uint64_t(0xFFFFFFFFu - uint32_t(v));
+      if (key >= boundary && key < klast && key < low) low = key;
+    }
+    low = block_reduce<unsigned long long>(low, [](unsigned long long a, unsigned long long b) { return a < b ? a : b; },
+                                           su);
+    k = low == ~0ull ? klast : low;
+  }
+  if (tid == 0) ids[blockIdx.x] = int32_t(0xFFFFFFFFu - uint32_t(k & 0xFFFFFFFFull));
 }
 
 __global__ void penalty_kernel(float* logits, int64_t ld, const PenaltyEntry* e, int64_t m) {

@@ -10,7 +10,9 @@
 // order-preserving integer image of the logits (32 counting passes), gathered into shared memory and
 // bitonic-sorted by (logit desc, id asc); the probability prefix sums are a block scan. When the kept
 // prefix is not closed inside those 1024 candidates (no top-k ≤ 1024 and neither min-p nor top-p
-// stops within them, e.g. plain temperature sampling) and the draw lands past them, or when more
+// stops within them, e.g. plain temperature sampling): without top-k and min-p, the top-p boundary
+// and the draw are found in the rest of the row by bisection on the composite (logit, id) key, 64
+// mass passes each; with a top-k > 1024 or a min-p that keeps more than 1024 tokens, or when more
 // than 2048 logits tie at the cut, the row's id is −1: the caller samples that row on the host.
 #pragma once
 
