@@ -19,6 +19,7 @@
 # .gpu-carry/ and bench/gpu/run.sh into a git-ignored folder F of that checkout (F/.gpu-carry,
 # F/bench/gpu/run.sh), carry [F] and run `bash F/bench/gpu/run.sh test`.
 set -euo pipefail
+self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # "$0" again after the cd below
 cd "$(dirname "$0")/../.."
 case "${1:-}" in
   pack)
@@ -61,21 +62,21 @@ case "${1:-}" in
       --override num_experts_per_token=4 >/dev/null &
     wait
     export KESTREL_GPU_CKPTS="$ck/nano:$ck/nano_kall:$ck/mini:$ck/mini_kall"
-    "$0" test --gtest_brief=1 2>&1 | tee "$out/gpu_tests.log" | tail -60 || true
-    "$0" bench ${BENCH_ARGS:-} --model "$ck/mini" 2>&1 | tee "$out/bench_ops.md"
+    "$self" test --gtest_brief=1 2>&1 | tee "$out/gpu_tests.log" | tail -60 || true
+    "$self" bench ${BENCH_ARGS:-} --model "$ck/mini" 2>&1 | tee "$out/bench_ops.md"
     ;;
   serving)
     out="${OUT:-/tmp}"
     ck=/tmp/kestrel_ckpt
     mkdir -p "$ck"
-    python3 reference/make_checkpoint.py --config nano --out "$ck/nano" --seed 1 --no-vision >/dev/null &
-    python3 reference/make_checkpoint.py --config mini --out "$ck/mini" --seed 1 --fast-experts --no-vision \
+    [ -f "$ck/nano/config.json" ] || python3 reference/make_checkpoint.py --config nano --out "$ck/nano" --seed 1 --no-vision >/dev/null &
+    [ -f "$ck/mini/config.json" ] || python3 reference/make_checkpoint.py --config mini --out "$ck/mini" --seed 1 --fast-experts --no-vision \
       --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 >/dev/null &
     wait
     export KESTREL_GPU_CKPTS="$ck/nano:$ck/mini"
-    "$0" test --gtest_filter='GpuServingOps.*:GpuSampling.*:GpuEngine.*:GpuGraphs.*:GpuModel.*' 2>&1 \
+    "$self" test --gtest_filter='GpuServingOps.*:GpuSampling.*:GpuEngine.*:GpuGraphs.*:GpuModel.*' 2>&1 \
       | tee "$out/gpu_serving_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -80 || true
-    "$0" bench --model "$ck/mini" --decode-only 2>&1 | tee "$out/decode_step.md"
+    "$self" bench --model "$ck/mini" --decode-only 2>&1 | tee "$out/decode_step.md"
     ;;
   bench)
     export LD_LIBRARY_PATH="$PWD/.gpu-carry/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"

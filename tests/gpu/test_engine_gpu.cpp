@@ -353,9 +353,10 @@ TEST(GpuEngine, BatchedStaggeredMatchesSoloAndCpu) {
       for (int64_t i = 0; i < lens[k]; ++i) p.push_back(int32_t((i * 7919 + 13 + int64_t(k) * 101) % std::min<int64_t>(V, 1000)));
       prompts.push_back(p);
     }
-    // The head of prompt 3 again with a new tail: a prefix-cache hit on full pages of prompt 3.
+    // The first page of prompt 1 (17 tokens, so its last full block, 16, has a KDA checkpoint) again
+    // with a new tail: a prefix-cache hit once request 1 has prefilled (it is submitted first).
     if (nano) {
-      std::vector<int32_t> p(prompts[3].begin(), prompts[3].begin() + 40);
+      std::vector<int32_t> p(prompts[1].begin(), prompts[1].begin() + 16);
       for (int i = 0; i < 7; ++i) p.push_back(500 + i);
       prompts.push_back(p);
     }
