@@ -23,6 +23,11 @@
 // tables itself) and runs the absorbed decode for all T = 1 sequences in one launch and the naive
 // prefill per longer sequence; the indexer scores per sequence. Logits: the rows asked for are
 // gathered and go through lm_head at once; greedy ids are taken on the device.
+// Swap point for the paged kernels of kernels/cuda/paged.h (paged_write_latent/keys,
+// mla_decode_paged, indexer_select_paged): Impl::mla_attend and the two row scatters in Impl::mla.
+// The BF16 pools here already have paged.h's layout (a per-layer arena indexed by page, token row
+// page·P + pos % P, (C+R)·2 and Di·2 bytes per token), so swapping drops the gathers and the
+// per-sequence indexer launches without touching the executor; the FP8/MXFP4 formats come with it.
 // CudaState (one request, the original API) is a CudaCache of its own with one slot and an identity
 // block table, so the single-request path and the batched path are the same code.
 // Forms: prefill (T > 1) runs the naive MLA form, decode (T = 1) the absorbed one, like the CPU
