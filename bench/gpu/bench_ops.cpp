@@ -7,7 +7,12 @@
 // that checkpoint at batch 1 and 64 through the GPU executor's batched path (CudaModel::forward_batch
 // over a paged cache), split by op group.
 //
-//   bench_ops [--quick] [--model DIR [--decode-only]]
+// Paged sections (kernels/cuda/paged.h): MLA decode over a paged BF16/FP8 latent cache and indexer select over
+// paged FP8/MXFP4 keys, every request's block table pointing into one shared page pool (pages reused
+// across requests when B·S exceeds it, as the contiguous rows are), and the chunked KDA prefill scan.
+//
+//   bench_ops [--quick] [--model DIR] [--only SECTION,...]   sections: proj kda moe mla indexer
+//                                                          paged_mla paged_indexer kda_chunked model
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -21,13 +26,13 @@
 #include <string>
 #include <vector>
 
-#include "core/check.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/mla.h"
 #include "kernels/cuda/moe.h"
+#include "kernels/cuda/paged.h"
 #include "loader/config.h"
 #include "loader/safetensors.h"
 #include "loader/weights.h"
@@ -188,22 +193,22 @@ static void decode_step(const std::string& model_dir) {
 }
 
 int main(int argc, char** argv) {
-  bool quick = false, decode_only = false;
-  std::string model_dir;
+  bool quick = false;
+  std::string model_dir, only;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
-    if (!std::strcmp(argv[i], "--decode-only")) decode_only = true;
     if (!std::strcmp(argv[i], "--model") && i + 1 < argc) model_dir = argv[++i];
+    if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
   }
+  auto want = [&](const char* section) {
+    if (only.empty()) return true;
+    const std::string o = "," + only + ",", s = "," + std::string(section) + ",";
+    return o.find(s) != std::string::npos;
+  };
   cudaDeviceProp prop{};
   KCUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   fmt::print("device: {} ({} SMs, {:.1f} GiB)\n", prop.name, prop.multiProcessorCount,
              double(prop.totalGlobalMem) / (1 << 30));
-  if (decode_only) {
-    if (model_dir.empty()) fail("--decode-only needs --model DIR");
-    decode_step(model_dir);
-    return 0;
-  }
   Timer tm;
   cuda::GemmLt lt;
   const int64_t D = 7168;
@@ -230,7 +235,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- dense projections (cuBLASLt; T = 1 also the hand GEMV) -------------------------------------------------
-  {
+  if (want("proj")) {
     header("BF16 projections, one layer, TP8 rank (cuBLASLt)");
     struct G {
       const char* name;
@@ -270,7 +275,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- KDA recurrent decode --------------------------------------------------------------------------------
-  {
+  if (want("kda")) {
     header("KDA decode core (recurrent delta rule), H=12, Dk=128, FP32 state in place");
     const int64_t H = 12, Dk = 128, HD = H * Dk;
     const int anchors_s[] = {0, 0, 0, 0};
@@ -308,7 +313,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- MoE experts ----------------------------------------------------------------------------------------
-  {
+  if (want("moe")) {
     const int64_t X = 896, K = 16, Lt = 3584, I = 3072;
     const int64_t p13 = I * Lt / 2, s13 = I * Lt / 32, p2 = Lt * I / 2, s2 = Lt * I / 32;
     const size_t total = size_t(X) * size_t(2 * p13 + 2 * s13 + p2 + s2);
@@ -357,7 +362,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- MLA absorbed decode (dense and sparse) ---------------------------------------------------------------
-  {
+  if (want("mla")) {
     const cpu::MlaDims d{12, 128, 64, 128, 512};
     const int64_t CW = d.cw();
     header("MLA absorbed decode (q̃ GEMM + split-KV attention + combine + W_UV), 12 heads, BF16 latent cache [S, 576]");
@@ -417,7 +422,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- Indexer (scores + top-2048), one launch pair per request -------------------------------------------------
-  {
+  if (want("indexer")) {
     header("Indexer select: exact-order FP32 scores (32 heads × 128) + radix top-2048, per request");
     const int64_t Hi = 32, Di = 128, Ki = 2048;
     const std::vector<int64_t> ctxs = quick ? std::vector<int64_t>{8192} : std::vector<int64_t>{8192, 32768, 131072};
@@ -446,6 +451,221 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (!model_dir.empty()) decode_step(model_dir);
+
+  const std::vector<int64_t> ctxs_all = quick ? std::vector<int64_t>{8192, 32768} : std::vector<int64_t>{8192, 32768, 131072};
+  // A shared page pool for the paged sections; request b's block j is page (b·blocks + j) mod pool pages.
+  const int P = 128;
+  auto tables_for = [&](int64_t B, int64_t S, int64_t pool_pages) {
+    const int64_t nb = (S + P - 1) / P;
+    std::vector<int32_t> t(static_cast<size_t>(B * nb));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t j = 0; j < nb; ++j) t[size_t(b * nb + j)] = int32_t((b * nb + j) % pool_pages);
+    return t;
+  };
+
+  // ---- paged MLA decode ----------------------------------------------------------------------------------
+  if (want("paged_mla")) {
+    const cpu::MlaDims d{12, 128, 64, 128, 512};
+    cuda::DeviceBuffer q(size_t(256 * d.Hm * d.qk()) * 2), kvb(size_t(d.Hm * (d.N + d.Dv) * d.C) * 2),
+        o(size_t(256 * d.Hm * d.Dv) * 2);
+    fill_bf16(q.data(), size_t(256 * d.Hm * d.qk()), 31);
+    fill_bf16(kvb.data(), size_t(d.Hm * (d.N + d.Dv) * d.C), 32);
+    const int64_t pool_tokens = int64_t(8) << 20;  // 8M tokens: 9.7 GB BF16 / 5.5 GB FP8
+    for (cuda::PagedLatentFormat lf : {cuda::PagedLatentFormat::bf16, cuda::PagedLatentFormat::fp8}) {
+      cuda::PagedMlaCache c;
+      c.latent_format = lf, c.block_size = P, c.C = d.C, c.R = d.R;
+      const int64_t tb = c.latent_token_bytes();
+      cuda::DeviceBuffer arena(size_t(pool_tokens * tb)), rows(size_t(65536 * d.cw()) * 2), slots(65536 * 8);
+      // Fill through the writer (so FP8 pages hold real scales): 64K random rows written over the pool.
+      fill_bf16(rows.data(), size_t(65536 * d.cw()), 33);
+      {
+        std::vector<int64_t> hs(65536);
+        c.latent = static_cast<uint8_t*>(arena.data());
+        for (int64_t off = 0; off < pool_tokens; off += 65536) {
+          std::iota(hs.begin(), hs.end(), off);
+          KCUDA_CHECK(cudaMemcpy(slots.data(), hs.data(), hs.size() * 8, cudaMemcpyHostToDevice));
+          cuda::paged_write_latent(c, static_cast<uint16_t*>(rows.data()), d.cw(), static_cast<int64_t*>(slots.data()),
+                                   65536, nullptr);
+        }
+        KCUDA_CHECK(cudaDeviceSynchronize());
+      }
+      header(fmt::format("Paged MLA absorbed decode, 12 heads, {} latent ({} B/token), block 128, block tables into "
+                         "one 8M-token pool",
+                         lf == cuda::PagedLatentFormat::bf16 ? "BF16" : "FP8", tb));
+      {
+        // The writer itself, one decode step's worth of rows.
+        for (int64_t B : batches) {
+          const double us = tm.median_us([&] {
+            cuda::paged_write_latent(c, static_cast<uint16_t*>(rows.data()), d.cw(), static_cast<int64_t*>(slots.data()),
+                                     B, nullptr);
+          }, 3, 20);
+          row("paged_write_latent", fmt::format("B={}", B), us, double(B) * (d.cw() * 2 + tb + 8), 0, "—");
+        }
+      }
+      for (bool sparse : {false, true}) {
+        for (int64_t S : ctxs_all) {
+          for (int64_t B : batches) {
+            if (double(B) * S * tb > 40e9) continue;  // > 40 GB of cache traffic per call
+            const auto tables = tables_for(B, S, pool_tokens / P);
+            std::vector<int32_t> lens(static_cast<size_t>(B), static_cast<int32_t>(S)), sel;
+            const int64_t Ksel = 2048;
+            if (sparse) {
+              std::mt19937 r(34);
+              for (int64_t b = 0; b < B; ++b) {
+                std::vector<int32_t> s;
+                for (int64_t i = 0; i < Ksel; ++i) s.push_back(int32_t(r() % uint32_t(S)));
+                std::sort(s.begin(), s.end());
+                sel.insert(sel.end(), s.begin(), s.end());
+              }
+            }
+            cuda::DeviceBuffer dt(tables.size() * 4), dl(lens.size() * 4), ds(std::max<size_t>(1, sel.size()) * 4);
+            KCUDA_CHECK(cudaMemcpy(dt.data(), tables.data(), tables.size() * 4, cudaMemcpyHostToDevice));
+            KCUDA_CHECK(cudaMemcpy(dl.data(), lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
+            if (sparse) KCUDA_CHECK(cudaMemcpy(ds.data(), sel.data(), sel.size() * 4, cudaMemcpyHostToDevice));
+            c.block_tables = static_cast<int32_t*>(dt.data()), c.bt_stride = (S + P - 1) / P;
+            cuda::MlaPagedBatch bt;
+            bt.lens = static_cast<int32_t*>(dl.data()), bt.sel = sparse ? static_cast<int32_t*>(ds.data()) : nullptr;
+            bt.Ksel = Ksel, bt.B = B;
+            const int64_t keys = sparse ? Ksel : S;
+            bt.max_keys = keys;
+            cuda::DeviceBuffer ws(cuda::mla_decode_paged_workspace_bytes(d, B, keys));
+            const int reps = double(B) * keys * tb > 4e9 ? 5 : (quick ? 10 : 20);
+            const double us = tm.median_us([&] {
+              cuda::mla_decode_paged(lt, d, static_cast<uint16_t*>(q.data()), static_cast<uint16_t*>(kvb.data()), c, bt,
+                                     ws.data(), static_cast<uint16_t*>(o.data()), nullptr);
+            }, 2, reps);
+            const double bytes = double(B) * keys * (tb + 4.0 / P) + 2.0 * d.Hm * (d.N + d.Dv) * d.C;
+            const double flops = double(B) * d.Hm * (keys * (d.cw() + d.C) * 2.0 + 2.0 * d.N * d.C + 2.0 * d.Dv * d.C);
+            std::string anchor = "—";
+            if (!sparse && S == 32768) anchor = B == 1 ? "29" : B == 8 ? "91" : B == 64 ? "563" : "2188";
+            if (!sparse && S == 32768) anchor += " (BF16, 16 heads)";
+            row(sparse ? "mla_decode_paged sparse top-2048" : "mla_decode_paged dense", fmt::format("B={} S={}", B, S),
+                us, bytes, flops, anchor);
+          }
+        }
+      }
+    }
+  }
+
+  // ---- paged indexer select --------------------------------------------------------------------------------
+  if (want("paged_indexer")) {
+    const int64_t Hi = 32, Di = 128, Ki = 2048;
+    const int64_t pool_tokens = int64_t(8) << 20;
+    cuda::DeviceBuffer qi(size_t(256 * Hi * Di) * 2), hw(size_t(256 * Hi) * 4), sel(size_t(256 * Ki) * 4);
+    fill_bf16(qi.data(), size_t(256 * Hi * Di), 41);
+    {
+      std::vector<float> h(size_t(256 * Hi));
+      std::mt19937 r(42);
+      for (auto& x : h) x = float(r() % 1000) / 500.0f - 0.5f;
+      KCUDA_CHECK(cudaMemcpy(hw.data(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+    }
+    for (cuda::PagedKeyFormat kf : {cuda::PagedKeyFormat::fp8, cuda::PagedKeyFormat::mxfp4}) {
+      cuda::PagedMlaCache c;
+      c.key_format = kf, c.block_size = P, c.C = 512, c.R = 64, c.Di = Di;
+      const int64_t tb = c.key_token_bytes();
+      cuda::DeviceBuffer arena(size_t(pool_tokens * tb)), rows(size_t(65536 * Di) * 2), slots(65536 * 8);
+      fill_bf16(rows.data(), size_t(65536 * Di), 43);
+      {
+        std::vector<int64_t> hs(65536);
+        c.keys = static_cast<uint8_t*>(arena.data());
+        for (int64_t off = 0; off < pool_tokens; off += 65536) {
+          std::iota(hs.begin(), hs.end(), off);
+          KCUDA_CHECK(cudaMemcpy(slots.data(), hs.data(), hs.size() * 8, cudaMemcpyHostToDevice));
+          cuda::paged_write_keys(c, static_cast<uint16_t*>(rows.data()), Di, static_cast<int64_t*>(slots.data()), 65536,
+                                 nullptr);
+        }
+        KCUDA_CHECK(cudaDeviceSynchronize());
+      }
+      header(fmt::format("Paged indexer select (exact-order FP32 scores, 32 heads × 128, + radix top-2048), {} keys "
+                         "({} B/token), all B requests in one launch pair",
+                         kf == cuda::PagedKeyFormat::fp8 ? "FP8" : "MXFP4", tb));
+      for (int64_t B : batches) {
+        const double us = tm.median_us([&] {
+          cuda::paged_write_keys(c, static_cast<uint16_t*>(rows.data()), Di, static_cast<int64_t*>(slots.data()), B,
+                                 nullptr);
+        }, 3, 20);
+        row("paged_write_keys", fmt::format("B={}", B), us, double(B) * (Di * 2 + tb + 8), 0, "—");
+      }
+      for (int64_t S : ctxs_all) {
+        for (int64_t B : batches) {
+          if (B * S > (int64_t(8) << 20)) continue;  // score scratch and time: ≤ 8M scored keys per call
+          const auto tables = tables_for(B, S, pool_tokens / P);
+          std::vector<int32_t> lens(static_cast<size_t>(B), static_cast<int32_t>(S));
+          cuda::DeviceBuffer dt(tables.size() * 4), dl(lens.size() * 4), scores(size_t(B * S) * 4);
+          KCUDA_CHECK(cudaMemcpy(dt.data(), tables.data(), tables.size() * 4, cudaMemcpyHostToDevice));
+          KCUDA_CHECK(cudaMemcpy(dl.data(), lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
+          c.block_tables = static_cast<int32_t*>(dt.data()), c.bt_stride = (S + P - 1) / P;
+          const double us = tm.median_us([&] {
+            cuda::indexer_select_paged(static_cast<uint16_t*>(qi.data()), static_cast<float*>(hw.data()), c,
+                                       static_cast<int32_t*>(dl.data()), nullptr, B, S, Hi, Ki,
+                                       static_cast<float*>(scores.data()), S, static_cast<int32_t*>(sel.data()), nullptr);
+          }, 2, quick ? 5 : 10);
+          const double bytes = double(B) * S * (tb + 4 + 5 * 4);  // keys, score write, 5 score passes of top-k
+          const double flops = double(B) * S * Hi * (2.0 * Di + 3);
+          row("indexer_select_paged", fmt::format("B={} S={}", B, S), us, bytes, flops,
+              S == 32768 ? "(DSA module 168/201/346/762)" : "—");
+        }
+      }
+    }
+  }
+
+  // ---- chunked KDA prefill ---------------------------------------------------------------------------------
+  if (want("kda_chunked")) {
+    header("KDA prefill core (chunked WY/UT scan, chunk 64), H=12, Dk=128, FP32 state in the pool; B requests of "
+           "L tokens in one launch (and the recurrent kernel at B=1 for comparison)");
+    const int64_t H = 12, Dk = 128, HD = H * Dk;
+    for (int64_t L : ctxs_all) {
+      for (int64_t B : batches) {
+        if (B * L > (int64_t(1) << 20)) continue;  // ≤ 1M tokens (32 GB of f32 q/k/v/g/o)
+        const int64_t T = B * L;
+        cuda::DeviceBuffer io(size_t(5 * T * HD) * 4), beta(size_t(T * H) * 4), cu(size_t(B + 1) * 4),
+            slots(size_t(B) * 4), pool(size_t(B * H * Dk * Dk) * 4);
+        {
+          // q, k unit-norm-ish (|x| ≤ 0.09, 128 dims), v ∈ ±1, g ∈ (−0.1, 0), β = 0.5; one 4 MiB random
+          // pattern per tensor, repeated (host-side generation of GBs would dominate the run).
+          const int64_t pat = int64_t(1) << 20;
+          std::vector<float> h(static_cast<size_t>(pat));
+          std::mt19937 r(51);
+          std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+          for (int a = 0; a < 4; ++a) {
+            for (auto& x : h) x = a == 3 ? -0.05f * (1 + u(r)) : a == 2 ? u(r) : 0.09f * u(r);
+            float* dst = static_cast<float*>(io.data()) + a * T * HD;
+            for (int64_t off = 0; off < T * HD; off += pat)
+              KCUDA_CHECK(cudaMemcpy(dst + off, h.data(), size_t(std::min(pat, T * HD - off)) * 4, cudaMemcpyHostToDevice));
+          }
+          std::vector<float> hb(size_t(T * H), 0.5f);
+          KCUDA_CHECK(cudaMemcpy(beta.data(), hb.data(), hb.size() * 4, cudaMemcpyHostToDevice));
+          std::vector<int32_t> hc(size_t(B + 1)), hs(static_cast<size_t>(B));
+          for (int64_t b = 0; b <= B; ++b) hc[size_t(b)] = int32_t(b * L);
+          std::iota(hs.begin(), hs.end(), 0);
+          KCUDA_CHECK(cudaMemcpy(cu.data(), hc.data(), hc.size() * 4, cudaMemcpyHostToDevice));
+          KCUDA_CHECK(cudaMemcpy(slots.data(), hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
+          KCUDA_CHECK(cudaMemset(pool.data(), 0, pool.size()));
+        }
+        float* f = static_cast<float*>(io.data());
+        auto run = [&](bool chunked) {
+          auto fn = chunked ? cuda::kda_chunked : cuda::kda_recurrent;
+          fn(f, f + T * HD, f + 2 * T * HD, f + 3 * T * HD, HD, static_cast<float*>(beta.data()), H,
+             static_cast<int32_t*>(cu.data()), static_cast<int32_t*>(slots.data()), static_cast<float*>(pool.data()),
+             f + 4 * T * HD, B, H, Dk, nullptr);
+        };
+        const double bytes = 5.0 * T * HD * 4 + T * H * 4 + 2.0 * B * H * Dk * Dk * 4;
+        // Chunked-form work per 64-token chunk and head: A and QK (2·C²/2·Dk each), the S₀ products (2·C·Dk²),
+        // the state update (C·Dk²), the solve and the intra-chunk output (C²·Dk each), counted 2 per FMA.
+        const double chunks = double(B) * H * double((L + 63) / 64);
+        const double flops = chunks * 2.0 * (64.0 * 64 * Dk + 3.0 * 64 * Dk * Dk + 64.0 * 64 * Dk);
+        const double us = tm.median_us([&] { run(true); }, 1, quick ? 3 : 5);
+        row("kda_chunked", fmt::format("B={} L={}", B, L), us, bytes, flops,
+            B == 1 && L == 32768 ? "≈2300 (12 heads, FlashKDA/FLA)" : "—");
+        if (B == 1) {
+          const double rus = tm.median_us([&] { run(false); }, 1, 3);
+          row("kda_recurrent (prefill)", fmt::format("B={} L={}", B, L), rus, bytes, double(T) * H * Dk * Dk * 8,
+              L == 32768 ? "≈2300" : "—");
+        }
+      }
+    }
+  }
+
+  if (!model_dir.empty() && want("model")) decode_step(model_dir);
   return 0;
 }

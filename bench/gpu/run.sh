@@ -14,7 +14,7 @@
 #                            # (logs to $OUT when set)
 #   bench/gpu/run.sh serving # there: nano + reduced-mini checkpoints, the GPU serving tests (row copies,
 #                            # sampler, engine vs solo vs CPU, CUDA graphs) and the model test, then the
-#                            # batch-1/64 decode step of mini split by op (bench_ops --decode-only)
+#                            # batch-1/64 decode step of mini split by op (bench_ops --only model)
 # With the device tool: run `bench/gpu/run.sh test` with carry [".gpu-carry"].
 # The device tool sends the session's main checkout, not a helper's worktree: from a worktree, copy
 # .gpu-carry/ and bench/gpu/run.sh into a git-ignored folder F of that checkout (F/.gpu-carry,
@@ -80,7 +80,7 @@ case "${1:-}" in
     export KESTREL_GPU_CKPTS="$ck/nano:$ck/mini"
     "$self" test --gtest_filter='GpuServingOps.*:GpuSampling.*:GpuEngine.*:GpuGraphs.*:GpuModel.*' 2>&1 \
       | tee "$out/gpu_serving_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -80 || true
-    "$self" bench --model "$ck/mini" --decode-only 2>&1 | tee "$out/decode_step.md"
+    "$self" bench --model "$ck/mini" --only model 2>&1 | tee "$out/decode_step.md"
     ;;
   bench)
     [ -d .gpu-carry/lib ] || tar xzf .gpu-carry/libs.tgz -C .gpu-carry

@@ -51,10 +51,18 @@ IndexKeyFormat parse_index_key_format(const std::string& s) {
   fail("index-key cache dtype must be bf16, fp8 or mxfp4, got '{}'", s);
 }
 
+KdaStateDtype parse_kda_state_dtype(const std::string& s) {
+  if (s == "f32" || s == "fp32" || s == "float32") return KdaStateDtype::f32;
+  if (s == "f16" || s == "fp16" || s == "float16") return KdaStateDtype::f16;
+  fail("KDA state dtype must be f32 or f16, got '{}'", s);
+}
+
 const char* format_name(LatentFormat f) { return f == LatentFormat::bf16 ? "bf16" : "fp8"; }
 const char* format_name(IndexKeyFormat f) {
   return f == IndexKeyFormat::bf16 ? "bf16" : f == IndexKeyFormat::fp8 ? "fp8" : "mxfp4";
 }
+
+const char* format_name(KdaStateDtype f) { return f == KdaStateDtype::f32 ? "f32" : "f16"; }
 
 std::string CacheLayout::describe() const {
   return fmt::format(

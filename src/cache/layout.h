@@ -34,11 +34,14 @@ struct CacheFormats {
   KdaStateDtype kda_state = KdaStateDtype::f32;
 };
 
-// "bf16"/"fp8" and "bf16"/"fp8"/"mxfp4" (CLI spellings); throw kestrel::Error for anything else.
+// "bf16"/"fp8" and "bf16"/"fp8"/"mxfp4" (CLI spellings); each parser throws kestrel::Error for anything else.
 LatentFormat parse_latent_format(const std::string& s);
 IndexKeyFormat parse_index_key_format(const std::string& s);
+// "f32"/"f16" (also "fp32"/"fp16", "float32"/"float16"), for --kda-state-dtype.
+KdaStateDtype parse_kda_state_dtype(const std::string& s);
 const char* format_name(LatentFormat f);
 const char* format_name(IndexKeyFormat f);
+const char* format_name(KdaStateDtype f);
 
 struct CacheLayout {
   int block_size = 0;

@@ -4,7 +4,7 @@
 //
 //   kestrel generate --model DIR (--prompt-tokens 1,2,3 | --prompt TEXT | --prompts-file FILE)
 //                    --max-tokens N [sampling flags] [--memory-budget 2G | --gpu-memory-utilization F]
-//                    [--kv-cache-dtype bf16|fp8] [--index-cache-dtype bf16|fp8|mxfp4] [--dump-logits FILE]
+//                    [--kv-cache-dtype bf16|fp8] [--index-cache-dtype bf16|fp8|mxfp4] [--kda-state-dtype f32|f16] [--dump-logits FILE]
 //                    [--device cpu|cuda]
 //
 // --device cuda (builds with CUDA only) runs the same engine on the GPU executor
@@ -173,7 +173,7 @@ DeviceSetup cuda_device_setup(double gpu_memory_utilization, bool cuda_graphs) {
 void register_generate(CLI::App& app) {
   struct Opts {
     std::string model, prompt_tokens, prompt, prompts_file, dump_logits, memory_budget;
-    std::string kv_cache_dtype = "bf16", index_cache_dtype = "bf16", device = "cpu";
+    std::string kv_cache_dtype = "bf16", index_cache_dtype = "bf16", kda_state_dtype = "f32", device = "cpu";
     double gpu_memory_utilization = 0.0;
     int max_tokens = 16, top_k = 0, logprobs = -1, max_running = 0, max_batched_tokens = 2048;
     float temperature = 0.0f, top_p = 1.0f, min_p = 0.0f, repetition_penalty = 1.0f, presence_penalty = 0.0f,
@@ -211,6 +211,7 @@ void register_generate(CLI::App& app) {
   mb->excludes(gu);
   cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "MLA latent cache: bf16 | fp8");
   cmd->add_option("--index-cache-dtype", o->index_cache_dtype, "indexer key cache: bf16 | fp8 | mxfp4");
+  cmd->add_option("--kda-state-dtype", o->kda_state_dtype, "KDA recurrent state in the state pool: f32 | f16 (half the bytes)");
   cmd->add_option("--max-num-seqs", o->max_running, "concurrent requests (default: prompts, at most 16)");
   cmd->add_option("--max-num-batched-tokens", o->max_batched_tokens, "token budget of one engine step");
   cmd->add_flag("--no-prefix-cache", o->no_prefix_cache, "disable prefix caching");
@@ -267,6 +268,7 @@ void register_generate(CLI::App& app) {
     runtime::EngineConfig ec;
     ec.formats.latent = cache::parse_latent_format(o->kv_cache_dtype);
     ec.formats.index_keys = cache::parse_index_key_format(o->index_cache_dtype);
+    ec.formats.kda_state = cache::parse_kda_state_dtype(o->kda_state_dtype);
     ec.max_running = o->max_running > 0 ? o->max_running : int32_t(std::min<size_t>(prompts.size(), 16));
     ec.max_num_batched_tokens = o->max_batched_tokens;
     ec.enable_prefix_cache = !o->no_prefix_cache;
@@ -279,7 +281,8 @@ void register_generate(CLI::App& app) {
     }
     const tok::Tokenizer* tp = tokenizer ? &*tokenizer : nullptr;
     runtime::Engine engine(w, cfg, ec, tp);
-    fmt::print("memory plan ({} latent, {} index keys):\n{}\n", o->kv_cache_dtype, o->index_cache_dtype,
+    fmt::print("memory plan ({} latent, {} index keys, {} KDA state):\n{}\n", o->kv_cache_dtype, o->index_cache_dtype,
+               cache::format_name(ec.formats.kda_state),
                engine.memory_plan().describe());
 
     struct Result {

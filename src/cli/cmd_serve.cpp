@@ -3,7 +3,7 @@
 //   kestrel serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key K] [--served-model-name NAME]
 //                 [--max-model-len N] [--max-num-seqs N] [--max-queue N] [--block-size N]
 //                 [--memory-budget SIZE | --gpu-memory-utilization F] [--max-num-batched-tokens N]
-//                 [--kv-cache-dtype bf16|fp8] [--index-cache-dtype bf16|fp8|mxfp4] [--no-prefix-cache]
+//                 [--kv-cache-dtype bf16|fp8] [--index-cache-dtype bf16|fp8|mxfp4] [--kda-state-dtype f32|f16] [--no-prefix-cache]
 //                 [--device cpu|cuda] [--no-cuda-graphs]
 //
 // Flags follow `vllm serve` where they mean the same. The server listens at once and answers
@@ -34,7 +34,7 @@ namespace kestrel::cli {
 void register_serve(CLI::App& app) {
   struct Opts {
     std::string model, host = "127.0.0.1", api_key, served_name, memory_budget;
-    std::string kv_cache_dtype = "bf16", index_cache_dtype = "bf16", device = "cpu";
+    std::string kv_cache_dtype = "bf16", index_cache_dtype = "bf16", kda_state_dtype = "f32", device = "cpu";
     double gpu_memory_utilization = 0.0;
     int port = 8000, max_num_seqs = 16, max_queue = 256, block_size = 0, threads = 1, shutdown_timeout = 10;
     int max_batched_tokens = 2048;
@@ -69,6 +69,7 @@ void register_serve(CLI::App& app) {
       ->check(CLI::Range(1, 1 << 24));
   cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "MLA latent cache: bf16 | fp8");
   cmd->add_option("--index-cache-dtype", o->index_cache_dtype, "indexer key cache: bf16 | fp8 | mxfp4");
+  cmd->add_option("--kda-state-dtype", o->kda_state_dtype, "KDA recurrent state in the state pool: f32 | f16 (half the bytes)");
   cmd->add_flag("--no-prefix-cache", o->no_prefix_cache, "disable prefix caching");
   cmd->add_option("--max-request-bytes", o->max_request_bytes, "largest request body (413 beyond)")
       ->check(CLI::Range(int64_t(1024), int64_t(1) << 32));
@@ -111,6 +112,7 @@ void register_serve(CLI::App& app) {
       // Bad dtype or size spellings fail here, before anything listens.
       ec.formats.latent = cache::parse_latent_format(o->kv_cache_dtype);
       ec.formats.index_keys = cache::parse_index_key_format(o->index_cache_dtype);
+      ec.formats.kda_state = cache::parse_kda_state_dtype(o->kda_state_dtype);
       if (o->block_size > 0) ec.formats.block_size = o->block_size;
       if (o->device == "cuda") {
         // The weights go up on the loader thread; the budget then comes from the device's memory.

@@ -18,9 +18,10 @@ namespace kestrel::runtime {
 void check_cuda_formats(const cache::CacheFormats& f) {
   if (f.latent != cache::LatentFormat::bf16 || f.index_keys != cache::IndexKeyFormat::bf16 ||
       f.kda_state != cache::KdaStateDtype::f32)
-    fail("--device cuda stores BF16 latents and index keys and FP32 KDA state for now; got {} latent, {} index keys "
-         "(use --kv-cache-dtype bf16 --index-cache-dtype bf16)",
-         cache::format_name(f.latent), cache::format_name(f.index_keys));
+    fail("--device cuda stores BF16 latents and index keys and FP32 KDA state for now; got {} latent, {} index keys, "
+         "{} KDA state (use --kv-cache-dtype bf16 --index-cache-dtype bf16 --kda-state-dtype f32)",
+         cache::format_name(f.latent), cache::format_name(f.index_keys),
+         cache::format_name(f.kda_state));
 }
 
 int64_t cuda_cache_budget(double utilization, int64_t reserve) {

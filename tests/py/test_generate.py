@@ -91,3 +91,20 @@ def test_never_fitting_request_is_refused(kestrel_bin, nano_dir):
                     "--memory-budget", "700K")  # 5 slots + 2 pages (256 tokens)
     assert r.returncode == 1
     assert "can never run" in r.stderr and "--memory-budget" in r.stderr, r.stderr
+
+
+def test_kda_state_dtype_flag(kestrel_bin, nano_dir):
+    """--kda-state-dtype f16 halves the recurrent part of every state slot (the memory plan shows a
+    smaller slot) and still generates; a bad spelling is a clean error."""
+    def slot_line(stdout):
+        return next(l for l in stdout.splitlines() if "KDA slot =" in l)
+    base = ("generate", "--model", nano_dir, "--prompt-tokens", "5,17,300,42,9", "--max-tokens", "4")
+    r32 = run_kestrel(kestrel_bin, *base)
+    r16 = run_kestrel(kestrel_bin, *base, "--kda-state-dtype", "f16")
+    assert r32.returncode == 0 and r16.returncode == 0, (r32.stderr, r16.stderr)
+    assert len(tokens_of(r16.stdout)) == 4
+    assert "f16 KDA state" in r16.stdout and "f32 KDA state" in r32.stdout
+    rec = lambda out: int(slot_line(out).split("(")[-1].split(" B recurrent")[0])
+    assert rec(r32.stdout) == 2 * rec(r16.stdout), (slot_line(r32.stdout), slot_line(r16.stdout))
+    bad = run_kestrel(kestrel_bin, *base, "--kda-state-dtype", "f64")
+    assert bad.returncode == 1 and "KDA state dtype must be f32 or f16" in bad.stderr, bad.stderr

@@ -48,6 +48,18 @@ void kda_recurrent(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T,
                    const int32_t* slots /* i32 [B] */, float* state_pool /* f32 [n_slots, H, Dk, Dk] */,
                    float* o /* f32 [T, H*Dk], row stride ld */, int64_t B, int64_t H, int64_t Dk, cudaStream_t stream);
 
+// Step 6, chunked WY/UT form (MODEL.md §3.3, chunk 64; CPU twin cpu::kda_scan_chunked, oracle
+// cpu::kda_scan_recurrent): the same contract as kda_recurrent (varlen via cu_seqlens, state in
+// state_pool[slots[b]], f32 [H, Dk(key), Dk(value)], read at the start and written back at the end).
+// For prefill: the chunk-level products are matrix-shaped and the value columns are split across
+// blocks, so one request keeps several SMs busy. Dk ∈ {32, 64, 128}; q, k, v, g 16-byte aligned and
+// ld a multiple of 4 (16-byte row loads); g > −5 per token (the §3.3 gate bound; see kda.cu).
+void kda_chunked(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
+                 const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
+                 const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
+                 const int32_t* slots /* i32 [B] */, float* state_pool /* f32 [n_slots, H, Dk, Dk] */,
+                 float* o /* f32 [T, H*Dk], row stride ld */, int64_t B, int64_t H, int64_t Dk, cudaStream_t stream);
+
 // Step 7: ohat = bf16(RMSNorm_{o_norm, eps}(o) ⊙ σ(gate)) per (token, head). Dk ≤ 1024, multiple of 32.
 void kda_out_norm_gate(const float* o /* f32 [T, H*Dk] */, const uint16_t* gate /* bf16 [T, H*Dk] */,
                        const float* o_norm /* f32 [Dk] */, float eps, uint16_t* ohat /* bf16 [T, H*Dk] */, int64_t T,

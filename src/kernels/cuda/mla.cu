@@ -6,6 +6,10 @@
 //  - absorbed decode: blocks over (key split, request); each block keeps all Hm heads' queries in shared
 //    memory and streams 32-key tiles of the 576-wide latent rows through shared memory once for every
 //    head (the MQA saving); online softmax; a second kernel merges the splits; a third applies W_UV.
+//  - paged reads (paged.h): the decode and indexer kernels are templates over where a row comes from
+//    (ContigRows / PagedRows, ContigKeys / PagedKeys): a paged source looks the page up in the request's
+//    block table and dequantises FP8/MXFP4 to the exact bf16 values the CPU reads back, so everything after
+//    the load is shared with the contiguous path.
 //  - indexer: one thread per (query, key) runs the CPU twin's sequential FP32 dot products with
 //    __fmul_rn/__fadd_rn (bit-identical scores); top-k is a 4-pass 8-bit radix select per query on an
 //    order-preserving integer image of the score, then an ordered compaction (ascending positions).
@@ -17,6 +21,8 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/mla.h"
+#include "kernels/cuda/paged.h"
+#include "kernels/cuda/quant.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -127,11 +133,67 @@ struct DecodeSmem {
   }
 };
 
+// Where the latent rows come from. bind(b) gives row b's cursor; load8(j, c8) returns values
+// 8·c8 .. 8·c8+7 of key position j as 8 packed bf16.
+//  - ContigRows: one contiguous bf16 [S, C+R] buffer per request (mla.h).
+//  - PagedRows<fmt>: the paged arena through the request's block table (paged.h); FP8 values are
+//    dequantised to their exact bf16 value e4m3·s, so the math after the load is format-independent.
+struct ContigRows {
+  const uint16_t* const* caches;
+  int CW;
+  struct Row {
+    const uint16_t* p;
+    int CW;
+    __device__ __forceinline__ uint4 load8(int64_t j, int c8) const { return dev::ld16(p + j * CW + c8 * 8); }
+  };
+  __device__ __forceinline__ Row bind(int b) const { return {caches[b], CW}; }
+};
+
+__device__ __forceinline__ uint32_t ld32(const uint8_t* p) { return __ldg(reinterpret_cast<const uint32_t*>(p)); }
+
+template <PagedLatentFormat F>
+struct PagedRows {
+  const uint8_t* arena;
+  const int32_t* bt;
+  int64_t bt_stride;
+  const int32_t* req;
+  int P, C;
+  int64_t tb;
+  struct Row {
+    const uint8_t* arena;
+    const int32_t* table;
+    int P, C;
+    int64_t tb;
+    __device__ __forceinline__ uint4 load8(int64_t j, int c8) const {
+      const uint8_t* tok = arena + (int64_t(table[j / P]) * P + j % P) * tb;
+      if (F == PagedLatentFormat::bf16) return dev::ld16(tok + c8 * 16);
+      const int c = c8 * 8;
+      if (c < C) {
+        const float s = __ldg(reinterpret_cast<const float*>(tok + C + (c / 128) * 4));
+        const uint32_t w0 = ld32(tok + c), w1 = ld32(tok + c + 4);
+        float f[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          f[i] = dev::e4m3_to_f32(uint8_t(w0 >> (8 * i))) * s;
+          f[4 + i] = dev::e4m3_to_f32(uint8_t(w1 >> (8 * i))) * s;
+        }
+        return dev::pack8(f);
+      }
+      const uint8_t* rope = tok + C + ((C + 127) / 128) * 4 + (c - C) * 2;
+      return make_uint4(ld32(rope), ld32(rope + 4), ld32(rope + 8), ld32(rope + 12));
+    }
+  };
+  __device__ __forceinline__ Row bind(int b) const {
+    return {arena, bt + int64_t(req ? req[b] : b) * bt_stride, P, C, tb};
+  }
+};
+
 // Partial results per (request, split, head): m, l (FP32) and the unnormalised ô (C floats).
+template <class Rows>
 __global__ void __launch_bounds__(kDecThreads)
     mla_decode_split_kernel(MlaDims d, const float* __restrict__ qt /* [B, Hm, C] */,
                             const uint16_t* __restrict__ q /* [B, Hm, N+R] for q_pe */,
-                            const uint16_t* const* __restrict__ caches, const int32_t* __restrict__ lens,
+                            Rows rows, const int32_t* __restrict__ lens,
                             const int32_t* __restrict__ sel, int64_t Ksel, int chunk, int n_splits,
                             float* __restrict__ part_ml /* [B, splits, Hm, 2] */,
                             float* __restrict__ part_acc /* [B, splits, Hm, C] */) {
@@ -153,7 +215,7 @@ __global__ void __launch_bounds__(kDecThreads)
   } else {
     nk = lens[b];
   }
-  const uint16_t* cache = caches[b];
+  const auto cache = rows.bind(b);
   const int begin = split * chunk, end = min(nk, begin + chunk);
   const float scale = 1.0f / sqrtf(float(N + R));
 
@@ -177,7 +239,7 @@ __global__ void __launch_bounds__(kDecThreads)
       uint4 v = make_uint4(0, 0, 0, 0);
       if (r < nt) {
         const int64_t j = sel_row ? sel_row[k0 + r] : k0 + r;
-        v = dev::ld16(cache + j * CW + c8 * 8);
+        v = cache.load8(j, c8);
       }
       uint32_t* dst = reinterpret_cast<uint32_t*>(tile + r * CWP + c8 * 8);
       dst[0] = v.x, dst[1] = v.y, dst[2] = v.z, dst[3] = v.w;
@@ -341,14 +403,81 @@ __global__ void indexer_key_norm_kernel(const uint16_t* __restrict__ kraw, const
   }
 }
 
-// One thread per visible key s of query t; the CPU twin's loop order with round-to-nearest ops only.
+// Where index keys come from: bind(t) gives query t's cursor, load(s, k) writes key s's DI values
+// (as the exact bf16 values the CPU reads back) to k.
 template <int DI>
+struct ContigKeys {
+  const uint16_t* keys;
+  struct Row {
+    const uint16_t* keys;
+    __device__ __forceinline__ void load(int64_t s, float* k) const {
+#pragma unroll
+      for (int i = 0; i < DI / 8; ++i) dev::unpack8(dev::ld16(keys + s * DI + i * 8), k + i * 8);
+    }
+  };
+  __device__ __forceinline__ Row bind(int64_t) const { return {keys}; }
+};
+
+// Paged keys in 64-token kernel pages (or one kernel page of P tokens when P % 64 != 0), values then scales.
+template <int DI, PagedKeyFormat F>
+struct PagedKeys {
+  const uint8_t* arena;
+  const int32_t* bt;
+  int64_t bt_stride;
+  const int32_t* req;
+  int P;
+  int64_t tb;
+  struct Row {
+    const uint8_t* arena;
+    const int32_t* table;
+    int P;
+    int64_t tb;
+    __device__ __forceinline__ void load(int64_t s, float* k) const {
+      const int64_t K = P % 64 == 0 ? 64 : P, prow = s % P, r = prow % K;
+      const uint8_t* kpage = arena + int64_t(table[s / P]) * P * tb + (prow / K) * K * tb;
+      if (F == PagedKeyFormat::bf16) {
+        const uint16_t* p = reinterpret_cast<const uint16_t*>(kpage + r * tb);
+#pragma unroll
+        for (int i = 0; i < DI; ++i) k[i] = dev::bf16_to_f32(p[i]);
+      } else if (F == PagedKeyFormat::fp8) {
+        const uint8_t* vals = kpage + r * DI;
+        const float sc = __ldg(reinterpret_cast<const float*>(kpage + K * DI + r * 4));
+#pragma unroll
+        for (int i = 0; i < DI / 4; ++i) {
+          const uint32_t w = ld32(vals + 4 * i);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) k[4 * i + j] = dev::round_bf16(dev::e4m3_to_f32(uint8_t(w >> (8 * j))) * sc);
+        }
+      } else {
+        const uint8_t* vals = kpage + r * (DI / 2);
+        const uint8_t* scl = kpage + K * (DI / 2) + r * (DI / 32);
+#pragma unroll
+        for (int b = 0; b < DI / 32; ++b) {
+          const float sc = dev::e8m0_to_f32(scl[b]);
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {
+            const uint8_t byte = vals[b * 16 + i];
+            k[b * 32 + 2 * i] = dev::round_bf16(dev::e2m1_to_f32(byte & 0xFu) * sc);
+            k[b * 32 + 2 * i + 1] = dev::round_bf16(dev::e2m1_to_f32(byte >> 4) * sc);
+          }
+        }
+      }
+    }
+  };
+  __device__ __forceinline__ Row bind(int64_t t) const {
+    return {arena, bt + int64_t(req ? req[t] : t) * bt_stride, P, tb};
+  }
+};
+
+// One thread per visible key s of query t; the CPU twin's loop order with round-to-nearest ops only.
+// Query t sees lens[t] keys (lens null: pos0 + t + 1).
+template <int DI, class Keys>
 __global__ void __launch_bounds__(128)
-    indexer_scores_kernel(const uint16_t* __restrict__ qi, const uint16_t* __restrict__ keys,
+    indexer_scores_kernel(const uint16_t* __restrict__ qi, Keys keys_src, const int32_t* __restrict__ lens,
                           const float* __restrict__ hw, int64_t pos0, int Hi, int64_t Ki, float scale,
                           float* __restrict__ scores, int64_t ld) {
   extern __shared__ float qsm[];  // [Hi*DI] then [Hi] weights
-  const int64_t t = blockIdx.y, visible = pos0 + t + 1;
+  const int64_t t = blockIdx.y, visible = lens ? int64_t(lens[t]) : pos0 + t + 1;
   if (visible <= Ki) return;
   const int64_t s0 = int64_t(blockIdx.x) * blockDim.x;
   if (s0 >= visible) return;
@@ -359,8 +488,7 @@ __global__ void __launch_bounds__(128)
   const int64_t s = s0 + threadIdx.x;
   if (s >= visible) return;
   float k[DI];
-#pragma unroll
-  for (int i = 0; i < DI / 8; ++i) dev::unpack8(dev::ld16(keys + s * DI + i * 8), k + i * 8);
+  keys_src.bind(t).load(s, k);
   float acc = 0.0f;
   for (int h = 0; h < Hi; ++h) {
     const float* qh = qsm + h * DI;
@@ -385,13 +513,13 @@ __device__ __forceinline__ uint32_t order_key(float x) {
 constexpr int kTopkThreads = 512;
 
 __global__ void __launch_bounds__(kTopkThreads)
-    indexer_topk_kernel(const float* __restrict__ scores, int64_t ld, int64_t pos0, int64_t Ki,
-                        int32_t* __restrict__ sel) {
+    indexer_topk_kernel(const float* __restrict__ scores, int64_t ld, const int32_t* __restrict__ lens, int64_t pos0,
+                        int64_t Ki, int32_t* __restrict__ sel) {
   using Scan = cub::BlockScan<int, kTopkThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int hist[256];
   __shared__ int s_digit, s_remaining, s_base_take, s_base_eq;
-  const int64_t t = blockIdx.x, visible = pos0 + t + 1;
+  const int64_t t = blockIdx.x, visible = lens ? int64_t(lens[t]) : pos0 + t + 1;
   int32_t* out = sel + t * Ki;
   if (visible <= Ki) {
     for (int64_t i = threadIdx.x; i < Ki; i += blockDim.x) out[i] = i < visible ? int32_t(i) : -1;
@@ -472,29 +600,63 @@ size_t mla_decode_workspace_bytes(const MlaDims& d, int64_t B, int64_t max_keys)
   return ((qt + 255) / 256) * 256 + parts + 256;
 }
 
+namespace {
+template <class Rows>
+void decode_run(GemmLt& lt, const MlaDims& d, const uint16_t* q, const uint16_t* kv_b, Rows rows,
+                const int32_t* lens, const int32_t* sel, int64_t Ksel, int64_t B, int64_t max_keys, void* workspace,
+                uint16_t* o, cudaStream_t stream) {
+  KCUDA_REQUIRE(d.Hm <= kMaxHeads && d.C <= kColsPerThread * kDecThreads && d.C % 8 == 0 && d.R % 8 == 0 &&
+                    max_keys > 0 && B < 65536,
+                std::string("mla decode: unsupported shape"));
+  KCUDA_REQUIRE(q && kv_b && (lens || sel) && workspace && o && (!sel || Ksel > 0), std::string("mla decode: null pointer"));
+  const DecodePlan p = decode_plan(B, max_keys);
+  const int64_t Hm = d.Hm, N = d.N, R = d.R, Dv = d.Dv, C = d.C, QK = N + R;
+  float* qt = static_cast<float*>(workspace);  // f32 [B, Hm, C]
+  char* rest = static_cast<char*>(workspace) + ((size_t(B * Hm * C) * 4 + 255) / 256) * 256;
+  float* part_ml = reinterpret_cast<float*>(rest);  // f32 [B, splits, Hm, 2]
+  float* part_acc = part_ml + B * p.n_splits * Hm * 2;
+  // q̃_h[B, C] = q_nope,h[B, N] · W_UK,h[N, C], batched over heads.
+  lt.batched_xw_f32(q, Hm * QK, QK, kv_b, C, (N + Dv) * C, qt, Hm * C, C, B, N, C, Hm, stream);
+  const size_t smem = DecodeSmem::bytes(Hm, C + R);
+  KCUDA_CHECK(
+      cudaFuncSetAttribute(mla_decode_split_kernel<Rows>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  mla_decode_split_kernel<Rows><<<dim3(unsigned(p.n_splits), unsigned(B)), kDecThreads, smem, stream>>>(
+      d, qt, q, rows, lens, sel, Ksel, p.chunk, p.n_splits, part_ml, part_acc);
+  KCUDA_CHECK_LAUNCH();
+  KCUDA_REQUIRE(p.n_splits <= 1024 && C <= 512, std::string("mla decode combine: too many splits"));
+  mla_decode_combine_uv_kernel<<<dim3(unsigned(B), unsigned(Hm)), 256, 0, stream>>>(d, p.n_splits, part_ml, part_acc,
+                                                                                    kv_b, o);
+  KCUDA_CHECK_LAUNCH();
+}
+}  // namespace
+
 void mla_decode_absorbed(GemmLt& lt, const MlaDims& d, const uint16_t* q, const uint16_t* kv_b,
                          const MlaDecodeBatch& bt, void* workspace, uint16_t* o, cudaStream_t stream) {
   if (bt.B == 0) return;
-  KCUDA_REQUIRE(d.Hm <= kMaxHeads && d.C <= kColsPerThread * kDecThreads && d.C % 8 == 0 && d.R % 8 == 0 &&
-                    bt.max_keys > 0,
-                std::string("mla_decode_absorbed: unsupported shape"));
-  const DecodePlan p = decode_plan(bt.B, bt.max_keys);
-  const int64_t Hm = d.Hm, N = d.N, R = d.R, Dv = d.Dv, C = d.C, QK = N + R;
-  float* qt = static_cast<float*>(workspace);  // f32 [B, Hm, C]
-  char* rest = static_cast<char*>(workspace) + ((size_t(bt.B * Hm * C) * 4 + 255) / 256) * 256;
-  float* part_ml = reinterpret_cast<float*>(rest);  // f32 [B, splits, Hm, 2]
-  float* part_acc = part_ml + bt.B * p.n_splits * Hm * 2;
-  // q̃_h[B, C] = q_nope,h[B, N] · W_UK,h[N, C], batched over heads.
-  lt.batched_xw_f32(q, Hm * QK, QK, kv_b, C, (N + Dv) * C, qt, Hm * C, C, bt.B, N, C, Hm, stream);
-  const size_t smem = DecodeSmem::bytes(Hm, C + R);
-  KCUDA_CHECK(cudaFuncSetAttribute(mla_decode_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  mla_decode_split_kernel<<<dim3(unsigned(p.n_splits), unsigned(bt.B)), kDecThreads, smem, stream>>>(
-      d, qt, q, bt.caches, bt.lens, bt.sel, bt.Ksel, p.chunk, p.n_splits, part_ml, part_acc);
-  KCUDA_CHECK_LAUNCH();
-  KCUDA_REQUIRE(p.n_splits <= 1024 && C <= 512, std::string("mla decode combine: too many splits"));
-  mla_decode_combine_uv_kernel<<<dim3(unsigned(bt.B), unsigned(Hm)), 256, 0, stream>>>(d, p.n_splits, part_ml,
-                                                                                        part_acc, kv_b, o);
-  KCUDA_CHECK_LAUNCH();
+  KCUDA_REQUIRE(bt.caches, std::string("mla_decode_absorbed: null caches"));
+  decode_run(lt, d, q, kv_b, ContigRows{bt.caches, int(d.C + d.R)}, bt.lens, bt.sel, bt.Ksel, bt.B, bt.max_keys,
+             workspace, o, stream);
+}
+
+size_t mla_decode_paged_workspace_bytes(const MlaDims& d, int64_t B, int64_t max_keys) {
+  return mla_decode_workspace_bytes(d, B, max_keys);
+}
+
+void mla_decode_paged(GemmLt& lt, const MlaDims& d, const uint16_t* q, const uint16_t* kv_b, const PagedMlaCache& c,
+                      const MlaPagedBatch& bt, void* workspace, uint16_t* o, cudaStream_t stream) {
+  if (bt.B == 0) return;
+  KCUDA_REQUIRE(c.latent && c.block_tables && c.block_size > 0 && c.bt_stride > 0,
+                std::string("mla_decode_paged: null cache or block table"));
+  KCUDA_REQUIRE(c.C == d.C && c.R == d.R, std::string("mla_decode_paged: cache C/R differ from the layer's"));
+  if (c.latent_format == PagedLatentFormat::bf16) {
+    const PagedRows<PagedLatentFormat::bf16> rows{c.latent, c.block_tables, c.bt_stride, bt.req, c.block_size,
+                                                  int(c.C), c.latent_token_bytes()};
+    decode_run(lt, d, q, kv_b, rows, bt.lens, bt.sel, bt.Ksel, bt.B, bt.max_keys, workspace, o, stream);
+  } else {
+    const PagedRows<PagedLatentFormat::fp8> rows{c.latent, c.block_tables, c.bt_stride, bt.req, c.block_size,
+                                                 int(c.C), c.latent_token_bytes()};
+    decode_run(lt, d, q, kv_b, rows, bt.lens, bt.sel, bt.Ksel, bt.B, bt.max_keys, workspace, o, stream);
+  }
 }
 
 void indexer_key_norm(const uint16_t* kraw, const uint16_t* w, const uint16_t* b, int64_t T, int64_t Di, uint16_t* out,
@@ -505,6 +667,41 @@ void indexer_key_norm(const uint16_t* kraw, const uint16_t* w, const uint16_t* b
   KCUDA_CHECK_LAUNCH();
 }
 
+namespace {
+template <int DI, class Keys>
+void launch_scores(const uint16_t* qi, Keys keys, const int32_t* lens, const float* hw, int64_t T, int64_t pos0,
+                   int64_t max_len, int64_t Hi, int64_t Ki, float scale, float* scores, int64_t ld,
+                   cudaStream_t stream) {
+  const dim3 grid(unsigned((max_len + 127) / 128), unsigned(T));
+  const size_t smem = size_t(Hi * DI + Hi) * 4;
+  KCUDA_CHECK(cudaFuncSetAttribute(indexer_scores_kernel<DI, Keys>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   int(smem)));
+  indexer_scores_kernel<DI, Keys><<<grid, 128, smem, stream>>>(qi, keys, lens, hw, pos0, int(Hi), Ki, scale, scores, ld);
+  KCUDA_CHECK_LAUNCH();
+}
+
+template <int DI>
+void launch_paged_scores(const uint16_t* qi, const PagedMlaCache& c, const int32_t* req, const int32_t* lens,
+                         const float* hw, int64_t T, int64_t max_len, int64_t Hi, int64_t Ki, float scale,
+                         float* scores, int64_t ld, cudaStream_t stream) {
+  const int64_t tb = c.key_token_bytes();
+  switch (c.key_format) {
+    case PagedKeyFormat::bf16:
+      launch_scores<DI>(qi, PagedKeys<DI, PagedKeyFormat::bf16>{c.keys, c.block_tables, c.bt_stride, req, c.block_size, tb},
+                        lens, hw, T, 0, max_len, Hi, Ki, scale, scores, ld, stream);
+      break;
+    case PagedKeyFormat::fp8:
+      launch_scores<DI>(qi, PagedKeys<DI, PagedKeyFormat::fp8>{c.keys, c.block_tables, c.bt_stride, req, c.block_size, tb},
+                        lens, hw, T, 0, max_len, Hi, Ki, scale, scores, ld, stream);
+      break;
+    case PagedKeyFormat::mxfp4:
+      launch_scores<DI>(qi, PagedKeys<DI, PagedKeyFormat::mxfp4>{c.keys, c.block_tables, c.bt_stride, req, c.block_size, tb},
+                        lens, hw, T, 0, max_len, Hi, Ki, scale, scores, ld, stream);
+      break;
+  }
+}
+}  // namespace
+
 void indexer_select(const uint16_t* qi, const uint16_t* keys, const float* hw, int64_t T, int64_t pos0, int64_t Hi,
                     int64_t Di, int64_t Ki, float* scores, int64_t ld, int32_t* sel, cudaStream_t stream) {
   if (T == 0) return;
@@ -512,27 +709,39 @@ void indexer_select(const uint16_t* qi, const uint16_t* keys, const float* hw, i
   const float scale = 1.0f / sqrtf(float(Hi) * float(Di));
   const int64_t S = pos0 + T;
   if (S > Ki) {
-    const dim3 grid(unsigned((S + 127) / 128), unsigned(T));
-    const size_t smem = size_t(Hi * Di + Hi) * 4;
     switch (Di) {
-      case 32:
-        KCUDA_CHECK(cudaFuncSetAttribute(indexer_scores_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-        indexer_scores_kernel<32><<<grid, 128, smem, stream>>>(qi, keys, hw, pos0, int(Hi), Ki, scale, scores, ld);
-        break;
-      case 64:
-        KCUDA_CHECK(cudaFuncSetAttribute(indexer_scores_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-        indexer_scores_kernel<64><<<grid, 128, smem, stream>>>(qi, keys, hw, pos0, int(Hi), Ki, scale, scores, ld);
-        break;
+      case 32: launch_scores<32>(qi, ContigKeys<32>{keys}, nullptr, hw, T, pos0, S, Hi, Ki, scale, scores, ld, stream); break;
+      case 64: launch_scores<64>(qi, ContigKeys<64>{keys}, nullptr, hw, T, pos0, S, Hi, Ki, scale, scores, ld, stream); break;
       case 128:
-        KCUDA_CHECK(cudaFuncSetAttribute(indexer_scores_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-        indexer_scores_kernel<128><<<grid, 128, smem, stream>>>(qi, keys, hw, pos0, int(Hi), Ki, scale, scores, ld);
+        launch_scores<128>(qi, ContigKeys<128>{keys}, nullptr, hw, T, pos0, S, Hi, Ki, scale, scores, ld, stream);
         break;
       default:
         KCUDA_REQUIRE(false, "indexer_select: Di " + std::to_string(Di) + " not in {32, 64, 128}");
     }
-    KCUDA_CHECK_LAUNCH();
   }
-  indexer_topk_kernel<<<unsigned(T), kTopkThreads, 0, stream>>>(scores, ld, pos0, Ki, sel);
+  indexer_topk_kernel<<<unsigned(T), kTopkThreads, 0, stream>>>(scores, ld, nullptr, pos0, Ki, sel);
+  KCUDA_CHECK_LAUNCH();
+}
+
+void indexer_select_paged(const uint16_t* qi, const float* hw, const PagedMlaCache& c, const int32_t* lens,
+                          const int32_t* req, int64_t T, int64_t max_len, int64_t Hi, int64_t Ki, float* scores,
+                          int64_t ld, int32_t* sel, cudaStream_t stream) {
+  if (T == 0) return;
+  KCUDA_REQUIRE(qi && hw && lens && scores && sel && c.keys && c.block_tables && c.block_size > 0 && c.bt_stride > 0,
+                std::string("indexer_select_paged: null pointer"));
+  KCUDA_REQUIRE(Ki > 0 && max_len > 0 && ld >= max_len && Hi * c.Di <= 8192 && T < 65536,
+                std::string("indexer_select_paged: bad arguments"));
+  const float scale = 1.0f / sqrtf(float(Hi) * float(c.Di));
+  if (max_len > Ki) {
+    switch (c.Di) {
+      case 32: launch_paged_scores<32>(qi, c, req, lens, hw, T, max_len, Hi, Ki, scale, scores, ld, stream); break;
+      case 64: launch_paged_scores<64>(qi, c, req, lens, hw, T, max_len, Hi, Ki, scale, scores, ld, stream); break;
+      case 128: launch_paged_scores<128>(qi, c, req, lens, hw, T, max_len, Hi, Ki, scale, scores, ld, stream); break;
+      default:
+        KCUDA_REQUIRE(false, "indexer_select_paged: Di " + std::to_string(c.Di) + " not in {32, 64, 128}");
+    }
+  }
+  indexer_topk_kernel<<<unsigned(T), kTopkThreads, 0, stream>>>(scores, ld, lens, 0, Ki, sel);
   KCUDA_CHECK_LAUNCH();
 }
 

@@ -1,0 +1,149 @@
+// Paged cache writers (see paged.h): one block per written row, quantised exactly as MlaCacheView does
+// (the same amax, the same power-of-two scale rule, the same integer RNE through kernels/cuda/quant.cuh),
+// so the bytes equal the CPU writer's. amax is a max-reduction, which is exact in any order; NaN inputs
+// are skipped by the comparison `amax < |x|` as in std::max on the CPU.
+// The paged readers (absorbed decode, indexer) live in mla.cu beside the kernels they generalise.
+#include <string>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_util.cuh"
+#include "kernels/cuda/paged.h"
+#include "kernels/cuda/quant.cuh"
+
+namespace kestrel::cuda {
+namespace {
+
+constexpr int kWriteThreads = 128;
+constexpr float kFp8Max = 448.0f;
+
+__device__ __forceinline__ float amax_step(float amax, float x) {
+  const float a = fabsf(x);
+  return amax < a ? a : amax;
+}
+
+// Max over the block of per-thread values (no NaN by construction). scratch: 32 floats.
+__device__ __forceinline__ float block_amax(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = amax_step(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float s = lane < nw ? scratch[lane] : 0.0f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s = amax_step(s, __shfl_xor_sync(0xffffffffu, s, o));
+  return s;
+}
+
+// §3.5 FP8 scale of a group whose amax is given: 2^⌈log2(max(amax, 1e-4)/448)⌉.
+__device__ __forceinline__ float fp8_scale(float amax) {
+  const float m = amax < 1e-4f ? 1e-4f : amax;
+  return dev::e8m0_to_f32(dev::e8m0_ceil_pow2(m / kFp8Max));
+}
+
+__global__ void __launch_bounds__(kWriteThreads)
+    write_latent_kernel(PagedLatentFormat fmt, int C, int R, int64_t tb, const uint16_t* __restrict__ rows,
+                        int64_t ld, const int64_t* __restrict__ slots, uint8_t* __restrict__ arena) {
+  __shared__ float scratch[32];
+  const int64_t t = blockIdx.x, slot = slots[t];
+  if (slot < 0) return;
+  uint8_t* dst = arena + slot * tb;
+  const uint16_t* row = rows + t * ld;
+  if (fmt == PagedLatentFormat::bf16) {
+    uint16_t* d16 = reinterpret_cast<uint16_t*>(dst);
+    for (int i = threadIdx.x; i < C + R; i += blockDim.x) d16[i] = row[i];
+    return;
+  }
+  const int groups = (C + 127) / 128;
+  for (int g = 0; g < groups; ++g) {
+    const int i = g * 128 + int(threadIdx.x);  // blockDim = 128: one value per thread
+    const bool in = i < C;
+    const float x = in ? dev::bf16_to_f32(row[i]) : 0.0f;
+    const float amax = block_amax(in ? amax_step(0.0f, x) : 0.0f, scratch);
+    const float s = fp8_scale(amax);
+    if (in) dst[i] = dev::f32_to_e4m3_sat(x / s);
+    if (threadIdx.x == 0) *reinterpret_cast<float*>(dst + C + g * 4) = s;
+  }
+  uint16_t* rope = reinterpret_cast<uint16_t*>(dst + C + groups * 4);
+  for (int i = threadIdx.x; i < R; i += blockDim.x) rope[i] = row[C + i];
+}
+
+__global__ void __launch_bounds__(kWriteThreads)
+    write_keys_kernel(PagedKeyFormat fmt, int P, int Di, int64_t tb, const uint16_t* __restrict__ keys, int64_t ld,
+                      const int64_t* __restrict__ slots, uint8_t* __restrict__ arena) {
+  __shared__ float scratch[32];
+  const int64_t t = blockIdx.x, slot = slots[t];
+  if (slot < 0) return;
+  const int64_t page = slot / P, prow = slot % P, K = P % 64 == 0 ? 64 : P;
+  uint8_t* kpage = arena + page * P * tb + (prow / K) * K * tb;
+  const int64_t r = prow % K;
+  const uint16_t* key = keys + t * ld;
+  if (fmt == PagedKeyFormat::bf16) {
+    uint16_t* d16 = reinterpret_cast<uint16_t*>(kpage + r * tb);
+    for (int i = threadIdx.x; i < Di; i += blockDim.x) d16[i] = key[i];
+    return;
+  }
+  if (fmt == PagedKeyFormat::fp8) {
+    float amax = 0.0f;
+    for (int i = threadIdx.x; i < Di; i += blockDim.x) amax = amax_step(amax, dev::bf16_to_f32(key[i]));
+    amax = block_amax(amax, scratch);
+    const float s = fp8_scale(amax);
+    uint8_t* vals = kpage + r * Di;
+    for (int i = threadIdx.x; i < Di; i += blockDim.x) vals[i] = dev::f32_to_e4m3_sat(dev::bf16_to_f32(key[i]) / s);
+    if (threadIdx.x == 0) *reinterpret_cast<float*>(kpage + K * Di + r * 4) = s;
+    return;
+  }
+  // MXFP4: one warp per 32-element block (MODEL.md §0.9), lane = element.
+  uint8_t* vals = kpage + r * (Di / 2);
+  uint8_t* scales = kpage + K * (Di / 2) + r * (Di / 32);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  for (int b = warp; b < Di / 32; b += nw) {
+    const float x = dev::bf16_to_f32(key[b * 32 + lane]);
+    const bool bad = !isfinite(x);
+    const bool any_bad = __any_sync(0xffffffffu, bad);
+    float amax = bad ? 0.0f : fabsf(x);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    uint8_t code = 0;
+    int k = -127;
+    if (!any_bad) {
+      // Smallest k with amax ≤ 6·2^k: a ceil-log2 guess corrected against the exact products.
+      if (amax > 0.0f) k = int(dev::e8m0_ceil_pow2(amax / 6.0f)) - 127;
+      while (k < 127 && amax > ldexpf(6.0f, k)) ++k;
+      while (k > -127 && amax <= ldexpf(6.0f, k - 1)) --k;
+      code = dev::f32_to_e2m1(ldexpf(x, -k));
+    }
+    const uint8_t hi = uint8_t(__shfl_down_sync(0xffffffffu, code, 1));
+    if ((lane & 1) == 0) vals[b * 16 + lane / 2] = uint8_t(code | (hi << 4));
+    if (lane == 0) scales[b] = any_bad ? uint8_t(255) : uint8_t(k + 127);
+  }
+}
+
+}  // namespace
+
+void paged_write_latent(const PagedMlaCache& c, const uint16_t* rows, int64_t ld, const int64_t* slots, int64_t T,
+                        cudaStream_t stream) {
+  KCUDA_REQUIRE(T >= 0 && T < (int64_t(1) << 31), std::string("paged_write_latent: bad T"));
+  if (T == 0) return;
+  KCUDA_REQUIRE(rows && slots && c.latent && c.block_size > 0, std::string("paged_write_latent: null pointer"));
+  KCUDA_REQUIRE(c.C > 0 && c.C % 8 == 0 && c.R >= 0 && c.R % 8 == 0 && ld >= c.C + c.R,
+                "paged_write_latent: bad shape C=" + std::to_string(c.C) + " R=" + std::to_string(c.R));
+  write_latent_kernel<<<unsigned(T), kWriteThreads, 0, stream>>>(c.latent_format, int(c.C), int(c.R),
+                                                                 c.latent_token_bytes(), rows, ld, slots, c.latent);
+  KCUDA_CHECK_LAUNCH();
+}
+
+void paged_write_keys(const PagedMlaCache& c, const uint16_t* keys, int64_t ld, const int64_t* slots, int64_t T,
+                      cudaStream_t stream) {
+  KCUDA_REQUIRE(T >= 0 && T < (int64_t(1) << 31), std::string("paged_write_keys: bad T"));
+  if (T == 0) return;
+  KCUDA_REQUIRE(keys && slots && c.keys && c.block_size > 0, std::string("paged_write_keys: null pointer"));
+  KCUDA_REQUIRE(c.Di > 0 && c.Di % 8 == 0 && c.Di <= 4096 && ld >= c.Di &&
+                    (c.key_format != PagedKeyFormat::mxfp4 || c.Di % 32 == 0),
+                "paged_write_keys: bad Di " + std::to_string(c.Di));
+  write_keys_kernel<<<unsigned(T), kWriteThreads, 0, stream>>>(c.key_format, c.block_size, int(c.Di),
+                                                               c.key_token_bytes(), keys, ld, slots, c.keys);
+  KCUDA_CHECK_LAUNCH();
+}
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,90 @@
+// Paged MLA caches on the GPU (MODEL.md §0.3, §3.4 absorbed decode, §3.5 indexer): quantise-on-write
+// into the page arenas, and batched (varlen) reads through per-request block tables for the absorbed
+// MLA decode (dense or sparse) and the indexer scores + top-k.
+// CPU twins: model::MlaCacheView::write_latent / write_key (byte-identical writes) and read_latent /
+// read_keys followed by cpu::mla_attn_absorbed / cpu::indexer_select_topk (the reads dequantise exactly
+// to the BF16 values the CPU reads back, then run the same math as kernels/cuda/mla.h).
+//
+// Byte layouts are those of model/cache_view.h (one per-layer arena per cache, indexed by page id; a page
+// holds P = block_size tokens):
+//   latent bf16  per token [ĉ | k_pe] bf16, (C+R)·2 B
+//   latent fp8   per token [ĉ e4m3 (C) | f32 scale per 128 of ĉ | k_pe bf16 (R)], scale 2^⌈log2(max(amax,1e-4)/448)⌉
+//   keys bf16    per token Di bf16
+//   keys fp8     per 64-token kernel page [64 × Di e4m3 | 64 × f32 scale]
+//   keys mxfp4   per 64-token kernel page [64 × Di/2 packed e2m1 | 64 × Di/32 e8m0]
+// (a P that is not a multiple of 64 is one kernel page of P tokens).
+// Token at position pos of request r lives in page block_tables[r·bt_stride + pos/P], row pos % P.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cpu/mla_ops.h"
+#include "kernels/cuda/gemm.h"
+
+namespace kestrel::cuda {
+
+using cpu::MlaDims;
+
+// Values equal to cache::LatentFormat / cache::IndexKeyFormat (checked in paged.cpp).
+enum class PagedLatentFormat : uint8_t { bf16 = 0, fp8 = 1 };
+enum class PagedKeyFormat : uint8_t { fp8 = 0, mxfp4 = 1, bf16 = 2 };
+
+// One MLA layer's paged caches plus the block tables of the requests in a launch.
+struct PagedMlaCache {
+  PagedLatentFormat latent_format = PagedLatentFormat::bf16;
+  PagedKeyFormat key_format = PagedKeyFormat::fp8;
+  int block_size = 128;              // P
+  int64_t C = 0, R = 0, Di = 0;      // kv_lora_rank, qk_rope_head_dim, index_head_dim (0: no indexer)
+  uint8_t* latent = nullptr;         // device u8 [pages, P · latent_token_bytes]
+  uint8_t* keys = nullptr;           // device u8 [pages, P · key_token_bytes] (null without an indexer)
+  const int32_t* block_tables = nullptr;  // device i32 [n_requests, bt_stride]: page of each P-token block
+  int64_t bt_stride = 0;
+
+  int64_t latent_token_bytes() const;
+  int64_t key_token_bytes() const;
+};
+
+// ---- writes (quantise on write, byte-identical to MlaCacheView) -------------------------------------------
+// Row t goes to slot slots[t] = page·P + row (vLLM's slot mapping); slots[t] < 0 skips the row.
+// Block tables are not read. C and R multiples of 8; Di a multiple of 32 (mxfp4) or 8.
+void paged_write_latent(const PagedMlaCache& c, const uint16_t* rows /* bf16 [T, C+R], row stride ld */, int64_t ld,
+                        const int64_t* slots /* i64 [T] */, int64_t T, cudaStream_t stream);
+void paged_write_keys(const PagedMlaCache& c, const uint16_t* keys /* bf16 [T, Di], row stride ld */, int64_t ld,
+                      const int64_t* slots /* i64 [T] */, int64_t T, cudaStream_t stream);
+
+// ---- absorbed MLA decode over the paged latent cache ------------------------------------------------------
+// B query rows (one query each; several rows may share a request, e.g. speculative tokens). Row b uses
+// block-table row req[b] (req null: b) and attends to positions 0..lens[b]−1, or (sparse) to sel[b, ..]
+// (ascending positions, −1 ends the list). max_keys ≥ every row's key count (host side; sizes the
+// split over keys). Same math and limits as mla_decode_absorbed (Hm ≤ 16, C ≤ 512, C and R multiples
+// of 8); FP8 rows are dequantised to their exact BF16 values in shared memory.
+struct MlaPagedBatch {
+  const int32_t* lens = nullptr;  // device i32 [B]
+  const int32_t* req = nullptr;   // device i32 [B] or null
+  const int32_t* sel = nullptr;   // device i32 [B, Ksel] or null (dense)
+  int64_t Ksel = 0;
+  int64_t B = 0;
+  int64_t max_keys = 0;
+};
+size_t mla_decode_paged_workspace_bytes(const MlaDims& d, int64_t B, int64_t max_keys);
+void mla_decode_paged(GemmLt& lt, const MlaDims& d, const uint16_t* q /* bf16 [B, Hm, N+R] */,
+                      const uint16_t* kv_b /* bf16 [Hm*(N+Dv), C] */, const PagedMlaCache& cache,
+                      const MlaPagedBatch& batch, void* workspace /* mla_decode_paged_workspace_bytes */,
+                      uint16_t* o /* bf16 [B, Hm*Dv] */, cudaStream_t stream);
+
+// ---- indexer scores + top-k over the paged key cache ------------------------------------------------------
+// T query rows (prefill and decode alike): row t uses block-table row req[t] (null: t) and sees keys
+// 0..lens[t]−1 (lens[t] = its position + 1). sel[t] = top Ki by I = Σ_h (w·(Hi·Di)^−½)·ReLU(q_h·k), ties
+// to the lower position, ascending, −1 padded; all visible keys when lens[t] ≤ Ki. Keys are dequantised
+// exactly (FP8: e4m3·2^k, MXFP4: e2m1·2^k are BF16 values) and scored with the CPU twin's sequential FP32
+// order, so the selection equals cpu::indexer_select_topk over MlaCacheView::read_keys bit for bit.
+// Di ∈ {32, 64, 128}; Hi·Di ≤ 8192; scores is scratch f32 [T, ld_scores] with ld_scores ≥ max_len.
+void indexer_select_paged(const uint16_t* qi /* bf16 [T, Hi*Di] */, const float* hw /* f32 [T, Hi] */,
+                          const PagedMlaCache& cache, const int32_t* lens /* i32 [T] */,
+                          const int32_t* req /* i32 [T] or null */, int64_t T, int64_t max_len, int64_t Hi, int64_t Ki,
+                          float* scores /* f32 [T, ld_scores] */, int64_t ld_scores, int32_t* sel /* i32 [T, Ki] */,
+                          cudaStream_t stream);
+
+}  // namespace kestrel::cuda
