@@ -19,6 +19,7 @@
 #include "kernels/cuda/mla.h"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/norm.h"
+#include "kernels/cuda/paged.h"
 #include "kernels/cuda/rows.h"
 #include "kernels/cuda/sampling.h"
 
@@ -80,6 +81,15 @@ struct BatchStep {
   const u16* const* d_dec_caches = nullptr;  // device [nd]: gathered latent base per decode
   u16* lat_g = nullptr;               // bf16 [G, C+R] scratch
   u16* keys_g = nullptr;              // bf16 [G, Di] scratch (indexer models)
+  // Paged attention (kernels/cuda/paged.h): block tables of the real sequences, and per real row its
+  // visible key count (position + 1) and sequence; G then counts only the prefill contexts (the naive
+  // prefill still reads a contiguous latent).
+  bool paged = false;
+  const int32_t* d_tables = nullptr;  // device i32 [n_real, bt_stride]
+  int64_t bt_stride = 0;
+  const int32_t* d_row_lens = nullptr;  // device i32 [rows of the real sequences]
+  const int32_t* d_row_req = nullptr;   // device i32 [same]
+  int64_t max_S = 0;
 };
 
 // One captured decode bucket (see "CUDA graphs" in model_cuda.h): the graph segments between the
@@ -289,6 +299,7 @@ struct CudaModel::Impl {
   enum class GMode { eager, capture, replay } gmode = GMode::eager;
   GraphBucket* gbucket = nullptr;
   bool graphs = false;
+  bool paged_attention = true;  // kernels/cuda/paged.h for the indexer and the decode; false: gathered
   void begin_segment() { KCUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed)); }
   void end_segment() {
     cudaGraph_t g = nullptr;
@@ -465,28 +476,59 @@ struct CudaModel::Impl {
   // Gathers every sequence's context (rows [goff_b, goff_b + S_b) of lat_g / keys_g), selects with the
   // indexer per sequence, then attends: the absorbed decode for all T = 1 sequences in one launch, the
   // naive prefill per longer sequence. Writes o rows of the real sequences.
+  cuda::PagedMlaCache paged_view(CudaCache& cc, const BatchStep& s, int layer) const {
+    const TextConfig& c = cfg.text;
+    cuda::PagedMlaCache v;
+    v.latent_format = cuda::PagedLatentFormat::bf16;
+    v.key_format = cuda::PagedKeyFormat::bf16;
+    v.block_size = cc.P;
+    v.C = c.kv_lora_rank, v.R = c.qk_rope_head_dim, v.Di = c.has_indexer() ? c.index_head_dim : 0;
+    v.latent = reinterpret_cast<uint8_t*>(cc.latent[size_t(layer)]);
+    v.keys = reinterpret_cast<uint8_t*>(cc.index_k[size_t(layer)]);
+    v.block_tables = s.d_tables;
+    v.bt_stride = s.bt_stride;
+    return v;
+  }
+
+  // Selects with the indexer and attends, writing the o rows of the real sequences: the absorbed decode
+  // for all T = 1 sequences in one launch, the naive prefill per longer sequence. Paged (default): the
+  // indexer and the decode read the pools through the block tables (kernels/cuda/paged.h), one launch
+  // each for the whole batch; only prefill contexts are gathered (rows [goff_b, goff_b + S_b) of lat_g).
+  // Gathered: every context is gathered and the indexer runs per sequence (the pre-paged path).
   void mla_attend(const DMla& m, CudaCache& cc, const BatchStep& s, int layer, const u16* q, const u16* qi, const float* hw,
                   u16* o) {
     const TextConfig& c = cfg.text;
     const int64_t C = c.kv_lora_rank, R = c.qk_rope_head_dim, N = c.qk_nope_head_dim, Dv = c.v_head_dim,
                   Hm = c.num_attention_heads, QK = N + R, CW = C + R, Ki = c.index_topk;
     const int64_t nd = std::min(s.nd, s.n_real), Treal = s.n_real == s.n ? s.T : s.n_real;
-    cuda::copy_rows(cc.latent[size_t(layer)], s.d_gather, s.lat_g, nullptr, s.G, CW * 2, stream);
+    if (s.G > 0) cuda::copy_rows(cc.latent[size_t(layer)], s.d_gather, s.lat_g, nullptr, s.G, CW * 2, stream);
+    const cuda::PagedMlaCache pv = s.paged ? paged_view(cc, s, layer) : cuda::PagedMlaCache{};
     int32_t* sel = nullptr;
     if (m.has_indexer) {
       const int64_t Hi = c.index_n_heads, Di = c.index_head_dim;
-      cuda::copy_rows(cc.index_k[size_t(layer)], s.d_gather, s.keys_g, nullptr, s.G, Di * 2, stream);
       sel = tmp<int32_t>(Treal * Ki);
-      for (int64_t b = 0; b < s.n_real; ++b) {
-        const int64_t r0 = s.row0[size_t(b)], Tb = s.len[size_t(b)], p0 = s.pos0[size_t(b)], S = p0 + Tb;
-        const u16* keys = s.keys_g + s.goff[size_t(b)] * Di;
-        // Scores scratch f32 [rows, S]; queries in chunks that keep it under 512 MiB.
-        const int64_t rows_n = std::max<int64_t>(1, std::min<int64_t>(Tb, (int64_t(512) << 20) / (4 * S)));
-        float* scores = tmp<float>(rows_n * S);
-        for (int64_t t0 = 0; t0 < Tb; t0 += rows_n) {
-          const int64_t nq = std::min(rows_n, Tb - t0);
-          cuda::indexer_select(qi + (r0 + t0) * Hi * Di, keys, hw + (r0 + t0) * Hi, nq, p0 + t0, Hi, Di, Ki, scores,
-                               S, sel + (r0 + t0) * Ki, stream);
+      if (s.paged) {
+        // Scores scratch f32 [rows, max_S]; rows in chunks that keep it under 512 MiB.
+        const int64_t rows_n = std::max<int64_t>(1, std::min<int64_t>(Treal, (int64_t(512) << 20) / (4 * s.max_S)));
+        float* scores = tmp<float>(rows_n * s.max_S);
+        for (int64_t r0 = 0; r0 < Treal; r0 += rows_n) {
+          const int64_t nq = std::min(rows_n, Treal - r0);
+          cuda::indexer_select_paged(qi + r0 * Hi * Di, hw + r0 * Hi, pv, s.d_row_lens + r0, s.d_row_req + r0, nq,
+                                     s.max_S, Hi, Ki, scores, s.max_S, sel + r0 * Ki, stream);
+        }
+      } else {
+        cuda::copy_rows(cc.index_k[size_t(layer)], s.d_gather, s.keys_g, nullptr, s.G, Di * 2, stream);
+        for (int64_t b = 0; b < s.n_real; ++b) {
+          const int64_t r0 = s.row0[size_t(b)], Tb = s.len[size_t(b)], p0 = s.pos0[size_t(b)], S = p0 + Tb;
+          const u16* keys = s.keys_g + s.goff[size_t(b)] * Di;
+          // Scores scratch f32 [rows, S]; queries in chunks that keep it under 512 MiB.
+          const int64_t rows_n = std::max<int64_t>(1, std::min<int64_t>(Tb, (int64_t(512) << 20) / (4 * S)));
+          float* scores = tmp<float>(rows_n * S);
+          for (int64_t t0 = 0; t0 < Tb; t0 += rows_n) {
+            const int64_t nq = std::min(rows_n, Tb - t0);
+            cuda::indexer_select(qi + (r0 + t0) * Hi * Di, keys, hw + (r0 + t0) * Hi, nq, p0 + t0, Hi, Di, Ki, scores,
+                                 S, sel + (r0 + t0) * Ki, stream);
+          }
         }
       }
       capture(layer, "index_topk", sel, Treal * Ki);
@@ -496,9 +538,15 @@ struct CudaModel::Impl {
     if (nd > 0) {
       // Absorbed decode: every T = 1 sequence in one launch (they are rows 0..nd−1).
       const int64_t max_keys = sel ? std::min(s.max_dec_S, Ki) : s.max_dec_S;
-      const cuda::MlaDecodeBatch bt{s.d_dec_caches, s.d_dec_lens, sel, Ki, nd, max_keys};
-      void* ws = tmp<char>(int64_t(cuda::mla_decode_workspace_bytes(dims, nd, max_keys)));
-      cuda::mla_decode_absorbed(lt, dims, q, m.kv_b, bt, ws, o, stream);
+      if (s.paged) {
+        const cuda::MlaPagedBatch bt{s.d_dec_lens, nullptr, sel, Ki, nd, max_keys};
+        void* ws = tmp<char>(int64_t(cuda::mla_decode_paged_workspace_bytes(dims, nd, max_keys)));
+        cuda::mla_decode_paged(lt, dims, q, m.kv_b, pv, bt, ws, o, stream);
+      } else {
+        const cuda::MlaDecodeBatch bt{s.d_dec_caches, s.d_dec_lens, sel, Ki, nd, max_keys};
+        void* ws = tmp<char>(int64_t(cuda::mla_decode_workspace_bytes(dims, nd, max_keys)));
+        cuda::mla_decode_absorbed(lt, dims, q, m.kv_b, bt, ws, o, stream);
+      }
     }
     for (int64_t b = nd; b < s.n_real; ++b) {
       // Naive prefill: [k_nope | v] for every cached token of the sequence, then per-head attention.
@@ -597,7 +645,10 @@ struct CudaModel::Impl {
     // Validate and describe the step on the host.
     BatchStep s;
     s.n = int64_t(seqs.size());
-    std::vector<int32_t> ids, cu{0}, slots, pool_rows, gather, dec_lens, lrows;
+    s.paged = paged_attention;
+    std::vector<int32_t> ids, cu{0}, slots, pool_rows, gather, dec_lens, lrows, row_lens, row_req;
+    for (const CudaSeq& q : seqs) s.bt_stride = std::max<int64_t>(s.bt_stride, int64_t(q.block_table.size()));
+    std::vector<int32_t> tables(size_t(s.n * s.bt_stride), 0);  // i32 [n, bt_stride], padded with page 0
     std::vector<bool> slot_used(size_t(cc.num_slots), false);
     bool decodes_done = false, all_last = true;
     for (int64_t b = 0; b < s.n; ++b) {
@@ -625,8 +676,15 @@ struct CudaModel::Impl {
       s.row0.push_back(s.T), s.len.push_back(Tb), s.pos0.push_back(q.pos0), s.goff.push_back(s.G);
       s.slot.push_back(q.slot);
       slots.push_back(q.slot);
-      for (int64_t pos = 0; pos < S; ++pos)
-        gather.push_back(int32_t(int64_t(q.block_table[size_t(pos / cc.P)]) * cc.P + pos % cc.P));
+      std::copy(q.block_table.begin(), q.block_table.end(), tables.begin() + b * s.bt_stride);
+      for (int64_t i = 0; i < Tb; ++i) row_lens.push_back(int32_t(q.pos0 + i + 1)), row_req.push_back(int32_t(b));
+      s.max_S = std::max(s.max_S, S);
+      // Contiguous copies of the contexts the attention reads gathered: all of them, or (paged) only
+      // the prefills' (the naive form expands its whole context through kv_b).
+      const bool gathered = !s.paged || Tb > 1 || b >= s.nd;
+      if (gathered)
+        for (int64_t pos = 0; pos < S; ++pos)
+          gather.push_back(int32_t(int64_t(q.block_table[size_t(pos / cc.P)]) * cc.P + pos % cc.P));
       if (b < s.nd) dec_lens.push_back(int32_t(S)), s.max_dec_S = std::max(s.max_dec_S, S);
       all_last = all_last && q.logits == CudaSeq::Logits::last;
       if (q.logits == CudaSeq::Logits::all)
@@ -634,26 +692,30 @@ struct CudaModel::Impl {
       else if (q.logits == CudaSeq::Logits::last)
         lrows.push_back(int32_t(s.T + Tb - 1));
       s.T += Tb;
-      s.G += S;
+      if (gathered) s.G += S;
       cu.push_back(int32_t(s.T));
     }
     s.n_real = s.n;
     marks.clear();
     events_used = 0;
     mark("start");
-    // The context-dependent metadata (islands only): gather rows [G] | decode lengths [nd], and the
-    // gathered scratch with the decodes' base pointers into it.
+    // The context-dependent metadata (islands only): gather rows [G] | decode lengths [nd] | block
+    // tables [n, bt_stride] | row lengths [T] | row sequences [T], and the gathered scratch with the
+    // decodes' base pointers into it (gathered path).
     {
       std::vector<int32_t> meta(gather);
-      meta.insert(meta.end(), dec_lens.begin(), dec_lens.end());
+      for (const auto* v : {&dec_lens, &tables, &row_lens, &row_req}) meta.insert(meta.end(), v->begin(), v->end());
       int32_t* d = tmp<int32_t>(int64_t(meta.size()));
       KCUDA_CHECK(cudaMemcpyAsync(d, meta.data(), meta.size() * 4, cudaMemcpyHostToDevice, stream));
       s.d_gather = d;
       s.d_dec_lens = d + s.G;
+      s.d_tables = s.d_dec_lens + s.nd;
+      s.d_row_lens = s.d_tables + s.n * s.bt_stride;
+      s.d_row_req = s.d_row_lens + s.T;
     }
     s.lat_g = tmp<u16>(s.G * CW);
-    if (tc.has_indexer()) s.keys_g = tmp<u16>(s.G * tc.index_head_dim);
-    if (s.nd > 0) {
+    if (tc.has_indexer() && !s.paged) s.keys_g = tmp<u16>(s.G * tc.index_head_dim);
+    if (s.nd > 0 && !s.paged) {
       std::vector<const u16*> ptrs;
       for (int64_t b = 0; b < s.nd; ++b) ptrs.push_back(s.lat_g + s.goff[size_t(b)] * CW);
       auto* d_ptrs = tmp<const u16*>(s.nd);
@@ -914,6 +976,7 @@ void CudaModel::copy_logits(float* host) const { impl_->copy_logits_rows(0, impl
 void CudaModel::copy_logits_rows(int64_t first, int64_t n, float* host) const { impl_->copy_logits_rows(first, n, host); }
 void CudaModel::greedy(int32_t* host) const { impl_->greedy(host); }
 void CudaModel::enable_cuda_graphs(bool on) { impl_->graphs = on; }
+void CudaModel::use_paged_attention(bool on) { impl_->paged_attention = on; }
 int64_t CudaModel::graph_steps() const { return impl_->graph_steps; }
 void CudaModel::sample(std::span<const cuda::SampleParams> params, std::span<const cuda::PenaltyEntry> penalties,
                        int32_t* ids_host) {

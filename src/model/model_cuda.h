@@ -18,16 +18,15 @@
 // Batches (forward_batch): the tokens of every sequence of a step are stacked into one [T, D]
 // activation, so every GEMM, norm, router and MoE launch runs over the whole batch; KDA runs one
 // varlen recurrent scan over all sequences (conv: one decode launch for the T = 1 rows, one prefill
-// launch per longer sequence); MLA writes the new latent/key rows into their pages (copy_rows), then
-// gathers each sequence's rows into a contiguous scratch (the stopgap until attention reads block
-// tables itself) and runs the absorbed decode for all T = 1 sequences in one launch and the naive
-// prefill per longer sequence; the indexer scores per sequence. Logits: the rows asked for are
-// gathered and go through lm_head at once; greedy ids are taken on the device.
-// Swap point for the paged kernels of kernels/cuda/paged.h (paged_write_latent/keys,
-// mla_decode_paged, indexer_select_paged): Impl::mla_attend and the two row scatters in Impl::mla.
-// The BF16 pools here already have paged.h's layout (a per-layer arena indexed by page, token row
-// page·P + pos % P, (C+R)·2 and Di·2 bytes per token), so swapping drops the gathers and the
-// per-sequence indexer launches without touching the executor; the FP8/MXFP4 formats come with it.
+// launch per longer sequence); MLA writes the new latent/key rows into their pages (copy_rows), scores
+// the indexer for every row in one launch and runs the absorbed decode for all T = 1 sequences in one
+// launch, both through the block tables, and the naive prefill per longer sequence over a contiguous
+// gather of its context. Logits: the rows asked for are gathered and go through lm_head at once;
+// greedy ids are taken on the device.
+// The BF16 pools have kernels/cuda/paged.h's layout (a per-layer arena indexed by page, token row
+// page·P + pos % P, (C+R)·2 and Di·2 bytes per token), so by default (use_paged_attention) the
+// indexer and the absorbed decode read them through block tables with no gather (Impl::mla_attend);
+// the FP8/MXFP4 formats would come by writing with paged_write_latent/keys instead of copy_rows.
 // CudaState (one request, the original API) is a CudaCache of its own with one slot and an identity
 // block table, so the single-request path and the batched path are the same code.
 // Forms: prefill (T > 1) runs the naive MLA form, decode (T = 1) the absorbed one, like the CPU
@@ -111,6 +110,11 @@ class CudaModel {
   // replay the segments around the islands. Padded rows use token 0, an empty KDA range, and a hidden
   // dummy slot and page row, so they never touch a real request's state; their outputs are dropped.
   void enable_cuda_graphs(bool on);
+  // Attention reads (default on): the indexer and the absorbed decode read the pools through the
+  // block tables (kernels/cuda/paged.h), one launch each per layer for the whole batch; off: every
+  // context is gathered into a contiguous scratch and the indexer runs per sequence (the first path,
+  // kept for comparison). The naive prefill gathers its context either way.
+  void use_paged_attention(bool on);
   int64_t graph_steps() const;  // forwards that ran through a graph bucket (captured or replayed)
   // The device stream every launch of this model goes to (for callers adding their own work).
   void* stream() const;
