@@ -104,7 +104,7 @@ class CudaModel {
   // CUDA graphs for decode steps (off by default): a forward_batch whose sequences are all single
   // tokens wanting their last logits is padded to a bucket B (1, 2, 4, ..., 512; larger batches run
   // eagerly) and, the first time a bucket is seen on a cache, run while being captured: every launch
-  // between the attention islands (context-length-dependent work: the gathers, the indexer, the
+  // between the attention islands (context-length-dependent work: the indexer and the
   // absorbed decode) becomes one graph segment, the islands stay host code. Later steps of that bucket
   // rewrite the bucket's static inputs (token ids, cu_seqlens, slot ids, pool rows, logits rows) and
   // replay the segments around the islands. Padded rows use token 0, an empty KDA range, and a hidden
