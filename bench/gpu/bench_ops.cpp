@@ -3,8 +3,9 @@
 // Per op and batch (and context for attention): median time over timed repetitions (CUDA events, after
 // warm-ups), the bytes it must move and the FLOPs it must do, achieved GB/s and TFLOP/s, next to the
 // ceilings measured in the same run (device-to-device copy, large cuBLASLt BF16 GEMM) and the
-// ANCHORS.md figure. Inputs are random (never zeros). Optional: `--model DIR` times one batch-1 decode
-// step of that checkpoint through model_cuda, split by op group.
+// ANCHORS.md figure. Inputs are random (never zeros). Optional: `--model DIR` times one decode step of
+// that checkpoint at batch 1 and 64 through the GPU executor's batched path (CudaModel::forward_batch
+// over a paged cache), split by op group, with the wall time of graph-replayed and gathered-context steps.
 //
 // Paged sections (kernels/cuda/paged.h): MLA decode over a paged BF16/FP8 latent cache and indexer select over
 // paged FP8/MXFP4 keys, every request's block table pointing into one shared page pool (pages reused
@@ -16,8 +17,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <numeric>
 #include <random>
 #include <string>
@@ -107,6 +110,99 @@ void row(const std::string& op, const std::string& shape, double us, double byte
 }
 
 }  // namespace
+
+// One decode step of a real checkpoint, split by op group, through the GPU executor's path
+// (CudaModel::forward_batch over a paged cache): B requests, each with a context of `ctx` tokens
+// prefilled, then one decode token each; batch 1 and 64 side by side. Eager (no CUDA graphs), so the
+// events between op groups time every launch; the wall time of a graph-replayed step is printed too.
+static void decode_step(const std::string& model_dir) {
+  {
+    const ModelConfig cfg = load_config(model_dir);
+    const Checkpoint ckpt(model_dir);
+    const ModelWeights w = bind_weights(cfg, ckpt);
+    model::CudaModel m(cfg, w);
+    const int64_t ctx = 512, Bmax = 64;
+    const int P = 64;
+    const int64_t pages_per = (ctx + 1 + P - 1) / P;
+    auto cache = m.new_cache(int32_t(Bmax * pages_per), int32_t(Bmax), P);
+    std::vector<std::vector<int32_t>> tables(static_cast<size_t>(Bmax));
+    for (int64_t b = 0; b < Bmax; ++b)
+      for (int64_t i = 0; i < pages_per; ++i) tables[size_t(b)].push_back(int32_t(b * pages_per + i));
+    std::vector<int32_t> prompt(static_cast<size_t>(ctx));
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((i * 7919 + 13) % 8000 % cfg.text.vocab_size);
+    std::vector<int32_t> tok(size_t(Bmax), 17);
+    struct Res {
+      double median_us, graph_us, gathered_us;
+      std::vector<std::pair<std::string, double>> ops;
+    };
+    std::map<int64_t, Res> res;
+    for (int64_t B : {int64_t(1), Bmax}) {
+      for (int64_t b = 0; b < B; ++b) {
+        m.zero_slot(*cache, int32_t(b));
+        model::CudaSeq q{prompt, 0, int32_t(b), tables[size_t(b)], model::CudaSeq::Logits::none};
+        m.forward_batch(*cache, std::span<const model::CudaSeq>(&q, 1));
+      }
+      std::vector<model::CudaSeq> seqs;
+      for (int64_t b = 0; b < B; ++b)
+        seqs.push_back({std::span<const int32_t>(&tok[size_t(b)], 1), ctx, int32_t(b), tables[size_t(b)],
+                        model::CudaSeq::Logits::last});
+      std::vector<int32_t> ids(static_cast<size_t>(B));
+      std::vector<double> step;
+      for (int i = 0; i < 20; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        m.forward_batch(*cache, seqs);  // the same position each time: the timing, not the text, matters
+        m.greedy(ids.data());
+        step.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+      }
+      std::sort(step.begin(), step.end());
+      m.enable_op_timing(true);
+      m.forward_batch(*cache, seqs);
+      m.enable_op_timing(false);
+      // The same step through the CUDA graph bucket: one capture run, then 20 timed replays.
+      m.enable_cuda_graphs(true);
+      m.forward_batch(*cache, seqs);
+      std::vector<double> gstep;
+      for (int i = 0; i < 20; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        m.forward_batch(*cache, seqs);
+        m.greedy(ids.data());
+        gstep.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+      }
+      m.enable_cuda_graphs(false);
+      std::sort(gstep.begin(), gstep.end());
+      // The same eager step with the first attention path (contexts gathered, indexer per request).
+      m.use_paged_attention(false);
+      std::vector<double> ostep;
+      for (int i = 0; i < 20; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        m.forward_batch(*cache, seqs);
+        m.greedy(ids.data());
+        ostep.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+      }
+      m.use_paged_attention(true);
+      std::sort(ostep.begin(), ostep.end());
+      res[B] = {step[step.size() / 2], gstep[gstep.size() / 2], ostep[ostep.size() / 2], m.op_times()};
+    }
+    fmt::print("\n### One decode step of {} ({} layers, {} experts, vocab {}; weights {:.2f} GB on the GPU), context "
+               "{} per request, paged cache (P = {}), CudaModel::forward_batch + device argmax\n\n"
+               "median step wall time (20 steps, host prep + sync + argmax included): eager batch 1 {:.0f} µs, batch {} "
+               "{:.0f} µs ({:.0f} tokens/s); CUDA graphs batch 1 {:.0f} µs, batch {} {:.0f} µs ({:.0f} tokens/s); "
+               "eager with gathered contexts instead of paged attention: batch 1 {:.0f} µs, batch {} {:.0f} µs.\n\n"
+               "One eager step with CUDA events between op groups (µs, summed over layers):\n\n"
+               "| op group | batch 1 | batch {} |\n|---|---|---|\n",
+               model_dir, cfg.text.num_hidden_layers, cfg.text.num_experts, cfg.text.vocab_size,
+               double(m.weight_bytes()) / 1e9, ctx, P, res[1].median_us, Bmax, res[Bmax].median_us,
+               double(Bmax) / res[Bmax].median_us * 1e6, res[1].graph_us, Bmax, res[Bmax].graph_us,
+               double(Bmax) / res[Bmax].graph_us * 1e6, res[1].gathered_us, Bmax, res[Bmax].gathered_us, Bmax);
+    double t1 = 0, t64 = 0;
+    for (size_t i = 0; i < res[1].ops.size(); ++i) {
+      const double b64 = i < res[Bmax].ops.size() ? res[Bmax].ops[i].second : 0.0;
+      fmt::print("| {} | {:.1f} | {:.1f} |\n", res[1].ops[i].first, res[1].ops[i].second, b64);
+      t1 += res[1].ops[i].second, t64 += b64;
+    }
+    fmt::print("| total (GPU time between events) | {:.1f} | {:.1f} |\n", t1, t64);
+  }
+}
 
 int main(int argc, char** argv) {
   bool quick = false;
@@ -582,42 +678,6 @@ int main(int argc, char** argv) {
     }
   }
 
-  // ---- One decode step of a real checkpoint, split by op ---------------------------------------------------
-  if (!model_dir.empty() && want("model")) {
-    const ModelConfig cfg = load_config(model_dir);
-    const Checkpoint ckpt(model_dir);
-    const ModelWeights w = bind_weights(cfg, ckpt);
-    model::CudaModel m(cfg, w);
-    auto st = m.new_state(4096);
-    std::vector<int32_t> prompt(512);
-    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((i * 7919 + 13) % 8000);
-    std::vector<float> logits(size_t(cfg.text.vocab_size));
-    m.forward(*st, prompt, logits.data(), true);
-    int32_t tok = 17;
-    std::vector<double> step;
-    for (int i = 0; i < 20; ++i) {
-      cudaEvent_t a, b;
-      KCUDA_CHECK(cudaEventCreate(&a));
-      KCUDA_CHECK(cudaEventCreate(&b));
-      KCUDA_CHECK(cudaEventRecord(a));
-      m.forward(*st, std::span<const int32_t>(&tok, 1), logits.data(), true);
-      KCUDA_CHECK(cudaEventRecord(b));
-      KCUDA_CHECK(cudaEventSynchronize(b));
-      float ms = 0;
-      KCUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-      step.push_back(ms * 1000.0);
-    }
-    std::sort(step.begin(), step.end());
-    m.enable_op_timing(true);
-    m.forward(*st, std::span<const int32_t>(&tok, 1), logits.data(), true);
-    fmt::print("\n### One decode step, batch 1, context 512, {} ({} layers, {} experts, vocab {}; weights {:.2f} GB on "
-               "the GPU)\n\nmedian step {:.0f} µs (20 steps, default stream, host sync per step); one step with "
-               "events between op groups:\n\n| op group | µs |\n|---|---|\n",
-               model_dir, cfg.text.num_hidden_layers, cfg.text.num_experts, cfg.text.vocab_size,
-               double(m.weight_bytes()) / 1e9, step[step.size() / 2]);
-    double total = 0;
-    for (auto& [n, us] : m.op_times()) fmt::print("| {} | {:.1f} |\n", n, us), total += us;
-    fmt::print("| total | {:.1f} |\n", total);
-  }
+  if (!model_dir.empty() && want("model")) decode_step(model_dir);
   return 0;
 }

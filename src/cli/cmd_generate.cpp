@@ -7,8 +7,9 @@
 //                    [--kv-cache-dtype bf16|fp8] [--index-cache-dtype bf16|fp8|mxfp4] [--kda-state-dtype f32|f16] [--dump-logits FILE]
 //                    [--device cpu|cuda]
 //
-// --device cuda (builds with CUDA only) runs one prompt through the GPU forward pass
-// (model/model_cuda.h) with the same sampler; the multi-request engine is CPU-only for now.
+// --device cuda (builds with CUDA only) runs the same engine on the GPU executor
+// (runtime/executor_cuda.h): weights on the device, paged caches and KDA slots in device memory,
+// batched steps; greedy ids are picked on the device. BF16 cache formats only.
 //
 // Prints the memory plan (capacity in tokens, concurrent requests, longest single request), then
 // per request the generated ids (and text when the prompt was text), then throughput. A single
@@ -57,6 +58,7 @@
 #include "runtime/engine.h"
 #ifdef KESTREL_WITH_CUDA
 #include "model/model_cuda.h"
+#include "runtime/executor_cuda.h"
 #endif
 #include "tokenizer/tokenizer.h"
 
@@ -145,44 +147,25 @@ int64_t memory_budget_from_flags(const std::string& memory_budget, double gpu_me
 }
 
 
-// --device cuda: one prompt through the GPU forward pass, sampled with the engine's sampler.
-static void generate_cuda(const ModelConfig& cfg, const ModelWeights& w, const std::vector<int32_t>& prompt,
-                   const runtime::SamplingParams& sp, int max_tokens, bool ignore_eos, const std::string& dump_path) {
+DeviceSetup cuda_device_setup(double gpu_memory_utilization, bool cuda_graphs) {
 #ifdef KESTREL_WITH_CUDA
-  const int64_t V = cfg.text.vocab_size;
-  const bool dump = !dump_path.empty();
-  model::CudaModel m(cfg, w);
-  auto st = m.new_state(int64_t(prompt.size()) + max_tokens);
-  std::vector<float> logits(size_t(dump ? int64_t(prompt.size()) * V : V));  // f32 [T or 1, V]
-  std::vector<float> dumped;                                                  // f32 [positions, V]
-  std::vector<int32_t> out;
-  auto pick = [&](const float* row) {
-    return runtime::sample_token(sp, std::span<const float>(row, size_t(V)), prompt, out, out.size()).token;
+  return [gpu_memory_utilization, cuda_graphs](const ModelConfig& c, const ModelWeights& w,
+                                  runtime::EngineConfig& ec) -> std::shared_ptr<void> {
+    runtime::check_cuda_formats(ec.formats);
+    auto m = std::make_shared<model::CudaModel>(c, w);
+    // Activations of one step (max_num_batched_tokens rows through the widest layer) and cuBLASLt's
+    // workspace: a fixed 2 GiB covers the mini and nano shapes with room to spare.
+    if (gpu_memory_utilization > 0.0) ec.memory_budget = runtime::cuda_cache_budget(gpu_memory_utilization, int64_t(2) << 30);
+    model::CudaModel* mp = m.get();
+    const ModelConfig* cp = &c;
+    ec.make_executor = [mp, cp, cuda_graphs](const cache::CacheFormats& f, const cache::CacheConfig& cc) {
+      return std::unique_ptr<runtime::StepExecutor>(
+          std::make_unique<runtime::CudaExecutor>(*mp, *cp, f, cc, runtime::CudaExecutorOptions{cuda_graphs}));
+    };
+    return m;
   };
-  auto t0 = std::chrono::steady_clock::now();
-  m.forward(*st, prompt, logits.data(), !dump);
-  const double t_prefill = seconds_since(t0);
-  if (dump) dumped = logits;
-  out.push_back(pick(logits.data() + (dump ? (int64_t(prompt.size()) - 1) * V : 0)));
-  logits.resize(size_t(V));
-  t0 = std::chrono::steady_clock::now();
-  while (int(out.size()) < max_tokens && (ignore_eos || out.back() != cfg.text.eos_token_id)) {
-    m.forward(*st, std::span<const int32_t>(&out.back(), 1), logits.data(), true);
-    if (dump) dumped.insert(dumped.end(), logits.begin(), logits.end());
-    out.push_back(pick(logits.data()));
-  }
-  const double t_decode = seconds_since(t0);
-  st.reset();
-  fmt::print("tokens: {}\n", fmt::join(out, ","));
-  fmt::print("prefill: {} tokens in {:.3f} s ({:.1f} tok/s)\n", prompt.size(), t_prefill, double(prompt.size()) / t_prefill);
-  if (out.size() > 1)
-    fmt::print("decode: {} tokens in {:.3f} s ({:.1f} tok/s)\n", out.size() - 1, t_decode, double(out.size() - 1) / t_decode);
-  if (dump) {
-    write_npy(dump_path, dumped, int64_t(dumped.size()) / V, V);
-    fmt::print("logits: {} positions written to {}\n", int64_t(dumped.size()) / V, dump_path);
-  }
 #else
-  (void)cfg, (void)w, (void)prompt, (void)sp, (void)max_tokens, (void)ignore_eos, (void)dump_path;
+  (void)gpu_memory_utilization, (void)cuda_graphs;
   fail("--device cuda: this kestrel was built without CUDA");
 #endif
 }
@@ -198,10 +181,10 @@ void register_generate(CLI::App& app) {
     uint64_t seed = 0;
     std::vector<std::string> stop;
     std::vector<int32_t> stop_token_ids;
-    bool ignore_eos = false, no_prefix_cache = false, quiet = false;
+    bool ignore_eos = false, no_prefix_cache = false, quiet = false, no_cuda_graphs = false;
   };
   auto o = std::make_shared<Opts>();
-  CLI::App* cmd = app.add_subcommand("generate", "Generate tokens on the CPU through the serving engine");
+  CLI::App* cmd = app.add_subcommand("generate", "Generate tokens through the serving engine (CPU or GPU)");
   cmd->add_option("--model", o->model, "checkpoint directory")->required();
   auto* pt = cmd->add_option("--prompt-tokens", o->prompt_tokens, "comma-separated prompt token ids");
   auto* pr = cmd->add_option("--prompt", o->prompt, "prompt text, encoded with the checkpoint's tokenizer");
@@ -233,8 +216,9 @@ void register_generate(CLI::App& app) {
   cmd->add_option("--max-num-batched-tokens", o->max_batched_tokens, "token budget of one engine step");
   cmd->add_flag("--no-prefix-cache", o->no_prefix_cache, "disable prefix caching");
   cmd->add_flag("--quiet", o->quiet, "print only the summary for several prompts");
-  cmd->add_option("--device", o->device, "cpu (engine) or cuda (GPU forward pass, one prompt)")
+  cmd->add_option("--device", o->device, "cpu or cuda (the engine on the GPU executor)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "--device cuda: run decode steps eagerly");
   cmd->callback([o] {
     if (int(!o->prompt_tokens.empty()) + int(!o->prompt.empty()) + int(!o->prompts_file.empty()) != 1)
       fail("give exactly one of --prompt-tokens, --prompt or --prompts-file");
@@ -281,22 +265,6 @@ void register_generate(CLI::App& app) {
     if (!o->stop.empty()) need_tok();
     const bool dump = !o->dump_logits.empty();
     if (dump && prompts.size() != 1) fail("--dump-logits works with a single prompt only");
-    if (o->device == "cuda") {
-      if (prompts.size() != 1) fail("--device cuda runs a single prompt");
-      runtime::SamplingParams sp;
-      sp.temperature = o->temperature;
-      sp.top_p = o->top_p;
-      sp.top_k = o->top_k;
-      sp.min_p = o->min_p;
-      sp.repetition_penalty = o->repetition_penalty;
-      sp.presence_penalty = o->presence_penalty;
-      sp.frequency_penalty = o->frequency_penalty;
-      sp.seed = o->seed;
-      sp.validate();
-      generate_cuda(cfg, w, prompts[0].first, sp, o->max_tokens, o->ignore_eos, o->dump_logits);
-      return;
-    }
-
     runtime::EngineConfig ec;
     ec.formats.latent = cache::parse_latent_format(o->kv_cache_dtype);
     ec.formats.index_keys = cache::parse_index_key_format(o->index_cache_dtype);
@@ -304,7 +272,13 @@ void register_generate(CLI::App& app) {
     ec.max_running = o->max_running > 0 ? o->max_running : int32_t(std::min<size_t>(prompts.size(), 16));
     ec.max_num_batched_tokens = o->max_batched_tokens;
     ec.enable_prefix_cache = !o->no_prefix_cache;
-    ec.memory_budget = memory_budget_from_flags(o->memory_budget, o->gpu_memory_utilization, o->model, ec.memory_budget);
+    std::shared_ptr<void> device;  // the GPU model behind --device cuda; outlives the engine
+    if (o->device == "cuda") {
+      if (!o->memory_budget.empty()) ec.memory_budget = parse_bytes(o->memory_budget);
+      device = cuda_device_setup(o->gpu_memory_utilization, !o->no_cuda_graphs)(cfg, w, ec);
+    } else {
+      ec.memory_budget = memory_budget_from_flags(o->memory_budget, o->gpu_memory_utilization, o->model, ec.memory_budget);
+    }
     const tok::Tokenizer* tp = tokenizer ? &*tokenizer : nullptr;
     runtime::Engine engine(w, cfg, ec, tp);
     fmt::print("memory plan ({} latent, {} index keys, {} KDA state):\n{}\n", o->kv_cache_dtype, o->index_cache_dtype,

@@ -4,6 +4,7 @@
 //                 [--max-model-len N] [--max-num-seqs N] [--max-queue N] [--block-size N]
 //                 [--memory-budget SIZE | --gpu-memory-utilization F] [--max-num-batched-tokens N]
 //                 [--kv-cache-dtype bf16|fp8] [--index-cache-dtype bf16|fp8|mxfp4] [--kda-state-dtype f32|f16] [--no-prefix-cache]
+//                 [--device cpu|cuda] [--no-cuda-graphs]
 //
 // Flags follow `vllm serve` where they mean the same. The server listens at once and answers
 // /health with 503 until the model is loaded (off the io threads). The engine is the multi-request
@@ -33,11 +34,11 @@ namespace kestrel::cli {
 void register_serve(CLI::App& app) {
   struct Opts {
     std::string model, host = "127.0.0.1", api_key, served_name, memory_budget;
-    std::string kv_cache_dtype = "bf16", index_cache_dtype = "bf16", kda_state_dtype = "f32";
+    std::string kv_cache_dtype = "bf16", index_cache_dtype = "bf16", kda_state_dtype = "f32", device = "cpu";
     double gpu_memory_utilization = 0.0;
     int port = 8000, max_num_seqs = 16, max_queue = 256, block_size = 0, threads = 1, shutdown_timeout = 10;
     int max_batched_tokens = 2048;
-    bool no_prefix_cache = false;
+    bool no_prefix_cache = false, no_cuda_graphs = false;
     int64_t max_model_len = 0, max_request_bytes = 8 << 20;
     int max_connections = 16384;
     bool fake = false;
@@ -57,6 +58,9 @@ void register_serve(CLI::App& app) {
       ->check(CLI::Range(0, 1 << 20));
   cmd->add_option("--block-size", o->block_size, "KV page size in tokens (default: the engine's, 128)")
       ->check(CLI::Range(1, 1 << 16));
+  cmd->add_option("--device", o->device, "cpu or cuda (the paged engine on the GPU executor; BF16 caches)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "--device cuda: run decode steps eagerly");
   auto* mb = cmd->add_option("--memory-budget", o->memory_budget, "bytes for KV pages + KDA state slots (e.g. 512M, 2G; default 1G)");
   auto* gu = cmd->add_option("--gpu-memory-utilization", o->gpu_memory_utilization,
                              "fraction of memory for weights + caches (CPU: of physical RAM)");
@@ -110,7 +114,13 @@ void register_serve(CLI::App& app) {
       ec.formats.index_keys = cache::parse_index_key_format(o->index_cache_dtype);
       ec.formats.kda_state = cache::parse_kda_state_dtype(o->kda_state_dtype);
       if (o->block_size > 0) ec.formats.block_size = o->block_size;
-      ec.memory_budget = memory_budget_from_flags(o->memory_budget, o->gpu_memory_utilization, o->model, ec.memory_budget);
+      if (o->device == "cuda") {
+        // The weights go up on the loader thread; the budget then comes from the device's memory.
+        if (!o->memory_budget.empty()) ec.memory_budget = parse_bytes(o->memory_budget);
+        p.device_setup = cuda_device_setup(o->gpu_memory_utilization, !o->no_cuda_graphs);
+      } else {
+        ec.memory_budget = memory_budget_from_flags(o->memory_budget, o->gpu_memory_utilization, o->model, ec.memory_budget);
+      }
       ec.max_running = o->max_num_seqs;
       ec.max_num_batched_tokens = o->max_batched_tokens;
       ec.enable_prefix_cache = !o->no_prefix_cache;

@@ -4,7 +4,13 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
+
+#include "loader/config.h"
+#include "loader/weights.h"
+#include "runtime/engine.h"
 
 namespace kestrel::cli {
 
@@ -24,5 +30,13 @@ int64_t checkpoint_bytes(const std::string& dir);
 // memory, less the weights); `fallback` when neither is given.
 int64_t memory_budget_from_flags(const std::string& memory_budget, double gpu_memory_utilization,
                                  const std::string& model_dir, int64_t fallback);
+
+// --device cuda for `generate` and `serve`: given the bound weights and the engine config, uploads the
+// weights (model::CudaModel), checks the cache formats, sets the GPU executor factory and, for
+// --gpu-memory-utilization F (> 0), the cache budget from the device's memory (F × total − in use −
+// an activation reserve); decode steps use CUDA graphs unless `cuda_graphs` is false; returns the GPU model, to be kept alive as long as the engine.
+// Fails with a clear error in a build without CUDA.
+using DeviceSetup = std::function<std::shared_ptr<void>(const ModelConfig&, const ModelWeights&, runtime::EngineConfig&)>;
+DeviceSetup cuda_device_setup(double gpu_memory_utilization, bool cuda_graphs = true);
 
 }  // namespace kestrel::cli

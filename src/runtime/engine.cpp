@@ -47,7 +47,11 @@ Engine::Engine(const ModelWeights& w, const ModelConfig& c, const EngineConfig& 
       tok_(tokenizer),
       plan_(make_plan(c, cfg)),
       sched_(sched_config(c, cfg), plan_.cache_config(cfg.enable_prefix_cache)),
-      exec_(w, c, cfg.formats, plan_.cache_config(cfg.enable_prefix_cache), ExecutorOptions{cfg.batch_invariant}) {
+      exec_(cfg.make_executor
+                ? cfg.make_executor(cfg.formats, plan_.cache_config(cfg.enable_prefix_cache))
+                : std::make_unique<Executor>(w, c, cfg.formats, plan_.cache_config(cfg.enable_prefix_cache),
+                                             ExecutorOptions{cfg.batch_invariant})) {
+  KCHECK(exec_ != nullptr, "engine: the executor factory returned nothing");
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -123,8 +127,8 @@ EngineStats Engine::stats() const {
   s.prefix_query_tokens = ss.prefix_query_tokens;
   s.prompt_tokens = prompt_tokens_;
   s.generation_tokens = generation_tokens_;
-  s.tokens_forwarded = exec_.stats().tokens_forwarded;
-  s.busy_seconds = exec_.stats().forward_seconds;
+  s.tokens_forwarded = exec_->stats().tokens_forwarded;
+  s.busy_seconds = exec_->stats().forward_seconds;
   s.steps = ss.steps;
   s.preemptions = ss.preemptions;
   s.finished = ss.finished;
@@ -149,7 +153,11 @@ void Engine::wait_idle() {
 
 sched::SeqResult Engine::sample(Req& q, std::span<const float> logits) {
   const GenerateRequest& r = q.r;
-  const SampleResult s = sample_token(r.sampling, logits, r.prompt, q.output, uint64_t(q.output.size()));
+  return emit(q, sample_token(r.sampling, logits, r.prompt, q.output, uint64_t(q.output.size())));
+}
+
+sched::SeqResult Engine::emit(Req& q, const SampleResult& s) {
+  const GenerateRequest& r = q.r;
   TokenEvent ev;
   ev.index = int32_t(q.output.size());
   ev.token = s.token;
@@ -208,6 +216,15 @@ void Engine::loop() {
     };
     StepHooks hooks;
     hooks.sample = [&](const sched::ScheduledSeq& x, std::span<const float> logits) { return sample(find(x.id), logits); };
+    hooks.sampling_inputs = [&](const sched::ScheduledSeq& x) {
+      Req& q = find(x.id);
+      return StepHooks::SamplingInputs{&q.r.sampling, q.r.prompt, q.output};
+    };
+    hooks.take_token = [&](const sched::ScheduledSeq& x, int32_t token) {
+      SampleResult s;
+      s.token = token;
+      return emit(find(x.id), s);
+    };
     hooks.wants_all_logits = [&](RequestId id) { return bool(find(id).r.on_logits); };
     hooks.all_logits = [&](const sched::ScheduledSeq& x, std::span<const float> rows) {
       Req& q = find(x.id);
@@ -219,7 +236,7 @@ void Engine::loop() {
     sched::StepResult result;
     std::string error;
     try {
-      if (plan.has_work()) result = exec_.run(plan, hooks);
+      if (plan.has_work()) result = exec_->run(plan, hooks);
     } catch (const std::exception& e) {
       error = e.what();
     }

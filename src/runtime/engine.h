@@ -85,6 +85,9 @@ struct EngineConfig {
   bool enable_prefix_cache = true;
   int32_t checkpoint_interval_blocks = 0;
   bool batch_invariant = true;  // see executor.h
+  // Builds the executor for the planned caches (e.g. make_cuda_executor_factory in
+  // runtime/executor_cuda.h); empty = the CPU Executor.
+  std::function<std::unique_ptr<StepExecutor>(const cache::CacheFormats&, const cache::CacheConfig&)> make_executor;
 };
 
 struct EngineStats {
@@ -135,6 +138,7 @@ class Engine {
   };
   void loop();
   sched::SeqResult sample(Req& q, std::span<const float> logits);
+  sched::SeqResult emit(Req& q, const SampleResult& s);
 
   const ModelWeights& w_;
   const ModelConfig& c_;
@@ -142,7 +146,7 @@ class Engine {
   const tok::Tokenizer* tok_;
   sched::MemoryPlan plan_;
   sched::Scheduler sched_;
-  Executor exec_;
+  std::unique_ptr<StepExecutor> exec_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;       // work arrived / stop

@@ -17,6 +17,7 @@
 #include "loader/config.h"
 #include "loader/weights.h"
 #include "runtime/cache_store.h"
+#include "runtime/sampler.h"
 #include "sched/scheduler.h"
 
 namespace kestrel::runtime {
@@ -30,25 +31,45 @@ struct ExecutorStats {
   int64_t forwards = 0;          // forward calls (one per scheduled sequence)
   int64_t tokens_forwarded = 0;  // positions run through the model: the prefill work actually done
   int64_t samples = 0;
+  int64_t device_samples = 0;         // device executors: tokens sampled on the device
+  int64_t host_fallback_samples = 0;  // device rows the device sampler handed back to the host
   double forward_seconds = 0.0;
 };
 
 struct StepHooks {
   // The sampled token (and stop flag) for a sequence with `sample` set, from its last logits.
   std::function<sched::SeqResult(const sched::ScheduledSeq&, std::span<const float> logits /* f32 [V] */)> sample;
+  // Optional (device executors): what the sampler of a sequence needs (its parameters, prompt and
+  // output so far; the draw index is output.size()), and the hook that takes a token sampled on the
+  // device by the same rules, so the logits never come back to the host. An executor may ignore
+  // these and call `sample` instead.
+  struct SamplingInputs {
+    const SamplingParams* params = nullptr;
+    std::span<const int32_t> prompt, output;
+  };
+  std::function<SamplingInputs(const sched::ScheduledSeq&)> sampling_inputs;
+  std::function<sched::SeqResult(const sched::ScheduledSeq&, int32_t token)> take_token;
   // Optional: requests for which every position's logits are wanted (debug dumps), and the sink
   // that receives them, rows of positions [start, end).
   std::function<bool(cache::RequestId)> wants_all_logits;
   std::function<void(const sched::ScheduledSeq&, std::span<const float> rows /* f32 [end-start, V] */)> all_logits;
 };
 
-class Executor {
+// What the engine drives: the CPU Executor below, or a device executor (runtime/executor_cuda.h).
+class StepExecutor {
+ public:
+  virtual ~StepExecutor() = default;
+  virtual sched::StepResult run(const sched::StepPlan& plan, const StepHooks& hooks) = 0;
+  virtual const ExecutorStats& stats() const = 0;
+};
+
+class Executor : public StepExecutor {
  public:
   Executor(const ModelWeights& w, const ModelConfig& c, const cache::CacheFormats& formats,
            const cache::CacheConfig& cache_config, const ExecutorOptions& options = {});
 
-  sched::StepResult run(const sched::StepPlan& plan, const StepHooks& hooks);
-  const ExecutorStats& stats() const { return stats_; }
+  sched::StepResult run(const sched::StepPlan& plan, const StepHooks& hooks) override;
+  const ExecutorStats& stats() const override { return stats_; }
   const CacheStore& store() const { return store_; }
 
  private:

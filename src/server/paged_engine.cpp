@@ -16,6 +16,7 @@ struct PagedEngine::Model {
   ModelConfig cfg;
   std::unique_ptr<Checkpoint> ckpt;
   ModelWeights w;
+  std::shared_ptr<void> device;  // PagedEngineOptions::device_setup's result; outlives the engine
   std::unique_ptr<runtime::Engine> engine;
 };
 
@@ -66,7 +67,9 @@ void PagedEngine::load() {
     m->cfg = load_config(opt_.model_dir);
     m->ckpt = std::make_unique<Checkpoint>(opt_.model_dir);
     m->w = bind_weights(m->cfg, *m->ckpt);
-    m->engine = std::make_unique<runtime::Engine>(m->w, m->cfg, opt_.engine);
+    runtime::EngineConfig ec = opt_.engine;
+    if (opt_.device_setup) m->device = opt_.device_setup(m->cfg, m->w, ec);
+    m->engine = std::make_unique<runtime::Engine>(m->w, m->cfg, ec);
     const int64_t ctx = m->cfg.text.max_position_embeddings;
     const int64_t longest = m->engine->memory_plan().longest_request;
     if (opt_.max_model_len > ctx)

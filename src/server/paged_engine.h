@@ -32,6 +32,11 @@ struct PagedEngineOptions {
   runtime::EngineConfig engine;  // memory budget, max_running, formats (block size), batching, ...
   int64_t max_model_len = 0;     // 0: min(model context, longest request the plan holds)
   int max_queue = 256;           // requests accepted but not yet running; more get kQueueFull
+  // Optional device setup, run on the loader thread once the weights are bound and before the runtime
+  // engine is built: it may upload the weights, set engine.make_executor and engine.memory_budget,
+  // and returns whatever must live as long as the engine (e.g. the GPU model). `kestrel serve
+  // --device cuda` uses it; the server itself knows nothing of devices.
+  std::function<std::shared_ptr<void>(const ModelConfig&, const ModelWeights&, runtime::EngineConfig&)> device_setup;
 };
 
 class PagedEngine : public Engine {

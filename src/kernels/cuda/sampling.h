@@ -1,0 +1,56 @@
+// Token selection on the GPU, so a batch's logits (f32 [B, V], V up to 160K) stay on the device and
+// only n ids come back. CPU twin: runtime::sample_token (runtime/sampler.h), whose rules these follow
+// exactly: penalties on the logits → greedy argmax if temperature == 0 (ties to the lower id) →
+// candidates in (logit desc, id asc) order, top-k cut → probabilities over the FULL vocabulary
+// (softmax in FP64) → min-p (prob ≥ min_p · p_max) → top-p (shortest prefix whose mass reaches top_p)
+// → draw u·kept along the prefix with u = sample_uniform(seed, index) (the same SplitMix64, so the
+// GPU and CPU draw the same token whenever their FP64 sums agree to the last bits the draw depends on).
+//
+// How: one block per row. The first min(top_k or V, 1024) candidates are found by bisection on the
+// order-preserving integer image of the logits (32 counting passes), gathered into shared memory and
+// bitonic-sorted by (logit desc, id asc); the probability prefix sums are a block scan. When the kept
+// prefix is not closed inside those 1024 candidates (no top-k ≤ 1024 and neither min-p nor top-p
+// stops within them, e.g. plain temperature sampling): without top-k and min-p, the top-p boundary
+// and the draw are found in the rest of the row by bisection on the composite (logit, id) key, 64
+// mass passes each; with a top-k > 1024 or a min-p that keeps more than 1024 tokens, or when more
+// than 2048 logits tie at the cut, the row's id is −1: the caller samples that row on the host.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kestrel::cuda {
+
+// ids[r] = argmax_v x[r, v], ties to the lower v, NaN never chosen. One block per row; V ≥ 1.
+void argmax_rows(const float* x /* f32 [B, V], row stride ld */, int64_t ld, int64_t n, int64_t V,
+                 int32_t* ids /* i32 [B] */, cudaStream_t stream);
+
+inline constexpr int kSampleCandidates = 1024;
+
+struct SampleParams {  // one per sampled row
+  int32_t row;         // logits row
+  int32_t top_k;       // 0 = off
+  float temperature;   // 0 = greedy
+  float top_p, min_p;
+  uint64_t seed, index;  // the draw is sample_uniform(seed, index)
+};
+
+// One (row, token) of a request's prompt ∪ output tokens: repetition r applies to it (logit > 0 ?
+// logit / r : logit · r), then frequency · count + presence · [count > 0] is subtracted (count = its
+// occurrences in the output). Entries of one row name distinct tokens.
+struct PenaltyEntry {
+  int32_t row, token, count;
+  float repetition, frequency, presence;
+};
+
+// In place on the logits rows named by the entries.
+void apply_penalties(float* logits /* f32 [B, V], row stride ld */, int64_t ld, int64_t V,
+                     const PenaltyEntry* entries /* device [m] */, int64_t m, cudaStream_t stream);
+
+// ids[i] = the token drawn for params[i] (−1: sample this row on the host, see above).
+void sample_rows(const float* logits /* f32 [*, V], row stride ld */, int64_t ld, int64_t V,
+                 const SampleParams* params /* device [B] */, int64_t n, int32_t* ids /* i32 [B] */,
+                 cudaStream_t stream);
+
+}  // namespace kestrel::cuda

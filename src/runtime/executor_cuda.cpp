@@ -1,0 +1,203 @@
+// CudaExecutor (see executor_cuda.h).
+#include "runtime/executor_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <vector>
+
+#include "core/check.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/sampling.h"
+#include "model/model_cuda.h"
+
+namespace kestrel::runtime {
+
+void check_cuda_formats(const cache::CacheFormats& f) {
+  if (f.latent != cache::LatentFormat::bf16 || f.index_keys != cache::IndexKeyFormat::bf16 ||
+      f.kda_state != cache::KdaStateDtype::f32)
+    fail("--device cuda stores BF16 latents and index keys and FP32 KDA state for now; got {} latent, {} index keys, "
+         "{} KDA state (use --kv-cache-dtype bf16 --index-cache-dtype bf16 --kda-state-dtype f32)",
+         cache::format_name(f.latent), cache::format_name(f.index_keys),
+         cache::format_name(f.kda_state));
+}
+
+int64_t cuda_cache_budget(double utilization, int64_t reserve) {
+  if (!(utilization > 0.0 && utilization <= 1.0)) fail("--gpu-memory-utilization must be in (0, 1], got {}", utilization);
+  size_t free_b = 0, total_b = 0;
+  KCUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  const int64_t budget = int64_t(utilization * double(total_b)) - int64_t(total_b - free_b) - reserve;
+  if (budget <= 0)
+    fail("--gpu-memory-utilization {}: nothing left for caches ({:.2f} GiB in use of {:.2f} GiB, {:.2f} GiB reserved "
+         "for activations)",
+         utilization, double(total_b - free_b) / double(1 << 30), double(total_b) / double(1 << 30),
+         double(reserve) / double(1 << 30));
+  return budget;
+}
+
+namespace {
+struct HostSample {  // a device-sampled row's parameters for the host fallback
+  SamplingParams params;
+  uint64_t index = 0;
+};
+}  // namespace
+
+struct CudaExecutor::Impl {
+  model::CudaModel& m;
+  int64_t V;
+  std::unique_ptr<model::CudaCache, void (*)(model::CudaCache*)> cache;
+  Impl(model::CudaModel& mm, const ModelConfig& c, const cache::CacheConfig& cc)
+      : m(mm), V(c.text.vocab_size), cache(mm.new_cache(cc.num_pages, cc.num_state_slots, cc.block_size)) {}
+};
+
+CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const cache::CacheFormats& formats,
+                           const cache::CacheConfig& cc, const CudaExecutorOptions& options) {
+  check_cuda_formats(formats);
+  if (cc.block_size != formats.block_size)
+    fail("executor: cache config block size {} != format block size {}", cc.block_size, formats.block_size);
+  impl_ = std::make_unique<Impl>(model, c, cc);
+  model.enable_cuda_graphs(options.cuda_graphs);
+}
+
+CudaExecutor::~CudaExecutor() = default;
+
+sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks& hooks) {
+  KCHECK(bool(hooks.sample), "executor: no sampler hook");
+  const auto t0 = std::chrono::steady_clock::now();
+  model::CudaModel& m = impl_->m;
+  model::CudaCache& cc = *impl_->cache;
+  const int64_t V = impl_->V;
+  ++stats_.steps;
+  for (const auto* list : {&plan.decodes, &plan.prefills})
+    for (const sched::ScheduledSeq& x : *list)
+      if (x.reset_state) m.zero_slot(cc, x.state_slot);
+  for (const cache::SlotCopy& cp : plan.copies_before) m.copy_slot(cc, cp.src, cp.dst);
+
+  // The batch: single-token sequences first (one absorbed MLA launch), in plan order otherwise.
+  std::vector<const sched::ScheduledSeq*> order;
+  for (const auto* list : {&plan.decodes, &plan.prefills})
+    for (const sched::ScheduledSeq& x : *list) {
+      KCHECK(x.end > x.start && int64_t(x.tokens.size()) == x.end - x.start, "request {}: step range [{}, {}) with {} tokens",
+             x.id, x.start, x.end, x.tokens.size());
+      order.push_back(&x);
+    }
+  std::stable_partition(order.begin(), order.end(), [](const sched::ScheduledSeq* x) { return x->end - x->start == 1; });
+  std::vector<model::CudaSeq> seqs;
+  std::vector<int64_t> first_row(order.size(), -1);  // first logits row of each sequence
+  std::vector<bool> all(order.size(), false);
+  std::vector<int32_t> dev_id(order.size(), -2);  // token sampled on the device; −1: host fallback; −2: host
+  std::vector<HostSample> host_params(order.size());
+  std::vector<cuda::SampleParams> params;
+  std::vector<cuda::PenaltyEntry> penalties;
+  std::vector<size_t> param_seq;  // sequence of each params entry
+  int64_t rows = 0;
+  for (size_t i = 0; i < order.size(); ++i) {
+    const sched::ScheduledSeq& x = *order[i];
+    model::CudaSeq q;
+    q.tokens = x.tokens;
+    q.pos0 = x.start;
+    q.slot = x.state_slot;
+    q.block_table = std::span<const int32_t>(x.block_table.data(), x.block_table.size());
+    all[i] = hooks.wants_all_logits && hooks.all_logits && hooks.wants_all_logits(x.id);
+    q.logits = all[i] ? model::CudaSeq::Logits::all
+               : x.sample ? model::CudaSeq::Logits::last
+                          : model::CudaSeq::Logits::none;
+    if (q.logits != model::CudaSeq::Logits::none) {
+      first_row[i] = rows;
+      rows += all[i] ? x.end - x.start : 1;
+    }
+    // Device sampling for every sampled sequence but those wanting logprobs or every row's logits.
+    if (x.sample && !all[i] && hooks.sampling_inputs && hooks.take_token) {
+      const StepHooks::SamplingInputs in = hooks.sampling_inputs(x);
+      KCHECK(in.params != nullptr, "executor: no sampling parameters for request {}", x.id);
+      const SamplingParams& sp = *in.params;
+      if (sp.logprobs < 0) {
+        const int32_t row = int32_t(first_row[i]);
+        params.push_back({row, sp.top_k, sp.temperature, sp.top_p, sp.min_p, sp.seed, uint64_t(in.output.size())});
+        param_seq.push_back(i);
+        dev_id[i] = -1;
+        if (sp.repetition_penalty != 1.0f || sp.frequency_penalty != 0.0f || sp.presence_penalty != 0.0f) {
+          // Distinct tokens of prompt ∪ output, with their output counts (the sampler's penalty inputs).
+          std::map<int32_t, int32_t> count;
+          for (int32_t t : in.prompt)
+            if (t >= 0 && t < V) count.emplace(t, 0);
+          for (int32_t t : in.output)
+            if (t >= 0 && t < V) ++count[t];
+          for (auto [t, n] : count) {
+            // Repetition covers prompt ∪ output; frequency/presence only output tokens (count > 0).
+            penalties.push_back({row, t, n, sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty});
+          }
+        }
+        host_params[i].params = sp;  // the fallback samples penalised logits: penalties off there
+        host_params[i].params.repetition_penalty = 1.0f;
+        host_params[i].params.frequency_penalty = 0.0f;
+        host_params[i].params.presence_penalty = 0.0f;
+        host_params[i].index = uint64_t(in.output.size());
+      }
+    }
+    seqs.push_back(q);
+    ++stats_.forwards;
+    stats_.tokens_forwarded += x.end - x.start;
+  }
+  const int64_t got = m.forward_batch(cc, seqs);
+  KCHECK(got == rows, "executor: {} logits rows, expected {}", got, rows);
+  // Rows that go to the host raw (every-row dumps, logprobs) are copied before the device sampler
+  // penalises its rows in place; fallback rows after, already penalised.
+  std::vector<float> logits;  // f32 [rows, V]
+  bool host_raw = false;
+  for (size_t i = 0; i < order.size(); ++i) host_raw = host_raw || all[i] || (order[i]->sample && dev_id[i] == -2);
+  if (host_raw) {
+    logits.resize(size_t(rows * V));
+    m.copy_logits(logits.data());
+  }
+  if (!params.empty()) {
+    std::vector<int32_t> ids(params.size());
+    m.sample(params, penalties, ids.data());
+    bool fallback = false;
+    for (size_t k = 0; k < params.size(); ++k) {
+      dev_id[param_seq[k]] = ids[k];
+      if (ids[k] < 0) {
+        fallback = true;
+        ++stats_.host_fallback_samples;
+      }
+    }
+    if (fallback) {
+      if (logits.empty()) logits.resize(size_t(rows * V));
+      for (size_t k = 0; k < params.size(); ++k)
+        if (ids[k] < 0) m.copy_logits_rows(params[k].row, 1, logits.data() + int64_t(params[k].row) * V);
+    }
+  }
+  // Results in plan order, as the CPU executor gives them.
+  sched::StepResult result;
+  for (const auto* list : {&plan.decodes, &plan.prefills})
+    for (const sched::ScheduledSeq& x : *list) {
+      const size_t i = size_t(std::find(order.begin(), order.end(), &x) - order.begin());
+      const int64_t T = x.end - x.start;
+      if (all[i])
+        hooks.all_logits(x, std::span<const float>(logits.data() + first_row[i] * V, size_t(T * V)));
+      if (!x.sample) continue;
+      const int64_t last = first_row[i] + (all[i] ? T - 1 : 0);
+      const std::span<const float> lrow(logits.data() + last * V, size_t(V));
+      sched::SeqResult r;
+      if (dev_id[i] >= 0) {
+        r = hooks.take_token(x, dev_id[i]);
+        ++stats_.device_samples;
+      } else if (dev_id[i] == -1) {
+        const SampleResult s = sample_token(host_params[i].params, lrow, {}, {}, host_params[i].index);
+        r = hooks.take_token(x, s.token);
+      } else {
+        r = hooks.sample(x, lrow);
+      }
+      r.id = x.id;
+      result.seqs.push_back(r);
+      ++stats_.samples;
+    }
+  for (const cache::SlotCopy& cp : plan.copies_after) m.copy_slot(cc, cp.src, cp.dst);
+  KCUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(m.stream())));
+  stats_.forward_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return result;
+}
+
+}  // namespace kestrel::runtime

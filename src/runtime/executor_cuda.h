@@ -1,0 +1,61 @@
+// CudaExecutor: the engine's steps on one GPU (docs/serving.md, "What the executor does with a
+// StepPlan", on the device). Weights are uploaded once (model::CudaModel); the paged MLA caches and
+// the KDA state pool live in device memory, sized exactly as the memory planner counted them
+// (CacheLayout for BF16 latents/keys and FP32 state; other formats are refused).
+//
+// A step: zero the fresh slots, run the restores (device copies), then ONE batched forward over every
+// scheduled sequence (single-token sequences first, so all decodes share one absorbed-MLA launch and
+// every GEMM sees the whole batch), then the device sampler (kernels/cuda/sampling.h: penalties,
+// greedy, temperature, top-k, top-p, min-p, the per-request seed) over every sampled row, so n ids
+// come back instead of n·V logits; rows that want logprobs or every position's logits (debug dumps)
+// come back raw and go through the host sampler (runtime/sampler.h, the twin), as do the rare rows the
+// device sampler hands back (−1); then the snapshots. Pure decode steps go through the model's CUDA
+// graph buckets unless options.cuda_graphs is off (plan = the StepPlan → padded static inputs, run =
+// replay; see model_cuda.h).
+//
+// The scheduler is unchanged: it only sees StepPlans and StepResults.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "cache/layout.h"
+#include "loader/config.h"
+#include "loader/weights.h"
+#include "runtime/executor.h"
+
+namespace kestrel::model {
+class CudaModel;
+}
+
+namespace kestrel::runtime {
+
+struct CudaExecutorOptions {
+  bool cuda_graphs = true;  // decode steps through captured CUDA graphs (model_cuda.h); off: all eager
+};
+
+class CudaExecutor : public StepExecutor {
+ public:
+  // `model` (weights already on the device) must outlive the executor.
+  CudaExecutor(model::CudaModel& model, const ModelConfig& c, const cache::CacheFormats& formats,
+               const cache::CacheConfig& cache_config, const CudaExecutorOptions& options = {});
+  ~CudaExecutor() override;
+
+  sched::StepResult run(const sched::StepPlan& plan, const StepHooks& hooks) override;
+  const ExecutorStats& stats() const override { return stats_; }
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  ExecutorStats stats_;
+};
+
+// Throws kestrel::Error unless the formats are the ones the GPU path stores (BF16 latent and index
+// keys, FP32 KDA state).
+void check_cuda_formats(const cache::CacheFormats& f);
+
+// Cache budget for --gpu-memory-utilization F on the current device: F × total memory − what is in use
+// now (the weights, once uploaded) − `reserve` bytes for activations and cuBLASLt workspace.
+int64_t cuda_cache_budget(double utilization, int64_t reserve);
+
+}  // namespace kestrel::runtime
