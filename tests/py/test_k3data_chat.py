@@ -1,5 +1,5 @@
 """train/k3data/chat.py against the engine: the Python K3 chat encoder must give the same ids as
-`kestrel tokenize --chat` on a few hundred generated requests (tools with every JSON type, tool results
+`kestrel tokenize --chat` on 200 generated requests (tools with every JSON type, tool results
 in and out of call order, multi-turn, reasoning_effort, names, assistant history with reasoning and calls,
 special-looking text), and parse_output must invert the encoding of an assistant turn."""
 import json
@@ -147,7 +147,7 @@ def kestrel_chat(req):
 
 def test_encoder_matches_engine(tok):
     r = random.Random(20261129)
-    for n in range(300):
+    for n in range(200):
         req = request(r)
         prompt, ids = kestrel_chat(req)
         assert chat.render_text(req) == prompt, (n, req)

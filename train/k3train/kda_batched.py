@@ -1,7 +1,9 @@
 """Batched chunked gated delta rule (MODEL.md §3.3.6) for training and long-context evaluation on the GPU.
 
 Same contract as `k3ref.kda.delta_rule_recurrent` (the definition), with a leading batch dim:
-q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; S0 [B, H, K, V] -> (o [B, T, H, V], S_T).
+q, k, g fp32 [B, T, H, Dk]; v fp32 [B, T, H, Dk]; beta fp32 [B, T, H]; S0 fp32 [B, H, Dk, Dk]
+-> (o fp32 [B, T, H, Dk], S_T fp32 [B, H, Dk, Dk]).  In the code K and V name the key and value widths (both Dk
+here) and the chunking uses two trainer-local letters (docs/GLOSSARY.md): Nc chunks of Lc tokens.
 tests/py/test_k3train.py checks it against the reference recurrence in float64.
 
 Trick (the usual WY/UT decomposition, written for batched torch ops): inside a chunk of C tokens with
@@ -38,7 +40,7 @@ def delta_rule_chunked_batched(q, k, v, g, beta, S0=None, chunk: int = 16):
         beta = F.pad(beta, (0, 0, 0, pad))
     N = (T + pad) // chunk
     C = chunk
-    # [B, H, N, C, *]
+    # fp32 [B, H, Nc, Lc, *]
     q = q.view(B, N, C, H, K).permute(0, 3, 1, 2, 4)
     k = k.view(B, N, C, H, K).permute(0, 3, 1, 2, 4)
     v = v.view(B, N, C, H, V).permute(0, 3, 1, 2, 4)
@@ -52,20 +54,20 @@ def delta_rule_chunked_batched(q, k, v, g, beta, S0=None, chunk: int = 16):
     A = (Kg @ Km.transpose(-1, -2)) * beta.unsqueeze(-1)
     A = torch.where(strict, A, torch.zeros_like(A))
     IA = A + torch.eye(C, dtype=dt, device=q.device)
-    rhs = torch.cat([beta.unsqueeze(-1) * Kg, beta.unsqueeze(-1) * v], dim=-1)   # [B,H,N,C,K+V]
+    rhs = torch.cat([beta.unsqueeze(-1) * Kg, beta.unsqueeze(-1) * v], dim=-1)   # fp32 [B, H, Nc, Lc, 2·Dk]
     sol = torch.linalg.solve_triangular(IA, rhs, upper=False, unitriangular=True)
     W, Ut = sol[..., :K], sol[..., K:]
     QK = Qg @ Km.transpose(-1, -2)
     QK = torch.where(incl, QK, torch.zeros_like(QK))
-    Gend = G[:, :, :, -1:, :]                                    # [B,H,N,1,K]
+    Gend = G[:, :, :, -1:, :]                                    # fp32 [B, H, Nc, 1, Dk]
     Kt = k * torch.exp(Gend - G)                                 # K ⊙ e^(Γ_C − Γ)
-    dec = torch.exp(Gend.squeeze(3)).unsqueeze(-1)               # [B,H,N,K,1]
+    dec = torch.exp(Gend.squeeze(3)).unsqueeze(-1)               # fp32 [B, H, Nc, Dk, 1]
     # Chunk-start states by a parallel prefix scan over chunks instead of a sequential loop: chunk n maps
     # S ↦ M_n S + b_n with M_n = diag(e^Γ_C) − K̃_nᵀ W_n and b_n = K̃_nᵀ Ũ_n (both [K, ·] per batch/head);
     # Hillis–Steele composition (log2 N batched matmul levels) gives every prefix map.
-    Ktt = Kt.transpose(-1, -2)                                   # [B,H,N,K,C]
-    M = torch.diag_embed(dec.squeeze(-1)) - Ktt @ W              # [B,H,N,K,K]
-    bvec = Ktt @ Ut                                              # [B,H,N,K,V]
+    Ktt = Kt.transpose(-1, -2)                                   # fp32 [B, H, Nc, Dk, Lc]
+    M = torch.diag_embed(dec.squeeze(-1)) - Ktt @ W              # fp32 [B, H, Nc, Dk, Dk]
+    bvec = Ktt @ Ut                                              # fp32 [B, H, Nc, Dk, Dk]
     off = 1
     while off < N:
         M_prev = torch.cat([torch.eye(K, dtype=dt, device=q.device).expand(B, H, off, K, K), M[:, :, :-off]], dim=2)
@@ -73,10 +75,10 @@ def delta_rule_chunked_batched(q, k, v, g, beta, S0=None, chunk: int = 16):
         bvec = M @ b_prev + bvec
         M = M @ M_prev
         off *= 2
-    S_after = M @ S0.unsqueeze(2) + bvec                         # state after chunk n, [B,H,N,K,V]
+    S_after = M @ S0.unsqueeze(2) + bvec                         # fp32 [B, H, Nc, Dk, Dk] state after chunk n
     Sst = torch.cat([S0.unsqueeze(2), S_after[:, :, :-1]], dim=2)   # state at the start of chunk n
     S = S_after[:, :, -1]
-    U = Ut - W @ Sst                                             # [B,H,N,C,V]
-    O = Qg @ Sst + QK @ U                                        # [B,H,N,C,V]
+    U = Ut - W @ Sst                                             # fp32 [B, H, Nc, Lc, Dk]
+    O = Qg @ Sst + QK @ U                                        # fp32 [B, H, Nc, Lc, Dk]
     O = O.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
     return O, S

@@ -15,8 +15,8 @@ BF16 tensor of the release is rounded to BF16 on use (differentiable cast), the 
 dt_bias, o_norm, router bias) are used as they are, and expert weights go through the MXFP4 fake quantiser
 with a straight-through gradient (qat.py).
 
-Attention modes: "dense" (causal MLA; the DSA indexer still runs and, with `kl=True`, is trained to match
-the heads-averaged attention distribution, V3.2's warm-up) and "sparse" (each query attends to the indexer's
+Attention modes: "dense" (causal MLA; the DSA indexer still runs and, when the caller passes `kl_out`, is
+trained to match the heads-averaged attention distribution, V3.2's warm-up) and "sparse" (each query attends to the indexer's
 top-k keys, `index_topk`; the KL target is restricted to that set).  The indexer's inputs are detached, so
 it learns only from the KL loss and the rest of the model only from the LM loss (V3.2).
 
