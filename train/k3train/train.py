@@ -1,0 +1,219 @@
+"""Train k3-tiny on one GPU: DSA warm-up (dense attention + indexer KL), then sparse top-k training, MXFP4 QAT.
+
+    python3 -m k3train.train --out OUT [--resume DIR] [--total-seconds S] [--time-budget S] [--eval]
+
+The schedule runs on training time (the device gives minutes, not steps): progress = seconds trained over all
+calls / --total-seconds.  Recipe (DeepSeek-V3.2, scaled down): the first --dense-frac of it runs dense causal MLA while each layer's indexer
+learns the heads-averaged attention distribution by KL (its inputs detached); later steps attend only to the
+indexer's top-k keys (index_topk 256 < 2048-token rows) and the indexer's KL is taken over that set.  Routed
+experts use MXFP4 fake quantisation with a straight-through gradient throughout.  Router balance is
+aux-loss-free (V3): after each step every expert's selection bias moves by ±bias_rate toward equal load.
+
+Checkpoint (the device keeps nothing; files return through $OUT, ≤ 8 files of ≤ 16 MiB): OUT/resume/ holds
+the master weights as BF16 safetensors shards of ≤ 15 MiB (master-NN), the router biases, and the
+training state (step, data seed, config, loss log) as JSON in master-00's metadata.  Adam moments are NOT saved (they would double or triple the size): on resume they restart
+from zero and the learning rate re-warms over 50 steps — documented in train/README.md.  OUT/model/ is the
+export in the released layout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from k3data import chat, samples
+
+from .export import build_config, export, tokenizer_dir
+from .model import FP32_TENSORS, K3Model
+
+SHARD = 15 * 1024 * 1024
+
+
+class Rows(torch.utils.data.IterableDataset):
+    def __init__(self, seq_len, start_seed, batch):
+        self.seq_len, self.start_seed, self.batch = seq_len, start_seed, batch
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        tok = chat.Tokenizer(tokenizer_dir())
+        g = samples.rows(tok, self.seq_len, self.start_seed + wid, stride=nw)
+        while True:
+            ids, ws, seeds = [], [], []
+            for _ in range(self.batch):
+                i, w, s = next(g)
+                ids.append(i)
+                ws.append(w)
+                seeds.append(s)
+            yield torch.from_numpy(np.stack(ids)).long(), torch.from_numpy(np.stack(ws)), max(seeds)
+
+
+def save_resume(model, path, meta):
+    os.makedirs(path, exist_ok=True)
+    # BF16 master weights, except the tensors the release keeps in FP32 (tiny; rounding them would change the
+    # exported model)
+    tensors = {n: p.detach().to(torch.float32 if n.endswith(FP32_TENSORS) else torch.bfloat16).cpu().contiguous()
+               for n, p in model.named_master()}
+    for L in range(model.cfg.num_hidden_layers):
+        if model.cfg.is_moe(L):
+            tensors[f"router_bias.{L}"] = model.router_bias(L).detach().float().cpu().contiguous()
+    shards, cur, size = [], {}, 0
+    for n in sorted(tensors):
+        nb = tensors[n].numel() * tensors[n].element_size()
+        if cur and size + nb > SHARD:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[n] = tensors[n]
+        size += nb
+    shards.append(cur)
+    for f in os.listdir(path):
+        if f.startswith("master-"):
+            os.remove(os.path.join(path, f))
+    for i, part in enumerate(shards):
+        # the training state rides in the first shard's metadata: one file fewer to bring back
+        md = {"k3train_state": json.dumps(meta)} if i == 0 else {}
+        save_file(part, os.path.join(path, f"master-{i:02d}.safetensors"), metadata=md)
+
+
+def load_resume(model, path):
+    from safetensors import safe_open
+    with safe_open(os.path.join(path, "master-00.safetensors"), framework="pt") as f:
+        meta = json.loads(f.metadata()["k3train_state"])
+    sd = {}
+    for fn in sorted(os.listdir(path)):
+        if fn.startswith("master-"):
+            sd.update(load_file(os.path.join(path, fn)))
+    with torch.no_grad():
+        for n, p in model.named_master():
+            p.copy_(sd[n].float())
+        for L in range(model.cfg.num_hidden_layers):
+            if model.cfg.is_moe(L):
+                model.router_bias(L).copy_(sd[f"router_bias.{L}"])
+    return meta
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--resume", default=None)
+    ap.add_argument("--config", default="tiny")
+    ap.add_argument("--total-seconds", type=float, default=540,
+                    help="planned training time over all calls: the schedule (warm-up phase, LR) runs on it")
+    ap.add_argument("--dense-frac", type=float, default=0.12, help="fraction of the schedule in dense warm-up")
+    ap.add_argument("--time-budget", type=float, default=1e9, help="seconds of training in this call")
+    ap.add_argument("--max-steps", type=int, default=10 ** 9)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--kl-weight", type=float, default=1.0)
+    ap.add_argument("--bias-rate", type=float, default=1e-3)
+    ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--log-every", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval", action="store_true", help="run the evaluation after training")
+    ap.add_argument("--eval-args", default="", help="extra args for k3train.evaluate (space separated)")
+    args = ap.parse_args(argv)
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = build_config(args.config)
+    model = K3Model(config["text_config"], seed=args.seed).to(dev)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"params {n_params:,}", flush=True)
+    step, start_seed, log, rewarm_from, before = 0, args.seed * 1000, [], None, 0.0
+    if args.resume:
+        meta = load_resume(model, args.resume)
+        step, start_seed, log = meta["step"], meta["next_seed"], meta.get("log", [])
+        before = meta.get("train_seconds", 0.0)
+        rewarm_from = step
+        print(f"resumed at step {step}, data seed {start_seed}", flush=True)
+
+    decay, no_decay = [], []
+    for n, p in model.named_master():
+        (decay if p.dim() >= 2 and "res_proj" not in n else no_decay).append(p)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
+
+    def lr_at(s, prog):
+        lr = args.lr * min(1.0, (s + 1) / args.warmup)
+        lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, prog)))
+        if rewarm_from is not None:
+            lr *= min(1.0, (s - rewarm_from + 1) / 50)
+        return lr
+
+    loader = torch.utils.data.DataLoader(Rows(args.seq, start_seed, args.batch), batch_size=None,
+                                         num_workers=args.workers, prefetch_factor=4 if args.workers else None,
+                                         persistent_workers=False)
+    it = iter(loader)
+    t_start = time.time()
+    next_seed = start_seed
+    first = step
+    try:
+        step, next_seed = _loop(args, model, opt, it, dev, lr_at, log, step, first, next_seed, before, t_start)
+    finally:   # whatever happens, keep what was trained
+        meta = {"step": step, "next_seed": next_seed, "train_seconds": before + time.time() - t_start,
+                "log": log, "config": args.config, "params": n_params, "args": vars(args)}
+        save_resume(model, os.path.join(args.out, "resume"), meta)
+    total = export(model, os.path.join(args.out, "model"), config)
+    print(f"saved step {step}; exported {total:,} bytes", flush=True)
+    del it, loader   # stop the data workers: they would compete with evaluation for the CPU
+    if args.eval:
+        from . import evaluate
+        evaluate.main(["--model-dir", os.path.join(args.out, "model"), "--out", os.path.join(args.out, "scores.json"),
+                       *args.eval_args.split()], model=model)
+
+
+def _loop(args, model, opt, it, dev, lr_at, log, step, first, next_seed, before, t_start):
+    t_log, tok_log = time.time(), 0
+    while step - first < args.max_steps and time.time() - t_start < args.time_budget:
+        prog = (before + time.time() - t_start) / args.total_seconds
+        ids, w, ns = next(it)
+        next_seed = max(next_seed, int(ns))
+        ids, w = ids.to(dev, non_blocking=True), w.to(dev, non_blocking=True)
+        mode = "dense" if prog < args.dense_frac else "sparse"
+        lr = lr_at(step, prog)
+        for gparam in opt.param_groups:
+            gparam["lr"] = lr
+        kl, load = [], {}
+        h = model.hidden(ids[:, :-1], mode=mode, kl_out=kl, load_out=load)
+        logits = model.logits(h)
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+        wt = w[:, 1:].reshape(-1)
+        lm = (nll * wt).sum() / wt.sum()
+        tmask = wt == 1.0
+        tgt = (nll * tmask).sum() / tmask.sum().clamp_min(1)
+        klv = torch.stack(kl).mean() if kl else torch.zeros((), device=dev)
+        loss = lm + args.kl_weight * klv
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():
+            for L, cnt in load.items():
+                cnt = cnt.float()
+                model.router_bias(L).add_(args.bias_rate * torch.sign(cnt.mean() - cnt))
+        step += 1
+        tok_log += ids.numel()
+        if step % args.log_every == 0:
+            torch.cuda.synchronize() if dev.type == "cuda" else None
+            dt = time.time() - t_log
+            rec = {"step": step, "mode": mode, "loss": round(lm.item(), 4), "target_loss": round(tgt.item(), 4),
+                   "kl": round(klv.item(), 4), "gnorm": round(gn.item(), 3), "lr": lr,
+                   "tok_per_s": round(tok_log / dt), "elapsed_s": round(time.time() - t_start, 1)}
+            log.append(rec)
+            print(json.dumps(rec), flush=True)
+            t_log, tok_log = time.time(), 0
+    return step, next_seed
+
+
+if __name__ == "__main__":
+    main()
