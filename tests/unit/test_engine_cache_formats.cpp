@@ -33,6 +33,8 @@
 #include "model/mla.h"
 #include "model/model.h"
 #include "nano_checkpoint.h"
+#include "tokenizer/chat.h"
+#include "tokenizer/tokenizer.h"
 
 namespace kestrel {
 namespace {
@@ -66,9 +68,9 @@ struct LayerRun {
   std::vector<int32_t> sel;   // i32 [T, Ki]
 };
 
-LayerRun run_layer(const Nano& n, int L, const std::vector<uint16_t>& normed, int64_t T, LatentFormat lf,
-                   IndexKeyFormat kf) {
-  const TextConfig& tc = n.cfg.text;
+LayerRun run_layer(const ModelConfig& cfg, const ModelWeights& w, int L, const std::vector<uint16_t>& normed, int64_t T,
+                   LatentFormat lf, IndexKeyFormat kf) {
+  const TextConfig& tc = cfg.text;
   LayerRun r;
   r.out.resize(size_t(T * tc.hidden_size));
   model::MlaCache cache;
@@ -76,7 +78,7 @@ LayerRun run_layer(const Nano& n, int L, const std::vector<uint16_t>& normed, in
   model::Observer obs = [&](std::string_view name, const TensorView& t) {
     if (name.ends_with("index_topk")) r.sel.assign(t.as<const int32_t>(), t.as<const int32_t>() + t.numel());
   };
-  model::mla_forward(n.w.layers[size_t(L)].mla, tc, cache, normed.data(), T, r.out.data(), model::MlaForm::absorbed,
+  model::mla_forward(w.layers[size_t(L)].mla, tc, cache, normed.data(), T, r.out.data(), model::MlaForm::absorbed,
                      model::Probe{&obs, L});
   return r;
 }
@@ -121,9 +123,9 @@ TEST(EngineCacheFormats, QuantisedCachesAgainstBf16OnGoldenPrompts) {
     for (auto& [L, x] : attn_in) {
       std::vector<uint16_t> normed(x.size());
       cpu::rmsnorm_bf16(x.data(), model::bf16_ptr(n.w.layers[size_t(L)].input_norm), normed.data(), T, D, tc.rms_norm_eps);
-      const LayerRun ref = run_layer(n, L, normed, T, LatentFormat::bf16, IndexKeyFormat::bf16);
+      const LayerRun ref = run_layer(n.cfg, n.w, L, normed, T, LatentFormat::bf16, IndexKeyFormat::bf16);
       for (const Combo& c : combos) {
-        const LayerRun q = run_layer(n, L, normed, T, c.lf, c.kf);
+        const LayerRun q = run_layer(n.cfg, n.w, L, normed, T, c.lf, c.kf);
         for (Acc* a : {&total[c.name], pname == "synthetic512" ? &longctx[c.name] : nullptr}) {
           if (!a) continue;
           for (int64_t t = 0; t < T; ++t) {
@@ -171,6 +173,77 @@ TEST(EngineCacheFormats, QuantisedCachesAgainstBf16OnGoldenPrompts) {
   EXPECT_GE(longctx["keys mxfp4"].agreement(), 0.92);
   EXPECT_LT(total["fp8 + fp8"].rel(), 0.12);
   EXPECT_LT(total["fp8 + mxfp4"].rel(), 0.22);
+}
+
+// The same measurement on the trained model (models/k3-tiny, issue #8) at long context: a 4,096-token
+// passkey prompt from its evaluation set (twice its training context, 16x its index_topk of 256), encoded by
+// the chat encoder as the server would. A trained indexer separates the keys that matter from the rest, which
+// the random nano checkpoint's cannot; this is the measurement issue #5's ">= 99 % at long context" is about.
+// Measured (2026-11-29, 4,084 tokens, both MLA layers): FP8 keys 0.9683 (worst row 0.898), MXFP4 0.8712
+// (worst row 0.547) — short of 99 %. reference/index_agreement.py shows why: every key whose BF16 score is
+// farther from the row's top-k threshold than the row's largest FP8 score error stays selected
+// (1,455,536 of 1,455,537 such keys over the two layers); the swaps are all among keys whose order the
+// format's own rounding decides. Bounds: the measured values with headroom.
+TEST(EngineCacheFormats, TrainedModelIndexAgreementAtLongContext) {
+  const std::string dir = std::string(KESTREL_SOURCE_DIR) + "/models/k3-tiny";
+  const ModelConfig cfg = load_config(dir);
+  const Checkpoint ck(dir);
+  const ModelWeights w = bind_weights(cfg, ck);
+  const tok::Tokenizer tk = tok::Tokenizer::load(dir);
+  const TextConfig& tc = cfg.text;
+  const int64_t Ki = tc.index_topk;
+
+  std::vector<int32_t> tokens;
+  {
+    std::ifstream in(dir + "/eval/passkey.jsonl");
+    ASSERT_TRUE(in) << dir << "/eval/passkey.jsonl";
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto item = nlohmann::ordered_json::parse(line);
+      if (item["meta"]["context_tokens"].get<int>() < 4096) continue;
+      const tok::ChatPrompt cp = tok::ChatEncoder(tk).encode_request(item["request"]);
+      tokens.assign(cp.ids.begin(), cp.ids.end());
+      break;
+    }
+  }
+  ASSERT_GT(int64_t(tokens.size()), 8 * Ki) << "want a context far beyond index_topk";
+  const int64_t T = int64_t(tokens.size());
+
+  std::map<int, std::vector<uint16_t>> attn_in;
+  model::ForwardOptions opt;
+  opt.observer = [&](std::string_view name, const TensorView& t) {
+    if (!name.ends_with(".attn_in")) return;
+    const int L = std::stoi(std::string(name.substr(1, name.find('.') - 1)));
+    if (tc.attn_kind[size_t(L)] == AttnKind::kda) return;
+    attn_in[L].assign(t.as<const uint16_t>(), t.as<const uint16_t>() + t.numel());
+  };
+  model::State st(cfg);
+  model::prefill(w, cfg, st, tokens, nullptr, opt);
+  ASSERT_FALSE(attn_in.empty());
+
+  std::map<std::string, Acc> acc;
+  for (auto& [L, x] : attn_in) {
+    std::vector<uint16_t> normed(x.size());
+    cpu::rmsnorm_bf16(x.data(), model::bf16_ptr(w.layers[size_t(L)].input_norm), normed.data(), T, tc.hidden_size,
+                      tc.rms_norm_eps);
+    const LayerRun ref = run_layer(cfg, w, L, normed, T, LatentFormat::bf16, IndexKeyFormat::bf16);
+    for (auto [name, kf] : {std::pair{"keys fp8", IndexKeyFormat::fp8}, std::pair{"keys mxfp4", IndexKeyFormat::mxfp4}}) {
+      const LayerRun q = run_layer(cfg, w, L, normed, T, LatentFormat::bf16, kf);
+      Acc& a = acc[name];
+      for (int64_t t = Ki; t < T; ++t) {  // rows with more than Ki visible keys
+        std::set<int32_t> want(ref.sel.begin() + t * Ki, ref.sel.begin() + (t + 1) * Ki);
+        int64_t same = 0;
+        for (int64_t i = 0; i < Ki; ++i) same += want.count(q.sel[size_t(t * Ki + i)]);
+        a.agree += same, a.total += Ki;
+        a.worst_row_agree = std::min(a.worst_row_agree, double(same) / double(Ki));
+      }
+    }
+  }
+  for (const auto& [name, a] : acc)
+    fmt::print("k3-tiny, {}-token prompt, Ki {}: {:10s} top-k agreement with bf16 keys {:.4f} (worst row {:.3f})\n", T,
+               Ki, name, a.agreement(), a.worst_row_agree);
+  EXPECT_GE(acc["keys fp8"].agreement(), 0.955);
+  EXPECT_GE(acc["keys mxfp4"].agreement(), 0.84);
 }
 
 // Round trip of one row through each format: exact for BF16, within the format's step otherwise.
