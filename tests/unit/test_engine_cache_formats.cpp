@@ -83,6 +83,30 @@ LayerRun run_layer(const ModelConfig& cfg, const ModelWeights& w, int L, const s
   return r;
 }
 
+// Runs the whole BF16 model over `tokens` and returns every MLA layer's input (L{L}.attn_in, bf16 [T, D])
+// RMS-normed with that layer's input norm: exactly what the MLA layer receives.
+std::map<int, std::vector<uint16_t>> normed_mla_inputs(const ModelConfig& cfg, const ModelWeights& w,
+                                                       const std::vector<int32_t>& tokens) {
+  const TextConfig& tc = cfg.text;
+  std::map<int, std::vector<uint16_t>> attn_in;
+  model::ForwardOptions opt;
+  opt.observer = [&](std::string_view name, const TensorView& t) {
+    if (!name.ends_with(".attn_in")) return;
+    const int L = std::stoi(std::string(name.substr(1, name.find('.') - 1)));
+    if (tc.attn_kind[size_t(L)] == AttnKind::kda) return;
+    attn_in[L].assign(t.as<const uint16_t>(), t.as<const uint16_t>() + t.numel());
+  };
+  model::State st(cfg);
+  model::prefill(w, cfg, st, tokens, nullptr, opt);
+  for (auto& [L, x] : attn_in) {
+    std::vector<uint16_t> normed(x.size());
+    cpu::rmsnorm_bf16(x.data(), model::bf16_ptr(w.layers[size_t(L)].input_norm), normed.data(),
+                      int64_t(tokens.size()), tc.hidden_size, tc.rms_norm_eps);
+    x = std::move(normed);
+  }
+  return attn_in;
+}
+
 struct Acc {
   double err2 = 0, ref2 = 0, worst_row = 0;
   int64_t agree = 0, total = 0;
@@ -109,20 +133,9 @@ TEST(EngineCacheFormats, QuantisedCachesAgainstBf16OnGoldenPrompts) {
   std::map<std::string, Acc> longctx;  // per combo, the 512-token prompt only
   for (const auto& [pname, tokens] : golden_prompts()) {
     const int64_t T = int64_t(tokens.size());
-    std::map<int, std::vector<uint16_t>> attn_in;
-    model::ForwardOptions opt;
-    opt.observer = [&](std::string_view name, const TensorView& t) {
-      if (!name.ends_with(".attn_in")) return;
-      const int L = std::stoi(std::string(name.substr(1, name.find('.') - 1)));
-      if (tc.attn_kind[size_t(L)] == AttnKind::kda) return;
-      attn_in[L].assign(t.as<const uint16_t>(), t.as<const uint16_t>() + t.numel());
-    };
-    model::State st(n.cfg);
-    model::prefill(n.w, n.cfg, st, tokens, nullptr, opt);
-    ASSERT_FALSE(attn_in.empty());
-    for (auto& [L, x] : attn_in) {
-      std::vector<uint16_t> normed(x.size());
-      cpu::rmsnorm_bf16(x.data(), model::bf16_ptr(n.w.layers[size_t(L)].input_norm), normed.data(), T, D, tc.rms_norm_eps);
+    const std::map<int, std::vector<uint16_t>> inputs = normed_mla_inputs(n.cfg, n.w, tokens);
+    ASSERT_FALSE(inputs.empty());
+    for (const auto& [L, normed] : inputs) {
       const LayerRun ref = run_layer(n.cfg, n.w, L, normed, T, LatentFormat::bf16, IndexKeyFormat::bf16);
       for (const Combo& c : combos) {
         const LayerRun q = run_layer(n.cfg, n.w, L, normed, T, c.lf, c.kf);
@@ -209,23 +222,11 @@ TEST(EngineCacheFormats, TrainedModelIndexAgreementAtLongContext) {
   ASSERT_GT(int64_t(tokens.size()), 8 * Ki) << "want a context far beyond index_topk";
   const int64_t T = int64_t(tokens.size());
 
-  std::map<int, std::vector<uint16_t>> attn_in;
-  model::ForwardOptions opt;
-  opt.observer = [&](std::string_view name, const TensorView& t) {
-    if (!name.ends_with(".attn_in")) return;
-    const int L = std::stoi(std::string(name.substr(1, name.find('.') - 1)));
-    if (tc.attn_kind[size_t(L)] == AttnKind::kda) return;
-    attn_in[L].assign(t.as<const uint16_t>(), t.as<const uint16_t>() + t.numel());
-  };
-  model::State st(cfg);
-  model::prefill(w, cfg, st, tokens, nullptr, opt);
-  ASSERT_FALSE(attn_in.empty());
+  const std::map<int, std::vector<uint16_t>> inputs = normed_mla_inputs(cfg, w, tokens);
+  ASSERT_FALSE(inputs.empty());
 
   std::map<std::string, Acc> acc;
-  for (auto& [L, x] : attn_in) {
-    std::vector<uint16_t> normed(x.size());
-    cpu::rmsnorm_bf16(x.data(), model::bf16_ptr(w.layers[size_t(L)].input_norm), normed.data(), T, tc.hidden_size,
-                      tc.rms_norm_eps);
+  for (const auto& [L, normed] : inputs) {
     const LayerRun ref = run_layer(cfg, w, L, normed, T, LatentFormat::bf16, IndexKeyFormat::bf16);
     for (auto [name, kf] : {std::pair{"keys fp8", IndexKeyFormat::fp8}, std::pair{"keys mxfp4", IndexKeyFormat::mxfp4}}) {
       const LayerRun q = run_layer(cfg, w, L, normed, T, LatentFormat::bf16, kf);
