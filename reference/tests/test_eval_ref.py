@@ -1,9 +1,8 @@
 """reference/eval_ref.py on the random-weight nano checkpoint: chunked prefill answers exactly as one prefill
-does, the output has the shape `kestrel eval --score-responses` reads (and it does read it, when the binary is
-built), and a request chat.py refuses becomes that item's error instead of ending the run.
+does, the output has the shape `kestrel eval --score-responses` reads (and it does read it: the built binary
+is required), and a request chat.py refuses becomes that item's error instead of ending the run.
 
-Needs torch (like every reference test) and train/k3data/chat.py (or K3DATA_DIR pointing at the folder that holds
-k3data/); without chat.py the module is skipped, saying so."""
+Needs torch (like every reference test), train/k3data/chat.py of this tree and the built `kestrel`."""
 import json
 import os
 import pathlib
@@ -16,10 +15,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "reference"))
 
 import eval_ref  # noqa: E402
-
-if not any((pathlib.Path(p) / "k3data" / "chat.py").exists()
-           for p in (os.environ.get("K3DATA_DIR") or "", str(ROOT / "train")) if p):
-    pytest.skip("train/k3data/chat.py not in this tree (set K3DATA_DIR)", allow_module_level=True)
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -72,8 +67,7 @@ def test_output_is_read_by_kestrel_eval(nano, tmp_path):
         assert set(r) == {"finish_reason", "content", "reasoning_content", "tool_calls"}
     assert "error" in doc["items"][3] and "response" not in doc["items"][3]
     kestrel = pathlib.Path(os.environ.get("KESTREL_BIN", ROOT / "build" / "src" / "cli" / "kestrel"))
-    if not kestrel.exists():
-        pytest.skip(f"{kestrel} not built: the offline scoring half is not checked")
+    assert kestrel.exists(), f"{kestrel} not built (scripts/build.sh): the offline scoring half needs it"
     scored = tmp_path / "scored.json"
     p = subprocess.run([str(kestrel), "eval", "--set", str(s), "--score-responses", str(out), "--out", str(scored)],
                        capture_output=True, text=True)

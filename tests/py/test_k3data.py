@@ -126,8 +126,7 @@ def test_training_rows_weight_assistant_turns(tok):
 
 def test_committed_eval_sets_are_reproducible(tmp_path, tok):
     """models/k3-tiny/eval holds exactly what `make_eval.py --max-context 4096 --passkey-reps 1` writes."""
-    if not os.path.isdir(EVAL_DIR):
-        pytest.skip("no committed eval sets")
+    assert os.path.isdir(EVAL_DIR), f"{EVAL_DIR}: the committed eval sets are missing"
     make_eval.main(["--out", str(tmp_path), "--tokenizer", VOCAB, "--max-context", "4096", "--passkey-reps", "1"])
     for fn in sorted(os.listdir(EVAL_DIR)):
         if fn.endswith(".jsonl"):
