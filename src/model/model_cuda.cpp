@@ -110,7 +110,10 @@ struct CudaCache {
   std::vector<float*> kda_S;   // per KDA layer: f32 [slots, H, Dk, Dk]
   std::vector<u16*> kda_conv;  // per KDA layer: bf16 [slots, W-1, 3·H·Dk]
   std::vector<u16*> latent;    // per MLA layer: bf16 [pages·P, C+R]
-  std::vector<u16*> index_k;   // per MLA layer with an indexer: bf16 [pages·P, Di]
+  // per MLA layer with an indexer: u8 [pages, P · key_token_bytes] in paged.h's layout for key_format
+  // (bf16: [pages·P, Di] bf16; fp8 / mxfp4: 64-token kernel pages, values then scales)
+  std::vector<u16*> index_k;
+  cuda::PagedKeyFormat key_format = cuda::PagedKeyFormat::bf16;
   std::vector<void*> owned;
   std::map<int64_t, GraphBucket> buckets;  // by bucket batch size
 };
@@ -122,6 +125,14 @@ struct CudaState {
 };
 
 namespace {
+// Bytes per cached token of one layer's index keys in `f` (paged.h's layouts).
+int64_t key_token_bytes(const TextConfig& t, cuda::PagedKeyFormat f) {
+  cuda::PagedMlaCache v;
+  v.key_format = f;
+  v.Di = t.index_head_dim;
+  return v.key_token_bytes();
+}
+
 void free_cache(CudaCache* c) {
   if (!c) return;
   for (auto& [b, g] : c->buckets) {
@@ -456,7 +467,10 @@ struct CudaModel::Impl {
       gemm(cq, Q, m.wq_b, qi, Hi * Di, T, Q, Hi * Di);
       gemm(x, D, m.wk, kraw, Di, T, D, Di);
       cuda::indexer_key_norm(kraw, m.k_norm, m.k_norm_bias, T, Di, knew, stream);
-      cuda::copy_rows(knew, nullptr, cc.index_k[size_t(layer)], s.d_pool_rows, T, Di * 2, stream);
+      if (cc.key_format == cuda::PagedKeyFormat::bf16)
+        cuda::copy_rows(knew, nullptr, cc.index_k[size_t(layer)], s.d_pool_rows, T, Di * 2, stream);
+      else  // quantise on write, byte-identical to the CPU's MlaCacheView::write_key
+        cuda::paged_write_keys(paged_view(cc, s, layer), knew, Di, s.d_pool_rows, T, stream);
       lt.bf16_f32(x, D, m.weights_proj, hw, Hi, T, D, Hi, stream);
     }
     mark("mla.proj");
@@ -480,7 +494,7 @@ struct CudaModel::Impl {
     const TextConfig& c = cfg.text;
     cuda::PagedMlaCache v;
     v.latent_format = cuda::PagedLatentFormat::bf16;
-    v.key_format = cuda::PagedKeyFormat::bf16;
+    v.key_format = cc.key_format;
     v.block_size = cc.P;
     v.C = c.kv_lora_rank, v.R = c.qk_rope_head_dim, v.Di = c.has_indexer() ? c.index_head_dim : 0;
     v.latent = reinterpret_cast<uint8_t*>(cc.latent[size_t(layer)]);
@@ -517,6 +531,8 @@ struct CudaModel::Impl {
                                      s.max_S, Hi, Ki, scores, s.max_S, sel + r0 * Ki, stream);
         }
       } else {
+        KCHECK(cc.key_format == cuda::PagedKeyFormat::bf16,
+               "GPU engine: quantised index keys need the paged attention path (use_paged_attention)");
         cuda::copy_rows(cc.index_k[size_t(layer)], s.d_gather, s.keys_g, nullptr, s.G, Di * 2, stream);
         for (int64_t b = 0; b < s.n_real; ++b) {
           const int64_t r0 = s.row0[size_t(b)], Tb = s.len[size_t(b)], p0 = s.pos0[size_t(b)], S = p0 + Tb;
@@ -566,12 +582,13 @@ struct CudaModel::Impl {
     return (cfg.text.kda.conv_size - 1) * 3 * cfg.text.kda.num_heads * cfg.text.kda.head_dim;
   }
 
-  std::unique_ptr<CudaCache, void (*)(CudaCache*)> new_cache(int32_t pages, int32_t slots, int P) {
+  std::unique_ptr<CudaCache, void (*)(CudaCache*)> new_cache(int32_t pages, int32_t slots, int P,
+                                                             cuda::PagedKeyFormat key_format) {
     const TextConfig& tc = cfg.text;
     if (pages < 1 || slots < 1 || P < 1) fail("GPU cache: need >= 1 page, slot and token per page ({}, {}, {})", pages, slots, P);
     std::unique_ptr<CudaCache, void (*)(CudaCache*)> c(new CudaCache, free_cache);
     c->alloc = &alloc;
-    c->num_pages = pages, c->num_slots = slots, c->P = P;
+    c->num_pages = pages, c->num_slots = slots, c->P = P, c->key_format = key_format;
     auto get = [&](int64_t n) {
       void* p = alloc.alloc(size_t(n));
       c->owned.push_back(p);
@@ -593,8 +610,9 @@ struct CudaModel::Impl {
         c->latent[L] = static_cast<u16*>(get(lb));
         KCUDA_CHECK(cudaMemsetAsync(c->latent[L], 0, size_t(lb), stream));
         if (tc.has_indexer()) {
-          c->index_k[L] = static_cast<u16*>(get(rows * tc.index_head_dim * 2));
-          KCUDA_CHECK(cudaMemsetAsync(c->index_k[L], 0, size_t(rows * tc.index_head_dim * 2), stream));
+          const int64_t kb = rows * key_token_bytes(tc, key_format);
+          c->index_k[L] = static_cast<u16*>(get(kb));
+          KCUDA_CHECK(cudaMemsetAsync(c->index_k[L], 0, size_t(kb), stream));
         }
       }
     }
@@ -937,7 +955,7 @@ std::unique_ptr<CudaState, void (*)(CudaState*)> CudaModel::new_state(int64_t ma
   std::unique_ptr<CudaState, void (*)(CudaState*)> s(new CudaState, free_state);
   const int64_t pages = (max_context + kStatePageTokens - 1) / kStatePageTokens;
   KCHECK(pages < (int64_t(1) << 31) / kStatePageTokens, "GPU state: max_context {} too large", max_context);
-  s->cache = impl_->new_cache(int32_t(pages), 1, kStatePageTokens);
+  s->cache = impl_->new_cache(int32_t(pages), 1, kStatePageTokens, cuda::PagedKeyFormat::bf16);
   s->cap = max_context;
   for (int32_t p = 0; p < int32_t(pages); ++p) s->table.push_back(p);
   return s;
@@ -953,7 +971,8 @@ void CudaModel::forward(CudaState& st, std::span<const int32_t> tokens, float* l
   impl_->forward(st, tokens, logits_host, last_only);
 }
 
-int64_t CudaModel::cache_bytes(const TextConfig& t, int64_t pages, int64_t slots, int block_size) {
+int64_t CudaModel::cache_bytes(const TextConfig& t, int64_t pages, int64_t slots, int block_size,
+                               cuda::PagedKeyFormat key_format) {
   ++pages, ++slots;  // the hidden dummy page and slot
   int64_t per_row = 0, per_slot = 0;
   for (int L = 0; L < t.num_hidden_layers; ++L) {
@@ -961,13 +980,14 @@ int64_t CudaModel::cache_bytes(const TextConfig& t, int64_t pages, int64_t slots
       per_slot += t.kda.num_heads * t.kda.head_dim * t.kda.head_dim * 4 +
                   (t.kda.conv_size - 1) * 3 * t.kda.num_heads * t.kda.head_dim * 2;
     else
-      per_row += (t.kv_lora_rank + t.qk_rope_head_dim) * 2 + (t.has_indexer() ? t.index_head_dim * 2 : 0);
+      per_row += (t.kv_lora_rank + t.qk_rope_head_dim) * 2 + (t.has_indexer() ? key_token_bytes(t, key_format) : 0);
   }
   return per_row * pages * block_size + per_slot * slots;
 }
 std::unique_ptr<CudaCache, void (*)(CudaCache*)> CudaModel::new_cache(int32_t num_pages, int32_t num_slots,
-                                                                       int block_size) {
-  return impl_->new_cache(num_pages, num_slots, block_size);
+                                                                       int block_size,
+                                                                       cuda::PagedKeyFormat key_format) {
+  return impl_->new_cache(num_pages, num_slots, block_size, key_format);
 }
 void CudaModel::zero_slot(CudaCache& c, int32_t slot) { impl_->zero_slot(c, slot); }
 void CudaModel::copy_slot(CudaCache& c, int32_t src, int32_t dst) { impl_->copy_slot(c, src, dst); }

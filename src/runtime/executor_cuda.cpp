@@ -16,13 +16,22 @@
 namespace kestrel::runtime {
 
 void check_cuda_formats(const cache::CacheFormats& f) {
-  if (f.latent != cache::LatentFormat::bf16 || f.index_keys != cache::IndexKeyFormat::bf16 ||
-      f.kda_state != cache::KdaStateDtype::f32)
-    fail("--device cuda stores BF16 latents and index keys and FP32 KDA state for now; got {} latent, {} index keys, "
-         "{} KDA state (use --kv-cache-dtype bf16 --index-cache-dtype bf16 --kda-state-dtype f32)",
-         cache::format_name(f.latent), cache::format_name(f.index_keys),
-         cache::format_name(f.kda_state));
+  if (f.latent != cache::LatentFormat::bf16 || f.kda_state != cache::KdaStateDtype::f32)
+    fail("--device cuda stores BF16 latents and FP32 KDA state for now (index keys: bf16, fp8 or mxfp4); got {} "
+         "latent, {} KDA state (use --kv-cache-dtype bf16 --kda-state-dtype f32)",
+         cache::format_name(f.latent), cache::format_name(f.kda_state));
 }
+
+namespace {
+cuda::PagedKeyFormat paged_key_format(cache::IndexKeyFormat f) {
+  switch (f) {
+    case cache::IndexKeyFormat::bf16: return cuda::PagedKeyFormat::bf16;
+    case cache::IndexKeyFormat::fp8: return cuda::PagedKeyFormat::fp8;
+    case cache::IndexKeyFormat::mxfp4: return cuda::PagedKeyFormat::mxfp4;
+  }
+  fail("GPU executor: unknown index-key format {}", int(f));
+}
+}  // namespace
 
 int64_t cuda_cache_budget(double utilization, int64_t reserve) {
   if (!(utilization > 0.0 && utilization <= 1.0)) fail("--gpu-memory-utilization must be in (0, 1], got {}", utilization);
@@ -48,8 +57,10 @@ struct CudaExecutor::Impl {
   model::CudaModel& m;
   int64_t V;
   std::unique_ptr<model::CudaCache, void (*)(model::CudaCache*)> cache;
-  Impl(model::CudaModel& mm, const ModelConfig& c, const cache::CacheConfig& cc)
-      : m(mm), V(c.text.vocab_size), cache(mm.new_cache(cc.num_pages, cc.num_state_slots, cc.block_size)) {}
+  Impl(model::CudaModel& mm, const ModelConfig& c, const cache::CacheFormats& f, const cache::CacheConfig& cc)
+      : m(mm),
+        V(c.text.vocab_size),
+        cache(mm.new_cache(cc.num_pages, cc.num_state_slots, cc.block_size, paged_key_format(f.index_keys))) {}
 };
 
 CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const cache::CacheFormats& formats,
@@ -57,7 +68,7 @@ CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const 
   check_cuda_formats(formats);
   if (cc.block_size != formats.block_size)
     fail("executor: cache config block size {} != format block size {}", cc.block_size, formats.block_size);
-  impl_ = std::make_unique<Impl>(model, c, cc);
+  impl_ = std::make_unique<Impl>(model, c, formats, cc);
   model.enable_cuda_graphs(options.cuda_graphs);
 }
 

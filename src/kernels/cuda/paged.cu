@@ -68,11 +68,12 @@ __global__ void __launch_bounds__(kWriteThreads)
   for (int i = threadIdx.x; i < R; i += blockDim.x) rope[i] = row[C + i];
 }
 
+template <typename SlotT>
 __global__ void __launch_bounds__(kWriteThreads)
     write_keys_kernel(PagedKeyFormat fmt, int P, int Di, int64_t tb, const uint16_t* __restrict__ keys, int64_t ld,
-                      const int64_t* __restrict__ slots, uint8_t* __restrict__ arena) {
+                      const SlotT* __restrict__ slots, uint8_t* __restrict__ arena) {
   __shared__ float scratch[32];
-  const int64_t t = blockIdx.x, slot = slots[t];
+  const int64_t t = blockIdx.x, slot = int64_t(slots[t]);
   if (slot < 0) return;
   const int64_t page = slot / P, prow = slot % P, K = P % 64 == 0 ? 64 : P;
   uint8_t* kpage = arena + page * P * tb + (prow / K) * K * tb;
@@ -133,17 +134,30 @@ void paged_write_latent(const PagedMlaCache& c, const uint16_t* rows, int64_t ld
   KCUDA_CHECK_LAUNCH();
 }
 
-void paged_write_keys(const PagedMlaCache& c, const uint16_t* keys, int64_t ld, const int64_t* slots, int64_t T,
-                      cudaStream_t stream) {
+namespace {
+template <typename SlotT>
+void write_keys(const PagedMlaCache& c, const uint16_t* keys, int64_t ld, const SlotT* slots, int64_t T,
+                cudaStream_t stream) {
   KCUDA_REQUIRE(T >= 0 && T < (int64_t(1) << 31), std::string("paged_write_keys: bad T"));
   if (T == 0) return;
   KCUDA_REQUIRE(keys && slots && c.keys && c.block_size > 0, std::string("paged_write_keys: null pointer"));
   KCUDA_REQUIRE(c.Di > 0 && c.Di % 8 == 0 && c.Di <= 4096 && ld >= c.Di &&
                     (c.key_format != PagedKeyFormat::mxfp4 || c.Di % 32 == 0),
                 "paged_write_keys: bad Di " + std::to_string(c.Di));
-  write_keys_kernel<<<unsigned(T), kWriteThreads, 0, stream>>>(c.key_format, c.block_size, int(c.Di),
-                                                               c.key_token_bytes(), keys, ld, slots, c.keys);
+  write_keys_kernel<SlotT><<<unsigned(T), kWriteThreads, 0, stream>>>(c.key_format, c.block_size, int(c.Di),
+                                                                      c.key_token_bytes(), keys, ld, slots, c.keys);
   KCUDA_CHECK_LAUNCH();
+}
+}  // namespace
+
+void paged_write_keys(const PagedMlaCache& c, const uint16_t* keys, int64_t ld, const int64_t* slots, int64_t T,
+                      cudaStream_t stream) {
+  write_keys(c, keys, ld, slots, T, stream);
+}
+
+void paged_write_keys(const PagedMlaCache& c, const uint16_t* keys, int64_t ld, const int32_t* slots, int64_t T,
+                      cudaStream_t stream) {
+  write_keys(c, keys, ld, slots, T, stream);
 }
 
 }  // namespace kestrel::cuda

@@ -53,6 +53,9 @@ void paged_write_latent(const PagedMlaCache& c, const uint16_t* rows /* bf16 [T,
                         const int64_t* slots /* i64 [T] */, int64_t T, cudaStream_t stream);
 void paged_write_keys(const PagedMlaCache& c, const uint16_t* keys /* bf16 [T, Di], row stride ld */, int64_t ld,
                       const int64_t* slots /* i64 [T] */, int64_t T, cudaStream_t stream);
+// The same with i32 slots (the GPU engine's step metadata is i32).
+void paged_write_keys(const PagedMlaCache& c, const uint16_t* keys /* bf16 [T, Di], row stride ld */, int64_t ld,
+                      const int32_t* slots /* i32 [T] */, int64_t T, cudaStream_t stream);
 
 // ---- absorbed MLA decode over the paged latent cache ------------------------------------------------------
 // B query rows (one query each; several rows may share a request, e.g. speculative tokens). Row b uses
