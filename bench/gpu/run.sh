@@ -5,8 +5,8 @@
 # so the binaries are built here (same x86-64, -arch sm_90a) and carried there, stripped of debug
 # info, with the shared libraries the image lacks (libfmt; OpenBLAS, libgomp and OpenBLAS's Fortran
 # runtime, which the GPU tests need because they link the CPU twins; ICU, which the runtime's tokenizer
-# links, so `kestrel` itself runs there too), gzipped into .gpu-carry/libs.tgz and unpacked on first
-# use. cuBLASLt comes from the image's CUDA toolkit. Two steps:
+# links, so `kestrel` itself runs there too), packed with them into .gpu-carry/pkg.tar.xz and unpacked on
+# first use. cuBLASLt comes from the image's CUDA toolkit. Two steps:
 #   bench/gpu/run.sh pack    # here: build, copy binaries + libfmt into .gpu-carry/ (git-ignored)
 #   bench/gpu/run.sh test    # there: run every GPU test binary from .gpu-carry/
 #   bench/gpu/run.sh all     # there: make the nano and reduced-mini checkpoints (reference/make_checkpoint.py),
@@ -15,6 +15,15 @@
 #   bench/gpu/run.sh serving # there: nano + reduced-mini checkpoints, the GPU serving tests (row copies,
 #                            # sampler, engine vs solo vs CPU, CUDA graphs) and the model test, then the
 #                            # batch-1/64 decode step of mini split by op (bench_ops --only model)
+#   bench/gpu/run.sh eval SETS_DIR [MODEL]
+#                            # there: `kestrel serve --device cuda` on MODEL (default models/k3-tiny) and
+#                            # `kestrel eval` over every SETS_DIR/*.jsonl, smallest first, while
+#                            # reference/eval_ref.py answers the same sets on the GPU (PyTorch) for
+#                            # `kestrel eval --score-responses`; results per set in $OUT. EVAL_DEADLINE
+#                            # (seconds, default 540) stops both before the device tool's limit; a set cut
+#                            # off leaves no file. EVAL_REF_SETS (a pattern, default all) picks the
+#                            # reference's sets ("none": no reference run); EVAL_SERVE_ARGS adds serve
+#                            # flags (e.g. "--index-cache-dtype fp8"), EVAL_PORT moves the port (18123).
 # With the device tool: run `bench/gpu/run.sh test` with carry [".gpu-carry"].
 # The device tool sends the session's main checkout, not a helper's worktree: from a worktree, copy
 # .gpu-carry/ and bench/gpu/run.sh into a git-ignored folder F of that checkout (F/.gpu-carry,
@@ -22,26 +31,35 @@
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # "$0" again after the cd below
 cd "$(dirname "$0")/../.."
+
+# Unpacks .gpu-carry/pkg.tar.xz (binaries and lib/) into .gpu-carry/ once; puts lib/ on the loader path.
+unpack() {
+  [ -x .gpu-carry/kestrel ] || python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' \
+    .gpu-carry/pkg.tar.xz .gpu-carry
+  if [ -d .gpu-carry/pkg ]; then mv .gpu-carry/pkg/* .gpu-carry/ && rmdir .gpu-carry/pkg; fi
+  export LD_LIBRARY_PATH="$PWD/.gpu-carry/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
+}
+
 case "${1:-}" in
   pack)
     # An existing build/ (configured as the developer likes) is reused; otherwise configure one.
     if [ -f build/build.ninja ]; then ninja -C build >/dev/null; else scripts/build.sh >/dev/null; fi
     excl="$(git rev-parse --git-path info/exclude)"  # .git is a file in a worktree
     grep -qx "/.gpu-carry/" "$excl" 2>/dev/null || echo "/.gpu-carry/" >> "$excl"
-    rm -rf .gpu-carry && mkdir -p .gpu-carry/lib
+    rm -rf .gpu-carry && mkdir -p .gpu-carry/pkg/lib
     for b in build/tests/gpu/kestrel_gpu_tests build/src/cli/kestrel build/bench/bench_ops; do
-      objcopy --strip-debug "$b" ".gpu-carry/$(basename "$b")"
+      objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
     done
     for l in libfmt.so.9 libopenblas.so.0 libgomp.so.1 libgfortran.so.5 libquadmath.so.0 libicuuc.so.72 libicudata.so.72; do
-      cp -L "$(ldconfig -p | awk -v l="$l" '$1 == l {print $NF; exit}')" .gpu-carry/lib/
+      cp -L "$(ldconfig -p | awk -v l="$l" '$1 == l {print $NF; exit}')" .gpu-carry/pkg/lib/
     done
-    # ICU (the runtime links the tokenizer) pushes the libraries past the 64 MiB carry: ship them gzipped.
-    tar czf .gpu-carry/libs.tgz -C .gpu-carry lib && rm -rf .gpu-carry/lib
+    # Binaries + ICU + OpenBLAS are ~95 MB and the tree (with models/k3-tiny) ~36 MB, against the device
+    # tool's 64 MiB: one xz archive (~18 MB) keeps room for eval sets; unpacked there by Python's lzma.
+    tar cJf .gpu-carry/pkg.tar.xz -C .gpu-carry pkg && rm -rf .gpu-carry/pkg
     du -sh .gpu-carry
     ;;
   test)
-    [ -d .gpu-carry/lib ] || tar xzf .gpu-carry/libs.tgz -C .gpu-carry
-    export LD_LIBRARY_PATH="$PWD/.gpu-carry/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
+    unpack
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     if ! ldd .gpu-carry/kestrel_gpu_tests | grep -q "libcublasLt.so.13 => /"; then
       # Fall back to the pip wheel's copy (nvidia-cublas) if the toolkit's is not on the path.
@@ -82,9 +100,55 @@ case "${1:-}" in
       | tee "$out/gpu_serving_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -80 || true
     "$self" bench --model "$ck/mini" --only model 2>&1 | tee "$out/decode_step.md"
     ;;
+  eval)
+    out="${OUT:-/tmp}"
+    sets="${2:?usage: run.sh eval SETS_DIR [MODEL]}"
+    model="${3:-models/k3-tiny}"
+    end=$(( $(date +%s) + ${EVAL_DEADLINE:-540} ))
+    left() { echo $(( end - $(date +%s) > 1 ? end - $(date +%s) : 1 )); }
+    unpack
+    kestrel="${KESTREL_BIN:-.gpu-carry/kestrel}"
+    port="${EVAL_PORT:-18123}"
+    # shellcheck disable=SC2086  # EVAL_SERVE_ARGS: extra serve flags, e.g. "--index-cache-dtype fp8"
+    "$kestrel" serve --device "${EVAL_DEVICE:-cuda}" --model "$model" --port "$port" --max-num-seqs 8 \
+      --max-model-len "${EVAL_MAX_LEN:-133120}" --memory-budget "${EVAL_MEMORY:-4G}" ${EVAL_SERVE_ARGS:-} \
+      >"$out/serve.log" 2>&1 &
+    srv=$!
+    trap 'kill $srv 2>/dev/null || true' EXIT
+    for _ in $(seq 240); do
+      python3 -c "import urllib.request, sys; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" \
+        2>/dev/null && break
+      kill -0 $srv 2>/dev/null || { tail -20 "$out/serve.log"; exit 1; }
+      sleep 0.5
+    done
+    mapfile -t files < <(ls "$sets"/*.jsonl | sort -V)
+    (
+      for f in "${files[@]}"; do
+        b="$(basename "$f" .jsonl)"
+        timeout "$(left)" "$kestrel" eval --set "$f" --base-url "http://127.0.0.1:$port" --concurrency 8 --no-progress \
+          --save-responses --out "$out/engine-$b.json.part" >"$out/engine-$b.txt" 2>&1 \
+          && mv "$out/engine-$b.json.part" "$out/engine-$b.json" || { echo "engine: $b cut off or failed"; break; }
+        echo "engine: $b done at $(( $(date +%s) - end + ${EVAL_DEADLINE:-540} )) s"
+      done
+    ) &
+    eng=$!
+    (
+      for f in "${files[@]}"; do
+        b="$(basename "$f" .jsonl)"
+        case "$b" in ${EVAL_REF_SETS:-*}) ;; *) continue ;; esac
+        timeout "$(left)" python3 reference/eval_ref.py --model "$model" --set "$f" --device "${EVAL_REF_DEVICE:-cuda}" \
+          --out "$out/ref-$b.json.part" 2>"$out/ref-$b.log" \
+          && mv "$out/ref-$b.json.part" "$out/ref-$b.json" || { echo "reference: $b cut off or failed"; break; }
+        echo "reference: $b done at $(( $(date +%s) - end + ${EVAL_DEADLINE:-540} )) s"
+      done
+    ) &
+    ref=$!
+    wait $eng $ref
+    for f in "$out"/engine-*.txt; do tail -n +1 "$f" | grep -vE "^\s*$" | tail -8; done
+    grep -hE "^(kestrel|error)" "$out/serve.log" | head -5 || true
+    ;;
   bench)
-    [ -d .gpu-carry/lib ] || tar xzf .gpu-carry/libs.tgz -C .gpu-carry
-    export LD_LIBRARY_PATH="$PWD/.gpu-carry/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
+    unpack
     if ! ldd .gpu-carry/bench_ops | grep -q "libcublasLt.so.13 => /"; then
       d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
       export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
@@ -92,7 +156,7 @@ case "${1:-}" in
     .gpu-carry/bench_ops "${@:2}"
     ;;
   *)
-    echo "usage: $0 pack|test|all|serving|bench" >&2
+    echo "usage: $0 pack|test|all|serving|eval|bench" >&2
     exit 2
     ;;
 esac

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kestrel serve --device cuda on nano: health, a completion, a streamed chat completion, metrics; and
 # generate with --gpu-memory-utilization (the device-memory budget path). Run on the GPU machine from
-# the folder that holds .gpu-carry/ (argument; default the repository root), libs.tgz unpacked.
+# the folder that holds .gpu-carry/ (argument; default the repository root), pkg.tar.xz unpacked (bench/gpu/run.sh test does it).
 set -uo pipefail
 c="${1:-.}"
 export LD_LIBRARY_PATH="$PWD/$c/.gpu-carry/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
