@@ -27,8 +27,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "train"))
 
-from k3ref import mla  # noqa: E402
-from k3ref.model import Model  # noqa: E402
 
 
 def fp8_keys(k):
@@ -49,11 +47,11 @@ def mxfp4_keys(k):
     amax = b.abs().amax(dim=2, keepdim=True).clamp_min(6 * 2.0 ** -126)
     s = torch.exp2(torch.clamp(torch.ceil(torch.log2(amax / 6.0)), -127, 127))
     x = (b / s).abs().clamp(max=6.0)
-    grid = E2M1.to(k.dtype)
+    grid = E2M1.to(device=k.device, dtype=k.dtype)
     d = (x.unsqueeze(-1) - grid).abs()
     best = d.min(dim=-1, keepdim=True).values
     # RNE: among equally near codes take the even code index (0, 2, 4, 6 are the even mantissas).
-    cand = (d == best) & (torch.arange(8) % 2 == 0)
+    cand = (d == best) & (torch.arange(8, device=k.device) % 2 == 0)
     idx = torch.where(cand.any(-1), cand.float().argmax(-1), d.argmin(-1))
     return (grid[idx] * torch.sign(b) * s).view(T, D)
 
@@ -72,34 +70,45 @@ def topk_set(I, k):
     return order
 
 
-def analyse(cfg, rec):
+def analyse(cfg, rec, rows_per_block=2048):
+    """Counts over every query row with more than index_topk visible keys, in blocks of rows so that a 32K or
+    64K context fits in memory (the scores are [rows, S] per block, the per-head dots [rows, H_I, S])."""
     topk = cfg.index_topk
     qI, w, kb, pos = rec
-    out = {}
-    Ib, causal = scores(cfg, qI, w, kb, pos)
-    rows = (pos + 1) > topk
-    Ib, causal, qI, w, posr = Ib[rows], causal[rows], qI[rows], w[rows], pos[rows]
-    sel_b = topk_set(Ib, topk)
-    srt = torch.gather(Ib, 1, sel_b)
-    thr = srt[:, -1:]
-    zeros = float(((Ib == 0) & causal).sum() / causal.sum())
-    for name, q in (("fp8", fp8_keys), ("mxfp4", mxfp4_keys)):
-        Iq, _ = scores(cfg, qI, w, q(kb), posr)
-        sel_q = topk_set(Iq, topk)
+    keep = (pos + 1) > topk
+    qI, w, pos = qI[keep], w[keep], pos[keep]
+    quant = {"fp8": fp8_keys(kb), "mxfp4": mxfp4_keys(kb)}
+    acc = {n: dict(agree=0, band_selected=0, band_kept=0, band_false_inclusions=0, band_over_thr=0.0) for n in quant}
+    zeros = visible = 0
+    for r0 in range(0, qI.shape[0], rows_per_block):
+        sl = slice(r0, r0 + rows_per_block)
+        Ib, causal = scores(cfg, qI[sl], w[sl], kb, pos[sl])
+        sel_b = topk_set(Ib, topk)
+        thr = torch.gather(Ib, 1, sel_b)[:, -1:]
+        zeros += int(((Ib == 0) & causal).sum())
+        visible += int(causal.sum())
         mb = torch.zeros_like(Ib, dtype=torch.bool).scatter_(1, sel_b, True)
-        mq = torch.zeros_like(Ib, dtype=torch.bool).scatter_(1, sel_q, True)
-        agree = float((mb & mq).sum()) / (mb.shape[0] * topk)
-        band = (torch.where(causal, (Iq - Ib).abs(), torch.zeros_like(Ib))).amax(dim=1, keepdim=True)
-        outside = causal & ((Ib - thr).abs() > band)
-        # keys outside the band: selected by bf16 (above the threshold) must stay selected, and vice versa
-        cnt = (outside & mb).sum()
-        kept = (outside & mb & mq).sum()
-        wrong_in = (outside & ~mb & mq).sum()
-        out[name] = dict(agreement=agree, band_selected=int(cnt), band_kept=int(kept),
-                         band_agreement=float(kept) / max(int(cnt), 1), band_false_inclusions=int(wrong_in),
-                         mean_band_over_threshold=float((band / thr.abs().clamp_min(1e-30)).mean()))
-    out["zero_score_fraction"] = zeros
-    out["rows"] = int(rows.sum())
+        for name, kq in quant.items():
+            Iq, _ = scores(cfg, qI[sl], w[sl], kq, pos[sl])
+            mq = torch.zeros_like(Ib, dtype=torch.bool).scatter_(1, topk_set(Iq, topk), True)
+            band = torch.where(causal, (Iq - Ib).abs(), torch.zeros_like(Ib)).amax(dim=1, keepdim=True)
+            # keys outside the band: selected by bf16 (above the threshold) must stay selected, and vice versa
+            outside = causal & ((Ib - thr).abs() > band)
+            a = acc[name]
+            a["agree"] += int((mb & mq).sum())
+            a["band_selected"] += int((outside & mb).sum())
+            a["band_kept"] += int((outside & mb & mq).sum())
+            a["band_false_inclusions"] += int((outside & ~mb & mq).sum())
+            a["band_over_thr"] += float((band / thr.abs().clamp_min(1e-30)).sum())
+    n = int(qI.shape[0])
+    out = {}
+    for name, a in acc.items():
+        out[name] = dict(agreement=a["agree"] / max(n * topk, 1), band_selected=a["band_selected"],
+                         band_kept=a["band_kept"], band_agreement=a["band_kept"] / max(a["band_selected"], 1),
+                         band_false_inclusions=a["band_false_inclusions"],
+                         mean_band_over_threshold=a["band_over_thr"] / max(n, 1))
+    out["zero_score_fraction"] = zeros / max(visible, 1)
+    out["rows"] = n
     return out
 
 
@@ -108,11 +117,21 @@ def main():
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--eval-set", required=True, help="JSONL eval set (docs/eval.md); chat requests")
     ap.add_argument("--min-context", type=int, default=4096)
+    ap.add_argument("--max-context", type=int, default=1 << 30)
     ap.add_argument("--limit", type=int, default=1)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args()
+    if args.device == "cuda":
+        # k3ref allocates with torch's factory functions and no device argument (as reference/eval_ref.py)
+        torch.set_default_device("cuda")
+    # imported after the default device is set: k3ref builds lookup tables at import time
+    from k3ref import mla
+    from k3ref.model import Model
     from k3data.chat import Tokenizer, encode_chat  # train/k3data: the engine's chat format in Python
     tok = Tokenizer(args.ckpt)
     m = Model(args.ckpt, dtype=torch.float32, mla_form="naive")
+    if args.device == "cuda":
+        m.ck._raw = {k: v.to("cuda") for k, v in m.ck._raw.items()}
     recs = []
     orig = mla.indexer_select
 
@@ -125,15 +144,23 @@ def main():
     with open(args.eval_set) as f:
         for line in f:
             item = json.loads(line)
-            if item["meta"].get("context_tokens", 0) < args.min_context:
+            if not args.min_context <= item["meta"].get("context_tokens", 0) <= args.max_context:
                 continue
             req = item["request"]
             ids = encode_chat(tok, req["messages"], tools=req.get("tools"), reasoning_effort=req.get("reasoning_effort"))
             recs.clear()
             with torch.no_grad():
-                m.prefill(ids, m.new_state())
-            for i, rec in enumerate(recs):
-                print(json.dumps({"item": item["id"], "tokens": len(ids), "mla_layer_call": i, **analyse(m.cfg, rec)}))
+                st = m.new_state()
+                for i in range(0, len(ids), 2048):  # chunked prefill: k3ref's naive MLA is [chunk, H, S]
+                    m.prefill(ids[i:i + 2048], st)
+            # one record per (prefill chunk, MLA layer): join each layer's chunks into one [T] record
+            nl = len(recs) // ((len(ids) + 2047) // 2048)
+            for i in range(nl):
+                parts = recs[i::nl]
+                rec = (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), parts[-1][2],
+                       torch.cat([p[3] for p in parts]))
+                print(json.dumps({"item": item["id"], "tokens": len(ids), "mla_layer": i, **analyse(m.cfg, rec)}),
+                      flush=True)
             n += 1
             if n >= args.limit:
                 break
