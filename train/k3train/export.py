@@ -43,7 +43,7 @@ TINY = {
     "index_n_heads": 4, "index_head_dim": 32, "index_topk": 256,
     "intermediate_size": 768, "num_experts": 16, "num_experts_per_token": 2,
     "routed_expert_hidden_size": 128, "moe_intermediate_size": 192, "num_shared_experts": 2,
-    "attn_res_block_size": 3, "max_position_embeddings": 65536,
+    "attn_res_block_size": 3, "max_position_embeddings": 262144,
 }
 CONFIGS = {"tiny": TINY}
 
