@@ -109,7 +109,9 @@ struct CudaCache {
   int P = 0;                   // tokens per page
   std::vector<float*> kda_S;   // per KDA layer: f32 [slots, H, Dk, Dk]
   std::vector<u16*> kda_conv;  // per KDA layer: bf16 [slots, W-1, 3·H·Dk]
-  std::vector<u16*> latent;    // per MLA layer: bf16 [pages·P, C+R]
+  // per MLA layer: u8 [pages·P, latent_token_bytes] (bf16: [pages·P, C+R] bf16; fp8: paged.h's row)
+  std::vector<u16*> latent;
+  cuda::PagedLatentFormat latent_format = cuda::PagedLatentFormat::bf16;
   // per MLA layer with an indexer: u8 [pages, P · key_token_bytes] in paged.h's layout for key_format
   // (bf16: [pages·P, Di] bf16; fp8 / mxfp4: 64-token kernel pages, values then scales)
   std::vector<u16*> index_k;
@@ -125,7 +127,13 @@ struct CudaState {
 };
 
 namespace {
-// Bytes per cached token of one layer's index keys in `f` (paged.h's layouts).
+// Bytes per cached token of one layer's latent / index keys in `f` (paged.h's layouts).
+int64_t latent_token_bytes(const TextConfig& t, cuda::PagedLatentFormat f) {
+  cuda::PagedMlaCache v;
+  v.latent_format = f;
+  v.C = t.kv_lora_rank, v.R = t.qk_rope_head_dim;
+  return v.latent_token_bytes();
+}
 int64_t key_token_bytes(const TextConfig& t, cuda::PagedKeyFormat f) {
   cuda::PagedMlaCache v;
   v.key_format = f;
@@ -454,7 +462,10 @@ struct CudaModel::Impl {
     cuda::rmsnorm_bf16(kva, CW, m.kv_a_norm, rows, CW, T, C, eps, stream);
     KCUDA_CHECK(cudaMemcpy2DAsync(rows + C, size_t(CW) * 2, kva + C, size_t(CW) * 2, size_t(R) * 2, size_t(T),
                                   cudaMemcpyDeviceToDevice, stream));
-    cuda::copy_rows(rows, nullptr, cc.latent[size_t(layer)], s.d_pool_rows, T, CW * 2, stream);
+    if (cc.latent_format == cuda::PagedLatentFormat::bf16)
+      cuda::copy_rows(rows, nullptr, cc.latent[size_t(layer)], s.d_pool_rows, T, CW * 2, stream);
+    else  // quantise on write, byte-identical to MlaCacheView::write_latent
+      cuda::paged_write_latent(paged_view(cc, s, layer), rows, CW, s.d_pool_rows, T, stream);
     // §3.5 steps 1–4 (the indexer's queries, keys into their pages, head weights).
     u16* qi = nullptr;
     float* hw = nullptr;
@@ -493,7 +504,7 @@ struct CudaModel::Impl {
   cuda::PagedMlaCache paged_view(CudaCache& cc, const BatchStep& s, int layer) const {
     const TextConfig& c = cfg.text;
     cuda::PagedMlaCache v;
-    v.latent_format = cuda::PagedLatentFormat::bf16;
+    v.latent_format = cc.latent_format;
     v.key_format = cc.key_format;
     v.block_size = cc.P;
     v.C = c.kv_lora_rank, v.R = c.qk_rope_head_dim, v.Di = c.has_indexer() ? c.index_head_dim : 0;
@@ -515,7 +526,12 @@ struct CudaModel::Impl {
     const int64_t C = c.kv_lora_rank, R = c.qk_rope_head_dim, N = c.qk_nope_head_dim, Dv = c.v_head_dim,
                   Hm = c.num_attention_heads, QK = N + R, CW = C + R, Ki = c.index_topk;
     const int64_t nd = std::min(s.nd, s.n_real), Treal = s.n_real == s.n ? s.T : s.n_real;
-    if (s.G > 0) cuda::copy_rows(cc.latent[size_t(layer)], s.d_gather, s.lat_g, nullptr, s.G, CW * 2, stream);
+    if (s.G > 0) {
+      if (cc.latent_format == cuda::PagedLatentFormat::bf16)
+        cuda::copy_rows(cc.latent[size_t(layer)], s.d_gather, s.lat_g, nullptr, s.G, CW * 2, stream);
+      else  // the naive prefill reads a contiguous BF16 context: dequantise while gathering
+        cuda::paged_gather_latent(paged_view(cc, s, layer), s.d_gather, s.G, s.lat_g, stream);
+    }
     const cuda::PagedMlaCache pv = s.paged ? paged_view(cc, s, layer) : cuda::PagedMlaCache{};
     int32_t* sel = nullptr;
     if (m.has_indexer) {
@@ -583,12 +599,14 @@ struct CudaModel::Impl {
   }
 
   std::unique_ptr<CudaCache, void (*)(CudaCache*)> new_cache(int32_t pages, int32_t slots, int P,
+                                                             cuda::PagedLatentFormat latent_format,
                                                              cuda::PagedKeyFormat key_format) {
     const TextConfig& tc = cfg.text;
     if (pages < 1 || slots < 1 || P < 1) fail("GPU cache: need >= 1 page, slot and token per page ({}, {}, {})", pages, slots, P);
     std::unique_ptr<CudaCache, void (*)(CudaCache*)> c(new CudaCache, free_cache);
     c->alloc = &alloc;
-    c->num_pages = pages, c->num_slots = slots, c->P = P, c->key_format = key_format;
+    c->num_pages = pages, c->num_slots = slots, c->P = P, c->latent_format = latent_format,
+    c->key_format = key_format;
     auto get = [&](int64_t n) {
       void* p = alloc.alloc(size_t(n));
       c->owned.push_back(p);
@@ -606,7 +624,7 @@ struct CudaModel::Impl {
         KCUDA_CHECK(cudaMemsetAsync(c->kda_S[L], 0, size_t(nslots * kda_S_elems()) * 4, stream));
         KCUDA_CHECK(cudaMemsetAsync(c->kda_conv[L], 0, size_t(nslots * kda_conv_elems()) * 2, stream));
       } else {
-        const int64_t lb = rows * (tc.kv_lora_rank + tc.qk_rope_head_dim) * 2;
+        const int64_t lb = rows * latent_token_bytes(tc, latent_format);
         c->latent[L] = static_cast<u16*>(get(lb));
         KCUDA_CHECK(cudaMemsetAsync(c->latent[L], 0, size_t(lb), stream));
         if (tc.has_indexer()) {
@@ -955,7 +973,8 @@ std::unique_ptr<CudaState, void (*)(CudaState*)> CudaModel::new_state(int64_t ma
   std::unique_ptr<CudaState, void (*)(CudaState*)> s(new CudaState, free_state);
   const int64_t pages = (max_context + kStatePageTokens - 1) / kStatePageTokens;
   KCHECK(pages < (int64_t(1) << 31) / kStatePageTokens, "GPU state: max_context {} too large", max_context);
-  s->cache = impl_->new_cache(int32_t(pages), 1, kStatePageTokens, cuda::PagedKeyFormat::bf16);
+  s->cache = impl_->new_cache(int32_t(pages), 1, kStatePageTokens, cuda::PagedLatentFormat::bf16,
+                              cuda::PagedKeyFormat::bf16);
   s->cap = max_context;
   for (int32_t p = 0; p < int32_t(pages); ++p) s->table.push_back(p);
   return s;
@@ -972,7 +991,7 @@ void CudaModel::forward(CudaState& st, std::span<const int32_t> tokens, float* l
 }
 
 int64_t CudaModel::cache_bytes(const TextConfig& t, int64_t pages, int64_t slots, int block_size,
-                               cuda::PagedKeyFormat key_format) {
+                               cuda::PagedLatentFormat latent_format, cuda::PagedKeyFormat key_format) {
   ++pages, ++slots;  // the hidden dummy page and slot
   int64_t per_row = 0, per_slot = 0;
   for (int L = 0; L < t.num_hidden_layers; ++L) {
@@ -980,14 +999,15 @@ int64_t CudaModel::cache_bytes(const TextConfig& t, int64_t pages, int64_t slots
       per_slot += t.kda.num_heads * t.kda.head_dim * t.kda.head_dim * 4 +
                   (t.kda.conv_size - 1) * 3 * t.kda.num_heads * t.kda.head_dim * 2;
     else
-      per_row += (t.kv_lora_rank + t.qk_rope_head_dim) * 2 + (t.has_indexer() ? key_token_bytes(t, key_format) : 0);
+      per_row += latent_token_bytes(t, latent_format) + (t.has_indexer() ? key_token_bytes(t, key_format) : 0);
   }
   return per_row * pages * block_size + per_slot * slots;
 }
 std::unique_ptr<CudaCache, void (*)(CudaCache*)> CudaModel::new_cache(int32_t num_pages, int32_t num_slots,
                                                                        int block_size,
+                                                                       cuda::PagedLatentFormat latent_format,
                                                                        cuda::PagedKeyFormat key_format) {
-  return impl_->new_cache(num_pages, num_slots, block_size, key_format);
+  return impl_->new_cache(num_pages, num_slots, block_size, latent_format, key_format);
 }
 void CudaModel::zero_slot(CudaCache& c, int32_t slot) { impl_->zero_slot(c, slot); }
 void CudaModel::copy_slot(CudaCache& c, int32_t src, int32_t dst) { impl_->copy_slot(c, src, dst); }

@@ -13,9 +13,10 @@
 // Caches (CudaCache, for many requests): per MLA layer a paged latent pool bf16 [pages·P, C+R] and
 // index-key pool bf16 [pages·P, Di] (token t of a request at row block_table[t/P]·P + t%P, one block
 // table for all layers, as in src/cache), and per KDA layer a state pool indexed by slot: FP32
-// recurrent state [slots, H, Dk, Dk] and conv history bf16 [slots, W−1, 3·H·Dk]. Index keys in any of
-// §3.5's formats (bf16, fp8, mxfp4: quantised on write by paged_write_keys, read by the paged indexer);
-// latents BF16 and KDA state FP32 only so far (the GPU executor refuses other formats).
+// recurrent state [slots, H, Dk, Dk] and conv history bf16 [slots, W−1, 3·H·Dk]. Latents BF16 or FP8 and
+// index keys BF16, FP8 or MXFP4 (§0.3, §3.5; quantised on write by paged_write_latent/keys, read by the
+// paged decode and indexer, and dequantised by paged_gather_latent for the naive prefill); KDA state FP32
+// only so far (the GPU executor refuses F16).
 // Batches (forward_batch): the tokens of every sequence of a step are stacked into one [T, D]
 // activation, so every GEMM, norm, router and MoE launch runs over the whole batch; KDA runs one
 // varlen recurrent scan over all sequences (conv: one decode launch for the T = 1 rows, one prefill
@@ -27,8 +28,7 @@
 // The BF16 pools have kernels/cuda/paged.h's layout (a per-layer arena indexed by page, token row
 // page·P + pos % P, (C+R)·2 and Di·2 bytes per token), so by default (use_paged_attention) the
 // indexer and the absorbed decode read them through block tables with no gather (Impl::mla_attend);
-// quantised keys are written with paged_write_keys (BF16 ones with copy_rows, the same bytes); an FP8
-// latent would need paged_write_latent and a dequantising gather for the naive prefill.
+// quantised rows are written with paged_write_latent/keys (BF16 ones with copy_rows, the same bytes).
 // CudaState (one request, the original API) is a CudaCache of its own with one slot and an identity
 // block table, so the single-request path and the batched path are the same code.
 // Forms: prefill (T > 1) runs the naive MLA form, decode (T = 1) the absorbed one, like the CPU
@@ -89,9 +89,12 @@ class CudaModel {
   // Device bytes of a cache with `pages` pages of `block_size` tokens and `slots` KDA slots (plus the
   // hidden dummy page and slot of the graph buckets).
   static int64_t cache_bytes(const TextConfig& t, int64_t pages, int64_t slots, int block_size,
+                             cuda::PagedLatentFormat latent_format = cuda::PagedLatentFormat::bf16,
                              cuda::PagedKeyFormat key_format = cuda::PagedKeyFormat::bf16);
-  std::unique_ptr<CudaCache, void (*)(CudaCache*)> new_cache(int32_t num_pages, int32_t num_slots, int block_size,
-                                                             cuda::PagedKeyFormat key_format = cuda::PagedKeyFormat::bf16);
+  std::unique_ptr<CudaCache, void (*)(CudaCache*)> new_cache(
+      int32_t num_pages, int32_t num_slots, int block_size,
+      cuda::PagedLatentFormat latent_format = cuda::PagedLatentFormat::bf16,
+      cuda::PagedKeyFormat key_format = cuda::PagedKeyFormat::bf16);
   void zero_slot(CudaCache& c, int32_t slot);  // a fresh start: S = 0, empty conv history
   void copy_slot(CudaCache& c, int32_t src, int32_t dst);
   // One forward over `seqs` (every sequence with T = 1 first, slots distinct). Returns the number of

@@ -16,10 +16,9 @@
 namespace kestrel::runtime {
 
 void check_cuda_formats(const cache::CacheFormats& f) {
-  if (f.latent != cache::LatentFormat::bf16 || f.kda_state != cache::KdaStateDtype::f32)
-    fail("--device cuda stores BF16 latents and FP32 KDA state for now (index keys: bf16, fp8 or mxfp4); got {} "
-         "latent, {} KDA state (use --kv-cache-dtype bf16 --kda-state-dtype f32)",
-         cache::format_name(f.latent), cache::format_name(f.kda_state));
+  if (f.kda_state != cache::KdaStateDtype::f32)
+    fail("--device cuda keeps the KDA state in FP32 for now; got {} (use --kda-state-dtype f32)",
+         cache::format_name(f.kda_state));
 }
 
 namespace {
@@ -30,6 +29,13 @@ cuda::PagedKeyFormat paged_key_format(cache::IndexKeyFormat f) {
     case cache::IndexKeyFormat::mxfp4: return cuda::PagedKeyFormat::mxfp4;
   }
   fail("GPU executor: unknown index-key format {}", int(f));
+}
+cuda::PagedLatentFormat paged_latent_format(cache::LatentFormat f) {
+  switch (f) {
+    case cache::LatentFormat::bf16: return cuda::PagedLatentFormat::bf16;
+    case cache::LatentFormat::fp8: return cuda::PagedLatentFormat::fp8;
+  }
+  fail("GPU executor: unknown latent format {}", int(f));
 }
 }  // namespace
 
@@ -60,7 +66,8 @@ struct CudaExecutor::Impl {
   Impl(model::CudaModel& mm, const ModelConfig& c, const cache::CacheFormats& f, const cache::CacheConfig& cc)
       : m(mm),
         V(c.text.vocab_size),
-        cache(mm.new_cache(cc.num_pages, cc.num_state_slots, cc.block_size, paged_key_format(f.index_keys))) {}
+        cache(mm.new_cache(cc.num_pages, cc.num_state_slots, cc.block_size, paged_latent_format(f.latent),
+                           paged_key_format(f.index_keys))) {}
 };
 
 CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const cache::CacheFormats& formats,

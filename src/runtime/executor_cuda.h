@@ -1,7 +1,7 @@
 // CudaExecutor: the engine's steps on one GPU (docs/serving.md, "What the executor does with a
 // StepPlan", on the device). Weights are uploaded once (model::CudaModel); the paged MLA caches and
 // the KDA state pool live in device memory, sized exactly as the memory planner counted them
-// (CacheLayout for BF16 latents/keys and FP32 state; other formats are refused).
+// (CacheLayout for every latent and index-key format; FP32 KDA state only, F16 is refused).
 //
 // A step: zero the fresh slots, run the restores (device copies), then ONE batched forward over every
 // scheduled sequence (single-token sequences first, so all decodes share one absorbed-MLA launch and
@@ -50,8 +50,8 @@ class CudaExecutor : public StepExecutor {
   ExecutorStats stats_;
 };
 
-// Throws kestrel::Error unless the formats are the ones the GPU path stores (BF16 latent and index
-// keys, FP32 KDA state).
+// Throws kestrel::Error unless the formats are ones the GPU path stores (any latent and index-key
+// format; FP32 KDA state only).
 void check_cuda_formats(const cache::CacheFormats& f);
 
 // Cache budget for --gpu-memory-utilization F on the current device: F × total memory − what is in use

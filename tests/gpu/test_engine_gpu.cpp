@@ -264,13 +264,15 @@ struct EngineRun {
 // has 3 tokens; `solo` runs them one at a time.
 EngineRun run_engine(const ModelConfig& cfg, const ModelWeights& w, model::CudaModel* gpu,
                const std::vector<std::vector<int32_t>>& prompts, int max_tokens, bool prefix_cache, bool solo,
-               bool want_logits, cache::IndexKeyFormat keys = cache::IndexKeyFormat::bf16) {
+               bool want_logits, cache::IndexKeyFormat keys = cache::IndexKeyFormat::bf16,
+               cache::LatentFormat latent = cache::LatentFormat::bf16) {
   runtime::EngineConfig ec;
   ec.memory_budget = int64_t(256) << 20;
   ec.max_running = 8;
   ec.enable_prefix_cache = prefix_cache;
   ec.formats.block_size = 16;  // several pages per request: block tables matter
   ec.formats.index_keys = keys;
+  ec.formats.latent = latent;
   ec.max_num_batched_tokens = 64;  // long prompts prefill in chunks, beside running decodes
   if (gpu)
     ec.make_executor = [gpu, &cfg](const cache::CacheFormats& f, const cache::CacheConfig& cc) {
@@ -404,11 +406,12 @@ TEST(GpuEngine, BatchedStaggeredMatchesSoloAndCpu) {
   }
 }
 
-// FP8 and MXFP4 index keys (MODEL.md §3.5) in the GPU engine: the keys are quantised on write with the
-// bytes the CPU writes and the paged indexer selects the ids the CPU selects, so the GPU engine's greedy
-// tokens equal the CPU engine's with the same key format (up to near ties of the logits, as for BF16).
-// Nano's prompts of 70 and 90 tokens pass its index_topk, so the quantised keys decide selections.
-TEST(GpuEngine, QuantisedIndexKeysMatchCpuEngine) {
+// Quantised caches in the GPU engine: FP8 / MXFP4 index keys (MODEL.md §3.5) and the FP8 latent (§0.3)
+// are written with the bytes the CPU writes, the paged indexer selects the ids the CPU selects, the decode
+// and the prefill's gather dequantise exactly, so the GPU engine's greedy tokens equal the CPU engine's
+// with the same formats (up to near ties of the logits, as for BF16). Nano's prompts of 70 and 90 tokens
+// pass its index_topk, so the quantised keys decide selections.
+TEST(GpuEngine, QuantisedCachesMatchCpuEngine) {
   const auto dirs = ckpt_dirs();
   ASSERT_FALSE(dirs.empty()) << "KESTREL_GPU_CKPTS is not set: run through bench/gpu/run.sh";
   for (const std::string& dir : dirs) {
@@ -427,10 +430,13 @@ TEST(GpuEngine, QuantisedIndexKeysMatchCpuEngine) {
       prompts.push_back(p);
     }
     model::CudaModel gm(cfg, w);
-    for (const auto keys : {cache::IndexKeyFormat::fp8, cache::IndexKeyFormat::mxfp4}) {
-      const std::string name = fmt::format("{} {} keys", nano ? "nano" : "mini(reduced)", cache::format_name(keys));
-      const EngineRun gpu = run_engine(cfg, w, &gm, prompts, max_tokens, true, false, false, keys);
-      const EngineRun cpu = run_engine(cfg, w, nullptr, prompts, max_tokens, true, false, true, keys);
+    for (const auto& [latent, keys] : {std::pair{cache::LatentFormat::bf16, cache::IndexKeyFormat::fp8},
+                                       std::pair{cache::LatentFormat::bf16, cache::IndexKeyFormat::mxfp4},
+                                       std::pair{cache::LatentFormat::fp8, cache::IndexKeyFormat::fp8}}) {
+      const std::string name = fmt::format("{} {} latent {} keys", nano ? "nano" : "mini(reduced)",
+                                           cache::format_name(latent), cache::format_name(keys));
+      const EngineRun gpu = run_engine(cfg, w, &gm, prompts, max_tokens, true, false, false, keys, latent);
+      const EngineRun cpu = run_engine(cfg, w, nullptr, prompts, max_tokens, true, false, true, keys, latent);
       int equal = 0;
       for (size_t i = 0; i < prompts.size(); ++i) {
         ASSERT_EQ(gpu.tokens[i].size(), size_t(max_tokens)) << name;

@@ -121,6 +121,7 @@ TEST(GpuPaged, WritesBitExact) {
         // Both arenas start as the same random bytes: bytes no token owns must survive unchanged.
         auto lat_cpu = rand_u8(size_t(pg.n_pages * sh.P * ltb), rng, 0, 255);
         auto key_cpu = rand_u8(size_t(pg.n_pages * sh.P * ktb), rng, 0, 255);
+        const auto lat0 = lat_cpu, key0 = key_cpu;
         auto dlat = upload(lat_cpu);
         auto dkey = upload(key_cpu);
         int64_t T = 0;
@@ -153,6 +154,18 @@ TEST(GpuPaged, WritesBitExact) {
         const auto got_lat = dlat.get(), got_key = dkey.get();
         check_exact("paged_write_latent (arena bytes)", shape, got_lat.data(), lat_cpu.data(), lat_cpu.size());
         check_exact("paged_write_keys (arena bytes)", shape, got_key.data(), key_cpu.data(), key_cpu.size());
+        // The i32-slot overloads (the GPU engine's) write the same bytes.
+        std::vector<int32_t> slots32(slots.begin(), slots.end());
+        auto dlat32 = upload(lat0);
+        auto dkey32 = upload(key0);
+        auto dslots32 = upload(slots32);
+        const auto c32 = gpu_cache(d, sh.Di, lf, kf, sh.P, dlat32.p(), dkey32.p(), nullptr, 0);
+        cuda::paged_write_latent(c32, drows.p(), d.cw(), dslots32.p(), T, nullptr);
+        cuda::paged_write_keys(c32, dkeys.p(), sh.Di, dslots32.p(), T, nullptr);
+        sync();
+        const auto got_lat32 = dlat32.get(), got_key32 = dkey32.get();
+        check_exact("paged_write_latent i32 slots", shape, got_lat32.data(), lat_cpu.data(), lat_cpu.size());
+        check_exact("paged_write_keys i32 slots", shape, got_key32.data(), key_cpu.data(), key_cpu.size());
       }
     }
   }
@@ -187,6 +200,41 @@ FilledCache fill_cache(const cpu::MlaDims& d, int64_t Di, LatentFormat lf, Index
   f.dkeys = upload(f.keys);
   f.dtables = upload(pg.tables);
   return f;
+}
+
+// The naive prefill's gather: every token of every request, in a shuffled order of pool rows, dequantised
+// to the bytes MlaCacheView::read_latent gives (BF16 and FP8 latent).
+TEST(GpuPaged, GatherLatentMatchesCpuRead) {
+  need_gpu();
+  Rng rng(53);
+  for (const auto& [d, what] : {std::pair{kNano, "nano"}, std::pair{kMini, "mini"}}) {
+    for (LatentFormat lf : {LatentFormat::bf16, LatentFormat::fp8}) {
+      const Pages pg(16, {5, 40, 129}, rng);
+      FilledCache f = fill_cache(d, 0, lf, IndexKeyFormat::bf16, pg, 0, rng);
+      std::vector<int32_t> rows;
+      std::vector<uint16_t> want;
+      for (size_t b = 0; b < pg.lens.size(); ++b) {
+        const auto v = cpu_view(d, 0, lf, IndexKeyFormat::bf16, pg.P, f.lat, f.keys, pg, b);
+        std::vector<uint16_t> lat(size_t(pg.lens[b] * d.cw()));
+        v.read_latent(pg.lens[b], lat.data());
+        want.insert(want.end(), lat.begin(), lat.end());
+        for (int64_t pos = 0; pos < pg.lens[b]; ++pos) rows.push_back(int32_t(pg.slot(b, pos)));
+      }
+      // Gather in reverse order: the output follows rows[], not the pool's order.
+      std::reverse(rows.begin(), rows.end());
+      const int64_t n = int64_t(rows.size()), W = d.cw();
+      for (int64_t i = 0; i < n / 2; ++i)
+        std::swap_ranges(want.begin() + i * W, want.begin() + (i + 1) * W, want.begin() + (n - 1 - i) * W);
+      auto drows = upload(rows);
+      auto out = poisoned<uint16_t>(size_t(n * W));
+      const auto c = gpu_cache(d, 0, lf, IndexKeyFormat::bf16, pg.P, f.dlat.p(), nullptr, nullptr, 0);
+      cuda::paged_gather_latent(c, drows.p(), n, out.p(), nullptr);
+      sync();
+      const auto got = out.get();
+      check_exact("paged_gather_latent", fmt::format("{} latent {} n={}", what, lname(lf), n), got.data(), want.data(),
+                  want.size() * 2);
+    }
+  }
 }
 
 // Absorbed decode over the paged latent: B query rows, several sharing a request (speculative tokens

@@ -51,11 +51,20 @@ struct PagedMlaCache {
 // Block tables are not read. C and R multiples of 8; Di a multiple of 32 (mxfp4) or 8.
 void paged_write_latent(const PagedMlaCache& c, const uint16_t* rows /* bf16 [T, C+R], row stride ld */, int64_t ld,
                         const int64_t* slots /* i64 [T] */, int64_t T, cudaStream_t stream);
+void paged_write_latent(const PagedMlaCache& c, const uint16_t* rows /* bf16 [T, C+R], row stride ld */, int64_t ld,
+                        const int32_t* slots /* i32 [T] */, int64_t T, cudaStream_t stream);
 void paged_write_keys(const PagedMlaCache& c, const uint16_t* keys /* bf16 [T, Di], row stride ld */, int64_t ld,
                       const int64_t* slots /* i64 [T] */, int64_t T, cudaStream_t stream);
-// The same with i32 slots (the GPU engine's step metadata is i32).
+// The i32-slot overloads serve the GPU engine, whose step metadata is i32.
 void paged_write_keys(const PagedMlaCache& c, const uint16_t* keys /* bf16 [T, Di], row stride ld */, int64_t ld,
                       const int32_t* slots /* i32 [T] */, int64_t T, cudaStream_t stream);
+
+// ---- gather ---------------------------------------------------------------------------------------------
+// out[n] = the latent of pool row rows[n] (= page·P + row), dequantised to BF16 exactly as
+// MlaCacheView::read_latent does (FP8: e4m3 · scale is exact in BF16), for the naive prefill's contiguous
+// context. Block tables are not read.
+void paged_gather_latent(const PagedMlaCache& c, const int32_t* rows /* i32 [n] */, int64_t n,
+                         uint16_t* out /* bf16 [n, C+R] */, cudaStream_t stream);
 
 // ---- absorbed MLA decode over the paged latent cache ------------------------------------------------------
 // B query rows (one query each; several rows may share a request, e.g. speculative tokens). Row b uses
