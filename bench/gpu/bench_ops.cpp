@@ -656,7 +656,9 @@ int main(int argc, char** argv) {
         }
         float* f = static_cast<float*>(io.data());
         auto run = [&](bool chunked) {
-          auto fn = chunked ? cuda::kda_chunked : cuda::kda_recurrent;
+          using Scan = void (*)(const float*, const float*, const float*, const float*, int64_t, const float*, int64_t,
+                                const int32_t*, const int32_t*, float*, float*, int64_t, int64_t, int64_t, cudaStream_t);
+          const Scan fn = chunked ? Scan(cuda::kda_chunked) : Scan(cuda::kda_recurrent);
           fn(f, f + T * HD, f + 2 * T * HD, f + 3 * T * HD, HD, static_cast<float*>(beta.data()), H,
              static_cast<int32_t*>(cu.data()), static_cast<int32_t*>(slots.data()), static_cast<float*>(pool.data()),
              f + 4 * T * HD, B, H, Dk, nullptr);

@@ -151,7 +151,6 @@ DeviceSetup cuda_device_setup(double gpu_memory_utilization, bool cuda_graphs) {
 #ifdef KESTREL_WITH_CUDA
   return [gpu_memory_utilization, cuda_graphs](const ModelConfig& c, const ModelWeights& w,
                                   runtime::EngineConfig& ec) -> std::shared_ptr<void> {
-    runtime::check_cuda_formats(ec.formats);
     auto m = std::make_shared<model::CudaModel>(c, w);
     // Activations of one step (max_num_batched_tokens rows through the widest layer) and cuBLASLt's
     // workspace: a fixed 2 GiB covers the mini and nano shapes with room to spare.

@@ -58,7 +58,7 @@ void register_serve(CLI::App& app) {
       ->check(CLI::Range(0, 1 << 20));
   cmd->add_option("--block-size", o->block_size, "KV page size in tokens (default: the engine's, 128)")
       ->check(CLI::Range(1, 1 << 16));
-  cmd->add_option("--device", o->device, "cpu or cuda (the paged engine on the GPU executor; FP32 KDA state)")
+  cmd->add_option("--device", o->device, "cpu or cuda (the paged engine on the GPU executor)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "--device cuda: run decode steps eagerly");
   auto* mb = cmd->add_option("--memory-budget", o->memory_budget, "bytes for KV pages + KDA state slots (e.g. 512M, 2G; default 1G)");

@@ -107,7 +107,10 @@ struct CudaCache {
   cuda::CachingAllocator* alloc = nullptr;
   int32_t num_pages = 0, num_slots = 0;  // plus one hidden dummy page and slot for padded graph rows
   int P = 0;                   // tokens per page
-  std::vector<float*> kda_S;   // per KDA layer: f32 [slots, H, Dk, Dk]
+  // per KDA layer: f32 [slots, H, Dk, Dk], or f16 with kda_state_f16 (widened per launch by kda_recurrent)
+  std::vector<uint8_t*> kda_S;
+  bool kda_state_f16 = false;
+  int64_t state_bytes() const { return kda_state_f16 ? 2 : 4; }
   std::vector<u16*> kda_conv;  // per KDA layer: bf16 [slots, W-1, 3·H·Dk]
   // per MLA layer: u8 [pages·P, latent_token_bytes] (bf16: [pages·P, C+R] bf16; fp8: paged.h's row)
   std::vector<u16*> latent;
@@ -434,8 +437,13 @@ struct CudaModel::Impl {
                             beta, T, H, Dk, stream);  // steps 3–5
     cuda::bf16_to_f32_2d(conv + 2 * HD, 3 * HD, T, HD, vf, stream);
     float* o = tmp<float>(T * HD);
-    cuda::kda_recurrent(qf, kf, vf, g, HD, beta, H, s.d_cu, s.d_slots, cc.kda_S[size_t(layer)], o, s.n, H, Dk,
-                        stream);  // step 6, every sequence in one varlen launch
+    // step 6, every sequence in one varlen launch
+    if (cc.kda_state_f16)
+      cuda::kda_recurrent(qf, kf, vf, g, HD, beta, H, s.d_cu, s.d_slots,
+                          reinterpret_cast<uint16_t*>(cc.kda_S[size_t(layer)]), o, s.n, H, Dk, stream);
+    else
+      cuda::kda_recurrent(qf, kf, vf, g, HD, beta, H, s.d_cu, s.d_slots,
+                          reinterpret_cast<float*>(cc.kda_S[size_t(layer)]), o, s.n, H, Dk, stream);
     u16* ohat = tmp<u16>(T * HD);
     cuda::kda_out_norm_gate(o, gate, k.o_norm, c.rms_norm_eps, ohat, T, H, Dk, stream);  // step 7
     mark("kda.core");
@@ -599,14 +607,13 @@ struct CudaModel::Impl {
   }
 
   std::unique_ptr<CudaCache, void (*)(CudaCache*)> new_cache(int32_t pages, int32_t slots, int P,
-                                                             cuda::PagedLatentFormat latent_format,
-                                                             cuda::PagedKeyFormat key_format) {
+                                                             const CudaCacheFormats& f) {
     const TextConfig& tc = cfg.text;
     if (pages < 1 || slots < 1 || P < 1) fail("GPU cache: need >= 1 page, slot and token per page ({}, {}, {})", pages, slots, P);
     std::unique_ptr<CudaCache, void (*)(CudaCache*)> c(new CudaCache, free_cache);
     c->alloc = &alloc;
-    c->num_pages = pages, c->num_slots = slots, c->P = P, c->latent_format = latent_format,
-    c->key_format = key_format;
+    c->num_pages = pages, c->num_slots = slots, c->P = P, c->latent_format = f.latent, c->key_format = f.keys,
+    c->kda_state_f16 = f.kda_state_f16;
     auto get = [&](int64_t n) {
       void* p = alloc.alloc(size_t(n));
       c->owned.push_back(p);
@@ -619,16 +626,16 @@ struct CudaModel::Impl {
     const int64_t rows = (int64_t(pages) + 1) * P, nslots = int64_t(slots) + 1;
     for (size_t L = 0; L < nl; ++L) {
       if (tc.attn_kind[L] == AttnKind::kda) {
-        c->kda_S[L] = static_cast<float*>(get(nslots * kda_S_elems() * 4));
+        c->kda_S[L] = static_cast<uint8_t*>(get(nslots * kda_S_elems() * c->state_bytes()));
         c->kda_conv[L] = static_cast<u16*>(get(nslots * kda_conv_elems() * 2));
-        KCUDA_CHECK(cudaMemsetAsync(c->kda_S[L], 0, size_t(nslots * kda_S_elems()) * 4, stream));
+        KCUDA_CHECK(cudaMemsetAsync(c->kda_S[L], 0, size_t(nslots * kda_S_elems() * c->state_bytes()), stream));
         KCUDA_CHECK(cudaMemsetAsync(c->kda_conv[L], 0, size_t(nslots * kda_conv_elems()) * 2, stream));
       } else {
-        const int64_t lb = rows * latent_token_bytes(tc, latent_format);
+        const int64_t lb = rows * latent_token_bytes(tc, f.latent);
         c->latent[L] = static_cast<u16*>(get(lb));
         KCUDA_CHECK(cudaMemsetAsync(c->latent[L], 0, size_t(lb), stream));
         if (tc.has_indexer()) {
-          const int64_t kb = rows * key_token_bytes(tc, key_format);
+          const int64_t kb = rows * key_token_bytes(tc, f.keys);
           c->index_k[L] = static_cast<u16*>(get(kb));
           KCUDA_CHECK(cudaMemsetAsync(c->index_k[L], 0, size_t(kb), stream));
         }
@@ -641,7 +648,8 @@ struct CudaModel::Impl {
     KCHECK(slot >= 0 && slot < c.num_slots, "GPU cache: slot {} outside [0, {})", slot, c.num_slots);
     for (size_t L = 0; L < c.kda_S.size(); ++L) {
       if (!c.kda_S[L]) continue;
-      KCUDA_CHECK(cudaMemsetAsync(c.kda_S[L] + int64_t(slot) * kda_S_elems(), 0, size_t(kda_S_elems()) * 4, stream));
+      const int64_t sb = kda_S_elems() * c.state_bytes();
+      KCUDA_CHECK(cudaMemsetAsync(c.kda_S[L] + int64_t(slot) * sb, 0, size_t(sb), stream));
       KCUDA_CHECK(cudaMemsetAsync(c.kda_conv[L] + int64_t(slot) * kda_conv_elems(), 0, size_t(kda_conv_elems()) * 2,
                                   stream));
     }
@@ -652,8 +660,9 @@ struct CudaModel::Impl {
     if (src == dst) return;
     for (size_t L = 0; L < c.kda_S.size(); ++L) {
       if (!c.kda_S[L]) continue;
-      KCUDA_CHECK(cudaMemcpyAsync(c.kda_S[L] + int64_t(dst) * kda_S_elems(), c.kda_S[L] + int64_t(src) * kda_S_elems(),
-                                  size_t(kda_S_elems()) * 4, cudaMemcpyDeviceToDevice, stream));
+      const int64_t sb = kda_S_elems() * c.state_bytes();
+      KCUDA_CHECK(cudaMemcpyAsync(c.kda_S[L] + int64_t(dst) * sb, c.kda_S[L] + int64_t(src) * sb, size_t(sb),
+                                  cudaMemcpyDeviceToDevice, stream));
       KCUDA_CHECK(cudaMemcpyAsync(c.kda_conv[L] + int64_t(dst) * kda_conv_elems(),
                                   c.kda_conv[L] + int64_t(src) * kda_conv_elems(), size_t(kda_conv_elems()) * 2,
                                   cudaMemcpyDeviceToDevice, stream));
@@ -973,8 +982,7 @@ std::unique_ptr<CudaState, void (*)(CudaState*)> CudaModel::new_state(int64_t ma
   std::unique_ptr<CudaState, void (*)(CudaState*)> s(new CudaState, free_state);
   const int64_t pages = (max_context + kStatePageTokens - 1) / kStatePageTokens;
   KCHECK(pages < (int64_t(1) << 31) / kStatePageTokens, "GPU state: max_context {} too large", max_context);
-  s->cache = impl_->new_cache(int32_t(pages), 1, kStatePageTokens, cuda::PagedLatentFormat::bf16,
-                              cuda::PagedKeyFormat::bf16);
+  s->cache = impl_->new_cache(int32_t(pages), 1, kStatePageTokens, CudaCacheFormats{});
   s->cap = max_context;
   for (int32_t p = 0; p < int32_t(pages); ++p) s->table.push_back(p);
   return s;
@@ -991,23 +999,22 @@ void CudaModel::forward(CudaState& st, std::span<const int32_t> tokens, float* l
 }
 
 int64_t CudaModel::cache_bytes(const TextConfig& t, int64_t pages, int64_t slots, int block_size,
-                               cuda::PagedLatentFormat latent_format, cuda::PagedKeyFormat key_format) {
+                               const CudaCacheFormats& f) {
   ++pages, ++slots;  // the hidden dummy page and slot
   int64_t per_row = 0, per_slot = 0;
   for (int L = 0; L < t.num_hidden_layers; ++L) {
     if (t.attn_kind[size_t(L)] == AttnKind::kda)
-      per_slot += t.kda.num_heads * t.kda.head_dim * t.kda.head_dim * 4 +
+      per_slot += t.kda.num_heads * t.kda.head_dim * t.kda.head_dim * (f.kda_state_f16 ? 2 : 4) +
                   (t.kda.conv_size - 1) * 3 * t.kda.num_heads * t.kda.head_dim * 2;
     else
-      per_row += latent_token_bytes(t, latent_format) + (t.has_indexer() ? key_token_bytes(t, key_format) : 0);
+      per_row += latent_token_bytes(t, f.latent) + (t.has_indexer() ? key_token_bytes(t, f.keys) : 0);
   }
   return per_row * pages * block_size + per_slot * slots;
 }
 std::unique_ptr<CudaCache, void (*)(CudaCache*)> CudaModel::new_cache(int32_t num_pages, int32_t num_slots,
                                                                        int block_size,
-                                                                       cuda::PagedLatentFormat latent_format,
-                                                                       cuda::PagedKeyFormat key_format) {
-  return impl_->new_cache(num_pages, num_slots, block_size, latent_format, key_format);
+                                                                       const CudaCacheFormats& f) {
+  return impl_->new_cache(num_pages, num_slots, block_size, f);
 }
 void CudaModel::zero_slot(CudaCache& c, int32_t slot) { impl_->zero_slot(c, slot); }
 void CudaModel::copy_slot(CudaCache& c, int32_t src, int32_t dst) { impl_->copy_slot(c, src, dst); }

@@ -16,7 +16,7 @@
 // recurrent state [slots, H, Dk, Dk] and conv history bf16 [slots, W−1, 3·H·Dk]. Latents BF16 or FP8 and
 // index keys BF16, FP8 or MXFP4 (§0.3, §3.5; quantised on write by paged_write_latent/keys, read by the
 // paged decode and indexer, and dequantised by paged_gather_latent for the naive prefill); KDA state FP32
-// only so far (the GPU executor refuses F16).
+// or FP16 (widened and rounded back by kda_recurrent once per launch, as the CPU does per layer call).
 // Batches (forward_batch): the tokens of every sequence of a step are stacked into one [T, D]
 // activation, so every GEMM, norm, router and MoE launch runs over the whole batch; KDA runs one
 // varlen recurrent scan over all sequences (conv: one decode launch for the T = 1 rows, one prefill
@@ -65,6 +65,13 @@ struct CudaSeq {
   enum class Logits : uint8_t { none, last, all } logits = Logits::last;
 };
 
+// What a CudaCache stores (the executor maps cache::CacheFormats onto it).
+struct CudaCacheFormats {
+  cuda::PagedLatentFormat latent = cuda::PagedLatentFormat::bf16;
+  cuda::PagedKeyFormat keys = cuda::PagedKeyFormat::bf16;
+  bool kda_state_f16 = false;  // the recurrent state in FP16 (--kda-state-dtype f16); conv history stays bf16
+};
+
 class CudaModel {
  public:
   CudaModel(const ModelConfig& c, const ModelWeights& w);
@@ -89,12 +96,9 @@ class CudaModel {
   // Device bytes of a cache with `pages` pages of `block_size` tokens and `slots` KDA slots (plus the
   // hidden dummy page and slot of the graph buckets).
   static int64_t cache_bytes(const TextConfig& t, int64_t pages, int64_t slots, int block_size,
-                             cuda::PagedLatentFormat latent_format = cuda::PagedLatentFormat::bf16,
-                             cuda::PagedKeyFormat key_format = cuda::PagedKeyFormat::bf16);
-  std::unique_ptr<CudaCache, void (*)(CudaCache*)> new_cache(
-      int32_t num_pages, int32_t num_slots, int block_size,
-      cuda::PagedLatentFormat latent_format = cuda::PagedLatentFormat::bf16,
-      cuda::PagedKeyFormat key_format = cuda::PagedKeyFormat::bf16);
+                             const CudaCacheFormats& f = {});
+  std::unique_ptr<CudaCache, void (*)(CudaCache*)> new_cache(int32_t num_pages, int32_t num_slots, int block_size,
+                                                             const CudaCacheFormats& f = {});
   void zero_slot(CudaCache& c, int32_t slot);  // a fresh start: S = 0, empty conv history
   void copy_slot(CudaCache& c, int32_t src, int32_t dst);
   // One forward over `seqs` (every sequence with T = 1 first, slots distinct). Returns the number of

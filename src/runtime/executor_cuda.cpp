@@ -15,12 +15,6 @@
 
 namespace kestrel::runtime {
 
-void check_cuda_formats(const cache::CacheFormats& f) {
-  if (f.kda_state != cache::KdaStateDtype::f32)
-    fail("--device cuda keeps the KDA state in FP32 for now; got {} (use --kda-state-dtype f32)",
-         cache::format_name(f.kda_state));
-}
-
 namespace {
 cuda::PagedKeyFormat paged_key_format(cache::IndexKeyFormat f) {
   switch (f) {
@@ -66,13 +60,13 @@ struct CudaExecutor::Impl {
   Impl(model::CudaModel& mm, const ModelConfig& c, const cache::CacheFormats& f, const cache::CacheConfig& cc)
       : m(mm),
         V(c.text.vocab_size),
-        cache(mm.new_cache(cc.num_pages, cc.num_state_slots, cc.block_size, paged_latent_format(f.latent),
-                           paged_key_format(f.index_keys))) {}
+        cache(mm.new_cache(cc.num_pages, cc.num_state_slots, cc.block_size,
+                           model::CudaCacheFormats{paged_latent_format(f.latent), paged_key_format(f.index_keys),
+                                                   f.kda_state == cache::KdaStateDtype::f16})) {}
 };
 
 CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const cache::CacheFormats& formats,
                            const cache::CacheConfig& cc, const CudaExecutorOptions& options) {
-  check_cuda_formats(formats);
   if (cc.block_size != formats.block_size)
     fail("executor: cache config block size {} != format block size {}", cc.block_size, formats.block_size);
   impl_ = std::make_unique<Impl>(model, c, formats, cc);

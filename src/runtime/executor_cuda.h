@@ -1,7 +1,7 @@
 // CudaExecutor: the engine's steps on one GPU (docs/serving.md, "What the executor does with a
 // StepPlan", on the device). Weights are uploaded once (model::CudaModel); the paged MLA caches and
 // the KDA state pool live in device memory, sized exactly as the memory planner counted them
-// (CacheLayout for every latent and index-key format; FP32 KDA state only, F16 is refused).
+// (CacheLayout for every latent, index-key and KDA-state format).
 //
 // A step: zero the fresh slots, run the restores (device copies), then ONE batched forward over every
 // scheduled sequence (single-token sequences first, so all decodes share one absorbed-MLA launch and
@@ -49,10 +49,6 @@ class CudaExecutor : public StepExecutor {
   std::unique_ptr<Impl> impl_;
   ExecutorStats stats_;
 };
-
-// Throws kestrel::Error unless the formats are ones the GPU path stores (any latent and index-key
-// format; FP32 KDA state only).
-void check_cuda_formats(const cache::CacheFormats& f);
 
 // Cache budget for --gpu-memory-utilization F on the current device: F × total memory − what is in use
 // now (the weights, once uploaded) − `reserve` bytes for activations and cuBLASLt workspace.

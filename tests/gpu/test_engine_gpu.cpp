@@ -27,6 +27,7 @@
 #include <mutex>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "harness.h"
 #include "kernels/cuda/rows.h"
@@ -265,7 +266,8 @@ struct EngineRun {
 EngineRun run_engine(const ModelConfig& cfg, const ModelWeights& w, model::CudaModel* gpu,
                const std::vector<std::vector<int32_t>>& prompts, int max_tokens, bool prefix_cache, bool solo,
                bool want_logits, cache::IndexKeyFormat keys = cache::IndexKeyFormat::bf16,
-               cache::LatentFormat latent = cache::LatentFormat::bf16) {
+               cache::LatentFormat latent = cache::LatentFormat::bf16,
+               cache::KdaStateDtype state = cache::KdaStateDtype::f32) {
   runtime::EngineConfig ec;
   ec.memory_budget = int64_t(256) << 20;
   ec.max_running = 8;
@@ -273,6 +275,7 @@ EngineRun run_engine(const ModelConfig& cfg, const ModelWeights& w, model::CudaM
   ec.formats.block_size = 16;  // several pages per request: block tables matter
   ec.formats.index_keys = keys;
   ec.formats.latent = latent;
+  ec.formats.kda_state = state;
   ec.max_num_batched_tokens = 64;  // long prompts prefill in chunks, beside running decodes
   if (gpu)
     ec.make_executor = [gpu, &cfg](const cache::CacheFormats& f, const cache::CacheConfig& cc) {
@@ -408,7 +411,8 @@ TEST(GpuEngine, BatchedStaggeredMatchesSoloAndCpu) {
 
 // Quantised caches in the GPU engine: FP8 / MXFP4 index keys (MODEL.md §3.5) and the FP8 latent (§0.3)
 // are written with the bytes the CPU writes, the paged indexer selects the ids the CPU selects, the decode
-// and the prefill's gather dequantise exactly, so the GPU engine's greedy tokens equal the CPU engine's
+// and the prefill's gather dequantise exactly, an FP16 KDA state is widened and rounded back per launch as
+// the CPU does per layer call, so the GPU engine's greedy tokens equal the CPU engine's
 // with the same formats (up to near ties of the logits, as for BF16). Nano's prompts of 70 and 90 tokens
 // pass its index_topk, so the quantised keys decide selections.
 TEST(GpuEngine, QuantisedCachesMatchCpuEngine) {
@@ -430,13 +434,17 @@ TEST(GpuEngine, QuantisedCachesMatchCpuEngine) {
       prompts.push_back(p);
     }
     model::CudaModel gm(cfg, w);
-    for (const auto& [latent, keys] : {std::pair{cache::LatentFormat::bf16, cache::IndexKeyFormat::fp8},
-                                       std::pair{cache::LatentFormat::bf16, cache::IndexKeyFormat::mxfp4},
-                                       std::pair{cache::LatentFormat::fp8, cache::IndexKeyFormat::fp8}}) {
-      const std::string name = fmt::format("{} {} latent {} keys", nano ? "nano" : "mini(reduced)",
-                                           cache::format_name(latent), cache::format_name(keys));
-      const EngineRun gpu = run_engine(cfg, w, &gm, prompts, max_tokens, true, false, false, keys, latent);
-      const EngineRun cpu = run_engine(cfg, w, nullptr, prompts, max_tokens, true, false, true, keys, latent);
+    using F = std::tuple<cache::LatentFormat, cache::IndexKeyFormat, cache::KdaStateDtype>;
+    for (const auto& [latent, keys, state] :
+         {F{cache::LatentFormat::bf16, cache::IndexKeyFormat::fp8, cache::KdaStateDtype::f32},
+          F{cache::LatentFormat::bf16, cache::IndexKeyFormat::mxfp4, cache::KdaStateDtype::f32},
+          F{cache::LatentFormat::fp8, cache::IndexKeyFormat::fp8, cache::KdaStateDtype::f32},
+          F{cache::LatentFormat::bf16, cache::IndexKeyFormat::bf16, cache::KdaStateDtype::f16}}) {
+      const std::string name = fmt::format("{} {} latent {} keys {} state", nano ? "nano" : "mini(reduced)",
+                                           cache::format_name(latent), cache::format_name(keys),
+                                           cache::format_name(state));
+      const EngineRun gpu = run_engine(cfg, w, &gm, prompts, max_tokens, true, false, false, keys, latent, state);
+      const EngineRun cpu = run_engine(cfg, w, nullptr, prompts, max_tokens, true, false, true, keys, latent, state);
       int equal = 0;
       for (size_t i = 0; i < prompts.size(); ++i) {
         ASSERT_EQ(gpu.tokens[i].size(), size_t(max_tokens)) << name;

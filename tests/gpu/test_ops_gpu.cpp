@@ -326,6 +326,7 @@ TEST(GpuOps, KdaRecurrent) {
                              g.data(), beta.data(), T, s.H, s.Dk);
       const auto v = rand_f32(size_t(T * HD), rng, -1.0f, 1.0f);
       auto pool = rand_f32(size_t(n_slots * s.H * DD), rng, -0.1f, 0.1f);
+      const auto pool0 = pool;
       const auto slots = random_slots(B, n_slots, rng);
       auto dq = upload(q);
       auto dk = upload(k);
@@ -356,6 +357,28 @@ TEST(GpuOps, KdaRecurrent) {
       check("kda_recurrent (o)", shape, dout.get().data(), o.data(), o.size(), {1e-5 * so, 1e-4, 2e-5});
       // The whole pool: slots nobody used must come back unchanged.
       check("kda_recurrent (state pool)", shape, dpool.get().data(), pool.data(), pool.size(), {1e-5 * ss, 1e-4, 2e-5});
+      // FP16 pool: the launch widens each state exactly, runs the same FP32 scan and rounds back once, so
+      // from an FP16-representable start it must give the FP32 launch's outputs bit for bit and its final
+      // states rounded to FP16 (RNE) bit for bit.
+      std::vector<float> p32(pool0.size());
+      std::vector<uint16_t> p16(pool0.size());
+      for (size_t i = 0; i < pool0.size(); ++i) p16[i] = f32_to_f16(pool0[i]), p32[i] = f16_to_f32(p16[i]);
+      auto dp32 = upload(p32);
+      auto dp16 = upload(p16);
+      auto do32 = poisoned<float>(size_t(T * HD));
+      auto do16 = poisoned<float>(size_t(T * HD));
+      cuda::kda_recurrent(dq.p(), dk.p(), dv.p(), dg.p(), HD, dbeta.p(), s.H, dcu.p(), dslots.p(), dp32.p(), do32.p(), B,
+                          s.H, s.Dk, nullptr);
+      cuda::kda_recurrent(dq.p(), dk.p(), dv.p(), dg.p(), HD, dbeta.p(), s.H, dcu.p(), dslots.p(), dp16.p(), do16.p(), B,
+                          s.H, s.Dk, nullptr);
+      sync();
+      const auto o32 = do32.get(), o16 = do16.get();
+      check_exact("kda_recurrent f16 state (o)", shape, o16.data(), o32.data(), o32.size() * 4);
+      const auto s32 = dp32.get();
+      std::vector<uint16_t> want16(s32.size());
+      for (size_t i = 0; i < s32.size(); ++i) want16[i] = f32_to_f16(s32[i]);
+      const auto s16 = dp16.get();
+      check_exact("kda_recurrent f16 state (pool)", shape, s16.data(), want16.data(), want16.size() * 2);
     }
   }
 }

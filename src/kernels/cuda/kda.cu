@@ -6,6 +6,7 @@
 //   in registers (Dk floats, compile-time indexed), so every state element is read and written once
 //   per launch and the reads are coalesced across the warp (row i of S is contiguous in j).
 // - chunked scan: see the comment at chunked_kernel.
+#include <cuda_fp16.h>
 #include <mma.h>
 
 #include <type_traits>
@@ -102,19 +103,26 @@ __global__ void qk_norm_gates_kernel(const uint16_t* __restrict__ q, const uint1
   if (i == 0) beta[t * H + h] = dev::sigmoid(dev::bf16_to_f32(bl[t * H + h]));
 }
 
-template <int DK>
+// State element load / store: FP32 as is; FP16 (the --kda-state-dtype f16 pool) widened on load and
+// rounded to nearest even on store, once per launch, as model/kda.cpp does around its scan.
+__device__ __forceinline__ float load_state(const float* p) { return *p; }
+__device__ __forceinline__ float load_state(const uint16_t* p) { return __half2float(__ushort_as_half(*p)); }
+__device__ __forceinline__ void store_state(float* p, float x) { *p = x; }
+__device__ __forceinline__ void store_state(uint16_t* p, float x) { *p = __half_as_ushort(__float2half_rn(x)); }
+
+template <int DK, typename StateT>
 __global__ void __launch_bounds__(DK) recurrent_kernel(const float* __restrict__ q, const float* __restrict__ k,
                                                        const float* __restrict__ v, const float* __restrict__ g,
                                                        int64_t ld, const float* __restrict__ beta, int64_t ld_beta,
                                                        const int32_t* __restrict__ cu, const int32_t* __restrict__ slots,
-                                                       float* __restrict__ pool, float* __restrict__ o, int64_t H) {
+                                                       StateT* __restrict__ pool, float* __restrict__ o, int64_t H) {
   __shared__ float ks[DK], qs[DK], ds[DK];
   const int64_t h = blockIdx.x, b = blockIdx.y;
   const int j = threadIdx.x;
-  float* S = pool + (int64_t(slots[b]) * H + h) * DK * DK;  // f32 [DK(key), DK(value)]
+  StateT* S = pool + (int64_t(slots[b]) * H + h) * DK * DK;  // [DK(key), DK(value)]
   float s[DK];
 #pragma unroll
-  for (int i = 0; i < DK; ++i) s[i] = S[i * DK + j];
+  for (int i = 0; i < DK; ++i) s[i] = load_state(S + i * DK + j);
   const int64_t t0 = cu[b], t1 = cu[b + 1];
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t row = t * ld + h * DK;
@@ -139,7 +147,7 @@ __global__ void __launch_bounds__(DK) recurrent_kernel(const float* __restrict__
     o[row + j] = acc;
   }
 #pragma unroll
-  for (int i = 0; i < DK; ++i) S[i * DK + j] = s[i];
+  for (int i = 0; i < DK; ++i) store_state(S + i * DK + j, s[i]);
 }
 
 // Chunked scan (kda_scan.h's WY/UT form), one block per (value slice of 32 columns, head, request).
@@ -432,9 +440,11 @@ void kda_qk_norm_gates(const uint16_t* q, const uint16_t* k, int64_t ld_in, cons
   KCUDA_CHECK_LAUNCH();
 }
 
-void kda_recurrent(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
-                   int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
-                   int64_t B, int64_t H, int64_t Dk, cudaStream_t stream) {
+namespace {
+template <typename StateT>
+void recurrent(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+               int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, StateT* state_pool, float* o,
+               int64_t B, int64_t H, int64_t Dk, cudaStream_t stream) {
   KCUDA_REQUIRE(q && k && v && g && beta && cu_seqlens && slots && state_pool && o,
                 std::string("kda_recurrent: null pointer"));
   KCUDA_REQUIRE(B >= 0 && B < 65536 && H > 0 && H < 65536 && ld >= H * Dk && ld_beta >= H,
@@ -456,6 +466,19 @@ void kda_recurrent(const float* q, const float* k, const float* v, const float* 
       KCUDA_REQUIRE(false, "kda_recurrent: Dk = " + std::to_string(Dk) + " (supported: 32, 64, 128)");
   }
   KCUDA_CHECK_LAUNCH();
+}
+}  // namespace
+
+void kda_recurrent(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+                   int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
+                   int64_t B, int64_t H, int64_t Dk, cudaStream_t stream) {
+  recurrent(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream);
+}
+
+void kda_recurrent(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+                   int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, uint16_t* state_pool, float* o,
+                   int64_t B, int64_t H, int64_t Dk, cudaStream_t stream) {
+  recurrent(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream);
 }
 
 void kda_chunked(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,

@@ -47,6 +47,13 @@ void kda_recurrent(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T,
                    const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
                    const int32_t* slots /* i32 [B] */, float* state_pool /* f32 [n_slots, H, Dk, Dk] */,
                    float* o /* f32 [T, H*Dk], row stride ld */, int64_t B, int64_t H, int64_t Dk, cudaStream_t stream);
+// The same over an FP16 state pool (--kda-state-dtype f16): each request's state is widened to FP32 when
+// the launch reads it and rounded to nearest even when it writes it back, as model/kda.cpp does.
+void kda_recurrent(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
+                   const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
+                   const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
+                   const int32_t* slots /* i32 [B] */, uint16_t* state_pool /* f16 [n_slots, H, Dk, Dk] */,
+                   float* o /* f32 [T, H*Dk], row stride ld */, int64_t B, int64_t H, int64_t Dk, cudaStream_t stream);
 
 // Step 6, chunked WY/UT form (MODEL.md §3.3, chunk 64; CPU twin cpu::kda_scan_chunked, oracle
 // cpu::kda_scan_recurrent): the same contract as kda_recurrent (varlen via cu_seqlens, state in
