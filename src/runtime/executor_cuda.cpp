@@ -15,24 +15,6 @@
 
 namespace kestrel::runtime {
 
-namespace {
-cuda::PagedKeyFormat paged_key_format(cache::IndexKeyFormat f) {
-  switch (f) {
-    case cache::IndexKeyFormat::bf16: return cuda::PagedKeyFormat::bf16;
-    case cache::IndexKeyFormat::fp8: return cuda::PagedKeyFormat::fp8;
-    case cache::IndexKeyFormat::mxfp4: return cuda::PagedKeyFormat::mxfp4;
-  }
-  fail("GPU executor: unknown index-key format {}", int(f));
-}
-cuda::PagedLatentFormat paged_latent_format(cache::LatentFormat f) {
-  switch (f) {
-    case cache::LatentFormat::bf16: return cuda::PagedLatentFormat::bf16;
-    case cache::LatentFormat::fp8: return cuda::PagedLatentFormat::fp8;
-  }
-  fail("GPU executor: unknown latent format {}", int(f));
-}
-}  // namespace
-
 int64_t cuda_cache_budget(double utilization, int64_t reserve) {
   if (!(utilization > 0.0 && utilization <= 1.0)) fail("--gpu-memory-utilization must be in (0, 1], got {}", utilization);
   size_t free_b = 0, total_b = 0;
@@ -61,7 +43,9 @@ struct CudaExecutor::Impl {
       : m(mm),
         V(c.text.vocab_size),
         cache(mm.new_cache(cc.num_pages, cc.num_state_slots, cc.block_size,
-                           model::CudaCacheFormats{paged_latent_format(f.latent), paged_key_format(f.index_keys),
+                           // the cuda:: format enums share cache::'s values (static_asserts in paged.cpp)
+                           model::CudaCacheFormats{cuda::PagedLatentFormat(int(f.latent)),
+                                                   cuda::PagedKeyFormat(int(f.index_keys)),
                                                    f.kda_state == cache::KdaStateDtype::f16})) {}
 };
 
