@@ -15,6 +15,9 @@
 #   bench/gpu/run.sh serving # there: nano + reduced-mini checkpoints, the GPU serving tests (row copies,
 #                            # sampler, engine vs solo vs CPU, CUDA graphs) and the model test, then the
 #                            # batch-1/64 decode step of mini split by op (bench_ops --only model)
+#   bench/gpu/run.sh perf    # there: the scoreboard in one run (≤ 8 min): ceilings, kernels, the reduced-mini
+#                            # decode step and prefill, `kestrel serve` + `kestrel bench` at c=1/64, the peers;
+#                            # writes $OUT/perf.json (copy it to bench/gpu/perf.json) and a markdown table
 #   bench/gpu/run.sh eval SETS_DIR [MODEL]
 #                            # there: `kestrel serve --device cuda` on MODEL (default models/k3-tiny) and
 #                            # `kestrel eval` over every SETS_DIR/*.jsonl, smallest first, while
@@ -50,6 +53,10 @@ case "${1:-}" in
     for b in build/tests/gpu/kestrel_gpu_tests build/src/cli/kestrel build/bench/bench_ops; do
       objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
     done
+    for b in build/bench/bench_moe build/bench/bench_mla build/bench/bench_kda; do  # per-kernel benchmarks, when built
+      [ -x "$b" ] && objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
+    done
+    git rev-parse --short HEAD > .gpu-carry/pkg/COMMIT
     for l in libfmt.so.9 libopenblas.so.0 libgomp.so.1 libgfortran.so.5 libquadmath.so.0 libicuuc.so.72 libicudata.so.72; do
       cp -L "$(ldconfig -p | awk -v l="$l" '$1 == l {print $NF; exit}')" .gpu-carry/pkg/lib/
     done
@@ -147,6 +154,63 @@ case "${1:-}" in
     for f in "$out"/engine-*.txt; do tail -n +1 "$f" | grep -vE "^\s*$" | tail -8; done
     grep -hE "^(kestrel|error)" "$out/serve.log" | head -5 || true
     ;;
+  perf)
+    # The scoreboard: every number of bench/gpu/perf.json measured in this one run (ceilings, our kernels, the
+    # engine through `kestrel serve`, and the peers), then perf.py writes perf.json + a markdown table.
+    # PERF_DEADLINE (s, default 470) bounds the run inside the device tool's limit; a section cut off is
+    # reported missing. Peers: PyTorch grouped matmul (always), FLA (when its wheels are carried in .whl/).
+    out="${OUT:-/tmp}"
+    ck=/tmp/kestrel_ckpt
+    end=$(( $(date +%s) + ${PERF_DEADLINE:-470} ))
+    left() { echo $(( end - $(date +%s) > 5 ? end - $(date +%s) : 5 )); }
+    unpack
+    if ! ldd .gpu-carry/bench_ops | grep -q "libcublasLt.so.13 => /"; then
+      d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
+      export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
+    fi
+    mkdir -p "$ck" "$out/perf"
+    [ -f "$ck/mini/config.json" ] || python3 reference/make_checkpoint.py --config mini --out "$ck/mini" --seed 1 \
+      --fast-experts --no-vision --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 \
+      >/dev/null &
+    ckpt_pid=$!
+    if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+    fi
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/perf/machine.txt"
+    # Kernels at the real per-rank shapes (each prints PERF lines; the ceilings come first, from bench_ops).
+    timeout "$(left)" .gpu-carry/bench_ops --perf --only ceilings,paged_indexer 2>&1 | tee "$out/perf/ops.log" | grep PERF || true
+    for b in bench_moe bench_mla bench_kda; do
+      [ -x ".gpu-carry/$b" ] && { timeout "$(left)" ".gpu-carry/$b" --perf 2>&1 | tee "$out/perf/$b.log" | grep PERF || true; }
+    done
+    timeout "$(left)" python3 bench/gpu/moe_peer.py --perf 2>&1 | tee "$out/perf/moe_peer.log" | grep PERF || true
+    python3 -c "import fla" 2>/dev/null && { timeout "$(left)" python3 bench/gpu/kda_peer.py --perf 2>&1 \
+      | tee "$out/perf/kda_peer.log" | grep PERF || true; }
+    wait "$ckpt_pid"
+    # The engine: one decode step and an 8K prefill of the reduced mini, then serving through kestrel serve.
+    timeout "$(left)" .gpu-carry/bench_ops --perf --only model --model "$ck/mini" 2>&1 | tee "$out/perf/model.log" | grep PERF || true
+    port=18124
+    .gpu-carry/kestrel serve --device cuda --model "$ck/mini" --port "$port" --max-num-seqs 64 \
+      --gpu-memory-utilization 0.5 >"$out/perf/serve.log" 2>&1 &
+    srv=$!
+    for _ in $(seq 240); do
+      python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null && break
+      kill -0 $srv 2>/dev/null || break
+      sleep 0.5
+    done
+    for c in 1 64; do
+      n=$(( c == 1 ? 16 : 192 ))
+      timeout "$(left)" .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --tokenizer "$ck/mini" \
+        --input-len 1024 --output-len 128 --ignore-eos --num-prompts "$n" --max-concurrency "$c" --num-warmups 2 \
+        --no-progress --result-file "$out/perf/serve_c$c.json" >"$out/perf/serve_bench_c$c.log" 2>&1 || true
+    done
+    kill $srv 2>/dev/null; wait $srv 2>/dev/null || true
+    python3 bench/gpu/perf.py --logs "$out/perf" --out "$out/perf.json" --commit "$(cat .gpu-carry/COMMIT 2>/dev/null)" \
+      --machine "$(cat "$out/perf/machine.txt")" \
+      --serve "serve_mini_c1=$out/perf/serve_c1.json" "serve_mini_c64=$out/perf/serve_c64.json" | tee "$out/perf.md"
+    # The device tool brings back at most 8 files: the logs travel as one archive.
+    tar czf "$out/perf_logs.tgz" -C "$out" perf && rm -rf "$out/perf"
+    ;;
   bench)
     unpack
     if ! ldd .gpu-carry/bench_ops | grep -q "libcublasLt.so.13 => /"; then
@@ -156,7 +220,7 @@ case "${1:-}" in
     .gpu-carry/bench_ops "${@:2}"
     ;;
   *)
-    echo "usage: $0 pack|test|all|serving|eval|bench" >&2
+    echo "usage: $0 pack|test|all|serving|eval|perf|bench" >&2
     exit 2
     ;;
 esac
