@@ -483,7 +483,7 @@ int main(int argc, char** argv) {
     fill_bf16(q.data(), size_t(256 * d.Hm * d.qk()), 31);
     fill_bf16(kvb.data(), size_t(d.Hm * (d.N + d.Dv) * d.C), 32);
     const int64_t pool_tokens = int64_t(8) << 20;  // 8M tokens: 9.7 GB BF16 / 5.5 GB FP8
-    for (cuda::PagedLatentFormat lf : {cuda::PagedLatentFormat::bf16, cuda::PagedLatentFormat::fp8}) {
+    for (LatentFormat lf : {LatentFormat::bf16, LatentFormat::fp8}) {
       cuda::PagedMlaCache c;
       c.latent_format = lf, c.block_size = P, c.C = d.C, c.R = d.R;
       const int64_t tb = c.latent_token_bytes();
@@ -503,7 +503,7 @@ int main(int argc, char** argv) {
       }
       header(fmt::format("Paged MLA absorbed decode, 12 heads, {} latent ({} B/token), block 128, block tables into "
                          "one 8M-token pool",
-                         lf == cuda::PagedLatentFormat::bf16 ? "BF16" : "FP8", tb));
+                         lf == LatentFormat::bf16 ? "BF16" : "FP8", tb));
       {
         // The writer itself, one decode step's worth of rows.
         for (int64_t B : batches) {
@@ -571,7 +571,7 @@ int main(int argc, char** argv) {
       for (auto& x : h) x = float(r() % 1000) / 500.0f - 0.5f;
       KCUDA_CHECK(cudaMemcpy(hw.data(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
     }
-    for (cuda::PagedKeyFormat kf : {cuda::PagedKeyFormat::fp8, cuda::PagedKeyFormat::mxfp4}) {
+    for (IndexKeyFormat kf : {IndexKeyFormat::fp8, IndexKeyFormat::mxfp4}) {
       cuda::PagedMlaCache c;
       c.key_format = kf, c.block_size = P, c.C = 512, c.R = 64, c.Di = Di;
       const int64_t tb = c.key_token_bytes();
@@ -590,7 +590,7 @@ int main(int argc, char** argv) {
       }
       header(fmt::format("Paged indexer select (exact-order FP32 scores, 32 heads × 128, + radix top-2048), {} keys "
                          "({} B/token), all B requests in one launch pair",
-                         kf == cuda::PagedKeyFormat::fp8 ? "FP8" : "MXFP4", tb));
+                         kf == IndexKeyFormat::fp8 ? "FP8" : "MXFP4", tb));
       for (int64_t B : batches) {
         const double us = tm.median_us([&] {
           cuda::paged_write_keys(c, static_cast<uint16_t*>(rows.data()), Di, static_cast<int64_t*>(slots.data()), B,

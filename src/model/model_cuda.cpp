@@ -114,11 +114,11 @@ struct CudaCache {
   std::vector<u16*> kda_conv;  // per KDA layer: bf16 [slots, W-1, 3·H·Dk]
   // per MLA layer: u8 [pages·P, latent_token_bytes] (bf16: [pages·P, C+R] bf16; fp8: paged.h's row)
   std::vector<u16*> latent;
-  cuda::PagedLatentFormat latent_format = cuda::PagedLatentFormat::bf16;
+  LatentFormat latent_format = LatentFormat::bf16;
   // per MLA layer with an indexer: u8 [pages, P · key_token_bytes] in paged.h's layout for key_format
   // (bf16: [pages·P, Di] bf16; fp8 / mxfp4: 64-token kernel pages, values then scales)
   std::vector<u16*> index_k;
-  cuda::PagedKeyFormat key_format = cuda::PagedKeyFormat::bf16;
+  IndexKeyFormat key_format = IndexKeyFormat::bf16;
   std::vector<void*> owned;
   std::map<int64_t, GraphBucket> buckets;  // by bucket batch size
 };
@@ -130,20 +130,6 @@ struct CudaState {
 };
 
 namespace {
-// Bytes per cached token of one layer's latent / index keys in `f` (paged.h's layouts).
-int64_t latent_token_bytes(const TextConfig& t, cuda::PagedLatentFormat f) {
-  cuda::PagedMlaCache v;
-  v.latent_format = f;
-  v.C = t.kv_lora_rank, v.R = t.qk_rope_head_dim;
-  return v.latent_token_bytes();
-}
-int64_t key_token_bytes(const TextConfig& t, cuda::PagedKeyFormat f) {
-  cuda::PagedMlaCache v;
-  v.key_format = f;
-  v.Di = t.index_head_dim;
-  return v.key_token_bytes();
-}
-
 void free_cache(CudaCache* c) {
   if (!c) return;
   for (auto& [b, g] : c->buckets) {
@@ -470,7 +456,7 @@ struct CudaModel::Impl {
     cuda::rmsnorm_bf16(kva, CW, m.kv_a_norm, rows, CW, T, C, eps, stream);
     KCUDA_CHECK(cudaMemcpy2DAsync(rows + C, size_t(CW) * 2, kva + C, size_t(CW) * 2, size_t(R) * 2, size_t(T),
                                   cudaMemcpyDeviceToDevice, stream));
-    if (cc.latent_format == cuda::PagedLatentFormat::bf16)
+    if (cc.latent_format == LatentFormat::bf16)
       cuda::copy_rows(rows, nullptr, cc.latent[size_t(layer)], s.d_pool_rows, T, CW * 2, stream);
     else  // quantise on write, byte-identical to MlaCacheView::write_latent
       cuda::paged_write_latent(paged_view(cc, s, layer), rows, CW, s.d_pool_rows, T, stream);
@@ -486,7 +472,7 @@ struct CudaModel::Impl {
       gemm(cq, Q, m.wq_b, qi, Hi * Di, T, Q, Hi * Di);
       gemm(x, D, m.wk, kraw, Di, T, D, Di);
       cuda::indexer_key_norm(kraw, m.k_norm, m.k_norm_bias, T, Di, knew, stream);
-      if (cc.key_format == cuda::PagedKeyFormat::bf16)
+      if (cc.key_format == IndexKeyFormat::bf16)
         cuda::copy_rows(knew, nullptr, cc.index_k[size_t(layer)], s.d_pool_rows, T, Di * 2, stream);
       else  // quantise on write, byte-identical to the CPU's MlaCacheView::write_key
         cuda::paged_write_keys(paged_view(cc, s, layer), knew, Di, s.d_pool_rows, T, stream);
@@ -535,7 +521,7 @@ struct CudaModel::Impl {
                   Hm = c.num_attention_heads, QK = N + R, CW = C + R, Ki = c.index_topk;
     const int64_t nd = std::min(s.nd, s.n_real), Treal = s.n_real == s.n ? s.T : s.n_real;
     if (s.G > 0) {
-      if (cc.latent_format == cuda::PagedLatentFormat::bf16)
+      if (cc.latent_format == LatentFormat::bf16)
         cuda::copy_rows(cc.latent[size_t(layer)], s.d_gather, s.lat_g, nullptr, s.G, CW * 2, stream);
       else  // the naive prefill reads a contiguous BF16 context: dequantise while gathering
         cuda::paged_gather_latent(paged_view(cc, s, layer), s.d_gather, s.G, s.lat_g, stream);
@@ -555,7 +541,7 @@ struct CudaModel::Impl {
                                      s.max_S, Hi, Ki, scores, s.max_S, sel + r0 * Ki, stream);
         }
       } else {
-        KCHECK(cc.key_format == cuda::PagedKeyFormat::bf16,
+        KCHECK(cc.key_format == IndexKeyFormat::bf16,
                "GPU engine: quantised index keys need the paged attention path (use_paged_attention)");
         cuda::copy_rows(cc.index_k[size_t(layer)], s.d_gather, s.keys_g, nullptr, s.G, Di * 2, stream);
         for (int64_t b = 0; b < s.n_real; ++b) {
@@ -631,11 +617,11 @@ struct CudaModel::Impl {
         KCUDA_CHECK(cudaMemsetAsync(c->kda_S[L], 0, size_t(nslots * kda_S_elems() * c->state_bytes()), stream));
         KCUDA_CHECK(cudaMemsetAsync(c->kda_conv[L], 0, size_t(nslots * kda_conv_elems()) * 2, stream));
       } else {
-        const int64_t lb = rows * latent_token_bytes(tc, f.latent);
+        const int64_t lb = rows * latent_token_bytes(f.latent, tc.kv_lora_rank, tc.qk_rope_head_dim);
         c->latent[L] = static_cast<u16*>(get(lb));
         KCUDA_CHECK(cudaMemsetAsync(c->latent[L], 0, size_t(lb), stream));
         if (tc.has_indexer()) {
-          const int64_t kb = rows * key_token_bytes(tc, f.keys);
+          const int64_t kb = rows * index_key_token_bytes(f.keys, tc.index_head_dim);
           c->index_k[L] = static_cast<u16*>(get(kb));
           KCUDA_CHECK(cudaMemsetAsync(c->index_k[L], 0, size_t(kb), stream));
         }
@@ -1007,7 +993,7 @@ int64_t CudaModel::cache_bytes(const TextConfig& t, int64_t pages, int64_t slots
       per_slot += t.kda.num_heads * t.kda.head_dim * t.kda.head_dim * (f.kda_state_f16 ? 2 : 4) +
                   (t.kda.conv_size - 1) * 3 * t.kda.num_heads * t.kda.head_dim * 2;
     else
-      per_row += latent_token_bytes(t, f.latent) + (t.has_indexer() ? key_token_bytes(t, f.keys) : 0);
+      per_row += latent_token_bytes(f.latent, t.kv_lora_rank, t.qk_rope_head_dim) + (t.has_indexer() ? index_key_token_bytes(f.keys, t.index_head_dim) : 0);
   }
   return per_row * pages * block_size + per_slot * slots;
 }

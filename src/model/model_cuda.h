@@ -44,6 +44,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/cache_format.h"
 #include "kernels/cuda/paged.h"
 #include "kernels/cuda/sampling.h"
 #include "loader/config.h"
@@ -67,8 +68,8 @@ struct CudaSeq {
 
 // What a CudaCache stores (the executor maps cache::CacheFormats onto it).
 struct CudaCacheFormats {
-  cuda::PagedLatentFormat latent = cuda::PagedLatentFormat::bf16;
-  cuda::PagedKeyFormat keys = cuda::PagedKeyFormat::bf16;
+  LatentFormat latent = LatentFormat::bf16;
+  IndexKeyFormat keys = IndexKeyFormat::bf16;
   bool kda_state_f16 = false;  // the recurrent state in FP16 (--kda-state-dtype f16); conv history stays bf16
 };
 

@@ -43,10 +43,7 @@ struct CudaExecutor::Impl {
       : m(mm),
         V(c.text.vocab_size),
         cache(mm.new_cache(cc.num_pages, cc.num_state_slots, cc.block_size,
-                           // the cuda:: format enums share cache::'s values (static_asserts in paged.cpp)
-                           model::CudaCacheFormats{cuda::PagedLatentFormat(int(f.latent)),
-                                                   cuda::PagedKeyFormat(int(f.index_keys)),
-                                                   f.kda_state == cache::KdaStateDtype::f16})) {}
+                           model::CudaCacheFormats{f.latent, f.index_keys, f.kda_state == KdaStateDtype::f16})) {}
 };
 
 CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const cache::CacheFormats& formats,
