@@ -54,8 +54,11 @@ constexpr int64_t latent_token_bytes(LatentFormat f, int64_t C, int64_t R) {
 constexpr int64_t index_key_token_bytes(IndexKeyFormat f, int64_t Di) {
   return f == IndexKeyFormat::bf16 ? Di * 2 : f == IndexKeyFormat::fp8 ? Di + 4 : Di / 2 + Di / 32;
 }
-// Tokens per kernel page of the index-key cache for manager pages of P tokens.
-constexpr int64_t index_key_kernel_page(int64_t P) { return P % 64 == 0 ? 64 : P; }
+// Tokens per kernel page of the index-key cache for manager pages of P tokens (in P's integer type).
+template <typename Int>
+constexpr Int index_key_kernel_page(Int P) {
+  return P % 64 == 0 ? Int(64) : P;
+}
 // One KDA layer's recurrent state [H, Dk, Dk] and conv history [3, W−1, H·Dk] of one slot.
 constexpr int64_t kda_recurrent_bytes(KdaStateDtype f, int64_t H, int64_t Dk) {
   return H * Dk * Dk * (f == KdaStateDtype::f32 ? 4 : 2);
