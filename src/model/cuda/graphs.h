@@ -1,6 +1,6 @@
 // CUDA graphs for decode steps (CudaModel::enable_cuda_graphs): a forward_batch whose sequences are all
-// single tokens wanting their last logits is padded to a bucket B (1, 2, 4, ..., 512; larger batches run
-// eagerly) and, the first time a bucket is seen on a cache, run while being captured (piecewise): every
+// single tokens wanting their last logits is padded to a bucket B (1, 2, 4, ..., 512; larger batches, and
+// every step while op timing or captures are on, run eagerly) and, the first time a bucket is seen on a cache, run while being captured (piecewise): every
 // launch between the attention islands becomes one graph segment, and the islands (context-dependent
 // work: the indexer and the absorbed decode, whose shapes follow the contexts) stay host code, recorded
 // as closures. Later steps of that bucket rewrite the bucket's static inputs (token ids, cu_seqlens,
