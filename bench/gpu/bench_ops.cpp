@@ -5,7 +5,7 @@
 // ceilings measured in the same run (device-to-device copy, large cuBLASLt BF16 GEMM) and the
 // ANCHORS.md figure. Inputs are random (never zeros). Optional: `--model DIR` times one decode step of
 // that checkpoint at batch 1 and 64 through the GPU executor's batched path (CudaModel::forward_batch
-// over a paged cache), split by op group, with the wall time of graph-replayed and gathered-context steps.
+// over a paged cache), split by op group, with the wall time of eager and graph-replayed steps.
 //
 // Paged sections (kernels/cuda/paged.h): MLA decode over a paged BF16/FP8 latent cache and indexer select over
 // paged FP8/MXFP4 keys, every request's block table pointing into one shared page pool (pages reused
@@ -36,7 +36,7 @@
 #include "loader/config.h"
 #include "loader/safetensors.h"
 #include "loader/weights.h"
-#include "model/model_cuda.h"
+#include "model/cuda/cuda_model.h"
 
 using namespace kestrel;
 
@@ -124,7 +124,8 @@ static void decode_step(const std::string& model_dir) {
     const int64_t ctx = 512, Bmax = 64;
     const int P = 64;
     const int64_t pages_per = (ctx + 1 + P - 1) / P;
-    auto cache = m.new_cache(int32_t(Bmax * pages_per), int32_t(Bmax), P);
+    auto cache = m.new_cache(int32_t(Bmax * pages_per), int32_t(Bmax),
+                             CacheFormats{P, LatentFormat::bf16, IndexKeyFormat::bf16, KdaStateDtype::f32});
     std::vector<std::vector<int32_t>> tables(static_cast<size_t>(Bmax));
     for (int64_t b = 0; b < Bmax; ++b)
       for (int64_t i = 0; i < pages_per; ++i) tables[size_t(b)].push_back(int32_t(b * pages_per + i));
@@ -132,7 +133,7 @@ static void decode_step(const std::string& model_dir) {
     for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((i * 7919 + 13) % 8000 % cfg.text.vocab_size);
     std::vector<int32_t> tok(size_t(Bmax), 17);
     struct Res {
-      double median_us, graph_us, gathered_us;
+      double median_us, graph_us;
       std::vector<std::pair<std::string, double>> ops;
     };
     std::map<int64_t, Res> res;
@@ -170,30 +171,18 @@ static void decode_step(const std::string& model_dir) {
       }
       m.enable_cuda_graphs(false);
       std::sort(gstep.begin(), gstep.end());
-      // The same eager step with the first attention path (contexts gathered, indexer per request).
-      m.use_paged_attention(false);
-      std::vector<double> ostep;
-      for (int i = 0; i < 20; ++i) {
-        const auto t0 = std::chrono::steady_clock::now();
-        m.forward_batch(*cache, seqs);
-        m.greedy(ids.data());
-        ostep.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
-      }
-      m.use_paged_attention(true);
-      std::sort(ostep.begin(), ostep.end());
-      res[B] = {step[step.size() / 2], gstep[gstep.size() / 2], ostep[ostep.size() / 2], m.op_times()};
+      res[B] = {step[step.size() / 2], gstep[gstep.size() / 2], m.op_times()};
     }
     fmt::print("\n### One decode step of {} ({} layers, {} experts, vocab {}; weights {:.2f} GB on the GPU), context "
                "{} per request, paged cache (P = {}), CudaModel::forward_batch + device argmax\n\n"
                "median step wall time (20 steps, host prep + sync + argmax included): eager batch 1 {:.0f} µs, batch {} "
-               "{:.0f} µs ({:.0f} tokens/s); CUDA graphs batch 1 {:.0f} µs, batch {} {:.0f} µs ({:.0f} tokens/s); "
-               "eager with gathered contexts instead of paged attention: batch 1 {:.0f} µs, batch {} {:.0f} µs.\n\n"
+               "{:.0f} µs ({:.0f} tokens/s); CUDA graphs batch 1 {:.0f} µs, batch {} {:.0f} µs ({:.0f} tokens/s).\n\n"
                "One eager step with CUDA events between op groups (µs, summed over layers):\n\n"
                "| op group | batch 1 | batch {} |\n|---|---|---|\n",
                model_dir, cfg.text.num_hidden_layers, cfg.text.num_experts, cfg.text.vocab_size,
                double(m.weight_bytes()) / 1e9, ctx, P, res[1].median_us, Bmax, res[Bmax].median_us,
                double(Bmax) / res[Bmax].median_us * 1e6, res[1].graph_us, Bmax, res[Bmax].graph_us,
-               double(Bmax) / res[Bmax].graph_us * 1e6, res[1].gathered_us, Bmax, res[Bmax].gathered_us, Bmax);
+               double(Bmax) / res[Bmax].graph_us * 1e6, Bmax);
     double t1 = 0, t64 = 0;
     for (size_t i = 0; i < res[1].ops.size(); ++i) {
       const double b64 = i < res[Bmax].ops.size() ? res[Bmax].ops[i].second : 0.0;
@@ -483,7 +472,7 @@ int main(int argc, char** argv) {
     fill_bf16(q.data(), size_t(256 * d.Hm * d.qk()), 31);
     fill_bf16(kvb.data(), size_t(d.Hm * (d.N + d.Dv) * d.C), 32);
     const int64_t pool_tokens = int64_t(8) << 20;  // 8M tokens: 9.7 GB BF16 / 5.5 GB FP8
-    for (cuda::PagedLatentFormat lf : {cuda::PagedLatentFormat::bf16, cuda::PagedLatentFormat::fp8}) {
+    for (LatentFormat lf : {LatentFormat::bf16, LatentFormat::fp8}) {
       cuda::PagedMlaCache c;
       c.latent_format = lf, c.block_size = P, c.C = d.C, c.R = d.R;
       const int64_t tb = c.latent_token_bytes();
@@ -503,7 +492,7 @@ int main(int argc, char** argv) {
       }
       header(fmt::format("Paged MLA absorbed decode, 12 heads, {} latent ({} B/token), block 128, block tables into "
                          "one 8M-token pool",
-                         lf == cuda::PagedLatentFormat::bf16 ? "BF16" : "FP8", tb));
+                         lf == LatentFormat::bf16 ? "BF16" : "FP8", tb));
       {
         // The writer itself, one decode step's worth of rows.
         for (int64_t B : batches) {
@@ -571,7 +560,7 @@ int main(int argc, char** argv) {
       for (auto& x : h) x = float(r() % 1000) / 500.0f - 0.5f;
       KCUDA_CHECK(cudaMemcpy(hw.data(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
     }
-    for (cuda::PagedKeyFormat kf : {cuda::PagedKeyFormat::fp8, cuda::PagedKeyFormat::mxfp4}) {
+    for (IndexKeyFormat kf : {IndexKeyFormat::fp8, IndexKeyFormat::mxfp4}) {
       cuda::PagedMlaCache c;
       c.key_format = kf, c.block_size = P, c.C = 512, c.R = 64, c.Di = Di;
       const int64_t tb = c.key_token_bytes();
@@ -590,7 +579,7 @@ int main(int argc, char** argv) {
       }
       header(fmt::format("Paged indexer select (exact-order FP32 scores, 32 heads × 128, + radix top-2048), {} keys "
                          "({} B/token), all B requests in one launch pair",
-                         kf == cuda::PagedKeyFormat::fp8 ? "FP8" : "MXFP4", tb));
+                         kf == IndexKeyFormat::fp8 ? "FP8" : "MXFP4", tb));
       for (int64_t B : batches) {
         const double us = tm.median_us([&] {
           cuda::paged_write_keys(c, static_cast<uint16_t*>(rows.data()), Di, static_cast<int64_t*>(slots.data()), B,

@@ -57,7 +57,7 @@
 #include "cache/layout.h"
 #include "runtime/engine.h"
 #ifdef KESTREL_WITH_CUDA
-#include "model/model_cuda.h"
+#include "model/cuda/cuda_model.h"
 #include "runtime/executor_cuda.h"
 #endif
 #include "tokenizer/tokenizer.h"

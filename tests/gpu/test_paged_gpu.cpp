@@ -18,9 +18,6 @@
 namespace kestrel::gputest {
 namespace {
 
-using cache::IndexKeyFormat;
-using cache::LatentFormat;
-
 constexpr double kBf16Ulp = 1.0 / 128;
 const cpu::MlaDims kNano{4, 32, 16, 32, 64}, kMini{12, 128, 64, 128, 512};
 
@@ -66,7 +63,7 @@ model::MlaCacheView cpu_view(const cpu::MlaDims& d, int64_t Di, LatentFormat lf,
 cuda::PagedMlaCache gpu_cache(const cpu::MlaDims& d, int64_t Di, LatentFormat lf, IndexKeyFormat kf, int P,
                               uint8_t* lat, uint8_t* keys, const int32_t* tables, int64_t stride) {
   cuda::PagedMlaCache c;
-  c.latent_format = cuda::PagedLatentFormat(int(lf)), c.key_format = cuda::PagedKeyFormat(int(kf));
+  c.latent_format = lf, c.key_format = kf;
   c.block_size = P, c.C = d.C, c.R = d.R, c.Di = Di, c.latent = lat, c.keys = keys;
   c.block_tables = tables, c.bt_stride = stride;
   return c;
@@ -98,8 +95,8 @@ std::vector<uint16_t> rand_rows(int64_t T, int64_t W, Rng& r) {
   return x;
 }
 
-const char* lname(LatentFormat f) { return cache::format_name(f); }
-const char* kname(IndexKeyFormat f) { return cache::format_name(f); }
+const char* lname(LatentFormat f) { return format_name(f); }
+const char* kname(IndexKeyFormat f) { return format_name(f); }
 
 TEST(GpuPaged, WritesBitExact) {
   need_gpu();

@@ -5,14 +5,8 @@
 // read_keys followed by cpu::mla_attn_absorbed / cpu::indexer_select_topk (the reads dequantise exactly
 // to the BF16 values the CPU reads back, then run the same math as kernels/cuda/mla.h).
 //
-// Byte layouts are those of model/cache_view.h (one per-layer arena per cache, indexed by page id; a page
-// holds P = block_size tokens):
-//   latent bf16  per token [ĉ | k_pe] bf16, (C+R)·2 B
-//   latent fp8   per token [ĉ e4m3 (C) | f32 scale per 128 of ĉ | k_pe bf16 (R)], scale 2^⌈log2(max(amax,1e-4)/448)⌉
-//   keys bf16    per token Di bf16
-//   keys fp8     per 64-token kernel page [64 × Di e4m3 | 64 × f32 scale]
-//   keys mxfp4   per 64-token kernel page [64 × Di/2 packed e2m1 | 64 × Di/32 e8m0]
-// (a P that is not a multiple of 64 is one kernel page of P tokens).
+// Formats and byte layouts are core/cache_format.h's (one per-layer arena per cache, indexed by page id;
+// a page holds P = block_size tokens; index keys in 64-token kernel pages, values then scales).
 // Token at position pos of request r lives in page block_tables[r·bt_stride + pos/P], row pos % P.
 #pragma once
 
@@ -20,6 +14,7 @@
 
 #include <cstdint>
 
+#include "core/cache_format.h"
 #include "kernels/cpu/mla_ops.h"
 #include "kernels/cuda/gemm.h"
 
@@ -27,14 +22,10 @@ namespace kestrel::cuda {
 
 using cpu::MlaDims;
 
-// Values equal to cache::LatentFormat / cache::IndexKeyFormat (checked in paged.cpp).
-enum class PagedLatentFormat : uint8_t { bf16 = 0, fp8 = 1 };
-enum class PagedKeyFormat : uint8_t { fp8 = 0, mxfp4 = 1, bf16 = 2 };
-
 // One MLA layer's paged caches plus the block tables of the requests in a launch.
 struct PagedMlaCache {
-  PagedLatentFormat latent_format = PagedLatentFormat::bf16;
-  PagedKeyFormat key_format = PagedKeyFormat::fp8;
+  LatentFormat latent_format = LatentFormat::bf16;
+  IndexKeyFormat key_format = IndexKeyFormat::fp8;
   int block_size = 128;              // P
   int64_t C = 0, R = 0, Di = 0;      // kv_lora_rank, qk_rope_head_dim, index_head_dim (0: no indexer)
   uint8_t* latent = nullptr;         // device u8 [pages, P · latent_token_bytes]
@@ -42,8 +33,8 @@ struct PagedMlaCache {
   const int32_t* block_tables = nullptr;  // device i32 [n_requests, bt_stride]: page of each P-token block
   int64_t bt_stride = 0;
 
-  int64_t latent_token_bytes() const;
-  int64_t key_token_bytes() const;
+  int64_t latent_token_bytes() const { return kestrel::latent_token_bytes(latent_format, C, R); }
+  int64_t key_token_bytes() const { return index_key_token_bytes(key_format, Di); }
 };
 
 // ---- writes (quantise on write, byte-identical to MlaCacheView) -------------------------------------------

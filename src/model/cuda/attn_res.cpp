@@ -1,0 +1,44 @@
+// AttnRes on the GPU, MODEL.md §3.1–3.2: the stream of stored blocks and the partial sum, and the Mix
+// fused with the RMSNorm that follows it (kernels/cuda/norm.h; CPU twin model/attn_res.cpp followed by
+// cpu::rmsnorm_bf16).
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/norm.h"
+#include "model/cuda/layers.h"
+
+namespace kestrel::model::gpu {
+
+AttnResDev attn_res_begin(Context& x, const u16* embed, const int32_t* d_ids, int64_t T) {
+  AttnResDev rs;
+  rs.T = T, rs.D = x.c.hidden_size;
+  rs.blocks = x.tmp<u16>(int64_t(x.c.num_attn_res_blocks()) * T * rs.D);
+  rs.partial = x.tmp<u16>(T * rs.D);
+  cuda::embed_gather(embed, d_ids, T, rs.D, rs.partial, x.stream);
+  return rs;
+}
+
+void attn_res_mix_norm(Context& x, const AttnResDev& rs, const u16* res_norm, const u16* res_proj, const u16* norm,
+                       u16* out) {
+  const int64_t T = rs.T, D = rs.D;
+  cuda::attn_res_mix_rmsnorm(rs.blocks, T * D, rs.nb, rs.partial, D, res_norm, res_proj, norm, x.c.rms_norm_eps,
+                             nullptr, out, D, T, D, x.stream);
+}
+
+void attn_res_write_block(Context& x, AttnResDev& rs) {
+  const int64_t TD = rs.T * rs.D;
+  KCUDA_CHECK(cudaMemcpyAsync(rs.blocks + int64_t(rs.nb) * TD, rs.partial, size_t(TD) * 2, cudaMemcpyDeviceToDevice,
+                              x.stream));
+  ++rs.nb;
+}
+
+void attn_res_add(Context& x, AttnResDev& rs, const u16* a, bool write) {
+  const int64_t TD = rs.T * rs.D;
+  if (write)
+    KCUDA_CHECK(cudaMemcpyAsync(rs.partial, a, size_t(TD) * 2, cudaMemcpyDeviceToDevice, x.stream));
+  else
+    cuda::add_bf16(rs.partial, a, rs.partial, TD, x.stream);
+}
+
+}  // namespace kestrel::model::gpu

@@ -1,0 +1,140 @@
+// MLA on the GPU, MODEL.md §3.4 steps 1–5 with the §3.5 indexer (CPU twins: model/mla.cpp and
+// model/indexer.cpp). Projections run over every row of the step; the new latent rows (ĉ | k_pe) and
+// index keys go into their pages (quantised on write for FP8 / MXFP4, byte-identical to the CPU's
+// MlaCacheView). The attention itself is an island (graphs.h: its shapes follow the contexts):
+//  - the indexer scores every row of the batch in one launch through the block tables;
+//  - the absorbed decode (§3.4 absorbed form) covers every T = 1 sequence in one launch, reading the
+//    pools through the block tables;
+//  - each longer sequence runs the naive form (§3.4 step 3–4) over a contiguous BF16 copy of its
+//    context (gathered and, for FP8, dequantised by batch.h's gather rows): [k_nope | v] = kv_b·ĉ for
+//    every cached token, then per-head attention. Prefill T > 1 naive, decode T = 1 absorbed, as the CPU
+//    defaults.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/mla.h"
+#include "kernels/cuda/norm.h"
+#include "kernels/cuda/paged.h"
+#include "kernels/cuda/rows.h"
+#include "model/cuda/layers.h"
+
+namespace kestrel::model::gpu {
+namespace {
+
+// §3.5 steps 5–6 and §3.4 steps 3–4 for the real sequences of the step: selects with the indexer (qi,
+// hw null without one), then attends, writing the o rows. Runs as an island.
+void mla_attend(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchStep& s, int layer,
+                const u16* q /* bf16 [T, Hm·(N+R)] */, const u16* qi /* bf16 [T, Hi·Di] */,
+                const float* hw /* f32 [T, Hi] */, u16* o /* bf16 [T, Hm·Dv] */) {
+  const TextConfig& c = x.c;
+  const int64_t C = c.kv_lora_rank, R = c.qk_rope_head_dim, N = c.qk_nope_head_dim, Dv = c.v_head_dim,
+                Hm = c.num_attention_heads, QK = N + R, CW = C + R, Ki = c.index_topk;
+  const int64_t nd = std::min(s.nd, s.n_real), Treal = s.n_real == s.n ? s.T : s.n_real;
+  // The prefills' contexts, contiguous BF16 (FP8 latents dequantised while gathering).
+  if (s.G > 0) {
+    if (cc.formats.latent == LatentFormat::bf16)
+      cuda::copy_rows(cc.latent[size_t(layer)], s.d_gather, s.lat_g, nullptr, s.G, CW * 2, x.stream);
+    else
+      cuda::paged_gather_latent(cc.mla_view(layer, nullptr, 0), s.d_gather, s.G, s.lat_g, x.stream);
+  }
+  const cuda::PagedMlaCache pv = cc.mla_view(layer, s.d_tables, s.bt_stride);
+  // §3.5 steps 5–6: I = Σ_h w·(Hi·Di)^−½·ReLU(q_h·k) over the visible keys, top Ki per row.
+  int32_t* sel = nullptr;  // i32 [Treal, Ki], ascending, −1 padded
+  if (w.has_indexer) {
+    const int64_t Hi = c.index_n_heads, Di = c.index_head_dim;
+    sel = x.tmp<int32_t>(Treal * Ki);
+    // Scores scratch f32 [rows, max_S]; rows in chunks that keep it under 512 MiB.
+    const int64_t rows_n = std::max<int64_t>(1, std::min<int64_t>(Treal, (int64_t(512) << 20) / (4 * s.max_S)));
+    float* scores = x.tmp<float>(rows_n * s.max_S);
+    for (int64_t r0 = 0; r0 < Treal; r0 += rows_n) {
+      const int64_t nq = std::min(rows_n, Treal - r0);
+      cuda::indexer_select_paged(qi + r0 * Hi * Di, hw + r0 * Hi, pv, s.d_row_lens + r0, s.d_row_req + r0, nq, s.max_S,
+                                 Hi, Ki, scores, s.max_S, sel + r0 * Ki, x.stream);
+    }
+    x.caps.ids_i32(layer, "index_topk", sel, Treal * Ki, x.stream);
+    x.mark("mla.indexer");
+  }
+  const cuda::MlaDims dims{Hm, N, R, Dv, C};
+  if (nd > 0) {
+    // Absorbed decode: every T = 1 sequence in one launch (they are rows 0..nd−1).
+    const int64_t max_keys = sel ? std::min(s.max_dec_S, Ki) : s.max_dec_S;
+    const cuda::MlaPagedBatch bt{s.d_dec_lens, nullptr, sel, Ki, nd, max_keys};
+    void* ws = x.tmp<char>(int64_t(cuda::mla_decode_paged_workspace_bytes(dims, nd, max_keys)));
+    cuda::mla_decode_paged(x.lt, dims, q, w.kv_b, pv, bt, ws, o, x.stream);
+  }
+  for (int64_t b = nd; b < s.n_real; ++b) {
+    // Naive prefill: [k_nope | v] for every cached token of the sequence, then per-head attention.
+    const int64_t r0 = s.row0[size_t(b)], Tb = s.len[size_t(b)], p0 = s.pos0[size_t(b)], S = p0 + Tb;
+    const u16* lat = s.lat_g + s.goff[size_t(b)] * CW;  // bf16 [S, C+R]
+    u16* kv = x.tmp<u16>(S * Hm * (N + Dv));           // bf16 [S, Hm·(N+Dv)]
+    x.gemm(lat, CW, w.kv_b, kv, Hm * (N + Dv), S, C, Hm * (N + Dv));
+    cuda::mla_attn_naive(dims, q + r0 * Hm * QK, kv, lat, sel ? sel + r0 * Ki : nullptr, Ki, Tb, p0, o + r0 * Hm * Dv,
+                         x.stream);
+  }
+  x.mark("mla.attn");
+}
+
+}  // namespace
+
+void mla_forward(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchStep& s, int layer, const u16* in,
+                 u16* out) {
+  const TextConfig& c = x.c;
+  const int64_t T = s.T, D = c.hidden_size, Q = c.q_lora_rank, C = c.kv_lora_rank, R = c.qk_rope_head_dim,
+                Dv = c.v_head_dim, Hm = c.num_attention_heads, QK = c.qk_nope_head_dim + R, CW = C + R;
+  const float eps = c.rms_norm_eps;
+  // §3.4 step 1: c_q = RMSNorm_{q_a_layernorm}(Lin(q_a_proj)(x)); q = Lin(q_b_proj)(c_q) per head [N | R].
+  u16* qa = x.tmp<u16>(T * Q);       // bf16 [T, Q]
+  u16* cq = x.tmp<u16>(T * Q);       // bf16 [T, Q]
+  u16* q = x.tmp<u16>(T * Hm * QK);  // bf16 [T, Hm·(N+R)]
+  x.gemm(in, D, w.q_a, qa, Q, T, D, Q);
+  cuda::rmsnorm_bf16(qa, Q, w.q_a_norm, cq, Q, T, Q, eps, x.stream);
+  x.gemm(cq, Q, w.q_b, q, Hm * QK, T, Q, Hm * QK);
+  // Step 2: [c | k_pe] = Lin(kv_a_proj_with_mqa)(x); ĉ = RMSNorm(c) next to k_pe in new rows, which go
+  // into their pages.
+  u16* kva = x.tmp<u16>(T * CW);   // bf16 [T, C+R]
+  u16* rows = x.tmp<u16>(T * CW);  // bf16 [T, C+R]: ĉ | k_pe
+  x.gemm(in, D, w.kv_a, kva, CW, T, D, CW);
+  cuda::rmsnorm_bf16(kva, CW, w.kv_a_norm, rows, CW, T, C, eps, x.stream);
+  KCUDA_CHECK(cudaMemcpy2DAsync(rows + C, size_t(CW) * 2, kva + C, size_t(CW) * 2, size_t(R) * 2, size_t(T),
+                                cudaMemcpyDeviceToDevice, x.stream));
+  if (cc.formats.latent == LatentFormat::bf16)
+    cuda::copy_rows(rows, nullptr, cc.latent[size_t(layer)], s.d_pool_rows, T, CW * 2, x.stream);
+  else  // quantise on write, byte-identical to MlaCacheView::write_latent
+    cuda::paged_write_latent(cc.mla_view(layer, nullptr, 0), rows, CW, s.d_pool_rows, T, x.stream);
+  // §3.5 steps 1–4: the indexer's queries q_I = Lin(wq_b)(c_q), keys k_I = LayerNorm(Lin(wk)(x)) into
+  // their pages, head weights w = weights_proj(x) in FP32.
+  u16* qi = nullptr;    // bf16 [T, Hi·Di]
+  float* hw = nullptr;  // f32 [T, Hi]
+  if (w.has_indexer) {
+    const int64_t Hi = c.index_n_heads, Di = c.index_head_dim;
+    qi = x.tmp<u16>(T * Hi * Di);
+    u16* kraw = x.tmp<u16>(T * Di);  // bf16 [T, Di]
+    u16* knew = x.tmp<u16>(T * Di);  // bf16 [T, Di]
+    hw = x.tmp<float>(T * Hi);
+    x.gemm(cq, Q, w.wq_b, qi, Hi * Di, T, Q, Hi * Di);
+    x.gemm(in, D, w.wk, kraw, Di, T, D, Di);
+    cuda::indexer_key_norm(kraw, w.k_norm, w.k_norm_bias, T, Di, knew, x.stream);
+    if (cc.formats.index_keys == IndexKeyFormat::bf16)
+      cuda::copy_rows(knew, nullptr, cc.index_k[size_t(layer)], s.d_pool_rows, T, Di * 2, x.stream);
+    else  // quantise on write, byte-identical to MlaCacheView::write_key
+      cuda::paged_write_keys(cc.mla_view(layer, nullptr, 0), knew, Di, s.d_pool_rows, T, x.stream);
+    x.lt.bf16_f32(in, D, w.weights_proj, hw, Hi, T, D, Hi, x.stream);
+  }
+  x.mark("mla.proj");
+  // §3.5 steps 5–6 and §3.4 steps 3–4: the island (everything whose shape depends on the contexts).
+  u16* o = x.tmp<u16>(T * Hm * Dv);  // bf16 [T, Hm·Dv]
+  x.island(s, [&x, &w, &cc, layer, q, qi, hw, o](const BatchStep& st) { mla_attend(x, w, cc, st, layer, q, qi, hw, o); });
+  // Step 5: ô = concat_h(o_h) ⊙ σ(Lin(g_proj)(x)); out = Lin(o_proj)(ô).
+  if (w.g_proj) {
+    u16* g = x.tmp<u16>(T * Hm * Dv);  // bf16 [T, Hm·Dv]
+    x.gemm(in, D, w.g_proj, g, Hm * Dv, T, D, Hm * Dv);
+    cuda::sigmoid_gate_bf16(o, g, T * Hm * Dv, x.stream);
+  }
+  x.gemm(o, Hm * Dv, w.o_proj, out, D, T, Hm * Dv, D);
+  x.mark("mla.gate+o_proj");
+}
+
+}  // namespace kestrel::model::gpu
