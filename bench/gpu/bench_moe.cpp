@@ -121,6 +121,7 @@ int main(int argc, char** argv) {
       const size_t n = size_t(4) << 30;
       cuda::DeviceBuffer a(n), b(n);
       KCUDA_CHECK(cudaMemset(a.data(), 1, n));
+      KCUDA_CHECK(cudaDeviceSynchronize());
       const double us = tm.median_us(
           [&](int) { KCUDA_CHECK(cudaMemcpyAsync(b.data(), a.data(), n, cudaMemcpyDeviceToDevice, stream)); }, 2, 10,
           stream);
@@ -143,6 +144,7 @@ int main(int argc, char** argv) {
                               static_cast<uint8_t*>(w2p.data()), static_cast<uint8_t*>(w2s.data()),
                               p13, s13, p2, s2};
     mw.layout = cuda::kMoeExpertLayout;  // random bytes are valid weights in any layout
+    KCUDA_CHECK(cudaDeviceSynchronize());
 
     fmt::print("## MoE routed experts, MXFP4 W4A16 on tensor cores — {} ({} SMs)\n\n", prop.name,
                prop.multiProcessorCount);
@@ -181,6 +183,7 @@ int main(int argc, char** argv) {
         dz.emplace_back(size_t(T * Lt) * 2);
         fill_bf16(dz.back().data(), size_t(T * Lt), uint64_t(100 + s));
       }
+      KCUDA_CHECK(cudaDeviceSynchronize());  // setup copies ran on the legacy stream
       const double mean_hit = double(std::accumulate(hit.begin(), hit.end(), int64_t(0))) / kSets;
       const double bytes = mean_hit * expert_bytes;
       const double flops = 2.0 * double(T * K) * double(2 * I * Lt + Lt * I);

@@ -530,6 +530,7 @@ TEST(GpuMoe, ExpertsGraphReplay) {
     dz.buf.copy_from_host(z.data(), z.size() * 2);
     dids.buf.copy_from_host(ids.data(), ids.size() * 4);
     dw.buf.copy_from_host(wts.data(), wts.size() * 4);
+    sync();  // the copies ran on the legacy stream; the graph runs on a non-blocking one
     KCUDA_CHECK(cudaGraphLaunch(exec, stream));
     KCUDA_CHECK(cudaStreamSynchronize(stream));
     std::vector<uint16_t> ref(size_t(T * Lt));
