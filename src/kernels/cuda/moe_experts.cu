@@ -19,12 +19,18 @@
 //      order of tokens inside an expert (atomic scatter) never changes a value: every (row, token)
 //      output is its own MMA column with the same K order.
 //
-// Bytes and time (H200, 4.29 TB/s copy): an expert is 17.55 MB (w1|w3 11.70 MB with scales, w2 5.85 MB).
-// Batch 1 (16 experts): w13 187 MB ≈ 44 µs, w2 94 MB ≈ 22 µs at copy speed; group and combine ≈ 2–3 µs
-// each. Issue budget at copy speed ≈ 110 warp-instructions per 512-byte warp load per SM; the decode
-// costs ≈ 15 per 32-bit word (60 per load), the scales 8, the MMAs 4 and the scale FMAs 8 per n-tile,
-// so the decode kernel should stay memory-bound (≈ 80 % of issue slots at CT = 8). Prefill (CT = 32):
-// 16 MMAs per 16-byte weight load; weights are re-read from L2 by each job of an expert.
+// Bytes and time (H200, 4.29 TB/s copy; an expert is 17.55 MB: w1|w3 11.70 MB with scales, w2 5.85 MB):
+//   group    ids in, order + work list out (KB): one block, ≈ 2–3 µs including its launch.
+//   w13      T=1: 16 experts × 11.70 MB = 187 MB → 44 µs at copy speed; T=64: ≈ 600 experts, 7.0 GB → 1.6 ms.
+//   w2       T=1: 94 MB → 22 µs; T=64: 3.5 GB → 0.8 ms.
+//   combine  T·K·Lt·2 B of y in, T·Lt·2 B out: 2 µs at T ≤ 64.
+// Issue budget: at copy speed an SM gets ≈ 110 warp-instruction slots per 512-byte warp load of weights. The
+// CT = 8 main loops compile (sm_90a, nvcc 13) to 87 (w13) and 93 (w2) instructions per 512 bytes — decode
+// ≈ 15 per 32-bit word, scales 2 per byte, 4 HMMA, 8 FFMA, loads — so they should stay memory-bound; the
+// estimate is ≈ 85 % of copy speed: ≈ 80 µs at T = 1 with launch gaps, ≈ 2.9 ms at T = 64. ptxas: 119/123
+// registers (w13, plain/exact scales), 76 (w2), no spills, no shared memory: 4 and 6 CTAs per SM.
+// Prefill (CT = 32): 16 HMMA per 16-byte weight load; 168 (w13) / 127 (w2) registers; a job's weights come
+// from L2 after the first of an expert's jobs reads them.
 #include <algorithm>
 
 #include "kernels/cuda/cuda_check.h"

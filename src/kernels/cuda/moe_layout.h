@@ -24,10 +24,12 @@
 // Nibble placement inside a word (the decode trick). An E2M1 code s·e1·e0·m becomes a BF16 by putting
 // e1·e0·m at bits 6..8 and s at bit 15 (exponent field e1e0, mantissa msb m) and multiplying by 2^126:
 // for e ≥ 1 that is 2^(e-1)·(1 + m/2); for e = 0 (codes ±0 and ±0.5) the BF16 is subnormal, 2^-126·m/2,
-// and the product is m/2 — exact, provided the BF16 multiply keeps subnormal inputs (PTX mul.bf16x2 has
-// no .ftz; the GPU test checks all 16 codes). Each register's two halves are filled from one word by
-// at most two shifts and two masks; the 8 elements of a word are placed so that two registers need one
-// mask each (mag and sign already 9 bits apart) and two need two shifts and two masks:
+// and the product is m/2 — exact, provided the BF16 multiply keeps subnormal inputs, as PTX half-precision
+// arithmetic does by default (GpuMoe.MatmulEveryCodeAndScale checks all 16 codes on the GPU; building with
+// KESTREL_MOE_INTEGER_DECODE swaps in an exact integer decode, ≈ 3× the instructions, if it ever fails).
+// Each register's two halves are filled from one word by at most two shifts and two masks; the 8 elements
+// of a word are placed so that two registers need one shift and one mask (magnitude and sign already 9 bits
+// apart; no translate of that pattern tiles 16 bits four times) and two need two shifts and two masks:
 //   register j: magnitude at bit kMagPos[j] (+16 for h = 1), sign at bit kSignPos[j] (+16 for h = 1).
 #pragma once
 
