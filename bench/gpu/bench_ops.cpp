@@ -331,7 +331,7 @@ int main(int argc, char** argv) {
     const cuda::MoeExpertWeights mw{static_cast<uint8_t*>(w1p.data()), static_cast<uint8_t*>(w1s.data()),
                                     static_cast<uint8_t*>(w3p.data()), static_cast<uint8_t*>(w3s.data()),
                                     static_cast<uint8_t*>(w2p.data()), static_cast<uint8_t*>(w2s.data()),
-                                    p13, s13, p2, s2};
+                                    p13, s13, p2, s2, cuda::kMoeExpertLayout};  // random bytes: any layout
     const char* anchor[] = {"72", "177", "844", "862"};
     for (size_t bi = 0; bi < batches.size(); ++bi) {
       const int64_t B = batches[bi];

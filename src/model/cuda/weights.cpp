@@ -5,6 +5,7 @@
 
 #include <initializer_list>
 #include <utility>
+#include <vector>
 
 #include "core/check.h"
 #include "kernels/cuda/cuda_check.h"
@@ -38,20 +39,9 @@ class Uploader {
     }
     return p;
   }
+  void* alloc(size_t n) { return arena_.alloc(n); }
   MlpWeightsDev mlp(const MlpWeights& m) {
     return {static_cast<const u16*>(cat({&m.gate_proj, &m.up_proj})), bf16(m.down_proj), m.gate_proj.shape[0]};
-  }
-  // One tensor of every expert, back to back: returns the base and the bytes per expert.
-  template <typename Get>
-  std::pair<const uint8_t*, int64_t> experts(const std::vector<ExpertWeights>& ex, Get get) {
-    const size_t n = get(ex[0]).nbytes();
-    char* p = static_cast<char*>(arena_.alloc(n * ex.size()));
-    for (size_t e = 0; e < ex.size(); ++e) {
-      const TensorView& v = get(ex[e]);
-      KCHECK(v.nbytes() == n, "expert tensors differ in size");
-      KCUDA_CHECK(cudaMemcpy(p + e * n, v.data, n, cudaMemcpyHostToDevice));
-    }
-    return {reinterpret_cast<const uint8_t*>(p), int64_t(n)};
   }
 
  private:
@@ -103,17 +93,20 @@ MoeWeightsDev upload_moe(Uploader& up, const TextConfig& tc, const MoeWeights& m
   d.latent_up = up.bf16(m.latent_up);
   d.has_shared = m.has_shared;
   if (m.has_shared) d.shared = up.mlp(m.shared);
-  // Experts back to back: w1 packed [X, I, Lt/2], scales [X, I, Lt/32]; likewise w3; w2 [X, Lt, I/2], [X, Lt, I/32].
-  KCHECK(int64_t(m.experts.size()) == tc.num_experts, "MoE layer has {} experts, config {}", m.experts.size(),
-         tc.num_experts);
-  const auto w1p = up.experts(m.experts, [](const ExpertWeights& e) -> const TensorView& { return e.w1.packed; });
-  const auto w1s = up.experts(m.experts, [](const ExpertWeights& e) -> const TensorView& { return e.w1.scale; });
-  const auto w3p = up.experts(m.experts, [](const ExpertWeights& e) -> const TensorView& { return e.w3.packed; });
-  const auto w3s = up.experts(m.experts, [](const ExpertWeights& e) -> const TensorView& { return e.w3.scale; });
-  const auto w2p = up.experts(m.experts, [](const ExpertWeights& e) -> const TensorView& { return e.w2.packed; });
-  const auto w2s = up.experts(m.experts, [](const ExpertWeights& e) -> const TensorView& { return e.w2.scale; });
-  d.experts = {w1p.first, w1s.first, w3p.first, w3s.first, w2p.first, w2s.first,
-               w1p.second, w1s.second, w2p.second, w2s.second};
+  // Experts repacked once into the tensor-core layout of kernels/cuda/moe_layout.h (the same bytes, permuted).
+  const int64_t X = tc.num_experts, Lt = tc.routed_expert_hidden_size, I = tc.moe_intermediate_size;
+  KCHECK(int64_t(m.experts.size()) == X, "MoE layer has {} experts, config {}", m.experts.size(), X);
+  std::vector<cuda::MoeExpertHost> src(static_cast<size_t>(X));
+  for (int64_t e = 0; e < X; ++e) {
+    const ExpertWeights& ew = m.experts[size_t(e)];
+    KCHECK(ew.w1.packed.nbytes() == size_t(I * Lt / 2) && ew.w3.packed.nbytes() == size_t(I * Lt / 2) &&
+               ew.w2.packed.nbytes() == size_t(Lt * I / 2) && ew.w1.scale.nbytes() == size_t(I * Lt / 32) &&
+               ew.w3.scale.nbytes() == size_t(I * Lt / 32) && ew.w2.scale.nbytes() == size_t(Lt * I / 32),
+           "expert {} tensors do not match [I, Lt] = [{}, {}]", e, I, Lt);
+    auto p = [](const TensorView& v) { return static_cast<const uint8_t*>(v.data); };
+    src[size_t(e)] = {p(ew.w1.packed), p(ew.w1.scale), p(ew.w3.packed), p(ew.w3.scale), p(ew.w2.packed), p(ew.w2.scale)};
+  }
+  d.experts = cuda::pack_experts_mxfp4(src.data(), X, Lt, I, [&](size_t n) { return up.alloc(n); });
   return d;
 }
 
