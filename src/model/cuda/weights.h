@@ -4,8 +4,8 @@
 //
 // Packing done at upload: q|k|v (KDA) and gate|up (dense MLP, shared experts) are stacked row-wise so
 // each is one GEMM, the three conv kernels likewise so the conv is one launch over q|k|v; routed
-// experts stay MXFP4, each layer's X experts packed back to back in the layout moe_experts_mxfp4 reads
-// (cuda::MoeExpertWeights: w1, w3, w2 packed [X, out, in/2] and e8m0 scales [X, out, in/32]).
+// experts stay MXFP4, each layer's X experts repacked by cuda::pack_experts_mxfp4 into the tensor-core
+// fragment order moe_experts_mxfp4 reads (kernels/cuda/moe_layout.h: the same bytes, permuted).
 // Tied embeddings: lm_head points at embed.
 #pragma once
 
