@@ -197,6 +197,11 @@ __global__ void __launch_bounds__(kDecodeThreads)
   int par = 0;
   for (int64_t t = t0; t < t1; ++t, par ^= 1) {
     const int64_t row = t * ld + h * DK;
+    // Every global read of the token is issued here, before the barrier below.
+    const float bt = beta[t * ld_beta + h];
+    float vv[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) vv[c] = v[row + col + c];
     float kr[R], a[4] = {0.0f, 0.0f, 0.0f, 0.0f}, bq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, kq = 0.0f;
 #pragma unroll
     for (int m = 0; m < R; ++m) {
@@ -241,9 +246,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
       }
       kqs += red[par][ww][8][c4];
     }
-    const float bt = beta[t * ld_beta + h];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) u[c] = bt * (v[row + col + c] - u[c]);
+    for (int c = 0; c < 4; ++c) u[c] = bt * (vv[c] - u[c]);
 #pragma unroll
     for (int m = 0; m < R; ++m)
 #pragma unroll
