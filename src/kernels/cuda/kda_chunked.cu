@@ -696,7 +696,12 @@ void chunked_alloc(const float* q, const float* k, const float* v, const float* 
   const int64_t T = ends[1] > ends[0] ? int64_t(ends[1]) - ends[0] : 0;
   void* ws = nullptr;
   KCUDA_CHECK(cudaMallocAsync(&ws, kda_chunked_workspace_bytes(T, B, H, Dk), stream));
-  chunked(q, k, v, g, ld, beta, ld_beta, cu, slots, pool, o, T, B, H, Dk, ws, stream);
+  try {
+    chunked(q, k, v, g, ld, beta, ld_beta, cu, slots, pool, o, T, B, H, Dk, ws, stream);
+  } catch (...) {
+    cudaFreeAsync(ws, stream);
+    throw;
+  }
   KCUDA_CHECK(cudaFreeAsync(ws, stream));
 }
 
