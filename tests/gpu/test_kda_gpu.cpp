@@ -237,6 +237,78 @@ TEST(GpuKda, ChunkedOverloadsAndWorkspaceBound) {
   check_exact("kda_chunked small workspace (pool untouched)", shape, s3.data(), in.pool0.data(), s3.size() * 4);
 }
 
+// Requests are independent and the kernels deterministic: a launch over a sub-range of the packed rows
+// (cu_seqlens not starting at 0, as a mixed batch would pass its prefill rows) reproduces those requests'
+// outputs and states bit for bit; and a launch captured in a CUDA graph (relaxed capture, as the engine
+// records its segments) and replayed gives the direct launch's results bit for bit.
+TEST(GpuKda, ChunkedSubRangeAndGraphReplay) {
+  need_gpu();
+  Rng rng(44);
+  const Shape s = kShapes[2];
+  const int64_t HD = s.H * s.Dk;
+  const ScanInputs in = make_inputs({70, 1, 300, 129}, s, Gates::model, false, rng);
+  const Dev4 d = upload_inputs(in);
+  const std::string shape = fmt::format("mini B={} T={}", in.B, in.T);
+  auto p_full = upload(in.pool0);
+  auto o_full = poisoned<float>(size_t(in.T * HD));
+  run_chunked(d, in, s, p_full.p(), o_full.p(), in.T);
+  // Requests 1..3 only: cu = {70, 71, 371, 500}, their slots.
+  const std::vector<int32_t> cu_sub(in.cu.begin() + 1, in.cu.end()), slots_sub(in.slots.begin() + 1, in.slots.end());
+  auto dcu_sub = upload(cu_sub);
+  auto dslots_sub = upload(slots_sub);
+  auto p_sub = upload(in.pool0);
+  auto o_sub = poisoned<float>(size_t(in.T * HD));
+  const int64_t T_sub = in.T - in.cu[1], B_sub = in.B - 1;
+  auto ws = poisoned<uint8_t>(cuda::kda_chunked_workspace_bytes(T_sub, B_sub, s.H, s.Dk));
+  cuda::kda_chunked(d.q.p(), d.k.p(), d.v.p(), d.g.p(), HD, d.beta.p(), s.H, dcu_sub.p(), dslots_sub.p(), p_sub.p(),
+                    o_sub.p(), T_sub, B_sub, s.H, s.Dk, ws.p(), nullptr);
+  sync();
+  const auto of = o_full.get(), os = o_sub.get(), pf = p_full.get(), ps = p_sub.get();
+  const size_t r0 = size_t(in.cu[1] * HD);
+  check_exact("kda_chunked sub-range (o rows)", shape, os.data() + r0, of.data() + r0, (of.size() - r0) * 4);
+  const std::vector<float> poison = poisoned<float>(r0).get();
+  check_exact("kda_chunked sub-range (rows before untouched)", shape, os.data(), poison.data(), r0 * 4);
+  const int64_t DD = s.H * s.Dk * s.Dk;
+  for (int64_t b = 0; b < in.B; ++b) {
+    const size_t off = size_t(in.slots[size_t(b)] * DD);
+    const float* want = b == 0 ? in.pool0.data() + off : pf.data() + off;  // request 0 was left out
+    check_exact("kda_chunked sub-range (state)", shape + fmt::format(" request {}", b), ps.data() + off, want,
+                size_t(DD) * 4);
+  }
+
+  // Graph: the explicit-workspace form does no host synchronisation, so it can be captured.
+  cudaStream_t st;
+  KCUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  auto p_graph = upload(in.pool0);
+  auto o_graph = poisoned<float>(size_t(in.T * HD));
+  auto ws2 = poisoned<uint8_t>(cuda::kda_chunked_workspace_bytes(in.T, in.B, s.H, s.Dk));
+  auto p_dec = upload(in.pool0), p_dec_ref = upload(in.pool0);
+  auto o_dec = poisoned<float>(size_t(in.T * HD)), o_dec_ref = poisoned<float>(size_t(in.T * HD));
+  cudaGraph_t graph;
+  KCUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed));
+  cuda::kda_chunked(d.q.p(), d.k.p(), d.v.p(), d.g.p(), HD, d.beta.p(), s.H, d.cu.p(), d.slots.p(), p_graph.p(),
+                    o_graph.p(), in.T, in.B, s.H, s.Dk, ws2.p(), st);
+  cuda::kda_decode(d.q.p(), d.k.p(), d.v.p(), d.g.p(), HD, d.beta.p(), s.H, d.cu.p(), d.slots.p(), p_dec.p(),
+                   o_dec.p(), in.B, s.H, s.Dk, st);
+  KCUDA_CHECK(cudaStreamEndCapture(st, &graph));
+  cudaGraphExec_t exec;
+  KCUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  KCUDA_CHECK(cudaGraphLaunch(exec, st));
+  KCUDA_CHECK(cudaStreamSynchronize(st));
+  cuda::kda_decode(d.q.p(), d.k.p(), d.v.p(), d.g.p(), HD, d.beta.p(), s.H, d.cu.p(), d.slots.p(), p_dec_ref.p(),
+                   o_dec_ref.p(), in.B, s.H, s.Dk, nullptr);
+  sync();
+  KCUDA_CHECK(cudaGraphExecDestroy(exec));
+  KCUDA_CHECK(cudaGraphDestroy(graph));
+  KCUDA_CHECK(cudaStreamDestroy(st));
+  const auto og = o_graph.get(), pg = p_graph.get();
+  check_exact("kda_chunked graph replay (o)", shape, og.data(), of.data(), of.size() * 4);
+  check_exact("kda_chunked graph replay (pool)", shape, pg.data(), pf.data(), pf.size() * 4);
+  const auto od = o_dec.get(), odr = o_dec_ref.get(), pd = p_dec.get(), pdr = p_dec_ref.get();
+  check_exact("kda_decode graph replay (o)", shape, od.data(), odr.data(), od.size() * 4);
+  check_exact("kda_decode graph replay (pool)", shape, pd.data(), pdr.data(), pd.size() * 4);
+}
+
 // Decode: one token per request (and a varlen batch through the same contract), against kda_recurrent
 // (the same FP32 math in another summation order) and the CPU oracle; the FP16 pool bit-for-bit against
 // the FP32 launch from an FP16-representable start.
