@@ -40,6 +40,8 @@
 // fragment reads and ~1400 tensor-pipe cycles per step) ≈ 0.5 ms; FLA chunk_kda: 1.94 ms.
 //
 // Shapes: Dk ∈ {32, 64, 128} (value dim = Dk); the per-CTA shared memory is sized at compile time.
+// The file is longer than most (~700 lines): its three kernels share the image layout (Img), which
+// should have exactly one definition.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
