@@ -316,20 +316,22 @@ __global__ void __launch_bounds__(kIntraThreads, 1)
       const int prod = job & 1, nt = job >> 1;
       const float* Aop = prod ? Eq : Ek;
       const float* Bop = E1 + 8 * nt * KP;
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      float c[2][4] = {};  // even / odd k-steps: two independent mma chains
 #pragma unroll 4
       for (int kk = 0; kk < K / 8; ++kk) {
         const int col = 8 * kk + tq;
         const uint32_t a[4] = {__float_as_uint(Aop[gq * KP + col]), __float_as_uint(Aop[(gq + 8) * KP + col]),
                                __float_as_uint(Aop[gq * KP + col + 4]), __float_as_uint(Aop[(gq + 8) * KP + col + 4])};
         const uint32_t bb[2] = {__float_as_uint(Bop[gq * KP + col]), __float_as_uint(Bop[gq * KP + col + 4])};
-        mma_tf32(c, a, bb);
+        mma_tf32(c[kk & 1], a, bb);
       }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[0][e] += c[1][e];
       float* out = (prod ? Tm : Am) + 16 * j * LP + 8 * nt + 2 * tq;
-      out[gq * LP] = c[0];
-      out[gq * LP + 1] = c[1];
-      out[(gq + 8) * LP] = c[2];
-      out[(gq + 8) * LP + 1] = c[3];
+      out[gq * LP] = c[0][0];
+      out[gq * LP + 1] = c[0][1];
+      out[(gq + 8) * LP] = c[0][2];
+      out[(gq + 8) * LP + 1] = c[0][3];
     }
     __syncthreads();
   }
