@@ -32,12 +32,16 @@
 // 3–6e−4, flat in the sequence length (no growth over 1000 tokens of undecayed gates); without the
 // rounding the same emulation agrees to 1e−7. tests/gpu/test_kda_gpu.cpp states the bounds it enforces.
 //
-// Cost per (chunk, head) at Dk = 128: intra reads k, q, g, v (128 KiB f32) and writes the 133 KiB image;
-// ≈ 4.2 MFLOP of TF32 mma (A, QK, W, U0; ~60% of it is the triangle actually used) and 65 K FP32 FMA
-// (T). seq reads the image once per 32-value CTA (L2 serves 3 of the 4) and does 2 × 2.1 MFLOP TF32 +
-// ≈ 1.4 MFLOP BF16 per 32 value columns. Predicted on an H200, 12 heads × 32K tokens: intra ≈ 0.4–0.6 ms
-// (1.6 GB of traffic, memory-bound), seq ≈ 512 chunk steps × ~1 µs (per SM: ~170 KB of shared-memory
-// fragment reads and ~1400 tensor-pipe cycles per step) ≈ 0.5 ms; FLA chunk_kda: 1.94 ms.
+// Cost per (chunk, head) at Dk = 128 (H200: ~4.3 TB/s copy, 132 SMs):
+//   intra: reads q, k, g, v (128 KiB f32), writes the 133 KiB image; 2.6 MFLOP TF32 mma (A, QK, W, U0, upper
+//     triangles of the 16-row blocks included), ~60 K FP32 FMA (T), ~40 K exponentials. One 190 KiB CTA per
+//     SM; estimated ~8 µs per CTA (load latency, 18 barriers), so ≈ 0.4 ms for 12 heads × 32K (6156 CTAs),
+//     which is also about the time its 1.6 GB of HBM traffic takes.
+//   seq: per 32 value columns per chunk, 2 × 0.52 MFLOP TF32 + 0.35 MFLOP BF16 (256 + 84 mma per warp) and
+//     ~230 KB of shared-memory fragment reads per SM: ≈ 1.1 µs per chunk step on a 2-warp CTA; the image is
+//     read once per value block (4 per head, 3 of them L2 hits). 12 heads × 32K: 512 steps ≈ 0.56 ms.
+//   Predicted totals (12 heads unless noted): 8K ≈ 0.25 ms, 32K ≈ 1.0 ms, 128K ≈ 4.1 ms, 8 × 8K ≈ 1.3 ms,
+//   96 heads × 32K ≈ 5.3 ms; FLA chunk_kda on our H200: 0.54 / 1.94 / 7.57 / 2.90 / 10.9 ms.
 //
 // Shapes: Dk ∈ {32, 64, 128} (value dim = Dk); the per-CTA shared memory is sized at compile time.
 // The file is longer than most (~700 lines): its three kernels share the image layout (Img), which
