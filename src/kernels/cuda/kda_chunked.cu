@@ -37,7 +37,7 @@
 //     triangles of the 16-row blocks included), ~60 K FP32 FMA (T), ~40 K exponentials. One 190 KiB CTA per
 //     SM; estimated ~8 µs per CTA (load latency, 18 barriers), so ≈ 0.4 ms for 12 heads × 32K (6156 CTAs),
 //     which is also about the time its 1.6 GB of HBM traffic takes.
-//   seq: per 32 value columns per chunk, 2 × 0.52 MFLOP TF32 + 0.35 MFLOP BF16 (256 + 84 mma per warp) and
+//   seq: per 32 value columns per chunk, 2 × 0.52 MFLOP TF32 + 0.69 MFLOP BF16 (256 + 84 mma per warp) and
 //     ~230 KB of shared-memory fragment reads per SM: ≈ 1.1 µs per chunk step on a 2-warp CTA; the image is
 //     read once per value block (4 per head, 3 of them L2 hits). 12 heads × 32K: 512 steps ≈ 0.56 ms.
 //   Predicted totals (12 heads unless noted): 8K ≈ 0.25 ms, 32K ≈ 1.0 ms, 128K ≈ 4.1 ms, 8 × 8K ≈ 1.3 ms,
