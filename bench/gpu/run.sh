@@ -50,7 +50,7 @@ case "${1:-}" in
     excl="$(git rev-parse --git-path info/exclude)"  # .git is a file in a worktree
     grep -qx "/.gpu-carry/" "$excl" 2>/dev/null || echo "/.gpu-carry/" >> "$excl"
     rm -rf .gpu-carry && mkdir -p .gpu-carry/pkg/lib
-    for b in build/tests/gpu/kestrel_gpu_tests build/src/cli/kestrel build/bench/bench_ops; do
+    for b in build/tests/gpu/kestrel_gpu_tests build/src/cli/kestrel build/bench/bench_ops build/bench/bench_kda; do
       objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
     done
     for b in build/bench/bench_moe build/bench/bench_mla build/bench/bench_kda; do  # per-kernel benchmarks, when built

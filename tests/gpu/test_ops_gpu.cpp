@@ -383,74 +383,7 @@ TEST(GpuOps, KdaRecurrent) {
   }
 }
 
-// Chunked scan (prefill): many requests of different lengths in one launch, lengths around the chunk
-// size and long enough for the state to carry over many chunks; compared with both CPU forms (the
-// chunked twin and the recurrent oracle). The GPU's own order of f32 sums differs from both, and the
-// decay factors go through f32 G (the CPU keeps G in f64), so the bound is relative to the largest
-// output/state value: a few f32 ulps of accumulated rounding over up to ~40 chunks.
-TEST(GpuOps, KdaChunked) {
-  need_gpu();
-  Rng rng(36);
-  struct Batch {
-    std::vector<int32_t> lens;
-    const char* what;
-  };
-  for (const KdaShape& s : kKdaShapes) {
-    const int64_t HD = s.H * s.Dk, DD = s.Dk * s.Dk;
-    for (const Batch& bt : {Batch{{1}, "single token"}, Batch{{64}, "one chunk"},
-                            Batch{{1, 17, 63, 64, 65, 130, 300}, "varlen"}, Batch{{2500}, "long"},
-                            Batch{std::vector<int32_t>(16, 200), "B=16"}}) {
-      const int64_t B = int64_t(bt.lens.size());
-      std::vector<int32_t> cu(size_t(B + 1), 0);
-      for (int64_t b = 0; b < B; ++b) cu[size_t(b + 1)] = cu[size_t(b)] + bt.lens[size_t(b)];
-      const int64_t T = cu.back(), n_slots = B + 3;
-      const KdaGateInputs in = random_gate_inputs(T, s, rng);
-      std::vector<float> q = to_f32(in.q), k = to_f32(in.k), g(size_t(T * HD)), beta(size_t(T * s.H));
-      cpu::kda_qk_norm_gates(q.data(), k.data(), in.z.data(), in.dt_bias.data(), in.a_log.data(), in.b.data(), -5.0f,
-                             g.data(), beta.data(), T, s.H, s.Dk);
-      const auto v = rand_f32(size_t(T * HD), rng, -1.0f, 1.0f);
-      const auto pool0 = rand_f32(size_t(n_slots * s.H * DD), rng, -0.1f, 0.1f);
-      const auto slots = random_slots(B, n_slots, rng);
-      auto dq = upload(q);
-      auto dk = upload(k);
-      auto dv = upload(v);
-      auto dg = upload(g);
-      auto dbeta = upload(beta);
-      auto dcu = upload(cu);
-      auto dslots = upload(slots);
-      auto dpool = upload(pool0);
-      auto dout = poisoned<float>(size_t(T * HD));
-      cuda::kda_chunked(dq.p(), dk.p(), dv.p(), dg.p(), HD, dbeta.p(), s.H, dcu.p(), dslots.p(), dpool.p(), dout.p(), B,
-                        s.H, s.Dk, nullptr);
-      sync();
-      const auto got_o = dout.get(), got_pool = dpool.get();
-      for (const bool chunked : {true, false}) {
-        std::vector<float> o(size_t(T * HD)), pool = pool0;
-        for (int64_t b = 0; b < B; ++b) {
-          const int64_t t0 = cu[size_t(b)];
-          for (int64_t h = 0; h < s.H; ++h) {
-            const cpu::KdaHeadIo io{q.data() + t0 * HD + h * s.Dk, k.data() + t0 * HD + h * s.Dk,
-                                    v.data() + t0 * HD + h * s.Dk, g.data() + t0 * HD + h * s.Dk,
-                                    beta.data() + t0 * s.H + h, HD, s.H, o.data() + t0 * HD + h * s.Dk};
-            float* S = pool.data() + (slots[size_t(b)] * s.H + h) * DD;
-            if (chunked) {
-              cpu::kda_scan_chunked(io, bt.lens[size_t(b)], s.Dk, S);
-            } else {
-              cpu::kda_scan_recurrent(io, bt.lens[size_t(b)], s.Dk, S);
-            }
-          }
-        }
-        const std::string shape = fmt::format("{} {} B={} T={} H={} Dk={} vs CPU {}", s.what, bt.what, B, T, s.H,
-                                              s.Dk, chunked ? "chunked" : "recurrent");
-        double so = 0, ss = 0;
-        for (float x : o) so = std::max(so, double(std::fabs(x)));
-        for (float x : pool) ss = std::max(ss, double(std::fabs(x)));
-        check("kda_chunked (o)", shape, got_o.data(), o.data(), o.size(), {2e-5 * so, 1e-3, 5e-5});
-        check("kda_chunked (state pool)", shape, got_pool.data(), pool.data(), pool.size(), {2e-5 * ss, 1e-3, 5e-5});
-      }
-    }
-  }
-}
+// The chunked (prefill) and decode-specialised scans are tested in test_kda_gpu.cpp.
 
 TEST(GpuOps, KdaOutNormGate) {
   need_gpu();

@@ -5,11 +5,9 @@
 // - recurrent scan: one block of Dk threads per (head, request); thread j owns value column j of S
 //   in registers (Dk floats, compile-time indexed), so every state element is read and written once
 //   per launch and the reads are coalesced across the warp (row i of S is contiguous in j).
-// - chunked scan: see the comment at chunked_kernel.
+// - decode scan: see the comment at decode_kernel.
+// - chunked scan: kda_chunked.cu.
 #include <cuda_fp16.h>
-#include <mma.h>
-
-#include <type_traits>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_util.cuh"
@@ -150,225 +148,117 @@ __global__ void __launch_bounds__(DK) recurrent_kernel(const float* __restrict__
   for (int i = 0; i < DK; ++i) store_state(S + i * DK + j, s[i]);
 }
 
-// Chunked scan (kda_scan.h's WY/UT form), one block per (value slice of 32 columns, head, request).
-// Value columns of S evolve independently (u, o and S_end are linear in v column by column), so a head
-// is split over Dk/32 blocks; each block recomputes the chunk's key-side matrices. Per 64-token chunk:
-//   G (cumulative log-decay per key channel; running sum in f64) → A_ts, QK_ts (s ≤ t) → rhs
-//   v − (e^G⊙k)·S₀ and (e^G⊙q)·S₀ → forward substitution for u (one warp per 4 columns, no block
-//   barriers) → o = (e^G⊙q)·S₀ + QK·u and S_end = e^{G_end}⊙S₀ + (e^{G_end−G}⊙k)ᵀ·u.
-// The pairwise decays e^{G_t − G_s} are factored through a reference r = G at the end of the previous
-// 16-token sub-chunk of t: e^{G_t−r}·e^{r−G_s}. The first factor is ≤ 1; the second is ≤ 1 for s in an
-// earlier sub-chunk and ≤ e^{16·5} = e^80 (f32-safe) inside t's own, given the §3.3 bound g > −5. So the
-// 64×64×Dk pair products cost matrix FMAs, not one exponential each.
-// The matrix products (A/QK, the S₀ products, the state update) run on the tensor cores as 3xTF32 WMMA
-// (x = hi + lo with hi, lo TF32; a·b ≈ hi·hi + hi·lo + lo·hi), which keeps FP32-level accuracy; the
-// forward substitution and the intra-chunk output (small, triangular) stay on the CUDA cores.
-constexpr int kChunk = 64, kSub = 16, kVs = 32, kChunkThreads = 256;
-
-namespace wm = nvcuda::wmma;
-using Acc = wm::fragment<wm::accumulator, 16, 16, 8, float>;
-
-template <class Frag>
-__device__ __forceinline__ void split_tf32(Frag& hi, Frag& lo) {
-#pragma unroll
-  for (int i = 0; i < hi.num_elements; ++i) {
-    const float x = hi.x[i], h = wm::__float_to_tf32(x);
-    hi.x[i] = h;
-    lo.x[i] = wm::__float_to_tf32(x - h);
-  }
+// Decode-specialised scan (kda_decode; same contract as kda_recurrent, built for one token per request).
+// One block of 128 threads per (32 value columns, head, request), so a batch-1 step of 12 heads × 128
+// already runs 48 blocks. Thread (warp w, lane l) holds rows i = 16m + 4w + (l >> 3), m < Dk/16, of the
+// columns 4(l & 7)..+3 of the block's slice: every state row is one 128-byte (f32) segment per 8 lanes,
+// loaded and stored as 16-byte vectors. Per token the column sums a = Σ_i d_i S_ij k_i, b = Σ_i d_i S_ij q_i
+// and kᵀq are reduced over the rows (shuffles, then one shared-memory round over the 4 warps, double-
+// buffered by token parity so one barrier per token suffices); then u = β(v − a), o = b + u·kᵀq
+// (= (S + k uᵀ)ᵀq) and S ← d ⊙ S + k uᵀ. Same math as recurrent_kernel in another summation order.
+__device__ __forceinline__ void load4(const float* p, float (&x)[4]) {
+  const float4 v = *reinterpret_cast<const float4*>(p);
+  x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+}
+__device__ __forceinline__ void load4(const uint16_t* p, float (&x)[4]) {
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  x[0] = __half2float(__ushort_as_half(uint16_t(v.x))), x[1] = __half2float(__ushort_as_half(uint16_t(v.x >> 16)));
+  x[2] = __half2float(__ushort_as_half(uint16_t(v.y))), x[3] = __half2float(__ushort_as_half(uint16_t(v.y >> 16)));
+}
+__device__ __forceinline__ void store4(float* p, const float (&x)[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+}
+__device__ __forceinline__ void store4(uint16_t* p, const float (&x)[4]) {
+  const uint32_t lo = uint32_t(__half_as_ushort(__float2half_rn(x[0]))) |
+                      (uint32_t(__half_as_ushort(__float2half_rn(x[1]))) << 16);
+  const uint32_t hi = uint32_t(__half_as_ushort(__float2half_rn(x[2]))) |
+                      (uint32_t(__half_as_ushort(__float2half_rn(x[3]))) << 16);
+  *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
 }
 
-// acc += A[16, 8·steps] · B[8·steps, 16] from shared memory (one warp). Layouts as WMMA's: a row-major A
-// advances by columns, a column-major one by lda·8; likewise for B.
-template <class LA, class LB>
-__device__ __forceinline__ void mma_3xtf32(Acc& acc, const float* a, int lda, const float* b, int ldb, int steps) {
-  constexpr bool a_row = std::is_same<LA, wm::row_major>::value, b_row = std::is_same<LB, wm::row_major>::value;
-  for (int k = 0; k < steps; ++k) {
-    wm::fragment<wm::matrix_a, 16, 16, 8, wm::precision::tf32, LA> ah, al;
-    wm::fragment<wm::matrix_b, 16, 16, 8, wm::precision::tf32, LB> bh, bl;
-    wm::load_matrix_sync(ah, a + (a_row ? k * 8 : k * 8 * lda), lda);
-    wm::load_matrix_sync(bh, b + (b_row ? k * 8 * ldb : k * 8), ldb);
-    split_tf32(ah, al);
-    split_tf32(bh, bl);
-    wm::mma_sync(acc, al, bh, acc);
-    wm::mma_sync(acc, ah, bl, acc);
-    wm::mma_sync(acc, ah, bh, acc);
-  }
-}
+constexpr int kDecodeCols = 32, kDecodeThreads = 128;
 
-template <int K>
-struct ChunkSmem {
-  static constexpr int KP = K + 4;  // WMMA: row stride a multiple of 4 floats, tiles 32-byte aligned
-  static constexpr size_t floats =
-      size_t(4 * kChunk * KP + 2 * kSub * KP + K * kVs + 2 * kChunk * kChunk + 2 * kChunk * kVs + kChunk + K);
-  static constexpr size_t bytes = floats * 4;
-};
-
-template <int K>
-__global__ void __launch_bounds__(kChunkThreads)
-    chunked_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                   const float* __restrict__ g, int64_t ld, const float* __restrict__ beta, int64_t ld_beta,
-                   const int32_t* __restrict__ cu, const int32_t* __restrict__ slots, float* __restrict__ pool,
-                   float* __restrict__ o, int64_t H) {
-  constexpr int CH = kChunk, KP = ChunkSmem<K>::KP, VS = kVs, NT = kChunkThreads;
-  extern __shared__ __align__(128) float sm[];
-  float* Kc = sm;              // [CH, KP] k, later e^G ⊙ k
-  float* Qc = Kc + CH * KP;    // [CH, KP] q, later e^G ⊙ q
-  float* Gc = Qc + CH * KP;    // [CH, KP] cumulative log-decay (rows ≥ n repeat the last)
-  float* E1 = Gc + CH * KP;    // [CH, KP] k_s e^{r − G_s}, later k_s e^{G_end − G_s}
-  float* Ek = E1 + CH * KP;    // [kSub, KP] k_t e^{G_t − r}
-  float* Eq = Ek + kSub * KP;  // [kSub, KP] q_t e^{G_t − r}
-  float* S = Eq + kSub * KP;   // [K, VS] this block's state columns
-  float* A = S + K * VS;       // [CH, CH]
-  float* QK = A + CH * CH;     // [CH, CH]
-  float* V = QK + CH * CH;     // [CH, VS] v, later (e^G⊙q)·S₀
-  float* U = V + CH * VS;      // [CH, VS] rhs, then u
-  float* bs = U + CH * VS;     // [CH] β
-  float* eG = bs + CH;         // [K] e^{G_end}
-  const int v0 = blockIdx.x * VS, tid = threadIdx.x;
+template <int DK, typename StateT>
+__global__ void __launch_bounds__(kDecodeThreads)
+    decode_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                  const float* __restrict__ g, int64_t ld, const float* __restrict__ beta, int64_t ld_beta,
+                  const int32_t* __restrict__ cu, const int32_t* __restrict__ slots, StateT* __restrict__ pool,
+                  float* __restrict__ o, int64_t H) {
+  constexpr int R = DK / 16;          // rows per thread
+  __shared__ float red[2][4][9][8];   // [token parity][warp][a0..a3, b0..b3, kᵀq][column group]
   const int64_t h = blockIdx.y, b = blockIdx.z;
-  float* Sg = pool + (int64_t(slots[b]) * H + h) * K * K;
-  for (int idx = tid; idx < K * VS; idx += NT) S[idx] = Sg[(idx / VS) * K + v0 + idx % VS];
-  const int64_t T0 = cu[b], T1 = cu[b + 1];
-  for (int64_t c0 = T0; c0 < T1; c0 += CH) {
-    const int n = int(T1 - c0 < CH ? T1 - c0 : int64_t(CH));
-    __syncthreads();  // the previous chunk is done with every buffer
-    // 16-byte loads, all issued before the first shared-memory store: one memory latency per chunk, not
-    // one per loop trip (the block is alone on its SM, so nothing else hides it).
-    {
-      constexpr int KV = K / 4, NL = CH * KV / NT, NV = CH * (VS / 4) / NT;
-      float4 kr[NL], qr[NL], gr[NL], vr[NV];
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, sub = lane >> 3, c4 = lane & 7;
+  const int col = blockIdx.x * kDecodeCols + 4 * c4;  // first of this thread's 4 value columns
+  StateT* S = pool + (int64_t(slots[b]) * H + h) * DK * DK;  // [DK(key), DK(value)]
+  float s[R][4];
 #pragma unroll
-      for (int l = 0; l < NL; ++l) {
-        const int idx = tid + l * NT, t = idx / KV, i4 = idx % KV;
-        const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        const int64_t row = (c0 + t) * ld + h * K + 4 * i4;
-        kr[l] = t < n ? __ldg(reinterpret_cast<const float4*>(k + row)) : z;
-        qr[l] = t < n ? __ldg(reinterpret_cast<const float4*>(q + row)) : z;
-        gr[l] = t < n ? __ldg(reinterpret_cast<const float4*>(g + row)) : z;
-      }
+  for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
+  const int64_t t0 = cu[b], t1 = cu[b + 1];
+  int par = 0;
+  for (int64_t t = t0; t < t1; ++t, par ^= 1) {
+    const int64_t row = t * ld + h * DK;
+    // Every global read of the token is issued here, before the barrier below.
+    const float bt = beta[t * ld_beta + h];
+    float vv[4];
 #pragma unroll
-      for (int l = 0; l < NV; ++l) {
-        const int idx = tid + l * NT, t = idx / (VS / 4), c4 = idx % (VS / 4);
-        vr[l] = t < n ? __ldg(reinterpret_cast<const float4*>(v + (c0 + t) * ld + h * K + v0 + 4 * c4))
-                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
+    for (int c = 0; c < 4; ++c) vv[c] = v[row + col + c];
+    float kr[R], a[4] = {0.0f, 0.0f, 0.0f, 0.0f}, bq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, kq = 0.0f;
 #pragma unroll
-      for (int l = 0; l < NL; ++l) {
-        const int idx = tid + l * NT, t = idx / KV, i = 4 * (idx % KV);
-        *reinterpret_cast<float4*>(Kc + t * KP + i) = kr[l];
-        *reinterpret_cast<float4*>(Qc + t * KP + i) = qr[l];
-        *reinterpret_cast<float4*>(Gc + t * KP + i) = gr[l];
-      }
+    for (int m = 0; m < R; ++m) {
+      const int i = 16 * m + 4 * w + sub;
+      const float d = expf(g[row + i]), qi = q[row + i];
+      kr[m] = k[row + i];
+      kq = fmaf(kr[m], qi, kq);
 #pragma unroll
-      for (int l = 0; l < NV; ++l) *reinterpret_cast<float4*>(V + 4 * (tid + l * NT)) = vr[l];
-    }
-    if (tid < CH) bs[tid] = tid < n ? beta[(c0 + tid) * ld_beta + h] : 0.0f;
-    __syncthreads();
-    if (tid < K) {
-      double acc = 0.0;
-      for (int t = 0; t < CH; ++t) {
-        if (t < n) acc += double(Gc[t * KP + tid]);
-        Gc[t * KP + tid] = float(acc);
-      }
-      eG[tid] = float(exp(acc));
-    }
-    __syncthreads();
-    // A_ts = Σ_i k_t k_s e^{G_t − G_s} (s < t), QK_ts = Σ_i q_t k_s e^{G_t − G_s} (s ≤ t), 16 rows at a time.
-    for (int j = 0; j * kSub < n; ++j) {
-      const int ns = kSub * (j + 1), t0 = kSub * j;
-      for (int idx = tid; idx < ns * K; idx += NT) {
-        const int s = idx / K, i = idx % K;
-        const float r = j ? Gc[(t0 - 1) * KP + i] : 0.0f;
-        E1[s * KP + i] = Kc[s * KP + i] * expf(r - Gc[s * KP + i]);
-      }
-      for (int idx = tid; idx < kSub * K; idx += NT) {
-        const int tt = idx / K, i = idx % K, t = t0 + tt;
-        const float r = j ? Gc[(t0 - 1) * KP + i] : 0.0f;
-        const float e = expf(Gc[t * KP + i] - r);
-        Ek[tt * KP + i] = Kc[t * KP + i] * e;
-        Eq[tt * KP + i] = Qc[t * KP + i] * e;
-      }
-      __syncthreads();
-      // Warp w: product w & 1 (A from Ek, QK from Eq), column tile w >> 1 of [16, ns]. Entries with s ≥ t
-      // (A) or s > t (QK) are computed too (finite: E1 ≤ e^80·|k|) and never read.
-      {
-        const int w = tid >> 5, ct = w >> 1;
-        if (ct <= j) {
-          Acc acc;
-          wm::fill_fragment(acc, 0.0f);
-          mma_3xtf32<wm::row_major, wm::col_major>(acc, (w & 1) ? Eq : Ek, KP, E1 + ct * 16 * KP, KP, K / 8);
-          wm::store_matrix_sync(((w & 1) ? QK : A) + t0 * CH + ct * 16, acc, CH, wm::mem_row_major);
-        }
-      }
-      __syncthreads();
-    }
-    // kt = e^G ⊙ k, qt = e^G ⊙ q in place; E1 = e^{G_end − G} ⊙ k for the state update.
-    for (int idx = tid; idx < CH * K; idx += NT) {
-      const int t = idx / K, i = idx % K;
-      const float G = Gc[t * KP + i], kr = Kc[t * KP + i], e = expf(G);
-      E1[t * KP + i] = kr * expf(Gc[(n - 1) * KP + i] - G);
-      Kc[t * KP + i] = kr * e;
-      Qc[t * KP + i] *= e;
-    }
-    __syncthreads();
-    // rhs = v − kt·S₀ (into U) and qt·S₀ (into V): warp w owns the 16×16 tile (w >> 1, w & 1) of both, so
-    // it alone reads V there before overwriting it.
-    {
-      const int w = tid >> 5, lane = tid & 31, rt = w >> 1, ct = w & 1;
-      Acc fw, fo;
-      wm::fill_fragment(fw, 0.0f);
-      wm::fill_fragment(fo, 0.0f);
-      mma_3xtf32<wm::row_major, wm::row_major>(fw, Kc + rt * 16 * KP, KP, S + ct * 16, VS, K / 8);
-      mma_3xtf32<wm::row_major, wm::row_major>(fo, Qc + rt * 16 * KP, KP, S + ct * 16, VS, K / 8);
-      float* tU = U + rt * 16 * VS + ct * 16;
-      float* tV = V + rt * 16 * VS + ct * 16;
-      wm::store_matrix_sync(tU, fw, VS, wm::mem_row_major);
-      __syncwarp();
-      for (int e = lane; e < 256; e += 32) tU[(e / 16) * VS + e % 16] = tV[(e / 16) * VS + e % 16] - tU[(e / 16) * VS + e % 16];
-      __syncwarp();
-      wm::store_matrix_sync(tV, fo, VS, wm::mem_row_major);
-    }
-    __syncthreads();
-    // u_t = β_t (rhs_t − Σ_{s<t} A_ts u_s): warp w owns columns 4w..4w+3, 8 lanes per column split the sum.
-    {
-      const int lane = tid & 31, c = 4 * (tid >> 5) + (lane >> 3), p = lane & 7;
-      for (int t = 0; t < n; ++t) {
-        float part = 0.0f;
-        for (int s = p; s < t; s += 8) part = fmaf(A[t * CH + s], U[s * VS + c], part);
-        part += __shfl_xor_sync(0xffffffffu, part, 1);
-        part += __shfl_xor_sync(0xffffffffu, part, 2);
-        part += __shfl_xor_sync(0xffffffffu, part, 4);
-        const float ut = bs[t] * (U[t * VS + c] - part);
-        __syncwarp();
-        if (p == 0) U[t * VS + c] = ut;
-        __syncwarp();
+      for (int c = 0; c < 4; ++c) {
+        s[m][c] *= d;
+        a[c] = fmaf(s[m][c], kr[m], a[c]);
+        bq[c] = fmaf(s[m][c], qi, bq[c]);
       }
     }
-    __syncthreads();
-    for (int idx = tid; idx < n * VS; idx += NT) {
-      const int t = idx / VS, c = idx % VS;
-      float acc = V[idx];
-      for (int s = 0; s <= t; ++s) acc = fmaf(QK[t * CH + s], U[s * VS + c], acc);
-      o[(c0 + t) * ld + h * K + v0 + c] = acc;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      a[c] += __shfl_xor_sync(0xffffffffu, a[c], 8);
+      a[c] += __shfl_xor_sync(0xffffffffu, a[c], 16);
+      bq[c] += __shfl_xor_sync(0xffffffffu, bq[c], 8);
+      bq[c] += __shfl_xor_sync(0xffffffffu, bq[c], 16);
     }
-    // S_end = e^{G_end} ⊙ S₀ + E1ᵀ·U over all 64 rows (rows ≥ n of E1 and U are zero): tiles of [K, VS].
-    {
-      const int w = tid >> 5, lane = tid & 31;
-      for (int tile = w; tile < (K / 16) * (VS / 16); tile += NT / 32) {
-        const int rt = tile / (VS / 16), ct = tile % (VS / 16);
-        float* tS = S + rt * 16 * VS + ct * 16;
-        for (int e = lane; e < 256; e += 32) tS[(e / 16) * VS + e % 16] *= eG[rt * 16 + e / 16];
-        __syncwarp();
-        Acc acc;
-        wm::load_matrix_sync(acc, tS, VS, wm::mem_row_major);
-        mma_3xtf32<wm::col_major, wm::row_major>(acc, E1 + rt * 16, KP, U + ct * 16, VS, CH / 8);
-        wm::store_matrix_sync(tS, acc, VS, wm::mem_row_major);
+    kq += __shfl_xor_sync(0xffffffffu, kq, 8);
+    kq += __shfl_xor_sync(0xffffffffu, kq, 16);
+    if (sub == 0) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        red[par][w][c][c4] = a[c];
+        red[par][w][4 + c][c4] = bq[c];
       }
+      red[par][w][8][c4] = kq;
+    }
+    __syncthreads();  // red[par] is rewritten two tokens later, after every thread passed the next barrier
+    float u[4], ob[4], kqs = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) u[c] = ob[c] = 0.0f;
+#pragma unroll
+    for (int ww = 0; ww < 4; ++ww) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        u[c] += red[par][ww][c][c4];
+        ob[c] += red[par][ww][4 + c][c4];
+      }
+      kqs += red[par][ww][8][c4];
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) u[c] = bt * (vv[c] - u[c]);
+#pragma unroll
+    for (int m = 0; m < R; ++m)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[m][c] = fmaf(kr[m], u[c], s[m][c]);
+    if (tid < 8) {  // warp 0, sub 0: one writer per column group
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o[row + col + c] = fmaf(u[c], kqs, ob[c]);
     }
   }
-  __syncthreads();
-  for (int idx = tid; idx < K * VS; idx += NT) Sg[(idx / VS) * K + v0 + idx % VS] = S[idx];
+#pragma unroll
+  for (int m = 0; m < R; ++m) store4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
 }
 
 __global__ void out_norm_gate_kernel(const float* __restrict__ o, const uint16_t* __restrict__ gate,
@@ -481,29 +371,52 @@ void kda_recurrent(const float* q, const float* k, const float* v, const float* 
   recurrent(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream);
 }
 
-void kda_chunked(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
-                 int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
-                 int64_t B, int64_t H, int64_t Dk, cudaStream_t stream) {
+namespace {
+template <typename StateT>
+void decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+            int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, StateT* state_pool, float* o, int64_t B,
+            int64_t H, int64_t Dk, cudaStream_t stream) {
+  // Vector state access needs a 16-byte (f32) / 8-byte (f16) aligned pool; otherwise the plain kernel.
+  if (reinterpret_cast<uintptr_t>(state_pool) % (4 * sizeof(StateT)) != 0) {
+    recurrent(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream);
+    return;
+  }
   KCUDA_REQUIRE(q && k && v && g && beta && cu_seqlens && slots && state_pool && o,
-                std::string("kda_chunked: null pointer"));
-  KCUDA_REQUIRE(B >= 0 && B < 65536 && H > 0 && H < 65536 && ld >= H * Dk && ld_beta >= H && ld % 4 == 0,
-                std::string("kda_chunked: bad B, H or strides (ld must be a multiple of 4)"));
-  for (const float* p : {q, k, v, g})
-    KCUDA_REQUIRE(reinterpret_cast<uintptr_t>(p) % 16 == 0, std::string("kda_chunked: q/k/v/g must be 16-byte aligned"));
+                std::string("kda_decode: null pointer"));
+  KCUDA_REQUIRE(B >= 0 && B < 65536 && H > 0 && H < 65536 && ld >= H * Dk && ld_beta >= H,
+                std::string("kda_decode: bad B, H or strides"));
   if (B == 0) return;
-  auto run = [&](auto kernel, size_t smem, int K) {
-    KCUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    kernel<<<dim3(unsigned(K / kVs), unsigned(H), unsigned(B)), kChunkThreads, smem, stream>>>(
-        q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, H);
-  };
+  const dim3 grid{unsigned(Dk / kDecodeCols), unsigned(H), unsigned(B)};
   switch (Dk) {
-    case 32: run(chunked_kernel<32>, ChunkSmem<32>::bytes, 32); break;
-    case 64: run(chunked_kernel<64>, ChunkSmem<64>::bytes, 64); break;
-    case 128: run(chunked_kernel<128>, ChunkSmem<128>::bytes, 128); break;
+    case 32:
+      decode_kernel<32><<<grid, kDecodeThreads, 0, stream>>>(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots,
+                                                             state_pool, o, H);
+      break;
+    case 64:
+      decode_kernel<64><<<grid, kDecodeThreads, 0, stream>>>(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots,
+                                                             state_pool, o, H);
+      break;
+    case 128:
+      decode_kernel<128><<<grid, kDecodeThreads, 0, stream>>>(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots,
+                                                              state_pool, o, H);
+      break;
     default:
-      KCUDA_REQUIRE(false, "kda_chunked: Dk = " + std::to_string(Dk) + " (supported: 32, 64, 128)");
+      KCUDA_REQUIRE(false, "kda_decode: Dk = " + std::to_string(Dk) + " (supported: 32, 64, 128)");
   }
   KCUDA_CHECK_LAUNCH();
+}
+}  // namespace
+
+void kda_decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+                int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
+                int64_t B, int64_t H, int64_t Dk, cudaStream_t stream) {
+  decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream);
+}
+
+void kda_decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+                int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, uint16_t* state_pool, float* o,
+                int64_t B, int64_t H, int64_t Dk, cudaStream_t stream) {
+  decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream);
 }
 
 void kda_out_norm_gate(const float* o, const uint16_t* gate, const float* o_norm, float eps, uint16_t* ohat, int64_t T,

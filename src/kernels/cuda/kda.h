@@ -1,6 +1,7 @@
 // KDA (MODEL.md §3.3) on the GPU: short conv + SiLU (prefill and decode), q/k L2-norm and gates,
-// the recurrent delta-rule scan over a state pool (decode for many requests at once, and varlen
-// prefill through the same recurrence), and the output RMSNorm ⊙ gate.
+// the delta-rule scan over a state pool (token by token: kda_recurrent, and its decode-specialised
+// layout kda_decode; chunk-parallel on the tensor cores for prefill: kda_chunked), and the output
+// RMSNorm ⊙ gate.
 // CPU twins: cpu::kda_conv_silu, kda_qk_norm_gates, kda_out_norm_gate (kernels/cpu/kda_ops.h) and
 // cpu::kda_scan_recurrent (kernels/cpu/kda_scan.h).
 //
@@ -11,6 +12,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace kestrel::cuda {
@@ -55,16 +57,58 @@ void kda_recurrent(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T,
                    const int32_t* slots /* i32 [B] */, uint16_t* state_pool /* f16 [n_slots, H, Dk, Dk] */,
                    float* o /* f32 [T, H*Dk], row stride ld */, int64_t B, int64_t H, int64_t Dk, cudaStream_t stream);
 
-// Step 6, chunked WY/UT form (MODEL.md §3.3, chunk 64; CPU twin cpu::kda_scan_chunked, oracle
-// cpu::kda_scan_recurrent): the same contract as kda_recurrent (varlen via cu_seqlens, state in
-// state_pool[slots[b]], f32 [H, Dk(key), Dk(value)], read at the start and written back at the end).
-// For prefill: the chunk-level products are matrix-shaped and the value columns are split across
-// blocks, so one request keeps several SMs busy. Dk ∈ {32, 64, 128}; q, k, v, g 16-byte aligned and
-// ld a multiple of 4 (16-byte row loads); g > −5 per token (the §3.3 gate bound; see kda.cu).
+// Step 6, decode-specialised recurrent scan: the contract of kda_recurrent (any row lengths), laid out for
+// one token per request: 128-thread blocks of 32 value columns (Dk/32 blocks per (head, request)), 16-byte
+// state loads and stores. Results equal kda_recurrent's up to FP32 summation order. Falls back to
+// kda_recurrent when the pool is not 16-byte (f32) / 8-byte (f16) aligned. Dk ∈ {32, 64, 128}.
+void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
+                const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
+                const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
+                const int32_t* slots /* i32 [B] */, float* state_pool /* f32 [n_slots, H, Dk, Dk] */,
+                float* o /* f32 [T, H*Dk], row stride ld */, int64_t B, int64_t H, int64_t Dk, cudaStream_t stream);
+void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
+                const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
+                const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
+                const int32_t* slots /* i32 [B] */, uint16_t* state_pool /* f16 [n_slots, H, Dk, Dk] */,
+                float* o /* f32 [T, H*Dk], row stride ld */, int64_t B, int64_t H, int64_t Dk, cudaStream_t stream);
+
+// Step 6, chunk-parallel WY/UT form for prefill (MODEL.md §3.3, chunk 64; kda_chunked.cu has the design;
+// CPU twin cpu::kda_scan_chunked, oracle cpu::kda_scan_recurrent). The contract of kda_recurrent: request b
+// owns rows cu_seqlens[b] .. cu_seqlens[b+1] (varlen, packed) and the state state_pool[slots[b]]
+// (f32 or f16 [H, Dk(key), Dk(value)]), read at the start and written back at the end (f16: widened on read,
+// rounded to nearest even on write). Requests of length 0 leave their state untouched.
+// Tensor cores: TF32 for the recurrence, BF16 for the output products, FP32 accumulation: against the FP32
+// CPU twin, o has a relative L2 error of 2–3.5e-3 (about one BF16 rounding) and the final state 3–6e-4.
+// T: the packed row count, T >= cu_seqlens[B] - cu_seqlens[0] (sizes the workspace; if the rows of
+// cu_seqlens need more chunks than the workspace holds, nothing is computed). workspace: device memory of
+// kda_chunked_workspace_bytes(T, B, H, Dk) bytes (≈ 2.1 KB per token and head at Dk 128), 16-byte aligned,
+// used only by this call (stream-ordered). No host synchronisation: capturable in a CUDA graph.
+// Dk ∈ {32, 64, 128}; q, k, v, g 16-byte aligned and ld a multiple of 4; g ≥ −5 per token (the §3.3 gate
+// bound keeps e^{16·5} in f32 range; see kda_chunked.cu).
+size_t kda_chunked_workspace_bytes(int64_t T, int64_t B, int64_t H, int64_t Dk);
 void kda_chunked(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
                  const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
                  const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
                  const int32_t* slots /* i32 [B] */, float* state_pool /* f32 [n_slots, H, Dk, Dk] */,
+                 float* o /* f32 [T, H*Dk], row stride ld */, int64_t T, int64_t B, int64_t H, int64_t Dk,
+                 void* workspace, cudaStream_t stream);
+void kda_chunked(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
+                 const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
+                 const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
+                 const int32_t* slots /* i32 [B] */, uint16_t* state_pool /* f16 [n_slots, H, Dk, Dk] */,
+                 float* o /* f32 [T, H*Dk], row stride ld */, int64_t T, int64_t B, int64_t H, int64_t Dk,
+                 void* workspace, cudaStream_t stream);
+// Convenience forms (tests, benchmarks): read cu_seqlens[0] and [B] back (a stream synchronisation) and take
+// the workspace from cudaMallocAsync on the stream. Not capturable in a CUDA graph.
+void kda_chunked(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
+                 const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
+                 const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
+                 const int32_t* slots /* i32 [B] */, float* state_pool /* f32 [n_slots, H, Dk, Dk] */,
+                 float* o /* f32 [T, H*Dk], row stride ld */, int64_t B, int64_t H, int64_t Dk, cudaStream_t stream);
+void kda_chunked(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
+                 const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
+                 const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
+                 const int32_t* slots /* i32 [B] */, uint16_t* state_pool /* f16 [n_slots, H, Dk, Dk] */,
                  float* o /* f32 [T, H*Dk], row stride ld */, int64_t B, int64_t H, int64_t Dk, cudaStream_t stream);
 
 // Step 7: ohat = bf16(RMSNorm_{o_norm, eps}(o) ⊙ σ(gate)) per (token, head). Dk ≤ 1024, multiple of 32.
