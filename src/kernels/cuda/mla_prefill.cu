@@ -13,6 +13,7 @@
 // Steps: q̃ = W_UKᵀ q_nope (one batched GEMM, FP32 out); the core writes ô as normalised bf16 [T, Hm, C]
 // (with few long rows the plan splits keys, and a small kernel merges the splits into bf16 ô); then
 // o_h = ô_h·W_UV,hᵀ per head by cuBLASLt (bf16 out), rows longest first so that the causal tail is short.
+#include <algorithm>
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
@@ -44,6 +45,15 @@ PrefillWs prefill_ws(const MlaDims& d, int64_t T, const tc::Plan& pl, void* base
   w.part_acc = split && p ? reinterpret_cast<float*>(p + qt + oh + ml) : nullptr;
   w.bytes = qt + oh + ml + acc;
   return w;
+}
+
+// Keys are split only while the rows alone leave SMs idle: with T ≥ #SMs rows (a real prefill chunk) one
+// CTA per row, longest first, balances well and needs no partials (which would be 24 KB per row and split).
+tc::Plan prefill_plan(int64_t T, int64_t max_keys) {
+  if (T < tc::sm_count()) return tc::plan(T, max_keys);
+  tc::Plan pl;
+  pl.chunk = int((std::max<int64_t>(max_keys, 1) + tc::kKeysPerTile - 1) / tc::kKeysPerTile * tc::kKeysPerTile);
+  return pl;
 }
 
 // ô[t, h] = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s as bf16; one warp per (row, head).
@@ -82,7 +92,7 @@ __global__ void __launch_bounds__(32) merge_bf16_kernel(int Hm, int C, int n_spl
 
 size_t mla_prefill_paged_workspace_bytes(const MlaDims& d, int64_t T, int64_t max_keys) {
   if (!tc::supported(d)) return mla_decode_paged_simple_workspace_bytes(d, T, max_keys);
-  return prefill_ws(d, T, tc::plan(T, max_keys), nullptr).bytes;
+  return prefill_ws(d, T, prefill_plan(T, max_keys), nullptr).bytes;
 }
 
 void mla_prefill_paged(GemmLt& lt, const MlaDims& d, const uint16_t* q, const uint16_t* kv_b, const PagedMlaCache& c,
@@ -100,7 +110,7 @@ void mla_prefill_paged(GemmLt& lt, const MlaDims& d, const uint16_t* q, const ui
                 std::string("mla_prefill_paged: null cache or block table"));
   KCUDA_REQUIRE(c.C == d.C && c.R == d.R, std::string("mla_prefill_paged: cache C/R differ from the layer's"));
   const int64_t T = rows.B, Hm = d.Hm, N = d.N, R = d.R, Dv = d.Dv, C = d.C, QK = N + R;
-  const tc::Plan pl = tc::plan(T, rows.max_keys);
+  const tc::Plan pl = prefill_plan(T, rows.max_keys);
   const PrefillWs ws = prefill_ws(d, T, pl, workspace);
   lt.batched_xw_f32(q, Hm * QK, QK, kv_b, C, (N + Dv) * C, ws.qt, Hm * C, C, T, N, C, Hm, stream);
   tc::Args a;

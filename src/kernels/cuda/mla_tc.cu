@@ -171,15 +171,18 @@ int sm_count() {
   return n;
 }
 
-// Split-KV: a CTA handles `per` tiles; CTAs run one per SM in waves. Cost ≈ waves · (per + 1) tile times
-// (the +1: prologue and pipeline fill); the fewest splits among the cheapest plans win.
+// Split-KV: a CTA handles `per` tiles; CTAs run one per SM in waves. Cost in half-tile times ≈
+// waves · (2·per + 2 + split), where 2 is the prologue and pipeline fill and `split` (1 when split) the
+// partial results a split CTA writes and the merge reads back (12 heads × 512 f32 ≈ a third of a BF16
+// tile); the fewest splits among the cheapest plans win. Rows of a launch may be shorter than max_keys
+// (varlen, causal prefill): their CTAs finish early and the next wave starts sooner, which this ignores.
 Plan plan(int64_t B, int64_t max_keys) {
   const int64_t tiles = std::max<int64_t>(1, (max_keys + kKeysPerTile - 1) / kKeysPerTile);
   const int64_t sms = sm_count();
   int64_t best_cost = INT64_MAX, best_per = tiles;
   for (int64_t s = 1; s <= std::min<int64_t>(tiles, kMaxSplits); ++s) {
     const int64_t per = (tiles + s - 1) / s, n = (tiles + per - 1) / per;
-    const int64_t waves = (B * n + sms - 1) / sms, cost = waves * (per + 1);
+    const int64_t waves = (B * n + sms - 1) / sms, cost = waves * (2 * per + 2 + (n > 1 ? 1 : 0));
     if (cost < best_cost) best_cost = cost, best_per = per;
   }
   Plan pl;
