@@ -203,10 +203,12 @@ KTC_UNROLL
 
     const uint8_t* tl = stages + (t % kStages) * S::STAGE_BYTES;
     if constexpr (FP8) {
-      // Dequantise: units of 8 ĉ values (8 B raw → one 16-byte bf16 chunk), then k_pe as it is.
-      constexpr int UPR = C / 8;
-      for (int u = tid; u < NT * UPR; u += kThreads) {
-        const int r = u / UPR, cu = u % UPR;
+      // Dequantise: units of 8 ĉ values (8 B raw → one 16-byte bf16 chunk), then k_pe as it is. A thread
+      // keeps its unit column cu and steps over rows (kThreads is a multiple of the units per row).
+      constexpr int UPR = C / 8, RPP = kThreads / UPR;  // units per row, rows per pass
+      static_assert(kThreads % UPR == 0, "units per row divide the block");
+      const int cu = tid % UPR;
+      for (int r = tid / UPR; r < NT; r += RPP) {
         const uint8_t* rr = tl + r * S::RAWB;
         const uint2 v = *reinterpret_cast<const uint2*>(rr + cu * 8);
         const float s = *reinterpret_cast<const float*>(rr + C + (cu / 16) * 4);
@@ -218,19 +220,19 @@ KTC_UNROLL
         *reinterpret_cast<uint4*>(tile16 + S::off(r, cu)) = out;
       }
       if constexpr (S::ROPE_OFF % 16 == 0) {
-        constexpr int RPR = R / 8;  // 16-byte chunks of k_pe
-        for (int u = tid; u < NT * RPR; u += kThreads) {
-          const int r = u / RPR, cu = u % RPR;
+        constexpr int RPR = R / 8;  // 16-byte chunks of k_pe per row
+        static_assert(kThreads % RPR == 0, "chunks per row divide the block");
+        const int cu = tid % RPR;
+        for (int r = tid / RPR; r < NT; r += kThreads / RPR)
           *reinterpret_cast<uint4*>(tile16 + S::off(r, C / 8 + cu)) =
               *reinterpret_cast<const uint4*>(tl + r * S::RAWB + S::ROPE_OFF + cu * 16);
-        }
       } else {
-        constexpr int RPR = R / 2;  // 4-byte words of k_pe
-        for (int u = tid; u < NT * RPR; u += kThreads) {
-          const int r = u / RPR, cu = u % RPR, byte = 2 * C + 4 * cu;
+        constexpr int RPR = R / 2;  // 4-byte words of k_pe per row
+        static_assert(kThreads % RPR == 0, "words per row divide the block");
+        const int cu = tid % RPR, byte = 2 * C + 4 * cu;
+        for (int r = tid / RPR; r < NT; r += kThreads / RPR)
           *reinterpret_cast<uint32_t*>(tile16 + S::off(r, byte / 16) + byte % 16) =
               *reinterpret_cast<const uint32_t*>(tl + r * S::RAWB + S::ROPE_OFF + cu * 4);
-        }
       }
       sync_block();
       tl = tile16;
