@@ -42,8 +42,10 @@ DecodeWs decode_ws(const MlaDims& d, int64_t B, const tc::Plan& pl, void* base) 
 }
 
 __global__ void __launch_bounds__(32 * kCombRows)
-    merge_uv_kernel(int B, int Hm, int C, int N, int Dv, int n_splits, const float* __restrict__ part_ml,
-                    const float* __restrict__ part_acc, const uint16_t* __restrict__ kv_b,
+    merge_uv_kernel(int B, int Hm, int C, int N, int Dv, int n_splits,
+                    const float* __restrict__ part_ml /* f32 [B, n_splits, Hm, 2] */,
+                    const float* __restrict__ part_acc /* f32 [B, n_splits, Hm, C] */,
+                    const uint16_t* __restrict__ kv_b /* bf16 [Hm*(N+Dv), C] */,
                     uint16_t* __restrict__ o /* bf16 [B, Hm*Dv] */) {
   extern __shared__ __align__(16) float msm[];
   float* oh = msm;                      // f32 [kCombRows, C]

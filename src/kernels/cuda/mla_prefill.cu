@@ -57,9 +57,10 @@ tc::Plan prefill_plan(int64_t T, int64_t max_keys) {
 }
 
 // ô[t, h] = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s as bf16; one warp per (row, head).
-__global__ void __launch_bounds__(32) merge_bf16_kernel(int Hm, int C, int n_splits, const float* __restrict__ part_ml,
-                                                        const float* __restrict__ part_acc,
-                                                        uint16_t* __restrict__ ohat /* bf16 [T, Hm, C] */) {
+__global__ void __launch_bounds__(32)
+    merge_bf16_kernel(int Hm, int C, int n_splits, const float* __restrict__ part_ml /* f32 [T, n_splits, Hm, 2] */,
+                      const float* __restrict__ part_acc /* f32 [T, n_splits, Hm, C] */,
+                      uint16_t* __restrict__ ohat /* bf16 [T, Hm, C] */) {
   __shared__ float wr[tc::kMaxSplits];
   const int lane = threadIdx.x, t = blockIdx.x, h = blockIdx.y;
   const int64_t sstride = int64_t(Hm) * 2;

@@ -38,13 +38,18 @@
 // 2^−9 each); sums run in FP32 in another order. Expected relative L2 error ≲ 3e-3, tested at 1e-2
 // (tests/gpu/test_mla_tc_gpu.cpp).
 //
-// Bytes and time (K3 TP8 rank: Hm 12, C 512, R 64; H200 copy rate 4.29 TB/s read+write ⇒ ~4.3 TB/s of
-// reads): decode reads every key row once per row — BF16 1152 B, FP8 656 B per key — plus the page and
-// selection lookups (4–8 B per key). B = 64, S = 32K: 2.42 GB (BF16) → 0.56 ms at the copy rate; FP8
-// 1.38 GB → 0.32 ms. Per 64-key tile a CTA issues 2 × 36 + 64 mma.sync per warp-pair/warp set
-// (2.2 MFLOP) and reads ~190 KB of shared memory (≈1.5 k cycles at 128 B/cycle) against ~4.5 k cycles of
-// HBM time per tile at one CTA per SM: memory-bound with margin for BF16; FP8 adds the dequantisation
-// (~3.5 instructions per value) and sits closer to the issue limit.
+// Bytes and time (K3 TP8 rank: Hm 12, C 512, R 64; H200 copy 4.29 TB/s read+write, taken as the read
+// ceiling): decode reads every key row once per query row — BF16 1152 B, FP8 656 B — plus 4 B per page and
+// per selected key of lookups. B = 64, S = 32K: 2.42 GB BF16 → 0.56 ms floor; FP8 1.38 GB → 0.32 ms.
+// One CTA per SM streams a 64-key tile (BF16 73.7 KB) every ~4.5 k cycles at that rate. Per tile and warp
+// the loop is ~1.1 k SASS instructions (BF16; 68 HMMA, 34 LDSM, 18 LDGSTS.128; ptxas: 238 registers, no
+// spills, 224 KB shared): ~2.2 k issue cycles per SM sub-partition, and ~190 KB of shared-memory reads
+// (~1.5 k cycles) — memory-bound with margin, predicted 80–90 % of the copy rate (≈ 0.62–0.70 ms, target
+// ≤ 0.80 ms). FP8 (242 registers, 203 KB shared): the dequantisation brings the loop to ~1.65 k
+// instructions per warp, ~3.3 k issue cycles against ~2.5 k cycles of HBM time per 42 KB tile: issue-bound,
+// predicted ≈ 0.4 ms at B = 64, S = 32K. Top-2048 rows read 2048 rows each (B = 64: 151 MB BF16, ~40 µs
+// plus the merge). Small batches split keys (B = 1, S = 32K: 128 CTAs of 256 keys), costing a prologue and
+// pipeline fill (~1–2 µs) per CTA plus the q̃ GEMM and the merge (a few µs each).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
