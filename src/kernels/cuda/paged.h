@@ -109,8 +109,8 @@ void mla_decode_paged_simple(GemmLt& lt, const MlaDims& d, const uint16_t* q /* 
 // arithmetic); relative L2 error ≲ 4e-3 (q̃, p and ô rounded to bf16), tested at 1e-2. Shapes without a
 // tensor-core instantiation run mla_decode_paged_simple over the same rows.
 // Workspace (mla_prefill_paged_workspace_bytes): q̃ f32 [T, Hm, C] + ô bf16 [T, Hm, C] (+ split partials
-// when few long rows are split over keys): ~30 KB per row at K3 size (240 MB for an 8K-token chunk);
-// callers bound it by launching at most that many rows at once.
+// when fewer rows than SMs are split over keys): 36 KB per row at the TP8 shape (Hm 12, C 512), 302 MB
+// for an 8K-token chunk; callers bound it by the number of rows per launch.
 size_t mla_prefill_paged_workspace_bytes(const MlaDims& d, int64_t T, int64_t max_keys);
 void mla_prefill_paged(GemmLt& lt, const MlaDims& d, const uint16_t* q /* bf16 [T, Hm, N+R] */,
                        const uint16_t* kv_b /* bf16 [Hm*(N+Dv), C] */, const PagedMlaCache& cache,
