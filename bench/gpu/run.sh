@@ -9,6 +9,8 @@
 # first use. cuBLASLt comes from the image's CUDA toolkit. Two steps:
 #   bench/gpu/run.sh pack    # here: build, copy binaries + libfmt into .gpu-carry/ (git-ignored)
 #   bench/gpu/run.sh test    # there: run every GPU test binary from .gpu-carry/
+#   bench/gpu/run.sh bench_mla [--quick] [--only decode,prefill]
+#                            # there: bench/gpu/bench_mla.cpp (paged MLA decode/prefill, tensor cores vs baselines)
 #   bench/gpu/run.sh all     # there: make the nano and reduced-mini checkpoints (reference/make_checkpoint.py),
 #                            # run the op tests + the GPU-vs-CPU model test on them, then bench_ops
 #                            # (logs to $OUT when set)
@@ -50,7 +52,7 @@ case "${1:-}" in
     excl="$(git rev-parse --git-path info/exclude)"  # .git is a file in a worktree
     grep -qx "/.gpu-carry/" "$excl" 2>/dev/null || echo "/.gpu-carry/" >> "$excl"
     rm -rf .gpu-carry && mkdir -p .gpu-carry/pkg/lib
-    for b in build/tests/gpu/kestrel_gpu_tests build/src/cli/kestrel build/bench/bench_ops build/bench/bench_kda; do
+    for b in build/tests/gpu/kestrel_gpu_tests build/src/cli/kestrel build/bench/bench_ops; do
       objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
     done
     for b in build/bench/bench_moe build/bench/bench_mla build/bench/bench_kda; do  # per-kernel benchmarks, when built
@@ -219,8 +221,17 @@ case "${1:-}" in
     fi
     .gpu-carry/bench_ops "${@:2}"
     ;;
+  bench_mla)
+    # MLA attention over paged caches: tensor-core decode/prefill vs the CUDA-core and naive baselines.
+    unpack
+    if ! ldd .gpu-carry/bench_mla | grep -q "libcublasLt.so.13 => /"; then
+      d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
+      export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
+    fi
+    .gpu-carry/bench_mla "${@:2}"
+    ;;
   *)
-    echo "usage: $0 pack|test|all|serving|eval|perf|bench" >&2
+    echo "usage: $0 pack|test|all|serving|eval|perf|bench|bench_mla" >&2
     exit 2
     ;;
 esac

@@ -1,7 +1,7 @@
 // Paged MLA caches on the GPU (kernels/cuda/paged.h) against the CPU's paged views (model/cache_view.h):
 // writes must give the CPU writer's bytes exactly (every format, untouched bytes left alone); reads through
-// shuffled block tables must give the CPU's absorbed decode (within the bf16 tolerance of the contiguous
-// kernel's test) and the CPU's indexer selection exactly, for varlen batches of requests.
+// shuffled block tables must give the CPU's absorbed decode (within the tolerance paged.h states for the
+// tensor-core decode) and the CPU's indexer selection exactly, for varlen batches of requests.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -303,10 +303,11 @@ TEST(GpuPaged, MlaDecode) {
       auto dout = poisoned<uint16_t>(ref.size());
       cuda::mla_decode_paged(lt, d, dq.p(), dkvb.p(), cache, bt, ws.data(), dout.p(), nullptr);
       sync();
+      // The tensor-core decode rounds q̃ and p to bf16 for the MMA (paged.h): relative L2 ≲ 3e-3, bound 1e-2.
       check_bf16("mla_decode_paged",
                  fmt::format("{} latent {} Hm={} B={} keys<={}{}", c.what, lname(lf), d.Hm, B, max_keys,
                              c.Ksel ? " sel" : ""),
-                 dout.get(), ref, {2e-3, 2 * kBf16Ulp, 5e-3});
+                 dout.get(), ref, {2e-3, 2 * kBf16Ulp, 1e-2});
     }
   }
 }

@@ -6,7 +6,9 @@
 //  - absorbed decode: blocks over (key split, request); each block keeps all Hm heads' queries in shared
 //    memory and streams 32-key tiles of the 576-wide latent rows through shared memory once for every
 //    head (the MQA saving); online softmax; a second kernel merges the splits; a third applies W_UV.
-//  - paged reads (paged.h): the decode and indexer kernels are templates over where a row comes from
+//  - paged reads (paged.h; the tensor-core paged decode/prefill live in mla_tc.cu, this CUDA-core paged
+//    decode stays as mla_decode_paged_simple, their fallback for untuned shapes and the benchmark's
+//    baseline): the decode and indexer kernels are templates over where a row comes from
 //    (ContigRows / PagedRows, ContigKeys / PagedKeys): a paged source looks the page up in the request's
 //    block table and dequantises FP8/MXFP4 to the exact bf16 values the CPU reads back, so everything after
 //    the load is shared with the contiguous path.
@@ -638,16 +640,17 @@ void mla_decode_absorbed(GemmLt& lt, const MlaDims& d, const uint16_t* q, const 
              workspace, o, stream);
 }
 
-size_t mla_decode_paged_workspace_bytes(const MlaDims& d, int64_t B, int64_t max_keys) {
+size_t mla_decode_paged_simple_workspace_bytes(const MlaDims& d, int64_t B, int64_t max_keys) {
   return mla_decode_workspace_bytes(d, B, max_keys);
 }
 
-void mla_decode_paged(GemmLt& lt, const MlaDims& d, const uint16_t* q, const uint16_t* kv_b, const PagedMlaCache& c,
-                      const MlaPagedBatch& bt, void* workspace, uint16_t* o, cudaStream_t stream) {
+void mla_decode_paged_simple(GemmLt& lt, const MlaDims& d, const uint16_t* q, const uint16_t* kv_b,
+                             const PagedMlaCache& c, const MlaPagedBatch& bt, void* workspace, uint16_t* o,
+                             cudaStream_t stream) {
   if (bt.B == 0) return;
   KCUDA_REQUIRE(c.latent && c.block_tables && c.block_size > 0 && c.bt_stride > 0,
-                std::string("mla_decode_paged: null cache or block table"));
-  KCUDA_REQUIRE(c.C == d.C && c.R == d.R, std::string("mla_decode_paged: cache C/R differ from the layer's"));
+                std::string("mla_decode_paged_simple: null cache or block table"));
+  KCUDA_REQUIRE(c.C == d.C && c.R == d.R, std::string("mla_decode_paged_simple: cache C/R differ from the layer's"));
   if (c.latent_format == LatentFormat::bf16) {
     const PagedRows<LatentFormat::bf16> rows{c.latent, c.block_tables, c.bt_stride, bt.req, c.block_size,
                                                   int(c.C), c.latent_token_bytes()};

@@ -1,0 +1,58 @@
+// The tensor-core MLA attention core shared by the paged decode (mla_decode.cu) and the paged prefill
+// (mla_prefill.cu): internal to kernels/cuda, not a public launcher (paged.h has those).
+//
+// Work unit: one query row (a decode token or one prefill token) with all its Hm ≤ 16 heads, attending in
+// the absorbed (MQA) form of MODEL.md §3.4 to its key list — positions 0..lens[b]−1 (dense) or the
+// −1-terminated selection sel[b, ..] (§3.5 step 7) — read straight from the paged latent cache through the
+// row's block table. The key list is cut into n_splits chunks of `chunk` keys (split-KV); one CTA per
+// (row, split). Output per CTA: either the unnormalised FP32 partial (o_lat, running max m in the log2
+// domain, running sum l) for a log-sum-exp combine, or — when n_splits == 1 — the normalised bf16 ô.
+// Design, numerics and costs: the header of mla_tc.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/paged.h"
+
+namespace kestrel::cuda::tc {
+
+constexpr int kKeysPerTile = 64;   // keys per shared-memory tile (the MMA's N side, 4 × 16)
+constexpr int kMaxHeads = 16;      // the MMA's M side: Hm ≤ 16 heads, padded with zero rows
+constexpr int kMaxSplits = 256;    // split-KV chunks per row, at most
+
+// True when the tensor-core kernel is instantiated for (C, R) and the head count fits (Hm ≤ 16).
+// Instantiated: (C, R) = (512, 64) (K3 / mini) and (64, 16) (nano). Other shapes use the CUDA-core
+// kernel (mla_decode_paged_simple).
+bool supported(const MlaDims& d);
+
+// Split-KV plan for B rows of at most max_keys keys: chunk (a multiple of kKeysPerTile) keys per CTA and
+// the number of chunks, chosen to fill the SMs in few waves (see mla_tc.cu).
+struct Plan {
+  int n_splits = 1;
+  int chunk = kKeysPerTile;
+};
+Plan plan(int64_t B, int64_t max_keys);
+int sm_count();  // multiprocessors of the current device (cached)
+
+struct Args {
+  MlaDims d;
+  const PagedMlaCache* cache = nullptr;  // latent arena, format, block size, block tables
+  const int32_t* lens = nullptr;         // device i32 [B]: dense key count of row b (unused when sel)
+  const int32_t* req = nullptr;          // device i32 [B]: block-table row of row b, or null (b)
+  const int32_t* sel = nullptr;          // device i32 [B, Ksel] or null: ascending positions, −1 ends
+  int64_t Ksel = 0;
+  int64_t B = 0;
+  Plan plan;
+  const float* qt = nullptr;             // device f32 [B, Hm, C]: q̃ = W_UKᵀ q_nope per head
+  const uint16_t* q = nullptr;           // device bf16 [B, Hm, N+R]: q_pe = q[.., N:]
+  // Outputs (exactly one form):
+  float* part_ml = nullptr;              // device f32 [B, n_splits, Hm, 2]: (m in log2 units, l)
+  float* part_acc = nullptr;             // device f32 [B, n_splits, Hm, C]: Σ 2^(x−m) ĉ (unnormalised)
+  uint16_t* ohat = nullptr;              // device bf16 [B, Hm, C]: normalised ô (n_splits == 1 only)
+  bool longest_first = false;            // launch rows in reverse order (prefill: later rows see more keys)
+};
+void attend(const Args& a, cudaStream_t stream);
+
+}  // namespace kestrel::cuda::tc
