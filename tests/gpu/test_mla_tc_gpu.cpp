@@ -31,7 +31,7 @@
 namespace kestrel::gputest {
 namespace {
 
-using cache::LatentFormat;
+using kestrel::LatentFormat;
 
 const cpu::MlaDims kNano{4, 32, 16, 32, 64}, kMini{12, 128, 64, 128, 512}, kMini16{16, 128, 64, 128, 512};
 const cpu::MlaDims kOdd{4, 32, 32, 32, 128};  // C 128: no tensor-core instantiation
@@ -88,7 +88,7 @@ struct Pool {
   }
   model::MlaCacheView view(size_t r) {
     model::MlaCacheView v;
-    v.latent_format = lf, v.key_format = cache::IndexKeyFormat::bf16, v.block_size = P, v.C = d.C, v.R = d.R;
+    v.latent_format = lf, v.key_format = IndexKeyFormat::bf16, v.block_size = P, v.C = d.C, v.R = d.R;
     v.latent = lat.data();
     v.block_table = std::span<const int32_t>(tables.data() + r * size_t(max_blocks), size_t((lens[r] + P - 1) / P));
     return v;
@@ -178,7 +178,7 @@ void run(Op op, Pool& pool, const Rows& rows, float q_span, bool q_pe_positive, 
   for (uint16_t v : ref) ss += double(bf16_to_f32(v)) * bf16_to_f32(v);
   const double rms = std::sqrt(ss / double(std::max<size_t>(1, ref.size())));
   check_bf16(op == Op::decode ? "mla_decode_paged" : "mla_prefill_paged",
-             fmt::format("{} {} P={} Hm={} rows={} keys<={}{}", what, cache::format_name(pool.lf), pool.P, d.Hm, B,
+             fmt::format("{} {} P={} Hm={} rows={} keys<={}{}", what, format_name(pool.lf), pool.P, d.Hm, B,
                          max_keys, rows.Ksel ? " sel" : ""),
              dout.get(), ref, {0.05 * rms, 1.0 / 32, 1e-2});
 }

@@ -244,7 +244,7 @@ inline uint32_t e4m3x2_to_bf16x2(uint32_t two, float s) {
 namespace kestrel::cuda::tc_emu {
 namespace {
 
-using cache::LatentFormat;
+using kestrel::LatentFormat;
 
 // Runs the grid (B × n_splits CTAs, one after the other), each CTA as 256 fibers.
 void fiber_entry(unsigned lo, unsigned hi) {
