@@ -525,23 +525,22 @@ void launch_scores_fmt(PagedKeyFormat f, const ScoreArgs& a, int groups, cudaStr
 }
 
 int64_t round128(int64_t x) { return (x + 127) / 128 * 128; }
-size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
 }  // namespace
 
+// Workspace layout: f32 scores [T, chunk] at offset 0, then u32 running top-k keys [T, Ki]; chunk is a multiple
+// of 128, so the second part starts 512-byte aligned and the total is exactly 4·T·(chunk + Ki) bytes.
 size_t indexer_select_paged_tc_workspace_bytes(int64_t T, int64_t max_len, int64_t Ki) {
-  if (T <= 0) return 256;
+  if (T <= 0) return 0;
   int64_t chunk = round128(std::max<int64_t>(max_len, 1));
   if (T * chunk > kScoreBudget)
     chunk = std::max(round128(std::max(Ki, kMinChunk)), kScoreBudget / T / 128 * 128);
-  return align256(size_t(T * chunk) * 4) + size_t(T * Ki) * 4 + 256;
+  return size_t(4 * T * (chunk + Ki));
 }
 
 int64_t indexer_select_paged_tc_chunk(int64_t T, int64_t max_len, int64_t Ki, size_t ws) {
-  if (T <= 0) return 0;
-  const int64_t fixed = T * Ki * 4 + 512;  // top-k keys + alignment slack
-  if (int64_t(ws) <= fixed) return 0;
-  const int64_t chunk = (int64_t(ws) - fixed) / (T * 4) / 128 * 128;
+  if (T <= 0 || int64_t(ws) <= 4 * T * Ki) return 0;
+  const int64_t chunk = (int64_t(ws) - 4 * T * Ki) / (4 * T) / 128 * 128;
   return std::min(chunk, round128(std::max<int64_t>(max_len, 1)));
 }
 
@@ -573,7 +572,7 @@ void indexer_select_paged_tc(const uint16_t* qi, const float* hw, const PagedMla
                 "indexer_select_paged_tc: workspace of " + std::to_string(workspace_bytes) +
                     " bytes holds no key chunk of at least Ki for " + std::to_string(T) + " rows");
   float* scores = static_cast<float*>(workspace);
-  uint32_t* skeys = reinterpret_cast<uint32_t*>(static_cast<char*>(workspace) + align256(size_t(T * chunk) * 4));
+  uint32_t* skeys = reinterpret_cast<uint32_t*>(scores + T * chunk);
 
   ScoreArgs a{};
   a.qi = qi, a.hw = hw, a.arena = c.keys, a.tables = c.block_tables, a.bt_stride = c.bt_stride;

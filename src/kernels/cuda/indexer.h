@@ -22,9 +22,9 @@
 namespace kestrel::cuda {
 
 // Bytes of workspace that indexer_select_paged_tc wants for T rows of at most max_len visible keys: the
-// scores of one key chunk per row (f32 [T, chunk]) plus the running top-k keys (u32 [T, Ki]), where chunk
-// = max_len rounded up to 128 when T·max_len scores fit a 256 MiB budget, else the largest multiple of 128
-// that does (never below max(Ki, 8192)). Bounded by T·(chunk + Ki)·4 bytes, never T·max_len.
+// scores of one key chunk per row (f32 [T, chunk]) plus the running top-k keys (u32 [T, Ki]), exactly
+// 4·T·(chunk + Ki), where chunk = max_len rounded up to 128 when T·chunk scores fit a 256 MiB budget, else
+// the largest multiple of 128 that does (never below max(Ki, 8192) rounded up to 128): never T·max_len.
 size_t indexer_select_paged_tc_workspace_bytes(int64_t T, int64_t max_len, int64_t Ki);
 
 // Selection for T query rows: row t reads block-table row req[t] (req null: row t) and sees positions
