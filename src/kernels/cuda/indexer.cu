@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_scores_tc(const ScoreArgs
   };
 
   // Copies tile j's kernel pages (those starting before the segment's end) into ring stage st.
-  const int kp_bytes = a.KP * L::TB, nkp = kTile / a.KP;
+  const int kp_bytes = a.KP * L::TB, nkp = kTile >> a.kp_shift;
   auto issue = [&](int j) {
     if (j < njobs) {
       const int s = seg_of(j), p0 = span0 + (j - s_job0[s]) * kTile, end = s_end[s];
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_scores_tc(const ScoreArgs
         const int pos = p0 + kp * a.KP;
         if (pos >= end) break;
         const uint8_t* src =
-            a.arena + (int64_t(table[pos / a.P]) * a.P + (pos % a.P) / a.KP * a.KP) * L::TB;
+            a.arena + (int64_t(table[pos / a.P]) * a.P + ((pos % a.P) & ~(a.KP - 1))) * L::TB;
         for (int ci = tid; ci < cpk; ci += kThreads) {
           if constexpr (L::kDequant) {
             cp_async16(dst + kp * kp_bytes + ci * 16, src + ci * 16);
@@ -270,8 +270,12 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_scores_tc(const ScoreArgs
           e4m3x4_to_bf16(v.y, 0x77807780u, 0, false, o + 2);
           e4m3x4_to_bf16(v.z, 0x77807780u, 0, false, o + 4);
           e4m3x4_to_bf16(v.w, 0x77807780u, 0, false, o + 6);
-          *reinterpret_cast<uint4*>(tile + tile_off<DI>(n, 2 * c16)) = make_uint4(o[0], o[1], o[2], o[3]);
-          *reinterpret_cast<uint4*>(tile + tile_off<DI>(n, 2 * c16 + 1)) = make_uint4(o[4], o[5], o[6], o[7]);
+          // Half the threads store their odd chunk first, so a phase of 8 stores hits 8 bank groups.
+          const int first = (c16 >> 2) & 1;
+          *reinterpret_cast<uint4*>(tile + tile_off<DI>(n, 2 * c16 + first)) =
+              first ? make_uint4(o[4], o[5], o[6], o[7]) : make_uint4(o[0], o[1], o[2], o[3]);
+          *reinterpret_cast<uint4*>(tile + tile_off<DI>(n, 2 * c16 + 1 - first)) =
+              first ? make_uint4(o[0], o[1], o[2], o[3]) : make_uint4(o[4], o[5], o[6], o[7]);
           if (c16 == 0) sc[n] = *reinterpret_cast<const float*>(src + a.KP * DI + r * 4);
         }
       } else {
@@ -286,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_scores_tc(const ScoreArgs
           const uint32_t m2 = (E << 7) * 0x10001u;
           const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
+          for (int q = 0; q < 4; ++q) {  // (a phase of 8 stores meets 2-way bank conflicts; cheaper than avoiding)
             uint32_t e0, e1, o[4];
             e2m1x8_to_e4m3x8(words[q], e0, e1);
             e4m3x4_to_bf16(e0, m1, m2, two, o);
@@ -424,10 +428,14 @@ __global__ void __launch_bounds__(kSelThreads)
         const int v = v0 + i * kSelThreads + tid;
         u[i] = v < n ? key(v) : 0u;
       }
+      // Warp-aggregated: lanes with the same bin add once (scores crowd into few bins; same-address shared
+      // atomics would serialise). Bin 256 = not matching the prefix.
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int v = v0 + i * kSelThreads + tid;
-        if (v < n && (u[i] & mask) == prefix) atomicAdd(&hist[(u[i] >> shift) & 0xFF], 1);
+        const int bin = v < n && (u[i] & mask) == prefix ? int((u[i] >> shift) & 0xFF) : 256;
+        const unsigned peers = __match_any_sync(0xffffffffu, bin);
+        if (bin < 256 && (tid & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
       }
     }
     __syncthreads();
@@ -547,7 +555,8 @@ int64_t indexer_select_paged_tc_chunk(int64_t T, int64_t max_len, int64_t Ki, si
 void indexer_select_paged_tc(const uint16_t* qi, const float* hw, const PagedMlaCache& c, const int32_t* lens,
                              const int32_t* req, int64_t T, int64_t max_len, int64_t Hi, int64_t Ki, void* workspace,
                              size_t workspace_bytes, int32_t* sel, cudaStream_t stream) {
-  KCUDA_REQUIRE(T >= 0 && T < (int64_t(1) << 19), "indexer_select_paged_tc: T = " + std::to_string(T) + " out of range");
+  KCUDA_REQUIRE(T >= 0 && T <= int64_t(kGroupRows) * 65535,
+                "indexer_select_paged_tc: T = " + std::to_string(T) + " out of range");
   if (T == 0) return;
   KCUDA_REQUIRE(lens && sel && Ki > 0 && Ki < (int64_t(1) << 24) && max_len > 0 && max_len < (int64_t(1) << 30),
                 std::string("indexer_select_paged_tc: bad lens/sel/Ki/max_len"));

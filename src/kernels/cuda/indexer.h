@@ -35,7 +35,7 @@ size_t indexer_select_paged_tc_workspace_bytes(int64_t T, int64_t max_len, int64
 // matrix is ever held. 2·ceil(max_len / chunk) launches, no host reads of device data: CUDA-graph
 // capturable with fixed (T, max_len, workspace_bytes).
 // Limits: Hi ≤ 32, Di ∈ {32, 64, 128}, block_size a multiple of 64 or one of 16, 32; keys and the
-// workspace 16-byte aligned; T < 2^19.
+// workspace 16-byte aligned; T ≤ 8·65535.
 void indexer_select_paged_tc(const uint16_t* qi /* bf16 [T, Hi*Di] */, const float* hw /* f32 [T, Hi] */,
                              const PagedMlaCache& cache, const int32_t* lens /* i32 [T] */,
                              const int32_t* req /* i32 [T] or null */, int64_t T, int64_t max_len, int64_t Hi,
