@@ -23,11 +23,13 @@
 // (split over the tile's keys), so decode rows keep all 8 warps busy. One FP32 score per (row, key) is
 // written to the chunk's score buffer; nothing else.
 //
-// Select kernel (one CTA per row, after each chunk): the row's candidates are the running top Ki of the
-// earlier chunks (order keys + positions, ascending) followed by the chunk's scores; a 4-pass 8-bit radix
-// select on the order-preserving integer image of the score (NaN → −inf, −0 → +0: the twin's cpu::topk
-// order) finds the Ki-th key, and an in-order compaction keeps everything above it plus the lowest-
-// position ties (§0.8), ascending. In place: an entry is written at an index ≤ its own, after it was read.
+// Select kernel (one CTA of 512 threads per row, after each chunk): the row's candidates are the running top
+// Ki of the earlier chunks (order keys + positions, ascending) followed by the chunk's scores; a 4-pass 8-bit
+// radix select on the order-preserving integer image of the score (NaN → −inf, −0 → +0: the twin's
+// cpu::topk order) finds the Ki-th key (histograms by warp-aggregated shared atomics; the candidates' keys
+// stay in shared memory after the first pass when ≤ 48K), and an in-order compaction keeps everything above
+// it plus the lowest-position ties (§0.8), ascending. In place: an entry is written at an index ≤ its own,
+// after it was read.
 //
 // Numerics (why the selection can differ from the twin only inside a band): products of BF16 values are
 // exact in FP32; the twin sums them sequentially, the tensor core in its own order (and possibly with
@@ -35,13 +37,23 @@
 // sums add ≤ (Hi+1)·2^−24·Σ_h|w'_h·r_h|. Hence both FP32 scores lie within
 // β = (4·Di + 2·Hi + 8)·2^−24 · Σ_h |w'_h|·Σ_i |q_h,i·k_i| of the exact score, and any key farther than 2β
 // from the row's threshold is selected by both or by neither (tests/gpu/test_indexer_gpu.cpp asserts it).
+// Not covered: keys holding NaN bytes (e4m3 0x7F/0xFF) score as finite values here (the twin: NaN → last);
+// MXFP4 blocks with E ≤ 1 dequantise to BF16 subnormals (exact if the multiply keeps them, as the H200 does).
 //
-// Cost at the real shape (Hi 32, Di 128, Ki 2048), B decode rows at S keys: key bytes B·S·132 (FP8) or
-// B·S·68 (MXFP4), FLOPs 2·B·S·32·128, scores written and read ~5× by the select: ~24·B·S bytes of L2
-// traffic. B = 64, S = 32K: 277 MB of keys → ~70 µs at 4 TB/s; 17 GFLOP (~30 µs at ~600 TFLOP/s of
-// mma.sync) overlapped; the select ~10–20 µs. Prefill T rows of one request: keys are read once per
-// 8-row group from L2, FLOPs 2·T·S·32·128 (T = 2048, S = 32K: 0.55 TFLOP → ~1 ms).
-// Longer than 600 lines would be the two kernels; they share nothing with other files, so they stay here.
+// Resources (ptxas, sm_90a): scores kernel 125 registers (Di 128; 88–93 at Di 64, 66–72 at Di 32), no spills,
+// __launch_bounds__(256, 2); shared memory per CTA at Di 128: FP8 84 KB (3 × 16.5 KB ring + 32 KB tile),
+// MXFP4 58 KB, BF16 97 KB: two CTAs per SM. Select kernel 107 registers, up to 192 KB + 3.3 KB shared.
+// SASS of the scores kernel: HMMA.16816.F32.BF16, LDSM.16.M88.4, LDGSTS.E.BYPASS.128, F2FP.F16.E4M3.UNPACK_B,
+// HMUL2.BF16_V2.
+//
+// Cost at the real shape (Hi 32, Di 128, Ki 2048), B decode rows of S keys each: key bytes B·S·132 (FP8) or
+// B·S·68 (MXFP4), FLOPs 2·B·S·32·128, scores 4·B·S bytes written and read once (then shared memory).
+// B = 64, S = 32K: 277 MB of keys → ~65 µs at the H200's ~4.3 TB/s copy rate; 17 GFLOP (~30 µs at ~600
+// TFLOP/s of mma.sync) and the dequantisation (~3 ALU ops per element) overlap it; the select ~10 µs
+// (64 CTAs in parallel): predicted ~80–120 µs against 8.2 ms for the exact-order kernel. Prefill, T rows of
+// one request: each key tile is read from L2 once per 8-row group, FLOPs 2·T·S·32·128 (T = 2048,
+// S = 32K: 0.55 TFLOP → ~1 ms at ~50% of mma.sync peak; the select ~0.15 ms).
+// Longer than 600 lines: the two kernels and their launcher share nothing with other files.
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
@@ -386,6 +398,7 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_scores_tc(const ScoreArgs
 
 // ---- select ---------------------------------------------------------------------------------------------
 constexpr int kSelThreads = 512, kSelPer = 16;
+constexpr int64_t kSelCacheMax = 48 * 1024;  // order keys cached in shared memory (192 KiB)
 
 // Order-preserving image: larger float ⇒ larger integer; NaN ranks as −inf and −0 as +0 (cpu::topk).
 __device__ __forceinline__ uint32_t order_key(float x) {
@@ -397,8 +410,9 @@ __device__ __forceinline__ uint32_t order_key(float x) {
 
 __global__ void __launch_bounds__(kSelThreads)
     indexer_select_merge(const float* __restrict__ scores, int64_t ldc, uint32_t* skeys, int32_t* sel,
-                         const int32_t* __restrict__ lens, int chunk0, int Ki, int max_len) {
+                         const int32_t* __restrict__ lens, int chunk0, int Ki, int max_len, int cache_cap) {
   using Scan = cub::BlockScan<int, kSelThreads>;
+  extern __shared__ uint32_t cache[];  // u32 [cache_cap]: the row's order keys, kept after pass 1 when they fit
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int hist[256];
   __shared__ int s_digit, s_remaining;
@@ -414,24 +428,35 @@ __global__ void __launch_bounds__(kSelThreads)
   if (len <= chunk0) return;
   const int n_s = chunk0 == 0 ? 0 : Ki, n = n_s + min(len - chunk0, int(ldc));
   const float* row = scores + int64_t(t) * ldc - n_s;  // entry v ≥ n_s is row[v]
-  auto key = [&](int v) { return v < n_s ? sk[v] : order_key(row[v]); };
+  auto key_g = [&](int v) { return v < n_s ? sk[v] : order_key(row[v]); };
+  const bool cached = n <= cache_cap;
+  auto key = [&](int v) { return cached ? cache[v] : key_g(v); };
 
   uint32_t prefix = 0, mask = 0;
   int remaining = Ki;  // how many keys matching prefix are still to take
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = tid; i < 256; i += kSelThreads) hist[i] = 0;
     __syncthreads();
-    for (int v0 = 0; v0 < n; v0 += 4 * kSelThreads) {
-      uint32_t u[4];
+    constexpr int U = 8;  // loads in flight per thread
+    for (int v0 = 0; v0 < n; v0 += U * kSelThreads) {
+      uint32_t u[U];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < U; ++i) {
         const int v = v0 + i * kSelThreads + tid;
-        u[i] = v < n ? key(v) : 0u;
+        u[i] = 0u;
+        if (v < n) {
+          if (shift == 24) {  // first pass: from global, and into the cache
+            u[i] = key_g(v);
+            if (cached) cache[v] = u[i];
+          } else {
+            u[i] = key(v);
+          }
+        }
       }
       // Warp-aggregated: lanes with the same bin add once (scores crowd into few bins; same-address shared
       // atomics would serialise). Bin 256 = not matching the prefix.
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < U; ++i) {
         const int v = v0 + i * kSelThreads + tid;
         const int bin = v < n && (u[i] & mask) == prefix ? int((u[i] >> shift) & 0xFF) : 256;
         const unsigned peers = __match_any_sync(0xffffffffu, bin);
@@ -562,7 +587,7 @@ void indexer_select_paged_tc(const uint16_t* qi, const float* hw, const PagedMla
                 std::string("indexer_select_paged_tc: bad lens/sel/Ki/max_len"));
   if (max_len <= Ki) {  // every row selects all its visible keys: no scores
     indexer_select_merge<<<unsigned(T), kSelThreads, 0, stream>>>(nullptr, 1, nullptr, sel, lens, 0, int(Ki),
-                                                                  int(max_len));
+                                                                  int(max_len), 0);
     KCUDA_CHECK_LAUNCH();
     return;
   }
@@ -590,6 +615,10 @@ void indexer_select_paged_tc(const uint16_t* qi, const float* hw, const PagedMla
   a.kp_shift = a.KP == 64 ? 6 : a.KP == 32 ? 5 : 4;
   a.scale = 1.0f / sqrtf(float(Hi) * float(c.Di));  // the twin's (Hi·Di)^−½
   const int groups = int((T + kGroupRows - 1) / kGroupRows);
+  // The select keeps a row's candidates (≤ chunk + Ki order keys) in shared memory when they fit.
+  const int64_t cache_cap = std::min<int64_t>(chunk + Ki, kSelCacheMax);
+  const size_t sel_smem = size_t(cache_cap) * 4;
+  KCUDA_CHECK(cudaFuncSetAttribute(indexer_select_merge, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sel_smem)));
   const int64_t target_ctas = 4 * int64_t(num_sms());
   for (int64_t chunk0 = 0; chunk0 < max_len; chunk0 += chunk) {
     const int64_t keys = std::min(chunk, round128(max_len) - chunk0);
@@ -601,8 +630,9 @@ void indexer_select_paged_tc(const uint16_t* qi, const float* hw, const PagedMla
       case 64: launch_scores_fmt<64>(c.key_format, a, groups, stream); break;
       default: launch_scores_fmt<128>(c.key_format, a, groups, stream); break;
     }
-    indexer_select_merge<<<unsigned(T), kSelThreads, 0, stream>>>(scores, chunk, skeys, sel, lens, int(chunk0),
-                                                                  int(Ki), int(max_len));
+    indexer_select_merge<<<unsigned(T), kSelThreads, sel_smem, stream>>>(scores, chunk, skeys, sel, lens,
+                                                                         int(chunk0), int(Ki), int(max_len),
+                                                                         int(cache_cap));
     KCUDA_CHECK_LAUNCH();
   }
 }
