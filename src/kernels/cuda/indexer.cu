@@ -40,7 +40,7 @@
 // Not covered: keys holding NaN bytes (e4m3 0x7F/0xFF) score as finite values here (the twin: NaN → last);
 // MXFP4 blocks with E ≤ 1 dequantise to BF16 subnormals (exact if the multiply keeps them, as the H200 does).
 //
-// Resources (ptxas, sm_90a): scores kernel 125 registers (Di 128; 88–93 at Di 64, 66–72 at Di 32), no spills,
+// Resources (ptxas, sm_90a): scores kernel 123–124 registers (Di 128; 87–92 at Di 64, 63–72 at Di 32), no spills,
 // __launch_bounds__(256, 2); shared memory per CTA at Di 128: FP8 84 KB (3 × 16.5 KB ring + 32 KB tile),
 // MXFP4 58 KB, BF16 97 KB: two CTAs per SM. Select kernel 107 registers, up to 192 KB + 3.3 KB shared.
 // SASS of the scores kernel: HMMA.16816.F32.BF16, LDSM.16.M88.4, LDGSTS.E.BYPASS.128, F2FP.F16.E4M3.UNPACK_B,
@@ -101,12 +101,12 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return uint32_t(__cvta_generic_to_shared(p));
 }
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // Two e4m3 pairs (a 32-bit word) → two f16x2 words, exactly.
