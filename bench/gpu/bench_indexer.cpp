@@ -105,8 +105,8 @@ int main(int argc, char** argv) {
   const auto q = static_cast<const uint16_t*>(qi.data());
   const auto w = static_cast<const float*>(hw.data());
   const auto s = static_cast<int32_t*>(sel.data());
-  for (cuda::PagedKeyFormat kf : {cuda::PagedKeyFormat::fp8, cuda::PagedKeyFormat::mxfp4}) {
-    const char* fname = kf == cuda::PagedKeyFormat::fp8 ? "fp8" : "mxfp4";
+  for (kestrel::IndexKeyFormat kf : {kestrel::IndexKeyFormat::fp8, kestrel::IndexKeyFormat::mxfp4}) {
+    const char* fname = kf == kestrel::IndexKeyFormat::fp8 ? "fp8" : "mxfp4";
     cuda::PagedMlaCache c;
     c.key_format = kf, c.block_size = int(P), c.C = 512, c.R = 64, c.Di = Di;
     const int64_t tb = c.key_token_bytes();
@@ -159,7 +159,7 @@ int main(int argc, char** argv) {
         }
         const double us = run(lens, req, tables, nb, S, quick ? 10 : 50, double(B * S * tb), fmt::format("B={}", B));
         if (B == 64 && S == 32768) {
-          fmt::print("PERF indexer_us_b64_s32k{} {:.1f}\n", kf == cuda::PagedKeyFormat::fp8 ? "" : "_mxfp4", us);
+          fmt::print("PERF indexer_us_b64_s32k{} {:.1f}\n", kf == kestrel::IndexKeyFormat::fp8 ? "" : "_mxfp4", us);
           // The exact-order kernel it replaces, same inputs; and how often the two agree.
           cuda::DeviceBuffer dl, dr, dt, scores(size_t(B * S) * 4), sel_old(size_t(B * Ki) * 4);
           const int32_t* pl = up(dl, lens);
@@ -194,7 +194,7 @@ int main(int argc, char** argv) {
       std::iota(tables.begin(), tables.end(), 0);
       for (int64_t t = 0; t < T; ++t) lens[size_t(t)] = int32_t(S - T + t + 1);
       const double us = run(lens, req, tables, nb, S, S > 32768 ? 3 : 10, double(S * tb), fmt::format("prefill T={}", T));
-      if (kf == cuda::PagedKeyFormat::fp8)
+      if (kf == kestrel::IndexKeyFormat::fp8)
         fmt::print("PERF indexer_prefill_us_t2048_s{} {:.1f}\n", S > 32768 ? "1m" : "32k", us);
     }
   }

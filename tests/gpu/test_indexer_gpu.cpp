@@ -33,7 +33,7 @@
 namespace kestrel::gputest {
 namespace {
 
-using cache::IndexKeyFormat;
+using kestrel::IndexKeyFormat;
 
 void need_gpu() { ASSERT_GT(cuda::device_count(), 0) << "no CUDA device: run this binary on the GPU machine"; }
 
@@ -178,7 +178,7 @@ bool row_shape_ok(const int32_t* got, int64_t len, int64_t Ki) {
   return true;
 }
 
-const char* kname(IndexKeyFormat f) { return cache::format_name(f); }
+const char* kname(IndexKeyFormat f) { return kestrel::format_name(f); }
 
 Verdict run_case(const Case& c, IndexKeyFormat kf, Rng& rng) {
   const int64_t Hi = c.Hi, Di = c.Di, Ki = c.Ki;
@@ -235,7 +235,7 @@ Verdict run_case(const Case& c, IndexKeyFormat kf, Rng& rng) {
   auto darena = upload(arena);
   auto dtables = upload(pool.tables);
   cuda::PagedMlaCache cache;
-  cache.key_format = cuda::PagedKeyFormat(int(kf)), cache.block_size = c.P, cache.Di = Di;
+  cache.key_format = kestrel::IndexKeyFormat(int(kf)), cache.block_size = c.P, cache.Di = Di;
   cache.keys = darena.p(), cache.block_tables = dtables.p(), cache.bt_stride = pool.max_blocks;
 
   // One launch sequence over all rows; chunk > 0 adds a run in small chunks with a canary after the workspace.

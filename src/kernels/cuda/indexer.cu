@@ -76,12 +76,12 @@ constexpr int64_t kMinChunk = 8192;
 
 constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
-template <int DI, PagedKeyFormat F>
+template <int DI, IndexKeyFormat F>
 struct Layout {
-  static constexpr int VB = F == PagedKeyFormat::bf16 ? 2 * DI : F == PagedKeyFormat::fp8 ? DI : DI / 2;
-  static constexpr int SB = F == PagedKeyFormat::bf16 ? 0 : F == PagedKeyFormat::fp8 ? 4 : DI / 32;
+  static constexpr int VB = F == IndexKeyFormat::bf16 ? 2 * DI : F == IndexKeyFormat::fp8 ? DI : DI / 2;
+  static constexpr int SB = F == IndexKeyFormat::bf16 ? 0 : F == IndexKeyFormat::fp8 ? 4 : DI / 32;
   static constexpr int TB = VB + SB;                                  // bytes per token
-  static constexpr bool kDequant = F != PagedKeyFormat::bf16;
+  static constexpr bool kDequant = F != IndexKeyFormat::bf16;
   static constexpr int kStageBytes = round_up(kTile * (kDequant ? TB : 2 * DI), 128);
   static constexpr int kTileBytes = kTile * DI * 2;                   // bf16 [128, DI]
   static constexpr int kSmem = kStages * kStageBytes + (kDequant ? kTileBytes : 0) + kTile * 4;
@@ -171,7 +171,7 @@ struct ScoreArgs {
   float scale;                    // (Hi·Di)^−½
 };
 
-template <int DI, PagedKeyFormat F>
+template <int DI, IndexKeyFormat F>
 __global__ void __launch_bounds__(kThreads, 2) indexer_scores_tc(const ScoreArgs a) {
   using L = Layout<DI, F>;
   constexpr int KS = DI / 16;  // k-steps
@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_scores_tc(const ScoreArgs
     const uint8_t* raw = stages + (j % kStages) * L::kStageBytes;
     const uint8_t* bt = raw;
     if constexpr (L::kDequant) {
-      if constexpr (F == PagedKeyFormat::fp8) {
+      if constexpr (F == IndexKeyFormat::fp8) {
         for (int it = tid; it < kTile * (DI / 16); it += kThreads) {
           const int n = it / (DI / 16), c16 = it % (DI / 16), kp = n >> a.kp_shift, r = n & (a.KP - 1);
           const uint8_t* src = raw + kp * kp_bytes;
@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_scores_tc(const ScoreArgs
         v += __shfl_xor_sync(0xffffffffu, v, 4);
         const int n = n0 + 8 * int(b4) + 2 * cq + int(b3), pos = p0 + n;
         if (!(lane & 4) && pos < row_len) {
-          if constexpr (F == PagedKeyFormat::fp8) v *= sc[n];
+          if constexpr (F == IndexKeyFormat::fp8) v *= sc[n];
           a.scores[int64_t(row) * a.ldc + (pos - a.chunk0)] = v;
         }
       }
@@ -539,7 +539,7 @@ int num_sms() {
   return n;
 }
 
-template <int DI, PagedKeyFormat F>
+template <int DI, IndexKeyFormat F>
 void launch_scores(const ScoreArgs& a, int groups, cudaStream_t stream) {
   const int n_span = (a.chunk_end - a.chunk0 + a.span - 1) / a.span;
   const int smem = Layout<DI, F>::kSmem;
@@ -549,11 +549,11 @@ void launch_scores(const ScoreArgs& a, int groups, cudaStream_t stream) {
 }
 
 template <int DI>
-void launch_scores_fmt(PagedKeyFormat f, const ScoreArgs& a, int groups, cudaStream_t stream) {
+void launch_scores_fmt(IndexKeyFormat f, const ScoreArgs& a, int groups, cudaStream_t stream) {
   switch (f) {
-    case PagedKeyFormat::bf16: launch_scores<DI, PagedKeyFormat::bf16>(a, groups, stream); break;
-    case PagedKeyFormat::fp8: launch_scores<DI, PagedKeyFormat::fp8>(a, groups, stream); break;
-    case PagedKeyFormat::mxfp4: launch_scores<DI, PagedKeyFormat::mxfp4>(a, groups, stream); break;
+    case IndexKeyFormat::bf16: launch_scores<DI, IndexKeyFormat::bf16>(a, groups, stream); break;
+    case IndexKeyFormat::fp8: launch_scores<DI, IndexKeyFormat::fp8>(a, groups, stream); break;
+    case IndexKeyFormat::mxfp4: launch_scores<DI, IndexKeyFormat::mxfp4>(a, groups, stream); break;
   }
 }
 

@@ -43,16 +43,13 @@ BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int
       in.ids.push_back(t);
       in.pool_rows.push_back(pool_row(q.pos0 + i));
     }
-    s.row0.push_back(s.T), s.len.push_back(Tb), s.pos0.push_back(q.pos0), s.goff.push_back(s.G);
+    s.row0.push_back(s.T), s.len.push_back(Tb), s.pos0.push_back(q.pos0);
     s.slot.push_back(q.slot);
     in.slots.push_back(q.slot);
     std::copy(q.block_table.begin(), q.block_table.end(), in.tables.begin() + b * s.bt_stride);
     for (int64_t i = 0; i < Tb; ++i) in.row_lens.push_back(int32_t(q.pos0 + i + 1)), in.row_req.push_back(int32_t(b));
     s.max_S = std::max(s.max_S, S);
-    // A prefill's whole context is gathered: the naive form expands it through kv_b.
     const bool decode = b < s.nd;
-    if (!decode)
-      for (int64_t pos = 0; pos < S; ++pos) in.gather.push_back(pool_row(pos));
     if (decode) in.dec_lens.push_back(int32_t(S)), s.max_dec_S = std::max(s.max_dec_S, S);
     in.all_last = in.all_last && q.logits == CudaSeq::Logits::last;
     if (q.logits == CudaSeq::Logits::all)
@@ -60,24 +57,21 @@ BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int
     else if (q.logits == CudaSeq::Logits::last)
       in.lrows.push_back(int32_t(s.T + Tb - 1));
     s.T += Tb;
-    if (!decode) s.G += S;
     in.cu.push_back(int32_t(s.T));
   }
   s.n_real = s.n;
   return s;
 }
 
-void upload_context(Context& x, BatchStep& s, const BatchInputs& in, int64_t CW) {
-  std::vector<int32_t> meta(in.gather);
+void upload_context(Context& x, BatchStep& s, const BatchInputs& in) {
+  std::vector<int32_t> meta;
   for (const auto* v : {&in.dec_lens, &in.tables, &in.row_lens, &in.row_req}) meta.insert(meta.end(), v->begin(), v->end());
   int32_t* d = x.tmp<int32_t>(int64_t(meta.size()));
   KCUDA_CHECK(cudaMemcpyAsync(d, meta.data(), meta.size() * 4, cudaMemcpyHostToDevice, x.stream));
-  s.d_gather = d;
-  s.d_dec_lens = d + s.G;
+  s.d_dec_lens = d;
   s.d_tables = s.d_dec_lens + s.nd;
   s.d_row_lens = s.d_tables + s.n * s.bt_stride;
   s.d_row_req = s.d_row_lens + s.T;
-  s.lat_g = x.tmp<uint16_t>(s.G * CW);
 }
 
 const int32_t* upload_inputs(Context& x, BatchStep& s, const BatchInputs& in) {

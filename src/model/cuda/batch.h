@@ -5,11 +5,11 @@
 // cu_seqlens, and the absorbed MLA decode covers rows 0..nd−1 in one launch. Two uploads per step:
 //  - static inputs (token ids [T] | cu_seqlens [n+1] | slot ids [n] | pool rows [T] | logits rows):
 //    one copy into scratch for an eager step, or rewritten in place in a CUDA-graph bucket (graphs.h);
-//  - context inputs, read only by the attention islands (whose shapes follow the contexts): gather rows
-//    of the prefills' contexts [G] | decode context lengths [nd] | block tables [n, bt_stride] | per-row
-//    visible key counts [T] | per-row sequence [T].
-// The prefills' contexts are gathered (dequantised) into lat_g for the naive MLA prefill; decodes and
-// the indexer read the pools through the block tables.
+//  - context inputs, read only by the attention islands (whose shapes follow the contexts): decode
+//    context lengths [nd] | block tables [n, bt_stride] | per-row visible key counts [T] | per-row
+//    sequence [T].
+// Nothing is gathered: the indexer, the decode and the prefill attention read the pools through the
+// block tables.
 #pragma once
 
 #include <cstdint>
@@ -25,10 +25,9 @@ struct Context;
 struct BatchStep {
   int64_t T = 0, n = 0, nd = 0;  // stacked tokens, sequences, leading T = 1 sequences (decodes)
   int64_t n_real = 0;            // real sequences (< n when a graph bucket pads the batch)
-  // Per real sequence: first row, T_b, pos0_b, offset of its gathered context in lat_g (prefills), slot.
-  std::vector<int64_t> row0, len, pos0, goff;
+  // Per real sequence: first row, T_b, pos0_b, slot.
+  std::vector<int64_t> row0, len, pos0;
   std::vector<int32_t> slot;
-  int64_t G = 0;          // gathered context rows Σ S_b over the prefills
   int64_t max_dec_S = 0;  // longest decode context
   int64_t max_S = 0;      // longest context
   // Static inputs (device).
@@ -36,27 +35,25 @@ struct BatchStep {
   const int32_t* d_slots = nullptr;      // i32 [n]
   const int32_t* d_pool_rows = nullptr;  // i32 [T]: pool row of each new token
   // Context inputs (device).
-  const int32_t* d_gather = nullptr;    // i32 [G]: pool rows of every prefill's context
   const int32_t* d_dec_lens = nullptr;  // i32 [nd]
   const int32_t* d_tables = nullptr;    // i32 [n_real, bt_stride]: block tables, padded with page 0
   int64_t bt_stride = 0;
   const int32_t* d_row_lens = nullptr;  // i32 [rows of the real sequences]: visible keys (position + 1)
   const int32_t* d_row_req = nullptr;   // i32 [same]: sequence of the row
-  uint16_t* lat_g = nullptr;            // bf16 [G, C+R] scratch: the prefills' contexts
 };
 
 // The host arrays of a step, built with its BatchStep.
 struct BatchInputs {
   std::vector<int32_t> ids, cu{0}, slots, pool_rows, lrows;           // static inputs
-  std::vector<int32_t> gather, dec_lens, tables, row_lens, row_req;  // context inputs
+  std::vector<int32_t> dec_lens, tables, row_lens, row_req;  // context inputs
   bool all_last = true;  // every sequence wants exactly its last logits row
 };
 
 // Validates `seqs` against `cc` (token ids < V, decodes first, distinct slots, pages in range, block
 // tables covering the contexts; kestrel::Error otherwise) and describes the step.
 BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int64_t V, BatchInputs& in);
-// Uploads the context inputs and allocates lat_g (C+R = CW wide).
-void upload_context(Context& x, BatchStep& s, const BatchInputs& in, int64_t CW);
+// Uploads the context inputs.
+void upload_context(Context& x, BatchStep& s, const BatchInputs& in);
 // Uploads the static inputs of an eager step; returns the device token ids (the logits rows follow the
 // pool rows: s.d_pool_rows + s.T).
 const int32_t* upload_inputs(Context& x, BatchStep& s, const BatchInputs& in);

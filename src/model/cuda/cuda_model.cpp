@@ -49,12 +49,12 @@ struct CudaModel::Impl {
 
   int64_t forward_batch(CudaCache& cc, std::span<const CudaSeq> seqs) {
     const TextConfig& tc = cfg.text;
-    const int64_t V = tc.vocab_size, CW = tc.kv_lora_rank + tc.qk_rope_head_dim;
+    const int64_t V = tc.vocab_size;
     gpu::BatchInputs in;
     gpu::BatchStep s = gpu::describe_batch(seqs, cc, V, in);
     x.timer.begin_step();
     x.mark("start");
-    gpu::upload_context(x, s, in, CW);
+    gpu::upload_context(x, s, in);
     const bool use_graph = graphs && s.nd == s.n && in.all_last && !x.timer.on && !x.caps.on &&
                            s.n <= gpu::kMaxGraphBatch;
     if (!use_graph) {

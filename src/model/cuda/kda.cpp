@@ -1,9 +1,10 @@
 // KDA on the GPU, MODEL.md §3.3 steps 1–8 in order (CPU twin: model/kda.cpp). The projections run over
 // every row of the step at once; the short conv runs one decode launch over the T = 1 rows (their
-// histories by slot) and one prefill launch per longer sequence; the delta-rule scan is one varlen
-// recurrent launch over every sequence (cu_seqlens, slots). The CPU prefill uses the chunked form: equal
-// in exact arithmetic, different in FP32 rounding. An FP16 state is widened to FP32 and rounded back
-// once per launch, as the CPU does per layer call.
+// histories by slot) and one prefill launch per longer sequence; the delta-rule scan is one decode launch
+// over the T = 1 rows (kda_decode) and one chunk-parallel launch over every prefill (kda_chunked, §3.3's
+// WY/UT form on the tensor cores: TF32 recurrence, BF16 output products — o within ~3e-3 rel L2 of the
+// FP32 CPU twin). An FP16 state is widened to FP32 and rounded back once per launch, as the CPU does per
+// layer call.
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/kda.h"
 #include "model/cuda/layers.h"
@@ -46,14 +47,21 @@ void kda_forward(Context& x, const KdaWeightsDev& w, CudaCache& cc, const BatchS
   cuda::kda_qk_norm_gates(conv, conv + HD, 3 * HD, z, w.dt_bias, w.a_log, bl, c.kda.gate_lower_bound, qf, kf, g, beta,
                           T, H, Dk, x.stream);
   cuda::bf16_to_f32_2d(conv + 2 * HD, 3 * HD, T, HD, vf, x.stream);
-  // Step 6: the delta-rule scan, every sequence in one varlen launch.
+  // Step 6: the delta-rule scan. The T = 1 rows (decodes, listed first) in one decode-shaped launch; every
+  // prefill sequence in one chunk-parallel launch over the rest of the packed rows (cu_seqlens from nd on).
   float* o = x.tmp<float>(T * HD);  // f32 [T, HD]
+  const int64_t np = s.n - s.nd;   // prefill sequences
+  void* ws = np > 0 ? x.tmp<char>(int64_t(cuda::kda_chunked_workspace_bytes(T - s.nd, np, H, Dk))) : nullptr;
+  auto scan = [&](auto* pool) {
+    if (s.nd > 0) cuda::kda_decode(qf, kf, vf, g, HD, beta, H, s.d_cu, s.d_slots, pool, o, s.nd, H, Dk, x.stream);
+    if (np > 0)
+      cuda::kda_chunked(qf, kf, vf, g, HD, beta, H, s.d_cu + s.nd, s.d_slots + s.nd, pool, o, T - s.nd, np, H, Dk, ws,
+                        x.stream);
+  };
   if (cc.kda_state_f16())
-    cuda::kda_recurrent(qf, kf, vf, g, HD, beta, H, s.d_cu, s.d_slots,
-                        reinterpret_cast<uint16_t*>(cc.kda_S[size_t(layer)]), o, s.n, H, Dk, x.stream);
+    scan(reinterpret_cast<uint16_t*>(cc.kda_S[size_t(layer)]));
   else
-    cuda::kda_recurrent(qf, kf, vf, g, HD, beta, H, s.d_cu, s.d_slots, reinterpret_cast<float*>(cc.kda_S[size_t(layer)]),
-                        o, s.n, H, Dk, x.stream);
+    scan(reinterpret_cast<float*>(cc.kda_S[size_t(layer)]));
   // Step 7: ô = RMSNorm_{o_norm}(o) ⊙ σ(gate), per head in FP32, one rounding.
   u16* ohat = x.tmp<u16>(T * HD);  // bf16 [T, HD]
   cuda::kda_out_norm_gate(o, gate, w.o_norm, c.rms_norm_eps, ohat, T, H, Dk, x.stream);

@@ -2,19 +2,21 @@
 // model/indexer.cpp). Projections run over every row of the step; the new latent rows (ĉ | k_pe) and
 // index keys go into their pages (quantised on write for FP8 / MXFP4, byte-identical to the CPU's
 // MlaCacheView). The attention itself is an island (graphs.h: its shapes follow the contexts):
-//  - the indexer scores every row of the batch in one launch through the block tables;
+//  - the indexer scores every row of the batch through the block tables on the tensor cores, in key
+//    chunks with a running top-k per row (kernels/cuda/indexer.h); its selection equals the CPU twin's
+//    except for keys inside the FP32-reordering band around each row's threshold;
 //  - the absorbed decode (§3.4 absorbed form) covers every T = 1 sequence in one launch, reading the
-//    pools through the block tables;
-//  - each longer sequence runs the naive form (§3.4 step 3–4) over a contiguous BF16 copy of its
-//    context (gathered and, for FP8, dequantised by batch.h's gather rows): [k_nope | v] = kv_b·ĉ for
-//    every cached token, then per-head attention. Prefill T > 1 naive, decode T = 1 absorbed, as the CPU
-//    defaults.
+//    pools through the block tables (tensor cores, split-KV, log-sum-exp merge);
+//  - every longer sequence's rows go through one flash-form prefill launch in the same absorbed form
+//    (MQA over the shared latent, as FlashMLA's sparse prefill), straight from the pages. The CPU prefill
+//    default is the naive form: equal in exact arithmetic; q̂ and P are rounded to BF16 here.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/indexer.h"
 #include "kernels/cuda/mla.h"
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/paged.h"
@@ -31,29 +33,19 @@ void mla_attend(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchSt
                 const float* hw /* f32 [T, Hi] */, u16* o /* bf16 [T, Hm·Dv] */) {
   const TextConfig& c = x.c;
   const int64_t C = c.kv_lora_rank, R = c.qk_rope_head_dim, N = c.qk_nope_head_dim, Dv = c.v_head_dim,
-                Hm = c.num_attention_heads, QK = N + R, CW = C + R, Ki = c.index_topk;
+                Hm = c.num_attention_heads, QK = N + R, Ki = c.index_topk;
   const int64_t nd = std::min(s.nd, s.n_real), Treal = s.n_real == s.n ? s.T : s.n_real;
-  // The prefills' contexts, contiguous BF16 (FP8 latents dequantised while gathering).
-  if (s.G > 0) {
-    if (cc.formats.latent == LatentFormat::bf16)
-      cuda::copy_rows(cc.latent[size_t(layer)], s.d_gather, s.lat_g, nullptr, s.G, CW * 2, x.stream);
-    else
-      cuda::paged_gather_latent(cc.mla_view(layer, nullptr, 0), s.d_gather, s.G, s.lat_g, x.stream);
-  }
   const cuda::PagedMlaCache pv = cc.mla_view(layer, s.d_tables, s.bt_stride);
   // §3.5 steps 5–6: I = Σ_h w·(Hi·Di)^−½·ReLU(q_h·k) over the visible keys, top Ki per row.
   int32_t* sel = nullptr;  // i32 [Treal, Ki], ascending, −1 padded
   if (w.has_indexer) {
-    const int64_t Hi = c.index_n_heads, Di = c.index_head_dim;
+    const int64_t Hi = c.index_n_heads;
     sel = x.tmp<int32_t>(Treal * Ki);
-    // Scores scratch f32 [rows, max_S]; rows in chunks that keep it under 512 MiB.
-    const int64_t rows_n = std::max<int64_t>(1, std::min<int64_t>(Treal, (int64_t(512) << 20) / (4 * s.max_S)));
-    float* scores = x.tmp<float>(rows_n * s.max_S);
-    for (int64_t r0 = 0; r0 < Treal; r0 += rows_n) {
-      const int64_t nq = std::min(rows_n, Treal - r0);
-      cuda::indexer_select_paged(qi + r0 * Hi * Di, hw + r0 * Hi, pv, s.d_row_lens + r0, s.d_row_req + r0, nq, s.max_S,
-                                 Hi, Ki, scores, s.max_S, sel + r0 * Ki, x.stream);
-    }
+    // Scored in key chunks with a running top-k per row: the workspace is bounded, never [rows, max_S].
+    const size_t ws_bytes = cuda::indexer_select_paged_tc_workspace_bytes(Treal, s.max_S, Ki);
+    void* ws = x.tmp<char>(int64_t(ws_bytes));
+    cuda::indexer_select_paged_tc(qi, hw, pv, s.d_row_lens, s.d_row_req, Treal, s.max_S, Hi, Ki, ws, ws_bytes, sel,
+                                  x.stream);
     x.caps.ids_i32(layer, "index_topk", sel, Treal * Ki, x.stream);
     x.mark("mla.indexer");
   }
@@ -65,14 +57,13 @@ void mla_attend(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchSt
     void* ws = x.tmp<char>(int64_t(cuda::mla_decode_paged_workspace_bytes(dims, nd, max_keys)));
     cuda::mla_decode_paged(x.lt, dims, q, w.kv_b, pv, bt, ws, o, x.stream);
   }
-  for (int64_t b = nd; b < s.n_real; ++b) {
-    // Naive prefill: [k_nope | v] for every cached token of the sequence, then per-head attention.
-    const int64_t r0 = s.row0[size_t(b)], Tb = s.len[size_t(b)], p0 = s.pos0[size_t(b)], S = p0 + Tb;
-    const u16* lat = s.lat_g + s.goff[size_t(b)] * CW;  // bf16 [S, C+R]
-    u16* kv = x.tmp<u16>(S * Hm * (N + Dv));           // bf16 [S, Hm·(N+Dv)]
-    x.gemm(lat, CW, w.kv_b, kv, Hm * (N + Dv), S, C, Hm * (N + Dv));
-    cuda::mla_attn_naive(dims, q + r0 * Hm * QK, kv, lat, sel ? sel + r0 * Ki : nullptr, Ki, Tb, p0, o + r0 * Hm * Dv,
-                         x.stream);
+  if (Treal > nd) {
+    // Prefill rows (every sequence with T > 1, one launch): the absorbed form in flash-attention style over
+    // the pages, dense or over each row's selection; nothing gathered, no per-token kv_b expansion.
+    const int64_t Tp = Treal - nd, max_keys = sel ? std::min(s.max_S, Ki) : s.max_S;
+    const cuda::MlaPagedBatch pb{s.d_row_lens + nd, s.d_row_req + nd, sel ? sel + nd * Ki : nullptr, Ki, Tp, max_keys};
+    void* ws = x.tmp<char>(int64_t(cuda::mla_prefill_paged_workspace_bytes(dims, Tp, max_keys)));
+    cuda::mla_prefill_paged(x.lt, dims, q + nd * Hm * QK, w.kv_b, pv, pb, ws, o + nd * Hm * Dv, x.stream);
   }
   x.mark("mla.attn");
 }
