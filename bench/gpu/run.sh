@@ -55,7 +55,7 @@ case "${1:-}" in
     for b in build/tests/gpu/kestrel_gpu_tests build/src/cli/kestrel build/bench/bench_ops; do
       objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
     done
-    for b in build/bench/bench_moe build/bench/bench_mla build/bench/bench_kda; do  # per-kernel benchmarks, when built
+    for b in build/bench/bench_moe build/bench/bench_mla build/bench/bench_kda build/bench/bench_indexer; do  # per-kernel benchmarks, when built
       [ -x "$b" ] && objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
     done
     git rev-parse --short HEAD > .gpu-carry/pkg/COMMIT
@@ -182,7 +182,7 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/perf/machine.txt"
     # Kernels at the real per-rank shapes (each prints PERF lines; the ceilings come first, from bench_ops).
     timeout "$(left)" .gpu-carry/bench_ops --perf --only ceilings,paged_indexer 2>&1 | tee "$out/perf/ops.log" | grep PERF || true
-    for b in bench_moe bench_mla bench_kda; do
+    for b in bench_moe bench_mla bench_kda bench_indexer; do
       [ -x ".gpu-carry/$b" ] && { timeout "$(left)" ".gpu-carry/$b" --perf 2>&1 | tee "$out/perf/$b.log" | grep PERF || true; }
     done
     timeout "$(left)" python3 bench/gpu/moe_peer.py --perf 2>&1 | tee "$out/perf/moe_peer.log" | grep PERF || true
