@@ -258,7 +258,7 @@ std::vector<std::string> ckpt_dirs() {
 struct EngineRun {
   std::vector<std::vector<int32_t>> tokens;
   std::vector<std::vector<float>> logits;  // per request f32 [positions, V] (when asked)
-  runtime::EngineStats stats;
+  EngineStats stats;
 };
 
 // Runs `prompts` through an engine; `stagger` submits the first two, then the rest once request 0
@@ -290,7 +290,7 @@ EngineRun run_engine(const ModelConfig& cfg, const ModelWeights& w, model::CudaM
   size_t done = 0;
   std::string error;
   auto submit = [&](size_t i) {
-    runtime::GenerateRequest r;
+    Request r;
     r.prompt = prompts[i];
     r.max_tokens = max_tokens;
     r.ignore_eos = true;
@@ -298,11 +298,11 @@ EngineRun run_engine(const ModelConfig& cfg, const ModelWeights& w, model::CudaM
       r.on_logits = [&out, i](int64_t, std::span<const float> row) {
         out.logits[i].insert(out.logits[i].end(), row.begin(), row.end());
       };
-    e.submit(std::move(r), [&, i](const runtime::TokenEvent& ev) {
+    e.submit(std::move(r), [&, i](const TokenEvent& ev) {
       std::lock_guard<std::mutex> lk(mu);
       if (ev.token >= 0) out.tokens[i].push_back(ev.token);
-      if (ev.reason == runtime::FinishReason::error) error = ev.error;
-      if (ev.finished) ++done;
+      if (ev.finish == FinishReason::error) error = ev.error;
+      if (ev.finished()) ++done;
       cv.notify_all();
     });
   };

@@ -90,7 +90,7 @@ def test_never_fitting_request_is_refused(kestrel_bin, nano_dir):
     r = run_kestrel(kestrel_bin, "generate", "--model", nano_dir, "--prompt-tokens", "1,2,3", "--max-tokens", "500",
                     "--memory-budget", "700K")  # 5 slots + 2 pages (256 tokens)
     assert r.returncode == 1
-    assert "can never run" in r.stderr and "--memory-budget" in r.stderr, r.stderr
+    assert "maximum context length is 256 tokens" in r.stderr and "--memory-budget" in r.stderr, r.stderr
 
 
 def test_kda_state_dtype_flag(kestrel_bin, nano_dir):
