@@ -368,7 +368,7 @@ GrammarBuilder::Frag number(GrammarBuilder& b, const NumberSpec& spec) {
   return emit_dfa(b, explore(NS{}.pack(), step, accept));
 }
 
-GrammarBuilder::Frag key_not_in(GrammarBuilder& b, const std::vector<std::string>& names) {
+GrammarBuilder::Frag key_not_in(GrammarBuilder& b, const std::vector<std::string>& names, bool attribute) {
   // Trie of the names (raw bytes); node 0 is the root, FREE = left the trie.
   struct TNode {
     std::map<uint8_t, uint32_t> kids;
@@ -400,7 +400,7 @@ GrammarBuilder::Frag key_not_in(GrammarBuilder& b, const std::vector<std::string
       if (u != 0 || (t != kFree && trie[t].end)) return std::nullopt;
       return pack(2, 0, 0);
     }
-    if (c == '\\' || c < 0x20) return std::nullopt;
+    if (c == '\\' || c < 0x20 || (attribute && c == '&')) return std::nullopt;
     const auto nu = utf8_next(int(u), c);
     if (!nu) return std::nullopt;
     uint64_t nt = kFree;

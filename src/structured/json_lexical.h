@@ -67,6 +67,7 @@ GrammarBuilder::Frag number(GrammarBuilder& b, const NumberSpec& spec);
 GrammarBuilder::Frag format_content(GrammarBuilder& b, const std::string& format);
 
 // A quoted object key with no escapes whose content is none of `names` (raw UTF-8 property names).
-GrammarBuilder::Frag key_not_in(GrammarBuilder& b, const std::vector<std::string>& names);
+// attribute: a K3 attribute value instead (`"` delimited, no '&' so no entity can spell a name).
+GrammarBuilder::Frag key_not_in(GrammarBuilder& b, const std::vector<std::string>& names, bool attribute = false);
 
 }  // namespace kestrel::structured::detail

@@ -94,6 +94,7 @@ class SchemaCompiler {
     std::set<std::string> required;
     std::optional<ojson> additional;  // schema for other keys, or nullopt = none allowed
   };
+  // `schema` is normalised and references are followed; kestrel::Error if it admits no objects.
   ObjectShape object_shape(const ojson& schema, const std::string& ptr);
 
  private:
@@ -107,6 +108,7 @@ class SchemaCompiler {
   GrammarBuilder::Frag literals(const ojson& n, const std::string& ptr, JsonType t, detail::StrMode mode, int depth);
   GrammarBuilder::Frag string_value(const ojson& n, const std::string& ptr, detail::StrMode mode);
   GrammarBuilder::Frag number_value(const ojson& n, const std::string& ptr, bool integer);
+  ObjectShape shape_of(const ojson& n, const std::string& ptr);
   uint32_t object_rule(const ojson& n, const std::string& ptr, int depth);
   uint32_t array_rule(const ojson& n, const std::string& ptr, int depth);
   GrammarBuilder::Frag value_at(const ojson& s, const std::string& ptr, int depth);

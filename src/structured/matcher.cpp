@@ -31,6 +31,17 @@ void Matcher::reset() {
   closer.add(history_[0], pool_.get(g.rules[g.root].start, FramePool::kBottom));
 }
 
+bool Matcher::is_terminated() const {
+  if (stopped_.back()) return true;
+  if (!top().ended) return false;
+  const Grammar& g = cg_->grammar();
+  for (uint32_t f : top().frames) {
+    const Grammar::State& s = g.states[pool_.state(f)];
+    if (s.has_bytes || s.specials_begin != s.specials_end || s.calls_begin != s.calls_end) return false;
+  }
+  return stop_.empty();  // with stop tokens, the end is only reached by accepting one
+}
+
 void Matcher::rollback(size_t k) {
   KCHECK(k <= num_accepted(), "rollback of {} tokens, only {} accepted", k, num_accepted());
   history_.resize(history_.size() - k);

@@ -96,7 +96,7 @@ class Matcher {
   // The document is complete here (the stop token would be allowed).
   bool can_end() const { return !stopped_.back() && top().ended; }
   // A stop token was accepted, or the document is complete and nothing more can follow.
-  bool is_terminated() const { return stopped_.back() || (top().ended && top().frames.empty()); }
+  bool is_terminated() const;
   // Undoes the last k accepted tokens (k <= num_accepted()).
   void rollback(size_t k);
   size_t num_accepted() const { return history_.size() - 1; }

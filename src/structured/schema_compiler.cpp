@@ -340,7 +340,19 @@ uint32_t SchemaCompiler::array_rule(const ojson& n, const std::string& ptr, int 
   return r;
 }
 
-SchemaCompiler::ObjectShape SchemaCompiler::object_shape(const ojson& n, const std::string& ptr) {
+SchemaCompiler::ObjectShape SchemaCompiler::object_shape(const ojson& schema, const std::string& ptr) {
+  ojson n = normalize(schema, ptr, 0);
+  std::string p = ptr;
+  for (int i = 0; i < 16 && is_pure_ref(n); ++i) {
+    p = n["$ref"].get<std::string>().substr(1);
+    n = normalize(resolve(n["$ref"].get<std::string>(), ptr), p, 0);
+  }
+  if (n.is_object() && n.contains("anyOf")) error(ptr, "an object schema with anyOf is not supported here");
+  if (!admitted(n, p).count(JsonType::kObject)) error(ptr, "must be an object schema");
+  return shape_of(n, p);
+}
+
+SchemaCompiler::ObjectShape SchemaCompiler::shape_of(const ojson& n, const std::string& ptr) {
   ObjectShape sh;
   if (n.is_boolean()) {
     if (n.get<bool>()) sh.additional = ojson(true);
@@ -374,7 +386,7 @@ uint32_t SchemaCompiler::object_rule(const ojson& n, const std::string& ptr, int
   if (auto it = memo_.find(key); it != memo_.end()) return it->second;
   const uint32_t r = b_.add_rule("object " + ptr);
   memo_[key] = r;
-  const ObjectShape sh = object_shape(n, ptr);
+  const ObjectShape sh = shape_of(n, ptr);
   const size_t P = sh.properties.size();
   auto W = [&] { return rules_.ws(); };
   std::vector<uint32_t> vals;

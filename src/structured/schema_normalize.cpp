@@ -72,7 +72,18 @@ SchemaCompiler::SchemaCompiler(JsonRules& rules, const ojson& document, const Sc
       for (auto it = x->begin(); it != x->end(); ++it) {
         if (it.key() == "$ref" && it->is_string()) {
           const std::string r = it->get<std::string>();
-          if (!r.empty() && r[0] == '#') ref_targets_.insert(r.substr(1));
+          if (!r.empty() && r[0] == '#') {
+            std::string frag;  // %-decoded, as resolve() reads it
+            for (size_t i = 1; i < r.size(); ++i) {
+              if (r[i] == '%' && i + 2 < r.size() && std::isxdigit(uint8_t(r[i + 1])) && std::isxdigit(uint8_t(r[i + 2]))) {
+                frag += char(std::stoi(r.substr(i + 1, 2), nullptr, 16));
+                i += 2;
+              } else {
+                frag += r[i];
+              }
+            }
+            ref_targets_.insert(frag);
+          }
         }
         if (it->is_structured()) todo.push_back(&*it);
       }
