@@ -32,17 +32,17 @@ struct Walk {
 };
 
 // One random walk: at each step a token is drawn uniformly from the mask, except that with
-// probability 1/2 the stop token is taken once allowed, and with probability `bias` the draw is
-// among allowed tokens holding a byte of `closers` or a special token (so documents close). Every
-// `check_every` steps the mask is compared with the exhaustive one.
+// probability 1/2 the stop token is taken once allowed, with probability `special_bias` the draw is
+// among the allowed special tokens, and with probability `bias` among allowed tokens holding a byte of
+// `closers` (so documents close). Every `check_every` steps the mask is compared with the exhaustive one.
 inline Walk random_walk(const std::shared_ptr<const CompiledGrammar>& g, std::mt19937& rng, size_t max_steps,
                         const std::vector<TokenId>& stop, const std::string& closers = "\"]},",
-                        double bias = 0.35, size_t check_every = 5) {
+                        double bias = 0.35, size_t check_every = 5, double special_bias = 0) {
   Walk w;
   Matcher m(g, stop);
   const TokenVocab& v = g->vocab();
   std::vector<uint32_t> mask(m.mask_words()), ref(m.mask_words());
-  std::vector<TokenId> allowed, closing;
+  std::vector<TokenId> allowed, closing, specials;
   for (size_t step = 0; step < max_steps; ++step) {
     if (m.is_terminated()) {
       w.finished = true;
@@ -62,9 +62,11 @@ inline Walk random_walk(const std::shared_ptr<const CompiledGrammar>& g, std::mt
     }
     allowed.clear();
     closing.clear();
+    specials.clear();
     for (size_t i = 0; i < v.vocab_size(); ++i) {
       if (!mask_test(mask.data(), TokenId(i))) continue;
       allowed.push_back(TokenId(i));
+      if (v.is_special(TokenId(i))) specials.push_back(TokenId(i));
       if (v.is_special(TokenId(i)) ||
           (v.in_vocab(TokenId(i)) && v.bytes(TokenId(i)).find_first_of(closers) != std::string::npos))
         closing.push_back(TokenId(i));
@@ -76,6 +78,8 @@ inline Walk random_walk(const std::shared_ptr<const CompiledGrammar>& g, std::mt
     if (stop_allowed && u(rng) < 0.5) {
       for (TokenId s : stop)
         if (mask_test(mask.data(), s)) pick = s;
+    } else if (!specials.empty() && u(rng) < special_bias) {
+      pick = specials[rng() % specials.size()];
     } else if (!closing.empty() && u(rng) < bias) {
       pick = closing[rng() % closing.size()];
     }
