@@ -76,9 +76,15 @@ void check_mode(const Mode& mode, int walks, uint32_t seed) {
     const std::string text = k3_tokenizer().decode(w.ids);
     EXPECT_TRUE(out.errors.empty()) << out.errors.front() << "\n" << text;
     EXPECT_EQ(w.ids.back(), k3_tokenizer().require_special("<|end_of_msg|>"));
-    if (!tools_allowed) EXPECT_TRUE(out.tool_calls.empty()) << text;
-    if (tools_required) EXPECT_FALSE(out.tool_calls.empty()) << text;
-    if (spec.tool_choice == TC::kNamed) EXPECT_EQ(out.tool_calls.size(), 1u) << text;
+    if (!tools_allowed) {
+      EXPECT_TRUE(out.tool_calls.empty()) << text;
+    }
+    if (tools_required) {
+      EXPECT_FALSE(out.tool_calls.empty()) << text;
+    }
+    if (spec.tool_choice == TC::kNamed) {
+      EXPECT_EQ(out.tool_calls.size(), 1u) << text;
+    }
     with_calls += !out.tool_calls.empty();
     EXPECT_EQ(out.finish_reason, out.tool_calls.empty() ? "stop" : "tool_calls");
     for (size_t c = 0; c < out.tool_calls.size(); ++c) {
@@ -86,7 +92,9 @@ void check_mode(const Mode& mode, int walks, uint32_t seed) {
       EXPECT_TRUE(call.complete && call.error.empty()) << call.error;
       EXPECT_EQ(call.model_index, int(c + 1));
       ASSERT_TRUE(params.count(call.name)) << "undeclared tool " << call.name;
-      if (spec.tool_choice == TC::kNamed) EXPECT_EQ(call.name, spec.named_tool);
+      if (spec.tool_choice == TC::kNamed) {
+        EXPECT_EQ(call.name, spec.named_tool);
+      }
       const json args = parse_args(call.arguments);
       ASSERT_FALSE(args.is_discarded()) << call.arguments;
       EXPECT_EQ(params[call.name]->validate(args), "") << call.name << " " << call.arguments;
@@ -96,10 +104,14 @@ void check_mode(const Mode& mode, int walks, uint32_t seed) {
       ASSERT_FALSE(a.is_discarded()) << "answer is not JSON: " << out.content;
       EXPECT_EQ(answer->validate(a), "") << out.content;
     }
-    if (!mode.thinking) EXPECT_TRUE(out.reasoning.empty());
+    if (!mode.thinking) {
+      EXPECT_TRUE(out.reasoning.empty());
+    }
   }
   EXPECT_GT(finished, walks / 2);
-  if (tools_required) EXPECT_EQ(with_calls, finished);
+  if (tools_required) {
+    EXPECT_EQ(with_calls, finished);
+  }
   std::printf("chat grammar %-34s %d walks, %d finished, %d with tool calls, %zu states\n", mode.name.c_str(), walks,
               finished, with_calls, g->stats().states);
 }
