@@ -11,6 +11,7 @@
 // is in it, so stepping a byte only looks at byte edges of the tops.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -27,6 +28,7 @@ class FramePool {
     frames_.assign(1, Frame{kDead, kBottom, 0});
     slots_.assign(1024, kEmpty);
     marks_.assign(1, 0);
+    epoch_ = 0;
   }
   uint32_t get(uint32_t state, uint32_t parent) {
     if ((frames_.size() + 1) * 2 > slots_.size()) grow();
@@ -47,7 +49,13 @@ class FramePool {
   uint32_t depth(uint32_t f) const { return frames_[f].depth; }
   size_t size() const { return frames_.size(); }
   // Membership marks for building one config at a time.
-  uint32_t new_epoch() { return ++epoch_; }
+  uint32_t new_epoch() {
+    if (++epoch_ == 0) {  // wrapped: forget every old mark
+      std::fill(marks_.begin(), marks_.end(), 0);
+      epoch_ = 1;
+    }
+    return epoch_;
+  }
   bool mark(uint32_t f, uint32_t epoch) {
     if (marks_[f] == epoch) return false;
     marks_[f] = epoch;
