@@ -62,12 +62,17 @@ SchemaCompiler::SchemaCompiler(JsonRules& rules, const ojson& document, const Sc
               std::chrono::microseconds(int64_t(limits_.max_compile_seconds * 1e6));
   // Every $ref in the document (its decoded pointer), so a container under an unknown name that a
   // $ref points into is accepted (as the validator does). Iterative: the document may be deep.
-  std::vector<const ojson*> todo = {&doc_};
+  // Also bounds the JSON nesting before anything recursive (copies, dumps) touches the document: a
+  // schema level is at most two JSON levels (a keyword, then a map of subschemas).
+  const size_t max_json_depth = 2 * limits_.max_schema_depth + 8;
+  std::vector<std::pair<const ojson*, size_t>> todo = {{&doc_, 0}};
   size_t visited = 0;
   while (!todo.empty()) {
-    const ojson* x = todo.back();
+    const auto [x, depth] = todo.back();
     todo.pop_back();
     if (++visited > 10'000'000) fail("{}: schema document too large", where_);
+    if (depth > max_json_depth)
+      fail("{}: schema nested deeper than {} levels (limit)", where_, limits_.max_schema_depth);
     if (x->is_object()) {
       for (auto it = x->begin(); it != x->end(); ++it) {
         if (it.key() == "$ref" && it->is_string()) {
@@ -85,11 +90,11 @@ SchemaCompiler::SchemaCompiler(JsonRules& rules, const ojson& document, const Sc
             ref_targets_.insert(frag);
           }
         }
-        if (it->is_structured()) todo.push_back(&*it);
+        if (it->is_structured()) todo.push_back({&*it, depth + 1});
       }
     } else if (x->is_array()) {
       for (const auto& y : *x)
-        if (y.is_structured()) todo.push_back(&y);
+        if (y.is_structured()) todo.push_back({&y, depth + 1});
     }
   }
 }

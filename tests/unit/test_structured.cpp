@@ -45,7 +45,8 @@ const std::set<std::pair<std::string, std::string>> kExcludedGroups = {
 
 TokenId end_of_msg() { return k3_tokenizer().require_special("<|end_of_msg|>"); }
 
-std::shared_ptr<const CompiledGrammar> compile(const std::string& schema, SchemaOptions opt = {}, SchemaLimits lim = {}) {
+std::shared_ptr<const CompiledGrammar> compile(const std::string& schema, SchemaOptions opt = {},
+                                               SchemaLimits lim = testing::test_limits()) {
   return compile_json_schema(k3_vocab(), ojson::parse(schema), opt, lim);
 }
 
@@ -243,7 +244,7 @@ TEST(StructuredSchema, AdversarialSchemasAreRefusedOrBounded) {
     EXPECT_NE(std::string(e.what()).find("100000 values"), std::string::npos) << e.what();
   }
   // Under a raised limit the same enum compiles within the state limit or is refused by it.
-  SchemaLimits raised;
+  SchemaLimits raised = testing::test_limits();
   raised.max_enum_values = 200000;
   raised.max_states = 50000;
   EXPECT_THROW(json_schema_grammar(ojson{{"enum", big}}, {}, raised), Error);
@@ -258,7 +259,7 @@ TEST(StructuredSchema, AdversarialSchemasAreRefusedOrBounded) {
   quick.max_compile_seconds = 1e-6;
   EXPECT_THROW(compile(R"({"type": "object", "properties": {"a": {"type": "string"}}})", {}, quick), Error);
   // Nesting beyond the matcher's stack limit is cut, and the masks stay consistent near it.
-  SchemaLimits shallow;
+  SchemaLimits shallow = testing::test_limits();
   shallow.max_stack_depth = 6;
   const auto g = compile("true", {}, shallow);
   std::mt19937 rng(3);
@@ -269,7 +270,7 @@ TEST(StructuredSchema, AdversarialSchemasAreRefusedOrBounded) {
 }
 
 TEST(StructuredCache, CompilesOncePerCanonicalSchemaAndCachesRefusals) {
-  GrammarCache cache(k3_vocab(), 2);
+  GrammarCache cache(k3_vocab(), 2, {}, testing::test_limits());
   const ojson a = ojson::parse(R"({"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "string"}}})");
   const ojson b = ojson::parse(R"({"type": "object", "properties": {"y": {"type": "string"}, "x": {"type": "integer"}}})");
   std::vector<std::shared_ptr<const CompiledGrammar>> got(4);
@@ -342,8 +343,8 @@ TEST(StructuredSuite, EveryAcceptedSchemaGeneratesValidDocumentsAndAcceptsTheVal
     SchemaOptions o;
     o.strict_objects = false;
     try {
-      strict = compile_json_schema(k3_vocab(), g.schema);
-      open = compile_json_schema(k3_vocab(), g.schema, o);
+      strict = compile_json_schema(k3_vocab(), g.schema, {}, testing::test_limits());
+      open = compile_json_schema(k3_vocab(), g.schema, o, testing::test_limits());
     } catch (const Error& e) {
       ++refused;
       // The error names a keyword of the schema (quoted) or says why no value exists.

@@ -50,7 +50,7 @@ void check_mode(const Mode& mode, int walks, uint32_t seed) {
   SCOPED_TRACE(mode.name);
   const ojson req = ojson::parse("{" + mode.request + "}");
   const ChatGrammarSpec spec = chat_grammar_spec(req, mode.thinking);
-  const auto g = compile_chat_grammar(k3_vocab(), spec);
+  const auto g = compile_chat_grammar(k3_vocab(), spec, {}, testing::test_limits());
   std::vector<std::string> names;
   std::map<std::string, std::unique_ptr<eval::JsonSchema>> params;
   for (const auto& t : spec.tools) {
@@ -142,7 +142,7 @@ TEST(StructuredChat, WalksParseIntoTheShapeEachModeDemands) {
 
 // The exact text the chat encoder writes for an assistant turn (MODEL.md §7), tokenised with specials.
 bool accepts(const ChatGrammarSpec& spec, const std::string& text) {
-  Matcher m(compile_chat_grammar(k3_vocab(), spec));
+  Matcher m(compile_chat_grammar(k3_vocab(), spec, {}, testing::test_limits()));
   for (TokenId id : k3_tokenizer().encode(text, true))
     if (!m.accept(id)) return false;
   return m.is_terminated();
@@ -207,7 +207,7 @@ TEST(StructuredChat, SpecFromRequestRefusesMalformedFields) {
                       {"x": {"type": "string", "pattern": "^a"}}}}}]})"),
       true);
   try {
-    chat_grammar(k3_tokenizer(), s);
+    chat_grammar(k3_tokenizer(), s, {}, testing::test_limits());
     ADD_FAILURE();
   } catch (const Error& e) {
     const std::string what = e.what();

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "structured/json_schema_grammar.h"
 #include "structured/matcher.h"
 #include "tokenizer/tokenizer.h"
 
@@ -22,6 +23,14 @@ inline const tok::Tokenizer& k3_tokenizer() {
 inline std::shared_ptr<const TokenVocab> k3_vocab() {
   static const auto v = std::make_shared<const TokenVocab>(k3_tokenizer());
   return v;
+}
+
+// Limits for tests: the defaults, but a compile-time limit that a -O0 sanitizer build does not reach
+// (the limit itself is tested on its own).
+inline SchemaLimits test_limits() {
+  SchemaLimits l;
+  l.max_compile_seconds = 900;
+  return l;
 }
 
 struct Walk {
