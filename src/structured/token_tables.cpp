@@ -11,8 +11,6 @@
 // time), smaller ones as id lists. Uncertain rests go into a preorder trie per state.
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 
 #include "core/check.h"
@@ -61,13 +59,7 @@ CompiledGrammar::CompiledGrammar(std::shared_ptr<const TokenVocab> vocab, Gramma
     if (!reach[q]) continue;
     if (std::chrono::steady_clock::now() > deadline)
       fail("grammar compilation took longer than the time limit (token tables, state {} of {})", q, S);
-    const auto ts = std::chrono::steady_clock::now();
     tabulate(q, pool, levels);
-    if (getenv("KESTREL_STRUCTURED_PROFILE"))
-      fprintf(stderr, "state %u rule %s: %.2f ms, accepted %s, sfx %u\n", q, g_.rules[g_.states[q].rule].name.c_str(),
-              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - ts).count(),
-              tables_[q].bitset != UINT32_MAX ? "bitset" : std::to_string(tables_[q].list_end - tables_[q].list_begin).c_str(),
-              tables_[q].sfx_end - tables_[q].sfx_begin);
   }
   stats_.states = S;
   stats_.rules = g_.rules.size();
