@@ -97,10 +97,12 @@ void emulate_mma(float (&d)[32][4], const float (&a)[32][4][2], const float (&b)
   }
 }
 
-// y [T, R] from the kernel-layout bytes, following expert_gemm_kernel step by step for 8-token tiles.
+// y [T, R] from the kernel-layout bytes, following expert_gemm_kernel step by step for 8-token tiles; with
+// `fold`, the stream/wide kernels instead (moe_mma.cuh): each A register multiplied by the bf16 pair
+// ((e + 126) << 7) of its row's scale byte, the MMAs accumulating straight into one accumulator.
 std::vector<float> emulate_kernel(const std::vector<uint8_t>& kp, const std::vector<uint8_t>& ks, bool special,
                                   const std::vector<float>& x /* [T, C], BF16 values */, int64_t T, int64_t R,
-                                  int64_t C) {
+                                  int64_t C, bool fold = false) {
   const int64_t RT = R / 16, NC = C / 64;
   std::vector<float> y(size_t(T * R), std::nanf(""));
   for (int64_t n0 = 0; n0 < T; n0 += 8) {
@@ -130,6 +132,21 @@ std::vector<float> emulate_kernel(const std::vector<uint8_t>& kp, const std::vec
                 Bv[2 * b + m / 2][l][m % 2][h] = x[size_t(tok * C + 64 * c + 32 * b + 8 * t + 2 * m + h)];
           const uint8_t* sp = &ks[size_t((rt * NC + c) * 32 + g * 4)];
           sw[l] = uint32_t(sp[0]) | uint32_t(sp[1]) << 8 | uint32_t(sp[2]) << 16 | uint32_t(sp[3]) << 24;
+        }
+        if (fold) {
+          for (int l = 0; l < 32; ++l)
+            for (int st = 0; st < 4; ++st)
+              for (int j = 0; j < 4; ++j) {
+                const uint32_t e = (sw[l] >> (8 * (2 * (st >> 1) + (j & 1)))) & 0xFF;  // row g + 8(j&1), block st/2
+                const float mult = bf16_bits_to_f32((e + 126) << 7);
+                for (int h = 0; h < 2; ++h) A[st][l][j][h] = A[st][l][j][h] * 0x1p-126f * mult;  // exact
+              }
+          for (int st = 0; st < 4; ++st) {
+            float q[32][4];
+            emulate_mma(q, A[st], Bv[st], acc);
+            std::memcpy(acc, q, sizeof(q));
+          }
+          continue;
         }
         for (int b = 0; b < 2; ++b) {
           float p[32][4] = {}, q[32][4];
@@ -239,7 +256,7 @@ TEST(MoeLayout, EmulatedKernelMatchesCpuTwin) {
     unsigned e_lo, e_hi;
   };
   for (Case c : {Case{16, 64, 1, 118, 122}, Case{64, 128, 5, 118, 122}, Case{32, 256, 8, 100, 140},
-                 Case{48, 192, 13, 0, 254}}) {
+                 Case{48, 192, 13, 0, 254}, Case{32, 128, 7, 1, 128}}) {
     Mx m = random_mx(c.R, c.C, rng, c.e_lo, c.e_hi);
     if (c.e_hi >= 253)  // keep |w| finite on the CPU: codes with |v| ≤ 1.5 in those blocks
       for (int64_t r = 0; r < c.R; ++r)
@@ -248,14 +265,19 @@ TEST(MoeLayout, EmulatedKernelMatchesCpuTwin) {
             for (int64_t j = 0; j < 16; ++j) m.packed[size_t(r * c.C / 2 + b * 16 + j)] &= 0xBB;
     std::vector<float> x = to_f32(rand_bf16(size_t(c.T * c.C), rng, -1.0f, 1.0f));
     const bool special = cuda::mxfp4_special_scales(m.scale.data(), m.scale.size());
+    const bool foldable = !cuda::mxfp4_fp32_scales(m.scale.data(), m.scale.size());
     const auto [kp, ks] = pack(m);
-    const auto got = emulate_kernel(kp, ks, special, x, c.T, c.R, c.C);
     const auto want = cpu_matmul(m, x, c.T);
     const auto bound = cpu_abs_matmul(m, x, c.T);
-    for (size_t i = 0; i < want.size(); ++i) {
-      if (std::isnan(want[i]) || std::isinf(bound[i])) continue;
-      ASSERT_LE(std::fabs(got[i] - want[i]), 1e-5 * bound[i] + 1e-38)
-          << "R " << c.R << " C " << c.C << " T " << c.T << " at " << i << ": " << got[i] << " vs " << want[i];
+    for (bool fold : {false, true}) {
+      if (fold && !foldable) continue;
+      const auto got = emulate_kernel(kp, ks, special, x, c.T, c.R, c.C, fold);
+      for (size_t i = 0; i < want.size(); ++i) {
+        if (std::isnan(want[i]) || std::isinf(bound[i])) continue;
+        ASSERT_LE(std::fabs(got[i] - want[i]), 1e-5 * bound[i] + 1e-38) << "R " << c.R << " C " << c.C << " T " << c.T
+                                                                        << " fold " << fold << " at " << i << ": "
+                                                                        << got[i] << " vs " << want[i];
+      }
     }
   }
 }
@@ -579,8 +601,9 @@ TEST(GpuMoe, ExpertsGraphReplay) {
   const int64_t X = 16, K = 4, Lt = 128, I = 64;
   const auto E = make_experts(X, Lt, I, rng);
   using cuda::MoeTokenTile;
-  const std::pair<int64_t, Variant> runs[] = {{33, Variant{}},  // wide
-                                              {33, Variant{MoeTokenTile::stream}},
+  const std::pair<int64_t, Variant> runs[] = {{33, Variant{}},  // stream, grouped
+                                              {33, Variant{MoeTokenTile::wide}},
+                                              {64, Variant{}},  // wide (16 slots per expert)
                                               {33, Variant{MoeTokenTile::stream, -1, 3}},
                                               {1, Variant{}},  // stream, ungrouped
                                               {2, Variant{MoeTokenTile::stream, 1}}};

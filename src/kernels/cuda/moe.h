@@ -71,7 +71,7 @@ MoeExpertWeights pack_experts_mxfp4(const MoeExpertHost* experts /* [X] */, int6
 //   wide    prefill: jobs of up to 128 tokens, 256-thread CTAs of 128/256 weight rows × all the job's tokens.
 //   t8, t32 the first tensor-core kernels (fixed grid, FP32 scale per 32-column block, tiles of 8 / 32 tokens):
 //           the only ones for weights with MoeExpertWeights::fp32_scales (stream/wide fall back to t8/t32).
-// `automatic`: wide when the slots per possibly-hit expert, T·K / min(X, T·K), reach 8, else stream
+// `automatic`: wide when the slots per possibly-hit expert, T·K / min(X, T·K), reach 16, else stream
 // (KESTREL_MOE_PATH=legacy in the environment: the old rule, t32 from 16 slots per expert, else t8).
 enum class MoeTokenTile { automatic, t8, t32, stream, wide };
 

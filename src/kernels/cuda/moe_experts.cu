@@ -24,12 +24,13 @@
 // Bytes and time (H200, 4.27 TB/s copy; an expert is 17.55 MB: w1|w3 11.70 MB with scales, w2 5.85 MB):
 //   T = 1: 16 experts, 281 MB → 66 µs at copy speed. The fixed-grid t8 kernels measured 128 µs (51 %): 768
 //   and 896 CTAs for 528 and 792 slots (1.45 and 1.13 waves, the second at a fraction of the bandwidth),
-//   four launch gaps, the group kernel, and ≈ 87 instructions per 512 weight bytes (half of them ALU, whose
-//   pipe is half as wide as the FMA pipe). stream: no tail, 2 launch gaps hidden by PDL, no group kernel,
-//   ≈ 70 instructions per 512 bytes; predicted ≈ 85 µs (≈ 77 % of copy).
+//   four launch gaps and the group kernel. stream: no tail (every warp streams L chunks), launch gaps
+//   hidden by PDL (w2's first weight loads overlap w1|w3's drain), no group kernel; the same ≈ 90
+//   instructions per 512 bytes (the decode), so the steady state stays ≈ 80 % of copy: predicted
+//   w1|w3 ≈ 55 µs + w2 ≈ 28 µs + ≈ 5 µs prep/ramp/combine ≈ 88 µs (≈ 75 % of copy).
 //   T = 4096: 4.3 TFLOP (16 slots × 4096 tokens × 3 GEMMs of 3584 × 3072). t32: 26.6 ms (163 TFLOP/s: an FFMA per
-//   accumulator per 32-column block, 4 HMMA per decoded word). wide: 2 HMMA per decoded word per n-tile pair,
-//   no scale FMAs; predicted 8–11 ms.
+//   accumulator per 32-column block, 4 HMMA per decoded word). wide: 2·⌈count/8⌉ HMMA per decoded word, no
+//   scale FMAs, ≈ 2.2 instructions per HMMA; ≈ 73 tokens per expert = 10 n-tiles of 16; predicted 8–11 ms.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -328,7 +329,7 @@ Path choose_path(MoeTokenTile tile, int64_t n, int64_t X, bool fp32_scales) {
       break;
   }
   if (legacy || fp32_scales) return per_expert >= 16 ? Path::t32 : Path::t8;
-  return per_expert >= 8 ? Path::wide : Path::stream;
+  return per_expert >= 16 ? Path::wide : Path::stream;
 }
 int path_ct(Path p) { return p == Path::t32 ? 32 : p == Path::wide ? moe_detail::kWideTokens : 8; }
 bool use_pdl(Path p, const MoeExpertsOptions& opt) {

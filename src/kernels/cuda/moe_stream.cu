@@ -19,9 +19,11 @@
 // PDL. With the job list from the kernel just before (grouped w1|w3) the kernel waits first; otherwise
 // (w2, whose jobs come from two kernels back, or ungrouped w1|w3 reading ids) it fills its ring first, then
 // waits, so its first weight bytes overlap the previous kernel's tail.
-// Per 512 weight bytes a warp issues ≈ 70 instructions (decode 4 words, 4 scale multipliers, 4 HMMA, 2 cp.async,
-// 2 LDS, 1–2 activation loads): the CUDA-core budget at copy speed is ≈ 120, the ALU (logic/shift) share ≈ 30
-// of its ≈ 60.
+// Per 512 weight bytes a warp issues ≈ 90 instructions (SASS, w1|w3, per 1 KB chunk: 51 LOP3, 38 IMAD, 32 HMUL2,
+// 14 SHF, 9 LEA, 8 PRMT, 8 HMMA, 4 LDS, 4 LDGSTS, 2 LDG): about the fixed-tile kernel's 87 — the E2M1 decode
+// (≈ 14 integer ops + 4 HMUL2 per 32-bit word) dominates and the scale folding only pays for the cp.async ring.
+// At copy speed an SM has ≈ 124 issue slots and ≈ 62 ALU slots per 512 bytes: the kernel should stream at
+// the ≈ 80 % of copy the fixed-tile kernel reached at T = 8 and 64 — now at every T.
 #include <algorithm>
 #include <atomic>
 

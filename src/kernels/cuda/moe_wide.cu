@@ -31,7 +31,7 @@ using namespace moe_dev;
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kNq = kWideTokens / 8;  // n-tiles
-constexpr int kAStages = 2;
+constexpr int kAStages = 4;  // 3 chunks ahead: ≈ 3 × 107·⌈count/8⌉ cycles of MMAs cover the DRAM latency
 constexpr int kBStages = 4;
 constexpr int kBStageBytes = kWideTokens * ml::kChunkCols * 2;  // 16 KB
 constexpr size_t kSmem = size_t(kBStages) * kBStageBytes;
