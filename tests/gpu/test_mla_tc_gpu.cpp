@@ -25,6 +25,7 @@
 #include "kernels/cpu/mla_ops.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/mla_tc.h"
 #include "kernels/cuda/paged.h"
 #include "model/cache_view.h"
 
@@ -134,7 +135,8 @@ struct Rows {
 
 enum class Op { decode, prefill };
 
-// Runs one launch of `op` over `rows` on the pool and compares every row with the CPU twin.
+// Runs one launch of `op` over `rows` on the pool and compares every row with the CPU twin. Decode: run
+// again without programmatic dependent launch (mla_tc.h) and once more with it; all three bit-identical.
 void run(Op op, Pool& pool, const Rows& rows, float q_span, bool q_pe_positive, bool q_pe_negative,
          const std::string& what, Rng& rng) {
   const auto& d = pool.d;
@@ -169,6 +171,15 @@ void run(Op op, Pool& pool, const Rows& rows, float q_span, bool q_pe_positive, 
     cuda::DeviceBuffer ws(cuda::mla_decode_paged_workspace_bytes(d, B, max_keys));
     cuda::mla_decode_paged(lt, d, dq.p(), dkvb.p(), cache, bt, ws.data(), dout.p(), nullptr);
     sync();
+    for (bool pdl : {false, true}) {
+      auto again = poisoned<uint16_t>(ref.size());
+      cuda::tc::set_pdl(pdl);
+      cuda::mla_decode_paged(lt, d, dq.p(), dkvb.p(), cache, bt, ws.data(), again.p(), nullptr);
+      sync();
+      EXPECT_TRUE(again.get() == dout.get()) << what << ": decode " << (pdl ? "repeated" : "without PDL")
+                                             << " not bit-identical";
+    }
+    cuda::tc::set_pdl(true);
   } else {
     cuda::DeviceBuffer ws(cuda::mla_prefill_paged_workspace_bytes(d, B, max_keys));
     cuda::mla_prefill_paged(lt, d, dq.p(), dkvb.p(), cache, bt, ws.data(), dout.p(), nullptr);
@@ -280,6 +291,40 @@ TEST(GpuMlaTc, DecodeBatchesAndScores) {
       Rows rows;
       rows.add(0, 2500), rows.add(1, 1000);
       run(Op::decode, pool, rows, 6.0f, false, false, "mini peaky (q ×6)", rng);
+    }
+  }
+}
+
+// Small batches (q̃ on CUDA cores, merges of one or two rows per CTA with 16-, 8- and 1-split steps) and a
+// batch past kAbsorbMaxRows (q̃ by cuBLASLt, eight rows per merge CTA).
+TEST(GpuMlaTc, DecodeSmallAndLargeBatches) {
+  need_gpu();
+  Rng rng(67);
+  for (LatentFormat lf : kFormats) {
+    {
+      Pool pool(kMini, lf, 128, {1344, 4096, 700}, Fill::random, rng);
+      for (int64_t r : {0, 1}) {  // one row: 21 splits of 64 keys (16 + 5), 64 splits
+        Rows rows;
+        rows.add(int32_t(r), pool.lens[size_t(r)]);
+        run(Op::decode, pool, rows, 1.0f, false, false, fmt::format("mini B=1 S={}", pool.lens[size_t(r)]), rng);
+      }
+      Rows rows;  // 6 rows of ≤ 700 keys: 11 splits, two rows per merge CTA (8 + 3)
+      for (int i = 0; i < 6; ++i) rows.add(2, 700 - 97 * i);
+      run(Op::decode, pool, rows, 1.0f, false, false, "mini B=6", rng);
+    }
+    {
+      std::vector<int64_t> lens(80);
+      for (auto& n : lens) n = 1 + int64_t(rng.next() % 3000);
+      Pool pool(kMini, lf, 64, lens, Fill::random, rng);
+      Rows rows;
+      for (size_t r = 0; r < lens.size(); ++r) rows.add(int32_t(r), lens[r]);
+      run(Op::decode, pool, rows, 1.0f, false, false, "mini B=80 varlen", rng);
+    }
+    {
+      Pool pool(kNano, lf, 16, {1, 2000}, Fill::random, rng);
+      Rows rows;
+      rows.add(1, 2000), rows.add(0, 1);
+      run(Op::decode, pool, rows, 1.0f, false, false, "nano B=2", rng);
     }
   }
 }

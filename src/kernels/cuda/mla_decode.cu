@@ -1,15 +1,22 @@
 // Paged absorbed MLA decode (paged.h: mla_decode_paged), MODEL.md §3.4 absorbed form over the §0.3 caches.
-// Steps: q̃_h = W_UK,hᵀ q_nope,h for all rows and heads by one batched cuBLASLt GEMM (FP32 out); the
-// tensor-core attention core (mla_tc.cu) over the pages, split over keys so that a few rows still fill
-// the SMs; then one kernel that merges the splits by log-sum-exp and applies W_UV.
-//
-// Merge + W_UV: one block per (8 rows, head). Warp r merges row r's splits into ô (FP32, in shared
-// memory): M = max_s m_s, w_s = 2^(m_s − M), ô = Σ_s w_s acc_s / Σ_s w_s l_s (a split with no keys has
-// m = −inf, weight 0, and its accumulator is never read). Then o_h[e] = Σ_c W_UV,h[e, c] ô[c] for the 8
-// rows at once, so W_UV,h (Dv × C bf16, 128 KB at K3 size) is read once per 8 rows instead of once per
-// row. ô stays FP32 like the CPU twin's; only o is rounded (bf16).
-// Bytes: the partials are B·splits·Hm·(C+2)·4 written and read once (64 rows × 2 splits × 12 heads: 6 MB,
-// ~0.3 % of a 32K-token step's cache reads), W_UV Hm·Dv·C·2 per 8 rows from L2.
+// Three launches, chained by programmatic dependent launch (mla_tc.h: each is scheduled while the previous
+// one finishes and waits for it before touching memory):
+//  1. absorb: q̃_h = W_UK,hᵀ q_nope,h for all rows and heads, FP32. At decode batch sizes (B ≤ 64) a
+//     CUDA-core kernel: the work is tiny (B·Hm·N·C MACs) and what costs is reading W_UK (Hm·N·C bf16,
+//     1.5 MB at the TP8 shape) and the launch; one CTA per (64 columns, head, 8 rows) reads its 16 KB
+//     slice of W_UK once for 8 rows, 96 CTAs at B = 1. Larger batches use cuBLASLt's strided-batched GEMM.
+//  2. the tensor-core attention core (mla_tc.cu), split over keys so that a few rows still fill the SMs.
+//  3. merge + W_UV: ô = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s, o_h = W_UV,h ô_h. One CTA per
+//     (16 or 32 output columns e, head, RBM rows): it merges its RBM rows' splits into shared memory (every
+//     column block of a head repeats that merge — partials are L2-resident and the repeat is cheaper than a
+//     second launch), then each warp forms o[r, e] = Σ_c W_UV,h[e, c] ô[r, c] for its e, lanes over c in
+//     16-byte steps. RBM (rows per CTA) shrinks as the splits grow so that a CTA merges ≤ ~32 split rows:
+//     B = 1 with 64 splits is 96 CTAs of one row each; B = 64 with 2 splits 384 CTAs of 8 rows.
+// The merge weights follow the CPU twin: M = max_s m_s, w_s = 2^(m_s − M); a split with no keys has
+// m = −inf, weight 0, and its accumulator (never written) is never read. ô stays FP32 like the CPU twin's;
+// only o is rounded (bf16). Every sum runs in a fixed order: bit-identical from run to run.
+// Bytes: partials B·splits·Hm·(C+2)·4 written once and read (B = 64: 6 MB, ~0.3 % of a 32K-token step's
+// cache reads); W_UK and W_UV 1.5 MB each from L2.
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
@@ -19,8 +26,6 @@
 
 namespace kestrel::cuda {
 namespace {
-
-constexpr int kCombRows = 8;  // rows per merge block = warps per block
 
 struct DecodeWs {
   float* qt;        // f32 [B, Hm, C]
@@ -41,22 +46,92 @@ DecodeWs decode_ws(const MlaDims& d, int64_t B, const tc::Plan& pl, void* base) 
   return w;
 }
 
-__global__ void __launch_bounds__(32 * kCombRows)
-    merge_uv_kernel(int B, int Hm, int C, int N, int Dv, int n_splits,
+// ---- 1. absorb -------------------------------------------------------------------------------------------
+constexpr int kAbRows = 8;   // rows per CTA
+constexpr int kAbCols = 64;  // q̃ columns per CTA: lane l owns columns 2l, 2l+1
+constexpr int kAbMaxN = 512; // q_nope width the shared buffer holds
+
+// CTA (column block x, head y, row block z); warp w sums n ≡ w (mod 8), then the 8 warps' partials are
+// added in warp order (fixed order: deterministic).
+__global__ void __launch_bounds__(256, 1)
+    absorb_kernel(int B, int Hm, int N, int C, int ldq, int Dv, const uint16_t* __restrict__ q /* bf16 [B, Hm, ldq] */,
+                  const uint16_t* __restrict__ kv_b /* bf16 [Hm*(N+Dv), C] */,
+                  float* __restrict__ qt /* f32 [B, Hm, C] */) {
+  tc::pdl_enter();
+  extern __shared__ __align__(16) float absm[];
+  float* qs = absm;                   // f32 [kAbRows, N]: q_nope of the CTA's rows (0 past B)
+  float* red = absm + kAbRows * N;    // f32 [8 warps, kAbRows, kAbCols]
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int c0 = blockIdx.x * kAbCols, h = blockIdx.y, b0 = blockIdx.z * kAbRows;
+  for (int i = tid; i < kAbRows * N; i += 256) {
+    const int r = i / N, n = i % N;
+    qs[i] = b0 + r < B ? dev::bf16_to_f32(q[(int64_t(b0 + r) * Hm + h) * ldq + n]) : 0.0f;
+  }
+  __syncthreads();
+  float acc[kAbRows][2];
+#pragma unroll
+  for (int r = 0; r < kAbRows; ++r) acc[r][0] = acc[r][1] = 0.0f;
+  const uint16_t* wk = kv_b + int64_t(h) * (N + Dv) * C + c0 + 2 * lane;  // W_UK,h[n, c0 + 2·lane]
+#pragma unroll 8
+  for (int n = w; n < N; n += 8) {
+    const uint32_t wv = __ldg(reinterpret_cast<const uint32_t*>(wk + int64_t(n) * C));
+    const float w0 = __uint_as_float(wv << 16), w1 = __uint_as_float(wv & 0xffff0000u);
+#pragma unroll
+    for (int r = 0; r < kAbRows; ++r) {
+      const float x = qs[r * N + n];
+      acc[r][0] += x * w0, acc[r][1] += x * w1;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kAbRows; ++r)
+    *reinterpret_cast<float2*>(red + (w * kAbRows + r) * kAbCols + 2 * lane) = make_float2(acc[r][0], acc[r][1]);
+  __syncthreads();
+  for (int i = tid; i < kAbRows * kAbCols; i += 256) {
+    const int r = i / kAbCols, c = i % kAbCols;
+    if (b0 + r >= B) continue;
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) s += red[(k * kAbRows + r) * kAbCols + c];
+    qt[(int64_t(b0 + r) * Hm + h) * C + c0 + c] = s;
+  }
+}
+
+// ---- 3. merge + W_UV -------------------------------------------------------------------------------------
+// (x, y) += Σ_{j<K} wr[s+j] · acc[(s+j)·astride + {0, 1}], added in split order: K loads in flight first. An
+// empty split's accumulator was never written: it is loaded (inside the workspace) but not added.
+template <int K>
+__device__ __forceinline__ void merge_step(const float* acc, int64_t astride, const float* wr, int s, float& x, float& y) {
+  const float* a = acc + s * astride;
+  float2 v[K];
+#pragma unroll
+  for (int j = 0; j < K; ++j) v[j] = __ldg(reinterpret_cast<const float2*>(a + j * astride));
+#pragma unroll
+  for (int j = 0; j < K; ++j)
+    if (wr[s + j] != 0.0f) x += wr[s + j] * v[j].x, y += wr[s + j] * v[j].y;
+}
+
+// CTA (e block x of ET columns, head y, row block z of RBM rows). Shared: ô f32 [RBM, C] (zero rows past
+// B), weights f32 [RBM, n_splits]. Warp r < rows computes row r's weights; threads merge (row, column pair) units;
+// then warp w forms e = e0 + w, e0 + w + 8, ...: lane l takes columns 4k..4k+3 for k ≡ l (mod 32).
+template <int RBM>
+__global__ void __launch_bounds__(256, 1)
+    merge_uv_kernel(int B, int Hm, int C, int N, int Dv, int n_splits, int ET,
                     const float* __restrict__ part_ml /* f32 [B, n_splits, Hm, 2] */,
                     const float* __restrict__ part_acc /* f32 [B, n_splits, Hm, C] */,
                     const uint16_t* __restrict__ kv_b /* bf16 [Hm*(N+Dv), C] */,
                     uint16_t* __restrict__ o /* bf16 [B, Hm*Dv] */) {
+  tc::pdl_enter();
   extern __shared__ __align__(16) float msm[];
-  float* oh = msm;                      // f32 [kCombRows, C]
-  float* wts = msm + kCombRows * C;     // f32 [kCombRows, n_splits]
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, h = blockIdx.y, b0 = blockIdx.x * kCombRows;
-  const int b = b0 + w;
-  float* ohr = oh + w * C;
-  float* wr = wts + w * n_splits;
-  if (b < B) {
-    const int64_t sstride = int64_t(Hm) * 2;  // floats between splits in part_ml
-    const float* ml = part_ml + (int64_t(b) * n_splits * Hm + h) * 2;
+  __shared__ float inv_l[RBM];
+  float* oh = msm;                  // f32 [RBM, C]
+  float* wts = msm + RBM * C;       // f32 [RBM, n_splits]
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int e0 = blockIdx.x * ET, h = blockIdx.y, b0 = blockIdx.z * RBM;
+  const int rows = min(RBM, B - b0);
+  const int64_t sstride = int64_t(Hm) * 2, astride = int64_t(Hm) * C;  // floats between splits
+  if (w < rows) {
+    const float* ml = part_ml + (int64_t(b0 + w) * n_splits * Hm + h) * 2;
+    float* wr = wts + w * n_splits;
     float M = -INFINITY;
     for (int s = lane; s < n_splits; s += 32) M = fmaxf(M, ml[s * sstride]);
 #pragma unroll
@@ -69,50 +144,107 @@ __global__ void __launch_bounds__(32 * kCombRows)
       L += wv * ml[s * sstride + 1];
     }
     L = dev::warp_sum(L);
-    __syncwarp();
-    const float inv = L > 0.0f ? 1.0f / L : 0.0f;  // no key at all: ô = 0, as the CPU's empty sum
-    const float* acc = part_acc + (int64_t(b) * n_splits * Hm + h) * C;
-    const int64_t astride = int64_t(Hm) * C;
-    for (int c = lane; c < C; c += 32) {
-      float a = 0.0f;
-      for (int s = 0; s < n_splits; ++s) {
-        const float wv = wr[s];
-        if (wv != 0.0f) a += wv * acc[s * astride + c];
-      }
-      ohr[c] = a * inv;
-    }
-  } else {
-    for (int c = lane; c < C; c += 32) ohr[c] = 0.0f;
+    if (lane == 0) inv_l[w] = L > 0.0f ? 1.0f / L : 0.0f;  // no key at all: ô = 0, as the CPU's empty sum
   }
   __syncthreads();
-  // o[b0 + r, h, e] = Σ_c W_UV,h[e, c] ô[r, c]: warp w takes e = w, w + 8, ...; lanes split c in 8s.
+  const int half = C / 2;
+  for (int i = tid; i < RBM * half; i += 256) {
+    const int r = i / half, c = 2 * (i % half);
+    if (r >= rows) {  // rows past B: zeros, so that the W_UV loop below needs no per-row predicate
+      *reinterpret_cast<float2*>(oh + r * C + c) = make_float2(0.0f, 0.0f);
+      continue;
+    }
+    const float* acc = part_acc + (int64_t(b0 + r) * n_splits * Hm + h) * C + c;
+    const float* wr = wts + r * n_splits;
+    float x = 0.0f, y = 0.0f;
+    int s = 0;
+    for (; s + 16 <= n_splits; s += 16) merge_step<16>(acc, astride, wr, s, x, y);
+    if (s + 8 <= n_splits) merge_step<8>(acc, astride, wr, s, x, y), s += 8;
+    for (; s < n_splits; ++s)
+      if (wr[s] != 0.0f) {
+        const float2 v = __ldg(reinterpret_cast<const float2*>(acc + s * astride));
+        x += wr[s] * v.x, y += wr[s] * v.y;
+      }
+    *reinterpret_cast<float2*>(oh + r * C + c) = make_float2(x * inv_l[r], y * inv_l[r]);
+  }
+  __syncthreads();
   const uint16_t* wuv = kv_b + (int64_t(h) * (N + Dv) + N) * C;  // bf16 [Dv, C]
-  for (int e = w; e < Dv; e += kCombRows) {
-    float acc[kCombRows];
+  const int e_end = min(e0 + ET, Dv);
+  for (int e = e0 + w; e < e_end; e += 8) {
+    float acc[RBM];
 #pragma unroll
-    for (int r = 0; r < kCombRows; ++r) acc[r] = 0.0f;
-    for (int c8 = lane; c8 < C / 8; c8 += 32) {
-      float wf[8];
-      dev::unpack8(dev::ld16(wuv + int64_t(e) * C + c8 * 8), wf);
+    for (int r = 0; r < RBM; ++r) acc[r] = 0.0f;
+    for (int k = lane; k < C / 4; k += 32) {
+      const uint2 wv = __ldg(reinterpret_cast<const uint2*>(wuv + int64_t(e) * C + 4 * k));
+      const float w0 = __uint_as_float(wv.x << 16), w1 = __uint_as_float(wv.x & 0xffff0000u);
+      const float w2 = __uint_as_float(wv.y << 16), w3 = __uint_as_float(wv.y & 0xffff0000u);
 #pragma unroll
-      for (int r = 0; r < kCombRows; ++r) {
-        const float4 x0 = *reinterpret_cast<const float4*>(oh + r * C + c8 * 8);
-        const float4 x1 = *reinterpret_cast<const float4*>(oh + r * C + c8 * 8 + 4);
-        acc[r] += wf[0] * x0.x + wf[1] * x0.y + wf[2] * x0.z + wf[3] * x0.w + wf[4] * x1.x + wf[5] * x1.y +
-                  wf[6] * x1.z + wf[7] * x1.w;
+      for (int r = 0; r < RBM; ++r) {
+        const float4 x = *reinterpret_cast<const float4*>(oh + r * C + 4 * k);
+        acc[r] += w0 * x.x + w1 * x.y + w2 * x.z + w3 * x.w;
       }
     }
-    float mine = 0.0f;
 #pragma unroll
-    for (int r = 0; r < kCombRows; ++r) {
+    for (int r = 0; r < RBM; ++r) {
       const float s = dev::warp_sum(acc[r]);
-      if (lane == r) mine = s;
+      if (lane == 0 && r < rows) o[(int64_t(b0 + r) * Hm + h) * Dv + e] = dev::f32_to_bf16(s);
     }
-    if (lane < kCombRows && b0 + lane < B) o[(int64_t(b0 + lane) * Hm + h) * Dv + e] = dev::f32_to_bf16(mine);
   }
 }
 
+template <int RBM>
+void launch_merge(const MlaDims& d, int64_t B, int n_splits, const float* part_ml, const float* part_acc,
+                  const uint16_t* kv_b, uint16_t* o, cudaStream_t stream, bool pdl) {
+  const int ET = B <= 8 ? 16 : 32;  // output columns per CTA: more CTAs while the batch is small
+  const dim3 grid(unsigned((d.Dv + ET - 1) / ET), unsigned(d.Hm), unsigned((B + RBM - 1) / RBM));
+  const size_t smem = size_t(RBM) * size_t(d.C + n_splits) * 4;
+  tc::launch_kernel(merge_uv_kernel<RBM>, grid, dim3(256), smem, stream, pdl, int(B), int(d.Hm), int(d.C), int(d.N),
+                    int(d.Dv), n_splits, ET, part_ml, part_acc, kv_b, o);
+}
+
 }  // namespace
+
+namespace tc {
+
+void absorb_cuda_cores(const MlaDims& d, const uint16_t* q, const uint16_t* kv_b, float* qt, int64_t B,
+                       cudaStream_t stream, bool pdl) {
+  KCUDA_REQUIRE(B > 0 && B <= int64_t(65535) * kAbRows && d.C % kAbCols == 0 && d.N > 0 && d.N % 2 == 0 && d.N <= kAbMaxN,
+                std::string("mla absorb: unsupported shape"));
+  KCUDA_REQUIRE(q && kv_b && qt, std::string("mla absorb: null pointer"));
+  const dim3 grid(unsigned(d.C / kAbCols), unsigned(d.Hm), unsigned((B + kAbRows - 1) / kAbRows));
+  const size_t smem = size_t(kAbRows) * size_t(d.N + 8 * kAbCols) * 4;
+  launch_kernel(absorb_kernel, grid, dim3(256), smem, stream, pdl, int(B), int(d.Hm), int(d.N), int(d.C),
+                int(d.N + d.R), int(d.Dv), q, kv_b, qt);
+}
+
+void absorb(GemmLt& lt, const MlaDims& d, const uint16_t* q, const uint16_t* kv_b, float* qt, int64_t B,
+            cudaStream_t stream, bool pdl) {
+  if (B <= kAbsorbMaxRows && d.C % kAbCols == 0 && d.N % 2 == 0 && d.N <= kAbMaxN) {
+    absorb_cuda_cores(d, q, kv_b, qt, B, stream, pdl);
+    return;
+  }
+  const int64_t C = d.C, QK = d.N + d.R;
+  // q̃_h[B, C] = q_nope,h[B, N] · W_UK,h[N, C], batched over heads.
+  lt.batched_xw_f32(q, d.Hm * QK, QK, kv_b, C, (d.N + d.Dv) * C, qt, d.Hm * C, C, B, d.N, C, d.Hm, stream);
+}
+
+void merge_uv(const MlaDims& d, int64_t B, int n_splits, const float* part_ml, const float* part_acc,
+              const uint16_t* kv_b, uint16_t* o, cudaStream_t stream, bool pdl) {
+  KCUDA_REQUIRE(B > 0 && B < (int64_t(1) << 31) && n_splits >= 1 && n_splits <= kMaxSplits && d.C % 4 == 0,
+                std::string("mla merge: bad batch or splits"));
+  KCUDA_REQUIRE(part_ml && part_acc && kv_b && o, std::string("mla merge: null pointer"));
+  // Rows per CTA: a CTA merges ≤ ~32 (row, split) partials.
+  if (n_splits > 16)
+    launch_merge<1>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
+  else if (n_splits > 8)
+    launch_merge<2>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
+  else if (n_splits > 4)
+    launch_merge<4>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
+  else
+    launch_merge<8>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
+}
+
+}  // namespace tc
 
 size_t mla_decode_paged_workspace_bytes(const MlaDims& d, int64_t B, int64_t max_keys) {
   if (!tc::supported(d)) return mla_decode_paged_simple_workspace_bytes(d, B, max_keys);
@@ -133,20 +265,15 @@ void mla_decode_paged(GemmLt& lt, const MlaDims& d, const uint16_t* q, const uin
   KCUDA_REQUIRE(c.latent && c.block_tables && c.block_size > 0 && c.bt_stride > 0,
                 std::string("mla_decode_paged: null cache or block table"));
   KCUDA_REQUIRE(c.C == d.C && c.R == d.R, std::string("mla_decode_paged: cache C/R differ from the layer's"));
-  const int64_t Hm = d.Hm, N = d.N, R = d.R, Dv = d.Dv, C = d.C, QK = N + R;
   const tc::Plan pl = tc::plan(bt.B, bt.max_keys);
   const DecodeWs ws = decode_ws(d, bt.B, pl, workspace);
-  // q̃_h[B, C] = q_nope,h[B, N] · W_UK,h[N, C], batched over heads (FP32 out).
-  lt.batched_xw_f32(q, Hm * QK, QK, kv_b, C, (N + Dv) * C, ws.qt, Hm * C, C, bt.B, N, C, Hm, stream);
+  const bool pdl = tc::pdl_enabled();
+  tc::absorb(lt, d, q, kv_b, ws.qt, bt.B, stream, pdl);
   tc::Args a;
   a.d = d, a.cache = &c, a.lens = bt.lens, a.req = bt.req, a.sel = bt.sel, a.Ksel = bt.Ksel, a.B = bt.B;
-  a.plan = pl, a.qt = ws.qt, a.q = q, a.part_ml = ws.part_ml, a.part_acc = ws.part_acc;
+  a.plan = pl, a.qt = ws.qt, a.q = q, a.part_ml = ws.part_ml, a.part_acc = ws.part_acc, a.pdl = pdl;
   tc::attend(a, stream);
-  const size_t smem = size_t(kCombRows) * size_t(C + pl.n_splits) * 4;
-  const dim3 grid(unsigned((bt.B + kCombRows - 1) / kCombRows), unsigned(Hm));
-  merge_uv_kernel<<<grid, 32 * kCombRows, smem, stream>>>(int(bt.B), int(Hm), int(C), int(N), int(Dv), pl.n_splits,
-                                                          ws.part_ml, ws.part_acc, kv_b, o);
-  KCUDA_CHECK_LAUNCH();
+  tc::merge_uv(d, bt.B, pl.n_splits, ws.part_ml, ws.part_acc, kv_b, o, stream, pdl);
 }
 
 }  // namespace kestrel::cuda

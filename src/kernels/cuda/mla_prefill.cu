@@ -10,7 +10,8 @@
 // (expand K/V once, then share them across the chunk's rows) does fewer FLOPs and bytes; with the indexer
 // every row beyond 2048 positions is sparse, so this path is the one K3.1 runs.
 //
-// Steps: q̃ = W_UKᵀ q_nope (one batched GEMM, FP32 out); the core writes ô as normalised bf16 [T, Hm, C]
+// Steps: q̃ = W_UKᵀ q_nope (FP32; mla_decode.cu's absorb: CUDA cores for ≤ 64 rows, else one batched
+// cuBLASLt GEMM); the core writes ô as normalised bf16 [T, Hm, C]
 // (with few long rows the plan splits keys, and a small kernel merges the splits into bf16 ô); then
 // o_h = ô_h·W_UV,hᵀ per head by cuBLASLt (bf16 out), rows longest first so that the causal tail is short.
 #include <algorithm>
@@ -110,13 +111,14 @@ void mla_prefill_paged(GemmLt& lt, const MlaDims& d, const uint16_t* q, const ui
   KCUDA_REQUIRE(c.latent && c.block_tables && c.block_size > 0 && c.bt_stride > 0,
                 std::string("mla_prefill_paged: null cache or block table"));
   KCUDA_REQUIRE(c.C == d.C && c.R == d.R, std::string("mla_prefill_paged: cache C/R differ from the layer's"));
-  const int64_t T = rows.B, Hm = d.Hm, N = d.N, R = d.R, Dv = d.Dv, C = d.C, QK = N + R;
+  const int64_t T = rows.B, Hm = d.Hm, N = d.N, Dv = d.Dv, C = d.C;
   const tc::Plan pl = prefill_plan(T, rows.max_keys);
   const PrefillWs ws = prefill_ws(d, T, pl, workspace);
-  lt.batched_xw_f32(q, Hm * QK, QK, kv_b, C, (N + Dv) * C, ws.qt, Hm * C, C, T, N, C, Hm, stream);
+  const bool pdl = tc::pdl_enabled();
+  tc::absorb(lt, d, q, kv_b, ws.qt, T, stream, pdl);
   tc::Args a;
   a.d = d, a.cache = &c, a.lens = rows.lens, a.req = rows.req, a.sel = rows.sel, a.Ksel = rows.Ksel, a.B = T;
-  a.plan = pl, a.qt = ws.qt, a.q = q, a.longest_first = true;
+  a.plan = pl, a.qt = ws.qt, a.q = q, a.longest_first = true, a.pdl = pdl;
   if (pl.n_splits == 1) {
     a.ohat = ws.ohat;
     tc::attend(a, stream);

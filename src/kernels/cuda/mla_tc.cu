@@ -142,12 +142,13 @@ static_assert(Shape<512, 64, false>::NT == kKeysPerTile, "tile size");
 
 template <int C, int R, bool FP8>
 __global__ void __launch_bounds__(kThreads, 1) mla_tc_kernel(const Params p) {
+  pdl_enter();
   extern __shared__ __align__(128) uint8_t smem[];
   mla_tc_body<C, R, FP8>(p, smem, int(threadIdx.x), int(blockIdx.x), int(blockIdx.y));
 }
 
 template <int C, int R, bool FP8>
-void launch(const Params& prm, cudaStream_t stream) {
+void launch(const Params& prm, cudaStream_t stream, bool pdl) {
   constexpr int smem = Shape<C, R, FP8>::SMEM;
   static const bool attr_set = [] {  // once per instantiation (one device per process)
     KCUDA_CHECK(cudaFuncSetAttribute(mla_tc_kernel<C, R, FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -155,11 +156,15 @@ void launch(const Params& prm, cudaStream_t stream) {
   }();
   (void)attr_set;
   const dim3 grid(unsigned(prm.B), unsigned(prm.n_splits));
-  mla_tc_kernel<C, R, FP8><<<grid, kThreads, smem, stream>>>(prm);
-  KCUDA_CHECK_LAUNCH();
+  launch_kernel(mla_tc_kernel<C, R, FP8>, grid, dim3(kThreads), size_t(smem), stream, pdl, prm);
 }
 
+bool g_pdl = true;
+
 }  // namespace
+
+void set_pdl(bool on) { g_pdl = on; }
+bool pdl_enabled() { return g_pdl; }
 
 bool supported(const MlaDims& d) {
   return d.Hm >= 1 && d.Hm <= kMaxHeads && ((d.C == 512 && d.R == 64) || (d.C == 64 && d.R == 16));
@@ -219,14 +224,14 @@ void attend(const Args& a, cudaStream_t stream) {
   const bool fp8 = c.latent_format == PagedLatentFormat::fp8;
   if (d.C == 512) {
     if (fp8)
-      launch<512, 64, true>(p, stream);
+      launch<512, 64, true>(p, stream, a.pdl);
     else
-      launch<512, 64, false>(p, stream);
+      launch<512, 64, false>(p, stream, a.pdl);
   } else {
     if (fp8)
-      launch<64, 16, true>(p, stream);
+      launch<64, 16, true>(p, stream, a.pdl);
     else
-      launch<64, 16, false>(p, stream);
+      launch<64, 16, false>(p, stream, a.pdl);
   }
 }
 
