@@ -136,6 +136,14 @@ inline int warp_max(int v) {
   for (int l = 0; l < 32; ++l) m = std::max(m, int(lane_slot(buf, l)[0]));
   return m;
 }
+inline bool warp_any(bool v) {
+  uint32_t* buf = phase_buf();
+  my_slot()[0] = v ? 1u : 0u;
+  wait(wbar());
+  bool any = false;
+  for (int l = 0; l < 32; ++l) any = any || lane_slot(buf, l)[0] != 0;
+  return any;
+}
 inline void smem_atomic_min(int* p, int v) { *p = std::min(*p, v); }  // fibers never interleave inside
 inline void smem_atomic_max(int* p, int v) { *p = std::max(*p, v); }
 template <typename T>
@@ -254,11 +262,13 @@ inline void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
 inline void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) { mma_any<true>(d, a, b0, b1); }
 inline uint32_t pack_bf16(float lo, float hi) { return uint32_t(f32_to_bf16(lo)) | (uint32_t(f32_to_bf16(hi)) << 16); }
 inline uint32_t pack_f16(float lo, float hi) { return uint32_t(f32_to_f16(lo)) | (uint32_t(f32_to_f16(hi)) << 16); }
-// cvt.rn.f16x2.e4m3x2: the low byte → the low half; exact.
+// cvt.rn.f16x2.e4m3x2 of bytes 0, 1 (lo) or 2, 3 (hi): the lower byte → the low half; exact.
 inline uint32_t e4m3x2_to_f16x2(uint32_t two) {
   return uint32_t(f32_to_f16(f8e4m3_to_f32(uint8_t(two & 0xffu)))) |
          (uint32_t(f32_to_f16(f8e4m3_to_f32(uint8_t((two >> 8) & 0xffu)))) << 16);
 }
+inline uint32_t e4m3x2_lo_to_f16x2(uint32_t v) { return e4m3x2_to_f16x2(v & 0xffffu); }
+inline uint32_t e4m3x2_hi_to_f16x2(uint32_t v) { return e4m3x2_to_f16x2(v >> 16); }
 // mul.rn.bf16x2: the f32 product of two bf16 values is exact (8 × 8 significant bits), then one RNE.
 inline uint32_t hmul2_bf16(uint32_t a, uint32_t b) {
   auto one = [](uint32_t x, uint32_t y) { return uint32_t(f32_to_bf16(bf16_to_f32(uint16_t(x)) * bf16_to_f32(uint16_t(y)))); };

@@ -97,19 +97,6 @@ __global__ void __launch_bounds__(256, 1)
 }
 
 // ---- 3. merge + W_UV -------------------------------------------------------------------------------------
-// (x, y) += Σ_{j<K} wr[s+j] · acc[(s+j)·astride + {0, 1}], added in split order: K loads in flight first. An
-// empty split's accumulator was never written: it is loaded (inside the workspace) but not added.
-template <int K>
-__device__ __forceinline__ void merge_step(const float* acc, int64_t astride, const float* wr, int s, float& x, float& y) {
-  const float* a = acc + s * astride;
-  float2 v[K];
-#pragma unroll
-  for (int j = 0; j < K; ++j) v[j] = __ldg(reinterpret_cast<const float2*>(a + j * astride));
-#pragma unroll
-  for (int j = 0; j < K; ++j)
-    if (wr[s + j] != 0.0f) x += wr[s + j] * v[j].x, y += wr[s + j] * v[j].y;
-}
-
 // CTA (e block x of ET columns, head y, row block z of RBM rows). Shared: ô f32 [RBM, C] (zero rows past
 // B), weights f32 [RBM, n_splits]. Warp r < rows computes row r's weights; threads merge (row, column pair) units;
 // then warp w forms e = e0 + w, e0 + w + 8, ...: lane l takes columns 4k..4k+3 for k ≡ l (mod 32).
@@ -158,8 +145,8 @@ __global__ void __launch_bounds__(256, 1)
     const float* wr = wts + r * n_splits;
     float x = 0.0f, y = 0.0f;
     int s = 0;
-    for (; s + 16 <= n_splits; s += 16) merge_step<16>(acc, astride, wr, s, x, y);
-    if (s + 8 <= n_splits) merge_step<8>(acc, astride, wr, s, x, y), s += 8;
+    for (; s + 16 <= n_splits; s += 16) tc::merge_step<16>(acc, astride, wr, s, x, y);
+    if (s + 8 <= n_splits) tc::merge_step<8>(acc, astride, wr, s, x, y), s += 8;
     for (; s < n_splits; ++s)
       if (wr[s] != 0.0f) {
         const float2 v = __ldg(reinterpret_cast<const float2*>(acc + s * astride));

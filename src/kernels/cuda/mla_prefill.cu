@@ -57,36 +57,46 @@ tc::Plan prefill_plan(int64_t T, int64_t max_keys) {
   return pl;
 }
 
-// ô[t, h] = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s as bf16; one warp per (row, head).
-__global__ void __launch_bounds__(32)
+// ô[t, h] = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s as bf16; one CTA of C/2 threads per (row, head),
+// a column pair each, splits added in order with 8 or 16 loads in flight (tc::merge_step).
+__global__ void __launch_bounds__(256, 4)
     merge_bf16_kernel(int Hm, int C, int n_splits, const float* __restrict__ part_ml /* f32 [T, n_splits, Hm, 2] */,
                       const float* __restrict__ part_acc /* f32 [T, n_splits, Hm, C] */,
                       uint16_t* __restrict__ ohat /* bf16 [T, Hm, C] */) {
   __shared__ float wr[tc::kMaxSplits];
-  const int lane = threadIdx.x, t = blockIdx.x, h = blockIdx.y;
-  const int64_t sstride = int64_t(Hm) * 2;
-  const float* ml = part_ml + (int64_t(t) * n_splits * Hm + h) * 2;
-  float M = -INFINITY;
-  for (int s = lane; s < n_splits; s += 32) M = fmaxf(M, ml[s * sstride]);
+  __shared__ float inv_l;
+  const int tid = threadIdx.x, lane = tid & 31, t = blockIdx.x, h = blockIdx.y;
+  const int64_t sstride = int64_t(Hm) * 2, astride = int64_t(Hm) * C;
+  if (tid < 32) {
+    const float* ml = part_ml + (int64_t(t) * n_splits * Hm + h) * 2;
+    float M = -INFINITY;
+    for (int s = lane; s < n_splits; s += 32) M = fmaxf(M, ml[s * sstride]);
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
-  float L = 0.0f;
-  for (int s = lane; s < n_splits; s += 32) {
-    const float m = ml[s * sstride];
-    const float wv = m == -INFINITY ? 0.0f : exp2f(m - M);
-    wr[s] = wv;
-    L += wv * ml[s * sstride + 1];
+    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+    float L = 0.0f;
+    for (int s = lane; s < n_splits; s += 32) {
+      const float m = ml[s * sstride];
+      const float wv = m == -INFINITY ? 0.0f : exp2f(m - M);
+      wr[s] = wv;
+      L += wv * ml[s * sstride + 1];
+    }
+    L = dev::warp_sum(L);
+    if (lane == 0) inv_l = L > 0.0f ? 1.0f / L : 0.0f;
   }
-  L = dev::warp_sum(L);
-  __syncwarp();
-  const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-  const float* acc = part_acc + (int64_t(t) * n_splits * Hm + h) * C;
-  const int64_t astride = int64_t(Hm) * C;
-  for (int c = lane; c < C; c += 32) {
-    float a = 0.0f;
-    for (int s = 0; s < n_splits; ++s)
-      if (wr[s] != 0.0f) a += wr[s] * acc[s * astride + c];
-    ohat[(int64_t(t) * Hm + h) * C + c] = dev::f32_to_bf16(a * inv);
+  __syncthreads();
+  for (int c = 2 * tid; c < C; c += 2 * blockDim.x) {
+    const float* acc = part_acc + (int64_t(t) * n_splits * Hm + h) * C + c;
+    float x = 0.0f, y = 0.0f;
+    int s = 0;
+    for (; s + 16 <= n_splits; s += 16) tc::merge_step<16>(acc, astride, wr, s, x, y);
+    if (s + 8 <= n_splits) tc::merge_step<8>(acc, astride, wr, s, x, y), s += 8;
+    for (; s < n_splits; ++s)
+      if (wr[s] != 0.0f) {
+        const float2 v = __ldg(reinterpret_cast<const float2*>(acc + s * astride));
+        x += wr[s] * v.x, y += wr[s] * v.y;
+      }
+    const uint32_t v = uint32_t(dev::f32_to_bf16(x * inv_l)) | (uint32_t(dev::f32_to_bf16(y * inv_l)) << 16);
+    *reinterpret_cast<uint32_t*>(ohat + (int64_t(t) * Hm + h) * C + c) = v;
   }
 }
 
@@ -125,8 +135,9 @@ void mla_prefill_paged(GemmLt& lt, const MlaDims& d, const uint16_t* q, const ui
   } else {
     a.part_ml = ws.part_ml, a.part_acc = ws.part_acc;
     tc::attend(a, stream);
-    merge_bf16_kernel<<<dim3(unsigned(T), unsigned(Hm)), 32, 0, stream>>>(int(Hm), int(C), pl.n_splits, ws.part_ml,
-                                                                         ws.part_acc, ws.ohat);
+    const unsigned threads = unsigned(std::min<int64_t>(256, C / 2));
+    merge_bf16_kernel<<<dim3(unsigned(T), unsigned(Hm)), threads, 0, stream>>>(int(Hm), int(C), pl.n_splits,
+                                                                               ws.part_ml, ws.part_acc, ws.ohat);
     KCUDA_CHECK_LAUNCH();
   }
   // o[:, h] = ô[:, h] · W_UV,hᵀ (W_UV,h = kv_b rows [h(N+Dv)+N, +Dv), bf16 [Dv, C]).

@@ -93,6 +93,7 @@ KTC_DEV int shfl(int v, int src) { return __shfl_sync(0xffffffffu, v, src); }
 KTC_DEV float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 KTC_DEV int warp_min(int v) { return __reduce_min_sync(0xffffffffu, v); }
 KTC_DEV int warp_max(int v) { return __reduce_max_sync(0xffffffffu, v); }
+KTC_DEV bool warp_any(bool v) { return __any_sync(0xffffffffu, v); }
 KTC_DEV void smem_atomic_min(int* p, int v) { atomicMin(p, v); }
 KTC_DEV void smem_atomic_max(int* p, int v) { atomicMax(p, v); }
 template <typename T>
@@ -155,11 +156,16 @@ KTC_DEV uint32_t pack_f16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Two e4m3 values (low byte first) → f16x2, exact (one F2FP).
-KTC_DEV uint32_t e4m3x2_to_f16x2(uint32_t two) {
-  uint32_t h2;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h2) : "h"(uint16_t(two)));
-  return h2;
+// Bytes 0, 1 (lo) or 2, 3 (hi) of v → f16x2, exact: one F2FP, which reads either half of its source.
+KTC_DEV uint32_t e4m3x2_lo_to_f16x2(uint32_t v) {
+  uint32_t d;
+  asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, l;\n}" : "=r"(d) : "r"(v));
+  return d;
+}
+KTC_DEV uint32_t e4m3x2_hi_to_f16x2(uint32_t v) {
+  uint32_t d;
+  asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;\n}" : "=r"(d) : "r"(v));
+  return d;
 }
 
 // bf16x2 product, round to nearest even (HMUL2.BF16; subnormal inputs are kept on sm_90).

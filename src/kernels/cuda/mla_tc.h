@@ -93,6 +93,20 @@ __device__ __forceinline__ void pdl_enter() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
+// The split merge's inner step: (x, y) += Σ_{j<K} wr[s+j]·acc[(s+j)·astride + {0, 1}], added in split order
+// with the K loads in flight first. An empty split's accumulator was never written: it is loaded (inside
+// the workspace) but not added.
+template <int K>
+__device__ __forceinline__ void merge_step(const float* acc /* f32, split s at acc + s·astride */, int64_t astride,
+                                           const float* wr /* f32 [splits] weights */, int s, float& x, float& y) {
+  const float* a = acc + s * astride;
+  float2 v[K];
+#pragma unroll
+  for (int j = 0; j < K; ++j) v[j] = __ldg(reinterpret_cast<const float2*>(a + j * astride));
+#pragma unroll
+  for (int j = 0; j < K; ++j)
+    if (wr[s + j] != 0.0f) x += wr[s + j] * v[j].x, y += wr[s + j] * v[j].y;
+}
 // Launches kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when pdl.
 template <typename... P, typename... A>
 void launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,

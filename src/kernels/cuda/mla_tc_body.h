@@ -18,15 +18,21 @@
 //   mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)  (m16n8k16 bf16, f32 accum)
 //   mma_f16(...)                              the same with f16 operands
 //   pack_bf16(float lo, float hi) → u32; pack_f16(float lo, float hi) → u32   (RNE, lo in the low half)
-//   e4m3x2_to_f16x2(uint32_t two_bytes) → u32 (exact; low byte → low half)
+//   e4m3x2_lo_to_f16x2(u32 v), e4m3x2_hi_to_f16x2(u32 v) → u32  (bytes 0, 1 / 2, 3 of v; exact; the lower
+//                                             byte → the low half)
 //   hmul2_bf16(u32 a, u32 b) → u32            (bf16x2 product, RNE; subnormal inputs kept)
-//   warp_max(int v); smem_atomic_max(int* p, int v)
+//   warp_max(int v); smem_atomic_max(int* p, int v); warp_any(bool)
 // No includes here on purpose (the emulator includes it inside its own set-up); <climits> and <cmath>
 // must come first.
 
 namespace kestrel::cuda::KTC_NS {
 
 constexpr int kThreads = 256;  // 8 warps
+constexpr int kMaxHeadsQ = 16; // heads per row, at most (the MMA's M side)
+template <int V>
+struct IntC {  // a compile-time int passed to a generic lambda
+  static constexpr int value = V;
+};
 
 // Compile-time shape of one instantiation: C, R and the page format (FP8 or BF16).
 template <int C_, int R_, bool FP8_>
@@ -134,7 +140,14 @@ KTC_DEV void mla_tc_body(const Params& p, uint8_t* smem, const int tid, const in
     if (tid == 0) *s_first = int(p.Ksel);
     sync_block();
     int first = INT_MAX;
-    for (int i = tid; i < int(p.Ksel); i += kThreads) first = min(first, ldg(sel_row + i) < 0 ? i : INT_MAX);
+    for (int i0 = tid; i0 < int(p.Ksel); i0 += 4 * kThreads) {  // 4 independent loads per round trip
+      int v[4];
+KTC_UNROLL
+      for (int j = 0; j < 4; ++j) v[j] = i0 + j * kThreads < int(p.Ksel) ? ldg(sel_row + i0 + j * kThreads) : 0;
+KTC_UNROLL
+      for (int j = 0; j < 4; ++j)
+        if (v[j] < 0) first = min(first, i0 + j * kThreads);
+    }
     first = warp_min(first);
     if (lane == 0 && first != INT_MAX) smem_atomic_min(s_first, first);
     sync_block();
@@ -157,15 +170,16 @@ KTC_DEV void mla_tc_body(const Params& p, uint8_t* smem, const int tid, const in
   const int32_t* table = p.bt + int64_t(p.req ? ldg(p.req + b) : b) * p.bt_stride;
 
   // ---- producer: warp w copies tile rows w + 8i (i < 8); lane tracks row i = lane & 7 ----------------------
+  // Both lookups load from a clamped, always valid address and select afterwards: no branch, so the
+  // prologue's loads of several tiles are in flight together.
   auto pos_of = [&](int u) -> int {  // position of this lane's row in tile u, −1 past the key list
     const int k = begin + u * NT + w + 8 * (lane & 7);
-    if (k >= end) return -1;
-    return sel_row ? ldg(sel_row + k) : k;
+    const int pos = sel_row ? ldg(sel_row + min(k, end - 1)) : k;
+    return k < end ? pos : -1;
   };
   auto prow_of = [&](int pos) -> int {  // pool row (page·P + slot) of a position, −1 for none
-    if (pos < 0) return -1;
-    const int pg = ldg(table + pos / p.P);
-    return pg < 0 ? -1 : pg * p.P + pos % p.P;
+    const int pg = ldg(table + max(pos, 0) / p.P);
+    return pos < 0 || pg < 0 ? -1 : pg * p.P + pos % p.P;
   };
   auto issue = [&](int u, int prow) {  // cp.async of tile u into stage u % ST, then commit
     if (u < ntiles) {
@@ -194,46 +208,71 @@ KTC_UNROLL
   };
 
   // Prologue: tiles 0..ST−2 in flight, the pool row of tile ST−1 and the position of tile ST in registers.
+  // Positions first, then pages, then the copies: two rounds of loads, not one per tile.
+  int pos0[ST + 1], prow0[ST];
 KTC_UNROLL
-  for (int u = 0; u < ST - 1; ++u) issue(u, prow_of(pos_of(u)));
-  int prow_next = prow_of(pos_of(ST - 1));
-  int pos_next = pos_of(ST);
+  for (int u = 0; u <= ST; ++u) pos0[u] = pos_of(u);
+KTC_UNROLL
+  for (int u = 0; u < ST; ++u) prow0[u] = prow_of(pos0[u]);
+KTC_UNROLL
+  for (int u = 0; u < ST - 1; ++u) issue(u, prow0[u]);
+  int prow_next = prow0[ST - 1];
+  int pos_next = pos0[ST];
 
   // ---- this warp's half of Q as A fragments, zero rows for heads ≥ Hm -----------------------------------
+  // Every load reads a valid address (rows clamped to Hm − 1, zeroed after) and nothing branches per
+  // element, so the ~40–72 loads of a thread are in flight together (per-element branches made them one L2
+  // round trip each: ~20 µs per CTA). The softmax scale log2(e)·(N+R)^−½ is applied to Q before rounding
+  // (relative error unchanged), so the score accumulators hold log2-domain logits.
   const int ks = w & 1, nb = w >> 1;
+  const int64_t row0 = int64_t(b) * Hm;
+  const int hc0 = min(g, Hm - 1), hc1 = min(g + 8, Hm - 1);  // clamped rows g, g + 8
+  const bool hv0 = g < Hm, hv1 = g + 8 < Hm;
   uint32_t qa[S::NQ][4];
-  float sl2 = p.sl2;  // log2(e)·(N+R)^−½, divided by the FP8 path's power-of-two scale of q
+  const float sl2 = p.sl2;
+  float inv_sq = 1.0f;  // FP8: 2^−es, folded into the per-group scales
   if constexpr (!FP8) {
-    // bf16 [q̃ | q_pe], k in natural order.
+    // bf16 [q̃ | q_pe]·sl2, k in natural order; which steps are q̃ and which q_pe depends on the K-half, so
+    // each half has its own (compile-time) code.
+    auto load_half = [&](auto half) {
+      constexpr int K0 = decltype(half)::value * S::KS0;
 KTC_UNROLL
-    for (int i = 0; i < S::KS0; ++i) {
-      const int kk = ks * S::KS0 + i;
+      for (int i = 0; i < S::KS0; ++i) {
+        const int kk = K0 + i;
 KTC_UNROLL
-      for (int r = 0; r < 4; ++r) {
-        const int h = g + 8 * (r & 1), k = kk * 16 + 2 * qd + 8 * (r >> 1);
-        uint32_t v = 0;
-        if (kk < S::KS && h < Hm) {
-          const int64_t row = int64_t(b) * Hm + h;
-          if (k < C) {
-            const float2 f = ldg(reinterpret_cast<const float2*>(p.qt + row * C + k));
-            v = pack_bf16(f.x, f.y);
-          } else {
-            v = ldg(reinterpret_cast<const uint32_t*>(p.q + row * (p.N + R) + p.N + (k - C)));
+        for (int r = 0; r < 4; ++r) {
+          const int hc = (r & 1) ? hc1 : hc0, k = kk * 16 + 2 * qd + 8 * (r >> 1);
+          const bool hv = (r & 1) ? hv1 : hv0;
+          uint32_t v = 0;
+          if (kk < S::KS) {
+            if (kk * 16 < C) {  // the whole k16 step is q̃ (C is a multiple of 64)
+              const float2 f = ldg(reinterpret_cast<const float2*>(p.qt + (row0 + hc) * C + k));
+              v = pack_bf16(f.x * sl2, f.y * sl2);
+            } else {
+              const uint32_t x = ldg(reinterpret_cast<const uint32_t*>(p.q + (row0 + hc) * (p.N + R) + p.N + (k - C)));
+              v = pack_bf16(bf16_lo(x) * sl2, bf16_hi(x) * sl2);
+            }
           }
+          qa[i][r] = hv ? v : 0u;
         }
-        qa[i][r] = v;
       }
-    }
+    };
+    if (ks == 0)
+      load_half(IntC<0>{});
+    else
+      load_half(IntC<1>{});
   } else {
-    // FP8: the ĉ part of the scores runs as an f16 MMA against the raw e4m3 keys (exact in f16): q̃ in f16,
-    // scaled by 2^es so that the row's max |q̃| lands in [2^14, 2^15) (relative rounding 2^−11); the k_pe
-    // part stays bf16 with q_pe scaled by the same 2^es (exact), and the scores are divided by 2^es through
-    // sl2. First the row's max |q̃| (every thread a slice, then the block).
-    const float* qrow = p.qt + int64_t(b) * Hm * C;
+    // FP8: the ĉ part of the scores runs as an f16 MMA against the raw e4m3 keys (exact in f16): q̃·sl2 in
+    // f16, scaled by 2^es so that the row's max lands in [2^14, 2^15) (relative rounding 2^−11); 2^−es goes
+    // into the per-group scales that fold the ĉ partial sums into the scores. The k_pe part stays bf16.
+    // First the row's max |q̃| (every thread a slice, loads in flight together, then the block).
+    const float* qrow = p.qt + row0 * C;
     float amax = 0.0f;
-    for (int i = 4 * tid; i < Hm * C; i += 4 * kThreads) {
-      const float4 v = ldg(reinterpret_cast<const float4*>(qrow + i));
-      amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+KTC_UNROLL
+    for (int j = 0; j < (kMaxHeadsQ * C) / (4 * kThreads); ++j) {
+      const int i = 4 * (tid + j * kThreads);
+      const float4 v = ldg(reinterpret_cast<const float4*>(qrow + min(i, Hm * C - 4)));
+      if (i < Hm * C) amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
     }
     int* s_amax = reinterpret_cast<int*>(sS) + 1;  // [0] is the sparse rows' first −1 (done with by now)
     if (tid == 0) *s_amax = 0;
@@ -241,38 +280,29 @@ KTC_UNROLL
     const int wmax = warp_max(int(__float_as_uint(amax)));  // non-negative floats order as their bits
     if (lane == 0) smem_atomic_max(s_amax, wmax);
     sync_block();
-    const int ex = int((uint32_t(*s_amax) >> 23) & 0xffu) - 127;  // amax ∈ [2^ex, 2^(ex+1))
-    const int es = min(max(14 - ex, -64), 64);
-    const float sq = __uint_as_float(uint32_t(127 + es) << 23);  // 2^es
-    sl2 *= __uint_as_float(uint32_t(127 - es) << 23);
+    const int ex = int((__float_as_uint(__uint_as_float(uint32_t(*s_amax)) * sl2) >> 23) & 0xffu) - 127;
+    const int es = min(max(14 - ex, -64), 64);                   // amax·sl2 ∈ [2^ex, 2^(ex+1)) → ·2^es
+    const float sq = sl2 * __uint_as_float(uint32_t(127 + es) << 23);  // sl2·2^es
+    inv_sq = __uint_as_float(uint32_t(127 - es) << 23);
     // ĉ steps in the key operand's k order (see the score loop): slots 2q, 2q+1 ↔ columns 4q, 4q+1 and
     // slots 2q+8, 2q+9 ↔ columns 4q+2, 4q+3 of the 16-column chunk.
 KTC_UNROLL
     for (int i = 0; i < S::CS; ++i) {
       const int kk = ks * S::CS + i;
-KTC_UNROLL
-      for (int hr = 0; hr < 2; ++hr) {
-        const int h = g + 8 * hr;
-        uint32_t lo = 0, hi = 0;
-        if (h < Hm) {
-          const float4 f = ldg(reinterpret_cast<const float4*>(qrow + h * C + 16 * kk + 4 * qd));
-          lo = pack_f16(f.x * sq, f.y * sq), hi = pack_f16(f.z * sq, f.w * sq);
-        }
-        qa[i][hr] = lo, qa[i][2 + hr] = hi;
-      }
+      const float4 f0 = ldg(reinterpret_cast<const float4*>(qrow + hc0 * C + 16 * kk + 4 * qd));
+      const float4 f1 = ldg(reinterpret_cast<const float4*>(qrow + hc1 * C + 16 * kk + 4 * qd));
+      qa[i][0] = hv0 ? pack_f16(f0.x * sq, f0.y * sq) : 0u, qa[i][2] = hv0 ? pack_f16(f0.z * sq, f0.w * sq) : 0u;
+      qa[i][1] = hv1 ? pack_f16(f1.x * sq, f1.y * sq) : 0u, qa[i][3] = hv1 ? pack_f16(f1.z * sq, f1.w * sq) : 0u;
     }
 KTC_UNROLL
     for (int i = 0; i < S::PE0; ++i) {
-      const int ps = ks * S::PE0 + i;
+      const int ps = ks * S::PE0 + i, psc = min(ps, S::RS - 1);  // half 1 may have fewer k_pe steps
 KTC_UNROLL
       for (int r = 0; r < 4; ++r) {
-        const int h = g + 8 * (r & 1), k = ps * 16 + 2 * qd + 8 * (r >> 1);
-        uint32_t v = 0;
-        if (ps < S::RS && h < Hm) {
-          const uint32_t x = ldg(reinterpret_cast<const uint32_t*>(p.q + (int64_t(b) * Hm + h) * (p.N + R) + p.N + k));
-          v = pack_bf16(bf16_lo(x) * sq, bf16_hi(x) * sq);
-        }
-        qa[S::CS + i][r] = v;
+        const int hc = (r & 1) ? hc1 : hc0, k = psc * 16 + 2 * qd + 8 * (r >> 1);
+        const bool hv = (r & 1) ? hv1 : hv0;
+        const uint32_t x = ldg(reinterpret_cast<const uint32_t*>(p.q + (row0 + hc) * (p.N + R) + p.N + k));
+        qa[S::CS + i][r] = hv && ps < S::RS ? pack_bf16(bf16_lo(x) * sl2, bf16_hi(x) * sl2) : 0u;
       }
     }
   }
@@ -327,17 +357,17 @@ KTC_UNROLL
         ldsm_x4(tl_s + ldr * S::RAWB + 16 * (ch + ((lane >> 3) & 1)), k0, k1, k2, k3);
         // A register holds e4m3 bytes 4q..4q+3 of its key's chunk: b0 = bytes 4q, 4q+1 (slots 2q, 2q+1),
         // b1 = bytes 4q+2, 4q+3 (slots 2q+8, 2q+9), the order qa was loaded in.
-        mma_f16(tmp[0], qa[2 * i], e4m3x2_to_f16x2(k0 & 0xffffu), e4m3x2_to_f16x2(k0 >> 16));
-        mma_f16(tmp[1], qa[2 * i], e4m3x2_to_f16x2(k2 & 0xffffu), e4m3x2_to_f16x2(k2 >> 16));
-        mma_f16(tmp[0], qa[2 * i + 1], e4m3x2_to_f16x2(k1 & 0xffffu), e4m3x2_to_f16x2(k1 >> 16));
-        mma_f16(tmp[1], qa[2 * i + 1], e4m3x2_to_f16x2(k3 & 0xffffu), e4m3x2_to_f16x2(k3 >> 16));
+        mma_f16(tmp[0], qa[2 * i], e4m3x2_lo_to_f16x2(k0), e4m3x2_hi_to_f16x2(k0));
+        mma_f16(tmp[1], qa[2 * i], e4m3x2_lo_to_f16x2(k2), e4m3x2_hi_to_f16x2(k2));
+        mma_f16(tmp[0], qa[2 * i + 1], e4m3x2_lo_to_f16x2(k1), e4m3x2_hi_to_f16x2(k1));
+        mma_f16(tmp[1], qa[2 * i + 1], e4m3x2_lo_to_f16x2(k3), e4m3x2_hi_to_f16x2(k3));
         if ((ch + 2) % 8 == 0 || i == S::CS / 2 - 1) {  // end of a 128-column scale group (or of the half)
           const int grp = ch / 8;
 KTC_UNROLL
           for (int j = 0; j < 2; ++j) {
             const int key = nb * 16 + 8 * j + 2 * qd;  // C fragment: elements 0, 2 at key, 1, 3 at key + 1
-            const float s0 = *reinterpret_cast<const float*>(tl + key * S::RAWB + C + 4 * grp);
-            const float s1 = *reinterpret_cast<const float*>(tl + (key + 1) * S::RAWB + C + 4 * grp);
+            const float s0 = *reinterpret_cast<const float*>(tl + key * S::RAWB + C + 4 * grp) * inv_sq;
+            const float s1 = *reinterpret_cast<const float*>(tl + (key + 1) * S::RAWB + C + 4 * grp) * inv_sq;
             sacc[j][0] += tmp[j][0] * s0, sacc[j][1] += tmp[j][1] * s1;
             sacc[j][2] += tmp[j][2] * s0, sacc[j][3] += tmp[j][3] * s1;
             tmp[j][0] = tmp[j][1] = tmp[j][2] = tmp[j][3] = 0.0f;
@@ -361,18 +391,27 @@ KTC_UNROLL
 
     // ---- online softmax over the 64 keys (every warp, identically), P as A fragments ---------------------------
     float x[4][2][4];
-    const int kbase = begin + t * NT + 2 * qd;
+    if (begin + (t + 1) * NT <= end) {  // every key of the tile exists (uniform over the block)
 KTC_UNROLL
-    for (int kb = 0; kb < 4; ++kb) {
+      for (int kb = 0; kb < 4; ++kb)
 KTC_UNROLL
-      for (int j = 0; j < 2; ++j) {
-        const float4 a = sS[((0 * 4 + kb) * 2 + j) * 32 + lane], c = sS[((1 * 4 + kb) * 2 + j) * 32 + lane];
-        const int k = kbase + 16 * kb + 8 * j;  // key index of elements 0 and 2 (1 and 3: k + 1)
-        x[kb][j][0] = k < end ? (a.x + c.x) * sl2 : -INFINITY;
-        x[kb][j][1] = k + 1 < end ? (a.y + c.y) * sl2 : -INFINITY;
-        x[kb][j][2] = k < end ? (a.z + c.z) * sl2 : -INFINITY;
-        x[kb][j][3] = k + 1 < end ? (a.w + c.w) * sl2 : -INFINITY;
-      }
+        for (int j = 0; j < 2; ++j) {
+          const float4 a = sS[((0 * 4 + kb) * 2 + j) * 32 + lane], c = sS[((1 * 4 + kb) * 2 + j) * 32 + lane];
+          x[kb][j][0] = a.x + c.x, x[kb][j][1] = a.y + c.y, x[kb][j][2] = a.z + c.z, x[kb][j][3] = a.w + c.w;
+        }
+    } else {  // the last tile: keys past the end are −inf
+      const int kbase = begin + t * NT + 2 * qd;
+KTC_UNROLL
+      for (int kb = 0; kb < 4; ++kb)
+KTC_UNROLL
+        for (int j = 0; j < 2; ++j) {
+          const float4 a = sS[((0 * 4 + kb) * 2 + j) * 32 + lane], c = sS[((1 * 4 + kb) * 2 + j) * 32 + lane];
+          const int k = kbase + 16 * kb + 8 * j;  // key index of elements 0 and 2 (1 and 3: k + 1)
+          x[kb][j][0] = k < end ? a.x + c.x : -INFINITY;
+          x[kb][j][1] = k + 1 < end ? a.y + c.y : -INFINITY;
+          x[kb][j][2] = k < end ? a.z + c.z : -INFINITY;
+          x[kb][j][3] = k + 1 < end ? a.w + c.w : -INFINITY;
+        }
     }
     float mx[2] = {-INFINITY, -INFINITY};
 KTC_UNROLL
@@ -416,10 +455,12 @@ KTC_UNROLL
       }
     l_run[0] = l_run[0] * alpha[0] + ls[0];
     l_run[1] = l_run[1] * alpha[1] + ls[1];
+    if (warp_any(alpha[0] != 1.0f || alpha[1] != 1.0f)) {  // most tiles of a long row move no row's max
 KTC_UNROLL
-    for (int j = 0; j < S::NO; ++j) {
-      o[j][0] *= alpha[0], o[j][1] *= alpha[0];
-      o[j][2] *= alpha[1], o[j][3] *= alpha[1];
+      for (int j = 0; j < S::NO; ++j) {
+        o[j][0] *= alpha[0], o[j][1] *= alpha[0];
+        o[j][2] *= alpha[1], o[j][3] *= alpha[1];
+      }
     }
 
     // ---- ô[:, cols of warp w] += P · ĉ ---------------------------------------------------------------------
@@ -491,7 +532,7 @@ KTC_UNROLL
   };
   if (p.ohat) {
     const float i0 = lf[0] > 0.0f ? 1.0f / lf[0] : 0.0f, i1 = lf[1] > 0.0f ? 1.0f / lf[1] : 0.0f;
-    uint16_t* out = p.ohat + int64_t(b) * Hm * C;
+    uint16_t* out = p.ohat + int64_t(uint32_t(b)) * Hm * C;  // b ≥ 0: zero-extended, one register less
     put(
         i0, i1,
         [&](int h, int col, float a, float c) { *reinterpret_cast<uint32_t*>(out + h * C + col) = pack_bf16(a, c); },
@@ -499,7 +540,7 @@ KTC_UNROLL
           *reinterpret_cast<uint2*>(out + h * C + col) = uint2{pack_bf16(v.x, v.y), pack_bf16(v.z, v.w)};
         });
   } else {
-    const int64_t base_row = (int64_t(b) * p.n_splits + split) * Hm;
+    const int64_t base_row = (int64_t(uint32_t(b)) * p.n_splits + split) * Hm;
     float* acc = p.part_acc + base_row * C;
     put(
         1.0f, 1.0f,
