@@ -309,15 +309,15 @@ TEST(GpuMlaTc, DecodeBatchesAndScores) {
   }
 }
 
-// Small batches (q̃ on CUDA cores, merges of one or two rows per CTA with 16-, 8- and 1-split steps) and a
+// Small batches (q̃ on CUDA cores, merges of one or two rows per CTA with 32-, 16-, 8- and 1-split steps) and a
 // batch past kAbsorbMaxRows (q̃ by cuBLASLt, eight rows per merge CTA).
 TEST(GpuMlaTc, DecodeSmallAndLargeBatches) {
   need_gpu();
   Rng rng(67);
   for (LatentFormat lf : kFormats) {
     {
-      Pool pool(kMini, lf, 128, {1344, 4096, 700}, Fill::random, rng);
-      for (int64_t r : {0, 1}) {  // one row: 21 splits of 64 keys (16 + 5), 64 splits
+      Pool pool(kMini, lf, 128, {1344, 4096, 700, 3200}, Fill::random, rng);
+      for (int64_t r : {0, 1, 3}) {  // one row: 21 splits of 64 keys (16 + 5), 64 (32 + 32), 50 (32 + 16 + 2)
         Rows rows;
         rows.add(int32_t(r), pool.lens[size_t(r)]);
         run(Op::decode, pool, rows, 1.0f, false, false, fmt::format("mini B=1 S={}", pool.lens[size_t(r)]), rng);

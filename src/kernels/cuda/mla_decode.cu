@@ -63,16 +63,19 @@ __global__ void __launch_bounds__(256, 1)
   float* red = absm + kAbRows * N;    // f32 [8 warps, kAbRows, kAbCols]
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int c0 = blockIdx.x * kAbCols, h = blockIdx.y, b0 = blockIdx.z * kAbRows;
-  for (int i = tid; i < kAbRows * N; i += 256) {
-    const int r = i / N, n = i % N;
-    qs[i] = b0 + r < B ? dev::bf16_to_f32(q[(int64_t(b0 + r) * Hm + h) * ldq + n]) : 0.0f;
+  for (int i = tid; i < kAbRows * (N / 8); i += 256) {  // 16-byte loads, one round (N ≤ 512)
+    const int r = i / (N / 8), n = 8 * (i % (N / 8));
+    float f[8];
+    dev::unpack8(b0 + r < B ? dev::ld16(q + (int64_t(b0 + r) * Hm + h) * ldq + n) : make_uint4(0u, 0u, 0u, 0u), f);
+    *reinterpret_cast<float4*>(qs + r * N + n) = make_float4(f[0], f[1], f[2], f[3]);
+    *reinterpret_cast<float4*>(qs + r * N + n + 4) = make_float4(f[4], f[5], f[6], f[7]);
   }
   __syncthreads();
   float acc[kAbRows][2];
 #pragma unroll
   for (int r = 0; r < kAbRows; ++r) acc[r][0] = acc[r][1] = 0.0f;
   const uint16_t* wk = kv_b + int64_t(h) * (N + Dv) * C + c0 + 2 * lane;  // W_UK,h[n, c0 + 2·lane]
-#pragma unroll 8
+#pragma unroll 16
   for (int n = w; n < N; n += 8) {
     const uint32_t wv = __ldg(reinterpret_cast<const uint32_t*>(wk + int64_t(n) * C));
     const float w0 = __uint_as_float(wv << 16), w1 = __uint_as_float(wv & 0xffff0000u);
@@ -97,16 +100,21 @@ __global__ void __launch_bounds__(256, 1)
 }
 
 // ---- 3. merge + W_UV -------------------------------------------------------------------------------------
-// CTA (e block x of ET columns, head y, row block z of RBM rows). Shared: ô f32 [RBM, C] (zero rows past
-// B), weights f32 [RBM, n_splits]. Warp r < rows computes row r's weights; threads merge (row, column pair) units;
-// then warp w forms e = e0 + w, e0 + w + 8, ...: lane l takes columns 4k..4k+3 for k ≡ l (mod 32).
-template <int RBM>
-__global__ void __launch_bounds__(256, 1)
-    merge_uv_kernel(int B, int Hm, int C, int N, int Dv, int n_splits, int ET,
+// CTA (e block x of ET columns, head y, row block z of RBM rows); C and ET (= 16, or 32 from 4 rows per CTA
+// on) compile-time, so every loop below has a fixed trip count and its loads go out together. Shared: ô
+// f32 [RBM, C] (zero rows past B), weights f32 [RBM, n_splits]. Warp r < rows computes row r's weights;
+// threads merge (row, column pair) units; then warp w forms e = e0 + w + 8i (i < ET/8): lane l takes
+// columns 4k..4k+3 for k ≡ l (mod 32).
+template <int RBM, int C>
+__global__ void __launch_bounds__(256, 2)  // ≤ 128 registers: two CTAs per SM when the grid has several waves
+    merge_uv_kernel(int B, int Hm, int N, int Dv, int n_splits,
                     const float* __restrict__ part_ml /* f32 [B, n_splits, Hm, 2] */,
                     const float* __restrict__ part_acc /* f32 [B, n_splits, Hm, C] */,
                     const uint16_t* __restrict__ kv_b /* bf16 [Hm*(N+Dv), C] */,
                     uint16_t* __restrict__ o /* bf16 [B, Hm*Dv] */) {
+  constexpr int ET = RBM >= 4 ? 32 : 16, EPW = ET / 8;  // output columns per CTA, per warp
+  constexpr int NCH = C / 4, KPL = (NCH + 31) / 32;     // 4-column chunks of a row, per lane
+  constexpr int SPL = tc::kMaxSplits / 32;              // splits per lane, at most
   tc::pdl_enter();
   extern __shared__ __align__(16) float msm[];
   __shared__ float inv_l[RBM];
@@ -115,28 +123,44 @@ __global__ void __launch_bounds__(256, 1)
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int e0 = blockIdx.x * ET, h = blockIdx.y, b0 = blockIdx.z * RBM;
   const int rows = min(RBM, B - b0);
-  const int64_t sstride = int64_t(Hm) * 2, astride = int64_t(Hm) * C;  // floats between splits
+  const int64_t astride = int64_t(Hm) * C;  // floats between splits
   if (w < rows) {
-    const float* ml = part_ml + (int64_t(b0 + w) * n_splits * Hm + h) * 2;
+    // (m, l) of every split in one round of loads, then M = max m, weights 2^(m − M), L = Σ weight·l.
+    const float2* ml = reinterpret_cast<const float2*>(part_ml) + int64_t(b0 + w) * n_splits * Hm + h;  // stride Hm
     float* wr = wts + w * n_splits;
+    float2 v[SPL];
+#pragma unroll
+    for (int j = 0; j < SPL; ++j)
+      v[j] = lane + 32 * j < n_splits ? __ldg(ml + int64_t(lane + 32 * j) * Hm) : make_float2(-INFINITY, 0.0f);
     float M = -INFINITY;
-    for (int s = lane; s < n_splits; s += 32) M = fmaxf(M, ml[s * sstride]);
+#pragma unroll
+    for (int j = 0; j < SPL; ++j) M = fmaxf(M, v[j].x);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
     float L = 0.0f;
-    for (int s = lane; s < n_splits; s += 32) {
-      const float m = ml[s * sstride];
-      const float wv = m == -INFINITY ? 0.0f : exp2f(m - M);
-      wr[s] = wv;
-      L += wv * ml[s * sstride + 1];
+#pragma unroll
+    for (int j = 0; j < SPL; ++j) {
+      const float wv = v[j].x == -INFINITY ? 0.0f : exp2f(v[j].x - M);
+      if (lane + 32 * j < n_splits) wr[lane + 32 * j] = wv;
+      L += wv * v[j].y;
     }
     L = dev::warp_sum(L);
     if (lane == 0) inv_l[w] = L > 0.0f ? 1.0f / L : 0.0f;  // no key at all: ô = 0, as the CPU's empty sum
   }
+  // W_UV rows of this warp's e, loaded while the merge runs (e clamped to Dv − 1, never stored).
+  const uint16_t* wuv = kv_b + (int64_t(h) * (N + Dv) + N) * C;  // bf16 [Dv, C]
+  uint2 wv[EPW][KPL];
+#pragma unroll
+  for (int i = 0; i < EPW; ++i)
+#pragma unroll
+    for (int kk = 0; kk < KPL; ++kk) {
+      const int e = min(e0 + w + 8 * i, Dv - 1), k = lane + 32 * kk;
+      wv[i][kk] = k < NCH ? __ldg(reinterpret_cast<const uint2*>(wuv + int64_t(e) * C + 4 * k)) : make_uint2(0u, 0u);
+    }
   __syncthreads();
-  const int half = C / 2;
-  for (int i = tid; i < RBM * half; i += 256) {
-    const int r = i / half, c = 2 * (i % half);
+  constexpr int HALF = C / 2;
+  for (int i = tid; i < RBM * HALF; i += 256) {
+    const int r = i / HALF, c = 2 * (i % HALF);
     if (r >= rows) {  // rows past B: zeros, so that the W_UV loop below needs no per-row predicate
       *reinterpret_cast<float2*>(oh + r * C + c) = make_float2(0.0f, 0.0f);
       continue;
@@ -145,7 +169,8 @@ __global__ void __launch_bounds__(256, 1)
     const float* wr = wts + r * n_splits;
     float x = 0.0f, y = 0.0f;
     int s = 0;
-    for (; s + 16 <= n_splits; s += 16) tc::merge_step<16>(acc, astride, wr, s, x, y);
+    for (; s + 32 <= n_splits; s += 32) tc::merge_step<32>(acc, astride, wr, s, x, y);
+    if (s + 16 <= n_splits) tc::merge_step<16>(acc, astride, wr, s, x, y), s += 16;
     if (s + 8 <= n_splits) tc::merge_step<8>(acc, astride, wr, s, x, y), s += 8;
     for (; s < n_splits; ++s)
       if (wr[s] != 0.0f) {
@@ -155,38 +180,61 @@ __global__ void __launch_bounds__(256, 1)
     *reinterpret_cast<float2*>(oh + r * C + c) = make_float2(x * inv_l[r], y * inv_l[r]);
   }
   __syncthreads();
-  const uint16_t* wuv = kv_b + (int64_t(h) * (N + Dv) + N) * C;  // bf16 [Dv, C]
-  const int e_end = min(e0 + ET, Dv);
-  for (int e = e0 + w; e < e_end; e += 8) {
+#pragma unroll
+  for (int i = 0; i < EPW; ++i) {
+    const int e = e0 + w + 8 * i;
     float acc[RBM];
 #pragma unroll
     for (int r = 0; r < RBM; ++r) acc[r] = 0.0f;
-    for (int k = lane; k < C / 4; k += 32) {
-      const uint2 wv = __ldg(reinterpret_cast<const uint2*>(wuv + int64_t(e) * C + 4 * k));
-      const float w0 = __uint_as_float(wv.x << 16), w1 = __uint_as_float(wv.x & 0xffff0000u);
-      const float w2 = __uint_as_float(wv.y << 16), w3 = __uint_as_float(wv.y & 0xffff0000u);
 #pragma unroll
-      for (int r = 0; r < RBM; ++r) {
-        const float4 x = *reinterpret_cast<const float4*>(oh + r * C + 4 * k);
-        acc[r] += w0 * x.x + w1 * x.y + w2 * x.z + w3 * x.w;
+    for (int kk = 0; kk < KPL; ++kk) {
+      const int k = lane + 32 * kk;
+      if (k < NCH) {
+        const float w0 = __uint_as_float(wv[i][kk].x << 16), w1 = __uint_as_float(wv[i][kk].x & 0xffff0000u);
+        const float w2 = __uint_as_float(wv[i][kk].y << 16), w3 = __uint_as_float(wv[i][kk].y & 0xffff0000u);
+#pragma unroll
+        for (int r = 0; r < RBM; ++r) {
+          const float4 x = *reinterpret_cast<const float4*>(oh + r * C + 4 * k);
+          acc[r] += w0 * x.x + w1 * x.y + w2 * x.z + w3 * x.w;
+        }
       }
     }
 #pragma unroll
     for (int r = 0; r < RBM; ++r) {
       const float s = dev::warp_sum(acc[r]);
-      if (lane == 0 && r < rows) o[(int64_t(b0 + r) * Hm + h) * Dv + e] = dev::f32_to_bf16(s);
+      if (lane == 0 && r < rows && e < Dv) o[(int64_t(b0 + r) * Hm + h) * Dv + e] = dev::f32_to_bf16(s);
     }
   }
 }
 
-template <int RBM>
+// The CUDA-core q̃ kernel's layout needs: 64-column blocks, q_nope rows in 16-byte pieces.
+bool absorb_fits(const MlaDims& d, const uint16_t* q) {
+  return d.C % kAbCols == 0 && d.N > 0 && d.N % 8 == 0 && d.N <= kAbMaxN && (d.N + d.R) % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(q) % 16 == 0;
+}
+
+template <int RBM, int C>
 void launch_merge(const MlaDims& d, int64_t B, int n_splits, const float* part_ml, const float* part_acc,
                   const uint16_t* kv_b, uint16_t* o, cudaStream_t stream, bool pdl) {
-  const int ET = B <= 8 ? 16 : 32;  // output columns per CTA: more CTAs while the batch is small
+  constexpr int ET = RBM >= 4 ? 32 : 16;
   const dim3 grid(unsigned((d.Dv + ET - 1) / ET), unsigned(d.Hm), unsigned((B + RBM - 1) / RBM));
-  const size_t smem = size_t(RBM) * size_t(d.C + n_splits) * 4;
-  tc::launch_kernel(merge_uv_kernel<RBM>, grid, dim3(256), smem, stream, pdl, int(B), int(d.Hm), int(d.C), int(d.N),
-                    int(d.Dv), n_splits, ET, part_ml, part_acc, kv_b, o);
+  const size_t smem = size_t(RBM) * size_t(C + n_splits) * 4;
+  tc::launch_kernel(merge_uv_kernel<RBM, C>, grid, dim3(256), smem, stream, pdl, int(B), int(d.Hm), int(d.N),
+                    int(d.Dv), n_splits, part_ml, part_acc, kv_b, o);
+}
+
+template <int C>
+void merge_for(const MlaDims& d, int64_t B, int n_splits, const float* part_ml, const float* part_acc,
+               const uint16_t* kv_b, uint16_t* o, cudaStream_t stream, bool pdl) {
+  // Rows per CTA: a CTA merges ≤ ~32 (row, split) partials.
+  if (n_splits > 16)
+    launch_merge<1, C>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
+  else if (n_splits > 8)
+    launch_merge<2, C>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
+  else if (n_splits > 4)
+    launch_merge<4, C>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
+  else
+    launch_merge<8, C>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
 }
 
 }  // namespace
@@ -195,8 +243,7 @@ namespace tc {
 
 void absorb_cuda_cores(const MlaDims& d, const uint16_t* q, const uint16_t* kv_b, float* qt, int64_t B,
                        cudaStream_t stream, bool pdl) {
-  KCUDA_REQUIRE(B > 0 && B <= int64_t(65535) * kAbRows && d.C % kAbCols == 0 && d.N > 0 && d.N % 2 == 0 && d.N <= kAbMaxN,
-                std::string("mla absorb: unsupported shape"));
+  KCUDA_REQUIRE(B > 0 && B <= int64_t(65535) * kAbRows && absorb_fits(d, q), std::string("mla absorb: unsupported shape"));
   KCUDA_REQUIRE(q && kv_b && qt, std::string("mla absorb: null pointer"));
   const dim3 grid(unsigned(d.C / kAbCols), unsigned(d.Hm), unsigned((B + kAbRows - 1) / kAbRows));
   const size_t smem = size_t(kAbRows) * size_t(d.N + 8 * kAbCols) * 4;
@@ -206,7 +253,7 @@ void absorb_cuda_cores(const MlaDims& d, const uint16_t* q, const uint16_t* kv_b
 
 void absorb(GemmLt& lt, const MlaDims& d, const uint16_t* q, const uint16_t* kv_b, float* qt, int64_t B,
             cudaStream_t stream, bool pdl) {
-  if (B <= kAbsorbMaxRows && d.C % kAbCols == 0 && d.N % 2 == 0 && d.N <= kAbMaxN) {
+  if (B <= kAbsorbMaxRows && absorb_fits(d, q)) {
     absorb_cuda_cores(d, q, kv_b, qt, B, stream, pdl);
     return;
   }
@@ -217,18 +264,13 @@ void absorb(GemmLt& lt, const MlaDims& d, const uint16_t* q, const uint16_t* kv_
 
 void merge_uv(const MlaDims& d, int64_t B, int n_splits, const float* part_ml, const float* part_acc,
               const uint16_t* kv_b, uint16_t* o, cudaStream_t stream, bool pdl) {
-  KCUDA_REQUIRE(B > 0 && B < (int64_t(1) << 31) && n_splits >= 1 && n_splits <= kMaxSplits && d.C % 4 == 0,
-                std::string("mla merge: bad batch or splits"));
+  KCUDA_REQUIRE(B > 0 && B < (int64_t(1) << 31) && n_splits >= 1 && n_splits <= kMaxSplits && (d.C == 512 || d.C == 64),
+                std::string("mla merge: bad batch, splits or C"));
   KCUDA_REQUIRE(part_ml && part_acc && kv_b && o, std::string("mla merge: null pointer"));
-  // Rows per CTA: a CTA merges ≤ ~32 (row, split) partials.
-  if (n_splits > 16)
-    launch_merge<1>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
-  else if (n_splits > 8)
-    launch_merge<2>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
-  else if (n_splits > 4)
-    launch_merge<4>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
+  if (d.C == 512)
+    merge_for<512>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
   else
-    launch_merge<8>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
+    merge_for<64>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
 }
 
 }  // namespace tc
