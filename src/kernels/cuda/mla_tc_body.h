@@ -2,14 +2,14 @@
 // set of warp primitives so that one text compiles twice:
 //  - by nvcc in mla_tc.cu, where the primitives are mma.sync / ldmatrix / cp.async / shuffles;
 //  - by g++ in tests/unit/test_mla_tc_emulated.cpp, where they are emulated on the CPU from the PTX ISA's
-//    fragment definitions (one std::thread per CUDA thread, barriers for the warp- and block-level
+//    fragment definitions (one fiber per CUDA thread, barriers for the warp- and block-level
 //    synchronisation), so CI runs the kernel's index arithmetic, masking, pipeline and softmax logic
 //    against the CPU twin without a GPU.
 // Include this only after defining KTC_NS (the namespace kestrel::cuda::KTC_NS the body lands in: tc for the
 // GPU, tc_emu for the emulator) and declaring these primitives in that namespace:
 //   KTC_DEV                                   function qualifier (__device__ __forceinline__ / inline)
 //   KTC_UNROLL                                loop-unroll hint (_Pragma("unroll") / empty)
-//   float2, float4, uint2, uint4, make_float2, make_float4, __uint_as_float
+//   float2, float4, uint2, uint4, make_float2, make_float4, __uint_as_float, __float_as_uint, min, max
 //   sync_block(); shfl(int v, int src_lane); shfl_xor(float v, int mask); warp_min(int v);
 //   smem_atomic_min(int* p, int v); ldg(const T* p)
 //   smem_u32(const void* p) → u32 shared address; cp_async16(u32 dst, const void* src, int src_bytes);
@@ -104,7 +104,6 @@ struct Params {
 
 KTC_DEV float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
 KTC_DEV float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
-
 
 // FP8 P·V operands straight from the raw e4m3 bytes: after ldmatrix.trans of a raw tile (b16 units) a
 // register holds [V(k, c), V(k, c+1), V(k+1, c), V(k+1, c+1)] (bytes, low first). even() places bytes 0 and 2
