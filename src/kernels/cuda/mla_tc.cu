@@ -57,18 +57,18 @@
 // Bytes and time (K3 TP8 rank: Hm 12, C 512, R 64; H200 copy 4.29 TB/s read+write, taken as the read
 // ceiling): decode reads every key row once per query row — BF16 1152 B, FP8 656 B — plus 4 B per page and
 // per selected key of lookups. B = 64, S = 32K: 2.42 GB BF16 → 0.56 ms floor; FP8 1.38 GB → 0.32 ms.
-// One CTA per SM streams a 64-key tile (BF16 73.7 KB) every ~4.5 k cycles at that rate. Per tile and warp
-// the loop is ~1.1 k SASS instructions (BF16; 68 HMMA, 34 LDSM, 18 LDGSTS.128; ptxas: 238 registers, no
-// spills, 224 KB shared): ~2.2 k issue cycles per SM sub-partition, and ~190 KB of shared-memory reads
-// (~1.5 k cycles) — memory-bound with margin, predicted 80–90 % of the copy rate (≈ 0.62–0.70 ms, target
-// ≤ 0.80 ms). FP8 (234 registers, 173 KB shared): no dequantisation pass — the loop is ~1.23 k instructions
-// per warp (68 HMMA, 18 LDSM, 64 F2FP.F16.E4M3, 16 HMUL2, ~200 shift/mask for the P·V bytes, 11
-// LDGSTS.128), ~2.5 k issue cycles per sub-partition against ~2.6 k cycles of HBM time per 42 KB tile at
-// 4.3 TB/s: near balance, predicted 60–75 % of the copy rate at B = 64, S = 32K (≈ 0.45–0.55 ms; the old
-// dequantising loop was ~1.65 k instructions plus a barrier, measured 0.88 ms, 37 %). Top-2048 rows read
-// 2048 rows each (B = 64: 151 MB BF16, ~40 µs plus the merge). Small batches split keys (B = 1, S = 32K:
-// 128 CTAs of 256 keys), costing a prologue and pipeline fill per CTA (measured ~25 µs for a one-tile CTA)
-// plus q̃ and the merge (mla_decode.cu).
+// One CTA per SM streams a 64-key tile (BF16 73.7 KB) every ~4.5 k cycles at that rate. Per full tile and
+// warp the loop executes ~1.0 k SASS instructions (BF16; 68 HMMA, 34 LDSM, 18 LDGSTS.128; ptxas: 255
+// registers, no spills, 224 KB shared): ~2 k issue cycles per SM sub-partition, and ~190 KB of shared-memory
+// reads (~1.5 k cycles) — memory-bound with margin (measured 95 % of copy for the core at B = 64, S = 32K).
+// FP8 (237 registers, 173 KB shared): no dequantisation pass — ~1.15 k instructions per warp and tile (68
+// HMMA, 18 LDSM, 64 F2FP.F16.E4M3, 16 HMUL2, ~190 shift/select for the P·V bytes, 11 LDGSTS.128), ~2.3 k
+// issue cycles per sub-partition against ~2.6 k cycles of HBM time per 42 KB tile at 4.3 TB/s: near
+// balance, predicted 65–75 % of the copy rate at B = 64, S = 32K (≈ 0.43–0.50 ms; the dequantising loop was
+// ~1.65 k instructions plus a barrier: 0.88 ms, 37 %). Top-2048 rows read 2048 rows each (B = 64: 151 MB
+// BF16, ~40 µs plus the merge). Small batches split keys (B = 1, S = 32K: 128 CTAs of 256 keys), costing a
+// prologue and pipeline fill per CTA — a one-tile CTA took ~25 µs while the Q-fragment loads ran one L2 round
+// trip after another; batched (one round trip) it should take ~8–10 µs — plus q̃ and the merge (mla_decode.cu).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
