@@ -34,6 +34,15 @@ __global__ void situ_kernel(const uint16_t* gu, int64_t ld, int64_t T, int64_t F
     a[i] = f32_to_bf16(act * (lbeta * tanhf(u / lbeta)));
   }
 }
+__global__ void situ_i8_kernel(const uint16_t* gu, int64_t ld, int64_t T, int64_t F, float beta, float lbeta,
+                               uint16_t* a, int64_t lda) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < T * F; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / F, f = i % F, c = 16 * (f / 8) + f % 8;
+    const float g = bf16_to_f32(gu[t * ld + c]), u = bf16_to_f32(gu[t * ld + c + 8]);
+    const float act = beta * tanhf(g / beta) * dev::sigmoid(g);
+    a[t * lda + f] = f32_to_bf16(act * (lbeta * tanhf(u / lbeta)));
+  }
+}
 __global__ void gate_kernel(uint16_t* o, const uint16_t* g, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     o[i] = f32_to_bf16(bf16_to_f32(o[i]) * dev::sigmoid(bf16_to_f32(g[i])));
@@ -60,6 +69,13 @@ void situ_glu_bf16(const uint16_t* gu, int64_t ld, int64_t T, int64_t F, float b
                    cudaStream_t s) {
   if (T * F == 0) return;
   situ_kernel<<<grid_for(T * F), 256, 0, s>>>(gu, ld, T, F, beta, lbeta, a);
+  KCUDA_CHECK_LAUNCH();
+}
+void situ_glu_i8_bf16(const uint16_t* gu, int64_t ld, int64_t T, int64_t F, float beta, float lbeta, uint16_t* a,
+                      int64_t lda, cudaStream_t s) {
+  KCUDA_REQUIRE(F % 8 == 0 && ld >= 2 * F && lda >= F, std::string("situ_glu_i8_bf16: bad shape"));
+  if (T * F == 0) return;
+  situ_i8_kernel<<<grid_for(T * F), 256, 0, s>>>(gu, ld, T, F, beta, lbeta, a, lda);
   KCUDA_CHECK_LAUNCH();
 }
 void sigmoid_gate_bf16(uint16_t* o, const uint16_t* g, int64_t n, cudaStream_t s) {

@@ -41,4 +41,20 @@ void attn_res_add(Context& x, AttnResDev& rs, const u16* a, bool write) {
     cuda::add_bf16(rs.partial, a, rs.partial, TD, x.stream);
 }
 
+void attn_res_point(Context& x, AttnResDev& rs, const u16* a, cuda::AttnResAdd mode, bool store, const u16* res_norm,
+                    const u16* res_proj, const u16* norm, u16* out, Fp8Act* out8) {
+  const int64_t T = rs.T, D = rs.D;
+  u16* block = store ? rs.blocks + int64_t(rs.nb) * T * D : nullptr;
+  uint8_t* q8 = nullptr;
+  float* qs = nullptr;
+  if (out8) {
+    q8 = x.tmp<uint8_t>(T * D);
+    qs = x.tmp<float>(T);
+    *out8 = {q8, qs};
+  }
+  cuda::attn_res_step(rs.blocks, T * D, rs.nb, rs.partial, a, mode, block, res_norm, res_proj, norm, x.c.rms_norm_eps,
+                      out, q8, qs, T, D, x.stream);
+  if (store) ++rs.nb;
+}
+
 }  // namespace kestrel::model::gpu

@@ -50,9 +50,20 @@ struct CudaSeq {
 
 using CudaCachePtr = std::unique_ptr<CudaCache, void (*)(CudaCache*)>;
 
+// How the dense projections are stored on the GPU: BF16 as in the checkpoint, or re-quantised at load to
+// PTPC FP8 (--quantization ptpc-fp8: e4m3 weights with per-output-channel scales, activations quantised per
+// token on the fly; model/cuda/linear.h). The router, the indexer head weights, lm_head, kv_b and the
+// embeddings stay BF16; the routed experts stay MXFP4.
+enum class WeightQuant : uint8_t { bf16, ptpc_fp8 };
+WeightQuant parse_weight_quant(const std::string& s);  // "bf16" | "ptpc-fp8"; kestrel::Error otherwise
+struct CudaModelOptions {
+  WeightQuant quant = WeightQuant::bf16;
+};
+
 class CudaModel {
  public:
-  CudaModel(const ModelConfig& c, const ModelWeights& w);  // uploads the weights (synchronous)
+  // Uploads the weights (synchronous).
+  CudaModel(const ModelConfig& c, const ModelWeights& w, const CudaModelOptions& opt = {});
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
