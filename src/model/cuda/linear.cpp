@@ -1,6 +1,8 @@
 // Lin(W)(x) dispatch (see linear.h).
 #include "model/cuda/linear.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -59,10 +61,20 @@ void linear(Context& c, const LinearDev& W, const u16* x, int64_t ldx, int64_t T
     const int64_t n0 = sg.n0, n1 = i + 1 < segs.n ? segs.seg[i + 1].n0 : N, len = n1 - n0;
     KCHECK(n0 >= 0 && len > 0 && n1 <= N, "linear: bad segment [{}, {}) of {} rows", n0, n1, N);
     auto gemm_into = [&](u16* y, int64_t ldy) {
-      if (W.fp8())
-        c.lt.fp8_ptpc(q.q, K, q.s, W.w8 + n0 * K, W.ws + n0, y, ldy, T, K, len, c.stream);
-      else
+      if (!W.fp8()) {
         c.lt.bf16(x, ldx, W.w + n0 * K, y, ldy, T, K, len, c.stream);
+      } else if (len % 16 == 0 && ldy % 8 == 0 && (reinterpret_cast<uintptr_t>(y) & 15u) == 0) {
+        c.lt.fp8_ptpc(q.q, K, q.s, W.w8 + n0 * K, W.ws + n0, y, ldy, T, K, len, c.stream);
+      } else {  // shapes cuBLASLt's FP8 kernels refuse (e.g. b_proj's 12 rows): the skinny kernel, 64 tokens at a time
+        for (int64_t t0 = 0; t0 < T; t0 += cuda::kSkinnyMaxT) {
+          const int64_t tn = std::min<int64_t>(cuda::kSkinnyMaxT, T - t0);
+          cuda::GemmSegs one;
+          one.seg[0] = seg_bf16(0, y + t0 * ldy, ldy);
+          one.n = 1;
+          cuda::gemm_skinny_fp8(q.q + t0 * K, K, q.s + t0, W.w8 + n0 * K, W.ws + n0, tn, K, len, one, c.skinny,
+                                c.stream);
+        }
+      }
     };
     switch (sg.epi) {
       case cuda::GemmEpi::bf16:

@@ -34,7 +34,12 @@ void mla_attend(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchSt
   const TextConfig& c = x.c;
   const int64_t C = c.kv_lora_rank, R = c.qk_rope_head_dim, N = c.qk_nope_head_dim, Dv = c.v_head_dim,
                 Hm = c.num_attention_heads, QK = N + R, Ki = c.index_topk;
-  const int64_t nd = std::min(s.nd, s.n_real), Treal = s.n_real == s.n ? s.T : s.n_real;
+  // Rows attended: every row of a whole-step graph (padded rows see their own hidden row), else the real ones.
+  const int64_t nd = s.attn_padded ? s.nd : std::min(s.nd, s.n_real),
+                Treal = s.attn_padded || s.n_real == s.n ? s.T : s.n_real;
+  // Plans (key splits, chunks) follow the context bound, not the exact longest context, so an eager step and
+  // the whole-step graph of its bucket run the same plan (graphs.h).
+  const int64_t bound_all = attn_bound(s.max_S), bound_dec = attn_bound(s.max_dec_S);
   const cuda::PagedMlaCache pv = cc.mla_view(layer, s.d_tables, s.bt_stride);
   // §3.5 steps 5–6: I = Σ_h w·(Hi·Di)^−½·ReLU(q_h·k) over the visible keys, top Ki per row.
   int32_t* sel = nullptr;  // i32 [Treal, Ki], ascending, −1 padded
@@ -42,9 +47,9 @@ void mla_attend(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchSt
     const int64_t Hi = c.index_n_heads;
     sel = x.tmp<int32_t>(Treal * Ki);
     // Scored in key chunks with a running top-k per row: the workspace is bounded, never [rows, max_S].
-    const size_t ws_bytes = cuda::indexer_select_paged_tc_workspace_bytes(Treal, s.max_S, Ki);
+    const size_t ws_bytes = cuda::indexer_select_paged_tc_workspace_bytes(Treal, bound_all, Ki);
     void* ws = x.tmp<char>(int64_t(ws_bytes));
-    cuda::indexer_select_paged_tc(qi, hw, pv, s.d_row_lens, s.d_row_req, Treal, s.max_S, Hi, Ki, ws, ws_bytes, sel,
+    cuda::indexer_select_paged_tc(qi, hw, pv, s.d_row_lens, s.d_row_req, Treal, bound_all, Hi, Ki, ws, ws_bytes, sel,
                                   x.stream);
     x.caps.ids_i32(layer, "index_topk", sel, Treal * Ki, x.stream);
     x.mark("mla.indexer");
@@ -52,7 +57,7 @@ void mla_attend(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchSt
   const cuda::MlaDims dims{Hm, N, R, Dv, C};
   if (nd > 0) {
     // Absorbed decode: every T = 1 sequence in one launch (they are rows 0..nd−1).
-    const int64_t max_keys = sel ? std::min(s.max_dec_S, Ki) : s.max_dec_S;
+    const int64_t max_keys = sel ? std::min(bound_dec, Ki) : bound_dec;
     const cuda::MlaPagedBatch bt{s.d_dec_lens, nullptr, sel, Ki, nd, max_keys};
     void* ws = x.tmp<char>(int64_t(cuda::mla_decode_paged_workspace_bytes(dims, nd, max_keys)));
     cuda::mla_decode_paged(x.lt, dims, q, w.kv_b, pv, bt, ws, o, x.stream);
