@@ -147,11 +147,13 @@ int64_t memory_budget_from_flags(const std::string& memory_budget, double gpu_me
 }
 
 
-DeviceSetup cuda_device_setup(double gpu_memory_utilization, bool cuda_graphs) {
+DeviceSetup cuda_device_setup(double gpu_memory_utilization, bool cuda_graphs, const std::string& quantization) {
 #ifdef KESTREL_WITH_CUDA
-  return [gpu_memory_utilization, cuda_graphs](const ModelConfig& c, const ModelWeights& w,
+  model::CudaModelOptions mo;
+  mo.quant = model::parse_weight_quant(quantization);
+  return [gpu_memory_utilization, cuda_graphs, mo](const ModelConfig& c, const ModelWeights& w,
                                   runtime::EngineConfig& ec) -> std::shared_ptr<void> {
-    auto m = std::make_shared<model::CudaModel>(c, w);
+    auto m = std::make_shared<model::CudaModel>(c, w, mo);
     // Activations of one step (max_num_batched_tokens rows through the widest layer) and cuBLASLt's
     // workspace: a fixed 2 GiB covers the mini and nano shapes with room to spare.
     if (gpu_memory_utilization > 0.0) ec.memory_budget = runtime::cuda_cache_budget(gpu_memory_utilization, int64_t(2) << 30);
@@ -164,7 +166,7 @@ DeviceSetup cuda_device_setup(double gpu_memory_utilization, bool cuda_graphs) {
     return m;
   };
 #else
-  (void)gpu_memory_utilization, (void)cuda_graphs;
+  (void)gpu_memory_utilization, (void)cuda_graphs, (void)quantization;
   fail("--device cuda: this kestrel was built without CUDA");
 #endif
 }
@@ -173,6 +175,7 @@ void register_generate(CLI::App& app) {
   struct Opts {
     std::string model, prompt_tokens, prompt, prompts_file, dump_logits, memory_budget;
     std::string kv_cache_dtype = "bf16", index_cache_dtype = "bf16", kda_state_dtype = "f32", device = "cpu";
+    std::string quantization = "bf16";
     double gpu_memory_utilization = 0.0;
     int max_tokens = 16, top_k = 0, logprobs = -1, max_running = 0, max_batched_tokens = 2048;
     float temperature = 0.0f, top_p = 1.0f, min_p = 0.0f, repetition_penalty = 1.0f, presence_penalty = 0.0f,
@@ -218,6 +221,8 @@ void register_generate(CLI::App& app) {
   cmd->add_option("--device", o->device, "cpu or cuda (the engine on the GPU executor)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "--device cuda: run decode steps eagerly");
+  cmd->add_option("--quantization", o->quantization, "--device cuda: dense projection weights bf16 | ptpc-fp8")
+      ->check(CLI::IsMember({"bf16", "ptpc-fp8"}));
   cmd->callback([o] {
     if (int(!o->prompt_tokens.empty()) + int(!o->prompt.empty()) + int(!o->prompts_file.empty()) != 1)
       fail("give exactly one of --prompt-tokens, --prompt or --prompts-file");
@@ -274,8 +279,9 @@ void register_generate(CLI::App& app) {
     std::shared_ptr<void> device;  // the GPU model behind --device cuda; outlives the engine
     if (o->device == "cuda") {
       if (!o->memory_budget.empty()) ec.memory_budget = parse_bytes(o->memory_budget);
-      device = cuda_device_setup(o->gpu_memory_utilization, !o->no_cuda_graphs)(cfg, w, ec);
+      device = cuda_device_setup(o->gpu_memory_utilization, !o->no_cuda_graphs, o->quantization)(cfg, w, ec);
     } else {
+      if (o->quantization != "bf16") fail("--quantization {} needs --device cuda", o->quantization);
       ec.memory_budget = memory_budget_from_flags(o->memory_budget, o->gpu_memory_utilization, o->model, ec.memory_budget);
     }
     const tok::Tokenizer* tp = tokenizer ? &*tokenizer : nullptr;

@@ -4,7 +4,7 @@
 //                 [--max-model-len N] [--max-num-seqs N] [--max-queue N] [--block-size N]
 //                 [--memory-budget SIZE | --gpu-memory-utilization F] [--max-num-batched-tokens N]
 //                 [--kv-cache-dtype bf16|fp8] [--index-cache-dtype bf16|fp8|mxfp4] [--kda-state-dtype f32|f16] [--no-prefix-cache]
-//                 [--device cpu|cuda] [--no-cuda-graphs]
+//                 [--device cpu|cuda] [--no-cuda-graphs] [--quantization bf16|ptpc-fp8]
 //
 // Flags follow `vllm serve` where they mean the same. The server listens at once and answers
 // /health with 503 until the model is loaded (off the io threads). The engine is the multi-request
@@ -35,6 +35,7 @@ void register_serve(CLI::App& app) {
   struct Opts {
     std::string model, host = "127.0.0.1", api_key, served_name, memory_budget;
     std::string kv_cache_dtype = "bf16", index_cache_dtype = "bf16", kda_state_dtype = "f32", device = "cpu";
+    std::string quantization = "bf16";
     double gpu_memory_utilization = 0.0;
     int port = 8000, max_num_seqs = 16, max_queue = 256, block_size = 0, threads = 1, shutdown_timeout = 10;
     int max_batched_tokens = 2048;
@@ -61,6 +62,8 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--device", o->device, "cpu or cuda (the paged engine on the GPU executor)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "--device cuda: run decode steps eagerly");
+  cmd->add_option("--quantization", o->quantization, "--device cuda: dense projection weights bf16 | ptpc-fp8")
+      ->check(CLI::IsMember({"bf16", "ptpc-fp8"}));
   auto* mb = cmd->add_option("--memory-budget", o->memory_budget, "bytes for KV pages + KDA state slots (e.g. 512M, 2G; default 1G)");
   auto* gu = cmd->add_option("--gpu-memory-utilization", o->gpu_memory_utilization,
                              "fraction of memory for weights + caches (CPU: of physical RAM)");
@@ -117,8 +120,9 @@ void register_serve(CLI::App& app) {
       if (o->device == "cuda") {
         // The weights go up on the loader thread; the budget then comes from the device's memory.
         if (!o->memory_budget.empty()) ec.memory_budget = parse_bytes(o->memory_budget);
-        p.device_setup = cuda_device_setup(o->gpu_memory_utilization, !o->no_cuda_graphs);
+        p.device_setup = cuda_device_setup(o->gpu_memory_utilization, !o->no_cuda_graphs, o->quantization);
       } else {
+        if (o->quantization != "bf16") fail("--quantization {} needs --device cuda", o->quantization);
         ec.memory_budget = memory_budget_from_flags(o->memory_budget, o->gpu_memory_utilization, o->model, ec.memory_budget);
       }
       ec.max_running = o->max_num_seqs;

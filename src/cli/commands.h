@@ -37,6 +37,9 @@ int64_t memory_budget_from_flags(const std::string& memory_budget, double gpu_me
 // an activation reserve); decode steps use CUDA graphs unless `cuda_graphs` is false; returns the GPU model, to be kept alive as long as the engine.
 // Fails with a clear error in a build without CUDA.
 using DeviceSetup = std::function<std::shared_ptr<void>(const ModelConfig&, const ModelWeights&, runtime::EngineConfig&)>;
-DeviceSetup cuda_device_setup(double gpu_memory_utilization, bool cuda_graphs = true);
+// quantization: "bf16" (the checkpoint's weights) or "ptpc-fp8" (dense projections re-quantised at load;
+// model::WeightQuant).
+DeviceSetup cuda_device_setup(double gpu_memory_utilization, bool cuda_graphs = true,
+                              const std::string& quantization = "bf16");
 
 }  // namespace kestrel::cli
