@@ -22,7 +22,10 @@
 // Reduction (deterministic): warps 1..3 park their accumulators in shared memory, warp 0 adds them in
 // warp order; with a split over CTAs, warp 0 writes its partial (f32, fragment order) and bumps the row
 // tile's counter; the CTA that sees the last count sums the S partials in split order (ld.cg) and runs
-// the epilogue, then zeroes the counter. Split S: enough CTAs for ~4 per SM, ≥ 8 k-steps per split.
+// the epilogue, then zeroes the counter. Split S: the fewest splits that give ≥ 2 CTAs per SM (8 warps,
+// each with U·2 KB of W in flight: ~64 KB per SM against the ~50 KB that HBM latency × bandwidth asks),
+// and ≥ 8 k-steps per split; all CTAs then fit one wave (4 per SM by registers at T ≤ 16).
+// KESTREL_SKINNY_CTAS_PER_SM changes the 2.
 //
 // Resources (ptxas, sm_90a; see the report in the commit): bf16 NT=1/2 U=4 ≈ 90–110 registers, NT=4/8
 // U=2 ≈ 110–150, no spills, ≤ 12 KB static shared memory. SASS per step and warp: 4·MT LDG.128 of W,
@@ -349,8 +352,8 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 int gemm_skinny_splits(int64_t N, int64_t K, bool fp8) {
   static const int per_sm = [] {
     const char* e = std::getenv("KESTREL_SKINNY_CTAS_PER_SM");
-    const int v = e ? std::atoi(e) : 4;
-    return v >= 1 && v <= 32 ? v : 4;
+    const int v = e ? std::atoi(e) : 2;
+    return v >= 1 && v <= 32 ? v : 2;
   }();
   const int64_t tiles = (N + 15) / 16, ksteps = (K * (fp8 ? 1 : 2) + kStepBytes - 1) / kStepBytes;
   int64_t S = (int64_t(num_sms()) * per_sm + tiles - 1) / tiles;
