@@ -16,8 +16,9 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__global__ void __launch_bounds__(kThreads) rmsnorm_kernel(const uint16_t* __restrict__ x, int64_t ldx,
-                                                           const uint16_t* __restrict__ w, uint16_t* __restrict__ y,
+// y may alias x (in place): each thread reads only its own vectors, through L2 (ld.cg), before writing them.
+__global__ void __launch_bounds__(kThreads) rmsnorm_kernel(const uint16_t* x, int64_t ldx,
+                                                           const uint16_t* __restrict__ w, uint16_t* y,
                                                            int64_t ldy, int n, float eps) {
   __shared__ float scratch[32];
   const uint16_t* xr = x + int64_t(blockIdx.x) * ldx;
@@ -26,7 +27,7 @@ __global__ void __launch_bounds__(kThreads) rmsnorm_kernel(const uint16_t* __res
   float ss = 0.0f;
   for (int v = threadIdx.x; v < nv; v += blockDim.x) {
     float f[8];
-    dev::unpack8(dev::ld16(xr + 8 * v), f);
+    dev::unpack8(__ldcg(reinterpret_cast<const uint4*>(xr + 8 * v)), f);
 #pragma unroll
     for (int i = 0; i < 8; ++i) ss = fmaf(f[i], f[i], ss);
   }
@@ -34,7 +35,7 @@ __global__ void __launch_bounds__(kThreads) rmsnorm_kernel(const uint16_t* __res
   const float r = 1.0f / sqrtf(ss / float(n) + eps);
   for (int v = threadIdx.x; v < nv; v += blockDim.x) {
     float f[8], g[8];
-    dev::unpack8(dev::ld16(xr + 8 * v), f);
+    dev::unpack8(__ldcg(reinterpret_cast<const uint4*>(xr + 8 * v)), f);
     dev::unpack8(dev::ld16(w + 8 * v), g);
 #pragma unroll
     for (int i = 0; i < 8; ++i) f[i] = g[i] * dev::round_bf16(f[i] * r);

@@ -11,6 +11,7 @@
 namespace kestrel::cuda {
 
 // y = w ⊙ bf16(x · rsqrt(mean(x²) + eps)), normalised in FP32, rounded, times the weight, rounded.
+// y may be x itself (same rows and strides): normalised in place.
 void rmsnorm_bf16(const uint16_t* x /* bf16 [T, n], row stride ldx */, int64_t ldx, const uint16_t* w /* bf16 [n] */,
                   uint16_t* y /* bf16 [T, n], row stride ldy */, int64_t ldy, int64_t T, int64_t n, float eps,
                   cudaStream_t stream);

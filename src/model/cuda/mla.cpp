@@ -86,14 +86,14 @@ void mla_forward(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchS
   // [c | k_pe] = Lin(kv_a_proj_with_mqa)(x), step 5's gate input Lin(g_proj)(x), and the indexer's (§3.5)
   // Lin(wk)(x) and head weights w = weights_proj(x) in FP32.
   u16* qa = x.tmp<u16>(T * Q);     // bf16 [T, Q]
-  u16* kva = x.tmp<u16>(T * CW);   // bf16 [T, C+R]
+  u16* rows = x.tmp<u16>(T * CW);  // bf16 [T, C+R]: [c | k_pe], normalised in place into ĉ | k_pe below
   u16* kraw = w.has_indexer ? x.tmp<u16>(T * Di) : nullptr;      // bf16 [T, Di]
   u16* g = w.has_gate ? x.tmp<u16>(T * Hm * Dv) : nullptr;       // bf16 [T, Hm·Dv]
   float* hw = w.has_indexer ? x.tmp<float>(T * Hi) : nullptr;    // f32 [T, Hi]
   {
     cuda::GemmSegs sg;
     sg.seg[sg.n++] = seg_bf16(0, qa, Q);
-    sg.seg[sg.n++] = seg_bf16(w.off_kv, kva, CW);
+    sg.seg[sg.n++] = seg_bf16(w.off_kv, rows, CW);
     if (w.off_wk >= 0) sg.seg[sg.n++] = seg_bf16(w.off_wk, kraw, Di);
     if (w.off_g >= 0) sg.seg[sg.n++] = seg_bf16(w.off_g, g, Hm * Dv);
     if (w.off_hw >= 0) sg.seg[sg.n++] = seg_f32(w.off_hw, hw, Hi);
@@ -117,11 +117,9 @@ void mla_forward(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchS
     if (w.has_indexer) sg.seg[sg.n++] = seg_bf16(Hm * QK, qi, Hi * Di);
     linear(x, w.q_proj, cq, Q, T, sg);
   }
-  // Step 2: ĉ = RMSNorm(c) next to k_pe in new rows, which go into their pages.
-  u16* rows = x.tmp<u16>(T * CW);  // bf16 [T, C+R]: ĉ | k_pe
-  cuda::rmsnorm_bf16(kva, CW, w.kv_a_norm, rows, CW, T, C, eps, x.stream);
-  KCUDA_CHECK(cudaMemcpy2DAsync(rows + C, size_t(CW) * 2, kva + C, size_t(CW) * 2, size_t(R) * 2, size_t(T),
-                                cudaMemcpyDeviceToDevice, x.stream));
+  // Step 2: ĉ = RMSNorm(c) in place next to k_pe (each thread of the norm rewrites only what it read), and
+  // the new rows go into their pages.
+  cuda::rmsnorm_bf16(rows, CW, w.kv_a_norm, rows, CW, T, C, eps, x.stream);
   if (cc.formats.latent == LatentFormat::bf16)
     cuda::copy_rows(rows, nullptr, cc.latent[size_t(layer)], s.d_pool_rows, T, CW * 2, x.stream);
   else  // quantise on write, byte-identical to MlaCacheView::write_latent
