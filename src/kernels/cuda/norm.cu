@@ -21,6 +21,8 @@ __global__ void __launch_bounds__(kThreads) rmsnorm_kernel(const uint16_t* x, in
                                                            const uint16_t* __restrict__ w, uint16_t* y,
                                                            int64_t ldy, int n, float eps) {
   __shared__ float scratch[32];
+  dev::pdl_trigger();
+  dev::pdl_wait();
   const uint16_t* xr = x + int64_t(blockIdx.x) * ldx;
   uint16_t* yr = y + int64_t(blockIdx.x) * ldy;
   const int nv = n / 8;
@@ -157,8 +159,7 @@ void rmsnorm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* y
   KCUDA_REQUIRE(aligned16(x) && aligned16(w) && aligned16(y), std::string("rmsnorm: pointers must be 16-byte aligned"));
   KCUDA_REQUIRE(T < (int64_t(1) << 31), std::string("rmsnorm: too many rows"));
   if (T == 0) return;
-  rmsnorm_kernel<<<unsigned(T), kThreads, 0, stream>>>(x, ldx, w, y, ldy, int(n), eps);
-  KCUDA_CHECK_LAUNCH();
+  launch_pdl(rmsnorm_kernel, dim3(unsigned(T)), dim3(kThreads), 0, stream, x, ldx, w, y, ldy, int(n), eps);
 }
 
 void attn_res_mix_rmsnorm(const uint16_t* blocks, int64_t block_stride, int nb, const uint16_t* partial, int64_t ld,
