@@ -433,17 +433,18 @@ void kda_out_norm_gate(const float* o, const uint16_t* gate, const float* o_norm
 
 // ---- the fused decode chain (kda_decode_fused) -------------------------------------------------------------
 // One CTA of 4·DK threads per (head h, row b). Phases, separated by barriers:
-//  A. every thread starts its state loads (the decode_kernel layout: DK/32 slices of 128 threads, slice c
-//     owning value columns 32c..32c+31), then threads < 3·DK run the conv of one q/k/v channel of the head
-//     (conv_decode_kernel's arithmetic, history shifted in place) and all threads the f_b rows of the head
-//     (4 threads per output, FP32, shuffle-summed, rounded to bf16);
+//  A. threads < 3·DK run the conv of one q/k/v channel of the head (conv_decode_kernel's arithmetic,
+//     history shifted in place); then every thread starts its state loads (the decode_kernel layout: DK/32
+//     slices of 128 threads, slice c owning value columns 32c..32c+31) and all threads compute the f_b rows
+//     of the head (4 threads per output, FP32, shuffle-summed, rounded to bf16);
+//  Resources (ptxas): ≤ 64 registers at 512 threads (two CTAs per SM at Dk = 128), no spills.
 //  B. one warp each sums q² and k²; threads < DK normalise, form g and keep exp(g) (qk_norm_gates' formulas);
 //  C. the delta-rule step of decode_kernel for one token, o into shared memory;
 //  D. one warp sums o²; threads < DK write ô (out_norm_gate's formula).
 namespace {
 
 template <int DK, typename StateT>
-__global__ void __launch_bounds__(4 * DK) kda_decode_fused_kernel(const KdaDecodeIn in, const KdaDecodeWeights wt,
+__global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(const KdaDecodeIn in, const KdaDecodeWeights wt,
                                                                    uint16_t* __restrict__ hist_pool,
                                                                    const int32_t* __restrict__ slots,
                                                                    StateT* __restrict__ pool,
@@ -465,9 +466,6 @@ __global__ void __launch_bounds__(4 * DK) kda_decode_fused_kernel(const KdaDecod
   const int lane = tid & 31, warp = tid >> 5, slice = warp >> 2, w = warp & 3, sub = lane >> 3, c4 = lane & 7;
   const int col = slice * 32 + 4 * c4;
   StateT* S = pool + (int64_t(slot) * H + h) * DK * DK;
-  float s[R][4];
-#pragma unroll
-  for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
   if (tid < 3 * DK) {
     const int part = tid / DK, i = tid % DK;
     const int64_t ch = part * HD + int64_t(h) * DK + i;
@@ -489,6 +487,10 @@ __global__ void __launch_bounds__(4 * DK) kda_decode_fused_kernel(const KdaDecod
     for (int j = 0; j < kMaxConvW - 1; ++j)
       if (j < W - 1) hist[j * C3 + ch] = j + 1 < W - 1 ? hv[j + 1] : cur;
   }
+  // The state loads go out here, under the f_b reads and the norms (after the conv: fewer live registers).
+  float s[R][4];
+#pragma unroll
+  for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
   {  // z = bf16(f_b[h·DK + i, :]·fa), 4 threads per output, DK/4 terms each.
     const int i = tid >> 2, part = tid & 3;
     const uint16_t* fr = wt.f_b + (int64_t(h) * DK + i) * DK + part * (DK / 4);
