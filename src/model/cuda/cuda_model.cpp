@@ -70,9 +70,10 @@ struct CudaModel::Impl {
     gpu::BatchStep s = gpu::describe_batch(seqs, cc, V, in);
     x.timer.begin_step();
     x.mark("start");
-    gpu::upload_context(x, s, in);
     const bool use_graph = graphs && s.nd == s.n && in.all_last && !x.timer.on && !x.caps.on &&
                            s.n <= gpu::kMaxGraphBatch;
+    // A whole-step graph carries the context inputs in its bucket (graphs.h); every other step uploads them.
+    if (!use_graph || !gpu::whole_graph_step(x, s)) gpu::upload_context(x, s, in);
     if (!use_graph) {
       const int32_t* d_ids = gpu::upload_inputs(x, s, in);
       const int64_t nr = int64_t(in.lrows.size());
@@ -94,7 +95,10 @@ struct CudaModel::Impl {
       logits_rows = s.n_real;
     }
     x.mark("final+lm_head");
-    KCUDA_CHECK(cudaStreamSynchronize(x.stream));
+    // No host wait here: everything that reads the step's results (copy_logits, greedy, sample) is on this
+    // stream and synchronises itself, and the scratch given back below is only handed out again to later
+    // work on the same stream (stream order), so the host prepares the next call while the GPU runs this one.
+    if (x.timer.on) KCUDA_CHECK(cudaStreamSynchronize(x.stream));
     x.release_scratch();
     if (x.timer.on) x.timer.end_step();
     return logits_rows;

@@ -56,11 +56,15 @@ int64_t attn_bound(int64_t max_context) {
   return b;
 }
 
+bool whole_graph_step(const Context& x, const BatchStep& s) {
+  return x.opt.graph_attn && bucket_for(s.n) * attn_bound(s.max_S) <= kFullGraphMaxKeys;
+}
+
 const float* run_graph_step(Context& x, CudaCache& cc, BatchStep& s, const BatchInputs& in, const StepBody& body) {
   const int64_t V = x.c.vocab_size;
   const int64_t B = bucket_for(s.n);
   const int64_t bound = attn_bound(s.max_S);
-  const bool whole = x.opt.graph_attn && B * bound <= kFullGraphMaxKeys;
+  const bool whole = whole_graph_step(x, s);
   GraphBucket& g = cc.graphs.by_size[{B, whole ? bound : 0}];
   const int64_t stride = whole ? (bound + cc.P - 1) / cc.P : 0;
   if (!g.meta) {

@@ -85,6 +85,9 @@ using StepBody = std::function<void(const int32_t* d_ids, const int32_t* d_lrows
 // attention is planned for it in every step (eager or graph), so a whole-step graph replays bit-identically.
 int64_t attn_bound(int64_t max_context);
 
+// Whether the pure-decode step `s` runs as a whole-step graph (attention captured) rather than piecewise.
+bool whole_graph_step(const Context& x, const BatchStep& s);
+
 // Runs the pure-decode step `s` (s.n ≤ kMaxGraphBatch sequences) through the bucket of `cc` for its size:
 // rewrites the bucket's static inputs from `in`, pads `s` to the bucket (s.T = s.n = s.nd = B; s.n_real
 // keeps the real count), then captures (first time) or replays. Returns the bucket's logits, f32 [B, V]
