@@ -27,9 +27,11 @@
 // and ≥ 8 k-steps per split; all CTAs then fit one wave (4 per SM by registers at T ≤ 16).
 // KESTREL_SKINNY_CTAS_PER_SM changes the 2.
 //
-// Resources (ptxas, sm_90a; see the report in the commit): bf16 NT=1/2 U=4 ≈ 90–110 registers, NT=4/8
-// U=2 ≈ 110–150, no spills, ≤ 12 KB static shared memory. SASS per step and warp: 4·MT LDG.128 of W,
-// 2·NT LDG.128 of x, 4·MT·NT HMMA.16816 (bf16) / 4·MT·NT HMMA.16832 e4m3 (fp8).
+// Resources (ptxas, sm_90a, no spills, no stack): registers bf16 NT=1 110, NT=2 146, NT=4 95, NT=8 134;
+// fp8 124, 166, 136, 178 (so 4, 3, 5, 3 / 4, 3, 3, 2 CTAs per SM); static shared memory 1.5–12 KB. SASS
+// per step and warp (bf16 NT=1): 4 LDG.E.NA.128.CONSTANT of W issued U steps ahead, 2 LDG.E.128 (.cg)
+// of x one step ahead, 4 HMMA.16816.F32.BF16; griddepcontrol.launch_dependents / .wait appear as
+// PREEXIT / ACQBULK, the wait after the first U steps of W.
 //
 // Predicted (H200, copy 4.27 TB/s): a 20+ MB matrix at T ≤ 16 in ≥ 85 % of the copy rate plus ~2 µs of
 // launch and tail (e.g. KDA q|k|v|g|f_a|b 90 MB ≈ 23 µs, o_proj 22 MB ≈ 7 µs, MoE latent down 51 MB ≈
