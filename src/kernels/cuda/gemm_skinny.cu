@@ -31,7 +31,10 @@
 // fp8 124, 166, 136, 178 (so 4, 3, 5, 3 / 4, 3, 3, 2 CTAs per SM); static shared memory 1.5–12 KB. SASS
 // per step and warp (bf16 NT=1): 4 LDG.E.NA.128.CONSTANT of W issued U steps ahead, 2 LDG.E.128 (.cg)
 // of x one step ahead, 4 HMMA.16816.F32.BF16; griddepcontrol.launch_dependents / .wait appear as
-// PREEXIT / ACQBULK, the wait after the first U steps of W.
+// PREEXIT / ACQBULK, the wait after the first U steps of W. On sm_90 ptxas lowers the e4m3 mma.sync
+// (m16n8k32) to F2FP.F16.E4M3.UNPACK (exact e4m3 → f16) + two HMMA.16816.F32 (f16): 12 unpacks per MMA,
+// ~0.4 warp-instructions per cycle per SM at the copy rate — the FP8 path stays memory-bound, at half the
+// weight bytes.
 //
 // Predicted (H200, copy 4.27 TB/s): a 20+ MB matrix at T ≤ 16 in ≥ 85 % of the copy rate plus ~2 µs of
 // launch and tail (e.g. KDA q|k|v|g|f_a|b 90 MB ≈ 23 µs, o_proj 22 MB ≈ 7 µs, MoE latent down 51 MB ≈
