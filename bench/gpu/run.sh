@@ -20,6 +20,7 @@
 #   bench/gpu/run.sh perf    # there: the scoreboard in one run (≤ 8 min): ceilings, kernels, the reduced-mini
 #                            # decode step and prefill, `kestrel serve` + `kestrel bench` at c=1/64, the peers;
 #                            # writes $OUT/perf.json (copy it to bench/gpu/perf.json) and a markdown table
+#   bench/gpu/run.sh decode  # there: the fused decode path's tests and bench_ops --perf per variant (see below)
 #   bench/gpu/run.sh eval SETS_DIR [MODEL]
 #                            # there: `kestrel serve --device cuda` on MODEL (default models/k3-tiny) and
 #                            # `kestrel eval` over every SETS_DIR/*.jsonl, smallest first, while
@@ -108,6 +109,32 @@ case "${1:-}" in
     "$self" test --gtest_filter='GpuServingOps.*:GpuSampling.*:GpuEngine.*:GpuGraphs.*:GpuModel.*' 2>&1 \
       | tee "$out/gpu_serving_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -80 || true
     "$self" bench --model "$ck/mini" --only model 2>&1 | tee "$out/decode_step.md"
+    ;;
+  decode)
+    # The fused decode path (issue #14 points 2–3) in one call: nano + reduced-mini checkpoints; the decode-path
+    # GPU tests (skinny GEMM, PTPC FP8 kernels, AttnRes step, fused KDA chain; whole-step graphs bit-identical to
+    # eager; model and engine vs the CPU; FP8 logits vs BF16 on the golden prompts incl. k3-tiny); then
+    # bench_ops --perf on the reduced mini: default, ptpc-fp8, and one run per switch turned off
+    # (KESTREL_PDL / FUSE / GRAPH_ATTN / SKINNY = 0), so one log shows which change helped.
+    out="${OUT:-/tmp}"
+    ck=/tmp/kestrel_ckpt
+    mkdir -p "$ck"
+    [ -f "$ck/nano/config.json" ] || python3 reference/make_checkpoint.py --config nano --out "$ck/nano" --seed 1 --no-vision >/dev/null &
+    [ -f "$ck/mini/config.json" ] || python3 reference/make_checkpoint.py --config mini --out "$ck/mini" --seed 1 --fast-experts --no-vision \
+      --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 >/dev/null &
+    wait
+    export KESTREL_GPU_CKPTS="$ck/nano:$ck/mini"
+    "$self" test --gtest_filter="${DECODE_TESTS:-GpuDecode.*:GpuFp8.*:GpuGraphs.*:GpuEngine.*:GpuModel.*:GpuOps.*}" 2>&1 \
+      | tee "$out/decode_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -90 || true
+    : > "$out/decode_bench.md"
+    for v in "" KESTREL_PDL=0 KESTREL_FUSE=0 KESTREL_GRAPH_ATTN=0 KESTREL_SKINNY=0; do
+      echo "### variant: ${v:-default (all on)}" | tee -a "$out/decode_bench.md"
+      env $v "$self" bench --perf --only model --model "$ck/mini" 2>&1 | tee -a "$out/decode_bench.md" \
+        | grep -E "^PERF|floor|tokens/s" || true
+    done
+    echo "### variant: ptpc-fp8" | tee -a "$out/decode_bench.md"
+    "$self" bench --perf --quantization ptpc-fp8 --model "$ck/mini" 2>&1 | tee -a "$out/decode_bench.md" \
+      | grep -E "^PERF|floor|tokens/s" || true
     ;;
   eval)
     out="${OUT:-/tmp}"
@@ -248,7 +275,7 @@ case "${1:-}" in
     .gpu-carry/bench_mla "${@:2}"
     ;;
   *)
-    echo "usage: $0 pack|test|all|serving|eval|perf|bench|bench_mla" >&2
+    echo "usage: $0 pack|test|all|serving|decode|eval|perf|bench|bench_mla" >&2
     exit 2
     ;;
 esac
