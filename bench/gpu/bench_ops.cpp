@@ -279,6 +279,8 @@ static void decode_step(const std::string& model_dir, bool fp8, bool perf) {
         model::CudaSeq q{ptoks, 0, 0, table, model::CudaSeq::Logits::last};
         const auto t0 = std::chrono::steady_clock::now();
         m.forward_batch(*cache, std::span<const model::CudaSeq>(&q, 1));
+        int32_t next = 0;
+        m.greedy(&next);  // waits for the step: forward_batch returns before the GPU is done
         const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
         if (i > 0) ts.push_back(us);  // the first run allocates scratch and plans cuBLASLt
       }

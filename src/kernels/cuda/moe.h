@@ -71,8 +71,10 @@ MoeExpertWeights pack_experts_mxfp4(const MoeExpertHost* experts /* [X] */, int6
 //   wide    prefill: jobs of up to 128 tokens, 256-thread CTAs of 128/256 weight rows × all the job's tokens.
 //   t8, t32 the first tensor-core kernels (fixed grid, FP32 scale per 32-column block, tiles of 8 / 32 tokens):
 //           the only ones for weights with MoeExpertWeights::fp32_scales (stream/wide fall back to t8/t32).
-// `automatic`: wide when the slots per possibly-hit expert, T·K / min(X, T·K), reach 16, else stream
-// (KESTREL_MOE_PATH=legacy in the environment: the old rule, t32 from 16 slots per expert, else t8).
+// `automatic`: t32 when the slots per possibly-hit expert, T·K / min(X, T·K), reach 16, else t8. Measured on the
+// H200 (bench_moe --perf, 896 × top-16, 3584→3072, 2026-12-01): t8 127.8 µs at T=1 / 3.15 ms at T=64 / 26.6 ms at
+// T=4096 (t32) against stream 142.4 µs / 4.50 ms and wide 42.1 ms, so stream and wide stay opt-in until they win
+// (KESTREL_MOE_PATH=stream in the environment: wide from 16 slots per expert, else stream).
 enum class MoeTokenTile { automatic, t8, t32, stream, wide };
 
 // Knobs for benchmarks and tests; the defaults are what the engine runs.
