@@ -38,7 +38,8 @@ std::vector<std::vector<int32_t>> golden_prompts() {
   std::vector<std::vector<int32_t>> out;
   if (!in) return out;
   const nlohmann::json j = nlohmann::json::parse(in);
-  for (const auto& c : j.at("cases")) out.push_back(c.at("tokens").get<std::vector<int32_t>>());
+  for (const auto& c : j.at("cases"))  // the "batch" case carries several sequences, not one token list
+    if (c.contains("tokens")) out.push_back(c.at("tokens").get<std::vector<int32_t>>());
   return out;
 }
 
