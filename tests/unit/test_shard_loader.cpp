@@ -99,25 +99,29 @@ Want expected(const std::string& name, const TextConfig& t, int n, int r, bool e
   return Want{-2, 0, 0, false, "UNKNOWN"};
 }
 
-// Compares every element of `part` with the element of `full` it must hold (offset `begin` along `dim`).
+// Compares every element of `part` with the element of `full` it must hold (offset `begin` along `dim`),
+// one innermost row at a time (views keep a unit stride in the last dimension).
 ::testing::AssertionResult same_elements(const TensorView& full, const TensorView& part, int dim, int64_t begin) {
   const size_t esz = dtype_size(full.dtype);
   const int rank = full.shape.rank;
+  const int64_t run = part.shape[rank - 1];
+  if (part.stride[size_t(rank - 1)] != 1) return ::testing::AssertionFailure() << "last dimension is not contiguous";
+  const int64_t rows = run == 0 ? 0 : part.numel() / run;
   std::array<int64_t, kMaxDims> idx{};
-  const int64_t total = part.numel();
-  for (int64_t k = 0; k < total; ++k) {
+  for (int64_t k = 0; k < rows; ++k) {
     int64_t rem = k, poff = 0, foff = 0;
-    for (int d = rank - 1; d >= 0; --d) {
+    for (int d = rank - 2; d >= 0; --d) {
       idx[size_t(d)] = rem % part.shape[d];
       rem /= part.shape[d];
     }
+    idx[size_t(rank - 1)] = 0;
     for (int d = 0; d < rank; ++d) {
       poff += idx[size_t(d)] * part.stride[size_t(d)];
       foff += (idx[size_t(d)] + (d == dim ? begin : 0)) * full.stride[size_t(d)];
     }
     if (std::memcmp(static_cast<const uint8_t*>(part.data) + poff * esz,
-                    static_cast<const uint8_t*>(full.data) + foff * esz, esz) != 0)
-      return ::testing::AssertionFailure() << "element " << k << " differs";
+                    static_cast<const uint8_t*>(full.data) + foff * esz, size_t(run) * esz) != 0)
+      return ::testing::AssertionFailure() << "row " << k << " differs";
   }
   return ::testing::AssertionSuccess();
 }
