@@ -77,6 +77,12 @@ case "${1:-}" in
       export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
     fi
     ldd .gpu-carry/kestrel_gpu_tests | grep -E "not found|cublasLt|openblas" || true
+    # NCCL is dlopen'ed (src/parallel/nccl_comm.h); point at a copy when the loader path lacks one
+    # (PyTorch's wheels ship site-packages/nvidia/nccl/lib/libnccl.so.2).
+    if [ -z "${KESTREL_NCCL_LIBRARY:-}" ] && ! ldconfig -p | grep -q "libnccl.so.2 "; then
+      n="$(find / -name 'libnccl.so.2' -not -path '/proc/*' 2>/dev/null | head -1)"
+      [ -n "$n" ] && export KESTREL_NCCL_LIBRARY="$n" && echo "NCCL: $n"
+    fi
     OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}" .gpu-carry/kestrel_gpu_tests "${@:2}"
     ;;
   all)

@@ -49,6 +49,16 @@ void EngineFlags::add_to(CLI::App& cmd) {
                                                    "capped by the memory plan)")
       ->check(CLI::Range(int64_t(2), int64_t(1) << 40));
   cmd.add_flag("--no-prefix-cache", no_prefix_cache, "disable prefix caching");
+  cmd.add_option("--tensor-parallel-size", tensor_parallel_size,
+                 "ranks the model is split over (heads, projections, experts; docs/parallel.md); --device cpu: "
+                 "threads of this process")
+      ->check(CLI::Range(1, 1024));
+  cmd.add_flag("--enable-expert-parallel", enable_expert_parallel,
+               "with --tensor-parallel-size N: whole experts per rank instead of every expert split N ways");
+  cmd.add_option("--decode-context-parallel-size", decode_context_parallel_size,
+                 "spread each request's MLA latent and index-key cache along tokens over this many TP ranks (1 or "
+                 "the TP size)")
+      ->check(CLI::Range(1, 1024));
 }
 
 runtime::EngineOptions EngineFlags::options(int default_max_num_seqs) const {
@@ -59,6 +69,9 @@ runtime::EngineOptions EngineFlags::options(int default_max_num_seqs) const {
   o.gpu_memory_utilization = gpu_memory_utilization;
   o.cuda_graphs = !no_cuda_graphs;
   o.quantization = quantization;
+  o.tensor_parallel_size = tensor_parallel_size;
+  o.expert_parallel = enable_expert_parallel;
+  o.decode_context_parallel_size = decode_context_parallel_size;
   runtime::EngineConfig& ec = o.engine;
   ec.formats.latent = cache::parse_latent_format(kv_cache_dtype);
   ec.formats.index_keys = cache::parse_index_key_format(index_cache_dtype);

@@ -8,7 +8,9 @@
 #include "core/check.h"
 #include "loader/config.h"
 #include "loader/safetensors.h"
+#include "loader/shard.h"
 #include "loader/weights.h"
+#include "runtime/executor_tp.h"
 #include "tokenizer/parser.h"
 #ifdef KESTREL_WITH_CUDA
 #include "model/cuda/cuda_model.h"
@@ -81,6 +83,17 @@ EngineHost::EngineHost(EngineOptions options) : opt_(std::move(options)) {
   if (opt_.gpu_memory_utilization != 0.0) check_utilization(opt_.gpu_memory_utilization);
   if (opt_.quantization != "bf16" && (opt_.device != Device::cuda || opt_.fake))
     fail("--quantization {} needs --device cuda", opt_.quantization);
+  if (opt_.tensor_parallel_size < 1) fail("--tensor-parallel-size must be >= 1, got {}", opt_.tensor_parallel_size);
+  if (opt_.decode_context_parallel_size != 1 && opt_.decode_context_parallel_size != opt_.tensor_parallel_size)
+    fail("--decode-context-parallel-size {} must be 1 or the --tensor-parallel-size ({}): the CPU twin spreads a "
+         "request's MLA cache over the whole TP group",
+         opt_.decode_context_parallel_size, opt_.tensor_parallel_size);
+  if (opt_.expert_parallel && opt_.tensor_parallel_size == 1)
+    fail("--enable-expert-parallel needs --tensor-parallel-size > 1 (experts are spread over the TP ranks)");
+  if (opt_.tensor_parallel_size > 1 && opt_.device == Device::cuda)
+    fail("--tensor-parallel-size {} with --device cuda: multi-GPU runs are one process per GPU under mpirun "
+         "(docs/parallel.md) and not built yet; --device cpu runs the tensor-parallel CPU twin",
+         opt_.tensor_parallel_size);
   loader_ = std::thread([this] { load(); });
 }
 
@@ -109,6 +122,15 @@ void EngineHost::load() {
         m->device = setup_cuda(opt_, m->cfg, m->w, ec);
       } else if (!opt_.memory_budget && opt_.gpu_memory_utilization > 0.0) {
         ec.memory_budget = cpu_cache_budget(opt_.gpu_memory_utilization, opt_.model_dir);
+      }
+      if (opt_.device == Device::cpu && opt_.tensor_parallel_size > 1) {
+        ParallelLayout p;
+        p.tp = opt_.tensor_parallel_size;
+        p.expert_parallel = opt_.expert_parallel;
+        p.dcp = opt_.decode_context_parallel_size;
+        if (ec.formats.block_size % p.dcp != 0)
+          fail("--block-size {} must divide by --decode-context-parallel-size {}", ec.formats.block_size, p.dcp);
+        ec.make_executor = tp_executor_factory(m->cfg, *m->ckpt, p, ExecutorOptions{ec.batch_invariant});
       }
       m->engine = std::make_unique<runtime::Engine>(m->w, m->cfg, ec);
     }

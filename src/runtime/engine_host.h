@@ -8,6 +8,10 @@
 //   - --device cuda: the weights are uploaded (model::CudaModel) and the engine runs on the GPU
 //     executor (executor_cuda.h); --gpu-memory-utilization F = F × device memory − what is in use
 //     after the upload − a 2 GiB activation reserve (runtime::cuda_cache_budget);
+//   - --tensor-parallel-size N (--enable-expert-parallel, --decode-context-parallel-size N) on the CPU: N rank threads, each over its
+//     own shard of the mapped checkpoint (executor_tp.h); a layout the model cannot split fails the
+//     load with every reason (loader/shard.h). On CUDA it is one process per GPU (docs/parallel.md),
+//     not built yet: refused at once;
 //   - fake: config.json only, no weights; a FakeExecutor (fake_executor.h) draws the tokens.
 // Loading runs on a thread of the host's own, so a server can listen (and answer /health with 503)
 // meanwhile; wait_loaded() blocks for callers that need the engine now. The host is the front
@@ -40,6 +44,9 @@ struct EngineOptions {
   double gpu_memory_utilization = 0.0;   // (0, 1] when given
   bool cuda_graphs = true;               // --device cuda: decode steps through CUDA graphs
   std::string quantization = "bf16";     // --device cuda: dense projection weights bf16 | ptpc-fp8
+  int tensor_parallel_size = 1;          // --tensor-parallel-size: ranks (CPU: threads)
+  bool expert_parallel = false;          // --enable-expert-parallel: whole experts per rank
+  int decode_context_parallel_size = 1;  // --decode-context-parallel-size: 1 or the TP size (CPU twin)
   // Formats, batching, prefix cache, max_model_len, max_queue; the host fills in the budget, the
   // end-of-sequence ids and the executor.
   EngineConfig engine;

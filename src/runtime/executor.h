@@ -21,10 +21,15 @@
 #include "runtime/sampler.h"
 #include "sched/scheduler.h"
 
+namespace kestrel::parallel {
+class Comm;
+}
+
 namespace kestrel::runtime {
 
 struct ExecutorOptions {
   bool batch_invariant = true;
+  int dcp = 1;  // decode-context-parallel ranks of run_rank's group: 1 or its size (executor_tp.h)
 };
 
 struct ExecutorStats {
@@ -75,6 +80,9 @@ class Executor : public StepExecutor {
 
   sched::StepResult run(const sched::StepPlan& plan, const StepHooks& hooks) override;
   const ExecutorStats& stats() const override { return stats_; }
+  // One rank's part of a tensor-parallel step (executor_tp.h): the same work, every forward passing
+  // `comm` to the model (`w` and `c` are then this rank's shard and rank_config). Null = run().
+  sched::StepResult run_rank(const sched::StepPlan& plan, const StepHooks& hooks, parallel::Comm* comm);
   const CacheStore& store() const { return store_; }
 
  private:
