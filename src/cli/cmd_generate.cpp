@@ -38,7 +38,7 @@
 #include <string>
 #include <vector>
 
-#include "cache/layout.h"
+#include "core/cache_format.h"
 #include "cli/commands.h"
 #include "cli/engine_flags.h"
 #include "core/check.h"
@@ -203,7 +203,7 @@ void generate(const Opts& o) {
   runtime::Engine& engine = host.engine();
   const int64_t V = engine.vocab_size();
   fmt::print("memory plan ({} latent, {} index keys, {} KDA state):\n{}\n", o.engine.kv_cache_dtype,
-             o.engine.index_cache_dtype, cache::format_name(eo.engine.formats.kda_state), engine.memory_plan().describe());
+             o.engine.index_cache_dtype, format_name(eo.engine.formats.kda_state), engine.memory_plan().describe());
 
   // Every request is checked before any runs, so a bad one fails the command with nothing in flight.
   std::vector<Request> requests(prompts.size());

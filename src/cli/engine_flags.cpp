@@ -1,7 +1,7 @@
 // EngineFlags: see engine_flags.h.
 #include "cli/engine_flags.h"
 
-#include "cache/layout.h"
+#include "core/cache_format.h"
 #include "core/check.h"
 
 namespace kestrel::cli {
@@ -73,9 +73,9 @@ runtime::EngineOptions EngineFlags::options(int default_max_num_seqs) const {
   o.expert_parallel = enable_expert_parallel;
   o.decode_context_parallel_size = decode_context_parallel_size;
   runtime::EngineConfig& ec = o.engine;
-  ec.formats.latent = cache::parse_latent_format(kv_cache_dtype);
-  ec.formats.index_keys = cache::parse_index_key_format(index_cache_dtype);
-  ec.formats.kda_state = cache::parse_kda_state_dtype(kda_state_dtype);
+  ec.formats.latent = parse_latent_format(kv_cache_dtype);
+  ec.formats.index_keys = parse_index_key_format(index_cache_dtype);
+  ec.formats.kda_state = parse_kda_state_dtype(kda_state_dtype);
   if (block_size > 0) ec.formats.block_size = block_size;
   ec.max_running = max_num_seqs > 0 ? max_num_seqs : default_max_num_seqs;
   ec.max_num_batched_tokens = max_num_batched_tokens;

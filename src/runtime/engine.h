@@ -32,7 +32,7 @@
 #include <thread>
 #include <vector>
 
-#include "cache/layout.h"
+#include "core/cache_format.h"
 #include "loader/config.h"
 #include "loader/weights.h"
 #include "request/engine.h"
@@ -47,8 +47,8 @@ struct EngineConfig {
   int64_t memory_budget = int64_t(1) << 30;  // bytes for KDA slots + cache pages
   int32_t max_running = 16;                  // concurrent requests (one running state slot each)
   int32_t checkpoint_slots = 4;              // prefix-cache KDA checkpoints
-  cache::CacheFormats formats = {128, cache::LatentFormat::bf16, cache::IndexKeyFormat::bf16,
-                                 cache::KdaStateDtype::f32};
+  CacheFormats formats = {128, LatentFormat::bf16, IndexKeyFormat::bf16,
+                                 KdaStateDtype::f32};
   int32_t max_num_batched_tokens = 2048;
   bool enable_prefix_cache = true;
   int32_t checkpoint_interval_blocks = 0;

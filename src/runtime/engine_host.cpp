@@ -65,7 +65,7 @@ std::shared_ptr<void> setup_cuda(const EngineOptions& o, const ModelConfig& c, c
   }
   model::CudaModel* mp = m.get();
   const ModelConfig* cp = &c;
-  ec.make_executor = [mp, cp, graphs = o.cuda_graphs](const cache::CacheFormats& f, const cache::CacheConfig& cc) {
+  ec.make_executor = [mp, cp, graphs = o.cuda_graphs](const CacheFormats& f, const cache::CacheConfig& cc) {
     return std::unique_ptr<StepExecutor>(std::make_unique<CudaExecutor>(*mp, *cp, f, cc, CudaExecutorOptions{graphs}));
   };
   return m;

@@ -9,7 +9,7 @@
 
 namespace kestrel::runtime {
 
-Executor::Executor(const ModelWeights& w, const ModelConfig& c, const cache::CacheFormats& formats,
+Executor::Executor(const ModelWeights& w, const ModelConfig& c, const CacheFormats& formats,
                    const cache::CacheConfig& cc, const ExecutorOptions& options)
     : w_(w), c_(c), options_(options), store_(c.text, formats, cc.num_pages, cc.num_state_slots) {
   if (cc.block_size != formats.block_size)

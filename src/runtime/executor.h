@@ -15,6 +15,7 @@
 #include <memory>
 #include <span>
 
+#include "core/cache_format.h"
 #include "loader/config.h"
 #include "loader/weights.h"
 #include "runtime/cache_store.h"
@@ -71,11 +72,11 @@ class StepExecutor {
 
 // Builds an engine's executor once the memory plan has sized its caches.
 using ExecutorFactory =
-    std::function<std::unique_ptr<StepExecutor>(const cache::CacheFormats&, const cache::CacheConfig&)>;
+    std::function<std::unique_ptr<StepExecutor>(const CacheFormats&, const cache::CacheConfig&)>;
 
 class Executor : public StepExecutor {
  public:
-  Executor(const ModelWeights& w, const ModelConfig& c, const cache::CacheFormats& formats,
+  Executor(const ModelWeights& w, const ModelConfig& c, const CacheFormats& formats,
            const cache::CacheConfig& cache_config, const ExecutorOptions& options = {});
 
   sched::StepResult run(const sched::StepPlan& plan, const StepHooks& hooks) override;

@@ -48,7 +48,7 @@ sched::StepResult FakeExecutor::run(const sched::StepPlan& plan, const StepHooks
 }
 
 ExecutorFactory fake_executor_factory(int64_t vocab_size, FakeExecutorOptions options) {
-  return [vocab_size, options](const cache::CacheFormats&, const cache::CacheConfig&) {
+  return [vocab_size, options](const CacheFormats&, const cache::CacheConfig&) {
     return std::unique_ptr<StepExecutor>(std::make_unique<FakeExecutor>(vocab_size, options));
   };
 }

@@ -36,27 +36,11 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-const char* reason_phrase(int status) {
-  switch (status) {
-    case 100: return "Continue";
-    case 200: return "OK";
-    case 400: return "Bad Request";
-    case 401: return "Unauthorized";
-    case 404: return "Not Found";
-    case 405: return "Method Not Allowed";
-    case 408: return "Request Timeout";
-    case 413: return "Payload Too Large";
-    case 429: return "Too Many Requests";
-    case 431: return "Request Header Fields Too Large";
-    case 500: return "Internal Server Error";
-    case 503: return "Service Unavailable";
-    default: return "Unknown";
-  }
-}
-
+// The reason phrase is Beast's table (RFC 9110's phrases; "<unknown-status>" for a code it lacks).
 std::string http_response(int status, const std::string& body, const std::string& content_type, bool keep_alive) {
+  const std::string reason(http::obsolete_reason(static_cast<http::status>(status)));
   return fmt::format("HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: {}\r\n\r\n{}", status,
-                     reason_phrase(status), content_type, body.size(), keep_alive ? "keep-alive" : "close", body);
+                     reason, content_type, body.size(), keep_alive ? "keep-alive" : "close", body);
 }
 
 std::string chunk(const std::string& data) { return fmt::format("{:x}\r\n{}\r\n", data.size(), data); }
