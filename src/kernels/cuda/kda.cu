@@ -12,6 +12,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/kda.h"
+#include "kernels/cuda/kda_internal.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -149,13 +150,18 @@ __global__ void __launch_bounds__(DK) recurrent_kernel(const float* __restrict__
 }
 
 // Decode-specialised scan (kda_decode; same contract as kda_recurrent, built for one token per request).
-// One block of 128 threads per (32 value columns, head, request), so a batch-1 step of 12 heads × 128
-// already runs 48 blocks. Thread (warp w, lane l) holds rows i = 16m + 4w + (l >> 3), m < Dk/16, of the
-// columns 4(l & 7)..+3 of the block's slice: every state row is one 128-byte (f32) segment per 8 lanes,
-// loaded and stored as 16-byte vectors. Per token the column sums a = Σ_i d_i S_ij k_i, b = Σ_i d_i S_ij q_i
-// and kᵀq are reduced over the rows (shuffles, then one shared-memory round over the 4 warps, double-
-// buffered by token parity so one barrier per token suffices); then u = β(v − a), o = b + u·kᵀq
-// (= (S + k uᵀ)ᵀq) and S ← d ⊙ S + k uᵀ. Same math as recurrent_kernel in another summation order.
+// Work item = (32 value columns, head, request), 128 threads: a batch-1 step of 12 heads × 128 is already 48
+// items. Thread (warp w, lane l) holds rows i = 16m + 4w + (l >> 3), m < Dk/16, of the columns 4(l & 7)..+3 of
+// the item's slice: every state row is one 128-byte (f32) segment per 8 lanes, loaded and stored as 16-byte
+// vectors. Per token the column sums a = Σ_i d_i S_ij k_i, b = Σ_i d_i S_ij q_i and kᵀq are reduced over the
+// rows (shuffles, then one shared-memory round over the 4 warps, double-buffered by token parity so one
+// barrier per token suffices); then u = β(v − a), o = b + u·kᵀq (= (S + k uᵀ)ᵀq) and S ← d ⊙ S + k uᵀ. Same
+// math as recurrent_kernel in another summation order.
+// decode_kernel: one block per item (the latency form). decode_stream_kernel: a wave of persistent blocks
+// walks the items (consecutive items share a head's q, k, g in L2); each thread copies its own part of the
+// next item's slice into shared memory (cp.async) before it computes the current item, so the state reads of
+// the whole batch stay in flight (the bandwidth form: the one-item-per-block kernel only has reads in flight
+// at the start of each block, which left the FP16 pool at ~2.8 TB/s). Both call decode_tokens: identical bits.
 __device__ __forceinline__ void load4(const float* p, float (&x)[4]) {
   const float4 v = *reinterpret_cast<const float4*>(p);
   x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
@@ -165,36 +171,37 @@ __device__ __forceinline__ void load4(const uint16_t* p, float (&x)[4]) {
   x[0] = __half2float(__ushort_as_half(uint16_t(v.x))), x[1] = __half2float(__ushort_as_half(uint16_t(v.x >> 16)));
   x[2] = __half2float(__ushort_as_half(uint16_t(v.y))), x[3] = __half2float(__ushort_as_half(uint16_t(v.y >> 16)));
 }
-__device__ __forceinline__ void store4(float* p, const float (&x)[4]) {
-  *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
-}
-__device__ __forceinline__ void store4(uint16_t* p, const float (&x)[4]) {
+__device__ __forceinline__ uint2 pack_half4(const float (&x)[4]) {
   const uint32_t lo = uint32_t(__half_as_ushort(__float2half_rn(x[0]))) |
                       (uint32_t(__half_as_ushort(__float2half_rn(x[1]))) << 16);
   const uint32_t hi = uint32_t(__half_as_ushort(__float2half_rn(x[2]))) |
                       (uint32_t(__half_as_ushort(__float2half_rn(x[3]))) << 16);
-  *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
+  return make_uint2(lo, hi);
+}
+__device__ __forceinline__ void store4(float* p, const float (&x)[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+}
+__device__ __forceinline__ void store4(uint16_t* p, const float (&x)[4]) { *reinterpret_cast<uint2*>(p) = pack_half4(x); }
+// Streaming stores (evict-first): the state written back is not read again by this launch.
+__device__ __forceinline__ void store4_cs(float* p, const float (&x)[4]) {
+  __stcs(reinterpret_cast<float4*>(p), make_float4(x[0], x[1], x[2], x[3]));
+}
+__device__ __forceinline__ void store4_cs(uint16_t* p, const float (&x)[4]) {
+  __stcs(reinterpret_cast<uint2*>(p), pack_half4(x));
 }
 
 constexpr int kDecodeCols = 32, kDecodeThreads = 128;
 
-template <int DK, typename StateT>
-__global__ void __launch_bounds__(kDecodeThreads)
-    decode_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                  const float* __restrict__ g, int64_t ld, const float* __restrict__ beta, int64_t ld_beta,
-                  const int32_t* __restrict__ cu, const int32_t* __restrict__ slots, StateT* __restrict__ pool,
-                  float* __restrict__ o, int64_t H) {
-  constexpr int R = DK / 16;          // rows per thread
-  __shared__ float red[2][4][9][8];   // [token parity][warp][a0..a3, b0..b3, kᵀq][column group]
-  const int64_t h = blockIdx.y, b = blockIdx.z;
+// Tokens t0..t1−1 of one work item, on the thread's state registers s (rows 16m + 4w + sub, value columns
+// col..col+3 of head h). red: the block's reduction buffer, par: its token parity, carried across items.
+template <int DK>
+__device__ __forceinline__ void decode_tokens(float (&s)[DK / 16][4], const float* __restrict__ q,
+                                              const float* __restrict__ k, const float* __restrict__ v,
+                                              const float* __restrict__ g, int64_t ld, const float* __restrict__ beta,
+                                              int64_t ld_beta, int64_t t0, int64_t t1, int64_t h, int col,
+                                              float (&red)[2][4][9][8], int& par, float* __restrict__ o) {
+  constexpr int R = DK / 16;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, sub = lane >> 3, c4 = lane & 7;
-  const int col = blockIdx.x * kDecodeCols + 4 * c4;  // first of this thread's 4 value columns
-  StateT* S = pool + (int64_t(slots[b]) * H + h) * DK * DK;  // [DK(key), DK(value)]
-  float s[R][4];
-#pragma unroll
-  for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
-  const int64_t t0 = cu[b], t1 = cu[b + 1];
-  int par = 0;
   for (int64_t t = t0; t < t1; ++t, par ^= 1) {
     const int64_t row = t * ld + h * DK;
     // Every global read of the token is issued here, before the barrier below.
@@ -257,8 +264,75 @@ __global__ void __launch_bounds__(kDecodeThreads)
       for (int c = 0; c < 4; ++c) o[row + col + c] = fmaf(u[c], kqs, ob[c]);
     }
   }
+}
+
+template <int DK, typename StateT>
+__global__ void __launch_bounds__(kDecodeThreads)
+    decode_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                  const float* __restrict__ g, int64_t ld, const float* __restrict__ beta, int64_t ld_beta,
+                  const int32_t* __restrict__ cu, const int32_t* __restrict__ slots, StateT* __restrict__ pool,
+                  float* __restrict__ o, int64_t H) {
+  constexpr int R = DK / 16;          // rows per thread
+  __shared__ float red[2][4][9][8];   // [token parity][warp][a0..a3, b0..b3, kᵀq][column group]
+  const int64_t h = blockIdx.y, b = blockIdx.z;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, sub = lane >> 3, c4 = lane & 7;
+  const int col = blockIdx.x * kDecodeCols + 4 * c4;  // first of this thread's 4 value columns
+  StateT* S = pool + (int64_t(slots[b]) * H + h) * DK * DK;  // [DK(key), DK(value)]
+  float s[R][4];
+#pragma unroll
+  for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
+  int par = 0;
+  decode_tokens<DK>(s, q, k, v, g, ld, beta, ld_beta, cu[b], cu[b + 1], h, col, red, par, o);
 #pragma unroll
   for (int m = 0; m < R; ++m) store4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
+}
+
+// n_items = B·H·(DK/32), item it = ((b·H) + h)·(DK/32) + column block. Dynamic shared memory: StateT [2][DK][32].
+template <int DK, typename StateT>
+__global__ void __launch_bounds__(kDecodeThreads)
+    decode_stream_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                         const float* __restrict__ g, int64_t ld, const float* __restrict__ beta, int64_t ld_beta,
+                         const int32_t* __restrict__ cu, const int32_t* __restrict__ slots,
+                         StateT* __restrict__ pool, float* __restrict__ o, int64_t H, int64_t n_items) {
+  constexpr int R = DK / 16, NCB = DK / kDecodeCols;
+  __shared__ float red[2][4][9][8];
+  StateT* buf = kda_detail::dyn_smem<StateT>();  // [2][DK][kDecodeCols]: the current and the next item's slice
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, sub = lane >> 3, c4 = lane & 7;
+  // This thread's rows and columns of item it's slice into buffer p (it reads back exactly these elements, so
+  // its own cp.async wait suffices; no barrier).
+  auto fetch = [&](int64_t it, int p) {
+    const int64_t b = it / (H * NCB), h = (it / NCB) % H, cb = it % NCB;
+    const StateT* S = pool + (int64_t(slots[b]) * H + h) * DK * DK + cb * kDecodeCols + 4 * c4;
+    StateT* dst = buf + p * DK * kDecodeCols + 4 * c4;
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+      const int r = 16 * m + 4 * w + sub;
+      if constexpr (sizeof(StateT) == 4) {
+        kda_detail::cp_async16(dst + r * kDecodeCols, S + r * DK, 16u);
+      } else {
+        kda_detail::cp_async8(dst + r * kDecodeCols, S + r * DK);
+      }
+    }
+  };
+  int par = 0, p = 0;
+  int64_t it = blockIdx.x;
+  if (it < n_items) fetch(it, 0);
+  kda_detail::cp_async_commit();
+  for (; it < n_items; it += gridDim.x, p ^= 1) {
+    // Buffer p^1 was last read for the previous item, whose stores (which used those reads) precede this.
+    if (it + gridDim.x < n_items) fetch(it + gridDim.x, p ^ 1);
+    kda_detail::cp_async_commit();
+    kda_detail::cp_async_wait<1>();  // this thread's copies of item it
+    const int64_t b = it / (H * NCB), h = (it / NCB) % H, cb = it % NCB;
+    const int col = int(cb) * kDecodeCols + 4 * c4;
+    float s[R][4];
+#pragma unroll
+    for (int m = 0; m < R; ++m) load4(buf + p * DK * kDecodeCols + (16 * m + 4 * w + sub) * kDecodeCols + 4 * c4, s[m]);
+    decode_tokens<DK>(s, q, k, v, g, ld, beta, ld_beta, cu[b], cu[b + 1], h, col, red, par, o);
+    StateT* S = pool + (int64_t(slots[b]) * H + h) * DK * DK;
+#pragma unroll
+    for (int m = 0; m < R; ++m) store4_cs(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
+  }
 }
 
 __global__ void out_norm_gate_kernel(const float* __restrict__ o, const uint16_t* __restrict__ gate,
@@ -274,6 +348,11 @@ __global__ void out_norm_gate_kernel(const float* __restrict__ o, const uint16_t
   const float gt = dev::sigmoid(dev::bf16_to_f32(gate[idx]));
   ohat[idx] = dev::f32_to_bf16(ov * r * o_norm[j] * gt);
 }
+
+}  // namespace
+
+#ifndef KESTREL_SIMT_EMU
+namespace {
 
 unsigned blocks_for(int64_t n, int threads) {
   const int64_t b = (n + threads - 1) / threads;
@@ -372,10 +451,33 @@ void kda_recurrent(const float* q, const float* k, const float* v, const float* 
 }
 
 namespace {
+template <int DK, typename StateT>
+void launch_decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+                   int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, StateT* state_pool, float* o,
+                   int64_t B, int64_t H, KdaDecodeVariant variant, cudaStream_t stream) {
+  const int64_t n_items = B * H * (DK / kDecodeCols);
+  auto stream_kernel = decode_stream_kernel<DK, StateT>;
+  constexpr size_t smem = size_t(2) * DK * kDecodeCols * sizeof(StateT);
+  int dev = 0, sms = 0, per_sm = 0;
+  KCUDA_CHECK(cudaGetDevice(&dev));
+  KCUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, stream_kernel, kDecodeThreads, smem));
+  const int64_t wave = int64_t(std::max(sms, 1)) * std::max(per_sm, 1);
+  if (variant == kKdaDecodeStream || (variant == kKdaDecodeAuto && n_items > wave)) {
+    stream_kernel<<<unsigned(std::min(n_items, wave)), kDecodeThreads, smem, stream>>>(
+        q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, H, n_items);
+  } else {
+    const dim3 grid{unsigned(DK / kDecodeCols), unsigned(H), unsigned(B)};
+    decode_kernel<DK><<<grid, kDecodeThreads, 0, stream>>>(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots,
+                                                           state_pool, o, H);
+  }
+  KCUDA_CHECK_LAUNCH();
+}
+
 template <typename StateT>
 void decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
             int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, StateT* state_pool, float* o, int64_t B,
-            int64_t H, int64_t Dk, cudaStream_t stream) {
+            int64_t H, int64_t Dk, cudaStream_t stream, KdaDecodeVariant variant) {
   // Vector state access needs a 16-byte (f32) / 8-byte (f16) aligned pool; otherwise the plain kernel.
   if (reinterpret_cast<uintptr_t>(state_pool) % (4 * sizeof(StateT)) != 0) {
     recurrent(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream);
@@ -385,38 +487,44 @@ void decode(const float* q, const float* k, const float* v, const float* g, int6
                 std::string("kda_decode: null pointer"));
   KCUDA_REQUIRE(B >= 0 && B < 65536 && H > 0 && H < 65536 && ld >= H * Dk && ld_beta >= H,
                 std::string("kda_decode: bad B, H or strides"));
+  KCUDA_REQUIRE(variant >= kKdaDecodeAuto && variant <= kKdaDecodeStream,
+                "kda_decode: bad variant " + std::to_string(int(variant)));
   if (B == 0) return;
-  const dim3 grid{unsigned(Dk / kDecodeCols), unsigned(H), unsigned(B)};
   switch (Dk) {
     case 32:
-      decode_kernel<32><<<grid, kDecodeThreads, 0, stream>>>(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots,
-                                                             state_pool, o, H);
+      launch_decode<32>(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, variant, stream);
       break;
     case 64:
-      decode_kernel<64><<<grid, kDecodeThreads, 0, stream>>>(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots,
-                                                             state_pool, o, H);
+      launch_decode<64>(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, variant, stream);
       break;
     case 128:
-      decode_kernel<128><<<grid, kDecodeThreads, 0, stream>>>(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots,
-                                                              state_pool, o, H);
+      launch_decode<128>(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, variant, stream);
       break;
     default:
       KCUDA_REQUIRE(false, "kda_decode: Dk = " + std::to_string(Dk) + " (supported: 32, 64, 128)");
   }
-  KCUDA_CHECK_LAUNCH();
 }
 }  // namespace
 
 void kda_decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
                 int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
                 int64_t B, int64_t H, int64_t Dk, cudaStream_t stream) {
-  decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream);
+  decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream, kKdaDecodeAuto);
 }
-
 void kda_decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
                 int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, uint16_t* state_pool, float* o,
                 int64_t B, int64_t H, int64_t Dk, cudaStream_t stream) {
-  decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream);
+  decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream, kKdaDecodeAuto);
+}
+void kda_decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+                int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
+                int64_t B, int64_t H, int64_t Dk, cudaStream_t stream, KdaDecodeVariant variant) {
+  decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream, variant);
+}
+void kda_decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+                int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, uint16_t* state_pool, float* o,
+                int64_t B, int64_t H, int64_t Dk, cudaStream_t stream, KdaDecodeVariant variant) {
+  decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream, variant);
 }
 
 void kda_out_norm_gate(const float* o, const uint16_t* gate, const float* o_norm, float eps, uint16_t* ohat, int64_t T,
@@ -429,5 +537,7 @@ void kda_out_norm_gate(const float* o, const uint16_t* gate, const float* o_norm
                                                                                     int(Dk));
   KCUDA_CHECK_LAUNCH();
 }
+
+#endif  // KESTREL_SIMT_EMU
 
 }  // namespace kestrel::cuda

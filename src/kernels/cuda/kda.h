@@ -61,6 +61,12 @@ void kda_recurrent(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T,
 // one token per request: 128-thread blocks of 32 value columns (Dk/32 blocks per (head, request)), 16-byte
 // state loads and stores. Results equal kda_recurrent's up to FP32 summation order. Falls back to
 // kda_recurrent when the pool is not 16-byte (f32) / 8-byte (f16) aligned. Dk ∈ {32, 64, 128}.
+// Two kernels (kda.cu): kKdaDecodeBlocks, one block per (32 value columns, head, request), the latency form
+// for small batches; kKdaDecodeStream, persistent blocks that walk those work items and copy the next item's
+// state slice into shared memory (cp.async) while they compute the current one, the bandwidth form for large
+// batches. kKdaDecodeAuto picks the second when the items outnumber one wave of blocks. Both give the same
+// results bit for bit (same arithmetic in the same order).
+enum KdaDecodeVariant : int { kKdaDecodeAuto = 0, kKdaDecodeBlocks = 1, kKdaDecodeStream = 2 };
 void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
                 const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
                 const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
@@ -71,6 +77,19 @@ void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*
                 const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
                 const int32_t* slots /* i32 [B] */, uint16_t* state_pool /* f16 [n_slots, H, Dk, Dk] */,
                 float* o /* f32 [T, H*Dk], row stride ld */, int64_t B, int64_t H, int64_t Dk, cudaStream_t stream);
+// The same with an explicit kernel choice (benchmarks, tests).
+void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
+                const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
+                const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
+                const int32_t* slots /* i32 [B] */, float* state_pool /* f32 [n_slots, H, Dk, Dk] */,
+                float* o /* f32 [T, H*Dk], row stride ld */, int64_t B, int64_t H, int64_t Dk, cudaStream_t stream,
+                KdaDecodeVariant variant);
+void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
+                const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
+                const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
+                const int32_t* slots /* i32 [B] */, uint16_t* state_pool /* f16 [n_slots, H, Dk, Dk] */,
+                float* o /* f32 [T, H*Dk], row stride ld */, int64_t B, int64_t H, int64_t Dk, cudaStream_t stream,
+                KdaDecodeVariant variant);
 
 // Step 6, chunk-parallel WY/UT form for prefill (MODEL.md §3.3, chunk 64; kda_chunked.cu has the design;
 // CPU twin cpu::kda_scan_chunked, oracle cpu::kda_scan_recurrent). The contract of kda_recurrent: request b
@@ -86,6 +105,21 @@ void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*
 // Dk ∈ {32, 64, 128}; q, k, v, g 16-byte aligned and ld a multiple of 4; g ≥ −5 per token (the §3.3 gate
 // bound keeps e^{16·5} in f32 range; see kda_chunked.cu).
 size_t kda_chunked_workspace_bytes(int64_t T, int64_t B, int64_t H, int64_t Dk);
+// Kernel variants of kda_chunked's two main launches (kda_chunked.cu describes them); the overloads without
+// a variant use KdaChunkedVariant{}. All variants meet the same contract and tolerances; benchmarks time them
+// against each other and, through `launches`, time the launches apart.
+struct KdaChunkedVariant {
+  // Intra-chunk products: 1 = one 512-thread CTA holds a whole (chunk, head) (190 KB of shared memory, one
+  // CTA per SM); 2 = the chunk's channels stream through in quarters (106 KB, two CTAs per SM).
+  int intra = 2;
+  // Sequential pass: 0 = choose by grid size (3 when one wave of 16-column CTAs fits the GPU, else 2);
+  // 1 = 2 warps per 32 value columns, each warp all keys; 2 = 4 warps per 32 value columns, the keys split
+  // between the two warps of each 16-column tile; 3 = 2 warps per 16 value columns, keys split.
+  int seq = 0;
+  // Launches to run: bit 0 the chunk table, bit 1 intra, bit 2 seq. Running seq without intra needs a
+  // workspace that an earlier call with the same arguments filled (benchmarks only).
+  unsigned launches = 7;
+};
 void kda_chunked(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
                  const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
                  const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
@@ -98,6 +132,18 @@ void kda_chunked(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H
                  const int32_t* slots /* i32 [B] */, uint16_t* state_pool /* f16 [n_slots, H, Dk, Dk] */,
                  float* o /* f32 [T, H*Dk], row stride ld */, int64_t T, int64_t B, int64_t H, int64_t Dk,
                  void* workspace, cudaStream_t stream);
+void kda_chunked(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
+                 const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
+                 const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
+                 const int32_t* slots /* i32 [B] */, float* state_pool /* f32 [n_slots, H, Dk, Dk] */,
+                 float* o /* f32 [T, H*Dk], row stride ld */, int64_t T, int64_t B, int64_t H, int64_t Dk,
+                 void* workspace, cudaStream_t stream, const KdaChunkedVariant& variant);
+void kda_chunked(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
+                 const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
+                 const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
+                 const int32_t* slots /* i32 [B] */, uint16_t* state_pool /* f16 [n_slots, H, Dk, Dk] */,
+                 float* o /* f32 [T, H*Dk], row stride ld */, int64_t T, int64_t B, int64_t H, int64_t Dk,
+                 void* workspace, cudaStream_t stream, const KdaChunkedVariant& variant);
 // Convenience forms (tests, benchmarks): read cu_seqlens[0] and [B] back (a stream synchronisation) and take
 // the workspace from cudaMallocAsync on the stream. Not capturable in a CUDA graph.
 void kda_chunked(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,

@@ -3,11 +3,11 @@
 //
 // 1. chunk_table (one block): chunk_start[b] = Σ_{b'<b} ⌈len_b'/64⌉ and chunk_seq[c] = b, so the
 //    other two launches need no host copy of cu_seqlens (graph-capturable).
-// 2. intra (one 512-thread CTA per (chunk, head), all chunks in parallel): with G the cumulative
-//    log-decay inside the chunk (f64 sum, stored f32 in log2 units), β, k, q, v of the chunk:
+// 2. intra (one CTA per (chunk, head), all chunks in parallel): with G the cumulative log-decay inside the
+//    chunk (f64 sum, stored f32 in log2 units), β, k, q, v of the chunk:
 //      A_ts  = Σ_i k_t k_s e^{G_t−G_s}   (s < t)        QK_ts = Σ_i q_t k_s e^{G_t−G_s}   (s ≤ t)
-//      T     = (I + diag(β)·A)^−1 (unit lower triangular; FP32 on the CUDA cores: 16×16 diagonal
-//              blocks by forward substitution, then the block rows i = 1..3: T_ij = −T_ii Σ_m L_im T_mj)
+//      T     = (I + diag(β)·A)^−1 (unit lower triangular; FP32 on the CUDA cores from 16×16 diagonal blocks
+//              solved by forward substitution)
 //      W     = T·diag(β)·(e^G ⊙ K)       U0 = T·diag(β)·V       (so that u = U0 − W·S₀)
 //      Q̃    = e^G ⊙ Q                    K̂ = e^{G_C − G} ⊙ K     eG = e^{G_C}
 //    and writes them as the exact shared-memory image the next launch copies (row strides padded so
@@ -15,14 +15,20 @@
 //    end of the previous 16-token sub-chunk of t: e^{G_t−r} ≤ 1 times e^{r−G_s}, which is ≤ 1 for s in an
 //    earlier sub-chunk and ≤ e^{16·5} = e^80 < FLT_MAX inside t's own (the §3.3 gate bound g ≥ −5), so
 //    A and QK are two tensor-core products per 16-row block, never one exponential per (t, s, i).
-// 3. seq (one 64-thread CTA per (32 value columns, head, sequence), chunks in order): the state slice
-//    Sᵀ [32 values × Dk keys] lives in the two warps' mma accumulators (16 value rows each) for the
-//    whole sequence; per chunk
+//    Variant 1 (this file): one 512-thread CTA holds q, k, G and the operands of the whole chunk (190 KB of
+//    shared memory, so one CTA per SM); the block rows of T follow one another (T_ij = −T_ii Σ_m L_im T_mj).
+//    Variant 2 (kda_chunked_v2.cu): the chunk's channels stream through in quarters (106 KB, two CTAs per
+//    SM), T by doubling (16 → 32 → 64-row blocks).
+// 3. seq (one CTA per (value columns, head, sequence), chunks in order): the state slice Sᵀ [values × Dk
+//    keys] lives in the warps' mma accumulators for the whole sequence; per chunk
 //      v_newᵀ = U0ᵀ − Sᵀ·Wᵀ      oᵀ = Sᵀ·Q̃ᵀ + v_newᵀ·QKᵀ      Sᵀ ← Sᵀ·diag(eG) + v_newᵀ·K̂
 //    with the accumulator of one product used directly as the A operand of the next (TF32: the key /
 //    token index inside each 8-wide k-step is permuted to match the accumulator layout, and the B
 //    operand is read with the same permutation; BF16: the layouts already agree). Each chunk's image
 //    arrives by two bulk copies (TMA, mbarrier completion) into a double buffer, two chunks ahead.
+//    Variant 1 (this file): 2 warps per 32 value columns, each warp all Dk keys of its 16 values.
+//    Variants 2 and 3 (kda_chunked_v2.cu): the keys split between two warps per 16 values, which swap
+//    their partial products once per chunk (half the tensor-core work on each warp's critical path).
 //
 // Precision: the recurrence (v_new and the state update: W, K̂, S) runs TF32 × TF32 → FP32 (operands
 // rounded to nearest, 2^−11 relative); the output path (Q̃·S and QK·v_new) runs BF16 × BF16 → FP32,
@@ -32,20 +38,9 @@
 // 3–6e−4, flat in the sequence length (no growth over 1000 tokens of undecayed gates); without the
 // rounding the same emulation agrees to 1e−7. tests/gpu/test_kda_gpu.cpp states the bounds it enforces.
 //
-// Cost per (chunk, head) at Dk = 128 (H200: ~4.3 TB/s copy, 132 SMs):
-//   intra: reads q, k, g, v (128 KiB f32), writes the 133 KiB image; 2.6 MFLOP TF32 mma (A, QK, W, U0, upper
-//     triangles of the 16-row blocks included), ~60 K FP32 FMA (T), ~40 K exponentials. One 190 KiB CTA per
-//     SM; estimated ~8 µs per CTA (load latency, 18 barriers), so ≈ 0.4 ms for 12 heads × 32K (6156 CTAs),
-//     which is also about the time its 1.6 GB of HBM traffic takes.
-//   seq: per 32 value columns per chunk, 2 × 0.52 MFLOP TF32 + 0.69 MFLOP BF16 (256 + 84 mma per warp) and
-//     ~230 KB of shared-memory fragment reads per SM: ≈ 1.1 µs per chunk step on a 2-warp CTA; the image is
-//     read once per value block (4 per head, 3 of them L2 hits). 12 heads × 32K: 512 steps ≈ 0.56 ms.
-//   Predicted totals (12 heads unless noted): 8K ≈ 0.25 ms, 32K ≈ 1.0 ms, 128K ≈ 4.1 ms, 8 × 8K ≈ 1.3 ms,
-//   96 heads × 32K ≈ 5.3 ms; FLA chunk_kda on our H200: 0.54 / 1.94 / 7.57 / 2.90 / 10.9 ms.
+// Cost: see "Cost" below the includes.
 //
 // Shapes: Dk ∈ {32, 64, 128} (value dim = Dk); the per-CTA shared memory is sized at compile time.
-// The file is longer than most (~700 lines): its three kernels share the image layout (Img), which
-// should have exactly one definition.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -53,41 +48,16 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/kda.h"
+#include "kernels/cuda/kda_internal.cuh"
 
-namespace kestrel::cuda {
+namespace kestrel::cuda::kda_detail {
 namespace {
 
-constexpr int kC = 64;              // chunk length
 constexpr int kIntraThreads = 512;  // 16 warps
-constexpr int kSeqWarps = 2;        // a seq CTA owns 16·kSeqWarps value columns
+constexpr int kSeqWarps = 2;        // a variant-1 seq CTA owns 16·kSeqWarps value columns
 constexpr int kBV = 16 * kSeqWarps;
-constexpr double kLog2e = 1.4426950408889634;
 
-// The image of one (chunk, head) in the workspace, which is also the seq kernel's shared-memory stage.
-// Strides (in elements) make the seq kernel's fragment loads conflict-free: 8-byte f32 pairs need a row
-// stride ≡ 8 (mod 32 words), 4-byte bf16 pairs a stride ≡ 4 (mod 8 words).
-template <int K>
-struct Img {
-  static constexpr int KPW = K + 8;  // W   f32  [C tokens][KPW]      (TF32-rounded)
-  static constexpr int TP = kC + 8;  // K̂ᵀ f32  [K keys][TP], U0ᵀ f32 [K values][TP]
-  static constexpr int KPQ = K + 8;  // Q̃  bf16 [C tokens][KPQ]
-  static constexpr int APQ = kC + 8; // QK  bf16 [C tokens t][APQ] (s ≤ t, zero elsewhere)
-  static constexpr size_t w_off = 0;
-  static constexpr size_t kh_off = w_off + size_t(kC) * KPW * 4;
-  static constexpr size_t q_off = kh_off + size_t(K) * TP * 4;
-  static constexpr size_t a_off = q_off + size_t(kC) * KPQ * 2;
-  static constexpr size_t e_off = a_off + size_t(kC) * APQ * 2;  // eG f32 [K]
-  static constexpr size_t shared_bytes = e_off + size_t(K) * 4;  // the part every value block needs
-  static constexpr size_t u_off = shared_bytes;                  // U0ᵀ
-  static constexpr size_t bytes = u_off + size_t(K) * TP * 4;
-  static constexpr size_t u_slice_bytes = size_t(kBV) * TP * 4;  // one seq CTA's rows of U0ᵀ
-  static constexpr size_t stage_bytes = shared_bytes + u_slice_bytes;
-  static_assert(kh_off % 16 == 0 && q_off % 16 == 0 && a_off % 16 == 0 && e_off % 16 == 0 &&
-                    shared_bytes % 16 == 0 && bytes % 16 == 0 && u_slice_bytes % 16 == 0,
-                "bulk copies need 16-byte sizes and offsets");
-};
-
-// Intra kernel shared memory (floats): Ks, Qs, Gs, E1 [C][KP]; Ek, Eq [16][KP]; Am, Tm [C][LP]; Xs [3][16][16];
+// Variant-1 intra shared memory (floats): Ks, Qs, Gs, E1 [C][KP]; Ek, Eq [16][KP]; Am, Tm [C][LP]; Xs [3][16][16];
 // bs [C]. KP ≡ LP ≡ 4 (mod 32): 4-byte fragment loads (row g, column t) hit 32 distinct banks.
 template <int K>
 struct IntraSmem {
@@ -95,77 +65,6 @@ struct IntraSmem {
   static constexpr size_t floats = size_t(4 * kC * KP + 2 * 16 * KP + 2 * kC * LP + 3 * 256 + kC);
   static constexpr size_t bytes = floats * 4;
 };
-
-size_t img_bytes(int64_t Dk) {
-  switch (Dk) {
-    case 32: return Img<32>::bytes;
-    case 64: return Img<64>::bytes;
-    case 128: return Img<128>::bytes;
-    default: return 0;
-  }
-}
-int64_t capacity_chunks(int64_t T, int64_t B) { return T / kC + B + 1; }
-size_t table_bytes(int64_t B, int64_t cap) { return (size_t(B + 1 + cap) * 4 + 255) / 256 * 256; }
-
-// ---- device helpers ----------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-__device__ __forceinline__ float tf32f(float x) { return __uint_as_float(to_tf32(x)); }
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// D += A·B, m16n8k8 TF32. Lane l, g = l/4, t = l%4: a = (g,t) (g+8,t) (g,t+4) (g+8,t+4); b = (t,g) (t+4,g);
-// d = (g,2t) (g,2t+1) (g+8,2t) (g+8,2t+1) as (row, col).
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-// D += A·B, m16n8k16 BF16: a regs = (g, 2t..2t+1) (g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..); b regs = (2t..2t+1, g)
-// (2t+8.., g); d as above. The lower column / row index sits in the low 16 bits.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(smem_u32(bar)), "r"(parity)
-      : "memory");
-  return ok != 0;
-}
-// 1-D bulk copy global → shared (TMA), completing `bytes` of transaction on `bar`. 16-byte aligned, size % 16 == 0.
-__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32(dst)),
-      "l"(src), "r"(bytes), "r"(smem_u32(bar))
-      : "memory");
-}
-
-__device__ __forceinline__ float load_state(const float* p) { return *p; }
-__device__ __forceinline__ float load_state(const uint16_t* p) { return __half2float(__ushort_as_half(*p)); }
-__device__ __forceinline__ void store_state(float* p, float x) { *p = x; }
-__device__ __forceinline__ void store_state(uint16_t* p, float x) { *p = __half_as_ushort(__float2half_rn(x)); }
-
-__device__ __forceinline__ int nchunks(int32_t a, int32_t b) { return b > a ? int((int64_t(b) - a + kC - 1) / kC) : 0; }
 
 // ---- 1. chunk table ------------------------------------------------------------------------------------------
 // One block of 1024 threads; thread i scans sequences [i·per, (i+1)·per). If the chunks do not fit the
@@ -230,7 +129,7 @@ __global__ void __launch_bounds__(kIntraThreads, 1)
                  int B, char* __restrict__ imgs, int H) {
   using I = Img<K>;
   constexpr int KP = IntraSmem<K>::KP, LP = IntraSmem<K>::LP, NT = kIntraThreads;
-  extern __shared__ __align__(16) float sm[];
+  float* sm = dyn_smem<float>();
   float* Ks = sm;              // [C][KP] k, later β·e^G ⊙ k (TF32)
   float* Qs = Ks + kC * KP;    // [C][KP] q
   float* Gs = Qs + kC * KP;    // [C][KP] cumulative log2-decay G·log2e (rows ≥ n repeat row n−1)
@@ -478,8 +377,8 @@ __global__ void __launch_bounds__(32 * kSeqWarps, 1)
                const char* __restrict__ imgs, StateT* __restrict__ pool, float* __restrict__ o, int64_t ld, int H) {
   using I = Img<K>;
   constexpr int NJ = K / 8;  // key n-tiles (TF32 k-steps over keys)
-  extern __shared__ __align__(128) unsigned char smraw[];
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smraw + 2 * I::stage_bytes);
+  unsigned char* smraw = dyn_smem<unsigned char>();
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smraw + 2 * I::stage_bytes(kBV));
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, tq = lane & 3;
   const int vb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int c_beg = cs[b], nc = cs[b + 1] - c_beg;
@@ -491,16 +390,16 @@ __global__ void __launch_bounds__(32 * kSeqWarps, 1)
   if (tid == 0) {
     mbar_init(&bars[0], 1);
     mbar_init(&bars[1], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_mbarrier_init();
   }
   __syncthreads();
   auto issue = [&](int c) {  // thread 0: chunk c's image into stage c & 1
     const int s = c & 1;
     const char* src = imgs + (size_t(c_beg + c) * H + h) * I::bytes;
-    unsigned char* dst = smraw + s * I::stage_bytes;
-    mbar_expect_tx(&bars[s], uint32_t(I::stage_bytes));
+    unsigned char* dst = smraw + s * I::stage_bytes(kBV);
+    mbar_expect_tx(&bars[s], uint32_t(I::stage_bytes(kBV)));
     bulk_g2s(dst, src, uint32_t(I::shared_bytes), &bars[s]);
-    bulk_g2s(dst + I::shared_bytes, src + I::u_off + size_t(v0) * I::TP * 4, uint32_t(I::u_slice_bytes), &bars[s]);
+    bulk_g2s(dst + I::shared_bytes, src + I::u_off + size_t(v0) * I::TP * 4, uint32_t(I::u_slice_bytes(kBV)), &bars[s]);
   };
   if (tid == 0) {
     issue(0);
@@ -524,7 +423,7 @@ __global__ void __launch_bounds__(32 * kSeqWarps, 1)
     const int s = c & 1;
     while (!mbar_try_wait(&bars[s], uint32_t((c >> 1) & 1))) {
     }
-    const unsigned char* st = smraw + s * I::stage_bytes;
+    const unsigned char* st = smraw + s * I::stage_bytes(kBV);
     const float* Ws = reinterpret_cast<const float*>(st + I::w_off);
     const float* Kh = reinterpret_cast<const float*>(st + I::kh_off);
     const uint16_t* Qs = reinterpret_cast<const uint16_t*>(st + I::q_off);
@@ -621,7 +520,7 @@ __global__ void __launch_bounds__(32 * kSeqWarps, 1)
 
     __syncthreads();  // both warps are done with stage s
     if (tid == 0 && c + 2 < nc) {
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      fence_proxy_async();
       issue(c + 2);
     }
   }
@@ -635,28 +534,83 @@ __global__ void __launch_bounds__(32 * kSeqWarps, 1)
     store_state(S + (key + 1) * K + vw + gq + 8, sa[j][3]);
   }
 }
+}  // namespace
 
-// ---- launchers -------------------------------------------------------------------------------------------------------
-template <int K, typename StateT>
-void launch(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
-            int64_t ld_beta, const int32_t* cu, const int32_t* slots, StateT* pool, float* o, int64_t B, int64_t H,
-            int64_t cap, void* workspace, cudaStream_t stream) {
-  int32_t* cs = static_cast<int32_t*>(workspace);
-  int32_t* cseq = cs + B + 1;
-  char* imgs = static_cast<char*>(workspace) + table_bytes(B, cap);
-  chunk_table_kernel<<<1, 1024, 0, stream>>>(cu, int(B), int(cap), cs, cseq);
-  KCUDA_CHECK_LAUNCH();
+}  // namespace kestrel::cuda::kda_detail
+
+#ifndef KESTREL_SIMT_EMU
+namespace kestrel::cuda::kda_detail {
+
+// ---- variant-1 launches ----------------------------------------------------------------------------------------
+template <int K>
+void launch_intra1(const ChunkArgs& a, cudaStream_t stream) {
   auto intra = intra_kernel<K>;
   KCUDA_CHECK(cudaFuncSetAttribute(intra, cudaFuncAttributeMaxDynamicSharedMemorySize, int(IntraSmem<K>::bytes)));
-  intra<<<dim3(unsigned(cap), unsigned(H)), kIntraThreads, IntraSmem<K>::bytes, stream>>>(
-      q, k, v, g, ld, beta, ld_beta, cu, cs, cseq, int(B), imgs, int(H));
+  intra<<<dim3(unsigned(a.cap), unsigned(a.H)), kIntraThreads, IntraSmem<K>::bytes, stream>>>(
+      a.q, a.k, a.v, a.g, a.ld, a.beta, a.ld_beta, a.cu, a.cs, a.cseq, a.B, a.imgs, a.H);
   KCUDA_CHECK_LAUNCH();
+}
+
+template <int K, typename StateT>
+void launch_seq1(const ChunkArgs& a, StateT* pool, cudaStream_t stream) {
   auto seq = seq_kernel<K, StateT>;
-  const size_t seq_smem = 2 * Img<K>::stage_bytes + 16;
-  KCUDA_CHECK(cudaFuncSetAttribute(seq, cudaFuncAttributeMaxDynamicSharedMemorySize, int(seq_smem)));
-  seq<<<dim3(unsigned(K / kBV), unsigned(H), unsigned(B)), 32 * kSeqWarps, seq_smem, stream>>>(cu, cs, slots, imgs,
-                                                                                                 pool, o, ld, int(H));
+  const size_t smem = 2 * Img<K>::stage_bytes(kBV) + 16;
+  KCUDA_CHECK(cudaFuncSetAttribute(seq, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  seq<<<dim3(unsigned(K / kBV), unsigned(a.H), unsigned(a.B)), 32 * kSeqWarps, smem, stream>>>(
+      a.cu, a.cs, a.slots, a.imgs, pool, a.o, a.ld, a.H);
   KCUDA_CHECK_LAUNCH();
+}
+
+#define KDA_INSTANTIATE(K)                                                         \
+  template void launch_intra1<K>(const ChunkArgs&, cudaStream_t);                  \
+  template void launch_seq1<K, float>(const ChunkArgs&, float*, cudaStream_t);     \
+  template void launch_seq1<K, uint16_t>(const ChunkArgs&, uint16_t*, cudaStream_t);
+KDA_INSTANTIATE(32)
+KDA_INSTANTIATE(64)
+KDA_INSTANTIATE(128)
+#undef KDA_INSTANTIATE
+
+}  // namespace kestrel::cuda::kda_detail
+
+// ---- entry points ------------------------------------------------------------------------------------------------
+namespace kestrel::cuda {
+namespace {
+
+using kda_detail::ChunkArgs;
+using kda_detail::Img;
+using kda_detail::kC;
+
+size_t img_bytes(int64_t Dk) {
+  switch (Dk) {
+    case 32: return Img<32>::bytes;
+    case 64: return Img<64>::bytes;
+    case 128: return Img<128>::bytes;
+    default: return 0;
+  }
+}
+using kda_detail::capacity_chunks;
+using kda_detail::table_bytes;
+
+template <int K, typename StateT>
+void launch(const ChunkArgs& a, StateT* pool, const KdaChunkedVariant& var, cudaStream_t stream) {
+  if (var.launches & 1u) {
+    kda_detail::chunk_table_kernel<<<1, 1024, 0, stream>>>(a.cu, a.B, int(a.cap), a.cs, a.cseq);
+    KCUDA_CHECK_LAUNCH();
+  }
+  if (var.launches & 2u) {
+    if (var.intra == 1) {
+      kda_detail::launch_intra1<K>(a, stream);
+    } else {
+      kda_detail::launch_intra2<K>(a, stream);
+    }
+  }
+  if (var.launches & 4u) {
+    switch (var.seq) {
+      case 1: kda_detail::launch_seq1<K, StateT>(a, pool, stream); break;
+      case 3: kda_detail::launch_seq2<K, StateT, 1>(a, pool, stream); break;
+      default: kda_detail::launch_seq2<K, StateT, 2>(a, pool, stream); break;
+    }
+  }
 }
 
 void check_args(const void* q, const void* k, const void* v, const void* g, int64_t ld, const void* beta,
@@ -674,18 +628,23 @@ void check_args(const void* q, const void* k, const void* v, const void* g, int6
 template <typename StateT>
 void chunked(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
              int64_t ld_beta, const int32_t* cu, const int32_t* slots, StateT* pool, float* o, int64_t T, int64_t B,
-             int64_t H, int64_t Dk, void* workspace, cudaStream_t stream) {
+             int64_t H, int64_t Dk, void* workspace, cudaStream_t stream, const KdaChunkedVariant& var) {
   check_args(q, k, v, g, ld, beta, ld_beta, cu, slots, pool, o, B, H, Dk);
   KCUDA_REQUIRE(T >= 0 && T < (int64_t(1) << 31), std::string("kda_chunked: bad T"));
+  KCUDA_REQUIRE((var.intra == 1 || var.intra == 2) && var.seq >= 0 && var.seq <= 3 && var.launches <= 7,
+                "kda_chunked: bad variant intra=" + std::to_string(var.intra) + " seq=" + std::to_string(var.seq));
   if (B == 0) return;
   KCUDA_REQUIRE(workspace && reinterpret_cast<uintptr_t>(workspace) % 16 == 0,
                 std::string("kda_chunked: workspace must be non-null and 16-byte aligned"));
   const int64_t cap = capacity_chunks(T, B);
   KCUDA_REQUIRE(cap < (int64_t(1) << 31) / 2, std::string("kda_chunked: too many chunks"));
+  int32_t* cs = static_cast<int32_t*>(workspace);
+  const ChunkArgs a{q,  k,      v,  g,       ld,  beta,         ld_beta, cu, slots, cs, cs + B + 1,
+                    static_cast<char*>(workspace) + table_bytes(B, cap), o, int(B), int(H), cap};
   switch (Dk) {
-    case 32: launch<32>(q, k, v, g, ld, beta, ld_beta, cu, slots, pool, o, B, H, cap, workspace, stream); break;
-    case 64: launch<64>(q, k, v, g, ld, beta, ld_beta, cu, slots, pool, o, B, H, cap, workspace, stream); break;
-    default: launch<128>(q, k, v, g, ld, beta, ld_beta, cu, slots, pool, o, B, H, cap, workspace, stream); break;
+    case 32: launch<32>(a, pool, var, stream); break;
+    case 64: launch<64>(a, pool, var, stream); break;
+    default: launch<128>(a, pool, var, stream); break;
   }
 }
 
@@ -705,7 +664,7 @@ void chunked_alloc(const float* q, const float* k, const float* v, const float* 
   void* ws = nullptr;
   KCUDA_CHECK(cudaMallocAsync(&ws, kda_chunked_workspace_bytes(T, B, H, Dk), stream));
   try {
-    chunked(q, k, v, g, ld, beta, ld_beta, cu, slots, pool, o, T, B, H, Dk, ws, stream);
+    chunked(q, k, v, g, ld, beta, ld_beta, cu, slots, pool, o, T, B, H, Dk, ws, stream, KdaChunkedVariant{});
   } catch (...) {
     cudaFreeAsync(ws, stream);
     throw;
@@ -724,13 +683,27 @@ size_t kda_chunked_workspace_bytes(int64_t T, int64_t B, int64_t H, int64_t Dk) 
 
 void kda_chunked(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
                  int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
+                 int64_t T, int64_t B, int64_t H, int64_t Dk, void* workspace, cudaStream_t stream,
+                 const KdaChunkedVariant& variant) {
+  chunked(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, T, B, H, Dk, workspace, stream, variant);
+}
+void kda_chunked(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+                 int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, uint16_t* state_pool, float* o,
+                 int64_t T, int64_t B, int64_t H, int64_t Dk, void* workspace, cudaStream_t stream,
+                 const KdaChunkedVariant& variant) {
+  chunked(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, T, B, H, Dk, workspace, stream, variant);
+}
+void kda_chunked(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+                 int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
                  int64_t T, int64_t B, int64_t H, int64_t Dk, void* workspace, cudaStream_t stream) {
-  chunked(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, T, B, H, Dk, workspace, stream);
+  chunked(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, T, B, H, Dk, workspace, stream,
+          KdaChunkedVariant{});
 }
 void kda_chunked(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
                  int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, uint16_t* state_pool, float* o,
                  int64_t T, int64_t B, int64_t H, int64_t Dk, void* workspace, cudaStream_t stream) {
-  chunked(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, T, B, H, Dk, workspace, stream);
+  chunked(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, T, B, H, Dk, workspace, stream,
+          KdaChunkedVariant{});
 }
 void kda_chunked(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
                  int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
@@ -744,3 +717,4 @@ void kda_chunked(const float* q, const float* k, const float* v, const float* g,
 }
 
 }  // namespace kestrel::cuda
+#endif  // KESTREL_SIMT_EMU

@@ -1,0 +1,176 @@
+// Internals shared by the KDA CUDA sources (kda.cu; the chunk-parallel scan's kda_chunked.cu with the chunk
+// table, the first kernel variants and the public entry points, and kda_chunked_v2.cu with the second
+// variants): the chunk image and workspace layout that the intra-chunk launch writes and the sequential
+// launch copies, the tensor-core, mbarrier, bulk-copy and cp.async wrappers, and the per-variant launch
+// functions.
+// Under KESTREL_SIMT_EMU (tests/emu: the kernels compiled for a CPU emulation of the thread hierarchy) the
+// inline-PTX wrappers come from the emulator instead; the kernels therefore use them, and dyn_smem<T>() for
+// their dynamic shared memory, rather than writing PTX or `extern __shared__` themselves.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kestrel::cuda::kda_detail {
+
+constexpr int kC = 64;                // chunk length
+constexpr double kLog2e = 1.4426950408889634;
+constexpr size_t kMaxSmemPerBlock = 232448;  // sm_90: 227 KiB of dynamic shared memory per block
+
+// The image of one (chunk, head) in the workspace, which is also the seq kernels' shared-memory stage.
+// Strides (in elements) make the seq kernels' fragment loads conflict-free: 8-byte f32 pairs need a row
+// stride ≡ 8 (mod 32 words), 4-byte bf16 pairs a stride ≡ 4 (mod 8 words).
+template <int K>
+struct Img {
+  static constexpr int KPW = K + 8;  // W   f32  [C tokens][KPW]      (TF32-rounded)
+  static constexpr int TP = kC + 8;  // K̂ᵀ f32  [K keys][TP], U0ᵀ f32 [K values][TP]
+  static constexpr int KPQ = K + 8;  // Q̃  bf16 [C tokens][KPQ]
+  static constexpr int APQ = kC + 8; // QK  bf16 [C tokens t][APQ] (s ≤ t, zero elsewhere)
+  static constexpr size_t w_off = 0;
+  static constexpr size_t kh_off = w_off + size_t(kC) * KPW * 4;
+  static constexpr size_t q_off = kh_off + size_t(K) * TP * 4;
+  static constexpr size_t a_off = q_off + size_t(kC) * KPQ * 2;
+  static constexpr size_t e_off = a_off + size_t(kC) * APQ * 2;  // eG f32 [K]
+  static constexpr size_t shared_bytes = e_off + size_t(K) * 4;  // the part every value block needs
+  static constexpr size_t u_off = shared_bytes;                  // U0ᵀ
+  static constexpr size_t bytes = u_off + size_t(K) * TP * 4;
+  // One seq CTA's rows of U0ᵀ (bv value columns) and its shared-memory stage.
+  static constexpr size_t u_slice_bytes(int bv) { return size_t(bv) * TP * 4; }
+  static constexpr size_t stage_bytes(int bv) { return shared_bytes + u_slice_bytes(bv); }
+  static_assert(kh_off % 16 == 0 && q_off % 16 == 0 && a_off % 16 == 0 && e_off % 16 == 0 &&
+                    shared_bytes % 16 == 0 && bytes % 16 == 0 && u_slice_bytes(16) % 16 == 0,
+                "bulk copies need 16-byte sizes and offsets");
+};
+
+// Launch arguments common to the variants (pointers as in kda.h; cs, cseq: the chunk table; imgs: the images).
+struct ChunkArgs {
+  const float *q, *k, *v, *g;  // f32 [T, H*K], row stride ld
+  int64_t ld;
+  const float* beta;  // f32 [T, H], row stride ld_beta
+  int64_t ld_beta;
+  const int32_t* cu;     // i32 [B+1]
+  const int32_t* slots;  // i32 [B]
+  int32_t* cs;           // i32 [B+1] first chunk of each sequence
+  int32_t* cseq;         // i32 [cap] sequence of each chunk
+  char* imgs;            // [cap][H] images of Img<K>::bytes
+  float* o;              // f32 [T, H*K], row stride ld
+  int B, H;
+  int64_t cap;  // chunk slots in the workspace
+};
+
+// Workspace: the chunk table (B+1 + cap i32, padded to 256 bytes), then cap × H images. cap bounds the chunks
+// of any B sequences of T tokens in total: Σ⌈len_b/64⌉ ≤ T/64 + B.
+inline int64_t capacity_chunks(int64_t T, int64_t B) { return T / kC + B + 1; }
+inline size_t table_bytes(int64_t B, int64_t cap) { return (size_t(B + 1 + cap) * 4 + 255) / 256 * 256; }
+
+template <int K>
+void launch_intra1(const ChunkArgs& a, cudaStream_t stream);
+template <int K>
+void launch_intra2(const ChunkArgs& a, cudaStream_t stream);
+template <int K, typename StateT>
+void launch_seq1(const ChunkArgs& a, StateT* pool, cudaStream_t stream);
+// VM: 16-column value tiles per CTA (2·VM warps; each pair of warps splits the keys).
+template <int K, typename StateT, int VM>
+void launch_seq2(const ChunkArgs& a, StateT* pool, cudaStream_t stream);
+
+// ---- device helpers ------------------------------------------------------------------------------------------
+#ifndef KESTREL_SIMT_EMU
+// The launch's dynamic shared memory (one declaration for every kernel of these files; 128-byte aligned).
+template <typename T>
+__device__ __forceinline__ T* dyn_smem() {
+  extern __shared__ __align__(128) unsigned char kda_dyn_smem[];
+  return reinterpret_cast<T*>(kda_dyn_smem);
+}
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float tf32f(float x) { return __uint_as_float(to_tf32(x)); }
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// D += A·B, m16n8k8 TF32. Lane l, g = l/4, t = l%4: a = (g,t) (g+8,t) (g,t+4) (g+8,t+4); b = (t,g) (t+4,g);
+// d = (g,2t) (g,2t+1) (g+8,2t) (g+8,2t+1) as (row, col).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// D += A·B, m16n8k16 BF16: a regs = (g, 2t..2t+1) (g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..); b regs = (2t..2t+1, g)
+// (2t+8.., g); d as above. The lower column / row index sits in the low 16 bits.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(smem_u32(bar)), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+// 1-D bulk copy global → shared (TMA), completing `bytes` of transaction on `bar`. 16-byte aligned, size % 16 == 0.
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+// Makes mbarrier.init visible to the async proxy (bulk copies completing on the barrier).
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// Orders this thread's generic-proxy shared-memory accesses before later bulk copies (async proxy).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// Named barrier ID over COUNT threads (a multiple of 32); id 0 is __syncthreads'.
+template <int ID, int COUNT>
+__device__ __forceinline__ void named_barrier() {
+  asm volatile("bar.sync %0, %1;" ::"n"(ID), "n"(COUNT) : "memory");
+}
+
+// 16-byte cp.async global → shared through L2 only; src_bytes = 0 fills the 16 bytes with zeros (src must still
+// be a valid address). Completion: cp_async_commit, then cp_async_wait<n> (this thread's copies only).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// 8-byte form (through L1: .cg takes 16 bytes only).
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+#endif  // KESTREL_SIMT_EMU
+
+__device__ __forceinline__ float load_state(const float* p) { return *p; }
+__device__ __forceinline__ float load_state(const uint16_t* p) { return __half2float(__ushort_as_half(*p)); }
+__device__ __forceinline__ void store_state(float* p, float x) { *p = x; }
+__device__ __forceinline__ void store_state(uint16_t* p, float x) { *p = __half_as_ushort(__float2half_rn(x)); }
+
+__device__ __forceinline__ int nchunks(int32_t a, int32_t b) { return b > a ? int((int64_t(b) - a + kC - 1) / kC) : 0; }
+
+}  // namespace kestrel::cuda::kda_detail
