@@ -109,7 +109,9 @@ struct __nv_bfloat162 {
 };
 inline __nv_bfloat16 __float2bfloat16_rn(float f) { return {kestrel::f32_to_bf16(f)}; }
 inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) { return b.x; }
-inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) { return {__float2bfloat16_rn(lo), __float2bfloat16_rn(hi)}; }
+inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) {
+  return {__float2bfloat16_rn(lo), __float2bfloat16_rn(hi)};
+}
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -316,7 +318,9 @@ inline T shfl_from(T v, int src) {
 }
 
 inline float tf32_operand(uint32_t bits) { return std::bit_cast<float>(bits & 0xFFFFE000u); }
-inline float bf16_operand(uint32_t word, int hi) { return kestrel::bf16_to_f32(uint16_t(hi ? word >> 16 : word & 0xFFFF)); }
+inline float bf16_operand(uint32_t word, int hi) {
+  return kestrel::bf16_to_f32(uint16_t(hi ? word >> 16 : word & 0xFFFF));
+}
 
 // mma.sync m16n8k8 TF32 / m16n8k16 BF16, f32 accumulators d (in/out), per the PTX ISA fragment layouts.
 inline void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], bool bf16) {

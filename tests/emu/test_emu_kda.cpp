@@ -136,7 +136,8 @@ double max_abs(const std::vector<float>& x) {
 
 struct Aligned {  // NaN-poisoned (0xFF) bytes, 256-byte aligned
   std::unique_ptr<unsigned char, decltype(&std::free)> p{nullptr, &std::free};
-  explicit Aligned(size_t n) : p(static_cast<unsigned char*>(std::aligned_alloc(256, (n + 255) / 256 * 256)), &std::free) {
+  explicit Aligned(size_t n)
+      : p(static_cast<unsigned char*>(std::aligned_alloc(256, (n + 255) / 256 * 256)), &std::free) {
     std::memset(p.get(), 0xFF, (n + 255) / 256 * 256);
   }
 };

@@ -181,7 +181,9 @@ __device__ __forceinline__ uint2 pack_half4(const float (&x)[4]) {
 __device__ __forceinline__ void store4(float* p, const float (&x)[4]) {
   *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
 }
-__device__ __forceinline__ void store4(uint16_t* p, const float (&x)[4]) { *reinterpret_cast<uint2*>(p) = pack_half4(x); }
+__device__ __forceinline__ void store4(uint16_t* p, const float (&x)[4]) {
+  *reinterpret_cast<uint2*>(p) = pack_half4(x);
+}
 // Streaming stores (evict-first): the state written back is not read again by this launch.
 __device__ __forceinline__ void store4_cs(float* p, const float (&x)[4]) {
   __stcs(reinterpret_cast<float4*>(p), make_float4(x[0], x[1], x[2], x[3]));
