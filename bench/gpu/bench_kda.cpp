@@ -136,18 +136,19 @@ struct PrefillCase {
   int64_t chunks() const { return B * ((L + 63) / 64); }
 };
 
-cuda::KdaChunkedVariant variant(int intra, int seq, unsigned launches = 7) {
+cuda::KdaChunkedVariant variant(int intra, int seq, unsigned launches = 7, bool f16 = false) {
   cuda::KdaChunkedVariant v;
   v.intra = intra;
   v.seq = seq;
   v.launches = launches;
+  v.f16_recurrence = f16;
   return v;
 }
 
 void prefill(bool quick, int sms) {
   fmt::print("\n== KDA prefill: kda_chunked (chunk 64; TF32 recurrence, BF16 output products), FP32 state ==\n");
-  fmt::print("{:<16} {:>11} {:>9} {:>15} {:>9}   {}\n", "shape", "default ms", "Mtok/s", "intra1+seq1 ms", "ws GB",
-             "FLA chunk_kda (ANCHORS)");
+  fmt::print("{:<16} {:>11} {:>9} {:>15} {:>12} {:>9}   {}\n", "shape", "default ms", "Mtok/s", "intra1+seq1 ms",
+             "f16 rec. ms", "ws GB", "FLA chunk_kda (ANCHORS)");
   struct Case {
     int64_t H, L, B;
     const char* fla;
@@ -160,6 +161,8 @@ void prefill(bool quick, int sms) {
   // share it through L2) and writes o; FLOPs of Sᵀ·Wᵀ, the state update, Sᵀ·Q̃ᵀ and QK·v_new.
   const double img = double(cuda::kda_chunked_workspace_bytes(128, 1, 1, kDk) -
                             cuda::kda_chunked_workspace_bytes(64, 1, 1, kDk));  // one (chunk, head) image
+  // The FP16-recurrence image: W, K̂ᵀ, U0ᵀ (64·136 + 2·128·72 elements) in 2 bytes instead of 4.
+  const double img16 = img - 2.0 * (64.0 * (kDk + 8) + 2.0 * kDk * 72.0);
   const double intra_flop = 4.0 * (64.0 * 65.0 / 2.0) * kDk * 2.0;
   const double seq_flop = 3.0 * 64.0 * kDk * kDk * 2.0 + (64.0 * 65.0 / 2.0) * kDk * 2.0;
   for (const Case& c : cases) {
@@ -167,26 +170,35 @@ void prefill(bool quick, int sms) {
     const int reps = quick ? 5 : (pc.T * c.H > 12 * 65536 ? 7 : 15);
     const double us_def = pc.us(cuda::KdaChunkedVariant{}, reps);
     const double us_v1 = pc.us(variant(1, 1), reps);
+    const double us_f16 = pc.us(variant(2, 0, 7, true), reps);
     const std::string shape = fmt::format("H={} {}×{}", c.H, c.B, c.L);
-    fmt::print("{:<16} {:>11.3f} {:>9.1f} {:>15.3f} {:>9.2f}   {}\n", shape, us_def / 1e3, double(pc.T) / us_def,
-               us_v1 / 1e3, double(pc.ws_bytes) / 1e9, c.fla);
+    fmt::print("{:<16} {:>11.3f} {:>9.1f} {:>15.3f} {:>12.3f} {:>9.2f}   {}\n", shape, us_def / 1e3,
+               double(pc.T) / us_def, us_v1 / 1e3, us_f16 / 1e3, double(pc.ws_bytes) / 1e9, c.fla);
     // Launch by launch (the seq launches run on the images the intra launch just wrote).
     const double n = double(pc.chunks() * c.H);
     const double in_bytes = 4.0 * double(pc.T) * double(pc.HD) * 4.0, o_bytes = double(pc.T) * double(pc.HD) * 4.0;
-    for (int intra : {1, 2}) {
-      const double us = pc.us(variant(intra, 0, 3), reps);
-      fmt::print("  intra{} (+table) {:>8.3f} ms   HBM {:.2f} GB → {:.2f} TB/s   {:.1f} GFLOP TF32 → {:.0f} TFLOP/s\n",
-                 intra, us / 1e3, (in_bytes + n * img) / 1e9, (in_bytes + n * img) / (us * 1e-6) / 1e12,
-                 n * intra_flop / 1e9, n * intra_flop / (us * 1e-6) / 1e12);
-    }
-    for (int seq : {1, 2, 3}) {
-      const double us = pc.us(variant(0, seq, 4), reps);
-      // One CTA per SM (the stages fill shared memory): chunk steps = chunks per sequence × waves.
-      const double steps = double((c.L + 63) / 64) * std::ceil(double(c.B * c.H * (seq == 3 ? 8 : 4)) / sms);
-      fmt::print("  seq{}            {:>8.3f} ms   HBM {:.2f} GB → {:.2f} TB/s   {:.1f} GFLOP → {:.0f} TFLOP/s   "
-                 "{:.2f} µs per chunk step ({:.0f} steps)\n",
-                 seq, us / 1e3, (n * img + o_bytes) / 1e9, (n * img + o_bytes) / (us * 1e-6) / 1e12,
-                 n * seq_flop / 1e9, n * seq_flop / (us * 1e-6) / 1e12, us / steps, steps);
+    // Launch by launch; "f16": the FP16 recurrence (images of img16 bytes). Each seq row runs on the images
+    // the intra row above it left (same format).
+    for (const bool f16 : {false, true}) {
+      const double im = f16 ? img16 : img;
+      for (int intra : {1, 2}) {
+        if (f16 && intra == 1) continue;
+        const double us = pc.us(variant(intra, 0, 3, f16), reps);
+        fmt::print("  intra{}{} (+table) {:>8.3f} ms   HBM {:.2f} GB → {:.2f} TB/s   {:.1f} GFLOP TF32 → {:.0f} TFLOP/s\n",
+                   intra, f16 ? " f16" : "    ", us / 1e3, (in_bytes + n * im) / 1e9,
+                   (in_bytes + n * im) / (us * 1e-6) / 1e12, n * intra_flop / 1e9, n * intra_flop / (us * 1e-6) / 1e12);
+      }
+      for (int seq : {1, 2, 3}) {
+        if (f16 && seq == 1) continue;
+        const double us = pc.us(variant(2, seq, 4, f16), reps);
+        // One CTA per SM (the stages fill shared memory): chunk steps = chunks per sequence × waves.
+        const double steps = double((c.L + 63) / 64) * std::ceil(double(c.B * c.H * (seq == 3 ? 8 : 4)) / sms);
+        fmt::print("  seq{}{}            {:>8.3f} ms   HBM {:.2f} GB → {:.2f} TB/s   {:.1f} GFLOP → {:.0f} TFLOP/s   "
+                   "{:.2f} µs per chunk step ({:.0f} steps)\n",
+                   seq, f16 ? " f16" : "    ", us / 1e3, (n * im + o_bytes) / 1e9,
+                   (n * im + o_bytes) / (us * 1e-6) / 1e12, n * seq_flop / 1e9, n * seq_flop / (us * 1e-6) / 1e12,
+                   us / steps, steps);
+      }
     }
     if (c.H == 12 && c.L == 8192 && c.B == 1) {  // the token-by-token scan, for scale
       auto r = [&] {

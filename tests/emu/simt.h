@@ -13,7 +13,7 @@
 // barrier, shows up); a block in which no fiber can progress (a barrier some threads never reach, an
 // mbarrier phase that never completes) throws simt::Deadlock; the schedule order (threads forward or in
 // reverse) is selectable, so an unordered write/read pair between threads is caught in one of the two.
-// mma.sync: the m16n8k8 TF32 and m16n8k16 BF16 fragment layouts of the PTX ISA, operands taken as the
+// mma.sync: the m16n8k8 TF32 and m16n8k16 BF16 / FP16 fragment layouts of the PTX ISA, operands taken as the
 // hardware takes them (TF32: the top 19 bits), products summed in f64 and rounded to f32 once.
 // Bulk copies (TMA) land immediately at issue; fences are no-ops.
 #pragma once
@@ -318,19 +318,21 @@ inline T shfl_from(T v, int src) {
 }
 
 inline float tf32_operand(uint32_t bits) { return std::bit_cast<float>(bits & 0xFFFFE000u); }
-inline float bf16_operand(uint32_t word, int hi) {
-  return kestrel::bf16_to_f32(uint16_t(hi ? word >> 16 : word & 0xFFFF));
+enum class MmaType { tf32, bf16, f16 };
+inline float half_operand(uint32_t word, int hi, MmaType t) {
+  const uint16_t h = uint16_t(hi ? word >> 16 : word & 0xFFFF);
+  return t == MmaType::bf16 ? kestrel::bf16_to_f32(h) : kestrel::f16_to_f32(h);
 }
 
-// mma.sync m16n8k8 TF32 / m16n8k16 BF16, f32 accumulators d (in/out), per the PTX ISA fragment layouts.
-inline void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], bool bf16) {
+// mma.sync m16n8k8 TF32 / m16n8k16 BF16 or FP16, f32 accumulators d (in/out), per the PTX ISA fragment layouts.
+inline void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], MmaType type) {
   uint64_t in[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
   const auto* s = warp_exchange(in, 6);
   const int lane = lane_id(), g = lane >> 2, t = lane & 3;
   for (int r = 0; r < 4; ++r) {
     const int row = g + 8 * (r >> 1), col = 2 * t + (r & 1);
     double acc = d[r];
-    if (!bf16) {
+    if (type == MmaType::tf32) {
       for (int kk = 0; kk < 8; ++kk) {
         const float av = tf32_operand(uint32_t(s[4 * (row & 7) + (kk & 3)][(row >> 3) + 2 * (kk >> 2)]));
         const float bv = tf32_operand(uint32_t(s[4 * col + (kk & 3)][4 + (kk >> 2)]));
@@ -338,8 +340,9 @@ inline void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], b
       }
     } else {
       for (int kk = 0; kk < 16; ++kk) {
-        const float av = bf16_operand(uint32_t(s[4 * (row & 7) + ((kk & 7) >> 1)][(row >> 3) + 2 * (kk >> 3)]), kk & 1);
-        const float bv = bf16_operand(uint32_t(s[4 * col + ((kk & 7) >> 1)][4 + (kk >> 3)]), kk & 1);
+        const float av =
+            half_operand(uint32_t(s[4 * (row & 7) + ((kk & 7) >> 1)][(row >> 3) + 2 * (kk >> 3)]), kk & 1, type);
+        const float bv = half_operand(uint32_t(s[4 * col + ((kk & 7) >> 1)][4 + (kk >> 3)]), kk & 1, type);
         acc += double(av) * double(bv);
       }
     }
@@ -414,8 +417,20 @@ inline uint32_t pack_bf16(float lo, float hi) {
   std::memcpy(&r, &v, 4);
   return r;
 }
-inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) { simt::mma(d, a, b, false); }
-inline void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) { simt::mma(d, a, b, true); }
+inline uint32_t pack_f16(float lo, float hi) {
+  return uint32_t(kestrel::f32_to_f16(lo)) | (uint32_t(kestrel::f32_to_f16(hi)) << 16);
+}
+inline float f16lo(uint32_t w) { return kestrel::f16_to_f32(uint16_t(w & 0xFFFFu)); }
+inline float f16hi(uint32_t w) { return kestrel::f16_to_f32(uint16_t(w >> 16)); }
+inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  simt::mma(d, a, b, simt::MmaType::tf32);
+}
+inline void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  simt::mma(d, a, b, simt::MmaType::bf16);
+}
+inline void mma_f16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  simt::mma(d, a, b, simt::MmaType::f16);
+}
 inline void mbar_init(uint64_t* bar, uint32_t count) {
   simt::g_block->mbars[bar] = simt::Mbar{int(count), int(count), 0, 0};
 }

@@ -10,7 +10,9 @@
 
 #include "kernels/cuda/kda.cu"
 #include "kernels/cuda/kda_chunked.cu"
-#include "kernels/cuda/kda_chunked_v2.cu"
+#include "kernels/cuda/kda_chunked_v1.cu"
+#include "kernels/cuda/kda_chunked_intra2.cu"
+#include "kernels/cuda/kda_chunked_seq2.cu"
 //
 #include <algorithm>
 #include <cmath>
@@ -142,7 +144,8 @@ struct Aligned {  // NaN-poisoned (0xFF) bytes, 256-byte aligned
   }
 };
 
-// kda_chunked's three launches on the emulator: chunk table, intra variant `intra`, seq variant `seq`.
+// kda_chunked's three launches on the emulator: chunk table, intra variant `intra`, seq variant `seq`; seq
+// 4 and 5 are seq 2 and 3 on FP16 images (f16_recurrence, with intra 2).
 template <int K, typename StateT>
 std::vector<float> run_chunked(const Inputs& in, int intra, int seq, std::vector<StateT>& pool) {
   const int H = int(in.H), B = int(in.B), HD = int(in.H * K);
@@ -158,9 +161,12 @@ std::vector<float> run_chunked(const Inputs& in, int intra, int seq, std::vector
   if (intra == 1) {
     simt::launch(dim3(unsigned(cap), unsigned(H)), dim3(512), kd::IntraSmem<K>::bytes,
                  [&] { kd::intra_kernel<K>(q, k, v, g, HD, beta, H, cu, cs, cseq, B, imgs, H); });
+  } else if (seq >= 4) {
+    simt::launch(dim3(unsigned(cap), unsigned(H)), dim3(512), kd::Intra2Smem<K, true>::bytes,
+                 [&] { kd::intra2_kernel<K, true>(q, k, v, g, HD, beta, H, cu, cs, cseq, B, imgs, H); });
   } else {
-    simt::launch(dim3(unsigned(cap), unsigned(H)), dim3(512), kd::Intra2Smem<K>::bytes,
-                 [&] { kd::intra2_kernel<K>(q, k, v, g, HD, beta, H, cu, cs, cseq, B, imgs, H); });
+    simt::launch(dim3(unsigned(cap), unsigned(H)), dim3(512), kd::Intra2Smem<K, false>::bytes,
+                 [&] { kd::intra2_kernel<K, false>(q, k, v, g, HD, beta, H, cu, cs, cseq, B, imgs, H); });
   }
   StateT* p = pool.data();
   float* out = o.data();
@@ -168,11 +174,17 @@ std::vector<float> run_chunked(const Inputs& in, int intra, int seq, std::vector
     simt::launch(dim3(K / 32, unsigned(H), unsigned(B)), dim3(64), 2 * kd::Img<K>::stage_bytes(32) + 16,
                  [&] { kd::seq_kernel<K, StateT>(cu, cs, slots, imgs, p, out, HD, H); });
   } else if (seq == 2) {
-    simt::launch(dim3(K / 32, unsigned(H), unsigned(B)), dim3(128), kd::Seq2Layout<K, 2>::smem,
-                 [&] { kd::seq2_kernel<K, StateT, 2>(cu, cs, slots, imgs, p, out, HD, H); });
+    simt::launch(dim3(K / 32, unsigned(H), unsigned(B)), dim3(128), kd::Seq2Layout<K, 2, false>::smem,
+                 [&] { kd::seq2_kernel<K, StateT, 2, false>(cu, cs, slots, imgs, p, out, HD, H); });
+  } else if (seq == 3) {
+    simt::launch(dim3(K / 16, unsigned(H), unsigned(B)), dim3(64), kd::Seq2Layout<K, 1, false>::smem,
+                 [&] { kd::seq2_kernel<K, StateT, 1, false>(cu, cs, slots, imgs, p, out, HD, H); });
+  } else if (seq == 4) {
+    simt::launch(dim3(K / 32, unsigned(H), unsigned(B)), dim3(128), kd::Seq2Layout<K, 2, true>::smem,
+                 [&] { kd::seq2_kernel<K, StateT, 2, true>(cu, cs, slots, imgs, p, out, HD, H); });
   } else {
-    simt::launch(dim3(K / 16, unsigned(H), unsigned(B)), dim3(64), kd::Seq2Layout<K, 1>::smem,
-                 [&] { kd::seq2_kernel<K, StateT, 1>(cu, cs, slots, imgs, p, out, HD, H); });
+    simt::launch(dim3(K / 16, unsigned(H), unsigned(B)), dim3(64), kd::Seq2Layout<K, 1, true>::smem,
+                 [&] { kd::seq2_kernel<K, StateT, 1, true>(cu, cs, slots, imgs, p, out, HD, H); });
   }
   return o;
 }
@@ -206,7 +218,7 @@ void check_chunked_case(const std::vector<int32_t>& lens, int64_t H, Gates gates
   }
 }
 
-const std::vector<std::pair<int, int>> kAllVariants = {{1, 1}, {1, 2}, {1, 3}, {2, 1}, {2, 2}, {2, 3}};
+const std::vector<std::pair<int, int>> kAllVariants = {{1, 1}, {1, 2}, {1, 3}, {2, 1}, {2, 2}, {2, 3}, {2, 4}, {2, 5}};
 const std::vector<int32_t> kMix = {1, 63, 0, 64, 65, 130};
 
 TEST(EmuKdaChunked, Dk32AllVariants) {
@@ -224,7 +236,7 @@ TEST(EmuKdaChunked, Dk64AllVariants) {
 TEST(EmuKdaChunked, Dk128AllVariants) {
   check_chunked_case<128>({65}, 1, Gates::model, 31, kAllVariants);
   check_chunked_case<128>({1, 0, 150}, 1, Gates::near_bound, 32, kAllVariants);
-  check_chunked_case<128>({129}, 1, Gates::near_zero, 33, {{2, 2}, {2, 3}});
+  check_chunked_case<128>({129}, 1, Gates::near_zero, 33, {{2, 2}, {2, 3}, {2, 4}, {2, 5}});
 }
 
 // The FP16 pool: widened once, the same scan, rounded once (RNE): from an FP16-representable start the
@@ -235,7 +247,7 @@ TEST(EmuKdaChunked, F16PoolRoundsTheF32Result) {
   std::vector<float> p32(in.pool0.size());
   std::vector<uint16_t> p16(in.pool0.size());
   for (size_t i = 0; i < p16.size(); ++i) p16[i] = f32_to_f16(in.pool0[i]), p32[i] = f16_to_f32(p16[i]);
-  for (const auto& [intra, seq] : std::vector<std::pair<int, int>>{{2, 2}, {2, 3}}) {
+  for (const auto& [intra, seq] : std::vector<std::pair<int, int>>{{2, 2}, {2, 3}, {2, 4}, {2, 5}}) {
     std::vector<float> s32 = p32;
     std::vector<uint16_t> s16 = p16;
     const auto o32 = run_chunked<64, float>(in, intra, seq, s32);
@@ -253,7 +265,7 @@ const simt::Schedule kSchedules[] = {simt::Schedule::threads_reverse, simt::Sche
 TEST(EmuKdaChunked, ScheduleOrderDoesNotMatter) {
   Rng rng(51);
   const Inputs in = make_inputs({70, 1, 129}, 1, 128, Gates::model, rng);
-  for (const auto& [intra, seq] : std::vector<std::pair<int, int>>{{2, 2}, {2, 3}, {1, 1}}) {
+  for (const auto& [intra, seq] : std::vector<std::pair<int, int>>{{2, 2}, {2, 3}, {1, 1}, {2, 4}}) {
     std::vector<float> pf = in.pool0;
     simt::g_schedule = simt::Schedule::threads;
     const auto of = run_chunked<128, float>(in, intra, seq, pf);

@@ -142,18 +142,23 @@ void run_chunked(const Dev4& d, const ScanInputs& in, const Shape& s, StateT* po
   sync();
 }
 
-// Every (intra, seq) pair of kda_chunked's kernel variants (kda.h); the default is (2, 0 = auto).
+// Every (intra, seq) pair of kda_chunked's kernel variants (kda.h), the FP16 recurrence with the seq kernels
+// that take it, and the default (intra 2, seq 0 = auto).
 struct Variant {
   int intra, seq;
+  bool f16 = false;
 };
-const Variant kVariants[] = {{1, 1}, {1, 2}, {1, 3}, {2, 1}, {2, 2}, {2, 3}, {2, 0}};
+const Variant kVariants[] = {{1, 1}, {1, 2}, {1, 3}, {2, 1}, {2, 2}, {2, 3}, {2, 2, true}, {2, 3, true}, {2, 0}};
 cuda::KdaChunkedVariant as_variant(const Variant& v) {
   cuda::KdaChunkedVariant r;
   r.intra = v.intra;
   r.seq = v.seq;
+  r.f16_recurrence = v.f16;
   return r;
 }
-std::string variant_name(const Variant& v) { return fmt::format("intra{} seq{}", v.intra, v.seq); }
+std::string variant_name(const Variant& v) {
+  return fmt::format("intra{} seq{}{}", v.intra, v.seq, v.f16 ? " f16" : "");
+}
 
 struct ChunkCase {
   std::vector<int32_t> lens;

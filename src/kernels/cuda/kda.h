@@ -116,6 +116,12 @@ struct KdaChunkedVariant {
   // 1 = 2 warps per 32 value columns, each warp all keys; 2 = 4 warps per 32 value columns, the keys split
   // between the two warps of each 16-column tile; 3 = 2 warps per 16 value columns, keys split.
   int seq = 0;
+  // FP16 recurrence: the intra launch stores W, K̂ and U0 (the operands of u = U0 − W·S and of the state
+  // update) in FP16 instead of TF32-rounded f32, and the seq launch multiplies them as FP16 (m16n8k16): the
+  // same 11 significant bits, 40 % smaller chunk images, half the recurrence's mma instructions; values beyond
+  // FP16's range (|x| > 65504 in the state or these operands) are not representable, the range of the FP16
+  // state of the day-0 recipe (MODEL.md §2). Needs intra = 2 and seq ∈ {0, 2, 3}.
+  bool f16_recurrence = false;
   // Launches to run: bit 0 the chunk table, bit 1 intra, bit 2 seq. Running seq without intra needs a
   // workspace that an earlier call with the same arguments filled (benchmarks only).
   unsigned launches = 7;

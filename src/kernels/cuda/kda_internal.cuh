@@ -22,24 +22,27 @@ constexpr double kLog2e = 1.4426950408889634;
 constexpr size_t kMaxSmemPerBlock = 232448;  // sm_90: 227 KiB of dynamic shared memory per block
 
 // The image of one (chunk, head) in the workspace, which is also the seq kernels' shared-memory stage.
+// F16 = false: the recurrence operands W, K̂ᵀ (TF32-rounded) and U0ᵀ in f32; F16 = true (the FP16 recurrence): the
+// same three in FP16 (11 significant bits like TF32; the range of the FP16 state the day-0 recipe keeps).
 // Strides (in elements) make the seq kernels' fragment loads conflict-free: 8-byte f32 pairs need a row
-// stride ≡ 8 (mod 32 words), 4-byte bf16 pairs a stride ≡ 4 (mod 8 words).
-template <int K>
+// stride ≡ 8 (mod 32 words), 4-byte 16-bit pairs a stride ≡ 4 (mod 8 words).
+template <int K, bool F16 = false>
 struct Img {
-  static constexpr int KPW = K + 8;  // W   f32  [C tokens][KPW]      (TF32-rounded)
-  static constexpr int TP = kC + 8;  // K̂ᵀ f32  [K keys][TP], U0ᵀ f32 [K values][TP]
+  static constexpr size_t WB = F16 ? 2 : 4;  // bytes of a W / K̂ᵀ / U0ᵀ element
+  static constexpr int KPW = K + 8;  // W   [C tokens][KPW]
+  static constexpr int TP = kC + 8;  // K̂ᵀ [K keys][TP], U0ᵀ [K values][TP]
   static constexpr int KPQ = K + 8;  // Q̃  bf16 [C tokens][KPQ]
   static constexpr int APQ = kC + 8; // QK  bf16 [C tokens t][APQ] (s ≤ t, zero elsewhere)
   static constexpr size_t w_off = 0;
-  static constexpr size_t kh_off = w_off + size_t(kC) * KPW * 4;
-  static constexpr size_t q_off = kh_off + size_t(K) * TP * 4;
+  static constexpr size_t kh_off = w_off + size_t(kC) * KPW * WB;
+  static constexpr size_t q_off = kh_off + size_t(K) * TP * WB;
   static constexpr size_t a_off = q_off + size_t(kC) * KPQ * 2;
   static constexpr size_t e_off = a_off + size_t(kC) * APQ * 2;  // eG f32 [K]
   static constexpr size_t shared_bytes = e_off + size_t(K) * 4;  // the part every value block needs
   static constexpr size_t u_off = shared_bytes;                  // U0ᵀ
-  static constexpr size_t bytes = u_off + size_t(K) * TP * 4;
+  static constexpr size_t bytes = u_off + size_t(K) * TP * WB;
   // One seq CTA's rows of U0ᵀ (bv value columns) and its shared-memory stage.
-  static constexpr size_t u_slice_bytes(int bv) { return size_t(bv) * TP * 4; }
+  static constexpr size_t u_slice_bytes(int bv) { return size_t(bv) * TP * WB; }
   static constexpr size_t stage_bytes(int bv) { return shared_bytes + u_slice_bytes(bv); }
   static_assert(kh_off % 16 == 0 && q_off % 16 == 0 && a_off % 16 == 0 && e_off % 16 == 0 &&
                     shared_bytes % 16 == 0 && bytes % 16 == 0 && u_slice_bytes(16) % 16 == 0,
@@ -56,7 +59,7 @@ struct ChunkArgs {
   const int32_t* slots;  // i32 [B]
   int32_t* cs;           // i32 [B+1] first chunk of each sequence
   int32_t* cseq;         // i32 [cap] sequence of each chunk
-  char* imgs;            // [cap][H] images of Img<K>::bytes
+  char* imgs;            // [cap][H] images of Img<K, F16>::bytes (the workspace fits the larger f32 format)
   float* o;              // f32 [T, H*K], row stride ld
   int B, H;
   int64_t cap;  // chunk slots in the workspace
@@ -69,12 +72,12 @@ inline size_t table_bytes(int64_t B, int64_t cap) { return (size_t(B + 1 + cap) 
 
 template <int K>
 void launch_intra1(const ChunkArgs& a, cudaStream_t stream);
-template <int K>
+template <int K, bool F16>
 void launch_intra2(const ChunkArgs& a, cudaStream_t stream);
 template <int K, typename StateT>
 void launch_seq1(const ChunkArgs& a, StateT* pool, cudaStream_t stream);
-// VM: 16-column value tiles per CTA (2·VM warps; each pair of warps splits the keys).
-template <int K, typename StateT, int VM>
+// VM: 16-column value tiles per CTA (2·VM warps; each pair of warps splits the keys). F16: the image format.
+template <int K, typename StateT, int VM, bool F16>
 void launch_seq2(const ChunkArgs& a, StateT* pool, cudaStream_t stream);
 
 // ---- device helpers ------------------------------------------------------------------------------------------
@@ -96,6 +99,12 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
   return *reinterpret_cast<const uint32_t*>(&v);
 }
+__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);  // .x (low half) = lo
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ float f16lo(uint32_t w) { return __half2float(__ushort_as_half(uint16_t(w & 0xFFFFu))); }
+__device__ __forceinline__ float f16hi(uint32_t w) { return __half2float(__ushort_as_half(uint16_t(w >> 16))); }
 
 // D += A·B, m16n8k8 TF32. Lane l, g = l/4, t = l%4: a = (g,t) (g+8,t) (g,t+4) (g+8,t+4); b = (t,g) (t+4,g);
 // d = (g,2t) (g,2t+1) (g+8,2t) (g+8,2t+1) as (row, col).
@@ -110,6 +119,14 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// D += A·B, m16n8k16 FP16 operands (layouts as BF16).
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
