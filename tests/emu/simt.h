@@ -350,6 +350,19 @@ inline void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], M
   }
 }
 
+// ldmatrix .x{n}: lane l's address is row l % 8 of tile l / 8; lane l receives word l % 4 of row l / 4 of each tile.
+template <int N>
+inline void ldmatrix(uint32_t (&r)[N], const void* row) {
+  if (reinterpret_cast<uintptr_t>(row) % 16 != 0) throw std::runtime_error("simt: ldmatrix row not 16-byte aligned");
+  uint64_t in = uint64_t(reinterpret_cast<uintptr_t>(row));
+  const auto* s = warp_exchange(&in, 1);
+  const int lane = lane_id();
+  for (int i = 0; i < N; ++i) {
+    const auto* p = reinterpret_cast<const unsigned char*>(uintptr_t(s[8 * i + lane / 4][0]));
+    std::memcpy(&r[i], p + 4 * (lane % 4), 4);
+  }
+}
+
 // cp.async: poison the destination now, copy when the issuing thread waits for the group.
 inline void cp_async(void* dst, const void* src, uint32_t bytes, uint32_t src_bytes) {
   Fiber& f = self();
@@ -453,6 +466,8 @@ inline void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) 
   m.tx -= bytes;
   simt::mbar_check(m);
 }
+inline void ldsm_x4(uint32_t (&r)[4], const void* row) { simt::ldmatrix<4>(r, row); }
+inline void ldsm_x2(uint32_t (&r)[2], const void* row) { simt::ldmatrix<2>(r, row); }
 inline void fence_mbarrier_init() {}
 inline void fence_proxy_async() {}
 template <int ID, int COUNT>

@@ -140,7 +140,9 @@ __global__ void __launch_bounds__(kIntra2Threads, 2)
       tot[warp * 32 + lane] = a;
       __syncthreads();
       double ex = 0.0;
-      for (int w2 = 0; w2 < warp; ++w2) ex += tot[w2 * 32 + lane];
+#pragma unroll
+      for (int w2 = 0; w2 < 15; ++w2)  // unrolled: the 15 loads are independent, only the adds chain
+        if (w2 < warp) ex += tot[w2 * 32 + lane];
 #pragma unroll
       for (int u = 0; u < 4; ++u) Gr[(4 * warp + u) * QC + lane] = float((ex + loc[u]) * kLog2e);
       __syncthreads();

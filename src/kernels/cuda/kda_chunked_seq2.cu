@@ -57,6 +57,9 @@ __global__ void __launch_bounds__(64 * VM, 1)
   const int64_t t_beg = cu[b];
   const int len = cu[b + 1] - cu[b];
   const int v0 = vb * Lay::BV, vw = v0 + 16 * vm, kb = kh * KH;  // CTA's / warp's first value; warp's first key
+  // ldmatrix.x4 row of this lane for B fragments of two adjacent n-tiles: tile l / 8 = (n-tile (l / 16), k half
+  // (l / 8) % 2), row l % 8 → row offset lr (+8 for the second n-tile) and column offset lc (x2 reuses it).
+  const int lr = (lane & 7) + 8 * (lane >> 4), lc = 8 * ((lane >> 3) & 1);
 
   if (tid == 0) {
     mbar_init(&bars[0], 1);
@@ -139,11 +142,11 @@ __global__ void __launch_bounds__(64 * VM, 1)
                                pack_f16(-sa[2 * kk + 1][0], -sa[2 * kk + 1][1]),
                                pack_f16(-sa[2 * kk + 1][2], -sa[2 * kk + 1][3])};
 #pragma unroll
-        for (int m = 0; m < 8; ++m) {
-          const uint16_t* wrow = Ws + (8 * m + gq) * I::KPW + kb + 16 * kk + 2 * tq;
-          const uint32_t bb[2] = {*reinterpret_cast<const uint32_t*>(wrow),
-                                  *reinterpret_cast<const uint32_t*>(wrow + 8)};
-          mma_f16(pv[m], a, bb);
+        for (int m = 0; m < 8; m += 2) {  // B fragments of token tiles m, m + 1 in one ldmatrix.x4
+          uint32_t bw[4];
+          ldsm_x4(bw, Ws + (8 * m + lr) * I::KPW + kb + 16 * kk + lc);
+          mma_f16(pv[m], a, {bw[0], bw[1]});
+          mma_f16(pv[m + 1], a, {bw[2], bw[3]});
         }
       }
     } else {
@@ -166,10 +169,11 @@ __global__ void __launch_bounds__(64 * VM, 1)
                              pack_bf16(sa[2 * kk + 1][0], sa[2 * kk + 1][1]),
                              pack_bf16(sa[2 * kk + 1][2], sa[2 * kk + 1][3])};
 #pragma unroll
-      for (int m = 0; m < 8; ++m) {
-        const uint16_t* qrow = Qs + (8 * m + gq) * I::KPQ + kb + 16 * kk + 2 * tq;
-        const uint32_t bb[2] = {*reinterpret_cast<const uint32_t*>(qrow), *reinterpret_cast<const uint32_t*>(qrow + 8)};
-        mma_bf16(po[m], a, bb);
+      for (int m = 0; m < 8; m += 2) {
+        uint32_t bq[4];
+        ldsm_x4(bq, Qs + (8 * m + lr) * I::KPQ + kb + 16 * kk + lc);
+        mma_bf16(po[m], a, {bq[0], bq[1]});
+        mma_bf16(po[m + 1], a, {bq[2], bq[3]});
       }
     }
 
@@ -233,8 +237,8 @@ __global__ void __launch_bounds__(64 * VM, 1)
       const int m = 2 * p + kh;
 #pragma unroll
       for (int kk = 0; kk <= p; ++kk) {
-        const uint16_t* arow = Aq + (8 * m + gq) * I::APQ + 16 * kk + 2 * tq;
-        const uint32_t bb[2] = {*reinterpret_cast<const uint32_t*>(arow), *reinterpret_cast<const uint32_t*>(arow + 8)};
+        uint32_t bb[2];
+        ldsm_x2(bb, Aq + (8 * m + (lane & 7)) * I::APQ + 16 * kk + lc);
         mma_bf16(oo[p], va16[kk], bb);
       }
       const int tk = 8 * m + 2 * tq;
@@ -264,11 +268,11 @@ __global__ void __launch_bounds__(64 * VM, 1)
                                pack_f16(vn[2 * kk + 1][0], vn[2 * kk + 1][1]),
                                pack_f16(vn[2 * kk + 1][2], vn[2 * kk + 1][3])};
 #pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-          const uint16_t* krow = Kh + (kb + 8 * j + gq) * I::TP + 16 * kk + 2 * tq;
-          const uint32_t bb[2] = {*reinterpret_cast<const uint32_t*>(krow),
-                                  *reinterpret_cast<const uint32_t*>(krow + 8)};
-          mma_f16(sa[j], a, bb);
+        for (int j = 0; j < NJ; j += 2) {  // key tiles j, j + 1 in one ldmatrix.x4
+          uint32_t bk[4];
+          ldsm_x4(bk, Kh + (kb + 8 * j + lr) * I::TP + 16 * kk + lc);
+          mma_f16(sa[j], a, {bk[0], bk[1]});
+          mma_f16(sa[j + 1], a, {bk[2], bk[3]});
         }
       }
     } else {
@@ -284,11 +288,11 @@ __global__ void __launch_bounds__(64 * VM, 1)
       }
     }
 
+    // The swap wrote this stage's W rows through the generic proxy; each writer orders that before the bulk
+    // copy that will overwrite them (then the barrier, then the issue).
+    if constexpr (!Lay::x_separate) fence_proxy_async();
     __syncthreads();  // every warp is done with stage s and with the swap area
-    if (tid == 0 && c + 2 < nc) {
-      fence_proxy_async();  // generic writes to the stage (the swap) before the bulk copy overwrites it
-      issue(c + 2);
-    }
+    if (tid == 0 && c + 2 < nc) issue(c + 2);
   }
 
 #pragma unroll
