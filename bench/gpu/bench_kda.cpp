@@ -8,7 +8,8 @@
 // Prefill is also timed launch by launch (KdaChunkedVariant::launches): the intra-chunk launch of each
 // variant (with the chunk table) and the sequential launch of each variant on the images the intra launch
 // left, each with its HBM bytes and tensor-core FLOPs against the measured time; and the full call of the
-// default variants next to the first variants (intra 1 + seq 1, the kernels of the previous measurement).
+// default variants next to the first variants (intra 1 + seq 1, the kernels of the previous measurement), to
+// intra 2 + seq 4 (clusters, multicast) and to the same with the FP16 recurrence.
 // Decode: both kernels (one block per work item / persistent blocks prefetching the next item's state) and
 // the one kda_decode picks by default.
 //
@@ -147,8 +148,8 @@ cuda::KdaChunkedVariant variant(int intra, int seq, unsigned launches = 7, bool 
 
 void prefill(bool quick, int sms) {
   fmt::print("\n== KDA prefill: kda_chunked (chunk 64; TF32 recurrence, BF16 output products), FP32 state ==\n");
-  fmt::print("{:<16} {:>11} {:>9} {:>15} {:>12} {:>9}   {}\n", "shape", "default ms", "Mtok/s", "intra1+seq1 ms",
-             "f16 rec. ms", "ws GB", "FLA chunk_kda (ANCHORS)");
+  fmt::print("{:<16} {:>11} {:>9} {:>15} {:>9} {:>13} {:>9}   {}\n", "shape", "default ms", "Mtok/s",
+             "intra1+seq1 ms", "seq4 ms", "f16+seq4 ms", "ws GB", "FLA chunk_kda (ANCHORS)");
   struct Case {
     int64_t H, L, B;
     const char* fla;
@@ -170,11 +171,11 @@ void prefill(bool quick, int sms) {
     const int reps = quick ? 5 : (pc.T * c.H > 12 * 65536 ? 7 : 15);
     const double us_def = pc.us(cuda::KdaChunkedVariant{}, reps);
     const double us_v1 = pc.us(variant(1, 1), reps);
-    const double us_f16 = pc.us(variant(2, 0, 7, true), reps);
+    const double us_mc = pc.us(variant(2, 4), reps);
+    const double us_f16 = pc.us(variant(2, 4, 7, true), reps);
     const std::string shape = fmt::format("H={} {}×{}", c.H, c.B, c.L);
-    fmt::print("{:<16} {:>11.3f} {:>9.1f} {:>15.3f} {:>12.3f} {:>9.2f}   {}\n", shape, us_def / 1e3,
-               double(pc.T) / us_def, us_v1 / 1e3, us_f16 / 1e3, double(pc.ws_bytes) / 1e9, c.fla);
-    // Launch by launch (the seq launches run on the images the intra launch just wrote).
+    fmt::print("{:<16} {:>11.3f} {:>9.1f} {:>15.3f} {:>9.3f} {:>13.3f} {:>9.2f}   {}\n", shape, us_def / 1e3,
+               double(pc.T) / us_def, us_v1 / 1e3, us_mc / 1e3, us_f16 / 1e3, double(pc.ws_bytes) / 1e9, c.fla);
     const double n = double(pc.chunks() * c.H);
     const double in_bytes = 4.0 * double(pc.T) * double(pc.HD) * 4.0, o_bytes = double(pc.T) * double(pc.HD) * 4.0;
     // Launch by launch; "f16": the FP16 recurrence (images of img16 bytes). Each seq row runs on the images
@@ -188,11 +189,11 @@ void prefill(bool quick, int sms) {
                    intra, f16 ? " f16" : "    ", us / 1e3, (in_bytes + n * im) / 1e9,
                    (in_bytes + n * im) / (us * 1e-6) / 1e12, n * intra_flop / 1e9, n * intra_flop / (us * 1e-6) / 1e12);
       }
-      for (int seq : {1, 2, 3}) {
+      for (int seq : {1, 2, 3, 4}) {
         if (f16 && seq == 1) continue;
         const double us = pc.us(variant(2, seq, 4, f16), reps);
         // One CTA per SM (the stages fill shared memory): chunk steps = chunks per sequence × waves.
-        const double steps = double((c.L + 63) / 64) * std::ceil(double(c.B * c.H * (seq == 3 ? 8 : 4)) / sms);
+        const double steps = double((c.L + 63) / 64) * std::ceil(double(c.B * c.H * (seq >= 3 ? 8 : 4)) / sms);
         fmt::print("  seq{}{}            {:>8.3f} ms   HBM {:.2f} GB → {:.2f} TB/s   {:.1f} GFLOP → {:.0f} TFLOP/s   "
                    "{:.2f} µs per chunk step ({:.0f} steps)\n",
                    seq, f16 ? " f16" : "    ", us / 1e3, (n * im + o_bytes) / 1e9,

@@ -130,7 +130,9 @@ struct Copy {  // a pending cp.async
 
 struct Fiber {
   ucontext_t ctx;
-  uint3 tid;
+  uint3 tid, bid;
+  int cta = 0;    // index of its CTA in the running cluster (= its rank)
+  int local = 0;  // linear thread index in its CTA
   bool done = false;
   std::vector<Copy> pending;
   int group = 0;  // groups committed so far
@@ -142,24 +144,33 @@ struct Mbar {
   int phase = 0;  // parity of the phases completed
 };
 
-struct Block {
-  std::vector<Fiber> fibers;
-  std::vector<std::unique_ptr<char[]>> stacks;
-  ucontext_t sched;
-  int cur = -1, live = 0;
-  uint64_t progress = 0;
-  std::function<void()> body;
+struct Bar {
+  int arrived = 0;
+  uint64_t gen = 0;
+};
+
+struct Cta {
   unsigned char* smem = nullptr;
-  struct Bar {
-    int arrived = 0;
-    uint64_t gen = 0;
-  } bars[16];
+  Bar bars[16];
   struct Warp {
     int arrived = 0;
     uint64_t gen = 0;
     uint64_t slot[2][32][12];
   };
   std::vector<Warp> warps;
+  int live = 0;
+};
+
+// The CTAs of one cluster (one CTA without clusters), scheduled together.
+struct Block {
+  std::vector<Fiber> fibers;
+  std::vector<std::unique_ptr<char[]>> stacks;
+  std::vector<Cta> ctas;
+  Bar cluster_bar;
+  ucontext_t sched;
+  int cur = -1, live = 0;
+  uint64_t progress = 0;
+  std::function<void()> body;
   std::map<const void*, Mbar> mbars;
   std::exception_ptr error;  // thrown inside a fiber; rethrown by launch
 };
@@ -168,15 +179,25 @@ inline Block* g_block = nullptr;
 // Schedules. threads / threads_reverse: every live thread resumed once per sweep, first to last or last to
 // first (warps then advance in near lockstep). warps / warps_reverse: each warp in turn runs as far as it can
 // (until all its threads wait on something outside the warp) before the next warp starts — the greatest skew
-// between warps, which exposes a missing barrier between one warp's writes and another's reads.
-enum class Schedule { threads, threads_reverse, warps, warps_reverse };
+// between warps, which exposes a missing barrier between one warp's writes and another's reads. ctas: each CTA
+// of a cluster in turn runs as far as it can before the next one starts (a CTA running ahead of the others).
+enum class Schedule { threads, threads_reverse, warps, warps_reverse, ctas };
 inline Schedule g_schedule = Schedule::threads;
 inline size_t g_stack_bytes = 64 * 1024;
 
 inline Fiber& self() { return g_block->fibers[size_t(g_block->cur)]; }
+inline Cta& my_cta() { return g_block->ctas[size_t(self().cta)]; }
 inline void yield() {
   Fiber& f = self();
   swapcontext(&f.ctx, &g_block->sched);
+}
+
+// Barriers count live threads: a thread that exits may complete one for the others.
+inline void release_if_complete(Bar& bar, int live) {
+  if (bar.arrived > 0 && bar.arrived >= live) {
+    bar.arrived = 0;
+    ++bar.gen;
+  }
 }
 
 inline void trampoline() {
@@ -189,13 +210,11 @@ inline void trampoline() {
   Fiber& f = b->fibers[size_t(b->cur)];
   f.done = true;
   --b->live;
+  Cta& c = b->ctas[size_t(f.cta)];
+  --c.live;
   ++b->progress;
-  // The block-wide barrier counts live threads: a thread that exits may complete it for the others.
-  Block::Bar& bar = b->bars[0];
-  if (bar.arrived > 0 && bar.arrived == b->live) {
-    bar.arrived = 0;
-    ++bar.gen;
-  }
+  release_if_complete(c.bars[0], c.live);
+  release_if_complete(b->cluster_bar, b->live);
   swapcontext(&f.ctx, &b->sched);
 }
 
@@ -208,31 +227,49 @@ inline void trampoline() {
   makecontext(&f.ctx, trampoline, 0);
 }
 
-// Runs `body` (one kernel call per thread) over grid × block with `smem_bytes` of dynamic shared memory.
-inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& body) {
+// Runs `body` (one kernel call per thread) over grid × block with `smem_bytes` of dynamic shared memory per
+// CTA; `cluster` (dividing grid) groups CTAs that run together and can reach each other's shared memory.
+inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& body,
+                   dim3 cluster = dim3(1, 1, 1)) {
   const int n = int(block.x * block.y * block.z);
-  std::unique_ptr<unsigned char, decltype(&std::free)> smem(
-      static_cast<unsigned char*>(std::aligned_alloc(128, (smem_bytes + 127) / 128 * 128 + 128)), &std::free);
+  const int nc = int(cluster.x * cluster.y * cluster.z);
+  if (grid.x % cluster.x || grid.y % cluster.y || grid.z % cluster.z)
+    throw std::runtime_error("simt: the cluster does not divide the grid");
+  const size_t smem_alloc = (smem_bytes + 127) / 128 * 128 + 128;
+  std::vector<std::unique_ptr<unsigned char, decltype(&std::free)>> smem;
+  for (int c = 0; c < nc; ++c)
+    smem.emplace_back(static_cast<unsigned char*>(std::aligned_alloc(128, smem_alloc)), &std::free);
   gridDim = grid;
   blockDim = block;
-  for (unsigned bz = 0; bz < grid.z; ++bz)
-    for (unsigned by = 0; by < grid.y; ++by)
-      for (unsigned bx = 0; bx < grid.x; ++bx) {
+  for (unsigned cz = 0; cz < grid.z; cz += cluster.z)
+    for (unsigned cy = 0; cy < grid.y; cy += cluster.y)
+      for (unsigned cx = 0; cx < grid.x; cx += cluster.x) {
         Block b;
         b.body = body;
-        b.smem = smem.get();
-        std::memset(b.smem, 0xFF, smem_bytes);
-        b.fibers.resize(size_t(n));
-        b.warps.resize(size_t((n + 31) / 32));
-        b.live = n;
+        b.ctas.resize(size_t(nc));
+        b.fibers.resize(size_t(n * nc));
+        b.live = n * nc;
         g_block = &b;
-        for (int i = 0; i < n; ++i) {
-          Fiber& f = b.fibers[size_t(i)];
-          f.tid = {unsigned(i) % block.x, (unsigned(i) / block.x) % block.y, unsigned(i) / (block.x * block.y)};
-          b.stacks.emplace_back(new char[g_stack_bytes]);
-          init_fiber(f, b.stacks.back().get());
+        for (int c = 0; c < nc; ++c) {
+          Cta& cta = b.ctas[size_t(c)];
+          cta.smem = smem[size_t(c)].get();
+          std::memset(cta.smem, 0xFF, smem_bytes);
+          cta.warps.resize(size_t((n + 31) / 32));
+          cta.live = n;
+          // Rank = x-fastest position in the cluster.
+          const uint3 bid = {cx + unsigned(c) % cluster.x, cy + (unsigned(c) / cluster.x) % cluster.y,
+                             cz + unsigned(c) / (cluster.x * cluster.y)};
+          for (int i = 0; i < n; ++i) {
+            Fiber& f = b.fibers[size_t(c * n + i)];
+            f.tid = {unsigned(i) % block.x, (unsigned(i) / block.x) % block.y, unsigned(i) / (block.x * block.y)};
+            f.bid = bid;
+            f.cta = c;
+            f.local = i;
+            b.stacks.emplace_back(new char[g_stack_bytes]);
+            init_fiber(f, b.stacks.back().get());
+          }
         }
-        blockIdx = {bx, by, bz};
+        const int total = n * nc;
         int stalled = 0;
         while (b.live > 0) {
           const uint64_t before = b.progress;
@@ -241,6 +278,7 @@ inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function
             if (f.done) return;
             b.cur = i;
             threadIdx = f.tid;
+            blockIdx = f.bid;
             swapcontext(&b.sched, &f.ctx);
             if (b.error) {
               g_block = nullptr;
@@ -248,14 +286,22 @@ inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function
             }
           };
           if (g_schedule == Schedule::threads || g_schedule == Schedule::threads_reverse) {
-            for (int k = 0; k < n; ++k) resume(g_schedule == Schedule::threads ? k : n - 1 - k);
+            for (int k = 0; k < total; ++k) resume(g_schedule == Schedule::threads ? k : total - 1 - k);
+          } else if (g_schedule == Schedule::ctas) {
+            for (int c = 0; c < nc; ++c) {
+              for (uint64_t mark = ~uint64_t(0); mark != b.progress;) {  // until a pass over the CTA changes nothing
+                mark = b.progress;
+                for (int i = c * n; i < c * n + n; ++i) resume(i);
+              }
+            }
           } else {
-            const int nw = (n + 31) / 32;
+            const int wpc = (n + 31) / 32, nw = wpc * nc;  // warps per CTA, in the cluster
             for (int kw = 0; kw < nw; ++kw) {
               const int w = g_schedule == Schedule::warps ? kw : nw - 1 - kw;
+              const int c = w / wpc, lo = c * n + 32 * (w % wpc), hi = std::min(c * n + n, lo + 32);
               for (uint64_t mark = ~uint64_t(0); mark != b.progress;) {  // until a pass over the warp changes nothing
                 mark = b.progress;
-                for (int i = 32 * w; i < std::min(n, 32 * w + 32); ++i) resume(i);
+                for (int i = lo; i < hi; ++i) resume(i);
               }
             }
           }
@@ -263,19 +309,16 @@ inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function
           stalled = b.live > 0 && b.progress == before ? stalled + 1 : 0;
           if (stalled == 2) {
             g_block = nullptr;
-            throw Deadlock("simt: block (" + std::to_string(bx) + "," + std::to_string(by) + "," +
-                           std::to_string(bz) + ") cannot progress");
+            throw Deadlock("simt: cluster at block (" + std::to_string(cx) + "," + std::to_string(cy) + "," +
+                           std::to_string(cz) + ") cannot progress");
           }
         }
         g_block = nullptr;
       }
 }
 
-// Barrier `id` over `count` threads (id 0 with count < 0: every live thread of the block).
-inline void barrier(int id, int count) {
+inline void wait_bar(Bar& bar, int need) {
   Block& b = *g_block;
-  Block::Bar& bar = b.bars[id];
-  const int need = count < 0 ? b.live : count;
   const uint64_t gen = bar.gen;
   if (++bar.arrived >= need) {
     bar.arrived = 0;
@@ -285,13 +328,20 @@ inline void barrier(int id, int count) {
   }
   while (bar.gen == gen) yield();
 }
+// Barrier `id` of the calling CTA over `count` threads (count < 0: every live thread of the CTA).
+inline void barrier(int id, int count) {
+  Cta& c = my_cta();
+  wait_bar(c.bars[id], count < 0 ? c.live : count);
+}
+// barrier.cluster.arrive + wait: every live thread of the cluster.
+inline void cluster_barrier() { wait_bar(g_block->cluster_bar, g_block->live); }
 
 // All 32 lanes of the calling warp deposit `nwords` 64-bit words; returns the deposits of this generation,
 // slot[lane][word], valid until the warp's next collective but one.
 inline const uint64_t (*warp_exchange(const uint64_t* in, int nwords))[12] {
   Block& b = *g_block;
-  const int t = int(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z));
-  Block::Warp& w = b.warps[size_t(t / 32)];
+  const int t = self().local;
+  Cta::Warp& w = my_cta().warps[size_t(t / 32)];
   const uint64_t gen = w.gen;
   std::memcpy(w.slot[gen & 1][t % 32], in, size_t(nwords) * 8);
   if (++w.arrived == 32) {
@@ -304,7 +354,15 @@ inline const uint64_t (*warp_exchange(const uint64_t* in, int nwords))[12] {
   return w.slot[gen & 1];
 }
 
-inline int lane_id() { return int(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) % 32; }
+// The address `p` (in the calling CTA's shared memory) has in CTA `rank` of the cluster (mapa).
+template <typename T>
+inline T* map_rank(T* p, int rank) {
+  Cta& me = my_cta();
+  const ptrdiff_t off = reinterpret_cast<unsigned char*>(p) - me.smem;
+  return reinterpret_cast<T*>(g_block->ctas.at(size_t(rank)).smem + off);
+}
+
+inline int lane_id() { return self().local % 32; }
 
 template <typename T>
 inline T shfl_from(T v, int src) {
@@ -416,7 +474,7 @@ inline T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
 namespace kestrel::cuda::kda_detail {
 template <typename T>
 inline T* dyn_smem() {
-  return reinterpret_cast<T*>(simt::g_block->smem);
+  return reinterpret_cast<T*>(simt::my_cta().smem);
 }
 inline uint32_t to_tf32(float x) {  // cvt.rna.tf32.f32: round to nearest, ties away from zero
   const uint32_t u = std::bit_cast<uint32_t>(x);
@@ -468,6 +526,25 @@ inline void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) 
 }
 inline void ldsm_x4(uint32_t (&r)[4], const void* row) { simt::ldmatrix<4>(r, row); }
 inline void ldsm_x2(uint32_t (&r)[2], const void* row) { simt::ldmatrix<2>(r, row); }
+inline uint32_t cluster_rank() { return uint32_t(simt::self().cta); }
+inline void cluster_sync() { simt::cluster_barrier(); }
+inline void mbar_arrive_remote(uint64_t* bar, uint32_t rank) {
+  simt::Mbar& m = simt::g_block->mbars.at(simt::map_rank(bar, int(rank)));
+  --m.pending;
+  simt::mbar_check(m);
+}
+inline bool mbar_try_wait_cluster(uint64_t* bar, uint32_t parity) { return mbar_try_wait(bar, parity); }
+inline void bulk_g2s_multicast(void* dst, const void* src, uint32_t bytes, uint64_t* bar, uint16_t mask) {
+  if (bytes % 16 != 0 || reinterpret_cast<uintptr_t>(dst) % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0)
+    throw std::runtime_error("simt: bulk copy not 16-byte aligned");
+  for (int r = 0; r < 16; ++r) {
+    if (!(mask >> r & 1)) continue;
+    std::memcpy(simt::map_rank(dst, r), src, bytes);
+    simt::Mbar& m = simt::g_block->mbars.at(simt::map_rank(bar, r));
+    m.tx -= bytes;
+    simt::mbar_check(m);
+  }
+}
 inline void fence_mbarrier_init() {}
 inline void fence_proxy_async() {}
 template <int ID, int COUNT>

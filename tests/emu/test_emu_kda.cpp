@@ -144,99 +144,135 @@ struct Aligned {  // NaN-poisoned (0xFF) bytes, 256-byte aligned
   }
 };
 
-// kda_chunked's three launches on the emulator: chunk table, intra variant `intra`, seq variant `seq`; seq
-// 4 and 5 are seq 2 and 3 on FP16 images (f16_recurrence, with intra 2).
-template <int K, typename StateT>
-std::vector<float> run_chunked(const Inputs& in, int intra, int seq, std::vector<StateT>& pool) {
+// kda_chunked's launches on the emulator, in two steps so that several seq variants run on one set of
+// images: chunk table + an intra variant into a workspace (image format f32, or FP16 with f16), then a seq
+// variant on those images (seq 1..4 as in kda.h; the launch grids and shared memory of the launchers).
+struct Images {
+  Aligned ws;
+  int32_t *cs, *cseq;
+  char* imgs;
+  bool f16;
+};
+template <int K>
+Images make_images(const Inputs& in, int intra, bool f16) {
   const int H = int(in.H), B = int(in.B), HD = int(in.H * K);
   const int64_t cap = kd::capacity_chunks(in.T, in.B);
-  Aligned ws(kd::table_bytes(in.B, cap) + size_t(cap) * size_t(H) * kd::Img<K>::bytes);
-  int32_t* cs = reinterpret_cast<int32_t*>(ws.p.get());
-  int32_t* cseq = cs + B + 1;
-  char* imgs = reinterpret_cast<char*>(ws.p.get()) + kd::table_bytes(in.B, cap);
-  std::vector<float> o(size_t(std::max<int64_t>(in.T, 1) * HD), std::nanf(""));
-  const int32_t *cu = in.cu.data(), *slots = in.slots.data();
+  Images im{Aligned(kd::table_bytes(in.B, cap) + size_t(cap) * size_t(H) * kd::Img<K>::bytes), nullptr, nullptr,
+            nullptr, f16};
+  im.cs = reinterpret_cast<int32_t*>(im.ws.p.get());
+  im.cseq = im.cs + B + 1;
+  im.imgs = reinterpret_cast<char*>(im.ws.p.get()) + kd::table_bytes(in.B, cap);
+  const int32_t* cu = in.cu.data();
   const float *q = in.q.data(), *k = in.k.data(), *v = in.v.data(), *g = in.g.data(), *beta = in.beta.data();
+  int32_t *cs = im.cs, *cseq = im.cseq;
+  char* imgs = im.imgs;
   simt::launch(dim3(1), dim3(1024), 0, [&] { kd::chunk_table_kernel(cu, B, int(cap), cs, cseq); });
+  const dim3 grid{unsigned(cap), unsigned(H), 1u};
   if (intra == 1) {
-    simt::launch(dim3(unsigned(cap), unsigned(H)), dim3(512), kd::IntraSmem<K>::bytes,
+    simt::launch(grid, dim3(512), kd::IntraSmem<K>::bytes,
                  [&] { kd::intra_kernel<K>(q, k, v, g, HD, beta, H, cu, cs, cseq, B, imgs, H); });
-  } else if (seq >= 4) {
-    simt::launch(dim3(unsigned(cap), unsigned(H)), dim3(512), kd::Intra2Smem<K, true>::bytes,
+  } else if (f16) {
+    simt::launch(grid, dim3(512), kd::Intra2Smem<K, true>::bytes,
                  [&] { kd::intra2_kernel<K, true>(q, k, v, g, HD, beta, H, cu, cs, cseq, B, imgs, H); });
   } else {
-    simt::launch(dim3(unsigned(cap), unsigned(H)), dim3(512), kd::Intra2Smem<K, false>::bytes,
+    simt::launch(grid, dim3(512), kd::Intra2Smem<K, false>::bytes,
                  [&] { kd::intra2_kernel<K, false>(q, k, v, g, HD, beta, H, cu, cs, cseq, B, imgs, H); });
   }
+  return im;
+}
+
+template <int K, typename StateT, int VM, bool F16, bool MC>
+void launch_seq2(const Inputs& in, const Images& im, StateT* p, float* out) {
+  const int H = int(in.H), B = int(in.B), HD = int(in.H * K);
+  const int32_t *cu = in.cu.data(), *slots = in.slots.data(), *cs = im.cs;
+  const char* imgs = im.imgs;
+  simt::launch(
+      dim3(K / (16 * VM), unsigned(H), unsigned(B)), dim3(64 * VM), kd::Seq2Layout<K, VM, F16, MC>::smem,
+      [&] { kd::seq2_kernel<K, StateT, VM, F16, MC>(cu, cs, slots, imgs, p, out, HD, H); },
+      MC ? dim3(K / (16 * VM)) : dim3(1));
+}
+
+template <int K, typename StateT>
+std::vector<float> run_seq(const Inputs& in, const Images& im, int seq, std::vector<StateT>& pool) {
+  std::vector<float> o(size_t(std::max<int64_t>(in.T, 1) * in.H * K), std::nanf(""));
   StateT* p = pool.data();
   float* out = o.data();
   if (seq == 1) {
+    const int H = int(in.H), B = int(in.B), HD = int(in.H * K);
+    const int32_t *cu = in.cu.data(), *slots = in.slots.data(), *cs = im.cs;
+    const char* imgs = im.imgs;
     simt::launch(dim3(K / 32, unsigned(H), unsigned(B)), dim3(64), 2 * kd::Img<K>::stage_bytes(32) + 16,
                  [&] { kd::seq_kernel<K, StateT>(cu, cs, slots, imgs, p, out, HD, H); });
-  } else if (seq == 2) {
-    simt::launch(dim3(K / 32, unsigned(H), unsigned(B)), dim3(128), kd::Seq2Layout<K, 2, false>::smem,
-                 [&] { kd::seq2_kernel<K, StateT, 2, false>(cu, cs, slots, imgs, p, out, HD, H); });
-  } else if (seq == 3) {
-    simt::launch(dim3(K / 16, unsigned(H), unsigned(B)), dim3(64), kd::Seq2Layout<K, 1, false>::smem,
-                 [&] { kd::seq2_kernel<K, StateT, 1, false>(cu, cs, slots, imgs, p, out, HD, H); });
-  } else if (seq == 4) {
-    simt::launch(dim3(K / 32, unsigned(H), unsigned(B)), dim3(128), kd::Seq2Layout<K, 2, true>::smem,
-                 [&] { kd::seq2_kernel<K, StateT, 2, true>(cu, cs, slots, imgs, p, out, HD, H); });
+  } else if (im.f16) {
+    if (seq == 2) launch_seq2<K, StateT, 2, true, false>(in, im, p, out);
+    if (seq == 3) launch_seq2<K, StateT, 1, true, false>(in, im, p, out);
+    if (seq == 4) launch_seq2<K, StateT, 1, true, true>(in, im, p, out);
   } else {
-    simt::launch(dim3(K / 16, unsigned(H), unsigned(B)), dim3(64), kd::Seq2Layout<K, 1, true>::smem,
-                 [&] { kd::seq2_kernel<K, StateT, 1, true>(cu, cs, slots, imgs, p, out, HD, H); });
+    if (seq == 2) launch_seq2<K, StateT, 2, false, false>(in, im, p, out);
+    if (seq == 3) launch_seq2<K, StateT, 1, false, false>(in, im, p, out);
+    if (seq == 4) launch_seq2<K, StateT, 1, false, true>(in, im, p, out);
   }
   return o;
 }
 
+// Variant sets: (intra, FP16 images, seq variants run on those images).
+struct VariantSet {
+  int intra;
+  bool f16;
+  std::vector<int> seqs;
+};
+const std::vector<VariantSet> kAllVariants = {{1, false, {1, 2, 3, 4}}, {2, false, {1, 2, 3, 4}}, {2, true, {2, 3, 4}}};
+
 template <int K>
 void check_chunked_case(const std::vector<int32_t>& lens, int64_t H, Gates gates, uint64_t seed,
-                        const std::vector<std::pair<int, int>>& variants) {
+                        const std::vector<VariantSet>& sets = kAllVariants) {
   Rng rng(seed);
   const Inputs in = make_inputs(lens, H, K, gates, rng);
   std::vector<float> ref_pool = in.pool0;
   const auto ref_o = cpu_scan(in, ref_pool);
   const double so = max_abs(ref_o), ss = max_abs(ref_pool);
   const size_t no = size_t(in.T * H * K);
-  for (const auto& [intra, seq] : variants) {
-    const std::string what = "Dk=" + std::to_string(K) + " H=" + std::to_string(H) + " T=" + std::to_string(in.T) +
-                             " B=" + std::to_string(in.B) + " intra" + std::to_string(intra) + " seq" +
-                             std::to_string(seq);
-    std::vector<float> pool = in.pool0;
-    const auto o = run_chunked<K, float>(in, intra, seq, pool);
-    expect_close(what + " o", o.data(), ref_o.data(), no, 2e-2 * so, 2e-2, 6e-3);
-    expect_close(what + " state", pool.data(), ref_pool.data(), pool.size(), 1e-2 * ss, 1e-2, 3e-3);
-    // Slots no request with tokens uses come back bit for bit.
-    std::vector<bool> touched(size_t(in.n_slots), false);
-    for (int64_t b = 0; b < in.B; ++b) touched[size_t(in.slots[size_t(b)])] = in.lens[size_t(b)] > 0;
-    const size_t per = size_t(H * K * K);
-    for (int64_t sl = 0; sl < in.n_slots; ++sl) {
-      if (touched[size_t(sl)]) continue;
-      EXPECT_EQ(std::memcmp(pool.data() + sl * per, in.pool0.data() + sl * per, per * 4), 0)
-          << what << ": untouched slot " << sl << " changed";
+  for (const VariantSet& vs : sets) {
+    const Images im = make_images<K>(in, vs.intra, vs.f16);
+    for (const int seq : vs.seqs) {
+      const std::string what = "Dk=" + std::to_string(K) + " H=" + std::to_string(H) + " T=" + std::to_string(in.T) +
+                               " B=" + std::to_string(in.B) + " intra" + std::to_string(vs.intra) +
+                               (vs.f16 ? " f16" : "") + " seq" + std::to_string(seq);
+      std::vector<float> pool = in.pool0;
+      const auto o = run_seq<K, float>(in, im, seq, pool);
+      expect_close(what + " o", o.data(), ref_o.data(), no, 2e-2 * so, 2e-2, 6e-3);
+      expect_close(what + " state", pool.data(), ref_pool.data(), pool.size(), 1e-2 * ss, 1e-2, 3e-3);
+      // Slots no request with tokens uses come back bit for bit.
+      std::vector<bool> touched(size_t(in.n_slots), false);
+      for (int64_t b = 0; b < in.B; ++b) touched[size_t(in.slots[size_t(b)])] = in.lens[size_t(b)] > 0;
+      const size_t per = size_t(H * K * K);
+      for (int64_t sl = 0; sl < in.n_slots; ++sl) {
+        if (touched[size_t(sl)]) continue;
+        EXPECT_EQ(std::memcmp(pool.data() + sl * per, in.pool0.data() + sl * per, per * 4), 0)
+            << what << ": untouched slot " << sl << " changed";
+      }
     }
   }
 }
 
-const std::vector<std::pair<int, int>> kAllVariants = {{1, 1}, {1, 2}, {1, 3}, {2, 1}, {2, 2}, {2, 3}, {2, 4}, {2, 5}};
 const std::vector<int32_t> kMix = {1, 63, 0, 64, 65, 130};
 
 TEST(EmuKdaChunked, Dk32AllVariants) {
   for (const auto& lens : std::vector<std::vector<int32_t>>{{1}, {63}, {64}, {65}, {200}, kMix})
-    check_chunked_case<32>(lens, 2, Gates::model, 11 + lens.size() + size_t(lens[0]), kAllVariants);
-  check_chunked_case<32>(kMix, 2, Gates::near_bound, 12, kAllVariants);
-  check_chunked_case<32>(kMix, 2, Gates::near_zero, 13, kAllVariants);
+    check_chunked_case<32>(lens, 2, Gates::model, 11 + lens.size() + size_t(lens[0]));
+  check_chunked_case<32>(kMix, 2, Gates::near_bound, 12);
+  check_chunked_case<32>(kMix, 2, Gates::near_zero, 13);
 }
 
 TEST(EmuKdaChunked, Dk64AllVariants) {
-  check_chunked_case<64>({130}, 1, Gates::model, 21, kAllVariants);
-  check_chunked_case<64>(kMix, 1, Gates::near_bound, 22, kAllVariants);
+  check_chunked_case<64>({130}, 1, Gates::model, 21);
+  check_chunked_case<64>(kMix, 1, Gates::near_bound, 22);
 }
 
 TEST(EmuKdaChunked, Dk128AllVariants) {
-  check_chunked_case<128>({65}, 1, Gates::model, 31, kAllVariants);
-  check_chunked_case<128>({1, 0, 150}, 1, Gates::near_bound, 32, kAllVariants);
-  check_chunked_case<128>({129}, 1, Gates::near_zero, 33, {{2, 2}, {2, 3}, {2, 4}, {2, 5}});
+  check_chunked_case<128>({65}, 1, Gates::model, 31);
+  check_chunked_case<128>({1, 0, 150}, 1, Gates::near_bound, 32);
+  check_chunked_case<128>({129}, 1, Gates::near_zero, 33, {{2, false, {2, 3, 4}}, {2, true, {2, 3, 4}}});
 }
 
 // The FP16 pool: widened once, the same scan, rounded once (RNE): from an FP16-representable start the
@@ -247,35 +283,46 @@ TEST(EmuKdaChunked, F16PoolRoundsTheF32Result) {
   std::vector<float> p32(in.pool0.size());
   std::vector<uint16_t> p16(in.pool0.size());
   for (size_t i = 0; i < p16.size(); ++i) p16[i] = f32_to_f16(in.pool0[i]), p32[i] = f16_to_f32(p16[i]);
-  for (const auto& [intra, seq] : std::vector<std::pair<int, int>>{{2, 2}, {2, 3}, {2, 4}, {2, 5}}) {
-    std::vector<float> s32 = p32;
-    std::vector<uint16_t> s16 = p16;
-    const auto o32 = run_chunked<64, float>(in, intra, seq, s32);
-    const auto o16 = run_chunked<64, uint16_t>(in, intra, seq, s16);
-    EXPECT_EQ(std::memcmp(o32.data(), o16.data(), size_t(in.T * in.H * 64) * 4), 0) << "seq" << seq << " o";
-    for (size_t i = 0; i < s16.size(); ++i)
-      ASSERT_EQ(s16[i], f32_to_f16(s32[i])) << "seq" << seq << " state element " << i;
+  for (const bool f16_images : {false, true}) {
+    const Images im = make_images<64>(in, 2, f16_images);
+    for (const int seq : {2, 3, 4}) {
+      std::vector<float> s32 = p32;
+      std::vector<uint16_t> s16 = p16;
+      const auto o32 = run_seq<64, float>(in, im, seq, s32);
+      const auto o16 = run_seq<64, uint16_t>(in, im, seq, s16);
+      EXPECT_EQ(std::memcmp(o32.data(), o16.data(), size_t(in.T * in.H * 64) * 4), 0) << "seq" << seq << " o";
+      for (size_t i = 0; i < s16.size(); ++i)
+        ASSERT_EQ(s16[i], f32_to_f16(s32[i])) << "seq" << seq << " state element " << i;
+    }
   }
 }
 
 // Results must not depend on the order threads run in: a missing barrier lets some schedule read data not yet
 // written (NaN-poisoned shared memory, a stale value) or already overwritten.
 const simt::Schedule kSchedules[] = {simt::Schedule::threads_reverse, simt::Schedule::warps,
-                                     simt::Schedule::warps_reverse};
+                                     simt::Schedule::warps_reverse, simt::Schedule::ctas};
 TEST(EmuKdaChunked, ScheduleOrderDoesNotMatter) {
   Rng rng(51);
   const Inputs in = make_inputs({70, 1, 129}, 1, 128, Gates::model, rng);
-  for (const auto& [intra, seq] : std::vector<std::pair<int, int>>{{2, 2}, {2, 3}, {1, 1}, {2, 4}}) {
-    std::vector<float> pf = in.pool0;
+  struct Case {
+    int intra;
+    bool f16;
+    int seq;
+  };
+  for (const Case& c : {Case{2, false, 2}, Case{2, false, 3}, Case{1, false, 1}, Case{2, true, 2}, Case{2, false, 4},
+                        Case{2, true, 4}}) {
     simt::g_schedule = simt::Schedule::threads;
-    const auto of = run_chunked<128, float>(in, intra, seq, pf);
+    const Images im = make_images<128>(in, c.intra, c.f16);
+    std::vector<float> pf = in.pool0;
+    const auto of = run_seq<128, float>(in, im, c.seq, pf);
     for (const simt::Schedule sch : kSchedules) {
-      std::vector<float> pr = in.pool0;
       simt::g_schedule = sch;
-      const auto orr = run_chunked<128, float>(in, intra, seq, pr);
+      const Images imr = make_images<128>(in, c.intra, c.f16);
+      std::vector<float> pr = in.pool0;
+      const auto orr = run_seq<128, float>(in, imr, c.seq, pr);
       simt::g_schedule = simt::Schedule::threads;
-      const std::string what = "intra" + std::to_string(intra) + " seq" + std::to_string(seq) + " schedule " +
-                               std::to_string(int(sch));
+      const std::string what = "intra" + std::to_string(c.intra) + (c.f16 ? " f16" : "") + " seq" +
+                               std::to_string(c.seq) + " schedule " + std::to_string(int(sch));
       EXPECT_EQ(std::memcmp(of.data(), orr.data(), of.size() * 4), 0) << what << " o";
       EXPECT_EQ(std::memcmp(pf.data(), pr.data(), pf.size() * 4), 0) << what << " state";
     }

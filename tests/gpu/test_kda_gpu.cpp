@@ -148,7 +148,8 @@ struct Variant {
   int intra, seq;
   bool f16 = false;
 };
-const Variant kVariants[] = {{1, 1}, {1, 2}, {1, 3}, {2, 1}, {2, 2}, {2, 3}, {2, 2, true}, {2, 3, true}, {2, 0}};
+const Variant kVariants[] = {{1, 1}, {1, 2},       {1, 3},       {1, 4},       {2, 1},      {2, 2},
+                             {2, 3}, {2, 4}, {2, 2, true}, {2, 3, true}, {2, 4, true}, {2, 0}};
 cuda::KdaChunkedVariant as_variant(const Variant& v) {
   cuda::KdaChunkedVariant r;
   r.intra = v.intra;

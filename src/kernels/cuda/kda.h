@@ -112,9 +112,10 @@ struct KdaChunkedVariant {
   // Intra-chunk products: 1 = one 512-thread CTA holds a whole (chunk, head) (190 KB of shared memory, one
   // CTA per SM); 2 = the chunk's channels stream through in quarters (106 KB, two CTAs per SM).
   int intra = 2;
-  // Sequential pass: 0 = choose by grid size (3 when one wave of 16-column CTAs fits the GPU, else 2);
-  // 1 = 2 warps per 32 value columns, each warp all keys; 2 = 4 warps per 32 value columns, the keys split
-  // between the two warps of each 16-column tile; 3 = 2 warps per 16 value columns, keys split.
+  // Sequential pass: 0 = the default (2); 1 = 2 warps per 32 value columns, each warp all keys; 2 = 4 warps
+  // per 32 value columns, the keys split between the two warps of each 16-column tile; 3 = 2 warps per 16
+  // value columns, keys split; 4 = 3 with the Dk/16 CTAs of a (head, sequence) in one cluster, whose leader
+  // copies the shared part of each chunk image into all of them at once (multicast: 1/8 of the L2 reads).
   int seq = 0;
   // FP16 recurrence: the intra launch stores W, K̂ and U0 (the operands of u = U0 − W·S and of the state
   // update) in FP16 instead of TF32-rounded f32, and the seq launch multiplies them as FP16 (m16n8k16): the

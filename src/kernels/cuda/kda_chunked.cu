@@ -170,17 +170,18 @@ void launch(const ChunkArgs& a, StateT* pool, const KdaChunkedVariant& var, cuda
   }
   if (var.launches & 4u) {
     if (var.f16_recurrence) {
-      if (var.seq == 3) {
-        kda_detail::launch_seq2<K, StateT, 1, true>(a, pool, stream);
-      } else {
-        kda_detail::launch_seq2<K, StateT, 2, true>(a, pool, stream);
+      switch (var.seq) {
+        case 3: kda_detail::launch_seq2<K, StateT, 1, true, false>(a, pool, stream); break;
+        case 4: kda_detail::launch_seq2<K, StateT, 1, true, true>(a, pool, stream); break;
+        default: kda_detail::launch_seq2<K, StateT, 2, true, false>(a, pool, stream); break;
       }
       return;
     }
     switch (var.seq) {
       case 1: kda_detail::launch_seq1<K, StateT>(a, pool, stream); break;
-      case 3: kda_detail::launch_seq2<K, StateT, 1, false>(a, pool, stream); break;
-      default: kda_detail::launch_seq2<K, StateT, 2, false>(a, pool, stream); break;
+      case 3: kda_detail::launch_seq2<K, StateT, 1, false, false>(a, pool, stream); break;
+      case 4: kda_detail::launch_seq2<K, StateT, 1, false, true>(a, pool, stream); break;
+      default: kda_detail::launch_seq2<K, StateT, 2, false, false>(a, pool, stream); break;
     }
   }
 }
@@ -203,7 +204,7 @@ void chunked(const float* q, const float* k, const float* v, const float* g, int
              int64_t H, int64_t Dk, void* workspace, cudaStream_t stream, const KdaChunkedVariant& var) {
   check_args(q, k, v, g, ld, beta, ld_beta, cu, slots, pool, o, B, H, Dk);
   KCUDA_REQUIRE(T >= 0 && T < (int64_t(1) << 31), std::string("kda_chunked: bad T"));
-  KCUDA_REQUIRE((var.intra == 1 || var.intra == 2) && var.seq >= 0 && var.seq <= 3 && var.launches <= 7 &&
+  KCUDA_REQUIRE((var.intra == 1 || var.intra == 2) && var.seq >= 0 && var.seq <= 4 && var.launches <= 7 &&
                     (!var.f16_recurrence || (var.intra == 2 && var.seq != 1)),
                 "kda_chunked: bad variant intra=" + std::to_string(var.intra) + " seq=" + std::to_string(var.seq) +
                     " f16_recurrence=" + std::to_string(int(var.f16_recurrence)));

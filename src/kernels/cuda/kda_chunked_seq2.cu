@@ -23,7 +23,7 @@ namespace kestrel::cuda::kda_detail {
 namespace {
 
 // ---- seq2 ------------------------------------------------------------------------------------------------------
-template <int K, int VM, bool F16>
+template <int K, int VM, bool F16, bool MC = false>
 struct Seq2Layout {
   using I = Img<K, F16>;
   static constexpr int BV = 16 * VM;                       // value columns per CTA
@@ -32,17 +32,22 @@ struct Seq2Layout {
   static constexpr size_t x_bytes = size_t(2 * VM) * XW * 4;
   static constexpr bool x_separate = 2 * stage + x_bytes + 16 <= kMaxSmemPerBlock;
   static constexpr size_t bar_off = 2 * stage + (x_separate ? x_bytes : 0);
-  static constexpr size_t smem = bar_off + 16;
+  static constexpr size_t smem = bar_off + 32;  // full[2], empty[2] (multicast)
   static_assert(x_separate || x_bytes <= I::kh_off, "the swap area must fit the stage's W rows");
+  // Multicast: the cluster's other CTAs write this CTA's stages, so generic writes there (the swap) would need
+  // cross-CTA proxy ordering; the swap gets its own area instead.
+  static_assert(!MC || x_separate, "multicast needs a separate swap area");
+  static constexpr int NCB = K / BV;  // CTAs per (head, sequence) = the cluster with multicast
+  static_assert(NCB <= 8, "portable cluster size");
   static_assert(smem <= kMaxSmemPerBlock, "seq2 shared memory");
 };
 
-template <int K, typename StateT, int VM, bool F16>
+template <int K, typename StateT, int VM, bool F16, bool MC>
 __global__ void __launch_bounds__(64 * VM, 1)
     seq2_kernel(const int32_t* __restrict__ cu, const int32_t* __restrict__ cs, const int32_t* __restrict__ slots,
                 const char* __restrict__ imgs, StateT* __restrict__ pool, float* __restrict__ o, int64_t ld, int H) {
   using I = Img<K, F16>;
-  using Lay = Seq2Layout<K, VM, F16>;
+  using Lay = Seq2Layout<K, VM, F16, MC>;
   constexpr int KH = K / 2;     // keys per warp
   constexpr int NJ = KH / 8;    // its TF32 key n-tiles
   constexpr int NKK = KH / 16;  // its BF16 key k-steps
@@ -61,20 +66,39 @@ __global__ void __launch_bounds__(64 * VM, 1)
   // (l / 8) % 2), row l % 8 → row offset lr (+8 for the second n-tile) and column offset lc (x2 reuses it).
   const int lr = (lane & 7) + 8 * (lane >> 4), lc = 8 * ((lane >> 3) & 1);
 
+  // bars[s]: stage s is full (this CTA's copies and, with multicast, the leader's); bars[2 + s] (multicast, in
+  // the leader only): every CTA of the cluster is done with stage s, so the leader may refill it everywhere.
+  const uint32_t rank = MC ? cluster_rank() : 0u;
   if (tid == 0) {
     mbar_init(&bars[0], 1);
     mbar_init(&bars[1], 1);
+    if (MC) {
+      mbar_init(&bars[2], Lay::NCB);
+      mbar_init(&bars[3], Lay::NCB);
+    }
     fence_mbarrier_init();
   }
-  __syncthreads();
-  auto issue = [&](int c) {  // thread 0: chunk c's image into stage c & 1
+  if constexpr (MC) {
+    cluster_sync();  // every CTA's barriers exist before the leader's first multicast
+  } else {
+    __syncthreads();
+  }
+  auto issue = [&](int c) {  // thread 0: chunk c's image into stage c & 1 (the shared part: the leader, once)
     const int s = c & 1;
     const char* src = imgs + (size_t(c_beg + c) * H + h) * I::bytes;
     unsigned char* dst = smraw + s * Lay::stage;
     mbar_expect_tx(&bars[s], uint32_t(Lay::stage));
-    bulk_g2s(dst, src, uint32_t(I::shared_bytes), &bars[s]);
     bulk_g2s(dst + I::shared_bytes, src + I::u_off + size_t(v0) * I::TP * I::WB, uint32_t(I::u_slice_bytes(Lay::BV)),
              &bars[s]);
+    if constexpr (!MC) {
+      bulk_g2s(dst, src, uint32_t(I::shared_bytes), &bars[s]);
+    } else if (rank == 0) {
+      if (c >= 2) {  // chunk c − 2 released stage s in every CTA: completion number (c >> 1) − 1 of bars[2 + s]
+        while (!mbar_try_wait_cluster(&bars[2 + s], uint32_t(((c >> 1) - 1) & 1))) {
+        }
+      }
+      bulk_g2s_multicast(dst, src, uint32_t(I::shared_bytes), &bars[s], uint16_t((1u << Lay::NCB) - 1));
+    }
   };
   if (tid == 0) {
     issue(0);
@@ -292,7 +316,10 @@ __global__ void __launch_bounds__(64 * VM, 1)
     // copy that will overwrite them (then the barrier, then the issue).
     if constexpr (!Lay::x_separate) fence_proxy_async();
     __syncthreads();  // every warp is done with stage s and with the swap area
-    if (tid == 0 && c + 2 < nc) issue(c + 2);
+    if (tid == 0 && c + 2 < nc) {
+      if constexpr (MC) mbar_arrive_remote(&bars[2 + s], 0);  // tell the leader stage s is free here
+      issue(c + 2);
+    }
   }
 
 #pragma unroll
@@ -303,26 +330,48 @@ __global__ void __launch_bounds__(64 * VM, 1)
     store_state(S + key * K + vw + gq + 8, sa[j][2]);
     store_state(S + (key + 1) * K + vw + gq + 8, sa[j][3]);
   }
+  if constexpr (MC) cluster_sync();  // no CTA leaves while another may still signal its barriers
 }
 
 }  // namespace
 
 #ifndef KESTREL_SIMT_EMU
-template <int K, typename StateT, int VM, bool F16>
+template <int K, typename StateT, int VM, bool F16, bool MC>
 void launch_seq2(const ChunkArgs& a, StateT* pool, cudaStream_t stream) {
-  auto seq = seq2_kernel<K, StateT, VM, F16>;
-  constexpr size_t smem = Seq2Layout<K, VM, F16>::smem;
+  auto seq = seq2_kernel<K, StateT, VM, F16, MC>;
+  using Lay = Seq2Layout<K, VM, F16, MC>;
+  constexpr size_t smem = Lay::smem;
   KCUDA_CHECK(cudaFuncSetAttribute(seq, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  seq<<<dim3(unsigned(K / (16 * VM)), unsigned(a.H), unsigned(a.B)), 64 * VM, smem, stream>>>(
-      a.cu, a.cs, a.slots, a.imgs, pool, a.o, a.ld, a.H);
-  KCUDA_CHECK_LAUNCH();
+  const dim3 grid(unsigned(Lay::NCB), unsigned(a.H), unsigned(a.B));
+  if constexpr (!MC) {
+    seq<<<grid, 64 * VM, smem, stream>>>(a.cu, a.cs, a.slots, a.imgs, pool, a.o, a.ld, a.H);
+    KCUDA_CHECK_LAUNCH();
+  } else {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(64 * VM);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = unsigned(Lay::NCB);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    const char* imgs = a.imgs;
+    KCUDA_CHECK(cudaLaunchKernelEx(&cfg, seq, a.cu, static_cast<const int32_t*>(a.cs), a.slots, imgs, pool, a.o, a.ld,
+                                   a.H));
+  }
 }
 
-#define KDA_INSTANTIATE_SEQ(K, F16)                                                          \
-  template void launch_seq2<K, float, 1, F16>(const ChunkArgs&, float*, cudaStream_t);       \
-  template void launch_seq2<K, float, 2, F16>(const ChunkArgs&, float*, cudaStream_t);       \
-  template void launch_seq2<K, uint16_t, 1, F16>(const ChunkArgs&, uint16_t*, cudaStream_t); \
-  template void launch_seq2<K, uint16_t, 2, F16>(const ChunkArgs&, uint16_t*, cudaStream_t);
+#define KDA_INSTANTIATE_SEQ(K, F16)                                                                 \
+  template void launch_seq2<K, float, 1, F16, false>(const ChunkArgs&, float*, cudaStream_t);       \
+  template void launch_seq2<K, float, 2, F16, false>(const ChunkArgs&, float*, cudaStream_t);       \
+  template void launch_seq2<K, float, 1, F16, true>(const ChunkArgs&, float*, cudaStream_t);        \
+  template void launch_seq2<K, uint16_t, 1, F16, false>(const ChunkArgs&, uint16_t*, cudaStream_t); \
+  template void launch_seq2<K, uint16_t, 2, F16, false>(const ChunkArgs&, uint16_t*, cudaStream_t); \
+  template void launch_seq2<K, uint16_t, 1, F16, true>(const ChunkArgs&, uint16_t*, cudaStream_t);
 #define KDA_INSTANTIATE(K)    \
   KDA_INSTANTIATE_SEQ(K, false) \
   KDA_INSTANTIATE_SEQ(K, true)

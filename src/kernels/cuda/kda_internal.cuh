@@ -77,7 +77,8 @@ void launch_intra2(const ChunkArgs& a, cudaStream_t stream);
 template <int K, typename StateT>
 void launch_seq1(const ChunkArgs& a, StateT* pool, cudaStream_t stream);
 // VM: 16-column value tiles per CTA (2·VM warps; each pair of warps splits the keys). F16: the image format.
-template <int K, typename StateT, int VM, bool F16>
+// MC: the CTAs of a (head, sequence) form a cluster and the leader multicasts the shared part of each image.
+template <int K, typename StateT, int VM, bool F16, bool MC>
 void launch_seq2(const ChunkArgs& a, StateT* pool, cudaStream_t stream);
 
 // ---- device helpers ------------------------------------------------------------------------------------------
@@ -166,6 +167,46 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t by
       "l"(src), "r"(bytes), "r"(smem_u32(bar))
       : "memory");
 }
+// ---- clusters (seq variant 4): one CTA's bulk copy lands in every CTA of its cluster ----
+// This CTA's rank in its cluster.
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster (release / acquire at cluster scope).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// Arrive (release, cluster scope) on the mbarrier that sits at `bar`'s offset in CTA `rank` of the cluster.
+__device__ __forceinline__ void mbar_arrive_remote(uint64_t* bar, uint32_t rank) {
+  asm volatile(
+      "{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, %0, %1;\n"
+      " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" ::"r"(smem_u32(bar)),
+      "r"(rank)
+      : "memory");
+}
+// try_wait that acquires at cluster scope (the arrivals come from other CTAs).
+__device__ __forceinline__ bool mbar_try_wait_cluster(uint64_t* bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(smem_u32(bar)), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+// Bulk copy global → the shared memory of every CTA in `mask` (same offset as dst), each completing `bytes` of
+// transaction on its own mbarrier at bar's offset. 16-byte aligned, size % 16 == 0.
+__device__ __forceinline__ void bulk_g2s_multicast(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
+                                                   uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;"
+      ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "h"(mask)
+      : "memory");
+}
+
 // Makes mbarrier.init visible to the async proxy (bulk copies completing on the barrier).
 __device__ __forceinline__ void fence_mbarrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
