@@ -18,8 +18,9 @@
 // Inputs are random (q, k unit-norm per head, q scaled by Dk^-1/2, g = −5·σ(z), β in (0, 1)), tiled from
 // 4096 random rows for the long prefills.
 //
-//   bench_kda [--quick] [--only prefill|decode] [--perf]
-// --perf prints only the scoreboard lines (default variants; ≤ 60 s):
+//   bench_kda [--quick] [--only prefill|decode] [--perf [--variant INTRA,SEQ,F16]]
+// --perf prints only the scoreboard lines (default variants, or the kda_chunked variant given, e.g.
+// --variant 2,4,1 = intra 2, seq 4, FP16 recurrence; ≤ 60 s):
 //   PERF kda_prefill_us_h12_32k <µs>   PERF kda_prefill_us_h12_8k <µs>
 //   PERF kda_decode_us_b1 <µs>         PERF kda_decode_tbps_b1024 <TB/s>   (FP32 state)
 #include <cuda_runtime.h>
@@ -27,6 +28,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -284,11 +286,11 @@ void decode(bool quick) {
   }
 }
 
-// The scoreboard lines only (default variants, FP32 state).
-void perf() {
+// The scoreboard lines only (kda_chunked variant `var`, FP32 state).
+void perf(const cuda::KdaChunkedVariant& var) {
   for (const int64_t L : {int64_t(32768), int64_t(8192)}) {
     PrefillCase pc(12, L, 1);
-    fmt::print("PERF kda_prefill_us_h12_{}k {:.1f}\n", L / 1024, pc.us(cuda::KdaChunkedVariant{}, 15));
+    fmt::print("PERF kda_prefill_us_h12_{}k {:.1f}\n", L / 1024, pc.us(var, 15));
     std::fflush(stdout);
   }
   for (const int64_t B : {int64_t(1), int64_t(1024)}) {
@@ -311,16 +313,22 @@ void perf() {
 int main(int argc, char** argv) {
   bool quick = false, perf_only = false;
   std::string only;
+  cuda::KdaChunkedVariant var;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    int f16 = 0;
     if (a == "--quick") {
       quick = true;
     } else if (a == "--perf") {
       perf_only = true;
     } else if (a == "--only" && i + 1 < argc) {
       only = argv[++i];
+    } else if (a == "--variant" && i + 1 < argc &&
+               std::sscanf(argv[i + 1], "%d,%d,%d", &var.intra, &var.seq, &f16) == 3) {
+      var.f16_recurrence = f16 != 0;
+      ++i;
     } else {
-      fmt::print(stderr, "usage: bench_kda [--quick] [--only prefill|decode] [--perf]\n");
+      fmt::print(stderr, "usage: bench_kda [--quick] [--only prefill|decode] [--perf [--variant INTRA,SEQ,F16]]\n");
       return 2;
     }
   }
@@ -329,7 +337,7 @@ int main(int argc, char** argv) {
     KCUDA_CHECK(cudaGetDeviceProperties(&p, 0));
     fmt::print("device: {} ({} SMs, L2 {} MB)\n", p.name, p.multiProcessorCount, p.l2CacheSize >> 20);
     if (perf_only) {
-      perf();
+      perf(var);
       return 0;
     }
     if (only.empty() || only == "decode") decode(quick);
