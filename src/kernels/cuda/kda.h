@@ -96,8 +96,9 @@ void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*
 // owns rows cu_seqlens[b] .. cu_seqlens[b+1] (varlen, packed) and the state state_pool[slots[b]]
 // (f32 or f16 [H, Dk(key), Dk(value)]), read at the start and written back at the end (f16: widened on read,
 // rounded to nearest even on write). Requests of length 0 leave their state untouched.
-// Tensor cores: TF32 for the recurrence, BF16 for the output products, FP32 accumulation: against the FP32
-// CPU twin, o has a relative L2 error of 2–3.5e-3 (about one BF16 rounding) and the final state 3–6e-4.
+// Tensor cores: TF32 for the recurrence (FP16 with KdaChunkedVariant::f16_recurrence), BF16 for the output
+// products, FP32 accumulation: against the FP32 CPU twin, o has a relative L2 error of 2–3.5e-3 (about one
+// BF16 rounding) and the final state 3–6e-4.
 // T: the packed row count, T >= cu_seqlens[B] - cu_seqlens[0] (sizes the workspace; if the rows of
 // cu_seqlens need more chunks than the workspace holds, nothing is computed). workspace: device memory of
 // kda_chunked_workspace_bytes(T, B, H, Dk) bytes (≈ 2.1 KB per token and head at Dk 128), 16-byte aligned,

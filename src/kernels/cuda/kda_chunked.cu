@@ -27,8 +27,10 @@
 //    operand is read with the same permutation; BF16: the layouts already agree). Each chunk's image
 //    arrives by two bulk copies (TMA, mbarrier completion) into a double buffer, two chunks ahead.
 //    Variant 1 (kda_chunked_v1.cu): 2 warps per 32 value columns, each warp all Dk keys of its 16 values.
-//    Variants 2 and 3 (kda_chunked_seq2.cu): the keys split between two warps per 16 values, which swap
-//    their partial products once per chunk (half the tensor-core work on each warp's critical path).
+//    Variants 2, 3, 4 (kda_chunked_seq2.cu): the keys split between two warps per 16 values, which swap
+//    their partial products once per chunk (half the tensor-core work on each warp's critical path); 2: 32
+//    values per CTA; 3: 16; 4: 16, with the CTAs of a (head, sequence) in a cluster that receives the shared
+//    part of each image by one multicast copy.
 //
 // Precision: the recurrence (v_new and the state update: W, K̂, S) runs TF32 × TF32 → FP32 (operands
 // rounded to nearest, 2^−11 relative); the output path (Q̃·S and QK·v_new) runs BF16 × BF16 → FP32,
@@ -52,15 +54,17 @@
 //   intra2: two CTAs per SM hide each other's load waits, barriers and narrow phases (T's diagonal blocks on
 //     64 threads); per CTA ~35 K warp instructions, ~5 µs of issue per SM at two CTAs, so it should approach
 //     its HBM floor: ≈ 0.5–0.7 ms (from 1.2).
-//   seq2: 170 mma per warp and chunk step instead of 340, four warps per SM; bounded by ~1300 instructions per
-//     warp and ~205 KB of shared-memory reads per SM per step (≈ 0.9 µs) and by 5.2 MB of L2 reads per step
+//   seq2: 170 mma per warp and chunk step instead of 340, four warps per SM; bounded by ~1250 instructions per
+//     warp and ~190 KB of shared-memory reads per SM per step (≈ 0.9 µs) and by 5.2 MB of L2 reads per step
 //     across the 48 CTAs: ≈ 1.0–1.2 µs per step, 0.5–0.6 ms (from 1.2). seq3 (96 CTAs of 16 columns) reads
-//     twice the L2 bytes per step and is likely L2-bound (≈ 1.5 µs) unless L2 delivers > 7 TB/s.
-//   FP16 recurrence: 106 mma per warp and step, 35 % fewer shared-memory bytes, 40 % smaller images: seq2
-//     ≈ 0.8 µs per step, intra2 −10 %.
+//     twice the L2 bytes per step and is likely L2-bound (≈ 1.5 µs) unless L2 delivers > 7 TB/s; seq4 reads
+//     1/8 of them (multicast) and should run at its per-warp instruction bound, ≈ 0.7 µs (0.35 ms).
+//   FP16 recurrence: 106 mma and ~1100 instructions per warp and step, 35 % fewer shared-memory bytes, 40 %
+//     smaller images: seq2 ≈ 0.8 µs per step, seq4 ≈ 0.6 µs, intra2 −10 %.
 //   When every SM runs a seq CTA (8 × 8K, 96 heads) 132 CTAs read 14 MB of image per step from L2, which
-//   bounds any variant near 2 µs per step (9 MB with the FP16 recurrence).
-//   Totals (default intra2 + seq2): 8K ≈ 0.3, 32K ≈ 1.0–1.3, 128K ≈ 4–5 ms, 8 × 8K ≈ 1.8–2.2 ms, 96 heads ≈ 7–9 ms;
+//   bounds seq1–3 near 2 µs per step (9 MB with the FP16 recurrence); seq4 reads 2.3 MB.
+//   Totals, default (intra2 + seq2): 8K ≈ 0.3, 32K ≈ 1.0–1.3, 128K ≈ 4–5 ms, 8 × 8K ≈ 1.8–2.2 ms, 96 heads ≈
+//   7–9 ms; intra2 + seq4 with the FP16 recurrence: 32K ≈ 0.8–1.0 ms, 8 × 8K ≈ 1.4–1.8, 96 heads ≈ 5–7 ms.
 //   FLA chunk_kda on our H200: 0.54 / 1.94 / 7.57 / 2.90 / 10.9 ms.
 //
 // Shapes: Dk ∈ {32, 64, 128} (value dim = Dk); the per-CTA shared memory is sized at compile time.
