@@ -22,10 +22,11 @@
 #include "cache/page_pool.h"
 #include "cache/prefix_cache.h"
 #include "cache/state_pool.h"
+#include "request/request.h"
 
 namespace kestrel::cache {
 
-using RequestId = uint64_t;
+using RequestId = kestrel::RequestId;
 
 struct CacheConfig {
   int32_t num_pages = 0;
@@ -35,12 +36,9 @@ struct CacheConfig {
   int hash_bits = 64;  // < 64 only to force hash collisions in tests
 };
 
-// Tokens [start, end) of a request carry media (e.g. an image's placeholders) with this content hash.
-struct MediaSpan {
-  int64_t start = 0;
-  int64_t end = 0;
-  uint64_t content_hash = 0;
-};
+// Tokens [start, end) of a request carry media (e.g. an image's placeholders) with this content hash
+// (the request vocabulary's type).
+using MediaSpan = kestrel::MediaSpan;
 
 // The extra key of each full block of a `num_tokens`-token sequence: 0 for text-only blocks, else a
 // hash of the media spans overlapping it (content and offset), so equal placeholder tokens with

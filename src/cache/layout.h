@@ -1,47 +1,29 @@
-// Byte layout of the paged MLA caches and of one KDA state slot, from the config alone
-// (MODEL.md §0.3-§0.4, §3.3-§3.5).
+// Bytes of the paged MLA caches and of one KDA state slot for a config: the per-layer byte counts of
+// core/cache_format.h (where the formats and their byte layouts are spelled out) times the config's
+// layer counts. The cache manager, the memory planner, the CPU cache store and the GPU cache all size
+// their memory from a CacheLayout, so what the planner counted is what is allocated.
 //
-// One page = `block_size` tokens (128 by default) of EVERY MLA layer: page id p names slot p of each
-// layer's latent cache and of each layer's index-key cache, so a request needs one block table for
-// all 24 layers (vLLM's layout). Per token and layer:
-//   latent   bf16: (C + R) * 2                       = 1152 B (release)
-//            fp8 : C e4m3 + ceil(C/128) f32 scales + R bf16 = 512 + 16 + 128 = 656 B
-//   index key fp8 : Di e4m3 + 1 f32 scale              = 132 B
-//            mxfp4: Di/2 packed e2m1 + Di/32 e8m0       = 68 B
-//            bf16 : Di * 2                              = 256 B (the CPU reference format: exact, and
-//                   the baseline the quantised formats are measured against)
-// The indexer kernels use 64-token pages (§3.5); a 128-token manager page holds two of them, which the
-// executor derives from the page id, so the bookkeeping here never sees kernel pages.
-// A KDA state slot holds, for every KDA layer, the recurrent state H·Dk·Dk (f32, or f16 opt-in) and
-// the conv state 3·(W−1)·H·Dk in the activation dtype (bf16).
+// One page = `block_size` tokens of EVERY MLA layer (one block table per request for all layers); one
+// state slot = every KDA layer's recurrent state and conv history for one sequence.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
+#include "core/cache_format.h"
 #include "loader/config.h"
 
 namespace kestrel::cache {
 
-enum class LatentFormat : uint8_t { bf16, fp8 };
-enum class IndexKeyFormat : uint8_t { fp8, mxfp4, bf16 };
-enum class KdaStateDtype : uint8_t { f32, f16 };
-
-struct CacheFormats {
-  int block_size = 128;  // tokens per page (MODEL.md §0.3)
-  LatentFormat latent = LatentFormat::bf16;
-  IndexKeyFormat index_keys = IndexKeyFormat::fp8;
-  KdaStateDtype kda_state = KdaStateDtype::f32;
-};
-
-// "bf16"/"fp8" and "bf16"/"fp8"/"mxfp4" (CLI spellings); each parser throws kestrel::Error for anything else.
-LatentFormat parse_latent_format(const std::string& s);
-IndexKeyFormat parse_index_key_format(const std::string& s);
-// "f32"/"f16" (also "fp32"/"fp16", "float32"/"float16"), for --kda-state-dtype.
-KdaStateDtype parse_kda_state_dtype(const std::string& s);
-const char* format_name(LatentFormat f);
-const char* format_name(IndexKeyFormat f);
-const char* format_name(KdaStateDtype f);
+// The formats are kestrel's (core/cache_format.h); the cache manager's callers may spell them cache::.
+using kestrel::CacheFormats;
+using kestrel::format_name;
+using kestrel::IndexKeyFormat;
+using kestrel::KdaStateDtype;
+using kestrel::LatentFormat;
+using kestrel::parse_index_key_format;
+using kestrel::parse_kda_state_dtype;
+using kestrel::parse_latent_format;
 
 struct CacheLayout {
   int block_size = 0;

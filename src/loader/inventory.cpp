@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "core/cache_format.h"
+
 namespace kestrel {
 namespace {
 
@@ -63,14 +65,13 @@ Inventory take_inventory(const ModelConfig& c) {
 
 int64_t kda_state_bytes_per_request(const TextConfig& t) {
   const int64_t H = t.kda.num_heads, Dk = t.kda.head_dim;
-  const int64_t recurrent = H * Dk * Dk * 4;
-  const int64_t conv = 3 * H * Dk * (t.kda.conv_size - 1) * 2;
-  return (recurrent + conv) * t.num_layers_of(AttnKind::kda);
+  return (kda_recurrent_bytes(KdaStateDtype::f32, H, Dk) + kda_conv_bytes(H, Dk, t.kda.conv_size)) *
+         t.num_layers_of(AttnKind::kda);
 }
 
 int64_t cache_bytes_per_token(const TextConfig& t) {
-  const int64_t latent = int64_t(t.mla_cache_width()) * 2;
-  const int64_t index = t.has_indexer() ? int64_t(t.index_head_dim) + 4 : 0;  // fp8 values + one f32 scale
+  const int64_t latent = latent_token_bytes(LatentFormat::bf16, t.kv_lora_rank, t.qk_rope_head_dim);
+  const int64_t index = t.has_indexer() ? index_key_token_bytes(IndexKeyFormat::fp8, t.index_head_dim) : 0;
   return (latent + index) * t.num_layers_of(AttnKind::mla);
 }
 

@@ -1,4 +1,4 @@
-// Paged cache reads and writes with quantise-on-write / dequantise-on-read (formats in cache_view.h).
+// Paged cache reads and writes with quantise-on-write / dequantise-on-read (formats in core/cache_format.h).
 #include "model/cache_view.h"
 
 #include <algorithm>
@@ -10,9 +10,6 @@
 
 namespace kestrel::model {
 namespace {
-
-using cache::IndexKeyFormat;
-using cache::LatentFormat;
 
 // MODEL.md §3.5 FP8 scale: s = 2^⌈log2(max(amax, 1e-4) / 448)⌉ (a UE8M0 value kept as f32).
 float fp8_pow2_scale(const uint16_t* x /* bf16 [n] */, int64_t n) {
@@ -41,22 +38,8 @@ MlaCacheView MlaCacheView::make(const TextConfig& c, LatentFormat lf, IndexKeyFo
   MlaCacheView v;
   v.latent_format = lf, v.key_format = kf, v.block_size = block_size;
   v.C = c.kv_lora_rank, v.R = c.qk_rope_head_dim, v.Di = c.has_indexer() ? c.index_head_dim : 0;
-  if (kf == IndexKeyFormat::mxfp4 && v.Di % 32 != 0)
-    fail("MXFP4 index keys need index_head_dim % 32 == 0, got {}", v.Di);
+  check_index_key_format(kf, v.Di);
   return v;
-}
-
-int64_t MlaCacheView::latent_token_bytes() const {
-  return latent_format == LatentFormat::bf16 ? (C + R) * 2 : C + (C + 127) / 128 * 4 + R * 2;
-}
-
-int64_t MlaCacheView::key_token_bytes() const {
-  switch (key_format) {
-    case IndexKeyFormat::bf16: return Di * 2;
-    case IndexKeyFormat::fp8: return Di + 4;
-    case IndexKeyFormat::mxfp4: return Di / 2 + Di / 32;
-  }
-  return 0;
 }
 
 void MlaCacheView::write_latent(int64_t pos, const uint16_t* row) const {
@@ -97,13 +80,13 @@ void MlaCacheView::read_latent(int64_t n, uint16_t* out) const {
 }
 
 namespace {
-// Kernel page of the index-key cache: 64 tokens, or the whole manager page when P % 64 != 0.
+// Where one token's key lives in its kernel page (core/cache_format.h: values then scales).
 struct KeySlot {
   uint8_t* values;  // this token's values
   uint8_t* scale;   // this token's scale bytes
 };
 KeySlot key_slot(const MlaCacheView& v, int64_t pos) {
-  const int64_t P = v.block_size, K = P % 64 == 0 ? 64 : P;
+  const int64_t P = v.block_size, K = index_key_kernel_page(P);
   const int64_t tb = v.key_token_bytes();
   const int64_t row = pos % P;
   uint8_t* page = v.keys + int64_t(v.block_table[size_t(pos / P)]) * P * tb;

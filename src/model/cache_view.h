@@ -1,19 +1,10 @@
 // Paged views of one sequence's caches, the only way the CPU layers touch cross-step state.
 //
 // MLA: per layer a latent arena and an index-key arena, both indexed by page id; token t of a
-// sequence lives in page block_table[t / P] at row t % P (docs/serving.md). The formats are the
-// GPU's (MODEL.md §0.3, §3.5, layout.h gives the bytes), quantised on write and dequantised on read,
-// so the CPU path measures exactly what an FP8/MXFP4 cache costs in accuracy:
-//   latent bf16  per token [ĉ | k_pe] bf16 (C+R)·2 B
-//   latent fp8   per token [ĉ e4m3 (C) | f32 scale per 128 of ĉ | k_pe bf16 (R)]  (FlashMLA fp8_ds_mla
-//                order); scale s = 2^⌈log2(max(amax, 1e-4) / 448)⌉, the §3.5 FP8 rule, so e4m3·s is
-//                exact in bf16 and a read gives back bf16 values;
-//   keys bf16    per token Di bf16;
-//   keys fp8     per 64-token kernel page [64 × Di e4m3 | 64 × f32 scale] ("values then scales",
-//                one scale per token by the same rule);
-//   keys mxfp4   per 64-token kernel page [64 × Di/2 packed e2m1 | 64 × Di/32 e8m0] (§0.9 / §3.5).
-// A manager page of P = 128 tokens holds two kernel pages; a P that is not a multiple of 64 (small
-// test pages) is one kernel page.
+// sequence lives in page block_table[t / P] at row t % P (docs/serving.md). The formats and their byte
+// layouts are core/cache_format.h's (the GPU's), quantised on write and dequantised on read, so the CPU
+// path measures exactly what an FP8/MXFP4 cache costs in accuracy; a read gives back the bf16 values the
+// GPU kernels read.
 // KDA: a state slot holds, per KDA layer, the recurrent state (f32 or f16) and the bf16 conv state.
 #pragma once
 
@@ -21,24 +12,24 @@
 #include <span>
 #include <vector>
 
-#include "cache/layout.h"
+#include "core/cache_format.h"
 #include "loader/config.h"
 #include "model/common.h"
 
 namespace kestrel::model {
 
 struct MlaCacheView {
-  cache::LatentFormat latent_format = cache::LatentFormat::bf16;
-  cache::IndexKeyFormat key_format = cache::IndexKeyFormat::bf16;
+  LatentFormat latent_format = LatentFormat::bf16;
+  IndexKeyFormat key_format = IndexKeyFormat::bf16;
   int block_size = 128;                 // P
   int64_t C = 0, R = 0, Di = 0;         // kv_lora_rank, qk_rope_head_dim, index_head_dim (0: no indexer)
   uint8_t* latent = nullptr;            // u8 [pages, P · latent_token_bytes]
   uint8_t* keys = nullptr;              // u8 [pages, P · key_token_bytes]
   std::span<const int32_t> block_table; // page of each P-token block, in token order
 
-  static MlaCacheView make(const TextConfig& c, cache::LatentFormat lf, cache::IndexKeyFormat kf, int block_size);
-  int64_t latent_token_bytes() const;
-  int64_t key_token_bytes() const;
+  static MlaCacheView make(const TextConfig& c, LatentFormat lf, IndexKeyFormat kf, int block_size);
+  int64_t latent_token_bytes() const { return kestrel::latent_token_bytes(latent_format, C, R); }
+  int64_t key_token_bytes() const { return index_key_token_bytes(key_format, Di); }
   int64_t capacity() const { return int64_t(block_table.size()) * block_size; }
 
   // Quantises and stores one token's row at position pos (bf16 [C+R] / bf16 [Di]).
@@ -55,15 +46,15 @@ struct KdaStateView {
   uint16_t* conv = nullptr;   // bf16 [3, W-1, H*Dk]
 };
 
-// Bytes of one KDA layer's recurrent / conv state.
+// Elements of one KDA layer's recurrent state [H, Dk, Dk] / conv history [3, W−1, H·Dk].
 int64_t kda_recurrent_elems(const TextConfig& c);
 int64_t kda_conv_elems(const TextConfig& c);
 
 // An MLA cache that owns its pages (identity block table), for single-request use and tests: the
 // same paged code path, growing one page at a time.
 struct MlaCache {
-  cache::LatentFormat latent_format = cache::LatentFormat::bf16;
-  cache::IndexKeyFormat key_format = cache::IndexKeyFormat::bf16;
+  LatentFormat latent_format = LatentFormat::bf16;
+  IndexKeyFormat key_format = IndexKeyFormat::bf16;
   int block_size = 128;
   std::vector<uint8_t> latent, keys;  // u8 [pages, P · bytes per token]
   std::vector<int32_t> table;         // 0, 1, 2, ...

@@ -7,14 +7,9 @@
 
 namespace kestrel::runtime {
 
-CacheStore::CacheStore(const TextConfig& t, const cache::CacheFormats& f, int32_t num_pages, int32_t num_slots)
+CacheStore::CacheStore(const TextConfig& t, const CacheFormats& f, int32_t num_pages, int32_t num_slots)
     : t_(t), formats_(f), layout_(cache::CacheLayout::from_config(t, f)), num_pages_(num_pages), num_slots_(num_slots) {
   if (num_pages < 1 || num_slots < 1) fail("cache store: need >= 1 page and slot, got {} and {}", num_pages, num_slots);
-  const model::MlaCacheView probe = model::MlaCacheView::make(t, f.latent, f.index_keys, f.block_size);
-  KCHECK(probe.latent_token_bytes() == layout_.latent_bytes_per_token &&
-             probe.key_token_bytes() == layout_.index_key_bytes_per_token,
-         "cache view and layout disagree on bytes per token ({}/{} vs {}/{})", probe.latent_token_bytes(),
-         probe.key_token_bytes(), layout_.latent_bytes_per_token, layout_.index_key_bytes_per_token);
   latent_.resize(size_t(t.num_hidden_layers));
   keys_.resize(size_t(t.num_hidden_layers));
   kda_offset_.assign(size_t(t.num_hidden_layers), -1);
@@ -52,7 +47,7 @@ model::SeqCacheView CacheStore::view(cache::SlotId slot, std::span<const cache::
   for (int L = 0; L < t_.num_hidden_layers; ++L) {
     if (kda_offset_[size_t(L)] >= 0) {
       uint8_t* p = base + kda_offset_[size_t(L)];
-      v.kda[size_t(L)] = {p, formats_.kda_state == cache::KdaStateDtype::f16,
+      v.kda[size_t(L)] = {p, formats_.kda_state == KdaStateDtype::f16,
                           reinterpret_cast<uint16_t*>(p + layout_.kda_recurrent_bytes)};
     } else {
       model::MlaCacheView m = model::MlaCacheView::make(t_, formats_.latent, formats_.index_keys, formats_.block_size);

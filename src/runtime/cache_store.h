@@ -1,7 +1,8 @@
 // CacheStore: the bytes behind the cache bookkeeping of src/cache. Per MLA layer a latent arena and
 // an index-key arena indexed by page id (page p = tokens [p·P, p·P + P) of whichever request's block
-// table lists it), and one KDA state arena indexed by slot id. Formats and sizes come from
-// CacheLayout, so what the memory planner counted is exactly what is allocated.
+// table lists it), and one KDA state arena indexed by slot id. Formats and their byte layouts are
+// core/cache_format.h's; sizes come from CacheLayout, so what the memory planner counted is exactly what
+// is allocated (the CPU views, model/cache_view.h, read the same per-token bytes).
 //
 // Slot layout: for every KDA layer in layer order, [recurrent f32|f16 [H, Dk, Dk] | conv bf16
 // [3, W-1, H·Dk]]. Zeroing a slot is a fresh start (MODEL.md §3.3: S_0 = 0, empty conv history).
@@ -22,7 +23,7 @@ namespace kestrel::runtime {
 class CacheStore {
  public:
   // Throws kestrel::Error when the formats do not fit the config.
-  CacheStore(const TextConfig& t, const cache::CacheFormats& f, int32_t num_pages, int32_t num_slots);
+  CacheStore(const TextConfig& t, const CacheFormats& f, int32_t num_pages, int32_t num_slots);
 
   const cache::CacheLayout& layout() const { return layout_; }
   int64_t bytes() const;
@@ -37,7 +38,7 @@ class CacheStore {
   uint8_t* slot_ptr(cache::SlotId s);
 
   TextConfig t_;
-  cache::CacheFormats formats_;
+  CacheFormats formats_;
   cache::CacheLayout layout_;
   int32_t num_pages_, num_slots_;
   std::vector<std::vector<uint8_t>> latent_, keys_;  // per layer index (empty for KDA): u8 [pages, P·bytes/token]

@@ -18,6 +18,22 @@ sched::MemoryPlan make_plan(const ModelConfig& c, const EngineConfig& cfg) {
   return sched::plan_memory(c.text, cfg.memory_budget, o);
 }
 
+// The request limits: the vocabulary, and max_model_len within the context and the memory plan.
+RequestLimits make_limits(const ModelConfig& c, const EngineConfig& cfg, const sched::MemoryPlan& plan) {
+  const int64_t ctx = c.text.max_position_embeddings;
+  if (cfg.max_model_len > ctx) fail("--max-model-len {} exceeds the model's context length {}", cfg.max_model_len, ctx);
+  if (cfg.max_model_len > plan.longest_request)
+    fail("--max-model-len {} needs more KV cache than the memory plan holds ({} tokens for one request); "
+         "raise --memory-budget or lower --max-model-len", cfg.max_model_len, plan.longest_request);
+  RequestLimits l;
+  l.vocab_size = c.text.vocab_size;
+  l.max_model_len = cfg.max_model_len > 0 ? cfg.max_model_len : std::min(ctx, plan.longest_request);
+  if (cfg.max_model_len == 0 && plan.longest_request < ctx)
+    l.context_note = fmt::format(" (The memory plan holds {} tokens for one request; raise --memory-budget for more.)",
+                                 plan.longest_request);
+  return l;
+}
+
 sched::SchedulerConfig sched_config(const ModelConfig& c, const EngineConfig& cfg) {
   sched::SchedulerConfig s;
   s.max_num_seqs = cfg.max_running;
@@ -27,78 +43,71 @@ sched::SchedulerConfig sched_config(const ModelConfig& c, const EngineConfig& cf
   return s;
 }
 
-}  // namespace
-
-const char* finish_reason_name(FinishReason r) {
-  switch (r) {
-    case FinishReason::none: return "none";
-    case FinishReason::length: return "length";
-    case FinishReason::stop: return "stop";
-    case FinishReason::cancelled: return "cancelled";
-    case FinishReason::error: return "error";
-  }
-  return "?";
+EngineConfig with_cpu_executor(const ModelWeights& w, const ModelConfig& c, EngineConfig cfg) {
+  if (!cfg.make_executor)
+    cfg.make_executor = [&w, &c, bi = cfg.batch_invariant](const cache::CacheFormats& f, const cache::CacheConfig& cc) {
+      return std::unique_ptr<StepExecutor>(std::make_unique<Executor>(w, c, f, cc, ExecutorOptions{bi}));
+    };
+  return cfg;
 }
 
-Engine::Engine(const ModelWeights& w, const ModelConfig& c, const EngineConfig& cfg, const tok::Tokenizer* tokenizer)
-    : w_(w),
-      c_(c),
-      cfg_(cfg),
-      tok_(tokenizer),
-      plan_(make_plan(c, cfg)),
-      sched_(sched_config(c, cfg), plan_.cache_config(cfg.enable_prefix_cache)),
-      exec_(cfg.make_executor
-                ? cfg.make_executor(cfg.formats, plan_.cache_config(cfg.enable_prefix_cache))
-                : std::make_unique<Executor>(w, c, cfg.formats, plan_.cache_config(cfg.enable_prefix_cache),
-                                             ExecutorOptions{cfg.batch_invariant})) {
+}  // namespace
+
+Engine::Engine(const ModelWeights& w, const ModelConfig& c, EngineConfig cfg)
+    : Engine(c, with_cpu_executor(w, c, std::move(cfg))) {}
+
+Engine::Engine(const ModelConfig& c, EngineConfig cfg)
+    : c_(c),
+      cfg_(std::move(cfg)),
+      plan_(make_plan(c, cfg_)),
+      limits_(make_limits(c, cfg_, plan_)),
+      sched_(sched_config(c, cfg_), plan_.cache_config(cfg_.enable_prefix_cache)) {
+  KCHECK(bool(cfg_.make_executor), "engine: no executor factory");
+  exec_ = cfg_.make_executor(cfg_.formats, plan_.cache_config(cfg_.enable_prefix_cache));
   KCHECK(exec_ != nullptr, "engine: the executor factory returned nothing");
+  if (cfg_.eos_token_ids.empty() && c.text.eos_token_id >= 0) cfg_.eos_token_ids = {c.text.eos_token_id};
   thread_ = std::thread([this] { loop(); });
 }
 
-Engine::~Engine() {
+Engine::~Engine() { shutdown(); }
+
+void Engine::shutdown() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;
   }
   cv_.notify_all();
-  thread_.join();
+  // From a sink (the engine thread itself) the loop ends after the sink returns; the destructor joins.
+  std::lock_guard<std::mutex> lk(join_mu_);
+  if (thread_.joinable() && std::this_thread::get_id() != thread_.get_id()) thread_.join();
 }
 
-RequestId Engine::submit(GenerateRequest r, EventCallback cb) {
-  if (!cb) fail("submit: no event callback");
-  r.sampling.validate();
-  if (r.max_tokens < 1) fail("max_tokens must be >= 1, got {}", r.max_tokens);
-  for (const std::string& s : r.stop)
-    if (s.empty()) fail("stop strings must not be empty");
-  if (!r.stop.empty() && !tok_) fail("stop strings need the tokenizer, and this engine has none");
-  for (int32_t t : r.stop_token_ids)
-    if (t < 0 || t >= c_.text.vocab_size) fail("stop token id {} outside the vocabulary [0, {})", t, c_.text.vocab_size);
+Submission Engine::submit(Request r, TokenSink sink) {
+  if (!sink) fail("submit: no event sink");
+  validate(r, limits_);
   auto q = std::make_unique<Req>();
-  for (const std::string& s : r.stop) q->stop_hold = std::max(q->stop_hold, s.size() - 1);
-  if (tok_) q->decoder.emplace(*tok_);
-  sched::Request sr;
-  sr.prompt = r.prompt;
-  sr.max_tokens = r.max_tokens;
+  if (!r.ignore_eos) {
+    q->stop_ids = cfg_.eos_token_ids;
+    q->stop_ids.insert(q->stop_ids.end(), r.stop_token_ids.begin(), r.stop_token_ids.end());
+  }
   q->r = std::move(r);
-  q->cb = std::move(cb);
-  RequestId id;
+  q->sink = std::move(sink);
+  Submission s;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (!failed_.empty()) fail("engine stopped after an error: {}", failed_);
-    id = next_id_++;
-    sr.id = id;
-    try {
-      sched_.submit(std::move(sr));
-    } catch (const Error& e) {
-      // The scheduler names pages; say what the engine can hold as well.
-      fail("{} (engine capacity: {} tokens in total, longest single request {} tokens; raise --memory-budget)",
-           e.what(), plan_.token_capacity, plan_.longest_request);
+    if (stop_ || !failed_.empty()) return s;  // not_ready
+    if (sched_.num_waiting() >= size_t(std::max(cfg_.max_queue, 0))) {
+      s.status = SubmitStatus::queue_full;
+      return s;
     }
+    s.id = next_id_++;
+    sched_.submit(s.id, q->r);  // throws for a request the page pool can never hold; nothing is kept
     prompt_tokens_ += int64_t(q->r.prompt.size());
-    reqs_.emplace(id, std::move(q));
+    reqs_.emplace(s.id, std::move(q));
+    s.status = SubmitStatus::accepted;
   }
   cv_.notify_all();
-  return id;
+  return s;
 }
 
 bool Engine::cancel(RequestId id) {
@@ -113,37 +122,22 @@ bool Engine::cancel(RequestId id) {
 
 EngineStats Engine::stats() const {
   std::lock_guard<std::mutex> lk(mu_);
-  EngineStats s;
-  const sched::SchedulerStats& ss = sched_.stats();
+  EngineStats s = sched_.stats();
   s.running = int64_t(sched_.num_running());
   s.waiting = int64_t(sched_.num_waiting());
   s.pages_total = sched_.cache().pages().num_pages();
   s.pages_used = s.pages_total - sched_.cache().pages().num_free();
   s.pages_held = s.pages_total - sched_.cache().available_pages();
-  s.kv_usage = s.pages_total ? double(s.pages_used) / s.pages_total : 0.0;
-  s.prefix_queries = cfg_.enable_prefix_cache ? ss.admitted : 0;
-  s.prefix_hits = ss.prefix_hits;
-  s.prefix_hit_tokens = ss.prefix_hit_tokens;
-  s.prefix_query_tokens = ss.prefix_query_tokens;
   s.prompt_tokens = prompt_tokens_;
   s.generation_tokens = generation_tokens_;
-  s.tokens_forwarded = exec_->stats().tokens_forwarded;
-  s.busy_seconds = exec_->stats().forward_seconds;
-  s.steps = ss.steps;
-  s.preemptions = ss.preemptions;
-  s.finished = ss.finished;
-  s.cancelled = ss.cancelled;
+  s.tokens_forwarded = exec_stats_.tokens_forwarded;
+  s.busy_seconds = exec_stats_.forward_seconds;
   return s;
 }
 
 bool Engine::ready() const {
   std::lock_guard<std::mutex> lk(mu_);
-  return failed_.empty();
-}
-
-int64_t Engine::num_waiting() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return int64_t(sched_.num_waiting());
+  return !stop_ && failed_.empty();
 }
 
 void Engine::wait_idle() {
@@ -151,45 +145,108 @@ void Engine::wait_idle() {
   idle_cv_.wait(lk, [&] { return reqs_.empty(); });
 }
 
-sched::SeqResult Engine::sample(Req& q, std::span<const float> logits) {
-  const GenerateRequest& r = q.r;
-  return emit(q, sample_token(r.sampling, logits, r.prompt, q.output, uint64_t(q.output.size())));
+void Engine::stamp(Req& q, TokenEvent& ev) const {
+  if (q.first_sent) return;
+  q.first_sent = true;
+  ev.prompt_tokens = int32_t(q.r.prompt.size());
+  ev.cached_prompt_tokens = int32_t(std::max<int64_t>(q.cached, 0));
 }
 
 sched::SeqResult Engine::emit(Req& q, const SampleResult& s) {
-  const GenerateRequest& r = q.r;
   TokenEvent ev;
   ev.index = int32_t(q.output.size());
   ev.token = s.token;
   ev.logprob = s.logprob;
   ev.top_logprobs = s.top;
-  if (q.output.empty()) ev.cached_prompt_tokens = int32_t(std::max<int64_t>(q.cached, 0));
   q.output.push_back(s.token);
-  bool stop = std::find(r.stop_token_ids.begin(), r.stop_token_ids.end(), s.token) != r.stop_token_ids.end() ||
-              (!r.ignore_eos && s.token == c_.text.eos_token_id);
-  // Text: stop tokens add none; ids past the tokenizer's table (padded vocab) have no text.
-  if (q.decoder && !stop && size_t(s.token) < tok_->vocab_size()) {
-    const size_t before = q.text.size();
-    q.text += q.decoder->push(tok::TokenId(s.token));
-    for (const std::string& st : r.stop) {
-      // Only matches that end in the new text are new; search from where they could start.
-      const size_t from = before >= st.size() - 1 ? before - (st.size() - 1) : 0;
-      const size_t at = q.text.find(st, from);
-      if (at != std::string::npos) {
-        q.text.resize(std::max(at, q.released));
-        stop = true;
-      }
-    }
-  }
-  const bool last = stop || int32_t(q.output.size()) >= r.max_tokens;
-  if (last && q.decoder && !stop) q.text += q.decoder->finish();
-  const size_t upto = last ? q.text.size() : (q.text.size() > q.stop_hold ? q.text.size() - q.stop_hold : 0);
-  if (upto > q.released) {
-    ev.text = q.text.substr(q.released, upto - q.released);
-    q.released = upto;
-  }
   q.pending = std::move(ev);
+  const bool stop = std::find(q.stop_ids.begin(), q.stop_ids.end(), s.token) != q.stop_ids.end();
   return {0, s.token, stop};
+}
+
+void Engine::end_all(FinishReason why, const std::string& error, Outbox& out) {
+  for (auto& [id, q] : reqs_) {
+    TokenEvent ev;
+    ev.id = id;
+    ev.finish = why;
+    ev.error = error;
+    stamp(*q, ev);
+    out.push_back({std::move(q->sink), std::move(ev)});
+  }
+  reqs_.clear();
+}
+
+// One step: the executor's run, with the hooks that tie it to the requests of this plan.
+void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<RequestId, Req*>>& in_step) {
+  auto find = [&](RequestId id) -> Req& {
+    for (auto& [i, q] : in_step)
+      if (i == id) return *q;
+    fail("engine: request {} is not in this step", id);
+  };
+  StepHooks hooks;
+  hooks.sample = [&](const sched::ScheduledSeq& x, std::span<const float> logits) {
+    Req& q = find(x.id);
+    return emit(q, sample_token(q.r.sampling, logits, q.r.prompt, q.output, uint64_t(q.output.size())));
+  };
+  hooks.sampling_inputs = [&](const sched::ScheduledSeq& x) {
+    Req& q = find(x.id);
+    return StepHooks::SamplingInputs{&q.r.sampling, q.r.prompt, q.output};
+  };
+  hooks.take_token = [&](const sched::ScheduledSeq& x, int32_t token) {
+    SampleResult s;
+    s.token = token;
+    return emit(find(x.id), s);
+  };
+  hooks.wants_all_logits = [&](RequestId id) { return bool(find(id).r.on_logits); };
+  hooks.all_logits = [&](const sched::ScheduledSeq& x, std::span<const float> rows) {
+    Req& q = find(x.id);
+    const int64_t V = c_.text.vocab_size;
+    for (int64_t p = std::max(x.start, q.logits_sent); p < x.end; ++p)
+      q.r.on_logits(p, rows.subspan(size_t((p - x.start) * V), size_t(V)));
+    q.logits_sent = std::max(q.logits_sent, x.end);
+  };
+  sched::StepResult result;
+  if (plan.has_work()) result = exec_->run(plan, hooks);
+
+  // Bookkeeping under the lock; sinks after it.
+  Outbox out;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    sched_.complete(plan, result);
+    exec_stats_ = exec_->stats();
+    generation_tokens_ += int64_t(result.seqs.size());
+    std::map<RequestId, FinishReason> done;
+    for (const sched::FinishedRequest& f : sched_.drain_finished()) done[f.id] = f.reason;
+    for (auto& [id, q] : in_step) {
+      if (!q->pending) continue;
+      TokenEvent ev = std::move(*q->pending);
+      q->pending.reset();
+      auto d = done.find(id);
+      if (d != done.end()) {
+        // A cancel that landed while the step was in flight drops the token it produced.
+        if (d->second == FinishReason::cancelled) continue;
+        ev.finish = d->second;
+        done.erase(d);
+      }
+      ev.id = id;
+      stamp(*q, ev);
+      out.push_back({q->sink, std::move(ev)});
+    }
+    for (auto [id, why] : done) {  // finished without a token this step (cancellations)
+      TokenEvent ev;
+      ev.id = id;
+      ev.finish = why;
+      stamp(*reqs_.at(id), ev);
+      out.push_back({reqs_.at(id)->sink, std::move(ev)});
+    }
+    for (auto& [sink, ev] : out)
+      if (ev.finished()) reqs_.erase(ev.id);  // `sink` is a copy: it outlives the request
+  }
+  for (auto& [sink, ev] : out) sink(std::move(ev));
+  std::unique_lock<std::mutex> lk(mu_);
+  if (reqs_.empty()) idle_cv_.notify_all();
+  // Nothing ran and nothing was reported: wait for a submit/cancel instead of spinning.
+  if (!plan.has_work() && out.empty() && !stop_) cv_.wait_for(lk, std::chrono::milliseconds(5));
 }
 
 void Engine::loop() {
@@ -209,114 +266,29 @@ void Engine::loop() {
         if (q.cached < 0) q.cached = x.start;
       }
     }
-    auto find = [&](RequestId id) -> Req& {
-      for (auto& [i, q] : in_step)
-        if (i == id) return *q;
-      fail("engine: request {} is not in this step", id);
-    };
-    StepHooks hooks;
-    hooks.sample = [&](const sched::ScheduledSeq& x, std::span<const float> logits) { return sample(find(x.id), logits); };
-    hooks.sampling_inputs = [&](const sched::ScheduledSeq& x) {
-      Req& q = find(x.id);
-      return StepHooks::SamplingInputs{&q.r.sampling, q.r.prompt, q.output};
-    };
-    hooks.take_token = [&](const sched::ScheduledSeq& x, int32_t token) {
-      SampleResult s;
-      s.token = token;
-      return emit(find(x.id), s);
-    };
-    hooks.wants_all_logits = [&](RequestId id) { return bool(find(id).r.on_logits); };
-    hooks.all_logits = [&](const sched::ScheduledSeq& x, std::span<const float> rows) {
-      Req& q = find(x.id);
-      const int64_t V = c_.text.vocab_size;
-      for (int64_t p = std::max(x.start, q.logits_sent); p < x.end; ++p)
-        q.r.on_logits(p, rows.subspan(size_t((p - x.start) * V), size_t(V)));
-      q.logits_sent = std::max(q.logits_sent, x.end);
-    };
-    sched::StepResult result;
-    std::string error;
     try {
-      if (plan.has_work()) result = exec_->run(plan, hooks);
+      run_step(plan, in_step);
     } catch (const std::exception& e) {
-      error = e.what();
-    }
-    if (!error.empty()) {
       // A step that threw leaves caches half-written: end every request with the error, refuse more.
-      std::vector<std::pair<EventCallback, TokenEvent>> out;
+      Outbox out;
       {
         std::lock_guard<std::mutex> lk(mu_);
-        failed_ = error;
-        for (auto& [id, q] : reqs_) {
-          TokenEvent ev;
-          ev.id = id, ev.finished = true, ev.reason = FinishReason::error, ev.error = error;
-          out.push_back({q->cb, ev});
-        }
-        reqs_.clear();
+        failed_ = e.what();
         stop_ = true;
+        end_all(FinishReason::error, failed_, out);
       }
-      for (auto& [cb, ev] : out) cb(ev);
+      for (auto& [sink, ev] : out) sink(std::move(ev));
       idle_cv_.notify_all();
       return;
     }
-
-    // Bookkeeping under the lock; callbacks after it.
-    std::vector<std::pair<EventCallback, TokenEvent>> out;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      sched_.complete(plan, result);
-      generation_tokens_ += int64_t(result.seqs.size());
-      std::map<RequestId, FinishReason> done;
-      for (const sched::FinishedRequest& f : sched_.drain_finished())
-        done[f.id] = f.reason == sched::FinishReason::length ? FinishReason::length
-                     : f.reason == sched::FinishReason::stop ? FinishReason::stop
-                                                             : FinishReason::cancelled;
-      for (auto& [id, q] : in_step)
-        if (q->pending) {
-          TokenEvent ev = std::move(*q->pending);
-          q->pending.reset();
-          ev.id = id;
-          auto d = done.find(id);
-          if (d != done.end()) {
-            // A cancel that landed while the step was in flight drops the token it produced.
-            if (d->second == FinishReason::cancelled) continue;
-            ev.finished = true;
-            ev.reason = d->second;
-            done.erase(d);
-          }
-          out.push_back({q->cb, std::move(ev)});
-        }
-      for (auto [id, why] : done) {  // finished without a token this step (cancellations)
-        TokenEvent ev;
-        ev.id = id;
-        ev.finished = true;
-        ev.reason = why;
-        out.push_back({reqs_.at(id)->cb, std::move(ev)});
-      }
-      for (auto& [cb, ev] : out)
-        if (ev.finished) reqs_.erase(ev.id);  // `cb` is a copy: it outlives the request
-    }
-    for (auto& [cb, ev] : out) cb(ev);
-    {
-      std::unique_lock<std::mutex> lk(mu_);
-      if (reqs_.empty()) idle_cv_.notify_all();
-      // Nothing ran and nothing was reported: wait for a submit/cancel instead of spinning.
-      if (!plan.has_work() && out.empty()) cv_.wait_for(lk, std::chrono::milliseconds(5));
-    }
   }
-  // Shutdown: report every request still held as cancelled.
-  std::vector<std::pair<EventCallback, TokenEvent>> out;
+  // Shutdown: every request still held ends as cancelled.
+  Outbox out;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    for (auto& [id, q] : reqs_) {
-      TokenEvent ev;
-      ev.id = id;
-      ev.finished = true;
-      ev.reason = FinishReason::cancelled;
-      out.push_back({q->cb, ev});
-    }
-    reqs_.clear();
+    end_all(FinishReason::cancelled, "", out);
   }
-  for (auto& [cb, ev] : out) cb(ev);
+  for (auto& [sink, ev] : out) sink(std::move(ev));
   idle_cv_.notify_all();
 }
 

@@ -1,29 +1,28 @@
-// Engine: requests in, streamed token events out, one loop on its own thread, driven by the
-// scheduler (src/sched) and executing on the CPU model through the Executor.
+// Engine: requests in, token events out, one loop on its own thread: schedule (src/sched) → run the
+// step on an executor (CPU: executor.h; GPU: executor_cuda.h; fake: fake_executor.h) → complete.
+// It implements the front ends' engine (request/engine.h) directly: the server and `kestrel generate`
+// hand it a Request and a sink, and nothing translates on the way.
 //
-//   Engine e(weights, config, EngineConfig{...}, &tokenizer);   // plans memory, starts the loop
-//   RequestId id = e.submit(GenerateRequest{...}, [](const TokenEvent& ev) { ... });
-//   e.cancel(id);  e.stats();  e.wait_idle();
+//   Engine e(weights, config, EngineConfig{...});   // plans memory, starts the loop
+//   Submission s = e.submit(Request{...}, [](TokenEvent&& ev) { ... });
+//   e.cancel(s.id);  e.stats();  e.wait_idle();  e.shutdown();
 //
-// The API is plain data + a callback so a server adapter (submit with a token-event callback,
-// cancel, stats, readiness) is a thin shim. Callbacks run on the engine thread, never under the
-// engine's lock, so a callback may call cancel() or submit(); a slow callback stalls every request.
-// Every accepted request gets exactly one event with finished = true (its last token, or a token-less
-// event for a cancellation); a request that can never fit, or is malformed, is refused by submit()
-// with a kestrel::Error and gets no events.
+// submit() is the one place a request is checked (validate() against the vocabulary and
+// max_model_len), queued (at most max_queue waiting; beyond: queue_full) and numbered. Sinks run on
+// the engine thread, never under the engine's lock, so a sink may call cancel() or submit(); a
+// slow sink stalls every request. Stop ids end a request here (see request.h for what stops);
+// stop strings are the consumer's text stream's, which cancels on a match.
 //
 // Memory: at construction plan_memory() splits `memory_budget` into KDA state slots (max_running
-// running + checkpoint_slots prefix-cache checkpoints) and cache pages; the capacity is printed by
-// callers from memory_plan().describe().
-//
-// Stop conditions: max_tokens (reason length), a stop token id or EOS unless ignore_eos (reason
-// stop, the token is the last output token), a stop string (reason stop; needs the tokenizer; the
-// text is cut before the match and text that might start a stop string is held back until it cannot).
+// running + checkpoint_slots prefix-cache checkpoints) and cache pages. max_model_len defaults to the
+// model's context capped by the longest request the plan holds; an explicit one beyond either is
+// refused at construction (as vLLM does), so an accepted request always fits.
 #pragma once
 
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -36,44 +35,13 @@
 #include "cache/layout.h"
 #include "loader/config.h"
 #include "loader/weights.h"
+#include "request/engine.h"
 #include "runtime/executor.h"
 #include "runtime/sampler.h"
 #include "sched/memory_plan.h"
 #include "sched/scheduler.h"
-#include "tokenizer/tokenizer.h"
 
 namespace kestrel::runtime {
-
-using RequestId = uint64_t;
-
-enum class FinishReason : uint8_t { none, length, stop, cancelled, error };
-const char* finish_reason_name(FinishReason r);
-
-struct GenerateRequest {
-  std::vector<int32_t> prompt;
-  int32_t max_tokens = 16;
-  SamplingParams sampling;
-  std::vector<int32_t> stop_token_ids;
-  std::vector<std::string> stop;  // stop strings (need a tokenizer)
-  bool ignore_eos = false;
-  // Debug hook (`generate --dump-logits`): every position's logits once, in position order
-  // (prompt positions, then each generated token fed back). Costs a full lm_head per position.
-  std::function<void(int64_t pos, std::span<const float> row /* f32 [V] */)> on_logits;
-};
-
-struct TokenEvent {
-  RequestId id = 0;
-  int32_t index = -1;   // output index of `token`; −1 for a token-less final event
-  int32_t token = -1;
-  float logprob = 0.0f;                   // when sampling.logprobs >= 0
-  std::vector<TokenLogprob> top_logprobs;
-  std::string text;     // newly released text (empty without a tokenizer)
-  int32_t cached_prompt_tokens = 0;  // index 0 only: prompt tokens the prefix cache served at admission
-  bool finished = false;
-  FinishReason reason = FinishReason::none;
-  std::string error;    // reason == error: what went wrong (the engine stops accepting requests)
-};
-using EventCallback = std::function<void(const TokenEvent&)>;
 
 struct EngineConfig {
   int64_t memory_budget = int64_t(1) << 30;  // bytes for KDA slots + cache pages
@@ -84,67 +52,61 @@ struct EngineConfig {
   int32_t max_num_batched_tokens = 2048;
   bool enable_prefix_cache = true;
   int32_t checkpoint_interval_blocks = 0;
-  bool batch_invariant = true;  // see executor.h
-  // Builds the executor for the planned caches (e.g. make_cuda_executor_factory in
-  // runtime/executor_cuda.h); empty = the CPU Executor.
-  std::function<std::unique_ptr<StepExecutor>(const cache::CacheFormats&, const cache::CacheConfig&)> make_executor;
+  bool batch_invariant = true;  // CPU executor, see executor.h
+  int64_t max_model_len = 0;    // 0: min(model context, longest request of the memory plan)
+  int32_t max_queue = std::numeric_limits<int32_t>::max();  // accepted, not yet admitted
+  std::vector<int32_t> eos_token_ids;  // the end-of-sequence ids; empty: the config's eos_token_id
+  // Builds the executor for the planned caches (engine_host.h: the GPU or fake executor); empty =
+  // the CPU Executor over the weights given to the constructor.
+  ExecutorFactory make_executor;
 };
 
-struct EngineStats {
-  int64_t running = 0, waiting = 0;
-  int32_t pages_total = 0, pages_used = 0;  // used = not free (includes cached prefix pages)
-  int32_t pages_held = 0;                   // used and not reclaimable: held by requests (0 when idle)
-  double kv_usage = 0.0;                    // pages_used / pages_total
-  int64_t prefix_queries = 0, prefix_hits = 0, prefix_hit_tokens = 0;  // admissions; hits; tokens skipped
-  int64_t prefix_query_tokens = 0;          // prompt tokens looked up (vLLM's prefix_cache_queries)
-  int64_t prompt_tokens = 0, generation_tokens = 0;  // accepted prompts; tokens sampled
-  int64_t tokens_forwarded = 0;  // positions actually computed (prefill work incl. recompute + decodes)
-  int64_t steps = 0, preemptions = 0, finished = 0, cancelled = 0;
-  double busy_seconds = 0.0;     // time spent in forward steps
-};
-
-class Engine {
+class Engine final : public kestrel::Engine {
  public:
-  // `tokenizer` (optional) must outlive the engine; without it stop strings are refused and events
-  // carry no text. Throws kestrel::Error when the budget cannot hold the plan.
-  Engine(const ModelWeights& w, const ModelConfig& c, const EngineConfig& cfg, const tok::Tokenizer* tokenizer = nullptr);
-  ~Engine();
+  // The CPU executor over `w` unless cfg.make_executor is set. `w` and `c` must outlive the engine.
+  // Throws kestrel::Error when the budget cannot hold the plan or max_model_len does not fit.
+  Engine(const ModelWeights& w, const ModelConfig& c, EngineConfig cfg);
+  // An engine whose executor needs no host weights: cfg.make_executor is required.
+  Engine(const ModelConfig& c, EngineConfig cfg);
+  ~Engine() override;
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  RequestId submit(GenerateRequest r, EventCallback cb);
-  bool cancel(RequestId id);
-  EngineStats stats() const;
+  bool ready() const override;  // false after shutdown() or a failed step
+  int64_t max_model_len() const override { return limits_.max_model_len; }
+  int64_t vocab_size() const override { return limits_.vocab_size; }
+  Submission submit(Request r, TokenSink sink) override;
+  bool cancel(RequestId id) override;
+  EngineStats stats() const override;
+  void shutdown() override;
+
   const sched::MemoryPlan& memory_plan() const { return plan_; }
-  // False after a step failed (the engine then refuses requests).
-  bool ready() const;
+  const RequestLimits& limits() const { return limits_; }
   // Blocks until no request is waiting or running (all events delivered).
   void wait_idle();
-  // Requests accepted and not yet admitted (cheap; for bounded queues in front of the engine).
-  int64_t num_waiting() const;
 
  private:
   struct Req {
-    GenerateRequest r;
-    EventCallback cb;
+    Request r;
+    TokenSink sink;
     std::vector<int32_t> output;
-    std::optional<tok::StreamDecoder> decoder;
-    std::string text;            // all decoded output text (stop strings cut it)
-    size_t released = 0;         // bytes of `text` already sent
-    size_t stop_hold = 0;        // longest stop string − 1: bytes that may not be released yet
-    int64_t logits_sent = 0;     // positions already passed to on_logits
-    int64_t cached = -1;         // prompt tokens skipped at the first admission (−1: not yet admitted)
+    std::vector<int32_t> stop_ids;  // ids that end it: end-of-sequence + its own; none under ignore_eos
+    int64_t logits_sent = 0;        // positions already passed to on_logits
+    int64_t cached = -1;            // prompt tokens skipped at the first admission (−1: not yet admitted)
+    bool first_sent = false;        // the first event (it carries the prompt counts) is out
     std::optional<TokenEvent> pending;  // this step's event, sent after complete()
   };
+  using Outbox = std::vector<std::pair<TokenSink, TokenEvent>>;
   void loop();
-  sched::SeqResult sample(Req& q, std::span<const float> logits);
+  void run_step(sched::StepPlan& plan, const std::vector<std::pair<RequestId, Req*>>& in_step);
   sched::SeqResult emit(Req& q, const SampleResult& s);
+  void stamp(Req& q, TokenEvent& ev) const;  // id and, on the first event, the prompt counts
+  void end_all(FinishReason why, const std::string& error, Outbox& out);  // mu_ held
 
-  const ModelWeights& w_;
   const ModelConfig& c_;
   EngineConfig cfg_;
-  const tok::Tokenizer* tok_;
   sched::MemoryPlan plan_;
+  RequestLimits limits_;
   sched::Scheduler sched_;
   std::unique_ptr<StepExecutor> exec_;
 
@@ -156,6 +118,8 @@ class Engine {
   bool stop_ = false;
   std::string failed_;  // set when a step threw: every request ended with an error event
   int64_t prompt_tokens_ = 0, generation_tokens_ = 0;
+  ExecutorStats exec_stats_;  // a copy taken under mu_ after each step (the executor's own runs unlocked)
+  std::mutex join_mu_;
   std::thread thread_;
 };
 

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 
 #include "loader/config.h"
@@ -62,6 +63,10 @@ class StepExecutor {
   virtual sched::StepResult run(const sched::StepPlan& plan, const StepHooks& hooks) = 0;
   virtual const ExecutorStats& stats() const = 0;
 };
+
+// Builds an engine's executor once the memory plan has sized its caches.
+using ExecutorFactory =
+    std::function<std::unique_ptr<StepExecutor>(const cache::CacheFormats&, const cache::CacheConfig&)>;
 
 class Executor : public StepExecutor {
  public:

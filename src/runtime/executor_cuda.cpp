@@ -11,7 +11,7 @@
 #include "core/check.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/sampling.h"
-#include "model/model_cuda.h"
+#include "model/cuda/cuda_model.h"
 
 namespace kestrel::runtime {
 
@@ -38,18 +38,12 @@ struct HostSample {  // a device-sampled row's parameters for the host fallback
 struct CudaExecutor::Impl {
   model::CudaModel& m;
   int64_t V;
-  std::unique_ptr<model::CudaCache, void (*)(model::CudaCache*)> cache;
-  Impl(model::CudaModel& mm, const ModelConfig& c, const cache::CacheFormats& f, const cache::CacheConfig& cc)
-      : m(mm),
-        V(c.text.vocab_size),
-        cache(mm.new_cache(cc.num_pages, cc.num_state_slots, cc.block_size,
-                           // the cuda:: format enums share cache::'s values (static_asserts in paged.cpp)
-                           model::CudaCacheFormats{cuda::PagedLatentFormat(int(f.latent)),
-                                                   cuda::PagedKeyFormat(int(f.index_keys)),
-                                                   f.kda_state == cache::KdaStateDtype::f16})) {}
+  model::CudaCachePtr cache;
+  Impl(model::CudaModel& mm, const ModelConfig& c, const CacheFormats& f, const cache::CacheConfig& cc)
+      : m(mm), V(c.text.vocab_size), cache(mm.new_cache(cc.num_pages, cc.num_state_slots, f)) {}
 };
 
-CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const cache::CacheFormats& formats,
+CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const CacheFormats& formats,
                            const cache::CacheConfig& cc, const CudaExecutorOptions& options) {
   if (cc.block_size != formats.block_size)
     fail("executor: cache config block size {} != format block size {}", cc.block_size, formats.block_size);

@@ -1,7 +1,7 @@
 // CudaExecutor: the engine's steps on one GPU (docs/serving.md, "What the executor does with a
 // StepPlan", on the device). Weights are uploaded once (model::CudaModel); the paged MLA caches and
 // the KDA state pool live in device memory, sized exactly as the memory planner counted them
-// (CacheLayout for every latent, index-key and KDA-state format).
+// (CacheLayout for every latent, index-key and KDA-state format of core/cache_format.h).
 //
 // A step: zero the fresh slots, run the restores (device copies), then ONE batched forward over every
 // scheduled sequence (single-token sequences first, so all decodes share one absorbed-MLA launch and
@@ -10,8 +10,8 @@
 // come back instead of n·V logits; rows that want logprobs or every position's logits (debug dumps)
 // come back raw and go through the host sampler (runtime/sampler.h, the twin), as do the rare rows the
 // device sampler hands back (−1); then the snapshots. Pure decode steps go through the model's CUDA
-// graph buckets unless options.cuda_graphs is off (plan = the StepPlan → padded static inputs, run =
-// replay; see model_cuda.h).
+// graph buckets unless options.cuda_graphs is off (the StepPlan → padded static inputs, then replay;
+// see model/cuda/graphs.h).
 //
 // The scheduler is unchanged: it only sees StepPlans and StepResults.
 #pragma once
@@ -31,13 +31,13 @@ class CudaModel;
 namespace kestrel::runtime {
 
 struct CudaExecutorOptions {
-  bool cuda_graphs = true;  // decode steps through captured CUDA graphs (model_cuda.h); off: all eager
+  bool cuda_graphs = true;  // decode steps through captured CUDA graphs (model/cuda/graphs.h); off: all eager
 };
 
 class CudaExecutor : public StepExecutor {
  public:
   // `model` (weights already on the device) must outlive the executor.
-  CudaExecutor(model::CudaModel& model, const ModelConfig& c, const cache::CacheFormats& formats,
+  CudaExecutor(model::CudaModel& model, const ModelConfig& c, const CacheFormats& formats,
                const cache::CacheConfig& cache_config, const CudaExecutorOptions& options = {});
   ~CudaExecutor() override;
 

@@ -10,19 +10,6 @@
 
 namespace kestrel::runtime {
 
-void SamplingParams::validate() const {
-  if (!(temperature >= 0.0f) || !std::isfinite(temperature))
-    fail("temperature must be a finite number >= 0, got {}", temperature);
-  if (!(top_p > 0.0f && top_p <= 1.0f)) fail("top_p must be in (0, 1], got {}", top_p);
-  if (!(min_p >= 0.0f && min_p <= 1.0f)) fail("min_p must be in [0, 1], got {}", min_p);
-  if (top_k < 0) fail("top_k must be >= 0 (0 = off), got {}", top_k);
-  if (!(repetition_penalty > 0.0f) || !std::isfinite(repetition_penalty))
-    fail("repetition_penalty must be a finite number > 0, got {}", repetition_penalty);
-  if (!std::isfinite(presence_penalty)) fail("presence_penalty must be finite, got {}", presence_penalty);
-  if (!std::isfinite(frequency_penalty)) fail("frequency_penalty must be finite, got {}", frequency_penalty);
-  if (logprobs > 1024) fail("logprobs must be <= 1024, got {}", logprobs);
-}
-
 double sample_uniform(uint64_t seed, uint64_t index) {
   auto mix = [](uint64_t z) {
     z += 0x9e3779b97f4a7c15ull;
@@ -132,17 +119,6 @@ SampleResult sample_token(const SamplingParams& p, std::span<const float> raw, s
     for (size_t i = 0; i < n; ++i) res.top.push_back({ids[i], float(double(raw[size_t(ids[i])]) - lz)});
   }
   return res;
-}
-
-Sampler::Sampler(const SamplerConfig& cfg) {
-  params_.temperature = cfg.temperature;
-  params_.top_p = cfg.top_p;
-  params_.seed = cfg.seed;
-  params_.validate();
-}
-
-int32_t Sampler::sample(std::span<const float> logits) {
-  return sample_token(params_, logits, {}, {}, index_++).token;
 }
 
 }  // namespace kestrel::runtime

@@ -19,27 +19,14 @@
 #include <span>
 #include <vector>
 
+#include "request/request.h"
+
 namespace kestrel::runtime {
 
-struct SamplingParams {
-  float temperature = 0.0f;         // 0 = greedy
-  int32_t top_k = 0;                // 0 = off
-  float top_p = 1.0f;               // in (0, 1]
-  float min_p = 0.0f;               // in [0, 1]
-  float repetition_penalty = 1.0f;  // > 0; 1 = off
-  float presence_penalty = 0.0f;
-  float frequency_penalty = 0.0f;
-  uint64_t seed = 0;
-  int32_t logprobs = -1;            // < 0: none; n >= 0: the sampled token's logprob + the n most likely
-
-  // Throws kestrel::Error naming the first bad field.
-  void validate() const;
-};
-
-struct TokenLogprob {
-  int32_t token = -1;
-  float logprob = 0.0f;
-};
+// The sampler's knobs and logprob entries are the request vocabulary's (request/request.h); the
+// ranges validate() enforces are this function's preconditions.
+using kestrel::SamplingParams;
+using kestrel::TokenLogprob;
 
 struct SampleResult {
   int32_t token = -1;
@@ -53,23 +40,5 @@ SampleResult sample_token(const SamplingParams& p, std::span<const float> logits
 
 // The uniform draw in [0, 1) for (seed, index): SplitMix64 of the pair, 53 bits.
 double sample_uniform(uint64_t seed, uint64_t index);
-
-// The original single-stream interface of `kestrel generate`, kept for callers that sample one
-// sequence without penalties: draws output token i with index i.
-struct SamplerConfig {
-  float temperature = 0.0f;
-  float top_p = 1.0f;
-  uint64_t seed = 0;
-};
-
-class Sampler {
- public:
-  explicit Sampler(const SamplerConfig& cfg);
-  int32_t sample(std::span<const float> logits /* f32 [V] */);
-
- private:
-  SamplingParams params_;
-  uint64_t index_ = 0;
-};
 
 }  // namespace kestrel::runtime

@@ -18,7 +18,7 @@ namespace kestrel::sched {
 struct MemoryPlanOptions {
   int32_t max_running = 64;      // concurrent requests: one running state slot each
   int32_t checkpoint_slots = 0;  // extra slots for prefix-cache KDA checkpoints
-  cache::CacheFormats formats;
+  CacheFormats formats;  // core/cache_format.h
 };
 
 struct MemoryPlan {

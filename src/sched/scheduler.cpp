@@ -32,30 +32,24 @@ Scheduler::Seq& Scheduler::seq(RequestId id) {
   return it->second;
 }
 
-void Scheduler::submit(Request r) {
-  if (seqs_.count(r.id)) fail("request {}: id already in use", r.id);
-  if (r.prompt.empty()) fail("request {}: empty prompt", r.id);
-  if (r.max_tokens < 1) fail("request {}: max_tokens must be >= 1, got {}", r.id, r.max_tokens);
-  if (config_.vocab_size > 0)
-    for (int32_t t : r.prompt)
-      if (t < 0 || t >= config_.vocab_size)
-        fail("request {}: prompt token {} outside the vocabulary [0, {})", r.id, t, config_.vocab_size);
-  for (const auto& m : r.media)
-    if (m.start < 0 || m.end <= m.start || m.end > int64_t(r.prompt.size()))
-      fail("request {}: media span [{}, {}) outside the {}-token prompt", r.id, m.start, m.end, r.prompt.size());
+void Scheduler::submit(RequestId id, const Request& r) {
+  if (seqs_.count(id)) fail("request {}: id already in use", id);
+  // validate() has checked the request; admission needs at least one prompt token and one to generate.
+  KCHECK(!r.prompt.empty() && r.max_tokens >= 1, "request {} was not validated", id);
   // The last sampled token is never fed back, so at most prompt + max_tokens − 1 positions are cached.
   const int64_t most = int64_t(r.prompt.size()) + r.max_tokens - 1;
   if (pages_for(most) > cache_.config().num_pages)
     fail("request {}: prompt ({} tokens) + max_tokens ({}) needs {} cache pages, the pool has only {} ({} tokens); "
          "it can never run",
-         r.id, r.prompt.size(), r.max_tokens, pages_for(most), cache_.config().num_pages,
+         id, r.prompt.size(), r.max_tokens, pages_for(most), cache_.config().num_pages,
          int64_t(cache_.config().num_pages) * cache_.config().block_size);
   Seq s;
+  s.id = id;
+  s.prompt_len = int64_t(r.prompt.size());
+  s.max_tokens = r.max_tokens;
   s.tokens = r.prompt;
-  s.extras = cache::block_extra_keys(int64_t(r.prompt.size()), cache_.config().block_size, r.media);
+  s.extras = cache::block_extra_keys(s.prompt_len, cache_.config().block_size, r.media);
   s.arrival = next_arrival_++;
-  s.req = std::move(r);
-  const RequestId id = s.req.id;
   waiting_.insert({s.arrival, id});
   seqs_.emplace(id, std::move(s));
 }
@@ -74,7 +68,7 @@ bool Scheduler::cancel(RequestId id) {
 }
 
 void Scheduler::finish(Seq& s, FinishReason why) {
-  const RequestId id = s.req.id;
+  const RequestId id = s.id;
   if (s.running) {
     cache_.free(id);
     running_.erase({s.arrival, id});
@@ -83,7 +77,7 @@ void Scheduler::finish(Seq& s, FinishReason why) {
   }
   FinishedRequest f;
   f.id = id;
-  f.output.assign(s.tokens.begin() + int64_t(s.req.prompt.size()), s.tokens.end());
+  f.output.assign(s.tokens.begin() + s.prompt_len, s.tokens.end());
   f.reason = why;
   outputs_.push_back(std::move(f));
   if (why == FinishReason::cancelled) {
@@ -103,19 +97,19 @@ std::vector<FinishedRequest> Scheduler::drain_finished() {
 }
 
 void Scheduler::preempt(Seq& s, StepPlan& plan) {
-  cache_.free(s.req.id);
-  running_.erase({s.arrival, s.req.id});
+  cache_.free(s.id);
+  running_.erase({s.arrival, s.id});
   s.running = false;
   s.prefill_done = false;
   s.computed = 0;
   s.checkpoints.clear();
-  waiting_.insert({s.arrival, s.req.id});
-  plan.preempted.push_back(s.req.id);
+  waiting_.insert({s.arrival, s.id});
+  plan.preempted.push_back(s.id);
   ++stats_.preemptions;
 }
 
 bool Scheduler::grow_or_preempt(Seq& s, int64_t end, const std::set<RequestId>& scheduled, StepPlan& plan) {
-  while (!cache_.grow(s.req.id, end)) {
+  while (!cache_.grow(s.id, end)) {
     // Newest running request that this step has not scheduled yet, if newer than the requester.
     Seq* victim = nullptr;
     for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
@@ -143,14 +137,14 @@ int64_t Scheduler::chunk_end(const Seq& s, int64_t budget) const {
 
 ScheduledSeq Scheduler::make_scheduled(const Seq& s, int64_t end, bool reset) const {
   ScheduledSeq x;
-  x.id = s.req.id;
+  x.id = s.id;
   x.start = s.computed;
   x.end = end;
   x.tokens.assign(s.tokens.begin() + s.computed, s.tokens.begin() + end);
   x.sample = end == int64_t(s.tokens.size());
   x.reset_state = reset;
-  x.state_slot = cache_.state_slot(s.req.id);
-  const auto& pages = cache_.block_table(s.req.id).pages;
+  x.state_slot = cache_.state_slot(s.id);
+  const auto& pages = cache_.block_table(s.id).pages;
   x.block_table.assign(pages.begin(), pages.begin() + pages_for(end));
   return x;
 }
@@ -210,23 +204,23 @@ StepPlan Scheduler::schedule() {
         if (b > hit.num_tokens) s.checkpoints.insert(b);
     s.computed = hit.num_tokens;
     const int64_t end = chunk_end(s, budget);
-    if (cache_.available_pages(&hit) < pages_for(end) - int32_t(hit.pages.size()) || !cache_.admit(s.req.id, hit)) {
+    if (cache_.available_pages(&hit) < pages_for(end) - int32_t(hit.pages.size()) || !cache_.admit(s.id, hit)) {
       s.computed = 0;  // a waiting request holds no progress
       s.checkpoints.clear();
       break;
     }
     // Cannot fail: the pages were counted above and taking a slot evicts no pages.
-    KCHECK(cache_.grow(s.req.id, end), "admission of request {} lost its pages", s.req.id);
+    KCHECK(cache_.grow(s.id, end), "admission of request {} lost its pages", s.id);
     waiting_.erase(waiting_.begin());
-    running_.insert({s.arrival, s.req.id});
+    running_.insert({s.arrival, s.id});
     s.running = true;
     s.cacheable = n;
     ++stats_.admitted;
-    if (cache_.config().enable_prefix_cache) stats_.prefix_query_tokens += n;
+    if (cache_.config().enable_prefix_cache) ++stats_.prefix_queries, stats_.prefix_query_tokens += n;
     if (hit.num_tokens > 0) ++stats_.prefix_hits;
     stats_.prefix_hit_tokens += hit.num_tokens;
     plan.prefills.push_back(make_scheduled(s, end, hit.checkpoint < 0));
-    scheduled.insert(s.req.id);
+    scheduled.insert(s.id);
     budget -= end - s.computed;
   }
   // 4. Snapshots last: they are optional and must not take slots from admissions.
@@ -281,7 +275,7 @@ void Scheduler::complete(const StepPlan& plan, const StepResult& result) {
         s.prefill_done = true;
         if (r.finished)
           finish(s, FinishReason::stop);
-        else if (int64_t(s.tokens.size() - s.req.prompt.size()) >= s.req.max_tokens)
+        else if (int64_t(s.tokens.size()) - s.prompt_len >= s.max_tokens)
           finish(s, FinishReason::length);
       }
     }
@@ -306,9 +300,8 @@ void Scheduler::check_integrity() const {
     const Key k{s.arrival, id};
     KCHECK(s.running ? running_.count(k) == 1 : waiting_.count(k) == 1, "request {} in the wrong queue", id);
     KCHECK(cache_.has(id) == s.running, "request {} running {} but holds cache {}", id, s.running, cache_.has(id));
-    const int64_t generated = int64_t(s.tokens.size() - s.req.prompt.size());
-    KCHECK(generated >= 0 && generated < s.req.max_tokens, "request {} generated {} of {}", id, generated,
-           s.req.max_tokens);
+    const int64_t generated = int64_t(s.tokens.size()) - s.prompt_len;
+    KCHECK(generated >= 0 && generated < s.max_tokens, "request {} generated {} of {}", id, generated, s.max_tokens);
     if (s.running) {
       KCHECK(s.computed <= int64_t(s.tokens.size()) && cache_.block_table(id).num_tokens >= s.computed,
              "request {} computed {} beyond its cache", id, s.computed);

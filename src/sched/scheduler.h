@@ -27,19 +27,16 @@
 #include <vector>
 
 #include "cache/cache_manager.h"
+#include "request/request.h"
 
 namespace kestrel::sched {
 
 using cache::PageId;
 using cache::RequestId;
 using cache::SlotId;
-
-struct Request {
-  RequestId id = 0;
-  std::vector<int32_t> prompt;
-  int32_t max_tokens = 1;               // tokens to generate at most
-  std::vector<cache::MediaSpan> media;  // image placeholders in the prompt (prefix-cache keys)
-};
+using kestrel::EngineStats;
+using kestrel::FinishReason;
+using kestrel::Request;
 
 struct SchedulerConfig {
   int32_t max_num_seqs = 256;
@@ -47,7 +44,7 @@ struct SchedulerConfig {
   // Extra KDA checkpoints every N blocks of a prompt (0 = only the prompt's last full block and the
   // end of a matched cached chain). More checkpoints = more prefix hits, more state slots.
   int32_t checkpoint_interval_blocks = 0;
-  int32_t vocab_size = 0;  // > 0: prompt and sampled ids are checked against it
+  int32_t vocab_size = 0;  // > 0: sampled ids are checked against it
 };
 
 // One request's work in a step: compute positions [start, end) from `tokens`.
@@ -86,32 +83,20 @@ struct StepResult {
   std::vector<SeqResult> seqs;
 };
 
-enum class FinishReason : uint8_t { length, stop, cancelled };
 struct FinishedRequest {
   RequestId id = 0;
   std::vector<int32_t> output;
-  FinishReason reason = FinishReason::length;
-};
-
-struct SchedulerStats {
-  int64_t steps = 0;
-  int64_t admitted = 0;           // admissions, re-admissions after preemption included
-  int64_t prefix_query_tokens = 0;  // tokens of admitted sequences looked up in the prefix cache
-  int64_t preemptions = 0;
-  int64_t prefix_hits = 0;        // admissions that restored a checkpoint
-  int64_t prefix_hit_tokens = 0;  // prefill tokens skipped thanks to the prefix cache
-  int64_t prefill_tokens = 0;
-  int64_t decode_tokens = 0;
-  int64_t finished = 0;
-  int64_t cancelled = 0;
+  FinishReason reason = FinishReason::length;  // length, stop or cancelled
 };
 
 class Scheduler {
  public:
   Scheduler(const SchedulerConfig& config, const cache::CacheConfig& cache_config);
 
-  // Queues a request; throws kestrel::Error for a malformed one or one that can never fit.
-  void submit(Request r);
+  // Queues a request under `id` (unique among live requests). The request is already validated
+  // (request.h validate()); throws kestrel::Error for a reused id or one whose prompt + max_tokens
+  // could never fit the page pool. Only the prompt, max_tokens and media are kept.
+  void submit(RequestId id, const Request& r);
   // Frees everything the request holds (deferred to complete() while a plan is in flight). False
   // when the id is unknown or already finished.
   bool cancel(RequestId id);
@@ -122,7 +107,9 @@ class Scheduler {
   bool idle() const { return seqs_.empty(); }
   size_t num_waiting() const { return waiting_.size(); }
   size_t num_running() const { return running_.size(); }
-  const SchedulerStats& stats() const { return stats_; }
+  // The scheduler's share of the engine's counters: steps, admissions, preemptions, prefix cache,
+  // prefill/decode tokens, finished and cancelled requests (the rest stays 0).
+  const EngineStats& stats() const { return stats_; }
   const cache::CacheManager& cache() const { return cache_; }
   // Drops every unshared prefix-cache entry (between steps only).
   int32_t evict_prefix_cache();
@@ -130,7 +117,9 @@ class Scheduler {
 
  private:
   struct Seq {
-    Request req;
+    RequestId id = 0;
+    int64_t prompt_len = 0;
+    int32_t max_tokens = 1;
     std::vector<int32_t> tokens;   // prompt + generated
     std::vector<uint64_t> extras;  // prefix-cache extra key per full prompt block
     uint64_t arrival = 0;          // priority: lower = older = more important
@@ -163,7 +152,7 @@ class Scheduler {
   std::vector<RequestId> finished_since_;
   std::vector<RequestId> cancelled_since_;
   std::vector<FinishedRequest> outputs_;
-  SchedulerStats stats_;
+  EngineStats stats_;
 };
 
 }  // namespace kestrel::sched

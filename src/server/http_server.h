@@ -1,10 +1,13 @@
-// `kestrel serve`'s HTTP layer: Boost.Beast/Asio, one io_context on a few threads, every socket on
-// its own strand, all I/O asynchronous, so thousands of open streams cost memory, not threads.
+// `kestrel serve`'s HTTP transport: Boost.Beast/Asio, one io_context on a few threads, every socket
+// on its own strand, all I/O asynchronous, so thousands of open streams cost memory, not threads.
+// This layer reads requests (header first: `Expect: 100-continue` and oversize bodies are answered
+// before the body is read), writes responses from one coalescing buffer, keeps connections alive,
+// enforces the timeouts and notices clients that leave; what a request means is the routes' business
+// (routes.h), what an OpenAI response looks like is openai.h's.
 //
 // The server never blocks on the engine: engine events arrive on the engine thread through the
-// TokenSink and are posted onto the connection's strand, where they are turned into SSE chunks or
-// collected for a JSON body. A client that disconnects is noticed by a read kept pending on the
-// socket for the whole response; its engine requests are cancelled at once.
+// TokenSink and are posted onto the connection's strand. A client that disconnects is noticed by a
+// read kept pending on the socket for the whole response; its engine requests are cancelled at once.
 //
 // Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
 // GET /metrics, POST /tokenize, POST /detokenize. With an API key, /v1/*, /tokenize and /detokenize
@@ -17,7 +20,7 @@
 #include <memory>
 #include <string>
 
-#include "server/engine_api.h"
+#include "request/engine.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel::server {

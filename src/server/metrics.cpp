@@ -74,12 +74,13 @@ std::string Metrics::render(const EngineStats& st) const {
   auto counter = [&](const char* name, const char* help, uint64_t v) {
     o += fmt::format("# HELP {} {}\n# TYPE {} counter\n{}_total{{{}}} {}\n", name, help, name, name, L, v);
   };
-  gauge("vllm:num_requests_running", "Number of requests in model execution batches.", st.running);
-  gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", st.waiting);
-  gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", st.kv_cache_usage);
-  gauge("kestrel:kv_pages_used", "KV-cache pages held by requests (0 when idle).", double(st.kv_pages_used));
-  counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", st.prefix_cache_queries);
-  counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", st.prefix_cache_hits);
+  gauge("vllm:num_requests_running", "Number of requests in model execution batches.", double(st.running));
+  gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", double(st.waiting));
+  gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", st.kv_usage());
+  gauge("kestrel:kv_pages_used", "KV-cache pages held by requests (0 when idle).", double(st.pages_held));
+  counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+          uint64_t(st.prefix_query_tokens));
+  counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", uint64_t(st.prefix_hit_tokens));
   counter("vllm:prompt_tokens", "Number of prefill tokens processed.", prompt_tokens_);
   counter("vllm:generation_tokens", "Number of generation tokens processed.", generation_tokens_);
   o += "# HELP vllm:request_success Count of successfully processed requests.\n# TYPE vllm:request_success counter\n";

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "server/engine_api.h"
+#include "request/request.h"
 
 namespace kestrel::server {
 

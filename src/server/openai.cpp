@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <climits>
 #include <random>
 
 #include "tokenizer/utf8.h"
@@ -21,10 +22,19 @@ std::string error_type(int status) {
   }
 }
 
+std::string dumps(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
 std::string error_body(int status, const std::string& message, const std::string& param) {
   json e = {{"message", message}, {"type", error_type(status)}, {"param", nullptr}, {"code", status}};
   if (!param.empty()) e["param"] = param;
-  return json{{"error", e}}.dump(-1, ' ', false, json::error_handler_t::replace);
+  return dumps(json{{"error", e}});
+}
+
+ApiError api_error(const RequestError& e, Api api) {
+  std::string param = e.field;
+  if (api == Api::kChat && param == "prompt") param = "messages";
+  if (api == Api::kChat && param == "logprobs") param = "top_logprobs";
+  return ApiError(400, e.what(), param);
 }
 
 namespace {
@@ -44,16 +54,14 @@ std::optional<bool> get_bool(const ojson& body, const char* name) {
   return v->get<bool>();
 }
 
-std::optional<double> get_number(const ojson& body, const char* name, double lo, double hi, bool lo_open = false) {
+std::optional<float> get_number(const ojson& body, const char* name) {
   const ojson* v = field(body, name);
   if (!v) return std::nullopt;
   if (!v->is_number()) bad(name, "must be a number");
-  const double x = v->get<double>();
-  if (!(lo_open ? x > lo : x >= lo) || !(x <= hi))
-    bad(name, fmt::format("must be in {}{}, {}], got {}", lo_open ? "(" : "[", lo, hi, x));
-  return x;
+  return float(v->get<double>());
 }
 
+// An integer within [lo, hi]: the bounds of what the field can hold, or a protocol rule.
 std::optional<int64_t> get_int(const ojson& body, const char* name, int64_t lo, int64_t hi) {
   const ojson* v = field(body, name);
   if (!v) return std::nullopt;
@@ -63,6 +71,8 @@ std::optional<int64_t> get_int(const ojson& body, const char* name, int64_t lo, 
   if (x < lo || x > hi) bad(name, fmt::format("must be in [{}, {}], got {}", lo, hi, x));
   return x;
 }
+
+uint64_t random_seed() { return (uint64_t(std::random_device{}()) << 32) ^ std::random_device{}(); }
 
 }  // namespace
 
@@ -81,97 +91,54 @@ GenParams parse_gen_params(const ojson& body, Api api) {
   }
   // n copies cost n engine requests; 16 keeps one HTTP request from filling the engine.
   g.n = int(get_int(body, "n", 1, 16).value_or(1));
-  auto mt = get_int(body, "max_tokens", 1, INT32_MAX);
+  auto mt = get_int(body, "max_tokens", INT32_MIN, INT32_MAX);
   if (api == Api::kChat) {
-    if (auto mct = get_int(body, "max_completion_tokens", 1, INT32_MAX)) mt = mct;
+    if (auto mct = get_int(body, "max_completion_tokens", INT32_MIN, INT32_MAX)) mt = mct;
   }
   if (mt) g.max_tokens = int(*mt);
-  SamplingParams& s = g.sampling;
-  s.temperature = float(get_number(body, "temperature", 0.0, 2.0).value_or(1.0));
-  s.top_p = float(get_number(body, "top_p", 0.0, 1.0, /*lo_open=*/true).value_or(1.0));
-  const int64_t top_k = get_int(body, "top_k", -1, INT32_MAX).value_or(0);
-  s.top_k = top_k < 0 ? 0 : int(top_k);  // vLLM: -1 (or 0) = off
-  s.min_p = float(get_number(body, "min_p", 0.0, 1.0).value_or(0.0));
-  s.presence_penalty = float(get_number(body, "presence_penalty", -2.0, 2.0).value_or(0.0));
-  s.frequency_penalty = float(get_number(body, "frequency_penalty", -2.0, 2.0).value_or(0.0));
-  s.repetition_penalty = float(get_number(body, "repetition_penalty", 0.0, 10.0, true).value_or(1.0));
-  if (auto seed = get_int(body, "seed", INT64_MIN, INT64_MAX)) s.seed = uint64_t(*seed);
-  s.ignore_eos = get_bool(body, "ignore_eos").value_or(false);
+  Request& r = g.request;
+  SamplingParams& s = r.sampling;
+  s.temperature = get_number(body, "temperature").value_or(1.0f);  // OpenAI's default, not greedy
+  s.top_p = get_number(body, "top_p").value_or(1.0f);
+  const int64_t top_k = get_int(body, "top_k", INT32_MIN, INT32_MAX).value_or(0);
+  s.top_k = top_k == -1 ? 0 : int32_t(top_k);  // vLLM: -1 (or 0) = off
+  s.min_p = get_number(body, "min_p").value_or(0.0f);
+  s.presence_penalty = get_number(body, "presence_penalty").value_or(0.0f);
+  s.frequency_penalty = get_number(body, "frequency_penalty").value_or(0.0f);
+  s.repetition_penalty = get_number(body, "repetition_penalty").value_or(1.0f);
+  const auto seed = get_int(body, "seed", INT64_MIN, INT64_MAX);
+  s.seed = seed ? uint64_t(*seed) : random_seed();
+  r.ignore_eos = get_bool(body, "ignore_eos").value_or(false);
   if (const ojson* ids = field(body, "stop_token_ids")) {
     if (!ids->is_array()) bad("stop_token_ids", "must be an array of token ids");
     for (const auto& x : *ids) {
-      if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() > INT32_MAX)
+      if (!x.is_number_integer() || x.get<int64_t>() < INT32_MIN || x.get<int64_t>() > INT32_MAX)
         bad("stop_token_ids", "must be an array of token ids");
-      s.stop_token_ids.push_back(int32_t(x.get<int64_t>()));
+      r.stop_token_ids.push_back(int32_t(x.get<int64_t>()));
     }
   }
   if (const ojson* st = field(body, "stop")) {
     if (st->is_string()) {
-      g.stop.push_back(st->get<std::string>());
+      r.stop.push_back(st->get<std::string>());
     } else if (st->is_array()) {
       for (const auto& x : *st) {
         if (!x.is_string()) bad("stop", "must be a string or an array of strings");
-        g.stop.push_back(x.get<std::string>());
+        r.stop.push_back(x.get<std::string>());
       }
     } else {
       bad("stop", "must be a string or an array of strings");
     }
-    if (g.stop.size() > 16) bad("stop", "may hold at most 16 strings");
-    g.stop.erase(std::remove(g.stop.begin(), g.stop.end(), std::string()), g.stop.end());
+    r.stop.erase(std::remove(r.stop.begin(), r.stop.end(), std::string()), r.stop.end());
   }
   if (api == Api::kChat) {
-    g.logprobs = get_bool(body, "logprobs").value_or(false);
-    g.top_logprobs = int(get_int(body, "top_logprobs", 0, 20).value_or(0));
-    if (g.top_logprobs > 0 && !g.logprobs) bad("top_logprobs", "requires 'logprobs' to be true");
-  } else {
-    if (auto lp = get_int(body, "logprobs", 0, 20)) {
-      g.logprobs = true;
-      g.top_logprobs = int(*lp);
-    }
+    const bool logprobs = get_bool(body, "logprobs").value_or(false);
+    const auto top = get_int(body, "top_logprobs", 0, INT32_MAX);
+    if (top && *top > 0 && !logprobs) bad("top_logprobs", "requires 'logprobs' to be true");
+    s.logprobs = logprobs ? int32_t(top.value_or(0)) : -1;
+  } else if (auto lp = get_int(body, "logprobs", 0, INT32_MAX)) {
+    s.logprobs = int32_t(*lp);
   }
-  s.logprobs = g.logprobs;
-  s.top_logprobs = g.top_logprobs;
   return g;
-}
-
-StopMatcher::StopMatcher(std::vector<std::string> stops) : stops_(std::move(stops)) {}
-
-std::string StopMatcher::push(const std::string& text) {
-  if (matched_) return {};
-  if (stops_.empty()) return text;
-  held_ += text;
-  size_t best = std::string::npos;
-  for (const auto& s : stops_) best = std::min(best, held_.find(s));
-  if (best != std::string::npos) {
-    matched_ = true;
-    std::string out = held_.substr(0, best);
-    held_.clear();
-    return out;
-  }
-  // Keep the longest suffix of held_ that is a proper prefix of some stop string.
-  size_t keep = 0;
-  for (const auto& s : stops_)
-    for (size_t k = std::min(s.size() - 1, held_.size()); k > keep; --k)
-      if (held_.compare(held_.size() - k, k, s, 0, k) == 0) {
-        keep = k;
-        break;
-      }
-  std::string out = held_.substr(0, held_.size() - keep);
-  held_.erase(0, held_.size() - keep);
-  return out;
-}
-
-std::string StopMatcher::flush() {
-  std::string out;
-  if (!matched_) out.swap(held_);
-  return out;
-}
-
-std::vector<int32_t> stop_token_ids(const tok::Tokenizer& tok) {
-  std::vector<int32_t> ids;
-  for (const char* t : {"<|end_of_msg|>", "[EOS]", "[EOT]"})
-    if (auto id = tok.special_id(t)) ids.push_back(int32_t(*id));
-  return ids;
 }
 
 std::string random_id(const std::string& prefix) {
@@ -187,14 +154,14 @@ json usage_json(int prompt, int completion, int reasoning, int cached) {
           {"completion_tokens_details", {{"reasoning_tokens", reasoning}}}};
 }
 
+// ---- one choice ------------------------------------------------------------------------------
+
 ChoiceStream::ChoiceStream(Api api, const tok::Tokenizer& tok, bool thinking, std::vector<std::string> tools,
                            std::vector<std::string> stop, bool logprobs)
-    : api_(api), tok_(&tok), stop_(std::move(stop)), logprobs_(logprobs) {
-  if (api == Api::kChat)
-    parser_.emplace(tok, thinking, std::move(tools));
-  else
-    decoder_.emplace(tok);
-}
+    : tok_(&tok),
+      text_(api == Api::kChat ? tok::TextStream::chat(tok, thinking, std::move(tools), std::move(stop))
+                              : tok::TextStream::plain(tok, std::move(stop))),
+      logprobs_(logprobs) {}
 
 std::string ChoiceStream::token_text(int32_t id) const {
   if (id >= 0 && size_t(id) < tok_->vocab_size()) return tok::utf8_sanitize(tok_->token_bytes(tok::TokenId(id)));
@@ -215,16 +182,12 @@ json ChoiceStream::logprob_entry(const TokenEvent& ev) const {
   return e;
 }
 
-void ChoiceStream::absorb(const tok::ParseDelta& pd, Delta& d) {
-  d.reasoning += pd.reasoning;
-  reasoning_ += pd.reasoning;
-  if (!pd.content.empty()) {
-    std::string c = stop_.push(pd.content);
-    d.content += c;
-    content_ += c;
-  }
-  if (stop_.matched()) return;  // nothing after a stop string counts
-  for (const auto& tc : pd.tool_calls) {
+// Text deltas into the OpenAI delta: tool calls get their ids on their first (named) delta, and
+// consecutive argument fragments of one call are merged.
+void ChoiceStream::absorb(tok::TextDelta&& td, Delta& d) {
+  d.reasoning += td.reasoning;
+  d.content += td.content;
+  for (const auto& tc : td.tool_calls) {
     if (!d.tool_calls.empty() && d.tool_calls.back()["index"] == tc.index && !tc.name) {
       d.tool_calls.back()["function"]["arguments"] =
           d.tool_calls.back()["function"]["arguments"].get<std::string>() + tc.arguments;
@@ -248,10 +211,11 @@ ChoiceStream::Delta ChoiceStream::on_event(const TokenEvent& ev) {
     prompt_tokens_ = ev.prompt_tokens;
     cached_tokens_ = ev.cached_prompt_tokens;
   }
-  if (ev.finish == Finish::kError || ev.finish == Finish::kAbort) {
+  if (ev.finish == FinishReason::error || ev.finish == FinishReason::cancelled) {
     done_ = true;
-    finish_reason_ = ev.finish == Finish::kError ? "error" : "abort";
-    d.error = ev.finish == Finish::kError ? (ev.error.empty() ? "engine error" : ev.error) : "request aborted";
+    const bool error = ev.finish == FinishReason::error;
+    finish_reason_ = error ? "error" : "abort";
+    d.error = error ? (ev.error.empty() ? "engine error" : ev.error) : "request aborted";
     d.finish_reason = finish_reason_;
     return d;
   }
@@ -262,41 +226,22 @@ ChoiceStream::Delta ChoiceStream::on_event(const TokenEvent& ev) {
       pending_logprobs_.push_back(e);
       logprobs_all_.push_back(std::move(e));
     }
-    if (api_ == Api::kChat) {
-      tok::ParseDelta pd = parser_->push(tok::TokenId(ev.token));
-      if (!pd.reasoning.empty()) reasoning_tokens_ = completion_tokens_;
-      absorb(pd, d);
-    } else if (ev.finish != Finish::kStop && size_t(ev.token) < tok_->vocab_size()) {
-      std::string c = stop_.push(decoder_->push(tok::TokenId(ev.token)));
-      d.content += c;
-      content_ += c;
+    if (ev.finish != FinishReason::stop) {  // a stop token is never text
+      tok::TextDelta td = text_.push(tok::TokenId(ev.token));
+      if (!td.reasoning.empty()) reasoning_tokens_ = completion_tokens_;
+      absorb(std::move(td), d);
     }
   }
-  if (stop_.matched()) {
-    done_ = true;
-    d.cancel_engine = ev.finish == Finish::kNone;
-    finish_reason_ = "stop";
-  } else if (ev.finish == Finish::kStop || ev.finish == Finish::kLength) {
-    done_ = true;
-    const bool length = ev.finish == Finish::kLength;
-    if (api_ == Api::kChat) {
-      absorb(parser_->finish(length ? tok::FinishCause::kLength : tok::FinishCause::kStop), d);
-      finish_reason_ = length ? "length" : parser_->result().finish_reason;
-    } else {
-      std::string c = stop_.push(decoder_->finish());
-      d.content += c;
-      content_ += c;
-      finish_reason_ = length ? "length" : "stop";
-    }
-    if (stop_.matched()) {
-      finish_reason_ = "stop";
-    } else {
-      std::string tail = stop_.flush();
-      d.content += tail;
-      content_ += tail;
-    }
+  if (text_.done()) {  // a stop string matched
+    d.cancel_engine = ev.finish == FinishReason::none;
+  } else if (ev.finish == FinishReason::stop || ev.finish == FinishReason::length) {
+    absorb(text_.finish(ev.finish == FinishReason::length ? tok::FinishCause::kLength : tok::FinishCause::kStop), d);
   }
-  if (done_) d.finish_reason = finish_reason_;
+  if (text_.done()) {
+    done_ = true;
+    finish_reason_ = text_.finish_reason();
+    d.finish_reason = finish_reason_;
+  }
   if (!pending_logprobs_.empty() && (!d.empty() || done_)) {
     d.logprobs = pending_logprobs_;
     pending_logprobs_ = json::array();
@@ -306,8 +251,7 @@ ChoiceStream::Delta ChoiceStream::on_event(const TokenEvent& ev) {
 
 json ChoiceStream::tool_calls_message() const {
   json out = json::array();
-  if (!parser_) return out;
-  const auto& calls = parser_->result().tool_calls;
+  const auto& calls = text_.tool_calls();
   for (size_t i = 0; i < calls.size(); ++i) {
     const std::string id = i < call_ids_.size() ? call_ids_[i] : random_id("call_");
     out.push_back({{"id", id},
@@ -315,6 +259,126 @@ json ChoiceStream::tool_calls_message() const {
                    {"function", {{"name", calls[i].name}, {"arguments", calls[i].arguments.empty() ? "{}" : calls[i].arguments}}}});
   }
   return out;
+}
+
+// ---- chunks and bodies -----------------------------------------------------------------------
+
+namespace {
+
+// Completions-API logprobs from chat-style entries.
+json completion_logprobs(const json& entries, size_t& offset) {
+  json o = {{"tokens", json::array()}, {"token_logprobs", json::array()}, {"top_logprobs", json::array()},
+            {"text_offset", json::array()}};
+  for (const auto& e : entries) {
+    o["tokens"].push_back(e["token"]);
+    o["token_logprobs"].push_back(e["logprob"]);
+    json top = json::object();
+    for (const auto& t : e["top_logprobs"]) top[t["token"].get<std::string>()] = t["logprob"];
+    o["top_logprobs"].push_back(top);
+    o["text_offset"].push_back(offset);
+    offset += e["token"].get<std::string>().size();
+  }
+  return o;
+}
+
+const char* object_of(const ResponseHead& h, bool chunk) {
+  if (h.api == Api::kCompletion) return "text_completion";
+  return chunk ? "chat.completion.chunk" : "chat.completion";
+}
+
+json head_json(const ResponseHead& h, bool chunk) {
+  return {{"id", h.id}, {"object", object_of(h, chunk)}, {"created", h.created}, {"model", h.model},
+          {"system_fingerprint", nullptr}};
+}
+
+json finish_json(const std::optional<std::string>& f) { return f ? json(*f) : json(nullptr); }
+
+}  // namespace
+
+json chat_chunk(const ResponseHead& h, size_t index, json delta, json finish, json logprobs) {
+  json c = head_json(h, true);
+  c["choices"] = json::array({json{{"index", index}, {"delta", std::move(delta)}, {"logprobs", std::move(logprobs)},
+                                   {"finish_reason", std::move(finish)}}});
+  if (h.include_usage) c["usage"] = nullptr;
+  return c;
+}
+
+json completion_chunk(const ResponseHead& h, size_t index, const std::string& text, json finish, json logprobs) {
+  json c = head_json(h, true);
+  c["choices"] = json::array({json{{"index", index}, {"text", text}, {"logprobs", std::move(logprobs)},
+                                   {"finish_reason", std::move(finish)}}});
+  if (h.include_usage) c["usage"] = nullptr;
+  return c;
+}
+
+std::vector<std::string> delta_payloads(const ResponseHead& h, size_t i, const ChoiceStream::Delta& d,
+                                        size_t& text_offset) {
+  std::vector<std::string> out;
+  if (!d.error.empty()) {
+    out.push_back(error_body(500, d.error));
+  } else if (h.api == Api::kChat) {
+    json delta = json::object();
+    if (!d.reasoning.empty()) delta["reasoning_content"] = delta["reasoning"] = d.reasoning;
+    if (!d.content.empty()) delta["content"] = d.content;
+    if (!d.tool_calls.empty()) delta["tool_calls"] = d.tool_calls;
+    json lp = d.logprobs.is_null() ? json(nullptr) : json{{"content", d.logprobs}};
+    const bool has = !delta.empty() || !lp.is_null();
+    if (has && d.finish_reason) {  // content and finish in separate chunks, as OpenAI sends them
+      out.push_back(dumps(chat_chunk(h, i, delta, nullptr, lp)));
+      out.push_back(dumps(chat_chunk(h, i, json::object(), *d.finish_reason, nullptr)));
+    } else if (has || d.finish_reason) {
+      out.push_back(dumps(chat_chunk(h, i, delta, finish_json(d.finish_reason), lp)));
+    }
+  } else {
+    json lp = d.logprobs.is_null() ? json(nullptr) : completion_logprobs(d.logprobs, text_offset);
+    if (!d.content.empty() || d.finish_reason || !lp.is_null())
+      out.push_back(dumps(completion_chunk(h, i, d.content, finish_json(d.finish_reason), lp)));
+  }
+  return out;
+}
+
+json usage_of(const std::vector<ChoiceStream>& choices) {
+  int completion = 0, reasoning = 0;
+  for (const auto& c : choices) {
+    completion += c.completion_tokens();
+    reasoning += c.reasoning_tokens();
+  }
+  // The prompt is one prompt, whatever n is (OpenAI counts it once).
+  const int prompt = choices.empty() ? 0 : choices[0].prompt_tokens();
+  const int cached = choices.empty() ? 0 : choices[0].cached_tokens();
+  return usage_json(prompt, completion, reasoning, cached);
+}
+
+json usage_chunk(const ResponseHead& h, const json& usage) {
+  json u = head_json(h, true);
+  u["choices"] = json::array();
+  u["usage"] = usage;
+  return u;
+}
+
+json response_body(const ResponseHead& h, const std::vector<ChoiceStream>& choices, const json& usage) {
+  json out = json::array();
+  for (size_t i = 0; i < choices.size(); ++i) {
+    const ChoiceStream& c = choices[i];
+    if (h.api == Api::kChat) {
+      const json calls = c.tool_calls_message();
+      json msg = {{"role", "assistant"},
+                  {"content", c.content().empty() && !calls.empty() ? json(nullptr) : json(c.content())},
+                  {"reasoning_content", c.reasoning().empty() ? json(nullptr) : json(c.reasoning())}};
+      msg["reasoning"] = msg["reasoning_content"];
+      msg["tool_calls"] = calls;
+      json lp = c.logprobs_all().empty() ? json(nullptr) : json{{"content", c.logprobs_all()}};
+      out.push_back({{"index", i}, {"message", msg}, {"logprobs", lp}, {"finish_reason", c.finish_reason()}});
+    } else {
+      size_t off = 0;
+      json lp = c.logprobs_all().empty() ? json(nullptr) : completion_logprobs(c.logprobs_all(), off);
+      out.push_back({{"index", i}, {"text", c.content()}, {"logprobs", lp}, {"finish_reason", c.finish_reason()}});
+    }
+  }
+  json r = head_json(h, false);
+  r["choices"] = out;
+  r["usage"] = usage;
+  return r;
 }
 
 }  // namespace kestrel::server

@@ -1,12 +1,8 @@
-// The OpenAI protocol, apart from HTTP: request validation (field types and ranges, OpenAI's error
-// object), per-choice output shaping (parser deltas -> chunk deltas, stop strings, tool-call ids,
-// logprobs, token counts) and the final response bodies. Pure functions and small classes with no
+// The OpenAI protocol, apart from HTTP: request bodies into the engine's Request (field types and
+// the protocol's own rules; value ranges are validate()'s, request/request.h), per-choice output
+// shaping (the shared text stream's deltas -> chunk deltas, tool-call ids, logprobs, token counts)
+// and the JSON of chunks, final bodies, usage and errors. Pure functions and small classes with no
 // I/O, so unit tests can drive them with hand-made engine events.
-//
-// Stop strings live here (StopMatcher): the engine only knows stop token ids. They apply to the
-// text a client sees as the answer: `text` of /v1/completions, `content` of chat (not reasoning
-// and not tool-call arguments). Text that might be the start of a stop string is held back until
-// it is resolved, so a stop string never leaks into a stream.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -17,8 +13,8 @@
 #include <vector>
 
 #include "core/check.h"
-#include "server/engine_api.h"
-#include "tokenizer/parser.h"
+#include "request/request.h"
+#include "tokenizer/text_stream.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel::server {
@@ -41,36 +37,26 @@ std::string error_body(int status, const std::string& message, const std::string
 
 enum class Api { kChat, kCompletion };
 
+// One generation request as the protocol states it: the engine Request (prompt still empty) and the
+// protocol's own fields.
 struct GenParams {
+  Request request;               // sampling, stop strings and ids, ignore_eos, logprobs, seed
+  std::optional<int> max_tokens; // absent: the rest of the context (max_completion_tokens wins)
   bool stream = false;
   bool include_usage = false;
   int n = 1;
-  std::optional<int> max_tokens;   // max_completion_tokens wins over max_tokens
-  SamplingParams sampling;         // max_tokens resolved later against the context
-  std::vector<std::string> stop;
-  bool logprobs = false;
-  int top_logprobs = 0;
   std::optional<std::string> model;
+  bool logprobs() const { return request.sampling.logprobs >= 0; }
 };
 
-// Validates the generation fields shared by both endpoints (types and ranges); throws ApiError 400.
+// Reads the generation fields shared by both endpoints; throws ApiError 400 for a wrong type or a
+// protocol rule broken (top_logprobs without logprobs, stream_options without stream, n outside
+// [1, 16]). No seed: a fresh random one (the engine's draws are a function of the seed).
 GenParams parse_gen_params(const ojson& body, Api api);
 
-// Holds back text that may begin a stop string.
-class StopMatcher {
- public:
-  explicit StopMatcher(std::vector<std::string> stops);
-  // Appends text; returns what is safe to emit now. On a match, returns the text before it and
-  // sets matched(); everything after is dropped.
-  std::string push(const std::string& text);
-  std::string flush();  // end of output: the held-back tail
-  bool matched() const { return matched_; }
-
- private:
-  std::vector<std::string> stops_;
-  std::string held_;
-  bool matched_ = false;
-};
+// A RequestError from the engine's validate() as the OpenAI error: 400 with the field as `param`
+// (the prompt is `messages` in chat).
+ApiError api_error(const RequestError& e, Api api);
 
 // One choice of one request: engine events in, deltas out.
 class ChoiceStream {
@@ -99,39 +85,53 @@ class ChoiceStream {
   int reasoning_tokens() const { return reasoning_tokens_; }
   int prompt_tokens() const { return prompt_tokens_; }
   int cached_tokens() const { return cached_tokens_; }
-  const std::string& reasoning() const { return reasoning_; }
-  const std::string& content() const { return content_; }
+  const std::string& reasoning() const { return text_.reasoning(); }
+  const std::string& content() const { return text_.content(); }
   const std::string& finish_reason() const { return finish_reason_; }
   json tool_calls_message() const;   // [{id, type, function{name, arguments}}]
   const json& logprobs_all() const { return logprobs_all_; }
 
  private:
-  void absorb(const tok::ParseDelta& pd, Delta& d);
+  void absorb(tok::TextDelta&& td, Delta& d);
   json logprob_entry(const TokenEvent& ev) const;
   std::string token_text(int32_t id) const;
 
-  Api api_;
   const tok::Tokenizer* tok_;
-  std::optional<tok::OutputParser> parser_;
-  std::optional<tok::StreamDecoder> decoder_;
-  StopMatcher stop_;
+  tok::TextStream text_;
   bool logprobs_;
   bool done_ = false;
   int completion_tokens_ = 0, reasoning_tokens_ = 0, prompt_tokens_ = 0, cached_tokens_ = 0;
-  std::string reasoning_, content_, finish_reason_;
+  std::string finish_reason_;
   std::vector<std::string> call_ids_;
   json logprobs_all_ = json::array();
   json pending_logprobs_ = json::array();
 };
 
-// Stop token ids of K3 output (<|end_of_msg|>, [EOS], [EOT], whichever the tokenizer has).
-std::vector<int32_t> stop_token_ids(const tok::Tokenizer& tok);
+// The identity every chunk and body of one response repeats.
+struct ResponseHead {
+  Api api = Api::kChat;
+  std::string id, model;
+  int64_t created = 0;
+  bool include_usage = false;  // streaming: every chunk carries "usage": null, then a usage chunk
+};
+
+json chat_chunk(const ResponseHead& h, size_t index, json delta, json finish, json logprobs);
+json completion_chunk(const ResponseHead& h, size_t index, const std::string& text, json finish, json logprobs);
+// The SSE payloads streamed for one delta (none when it carries nothing; an engine error is an error
+// object); `text_offset` is the choice's running offset for completions logprobs.
+std::vector<std::string> delta_payloads(const ResponseHead& h, size_t index, const ChoiceStream::Delta& d,
+                                        size_t& text_offset);
+// The final streamed chunk with usage (no choices).
+json usage_chunk(const ResponseHead& h, const json& usage);
+// The non-streaming body of all choices.
+json response_body(const ResponseHead& h, const std::vector<ChoiceStream>& choices, const json& usage);
+// Usage over all choices: the prompt counted once (OpenAI), completions and reasoning summed.
+json usage_of(const std::vector<ChoiceStream>& choices);
+json usage_json(int prompt, int completion, int reasoning, int cached);
 
 std::string random_id(const std::string& prefix);  // "chatcmpl-<24 hex>" etc.
-
 // SSE framing: "data: <payload>\n\n".
 inline std::string sse(const std::string& payload) { return "data: " + payload + "\n\n"; }
-
-json usage_json(int prompt, int completion, int reasoning, int cached);
+std::string dumps(const json& j);  // compact, invalid UTF-8 replaced
 
 }  // namespace kestrel::server

@@ -81,9 +81,14 @@ OutputParser::OutputParser(const Tokenizer& tok, bool thinking, std::vector<std:
       open_(tok.require_special("<|open|>")),
       close_(tok.require_special("<|close|>")),
       sep_(tok.require_special("<|sep|>")),
-      where_(thinking ? Where::kThink : Where::kResponse) {
+      terminators_(end_of_turn_ids(tok)),
+      where_(thinking ? Where::kThink : Where::kResponse) {}
+
+std::vector<TokenId> end_of_turn_ids(const Tokenizer& tok) {
+  std::vector<TokenId> ids;
   for (const char* t : {"<|end_of_msg|>", "[EOS]", "[EOT]"})
-    if (auto id = tok.special_id(t)) terminators_.push_back(*id);
+    if (auto id = tok.special_id(t)) ids.push_back(*id);
+  return ids;
 }
 
 void OutputParser::error(std::string msg) { out_.errors.push_back(std::move(msg)); }

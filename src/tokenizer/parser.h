@@ -52,6 +52,10 @@ struct ParsedOutput {
 
 enum class FinishCause { kStop, kLength };
 
+// The specials that end a K3 turn (<|end_of_msg|>, [EOS], [EOT]: whichever the tokenizer has). They are
+// end-of-sequence ids for the engine and never part of the parsed text.
+std::vector<TokenId> end_of_turn_ids(const Tokenizer& tok);
+
 class OutputParser {
  public:
   // thinking: the prompt ended inside <|open|>think<|sep|> (else inside <|open|>response<|sep|>).
@@ -88,7 +92,7 @@ class OutputParser {
   const Tokenizer* tok_;
   std::vector<std::string> known_tools_;
   TokenId open_, close_, sep_;
-  std::vector<TokenId> terminators_;
+  std::vector<TokenId> terminators_;  // end_of_turn_ids()
   Where where_;
   Header header_;
   Utf8Stream utf8_;

@@ -1,4 +1,4 @@
-// The whole GPU forward pass (model/model_cuda.h) against the CPU engine (model/model.h) on real
+// The whole GPU forward pass (model/cuda/cuda_model.h) against the CPU engine (model/model.h) on real
 // checkpoints: KESTREL_GPU_CKPTS = colon-separated checkpoint directories (the nano checkpoint and the
 // reduced mini one; bench/gpu/run.sh generates them on the GPU machine). Required.
 //
@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <numeric>
 #include <string_view>
 #include <sstream>
 
@@ -34,7 +35,7 @@
 #include "loader/safetensors.h"
 #include "loader/weights.h"
 #include "model/model.h"
-#include "model/model_cuda.h"
+#include "model/cuda/cuda_model.h"
 
 namespace kestrel::gputest {
 namespace {
@@ -97,15 +98,25 @@ TEST(GpuModel, MatchesCpuEngine) {
       toks.push_back(argmax(lg.data(), V));
     }
 
-    // GPU, teacher-forced with the CPU's tokens.
+    // GPU, teacher-forced with the CPU's tokens: one sequence (slot 0, pages 0, 1, ... of 64 tokens,
+    // BF16 caches) through the batched forward, prefill then one decode step at a time.
     model::CudaModel gm(cfg, w);
     gm.enable_captures(true);
     std::vector<float> gpu_logits(size_t(P * V));
     {
-      auto gst = gm.new_state(P + G + 1);
-      gm.forward(*gst, prompt, gpu_logits.data(), false);
+      const int page = 64;
+      std::vector<int32_t> table(size_t((P + G + 1 + page - 1) / page));
+      std::iota(table.begin(), table.end(), 0);
+      auto cache = gm.new_cache(int32_t(table.size()), 1,
+                                CacheFormats{page, LatentFormat::bf16, IndexKeyFormat::bf16, KdaStateDtype::f32});
+      auto step = [&](std::span<const int32_t> tokens, int64_t pos0, model::CudaSeq::Logits which, float* out) {
+        const model::CudaSeq q{tokens, pos0, 0, table, which};
+        gm.forward_batch(*cache, std::span<const model::CudaSeq>(&q, 1));
+        gm.copy_logits(out);
+      };
+      step(prompt, 0, model::CudaSeq::Logits::all, gpu_logits.data());
       for (int64_t s = 0; s < G; ++s) {
-        gm.forward(*gst, std::span<const int32_t>(&toks[size_t(s)], 1), lg.data(), true);
+        step(std::span<const int32_t>(&toks[size_t(s)], 1), P + s, model::CudaSeq::Logits::last, lg.data());
         gpu_logits.insert(gpu_logits.end(), lg.begin(), lg.end());
       }
     }

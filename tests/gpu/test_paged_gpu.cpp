@@ -1,7 +1,7 @@
 // Paged MLA caches on the GPU (kernels/cuda/paged.h) against the CPU's paged views (model/cache_view.h):
 // writes must give the CPU writer's bytes exactly (every format, untouched bytes left alone); reads through
-// shuffled block tables must give the CPU's absorbed decode (within the bf16 tolerance of the contiguous
-// kernel's test) and the CPU's indexer selection exactly, for varlen batches of requests.
+// shuffled block tables must give the CPU's absorbed decode (within the tolerance paged.h states for the
+// tensor-core decode) and the CPU's indexer selection exactly, for varlen batches of requests.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -17,9 +17,6 @@
 
 namespace kestrel::gputest {
 namespace {
-
-using cache::IndexKeyFormat;
-using cache::LatentFormat;
 
 constexpr double kBf16Ulp = 1.0 / 128;
 const cpu::MlaDims kNano{4, 32, 16, 32, 64}, kMini{12, 128, 64, 128, 512};
@@ -66,7 +63,7 @@ model::MlaCacheView cpu_view(const cpu::MlaDims& d, int64_t Di, LatentFormat lf,
 cuda::PagedMlaCache gpu_cache(const cpu::MlaDims& d, int64_t Di, LatentFormat lf, IndexKeyFormat kf, int P,
                               uint8_t* lat, uint8_t* keys, const int32_t* tables, int64_t stride) {
   cuda::PagedMlaCache c;
-  c.latent_format = cuda::PagedLatentFormat(int(lf)), c.key_format = cuda::PagedKeyFormat(int(kf));
+  c.latent_format = lf, c.key_format = kf;
   c.block_size = P, c.C = d.C, c.R = d.R, c.Di = Di, c.latent = lat, c.keys = keys;
   c.block_tables = tables, c.bt_stride = stride;
   return c;
@@ -98,8 +95,8 @@ std::vector<uint16_t> rand_rows(int64_t T, int64_t W, Rng& r) {
   return x;
 }
 
-const char* lname(LatentFormat f) { return cache::format_name(f); }
-const char* kname(IndexKeyFormat f) { return cache::format_name(f); }
+const char* lname(LatentFormat f) { return format_name(f); }
+const char* kname(IndexKeyFormat f) { return format_name(f); }
 
 TEST(GpuPaged, WritesBitExact) {
   need_gpu();
@@ -306,10 +303,11 @@ TEST(GpuPaged, MlaDecode) {
       auto dout = poisoned<uint16_t>(ref.size());
       cuda::mla_decode_paged(lt, d, dq.p(), dkvb.p(), cache, bt, ws.data(), dout.p(), nullptr);
       sync();
+      // The tensor-core decode rounds q̃ and p to bf16 for the MMA (paged.h): relative L2 ≲ 3e-3, bound 1e-2.
       check_bf16("mla_decode_paged",
                  fmt::format("{} latent {} Hm={} B={} keys<={}{}", c.what, lname(lf), d.Hm, B, max_keys,
                              c.Ksel ? " sel" : ""),
-                 dout.get(), ref, {2e-3, 2 * kBf16Ulp, 5e-3});
+                 dout.get(), ref, {2e-3, 2 * kBf16Ulp, 1e-2});
     }
   }
 }

@@ -47,6 +47,23 @@ TEST(CacheLayout, FullModelBytes) {
   EXPECT_EQ(small.latent_bytes_per_token, 656);
   EXPECT_EQ(small.index_key_bytes_per_token, 68);
   EXPECT_EQ(small.kda_recurrent_bytes, 3 << 20);
+  // BF16 keys: the exact reference format, 2·Di.
+  EXPECT_EQ(CacheLayout::from_config(t, {128, LatentFormat::bf16, IndexKeyFormat::bf16}).index_key_bytes_per_token, 256);
+  // Index keys live in 64-token kernel pages; a page of P tokens with P % 64 != 0 is one kernel page.
+  EXPECT_EQ(index_key_kernel_page(128), 64);
+  EXPECT_EQ(index_key_kernel_page(16), 16);
+}
+
+TEST(CacheFormats, ParsesCliSpellings) {
+  EXPECT_EQ(parse_latent_format("fp8"), LatentFormat::fp8);
+  EXPECT_EQ(parse_index_key_format("mxfp4"), IndexKeyFormat::mxfp4);
+  EXPECT_EQ(parse_kda_state_dtype("float16"), KdaStateDtype::f16);
+  EXPECT_THROW(parse_latent_format("fp4"), Error);
+  EXPECT_THROW(parse_index_key_format("f16"), Error);
+  EXPECT_THROW(parse_kda_state_dtype("bf16"), Error);
+  EXPECT_STREQ(format_name(IndexKeyFormat::bf16), "bf16");
+  EXPECT_STREQ(format_name(LatentFormat::fp8), "fp8");
+  EXPECT_STREQ(format_name(KdaStateDtype::f32), "f32");
 }
 
 TEST(CacheLayout, RejectsBadFormats) {

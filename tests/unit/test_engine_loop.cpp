@@ -1,14 +1,16 @@
 // The engine loop on the nano checkpoint: a mixed batch (different lengths, staggered arrivals,
 // chunked prefill forced by a small token budget, preemption forced by a small page pool) gives
 // every request exactly the tokens it gets alone, greedy and seeded; a prefix-cache hit gives the
-// same logits as a cold run and skips prefill work (counted); never-fitting requests are refused;
-// cancel, stop tokens and stop strings across token boundaries end requests as documented.
+// same logits as a cold run and skips prefill work (counted); requests beyond max_model_len, malformed
+// ones and those beyond the waiting queue are refused; cancel and stop tokens end requests as
+// request.h documents, and a consumer's text stream ends one at a stop string across tokens.
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <map>
+#include <optional>
 #include <mutex>
 #include <random>
 #include <string>
@@ -21,15 +23,13 @@
 #include "core/check.h"
 #include "nano_checkpoint.h"
 #include "runtime/engine.h"
+#include "tokenizer/text_stream.h"
 
 namespace kestrel {
 namespace {
 
 using runtime::Engine;
 using runtime::EngineConfig;
-using runtime::FinishReason;
-using runtime::GenerateRequest;
-using runtime::TokenEvent;
 
 // Collects each request's events; waits on progress from the test thread.
 class Collector {
@@ -40,17 +40,29 @@ class Collector {
     FinishReason reason = FinishReason::none;
     int finals = 0;
     std::map<int64_t, std::vector<float>> logits;  // position → row (on_logits)
+    std::optional<tok::TextStream> stream;
   };
-  runtime::EventCallback callback(int key) {
-    return [this, key](const TokenEvent& ev) {
+  // `text`: feed a text stream as `kestrel generate` does, cancelling the request at a stop string.
+  TokenSink callback(int key, Engine* text_engine = nullptr, const tok::Tokenizer* tk = nullptr,
+                     std::vector<std::string> stop = {}) {
+    if (tk) {
+      std::lock_guard<std::mutex> lk(mu_);
+      out_[key].stream = tok::TextStream::plain(*tk, std::move(stop));
+    }
+    return [this, key, text_engine](TokenEvent&& ev) {
       std::lock_guard<std::mutex> lk(mu_);
       Out& o = out_[key];
       if (ev.token >= 0) {
         EXPECT_EQ(ev.index, int32_t(o.tokens.size()));
         o.tokens.push_back(ev.token);
+        if (o.stream && ev.finish != FinishReason::stop) {
+          o.text += o.stream->push(tok::TokenId(ev.token)).content;
+          if (o.stream->stop_matched()) text_engine->cancel(ev.id);
+        }
       }
-      o.text += ev.text;
-      if (ev.finished) o.reason = ev.reason, ++o.finals;
+      if (o.stream && (ev.finish == FinishReason::stop || ev.finish == FinishReason::length))
+        o.text += o.stream->finish(ev.finish == FinishReason::length ? tok::FinishCause::kLength : tok::FinishCause::kStop).content;
+      if (ev.finished()) o.reason = ev.finish, ++o.finals;
       cv_.notify_all();
     };
   }
@@ -96,8 +108,8 @@ struct Case {
   bool sampled;  // temperature 0.8, top-k 50, seed = index
 };
 
-GenerateRequest make_request(const Case& c, int i) {
-  GenerateRequest r;
+Request make_request(const Case& c, int i) {
+  Request r;
   r.prompt = c.prompt;
   r.max_tokens = c.max_tokens;
   r.ignore_eos = true;  // fixed lengths: the comparison covers every token
@@ -154,7 +166,7 @@ TEST(EngineLoop, MixedBatchGivesEachRequestItsSoloTokens) {
     EXPECT_EQ(o.finals, 1);
     EXPECT_EQ(o.reason, FinishReason::length);
   }
-  const runtime::EngineStats st = e.stats();
+  const EngineStats st = e.stats();
   fmt::print("mixed batch: {} steps, {} preemptions, {} positions computed for {} prompt + {} generated tokens\n",
              st.steps, st.preemptions, st.tokens_forwarded, st.prompt_tokens, st.generation_tokens);
   EXPECT_GT(st.preemptions, 0) << "the small page pool was meant to force preemption";
@@ -176,12 +188,12 @@ TEST(EngineLoop, PrefixHitGivesColdLogitsAndSkipsPrefill) {
     cfg.memory_budget = 16 << 20;
     Engine e(nano().w, nano().cfg, cfg);
     Collector col;
-    GenerateRequest a;
+    Request a;
     a.prompt = first, a.max_tokens = 3;
     e.submit(a, col.callback(0));
     e.wait_idle();
     const int64_t before = e.stats().tokens_forwarded;
-    GenerateRequest b;
+    Request b;
     b.prompt = second, b.max_tokens = 4, b.on_logits = col.logits_sink(1);
     e.submit(b, col.callback(1));
     e.wait_idle();
@@ -206,7 +218,7 @@ TEST(EngineLoop, PrefixHitGivesColdLogitsAndSkipsPrefill) {
   }
 }
 
-TEST(EngineLoop, RefusesRequestsThatCanNeverFit) {
+TEST(EngineLoop, RefusesWhatCanNeverRunAndBeyondTheQueue) {
   EngineConfig cfg;
   cfg.formats.block_size = 16;
   cfg.max_running = 2;
@@ -214,32 +226,61 @@ TEST(EngineLoop, RefusesRequestsThatCanNeverFit) {
   cfg.memory_budget = budget_for(cfg.formats, 2, 4);  // 64 tokens
   Engine e(nano().w, nano().cfg, cfg);
   EXPECT_EQ(e.memory_plan().longest_request, 64);
-  GenerateRequest r;
+  EXPECT_EQ(e.max_model_len(), 64);  // nano's context is far longer: the plan caps it
+  Request r;
   r.prompt = random_prompt(60, 1);
-  r.max_tokens = 10;  // 69 positions > 64
+  r.max_tokens = 10;  // 70 tokens > 64
   Collector col;
   try {
     e.submit(r, col.callback(0));
     ADD_FAILURE() << "accepted a request that can never fit";
-  } catch (const Error& err) {
-    EXPECT_NE(std::string(err.what()).find("can never run"), std::string::npos) << err.what();
-    EXPECT_NE(std::string(err.what()).find("longest single request 64 tokens"), std::string::npos) << err.what();
+  } catch (const RequestError& err) {
+    EXPECT_EQ(err.field, "max_tokens");
+    EXPECT_NE(std::string(err.what()).find("maximum context length is 64 tokens"), std::string::npos) << err.what();
   }
-  r.max_tokens = 5;  // 64 positions: fits exactly
-  e.submit(r, col.callback(1));
+  r.max_tokens = 4;  // 64 tokens: fits exactly
+  EXPECT_TRUE(e.submit(r, col.callback(1)).accepted());
   e.wait_idle();
-  EXPECT_EQ(col.get(1).tokens.size(), 5u);
-  // A budget that cannot hold the slots is refused at start-up.
-  cfg.memory_budget = 1000;
-  EXPECT_THROW(Engine(nano().w, nano().cfg, cfg), Error);
+  EXPECT_EQ(col.get(1).tokens.size(), 4u);
+  // A budget that cannot hold the slots, or a max_model_len beyond the plan, is refused at start-up.
+  EngineConfig small = cfg;
+  small.memory_budget = 1000;
+  EXPECT_THROW(Engine(nano().w, nano().cfg, small), Error);
+  EngineConfig longer = cfg;
+  longer.max_model_len = 65;
+  EXPECT_THROW(Engine(nano().w, nano().cfg, longer), Error);
   // Malformed requests.
-  GenerateRequest bad;
+  Request bad;
   bad.prompt = {5000};
-  EXPECT_THROW(e.submit(bad, col.callback(2)), Error);
+  EXPECT_THROW(e.submit(bad, col.callback(2)), RequestError);
   bad.prompt = {1}, bad.sampling.top_p = 0.0f;
-  EXPECT_THROW(e.submit(bad, col.callback(2)), Error);
-  bad.sampling.top_p = 1.0f, bad.stop = {"x"};  // no tokenizer
-  EXPECT_THROW(e.submit(bad, col.callback(2)), Error);
+  EXPECT_THROW(e.submit(bad, col.callback(2)), RequestError);
+  EXPECT_EQ(e.stats().waiting + e.stats().running, 0);
+
+  // The waiting queue: one running, one waiting, the third is refused (queue_full), not queued.
+  EngineConfig q = cfg;
+  q.max_running = 1;
+  q.max_queue = 1;
+  q.memory_budget = 16 << 20;
+  Engine eq(nano().w, nano().cfg, q);
+  Request longr;
+  longr.prompt = random_prompt(8, 2), longr.max_tokens = 1000, longr.ignore_eos = true;
+  const Submission first = eq.submit(longr, col.callback(3));
+  ASSERT_TRUE(first.accepted());
+  col.wait_tokens(3, 1);  // running now, so the queue is empty
+  Request shortr;
+  shortr.prompt = random_prompt(8, 3), shortr.max_tokens = 2, shortr.ignore_eos = true;
+  EXPECT_EQ(eq.submit(shortr, col.callback(4)).status, SubmitStatus::accepted);
+  EXPECT_EQ(eq.submit(shortr, col.callback(5)).status, SubmitStatus::queue_full);
+  eq.cancel(first.id);
+  eq.wait_idle();
+  EXPECT_EQ(col.get(3).reason, FinishReason::cancelled);
+  EXPECT_EQ(col.get(4).tokens.size(), 2u);
+  EXPECT_EQ(col.get(5).finals, 0);
+  // After shutdown nothing is accepted.
+  eq.shutdown();
+  EXPECT_FALSE(eq.ready());
+  EXPECT_EQ(eq.submit(shortr, col.callback(6)).status, SubmitStatus::not_ready);
 }
 
 TEST(EngineLoop, CancelAndStopTokens) {
@@ -248,43 +289,55 @@ TEST(EngineLoop, CancelAndStopTokens) {
   cfg.max_running = 2;
   Engine e(nano().w, nano().cfg, cfg);
   Collector col;
-  GenerateRequest r;
+  Request r;
   r.prompt = random_prompt(20, 3);
   r.max_tokens = 30000;  // fits the pool, far more than the test waits for
   r.ignore_eos = true;
-  const auto id = e.submit(r, col.callback(0));
+  const auto id = e.submit(r, col.callback(0)).id;
   col.wait_tokens(0, 2);
   EXPECT_TRUE(e.cancel(id));
   e.wait_idle();
   EXPECT_EQ(col.get(0).reason, FinishReason::cancelled);
   EXPECT_EQ(col.get(0).finals, 1);
   EXPECT_LT(col.get(0).tokens.size(), 30000u);
-  // Stop token: the greedy run's 4th token as a stop id ends the request there.
-  GenerateRequest g;
+  EXPECT_FALSE(e.cancel(id));  // finished: a no-op
+  // Stop token: the greedy run's 4th token as a stop id ends the request there (or an end-of-sequence
+  // id earlier, since ignore_eos is off).
+  Request g;
   g.prompt = random_prompt(20, 4), g.max_tokens = 8, g.ignore_eos = true;
   e.submit(g, col.callback(1));
   e.wait_idle();
   const auto full = col.get(1).tokens;
   ASSERT_EQ(full.size(), 8u);
+  const int32_t eos = nano().cfg.text.eos_token_id;
   size_t first = 0;
-  while (first < 3 && full[first] != full[3]) ++first;  // the stop id may occur earlier
+  while (first < 3 && full[first] != full[3] && full[first] != eos) ++first;
+  g.ignore_eos = false;
   g.stop_token_ids = {full[3]};
   e.submit(g, col.callback(2));
   e.wait_idle();
   EXPECT_EQ(col.get(2).reason, FinishReason::stop);
   EXPECT_EQ(col.get(2).tokens, std::vector<int32_t>(full.begin(), full.begin() + std::ptrdiff_t(first) + 1));
+  // ignore_eos turns every stop id off, the request's own included (request.h).
+  g.ignore_eos = true;
+  e.submit(g, col.callback(3));
+  e.wait_idle();
+  EXPECT_EQ(col.get(3).reason, FinishReason::length);
+  EXPECT_EQ(col.get(3).tokens, full);
 }
 
-TEST(EngineLoop, StopStringAcrossTokenBoundary) {
+// A stop string is the consumer's: its text stream (as in `kestrel generate`) matches across token
+// boundaries and cancels the request, which then ends at the token that completed the match.
+TEST(EngineLoop, StopStringAcrossTokenBoundaryEndsThroughTheTextStream) {
   const tok::Tokenizer& tk = *nano().tok;
   EngineConfig cfg;
   cfg.memory_budget = 16 << 20;
   cfg.max_running = 1;
-  Engine e(nano().w, nano().cfg, cfg, &tk);
+  Engine e(nano().w, nano().cfg, cfg);
   Collector col;
-  GenerateRequest g;
+  Request g;
   g.prompt = random_prompt(12, 5), g.max_tokens = 24, g.ignore_eos = true;
-  e.submit(g, col.callback(0));
+  e.submit(g, col.callback(0, &e, &tk));
   e.wait_idle();
   const auto full = col.get(0);
   // Text of each token as the stream decoder releases it; find two neighbours with text.
@@ -302,15 +355,15 @@ TEST(EngineLoop, StopStringAcrossTokenBoundary) {
   size_t end_tok = 0, len = 0;
   while (len < at + stop.size()) len += piece[end_tok++].size();
   g.stop = {stop};
-  e.submit(g, col.callback(1));
+  e.submit(g, col.callback(1, &e, &tk, g.stop));
   e.wait_idle();
   const auto cut = col.get(1);
-  EXPECT_EQ(cut.reason, FinishReason::stop);
+  EXPECT_EQ(cut.reason, FinishReason::cancelled);  // the engine's view; the text stream says "stop"
+  EXPECT_EQ(cut.finals, 1);
   EXPECT_EQ(cut.text, all.substr(0, at)) << "stop string '" << stop << "'";
   EXPECT_EQ(cut.tokens, std::vector<int32_t>(full.tokens.begin(), full.tokens.begin() + std::ptrdiff_t(end_tok)));
   EXPECT_EQ(full.text.substr(0, at), cut.text);
 }
-
 
 // MODEL.md §0.4 allows the KDA recurrent state in FP16 (half the slot bytes). The engine keeps the state
 // in FP16 between steps and widens it to FP32 inside each step, so the error is one FP16 rounding of S per
@@ -338,7 +391,7 @@ TEST(EngineLoop, Fp16KdaStateStaysCloseToF32AndHalvesTheState) {
     Engine e(nano().w, nano().cfg, cfg);
     Collector col;
     for (int i = 0; i < 3; ++i) {
-      GenerateRequest r;
+      Request r;
       r.prompt = random_prompt(lens[i], 40 + uint32_t(i));
       r.max_tokens = 12;
       r.ignore_eos = true;

@@ -1,5 +1,6 @@
 // Scheduler policy, one rule per test: decode before prefill, the token budget, chunked prefill,
-// admission gated by pages and by state slots, rejection of requests that can never fit,
+// admission gated by pages and by state slots, rejection of requests that can never fit (request
+// validity itself is validate()'s, test_request.cpp),
 // cancellation (immediate, and deferred while a step is in flight), preemption by recompute,
 // prefix hits that skip prefill, and complete() refusing a result that does not match its plan.
 #include <gtest/gtest.h>
@@ -21,9 +22,8 @@ cache::CacheConfig cache_config(int32_t pages, int32_t slots, int block = 16) {
   return c;
 }
 
-Request request(RequestId id, int n, int32_t max_tokens, int32_t first = 1) {
+Request request(int n, int32_t max_tokens, int32_t first = 1) {
   Request r;
-  r.id = id;
   r.prompt.resize(size_t(n));
   std::iota(r.prompt.begin(), r.prompt.end(), first);
   r.max_tokens = max_tokens;
@@ -53,9 +53,9 @@ SchedulerConfig sched_config(int32_t budget, int32_t seqs = 8) {
 
 TEST(SchedPolicy, DecodeBeforePrefill) {
   Harness h(sched_config(64), cache_config(32, 4));
-  h.s.submit(request(1, 10, 5));
+  h.s.submit(1, request(10, 5));
   h.step();  // request 1 prefilled, now decoding
-  h.s.submit(request(2, 40, 5));
+  h.s.submit(2, request(40, 5));
   StepPlan p = h.step();
   ASSERT_EQ(p.decodes.size(), 1u);
   EXPECT_EQ(p.decodes[0].id, 1u);
@@ -64,9 +64,9 @@ TEST(SchedPolicy, DecodeBeforePrefill) {
   EXPECT_EQ(p.prefills[0].id, 2u);
   // With a budget of one token, the decode takes it and the prefill waits.
   Harness tight(sched_config(1), cache_config(32, 4));
-  tight.s.submit(request(1, 1, 5));
+  tight.s.submit(1, request(1, 5));
   tight.step();
-  tight.s.submit(request(2, 8, 5));
+  tight.s.submit(2, request(8, 5));
   p = tight.step();
   EXPECT_EQ(p.decodes.size(), 1u);
   EXPECT_TRUE(p.prefills.empty());
@@ -74,7 +74,7 @@ TEST(SchedPolicy, DecodeBeforePrefill) {
 
 TEST(SchedPolicy, TokenBudgetAndSeqLimitRespected) {
   Harness h(sched_config(20, 3), cache_config(64, 8));
-  for (RequestId id = 1; id <= 6; ++id) h.s.submit(request(id, 9, 4, int32_t(100 * id)));
+  for (RequestId id = 1; id <= 6; ++id) h.s.submit(id, request(9, 4, int32_t(100 * id)));
   for (int i = 0; i < 30 && !h.s.idle(); ++i) {
     const StepPlan p = h.step();
     EXPECT_LE(p.num_tokens, 20);
@@ -86,7 +86,7 @@ TEST(SchedPolicy, TokenBudgetAndSeqLimitRespected) {
 
 TEST(SchedPolicy, ChunkedPrefillSplitsALongPrompt) {
   Harness h(sched_config(32), cache_config(32, 4));
-  h.s.submit(request(1, 100, 2));
+  h.s.submit(1, request(100, 2));
   std::vector<std::pair<int64_t, int64_t>> chunks;
   std::vector<bool> sampled;
   for (int i = 0; i < 4; ++i) {
@@ -106,8 +106,8 @@ TEST(SchedPolicy, ChunkedPrefillSplitsALongPrompt) {
 
 TEST(SchedPolicy, AdmissionWaitsForPages) {
   Harness h(sched_config(256), cache_config(8, 4));  // 128 tokens
-  h.s.submit(request(1, 100, 10));     // first chunk [0, 96): 6 pages, 2 left
-  h.s.submit(request(2, 50, 1, 500));  // first chunk [0, 48): 3 pages, must wait
+  h.s.submit(1, request(100, 10));     // first chunk [0, 96): 6 pages, 2 left
+  h.s.submit(2, request(50, 1, 500));  // first chunk [0, 48): 3 pages, must wait
   StepPlan p = h.step();
   EXPECT_EQ(p.prefills.size(), 1u);
   EXPECT_EQ(h.s.num_waiting(), 1u);
@@ -121,8 +121,8 @@ TEST(SchedPolicy, AdmissionWaitsForStateSlots) {
   cache::CacheConfig cc = cache_config(64, 1);
   cc.enable_prefix_cache = false;
   Harness h(sched_config(256), cc);
-  h.s.submit(request(1, 10, 3));
-  h.s.submit(request(2, 10, 3, 50));
+  h.s.submit(1, request(10, 3));
+  h.s.submit(2, request(10, 3, 50));
   StepPlan p = h.step();
   ASSERT_EQ(p.prefills.size(), 1u);
   EXPECT_EQ(h.s.num_waiting(), 1u);
@@ -137,18 +137,15 @@ TEST(SchedPolicy, AdmissionWaitsForStateSlots) {
 TEST(SchedPolicy, RejectsWhatCanNeverFit) {
   Scheduler s(sched_config(64), cache_config(4, 2));  // 64 tokens
   try {
-    s.submit(request(1, 60, 10));
+    s.submit(1, request(60, 10));
     FAIL() << "accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("can never run"), std::string::npos) << e.what();
   }
-  s.submit(request(2, 60, 5));  // 64 positions exactly
-  EXPECT_THROW(s.submit(request(2, 4, 1)), Error);  // duplicate id
-  EXPECT_THROW(s.submit(request(3, 0, 1)), Error);
-  EXPECT_THROW(s.submit(request(4, 4, 0)), Error);
-  Request bad = request(5, 4, 1);
-  bad.media = {{2, 9, 1}};
-  EXPECT_THROW(s.submit(bad), Error);
+  s.submit(2, request(60, 5));  // 64 positions exactly
+  EXPECT_THROW(s.submit(2, request(4, 1)), Error);  // duplicate id
+  EXPECT_THROW(s.submit(3, request(0, 1)), Error);
+  EXPECT_THROW(s.submit(4, request(4, 0)), Error);
   s.check_integrity();
 }
 
@@ -156,8 +153,8 @@ TEST(SchedPolicy, CancelFreesEverythingAtOnce) {
   cache::CacheConfig cc = cache_config(16, 4);
   cc.enable_prefix_cache = false;
   Harness h(sched_config(64), cc);
-  h.s.submit(request(1, 50, 20));
-  h.s.submit(request(2, 5, 20, 70));
+  h.s.submit(1, request(50, 20));
+  h.s.submit(2, request(5, 20, 70));
   h.step();
   EXPECT_LT(h.s.cache().pages().num_free(), 16);
   EXPECT_TRUE(h.s.cancel(1));
@@ -176,7 +173,7 @@ TEST(SchedPolicy, CancelFreesEverythingAtOnce) {
 
 TEST(SchedPolicy, CancelDuringAStepIsDeferred) {
   Harness h(sched_config(64), cache_config(16, 4));
-  h.s.submit(request(1, 20, 20));
+  h.s.submit(1, request(20, 20));
   const StepPlan p = h.s.schedule();
   EXPECT_TRUE(h.s.cancel(1));
   EXPECT_LT(h.s.cache().pages().num_free(), 16);  // the step still reads them
@@ -191,8 +188,8 @@ TEST(SchedPolicy, CancelDuringAStepIsDeferred) {
 TEST(SchedPolicy, PreemptionByRecomputeKeepsOutput) {
   cache::CacheConfig cc = cache_config(6, 4, 8);  // 48 tokens for two requests of up to 40
   Harness h(sched_config(64), cc);
-  const Request a = request(1, 10, 30), b = request(2, 10, 30, 300);
-  h.s.submit(a), h.s.submit(b);
+  const Request a = request(10, 30), b = request(10, 30, 300);
+  h.s.submit(1, a), h.s.submit(2, b);
   std::vector<FinishedRequest> done;
   bool saw_preempt = false;
   for (int i = 0; i < 200 && !h.s.idle(); ++i) {
@@ -213,13 +210,11 @@ TEST(SchedPolicy, PreemptionByRecomputeKeepsOutput) {
 
 TEST(SchedPrefix, HitSkipsPrefillAndRestoresState) {
   Harness h(sched_config(256), cache_config(32, 6));
-  const Request a = request(1, 70, 3);
-  h.s.submit(a);
+  const Request a = request(70, 3);
+  h.s.submit(1, a);
   while (!h.s.idle()) h.step();
   const auto first = h.s.drain_finished();
-  Request b = a;
-  b.id = 2;
-  h.s.submit(b);
+  h.s.submit(2, a);
   const StepPlan p = h.s.schedule();
   ASSERT_EQ(p.prefills.size(), 1u);
   EXPECT_EQ(p.prefills[0].start, 64);  // 4 cached blocks with a checkpoint at 64
@@ -236,7 +231,7 @@ TEST(SchedPrefix, HitSkipsPrefillAndRestoresState) {
 
 TEST(SchedPolicy, CompleteRejectsMismatchedResults) {
   Harness h(sched_config(64), cache_config(16, 4));
-  h.s.submit(request(1, 5, 4));
+  h.s.submit(1, request(5, 4));
   EXPECT_THROW(h.s.complete(StepPlan{}, {}), Error);  // nothing in flight
   const StepPlan p = h.s.schedule();
   EXPECT_THROW(h.s.schedule(), Error);                 // one step at a time

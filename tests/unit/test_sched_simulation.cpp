@@ -19,7 +19,7 @@ namespace {
 
 struct SimTotals {
   int64_t steps = 0, completed = 0, cancelled = 0, rejected = 0;
-  SchedulerStats stats;
+  EngineStats stats;
 };
 
 SimTotals simulate(uint64_t seed, int64_t steps, int hash_bits = 64) {
@@ -73,7 +73,7 @@ SimTotals simulate(uint64_t seed, int64_t steps, int hash_bits = 64) {
     const bool arrivals = step < steps;
     if (arrivals && chance(0.12)) {
       Request r;
-      r.id = next_id++;
+      const RequestId id = next_id++;
       if (!past_prompts.empty() && chance(0.15)) {
         r.prompt = past_prompts[size_t(uniform(0, int64_t(past_prompts.size()) - 1))];
       } else {
@@ -84,12 +84,12 @@ SimTotals simulate(uint64_t seed, int64_t steps, int hash_bits = 64) {
       r.max_tokens = int32_t(uniform(1, 80));
       if (chance(0.01)) r.max_tokens = 600;  // can never fit
       try {
-        s.submit(r);
+        s.submit(id, r);
         past_prompts.push_back(r.prompt);
-        live.emplace(r.id, r);
+        live.emplace(id, r);
       } catch (const Error&) {
         KCHECK(r.prompt.size() + size_t(r.max_tokens) - 1 > size_t(cc.num_pages * cc.block_size),
-               "request {} rejected although it fits", r.id);
+               "request {} rejected although it fits", id);
         ++tot.rejected;
       }
     }

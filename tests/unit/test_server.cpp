@@ -1,7 +1,7 @@
-// Server tests without a model: the OpenAI protocol pieces (parameter validation, stop strings,
-// per-choice shaping of parser output into deltas) and the whole HTTP server in-process over a
-// fake engine whose greedy output is a fixed script, checked through raw sockets: SSE framing and
-// chunk shapes, tool-call deltas, usage, errors, authentication, /health and /metrics.
+// Server tests without weights: the OpenAI protocol pieces (parameter parsing and validation, per-choice
+// shaping of text-stream output into deltas) and the whole HTTP server in-process over the real
+// engine with a fake executor whose greedy output is a fixed script, checked through raw sockets:
+// SSE framing and chunk shapes, tool-call deltas, usage, errors, authentication, /health and /metrics.
 #include <gtest/gtest.h>
 
 #include <utility>
@@ -9,12 +9,16 @@
 #include <boost/asio.hpp>
 #include <nlohmann/json.hpp>
 
+#include <cstdlib>
+#include <stdexcept>
 #include <thread>
 
-#include "server/backends.h"
+#include "loader/config.h"
+#include "runtime/engine.h"
+#include "runtime/fake_executor.h"
 #include "server/http_server.h"
-#include "server/loop_engine.h"
 #include "server/openai.h"
+#include "tokenizer/parser.h"
 
 using namespace kestrel;
 using namespace kestrel::server;
@@ -40,47 +44,53 @@ int status_of(const std::function<void()>& f) {
     f();
   } catch (const ApiError& e) {
     return e.status;
+  } catch (const RequestError& e) {
+    return api_error(e, Api::kChat).status;
   }
   return 0;
 }
 
 }  // namespace
 
-TEST(ServerStop, HoldsBackPrefixesAndCutsAtTheMatch) {
-  StopMatcher m({"STOP", "xy"});
-  EXPECT_EQ(m.push("abc S"), "abc ");
-  EXPECT_EQ(m.push("T"), "");
-  EXPECT_EQ(m.push("O!"), "STO!");  // not a stop after all: released
-  EXPECT_EQ(m.push("fooST"), "foo");
-  EXPECT_EQ(m.push("OP tail"), "");
-  EXPECT_TRUE(m.matched());
-  EXPECT_EQ(m.push("more"), "");
-  EXPECT_EQ(m.flush(), "");
-  StopMatcher n({"zz"});
-  EXPECT_EQ(n.push("az"), "a");
-  EXPECT_EQ(n.flush(), "z");
-}
-
 TEST(ServerParams, TypesAndRanges) {
   auto chat = [](json j) { return parse_gen_params(ojson::parse(j.dump()), Api::kChat); };
+  // Parsed, then validated as the engine does at submit (ranges are validate()'s).
+  auto submit = [&](json j) {
+    GenParams g = chat(j);
+    Request r = g.request;
+    r.prompt = {1, 2};
+    if (g.max_tokens) r.max_tokens = *g.max_tokens;
+    validate(r, RequestLimits{1024, 4096, {}});
+  };
   GenParams g = chat({{"temperature", 0}, {"top_k", -1}, {"max_completion_tokens", 7}, {"max_tokens", 3},
                       {"stop", "x"}, {"seed", -5}, {"logprobs", true}, {"top_logprobs", 2}, {"n", 2}});
-  EXPECT_EQ(g.sampling.temperature, 0.0f);
-  EXPECT_EQ(g.sampling.top_k, 0);
+  EXPECT_EQ(g.request.sampling.temperature, 0.0f);
+  EXPECT_EQ(g.request.sampling.top_k, 0);
+  EXPECT_EQ(g.request.sampling.seed, uint64_t(-5));
   EXPECT_EQ(*g.max_tokens, 7);
-  EXPECT_EQ(g.stop, std::vector<std::string>{"x"});
-  EXPECT_TRUE(g.sampling.logprobs);
-  EXPECT_EQ(g.top_logprobs, 2);
+  EXPECT_EQ(g.request.stop, std::vector<std::string>{"x"});
+  EXPECT_TRUE(g.logprobs());
+  EXPECT_EQ(g.request.sampling.logprobs, 2);
   EXPECT_EQ(g.n, 2);
+  EXPECT_EQ(chat(json::object()).request.sampling.temperature, 1.0f);  // OpenAI's default, not greedy
+  EXPECT_FALSE(chat(json::object()).logprobs());
+  EXPECT_EQ(status_of([&] { submit(json::object()); }), 0);
   for (json bad : {json{{"temperature", "hot"}}, json{{"temperature", 3}}, json{{"top_p", 0}}, json{{"n", 0}},
                    json{{"max_tokens", 1.5}}, json{{"max_tokens", 0}}, json{{"stream", "yes"}},
                    json{{"stop", json::array({1})}}, json{{"top_logprobs", 3}}, json{{"logprobs", 1}},
                    json{{"stream_options", {{"include_usage", true}}}}, json{{"seed", "1"}}, json{{"min_p", -1}},
-                   json{{"presence_penalty", 9}}, json{{"model", 3}}, json{{"stop_token_ids", json::array({-1})}}})
-    EXPECT_EQ(status_of([&] { chat(bad); }), 400) << bad.dump();
+                   json{{"presence_penalty", 9}}, json{{"model", 3}}, json{{"stop_token_ids", json::array({-1})}},
+                   json{{"top_k", -2}}, json{{"logprobs", true}, {"top_logprobs", 21}}, json{{"max_tokens", 5000}}})
+    EXPECT_EQ(status_of([&] { submit(bad); }), 400) << bad.dump();
+  // The field at fault is the OpenAI one.
+  try {
+    submit({{"logprobs", true}, {"top_logprobs", 21}});
+  } catch (const RequestError& e) {
+    EXPECT_EQ(api_error(e, Api::kChat).param, "top_logprobs");
+  }
   GenParams c = parse_gen_params(ojson::parse(R"({"logprobs": 3})"), Api::kCompletion);
-  EXPECT_TRUE(c.logprobs);
-  EXPECT_EQ(c.top_logprobs, 3);
+  EXPECT_TRUE(c.logprobs());
+  EXPECT_EQ(c.request.sampling.logprobs, 3);
   const json e = json::parse(error_body(404, "nope", "model"));
   EXPECT_EQ(e["error"]["message"], "nope");
   EXPECT_EQ(e["error"]["type"], "not_found_error");
@@ -90,13 +100,13 @@ TEST(ServerParams, TypesAndRanges) {
 
 namespace {
 // Feeds a script through a ChoiceStream as an engine would; the last token carries `fin`.
-std::vector<ChoiceStream::Delta> run_choice(ChoiceStream& c, const std::vector<int32_t>& script, Finish fin) {
+std::vector<ChoiceStream::Delta> run_choice(ChoiceStream& c, const std::vector<int32_t>& script, FinishReason fin) {
   std::vector<ChoiceStream::Delta> out;
   for (size_t i = 0; i < script.size() && !c.done(); ++i) {
     TokenEvent ev;
     ev.token = script[i];
     ev.prompt_tokens = i == 0 ? 5 : 0;
-    ev.finish = i + 1 == script.size() ? fin : Finish::kNone;
+    ev.finish = i + 1 == script.size() ? fin : FinishReason::none;
     out.push_back(c.on_event(ev));
   }
   return out;
@@ -109,7 +119,7 @@ TEST(ServerChoice, ReasoningContentAndToolCallDeltas) {
                           "argument key=\"city\" type=\"string\"" + S + "Paris" + C + "argument" + S + C + "call" + S +
                           C + "tools" + S + END);
   ChoiceStream c(Api::kChat, T(), /*thinking=*/true, {"get_weather"}, {}, /*logprobs=*/true);
-  auto deltas = run_choice(c, script, Finish::kStop);
+  auto deltas = run_choice(c, script, FinishReason::stop);
   ASSERT_TRUE(c.done());
   EXPECT_EQ(c.finish_reason(), "tool_calls");
   EXPECT_EQ(c.reasoning(), "Let me think.");
@@ -144,7 +154,7 @@ TEST(ServerChoice, ReasoningContentAndToolCallDeltas) {
 TEST(ServerChoice, StopStringEndsContentAndAsksForCancel) {
   const auto script = ids(O + "response" + S + "Hello STOP world, more text" + C + "response" + S + END);
   ChoiceStream c(Api::kChat, T(), /*thinking=*/false, {}, {"STOP"}, false);
-  auto deltas = run_choice(c, script, Finish::kStop);
+  auto deltas = run_choice(c, script, FinishReason::stop);
   EXPECT_TRUE(c.done());
   EXPECT_EQ(c.content(), "Hello ");
   EXPECT_EQ(c.finish_reason(), "stop");
@@ -157,7 +167,7 @@ TEST(ServerChoice, StopStringEndsContentAndAsksForCancel) {
 TEST(ServerChoice, CompletionTextAndLength) {
   const auto script = ids("abc def");
   ChoiceStream c(Api::kCompletion, T(), false, {}, {}, false);
-  run_choice(c, script, Finish::kLength);
+  run_choice(c, script, FinishReason::length);
   EXPECT_EQ(c.content(), "abc def");
   EXPECT_EQ(c.finish_reason(), "length");
 }
@@ -169,14 +179,29 @@ namespace {
 namespace net = boost::asio;
 using tcp = net::ip::tcp;
 
+std::string nano_dir() {
+  const char* d = std::getenv("KESTREL_NANO_DIR");
+  if (!d) throw std::runtime_error("KESTREL_NANO_DIR is not set");
+  return d;
+}
+
+// The server over the real engine with a fake executor: nano's cache shapes (bookkeeping only), the
+// test tokenizer's vocabulary and end-of-turn ids, greedy output = the script.
 struct Running {
   explicit Running(std::vector<int32_t> script, std::string api_key = {}) {
-    FakeBackendOptions f;
-    f.vocab_size = int64_t(T().vocab_size());
-    f.context_len = 2048;
+    cfg = load_config(nano_dir());
+    cfg.text.vocab_size = int(T().vocab_size());
+    runtime::EngineConfig ec;
+    ec.max_running = 4;
+    ec.max_queue = 8;
+    ec.formats.block_size = 16;
+    ec.memory_budget = int64_t(256) << 20;
+    ec.max_model_len = 2048;
+    for (tok::TokenId id : tok::end_of_turn_ids(T())) ec.eos_token_ids.push_back(int32_t(id));
+    runtime::FakeExecutorOptions f;
     f.script = std::move(script);
-    engine = std::make_unique<LoopEngine>(std::make_unique<FakeBackend>(f), LoopEngineOptions{0, 4, 8, 16});
-    EXPECT_TRUE(engine->wait_loaded());
+    ec.make_executor = runtime::fake_executor_factory(cfg.text.vocab_size, f);
+    engine = std::make_unique<runtime::Engine>(cfg, ec);
     ServerOptions so;
     so.port = 0;
     so.api_key = std::move(api_key);
@@ -193,7 +218,8 @@ struct Running {
     engine->shutdown();
     server.reset();
   }
-  std::unique_ptr<LoopEngine> engine;
+  ModelConfig cfg;
+  std::unique_ptr<runtime::Engine> engine;
   std::unique_ptr<Server> server;
   uint16_t port = 0;
   std::thread thread;
@@ -322,4 +348,10 @@ TEST(ServerHttp, NonStreamingCompletionAndErrors) {
   EXPECT_NE(m.find("vllm:num_requests_running{model_name=\"m\"} 0"), std::string::npos) << m;
   EXPECT_NE(m.find("vllm:generation_tokens_total{model_name=\"m\"} 3"), std::string::npos) << m;
   EXPECT_NE(m.find("vllm:request_success_total{model_name=\"m\",finished_reason=\"length\"} 1"), std::string::npos) << m;
+  // n = 16 choices against 4 running + 8 waiting: the 13th is refused, the 12 before it are cancelled,
+  // and their late events touch nothing; the server goes on answering.
+  EXPECT_EQ(status(raw(r.port, request("POST", "/v1/completions", R"({"prompt": "x", "n": 16, "max_tokens": 3})", auth))), 429);
+  resp = raw(r.port, request("POST", "/v1/completions", req.dump(), auth));
+  EXPECT_EQ(status(resp), 200) << resp;
+  EXPECT_EQ(json::parse(body_of(resp))["usage"]["completion_tokens"], 3);
 }

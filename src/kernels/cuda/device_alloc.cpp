@@ -11,7 +11,10 @@ namespace kestrel::cuda {
 
 size_t CachingAllocator::round_size(size_t n) {
   if (n == 0) n = 1;
-  const size_t g = n < (size_t(1) << 20) ? 512 : (size_t(2) << 20);
+  if (n <= (size_t(64) << 10)) return (n + 511) / 512 * 512;
+  // 8 classes per octave: step = 2^(floor(log2 n) − 3).
+  int e = 63 - __builtin_clzll(uint64_t(n));
+  const size_t g = size_t(1) << (e - 3);
   return (n + g - 1) / g * g;
 }
 
@@ -21,10 +24,11 @@ CachingAllocator::~CachingAllocator() {
 }
 
 void* CachingAllocator::alloc(size_t nbytes) {
-  const size_t n = round_size(nbytes);
-  auto it = free_.find(n);
+  size_t n = round_size(nbytes);
+  auto it = free_.lower_bound(n);  // the smallest cached block that fits, if it is at most twice the class
   void* p = nullptr;
-  if (it != free_.end()) {
+  if (it != free_.end() && it->first <= 2 * n) {
+    n = it->first;
     p = it->second;
     free_.erase(it);
   } else {

@@ -6,7 +6,7 @@
 //   in registers (Dk floats, compile-time indexed), so every state element is read and written once
 //   per launch and the reads are coalesced across the warp (row i of S is contiguous in j).
 // - decode scan: see the comment at decode_kernel.
-// - chunked scan: kda_chunked.cu.
+// - chunked scan: kda_chunked.cu; the fused decode chain (steps 2–7 in one launch): kda_decode_fused.cu.
 #include <cuda_fp16.h>
 
 #include "kernels/cuda/cuda_check.h"
@@ -17,7 +17,10 @@
 namespace kestrel::cuda {
 namespace {
 
-constexpr int kMaxConvW = 8;
+using kda_detail::kMaxConvW;
+using kda_detail::load4;
+using kda_detail::store4;
+using kda_detail::store4_cs;
 
 __device__ __forceinline__ float silu(float x) { return x * dev::sigmoid(x); }
 
@@ -162,36 +165,6 @@ __global__ void __launch_bounds__(DK) recurrent_kernel(const float* __restrict__
 // next item's slice into shared memory (cp.async) before it computes the current item, so the state reads of
 // the whole batch stay in flight (the bandwidth form: the one-item-per-block kernel only has reads in flight
 // at the start of each block, which left the FP16 pool at ~2.8 TB/s). Both call decode_tokens: identical bits.
-__device__ __forceinline__ void load4(const float* p, float (&x)[4]) {
-  const float4 v = *reinterpret_cast<const float4*>(p);
-  x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
-}
-__device__ __forceinline__ void load4(const uint16_t* p, float (&x)[4]) {
-  const uint2 v = *reinterpret_cast<const uint2*>(p);
-  x[0] = __half2float(__ushort_as_half(uint16_t(v.x))), x[1] = __half2float(__ushort_as_half(uint16_t(v.x >> 16)));
-  x[2] = __half2float(__ushort_as_half(uint16_t(v.y))), x[3] = __half2float(__ushort_as_half(uint16_t(v.y >> 16)));
-}
-__device__ __forceinline__ uint2 pack_half4(const float (&x)[4]) {
-  const uint32_t lo = uint32_t(__half_as_ushort(__float2half_rn(x[0]))) |
-                      (uint32_t(__half_as_ushort(__float2half_rn(x[1]))) << 16);
-  const uint32_t hi = uint32_t(__half_as_ushort(__float2half_rn(x[2]))) |
-                      (uint32_t(__half_as_ushort(__float2half_rn(x[3]))) << 16);
-  return make_uint2(lo, hi);
-}
-__device__ __forceinline__ void store4(float* p, const float (&x)[4]) {
-  *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
-}
-__device__ __forceinline__ void store4(uint16_t* p, const float (&x)[4]) {
-  *reinterpret_cast<uint2*>(p) = pack_half4(x);
-}
-// Streaming stores (evict-first): the state written back is not read again by this launch.
-__device__ __forceinline__ void store4_cs(float* p, const float (&x)[4]) {
-  __stcs(reinterpret_cast<float4*>(p), make_float4(x[0], x[1], x[2], x[3]));
-}
-__device__ __forceinline__ void store4_cs(uint16_t* p, const float (&x)[4]) {
-  __stcs(reinterpret_cast<uint2*>(p), pack_half4(x));
-}
-
 constexpr int kDecodeCols = 32, kDecodeThreads = 128;
 
 // Tokens t0..t1−1 of one work item, on the thread's state registers s (rows 16m + 4w + sub, value columns

@@ -1,8 +1,8 @@
-// Internals shared by the KDA CUDA sources (kda.cu; the chunk-parallel scan's kda_chunked.cu with the chunk
-// table, the first kernel variants and the public entry points, and kda_chunked_v2.cu with the second
-// variants): the chunk image and workspace layout that the intra-chunk launch writes and the sequential
-// launch copies, the tensor-core, mbarrier, bulk-copy and cp.async wrappers, and the per-variant launch
-// functions.
+// Internals shared by the KDA CUDA sources: the decode kernels (kda.cu, kda_decode_fused.cu: 4-element state
+// vectors, the conv window bound) and the chunk-parallel scan (kda_chunked.cu: chunk table and entry points;
+// kda_chunked_v1.cu, kda_chunked_intra2.cu, kda_chunked_seq2.cu: the kernel variants): the chunk image and
+// workspace layout that the intra-chunk launch writes and the sequential launch copies, the tensor-core,
+// mbarrier, bulk-copy and cp.async wrappers, and the per-variant launch functions.
 // Under KESTREL_SIMT_EMU (tests/emu: the kernels compiled for a CPU emulation of the thread hierarchy) the
 // inline-PTX wrappers come from the emulator instead; the kernels therefore use them, and dyn_smem<T>() for
 // their dynamic shared memory, rather than writing PTX or `extern __shared__` themselves.
@@ -235,6 +235,41 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 #endif  // KESTREL_SIMT_EMU
+
+// 4-element state vectors (the decode kernels of kda.cu and kda_decode_fused.cu): f32 as one 16-byte access,
+// f16 as one 8-byte access widened to f32 / rounded to nearest even.
+__device__ __forceinline__ void load4(const float* p, float (&x)[4]) {
+  const float4 v = *reinterpret_cast<const float4*>(p);
+  x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+}
+__device__ __forceinline__ void load4(const uint16_t* p, float (&x)[4]) {
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  x[0] = __half2float(__ushort_as_half(uint16_t(v.x))), x[1] = __half2float(__ushort_as_half(uint16_t(v.x >> 16)));
+  x[2] = __half2float(__ushort_as_half(uint16_t(v.y))), x[3] = __half2float(__ushort_as_half(uint16_t(v.y >> 16)));
+}
+__device__ __forceinline__ uint2 pack_half4(const float (&x)[4]) {
+  const uint32_t lo = uint32_t(__half_as_ushort(__float2half_rn(x[0]))) |
+                      (uint32_t(__half_as_ushort(__float2half_rn(x[1]))) << 16);
+  const uint32_t hi = uint32_t(__half_as_ushort(__float2half_rn(x[2]))) |
+                      (uint32_t(__half_as_ushort(__float2half_rn(x[3]))) << 16);
+  return make_uint2(lo, hi);
+}
+__device__ __forceinline__ void store4(float* p, const float (&x)[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+}
+__device__ __forceinline__ void store4(uint16_t* p, const float (&x)[4]) {
+  *reinterpret_cast<uint2*>(p) = pack_half4(x);
+}
+// Streaming stores (evict-first): the state written back is not read again by this launch.
+__device__ __forceinline__ void store4_cs(float* p, const float (&x)[4]) {
+  __stcs(reinterpret_cast<float4*>(p), make_float4(x[0], x[1], x[2], x[3]));
+}
+__device__ __forceinline__ void store4_cs(uint16_t* p, const float (&x)[4]) {
+  __stcs(reinterpret_cast<uint2*>(p), pack_half4(x));
+}
+
+// The longest short-conv window the decode and prefill conv kernels keep in registers (MODEL.md §3.3 step 2).
+constexpr int kMaxConvW = 8;
 
 __device__ __forceinline__ float load_state(const float* p) { return *p; }
 __device__ __forceinline__ float load_state(const uint16_t* p) { return __half2float(__ushort_as_half(*p)); }

@@ -6,7 +6,9 @@
 //  - absorbed decode: blocks over (key split, request); each block keeps all Hm heads' queries in shared
 //    memory and streams 32-key tiles of the 576-wide latent rows through shared memory once for every
 //    head (the MQA saving); online softmax; a second kernel merges the splits; a third applies W_UV.
-//  - paged reads (paged.h): the decode and indexer kernels are templates over where a row comes from
+//  - paged reads (paged.h; the tensor-core paged decode/prefill live in mla_tc.cu, this CUDA-core paged
+//    decode stays as mla_decode_paged_simple, their fallback for untuned shapes and the benchmark's
+//    baseline): the decode and indexer kernels are templates over where a row comes from
 //    (ContigRows / PagedRows, ContigKeys / PagedKeys): a paged source looks the page up in the request's
 //    block table and dequantises FP8/MXFP4 to the exact bf16 values the CPU reads back, so everything after
 //    the load is shared with the contiguous path.
@@ -151,7 +153,7 @@ struct ContigRows {
 
 __device__ __forceinline__ uint32_t ld32(const uint8_t* p) { return __ldg(reinterpret_cast<const uint32_t*>(p)); }
 
-template <PagedLatentFormat F>
+template <LatentFormat F>
 struct PagedRows {
   const uint8_t* arena;
   const int32_t* bt;
@@ -166,7 +168,7 @@ struct PagedRows {
     int64_t tb;
     __device__ __forceinline__ uint4 load8(int64_t j, int c8) const {
       const uint8_t* tok = arena + (int64_t(table[j / P]) * P + j % P) * tb;
-      if (F == PagedLatentFormat::bf16) return dev::ld16(tok + c8 * 16);
+      if (F == LatentFormat::bf16) return dev::ld16(tok + c8 * 16);
       const int c = c8 * 8;
       if (c < C) {
         const float s = __ldg(reinterpret_cast<const float*>(tok + C + (c / 128) * 4));
@@ -419,7 +421,7 @@ struct ContigKeys {
 };
 
 // Paged keys in 64-token kernel pages (or one kernel page of P tokens when P % 64 != 0), values then scales.
-template <int DI, PagedKeyFormat F>
+template <int DI, IndexKeyFormat F>
 struct PagedKeys {
   const uint8_t* arena;
   const int32_t* bt;
@@ -435,11 +437,11 @@ struct PagedKeys {
     __device__ __forceinline__ void load(int64_t s, float* k) const {
       const int64_t K = P % 64 == 0 ? 64 : P, prow = s % P, r = prow % K;
       const uint8_t* kpage = arena + int64_t(table[s / P]) * P * tb + (prow / K) * K * tb;
-      if (F == PagedKeyFormat::bf16) {
+      if (F == IndexKeyFormat::bf16) {
         const uint16_t* p = reinterpret_cast<const uint16_t*>(kpage + r * tb);
 #pragma unroll
         for (int i = 0; i < DI; ++i) k[i] = dev::bf16_to_f32(p[i]);
-      } else if (F == PagedKeyFormat::fp8) {
+      } else if (F == IndexKeyFormat::fp8) {
         const uint8_t* vals = kpage + r * DI;
         const float sc = __ldg(reinterpret_cast<const float*>(kpage + K * DI + r * 4));
 #pragma unroll
@@ -638,22 +640,23 @@ void mla_decode_absorbed(GemmLt& lt, const MlaDims& d, const uint16_t* q, const 
              workspace, o, stream);
 }
 
-size_t mla_decode_paged_workspace_bytes(const MlaDims& d, int64_t B, int64_t max_keys) {
+size_t mla_decode_paged_simple_workspace_bytes(const MlaDims& d, int64_t B, int64_t max_keys) {
   return mla_decode_workspace_bytes(d, B, max_keys);
 }
 
-void mla_decode_paged(GemmLt& lt, const MlaDims& d, const uint16_t* q, const uint16_t* kv_b, const PagedMlaCache& c,
-                      const MlaPagedBatch& bt, void* workspace, uint16_t* o, cudaStream_t stream) {
+void mla_decode_paged_simple(GemmLt& lt, const MlaDims& d, const uint16_t* q, const uint16_t* kv_b,
+                             const PagedMlaCache& c, const MlaPagedBatch& bt, void* workspace, uint16_t* o,
+                             cudaStream_t stream) {
   if (bt.B == 0) return;
   KCUDA_REQUIRE(c.latent && c.block_tables && c.block_size > 0 && c.bt_stride > 0,
-                std::string("mla_decode_paged: null cache or block table"));
-  KCUDA_REQUIRE(c.C == d.C && c.R == d.R, std::string("mla_decode_paged: cache C/R differ from the layer's"));
-  if (c.latent_format == PagedLatentFormat::bf16) {
-    const PagedRows<PagedLatentFormat::bf16> rows{c.latent, c.block_tables, c.bt_stride, bt.req, c.block_size,
+                std::string("mla_decode_paged_simple: null cache or block table"));
+  KCUDA_REQUIRE(c.C == d.C && c.R == d.R, std::string("mla_decode_paged_simple: cache C/R differ from the layer's"));
+  if (c.latent_format == LatentFormat::bf16) {
+    const PagedRows<LatentFormat::bf16> rows{c.latent, c.block_tables, c.bt_stride, bt.req, c.block_size,
                                                   int(c.C), c.latent_token_bytes()};
     decode_run(lt, d, q, kv_b, rows, bt.lens, bt.sel, bt.Ksel, bt.B, bt.max_keys, workspace, o, stream);
   } else {
-    const PagedRows<PagedLatentFormat::fp8> rows{c.latent, c.block_tables, c.bt_stride, bt.req, c.block_size,
+    const PagedRows<LatentFormat::fp8> rows{c.latent, c.block_tables, c.bt_stride, bt.req, c.block_size,
                                                  int(c.C), c.latent_token_bytes()};
     decode_run(lt, d, q, kv_b, rows, bt.lens, bt.sel, bt.Ksel, bt.B, bt.max_keys, workspace, o, stream);
   }
@@ -686,16 +689,16 @@ void launch_paged_scores(const uint16_t* qi, const PagedMlaCache& c, const int32
                          float* scores, int64_t ld, cudaStream_t stream) {
   const int64_t tb = c.key_token_bytes();
   switch (c.key_format) {
-    case PagedKeyFormat::bf16:
-      launch_scores<DI>(qi, PagedKeys<DI, PagedKeyFormat::bf16>{c.keys, c.block_tables, c.bt_stride, req, c.block_size, tb},
+    case IndexKeyFormat::bf16:
+      launch_scores<DI>(qi, PagedKeys<DI, IndexKeyFormat::bf16>{c.keys, c.block_tables, c.bt_stride, req, c.block_size, tb},
                         lens, hw, T, 0, max_len, Hi, Ki, scale, scores, ld, stream);
       break;
-    case PagedKeyFormat::fp8:
-      launch_scores<DI>(qi, PagedKeys<DI, PagedKeyFormat::fp8>{c.keys, c.block_tables, c.bt_stride, req, c.block_size, tb},
+    case IndexKeyFormat::fp8:
+      launch_scores<DI>(qi, PagedKeys<DI, IndexKeyFormat::fp8>{c.keys, c.block_tables, c.bt_stride, req, c.block_size, tb},
                         lens, hw, T, 0, max_len, Hi, Ki, scale, scores, ld, stream);
       break;
-    case PagedKeyFormat::mxfp4:
-      launch_scores<DI>(qi, PagedKeys<DI, PagedKeyFormat::mxfp4>{c.keys, c.block_tables, c.bt_stride, req, c.block_size, tb},
+    case IndexKeyFormat::mxfp4:
+      launch_scores<DI>(qi, PagedKeys<DI, IndexKeyFormat::mxfp4>{c.keys, c.block_tables, c.bt_stride, req, c.block_size, tb},
                         lens, hw, T, 0, max_len, Hi, Ki, scale, scores, ld, stream);
       break;
   }

@@ -1,11 +1,12 @@
 // MoE on the GPU (MODEL.md §3.6 steps 1, 3, 4): the sigmoid router's top-k, and the routed MXFP4
-// experts W4A16 (packed E2M1 nibbles + e8m0 scales read directly, MODEL.md §4), grouped by expert.
-// CPU twins: cpu::moe_route and cpu::moe_experts (kernels/cpu/moe_ops.h).
+// experts W4A16 on tensor cores, grouped by expert on the device (moe_experts.cu; layout: moe_layout.h).
+// CPU twins: cpu::moe_route and cpu::moe_experts (kernels/cpu/moe_ops.h), which read the checkpoint layout.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 
 namespace kestrel::cuda {
 
@@ -16,8 +17,13 @@ void moe_route(const float* logits /* f32 [T, X] */, const float* bias /* f32 [X
                bool renormalize, float scaling, int32_t* ids /* i32 [T, K] */, float* weights /* f32 [T, K] */,
                cudaStream_t stream);
 
-// All experts' MXFP4 weights stored back to back (expert e at e·stride bytes from each base):
-//   w1, w3: packed u8 [X, I, Lt/2], scales e8m0 [X, I, Lt/32];  w2: packed u8 [X, Lt, I/2], scales [X, Lt, I/32].
+// Tag of the tensor-core layout (moe_layout.h) in MoeExpertWeights::layout.
+inline constexpr uint32_t kMoeExpertLayout = 0x4d58'3401u;
+
+// All experts' MXFP4 weights in the kernels' layout (moe_layout.h), expert e at e·stride bytes from each base:
+//   w1, w3 (logical [I, Lt]): packed u8 [X][I/16][Lt/64][512], scales u8 [X][I/16][Lt/64][32];
+//   w2 (logical [Lt, I]):     packed u8 [X][Lt/16][I/64][512], scales u8 [X][Lt/16][I/64][32].
+// The same bytes as the checkpoint (MODEL.md §4), permuted; pack_experts_mxfp4 builds it at upload.
 struct MoeExpertWeights {
   const uint8_t* w1_packed;
   const uint8_t* w1_scale;
@@ -27,6 +33,59 @@ struct MoeExpertWeights {
   const uint8_t* w2_scale;
   int64_t w13_packed_stride, w13_scale_stride;  // bytes between experts (≥ I·Lt/2, ≥ I·Lt/32)
   int64_t w2_packed_stride, w2_scale_stride;    // bytes between experts (≥ Lt·I/2, ≥ Lt·I/32)
+  uint32_t layout = 0;          // kMoeExpertLayout: the bytes are in the kernels' layout (checked by the launcher)
+  bool special_scales = false;  // some e8m0 scale is 0 (2^-127) or 255 (NaN): the kernels take the exact path
+  bool fp32_scales = false;     // some e8m0 scale is outside [1, 128] (|w| may pass 12): the scales cannot be folded
+                                // into the BF16 decode (moe_mma.cuh); the FP32-scale kernels (tiles t8/t32) run
+};
+
+// Host pointers to one expert in the checkpoint layout (MODEL.md §4): packed u8 [rows, cols/2], e8m0 [rows, cols/32].
+struct MoeExpertHost {
+  const uint8_t* w1_packed;  // [I, Lt/2]
+  const uint8_t* w1_scale;   // [I, Lt/32]
+  const uint8_t* w3_packed;  // [I, Lt/2]
+  const uint8_t* w3_scale;   // [I, Lt/32]
+  const uint8_t* w2_packed;  // [Lt, I/2]
+  const uint8_t* w2_scale;   // [Lt, I/32]
+};
+
+// Repacks one MXFP4 matrix W [R, C] from the checkpoint layout to the kernels' layout (host, R % 16 == 0,
+// C % 64 == 0). out_packed holds R·C/2 bytes, out_scale R·C/32.
+void pack_mxfp4_matrix(const uint8_t* packed /* u8 [R, C/2] */, const uint8_t* scale /* e8m0 [R, C/32] */, int64_t R,
+                       int64_t C, uint8_t* out_packed /* u8 [R/16][C/64][512] */,
+                       uint8_t* out_scale /* u8 [R/16][C/64][32] */);
+// True if any of the n e8m0 codes is 0 or 255 (the kernels' exact scale path is then needed).
+bool mxfp4_special_scales(const uint8_t* scale, size_t n);
+// True if any of the n e8m0 codes is outside [1, 128] (MoeExpertWeights::fp32_scales).
+bool mxfp4_fp32_scales(const uint8_t* scale, size_t n);
+
+// Repacks X experts (host, checkpoint layout) into the kernels' layout and copies them to device memory
+// obtained from `device_alloc(bytes)` (six blocks: w1, w1 scales, w3, w3 scales, w2, w2 scales; the caller
+// owns them). Lt and I must be multiples of 64. Synchronous; packs several experts in parallel.
+MoeExpertWeights pack_experts_mxfp4(const MoeExpertHost* experts /* [X] */, int64_t X, int64_t Lt, int64_t I,
+                                    const std::function<void*(size_t)>& device_alloc);
+
+// Which expert GEMMs run (all give the same results up to FP32 summation order):
+//   stream  decode: jobs of up to 8 tokens, a persistent stream-K grid (every warp streams the same bytes),
+//           e8m0 scales folded into the BF16 decode; at T ≤ 2 the tokens are not grouped (one job per slot).
+//   wide    prefill: jobs of up to 128 tokens, 256-thread CTAs of 128/256 weight rows × all the job's tokens.
+//   t8, t32 the first tensor-core kernels (fixed grid, FP32 scale per 32-column block, tiles of 8 / 32 tokens):
+//           the only ones for weights with MoeExpertWeights::fp32_scales (stream/wide fall back to t8/t32).
+// `automatic`: t32 when the slots per possibly-hit expert, T·K / min(X, T·K), reach 16, else t8. Measured on the
+// H200 (bench_moe --perf, 896 × top-16, 3584→3072, 2026-12-01): t8 127.8 µs at T=1 / 3.15 ms at T=64 / 26.6 ms at
+// T=4096 (t32) against stream 142.4 µs / 4.50 ms and wide 42.1 ms, so stream and wide stay opt-in until they win
+// (KESTREL_MOE_PATH=stream in the environment: wide from 16 slots per expert, else stream).
+enum class MoeTokenTile { automatic, t8, t32, stream, wide };
+
+// Knobs for benchmarks and tests; the defaults are what the engine runs.
+struct MoeExpertsOptions {
+  MoeTokenTile tile = MoeTokenTile::automatic;
+  int pdl = -1;          // programmatic dependent launch between the 4 launches: 1 on, 0 off, -1 on unless
+                         // KESTREL_MOE_PDL=0 in the environment
+  int grouped = -1;      // stream path: 1 group tokens by expert, 0 one job per slot, -1 ungrouped iff T ≤ 2
+  int stream_ctas = 0;   // stream path: CTAs of the persistent grid (tests force other splits); 0: all that fit
+  cudaEvent_t* marks = nullptr;  // 5 events recorded before the grouping and after each launch (group,
+                                 // w1|w3, w2, combine) for a per-launch breakdown; PDL is off then
 };
 
 // Device scratch for moe_experts_mxfp4, in bytes (256-byte aligned pieces).
@@ -34,13 +93,25 @@ size_t moe_experts_workspace_bytes(int64_t T, int64_t X, int64_t K, int64_t Lt, 
 
 // For each (token t, slot k): [g | u] = z_t·[W1; W3]ᵀ (FP32 sums, each rounded to BF16),
 // a = bf16(SiTU-GLU(g, u)), y = bf16(a·W2ᵀ); then ũ_t = bf16(Σ_k w_k·y_k) in top-k order.
-// Tokens are grouped by expert (a counting sort on the device, no host round trip); each warp
-// decodes one 32-element MXFP4 block per lane with one 16-byte load.
-// Lt and I must be multiples of 32; z rows 16-byte aligned.
+// Tokens are grouped by expert on the device (no host round trip; graph-capturable), then two tensor-core
+// kernels (w1|w3 with SiTU-GLU fused, w2) and the weight combine. Slots whose id is outside [0, X) add
+// nothing. Lt and I must be multiples of 64; z 16-byte aligned; w from pack_experts_mxfp4.
 void moe_experts_mxfp4(const uint16_t* z /* bf16 [T, Lt], contiguous */, const int32_t* ids /* i32 [T, K] */,
                        const float* weights /* f32 [T, K] */, const MoeExpertWeights& w, int64_t T, int64_t X,
                        int64_t K, int64_t Lt, int64_t I, float situ_beta, float situ_linear_beta,
                        void* workspace /* moe_experts_workspace_bytes(...) bytes */, uint16_t* ut /* bf16 [T, Lt] */,
-                       cudaStream_t stream);
+                       cudaStream_t stream, MoeTokenTile tile = MoeTokenTile::automatic);
+void moe_experts_mxfp4(const uint16_t* z /* bf16 [T, Lt] */, const int32_t* ids /* i32 [T, K] */,
+                       const float* weights /* f32 [T, K] */, const MoeExpertWeights& w, int64_t T, int64_t X,
+                       int64_t K, int64_t Lt, int64_t I, float situ_beta, float situ_linear_beta, void* workspace,
+                       uint16_t* ut /* bf16 [T, Lt] */, cudaStream_t stream, const MoeExpertsOptions& opt);
+
+// The expert kernels' second stage on its own: y = bf16(x·Wᵀ) for one MXFP4 matrix W [R, C] in the kernels'
+// layout (pack_mxfp4_matrix), T rows of x. For the numerics tests (every code, extreme scales) and the
+// benchmark. R and C multiples of 64; x 16-byte aligned. special_scales / fp32_scales: as MoeExpertWeights.
+size_t mxfp4_matmul_workspace_bytes(int64_t T);
+void mxfp4_matmul_packed(const uint16_t* x /* bf16 [T, C] */, const uint8_t* packed, const uint8_t* scale,
+                         bool special_scales, bool fp32_scales, int64_t T, int64_t R, int64_t C, void* workspace,
+                         uint16_t* y /* bf16 [T, R] */, cudaStream_t stream, MoeTokenTile tile = MoeTokenTile::automatic);
 
 }  // namespace kestrel::cuda

@@ -44,14 +44,14 @@ __device__ __forceinline__ float fp8_scale(float amax) {
 
 template <typename SlotT>
 __global__ void __launch_bounds__(kWriteThreads)
-    write_latent_kernel(PagedLatentFormat fmt, int C, int R, int64_t tb, const uint16_t* __restrict__ rows,
+    write_latent_kernel(LatentFormat fmt, int C, int R, int64_t tb, const uint16_t* __restrict__ rows,
                         int64_t ld, const SlotT* __restrict__ slots, uint8_t* __restrict__ arena) {
   __shared__ float scratch[32];
   const int64_t t = blockIdx.x, slot = int64_t(slots[t]);
   if (slot < 0) return;
   uint8_t* dst = arena + slot * tb;
   const uint16_t* row = rows + t * ld;
-  if (fmt == PagedLatentFormat::bf16) {
+  if (fmt == LatentFormat::bf16) {
     uint16_t* d16 = reinterpret_cast<uint16_t*>(dst);
     for (int i = threadIdx.x; i < C + R; i += blockDim.x) d16[i] = row[i];
     return;
@@ -72,21 +72,21 @@ __global__ void __launch_bounds__(kWriteThreads)
 
 template <typename SlotT>
 __global__ void __launch_bounds__(kWriteThreads)
-    write_keys_kernel(PagedKeyFormat fmt, int P, int Di, int64_t tb, const uint16_t* __restrict__ keys, int64_t ld,
+    write_keys_kernel(IndexKeyFormat fmt, int P, int Di, int64_t tb, const uint16_t* __restrict__ keys, int64_t ld,
                       const SlotT* __restrict__ slots, uint8_t* __restrict__ arena) {
   __shared__ float scratch[32];
   const int64_t t = blockIdx.x, slot = int64_t(slots[t]);
   if (slot < 0) return;
-  const int64_t page = slot / P, prow = slot % P, K = P % 64 == 0 ? 64 : P;
+  const int64_t page = slot / P, prow = slot % P, K = index_key_kernel_page(P);
   uint8_t* kpage = arena + page * P * tb + (prow / K) * K * tb;
   const int64_t r = prow % K;
   const uint16_t* key = keys + t * ld;
-  if (fmt == PagedKeyFormat::bf16) {
+  if (fmt == IndexKeyFormat::bf16) {
     uint16_t* d16 = reinterpret_cast<uint16_t*>(kpage + r * tb);
     for (int i = threadIdx.x; i < Di; i += blockDim.x) d16[i] = key[i];
     return;
   }
-  if (fmt == PagedKeyFormat::fp8) {
+  if (fmt == IndexKeyFormat::fp8) {
     float amax = 0.0f;
     for (int i = threadIdx.x; i < Di; i += blockDim.x) amax = amax_step(amax, dev::bf16_to_f32(key[i]));
     amax = block_amax(amax, scratch);
@@ -126,12 +126,12 @@ __global__ void __launch_bounds__(kWriteThreads)
 // value times its power-of-two scale is exact in BF16 (3 mantissa bits, exponent in range), so the bytes
 // equal the CPU's.
 __global__ void __launch_bounds__(kWriteThreads)
-    gather_latent_kernel(PagedLatentFormat fmt, int C, int R, int64_t tb, const uint8_t* __restrict__ arena,
+    gather_latent_kernel(LatentFormat fmt, int C, int R, int64_t tb, const uint8_t* __restrict__ arena,
                          const int32_t* __restrict__ rows, uint16_t* __restrict__ out) {
   const int64_t n = blockIdx.x;
   const uint8_t* src = arena + int64_t(rows[n]) * tb;
   uint16_t* y = out + n * (C + R);
-  if (fmt == PagedLatentFormat::bf16) {
+  if (fmt == LatentFormat::bf16) {
     const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
     for (int i = threadIdx.x; i < C + R; i += blockDim.x) y[i] = s16[i];
     return;
@@ -190,7 +190,7 @@ void write_keys(const PagedMlaCache& c, const uint16_t* keys, int64_t ld, const 
   if (T == 0) return;
   KCUDA_REQUIRE(keys && slots && c.keys && c.block_size > 0, std::string("paged_write_keys: null pointer"));
   KCUDA_REQUIRE(c.Di > 0 && c.Di % 8 == 0 && c.Di <= 4096 && ld >= c.Di &&
-                    (c.key_format != PagedKeyFormat::mxfp4 || c.Di % 32 == 0),
+                    (c.key_format != IndexKeyFormat::mxfp4 || c.Di % 32 == 0),
                 "paged_write_keys: bad Di " + std::to_string(c.Di));
   write_keys_kernel<SlotT><<<unsigned(T), kWriteThreads, 0, stream>>>(c.key_format, c.block_size, int(c.Di),
                                                                       c.key_token_bytes(), keys, ld, slots, c.keys);

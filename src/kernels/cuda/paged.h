@@ -1,18 +1,12 @@
 // Paged MLA caches on the GPU (MODEL.md §0.3, §3.4 absorbed decode, §3.5 indexer): quantise-on-write
 // into the page arenas, and batched (varlen) reads through per-request block tables for the absorbed
-// MLA decode (dense or sparse) and the indexer scores + top-k.
+// MLA decode and prefill (dense or sparse) and the indexer scores + top-k.
 // CPU twins: model::MlaCacheView::write_latent / write_key (byte-identical writes) and read_latent /
 // read_keys followed by cpu::mla_attn_absorbed / cpu::indexer_select_topk (the reads dequantise exactly
 // to the BF16 values the CPU reads back, then run the same math as kernels/cuda/mla.h).
 //
-// Byte layouts are those of model/cache_view.h (one per-layer arena per cache, indexed by page id; a page
-// holds P = block_size tokens):
-//   latent bf16  per token [ĉ | k_pe] bf16, (C+R)·2 B
-//   latent fp8   per token [ĉ e4m3 (C) | f32 scale per 128 of ĉ | k_pe bf16 (R)], scale 2^⌈log2(max(amax,1e-4)/448)⌉
-//   keys bf16    per token Di bf16
-//   keys fp8     per 64-token kernel page [64 × Di e4m3 | 64 × f32 scale]
-//   keys mxfp4   per 64-token kernel page [64 × Di/2 packed e2m1 | 64 × Di/32 e8m0]
-// (a P that is not a multiple of 64 is one kernel page of P tokens).
+// Formats and byte layouts are core/cache_format.h's (one per-layer arena per cache, indexed by page id;
+// a page holds P = block_size tokens; index keys in 64-token kernel pages, values then scales).
 // Token at position pos of request r lives in page block_tables[r·bt_stride + pos/P], row pos % P.
 #pragma once
 
@@ -20,6 +14,7 @@
 
 #include <cstdint>
 
+#include "core/cache_format.h"
 #include "kernels/cpu/mla_ops.h"
 #include "kernels/cuda/gemm.h"
 
@@ -27,14 +22,10 @@ namespace kestrel::cuda {
 
 using cpu::MlaDims;
 
-// Values equal to cache::LatentFormat / cache::IndexKeyFormat (checked in paged.cpp).
-enum class PagedLatentFormat : uint8_t { bf16 = 0, fp8 = 1 };
-enum class PagedKeyFormat : uint8_t { fp8 = 0, mxfp4 = 1, bf16 = 2 };
-
 // One MLA layer's paged caches plus the block tables of the requests in a launch.
 struct PagedMlaCache {
-  PagedLatentFormat latent_format = PagedLatentFormat::bf16;
-  PagedKeyFormat key_format = PagedKeyFormat::fp8;
+  LatentFormat latent_format = LatentFormat::bf16;
+  IndexKeyFormat key_format = IndexKeyFormat::fp8;
   int block_size = 128;              // P
   int64_t C = 0, R = 0, Di = 0;      // kv_lora_rank, qk_rope_head_dim, index_head_dim (0: no indexer)
   uint8_t* latent = nullptr;         // device u8 [pages, P · latent_token_bytes]
@@ -42,8 +33,8 @@ struct PagedMlaCache {
   const int32_t* block_tables = nullptr;  // device i32 [n_requests, bt_stride]: page of each P-token block
   int64_t bt_stride = 0;
 
-  int64_t latent_token_bytes() const;
-  int64_t key_token_bytes() const;
+  int64_t latent_token_bytes() const { return kestrel::latent_token_bytes(latent_format, C, R); }
+  int64_t key_token_bytes() const { return index_key_token_bytes(key_format, Di); }
 };
 
 // ---- writes (quantise on write, byte-identical to MlaCacheView) -------------------------------------------
@@ -70,8 +61,13 @@ void paged_gather_latent(const PagedMlaCache& c, const int32_t* rows /* i32 [n] 
 // B query rows (one query each; several rows may share a request, e.g. speculative tokens). Row b uses
 // block-table row req[b] (req null: b) and attends to positions 0..lens[b]−1, or (sparse) to sel[b, ..]
 // (ascending positions, −1 ends the list). max_keys ≥ every row's key count (host side; sizes the
-// split over keys). Same math and limits as mla_decode_absorbed (Hm ≤ 16, C ≤ 512, C and R multiples
-// of 8); FP8 rows are dequantised to their exact BF16 values in shared memory.
+// split over keys). Hm ≤ 16, C ≤ 512, C and R multiples of 8; FP8 rows are read raw by the MMAs,
+// whose operands are still exactly the BF16 values MlaCacheView::read_latent returns (mla_tc.cu).
+// mla_decode_paged runs on tensor cores (mla_tc.cu: all heads of a row as the MMA's M side, split-KV,
+// log-sum-exp combine fused with o_h = W_UV,h ô_h) for (C, R) ∈ {(512, 64), (64, 16)}, and otherwise falls
+// back to mla_decode_paged_simple, the CUDA-core kernel (FP32 scores; kept as the fallback and as the
+// benchmark's baseline). The tensor-core path rounds q̃ (to bf16; FP8 pages: f16) and p (bf16) for the MMA:
+// relative L2 error vs cpu::mla_attn_absorbed ≲ 3e-3 (tested at 1e-2).
 struct MlaPagedBatch {
   const int32_t* lens = nullptr;  // device i32 [B]
   const int32_t* req = nullptr;   // device i32 [B] or null
@@ -85,6 +81,32 @@ void mla_decode_paged(GemmLt& lt, const MlaDims& d, const uint16_t* q /* bf16 [B
                       const uint16_t* kv_b /* bf16 [Hm*(N+Dv), C] */, const PagedMlaCache& cache,
                       const MlaPagedBatch& batch, void* workspace /* mla_decode_paged_workspace_bytes */,
                       uint16_t* o /* bf16 [B, Hm*Dv] */, cudaStream_t stream);
+size_t mla_decode_paged_simple_workspace_bytes(const MlaDims& d, int64_t B, int64_t max_keys);
+void mla_decode_paged_simple(GemmLt& lt, const MlaDims& d, const uint16_t* q /* bf16 [B, Hm, N+R] */,
+                             const uint16_t* kv_b /* bf16 [Hm*(N+Dv), C] */, const PagedMlaCache& cache,
+                             const MlaPagedBatch& batch, void* workspace /* ..._simple_workspace_bytes */,
+                             uint16_t* o /* bf16 [B, Hm*Dv] */, cudaStream_t stream);
+
+// ---- MLA prefill over the paged latent cache (absorbed, flash form) ---------------------------------------
+// T query rows of a step's prefill chunks, several sequences in one launch (varlen): row t uses block-table
+// row req[t] (null: t) and attends causally to positions 0..lens[t]−1 (lens[t] = its position + 1; the
+// chunk's own latent rows must already be in their pages), or to its indexer selection sel[t, ..]
+// (ascending, −1 ends it) — the same row description as the decode and indexer_select_paged, so the
+// engine's per-row arrays (row lengths, row requests) serve all three. No gather: keys are read from the
+// pages through the block tables. Absorbed (MQA over the shared latent, MODEL.md §3.4): q̃ = W_UKᵀ q_nope
+// by one batched GEMM, the tensor-core core of the decode (online softmax, one CTA per row and key chunk,
+// all heads as M), ô rounded to bf16, then o_h = ô_h·W_UV,hᵀ by cuBLASLt per head. CPU twin:
+// cpu::mla_attn_absorbed over MlaCacheView::read_latent (equal to cpu::mla_attn_naive in exact
+// arithmetic); relative L2 error ≲ 4e-3 (q̃, p and ô rounded to bf16), tested at 1e-2. Shapes without a
+// tensor-core instantiation run mla_decode_paged_simple over the same rows.
+// Workspace (mla_prefill_paged_workspace_bytes): q̃ f32 [T, Hm, C] + ô bf16 [T, Hm, C] (+ split partials
+// when fewer rows than SMs are split over keys): 36 KB per row at the TP8 shape (Hm 12, C 512), 302 MB
+// for an 8K-token chunk; callers bound it by the number of rows per launch.
+size_t mla_prefill_paged_workspace_bytes(const MlaDims& d, int64_t T, int64_t max_keys);
+void mla_prefill_paged(GemmLt& lt, const MlaDims& d, const uint16_t* q /* bf16 [T, Hm, N+R] */,
+                       const uint16_t* kv_b /* bf16 [Hm*(N+Dv), C] */, const PagedMlaCache& cache,
+                       const MlaPagedBatch& rows /* B = T rows */, void* workspace /* ..._workspace_bytes */,
+                       uint16_t* o /* bf16 [T, Hm*Dv] */, cudaStream_t stream);
 
 // ---- indexer scores + top-k over the paged key cache ------------------------------------------------------
 // T query rows (prefill and decode alike): row t uses block-table row req[t] (null: t) and sees keys

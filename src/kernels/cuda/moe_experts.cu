@@ -1,0 +1,555 @@
+// Routed MoE experts (MODEL.md §3.6 steps 3–4) on tensor cores: W4A16, MXFP4 weights dequantised in
+// registers, BF16 mma.sync.m16n8k16 with FP32 accumulation. Contract in moe.h; weight layout and the
+// E2M1 decode trick in moe_layout.h; shared device code in moe_mma.cuh. CPU twin: cpu::moe_experts.
+//
+// Four launches on one stream, no host synchronisation, fixed grids (CUDA-graph capturable):
+//   1. group (one block): slots (t·K + k) counted per expert, scanned, scattered into expert order; the
+//      experts' tokens cut into jobs of at most CT tokens, written as a device work list (expert, first
+//      position, count) with its length. It also zeroes the decode GEMMs' counters. Ungrouped decode (T ≤ 2:
+//      one job per slot, nothing to share) runs prep_kernel instead, which only zeroes them.
+//   2. w1|w3 with SiTU-GLU fused: a = bf16(SiTU-GLU(bf16 g, bf16 u)) per slot.
+//   3. w2: y = bf16(a·W2ᵀ) per slot.
+//   4. combine: ũ_t = bf16(Σ_k w_k·y_k) in top-k order, FP32; deterministic (no atomics on values).
+// Three GEMM families (moe.h MoeTokenTile):
+//   stream (moe_stream.cu), decode: persistent stream-K grid, CT = 8, scales folded into the decode.
+//   wide (moe_wide.cu), prefill: CT = 128, 8-warp CTAs of 128/256 weight rows × all the job's tokens.
+//   t8 / t32 (below): one CTA = 4 warps = 64 rows for one job, grid = (host bound on jobs) × R/64, CTAs past
+//      the device's job count exit at once; per 32-column block two MMAs into a fresh FP32 partial, then
+//      acc += 2^(e−127)·partial (exact for every e): the path for weights whose scales cannot be folded.
+// With stream and wide, launches 2–4 use programmatic dependent launch (moe_mma.cuh): each starts its CTAs
+// while the previous kernel drains, the decode GEMMs even their first weight loads.
+// The order of tokens inside an expert (atomic scatter) never changes a value: every (row, token) output is
+// its own MMA column with the same K order.
+//
+// Bytes and time (H200, 4.27 TB/s copy; an expert is 17.55 MB: w1|w3 11.70 MB with scales, w2 5.85 MB):
+//   T = 1: 16 experts, 281 MB → 66 µs at copy speed. The fixed-grid t8 kernels measured 128 µs (51 %): 768
+//   and 896 CTAs for 528 and 792 slots (1.45 and 1.13 waves, the second at a fraction of the bandwidth),
+//   four launch gaps and the group kernel. stream: no tail (every warp streams L chunks), launch gaps
+//   hidden by PDL (w2's first weight loads overlap w1|w3's drain), no group kernel; the same ≈ 90
+//   instructions per 512 bytes (the decode), so the steady state stays ≈ 80 % of copy: predicted
+//   w1|w3 ≈ 55 µs + w2 ≈ 28 µs + ≈ 5 µs prep/ramp/combine ≈ 88 µs (≈ 75 % of copy).
+//   T = 4096: 4.3 TFLOP (16 slots × 4096 tokens × 3 GEMMs of 3584 × 3072). t32: 26.6 ms (163 TFLOP/s: an FFMA per
+//   accumulator per 32-column block, 4 HMMA per decoded word). wide: 2·⌈count/8⌉ HMMA per decoded word, no
+//   scale FMAs, ≈ 2.2 instructions per HMMA; ≈ 73 tokens per expert = 10 n-tiles of 16; predicted 8–11 ms.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_util.cuh"
+#include "kernels/cuda/moe.h"
+#include "kernels/cuda/moe_internal.cuh"
+#include "kernels/cuda/moe_layout.h"
+#include "kernels/cuda/moe_mma.cuh"
+
+namespace kestrel::cuda {
+namespace {
+
+namespace ml = moe_layout;
+using namespace moe_dev;
+using moe_detail::GemmArgs;
+using moe_detail::StreamArgs;
+
+constexpr int kGroupThreads = 1024;
+constexpr int kMaxGroupExperts = 8192;  // group kernel: two i32 counters per expert in shared memory
+constexpr int kGemmWarps = 4;
+constexpr int kGemmThreads = 32 * kGemmWarps;
+constexpr int kCtaRows = ml::kTileRows * kGemmWarps;  // 64 output rows per CTA
+constexpr int kCombineThreads = 256;
+
+// ---- device helpers: moe_mma.cuh ---------------------------------------------------------------------
+
+// ---- 1. grouping -----------------------------------------------------------------------------------------
+// Exclusive block-wide scan of an int pair over kGroupThreads threads; *total gets the sums.
+__device__ __forceinline__ int2 block_exclusive_scan2(int2 v, int2* warp_sums /* smem [32] */, int2* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int2 inc = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int x = __shfl_up_sync(0xffffffffu, inc.x, o), y = __shfl_up_sync(0xffffffffu, inc.y, o);
+    if (lane >= o) inc.x += x, inc.y += y;
+  }
+  if (lane == 31) warp_sums[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    int2 s = warp_sums[lane];  // kGroupThreads = 1024: 32 warps, every entry written
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int x = __shfl_up_sync(0xffffffffu, s.x, o), y = __shfl_up_sync(0xffffffffu, s.y, o);
+      if (lane >= o) s.x += x, s.y += y;
+    }
+    warp_sums[lane] = s;  // inclusive over warps
+  }
+  __syncthreads();
+  *total = warp_sums[31];
+  const int2 before = warp == 0 ? make_int2(0, 0) : warp_sums[warp - 1];
+  return make_int2(before.x + inc.x - v.x, before.y + inc.y - v.y);
+}
+
+// ids i32 [n] → order i32 [n] (slots grouped by expert, ascending expert), jobs i32 [J, 3] = (expert, first
+// position in order, count ≤ ct), *n_jobs = J. Ids outside [0, X) are left out. One block of kGroupThreads.
+// Also zeroes the decode GEMMs' split-tile counters, i32 [n_zero].
+__global__ void __launch_bounds__(kGroupThreads) group_kernel(const int32_t* __restrict__ ids, int n, int X, int ct,
+                                                             int32_t* __restrict__ order, int32_t* __restrict__ jobs,
+                                                             int32_t* __restrict__ n_jobs, int32_t* __restrict__ zero,
+                                                             int n_zero) {
+  extern __shared__ int32_t gsm[];  // count [X], cursor [X]
+  __shared__ int2 warp_sums[32];
+  griddep_launch();  // the next GEMM may start its CTAs now; it waits for this kernel before reading its output
+  int32_t* cnt = gsm;
+  int32_t* cur = gsm + X;
+  const int tid = threadIdx.x;
+  for (int i = tid; i < n_zero; i += kGroupThreads) zero[i] = 0;
+  for (int e = tid; e < X; e += kGroupThreads) cnt[e] = 0;
+  __syncthreads();
+  for (int i = tid; i < n; i += kGroupThreads) {
+    const int e = ids[i];
+    if (unsigned(e) < unsigned(X)) atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  // Each thread owns experts [e0, e1): its slot and job totals are scanned across the block.
+  const int per = (X + kGroupThreads - 1) / kGroupThreads;
+  const int e0 = min(tid * per, X), e1 = min(e0 + per, X);
+  int2 mine = make_int2(0, 0);
+  for (int e = e0; e < e1; ++e) mine.x += cnt[e], mine.y += (cnt[e] + ct - 1) / ct;
+  int2 total;
+  int2 base = block_exclusive_scan2(mine, warp_sums, &total);
+  for (int e = e0; e < e1; ++e) {
+    const int c = cnt[e];
+    cur[e] = base.x;
+    for (int j = 0; j * ct < c; ++j) {
+      int32_t* jb = jobs + 3 * int64_t(base.y + j);
+      jb[0] = e;
+      jb[1] = base.x + j * ct;
+      jb[2] = min(ct, c - j * ct);
+    }
+    base.x += c;
+    base.y += (c + ct - 1) / ct;
+  }
+  if (tid == 0) *n_jobs = total.y;
+  __syncthreads();
+  for (int i = tid; i < n; i += kGroupThreads) {
+    const int e = ids[i];
+    if (unsigned(e) < unsigned(X)) order[atomicAdd(&cur[e], 1)] = i;
+  }
+}
+
+// Ungrouped decode: only the counters to zero, i32 [n_zero].
+__global__ void __launch_bounds__(kGroupThreads) prep_kernel(int32_t* __restrict__ zero, int n_zero) {
+  griddep_launch();
+  for (int i = threadIdx.x; i < n_zero; i += kGroupThreads) zero[i] = 0;
+}
+
+// ---- 2./3. grouped MXFP4 GEMM, FP32 scales (tiles t8 / t32) ------------------------------------------------
+// NT n-tiles of 8 tokens per job (CT = 8·NT), STAGES chunks of 64 columns in flight per warp.
+template <bool kGlu, int NT, int STAGES, bool kSpecial>
+__global__ void __launch_bounds__(kGemmThreads) expert_gemm_kernel(const GemmArgs a) {
+  constexpr int NM = kGlu ? 2 : 1;  // weight matrices per warp
+  const int n_rg = a.R / kCtaRows;
+  const int nj = *a.n_jobs;
+  const int64_t item = blockIdx.x;
+  if (item >= int64_t(nj) * n_rg) return;  // beyond the device's work list
+  // Consecutive CTAs take the same rows of consecutive jobs (an expert's chunks are adjacent): L2 reuse.
+  const int rg = int(item / nj), job = int(item - int64_t(rg) * nj);
+  const int e = a.jobs[3 * job], begin = a.jobs[3 * job + 1], count = a.jobs[3 * job + 2];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int tile = rg * kGemmWarps + warp;
+  const int NC = a.C / ml::kChunkCols;
+
+  const int64_t tile_chunks = int64_t(tile) * NC;
+  const uint8_t* wp[NM];
+  const uint8_t* wsc[NM];
+  wp[0] = a.p0 + e * a.p_stride + tile_chunks * ml::kTileChunkBytes + lane * 16;
+  wsc[0] = a.s0 + e * a.s_stride + tile_chunks * ml::kTileChunkScaleBytes + g * 4;
+  if constexpr (kGlu) {
+    wp[NM - 1] = a.p1 + e * a.p_stride + tile_chunks * ml::kTileChunkBytes + lane * 16;
+    wsc[NM - 1] = a.s1 + e * a.s_stride + tile_chunks * ml::kTileChunkScaleBytes + g * 4;
+  }
+  // Token column n = 8q + g of n-tile q; columns past `count` repeat the last token (their results are dropped).
+  const uint16_t* brow[NT];
+#pragma unroll
+  for (int q = 0; q < NT; ++q) {
+    const int slot = a.order[begin + min(q * 8 + g, count - 1)];
+    brow[q] = a.x + int64_t(slot / a.x_div) * a.ldx + 8 * t;
+  }
+
+  struct Stage {
+    uint4 w[NM];      // packed A words of one chunk
+    uint32_t s[NM];   // scale word (rows g, g+8 × blocks 0, 1)
+    uint4 b[NT][2];   // B: 8 bf16 of block 0 and block 1
+  };
+  Stage st[STAGES];
+  float acc[NM][NT][4];
+#pragma unroll
+  for (int m = 0; m < NM; ++m)
+#pragma unroll
+    for (int q = 0; q < NT; ++q)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[m][q][i] = 0.0f;
+
+  auto load = [&](Stage& S, int c) {
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+      S.w[m] = ld_stream16(wp[m] + int64_t(c) * ml::kTileChunkBytes);
+      S.s[m] = ld_stream4(wsc[m] + int64_t(c) * ml::kTileChunkScaleBytes);
+    }
+#pragma unroll
+    for (int q = 0; q < NT; ++q) {
+      S.b[q][0] = ld_act16(brow[q] + c * ml::kChunkCols);
+      S.b[q][1] = ld_act16(brow[q] + c * ml::kChunkCols + 32);
+    }
+  };
+  auto compute = [&](const Stage& S) {
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+      const uint32_t words[4] = {S.w[m].x, S.w[m].y, S.w[m].z, S.w[m].w};
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {  // e8m0 block b of the chunk = k16 steps 2b, 2b+1
+        const float sc_g = __uint_as_float(ml::e8m0_f32_bits<kSpecial>(S.s[m], 2 * b));
+        const float sc_g8 = __uint_as_float(ml::e8m0_f32_bits<kSpecial>(S.s[m], 2 * b + 1));
+        uint32_t a0[4], a1[4];
+        decode_step_unscaled(words[2 * b], a0);
+        decode_step_unscaled(words[2 * b + 1], a1);
+#pragma unroll
+        for (int q = 0; q < NT; ++q) {
+          const uint4 B = S.b[q][b];
+          float p[4];
+          mma_first(p, a0, B.x, B.y);
+          mma_acc(p, a1, B.z, B.w);
+          acc[m][q][0] = fmaf(p[0], sc_g, acc[m][q][0]);  // C rows g (c0, c1) and g+8 (c2, c3)
+          acc[m][q][1] = fmaf(p[1], sc_g, acc[m][q][1]);
+          acc[m][q][2] = fmaf(p[2], sc_g8, acc[m][q][2]);
+          acc[m][q][3] = fmaf(p[3], sc_g8, acc[m][q][3]);
+        }
+      }
+    }
+  };
+
+  // Software pipeline: chunk c lives in st[c % STAGES]; the load of chunk c + STAGES − 1 is issued before
+  // chunk c is consumed.
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < NC) load(st[s], s);
+  for (int c0 = 0; c0 < NC; c0 += STAGES) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      const int c = c0 + s;
+      if (c < NC) {
+        if (c + STAGES - 1 < NC) load(st[(s + STAGES - 1) % STAGES], c + STAGES - 1);
+        compute(st[s]);
+      }
+    }
+  }
+
+  // Epilogue: C fragment (c0, c1) = row g, tokens 2t, 2t+1; (c2, c3) = row g+8.
+  const int row0 = tile * ml::kTileRows + g;
+#pragma unroll
+  for (int q = 0; q < NT; ++q) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int n = q * 8 + 2 * t + i;
+      if (n >= count) continue;
+      uint16_t* o = a.out + int64_t(a.order[begin + n]) * a.R;
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int idx = 2 * rr + i;
+        if constexpr (kGlu) {
+          o[row0 + 8 * rr] = dev::f32_to_bf16(
+              situ_glu(dev::round_bf16(acc[0][q][idx]), dev::round_bf16(acc[1][q][idx]), a.beta, a.lbeta));
+        } else {
+          o[row0 + 8 * rr] = dev::f32_to_bf16(acc[0][q][idx]);
+        }
+      }
+    }
+  }
+}
+
+// ---- 4. combine ------------------------------------------------------------------------------------------
+// ũ[t, j..j+7] = bf16(Σ_k w[t,k]·y[t·K+k, j..j+7]), FP32 in top-k order; out-of-range ids add nothing.
+// The K rows are loaded 8 at a time before any is summed (one memory latency per 8 slots, not per slot).
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(const uint16_t* __restrict__ y,
+                                                                  const float* __restrict__ wts,
+                                                                  const int32_t* __restrict__ ids, int64_t T, int K,
+                                                                  int X, int Lt, uint16_t* __restrict__ ut) {
+  griddep_wait();  // y comes from the w2 GEMM
+  griddep_launch();
+  const int per = Lt / 8;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= T * per) return;
+  const int64_t t = i / per;
+  const int j = int(i - t * per) * 8;
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int k0 = 0; k0 < K; k0 += 8) {
+    uint4 v[8];
+    float w[8];
+    bool ok[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int64_t slot = t * K + min(k0 + u, K - 1);
+      ok[u] = k0 + u < K && unsigned(__ldg(ids + slot)) < unsigned(X);
+      w[u] = ok[u] ? __ldg(wts + slot) : 0.0f;
+      v[u] = ok[u] ? ld_act16(y + slot * Lt + j) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      if (!ok[u]) continue;
+      float f[8];
+      dev::unpack8(v[u], f);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(w[u], f[q]));  // no FMA: as the CPU twin
+    }
+  }
+  *reinterpret_cast<uint4*>(ut + t * Lt + j) = dev::pack8(acc);
+}
+
+// ---- launchers -------------------------------------------------------------------------------------------
+size_t round256(size_t n) { return (n + 255) & ~size_t(255); }
+
+enum class Path { t8, t32, stream, wide };
+
+bool env_is(const char* name, const char* value) {
+  const char* s = std::getenv(name);
+  return s != nullptr && std::strcmp(s, value) == 0;
+}
+
+// moe.h MoeTokenTile; n slots over X experts.
+Path choose_path(MoeTokenTile tile, int64_t n, int64_t X, bool fp32_scales) {
+  static const bool legacy = !env_is("KESTREL_MOE_PATH", "stream");  // see moe.h: t8/t32 measured faster
+  const int64_t per_expert = n / std::max<int64_t>(1, std::min(X, n));  // slots per possibly-hit expert
+  switch (tile) {
+    case MoeTokenTile::t8:
+      return Path::t8;
+    case MoeTokenTile::t32:
+      return Path::t32;
+    case MoeTokenTile::stream:
+      return fp32_scales ? Path::t8 : Path::stream;
+    case MoeTokenTile::wide:
+      return fp32_scales ? Path::t32 : Path::wide;
+    case MoeTokenTile::automatic:
+      break;
+  }
+  if (legacy || fp32_scales) return per_expert >= 16 ? Path::t32 : Path::t8;
+  return per_expert >= 16 ? Path::wide : Path::stream;
+}
+int path_ct(Path p) { return p == Path::t32 ? 32 : p == Path::wide ? moe_detail::kWideTokens : 8; }
+bool use_pdl(Path p, const MoeExpertsOptions& opt) {
+  static const bool env_off = env_is("KESTREL_MOE_PDL", "0");
+  if (opt.marks != nullptr || p == Path::t8 || p == Path::t32) return false;
+  return opt.pdl == 1 || (opt.pdl == -1 && !env_off);
+}
+
+struct Groups {
+  int32_t* order;   // i32 [n]
+  int32_t* jobs;    // i32 [job_bound(n, X, 8), 3]
+  int32_t* n_jobs;  // i32 [1]
+};
+size_t groups_bytes(int64_t n, int64_t X) {
+  return round256(size_t(n) * 4) + round256(size_t(ml::job_bound(n, X, 8)) * 12) + round256(4);
+}
+Groups carve_groups(char*& p, int64_t n, int64_t X) {
+  Groups g;
+  g.order = reinterpret_cast<int32_t*>(p);
+  p += round256(size_t(n) * 4);
+  g.jobs = reinterpret_cast<int32_t*>(p);
+  p += round256(size_t(ml::job_bound(n, X, 8)) * 12);
+  g.n_jobs = reinterpret_cast<int32_t*>(p);
+  p += round256(4);
+  return g;
+}
+// The decode GEMMs' scratch: partials f32 (shared by w1|w3 and w2, which run one after the other) and two
+// counter arrays i32 [kMaxStreamWarps].
+struct StreamScratch {
+  float* partial;
+  int32_t* counters;  // w1|w3 at counters, w2 at counters + kMaxStreamWarps
+};
+size_t stream_scratch_bytes() {
+  return round256(moe_detail::kStreamPartialBytes) + round256(2 * moe_detail::kStreamCounterBytes);
+}
+StreamScratch carve_stream(char*& p) {
+  StreamScratch s;
+  s.partial = reinterpret_cast<float*>(p);
+  p += round256(moe_detail::kStreamPartialBytes);
+  s.counters = reinterpret_cast<int32_t*>(p);
+  p += round256(2 * moe_detail::kStreamCounterBytes);
+  return s;
+}
+
+void launch_group(const int32_t* ids, int64_t n, int64_t X, int ct, const Groups& g, int32_t* zero, int n_zero,
+                  cudaStream_t stream) {
+  const size_t smem = size_t(2 * X) * 4;
+  if (smem > 48 * 1024)
+    KCUDA_CHECK(cudaFuncSetAttribute(group_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  group_kernel<<<1, kGroupThreads, smem, stream>>>(ids, int(n), int(X), ct, g.order, g.jobs, g.n_jobs, zero, n_zero);
+  KCUDA_CHECK_LAUNCH();
+}
+
+template <bool kGlu, int NT, int STAGES>
+void launch_gemm_nt(const GemmArgs& a, bool special, unsigned grid, cudaStream_t stream) {
+  if (special)
+    expert_gemm_kernel<kGlu, NT, STAGES, true><<<grid, kGemmThreads, 0, stream>>>(a);
+  else
+    expert_gemm_kernel<kGlu, NT, STAGES, false><<<grid, kGemmThreads, 0, stream>>>(a);
+  KCUDA_CHECK_LAUNCH();
+}
+
+// grid = (bound on jobs) × (row groups of 64); CTAs past the device's job count return at once.
+template <bool kGlu>
+void launch_gemm(const GemmArgs& a, int ct, bool special, int64_t n, int64_t X, cudaStream_t stream) {
+  const int64_t grid = ml::job_bound(n, X, ct) * (a.R / kCtaRows);
+  KCUDA_REQUIRE(grid > 0 && grid < (int64_t(1) << 31), "moe expert GEMM: grid " + std::to_string(grid));
+  if (ct == 8)
+    launch_gemm_nt<kGlu, 1, 4>(a, special, unsigned(grid), stream);
+  else
+    launch_gemm_nt<kGlu, 4, 2>(a, special, unsigned(grid), stream);
+}
+
+// One GEMM (w1|w3 if glu, else w / w2) over the grouping `grp` (ungrouped stream path: grp.jobs == nullptr)
+// by path p; `first`: the GEMM right after the grouping kernel.
+void run_gemm(Path p, bool glu, const GemmArgs& a, const Groups& grp, const int32_t* ids, int64_t n, int64_t X,
+              bool special, const StreamScratch& ss, int ctas, bool first, bool pdl, cudaStream_t stream) {
+  switch (p) {
+    case Path::t8:
+    case Path::t32:
+      if (glu)
+        launch_gemm<true>(a, path_ct(p), special, n, X, stream);
+      else
+        launch_gemm<false>(a, path_ct(p), special, n, X, stream);
+      return;
+    case Path::stream: {
+      const StreamArgs s{a, ids, int(n), int(X), ss.partial, ss.counters + (glu ? 0 : moe_detail::kMaxStreamWarps),
+                         first && grp.jobs != nullptr};
+      moe_detail::launch_stream(s, glu, ctas, pdl, stream);
+      return;
+    }
+    case Path::wide:
+      moe_detail::launch_wide(a, glu, ml::job_bound(n, X, moe_detail::kWideTokens), pdl, stream);
+      return;
+  }
+}
+
+bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
+
+void mark(const MoeExpertsOptions& opt, int i, cudaStream_t stream) {
+  if (opt.marks != nullptr) KCUDA_CHECK(cudaEventRecord(opt.marks[i], stream));
+}
+
+}  // namespace
+
+size_t moe_experts_workspace_bytes(int64_t T, int64_t X, int64_t K, int64_t Lt, int64_t I) {
+  const int64_t n = T * K;
+  return groups_bytes(n, X) + round256(size_t(n * I) * 2) + round256(size_t(n * Lt) * 2) + stream_scratch_bytes();
+}
+
+void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weights, const MoeExpertWeights& w,
+                       int64_t T, int64_t X, int64_t K, int64_t Lt, int64_t I, float situ_beta, float situ_linear_beta,
+                       void* workspace, uint16_t* ut, cudaStream_t stream, MoeTokenTile tile) {
+  MoeExpertsOptions opt;
+  opt.tile = tile;
+  moe_experts_mxfp4(z, ids, weights, w, T, X, K, Lt, I, situ_beta, situ_linear_beta, workspace, ut, stream, opt);
+}
+
+void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weights, const MoeExpertWeights& w,
+                       int64_t T, int64_t X, int64_t K, int64_t Lt, int64_t I, float situ_beta, float situ_linear_beta,
+                       void* workspace, uint16_t* ut, cudaStream_t stream, const MoeExpertsOptions& opt) {
+  KCUDA_REQUIRE(z && ids && weights && workspace && ut && w.w1_packed && w.w1_scale && w.w3_packed && w.w3_scale &&
+                    w.w2_packed && w.w2_scale,
+                std::string("moe_experts_mxfp4: null pointer"));
+  KCUDA_REQUIRE(w.layout == kMoeExpertLayout,
+                std::string("moe_experts_mxfp4: expert weights are not in the kernels' layout (pack_experts_mxfp4)"));
+  KCUDA_REQUIRE(Lt > 0 && I > 0 && Lt % 64 == 0 && I % 64 == 0 && Lt < (1 << 24) && I < (1 << 24),
+                "moe_experts_mxfp4: Lt = " + std::to_string(Lt) + ", I = " + std::to_string(I) +
+                    " must be positive multiples of 64");
+  KCUDA_REQUIRE(X > 0 && X <= kMaxGroupExperts && K > 0 && K <= X,
+                "moe_experts_mxfp4: X = " + std::to_string(X) + ", K = " + std::to_string(K));
+  KCUDA_REQUIRE(T >= 0 && T * K < (int64_t(1) << 31), std::string("moe_experts_mxfp4: bad T"));
+  KCUDA_REQUIRE(w.w13_packed_stride >= I * Lt / 2 && w.w13_scale_stride >= I * Lt / 32 &&
+                    w.w2_packed_stride >= Lt * I / 2 && w.w2_scale_stride >= Lt * I / 32,
+                std::string("moe_experts_mxfp4: expert strides too small"));
+  KCUDA_REQUIRE(aligned(z, 16) && aligned(ut, 16) && aligned(w.w1_packed, 16) && aligned(w.w3_packed, 16) &&
+                    aligned(w.w2_packed, 16) && aligned(w.w1_scale, 4) && aligned(w.w3_scale, 4) &&
+                    aligned(w.w2_scale, 4) && w.w13_packed_stride % 16 == 0 && w.w2_packed_stride % 16 == 0 &&
+                    w.w13_scale_stride % 4 == 0 && w.w2_scale_stride % 4 == 0 && aligned(workspace, 256),
+                std::string("moe_experts_mxfp4: z, ũ and packed weights must be 16-byte aligned, scales 4-byte"));
+  if (T == 0) return;
+  const int64_t n = T * K;
+  const Path path = choose_path(opt.tile, n, X, w.fp32_scales || w.special_scales);
+  const int ct = path_ct(path);
+  const bool pdl = use_pdl(path, opt);
+  const bool grouped = path != Path::stream || opt.grouped == 1 || (opt.grouped == -1 && T > 2);
+  char* p = static_cast<char*>(workspace);
+  Groups grp = carve_groups(p, n, X);
+  uint16_t* act = reinterpret_cast<uint16_t*>(p);  // bf16 [n, I], row per slot
+  p += round256(size_t(n * I) * 2);
+  uint16_t* y = reinterpret_cast<uint16_t*>(p);    // bf16 [n, Lt], row per slot
+  p += round256(size_t(n * Lt) * 2);
+  const StreamScratch ss = carve_stream(p);
+  int ctas13 = 0, ctas2 = 0;
+  if (path == Path::stream) {
+    ctas13 = moe_detail::stream_grid(true, opt.stream_ctas);
+    ctas2 = moe_detail::stream_grid(false, opt.stream_ctas);
+  }
+  // Counters to zero: w1|w3's [0, 4·ctas13) and w2's [kMaxStreamWarps, kMaxStreamWarps + 4·ctas2): one range.
+  const int n_zero = path == Path::stream ? moe_detail::kMaxStreamWarps + moe_detail::kStreamWarps * ctas2 : 0;
+
+  mark(opt, 0, stream);
+  if (grouped) {
+    launch_group(ids, n, X, ct, grp, ss.counters, n_zero, stream);
+  } else {
+    grp = Groups{nullptr, nullptr, nullptr};
+    prep_kernel<<<1, kGroupThreads, 0, stream>>>(ss.counters, n_zero);
+    KCUDA_CHECK_LAUNCH();
+  }
+  mark(opt, 1, stream);
+  const GemmArgs a13{z,           Lt,          int(K),      grp.order,  grp.jobs,
+                     grp.n_jobs,  w.w1_packed, w.w1_scale,  w.w3_packed, w.w3_scale,
+                     w.w13_packed_stride,      w.w13_scale_stride,       int(I),
+                     int(Lt),     act,         situ_beta,   situ_linear_beta};
+  run_gemm(path, true, a13, grp, ids, n, X, w.special_scales, ss, ctas13, true, pdl, stream);
+  mark(opt, 2, stream);
+  const GemmArgs a2{act,        I,           1,          grp.order, grp.jobs,
+                    grp.n_jobs, w.w2_packed, w.w2_scale, nullptr,   nullptr,
+                    w.w2_packed_stride,      w.w2_scale_stride,     int(Lt),
+                    int(I),     y,           0.0f,       0.0f};
+  run_gemm(path, false, a2, grp, ids, n, X, w.special_scales, ss, ctas2, false, pdl, stream);
+  mark(opt, 3, stream);
+  const int64_t outs = T * (Lt / 8);
+  KCUDA_REQUIRE((outs + kCombineThreads - 1) / kCombineThreads < (int64_t(1) << 31),
+                std::string("moe_experts_mxfp4: too many outputs"));
+  moe_detail::launch(combine_kernel, dim3(unsigned((outs + kCombineThreads - 1) / kCombineThreads)),
+                     dim3(kCombineThreads), 0, stream, pdl, static_cast<const uint16_t*>(y), weights, ids, T, int(K),
+                     int(X), int(Lt), ut);
+  mark(opt, 4, stream);
+}
+
+size_t mxfp4_matmul_workspace_bytes(int64_t T) {
+  return round256(size_t(T) * 4) + groups_bytes(T, 1) + stream_scratch_bytes();
+}
+
+void mxfp4_matmul_packed(const uint16_t* x, const uint8_t* packed, const uint8_t* scale, bool special_scales,
+                         bool fp32_scales, int64_t T, int64_t R, int64_t C, void* workspace, uint16_t* y,
+                         cudaStream_t stream, MoeTokenTile tile) {
+  KCUDA_REQUIRE(x && packed && scale && workspace && y, std::string("mxfp4_matmul_packed: null pointer"));
+  KCUDA_REQUIRE(R > 0 && C > 0 && R % 64 == 0 && C % 64 == 0 && R < (1 << 24) && C < (1 << 24),
+                "mxfp4_matmul_packed: R = " + std::to_string(R) + ", C = " + std::to_string(C) +
+                    " must be positive multiples of 64");
+  KCUDA_REQUIRE(T >= 0 && T < (int64_t(1) << 31), std::string("mxfp4_matmul_packed: bad T"));
+  KCUDA_REQUIRE(aligned(x, 16) && aligned(packed, 16) && aligned(scale, 4) && aligned(workspace, 256),
+                std::string("mxfp4_matmul_packed: x and packed must be 16-byte aligned, scales 4-byte"));
+  if (T == 0) return;
+  const Path path = choose_path(tile, T, 1, fp32_scales || special_scales);
+  const bool pdl = use_pdl(path, MoeExpertsOptions{});
+  char* p = static_cast<char*>(workspace);
+  int32_t* ids = reinterpret_cast<int32_t*>(p);  // every row routed to "expert" 0
+  p += round256(size_t(T) * 4);
+  const Groups grp = carve_groups(p, T, 1);
+  const StreamScratch ss = carve_stream(p);
+  const int ctas = path == Path::stream ? moe_detail::stream_grid(false, 0) : 0;
+  KCUDA_CHECK(cudaMemsetAsync(ids, 0, size_t(T) * 4, stream));
+  launch_group(ids, T, 1, path_ct(path), grp, ss.counters + moe_detail::kMaxStreamWarps,
+               path == Path::stream ? moe_detail::kStreamWarps * ctas : 0, stream);
+  const GemmArgs a{x,       C,      1,       grp.order, grp.jobs, grp.n_jobs, packed, scale, nullptr, nullptr,
+                   0,       0,      int(R),  int(C),    y,        0.0f,       0.0f};
+  run_gemm(path, false, a, grp, ids, T, 1, special_scales, ss, ctas, true, pdl, stream);
+}
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,62 @@
+// The batch description of one GPU step: how forward_batch stacks its sequences and what it uploads.
+//
+// The tokens of every sequence are stacked into one [T, D] activation, single-token sequences (decodes)
+// first: every GEMM, norm, router and MoE launch covers the whole batch, KDA runs one varlen scan over
+// cu_seqlens, and the absorbed MLA decode covers rows 0..nd−1 in one launch. Two uploads per step:
+//  - static inputs (token ids [T] | cu_seqlens [n+1] | slot ids [n] | pool rows [T] | logits rows):
+//    one copy into scratch for an eager step, or rewritten in place in a CUDA-graph bucket (graphs.h);
+//  - context inputs, read only by the attention islands (whose shapes follow the contexts): decode
+//    context lengths [nd] | block tables [n, bt_stride] | per-row visible key counts [T] | per-row
+//    sequence [T].
+// Nothing is gathered: the indexer, the decode and the prefill attention read the pools through the
+// block tables.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "model/cuda/cuda_model.h"
+
+namespace kestrel::model::gpu {
+
+struct Context;
+
+struct BatchStep {
+  int64_t T = 0, n = 0, nd = 0;  // stacked tokens, sequences, leading T = 1 sequences (decodes)
+  int64_t n_real = 0;            // real sequences (< n when a graph bucket pads the batch)
+  // Per real sequence: first row, T_b, pos0_b, slot.
+  std::vector<int64_t> row0, len, pos0;
+  std::vector<int32_t> slot;
+  int64_t max_dec_S = 0;  // longest decode context
+  int64_t max_S = 0;      // longest context
+  bool attn_padded = false;  // a whole-step graph: the attention covers all T padded rows (graphs.h)
+  // Static inputs (device).
+  const int32_t* d_cu = nullptr;         // i32 [n+1] cu_seqlens
+  const int32_t* d_slots = nullptr;      // i32 [n]
+  const int32_t* d_pool_rows = nullptr;  // i32 [T]: pool row of each new token
+  // Context inputs (device).
+  const int32_t* d_dec_lens = nullptr;  // i32 [nd]
+  const int32_t* d_tables = nullptr;    // i32 [n_real, bt_stride]: block tables, padded with page 0
+  int64_t bt_stride = 0;
+  const int32_t* d_row_lens = nullptr;  // i32 [rows of the real sequences]: visible keys (position + 1)
+  const int32_t* d_row_req = nullptr;   // i32 [same]: sequence of the row
+};
+
+// The host arrays of a step, built with its BatchStep.
+struct BatchInputs {
+  std::vector<int32_t> ids, cu{0}, slots, pool_rows, lrows;           // static inputs
+  std::vector<int32_t> dec_lens, tables, row_lens, row_req;  // context inputs
+  bool all_last = true;  // every sequence wants exactly its last logits row
+};
+
+// Validates `seqs` against `cc` (token ids < V, decodes first, distinct slots, pages in range, block
+// tables covering the contexts; kestrel::Error otherwise) and describes the step.
+BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int64_t V, BatchInputs& in);
+// Uploads the context inputs.
+void upload_context(Context& x, BatchStep& s, const BatchInputs& in);
+// Uploads the static inputs of an eager step; returns the device token ids (the logits rows follow the
+// pool rows: s.d_pool_rows + s.T).
+const int32_t* upload_inputs(Context& x, BatchStep& s, const BatchInputs& in);
+
+}  // namespace kestrel::model::gpu

@@ -1,0 +1,187 @@
+// The GPU model's façade (see cuda_model.h): owns the allocator, stream, cuBLASLt handle, weights and
+// the last step's logits; a step is described (batch.h), run eagerly or through a graph bucket
+// (graphs.h) over the layer stack (forward.cpp), and its logits stay on the device for greedy / sample.
+#include "model/cuda/cuda_model.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "core/check.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_alloc.h"
+#include "kernels/cuda/gemm.h"
+#include "model/cuda/batch.h"
+#include "model/cuda/cache.h"
+#include "model/cuda/context.h"
+#include "model/cuda/layers.h"
+#include "model/cuda/weights.h"
+
+namespace kestrel::model {
+
+namespace {
+struct Stream {  // the model's non-blocking stream
+  cudaStream_t s = nullptr;
+  Stream() { KCUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  ~Stream() { cudaStreamDestroy(s); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+};
+}  // namespace
+
+struct CudaModel::Impl {
+  ModelConfig cfg;
+  cuda::CachingAllocator alloc;
+  cuda::DeviceArena arena{alloc};
+  cuda::GemmLt lt;
+  Stream stream;
+  gpu::WeightsDev w;
+  gpu::Context x;
+  bool graphs = false;
+  int64_t graph_steps = 0;
+  float* logits_dev = nullptr;  // f32 [logits_cap, V]: the eager steps' logits
+  int64_t logits_cap = 0, logits_rows = 0;
+  const float* logits_cur = nullptr;  // the last step's logits (logits_dev or a graph bucket's), read by
+                                      // copy_logits / greedy / sample until the next forward
+
+  Impl(const ModelConfig& c, const ModelWeights& mw, const CudaModelOptions& o)
+      : cfg(c),
+        w(gpu::upload_weights(cfg, mw, arena, o.quant == WeightQuant::ptpc_fp8)),
+        x{cfg.text, alloc, lt, stream.s, {}, {}, {}, gpu::DecodeOptions::from_env(), o.quant == WeightQuant::ptpc_fp8,
+          {}, {}} {
+    // The skinny GEMM's split-K scratch: partials and zeroed counters (every launch leaves them zero).
+    x.skinny.part_bytes = cuda::kSkinnyPartBytes;
+    x.skinny.part = static_cast<float*>(alloc.alloc(x.skinny.part_bytes));
+    x.skinny.n_counters = cuda::kSkinnyCounters;
+    x.skinny.counters = static_cast<unsigned*>(alloc.alloc(size_t(x.skinny.n_counters) * 4));
+    KCUDA_CHECK(cudaMemsetAsync(x.skinny.counters, 0, size_t(x.skinny.n_counters) * 4, x.stream));
+    KCUDA_CHECK(cudaStreamSynchronize(x.stream));
+  }
+  ~Impl() {
+    alloc.free(logits_dev);
+    alloc.free(x.skinny.part);
+    alloc.free(x.skinny.counters);
+  }
+
+  int64_t forward_batch(CudaCache& cc, std::span<const CudaSeq> seqs) {
+    const TextConfig& tc = cfg.text;
+    const int64_t V = tc.vocab_size;
+    gpu::BatchInputs in;
+    gpu::BatchStep s = gpu::describe_batch(seqs, cc, V, in);
+    x.timer.begin_step();
+    x.mark("start");
+    const bool use_graph = graphs && s.nd == s.n && in.all_last && !x.timer.on && !x.caps.on &&
+                           s.n <= gpu::kMaxGraphBatch;
+    // A whole-step graph carries the context inputs in its bucket (graphs.h); every other step uploads them.
+    if (!use_graph || !gpu::whole_graph_step(x, s)) gpu::upload_context(x, s, in);
+    if (!use_graph) {
+      const int32_t* d_ids = gpu::upload_inputs(x, s, in);
+      const int64_t nr = int64_t(in.lrows.size());
+      if (nr > logits_cap) {
+        alloc.free(logits_dev);
+        logits_dev = static_cast<float*>(alloc.alloc(size_t(nr * V) * 4));
+        logits_cap = nr;
+      }
+      bool identity = nr == s.T;
+      for (int64_t i = 0; identity && i < nr; ++i) identity = in.lrows[size_t(i)] == int32_t(i);
+      gpu::forward_layers(x, w, cc, s, d_ids, s.d_pool_rows + s.T, nr, identity, logits_dev);
+      logits_cur = logits_dev;
+      logits_rows = nr;
+    } else {
+      logits_cur = gpu::run_graph_step(x, cc, s, in, [&](const int32_t* ids, const int32_t* lrows, int64_t nr, float* lg) {
+        gpu::forward_layers(x, w, cc, s, ids, lrows, nr, true, lg);
+      });
+      ++graph_steps;
+      logits_rows = s.n_real;
+    }
+    x.mark("final+lm_head");
+    // No host wait here: everything that reads the step's results (copy_logits, greedy, sample) is on this
+    // stream and synchronises itself, and the scratch given back below is only handed out again to later
+    // work on the same stream (stream order), so the host prepares the next call while the GPU runs this one.
+    if (x.timer.on) KCUDA_CHECK(cudaStreamSynchronize(x.stream));
+    x.release_scratch();
+    if (x.timer.on) x.timer.end_step();
+    return logits_rows;
+  }
+
+  void copy_logits_rows(int64_t first, int64_t n, float* host) const {
+    KCHECK(first >= 0 && n >= 0 && first + n <= logits_rows, "logits rows [{}, {}) outside the {} of the last forward",
+           first, first + n, logits_rows);
+    const int64_t V = cfg.text.vocab_size;
+    if (n == 0) return;
+    KCUDA_CHECK(cudaMemcpyAsync(host, logits_cur + first * V, size_t(n * V) * 4, cudaMemcpyDeviceToHost, x.stream));
+    KCUDA_CHECK(cudaStreamSynchronize(x.stream));
+  }
+
+  void greedy(int32_t* host) {
+    if (logits_rows == 0) return;
+    int32_t* d = static_cast<int32_t*>(alloc.alloc(size_t(logits_rows) * 4));
+    cuda::argmax_rows(logits_cur, cfg.text.vocab_size, logits_rows, cfg.text.vocab_size, d, x.stream);
+    KCUDA_CHECK(cudaMemcpyAsync(host, d, size_t(logits_rows) * 4, cudaMemcpyDeviceToHost, x.stream));
+    KCUDA_CHECK(cudaStreamSynchronize(x.stream));
+    alloc.free(d);
+  }
+
+  void sample(std::span<const cuda::SampleParams> params, std::span<const cuda::PenaltyEntry> pen, int32_t* host) {
+    const int64_t V = cfg.text.vocab_size, n = int64_t(params.size()), m = int64_t(pen.size());
+    if (n == 0) return;
+    for (const auto& p : params)
+      KCHECK(p.row >= 0 && p.row < logits_rows, "sample: logits row {} outside the {} of the last forward", p.row,
+             logits_rows);
+    for (const auto& e : pen)
+      KCHECK(e.row >= 0 && e.row < logits_rows && e.token >= 0 && e.token < V && e.count >= 0,
+             "sample: bad penalty entry (row {}, token {}, count {})", e.row, e.token, e.count);
+    auto* dp = static_cast<cuda::SampleParams*>(alloc.alloc(size_t(n) * sizeof(cuda::SampleParams)));
+    auto* de = static_cast<cuda::PenaltyEntry*>(alloc.alloc(size_t(std::max<int64_t>(m, 1)) * sizeof(cuda::PenaltyEntry)));
+    auto* di = static_cast<int32_t*>(alloc.alloc(size_t(n) * 4));
+    KCUDA_CHECK(cudaMemcpyAsync(dp, params.data(), size_t(n) * sizeof(cuda::SampleParams), cudaMemcpyHostToDevice, x.stream));
+    if (m > 0)
+      KCUDA_CHECK(cudaMemcpyAsync(de, pen.data(), size_t(m) * sizeof(cuda::PenaltyEntry), cudaMemcpyHostToDevice, x.stream));
+    cuda::apply_penalties(const_cast<float*>(logits_cur), V, V, de, m, x.stream);
+    cuda::sample_rows(logits_cur, V, V, dp, n, di, x.stream);
+    KCUDA_CHECK(cudaMemcpyAsync(host, di, size_t(n) * 4, cudaMemcpyDeviceToHost, x.stream));
+    KCUDA_CHECK(cudaStreamSynchronize(x.stream));
+    alloc.free(dp), alloc.free(de), alloc.free(di);
+  }
+};
+
+WeightQuant parse_weight_quant(const std::string& s) {
+  if (s == "bf16" || s == "none") return WeightQuant::bf16;
+  if (s == "ptpc-fp8" || s == "ptpc_fp8") return WeightQuant::ptpc_fp8;
+  fail("unknown --quantization '{}' (bf16 or ptpc-fp8)", s);
+}
+
+CudaModel::CudaModel(const ModelConfig& c, const ModelWeights& w, const CudaModelOptions& opt)
+    : impl_(std::make_unique<Impl>(c, w, opt)) {}
+CudaModel::~CudaModel() = default;
+size_t CudaModel::weight_bytes() const { return impl_->arena.bytes(); }
+
+int64_t CudaModel::cache_bytes(const TextConfig& t, int64_t pages, int64_t slots, const CacheFormats& f) {
+  return gpu::cache_bytes(t, pages, slots, f);
+}
+CudaCachePtr CudaModel::new_cache(int32_t num_pages, int32_t num_slots, const CacheFormats& f) {
+  return CudaCachePtr(gpu::new_cache(impl_->alloc, impl_->x.stream, impl_->cfg.text, num_pages, num_slots, f),
+                      gpu::free_cache);
+}
+void CudaModel::zero_slot(CudaCache& c, int32_t slot) { gpu::zero_slot(c, slot, impl_->x.stream); }
+void CudaModel::copy_slot(CudaCache& c, int32_t src, int32_t dst) { gpu::copy_slot(c, src, dst, impl_->x.stream); }
+
+int64_t CudaModel::forward_batch(CudaCache& c, std::span<const CudaSeq> seqs) { return impl_->forward_batch(c, seqs); }
+void CudaModel::copy_logits(float* host) const { impl_->copy_logits_rows(0, impl_->logits_rows, host); }
+void CudaModel::copy_logits_rows(int64_t first, int64_t n, float* host) const { impl_->copy_logits_rows(first, n, host); }
+void CudaModel::greedy(int32_t* host) const { impl_->greedy(host); }
+void CudaModel::sample(std::span<const cuda::SampleParams> params, std::span<const cuda::PenaltyEntry> penalties,
+                       int32_t* ids_host) {
+  impl_->sample(params, penalties, ids_host);
+}
+void CudaModel::enable_cuda_graphs(bool on) { impl_->graphs = on; }
+int64_t CudaModel::graph_steps() const { return impl_->graph_steps; }
+void* CudaModel::stream() const { return impl_->x.stream; }
+
+void CudaModel::enable_op_timing(bool on) { impl_->x.timer.on = on; }
+std::vector<std::pair<std::string, double>> CudaModel::op_times() const { return impl_->x.timer.last_times(); }
+void CudaModel::enable_captures(bool on) { impl_->x.caps.on = on; }
+const std::map<std::string, std::vector<int32_t>>& CudaModel::captures() const { return impl_->x.caps.ids; }
+const std::map<std::string, std::vector<float>>& CudaModel::activation_captures() const { return impl_->x.caps.acts; }
+
+}  // namespace kestrel::model

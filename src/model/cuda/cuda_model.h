@@ -1,0 +1,121 @@
+// The K3.1 text model on one GPU (built when nvcc is found): the façade the GPU executor
+// (runtime/executor_cuda.h), the GPU tests and bench_ops use. It runs ONE forward over a whole engine
+// step (many sequences, each with its own positions, KDA slot and block table) over a device cache
+// (CudaCache), with the CUDA ops of src/kernels/cuda at the CPU model's rounding points (BF16
+// activations, FP32 accumulation, state and logits); the scheduler, the pages and the slots are the
+// runtime's business, this is the model's math.
+//
+// The folder, one concern per file (MODEL.md §3 sections in each layer file):
+//   cuda_model.*   this façade: weights + caches + one forward per step, logits, greedy, the device sampler
+//   weights.*      upload, stacking, PTPC FP8 re-quantisation and expert packing: structs of device pointers
+//   linear.*       Lin(W)(x): the skinny GEMM for decode, cuBLASLt (BF16 / FP8) for prefill; the switches
+//   cache.*        CudaCache: paged latent / index-key pools, KDA state pools, zero / copy slot
+//   batch.*        BatchStep: how a step's sequences are stacked, and the metadata it uploads
+//   graphs.*       CUDA graphs: bucketed piecewise capture and replay of decode steps
+//   instruments.*  op timing and debug captures
+//   context.h      what every forward gets (stream, cuBLASLt, scratch, graph mode, instruments)
+//   forward.cpp    the layer stack (§3.1–3.2, §3.8); kda.cpp (§3.3), mla.cpp (§3.4 + §3.5 indexer),
+//   moe.cpp (§3.6), mlp.cpp (§3.7), attn_res.cpp (§3.2)
+// Forms: prefill rows (T > 1) run the naive MLA form, decode rows (T = 1) the absorbed one, like the CPU
+// defaults; KDA always runs the recurrent scan (the CPU prefill uses the chunked form, equal in exact
+// arithmetic, different in FP32 rounding). Projections of T ≤ 64 rows run the skinny GEMM (linear.h), whose
+// results do not depend on T; beyond that the GPU path is not batch invariant (cuBLASLt may choose another
+// algorithm for another row count, the expert and attention kernels plan by row count).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/cache_format.h"
+#include "kernels/cuda/sampling.h"
+#include "loader/config.h"
+#include "loader/weights.h"
+
+namespace kestrel::model {
+
+struct CudaCache;  // model/cuda/cache.h
+
+// One sequence of a batched forward: positions [pos0, pos0 + T) from `tokens`, KDA state in `slot`,
+// MLA rows through `block_table` (covering [0, pos0 + T)).
+struct CudaSeq {
+  std::span<const int32_t> tokens;
+  int64_t pos0 = 0;
+  int32_t slot = 0;
+  std::span<const int32_t> block_table;
+  enum class Logits : uint8_t { none, last, all } logits = Logits::last;
+};
+
+using CudaCachePtr = std::unique_ptr<CudaCache, void (*)(CudaCache*)>;
+
+// How the dense projections are stored on the GPU: BF16 as in the checkpoint, or re-quantised at load to
+// PTPC FP8 (--quantization ptpc-fp8: e4m3 weights with per-output-channel scales, activations quantised per
+// token on the fly; model/cuda/linear.h). The router, the indexer head weights, lm_head, kv_b and the
+// embeddings stay BF16; the routed experts stay MXFP4.
+enum class WeightQuant : uint8_t { bf16, ptpc_fp8 };
+WeightQuant parse_weight_quant(const std::string& s);  // "bf16" | "ptpc-fp8"; kestrel::Error otherwise
+struct CudaModelOptions {
+  WeightQuant quant = WeightQuant::bf16;
+};
+
+class CudaModel {
+ public:
+  // Uploads the weights (synchronous).
+  CudaModel(const ModelConfig& c, const ModelWeights& w, const CudaModelOptions& opt = {});
+  ~CudaModel();
+  CudaModel(const CudaModel&) = delete;
+  CudaModel& operator=(const CudaModel&) = delete;
+
+  size_t weight_bytes() const;
+
+  // ---- caches (cache.h) -------------------------------------------------------------------------------
+  // Device bytes of a cache with `pages` pages and `slots` KDA slots in formats `f` (block_size tokens
+  // per page), plus the hidden dummy page and slot of the graph buckets.
+  static int64_t cache_bytes(const TextConfig& t, int64_t pages, int64_t slots, const CacheFormats& f);
+  // Caches must be freed before the model (they hold memory of its allocator).
+  CudaCachePtr new_cache(int32_t num_pages, int32_t num_slots, const CacheFormats& f);
+  void zero_slot(CudaCache& c, int32_t slot);  // a fresh start: S = 0, empty conv history
+  void copy_slot(CudaCache& c, int32_t src, int32_t dst);
+
+  // ---- one forward per step ---------------------------------------------------------------------------
+  // One forward over `seqs` (every sequence with T = 1 first, slots distinct). Returns the number of
+  // logits rows produced (f32 [rows, V] on the device, in sequence order: all rows of an `all`
+  // sequence, the last of a `last` one), which copy_logits / greedy / sample read until the next forward.
+  int64_t forward_batch(CudaCache& c, std::span<const CudaSeq> seqs);
+  void copy_logits(float* host /* f32 [rows, V] */) const;
+  void copy_logits_rows(int64_t first, int64_t n, float* host /* f32 [n, V] */) const;
+  void greedy(int32_t* host /* i32 [rows] */) const;  // argmax per row, ties to the lower id
+  // The full sampler on the device (kernels/cuda/sampling.h) over rows of the last forward's logits:
+  // penalties first, in place (so once per forward; copy_logits afterwards sees penalised rows), then
+  // ids_host[i] = the token for params[i], or −1 where the host must sample that row.
+  void sample(std::span<const cuda::SampleParams> params, std::span<const cuda::PenaltyEntry> penalties,
+              int32_t* ids_host /* i32 [params.size()] */);
+  // CUDA graphs for decode steps (graphs.h; off by default): all-decode steps wanting their last logits
+  // run through bucketed captured graphs.
+  void enable_cuda_graphs(bool on);
+  int64_t graph_steps() const;  // forwards that ran through a graph bucket (captured or replayed)
+  // The device stream every launch of this model goes to (for callers adding their own work).
+  void* stream() const;
+
+  // ---- instruments (instruments.h) --------------------------------------------------------------------
+  // Per-op timing of the last eager forward (CUDA events around each op group), µs; empty unless enabled.
+  void enable_op_timing(bool on);
+  std::vector<std::pair<std::string, double>> op_times() const;
+  // Debug captures for tests: when on, every forward appends each MoE layer's router ids (i32 [T, K],
+  // "L{L}.router_ids") and each MLA layer's indexer selection (i32 [T, Ki], "L{L}.index_topk"), the
+  // names of model.h's observer. Costs a device sync per capture.
+  void enable_captures(bool on);
+  const std::map<std::string, std::vector<int32_t>>& captures() const;
+  // Also per layer "L{L}.attn_out" and "L{L}.mlp_out" (bf16 [T, D] as f32), appended.
+  const std::map<std::string, std::vector<float>>& activation_captures() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kestrel::model

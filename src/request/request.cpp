@@ -1,0 +1,67 @@
+// validate() and names: see request.h.
+#include "request/request.h"
+
+#include <fmt/format.h>
+
+namespace kestrel {
+namespace {
+
+[[noreturn]] void bad(const char* field, const std::string& msg) { throw RequestError(field, msg); }
+
+// lo_open: the range excludes lo. NaN is never in range.
+void range(const char* field, float x, double lo, double hi, bool lo_open = false) {
+  if (!(lo_open ? double(x) > lo : double(x) >= lo) || !(double(x) <= hi))
+    bad(field, fmt::format("'{}' must be in {}{}, {}], got {}", field, lo_open ? "(" : "[", lo, hi, x));
+}
+
+}  // namespace
+
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::none: return "none";
+    case FinishReason::stop: return "stop";
+    case FinishReason::length: return "length";
+    case FinishReason::cancelled: return "cancelled";
+    case FinishReason::error: return "error";
+  }
+  return "?";
+}
+
+void validate(const Request& r, const RequestLimits& limits) {
+  KCHECK(limits.vocab_size > 0 && limits.max_model_len > 0, "request limits not set");
+  const SamplingParams& s = r.sampling;
+  range("temperature", s.temperature, 0.0, 2.0);
+  range("top_p", s.top_p, 0.0, 1.0, /*lo_open=*/true);
+  if (s.top_k < 0) bad("top_k", fmt::format("'top_k' must be >= 0 (0 = off), got {}", s.top_k));
+  range("min_p", s.min_p, 0.0, 1.0);
+  range("repetition_penalty", s.repetition_penalty, 0.0, 10.0, /*lo_open=*/true);
+  range("presence_penalty", s.presence_penalty, -2.0, 2.0);
+  range("frequency_penalty", s.frequency_penalty, -2.0, 2.0);
+  if (s.logprobs > 20) bad("logprobs", fmt::format("'logprobs' may ask for at most 20 alternatives, got {}", s.logprobs));
+  if (r.max_tokens < 1) bad("max_tokens", fmt::format("'max_tokens' must be >= 1, got {}", r.max_tokens));
+
+  if (r.prompt.empty()) bad("prompt", "the prompt is empty");
+  for (int32_t t : r.prompt)
+    if (t < 0 || t >= limits.vocab_size)
+      bad("prompt", fmt::format("prompt token {} is outside the vocabulary [0, {})", t, limits.vocab_size));
+  const int64_t P = int64_t(r.prompt.size()), mml = limits.max_model_len;
+  if (P >= mml)
+    bad("prompt", fmt::format("This model's maximum context length is {} tokens. However, your prompt has {} tokens. "
+                              "Please reduce the length of the input.{}", mml, P, limits.context_note));
+  if (P + r.max_tokens > mml)
+    bad("max_tokens", fmt::format("This model's maximum context length is {} tokens. However, you requested {} tokens "
+                                  "({} in the prompt, {} for the completion). Please reduce the length of the input "
+                                  "or of max_tokens.{}", mml, P + r.max_tokens, P, r.max_tokens, limits.context_note));
+
+  for (int32_t t : r.stop_token_ids)
+    if (t < 0 || t >= limits.vocab_size)
+      bad("stop_token_ids", fmt::format("stop token id {} is outside the vocabulary [0, {})", t, limits.vocab_size));
+  if (r.stop.size() > 16) bad("stop", fmt::format("'stop' may hold at most 16 strings, got {}", r.stop.size()));
+  for (const std::string& st : r.stop)
+    if (st.empty()) bad("stop", "stop strings must not be empty");
+  for (const MediaSpan& m : r.media)
+    if (m.start < 0 || m.end <= m.start || m.end > P)
+      bad("media", fmt::format("media span [{}, {}) outside the {}-token prompt", m.start, m.end, P));
+}
+
+}  // namespace kestrel

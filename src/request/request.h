@@ -1,0 +1,138 @@
+// The request vocabulary: what one generation request is, what comes back for it, and how it ends.
+// Every layer speaks these types directly — the OpenAI server and `kestrel generate` build a Request,
+// the runtime engine validates it once and keeps it, the scheduler stores what it needs from it, the
+// sampler reads its SamplingParams, and events flow back as TokenEvents. Plain data, no tensors, no
+// threads; the abstract engine the front ends code against is request/engine.h.
+//
+// Adding a request field: add it here (Request or SamplingParams), check it in validate(), and honour
+// it where it acts (sampler, engine loop, text stream); nothing translates it on the way.
+//
+// Stopping, settled once for every front end:
+//   - max_tokens generated tokens (finish length; validate() keeps prompt + max_tokens within the
+//     context, so the context never runs out first);
+//   - a stop token (finish stop; that token is the event's token and the last one): any of the
+//     engine's end-of-sequence ids (the config's eos_token_id plus the tokenizer's end-of-turn
+//     specials <|end_of_msg|>, [EOS], [EOT]) or of the request's stop_token_ids. ignore_eos turns
+//     ALL of them off — generation then ends only at max_tokens, a stop string or a cancel;
+//   - a stop string: text-level, matched by the consumer's text stream (tokenizer/text_stream.h),
+//     which then cancels the request; the engine only knows ids.
+//   A stop token's text is never part of the output text.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/check.h"
+
+namespace kestrel {
+
+using RequestId = uint64_t;
+
+// The sampler's knobs (runtime/sampler.h applies them; vLLM's order and meanings).
+struct SamplingParams {
+  float temperature = 0.0f;         // [0, 2]; 0 = greedy
+  int32_t top_k = 0;                // >= 0; 0 = off
+  float top_p = 1.0f;               // (0, 1]
+  float min_p = 0.0f;               // [0, 1]; 0 = off
+  float repetition_penalty = 1.0f;  // (0, 10]; 1 = off (prompt and output tokens)
+  float presence_penalty = 0.0f;    // [-2, 2] (output tokens)
+  float frequency_penalty = 0.0f;   // [-2, 2] (output tokens)
+  uint64_t seed = 0;                // draw i comes from (seed, i): the same seed gives the same tokens
+  int32_t logprobs = -1;            // < 0: none; n in [0, 20]: the sampled token's logprob + the n most likely
+};
+
+// Tokens [start, end) of the prompt carry media (an image's placeholders) with this content hash;
+// prefix-cache keys include it, so equal placeholders of different images never share a block.
+struct MediaSpan {
+  int64_t start = 0;
+  int64_t end = 0;
+  uint64_t content_hash = 0;
+};
+
+struct Request {
+  std::vector<int32_t> prompt;             // token ids, non-empty, each < the model's vocabulary
+  SamplingParams sampling;
+  int32_t max_tokens = 16;                 // tokens to generate at most, >= 1
+  std::vector<int32_t> stop_token_ids;     // besides the engine's end-of-sequence ids
+  std::vector<std::string> stop;           // stop strings (at most 16, non-empty): the text stream's
+  bool ignore_eos = false;                 // no token id ends the request (see the header)
+  std::vector<MediaSpan> media;            // image placeholders in the prompt
+  // Debug hook (`generate --dump-logits`): every position's logits once, in position order (prompt
+  // positions, then each generated token fed back), on the engine thread. Costs a full lm_head per
+  // position and keeps the logits on the host.
+  std::function<void(int64_t pos, std::span<const float> row /* f32 [V] */)> on_logits;
+};
+
+enum class FinishReason : uint8_t {
+  none,       // more tokens follow
+  stop,       // a stop token was generated (it is this event's token)
+  length,     // max_tokens reached
+  cancelled,  // cancel() or engine shutdown
+  error,      // the engine failed; TokenEvent::error says why (the engine then refuses requests)
+};
+const char* finish_reason_name(FinishReason r);  // "none", "stop", "length", "cancelled", "error"
+
+struct TokenLogprob {
+  int32_t token = -1;
+  float logprob = 0.0f;
+};
+
+// One generated token, or a token-less end. Every accepted request gets exactly one event with
+// finish != none (its last token, or a token-less event for a cancellation or failure).
+struct TokenEvent {
+  RequestId id = 0;
+  int32_t index = -1;                 // output index of `token`; −1 for a token-less event
+  int32_t token = -1;
+  float logprob = 0.0f;               // of `token`, when sampling.logprobs >= 0
+  std::vector<TokenLogprob> top_logprobs;
+  int32_t prompt_tokens = 0;          // the request's first event only: its prompt length
+  int32_t cached_prompt_tokens = 0;   // the first event only: prompt tokens the prefix cache served
+  FinishReason finish = FinishReason::none;
+  std::string error;                  // finish == error
+
+  bool finished() const { return finish != FinishReason::none; }
+};
+
+// Engine state and counters. The scheduler keeps the admission, step and prefix-cache counters; the
+// engine adds queue lengths, pages, token totals and executor time.
+struct EngineStats {
+  int64_t running = 0, waiting = 0;         // requests holding a state slot / accepted, not yet running
+  int32_t pages_total = 0, pages_used = 0;  // used = not free (cached prefix pages included)
+  int32_t pages_held = 0;                   // not reclaimable: held by requests (0 when idle)
+  int64_t steps = 0, admitted = 0, preemptions = 0, finished = 0, cancelled = 0;
+  int64_t prefix_queries = 0;               // admissions that looked up the prefix cache
+  int64_t prefix_query_tokens = 0;          // prompt tokens looked up (vLLM's prefix_cache_queries)
+  int64_t prefix_hits = 0;                  // admissions that restored a checkpoint
+  int64_t prefix_hit_tokens = 0;            // prompt tokens served from the cache (vLLM's prefix_cache_hits)
+  int64_t prefill_tokens = 0, decode_tokens = 0;     // scheduled positions
+  int64_t prompt_tokens = 0, generation_tokens = 0;  // accepted prompts; tokens sampled
+  int64_t tokens_forwarded = 0;             // positions actually computed (prefill incl. recompute + decodes)
+  double busy_seconds = 0.0;                // time spent in forward steps
+
+  // vLLM's kv_cache_usage: cached prefix pages nobody holds are reclaimable, so they count as free.
+  double kv_usage() const { return pages_total ? double(pages_held) / double(pages_total) : 0.0; }
+};
+
+// What validate() checks a request against (the engine's model and memory plan).
+struct RequestLimits {
+  int64_t vocab_size = 0;     // > 0
+  int64_t max_model_len = 0;  // prompt + max_tokens at most
+  std::string context_note;   // appended to context-length errors: why max_model_len is what it is
+};
+
+// A request that cannot be served as asked. `field` names the request field at fault ("prompt",
+// "max_tokens", "temperature", ...), so a front end can point at its own spelling of it.
+class RequestError : public Error {
+ public:
+  RequestError(std::string field, const std::string& msg) : Error(msg), field(std::move(field)) {}
+  std::string field;
+};
+
+// The one check of a request: prompt ids in the vocabulary, the context length, every parameter's
+// range, stop ids and strings, media spans. Throws RequestError naming the first bad field.
+void validate(const Request& r, const RequestLimits& limits);
+
+}  // namespace kestrel

@@ -1,0 +1,191 @@
+// EngineHost: see engine_host.h.
+#include "runtime/engine_host.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "core/check.h"
+#include "loader/config.h"
+#include "loader/safetensors.h"
+#include "loader/weights.h"
+#include "tokenizer/parser.h"
+#ifdef KESTREL_WITH_CUDA
+#include "model/cuda/cuda_model.h"
+#include "runtime/executor_cuda.h"
+#endif
+
+namespace kestrel::runtime {
+
+// Declared in this order so the engine (which refers to cfg, w and the device) goes first.
+struct EngineHost::Loaded {
+  ModelConfig cfg;
+  std::unique_ptr<Checkpoint> ckpt;
+  ModelWeights w;
+  std::shared_ptr<void> device;  // the GPU model behind --device cuda
+  std::unique_ptr<runtime::Engine> engine;
+};
+
+int64_t checkpoint_bytes(const std::string& dir) {
+  int64_t n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    if (e.path().extension() == ".safetensors") n += int64_t(e.file_size());
+  return n;
+}
+
+namespace {
+
+void check_utilization(double f) {
+  if (!(f > 0.0 && f <= 1.0)) fail("--gpu-memory-utilization must be in (0, 1], got {}", f);
+}
+
+// --gpu-memory-utilization on the CPU: the fraction of physical RAM, less the weights.
+int64_t cpu_cache_budget(double f, const std::string& model_dir) {
+  check_utilization(f);
+  const double ram = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
+  const int64_t budget = int64_t(f * ram) - checkpoint_bytes(model_dir);
+  if (budget <= 0) fail("--gpu-memory-utilization {} leaves no memory after the weights", f);
+  return budget;
+}
+
+// --device cuda: uploads the weights and sets the GPU executor and, for a utilization, the budget
+// from the device's memory. Returns the GPU model, to live as long as the engine.
+std::shared_ptr<void> setup_cuda(const EngineOptions& o, const ModelConfig& c, const ModelWeights& w, EngineConfig& ec) {
+#ifdef KESTREL_WITH_CUDA
+  model::CudaModelOptions mo;
+  mo.quant = model::parse_weight_quant(o.quantization);
+  auto m = std::make_shared<model::CudaModel>(c, w, mo);
+  // Activations of one step (max_num_batched_tokens rows through the widest layer) and cuBLASLt's
+  // workspace: a fixed 2 GiB covers the mini and nano shapes with room to spare.
+  if (o.gpu_memory_utilization > 0.0) {
+    check_utilization(o.gpu_memory_utilization);
+    ec.memory_budget = cuda_cache_budget(o.gpu_memory_utilization, int64_t(2) << 30);
+  }
+  model::CudaModel* mp = m.get();
+  const ModelConfig* cp = &c;
+  ec.make_executor = [mp, cp, graphs = o.cuda_graphs](const cache::CacheFormats& f, const cache::CacheConfig& cc) {
+    return std::unique_ptr<StepExecutor>(std::make_unique<CudaExecutor>(*mp, *cp, f, cc, CudaExecutorOptions{graphs}));
+  };
+  return m;
+#else
+  (void)o, (void)c, (void)w, (void)ec;
+  fail("--device cuda: this kestrel was built without CUDA");
+#endif
+}
+
+}  // namespace
+
+EngineHost::EngineHost(EngineOptions options) : opt_(std::move(options)) {
+  // Option errors (a bad utilization) surface at once rather than as a failed load.
+  if (opt_.memory_budget && *opt_.memory_budget <= 0) fail("--memory-budget must be positive");
+  if (opt_.gpu_memory_utilization != 0.0) check_utilization(opt_.gpu_memory_utilization);
+  if (opt_.quantization != "bf16" && (opt_.device != Device::cuda || opt_.fake))
+    fail("--quantization {} needs --device cuda", opt_.quantization);
+  loader_ = std::thread([this] { load(); });
+}
+
+EngineHost::~EngineHost() { shutdown(); }
+
+void EngineHost::load() {
+  std::string error;
+  auto m = std::make_unique<Loaded>();
+  try {
+    m->cfg = load_config(opt_.model_dir);
+    EngineConfig ec = opt_.engine;
+    if (opt_.memory_budget) ec.memory_budget = *opt_.memory_budget;
+    ec.eos_token_ids.clear();
+    if (m->cfg.text.eos_token_id >= 0) ec.eos_token_ids.push_back(m->cfg.text.eos_token_id);
+    if (opt_.tokenizer)
+      for (tok::TokenId id : tok::end_of_turn_ids(*opt_.tokenizer))
+        if (int32_t(id) != m->cfg.text.eos_token_id) ec.eos_token_ids.push_back(int32_t(id));
+    if (opt_.fake) {
+      std::this_thread::sleep_for(opt_.fake_load_delay);
+      ec.make_executor = fake_executor_factory(m->cfg.text.vocab_size, opt_.fake_executor);
+      m->engine = std::make_unique<runtime::Engine>(m->cfg, ec);
+    } else {
+      m->ckpt = std::make_unique<Checkpoint>(opt_.model_dir);
+      m->w = bind_weights(m->cfg, *m->ckpt);
+      if (opt_.device == Device::cuda) {
+        m->device = setup_cuda(opt_, m->cfg, m->w, ec);
+      } else if (!opt_.memory_budget && opt_.gpu_memory_utilization > 0.0) {
+        ec.memory_budget = cpu_cache_budget(opt_.gpu_memory_utilization, opt_.model_dir);
+      }
+      m->engine = std::make_unique<runtime::Engine>(m->w, m->cfg, ec);
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  std::lock_guard lk(mu_);
+  loaded_ = true;
+  if (error.empty())
+    loaded_model_ = std::move(m);
+  else
+    load_error_ = error;
+  cv_.notify_all();
+}
+
+bool EngineHost::wait_loaded() const {
+  std::unique_lock lk(mu_);
+  cv_.wait(lk, [&] { return loaded_; });
+  return loaded_model_ != nullptr;
+}
+
+std::string EngineHost::load_error() const {
+  std::lock_guard lk(mu_);
+  return load_error_;
+}
+
+runtime::Engine* EngineHost::get() const {
+  std::lock_guard lk(mu_);
+  return loaded_model_ ? loaded_model_->engine.get() : nullptr;
+}
+
+runtime::Engine& EngineHost::engine() const {
+  runtime::Engine* e = get();
+  if (!e) fail("the engine is not loaded{}", load_error().empty() ? "" : ": " + load_error());
+  return *e;
+}
+
+const ModelConfig& EngineHost::model_config() const {
+  engine();  // loaded, or a clear error
+  return loaded_model_->cfg;
+}
+
+bool EngineHost::ready() const {
+  runtime::Engine* e = get();
+  return e && e->ready();
+}
+
+int64_t EngineHost::max_model_len() const {
+  runtime::Engine* e = get();
+  return e ? e->max_model_len() : 0;
+}
+
+int64_t EngineHost::vocab_size() const {
+  runtime::Engine* e = get();
+  return e ? e->vocab_size() : 0;
+}
+
+Submission EngineHost::submit(Request r, TokenSink sink) {
+  runtime::Engine* e = get();
+  if (!e) return {};  // not_ready
+  return e->submit(std::move(r), std::move(sink));
+}
+
+bool EngineHost::cancel(RequestId id) {
+  runtime::Engine* e = get();
+  return e && e->cancel(id);
+}
+
+EngineStats EngineHost::stats() const {
+  runtime::Engine* e = get();
+  return e ? e->stats() : EngineStats{};
+}
+
+void EngineHost::shutdown() {
+  std::lock_guard lk(shutdown_mu_);
+  if (loader_.joinable()) loader_.join();
+  if (runtime::Engine* e = get()) e->shutdown();
+}
+
+}  // namespace kestrel::runtime

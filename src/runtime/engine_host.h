@@ -1,0 +1,93 @@
+// EngineHost: builds and owns everything an engine runs on — config, checkpoint, bound weights, the
+// device (CPU, or the GPU model and executor), the memory budget, the end-of-sequence ids — and the
+// runtime::Engine itself. Both `kestrel serve` and `kestrel generate` get their engine here, from
+// one EngineOptions (filled by the shared CLI flags, cli/engine_flags.h), so device choice and the
+// budget rules live in one place:
+//   - --device cpu: the CPU executor; --memory-budget SIZE, or --gpu-memory-utilization F = F ×
+//     physical RAM − the checkpoint's bytes, or 1 GiB;
+//   - --device cuda: the weights are uploaded (model::CudaModel) and the engine runs on the GPU
+//     executor (executor_cuda.h); --gpu-memory-utilization F = F × device memory − what is in use
+//     after the upload − a 2 GiB activation reserve (runtime::cuda_cache_budget);
+//   - fake: config.json only, no weights; a FakeExecutor (fake_executor.h) draws the tokens.
+// Loading runs on a thread of the host's own, so a server can listen (and answer /health with 503)
+// meanwhile; wait_loaded() blocks for callers that need the engine now. The host is the front
+// ends' engine (request/engine.h): it is not ready while loading and forwards everything to the
+// runtime engine once loaded, without translating anything.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "request/engine.h"
+#include "runtime/engine.h"
+#include "runtime/fake_executor.h"
+#include "tokenizer/tokenizer.h"
+
+namespace kestrel::runtime {
+
+enum class Device : uint8_t { cpu, cuda };
+
+struct EngineOptions {
+  std::string model_dir;
+  Device device = Device::cpu;
+  std::optional<int64_t> memory_budget;  // bytes for KV pages + KDA slots; absent: see the header
+  double gpu_memory_utilization = 0.0;   // (0, 1] when given
+  bool cuda_graphs = true;               // --device cuda: decode steps through CUDA graphs
+  std::string quantization = "bf16";     // --device cuda: dense projection weights bf16 | ptpc-fp8
+  // Formats, batching, prefix cache, max_model_len, max_queue; the host fills in the budget, the
+  // end-of-sequence ids and the executor.
+  EngineConfig engine;
+  // Optional, must outlive the host: its end-of-turn specials (<|end_of_msg|>, [EOS], [EOT]) join the
+  // config's eos_token_id as end-of-sequence ids.
+  const tok::Tokenizer* tokenizer = nullptr;
+  bool fake = false;                     // no weights: random (or scripted) tokens
+  FakeExecutorOptions fake_executor;
+  std::chrono::milliseconds fake_load_delay{0};  // lets tests see /health answer 503 while "loading"
+};
+
+class EngineHost final : public kestrel::Engine {
+ public:
+  // Starts loading on a thread of its own.
+  explicit EngineHost(EngineOptions options);
+  ~EngineHost() override;
+
+  // Blocks until loaded or failed; true when loaded. On failure load_error() says why.
+  bool wait_loaded() const;
+  std::string load_error() const;
+  // After a successful load (kestrel::Error otherwise).
+  runtime::Engine& engine() const;
+  const ModelConfig& model_config() const;
+
+  bool ready() const override;
+  int64_t max_model_len() const override;
+  int64_t vocab_size() const override;
+  Submission submit(Request r, TokenSink sink) override;
+  bool cancel(RequestId id) override;
+  EngineStats stats() const override;
+  void shutdown() override;  // waits for a load in progress, then shuts the engine down
+
+ private:
+  struct Loaded;
+  void load();
+  runtime::Engine* get() const;  // null while loading, after a failed load or after shutdown
+
+  EngineOptions opt_;
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  bool loaded_ = false;
+  std::string load_error_;
+  std::unique_ptr<Loaded> loaded_model_;  // set once, under mu_
+  std::mutex shutdown_mu_;
+  std::thread loader_;
+};
+
+// Bytes of the checkpoint's .safetensors files (the weights' share of memory).
+int64_t checkpoint_bytes(const std::string& dir);
+
+}  // namespace kestrel::runtime

@@ -1,0 +1,659 @@
+// Routed MoE experts on tensor cores (kernels/cuda/moe_experts.cu) against their CPU twins.
+//
+// MoeLayout.* run without a GPU (on the build machine too): they check the repacked weight layout
+// (moe_layout.h, cuda::pack_mxfp4_matrix) by emulating, lane by lane, what the kernel does with it — the
+// E2M1 decode, the e8m0 scale words, the activation loads and mma.m16n8k16 as the PTX ISA defines its
+// fragments — and comparing with cpu::mxfp4_gemm on the checkpoint layout.
+// GpuMoe.* run the kernels: the single-matrix stage (every E2M1 code, e8m0 scales over the whole range
+// 0..255, every GEMM family: t8, t32, stream, wide) against cpu::mxfp4_gemm, and moe_experts_mxfp4 against
+// cpu::moe_experts over nano, mini and real expert shapes, T = 1 … 4096, experts with zero, one and hundreds
+// (skewed: thousands) of tokens, tied routing weights, out-of-range ids and CUDA-graph replay; the decode
+// GEMM also with its work split over 1, 3 and 7 CTAs (tiles cut by up to dozens of warps), ungrouped and
+// grouped, with and without programmatic dependent launch. Outputs and scratch are NaN-poisoned first.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "harness.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/moe_ops.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/moe.h"
+#include "kernels/cuda/moe_layout.h"
+
+namespace kestrel::gputest {
+namespace {
+
+namespace ml = cuda::moe_layout;
+constexpr double kBf16Ulp = 1.0 / 128;
+
+// ---- host helpers ---------------------------------------------------------------------------------------
+// One checkpoint-layout MXFP4 matrix W [R, C].
+struct Mx {
+  int64_t R = 0, C = 0;
+  std::vector<uint8_t> packed, scale;  // u8 [R, C/2], e8m0 [R, C/32]
+};
+Mx random_mx(int64_t R, int64_t C, Rng& rng, unsigned e_lo, unsigned e_hi) {
+  Mx m{R, C, rand_u8(size_t(R * C / 2), rng, 0, 255), rand_u8(size_t(R * C / 32), rng, e_lo, e_hi)};
+  return m;
+}
+// Kernel layout of a checkpoint matrix.
+std::pair<std::vector<uint8_t>, std::vector<uint8_t>> pack(const Mx& m) {
+  std::vector<uint8_t> p(m.packed.size()), s(m.scale.size());
+  cuda::pack_mxfp4_matrix(m.packed.data(), m.scale.data(), m.R, m.C, p.data(), s.data());
+  return {p, s};
+}
+// y = x·Wᵀ by the CPU twin (f32 [T, R]).
+std::vector<float> cpu_matmul(const Mx& m, const std::vector<float>& x, int64_t T) {
+  std::vector<float> y(size_t(T * m.R));
+  cpu::mxfp4_gemm(m.packed.data(), m.scale.data(), x.data(), y.data(), T, m.R, m.C);
+  return y;
+}
+// Σ|w|·|x| per output, by the same twin on |W| (sign bits cleared) and |x|: the scale of rounding differences.
+std::vector<float> cpu_abs_matmul(const Mx& m, const std::vector<float>& x, int64_t T) {
+  Mx a = m;
+  for (auto& b : a.packed) b &= 0x77;
+  std::vector<float> ax(x.size());
+  for (size_t i = 0; i < x.size(); ++i) ax[i] = std::fabs(x[i]);
+  return cpu_matmul(a, ax, T);
+}
+float bf16_bits_to_f32(uint32_t b) { return bf16_to_f32(uint16_t(b)); }
+
+// ---- the kernel, emulated on the host ---------------------------------------------------------------------
+// mma.sync.m16n8k16 (row.col, FP32 accumulate) from the PTX ISA fragment tables: lane (g = lane/4,
+// t = lane%4) holds A a0,a1 = (g, 2t..2t+1), a2,a3 = (g+8, 2t..), a4,a5 = (g, 2t+8..), a6,a7 = (g+8, 2t+8..)
+// in registers 0..3 (low half first); B b0,b1 = (k 2t..2t+1, n g), b2,b3 = (k 2t+8.., n g); C c0,c1 = (g, 2t..),
+// c2,c3 = (g+8, 2t..). Values are given as floats (already BF16); the sum is exact (double) then rounded.
+void emulate_mma(float (&d)[32][4], const float (&a)[32][4][2], const float (&b)[32][2][2], const float (&c)[32][4]) {
+  double A[16][16], B[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l / 4, t = l % 4;
+    for (int h = 0; h < 2; ++h) {
+      A[g][2 * t + h] = a[l][0][h];
+      A[g + 8][2 * t + h] = a[l][1][h];
+      A[g][2 * t + 8 + h] = a[l][2][h];
+      A[g + 8][2 * t + 8 + h] = a[l][3][h];
+      B[2 * t + h][g] = b[l][0][h];
+      B[2 * t + 8 + h][g] = b[l][1][h];
+    }
+  }
+  for (int l = 0; l < 32; ++l) {
+    const int g = l / 4, t = l % 4;
+    for (int i = 0; i < 4; ++i) {
+      const int m = g + 8 * (i / 2), n = 2 * t + i % 2;
+      double s = c[l][i];
+      for (int k = 0; k < 16; ++k) s += A[m][k] * B[k][n];
+      d[l][i] = float(s);
+    }
+  }
+}
+
+// y [T, R] from the kernel-layout bytes, following expert_gemm_kernel step by step for 8-token tiles; with
+// `fold`, the stream/wide kernels instead (moe_mma.cuh): each A register multiplied by the bf16 pair
+// ((e + 126) << 7) of its row's scale byte, the MMAs accumulating straight into one accumulator.
+std::vector<float> emulate_kernel(const std::vector<uint8_t>& kp, const std::vector<uint8_t>& ks, bool special,
+                                  const std::vector<float>& x /* [T, C], BF16 values */, int64_t T, int64_t R,
+                                  int64_t C, bool fold = false) {
+  const int64_t RT = R / 16, NC = C / 64;
+  std::vector<float> y(size_t(T * R), std::nanf(""));
+  for (int64_t n0 = 0; n0 < T; n0 += 8) {
+    const int64_t count = std::min<int64_t>(8, T - n0);
+    for (int64_t rt = 0; rt < RT; ++rt) {
+      float acc[32][4] = {};
+      for (int64_t c = 0; c < NC; ++c) {
+        float A[4][32][4][2];  // [step][lane][register][half]
+        float Bv[4][32][2][2];
+        uint32_t sw[32];
+        for (int l = 0; l < 32; ++l) {
+          const int g = l / 4, t = l % 4;
+          const uint8_t* lp = &kp[size_t((rt * NC + c) * 512 + l * 16)];
+          for (int s = 0; s < 4; ++s) {
+            const uint32_t w = uint32_t(lp[4 * s]) | uint32_t(lp[4 * s + 1]) << 8 | uint32_t(lp[4 * s + 2]) << 16 |
+                               uint32_t(lp[4 * s + 3]) << 24;
+            for (int j = 0; j < 4; ++j) {
+              const uint32_t bits = ml::e2m1_pair_bits(w, j);
+              for (int h = 0; h < 2; ++h) A[s][l][j][h] = bf16_bits_to_f32(bits >> (16 * h)) * 0x1p126f;
+            }
+          }
+          // Activations: 16-byte load of block b at column 64c + 32b + 8t; word m = B register m&1 of step 2b + m/2.
+          const int64_t tok = n0 + std::min<int64_t>(g, count - 1);
+          for (int b = 0; b < 2; ++b)
+            for (int m = 0; m < 4; ++m)
+              for (int h = 0; h < 2; ++h)
+                Bv[2 * b + m / 2][l][m % 2][h] = x[size_t(tok * C + 64 * c + 32 * b + 8 * t + 2 * m + h)];
+          const uint8_t* sp = &ks[size_t((rt * NC + c) * 32 + g * 4)];
+          sw[l] = uint32_t(sp[0]) | uint32_t(sp[1]) << 8 | uint32_t(sp[2]) << 16 | uint32_t(sp[3]) << 24;
+        }
+        if (fold) {
+          for (int l = 0; l < 32; ++l)
+            for (int st = 0; st < 4; ++st)
+              for (int j = 0; j < 4; ++j) {
+                const uint32_t e = (sw[l] >> (8 * (2 * (st >> 1) + (j & 1)))) & 0xFF;  // row g + 8(j&1), block st/2
+                const float mult = bf16_bits_to_f32((e + 126) << 7);
+                for (int h = 0; h < 2; ++h) A[st][l][j][h] = A[st][l][j][h] * 0x1p-126f * mult;  // exact
+              }
+          for (int st = 0; st < 4; ++st) {
+            float q[32][4];
+            emulate_mma(q, A[st], Bv[st], acc);
+            std::memcpy(acc, q, sizeof(q));
+          }
+          continue;
+        }
+        for (int b = 0; b < 2; ++b) {
+          float p[32][4] = {}, q[32][4];
+          emulate_mma(q, A[2 * b], Bv[2 * b], p);
+          emulate_mma(p, A[2 * b + 1], Bv[2 * b + 1], q);
+          for (int l = 0; l < 32; ++l) {
+            const uint32_t sg = special ? ml::e8m0_f32_bits<true>(sw[l], 2 * b) : ml::e8m0_f32_bits<false>(sw[l], 2 * b);
+            const uint32_t sg8 =
+                special ? ml::e8m0_f32_bits<true>(sw[l], 2 * b + 1) : ml::e8m0_f32_bits<false>(sw[l], 2 * b + 1);
+            float fs[2];
+            std::memcpy(&fs[0], &sg, 4);
+            std::memcpy(&fs[1], &sg8, 4);
+            for (int i = 0; i < 4; ++i) acc[l][i] = std::fma(p[l][i], fs[i / 2], acc[l][i]);
+          }
+        }
+      }
+      for (int l = 0; l < 32; ++l) {
+        const int g = l / 4, t = l % 4;
+        for (int i = 0; i < 4; ++i) {
+          const int64_t n = 2 * t + i % 2;
+          if (n < count) y[size_t((n0 + n) * R + rt * 16 + g + 8 * (i / 2))] = acc[l][i];
+        }
+      }
+    }
+  }
+  return y;
+}
+
+// ---- MoeLayout (host only) --------------------------------------------------------------------------------
+TEST(MoeLayout, DecodeGivesEveryCodeAtEveryPosition) {
+  // Matrix v holds code (v + row + col) mod 16 everywhere: each element position sees all 16 codes.
+  const int64_t R = 16, C = 64;
+  int64_t checked = 0;
+  for (int v = 0; v < 16; ++v) {
+    Mx m{R, C, std::vector<uint8_t>(size_t(R * C / 2)), std::vector<uint8_t>(size_t(R * C / 32), 127)};
+    auto code = [&](int64_t r, int64_t c) { return uint32_t((v + r + c) % 16); };
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; c += 2) m.packed[size_t(r * C / 2 + c / 2)] = uint8_t(code(r, c) | code(r, c + 1) << 4);
+    const auto [kp, ks] = pack(m);
+    for (int l = 0; l < 32; ++l) {
+      const int g = l / 4, t = l % 4;
+      for (int s = 0; s < 4; ++s) {
+        uint32_t w = 0;
+        for (int b = 0; b < 4; ++b) w |= uint32_t(kp[size_t(l * 16 + s * 4 + b)]) << (8 * b);
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t bits = ml::e2m1_pair_bits(w, j);
+          for (int h = 0; h < 2; ++h) {
+            const float got = bf16_bits_to_f32(bits >> (16 * h)) * 0x1p126f;
+            const float want = kE2M1Values[code(ml::frag_row(g, j), ml::frag_col(t, s, j, h))];
+            ASSERT_TRUE(got == want && std::signbit(got) == std::signbit(want))
+                << "lane " << l << " step " << s << " reg " << j << " half " << h << ": " << got << " != " << want;
+            // The integer fallback decode gives the same BF16 bits.
+            ASSERT_EQ(bf16_to_f32(uint16_t(ml::e2m1_pair_bf16_exact(bits) >> (16 * h))), want);
+            ASSERT_EQ((ml::e2m1_pair_bf16_exact(bits) >> (16 * h + 15)) & 1, uint32_t(std::signbit(want)));
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 16 * R * C);
+}
+
+TEST(MoeLayout, ScaleWordsAndPermutation) {
+  Rng rng(7);
+  const int64_t R = 32, C = 128;
+  Mx m = random_mx(R, C, rng, 0, 255);
+  const auto [kp, ks] = pack(m);
+  // Scale bytes: group g, byte i = (row g + 8(i&1), block 2c + i/2) of tile rt, chunk c.
+  for (int64_t rt = 0; rt < R / 16; ++rt)
+    for (int64_t c = 0; c < C / 64; ++c)
+      for (int g = 0; g < 8; ++g)
+        for (int i = 0; i < 4; ++i)
+          ASSERT_EQ(ks[size_t((rt * (C / 64) + c) * 32 + g * 4 + i)],
+                    m.scale[size_t((rt * 16 + g + 8 * (i & 1)) * (C / 32) + 2 * c + i / 2)]);
+  // e8m0 → f32 for every code, normal and special path.
+  for (uint32_t e = 0; e < 256; ++e) {
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t word = (e << (8 * i)) | (0x5Au << (8 * ((i + 1) % 4)));  // junk in another byte
+      const uint32_t fast = ml::e8m0_f32_bits<false>(word, i), exact = ml::e8m0_f32_bits<true>(word, i);
+      float f;
+      std::memcpy(&f, &exact, 4);
+      const float want = e8m0_to_f32(uint8_t(e));
+      EXPECT_TRUE(std::isnan(want) ? std::isnan(f) : f == want) << "e " << e << " byte " << i;
+      if (e >= 1 && e <= 254) {
+        EXPECT_EQ(fast, exact) << "e " << e;
+      }
+    }
+  }
+  // The packed nibbles are a permutation: histograms of (value, sign) match.
+  std::vector<int64_t> h0(16), h1(16);
+  for (uint8_t b : m.packed) ++h0[b & 15], ++h0[b >> 4];
+  for (int64_t i = 0; i < int64_t(kp.size()) / 4; ++i) {
+    uint32_t w = 0;
+    for (int b = 0; b < 4; ++b) w |= uint32_t(kp[size_t(4 * i + b)]) << (8 * b);
+    for (int j = 0; j < 4; ++j)
+      for (int h = 0; h < 2; ++h)
+        ++h1[((w >> (ml::kMagPos[j] + 16 * h)) & 7) | (((w >> (ml::kSignPos[j] + 16 * h)) & 1) << 3)];
+  }
+  EXPECT_EQ(h0, h1);
+}
+
+TEST(MoeLayout, EmulatedKernelMatchesCpuTwin) {
+  Rng rng(8);
+  struct Case {
+    int64_t R, C, T;
+    unsigned e_lo, e_hi;
+  };
+  for (Case c : {Case{16, 64, 1, 118, 122}, Case{64, 128, 5, 118, 122}, Case{32, 256, 8, 100, 140},
+                 Case{48, 192, 13, 0, 254}, Case{32, 128, 7, 1, 128}}) {
+    Mx m = random_mx(c.R, c.C, rng, c.e_lo, c.e_hi);
+    if (c.e_hi >= 253)  // keep |w| finite on the CPU: codes with |v| ≤ 1.5 in those blocks
+      for (int64_t r = 0; r < c.R; ++r)
+        for (int64_t b = 0; b < c.C / 32; ++b)
+          if (m.scale[size_t(r * (c.C / 32) + b)] >= 253)
+            for (int64_t j = 0; j < 16; ++j) m.packed[size_t(r * c.C / 2 + b * 16 + j)] &= 0xBB;
+    std::vector<float> x = to_f32(rand_bf16(size_t(c.T * c.C), rng, -1.0f, 1.0f));
+    const bool special = cuda::mxfp4_special_scales(m.scale.data(), m.scale.size());
+    const bool foldable = !cuda::mxfp4_fp32_scales(m.scale.data(), m.scale.size());
+    const auto [kp, ks] = pack(m);
+    const auto want = cpu_matmul(m, x, c.T);
+    const auto bound = cpu_abs_matmul(m, x, c.T);
+    for (bool fold : {false, true}) {
+      if (fold && !foldable) continue;
+      const auto got = emulate_kernel(kp, ks, special, x, c.T, c.R, c.C, fold);
+      for (size_t i = 0; i < want.size(); ++i) {
+        if (std::isnan(want[i]) || std::isinf(bound[i])) continue;
+        ASSERT_LE(std::fabs(got[i] - want[i]), 1e-5 * bound[i] + 1e-38) << "R " << c.R << " C " << c.C << " T " << c.T
+                                                                        << " fold " << fold << " at " << i << ": "
+                                                                        << got[i] << " vs " << want[i];
+      }
+    }
+  }
+}
+
+// ---- GpuMoe ------------------------------------------------------------------------------------------------
+void need_gpu() { ASSERT_GT(cuda::device_count(), 0) << "no CUDA device: run this binary on the GPU machine"; }
+
+const char* tile_name(cuda::MoeTokenTile t) {
+  switch (t) {
+    case cuda::MoeTokenTile::t8:
+      return "t8";
+    case cuda::MoeTokenTile::t32:
+      return "t32";
+    case cuda::MoeTokenTile::stream:
+      return "stream";
+    case cuda::MoeTokenTile::wide:
+      return "wide";
+    default:
+      return "auto";
+  }
+}
+constexpr cuda::MoeTokenTile kAllTiles[] = {cuda::MoeTokenTile::t8, cuda::MoeTokenTile::t32, cuda::MoeTokenTile::stream,
+                                            cuda::MoeTokenTile::wide};
+
+// y = bf16(x·Wᵀ) of mxfp4_matmul_packed vs bf16 of cpu::mxfp4_gemm: per element |Δ| ≤ 2^-7·|ref| (one BF16
+// rounding of sums in another order) + 2^-16·Σ|w·x| (FP32 order), NaN exactly where the twin has NaN.
+void check_matmul(const std::string& what, const Mx& m, const std::vector<float>& x_in, int64_t T,
+                  cuda::MoeTokenTile tile) {
+  const bool special = cuda::mxfp4_special_scales(m.scale.data(), m.scale.size());
+  const bool fp32 = cuda::mxfp4_fp32_scales(m.scale.data(), m.scale.size());
+  const auto [kp, ks] = pack(m);
+  std::vector<uint16_t> xb(x_in.size());
+  std::vector<float> x(x_in.size());  // the BF16 values both sides see
+  for (size_t i = 0; i < x.size(); ++i) x[i] = bf16_to_f32(xb[i] = f32_to_bf16(x_in[i]));
+  auto dx = upload(xb);
+  auto dp = upload(kp);
+  auto ds = upload(ks);
+  auto dy = poisoned<uint16_t>(size_t(T * m.R));
+  auto dws = poisoned<uint8_t>(cuda::mxfp4_matmul_workspace_bytes(T));
+  cuda::mxfp4_matmul_packed(dx.p(), dp.p(), ds.p(), special, fp32, T, m.R, m.C, dws.p(), dy.p(), nullptr, tile);
+  sync();
+  const auto got = dy.get();
+  const auto ref = cpu_matmul(m, x, T), bound = cpu_abs_matmul(m, x, T);
+  int64_t bad = 0, nan_ref = 0;
+  double max_rel = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const float g = bf16_to_f32(got[i]), r = round_bf16(ref[i]);
+    if (std::isnan(r)) {
+      ++nan_ref;
+      if (!std::isnan(g) && bad++ < 5) ADD_FAILURE() << what << " at " << i << ": want NaN, got " << g;
+      continue;
+    }
+    const double tol = kBf16Ulp * std::fabs(r) + 0x1p-16 * double(bound[i]);
+    const double d = std::fabs(double(g) - double(r));
+    if (!(d <= tol)) {
+      if (bad++ < 5)
+        ADD_FAILURE() << what << " at (" << i / size_t(m.R) << ", " << i % size_t(m.R) << "): got " << g << " want " << r
+                      << " (Σ|w·x| " << bound[i] << ")";
+    } else if (bound[i] > 0) {
+      max_rel = std::max(max_rel, d / double(bound[i]));
+    }
+  }
+  note(fmt::format("{:<28} {:<34} max|Δ|/Σ|wx| {:.2e}, {} NaN rows as the twin, {}", "mxfp4_matmul_packed", what,
+                   max_rel, nan_ref, bad ? "FAIL" : "PASS"));
+  EXPECT_EQ(bad, 0) << what;
+}
+
+TEST(GpuMoe, MatmulEveryCodeAndScale) {
+  need_gpu();
+  Rng rng(51);
+  struct Range {
+    unsigned e_lo, e_hi;
+    int x_exp;  // |x| ≈ 2^x_exp keeps every output finite and normal
+  };
+  // [1, 40] and [41, 128] keep the scales foldable (stream and wide kernels, products down to 2^-128);
+  // 0 and above 128 send stream/wide to the FP32-scale kernels.
+  const Range ranges[] = {{118, 122, 0}, {1, 40, 60}, {41, 128, 0}, {0, 40, 60}, {41, 200, 0}, {201, 254, -80}};
+  struct Shape {
+    int64_t R, C;
+  };
+  for (Shape s : {Shape{64, 128}, Shape{128, 3072}}) {
+    for (const Range& e : ranges) {
+      Mx m = random_mx(s.R, s.C, rng, e.e_lo, e.e_hi);  // random bytes: all 16 codes in every position
+      for (int64_t r = 0; r < s.R; ++r)
+        for (int64_t b = 0; b < s.C / 32; ++b)
+          if (m.scale[size_t(r * (s.C / 32) + b)] >= 253)  // |v|·2^(e−127) must stay finite for the twin
+            for (int64_t j = 0; j < 16; ++j) m.packed[size_t(r * s.C / 2 + b * 16 + j)] &= 0xBB;
+      for (int64_t T : {1, 7, 8, 9, 40, 130}) {
+        std::vector<float> x(size_t(T * s.C));
+        for (auto& v : x) v = std::ldexp(rng.uniform(1.0f, 2.0f), e.x_exp - int(rng.next() % 3)) * (rng.next() & 1 ? -1.0f : 1.0f);
+        for (auto tile : kAllTiles)
+          check_matmul(fmt::format("{}x{} T={} e {}..{} {}", s.R, s.C, T, e.e_lo, e.e_hi, tile_name(tile)), m, x, T,
+                       tile);
+      }
+    }
+  }
+  // e8m0 255 (NaN) and 0 (2^-127) through the exact scale path: whole rows at 0 with large x, NaN blocks.
+  Mx m = random_mx(64, 256, rng, 120, 124);
+  for (int64_t r = 0; r < 16; ++r)
+    for (int64_t b = 0; b < 8; ++b) m.scale[size_t(r * 8 + b)] = 0;
+  m.scale[size_t(20 * 8 + 3)] = 255;
+  m.scale[size_t(63 * 8 + 7)] = 255;
+  for (int64_t T : {1, 9}) {
+    std::vector<float> x(size_t(T * 256));
+    for (auto& v : x) v = rng.uniform(-2.0f, 2.0f);
+    for (int64_t t = 0; t < T; ++t)  // token 0 large: rows at scale 2^-127 give normal outputs
+      if (t == 0)
+        for (int64_t k = 0; k < 256; ++k) x[size_t(k)] *= 0x1p100f;
+    for (auto tile : kAllTiles)
+      check_matmul(fmt::format("64x256 T={} scales 0/255 {}", T, tile_name(tile)), m, x, T, tile);
+  }
+}
+
+// Experts in the checkpoint layout on the host (for the twin) and packed on the device.
+struct Experts {
+  int64_t X, Lt, I;
+  std::vector<uint8_t> w1p, w1s, w3p, w3s, w2p, w2s;
+  std::vector<cpu::ExpertPtrs> cpu;
+  std::vector<cuda::DeviceBuffer> bufs;
+  cuda::MoeExpertWeights dev{};
+};
+std::unique_ptr<Experts> make_experts(int64_t X, int64_t Lt, int64_t I, Rng& rng) {
+  auto ex = std::make_unique<Experts>();
+  Experts& E = *ex;
+  E.X = X, E.Lt = Lt, E.I = I;
+  const int64_t p13 = I * Lt / 2, s13 = I * Lt / 32, p2 = Lt * I / 2, s2 = Lt * I / 32;
+  E.w1p = rand_u8(size_t(X * p13), rng, 0, 255), E.w3p = rand_u8(size_t(X * p13), rng, 0, 255);
+  E.w2p = rand_u8(size_t(X * p2), rng, 0, 255);
+  // e8m0 scales 2^-9 .. 2^-5: activations stay in SiTU's interesting range.
+  E.w1s = rand_u8(size_t(X * s13), rng, 118, 122), E.w3s = rand_u8(size_t(X * s13), rng, 118, 122);
+  E.w2s = rand_u8(size_t(X * s2), rng, 118, 122);
+  std::vector<cuda::MoeExpertHost> host(static_cast<size_t>(X));
+  for (int64_t e = 0; e < X; ++e) {
+    const size_t a = size_t(e * p13), b = size_t(e * s13), c = size_t(e * p2), d = size_t(e * s2);
+    E.cpu.push_back({{&E.w1p[a], &E.w1s[b]}, {&E.w3p[a], &E.w3s[b]}, {&E.w2p[c], &E.w2s[d]}});
+    host[size_t(e)] = {&E.w1p[a], &E.w1s[b], &E.w3p[a], &E.w3s[b], &E.w2p[c], &E.w2s[d]};
+  }
+  E.dev = cuda::pack_experts_mxfp4(host.data(), X, Lt, I, [&E](size_t n) {
+    E.bufs.emplace_back(n);
+    return E.bufs.back().data();
+  });
+  EXPECT_EQ(E.dev.layout, cuda::kMoeExpertLayout);
+  EXPECT_FALSE(E.dev.special_scales);
+  EXPECT_FALSE(E.dev.fp32_scales);
+  return ex;
+}
+
+enum class Routing { random, ties, skewed };
+
+// K distinct experts per token. random/ties: uniform choice, weights random (ties: all 1/K). skewed: every
+// token takes K of the first K+1 experts, except that token 0's last slot is expert X−1, which nobody else
+// takes: experts with hundreds of tokens, exactly one, and none.
+void make_routing(Routing kind, int64_t T, int64_t X, int64_t K, Rng& rng, std::vector<int32_t>& ids,
+                  std::vector<float>& wts) {
+  ids.assign(size_t(T * K), 0);
+  wts.assign(size_t(T * K), 0.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t pool = kind == Routing::skewed ? K + 1 : X;
+    std::vector<int32_t> all(static_cast<size_t>(pool));
+    std::iota(all.begin(), all.end(), 0);
+    for (size_t i = all.size(); i > 1; --i) std::swap(all[i - 1], all[rng.next() % i]);
+    if (kind == Routing::skewed && t == 0) all[size_t(K - 1)] = int32_t(X - 1);
+    float sum = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      ids[size_t(t * K + k)] = all[size_t(k)];
+      sum += (wts[size_t(t * K + k)] = kind == Routing::ties ? 1.0f : rng.uniform(0.1f, 1.0f));
+    }
+    for (int64_t k = 0; k < K; ++k) wts[size_t(t * K + k)] /= sum;
+  }
+}
+
+// One way of running the experts: the GEMM family and the knobs that change how the work is split.
+struct Variant {
+  cuda::MoeTokenTile tile = cuda::MoeTokenTile::automatic;
+  int grouped = -1;    // MoeExpertsOptions::grouped
+  int ctas = 0;        // MoeExpertsOptions::stream_ctas
+  int pdl = -1;        // MoeExpertsOptions::pdl
+  std::string name() const {
+    std::string n = tile_name(tile);
+    if (grouped == 0) n += " ungrouped";
+    if (grouped == 1) n += " grouped";
+    if (ctas > 0) n += fmt::format(" {} CTAs", ctas);
+    if (pdl == 0) n += " no-PDL";
+    return n;
+  }
+};
+cuda::MoeExpertsOptions options(const Variant& v) {
+  cuda::MoeExpertsOptions o;
+  o.tile = v.tile;
+  o.grouped = v.grouped;
+  o.stream_ctas = v.ctas;
+  o.pdl = v.pdl;
+  return o;
+}
+
+std::vector<uint16_t> run_gpu_moe(const Experts& E, const std::vector<uint16_t>& z, const std::vector<int32_t>& ids,
+                                  const std::vector<float>& wts, int64_t T, int64_t K, const Variant& v) {
+  auto dz = upload(z);
+  auto dids = upload(ids);
+  auto dw = upload(wts);
+  auto dws = poisoned<uint8_t>(cuda::moe_experts_workspace_bytes(T, E.X, K, E.Lt, E.I));
+  auto dut = poisoned<uint16_t>(size_t(T * E.Lt));
+  cuda::moe_experts_mxfp4(dz.p(), dids.p(), dw.p(), E.dev, T, E.X, K, E.Lt, E.I, 4.0f, 25.0f, dws.p(), dut.p(), nullptr,
+                          options(v));
+  sync();
+  return dut.get();
+}
+
+void check_moe(const std::string& op, const std::string& shape, const std::vector<uint16_t>& got,
+               const std::vector<uint16_t>& ref) {
+  double scale = 0;
+  for (uint16_t v : ref) scale = std::max(scale, double(std::fabs(bf16_to_f32(v))));
+  // Same roundings (g, u, a, y, ũ) as the twin, FP32 sums in another order: a BF16 ulp here and there.
+  check_bf16(op, shape, got, ref, {4e-3 * scale, 2 * kBf16Ulp, 5e-3});
+}
+
+TEST(GpuMoe, ExpertsMatchCpuTwin) {
+  need_gpu();
+  Rng rng(52);
+  using cuda::MoeTokenTile;
+  const Variant autov{}, t8{MoeTokenTile::t8}, t32{MoeTokenTile::t32}, stream{MoeTokenTile::stream},
+      wide{MoeTokenTile::wide};
+  // Stream-K splits: 1 CTA (4 warps share everything), 3 and 7 CTAs (tiles cut by 2..many warps), ungrouped.
+  const Variant s1{MoeTokenTile::stream, -1, 1}, s3{MoeTokenTile::stream, -1, 3}, s7{MoeTokenTile::stream, -1, 7},
+      sung{MoeTokenTile::stream, 0}, sgrp{MoeTokenTile::stream, 1}, snopdl{MoeTokenTile::stream, -1, 0, 0},
+      wnopdl{MoeTokenTile::wide, -1, 0, 0};
+  struct Run {
+    int64_t T;
+    Routing routing;
+    std::vector<Variant> variants;  // all checked against one CPU reference
+  };
+  struct Case {
+    int64_t X, K, Lt, I;
+    const char* what;
+    std::vector<Run> runs;
+  };
+  const std::vector<Case> cases = {
+      {16, 4, 128, 64, "nano",
+       {{1, Routing::random, {autov, sgrp, s1}},
+        {2, Routing::random, {autov, s3}},
+        {7, Routing::random, {autov, sung, s7, snopdl}},
+        {64, Routing::random, {autov, stream, s1, s3}},
+        {64, Routing::ties, {t32, stream, wide}},
+        {300, Routing::skewed, {t8, t32, stream, s7, wide, wnopdl}},
+        {4096, Routing::random, {autov, t8, stream}},
+        {4096, Routing::skewed, {autov, wide, s7}}}},
+      {8, 2, 3584, 3072, "mini (8 of 112 experts)",
+       {{1, Routing::random, {autov, sgrp, s3}},
+        {7, Routing::random, {autov, s7, wide}},
+        {64, Routing::random, {autov, stream}},
+        {300, Routing::random, {t8, stream}},
+        {300, Routing::skewed, {t32, wide, s3}}}},
+      {32, 16, 3584, 3072, "real dims, 32 experts top-16",
+       {{1, Routing::random, {autov, sgrp, t8}},
+        {16, Routing::ties, {autov, wide, t8}},
+        {16, Routing::random, {t32, stream, s7}}}},
+  };
+  for (const Case& c : cases) {
+    const auto E = make_experts(c.X, c.Lt, c.I, rng);
+    for (const Run& run : c.runs) {
+      const int64_t T = run.T;
+      const auto z = rand_bf16(size_t(T * c.Lt), rng, -1.0f, 1.0f);
+      std::vector<int32_t> ids;
+      std::vector<float> wts;
+      make_routing(run.routing, T, c.X, c.K, rng, ids, wts);
+      std::vector<uint16_t> ref(size_t(T * c.Lt));
+      cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, ref.data());
+      const char* rname =
+          run.routing == Routing::ties ? "ties" : run.routing == Routing::skewed ? "skewed" : "random";
+      for (const Variant& v : run.variants) {
+        const auto got = run_gpu_moe(*E, z, ids, wts, T, c.K, v);
+        check_moe("moe_experts_mxfp4 (u~)", fmt::format("{} T={} K={} {} {}", c.what, T, c.K, rname, v.name()), got,
+                  ref);
+      }
+    }
+  }
+}
+
+// Slots with an id outside [0, X) add nothing: the same as a valid id with weight 0 on the CPU.
+TEST(GpuMoe, ExpertsOutOfRangeIdsAddNothing) {
+  need_gpu();
+  Rng rng(53);
+  const int64_t X = 16, K = 4, Lt = 128, I = 64;
+  const auto E = make_experts(X, Lt, I, rng);
+  using cuda::MoeTokenTile;
+  for (int64_t T : {9, 1}) {
+    const auto z = rand_bf16(size_t(T * Lt), rng, -1.0f, 1.0f);
+    std::vector<int32_t> ids;
+    std::vector<float> wts;
+    make_routing(Routing::random, T, X, K, rng, ids, wts);
+    std::vector<int32_t> gids = ids;
+    std::vector<size_t> bad = T == 1 ? std::vector<size_t>{1, 3} : std::vector<size_t>{1, 6, 35};
+    const int32_t bad_ids[] = {-1, int32_t(X), 1 << 30};
+    for (size_t b = 0; b < bad.size(); ++b) gids[bad[b]] = bad_ids[b];
+    for (size_t i : bad) {
+      wts[i] = 0.0f;
+      // The twin needs a valid id that the token does not already use.
+      for (int32_t e = 0; e < X; ++e) {
+        const int64_t t = int64_t(i) / K;
+        if (std::find(ids.begin() + t * K, ids.begin() + (t + 1) * K, e) == ids.begin() + (t + 1) * K) {
+          ids[i] = e;
+          break;
+        }
+      }
+    }
+    std::vector<uint16_t> ref(size_t(T * Lt));
+    cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), T, X, K, Lt, I, 4.0f, 25.0f, ref.data());
+    for (const Variant& v : {Variant{}, Variant{MoeTokenTile::stream, 0}, Variant{MoeTokenTile::stream, 1, 3},
+                             Variant{MoeTokenTile::wide}, Variant{MoeTokenTile::t8}}) {
+      const auto got = run_gpu_moe(*E, z, gids, wts, T, K, v);
+      check_moe("moe_experts_mxfp4 (bad ids)", fmt::format("nano T={} K=4 {}", T, v.name()), got, ref);
+    }
+  }
+}
+
+// The four launches capture into a CUDA graph (no host reads, PDL edges included); replays follow new routing in
+// the same buffers (the decode GEMMs' counters are zeroed again by every replay).
+TEST(GpuMoe, ExpertsGraphReplay) {
+  need_gpu();
+  Rng rng(54);
+  const int64_t X = 16, K = 4, Lt = 128, I = 64;
+  const auto E = make_experts(X, Lt, I, rng);
+  using cuda::MoeTokenTile;
+  const std::pair<int64_t, Variant> runs[] = {{33, Variant{}},  // stream, grouped
+                                              {33, Variant{MoeTokenTile::wide}},
+                                              {64, Variant{}},  // wide (16 slots per expert)
+                                              {33, Variant{MoeTokenTile::stream, -1, 3}},
+                                              {1, Variant{}},  // stream, ungrouped
+                                              {2, Variant{MoeTokenTile::stream, 1}}};
+  for (const auto& [T, v] : runs) {
+    auto dz = poisoned<uint16_t>(size_t(T * Lt));
+    auto dids = poisoned<int32_t>(size_t(T * K));
+    auto dw = poisoned<float>(size_t(T * K));
+    auto dws = poisoned<uint8_t>(cuda::moe_experts_workspace_bytes(T, X, K, Lt, I));
+    auto dut = poisoned<uint16_t>(size_t(T * Lt));
+    cudaStream_t stream;
+    KCUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    KCUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    cuda::moe_experts_mxfp4(dz.p(), dids.p(), dw.p(), E->dev, T, X, K, Lt, I, 4.0f, 25.0f, dws.p(), dut.p(), stream,
+                            options(v));
+    KCUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    KCUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int rep = 0; rep < 3; ++rep) {
+      const auto z = rand_bf16(size_t(T * Lt), rng, -1.0f, 1.0f);
+      std::vector<int32_t> ids;
+      std::vector<float> wts;
+      make_routing(rep == 1 ? Routing::skewed : Routing::random, T, X, K, rng, ids, wts);
+      dz.buf.copy_from_host(z.data(), z.size() * 2);
+      dids.buf.copy_from_host(ids.data(), ids.size() * 4);
+      dw.buf.copy_from_host(wts.data(), wts.size() * 4);
+      sync();  // the copies ran on the legacy stream; the graph runs on a non-blocking one
+      KCUDA_CHECK(cudaGraphLaunch(exec, stream));
+      KCUDA_CHECK(cudaStreamSynchronize(stream));
+      std::vector<uint16_t> ref(size_t(T * Lt));
+      cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), T, X, K, Lt, I, 4.0f, 25.0f, ref.data());
+      check_moe("moe_experts_mxfp4 (graph)", fmt::format("nano T={} {} replay {}", T, v.name(), rep), dut.get(), ref);
+    }
+    KCUDA_CHECK(cudaGraphExecDestroy(exec));
+    KCUDA_CHECK(cudaGraphDestroy(graph));
+    KCUDA_CHECK(cudaStreamDestroy(stream));
+  }
+}
+
+// Weights not packed for the kernels are refused with an error, not computed with.
+TEST(GpuMoe, UnpackedWeightsRejected) {
+  need_gpu();
+  auto buf = poisoned<uint8_t>(1 << 16);
+  cuda::MoeExpertWeights w{buf.p(), buf.p(), buf.p(), buf.p(), buf.p(), buf.p(), 64 * 128 / 2, 64 * 128 / 32,
+                           64 * 128 / 2, 64 * 128 / 32};
+  EXPECT_THROW(cuda::moe_experts_mxfp4(reinterpret_cast<uint16_t*>(buf.p()), reinterpret_cast<int32_t*>(buf.p()),
+                                       reinterpret_cast<float*>(buf.p()), w, 1, 1, 1, 128, 64, 4.0f, 25.0f, buf.p(),
+                                       reinterpret_cast<uint16_t*>(buf.p()), nullptr),
+               std::exception);
+}
+
+}  // namespace
+}  // namespace kestrel::gputest
