@@ -143,7 +143,7 @@ void run_chunked(const Dev4& d, const ScanInputs& in, const Shape& s, StateT* po
 }
 
 // Every (intra, seq) pair of kda_chunked's kernel variants (kda.h), the FP16 recurrence with the seq kernels
-// that take it, and the default (intra 2, seq 0 = auto).
+// that take it, and seq 0 (an alias of 2). KdaChunkedVariant{} is {1, 1}.
 struct Variant {
   int intra, seq;
   bool f16 = false;

@@ -9,6 +9,9 @@
 // - chunked scan: kda_chunked.cu; the fused decode chain (steps 2–7 in one launch): kda_decode_fused.cu.
 #include <cuda_fp16.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/kda.h"
@@ -481,15 +484,29 @@ void decode(const float* q, const float* k, const float* v, const float* g, int6
 }
 }  // namespace
 
+KdaDecodeVariant kda_decode_default_variant() {
+  static const KdaDecodeVariant v = [] {
+    const char* e = std::getenv("KESTREL_KDA_DECODE");
+    if (e == nullptr || *e == 0) return kKdaDecodeBlocks;
+    const std::string s = e;
+    KCUDA_REQUIRE(s == "auto" || s == "blocks" || s == "stream",
+                  "KESTREL_KDA_DECODE=" + s + " (expected auto, blocks or stream)");
+    return s == "auto" ? kKdaDecodeAuto : s == "blocks" ? kKdaDecodeBlocks : kKdaDecodeStream;
+  }();
+  return v;
+}
+
 void kda_decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
                 int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
                 int64_t B, int64_t H, int64_t Dk, cudaStream_t stream) {
-  decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream, kKdaDecodeAuto);
+  decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream,
+         kda_decode_default_variant());
 }
 void kda_decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
                 int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, uint16_t* state_pool, float* o,
                 int64_t B, int64_t H, int64_t Dk, cudaStream_t stream) {
-  decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream, kKdaDecodeAuto);
+  decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream,
+         kda_decode_default_variant());
 }
 void kda_decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
                 int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,

@@ -67,6 +67,10 @@ void kda_recurrent(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T,
 // batches. kKdaDecodeAuto picks the second when the items outnumber one wave of blocks. Both give the same
 // results bit for bit (same arithmetic in the same order).
 enum KdaDecodeVariant : int { kKdaDecodeAuto = 0, kKdaDecodeBlocks = 1, kKdaDecodeStream = 2 };
+// The kernel of the overloads without a variant (the engine's): kKdaDecodeBlocks, the one measured on the H200,
+// until bench_kda ranks the others there; KESTREL_KDA_DECODE=auto|blocks|stream overrides it (read once;
+// any other value is an error).
+KdaDecodeVariant kda_decode_default_variant();
 void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
                 const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
                 const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
@@ -106,28 +110,32 @@ void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*
 // Dk ∈ {32, 64, 128}; q, k, v, g 16-byte aligned and ld a multiple of 4; g ≥ −5 per token (the §3.3 gate
 // bound keeps e^{16·5} in f32 range; see kda_chunked.cu).
 size_t kda_chunked_workspace_bytes(int64_t T, int64_t B, int64_t H, int64_t Dk);
-// Kernel variants of kda_chunked's two main launches (kda_chunked.cu describes them); the overloads without
-// a variant use KdaChunkedVariant{}. All variants meet the same contract and tolerances; benchmarks time them
-// against each other and, through `launches`, time the launches apart.
+// Kernel variants of kda_chunked's two main launches (kda_chunked.cu describes them). All variants meet the
+// same contract and tolerances; benchmarks time them against each other and, through `launches`, time the
+// launches apart. KdaChunkedVariant{} is intra 1 + seq 1, the kernels measured on the H200 (kda_chunked.cu,
+// run 2); the overloads without a variant (the engine's) take kda_chunked_default_variant().
 struct KdaChunkedVariant {
   // Intra-chunk products: 1 = one 512-thread CTA holds a whole (chunk, head) (190 KB of shared memory, one
   // CTA per SM); 2 = the chunk's channels stream through in quarters (106 KB, two CTAs per SM).
-  int intra = 2;
-  // Sequential pass: 0 = the default (2); 1 = 2 warps per 32 value columns, each warp all keys; 2 = 4 warps
-  // per 32 value columns, the keys split between the two warps of each 16-column tile; 3 = 2 warps per 16
-  // value columns, keys split; 4 = 3 with the Dk/16 CTAs of a (head, sequence) in one cluster, whose leader
-  // copies the shared part of each chunk image into all of them at once (multicast: 1/8 of the L2 reads).
-  int seq = 0;
+  int intra = 1;
+  // Sequential pass: 1 = 2 warps per 32 value columns, each warp all keys; 2 = 4 warps per 32 value columns,
+  // the keys split between the two warps of each 16-column tile; 3 = 2 warps per 16 value columns, keys
+  // split; 4 = 3 with the Dk/16 CTAs of a (head, sequence) in one cluster, whose leader copies the shared
+  // part of each chunk image into all of them at once (multicast: 1/8 of the L2 reads); 0 = 2.
+  int seq = 1;
   // FP16 recurrence: the intra launch stores W, K̂ and U0 (the operands of u = U0 − W·S and of the state
   // update) in FP16 instead of TF32-rounded f32, and the seq launch multiplies them as FP16 (m16n8k16): the
   // same 11 significant bits, 40 % smaller chunk images, half the recurrence's mma instructions; values beyond
   // FP16's range (|x| > 65504 in the state or these operands) are not representable, the range of the FP16
-  // state of the day-0 recipe (MODEL.md §2). Needs intra = 2 and seq ∈ {0, 2, 3}.
+  // state of the day-0 recipe (MODEL.md §2). Needs intra = 2 and seq ∈ {0, 2, 3, 4}.
   bool f16_recurrence = false;
   // Launches to run: bit 0 the chunk table, bit 1 intra, bit 2 seq. Running seq without intra needs a
   // workspace that an earlier call with the same arguments filled (benchmarks only).
   unsigned launches = 7;
 };
+// KdaChunkedVariant{}, or KESTREL_KDA_CHUNKED=INTRA,SEQ,F16 (e.g. "2,4,1": intra 2, seq 4, FP16 recurrence),
+// read once and checked like an explicit variant: how a benchmark of the engine picks another variant.
+KdaChunkedVariant kda_chunked_default_variant();
 void kda_chunked(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
                  const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
                  const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,

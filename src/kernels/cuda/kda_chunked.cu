@@ -63,7 +63,7 @@
 //     smaller images: seq2 ≈ 0.8 µs per step, seq4 ≈ 0.6 µs, intra2 −10 %.
 //   When every SM runs a seq CTA (8 × 8K, 96 heads) 132 CTAs read 14 MB of image per step from L2, which
 //   bounds seq1–3 near 2 µs per step (9 MB with the FP16 recurrence); seq4 reads 2.3 MB.
-//   Totals, default (intra2 + seq2): 8K ≈ 0.3, 32K ≈ 1.0–1.3, 128K ≈ 4–5 ms, 8 × 8K ≈ 1.8–2.2 ms, 96 heads ≈
+//   Totals, intra2 + seq2: 8K ≈ 0.3, 32K ≈ 1.0–1.3, 128K ≈ 4–5 ms, 8 × 8K ≈ 1.8–2.2 ms, 96 heads ≈
 //   7–9 ms; intra2 + seq4 with the FP16 recurrence: 32K ≈ 0.8–1.0 ms, 8 × 8K ≈ 1.4–1.8, 96 heads ≈ 5–7 ms.
 //   FLA chunk_kda on our H200: 0.54 / 1.94 / 7.57 / 2.90 / 10.9 ms.
 //
@@ -71,6 +71,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
@@ -243,7 +245,7 @@ void chunked_alloc(const float* q, const float* k, const float* v, const float* 
   void* ws = nullptr;
   KCUDA_CHECK(cudaMallocAsync(&ws, kda_chunked_workspace_bytes(T, B, H, Dk), stream));
   try {
-    chunked(q, k, v, g, ld, beta, ld_beta, cu, slots, pool, o, T, B, H, Dk, ws, stream, KdaChunkedVariant{});
+    chunked(q, k, v, g, ld, beta, ld_beta, cu, slots, pool, o, T, B, H, Dk, ws, stream, kda_chunked_default_variant());
   } catch (...) {
     cudaFreeAsync(ws, stream);
     throw;
@@ -252,6 +254,24 @@ void chunked_alloc(const float* q, const float* k, const float* v, const float* 
 }
 
 }  // namespace
+
+KdaChunkedVariant kda_chunked_default_variant() {
+  static const KdaChunkedVariant v = [] {
+    KdaChunkedVariant r;
+    const char* e = std::getenv("KESTREL_KDA_CHUNKED");
+    if (e == nullptr || *e == 0) return r;
+    int intra = 0, seq = 0, f16 = 0;
+    char tail = 0;
+    KCUDA_REQUIRE(std::sscanf(e, "%d,%d,%d%c", &intra, &seq, &f16, &tail) == 3 && (f16 == 0 || f16 == 1),
+                  std::string("KESTREL_KDA_CHUNKED=") + e + " (expected INTRA,SEQ,F16, e.g. 2,4,1)");
+    r.intra = intra, r.seq = seq, r.f16_recurrence = f16 != 0;
+    KCUDA_REQUIRE((r.intra == 1 || r.intra == 2) && r.seq >= 0 && r.seq <= 4 &&
+                      (!r.f16_recurrence || (r.intra == 2 && r.seq != 1)),
+                  std::string("KESTREL_KDA_CHUNKED=") + e + ": no such variant (kda.h KdaChunkedVariant)");
+    return r;
+  }();
+  return v;
+}
 
 size_t kda_chunked_workspace_bytes(int64_t T, int64_t B, int64_t H, int64_t Dk) {
   KCUDA_REQUIRE(T >= 0 && B >= 0 && H > 0 && img_bytes(Dk) > 0,
@@ -276,13 +296,13 @@ void kda_chunked(const float* q, const float* k, const float* v, const float* g,
                  int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
                  int64_t T, int64_t B, int64_t H, int64_t Dk, void* workspace, cudaStream_t stream) {
   chunked(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, T, B, H, Dk, workspace, stream,
-          KdaChunkedVariant{});
+          kda_chunked_default_variant());
 }
 void kda_chunked(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
                  int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, uint16_t* state_pool, float* o,
                  int64_t T, int64_t B, int64_t H, int64_t Dk, void* workspace, cudaStream_t stream) {
   chunked(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, T, B, H, Dk, workspace, stream,
-          KdaChunkedVariant{});
+          kda_chunked_default_variant());
 }
 void kda_chunked(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
                  int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
