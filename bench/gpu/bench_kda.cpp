@@ -8,10 +8,11 @@
 // Prefill is also timed launch by launch (KdaChunkedVariant::launches): the intra-chunk launch of each
 // variant (with the chunk table) and the sequential launch of each variant on the images the intra launch
 // left, each with its HBM bytes and tensor-core FLOPs against the measured time; and the full call of the
-// default variants next to the first variants (intra 1 + seq 1, the kernels of the previous measurement), to
-// intra 2 + seq 4 (clusters, multicast) and to the same with the FP16 recurrence.
-// Decode: both kernels (one block per work item / persistent blocks prefetching the next item's state) and
-// the one kda_decode picks by default.
+// engine's variant (kda_chunked_default_variant: intra 1 + seq 1, the kernels of the previous measurement,
+// unless KESTREL_KDA_CHUNKED says otherwise) next to intra 2 + seq 2, intra 2 + seq 4 (clusters, multicast)
+// and the same with the FP16 recurrence.
+// Decode: both kernels (one block per work item / persistent blocks prefetching the next item's state), auto
+// (the second beyond one wave) and the engine's (kda_decode_default_variant: blocks unless KESTREL_KDA_DECODE).
 //
 // Timing: CUDA events around every launch, median of the repetitions after warm-ups. Decode rotates over
 // disjoint slot sets of a state pool several times the L2, so every launch reads its states from HBM.
@@ -19,10 +20,14 @@
 // 4096 random rows for the long prefills.
 //
 //   bench_kda [--quick] [--only prefill|decode] [--perf [--variant INTRA,SEQ,F16]]
-// --perf prints only the scoreboard lines (default variants, or the kda_chunked variant given, e.g.
-// --variant 2,4,1 = intra 2, seq 4, FP16 recurrence; ≤ 60 s):
+// --perf prints only PERF lines (≤ 60 s): the scoreboard's, for the engine's variants (or the kda_chunked
+// variant given, e.g. --variant 2,4,1 = intra 2, seq 4, FP16 recurrence), FP32 state:
 //   PERF kda_prefill_us_h12_32k <µs>   PERF kda_prefill_us_h12_8k <µs>
-//   PERF kda_decode_us_b1 <µs>         PERF kda_decode_tbps_b1024 <TB/s>   (FP32 state)
+//   PERF kda_decode_us_b1 <µs>         PERF kda_decode_tbps_b1024 <TB/s>
+// and the same for every variant, to rank them in one run (informative keys in perf.json):
+//   PERF kda_prefill_us_h12_{32k,8k}_i<INTRA>s<SEQ>[h]   (h: FP16 recurrence) for i1s1 i2s1 i2s2 i2s3 i2s4 i2s2h
+//                                                         i2s3h i2s4h
+//   PERF kda_decode_us_b1_{blocks,stream}   PERF kda_decode_tbps_b1024_{blocks,stream}
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -150,8 +155,10 @@ cuda::KdaChunkedVariant variant(int intra, int seq, unsigned launches = 7, bool 
 
 void prefill(bool quick, int sms) {
   fmt::print("\n== KDA prefill: kda_chunked (chunk 64; TF32 recurrence, BF16 output products), FP32 state ==\n");
-  fmt::print("{:<16} {:>11} {:>9} {:>15} {:>9} {:>13} {:>9}   {}\n", "shape", "default ms", "Mtok/s",
-             "intra1+seq1 ms", "seq4 ms", "f16+seq4 ms", "ws GB", "FLA chunk_kda (ANCHORS)");
+  const cuda::KdaChunkedVariant eng = cuda::kda_chunked_default_variant();
+  fmt::print("engine's variant: intra {} seq {}{}\n", eng.intra, eng.seq, eng.f16_recurrence ? " FP16 recurrence" : "");
+  fmt::print("{:<16} {:>10} {:>9} {:>14} {:>14} {:>18} {:>9}   {}\n", "shape", "engine ms", "Mtok/s",
+             "i2+seq2 ms", "i2+seq4 ms", "i2+seq4 f16 ms", "ws GB", "FLA chunk_kda (ANCHORS)");
   struct Case {
     int64_t H, L, B;
     const char* fla;
@@ -171,13 +178,13 @@ void prefill(bool quick, int sms) {
   for (const Case& c : cases) {
     PrefillCase pc(c.H, c.L, c.B);
     const int reps = quick ? 5 : (pc.T * c.H > 12 * 65536 ? 7 : 15);
-    const double us_def = pc.us(cuda::KdaChunkedVariant{}, reps);
-    const double us_v1 = pc.us(variant(1, 1), reps);
+    const double us_def = pc.us(eng, reps);
+    const double us_22 = pc.us(variant(2, 2), reps);
     const double us_mc = pc.us(variant(2, 4), reps);
     const double us_f16 = pc.us(variant(2, 4, 7, true), reps);
     const std::string shape = fmt::format("H={} {}×{}", c.H, c.B, c.L);
-    fmt::print("{:<16} {:>11.3f} {:>9.1f} {:>15.3f} {:>9.3f} {:>13.3f} {:>9.2f}   {}\n", shape, us_def / 1e3,
-               double(pc.T) / us_def, us_v1 / 1e3, us_mc / 1e3, us_f16 / 1e3, double(pc.ws_bytes) / 1e9, c.fla);
+    fmt::print("{:<16} {:>10.3f} {:>9.1f} {:>14.3f} {:>14.3f} {:>18.3f} {:>9.2f}   {}\n", shape, us_def / 1e3,
+               double(pc.T) / us_def, us_22 / 1e3, us_mc / 1e3, us_f16 / 1e3, double(pc.ws_bytes) / 1e9, c.fla);
     const double n = double(pc.chunks() * c.H);
     const double in_bytes = 4.0 * double(pc.T) * double(pc.HD) * 4.0, o_bytes = double(pc.T) * double(pc.HD) * 4.0;
     // Launch by launch; "f16": the FP16 recurrence (images of img16 bytes). Each seq row runs on the images
@@ -231,7 +238,8 @@ struct DecodeCase {
     cu.copy_from_host(c.data(), c.size() * 4);
     slots.copy_from_host(sl.data(), sl.size() * 4);
   }
-  // kernel: 0..2 = kda_decode with that KdaDecodeVariant, 3 = kda_recurrent.
+  // kernel: 0..2 = kda_decode with that KdaDecodeVariant, 3 = kda_recurrent, 4 = kda_decode without a variant
+  // (the engine's call).
   double us(void* pool, bool f16, int kernel, int reps) {
     int64_t set = 0;
     const int64_t HD = H * kDk;
@@ -242,15 +250,15 @@ struct DecodeCase {
                   *beta = static_cast<float*>(in.beta.data());
       const int32_t* cuu = static_cast<int32_t*>(cu.data());
       float* out = static_cast<float*>(o.data());
-      const auto var = cuda::KdaDecodeVariant(kernel);
+      const auto var = kernel == 4 ? cuda::kda_decode_default_variant() : cuda::KdaDecodeVariant(kernel);
       if (f16) {
         auto* p = static_cast<uint16_t*>(pool);
-        kernel < 3 ? cuda::kda_decode(q, k, v, g, HD, beta, H, cuu, sl, p, out, B, H, kDk, nullptr, var)
-                   : cuda::kda_recurrent(q, k, v, g, HD, beta, H, cuu, sl, p, out, B, H, kDk, nullptr);
+        kernel != 3 ? cuda::kda_decode(q, k, v, g, HD, beta, H, cuu, sl, p, out, B, H, kDk, nullptr, var)
+                    : cuda::kda_recurrent(q, k, v, g, HD, beta, H, cuu, sl, p, out, B, H, kDk, nullptr);
       } else {
         auto* p = static_cast<float*>(pool);
-        kernel < 3 ? cuda::kda_decode(q, k, v, g, HD, beta, H, cuu, sl, p, out, B, H, kDk, nullptr, var)
-                   : cuda::kda_recurrent(q, k, v, g, HD, beta, H, cuu, sl, p, out, B, H, kDk, nullptr);
+        kernel != 3 ? cuda::kda_decode(q, k, v, g, HD, beta, H, cuu, sl, p, out, B, H, kDk, nullptr, var)
+                    : cuda::kda_recurrent(q, k, v, g, HD, beta, H, cuu, sl, p, out, B, H, kDk, nullptr);
       }
     };
     return median_us(f, 10, reps);
@@ -269,28 +277,39 @@ void decode(bool quick) {
   auto fla = [](int64_t B) {
     return B == 1 ? "6.1 µs" : B == 8 ? "9.2 µs" : B == 64 ? "31.7 µs" : B == 256 ? "106.9 µs (3.8 TB/s)" : "—";
   };
-  const char* names[] = {"kda_decode (default)", "kda_decode blocks", "kda_decode stream", "kda_recurrent"};
+  const char* names[] = {"kda_decode auto", "kda_decode blocks", "kda_decode stream", "kda_recurrent",
+                         "kda_decode (engine)"};
   for (const int64_t B : batches) {
     DecodeCase dc(B, H);
     for (const bool f16 : {false, true}) {
       const size_t bytes = size_t(dc.n_sets * B * H * kDk * kDk) * (f16 ? 2 : 4);
       cuda::DeviceBuffer pool(bytes);
       KCUDA_CHECK(cudaMemset(pool.data(), 0, bytes));
-      for (int kernel = 0; kernel < 4; ++kernel) {
+      for (int kernel : {4, 0, 1, 2, 3}) {
         const double us = dc.us(pool.data(), f16, kernel, quick ? 50 : 200);
         fmt::print("{:<30} {:>6} {:>10.2f} {:>10.2f}   {}\n",
                    fmt::format("{} {}", names[kernel], f16 ? "f16" : "f32"), B, us, dc.tbps(us, f16),
-                   !f16 && kernel == 0 ? fla(B) : "");
+                   !f16 && kernel == 4 ? fla(B) : "");
       }
     }
   }
 }
 
-// The scoreboard lines only (kda_chunked variant `var`, FP32 state).
+// PERF lines only (FP32 state): the scoreboard's for kda_chunked variant `var` and the engine's decode kernel,
+// then every variant under its own key.
 void perf(const cuda::KdaChunkedVariant& var) {
+  struct V {
+    int intra, seq;
+    bool f16;
+  };
+  const V all[] = {{1, 1, false}, {2, 1, false}, {2, 2, false}, {2, 3, false},
+                   {2, 4, false}, {2, 2, true},  {2, 3, true},  {2, 4, true}};
   for (const int64_t L : {int64_t(32768), int64_t(8192)}) {
     PrefillCase pc(12, L, 1);
     fmt::print("PERF kda_prefill_us_h12_{}k {:.1f}\n", L / 1024, pc.us(var, 15));
+    for (const V& v : all)
+      fmt::print("PERF kda_prefill_us_h12_{}k_i{}s{}{} {:.1f}\n", L / 1024, v.intra, v.seq, v.f16 ? "h" : "",
+                 pc.us(variant(v.intra, v.seq, 7, v.f16), 15));
     std::fflush(stdout);
   }
   for (const int64_t B : {int64_t(1), int64_t(1024)}) {
@@ -298,11 +317,14 @@ void perf(const cuda::KdaChunkedVariant& var) {
     const size_t bytes = size_t(dc.n_sets * B * 12 * kDk * kDk) * 4;
     cuda::DeviceBuffer pool(bytes);
     KCUDA_CHECK(cudaMemset(pool.data(), 0, bytes));
-    const double us = dc.us(pool.data(), false, 0, 200);
-    if (B == 1) {
-      fmt::print("PERF kda_decode_us_b1 {:.2f}\n", us);
-    } else {
-      fmt::print("PERF kda_decode_tbps_b1024 {:.3f}\n", dc.tbps(us, false));
+    for (const int kernel : {4, 1, 2}) {
+      const double us = dc.us(pool.data(), false, kernel, 200);
+      const char* suffix = kernel == 4 ? "" : kernel == 1 ? "_blocks" : "_stream";
+      if (B == 1) {
+        fmt::print("PERF kda_decode_us_b1{} {:.2f}\n", suffix, us);
+      } else {
+        fmt::print("PERF kda_decode_tbps_b1024{} {:.3f}\n", suffix, dc.tbps(us, false));
+      }
     }
     std::fflush(stdout);
   }
@@ -314,6 +336,12 @@ int main(int argc, char** argv) {
   bool quick = false, perf_only = false;
   std::string only;
   cuda::KdaChunkedVariant var;
+  try {
+    var = cuda::kda_chunked_default_variant();  // KESTREL_KDA_CHUNKED, as the engine reads it
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 2;
+  }
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     int f16 = 0;
