@@ -1,4 +1,4 @@
-// The KDA scan kernels (src/kernels/cuda/kda_chunked.cu, kda_chunked_v2.cu, kda.cu) run on the CPU emulation
+// The KDA scan kernels (src/kernels/cuda/kda_chunked*.cu, kda.cu) run on the CPU emulation
 // of simt.h and checked against the CPU twins, with the tolerances of tests/gpu/test_kda_gpu.cpp: every
 // variant of kda_chunked's intra and seq launches, the FP16 pool's rounding, the two decode kernels. This
 // catches index, fragment-layout and barrier mistakes before the GPU runs the same code (tests/gpu then adds
@@ -382,6 +382,14 @@ TEST(EmuKdaDecode, StreamKernelMatchesBlockKernel) {
   check_decode<32>(std::vector<int32_t>(9, 1), 2, 61);
   check_decode<64>({1, 3, 0, 1, 2}, 2, 62);
   check_decode<128>(std::vector<int32_t>(4, 1), 3, 63);
+}
+
+// The one emulator case CI runs (the others carry the ctest label `emu`, minutes each: tests/emu/CMakeLists.txt):
+// every variant on a sequence of two chunks (one partial) next to an empty one and a one-token one, Dk 32, then
+// both decode kernels on a small batch.
+TEST(EmuKdaSmoke, Dk32EveryVariantAndDecode) {
+  check_chunked_case<32>({70, 0, 1}, 1, Gates::model, 14);
+  check_decode<32>(std::vector<int32_t>(3, 1), 1, 64);
 }
 
 }  // namespace
