@@ -21,6 +21,12 @@
 #                            # decode step and prefill, `kestrel serve` + `kestrel bench` at c=1/64, the peers;
 #                            # writes $OUT/perf.json (copy it to bench/gpu/perf.json) and a markdown table
 #   bench/gpu/run.sh decode  # there: the fused decode path's tests and bench_ops --perf per variant (see below)
+#   bench/gpu/run.sh kda     # there: KDA (issue #15 point 4): the KDA GPU tests over every kernel variant,
+#                            # bench_kda --perf (scoreboard lines + one PERF line per variant), FLA's kda_peer
+#                            # --perf (wheel in .whl/), the GPU-vs-CPU model test under each kda_chunked
+#                            # variant (KESTREL_KDA_CHUNKED), then the bench_kda tables; logs in $OUT
+#   bench/gpu/run.sh bench_kda [--quick] [--only prefill|decode] [--perf [--variant I,S,F]]
+#                            # there: bench/gpu/bench_kda.cpp alone
 #   bench/gpu/run.sh eval SETS_DIR [MODEL]
 #                            # there: `kestrel serve --device cuda` on MODEL (default models/k3-tiny) and
 #                            # `kestrel eval` over every SETS_DIR/*.jsonl, smallest first, while
@@ -141,6 +147,51 @@ case "${1:-}" in
     echo "### variant: ptpc-fp8" | tee -a "$out/decode_bench.md"
     "$self" bench --perf --quantization ptpc-fp8 --model "$ck/mini" 2>&1 | tee -a "$out/decode_bench.md" \
       | grep -E "^PERF|floor|tokens/s" || true
+    ;;
+  kda)
+    # KDA_DEADLINE (s, default 560) bounds the run inside the device tool's limit; KDA_VARIANTS lists the
+    # kda_chunked variants (INTRA,SEQ,F16) the model test runs under besides the engine's default.
+    out="${OUT:-/tmp}"
+    ck=/tmp/kestrel_ckpt
+    end=$(( $(date +%s) + ${KDA_DEADLINE:-560} ))
+    left() { echo $(( end - $(date +%s) > 5 ? end - $(date +%s) : 5 )); }
+    unpack
+    if ! ldd .gpu-carry/kestrel_gpu_tests | grep -q "libcublasLt.so.13 => /"; then
+      d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
+      export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
+    fi
+    mkdir -p "$ck"
+    [ -f "$ck/nano/config.json" ] || python3 reference/make_checkpoint.py --config nano --out "$ck/nano" --seed 1 \
+      --no-vision >/dev/null &
+    ckpt_pid=$!
+    if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+    fi
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    OMP_NUM_THREADS="$(nproc)" timeout "$(left)" .gpu-carry/kestrel_gpu_tests \
+      --gtest_filter='GpuKda.*:GpuOps.Kda*:GpuDecode.KdaDecodeFused*' 2>&1 | tee "$out/kda_tests.log" \
+      | grep -vE "^\[ RUN|^\[       OK" | tail -40 || true
+    timeout "$(left)" .gpu-carry/bench_kda --perf 2>&1 | tee "$out/kda_perf.log" | grep -E "PERF|error" || true
+    python3 -c "import fla" 2>/dev/null && { timeout "$(left)" python3 bench/gpu/kda_peer.py --perf 2>&1 \
+      | tee "$out/kda_peer.log" | grep PERF || true; }
+    wait "$ckpt_pid"
+    : > "$out/kda_model.log"
+    for v in "" ${KDA_VARIANTS:-2,2,0 2,4,0 2,4,1}; do
+      echo "### KESTREL_KDA_CHUNKED=${v:-(engine default)}" | tee -a "$out/kda_model.log"
+      KESTREL_KDA_CHUNKED="$v" KESTREL_GPU_CKPTS="$ck/nano" OMP_NUM_THREADS="$(nproc)" timeout "$(left)" \
+        .gpu-carry/kestrel_gpu_tests --gtest_filter='GpuModel.*' --gtest_brief=1 2>&1 | tee -a "$out/kda_model.log" \
+        | tail -4 || true
+    done
+    timeout "$(left)" .gpu-carry/bench_kda ${KDA_BENCH_ARGS:---quick} 2>&1 | tee "$out/bench_kda.md" || true
+    ;;
+  bench_kda)
+    unpack
+    if ! ldd .gpu-carry/bench_kda | grep -q "libcublasLt.so.13 => /"; then
+      d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
+      export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
+    fi
+    .gpu-carry/bench_kda "${@:2}"
     ;;
   eval)
     out="${OUT:-/tmp}"
@@ -281,7 +332,7 @@ case "${1:-}" in
     .gpu-carry/bench_mla "${@:2}"
     ;;
   *)
-    echo "usage: $0 pack|test|all|serving|decode|eval|perf|bench|bench_mla" >&2
+    echo "usage: $0 pack|test|all|serving|decode|kda|eval|perf|bench|bench_mla|bench_kda" >&2
     exit 2
     ;;
 esac
