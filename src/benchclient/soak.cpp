@@ -90,6 +90,9 @@ SoakSummary summarize(const std::vector<SoakRound>& rounds, const SoakOptions& o
   std::vector<std::string> notes;
   for (const SoakRound& r : rounds) {
     if (!r.drained) s.ok = false, notes.push_back(fmt::format("round {}: the server did not drain", r.round));
+    if (r.broken > 0)
+      s.ok = false, notes.push_back(fmt::format("round {}: {} stream(s) ended without a finish or an error: {}", r.round,
+                                                r.broken, r.first_error));
     if (r.server.integrity != "ok" && r.server.integrity != "-")
       s.ok = false, notes.push_back(fmt::format("round {}: integrity check failed: {}", r.round, r.server.integrity));
   }
@@ -162,7 +165,7 @@ nlohmann::json soak_json(const std::vector<SoakRound>& rounds, const SoakSummary
     const ServerSample& s = r.server;
     rs.push_back({{"round", r.round}, {"sent", r.sent}, {"completed", r.completed},
                   {"dropped_queued", r.dropped_queued}, {"dropped_stream", r.dropped_stream}, {"failed", r.failed},
-                  {"first_error", r.first_error}, {"seconds", r.seconds}, {"drain_seconds", r.drain_seconds},
+                  {"broken", r.broken}, {"finish_reasons", r.finish_reasons}, {"first_error", r.first_error}, {"seconds", r.seconds}, {"drain_seconds", r.drain_seconds},
                   {"drained", r.drained}, {"rss_mb", opt(s.rss_mb)}, {"gpu_mib", opt(s.gpu_mib)},
                   {"running", opt(s.running)}, {"waiting", opt(s.waiting)}, {"kv_pages_used", opt(s.pages_used)},
                   {"gpu_whole_device", s.gpu_whole_device},
@@ -204,7 +207,9 @@ struct Fate {
 
 struct Outcome {
   enum Kind { completed, dropped_queued, dropped_stream, failed } kind = failed;
+  bool broken = true;         // failed without an error from the server
   std::string error;
+  std::string finish_reason;  // completed
 };
 
 using Parser = http::response_parser<http::string_body>;
@@ -285,12 +290,16 @@ class Soak {
     r.sent = int(reqs.size());
     for (const Outcome& x : out) {
       switch (x.kind) {
-        case Outcome::completed: ++r.completed; break;
+        case Outcome::completed:
+          ++r.completed;
+          ++r.finish_reasons[x.finish_reason];
+          break;
         case Outcome::dropped_queued: ++r.dropped_queued; break;
         case Outcome::dropped_stream: ++r.dropped_stream; break;
         case Outcome::failed:
           ++r.failed;
-          if (r.first_error.empty()) r.first_error = x.error;
+          r.broken += x.broken;
+          if (r.first_error.empty() || (x.broken && r.broken == 1)) r.first_error = x.error;
           break;
       }
     }
@@ -397,6 +406,7 @@ class Soak {
     beast::flat_buffer buf;
     int tokens = 0;
     bool done = false, timed_drop = false;
+    std::string reason;  // the first finish_reason seen
     try {
       s.expires_after(timeout());
       co_await s.async_connect(eps_, use_awaitable);
@@ -408,6 +418,7 @@ class Soak {
       if (status != 200) {
         while (!p.is_done()) co_await http::async_read_some(s, buf, p, use_awaitable);
         out.kind = Outcome::failed;
+        out.broken = false;
         out.error = fmt::format("HTTP {}: {}", status, p.get().body().substr(0, 300));
         co_return;
       }
@@ -428,9 +439,11 @@ class Soak {
           const StreamChunk c = interpret_chunk(data, co_.api);
           if (!c.error.empty()) {
             out.kind = Outcome::failed;
+            out.broken = c.error.rfind("server error", 0) != 0;  // else a malformed chunk
             out.error = c.error;
             co_return;
           }
+          if (c.finished && reason.empty()) reason = c.finish_reason.empty() ? "?" : c.finish_reason;
           done = done || c.done;
           tokens += c.token;
           if (f.kind == Fate::stream && tokens >= f.after_tokens && !done) {
@@ -443,8 +456,10 @@ class Soak {
         }
         b.clear();
       }
-      out.kind = done ? Outcome::completed : Outcome::failed;
+      out.kind = done && !reason.empty() ? Outcome::completed : Outcome::failed;
+      out.finish_reason = reason;
       if (!done) out.error = "the stream ended without [DONE]";
+      else if (reason.empty()) out.error = "the stream ended without a finish_reason";
     } catch (const boost::system::system_error& e) {
       if (timed_drop && e.code() == beast::error::timeout) {
         out.kind = tokens > 0 ? Outcome::dropped_stream : Outcome::dropped_queued;

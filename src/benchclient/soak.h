@@ -6,6 +6,9 @@
 //    head, before their first token if the server has not admitted them yet — a cancel while waiting;
 //  - "stream" drops close it after k tokens (k uniform in [1, output_len − 1]) — a cancel mid-stream.
 // A drop is classified by what it had seen when it closed (no token yet: queued; else: stream).
+// Every other stream must end properly: completed (a finish_reason, then [DONE]; the reasons are
+// counted) or failed with an error the server sent (HTTP status or an error event); anything else
+// (a reset, a stream cut without a finish or [DONE], a stall) is "broken" and fails the run.
 // After the round the server is given time to drain (its /metrics gauges running and waiting back
 // to 0, at most drain_timeout_s) and to settle (settle_s), then the round's row is sampled:
 //  - the server process's RSS (VmRSS of /proc/PID/status) and, where nvidia-smi answers, the GPU
@@ -23,6 +26,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -61,6 +65,10 @@ struct ServerSample {
 struct SoakRound {
   int round = 0;  // 0: before the first round
   int sent = 0, completed = 0, dropped_queued = 0, dropped_stream = 0, failed = 0;
+  // Of the failed: `broken` streams ended without a proper end (no finish_reason before [DONE], a reset, a
+  // stall past the client timeout); the rest got a proper error (an HTTP error status or an error event).
+  int broken = 0;
+  std::map<std::string, int> finish_reasons;  // of the completed streams
   double seconds = 0;        // the streams, first sent to last done
   double drain_seconds = 0;  // until running = waiting = 0
   bool drained = true;
@@ -82,7 +90,7 @@ std::optional<double> parse_vm_rss_mb(const std::string& status);
 struct SoakSummary {
   std::optional<double> rss_growth_mb, gpu_growth_mib;  // last round − baseline round
   int baseline_round = 0;
-  bool ok = true;       // within the limits asked for, every round drained, integrity never failed
+  bool ok = true;       // within the limits asked for, every round drained, integrity never failed, no broken stream
   std::string verdict;  // one line per finding
 };
 SoakSummary summarize(const std::vector<SoakRound>& rounds, const SoakOptions& o);

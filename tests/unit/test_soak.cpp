@@ -98,6 +98,15 @@ TEST(Soak, VerdictMeasuresFromTheBaselineRoundAndAppliesTheLimits) {
   EXPECT_FALSE(bench::summarize(rs, o).ok);
   rs[3].drained = true;
   EXPECT_TRUE(bench::summarize(rs, o).ok);
+  // A proper error from the server (HTTP 429, an error event) is an ending; a stream cut without a finish is not.
+  rs[3].failed = 2;
+  EXPECT_TRUE(bench::summarize(rs, o).ok);
+  rs[3].broken = 1;
+  rs[3].first_error = "the stream ended without a finish_reason";
+  s = bench::summarize(rs, o);
+  EXPECT_FALSE(s.ok);
+  EXPECT_NE(s.verdict.find("round 3: 1 stream(s) ended without a finish or an error"), std::string::npos) << s.verdict;
+  rs[3].failed = rs[3].broken = 0;
   // Fewer rounds than the baseline: measured from the last round's own sample (growth 0).
   o.baseline_round = 9;
   s = bench::summarize(rs, o);
