@@ -16,7 +16,7 @@ The model is the nano checkpoint (random weights; the pytest session makes it), 
 template alone is ~46 prompt tokens per request). The number of requests, not their length, is what a
 per-request leak scales with, so prompts and outputs are a few tokens. Other runs by environment:
 KESTREL_SOAK_MODEL=DIR another checkpoint (models/k3-tiny, the issue's model, needs
-KESTREL_SOAK_BUDGET=5500K for the same ~33-48 pages: its pages are bigger), KESTREL_SOAK_ENDPOINT=
+KESTREL_SOAK_BUDGET=5300K for the same 33 pages: its pages and KDA states are bigger), KESTREL_SOAK_ENDPOINT=
 /v1/chat/completions the chat endpoint (the K3 output parser per stream) for test 1. The GPU version,
 10 rounds × 1,000 streams on k3-tiny, is `bench/gpu/run.sh soak`."""
 import json
