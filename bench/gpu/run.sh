@@ -35,7 +35,8 @@
 #                            # of SOAK_STREAMS (1000) concurrent streams, 30 % of the clients leaving early, the
 #                            # server's GPU memory and RSS per round, checked (GPU ≤ 64 MiB, RSS ≤ 16 MB from round
 #                            # 3 to the last); then a second server with shared prefixes and a page pool small
-#                            # enough to preempt (SOAK_PREFIX_ROUNDS, 6). JSON + logs in $OUT (soak_*.json).
+#                            # enough to preempt (SOAK_PREFIX_ROUNDS, 6). $OUT: soak_{plain,prefix}.{json,log},
+#                            # soak_server_logs.tgz (serve logs, end metrics).
 # With the device tool: run `bench/gpu/run.sh test` with carry [".gpu-carry"].
 # The device tool sends the session's main checkout, not a helper's worktree: from a worktree, copy
 # .gpu-carry/ and bench/gpu/run.sh into a git-ignored folder F of that checkout (F/.gpu-carry,
@@ -315,6 +316,9 @@ case "${1:-}" in
       "--endpoint /v1/completions --soak ${SOAK_PREFIX_ROUNDS:-6} --num-prompts ${SOAK_PREFIX_STREAMS:-400} \
        --input-len 128 --range-ratio 0.5 --output-len 32 --soak-prefix-len 512 --soak-prefix-groups 4 --seed 25 \
        --soak-baseline-round 3 --soak-max-gpu-growth 64 --soak-max-rss-growth 16"
+    # The device tool brings back at most 8 files: the server logs and end metrics travel as one archive.
+    (cd "$out" && tar czf soak_server_logs.tgz soak_machine.txt soak_*_serve.log soak_*_metrics.txt 2>/dev/null \
+      && rm -f soak_*_serve.log soak_*_metrics.txt) || true
     exit $status
     ;;
   bench)
