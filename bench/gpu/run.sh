@@ -236,7 +236,7 @@ case "${1:-}" in
     done
     for c in 1 64; do
       n=$(( c == 1 ? 16 : 192 ))
-      timeout "$(left)" .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --tokenizer "$ck/mini" \
+      timeout "${5:-$(left)}" .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --tokenizer "$ck/mini" \
         --input-len 1024 --output-len 128 --ignore-eos --num-prompts "$n" --max-concurrency "$c" --num-warmups 2 \
         --no-progress --result-file "$out/perf/serve_c$c.json" >"$out/perf/serve_bench_c$c.log" 2>&1 || true
     done
@@ -280,7 +280,8 @@ case "${1:-}" in
     fi
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/soak_machine.txt"
     status=0
-    # soak_one NAME PORT "SERVE FLAGS" "BENCH FLAGS": one server, one soak, the server stopped (SIGTERM) after.
+    # soak_one NAME PORT "SERVE FLAGS" "BENCH FLAGS" [SECONDS]: one server, one soak (at most SECONDS, default
+    # what is left), the server stopped (SIGTERM) after.
     soak_one() {
       local name="$1" port="$2" srv rc=0
       # shellcheck disable=SC2086  # the flag lists are word-split on purpose
@@ -293,7 +294,7 @@ case "${1:-}" in
         sleep 0.5
       done
       # shellcheck disable=SC2086
-      timeout "$(left)" .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --model soak --tokenizer "$model" \
+      timeout "${5:-$(left)}" .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --model soak --tokenizer "$model" \
         --server-pid "$srv" --no-progress --ignore-eos --soak-settle 1 $4 --result-file "$out/soak_$name.json" \
         2>&1 | tee "$out/soak_$name.log" || rc=$?
       [ "$rc" = 0 ] || { echo "soak $name: exit $rc"; status=1; }
@@ -306,7 +307,8 @@ case "${1:-}" in
     # 1. The operator's run (the issue's): rounds of 1,000 streams on the chat endpoint, 256 running at most.
     soak_one plain 18126 "--max-num-seqs 256 --memory-budget ${SOAK_MEMORY:-8G}" \
       "--endpoint /v1/chat/completions --soak ${SOAK_ROUNDS:-10} --num-prompts ${SOAK_STREAMS:-1000} --input-len 128 \
-       --range-ratio 0.5 --output-len 32 --seed 24 --soak-baseline-round 3 --soak-max-gpu-growth 64 --soak-max-rss-growth 16"
+       --range-ratio 0.5 --output-len 32 --seed 24 --soak-baseline-round 3 --soak-max-gpu-growth 64 --soak-max-rss-growth 16" \
+      "$(( $(left) > 100 ? $(left) - ${SOAK_PREFIX_SECONDS:-70} : $(left) ))"  # leave the second soak its time
     # 2. Shared prefixes (4 × 512 tokens) and a pool of 16-token pages smaller than the running requests want:
     #    on k3-tiny, 32M is 64 requests' KDA state slots (~28.6 MB) and 7,008 tokens of pages, against ~12K tokens
     #    for 64 requests of ~640-token prompts (512 shared) + 32 out: prefix-cache hits, checkpoints, eviction
