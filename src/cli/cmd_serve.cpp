@@ -32,7 +32,7 @@ struct Opts {
   std::string host = "127.0.0.1", api_key, served_name;
   int port = 8000, max_queue = 256, threads = 1, shutdown_timeout = 10, max_connections = 16384;
   int64_t max_request_bytes = 8 << 20;
-  bool fake = false;
+  bool fake = false, debug_routes = false;
   int fake_delay_ms = 0, fake_load_ms = 0;
 };
 
@@ -61,6 +61,7 @@ void serve(Opts& o) {
   so.threads = o.threads;
   so.max_connections = o.max_connections;
   so.shutdown_timeout = std::chrono::seconds(o.shutdown_timeout);
+  so.debug_routes = o.debug_routes;
   server::Server srv(so, engine, tokenizer);
   srv.listen();
   const std::string url = fmt::format("http://{}:{}", o.host.find(':') != std::string::npos ? "[" + o.host + "]" : o.host, srv.port());
@@ -114,6 +115,8 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--http-threads", o->threads, "io threads")->check(CLI::Range(1, 64));
   cmd->add_option("--shutdown-timeout", o->shutdown_timeout, "seconds running requests get on SIGTERM")
       ->check(CLI::Range(0, 3600));
+  cmd->add_flag("--debug-routes", o->debug_routes,
+                "GET /debug/integrity: check the engine's page/slot/prefix-cache bookkeeping (soak tests; not for production)");
   cmd->add_flag("--fake-engine", o->fake, "no weights: random tokens (tests and HTTP benchmarks)");
   cmd->add_option("--fake-delay-ms", o->fake_delay_ms, "fake engine: pause per engine step")->check(CLI::Range(0, 60000));
   cmd->add_option("--fake-load-ms", o->fake_load_ms, "fake engine: pretend loading takes this long")->check(CLI::Range(0, 600000));

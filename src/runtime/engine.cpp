@@ -135,6 +135,26 @@ EngineStats Engine::stats() const {
   return s;
 }
 
+IntegrityReport Engine::check_integrity() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  // Consistent at any moment under mu_: schedule() and complete() run under it, and a step in flight
+  // holds its pages and pending snapshots through the requests that planned them.
+  sched_.check_integrity();
+  const cache::CacheManager& cm = sched_.cache();
+  IntegrityReport r;
+  r.requests = int64_t(reqs_.size());
+  r.running = int64_t(sched_.num_running());
+  r.waiting = int64_t(sched_.num_waiting());
+  r.pages_total = cm.pages().num_pages();
+  r.pages_free = cm.pages().num_free();
+  r.pages_cached = int32_t(cm.prefix_cache().size());
+  r.pages_held = r.pages_total - cm.available_pages();
+  r.slots_total = cm.slots().num_slots();
+  r.slots_free = cm.slots().num_free();
+  r.checkpoints = cm.prefix_cache().num_checkpoints();
+  return r;
+}
+
 bool Engine::ready() const {
   std::lock_guard<std::mutex> lk(mu_);
   return !stop_ && failed_.empty();

@@ -78,6 +78,7 @@ class Engine final : public kestrel::Engine {
   Submission submit(Request r, TokenSink sink) override;
   bool cancel(RequestId id) override;
   EngineStats stats() const override;
+  IntegrityReport check_integrity() const override;  // under the lock, between or during steps
   void shutdown() override;
 
   const sched::MemoryPlan& memory_plan() const { return plan_; }

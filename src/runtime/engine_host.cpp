@@ -204,6 +204,12 @@ EngineStats EngineHost::stats() const {
   return e ? e->stats() : EngineStats{};
 }
 
+IntegrityReport EngineHost::check_integrity() const {
+  runtime::Engine* e = get();
+  if (!e) fail("the engine is not loaded");
+  return e->check_integrity();
+}
+
 void EngineHost::shutdown() {
   std::lock_guard lk(shutdown_mu_);
   if (loader_.joinable()) loader_.join();

@@ -77,6 +77,7 @@ class EngineHost final : public kestrel::Engine {
   Submission submit(Request r, TokenSink sink) override;
   bool cancel(RequestId id) override;
   EngineStats stats() const override;
+  IntegrityReport check_integrity() const override;  // kestrel::Error while not loaded
   void shutdown() override;  // waits for a load in progress, then shuts the engine down
 
  private:

@@ -10,7 +10,7 @@
 // read kept pending on the socket for the whole response; its engine requests are cancelled at once.
 //
 // Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-// GET /metrics, POST /tokenize, POST /detokenize. With an API key, /v1/*, /tokenize and /detokenize
+// GET /metrics, POST /tokenize, POST /detokenize; with debug_routes also GET /debug/integrity. With an API key, /v1/*, /tokenize and /detokenize
 // need `Authorization: Bearer KEY` (health and metrics stay open for probes and scrapers, as vLLM).
 #pragma once
 
@@ -37,6 +37,7 @@ struct ServerOptions {
   std::chrono::seconds idle_timeout{60};      // keep-alive wait for the next request
   std::chrono::seconds write_timeout{60};     // a client that reads nothing for this long is dropped
   std::chrono::seconds shutdown_timeout{10};  // SIGTERM: running requests get this long to finish
+  bool debug_routes = false;  // GET /debug/integrity (routes.h); off: 404 like any unknown path
 };
 
 class Server {

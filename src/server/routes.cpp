@@ -32,7 +32,8 @@ void Router::route(const HttpRequest& req, const std::shared_ptr<Connection>& co
   auto need = [&](const char* method) {
     if (req.method != method) throw ApiError(405, fmt::format("method {} not allowed on {}", req.method, target));
   };
-  const bool protected_path = target.rfind("/v1/", 0) == 0 || target == "/tokenize" || target == "/detokenize";
+  const bool protected_path = target.rfind("/v1/", 0) == 0 || target.rfind("/debug/", 0) == 0 || target == "/tokenize" ||
+                              target == "/detokenize";
   if (protected_path && !opt_.api_key.empty()) {
     const std::string want = "Bearer " + opt_.api_key;
     const std::string& got = req.authorization;
@@ -49,6 +50,22 @@ void Router::route(const HttpRequest& req, const std::shared_ptr<Connection>& co
   if (target == "/metrics") {
     need("GET");
     return conn->reply(200, metrics_.render(engine_.stats()), "text/plain; version=0.0.4; charset=utf-8");
+  }
+  if (target == "/debug/integrity" && opt_.debug_routes) {
+    // The engine's bookkeeping checked now (soak tests: after a drain every page is free or the
+    // prefix cache's); 500 with the first violation.
+    need("GET");
+    IntegrityReport r;
+    try {
+      r = engine_.check_integrity();
+    } catch (const Error& e) {
+      throw ApiError(500, std::string("integrity check failed: ") + e.what());
+    }
+    return conn->reply(200, dumps(json{{"ok", true}, {"requests", r.requests}, {"running", r.running},
+                                       {"waiting", r.waiting}, {"pages_total", r.pages_total},
+                                       {"pages_free", r.pages_free}, {"pages_cached", r.pages_cached},
+                                       {"pages_held", r.pages_held}, {"slots_total", r.slots_total},
+                                       {"slots_free", r.slots_free}, {"checkpoints", r.checkpoints}}));
   }
   if (target == "/v1/models") {
     need("GET");

@@ -1,5 +1,6 @@
 // The server's routes, apart from sockets: dispatch by path and method, authentication, the small
-// endpoints (/health, /metrics, /v1/models, /tokenize, /detokenize) and the start of a generation
+// endpoints (/health, /metrics, /v1/models, /tokenize, /detokenize; /debug/integrity with
+// ServerOptions::debug_routes) and the start of a generation
 // (/v1/chat/completions, /v1/completions: prompt encoding, the engine requests, the Job that
 // streams their events back, job.h). The transport (http_server.cpp) hands each parsed request to
 // Router::handle() with the Connection to answer on; errors become OpenAI error bodies here.
