@@ -113,9 +113,11 @@ TEST(GpuSampling, LogitBiasMatchesCpuTwin) {
       if (ids[size_t(i)] < 0) continue;
       // +100 beats every other logit (range 8) by far: greedy picks it, and so does any draw at T ≤ 1.3
       // (its probability is above 1 − V·e^(−70)).
-      if (boosted[size_t(i)] >= 0) EXPECT_EQ(ids[size_t(i)], boosted[size_t(i)]) << "V=" << V << " row " << i;
-      // −100 on the argmax: it cannot be drawn.
-      if (boosted[size_t(i)] < 0 && V > 1) EXPECT_NE(ids[size_t(i)], argmax[size_t(i)]) << "V=" << V << " row " << i;
+      if (boosted[size_t(i)] >= 0) {
+        EXPECT_EQ(ids[size_t(i)], boosted[size_t(i)]) << "V=" << V << " row " << i;
+      } else if (V > 1) {  // −100 on the argmax: it cannot be drawn
+        EXPECT_NE(ids[size_t(i)], argmax[size_t(i)]) << "V=" << V << " row " << i;
+      }
     }
   }
 }
@@ -156,11 +158,12 @@ TEST(GpuSampling, MinTokensMatchesCpuTwin) {
       const Row& row = rows[size_t(i)];
       if (ids[size_t(i)] < 0) continue;
       const bool held = int(row.output.size()) < row.p.min_tokens;
-      if (held)
+      if (held) {
         EXPECT_TRUE(std::find(row.stop.begin(), row.stop.end(), ids[size_t(i)]) == row.stop.end())
             << "V=" << V << " row " << i << " drew stop id " << ids[size_t(i)] << " before min_tokens";
-      else if (row.p.temperature == 0.0f)
+      } else if (row.p.temperature == 0.0f) {
         EXPECT_EQ(ids[size_t(i)], top_stop[size_t(i)]) << "V=" << V << " row " << i;
+      }
     }
   }
 }
