@@ -69,6 +69,9 @@ Engine::Engine(const ModelConfig& c, EngineConfig cfg)
   exec_ = cfg_.make_executor(cfg_.formats, plan_.cache_config(cfg_.enable_prefix_cache));
   KCHECK(exec_ != nullptr, "engine: the executor factory returned nothing");
   if (cfg_.eos_token_ids.empty() && c.text.eos_token_id >= 0) cfg_.eos_token_ids = {c.text.eos_token_id};
+  // Before any step is measured, long chunks start small; the first measurements size them.
+  if (cfg_.prefill_step_target_s > 0.0 && cfg_.long_prefill_token_threshold > 0)
+    sched_.set_long_prefill_chunk(std::min(cfg_.long_prefill_token_threshold, 64));
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -232,8 +235,9 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
     exec_stats_ = exec_->stats();
     // Long prompts' chunks sized to the step-time target (engine.h).
     if (cfg_.prefill_step_target_s > 0.0 && cfg_.long_prefill_token_threshold > 0 && plan.num_tokens >= 16) {
+      // Up at once (a slower step must not repeat), down gently (one fast step proves little).
       const double spt = step_s / double(plan.num_tokens);
-      seconds_per_token_ = seconds_per_token_ > 0.0 ? 0.7 * seconds_per_token_ + 0.3 * spt : spt;
+      seconds_per_token_ = spt > seconds_per_token_ ? spt : 0.7 * seconds_per_token_ + 0.3 * spt;
       const double fit = cfg_.prefill_step_target_s / seconds_per_token_;
       sched_.set_long_prefill_chunk(
           int32_t(std::clamp<double>(fit, 16.0, double(cfg_.long_prefill_token_threshold))));
