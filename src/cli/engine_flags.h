@@ -2,7 +2,7 @@
 // cache formats and batching, registered once on each subcommand and turned into the engine layer's
 // EngineOptions (runtime/engine_host.h), which owns what they mean.
 //
-//   --model DIR  --device cpu|cuda  --no-cuda-graphs
+//   --model DIR  --device cpu|cuda  --no-cuda-graphs  --quantization bf16|ptpc-fp8
 //   --memory-budget SIZE | --gpu-memory-utilization F
 //   --kv-cache-dtype bf16|fp8  --index-cache-dtype bf16|fp8|mxfp4  --kda-state-dtype f32|f16
 //   --block-size N  --max-num-seqs N  --max-num-batched-tokens N  --max-model-len N  --no-prefix-cache
@@ -28,6 +28,7 @@ struct EngineFlags {
   int max_num_batched_tokens = 2048;
   int64_t max_model_len = 0;  // 0: the model's context capped by the memory plan
   bool no_prefix_cache = false, no_cuda_graphs = false;
+  std::string quantization = "bf16";
   // Fairness (sched/scheduler.h). threshold -1: the device's default (long_prefill_default()).
   int long_prefill_token_threshold = -1;
   int max_num_partial_prefills = 4, max_long_partial_prefills = 1;
