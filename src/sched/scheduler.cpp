@@ -54,7 +54,7 @@ void Scheduler::submit(RequestId id, const Request& r) {
   s.max_tokens = r.max_tokens;
   s.tokens = r.prompt;
   s.extras = cache::block_extra_keys(s.prompt_len, cache_.config().block_size, r.media);
-  s.no_prefix_hit = r.sampling.prompt_logprobs >= 0 || bool(r.on_logits);
+  s.no_prefix_hit = r.sampling.prompt_logprobs >= 0;  // on_logits sees only the positions computed (a hit skips some)
   s.arrival = next_arrival_++;
   waiting_.insert({s.arrival, id});
   seqs_.emplace(id, std::move(s));
