@@ -161,6 +161,65 @@ def test_echo_with_prompt_logprobs_is_lm_eval_loglikelihood(server, client):
     assert "".join(ch.choices[0].text for ch in chunks).startswith("Hello")
 
 
+def test_lm_eval_remote_tokenizer_and_batched_loglikelihood(server):
+    """lm-evaluation-harness 0.4.13's local-completions, request for request (bench/RESULTS.md ran the real
+    one): its tokenizer_backend "remote" probe (GET /tokenizer_info with an eos_token, POST /tokenize
+    with add_special_tokens false), its encoding of context and continuation apart, then a batch of
+    loglikelihood requests in one call, scored as it scores them: sum(token_logprobs[ctxlen:-1]) and
+    is_greedy against top_logprobs."""
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    assert isinstance(info["eos_token"], str) and info["model_max_length"] > 0
+    enc = lambda s: post(server, "/tokenize", {"prompt": s, "add_special_tokens": False}).json()["tokens"]
+    assert enc("test") == ids_of(server, "test")
+    assert httpx.post(server.url + "/detokenize", json={"tokens": enc("Answer: 7")}).json()["prompt"] == "Answer: 7"
+    ctx = enc("Question: what is 3 + 4?\nAnswer:")
+    conts = [enc(" 7"), enc(" 12"), enc(" seven")]
+    batch = {"model": MODEL, "prompt": [ctx + c for c in conts], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+             "seed": 1234, "echo": True}
+    r = post(server, "/v1/completions", batch)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    for c, cont in zip(choices, conts):
+        lp = c["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ctx) + len(cont) + 1  # the prompt, then the one generated token
+        scored = lp["token_logprobs"][len(ctx):-1]
+        assert len(scored) == len(cont) and all(x <= 0 for x in scored)
+        # The same sum from one request per continuation (the batch changes nothing).
+        alone = post(server, "/v1/completions", {**batch, "prompt": ctx + cont}).json()["choices"][0]["logprobs"]
+        assert sum(scored) == pytest.approx(sum(alone["token_logprobs"][len(ctx):-1]), abs=1e-3)
+        for tok, top in zip(scored, lp["top_logprobs"][len(ctx):-1]):
+            assert max(top.values()) >= tok - 1e-6  # is_greedy is well defined
+
+
+# What langchain-openai 1.7's with_structured_output(Weather, method=...) sends, body for body (captured
+# from the real client; bench/langchain_structured.py runs it against k3-tiny). The server must take
+# all three; that the answer then conforms is grammar-constrained decoding's work (issue #20).
+_WEATHER = {"description": "The weather report a user asked for.", "type": "object",
+            "properties": {"city": {"description": "the city's name", "title": "City", "type": "string"},
+                           "celsius": {"description": "the temperature in degrees Celsius", "title": "Celsius",
+                                       "type": "integer"}},
+            "required": ["city", "celsius"], "title": "Weather", "additionalProperties": False}
+_LANGCHAIN = {
+    "function_calling": {"parallel_tool_calls": False, "tool_choice": {"type": "function", "function": {"name": "Weather"}},
+                         "tools": [{"type": "function", "function": {"name": "Weather", "description": _WEATHER["description"],
+                                                                     "parameters": _WEATHER}}]},
+    "json_mode": {"response_format": {"type": "json_object"}},
+    "json_schema": {"response_format": {"type": "json_schema",
+                                        "json_schema": {"schema": _WEATHER, "name": "Weather", "strict": True}}},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(_LANGCHAIN))
+def test_langchain_structured_output_requests_are_accepted(server, mode):
+    body = {"model": MODEL, "stream": False, "messages": [{"content": "hi", "role": "user"}], "temperature": 0.0,
+            "max_tokens": 4, **_LANGCHAIN[mode]}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    assert msg["role"] == "assistant" and (msg.get("content") is not None or msg.get("tool_calls"))
+
+
 def test_max_tokens_zero_in_chat(client):
     r = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=0)
     assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens > 0
