@@ -38,7 +38,7 @@ def main():
     ap.add_argument("--gap", type=float, default=3.0)
     ap.add_argument("--serve-args", default="")
     a = ap.parse_args()
-    cmd = [a.kestrel, "serve", "--port", "0", "--disable-access-log", "--max-model-len", "65536",
+    cmd = [a.kestrel, "serve", "--port", "0", "--disable-access-log", "--max-model-len", str(max(65536, a.long_tokens + 8192)),
            *(["--model", a.model] if a.model else []), *shlex.split(a.serve_args)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = None
