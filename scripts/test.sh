@@ -17,7 +17,7 @@ echo "== unit and model tests (ctest) =="
 ctest --test-dir build --output-on-failure -j "$jobs" -LE emu
 
 echo "== end-to-end tests (pytest) =="
-KESTREL_BIN="$PWD/build/src/cli/kestrel" .venv/bin/python -m pytest -q tests/py
+KESTREL_BIN="$PWD/build/src/cli/kestrel" KESTREL_REQUIRE_CHROMIUM=1 .venv/bin/python -m pytest -q tests/py
 
 if [ "${KESTREL_SKIP_ASAN:-0}" != 1 ]; then
   # Sanitizers: the unit tests under g++ (clang 14 cannot compile Boost.Asio's C++20 coroutines in

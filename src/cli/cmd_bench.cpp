@@ -16,6 +16,7 @@
 // command exits 1 after writing its report.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -237,6 +238,12 @@ void register_bench(CLI::App& app) {
 
     RandomDatasetOptions dopt{o->num_prompts, o->input_len, o->output_len, o->range_ratio, o->seed};
     const std::vector<SampleRequest> requests = random_dataset(dopt, tokenizer ? &*tokenizer : nullptr);
+    // The readiness probe and the warm-ups use prompts of their own (another seed): a measured
+    // prompt sent before the run would be served from the prefix cache in it.
+    RandomDatasetOptions wopt = dopt;
+    wopt.num_prompts = o->num_warmups + 1;  // the warm-ups, then the probe's
+    wopt.seed = o->seed ^ 0x77a4c0ffee5eedull;
+    const std::vector<SampleRequest> warmups = random_dataset(wopt, tokenizer ? &*tokenizer : nullptr);
 
     Schedule sched;
     sched.request_rate = rate;
@@ -249,7 +256,7 @@ void register_bench(CLI::App& app) {
       std::fflush(stdout);
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(o->ready_timeout);
       for (;;) {
-        const auto out = client->run({requests[0]}, Schedule{}, nullptr, nullptr);
+        const auto out = client->run({warmups.back()}, Schedule{}, nullptr, nullptr);
         if (out[0].success) break;
         if (std::chrono::steady_clock::now() >= deadline)
           fail("initial test request to {}{} failed: {} (check --base-url, --endpoint and --model)", o->base_url,
@@ -264,7 +271,7 @@ void register_bench(CLI::App& app) {
       std::fflush(stdout);
       Schedule ws;
       ws.max_concurrency = o->max_concurrency;
-      const auto out = client->run(std::vector<SampleRequest>(size_t(o->num_warmups), requests[0]), ws, nullptr, nullptr);
+      const auto out = client->run(std::vector<SampleRequest>(warmups.begin(), warmups.end() - 1), ws, nullptr, nullptr);
       int failed = 0;
       for (const auto& r : out) failed += !r.success;
       fmt::print("Warmup run completed{}.\n", failed ? fmt::format(" ({} of {} failed)", failed, out.size()) : "");

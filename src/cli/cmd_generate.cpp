@@ -309,7 +309,10 @@ void register_generate(CLI::App& app) {
   cmd->add_option("--logprobs", o->logprobs, "print the sampled token's logprob and the N (<= 20) most likely");
   cmd->add_option("--dump-logits", o->dump_logits, "write f32 logits [positions, vocab] as .npy (single prompt)");
   cmd->add_flag("--quiet", o->quiet, "print only the summary for several prompts");
-  cmd->callback([o] { generate(*o); });
+  cmd->callback([o] {
+    o->engine.resolve_model();
+    generate(*o);
+  });
 }
 
 }  // namespace kestrel::cli

@@ -1,6 +1,10 @@
 // EngineFlags: see engine_flags.h.
 #include "cli/engine_flags.h"
 
+#include <algorithm>
+#include <filesystem>
+
+#include "cache/layout.h"
 #include "core/cache_format.h"
 #include "core/check.h"
 
@@ -26,8 +30,36 @@ int64_t parse_bytes(const std::string& s) {
   return int64_t(v * mul);
 }
 
+std::string default_model_dir() {
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) return {};
+  const std::filesystem::path bin = exe.parent_path();
+  for (const std::filesystem::path& p : {bin / "models" / "k3-tiny", bin / "k3-tiny",
+                                         bin / ".." / "share" / "kestrel" / "models" / "k3-tiny",
+                                         bin / ".." / ".." / ".." / "models" / "k3-tiny"})
+    if (std::filesystem::is_regular_file(p / "config.json", ec)) return std::filesystem::weakly_canonical(p, ec).string();
+  return {};
+}
+
+int long_prefill_default(bool cuda, int max_num_batched_tokens) {
+  // What counts as long, and the largest long chunk; the engine shrinks the chunk further to its
+  // step-time target (EngineConfig::prefill_step_target_s).
+  const int want = cuda ? 2048 : 256;
+  return std::max(1, std::min(want, max_num_batched_tokens / 2));
+}
+
+void EngineFlags::resolve_model() {
+  if (!model.empty()) return;
+  model = default_model_dir();
+  if (model.empty())
+    fail("no --model given, and the embedded k3-tiny was not found next to the binary (models/k3-tiny, "
+         "../share/kestrel/models/k3-tiny, or the checkout it was built in); pass --model DIR");
+}
+
 void EngineFlags::add_to(CLI::App& cmd) {
-  cmd.add_option("--model", model, "checkpoint directory (tokenizer files included)")->required();
+  cmd.add_option("--model", model, "checkpoint directory (tokenizer files included; default: the embedded k3-tiny)")
+      ->each([this](const std::string&) { model_given = true; });
   cmd.add_option("--device", device, "cpu or cuda (the engine on the GPU executor)")->check(CLI::IsMember({"cpu", "cuda"}));
   cmd.add_flag("--no-cuda-graphs", no_cuda_graphs, "--device cuda: run decode steps eagerly");
   cmd.add_option("--quantization", quantization, "--device cuda: dense projection weights bf16 | ptpc-fp8 (online "
@@ -59,6 +91,15 @@ void EngineFlags::add_to(CLI::App& cmd) {
                  "spread each request's MLA latent and index-key cache along tokens over this many TP ranks (1 or "
                  "the TP size)")
       ->check(CLI::Range(1, 1024));
+  cmd.add_option("--long-prefill-token-threshold", long_prefill_token_threshold,
+                 "longest prefill chunk per step; longer prompts are 'long' (0: no cap; default: CPU 256, GPU 2048, "
+                 "at most half of --max-num-batched-tokens)")
+      ->check(CLI::Range(0, 1 << 24));
+  cmd.add_option("--max-num-partial-prefills", max_num_partial_prefills, "requests prefilling at once")
+      ->check(CLI::Range(1, 1 << 16));
+  cmd.add_option("--max-long-partial-prefills", max_long_partial_prefills,
+                 "long prompts prefilling at once (shorter ones pass a waiting long one)")
+      ->check(CLI::Range(1, 1 << 16));
 }
 
 runtime::EngineOptions EngineFlags::options(int default_max_num_seqs) const {
@@ -81,6 +122,14 @@ runtime::EngineOptions EngineFlags::options(int default_max_num_seqs) const {
   ec.max_num_batched_tokens = max_num_batched_tokens;
   ec.max_model_len = max_model_len;
   ec.enable_prefix_cache = !no_prefix_cache;
+  ec.long_prefill_token_threshold = long_prefill_token_threshold >= 0
+                                        ? long_prefill_token_threshold
+                                        : long_prefill_default(o.device == runtime::Device::cuda, max_num_batched_tokens);
+  // A step with a long prefill in it lasts about this long (CPU: a short request's first token within
+  // 3 s is two such steps and its own prompt; GPU: within 200 ms).
+  ec.prefill_step_target_s = o.device == runtime::Device::cuda ? 0.05 : 0.75;
+  ec.max_num_partial_prefills = max_num_partial_prefills;
+  ec.max_long_partial_prefills = max_long_partial_prefills;
   return o;
 }
 

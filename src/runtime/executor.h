@@ -47,12 +47,13 @@ struct StepHooks {
   // The sampled token (and stop flag) for a sequence with `sample` set, from its last logits.
   std::function<sched::SeqResult(const sched::ScheduledSeq&, std::span<const float> logits /* f32 [V] */)> sample;
   // Optional (device executors): what the sampler of a sequence needs (its parameters, prompt and
-  // output so far; the draw index is output.size()), and the hook that takes a token sampled on the
+  // output so far, stop ids; the draw index is output.size()), and the hook that takes a token sampled on the
   // device by the same rules, so the logits never come back to the host. An executor may ignore
   // these and call `sample` instead.
   struct SamplingInputs {
     const SamplingParams* params = nullptr;
     std::span<const int32_t> prompt, output;
+    std::span<const int32_t> stop_ids;  // what min_tokens holds back (sample_token's stop_ids)
   };
   std::function<SamplingInputs(const sched::ScheduledSeq&)> sampling_inputs;
   std::function<sched::SeqResult(const sched::ScheduledSeq&, int32_t token)> take_token;
