@@ -18,7 +18,7 @@ struct TpExecutor::Rank {
 };
 
 TpExecutor::TpExecutor(const ModelConfig& c, const Checkpoint& ckpt, const ParallelLayout& layout,
-                       const cache::CacheFormats& formats, const cache::CacheConfig& cc, const ExecutorOptions& options) {
+                       const kestrel::CacheFormats& formats, const cache::CacheConfig& cc, const ExecutorOptions& options) {
   check_layout(c, layout);
   KCHECK(layout.dcp == 1 || layout.dcp == layout.tp,
          "--decode-context-parallel-size {}: the CPU twin spreads the context over the whole TP group (1 or {})",
@@ -26,7 +26,7 @@ TpExecutor::TpExecutor(const ModelConfig& c, const Checkpoint& ckpt, const Paral
   KCHECK(formats.block_size % layout.dcp == 0, "--block-size {} must divide by --decode-context-parallel-size {}",
          formats.block_size, layout.dcp);
   // Under DCP a scheduler page of P tokens is P/dcp rows on each rank (the same page id everywhere).
-  cache::CacheFormats rank_formats = formats;
+  kestrel::CacheFormats rank_formats = formats;
   cache::CacheConfig rank_cc = cc;
   rank_formats.block_size = rank_cc.block_size = formats.block_size / layout.dcp;
   ExecutorOptions rank_options = options;
@@ -80,7 +80,7 @@ ExecutorFactory tp_executor_factory(const ModelConfig& c, const Checkpoint& ckpt
   if (layout.dcp != 1 && layout.dcp != layout.tp)
     fail("--decode-context-parallel-size {}: the CPU twin spreads the context over the whole TP group (1 or {})",
          layout.dcp, layout.tp);
-  return [&c, &ckpt, layout, options](const cache::CacheFormats& f, const cache::CacheConfig& cc) {
+  return [&c, &ckpt, layout, options](const kestrel::CacheFormats& f, const cache::CacheConfig& cc) {
     return std::unique_ptr<StepExecutor>(std::make_unique<TpExecutor>(c, ckpt, layout, f, cc, options));
   };
 }

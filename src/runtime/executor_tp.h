@@ -20,6 +20,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/cache_format.h"
 #include "core/tensor.h"
 #include "loader/config.h"
 #include "loader/shard.h"
@@ -36,7 +37,7 @@ class TpExecutor : public StepExecutor {
   // layout.tp ranks (layout.rank is ignored); throws the layout's problems (check_layout) first.
   // `c` and `ckpt` must outlive the executor.
   TpExecutor(const ModelConfig& c, const Checkpoint& ckpt, const ParallelLayout& layout,
-             const cache::CacheFormats& formats, const cache::CacheConfig& cache_config,
+             const kestrel::CacheFormats& formats, const cache::CacheConfig& cache_config,
              const ExecutorOptions& options = {});
   ~TpExecutor() override;
 
