@@ -6,6 +6,9 @@
     python3 reference/make_golden_dspark.py --ckpt /tmp/k3nano --draft /tmp/k3nano-dspark --out tests/golden/nano-dspark
 
 Two steps of one request, FP64 compute with the spec's BF16 roundings (as make_golden.py):
+The prompt is the first seeded 24-token prompt (seeds 11, 12, ...) whose every greedy decision compared by the
+C++ test (the target's anchor, each drafted token) has a top-2 logit margin >= 0.05, far above the engine's
+FP32/BF16 noise (golden.json `prompt_seed`, `greedy_margins`).
 - step1: target prefill of a 24-token prompt with taps → `step1.taps` bf16 [24, n·D]; context injection of all
   24 positions → `step1.h_ctx` bf16 [24, D], `step1.D{l}.ctx_latent` bf16 [24, C+R]; the block
   [anchor, mask × (N−1)] at positions 24..24+N−1, anchor = the target's greedy token → `step1.D{l}.block_latent`,
@@ -38,6 +41,7 @@ from make_golden import allowed_ids, is_bf16_exact, make_prompt  # noqa: E402
 
 FORMAT = "kestrel-golden-dspark-v1"
 TOPK = 8
+MIN_MARGIN = 0.05
 
 
 def sha_files(d, files):
@@ -61,22 +65,13 @@ def put(tensors, name, v, kind):
         tensors[name] = torch.as_tensor(v, dtype=torch.int32).contiguous()
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--draft", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(1)
+def margins(logits: torch.Tensor) -> list:
+    s = torch.sort(logits, dim=-1, descending=True).values
+    return (s[:, 0] - s[:, 1]).tolist()
 
-    ck = Checkpoint(args.ckpt, torch.float64)
-    model = Model(ck)
-    draft = Draft(args.draft, model)
+
+def run_case(model, draft, prompt):
     dc = draft.cfg
-    model.tap_layers = dc.target_layer_ids
-    N = dc.block_size
-    allowed = allowed_ids(ck)
-    prompt = make_prompt(allowed, 24, 11)
     tensors: dict = {}
 
     # step 1
@@ -121,6 +116,39 @@ def main(argv=None):
     put(tensors, "step2.draft_logits", dl2, "f32")
     put(tensors, "step2.draft_tokens", toks2, "i32")
 
+    m_all = margins(dl) + margins(tl) + margins(dl2) + margins(logits[-1:])
+    info = {"step1": {"prompt": prompt, "anchor": anchor1, "context_len": len(prompt)},
+            "step2": {"continuation": cont, "anchor": anchor2, "context_len": len(prompt) + len(cont),
+                      "inject_splits": [7, len(cont) - 7]},
+            "greedy_margins": {"step1": margins(dl), "step1_topk": margins(tl), "step2": margins(dl2)},
+            "min_margin": min(m_all), "tokens": (toks, ttoks, toks2)}
+    return tensors, info
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+
+    ck = Checkpoint(args.ckpt, torch.float64)
+    model = Model(ck)
+    draft = Draft(args.draft, model)
+    dc = draft.cfg
+    model.tap_layers = dc.target_layer_ids
+    N = dc.block_size
+    allowed = allowed_ids(ck)
+    # The engine computes in FP32 with BF16 roundings, so a greedy decision whose top-2 margin is within its
+    # noise may flip; pick the first prompt seed whose every drafted decision has a margin >= MIN_MARGIN.
+    for prompt_seed in range(11, 111):
+        tensors, info = run_case(model, draft, make_prompt(allowed, 24, prompt_seed))
+        if info["min_margin"] >= MIN_MARGIN:
+            break
+    else:
+        raise SystemExit("no prompt seed with healthy greedy margins")
+    info["prompt_seed"] = prompt_seed
     os.makedirs(args.out, exist_ok=True)
     save_file(tensors, os.path.join(args.out, "golden.safetensors"), metadata={"format": FORMAT})
     meta = {
@@ -134,13 +162,13 @@ def main(argv=None):
         "draft": {"sha256": sha_files(args.draft, ["config.json", "model.safetensors"])},
         "reference": {"torch": torch.__version__, "compute_dtype": "float64", "mla_form": "naive"},
         "block_size": N, "topk": TOPK,
-        "step1": {"prompt": prompt, "anchor": anchor1, "context_len": len(prompt)},
-        "step2": {"continuation": cont, "anchor": anchor2, "context_len": len(prompt) + len(cont),
-                  "inject_splits": [7, len(cont) - 7]},
+        "prompt_seed": info["prompt_seed"], "min_greedy_margin": MIN_MARGIN,
+        "greedy_margins": info["greedy_margins"],
+        "step1": info["step1"], "step2": info["step2"],
     }
     with open(os.path.join(args.out, "golden.json"), "w") as f:
         f.write(json.dumps(meta, indent=1) + "\n")
-    print("step1 draft", toks, "topk", ttoks, "step2 draft", toks2)
+    print("prompt seed", info["prompt_seed"], "draft tokens", info["tokens"], "min margin", info["min_margin"])
 
 
 if __name__ == "__main__":

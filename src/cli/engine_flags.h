@@ -6,6 +6,7 @@
 //   --memory-budget SIZE | --gpu-memory-utilization F
 //   --kv-cache-dtype bf16|fp8  --index-cache-dtype bf16|fp8|mxfp4  --kda-state-dtype f32|f16
 //   --block-size N  --max-num-seqs N  --max-num-batched-tokens N  --max-model-len N  --no-prefix-cache
+//   --speculative-config JSON (vLLM's keys; DSpark)
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -26,6 +27,7 @@ struct EngineFlags {
   int64_t max_model_len = 0;  // 0: the model's context capped by the memory plan
   bool no_prefix_cache = false, no_cuda_graphs = false;
   std::string quantization = "bf16";
+  std::string speculative_config;  // --speculative-config JSON (runtime/spec_config.h)
 
   void add_to(CLI::App& cmd);
   // The options these flags describe; bad spellings (dtype, size) fail here, before anything loads.

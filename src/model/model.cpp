@@ -57,6 +57,7 @@ void forward(const ModelWeights& w, const ModelConfig& c, const SeqCacheView& st
   const MlaForm mla_form = T == 1 ? opt.mla_form_decode : opt.mla_form_prefill;
   const float eps = tc.rms_norm_eps;
   const Probe top{&opt.observer, -1};
+  KCHECK(opt.tap_layers.empty() || opt.taps_out, "tap layers given without a taps buffer");
 
   // §3.1: e = embed_tokens[id]; the stream starts as P = e with no stored blocks.
   AttnResStream rs(T, D, tc.num_attn_res_blocks());
@@ -97,6 +98,12 @@ void forward(const ModelWeights& w, const ModelConfig& c, const SeqCacheView& st
       moe_forward(lw.moe, tc, normed.data(), T, y.data(), probe);
     probe("mlp_out", y.data(), DType::bf16, {T, D});
     rs.accumulate(y.data());
+    // §5 DSpark taps: P after this layer, into its column block of taps_out.
+    const int64_t n_taps = int64_t(opt.tap_layers.size());
+    for (int64_t k = 0; k < n_taps; ++k)
+      if (opt.tap_layers[size_t(k)] == L)
+        for (int64_t t = 0; t < T; ++t)
+          std::memcpy(opt.taps_out + (t * n_taps + k) * D, rs.partial.data() + t * D, size_t(D) * 2);
   }
 
   // §3.2 final: h = Mix([B_0..B_{Nb−1}, P]; output_attn_res_*); §3.8: logits = lm_head(RMSNorm(h)).

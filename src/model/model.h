@@ -55,6 +55,10 @@ struct ForwardOptions {
   // Every op's result for a token independent of how many tokens share the call (recurrent KDA, one
   // MLA form and per-row GEMV are the caller's choice together with this; see cpu::RowInvariantScope).
   bool row_invariant = false;
+  // DSpark taps (MODEL.md §5): the AttnRes partial sum P after each listed layer (pre-norm), copied into
+  // taps_out as bf16 [T, n·D] in list order. Empty list: nothing is copied.
+  std::span<const int> tap_layers;
+  uint16_t* taps_out = nullptr;  // bf16 [T, tap_layers.size()·D]
 };
 
 // Runs `tokens` at positions [v.pos, v.pos + T) through the caches of `v` (which it updates; v.pos
