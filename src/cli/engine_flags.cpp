@@ -100,11 +100,15 @@ void EngineFlags::add_to(CLI::App& cmd) {
   cmd.add_option("--max-long-partial-prefills", max_long_partial_prefills,
                  "long prompts prefilling at once (shorter ones pass a waiting long one)")
       ->check(CLI::Range(1, 1 << 16));
+  cmd.add_option("--speculative-config", speculative_config,
+                 "DSpark speculative decoding, vLLM's JSON: {\"method\":\"dspark\",\"model\":\"DIR\","
+                 "\"num_speculative_tokens\":7,\"draft_sample_method\":\"probabilistic\",\"rejection_sample_method\":\"block\"}");
 }
 
 runtime::EngineOptions EngineFlags::options(int default_max_num_seqs) const {
   runtime::EngineOptions o;
   o.model_dir = model;
+  if (!speculative_config.empty()) o.speculative = runtime::parse_speculative_config(speculative_config);
   o.device = device == "cuda" ? runtime::Device::cuda : runtime::Device::cpu;
   if (!memory_budget.empty()) o.memory_budget = parse_bytes(memory_budget);
   o.gpu_memory_utilization = gpu_memory_utilization;

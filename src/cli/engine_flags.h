@@ -10,6 +10,7 @@
 //   --long-prefill-token-threshold N  --max-num-partial-prefills N  --max-long-partial-prefills N
 //
 // Without --model the embedded k3-tiny is used when it is found (default_model_dir()).
+//   --speculative-config JSON (vLLM's keys; DSpark)
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -37,6 +38,7 @@ struct EngineFlags {
   int long_prefill_token_threshold = -1;
   int max_num_partial_prefills = 4, max_long_partial_prefills = 1;
   bool model_given = false;  // --model was on the command line (else the embedded default)
+  std::string speculative_config;  // --speculative-config JSON (runtime/spec_config.h)
 
   void add_to(CLI::App& cmd);
   // Fills in `model` when --model was not given: the embedded k3-tiny, or a kestrel::Error naming

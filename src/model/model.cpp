@@ -62,6 +62,7 @@ void forward(const ModelWeights& w, const ModelConfig& c, const SeqCacheView& st
   const Shard sh{opt.comm, opt.dcp};
   KCHECK(sh.dcp == 1 || sh.dcp == sh.size(), "decode-context-parallel size {} must be 1 or the group's size {}", sh.dcp,
          sh.size());
+  KCHECK(opt.tap_layers.empty() || opt.taps_out, "tap layers given without a taps buffer");
 
   // §3.1: e = embed_tokens[id]; the stream starts as P = e with no stored blocks. Split by vocabulary
   // rows over ranks: the owner copies the row, the others contribute zeros, and the all-reduce (one
@@ -118,6 +119,12 @@ void forward(const ModelWeights& w, const ModelConfig& c, const SeqCacheView& st
     }
     probe("mlp_out", y.data(), DType::bf16, {T, D});
     rs.accumulate(y.data());
+    // §5 DSpark taps: P after this layer, into its column block of taps_out.
+    const int64_t n_taps = int64_t(opt.tap_layers.size());
+    for (int64_t k = 0; k < n_taps; ++k)
+      if (opt.tap_layers[size_t(k)] == L)
+        for (int64_t t = 0; t < T; ++t)
+          std::memcpy(opt.taps_out + (t * n_taps + k) * D, rs.partial.data() + t * D, size_t(D) * 2);
   }
 
   // §3.2 final: h = Mix([B_0..B_{Nb−1}, P]; output_attn_res_*); §3.8: logits = lm_head(RMSNorm(h)).

@@ -67,6 +67,10 @@ struct ForwardOptions {
   // Decode context parallelism: 1, or comm's size (each MLA cache then holds the tokens t with
   // t mod size == rank at row ⌊t/size⌋; model/mla_dcp.cpp; MLA runs the absorbed form).
   int dcp = 1;
+  // DSpark taps (MODEL.md §5): the AttnRes partial sum P after each listed layer (pre-norm), copied into
+  // taps_out as bf16 [T, n·D] in list order. Empty list: nothing is copied.
+  std::span<const int> tap_layers;
+  uint16_t* taps_out = nullptr;  // bf16 [T, tap_layers.size()·D]
 };
 
 // Runs `tokens` at positions [v.pos, v.pos + T) through the caches of `v` (which it updates; v.pos

@@ -7,6 +7,7 @@
 
 #include "core/check.h"
 #include "loader/config.h"
+#include "loader/dspark.h"
 #include "loader/safetensors.h"
 #include "loader/shard.h"
 #include "loader/weights.h"
@@ -99,6 +100,19 @@ EngineHost::EngineHost(EngineOptions options) : opt_(std::move(options)) {
 
 EngineHost::~EngineHost() { shutdown(); }
 
+// --speculative-config: load and check the draft (config against the target, every tensor), then refuse:
+// the batching engine has no speculative path yet (runtime/spec_decode.h is the single-request CPU loop).
+static void check_speculative(const SpeculativeConfig& sc, const ModelConfig& target) {
+  const DraftConfig dc = load_draft_config(sc.model, target);
+  if (sc.num_speculative_tokens > dc.block_size)
+    fail("--speculative-config: num_speculative_tokens {} exceeds the draft's block size {}", sc.num_speculative_tokens,
+         dc.block_size);
+  const Checkpoint ckpt(sc.model);
+  (void)bind_draft_weights(dc, ckpt);
+  fail("--speculative-config: the draft {} loads and matches the target, but the serving engine does not run "
+       "speculative decoding yet (issue #19; see docs/speculative.md)", sc.model);
+}
+
 void EngineHost::load() {
   std::string error;
   auto m = std::make_unique<Loaded>();
@@ -118,6 +132,7 @@ void EngineHost::load() {
     } else {
       m->ckpt = std::make_unique<Checkpoint>(opt_.model_dir);
       m->w = bind_weights(m->cfg, *m->ckpt);
+      if (opt_.speculative) check_speculative(*opt_.speculative, m->cfg);
       if (opt_.device == Device::cuda) {
         m->device = setup_cuda(opt_, m->cfg, m->w, ec);
       } else if (!opt_.memory_budget && opt_.gpu_memory_utilization > 0.0) {

@@ -31,6 +31,7 @@
 #include "request/engine.h"
 #include "runtime/engine.h"
 #include "runtime/fake_executor.h"
+#include "runtime/spec_config.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel::runtime {
@@ -56,6 +57,9 @@ struct EngineOptions {
   bool fake = false;                     // no weights: random (or scripted) tokens
   FakeExecutorOptions fake_executor;
   std::chrono::milliseconds fake_load_delay{0};  // lets tests see /health answer 503 while "loading"
+  // --speculative-config: the draft is loaded and checked against the target; the batching engine does not
+  // run speculation yet (docs/speculative.md), so the load then fails with a message saying so.
+  std::optional<SpeculativeConfig> speculative;
 };
 
 class EngineHost final : public kestrel::Engine {
