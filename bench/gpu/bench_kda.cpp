@@ -8,7 +8,7 @@
 // Prefill is also timed launch by launch (KdaChunkedVariant::launches): the intra-chunk launch of each
 // variant (with the chunk table) and the sequential launch of each variant on the images the intra launch
 // left, each with its HBM bytes and tensor-core FLOPs against the measured time; and the full call of the
-// engine's variant (kda_chunked_default_variant: intra 1 + seq 1, the kernels of the previous measurement,
+// engine's variant (kda_chunked_default_variant: intra 2 + seq 3, the fastest TF32 pair measured,
 // unless KESTREL_KDA_CHUNKED says otherwise) next to intra 2 + seq 2, intra 2 + seq 4 (clusters, multicast)
 // and the same with the FP16 recurrence.
 // Decode: both kernels (one block per work item / persistent blocks prefetching the next item's state), auto

@@ -112,8 +112,8 @@ void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*
 size_t kda_chunked_workspace_bytes(int64_t T, int64_t B, int64_t H, int64_t Dk);
 // Kernel variants of kda_chunked's two main launches (kda_chunked.cu describes them). All variants meet the
 // same contract and tolerances; benchmarks time them against each other and, through `launches`, time the
-// launches apart. KdaChunkedVariant{} is intra 1 + seq 1, the kernels measured on the H200 (kda_chunked.cu,
-// run 2); the overloads without a variant (the engine's) take kda_chunked_default_variant().
+// launches apart. KdaChunkedVariant{} is intra 1 + seq 1, the first kernels; the overloads without a variant
+// (the engine's) take kda_chunked_default_variant(), intra 2 + seq 3 (fastest TF32 pair measured on the H200).
 struct KdaChunkedVariant {
   // Intra-chunk products: 1 = one 512-thread CTA holds a whole (chunk, head) (190 KB of shared memory, one
   // CTA per SM); 2 = the chunk's channels stream through in quarters (106 KB, two CTAs per SM).
@@ -133,7 +133,7 @@ struct KdaChunkedVariant {
   // workspace that an earlier call with the same arguments filled (benchmarks only).
   unsigned launches = 7;
 };
-// KdaChunkedVariant{}, or KESTREL_KDA_CHUNKED=INTRA,SEQ,F16 (e.g. "2,4,1": intra 2, seq 4, FP16 recurrence),
+// Intra 2 + seq 3, or KESTREL_KDA_CHUNKED=INTRA,SEQ,F16 (e.g. "2,4,1": intra 2, seq 4, FP16 recurrence),
 // read once and checked like an explicit variant: how a benchmark of the engine picks another variant.
 KdaChunkedVariant kda_chunked_default_variant();
 void kda_chunked(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
