@@ -7,7 +7,7 @@
 # runtime, which the GPU tests need because they link the CPU twins; ICU, which the runtime's tokenizer
 # links, so `kestrel` itself runs there too), packed with them into .gpu-carry/pkg.tar.xz and unpacked on
 # first use. cuBLASLt comes from the image's CUDA toolkit. Two steps:
-#   bench/gpu/run.sh pack    # here: build, copy binaries + libfmt into .gpu-carry/ (git-ignored)
+#   bench/gpu/run.sh pack    # here: build, copy binaries + libfmt into .gpu-carry/ (git-ignored; PACK_SKIP below)
 #   bench/gpu/run.sh test    # there: run every GPU test binary from .gpu-carry/
 #   bench/gpu/run.sh bench_mla [--quick] [--only decode,prefill]
 #                            # there: bench/gpu/bench_mla.cpp (paged MLA decode/prefill, tensor cores vs baselines)
@@ -66,11 +66,14 @@ case "${1:-}" in
     excl="$(git rev-parse --git-path info/exclude)"  # .git is a file in a worktree
     grep -qx "/.gpu-carry/" "$excl" 2>/dev/null || echo "/.gpu-carry/" >> "$excl"
     rm -rf .gpu-carry && mkdir -p .gpu-carry/pkg/lib
+    # PACK_SKIP="NAME ...": binaries left out, when the tree and the archive together would pass the device
+    # tool's 64 MiB (e.g. PACK_SKIP=kestrel_gpu_tests for a benchmark-only run).
+    skip() { case " ${PACK_SKIP:-} " in *" $(basename "$1") "*) return 0 ;; esac; return 1; }
     for b in build/tests/gpu/kestrel_gpu_tests build/src/cli/kestrel build/bench/bench_ops; do
-      objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
+      skip "$b" || objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
     done
     for b in build/bench/bench_moe build/bench/bench_mla build/bench/bench_kda build/bench/bench_indexer; do  # per-kernel benchmarks, when built
-      [ -x "$b" ] && objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
+      [ -x "$b" ] && ! skip "$b" && objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
     done
     git rev-parse --short HEAD > .gpu-carry/pkg/COMMIT
     for l in libfmt.so.9 libopenblas.so.0 libgomp.so.1 libgfortran.so.5 libquadmath.so.0 libicuuc.so.72 libicudata.so.72; do
