@@ -46,6 +46,8 @@ void EngineFlags::add_to(CLI::App& cmd) {
                                                    "capped by the memory plan)")
       ->check(CLI::Range(int64_t(2), int64_t(1) << 40));
   cmd.add_flag("--no-prefix-cache", no_prefix_cache, "disable prefix caching");
+  cmd.add_option("--threads", threads, "threads of the CPU engine's ops, for the whole step (default: every core)")
+      ->check(CLI::Range(0, 1024));
 }
 
 runtime::EngineOptions EngineFlags::options(int default_max_num_seqs) const {
@@ -55,6 +57,7 @@ runtime::EngineOptions EngineFlags::options(int default_max_num_seqs) const {
   if (!memory_budget.empty()) o.memory_budget = parse_bytes(memory_budget);
   o.gpu_memory_utilization = gpu_memory_utilization;
   o.cuda_graphs = !no_cuda_graphs;
+  o.cpu_threads = threads;
   runtime::EngineConfig& ec = o.engine;
   ec.formats.latent = cache::parse_latent_format(kv_cache_dtype);
   ec.formats.index_keys = cache::parse_index_key_format(index_cache_dtype);

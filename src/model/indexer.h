@@ -15,12 +15,19 @@
 #include "loader/weights.h"
 #include "model/cache_view.h"
 #include "model/common.h"
+#include "model/mla.h"
 
 namespace kestrel::model {
 
-// Writes the T new index keys at positions [pos0, pos0+T) of `cache` and fills
-// `sel` (i32 [T, Ki], Ki = index_topk) with each query's selected key positions, ascending, padded
-// with −1 (§3.5 step 6).
+// For every sequence writes its T new index keys at positions [pos0, pos0+T) of its cache and fills
+// its rows of `sel` (i32 [rows, Ki], Ki = index_topk) with each query's selected key positions,
+// ascending, padded with −1 (§3.5 step 6). The projections run once over all rows; scores and top-k
+// per sequence (cpu::indexer_select_topk_fast: bit-identical to the scalar twin).
+void indexer_select(const IndexerWeights& w, const TextConfig& c, std::span<const MlaSeq> seqs,
+                    const uint16_t* x /* bf16 [rows, D], normed hidden */,
+                    const uint16_t* c_q /* bf16 [rows, Q], q_a_layernorm output */, int64_t rows,
+                    std::vector<int32_t>& sel /* i32 [rows, Ki] */);
+// One sequence.
 void indexer_select(const IndexerWeights& w, const TextConfig& c, const MlaCacheView& cache,
                     const uint16_t* x /* bf16 [T, D], normed hidden */,
                     const uint16_t* c_q /* bf16 [T, Q], q_a_layernorm output */, int64_t T, int64_t pos0,

@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "core/check.h"
+#include "kernels/cpu/thread_pool.h"
 #include "loader/config.h"
 #include "loader/safetensors.h"
 #include "loader/weights.h"
@@ -99,6 +100,7 @@ void EngineHost::load() {
       ec.make_executor = fake_executor_factory(m->cfg.text.vocab_size, opt_.fake_executor);
       m->engine = std::make_unique<runtime::Engine>(m->cfg, ec);
     } else {
+      cpu::set_num_threads(opt_.cpu_threads);  // the process-wide team of the CPU ops
       m->ckpt = std::make_unique<Checkpoint>(opt_.model_dir);
       m->w = bind_weights(m->cfg, *m->ckpt);
       if (opt_.device == Device::cuda) {

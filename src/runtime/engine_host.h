@@ -39,6 +39,7 @@ struct EngineOptions {
   std::optional<int64_t> memory_budget;  // bytes for KV pages + KDA slots; absent: see the header
   double gpu_memory_utilization = 0.0;   // (0, 1] when given
   bool cuda_graphs = true;               // --device cuda: decode steps through CUDA graphs
+  int cpu_threads = 0;                   // threads of the CPU ops (kernels/cpu/thread_pool.h); 0: every core
   // Formats, batching, prefix cache, max_model_len, max_queue; the host fills in the budget, the
   // end-of-sequence ids and the executor.
   EngineConfig engine;
