@@ -66,6 +66,8 @@ int main(int argc, char** argv) {
   }
   cpu::set_num_threads(threads);
   g_wall = threads > 1;
+  cpu::PackedWeights packed;  // as in the CPU executor: weights packed once (the first, warm-up call)
+  const cpu::PackedScope scope(&packed);
   fmt::print("isa {}, {} thread(s), {} time\n", cpu::isa_name(cpu::isa()), threads, g_wall ? "wall" : "thread CPU");
   std::mt19937 rng(1);
   // GEMM shapes of k3-tiny (D 256) and a large square one.

@@ -18,6 +18,7 @@ Executor::Executor(const ModelWeights& w, const ModelConfig& c, const cache::Cac
 
 sched::StepResult Executor::run(const sched::StepPlan& plan, const StepHooks& hooks) {
   KCHECK(bool(hooks.sample), "executor: no sampler hook");
+  const cpu::PackedScope packed(&packed_);
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t V = c_.text.vocab_size;
   ++stats_.steps;

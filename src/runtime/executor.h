@@ -17,6 +17,7 @@
 #include <memory>
 #include <span>
 
+#include "kernels/cpu/cpu_ops.h"
 #include "loader/config.h"
 #include "loader/weights.h"
 #include "runtime/cache_store.h"
@@ -85,6 +86,7 @@ class Executor : public StepExecutor {
   ExecutorOptions options_;
   CacheStore store_;
   ExecutorStats stats_;
+  cpu::PackedWeights packed_;  // the model's bf16 weights in GEMM panels, packed on first use
 };
 
 }  // namespace kestrel::runtime

@@ -7,15 +7,17 @@
 // path is chosen at run time (isa.h): results never depend on the thread count or on how many rows
 // share a call (row invariance: the CPU engine's batch invariance rests on it).
 //
-// Summation order is part of the contract where tests rely on it: gemm_* and mxfp4_gemm sum in
-// ORDER16 (gemm_kernels.h: 8 FP32 lanes, per 16-group lane j takes elements 2j then 2j+1, a fixed
-// final tree) on avx2 and portable, bit-identical between the two; the tests' twins repeat it.
+// Summation order is part of the contract where tests rely on it (gemm_kernels.h): gemm_* sum each
+// output sequentially over k with fma (ORDER_K; pairs inside vdpbf16ps on avx512bf16), mxfp4_gemm in
+// ORDER16 (8 lanes, a fixed final tree); avx2 and portable are bit-identical; the tests' twins repeat
+// the orders.
 // Ops named *_fast are the vectorised versions of a scalar twin of the same name (exp/tanh within a
 // few ulps, see simd_avx2.h); the twins stay the reference the GPU tests compare against.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <span>
 
 #include "kernels/cpu/thread_pool.h"
@@ -29,7 +31,8 @@ void bf16_to_f32_n(const uint16_t* x /* bf16 [n] */, float* y /* f32 [n] */, int
 void f32_to_bf16_n(const float* x /* f32 [n] */, uint16_t* y /* bf16 [n] */, int64_t n);
 
 // y = x·Wᵀ, FP32 accumulation, FP32 output (router, indexer weights_proj, lm_head). Any T: the same
-// per-element arithmetic for every row count (gemm_bf16.cpp).
+// per-element arithmetic for every row count (gemm_bf16.cpp), so a row's result never depends on
+// the other rows of the call.
 void gemm_bf16_f32(const uint16_t* x /* bf16 [T, in], row stride ldx */, int64_t ldx,
                    const uint16_t* w /* bf16 [out, in], contiguous */,
                    float* y /* f32 [T, out], row stride ldy */, int64_t ldy, int64_t T, int64_t in, int64_t out);
@@ -37,7 +40,7 @@ void gemm_bf16_f32(const uint16_t* x /* bf16 [T, in], row stride ldx */, int64_t
 void gemm_bf16(const uint16_t* x /* bf16 [T, in], row stride ldx */, int64_t ldx,
                const uint16_t* w /* bf16 [out, in], contiguous */,
                uint16_t* y /* bf16 [T, out], row stride ldy */, int64_t ldy, int64_t T, int64_t in, int64_t out);
-// The same with FP32 activations (MLA's absorbed W_UV: ô is not rounded): always ORDER16.
+// The same with FP32 activations (ORDER_K on every ISA).
 void gemm_f32_bf16w(const float* x /* f32 [T, in], row stride ldx */, int64_t ldx,
                     const uint16_t* w /* bf16 [out, in], contiguous */,
                     float* y /* f32 [T, out], row stride ldy */, int64_t ldy, int64_t T, int64_t in, int64_t out);
@@ -45,14 +48,47 @@ void gemm_f32_bf16w(const float* x /* f32 [T, in], row stride ldx */, int64_t ld
 // prepared once and all outputs share one parallel region. Each output is exactly what gemm_bf16
 // (y) or gemm_bf16_f32 (yf) would give.
 struct GemmOut {
-  const uint16_t* w = nullptr;  // bf16 [out, in], contiguous
+  const uint16_t* w = nullptr;  // bf16 W [out, in]: W[n, k] at w[n·ldw + k], or at w[k·ldw + n] if w_kmajor
   int64_t out = 0;
   uint16_t* y = nullptr;        // bf16 [T, out], row stride ldy, or
   float* yf = nullptr;          // f32 [T, out], row stride ldy
   int64_t ldy = 0;
+  int64_t ldw = 0;              // 0: in (row-major) or out (k-major), i.e. contiguous
+  bool w_kmajor = false;
 };
 void gemm_bf16_multi(const uint16_t* x /* bf16 [T, in], row stride ldx */, int64_t ldx, int64_t T, int64_t in,
                      std::span<const GemmOut> outs);
+// The general form: activations bf16 (xb) or f32 (xf), exactly one of them.
+void gemm_multi(const uint16_t* xb /* bf16 [T, in] */, const float* xf /* f32 [T, in] */, int64_t ldx, int64_t T,
+                int64_t in, std::span<const GemmOut> outs);
+
+// Packed weights (gemm_kernels.h panels) for one set of model weights, packed on first use while a
+// PackedScope names them on the calling thread. The CPU executor holds one for its model: every
+// weight is then transposed once, not once per call. Results are the same with or without.
+// Entries are keyed by the weight's address and shape: the object must not outlive the weights.
+class PackedWeights {
+ public:
+  PackedWeights();
+  ~PackedWeights();
+  PackedWeights(const PackedWeights&) = delete;
+  PackedWeights& operator=(const PackedWeights&) = delete;
+  int64_t bytes() const;  // packed so far
+  struct Impl;
+  Impl* impl() { return impl_.get(); }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+class PackedScope {
+ public:
+  explicit PackedScope(PackedWeights* p);  // null: no cache
+  ~PackedScope();
+  PackedScope(const PackedScope&) = delete;
+  PackedScope& operator=(const PackedScope&) = delete;
+
+ private:
+  PackedWeights* prev_;
+};
 
 // y = x·Wᵀ for an MXFP4 weight (MODEL.md §4) straight from packed nibbles and e8m0 scales: each
 // row is decoded once per call and applied to all T inputs; no full dequantised matrix ever exists.

@@ -1,43 +1,80 @@
-// Internal to kernels/cpu: the per-ISA blocks of the GEMM driver (gemm_bf16.cpp) and the MXFP4
-// expert product (mxfp4_gemm.cpp), and the summation order they share.
+// Internal to kernels/cpu: the GEMM's packed-weight layout, its per-ISA micro-kernels, and the
+// summation orders the kernels promise.
 //
-// ORDER16 (avx2 and portable): an output y = Σ_k x_k·w_k is summed in 8 FP32 lanes. For each group g
-// of 16 consecutive k, in order, lane j takes fma(x[16g+2j], w[16g+2j]) and then
-// fma(x[16g+2j+1], w[16g+2j+1]); the lanes combine as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)); the K mod 16
-// tail elements follow one by one with fma. The order depends on K alone, never on how many rows or
-// columns a call has or which tile or thread computes the element: that is what makes every GEMM
-// row-invariant (a token's result is the same in any batch) and thread-count invariant.
-// Why this order: a 256-bit load of 16 bf16 weights splits into the even elements (shift left 16) and
-// the odd ones (mask the high half) in one instruction each, and the 16 e2m1 nibbles of 8 packed
-// MXFP4 bytes split the same way (low nibbles = even, high = odd). The activations are laid out to
-// match once per call ("permuted": per 16-group, the 8 even elements then the 8 odd ones; the tail as is).
+// bf16 GEMMs (gemm_bf16.cpp) sum each output in ORDER_K: y = fma(x_{K−1}, w_{K−1}, … fma(x_0, w_0, +0)),
+// sequentially over k, in FP32, on avx2 and portable alike (bit-identical). Vectors run across 16
+// outputs at a time (a "panel"), the activation broadcast: the classic outer-product micro-kernel
+// (6 rows × 16 outputs, 12 accumulators), which needs W transposed — hence packing. The order
+// depends on K alone, never on how many rows a call has, which tile or thread computes an element:
+// every GEMM is row-invariant (a token's result is the same in any batch) and thread-count invariant.
+// avx512bf16 sums in ORDER_K2: pairs (2p, 2p+1) inside vdpbf16ps, sequentially over p (also a
+// function of K alone; different bits from ORDER_K).
 //
-// AVX512BF16: vdpbf16ps over 32-element groups, 16 lanes (each takes its pair of products), the
-// K mod 32 tail through zero-masked loads; lanes combine as (l_i + l_{i+8}) and then the 8-lane tree
-// above. Again a function of K alone.
+// Panel layouts (16 outputs n0..n0+15 of W [N, K]; outputs past N are zero):
+//   kAvx2:   K rows of 8 dwords; dword j of row k = bf16 W[n0+j, k] | bf16 W[n0+8+j, k] << 16, so
+//            `v << 16` gives outputs 0..7 as f32 and `v & 0xFFFF0000` outputs 8..15 (two ALU ops).
+//   kPairs:  ⌈K/2⌉ rows of 16 dwords; dword j of row p = bf16 W[n0+j, 2p] | W[n0+j, 2p+1] << 16 (the
+//            operand vdpbf16ps wants; an odd K pads with a zero weight).
+// A panel is 32·K (kAvx2) or 64·⌈K/2⌉ (kPairs) bytes: the weight's own size, so a packed weight
+// costs as much memory as the bf16 original, and decode reads as many bytes as before.
+//
+// ORDER16 (the MXFP4 expert product, mxfp4_gemm.cpp): 8 lanes over k; per group g of 16 consecutive
+// k, lane j takes fma(x[16g+2j], w[16g+2j]) and then fma(x[16g+2j+1], w[16g+2j+1]); the lanes combine
+// as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)); the K mod 16 tail follows with fma one by one. Decoded MXFP4
+// rows split into even and odd elements for free (low and high nibbles), hence this order there;
+// activations are laid out to match once per call ("permuted": per 16-group the 8 even elements,
+// then the 8 odd ones; the tail as is).
 #pragma once
 
 #include <cstdint>
 
 namespace kestrel::cpu::gemm_detail {
 
-// Rows [0, M) × columns [0, N) of one output block: y[m, n] = Σ_k x[m, k] · w[n, k].
+enum class PanelFormat : uint8_t { kAvx2, kPairs };
+
+// A weight in panels: panel i (outputs 16i..16i+15) starts at data + i·stride (dwords).
+struct PackedView {
+  const uint32_t* data = nullptr;
+  int64_t N = 0, K = 0, stride = 0;
+  PanelFormat format = PanelFormat::kAvx2;
+};
+
+int64_t panel_dwords(PanelFormat f, int64_t K);  // stride of one panel
+// Packs W (bf16 [N, K] row-major with row stride ldw, or k-major: W[n, k] at w[k·ldw + n]) into
+// ⌈N/16⌉ panels at out (ceil(N/16)·panel_dwords dwords).
+void pack(const uint16_t* w, int64_t ldw, bool kmajor, int64_t N, int64_t K, PanelFormat f, uint32_t* out);
+
+// Rows [0, M) of the output block: y[m, n] = Σ_k x[m, k] · W[n0 + n, k] for panels
+// [p0, p0 + np) of `w` (n counted from the first of them), written as f32 or rounded to bf16.
+struct PanelBlock {
+  const float* x = nullptr;     // f32 [M, K], row stride ldx (ORDER_K paths)
+  const uint16_t* xb = nullptr; // bf16 [M, Kp] with Kp = K rounded up to even, zero-padded (kPairs)
+  int64_t ldx = 0, M = 0;
+  PackedView w;
+  int64_t p0 = 0, np = 0;
+  float* y = nullptr;           // f32 [M, N] row stride ldy, or
+  uint16_t* yb = nullptr;       // bf16 [M, N] row stride ldy; both already offset to output n0 = 16·p0
+  int64_t ldy = 0;
+};
+void panels_portable(const PanelBlock& b);
+void panels_avx2(const PanelBlock& b);
+void panels_avx512bf16(const PanelBlock& b);
+
+// ---- ORDER16 (MXFP4) --------------------------------------------------------------------------
+
+// Rows [0, M) × columns [0, N): y[m, n] = Σ_k x[m, k] · w[n, k] with permuted f32 weights rows.
 struct Block {
-  const float* xp = nullptr;    // f32 [M, K] permuted (ORDER16), row stride ldx (avx2 / portable)
-  const uint16_t* xb = nullptr; // bf16 [M, K] as given, row stride ldx (avx512bf16)
+  const float* xp = nullptr;    // f32 [M, K] permuted (ORDER16), row stride ldx
   int64_t ldx = 0;
-  const uint16_t* w = nullptr;  // bf16 [N, K] row stride ldw (bf16 weights), or
-  const float* wp = nullptr;    // f32 [N, K] permuted rows, row stride ldw (decoded MXFP4 rows)
+  const float* wp = nullptr;    // f32 [N, K] permuted rows (decoded MXFP4), row stride ldw
   int64_t ldw = 0;
   int64_t M = 0, N = 0, K = 0;
   float* y = nullptr;           // f32 [M, N] row stride ldy, or
   uint16_t* yb = nullptr;       // bf16 [M, N] row stride ldy (rounded once)
   int64_t ldy = 0;
 };
-
 void block_portable(const Block& b);
 void block_avx2(const Block& b);
-void block_avx512bf16(const Block& b);  // b.xb and b.w only
 
 // y = x·Wᵀ for an MXFP4 weight (packed u8 [out, in/2], e8m0 [out, in/32]) and permuted f32 inputs
 // xp [T, in]; writes f32 y or bf16 yb [T, out] (row stride ldy). Threaded over 16-row panels.

@@ -2,10 +2,10 @@
 //
 // A panel of up to 16 weight rows is decoded once per call into an f32 scratch in the permuted layout
 // (per 16-group the 8 even elements, then the 8 odd ones: low nibbles of 8 packed bytes are the even
-// elements of a group, high nibbles the odd ones), then applied to all T inputs with the GEMM's block
-// kernel. So each block of an expert is decoded once per step for all tokens routed to it, and no
-// dequantised expert ever exists. Decoding: e2m1 magnitude by an 8-entry permute (vpermps), the sign
-// bit moved into place, times the block's 2^(e−127) (exact in FP32, subnormal 2^−127 included).
+// elements of a group, high nibbles the odd ones), then applied to all T inputs with the ORDER16 block
+// kernel; for T ≤ 3 (decode) each block is decoded in registers and applied at once. So each block of
+// an expert is decoded once per step for all tokens routed to it, and no dequantised expert ever
+// exists. Decoding: vpshufb maps codes to 2·value (int8), converted and scaled exactly (decode_block).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -16,12 +16,22 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/gemm_kernels.h"
 #include "kernels/cpu/isa.h"
+#include "kernels/cpu/simd_avx2.h"
 #include "kernels/cpu/thread_pool.h"
 
 namespace kestrel::cpu {
 namespace {
 
 constexpr int64_t kPanel = 16;  // weight rows decoded at once
+
+// 2^(e−128) = half the e8m0 scale, for every e (NaN for 255): a table, not a call per block.
+struct HalfScales {
+  float v[256];
+  HalfScales() {
+    for (int e = 0; e < 256; ++e) v[e] = 0.5f * e8m0_to_f32(uint8_t(e));
+  }
+};
+const HalfScales kHalfScale;
 
 void decode_row_portable(const uint8_t* p /* u8 [in/2] */, const uint8_t* s /* e8m0 [in/32] */, int64_t in,
                          float* w /* f32 [in] permuted */) {
@@ -36,26 +46,74 @@ void decode_row_portable(const uint8_t* p /* u8 [in/2] */, const uint8_t* s /* e
   }
 }
 
-// 8 e2m1 codes (the low 8 bytes of `codes8`, one code per byte) → 8 values × scale.
-KESTREL_AVX2 inline __m256 e2m1x8(__m128i codes8, __m256 sc) {
-  const __m256 mag = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);  // codes 0..7
-  const __m256i idx = _mm256_cvtepu8_epi32(codes8);
-  const __m256 m = _mm256_permutevar8x32_ps(mag, idx);  // uses the low 3 bits: the magnitude
-  const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(idx, 28), _mm256_set1_epi32(int32_t(0x80000000u)));
-  return _mm256_mul_ps(_mm256_xor_ps(m, _mm256_castsi256_ps(sign)), sc);
+// The 32 weights of one block (16 packed bytes) in the permuted layout: E0 (elements 0, 2, …, 14:
+// low nibbles of bytes 0–7), O0 (1, 3, …, 15: their high nibbles), E1, O1 (bytes 8–15). vpshufb maps
+// each code to 2·value as an int8 (0, 1, 2, 3, 4, 6, 8, 12 and negatives), converted exactly to f32
+// and scaled by 2^(e−128): the same value as kE2M1Values[code] · 2^(e−127) (code 8, −0, comes out +0,
+// which no sum that starts from +0 can tell apart).
+struct Decoded {
+  __m256 e0, o0, e1, o1;
+};
+KESTREL_AVX2 inline __m256 scaled8(__m128i v /* 8 int8 in the low half */, __m256 sc) {
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), sc);
+}
+KESTREL_AVX2 inline Decoded decode_block(const uint8_t* p, uint8_t e) {
+  const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, low4));
+  const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+  const __m256 sc = _mm256_set1_ps(kHalfScale.v[e]);
+  return {scaled8(lo, sc), scaled8(hi, sc), scaled8(_mm_srli_si128(lo, 8), sc), scaled8(_mm_srli_si128(hi, 8), sc)};
 }
 
 KESTREL_AVX2 void decode_row_avx2(const uint8_t* p, const uint8_t* s, int64_t in, float* w) {
-  const __m128i low4 = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < in / kMxBlock; ++b) {
-    const __m256 sc = _mm256_set1_ps(e8m0_to_f32(s[b]));
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + b * 16));
-    const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+    const Decoded d = decode_block(p + b * 16, s[b]);
     float* o = w + b * 32;
-    _mm256_storeu_ps(o, e2m1x8(lo, sc));
-    _mm256_storeu_ps(o + 8, e2m1x8(hi, sc));
-    _mm256_storeu_ps(o + 16, e2m1x8(_mm_srli_si128(lo, 8), sc));
-    _mm256_storeu_ps(o + 24, e2m1x8(_mm_srli_si128(hi, 8), sc));
+    _mm256_storeu_ps(o, d.e0);
+    _mm256_storeu_ps(o + 8, d.o0);
+    _mm256_storeu_ps(o + 16, d.e1);
+    _mm256_storeu_ps(o + 24, d.o1);
+  }
+}
+
+// Few tokens (decode): each block decoded in registers and applied at once, four rows at a time;
+// per 16-group the same two FMAs per lane as the block kernel, so the same ORDER16 result.
+template <int NT>
+KESTREL_AVX2 void direct_avx2(const uint8_t* packed, const uint8_t* scale, const float* xp, int64_t out, int64_t in,
+                              float* y, uint16_t* yb, int64_t ldy) {
+  const int64_t nblk = in / kMxBlock;
+  constexpr int R = 4;
+  for (int64_t r0 = 0; r0 < out; r0 += R) {
+    const int nr = int(std::min<int64_t>(R, out - r0));
+    __m256 acc[R][NT];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nblk; ++b)
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        if (r >= nr) break;
+        const Decoded d = decode_block(packed + (r0 + r) * (in / 2) + b * 16, scale[(r0 + r) * nblk + b]);
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; ++t) {
+          const float* x = xp + t * in + b * 32;
+          acc[r][t] = _mm256_fmadd_ps(_mm256_loadu_ps(x), d.e0, acc[r][t]);
+          acc[r][t] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), d.o0, acc[r][t]);
+          acc[r][t] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), d.e1, acc[r][t]);
+          acc[r][t] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), d.o1, acc[r][t]);
+        }
+      }
+    for (int r = 0; r < nr; ++r)
+      for (int t = 0; t < NT; ++t) {
+        const float v = simd::reduce8(acc[r][t]);
+        if (yb)
+          yb[t * ldy + r0 + r] = f32_to_bf16(v);
+        else
+          y[t * ldy + r0 + r] = v;
+      }
   }
 }
 
@@ -69,6 +127,13 @@ void mxfp4_rows(const uint8_t* packed, const uint8_t* scale, const float* xp, in
   KCHECK(out > 0 && T >= 0, "bad MXFP4 shape out={} T={}", out, T);
   if (T == 0) return;
   const bool avx2 = isa() >= Isa::avx2;
+  if (avx2 && T <= 3) {  // decode: no scratch, each block decoded once per call in registers
+    switch (T) {
+      case 1: return direct_avx2<1>(packed, scale, xp, out, in, y, yb, ldy);
+      case 2: return direct_avx2<2>(packed, scale, xp, out, in, y, yb, ldy);
+      default: return direct_avx2<3>(packed, scale, xp, out, in, y, yb, ldy);
+    }
+  }
   const int64_t panels = (out + kPanel - 1) / kPanel;
   parallel_for(panels, T * out * in, [&](int64_t pb, int64_t pe) {
     thread_local std::vector<float> wbuf;
