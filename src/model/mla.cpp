@@ -11,6 +11,7 @@
 
 #include "core/dtype.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/mla_ops.h"
 #include "model/indexer.h"
 
@@ -98,9 +99,15 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, std::span<const MlaSe
     probe("index_topk", sel.data(), DType::i32, {rows, Ksel});
   }
 
-  // Steps 3–4 per sequence over the rows its cache holds (kernels/cpu/mla_ops.h).
+  // Steps 3–4 per sequence over the rows its cache holds (kernels/cpu/mla_ops.h). Absorbed form:
+  // q̃ = W_UKᵀ q_nope for every row at once, attention in the latent space per sequence, then
+  // o = W_UV ô for every row at once; the naive form expands k_nope and v per sequence.
   const uint16_t* kvb = bf16_ptr(w.kv_b_proj);  // bf16 [Hm*(N+Dv), C], per head [W_UK (N rows) | W_UV (Dv rows)]
   const cpu::MlaDims dims{Hm, N, R, Dv, C};
+  const bool latent_fast = form == MlaForm::absorbed && cpu::isa() >= cpu::Isa::avx2;
+  std::vector<float> qt(latent_fast ? size_t(rows * Hm * CW) : 0);   // f32 [rows, Hm, C+R]
+  std::vector<float> ohat(latent_fast ? size_t(rows * Hm * C) : 0);  // f32 [rows, Hm, C]
+  if (latent_fast) cpu::mla_q_latent(dims, q.data(), kvb, rows, qt.data());
   Bf16Vec o(size_t(rows * Hm * Dv));  // bf16 [rows, Hm*Dv]
   cpu::parallel_for_each(int64_t(seqs.size()), rows * Hm * 256 * CW * 3, [&](int64_t i) {
     const MlaSeq& s = seqs[size_t(i)];
@@ -115,15 +122,21 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, std::span<const MlaSe
       Bf16Vec kv(size_t(S * Hm * (N + Dv)));  // bf16 [S, Hm*(N+Dv)]
       cpu::gemm_bf16(latent.data(), CW, kvb, kv.data(), Hm * (N + Dv), S, C, Hm * (N + Dv));
       cpu::mla_attn_naive(dims, qs, kv.data(), latent.data(), ssel, Ksel, s.T, s.pos0, os);
-    } else {
-      // Absorbed: attention over the 576-wide latent rows (MQA), W_UK and W_UV folded into q and o.
-      std::vector<int32_t> local;  // this sequence's selection, rewritten to index the gathered rows
-      if (ssel) local.assign(ssel, ssel + s.T * Ksel);
-      Bf16Vec latent;
-      gather_rows(s, CW, ssel ? local.data() : nullptr, Ksel, latent);
-      cpu::mla_attn_absorbed_fast(dims, qs, kvb, latent.data(), ssel ? local.data() : nullptr, Ksel, s.T, s.pos0, os);
+      return;
     }
+    // Absorbed: attention over the 576-wide latent rows (MQA), W_UK and W_UV folded into q and o.
+    std::vector<int32_t> local;  // this sequence's selection, rewritten to index the gathered rows
+    if (ssel) local.assign(ssel, ssel + s.T * Ksel);
+    Bf16Vec latent;
+    gather_rows(s, CW, ssel ? local.data() : nullptr, Ksel, latent);
+    const int32_t* lsel = ssel ? local.data() : nullptr;
+    if (latent_fast)
+      cpu::mla_attn_latent_fast(dims, qt.data() + s.row0 * Hm * CW, latent.data(), lsel, Ksel, s.T, s.pos0,
+                                ohat.data() + s.row0 * Hm * C);
+    else
+      cpu::mla_attn_absorbed(dims, qs, kvb, latent.data(), lsel, Ksel, s.T, s.pos0, os);
   });
+  if (latent_fast) cpu::mla_o_latent(dims, ohat.data(), kvb, rows, o.data());
 
   // Step 5: ô = concat_h(o_h) ⊙ σ(Lin(g_proj)(x)); out = Lin(o_proj)(ô).
   if (gated) cpu::sigmoid_gate_bf16(o.data(), g.data(), rows * Hm * Dv);

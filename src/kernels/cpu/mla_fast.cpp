@@ -1,11 +1,13 @@
 // The absorbed MLA attention core (mla_ops.h) vectorised: the CPU engine's form for prefill and decode
 // alike, so a query's output never depends on the chunk or batch it runs in.
 //
-// One (query, head) pair at a time, pairs spread over the thread pool:
-//   q̃ = W_UKᵀ q_nope (FP32, sum over the nope index in order) | q_pe, laid out in ORDER16;
-//   s_j = q̃·[ĉ_j | k_pe,j]·(N+R)^−½ straight from the bf16 latent rows (8 keys at a time, one
-//   accumulator each); softmax in FP32 with the vector exp; ô = Σ_j p_j ĉ_j accumulated in the
-//   ORDER16 layout, which is what the W_UV product (the GEMM block kernel, ORDER16) takes as input.
+// Three stages (the model runs the first and last over every row of a step, the middle per sequence):
+//   mla_q_latent:   q̃_h = W_UK,hᵀ q_nope,h (one GEMM per head) | q_pe, FP32;
+//   mla_attn_latent_fast, one (query, head) pair at a time over the thread pool:
+//                   s_j = q̃·[ĉ_j | k_pe,j]·(N+R)^−½ straight from the bf16 latent rows (8 keys at a
+//                   time, one accumulator each, ORDER16 lanes); softmax in FP32 with the vector exp;
+//                   ô = Σ_j p_j ĉ_j (FP32);
+//   mla_o_latent:   o_h = W_UV,h ô_h (one GEMM per head), rounded to BF16.
 // Against the scalar twin mla_attn_absorbed: FMA contraction, lane sums and the vector exp, i.e.
 // FP32 rounding noise before the BF16 output rounding (tests/unit/test_kernels_cpu.cpp bounds it).
 #include <immintrin.h>
@@ -27,7 +29,7 @@ namespace kestrel::cpu {
 namespace {
 
 struct Scratch {
-  std::vector<float> qt, qtp, score, ohat;
+  std::vector<float> qtp, score;
   std::vector<int32_t> keys;
 };
 
@@ -58,7 +60,14 @@ KESTREL_AVX2 inline void scores_n(const float* qtp, const uint16_t* rows, const 
   }
 }
 
-// ô (permuted, C wide) = Σ_i p_i ĉ_i over the first C elements of each row; `NG` 16-groups at a time.
+// Interleaves the even (e) and odd (o) halves of a 16-group back into natural order.
+KESTREL_AVX2 inline void store_natural(float* dst, __m256 e, __m256 o) {
+  const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);  // e0 o0 e1 o1 | e4 o4 e5 o5, …
+  _mm256_storeu_ps(dst, _mm256_permute2f128_ps(lo, hi, 0x20));
+  _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+// ô (natural order, C wide) = Σ_i p_i ĉ_i over the first C elements of each row; NG 16-groups at a time.
 template <int NG>
 KESTREL_AVX2 inline void values_chunk(const uint16_t* rows, const int32_t* keys, const float* p, int64_t nk, int64_t CW,
                                       int64_t c0, float* ohat) {
@@ -77,38 +86,15 @@ KESTREL_AVX2 inline void values_chunk(const uint16_t* rows, const int32_t* keys,
     }
   }
 #pragma GCC unroll 8
-  for (int a = 0; a < 2 * NG; ++a) _mm256_storeu_ps(ohat + c0 + 8 * a, acc[a]);
+  for (int gg = 0; gg < NG; ++gg) store_natural(ohat + c0 + 16 * gg, acc[2 * gg], acc[2 * gg + 1]);
 }
 
-KESTREL_AVX2 void one_pair(const MlaDims& dm, const uint16_t* qh, const uint16_t* wuk, const uint16_t* wuv,
-                           const uint16_t* rows, const int32_t* keys, int64_t nk, float scale, uint16_t* out,
-                           Scratch& sc) {
-  const int64_t N = dm.N, R = dm.R, C = dm.C, CW = dm.cw(), Dv = dm.Dv;
-  sc.qt.resize(size_t(CW));
+// One (query, head): scores over its keys, softmax, ô.
+KESTREL_AVX2 void one_pair(int64_t C, int64_t CW, const float* qt /* f32 [CW] */, const uint16_t* rows,
+                           const int32_t* keys, int64_t nk, float scale, float* ohat /* f32 [C] */, Scratch& sc) {
   sc.qtp.resize(size_t(CW));
   sc.score.resize(size_t(std::max<int64_t>(nk, 1)));
-  sc.ohat.resize(size_t(C));
-  float* qt = sc.qt.data();
-  // q̃[c] = Σ_n q_nope[n]·W_UK[n, c], n in order.
-  int64_t c = 0;
-  for (; c + 32 <= C; c += 32) {
-    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t n = 0; n < N; ++n) {
-      const __m256 qn = _mm256_set1_ps(bf16_to_f32(qh[n]));
-#pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) a[v] = _mm256_fmadd_ps(qn, simd::load_bf16(wuk + n * C + c + 8 * v), a[v]);
-    }
-#pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(qt + c + 8 * v, a[v]);
-  }
-  for (; c < C; ++c) {
-    float a = 0.0f;
-    for (int64_t n = 0; n < N; ++n) a = __builtin_fmaf(bf16_to_f32(qh[n]), bf16_to_f32(wuk[n * C + c]), a);
-    qt[c] = a;
-  }
-  for (int64_t d = 0; d < R; ++d) qt[C + d] = bf16_to_f32(qh[N + d]);
   gemm_detail::permute_row_f32(qt, CW, sc.qtp.data());
-
   float* s = sc.score.data();
   int64_t i = 0;
   for (; i + 8 <= nk; i += 8) scores_n<8>(sc.qtp.data(), rows, keys + i, CW, scale, s + i);
@@ -129,52 +115,78 @@ KESTREL_AVX2 void one_pair(const MlaDims& dm, const uint16_t* qh, const uint16_t
   const float inv = 1.0f / sum;
   for (j = 0; j < nk; ++j) s[j] *= inv;
 
-  // ô in the ORDER16 layout (per 16-group: evens, then odds; the C mod 16 tail as is).
-  float* oh = sc.ohat.data();
+  // ô = Σ_j p_j ĉ_j.
   const int64_t G = C / 16;
   int64_t g = 0;
-  for (; g + 4 <= G; g += 4) values_chunk<4>(rows, keys, s, nk, CW, 16 * g, oh);
-  for (; g < G; ++g) values_chunk<1>(rows, keys, s, nk, CW, 16 * g, oh);
+  for (; g + 4 <= G; g += 4) values_chunk<4>(rows, keys, s, nk, CW, 16 * g, ohat);
+  for (; g < G; ++g) values_chunk<1>(rows, keys, s, nk, CW, 16 * g, ohat);
   for (int64_t cc = 16 * G; cc < C; ++cc) {
     float a = 0.0f;
     for (int64_t k = 0; k < nk; ++k) a = __builtin_fmaf(s[k], bf16_to_f32(rows[int64_t(keys[k]) * CW + cc]), a);
-    oh[cc] = a;
+    ohat[cc] = a;
   }
-  // o_h = W_UV,h ô_h, rounded to BF16 (the attention op's output dtype).
-  gemm_detail::Block blk;
-  blk.xp = oh, blk.ldx = C;
-  blk.w = wuv, blk.ldw = C;
-  blk.M = 1, blk.N = Dv, blk.K = C;
-  blk.yb = out, blk.ldy = Dv;
-  gemm_detail::block_avx2(blk);
 }
 
 }  // namespace
 
-void mla_attn_absorbed_fast(const MlaDims& dm, const uint16_t* q, const uint16_t* kvb, const uint16_t* rows,
-                            const int32_t* sel, int64_t Ksel, int64_t T, int64_t pos0, uint16_t* o) {
-  if (isa() < Isa::avx2) return mla_attn_absorbed(dm, q, kvb, rows, sel, Ksel, T, pos0, o);
-  const int64_t Hm = dm.Hm, N = dm.N, Dv = dm.Dv, C = dm.C, QK = dm.qk();
-  const float scale = 1.0f / std::sqrt(float(QK));
+void mla_attn_latent_fast(const MlaDims& dm, const float* qt, const uint16_t* rows, const int32_t* sel, int64_t Ksel,
+                          int64_t T, int64_t pos0, float* ohat) {
+  const int64_t Hm = dm.Hm, C = dm.C, CW = dm.cw();
+  KCHECK(isa() >= Isa::avx2, "mla_attn_latent_fast needs AVX2");
+  const float scale = 1.0f / std::sqrt(float(dm.qk()));
   const int64_t avg_keys = sel ? Ksel : pos0 + (T + 1) / 2;
-  parallel_for(T * Hm, T * Hm * avg_keys * dm.cw() * 3, [&](int64_t b, int64_t e) {
+  parallel_for(T * Hm, T * Hm * avg_keys * CW * 3, [&](int64_t b, int64_t e) {
     thread_local Scratch sc;
     for (int64_t item = b; item < e; ++item) {
       const int64_t t = item / Hm, h = item % Hm;
       // This query's keys: the selection (ascending, −1 ends it) or every position up to its own.
       int64_t nk = 0;
+      const int32_t* keys;
       if (sel) {
         while (nk < Ksel && sel[t * Ksel + nk] >= 0) ++nk;
-        sc.keys.assign(sel + t * Ksel, sel + t * Ksel + nk);
+        keys = sel + t * Ksel;
       } else {
         nk = pos0 + t + 1;
-        sc.keys.resize(size_t(nk));
-        for (int64_t k = 0; k < nk; ++k) sc.keys[size_t(k)] = int32_t(k);
+        if (int64_t(sc.keys.size()) < nk) {
+          const int64_t old = int64_t(sc.keys.size());
+          sc.keys.resize(size_t(nk));
+          for (int64_t k = old; k < nk; ++k) sc.keys[size_t(k)] = int32_t(k);
+        }
+        keys = sc.keys.data();
       }
-      const uint16_t* wuk = kvb + h * (N + Dv) * C;  // bf16 [N, C]
-      one_pair(dm, q + (t * Hm + h) * QK, wuk, wuk + N * C, rows, sc.keys.data(), nk, scale, o + (t * Hm + h) * Dv, sc);
+      one_pair(C, CW, qt + (t * Hm + h) * CW, rows, keys, nk, scale, ohat + (t * Hm + h) * C, sc);
     }
   });
+}
+
+void mla_q_latent(const MlaDims& dm, const uint16_t* q, const uint16_t* kvb, int64_t T, float* qt) {
+  const int64_t Hm = dm.Hm, N = dm.N, R = dm.R, C = dm.C, Dv = dm.Dv, QK = dm.qk(), CW = dm.cw();
+  // q̃_h = W_UK,hᵀ q_nope,h: W_UK,h is bf16 [N, C], i.e. the k-major form of the [C, N] weight.
+  for (int64_t h = 0; h < Hm; ++h) {
+    const GemmOut o{kvb + h * (N + Dv) * C, C, nullptr, qt + h * CW, Hm * CW, C, true};
+    gemm_multi(q + h * QK, nullptr, Hm * QK, T, N, std::span<const GemmOut>(&o, 1));
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < Hm; ++h)
+      for (int64_t d = 0; d < R; ++d) qt[(t * Hm + h) * CW + C + d] = bf16_to_f32(q[(t * Hm + h) * QK + N + d]);
+}
+
+void mla_o_latent(const MlaDims& dm, const float* ohat, const uint16_t* kvb, int64_t T, uint16_t* o) {
+  const int64_t Hm = dm.Hm, N = dm.N, C = dm.C, Dv = dm.Dv;
+  // o_h = W_UV,h ô_h: W_UV,h is bf16 [Dv, C] (row-major), rounded to BF16 (the attention op's output).
+  for (int64_t h = 0; h < Hm; ++h) {
+    const GemmOut g{kvb + (h * (N + Dv) + N) * C, Dv, o + h * Dv, nullptr, Hm * Dv, C, false};
+    gemm_multi(nullptr, ohat + h * C, Hm * C, T, C, std::span<const GemmOut>(&g, 1));
+  }
+}
+
+void mla_attn_absorbed_fast(const MlaDims& dm, const uint16_t* q, const uint16_t* kvb, const uint16_t* rows,
+                            const int32_t* sel, int64_t Ksel, int64_t T, int64_t pos0, uint16_t* o) {
+  if (isa() < Isa::avx2) return mla_attn_absorbed(dm, q, kvb, rows, sel, Ksel, T, pos0, o);
+  std::vector<float> qt(size_t(T * dm.Hm * dm.cw())), ohat(size_t(T * dm.Hm * dm.C));
+  mla_q_latent(dm, q, kvb, T, qt.data());
+  mla_attn_latent_fast(dm, qt.data(), rows, sel, Ksel, T, pos0, ohat.data());
+  mla_o_latent(dm, ohat.data(), kvb, T, o);
 }
 
 }  // namespace kestrel::cpu

@@ -46,6 +46,15 @@ void indexer_select_topk(const uint16_t* qi /* bf16 [T, Hi*Di] */, const uint16_
 // mla_attn_absorbed vectorised (AVX2; the twin without it): the same inputs and outputs, except that
 // `latent` may be any row set — with a selection, sel holds row indices into it (ascending, −1 ends a
 // list); without, query t reads rows 0..pos0+t. FP32 rounding noise from the twin (tests bound it).
+// It is the three stages below in a row; the model runs the token-local first and last stages over
+// all sequences of a step at once.
+void mla_q_latent(const MlaDims& d, const uint16_t* q /* bf16 [T, Hm, N+R] */, const uint16_t* kv_b,
+                  int64_t T, float* qt /* f32 [T, Hm, C+R]: W_UKᵀ q_nope | q_pe */);
+void mla_attn_latent_fast(const MlaDims& d, const float* qt /* f32 [T, Hm, C+R] */,
+                          const uint16_t* latent /* bf16 [rows, C+R] */, const int32_t* sel /* i32 [T, Ksel] or null */,
+                          int64_t Ksel, int64_t T, int64_t pos0, float* ohat /* f32 [T, Hm, C] */);  // AVX2 only
+void mla_o_latent(const MlaDims& d, const float* ohat /* f32 [T, Hm, C] */, const uint16_t* kv_b, int64_t T,
+                  uint16_t* o /* bf16 [T, Hm*Dv] */);
 void mla_attn_absorbed_fast(const MlaDims& d, const uint16_t* q /* bf16 [T, Hm, N+R] */,
                             const uint16_t* kv_b /* bf16 [Hm*(N+Dv), C] */, const uint16_t* latent /* bf16 [rows, C+R] */,
                             const int32_t* sel /* i32 [T, Ksel] or null */, int64_t Ksel, int64_t T, int64_t pos0,
