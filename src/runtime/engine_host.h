@@ -40,6 +40,7 @@ struct EngineOptions {
   double gpu_memory_utilization = 0.0;   // (0, 1] when given
   bool cuda_graphs = true;               // --device cuda: decode steps through CUDA graphs
   int cpu_threads = 0;                   // threads of the CPU ops (kernels/cpu/thread_pool.h); 0: every core
+  std::string quantization = "bf16";     // --device cuda: dense projection weights bf16 | ptpc-fp8
   // Formats, batching, prefix cache, max_model_len, max_queue; the host fills in the budget, the
   // end-of-sequence ids and the executor.
   EngineConfig engine;

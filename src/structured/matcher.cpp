@@ -1,0 +1,193 @@
+// Matcher: configurations per accepted token, masks from the precomputed tables (matcher.h).
+#include "structured/matcher.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/check.h"
+
+namespace kestrel::structured {
+
+using detail::Closer;
+using detail::Config;
+using detail::FramePool;
+
+Matcher::Matcher(std::shared_ptr<const CompiledGrammar> grammar, std::vector<TokenId> stop_tokens)
+    : cg_(std::move(grammar)), stop_(std::move(stop_tokens)) {
+  KCHECK(cg_ != nullptr, "null grammar");
+  for (TokenId id : stop_)
+    if (id >= cg_->vocab().vocab_size()) fail("stop token {} is outside the vocabulary", id);
+  levels_.resize(cg_->vocab().max_token_bytes() + 2);
+  reset();
+}
+
+void Matcher::reset() {
+  pool_.reset();
+  history_.assign(1, Config{});
+  stopped_.assign(1, 0);
+  Closer closer(cg_->grammar(), pool_, cg_->max_stack_depth());
+  closer.begin(history_[0]);
+  const Grammar& g = cg_->grammar();
+  closer.add(history_[0], pool_.get(g.rules[g.root].start, FramePool::kBottom));
+}
+
+bool Matcher::is_terminated() const {
+  if (stopped_.back()) return true;
+  if (!top().ended) return false;
+  const Grammar& g = cg_->grammar();
+  for (uint32_t f : top().frames) {
+    const Grammar::State& s = g.states[pool_.state(f)];
+    if (s.has_bytes || s.specials_begin != s.specials_end || s.calls_begin != s.calls_end) return false;
+  }
+  return stop_.empty();  // with stop tokens, the end is only reached by accepting one
+}
+
+void Matcher::rollback(size_t k) {
+  KCHECK(k <= num_accepted(), "rollback of {} tokens, only {} accepted", k, num_accepted());
+  history_.resize(history_.size() - k);
+  stopped_.resize(stopped_.size() - k);
+}
+
+bool Matcher::accept(TokenId id) {
+  if (stopped_.back() || id >= cg_->vocab().vocab_size() || !cg_->vocab().in_vocab(id)) return false;
+  const Grammar& g = cg_->grammar();
+  Closer closer(g, pool_, cg_->max_stack_depth());
+  Config next;
+  if (cg_->vocab().is_special(id)) {
+    closer.step_special(top(), id, next);
+    if (next.empty() && !next.ended) {
+      if (top().ended && std::find(stop_.begin(), stop_.end(), id) != stop_.end()) {
+        history_.push_back(top());
+        stopped_.push_back(1);
+        return true;
+      }
+      return false;
+    }
+  } else {
+    const std::string& bytes = cg_->vocab().bytes(id);
+    if (bytes.empty()) return false;
+    Config cur = top();
+    for (char c : bytes) {
+      closer.step(cur, uint8_t(c), next);
+      if (next.empty()) return false;
+      std::swap(cur, next);
+    }
+    next = std::move(cur);
+  }
+  history_.push_back(std::move(next));
+  stopped_.push_back(0);
+  return true;
+}
+
+bool Matcher::accept_bytes(std::string_view bytes) {
+  if (stopped_.back()) return false;
+  Closer closer(cg_->grammar(), pool_, cg_->max_stack_depth());
+  Config cur = top(), next;
+  for (char c : bytes) {
+    closer.step(cur, uint8_t(c), next);
+    if (next.empty()) return false;
+    std::swap(cur, next);
+  }
+  history_.push_back(std::move(cur));
+  stopped_.push_back(0);
+  return true;
+}
+
+void Matcher::walk_suffixes(uint32_t q, uint32_t parent, uint32_t* words, bool& any) {
+  const CompiledGrammar::Table& t = cg_->tables_[q];
+  if (t.sfx_begin == t.sfx_end || parent == FramePool::kBottom) return;
+  Closer closer(cg_->grammar(), pool_, cg_->max_stack_depth());
+  closer.begin(levels_[0]);
+  closer.add(levels_[0], parent);
+  const auto& sfx = cg_->sfx_;
+  const auto& toks = cg_->sfx_tokens_;
+  for (uint32_t i = t.sfx_begin + 1; i < t.sfx_end;) {
+    const CompiledGrammar::SfxNode& n = sfx[i];
+    Config& c = levels_[n.depth];
+    closer.step(levels_[n.depth - 1], n.byte, c);
+    if (c.empty()) {
+      i = n.end;
+      continue;
+    }
+    for (uint32_t k = n.tok_begin; k < n.tok_end; ++k) mask_set(words, toks[k]);
+    any = any || n.tok_begin != n.tok_end;
+    ++i;
+  }
+}
+
+bool Matcher::fill_mask(uint32_t* words) {
+  const size_t nw = mask_words();
+  std::memset(words, 0, nw * sizeof(uint32_t));
+  if (stopped_.back()) return false;
+  const Config& cfg = top();
+  const uint32_t limit = cg_->max_stack_depth();
+  for (uint32_t f : cfg.frames)
+    if (pool_.depth(f) + cg_->tables_[pool_.state(f)].max_height > limit) return fill_mask_exhaustive(words);
+
+  bool any = false;
+  const Grammar& g = cg_->grammar();
+  // Accepted sets, once per distinct top state.
+  seen_pairs_.clear();
+  for (uint32_t f : cfg.frames) {
+    const uint32_t q = pool_.state(f);
+    seen_pairs_.push_back(uint64_t(q) << 32 | pool_.parent(f));
+  }
+  std::sort(seen_pairs_.begin(), seen_pairs_.end());
+  seen_pairs_.erase(std::unique(seen_pairs_.begin(), seen_pairs_.end()), seen_pairs_.end());
+  uint32_t last_q = kDead;
+  for (uint64_t p : seen_pairs_) {
+    const uint32_t q = uint32_t(p >> 32);
+    if (q == last_q) continue;
+    last_q = q;
+    const CompiledGrammar::Table& t = cg_->tables_[q];
+    if (t.bitset != UINT32_MAX) {
+      const uint32_t* b = cg_->bitsets_.data() + size_t(t.bitset) * nw;
+      for (size_t i = 0; i < nw; ++i) words[i] |= b[i];
+      any = true;
+    } else if (t.list_begin != t.list_end) {
+      for (uint32_t i = t.list_begin; i < t.list_end; ++i) mask_set(words, cg_->lists_[i]);
+      any = true;
+    }
+  }
+  // Uncertain tokens, per distinct (state, caller).
+  for (uint64_t p : seen_pairs_) walk_suffixes(uint32_t(p >> 32), uint32_t(p), words, any);
+  // Special-token terminals and stop tokens.
+  for (uint32_t f : cfg.frames) {
+    const Grammar::State& s = g.states[pool_.state(f)];
+    for (uint32_t i = s.specials_begin; i < s.specials_end; ++i) mask_set(words, g.specials[i].id), any = true;
+  }
+  if (cfg.ended)
+    for (TokenId id : stop_) mask_set(words, id), any = true;
+  return any;
+}
+
+bool Matcher::fill_mask_exhaustive(uint32_t* words) {
+  const size_t nw = mask_words();
+  std::memset(words, 0, nw * sizeof(uint32_t));
+  if (stopped_.back()) return false;
+  bool any = false;
+  const Grammar& g = cg_->grammar();
+  Closer closer(g, pool_, cg_->max_stack_depth());
+  const auto& trie = cg_->vocab().trie();
+  levels_[0] = top();
+  for (uint32_t i = 1; i < trie.size();) {
+    const TokenVocab::TrieNode& n = trie[i];
+    Config& c = levels_[n.depth];
+    closer.step(levels_[n.depth - 1], n.byte, c);
+    if (c.empty()) {
+      i = n.end;
+      continue;
+    }
+    if (n.token != kNoToken) mask_set(words, n.token), any = true;
+    ++i;
+  }
+  for (uint32_t f : top().frames) {
+    const Grammar::State& s = g.states[pool_.state(f)];
+    for (uint32_t k = s.specials_begin; k < s.specials_end; ++k) mask_set(words, g.specials[k].id), any = true;
+  }
+  if (top().ended)
+    for (TokenId id : stop_) mask_set(words, id), any = true;
+  return any;
+}
+
+}  // namespace kestrel::structured

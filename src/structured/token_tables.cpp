@@ -1,0 +1,174 @@
+// CompiledGrammar: the per-state token tables (see matcher.h for what they mean).
+//
+// tabulate(q) walks the vocabulary trie depth-first with one closed configuration per depth, starting
+// from the stack [q] over the unknown caller (frame 0). At depth d:
+//   - the configuration popped into frame 0 ("ended"): q's rule can finish after d bytes; remember d;
+//   - the configuration is empty: every token below dies inside q's rule. Those with a remembered
+//     finish point k on the path are uncertain, keyed by their rest [k, n); the others are rejected.
+//     The subtree is skipped;
+//   - otherwise a token ending here is accepted.
+// Accepted sets larger than 1/32 of the vocabulary are stored as bitsets (OR'd word by word at run
+// time), smaller ones as id lists. Uncertain rests go into a preorder trie per state.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "core/check.h"
+#include "structured/matcher.h"
+
+namespace kestrel::structured {
+
+using detail::Closer;
+using detail::Config;
+using detail::FramePool;
+
+CompiledGrammar::CompiledGrammar(std::shared_ptr<const TokenVocab> vocab, Grammar grammar, uint32_t max_stack_depth,
+                                 std::chrono::steady_clock::time_point deadline)
+    : vocab_(std::move(vocab)), g_(std::move(grammar)), max_depth_(max_stack_depth) {
+  KCHECK(max_depth_ >= 1, "max_stack_depth must be positive");
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const Grammar::SpecialEdge& e : g_.specials)
+    if (!vocab_->is_special(e.id)) fail("grammar terminal {} is not a special token of the vocabulary", e.id);
+  // Reachable states: from the root start through byte/special edges, call returns and callee starts.
+  const size_t S = g_.states.size();
+  std::vector<uint8_t> reach(S, 0);
+  std::vector<uint32_t> work = {g_.rules[g_.root].start};
+  reach[work[0]] = 1;
+  while (!work.empty()) {
+    const uint32_t q = work.back();
+    work.pop_back();
+    const Grammar::State& s = g_.states[q];
+    auto visit = [&](uint32_t t) {
+      if (t != kDead && !reach[t]) reach[t] = 1, work.push_back(t);
+    };
+    if (s.has_bytes)
+      for (int b = 0; b < 256; ++b) visit(g_.step(q, uint8_t(b)));
+    for (uint32_t i = s.specials_begin; i < s.specials_end; ++i) visit(g_.specials[i].next);
+    for (uint32_t i = s.calls_begin; i < s.calls_end; ++i) {
+      visit(g_.calls[i].ret);
+      visit(g_.rules[g_.calls[i].rule].start);
+    }
+  }
+  // The root rule pops only into the bottom (the document's end), after which nothing can follow:
+  // its states need no uncertain tokens unless some rule calls the root.
+  for (const Grammar::Call& c : g_.calls) root_called_ = root_called_ || c.rule == g_.root;
+  tables_.resize(S);
+  FramePool pool;
+  std::vector<Config> levels;
+  for (uint32_t q = 0; q < S; ++q) {
+    if (!reach[q]) continue;
+    if (std::chrono::steady_clock::now() > deadline)
+      fail("grammar compilation took longer than the time limit (token tables, state {} of {})", q, S);
+    tabulate(q, pool, levels);
+  }
+  stats_.states = S;
+  stats_.rules = g_.rules.size();
+  stats_.bitsets = bitsets_.size() / std::max<size_t>(1, vocab_->mask_words());
+  stats_.accepted_list_ids = lists_.size();
+  stats_.uncertain_tokens = sfx_tokens_.size();
+  stats_.suffix_nodes = sfx_.size();
+  stats_.memory_bytes = bitsets_.size() * 4 + lists_.size() * 4 + sfx_.size() * sizeof(SfxNode) +
+                        sfx_tokens_.size() * 4 + tables_.size() * sizeof(Table) + g_.trans.size() * 4 +
+                        g_.states.size() * sizeof(Grammar::State);
+  stats_.precompute_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void CompiledGrammar::tabulate(uint32_t q, FramePool& pool, std::vector<Config>& levels) {
+  const auto& trie = vocab_->trie();
+  const size_t maxd = vocab_->max_token_bytes() + 1;
+  if (levels.size() < maxd) levels.resize(maxd);
+  pool.reset();
+  // Unlimited height here: the matcher compares max_height with its remaining depth instead.
+  Closer closer(g_, pool, UINT32_MAX);
+  closer.begin(levels[0]);
+  closer.add(levels[0], pool.get(q, FramePool::kBottom));
+
+  std::vector<uint32_t> accepted;
+  std::vector<std::pair<uint32_t, uint16_t>> uncertain;  // (token, rest offset)
+  std::vector<uint16_t> pops;                            // finish points on the current path
+  uint32_t max_depth = 1;
+  for (uint32_t i = 1; i < trie.size();) {
+    const TokenVocab::TrieNode& n = trie[i];
+    const uint16_t d = n.depth;
+    while (!pops.empty() && pops.back() >= d) pops.pop_back();
+    Config& c = levels[d];
+    closer.step(levels[d - 1], n.byte, c);
+    for (uint32_t f : c.frames) max_depth = std::max(max_depth, pool.depth(f));
+    if (c.empty()) {
+      if (!pops.empty())
+        for (uint32_t j = i; j < n.end; ++j)
+          if (trie[j].token != kNoToken)
+            for (uint16_t k : pops) uncertain.push_back({trie[j].token, k});
+      i = n.end;
+      continue;
+    }
+    if (c.ended && (root_called_ || g_.states[q].rule != g_.root)) pops.push_back(d);
+    if (n.token != kNoToken) accepted.push_back(n.token);
+    ++i;
+  }
+
+  Table& t = tables_[q];
+  t.computed = true;
+  t.max_height = max_depth - 1;
+  const size_t words = vocab_->mask_words();
+  if (accepted.size() * 32 > vocab_->vocab_size()) {
+    t.bitset = uint32_t(bitsets_.size() / words);
+    bitsets_.resize(bitsets_.size() + words, 0);
+    uint32_t* w = bitsets_.data() + size_t(t.bitset) * words;
+    for (uint32_t id : accepted) mask_set(w, id);
+  } else {
+    std::sort(accepted.begin(), accepted.end());
+    t.list_begin = uint32_t(lists_.size());
+    lists_.insert(lists_.end(), accepted.begin(), accepted.end());
+    t.list_end = uint32_t(lists_.size());
+  }
+
+  // Rest trie: sort by rest bytes, then emit preorder nodes along the common prefixes.
+  t.sfx_begin = uint32_t(sfx_.size());
+  if (!uncertain.empty()) {
+    auto rest = [&](const std::pair<uint32_t, uint16_t>& u) {
+      return std::string_view(vocab_->bytes(u.first)).substr(u.second);
+    };
+    std::sort(uncertain.begin(), uncertain.end(), [&](const auto& a, const auto& b) {
+      const auto ra = rest(a), rb = rest(b);
+      return ra != rb ? ra < rb : a.first < b.first;
+    });
+    uncertain.erase(std::unique(uncertain.begin(), uncertain.end(),
+                                [&](const auto& a, const auto& b) { return a.first == b.first && rest(a) == rest(b); }),
+                    uncertain.end());
+    sfx_.push_back({0, 0, 0, 0, 0});  // root
+    std::vector<uint32_t> path = {uint32_t(sfx_.size() - 1)};
+    std::string_view prev;
+    for (const auto& u : uncertain) {
+      const std::string_view r = rest(u);
+      size_t lcp = 0;
+      while (lcp < prev.size() && lcp < r.size() && prev[lcp] == r[lcp]) ++lcp;
+      if (lcp == r.size() && r.size() == prev.size() && path.size() == r.size() + 1) {
+        // Same rest as the previous token: extend its token range.
+        sfx_tokens_.push_back(u.first);
+        sfx_[path.back()].tok_end = uint32_t(sfx_tokens_.size());
+        continue;
+      }
+      while (path.size() > lcp + 1) {
+        sfx_[path.back()].end = uint32_t(sfx_.size());
+        path.pop_back();
+      }
+      for (size_t k = lcp; k < r.size(); ++k) {
+        const uint32_t at = uint32_t(sfx_tokens_.size());
+        sfx_.push_back({0, at, at, uint16_t(k + 1), uint8_t(r[k])});
+        path.push_back(uint32_t(sfx_.size() - 1));
+      }
+      sfx_tokens_.push_back(u.first);
+      sfx_[path.back()].tok_begin = uint32_t(sfx_tokens_.size() - 1);
+      sfx_[path.back()].tok_end = uint32_t(sfx_tokens_.size());
+      prev = r;
+    }
+    while (!path.empty()) {
+      sfx_[path.back()].end = uint32_t(sfx_.size());
+      path.pop_back();
+    }
+  }
+  t.sfx_end = uint32_t(sfx_.size());
+}
+
+}  // namespace kestrel::structured
