@@ -1,6 +1,9 @@
-// See thread_pool.h. One job at a time: the caller publishes it (fields, then a generation bump),
-// every worker wakes, runs its share (static: range `idx` of `threads`; dynamic: items from a shared
-// counter), and counts itself out; the caller runs share 0 and waits for the count to reach zero.
+// See thread_pool.h. One job at a time: the caller publishes it (fields, then a generation bump to an
+// odd value: open), every worker wakes and claims units from a shared counter (static: range i of
+// `threads`; dynamic: single items), as does the caller; the caller waits until every unit is done,
+// closes the job (even generation) and waits until no worker is inside it.
+// Why claiming rather than "worker i runs range i": on a shared, oversubscribed machine a worker may
+// not be scheduled for milliseconds; with fixed ranges every parallel region then waits for it.
 #include "kernels/cpu/thread_pool.h"
 
 #include <immintrin.h>
@@ -63,13 +66,19 @@ class Pool {
     threads = std::min(threads, total_.load());
     job_ = Job{call, ctx, n, threads, dynamic};
     next_.store(0, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
     error_ = nullptr;
-    pending_.store(int(workers_.size()), std::memory_order_relaxed);
-    gen_.fetch_add(1, std::memory_order_release);
+    gen_.fetch_add(1);  // odd: open
     gen_.notify_all();
-    execute(0);
-    for (int p = pending_.load(std::memory_order_acquire); p != 0; p = pending_.load(std::memory_order_acquire))
-      wait_change(pending_, p);
+    claim_and_run();
+    // Every share is claimed by now (the loop above ends only when none is left): wait for those
+    // that workers are still running, then close the job and wait until no worker is inside it, so
+    // none reads job_ (or the caller's ctx) after we return.
+    const int64_t count = job_.count();
+    for (int64_t d = done_.load(std::memory_order_acquire); d != count; d = done_.load(std::memory_order_acquire))
+      wait_change(done_, d);
+    gen_.fetch_add(1);  // even: closed
+    for (int w = inside_.load(); w != 0; w = inside_.load()) wait_change(inside_, w);
     if (error_) std::rethrow_exception(error_);
   }
 
@@ -80,35 +89,46 @@ class Pool {
     int64_t n = 0;
     int threads = 1;
     bool dynamic = false;
+    int64_t count() const { return dynamic ? n : threads; }  // claimable units: items, or ranges
   };
 
-  void execute(int idx) {
-    if (idx >= job_.threads) return;
+  // Claims units (a static job's ranges, or a dynamic job's items) from the shared counter until none
+  // is left. Whoever comes first takes the next unit, so a worker the OS has not scheduled yet (a busy
+  // shared machine) delays nothing: the caller runs its share too. The ranges are fixed by the job
+  // alone (range i of `threads`), and a kernel computes each element the same way on any thread.
+  void claim_and_run() {
+    const int64_t count = job_.count();
     t_in_task = true;
-    try {
-      if (job_.dynamic) {
-        for (int64_t i = next_.fetch_add(1, std::memory_order_relaxed); i < job_.n;
-             i = next_.fetch_add(1, std::memory_order_relaxed))
-          job_.call(job_.ctx, i, i + 1);
-      } else {
-        const int64_t b = job_.n * idx / job_.threads, e = job_.n * (idx + 1) / job_.threads;
-        if (b < e) job_.call(job_.ctx, b, e);
+    for (int64_t u = next_.fetch_add(1, std::memory_order_relaxed); u < count;
+         u = next_.fetch_add(1, std::memory_order_relaxed)) {
+      try {
+        if (job_.dynamic) {
+          job_.call(job_.ctx, u, u + 1);
+        } else {
+          const int64_t b = job_.n * u / job_.threads, e = job_.n * (u + 1) / job_.threads;
+          if (b < e) job_.call(job_.ctx, b, e);
+        }
+      } catch (...) {
+        std::lock_guard lk(error_mu_);
+        if (!error_) error_ = std::current_exception();
       }
-    } catch (...) {
-      std::lock_guard lk(error_mu_);
-      if (!error_) error_ = std::current_exception();
+      if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == count) done_.notify_all();
     }
     t_in_task = false;
   }
 
   // `seen`: the generation when the worker was created (read by the creator, so a job published
-  // before this thread first runs is not missed).
+  // before this thread first runs is not missed). A worker enters a job (inside_) before it checks
+  // that the job is still open; the caller closes it before it waits for inside_ to drain
+  // (sequentially consistent on both sides), so a late worker either sees it closed or is waited for.
   void worker(int idx, uint32_t seen) {
     for (;;) {
       seen = wait_change(gen_, seen);
       if (stop_.load(std::memory_order_acquire)) return;
-      execute(idx);
-      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) pending_.notify_all();
+      if ((seen & 1) == 0) continue;  // a job that closed before we woke
+      inside_.fetch_add(1);
+      if (gen_.load() == seen) claim_and_run();
+      if (inside_.fetch_sub(1) == 1) inside_.notify_all();
     }
   }
 
@@ -120,7 +140,7 @@ class Pool {
   void stop_workers() {
     if (workers_.empty()) return;
     stop_.store(true, std::memory_order_release);
-    gen_.fetch_add(1, std::memory_order_release);
+    gen_.fetch_add(2);  // parity kept: even = no open job
     gen_.notify_all();
     for (auto& t : workers_) t.join();
     workers_.clear();
@@ -130,8 +150,9 @@ class Pool {
   std::atomic<int> total_{std::max(1, int(std::thread::hardware_concurrency()))};
   std::vector<std::thread> workers_;
   std::atomic<uint32_t> gen_{0};
-  std::atomic<int> pending_{0};
-  std::atomic<int64_t> next_{0};
+  std::atomic<int64_t> next_{0};  // next unit to claim
+  std::atomic<int64_t> done_{0};  // units finished
+  std::atomic<int> inside_{0};    // workers inside the current job
   std::atomic<bool> stop_{false};
   Job job_;
   std::mutex error_mu_;
