@@ -75,8 +75,10 @@ struct IsaCap {
 
 TEST(KernelsCpu, GemmMatchesScalarTwinAllPaths) {
   std::mt19937_64 rng(1);
-  const GemmShape shapes[] = {{1, 256, 64}, {1, 300, 129}, {1, 4096, 512}, {3, 256, 64},
-                              {17, 96, 33}, {64, 512, 256}, {7, 33, 17},   {2, 255, 47}};
+  // Odd K (the kPairs layout pads), N past and below a 16-wide panel, T past the 6-row micro-tile;
+  // sized for the -O0 ASan build (the double twin is the cost).
+  const GemmShape shapes[] = {{1, 256, 64}, {1, 300, 129}, {1, 4096, 48}, {3, 256, 64}, {17, 96, 33},
+                              {64, 128, 80}, {7, 33, 17}, {2, 255, 47}, {1, 1, 1}, {4, 3, 5}, {13, 2, 16}};
   for (cpu::Isa i : isas()) {
     IsaCap cap(i);
     for (const auto& s : shapes) check_gemm(s, rng);
@@ -209,12 +211,17 @@ TEST(KernelsCpu, Mxfp4RejectsRaggedWidth) {
 
 TEST(KernelsCpu, RmsNormMatchesFormula) {
   std::mt19937_64 rng(4);
-  for (int64_t n : {16, 256, 1000}) {
+  for (int64_t n : {1, 7, 8, 9, 16, 17, 256, 1000}) {  // the avx2 row scaling's 8-wide body and its tails
     const int64_t T = 3;
     const auto x = rand_bf16(size_t(T * n), rng, 3.0f);
     const auto w = rand_bf16(size_t(n), rng);
-    std::vector<uint16_t> y(size_t(T * n));
+    std::vector<uint16_t> y(size_t(T * n)), yp(y.size());
+    {
+      IsaCap cap(cpu::Isa::portable);
+      cpu::rmsnorm_bf16(x.data(), w.data(), yp.data(), T, n, 1e-5f);
+    }
     cpu::rmsnorm_bf16(x.data(), w.data(), y.data(), T, n, 1e-5f);
+    ASSERT_EQ(y, yp) << "n=" << n << ": the vector path rounds exactly as the scalar one";
     for (int64_t t = 0; t < T; ++t) {
       double ss = 0;
       for (int64_t i = 0; i < n; ++i) ss += std::pow(double(bf16_to_f32(x[size_t(t * n + i)])), 2);

@@ -14,8 +14,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/check.h"
@@ -87,7 +90,7 @@ TEST(SimdMath, ExpAndTanhWithinAFewUlps) {
     const double re = std::exp(double(x[i])), rt = std::tanh(double(x[i]));
     if (re < 1.1754943508222875e-38) {  // subnormal results: absolute error at the smallest normal's ulp
       EXPECT_LE(std::fabs(double(e[i]) - re), 2.0 * 1.4e-45 * 2) << x[i];
-    } else if (re <= 3.4e38) {
+    } else if (re <= double(std::numeric_limits<float>::max())) {  // finite up to ln(FLT_MAX) ≈ 88.7228
       we = std::max(we, ulps(e[i], re));
     } else {
       EXPECT_TRUE(std::isinf(e[i])) << x[i];
@@ -110,9 +113,12 @@ TEST(SimdMath, ExpAndTanhWithinAFewUlps) {
   EXPECT_TRUE(std::isinf(oe[7]));
 }
 
+// Shape tables: small, with sizes below, at and past a vector width and with every tail length the
+// kernels have (the ASan build runs these at -O0, so they stay a few thousand elements).
 TEST(KernelsFast, SituGateAddAgainstTwins) {
   std::mt19937_64 rng(21);
-  const int64_t n = 50003;  // not a multiple of 8: the scalar tail runs too
+  for (int64_t n : {1, 7, 8, 9, 15, 16, 17, 31, 33, 5003}) {  // vector widths 8 and 16; scalar tails
+  SCOPED_TRACE("n=" + std::to_string(n));
   const auto g = rand_bf16(size_t(n), rng, 3.0f), u = rand_bf16(size_t(n), rng, 30.0f);
   std::vector<uint16_t> a(static_cast<size_t>(n)), b(a.size());
   cpu::situ_glu(g.data(), u.data(), a.data(), n, 4.0f, 25.0f);
@@ -126,11 +132,13 @@ TEST(KernelsFast, SituGateAddAgainstTwins) {
   cpu::add_bf16(g.data(), u.data(), s.data(), n);
   for (int64_t i = 0; i < n; ++i)
     ASSERT_EQ(s[size_t(i)], f32_to_bf16(bf16_to_f32(g[size_t(i)]) + bf16_to_f32(u[size_t(i)]))) << i;
+  }
 }
 
 TEST(KernelsFast, AttnResMixRowsAgainstScalarPath) {
   std::mt19937_64 rng(22);
-  const int64_t T = 37, D = 260, n = 4;
+  for (auto [T, D, n] : {std::tuple<int64_t, int64_t, int>{37, 260, 4}, {1, 1, 1}, {3, 7, 2}, {2, 17, 3}, {5, 64, 9}}) {
+  SCOPED_TRACE("T=" + std::to_string(T) + " D=" + std::to_string(D) + " n=" + std::to_string(n));
   std::vector<std::vector<uint16_t>> src;
   for (int i = 0; i < n; ++i) src.push_back(rand_bf16(size_t(T * D), rng, 1.0f + float(i)));
   std::vector<const uint16_t*> p;
@@ -146,12 +154,17 @@ TEST(KernelsFast, AttnResMixRowsAgainstScalarPath) {
   }
   cpu::attn_res_mix_rows(p.data(), n, u.data(), 1e-5f, T, D, b.data());
   expect_bf16_close(b, a, "attn_res mix");
+  }
 }
 
 TEST(KernelsFast, KdaOpsAndScanAgainstTwins) {
   std::mt19937_64 rng(23);
   std::normal_distribution<float> nd;
-  const int64_t T = 41, H = 3, Dk = 40, HD = H * Dk, W = 4;  // Dk not a multiple of 32: every chunk path
+  // Dk below, at and past the 8- and 32-wide chunks, with tails; T = 1 is a decode step.
+  for (auto [T, H, Dk, W] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{41, 3, 40, 4}, {1, 1, 8, 4}, {7, 2, 13, 2},
+                             {5, 1, 64, 4}, {3, 2, 33, 3}}) {
+  SCOPED_TRACE("T=" + std::to_string(T) + " H=" + std::to_string(H) + " Dk=" + std::to_string(Dk));
+  const int64_t HD = H * Dk;
   // Conv + SiLU through the history.
   const auto x = rand_bf16(size_t(T * HD), rng);
   std::vector<float> w(size_t(HD * W));
@@ -206,13 +219,19 @@ TEST(KernelsFast, KdaOpsAndScanAgainstTwins) {
   cpu::kda_out_norm_gate(q1.data(), gate.data(), onorm.data(), 1e-5f, oh1.data(), T, H, Dk);
   cpu::kda_out_norm_gate_fast(q1.data(), gate.data(), onorm.data(), 1e-5f, oh2.data(), T, H, Dk);
   expect_bf16_close(oh2, oh1, "kda out norm gate");
+  }
 }
 
 TEST(KernelsFast, MlaAbsorbedAgainstTwinWithSelectionAndDense) {
   if (!have_avx2()) GTEST_SKIP() << "no AVX2 (the fast path is the twin)";
   std::mt19937_64 rng(24);
-  const cpu::MlaDims d{3, 24, 16, 32, 80};  // C = 80: one 64-wide chunk, one 16-group
-  const int64_t T = 9, pos0 = 50, S = pos0 + T, Ks = 20;
+  // {Hm, N, R, Dv, C}: C = 80 is one 4-group chunk and one 16-group; C = 40 leaves an 8-element tail,
+  // C + R = 45 a 13-element tail in the scores; T, pos0 and Ks give key counts with and without an
+  // 8-key tail.
+  for (auto [d, T, pos0, Ks] : {std::tuple<cpu::MlaDims, int64_t, int64_t, int64_t>{{3, 24, 16, 32, 80}, 9, 50, 20},
+                                {{1, 8, 5, 8, 40}, 1, 0, 1}, {{2, 16, 8, 24, 16}, 4, 13, 9}, {{2, 8, 16, 16, 64}, 2, 70, 16}}) {
+  SCOPED_TRACE("C=" + std::to_string(d.C) + " R=" + std::to_string(d.R) + " T=" + std::to_string(T));
+  const int64_t S = pos0 + T;
   const auto q = rand_bf16(size_t(T * d.Hm * d.qk()), rng), kvb = rand_bf16(size_t(d.Hm * (d.N + d.Dv) * d.C), rng, 0.2f);
   const auto lat = rand_bf16(size_t(S * d.cw()), rng);
   std::vector<int32_t> sel(size_t(T * Ks), -1);
@@ -220,7 +239,7 @@ TEST(KernelsFast, MlaAbsorbedAgainstTwinWithSelectionAndDense) {
     std::vector<int32_t> all(static_cast<size_t>(pos0 + t + 1));
     std::iota(all.begin(), all.end(), 0);
     std::shuffle(all.begin(), all.end(), rng);
-    const int64_t n = t == 0 ? 7 : Ks;  // one short list, −1 padded
+    const int64_t n = t == 0 ? std::min<int64_t>(7, pos0 + 1) : std::min(Ks, pos0 + t + 1);  // short lists, −1 padded
     std::sort(all.begin(), all.begin() + n);
     std::copy(all.begin(), all.begin() + n, sel.begin() + t * Ks);
   }
@@ -229,6 +248,7 @@ TEST(KernelsFast, MlaAbsorbedAgainstTwinWithSelectionAndDense) {
     cpu::mla_attn_absorbed(d, q.data(), kvb.data(), lat.data(), s, Ks, T, pos0, a.data());
     cpu::mla_attn_absorbed_fast(d, q.data(), kvb.data(), lat.data(), s, Ks, T, pos0, b.data());
     expect_bf16_close(b, a, s ? "mla absorbed (selection)" : "mla absorbed (dense)");
+  }
   }
 }
 
@@ -278,7 +298,12 @@ TEST(KernelsFast, IndexerSelectionIsBitIdenticalToTwin) {
 TEST(KernelsFast, MoeExpertsFastMatchesTwin) {
   std::mt19937_64 rng(27);
   std::normal_distribution<float> nd;
-  const int64_t X = 6, K = 2, Lt = 64, I = 96, T = 23;
+  const int64_t X = 6, K = 2;
+  // T ≤ 3 takes the in-register decode path of the MXFP4 product, larger T the panel path; Lt / I
+  // below and past one 16-row panel.
+  for (auto [Lt, I, T] : {std::tuple<int64_t, int64_t, int64_t>{64, 96, 23}, {32, 32, 1}, {64, 32, 2}, {32, 160, 3},
+                          {96, 64, 7}}) {
+  SCOPED_TRACE("Lt=" + std::to_string(Lt) + " I=" + std::to_string(I) + " T=" + std::to_string(T));
   struct M {
     std::vector<uint8_t> p, s;
   };
@@ -307,11 +332,12 @@ TEST(KernelsFast, MoeExpertsFastMatchesTwin) {
     if (ids[size_t(t * K + 1)] == ids[size_t(t * K)]) ids[size_t(t * K + 1)] = int32_t((t + 1) % X);
     wts[size_t(t * K)] = 0.6f, wts[size_t(t * K + 1)] = 0.4f;
   }
-  ids[0] = 5, ids[1] = 4;  // expert 5 has a single token
+  ids[0] = 5, ids[1] = 4;  // expert 5 has a single token (when T < 6)
   std::vector<uint16_t> a(size_t(T * Lt)), b(a.size());
   cpu::moe_experts(z.data(), ids.data(), wts.data(), ex.data(), T, X, K, Lt, I, 4.0f, 25.0f, a.data());
   cpu::moe_experts_fast(z.data(), ids.data(), wts.data(), ex.data(), T, X, K, Lt, I, 4.0f, 25.0f, b.data());
   expect_bf16_close(b, a, "moe experts");
+  }
 }
 
 TEST(ThreadPool, CoversEveryIndexOnceNestsAndRethrows) {
@@ -334,9 +360,11 @@ TEST(ThreadPool, CoversEveryIndexOnceNestsAndRethrows) {
       cpu::parallel_for_each(n, int64_t(1) << 30, [&](int64_t i) { each[size_t(i)]++; });
       for (auto& h : each) ASSERT_EQ(h.load(), 1);
     }
+    // The range holding the last index fails: with 1 thread that is the caller's only range, else
+    // whichever thread claims it.
     EXPECT_THROW(cpu::parallel_for(100, int64_t(1) << 30,
-                                   [](int64_t b, int64_t) {
-                                     if (b > 0) fail("task {} failed", b);
+                                   [](int64_t b, int64_t e) {
+                                     if (e == 100) fail("task [{}, {}) failed", b, e);
                                    }),
                  Error);
     // The pool still works after an exception.
