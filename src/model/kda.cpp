@@ -27,13 +27,13 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st, const u
 }
 
 void kda_forward(const KdaWeights& w, const TextConfig& c, const KdaStateView& st, const uint16_t* x, int64_t T,
-                 uint16_t* out, KdaForm form) {
+                 uint16_t* out, KdaForm form, const Shard& sh) {
   const KdaSeq one{0, T, st};
-  kda_forward(w, c, std::span<const KdaSeq>(&one, 1), x, T, out, form);
+  kda_forward(w, c, std::span<const KdaSeq>(&one, 1), x, T, out, form, sh);
 }
 
 void kda_forward(const KdaWeights& w, const TextConfig& c, std::span<const KdaSeq> seqs, const uint16_t* x,
-                 int64_t rows, uint16_t* out, KdaForm form) {
+                 int64_t rows, uint16_t* out, KdaForm form, const Shard& sh) {
   const int64_t D = c.hidden_size, H = c.kda.num_heads, Dk = c.kda.head_dim, HD = H * Dk, W = c.kda.conv_size;
   const int64_t n = int64_t(seqs.size());
   for (const KdaSeq& s : seqs)
@@ -118,8 +118,14 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, std::span<const KdaSe
     cpu::kda_out_norm_gate_fast(o.data() + b * HD, gate.data() + b * HD, o_norm, eps, ohat.data() + b * HD, e - b, H,
                                 Dk);
   });
-  // Step 8: out = Lin(o_proj)(ô).
-  cpu::gemm_bf16(ohat.data(), HD, bf16_ptr(w.o_proj), out, D, rows, HD, D);
+  // Step 8: out = Lin(o_proj)(ô); split over ranks: each sums its heads' columns, one all-reduce.
+  if (!sh.split()) {
+    cpu::gemm_bf16(ohat.data(), HD, bf16_ptr(w.o_proj), out, D, rows, HD, D);
+    return;
+  }
+  std::vector<float> part(size_t(rows * D));  // f32 [rows, D], this rank's heads only
+  cpu::gemm_bf16_f32(ohat.data(), HD, bf16_ptr(w.o_proj), part.data(), D, rows, HD, D);
+  reduce_to_bf16(sh, part.data(), rows * D, out);
 }
 
 }  // namespace kestrel::model

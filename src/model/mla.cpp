@@ -14,6 +14,7 @@
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/mla_ops.h"
 #include "model/indexer.h"
+#include "model/tp.h"
 
 namespace kestrel::model {
 
@@ -25,9 +26,9 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, MlaCache& cache, cons
 }
 
 void mla_forward(const MlaWeights& w, const TextConfig& c, const MlaCacheView& cache, int64_t pos0, const uint16_t* x,
-                 int64_t T, uint16_t* out, MlaForm form, const Probe& probe) {
+                 int64_t T, uint16_t* out, MlaForm form, const Probe& probe, const Shard& sh) {
   const MlaSeq one{0, T, pos0, cache};
-  mla_forward(w, c, std::span<const MlaSeq>(&one, 1), x, T, out, form, probe);
+  mla_forward(w, c, std::span<const MlaSeq>(&one, 1), x, T, out, form, probe, sh);
 }
 
 namespace {
@@ -55,7 +56,16 @@ void gather_rows(const MlaSeq& s, int64_t CW, int32_t* sel /* i32 [T, Ki] or nul
 }  // namespace
 
 void mla_forward(const MlaWeights& w, const TextConfig& c, std::span<const MlaSeq> seqs, const uint16_t* x,
-                 int64_t rows, uint16_t* out, MlaForm form, const Probe& probe) {
+                 int64_t rows, uint16_t* out, MlaForm form, const Probe& probe, const Shard& sh) {
+  if (sh.dcp > 1) {  // per sequence, in order, on this thread: the DCP collectives match across ranks
+    const int64_t D = c.hidden_size;
+    for (const MlaSeq& s : seqs) {
+      KCHECK(s.row0 >= 0 && s.T > 0 && s.row0 + s.T <= rows, "MLA sequence rows [{}, +{}) outside the {} rows",
+             s.row0, s.T, rows);
+      mla_forward_dcp(w, c, s.cache, s.pos0, x + s.row0 * D, s.T, out + s.row0 * D, probe, sh);
+    }
+    return;
+  }
   const int64_t D = c.hidden_size, Q = c.q_lora_rank, C = c.kv_lora_rank, R = c.qk_rope_head_dim,
                 N = c.qk_nope_head_dim, Dv = c.v_head_dim, Hm = c.num_attention_heads, QK = N + R, CW = C + R;
   for (const MlaSeq& s : seqs) {
@@ -95,7 +105,7 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, std::span<const MlaSe
   std::vector<int32_t> sel;  // i32 [rows, Ksel], ascending, −1 padded
   const int64_t Ksel = w.has_indexer ? c.index_topk : 0;
   if (w.has_indexer) {
-    indexer_select(w.indexer, c, seqs, x, cq.data(), rows, sel);
+    indexer_select(w.indexer, c, seqs, x, cq.data(), rows, sel, sh);
     probe("index_topk", sel.data(), DType::i32, {rows, Ksel});
   }
 
@@ -140,7 +150,13 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, std::span<const MlaSe
 
   // Step 5: ô = concat_h(o_h) ⊙ σ(Lin(g_proj)(x)); out = Lin(o_proj)(ô).
   if (gated) cpu::sigmoid_gate_bf16(o.data(), g.data(), rows * Hm * Dv);
-  cpu::gemm_bf16(o.data(), Hm * Dv, bf16_ptr(w.o_proj), out, D, rows, Hm * Dv, D);
+  if (!sh.split()) {
+    cpu::gemm_bf16(o.data(), Hm * Dv, bf16_ptr(w.o_proj), out, D, rows, Hm * Dv, D);
+    return;
+  }
+  std::vector<float> part(size_t(rows * D));  // f32 [rows, D], this rank's heads only
+  cpu::gemm_bf16_f32(o.data(), Hm * Dv, bf16_ptr(w.o_proj), part.data(), D, rows, Hm * Dv, D);
+  reduce_to_bf16(sh, part.data(), rows * D, out);
 }
 
 }  // namespace kestrel::model

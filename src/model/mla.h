@@ -23,6 +23,7 @@
 #include "loader/weights.h"
 #include "model/cache_view.h"
 #include "model/common.h"
+#include "model/tp.h"
 
 namespace kestrel::model {
 
@@ -35,14 +36,25 @@ struct MlaSeq {
   MlaCacheView cache;
 };
 
+// Under tensor parallelism `w` and `c` are one rank's (its Hm and Hi heads, tp.h); the latent and
+// index-key caches are whole on every rank; o_proj's partial sums are all-reduced (one rounding).
+// Under decode context parallelism (sh.dcp > 1) each sequence runs mla_forward_dcp in turn, on this
+// thread (its collectives must come in the same order on every rank).
 void mla_forward(const MlaWeights& w, const TextConfig& c, std::span<const MlaSeq> seqs,
                  const uint16_t* x /* bf16 [rows, D], input_layernorm output */, int64_t rows,
-                 uint16_t* out /* bf16 [rows, D] */, MlaForm form, const Probe& probe);
+                 uint16_t* out /* bf16 [rows, D] */, MlaForm form, const Probe& probe, const Shard& sh = {});
 
 // One sequence: positions [pos0, pos0+T) are written; the view's block table must cover pos0 + T tokens.
 void mla_forward(const MlaWeights& w, const TextConfig& c, const MlaCacheView& cache, int64_t pos0,
                  const uint16_t* x /* bf16 [T, D], input_layernorm output */, int64_t T,
-                 uint16_t* out /* bf16 [T, D] */, MlaForm form, const Probe& probe);
+                 uint16_t* out /* bf16 [T, D] */, MlaForm form, const Probe& probe, const Shard& sh = {});
+
+// Decode context parallelism (sh.dcp > 1, docs/parallel.md §5): the cache holds only this rank's
+// tokens; attention and the indexer's top-k run over the whole context through the group (absorbed
+// form only). Called by mla_forward when sh.dcp > 1.
+void mla_forward_dcp(const MlaWeights& w, const TextConfig& c, const MlaCacheView& cache, int64_t pos0,
+                     const uint16_t* x /* bf16 [T, D] */, int64_t T, uint16_t* out /* bf16 [T, D] */,
+                     const Probe& probe, const Shard& sh);
 
 // The same on a self-owned cache (grows it, advances cache.len).
 void mla_forward(const MlaWeights& w, const TextConfig& c, MlaCache& cache,

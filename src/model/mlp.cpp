@@ -6,7 +6,10 @@
 
 namespace kestrel::model {
 
-void mlp_forward(const MlpWeights& w, const TextConfig& c, const uint16_t* x, int64_t T, uint16_t* out) {
+namespace {
+
+// a = SiTU-GLU(Lin(gate)(x), Lin(up)(x)), bf16 [T, F].
+Bf16Vec mlp_hidden(const MlpWeights& w, const TextConfig& c, const uint16_t* x, int64_t T) {
   const int64_t D = c.hidden_size, F = w.gate_proj.shape[0];
   Bf16Vec g(size_t(T * F)), u(size_t(T * F)), a(size_t(T * F));  // bf16 [T, F] each
   // g = Lin(gate_proj)(x), u = Lin(up_proj)(x): one call, one input.
@@ -14,7 +17,21 @@ void mlp_forward(const MlpWeights& w, const TextConfig& c, const uint16_t* x, in
                              {bf16_ptr(w.up_proj), F, u.data(), nullptr, F}};
   cpu::gemm_bf16_multi(x, D, T, D, gu);
   cpu::situ_glu_fast(g.data(), u.data(), a.data(), T * F, c.situ_beta, c.situ_linear_beta);
+  return a;
+}
+
+}  // namespace
+
+void mlp_forward(const MlpWeights& w, const TextConfig& c, const uint16_t* x, int64_t T, uint16_t* out) {
+  const int64_t D = c.hidden_size, F = w.gate_proj.shape[0];
+  const Bf16Vec a = mlp_hidden(w, c, x, T);
   cpu::gemm_bf16(a.data(), F, bf16_ptr(w.down_proj), out, D, T, F, D);
+}
+
+void mlp_forward_partial(const MlpWeights& w, const TextConfig& c, const uint16_t* x, int64_t T, float* out) {
+  const int64_t D = c.hidden_size, F = w.gate_proj.shape[0];
+  const Bf16Vec a = mlp_hidden(w, c, x, T);
+  cpu::gemm_bf16_f32(a.data(), F, bf16_ptr(w.down_proj), out, D, T, F, D);
 }
 
 }  // namespace kestrel::model

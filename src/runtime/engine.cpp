@@ -39,13 +39,16 @@ sched::SchedulerConfig sched_config(const ModelConfig& c, const EngineConfig& cf
   s.max_num_seqs = cfg.max_running;
   s.max_num_batched_tokens = cfg.max_num_batched_tokens;
   s.checkpoint_interval_blocks = cfg.checkpoint_interval_blocks;
+  s.long_prefill_token_threshold = cfg.long_prefill_token_threshold;
+  s.max_num_partial_prefills = cfg.max_num_partial_prefills;
+  s.max_long_partial_prefills = cfg.max_long_partial_prefills;
   s.vocab_size = int32_t(c.text.vocab_size);
   return s;
 }
 
 EngineConfig with_cpu_executor(const ModelWeights& w, const ModelConfig& c, EngineConfig cfg) {
   if (!cfg.make_executor)
-    cfg.make_executor = [&w, &c, bi = cfg.cpu_batched](const cache::CacheFormats& f, const cache::CacheConfig& cc) {
+    cfg.make_executor = [&w, &c, bi = cfg.cpu_batched](const CacheFormats& f, const cache::CacheConfig& cc) {
       return std::unique_ptr<StepExecutor>(std::make_unique<Executor>(w, c, f, cc, ExecutorOptions{bi}));
     };
   return cfg;
@@ -66,6 +69,9 @@ Engine::Engine(const ModelConfig& c, EngineConfig cfg)
   exec_ = cfg_.make_executor(cfg_.formats, plan_.cache_config(cfg_.enable_prefix_cache));
   KCHECK(exec_ != nullptr, "engine: the executor factory returned nothing");
   if (cfg_.eos_token_ids.empty() && c.text.eos_token_id >= 0) cfg_.eos_token_ids = {c.text.eos_token_id};
+  // Before any step is measured, long chunks start small; the first measurements size them.
+  if (cfg_.prefill_step_target_s > 0.0 && cfg_.long_prefill_token_threshold > 0)
+    sched_.set_long_prefill_chunk(std::min(cfg_.long_prefill_token_threshold, 64));
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -135,6 +141,26 @@ EngineStats Engine::stats() const {
   return s;
 }
 
+IntegrityReport Engine::check_integrity() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  // Consistent at any moment under mu_: schedule() and complete() run under it, and a step in flight
+  // holds its pages and pending snapshots through the requests that planned them.
+  sched_.check_integrity();
+  const cache::CacheManager& cm = sched_.cache();
+  IntegrityReport r;
+  r.requests = int64_t(reqs_.size());
+  r.running = int64_t(sched_.num_running());
+  r.waiting = int64_t(sched_.num_waiting());
+  r.pages_total = cm.pages().num_pages();
+  r.pages_free = cm.pages().num_free();
+  r.pages_cached = int32_t(cm.prefix_cache().size());
+  r.pages_held = r.pages_total - cm.available_pages();
+  r.slots_total = cm.slots().num_slots();
+  r.slots_free = cm.slots().num_free();
+  r.checkpoints = cm.prefix_cache().num_checkpoints();
+  return r;
+}
+
 bool Engine::ready() const {
   std::lock_guard<std::mutex> lk(mu_);
   return !stop_ && failed_.empty();
@@ -150,6 +176,7 @@ void Engine::stamp(Req& q, TokenEvent& ev) const {
   q.first_sent = true;
   ev.prompt_tokens = int32_t(q.r.prompt.size());
   ev.cached_prompt_tokens = int32_t(std::max<int64_t>(q.cached, 0));
+  ev.prompt_logprobs = std::move(q.prompt_lp);
 }
 
 sched::SeqResult Engine::emit(Req& q, const SampleResult& s) {
@@ -186,27 +213,39 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
   StepHooks hooks;
   hooks.sample = [&](const sched::ScheduledSeq& x, std::span<const float> logits) {
     Req& q = find(x.id);
-    return emit(q, sample_token(q.r.sampling, logits, q.r.prompt, q.output, uint64_t(q.output.size())));
+    return emit(q, sample_token(q.r.sampling, logits, q.r.prompt, q.output, uint64_t(q.output.size()), q.stop_ids));
   };
   hooks.sampling_inputs = [&](const sched::ScheduledSeq& x) {
     Req& q = find(x.id);
-    return StepHooks::SamplingInputs{&q.r.sampling, q.r.prompt, q.output};
+    return StepHooks::SamplingInputs{&q.r.sampling, q.r.prompt, q.output, q.stop_ids};
   };
   hooks.take_token = [&](const sched::ScheduledSeq& x, int32_t token) {
     SampleResult s;
     s.token = token;
     return emit(find(x.id), s);
   };
-  hooks.wants_all_logits = [&](RequestId id) { return bool(find(id).r.on_logits); };
+  // Every position's logits: for the debug hook, and for prompt logprobs until the prompt is done.
+  hooks.wants_all_logits = [&](RequestId id) {
+    const Req& q = find(id);
+    return bool(q.r.on_logits) ||
+           (q.r.sampling.prompt_logprobs >= 0 && q.logits_sent + 1 < int64_t(q.r.prompt.size()));
+  };
   hooks.all_logits = [&](const sched::ScheduledSeq& x, std::span<const float> rows) {
     Req& q = find(x.id);
-    const int64_t V = c_.text.vocab_size;
-    for (int64_t p = std::max(x.start, q.logits_sent); p < x.end; ++p)
-      q.r.on_logits(p, rows.subspan(size_t((p - x.start) * V), size_t(V)));
+    const int64_t V = c_.text.vocab_size, P = int64_t(q.r.prompt.size());
+    for (int64_t p = std::max(x.start, q.logits_sent); p < x.end; ++p) {
+      const std::span<const float> row = rows.subspan(size_t((p - x.start) * V), size_t(V));
+      if (q.r.on_logits) q.r.on_logits(p, row);
+      // Row p predicts position p + 1.
+      if (q.r.sampling.prompt_logprobs >= 0 && p + 1 < P)
+        q.prompt_lp.push_back(token_logprobs(row, q.r.prompt[size_t(p + 1)], q.r.sampling.prompt_logprobs));
+    }
     q.logits_sent = std::max(q.logits_sent, x.end);
   };
   sched::StepResult result;
+  const auto t0 = std::chrono::steady_clock::now();
   if (plan.has_work()) result = exec_->run(plan, hooks);
+  const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   // Bookkeeping under the lock; sinks after it.
   Outbox out;
@@ -214,6 +253,15 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
     std::lock_guard<std::mutex> lk(mu_);
     sched_.complete(plan, result);
     exec_stats_ = exec_->stats();
+    // Long prompts' chunks sized to the step-time target (engine.h).
+    if (cfg_.prefill_step_target_s > 0.0 && cfg_.long_prefill_token_threshold > 0 && plan.num_tokens >= 16) {
+      // Up at once (a slower step must not repeat), down gently (one fast step proves little).
+      const double spt = step_s / double(plan.num_tokens);
+      seconds_per_token_ = spt > seconds_per_token_ ? spt : 0.7 * seconds_per_token_ + 0.3 * spt;
+      const double fit = cfg_.prefill_step_target_s / seconds_per_token_;
+      sched_.set_long_prefill_chunk(
+          int32_t(std::clamp<double>(fit, 16.0, double(cfg_.long_prefill_token_threshold))));
+    }
     generation_tokens_ += int64_t(result.seqs.size());
     std::map<RequestId, FinishReason> done;
     for (const sched::FinishedRequest& f : sched_.drain_finished()) done[f.id] = f.reason;

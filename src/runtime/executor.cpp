@@ -9,7 +9,7 @@
 
 namespace kestrel::runtime {
 
-Executor::Executor(const ModelWeights& w, const ModelConfig& c, const cache::CacheFormats& formats,
+Executor::Executor(const ModelWeights& w, const ModelConfig& c, const CacheFormats& formats,
                    const cache::CacheConfig& cc, const ExecutorOptions& options)
     : w_(w), c_(c), options_(options), store_(c.text, formats, cc.num_pages, cc.num_state_slots) {
   if (cc.block_size != formats.block_size)
@@ -17,6 +17,10 @@ Executor::Executor(const ModelWeights& w, const ModelConfig& c, const cache::Cac
 }
 
 sched::StepResult Executor::run(const sched::StepPlan& plan, const StepHooks& hooks) {
+  return run_rank(plan, hooks, nullptr);
+}
+
+sched::StepResult Executor::run_rank(const sched::StepPlan& plan, const StepHooks& hooks, parallel::Comm* comm) {
   KCHECK(bool(hooks.sample), "executor: no sampler hook");
   const cpu::PackedScope packed(&packed_);
   const auto t0 = std::chrono::steady_clock::now();
@@ -28,7 +32,11 @@ sched::StepResult Executor::run(const sched::StepPlan& plan, const StepHooks& ho
       if (x.reset_state) store_.zero_slot(x.state_slot);
   for (const cache::SlotCopy& cp : plan.copies_before) store_.copy_slot(cp.src, cp.dst);
 
-  // 3. The forward pass: every scheduled sequence (decodes first, as listed) in one call.
+  // 3. The forward pass: every scheduled sequence (decodes first, as listed) in one call. Under
+  // tensor parallelism every rank runs the same plan with the same logits requests (executor_tp.h).
+  model::ForwardOptions opt;
+  opt.comm = comm;
+  opt.dcp = comm ? options_.dcp : 1;
   std::vector<const sched::ScheduledSeq*> seqs;
   for (const auto* list : {&plan.decodes, &plan.prefills})
     for (const sched::ScheduledSeq& x : *list) {
@@ -51,12 +59,12 @@ sched::StepResult Executor::run(const sched::StepPlan& plan, const StepHooks& ho
   std::vector<float> logits(size_t(first_row.back() * V));  // f32 [rows wanted, V]
   if (options_.batched) {
     if (!in.empty()) {
-      model::forward_batch(w_, c_, in, logits.data());
+      model::forward_batch(w_, c_, in, logits.data(), opt);
       ++stats_.forwards;
     }
   } else {
     for (size_t i = 0; i < in.size(); ++i) {
-      model::forward_batch(w_, c_, std::span<const model::SeqInput>(&in[i], 1), logits.data() + first_row[i] * V);
+      model::forward_batch(w_, c_, std::span<const model::SeqInput>(&in[i], 1), logits.data() + first_row[i] * V, opt);
       ++stats_.forwards;
     }
   }
