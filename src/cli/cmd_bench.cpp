@@ -6,6 +6,13 @@
 //                 [--max-concurrency C] [--request-rate R|inf] [--burstiness B] [--seed S]
 //                 [--num-warmups N] [--ignore-eos] [--api-key K] [--result-file out.json]
 //                 [--save-detailed] [--metric-percentiles 50,90,99] [--no-progress]
+//   kestrel bench --cpu-ceilings [--tokenizer CKPT_DIR [--input-len L]]
+//
+// --cpu-ceilings measures this machine instead (kernels/cpu/cpu_ceilings.h: STREAM copy, the engine's
+// bf16 GEMM and OpenBLAS sgemm, with every core) and, given a checkpoint, the bytes one decode step
+// of one sequence reads at context L (weights: all but the embedding table, routed experts × top-k /
+// experts; caches: the selected latent rows, every index key, the KDA states) and so the step's floor,
+// bytes ÷ copy rate.
 //
 //   kestrel bench --soak ROUNDS [--server-pid PID] [--soak-drop F] [--soak-prefix-len N] ... (benchclient/soak.h)
 //
@@ -34,7 +41,11 @@
 #include "benchclient/soak.h"
 #include "benchclient/stats.h"
 #include "cli/commands.h"
+#include "core/cache_format.h"
 #include "core/check.h"
+#include "kernels/cpu/cpu_ceilings.h"
+#include "loader/config.h"
+#include "loader/weights.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel::cli {
@@ -85,13 +96,55 @@ bool is_tokenizer_dir(const std::string& dir) {
   return std::filesystem::is_regular_file(std::filesystem::path(dir) / "tiktoken.model", ec);
 }
 
+// Bytes one decode step of one sequence reads at context L (BF16 caches), see the header.
+double decode_step_bytes(const ModelConfig& cfg, int64_t L) {
+  const TextConfig& t = cfg.text;
+  double bytes = 0;
+  for (const TensorSpec& s : expected_tensors(cfg)) {
+    const double b = double(s.shape.numel()) * double(dtype_size(s.dtype));
+    switch (s.module) {
+      case Module::embedding: bytes += double(t.hidden_size) * 2; break;  // one row
+      case Module::routed_experts: bytes += b * double(t.num_experts_per_token) / double(t.num_experts); break;
+      case Module::vision: break;
+      default: bytes += b;
+    }
+  }
+  for (int layer = 0; layer < t.num_hidden_layers; ++layer) {
+    if (t.attn_kind[size_t(layer)] == AttnKind::kda) {
+      const double HD = double(t.kda.num_heads) * t.kda.head_dim;
+      bytes += HD * t.kda.head_dim * 4 + 3.0 * (t.kda.conv_size - 1) * HD * 2;
+    } else {
+      const int64_t keys = t.has_indexer() ? std::min<int64_t>(L, t.index_topk) : L;
+      bytes += double(keys) * double(latent_token_bytes(LatentFormat::bf16, t.kv_lora_rank, t.qk_rope_head_dim));
+      if (t.has_indexer() && L > t.index_topk)
+        bytes += double(L) * double(index_key_token_bytes(IndexKeyFormat::bf16, t.index_head_dim));
+    }
+  }
+  return bytes;
+}
+
+void print_cpu_ceilings(const std::string& ckpt, int64_t context) {
+  const cpu::CpuCeilings c = cpu::measure_cpu_ceilings();
+  fmt::print("CPU ceilings ({} threads, {} kernels; best of repeats):\n", c.threads, c.isa);
+  fmt::print("  STREAM copy, 64 MiB arrays:      {:8.1f} GB/s (read + write)\n", c.copy_gbs);
+  fmt::print("  copy, 1 MiB per thread (cache):  {:8.1f} GB/s\n", c.copy_l2_gbs);
+  fmt::print("  bf16 GEMM 1024^3 (engine):       {:8.1f} GFLOP/s\n", c.gemm_gflops);
+  fmt::print("  OpenBLAS sgemm 1024^3 (f32):     {:8.1f} GFLOP/s\n", c.sgemm_gflops);
+  if (ckpt.empty()) return;
+  const ModelConfig cfg = load_config((std::filesystem::path(ckpt) / "config.json").string());
+  const double b = decode_step_bytes(cfg, context);
+  fmt::print("  decode step of one sequence at context {}: {:.2f} MB read; floor {:.3f} ms at the STREAM copy rate "
+             "({:.3f} ms at the cache copy rate)\n",
+             context, b / 1e6, b / (c.copy_gbs * 1e9) * 1e3, b / (c.copy_l2_gbs * 1e9) * 1e3);
+}
+
 struct Opts {
   std::string base_url = "http://127.0.0.1:8000", endpoint = "/v1/completions", model, tokenizer,
               dataset = "random", preset, api_key, result_file, rate = "inf", label, percentiles = "99";
   int input_len = 1024, output_len = 128, num_prompts = 1000, max_concurrency = 0, num_warmups = 0;
   double range_ratio = 0, burstiness = 1, timeout = 600, ready_timeout = 60;
   uint64_t seed = 0;
-  bool ignore_eos = false, no_progress = false, detailed = false;
+  bool ignore_eos = false, no_progress = false, detailed = false, cpu_ceilings = false;
   bench::SoakOptions soak;
   double soak_max_rss = -1, soak_max_gpu = -1;
 };
@@ -159,6 +212,9 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--timeout", o->timeout, "seconds without data from the server that fail a request");
   cmd->add_option("--ready-check-timeout", o->ready_timeout, "seconds to retry the initial test request (0: skip it)");
   cmd->add_flag("--no-progress", o->no_progress, "no progress bar on stderr");
+  cmd->add_flag("--cpu-ceilings", o->cpu_ceilings,
+                "measure this machine (copy rate, GEMM rate) instead; with --tokenizer CKPT also a decode step's "
+                "bytes at context --input-len and its floor");
   // Soak mode (benchclient/soak.h): rounds of --num-prompts streams with disconnects, memory per round.
   cmd->add_option("--soak", o->soak.rounds, "soak: ROUNDS of --num-prompts concurrent streams with random disconnects, "
                                             "printing the server's memory and gauges after each")
@@ -189,6 +245,7 @@ void register_bench(CLI::App& app) {
       ->check(CLI::Range(0.0, 1e12));
   cmd->callback([o, cmd] {
     using namespace kestrel::bench;
+    if (o->cpu_ceilings) return print_cpu_ceilings(o->tokenizer, o->input_len);
     if (o->dataset != "random") fail("--dataset {}: only 'random' is supported", o->dataset);
     if (!o->preset.empty()) {
       const Preset* p = nullptr;

@@ -81,6 +81,8 @@ void EngineFlags::add_to(CLI::App& cmd) {
                                                    "capped by the memory plan)")
       ->check(CLI::Range(int64_t(2), int64_t(1) << 40));
   cmd.add_flag("--no-prefix-cache", no_prefix_cache, "disable prefix caching");
+  cmd.add_option("--threads", threads, "threads of the CPU engine's ops, for the whole step (default: every core)")
+      ->check(CLI::Range(0, 1024));
   cmd.add_option("--tensor-parallel-size", tensor_parallel_size,
                  "ranks the model is split over (heads, projections, experts; docs/parallel.md); --device cpu: "
                  "threads of this process")
@@ -113,6 +115,7 @@ runtime::EngineOptions EngineFlags::options(int default_max_num_seqs) const {
   if (!memory_budget.empty()) o.memory_budget = parse_bytes(memory_budget);
   o.gpu_memory_utilization = gpu_memory_utilization;
   o.cuda_graphs = !no_cuda_graphs;
+  o.cpu_threads = threads;
   o.quantization = quantization;
   o.tensor_parallel_size = tensor_parallel_size;
   o.expert_parallel = enable_expert_parallel;

@@ -62,10 +62,18 @@ void MlaCacheView::write_latent(int64_t pos, const uint16_t* row) const {
 
 void MlaCacheView::read_latent(int64_t n, uint16_t* out) const {
   KCHECK(n <= capacity(), "latent read of {} tokens past the block table ({} tokens)", n, capacity());
+  std::vector<int32_t> all(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) all[size_t(i)] = int32_t(i);
+  read_latent_rows(all.data(), n, out);
+}
+
+void MlaCacheView::read_latent_rows(const int32_t* positions, int64_t n, uint16_t* out) const {
   const int64_t tb = latent_token_bytes(), CW = C + R, groups = (C + 127) / 128;
-  for (int64_t pos = 0; pos < n; ++pos) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t pos = positions[i];
+    KCHECK(pos >= 0 && pos < capacity(), "latent read at {} outside the block table ({} tokens)", pos, capacity());
     const uint8_t* src = latent + (int64_t(block_table[size_t(pos / block_size)]) * block_size + pos % block_size) * tb;
-    uint16_t* y = out + pos * CW;
+    uint16_t* y = out + i * CW;
     if (latent_format == LatentFormat::bf16) {
       std::memcpy(y, src, size_t(CW * 2));
       continue;

@@ -37,6 +37,8 @@ struct MlaCacheView {
   void write_key(int64_t pos, const uint16_t* key) const;
   // Dequantised rows of positions [0, n): bf16 [n, C+R] / bf16 [n, Di].
   void read_latent(int64_t n, uint16_t* out) const;
+  // The rows of the n given positions, in that order: bf16 [n, C+R].
+  void read_latent_rows(const int32_t* pos, int64_t n, uint16_t* out) const;
   void read_keys(int64_t n, uint16_t* out) const;
 };
 

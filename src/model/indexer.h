@@ -15,15 +15,23 @@
 #include "loader/weights.h"
 #include "model/cache_view.h"
 #include "model/common.h"
+#include "model/mla.h"
 #include "model/tp.h"
 
 namespace kestrel::model {
 
-// Writes the T new index keys at positions [pos0, pos0+T) of `cache` and fills
-// `sel` (i32 [T, Ki], Ki = index_topk) with each query's selected key positions, ascending, padded
-// with −1 (§3.5 step 6). Under tensor parallelism `w` and `c` hold this rank's Hi/N heads of wq_b
-// and weights_proj; their outputs are all-gathered so every rank scores all heads over the whole key
-// cache and selects the same keys (docs/parallel.md §3, "Indexer heads split, scores not").
+// For every sequence writes its T new index keys at positions [pos0, pos0+T) of its cache and fills
+// its rows of `sel` (i32 [rows, Ki], Ki = index_topk) with each query's selected key positions,
+// ascending, padded with −1 (§3.5 step 6). The projections run once over all rows; scores and top-k
+// per sequence (cpu::indexer_select_topk_fast: bit-identical to the scalar twin). Under tensor
+// parallelism `w` and `c` hold this rank's Hi/N heads of wq_b and weights_proj; their outputs are
+// all-gathered so every rank scores all heads over the whole key cache and selects the same keys
+// (docs/parallel.md §3, "Indexer heads split, scores not").
+void indexer_select(const IndexerWeights& w, const TextConfig& c, std::span<const MlaSeq> seqs,
+                    const uint16_t* x /* bf16 [rows, D], normed hidden */,
+                    const uint16_t* c_q /* bf16 [rows, Q], q_a_layernorm output */, int64_t rows,
+                    std::vector<int32_t>& sel /* i32 [rows, Ki] */, const Shard& sh = {});
+// One sequence.
 void indexer_select(const IndexerWeights& w, const TextConfig& c, const MlaCacheView& cache,
                     const uint16_t* x /* bf16 [T, D], normed hidden */,
                     const uint16_t* c_q /* bf16 [T, Q], q_a_layernorm output */, int64_t T, int64_t pos0,

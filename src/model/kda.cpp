@@ -1,6 +1,6 @@
-// KDA forward, MODEL.md §3.3, steps 1–8 in order. The projections run over all T tokens at once
-// (one GEMM each); the short conv walks the tokens (its history is state); the delta-rule scan runs
-// per head in parallel, chunked (WY/UT, kernels/cpu/kda_scan.h) for prefill and recurrent for decode.
+// KDA forward, MODEL.md §3.3, steps 1–8 in order, for a batch of sequences (kda.h). The projections
+// run over all rows at once (one GEMM call); the short conv walks each sequence's tokens (its history
+// is state); the delta-rule scan runs per (sequence, head) in parallel.
 #include "model/kda.h"
 
 #include <cmath>
@@ -28,84 +28,104 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st, const u
 
 void kda_forward(const KdaWeights& w, const TextConfig& c, const KdaStateView& st, const uint16_t* x, int64_t T,
                  uint16_t* out, KdaForm form, const Shard& sh) {
+  const KdaSeq one{0, T, st};
+  kda_forward(w, c, std::span<const KdaSeq>(&one, 1), x, T, out, form, sh);
+}
+
+void kda_forward(const KdaWeights& w, const TextConfig& c, std::span<const KdaSeq> seqs, const uint16_t* x,
+                 int64_t rows, uint16_t* out, KdaForm form, const Shard& sh) {
   const int64_t D = c.hidden_size, H = c.kda.num_heads, Dk = c.kda.head_dim, HD = H * Dk, W = c.kda.conv_size;
-  KCHECK(st.recurrent && st.conv, "KDA state view is empty");
-  // f32 [H, Dk, Dk]: the state itself, or a widened copy of an f16 state written back at the end.
-  std::vector<float> widened;
-  float* Sbase = static_cast<float*>(st.recurrent);
-  if (st.recurrent_f16) {
-    const uint16_t* h16 = static_cast<const uint16_t*>(st.recurrent);
-    widened.resize(size_t(H * Dk * Dk));
-    for (size_t i = 0; i < widened.size(); ++i) widened[i] = f16_to_f32(h16[i]);
-    Sbase = widened.data();
-  }
-  using cpu::gemm_bf16;
+  const int64_t n = int64_t(seqs.size());
+  for (const KdaSeq& s : seqs)
+    KCHECK(s.state.recurrent && s.state.conv && s.row0 >= 0 && s.T > 0 && s.row0 + s.T <= rows,
+           "KDA sequence rows [{}, +{}) outside the {} rows, or an empty state view", s.row0, s.T, rows);
 
-  // §3.3 step 1: q̃, k̃, ṽ = Lin(q/k/v_proj)(x).
-  Bf16Vec qkv(size_t(3 * T * HD));  // bf16 [3, T, HD]
-  const TensorView* proj[3] = {&w.q_proj, &w.k_proj, &w.v_proj};
-  for (int p = 0; p < 3; ++p) gemm_bf16(x, D, bf16_ptr(*proj[p]), qkv.data() + p * T * HD, HD, T, D, HD);
-
-  // Step 4 inputs: z = Lin(f_b)(Lin(f_a)(x)) (both BF16 Lin outputs; dt_bias added in FP32 below).
-  Bf16Vec fa(size_t(T * Dk)), z(size_t(T * HD));  // bf16 [T, Dk], bf16 [T, HD]
-  gemm_bf16(x, D, bf16_ptr(w.f_a_proj), fa.data(), Dk, T, D, Dk);
-  gemm_bf16(fa.data(), Dk, bf16_ptr(w.f_b_proj), z.data(), HD, T, Dk, HD);
-  // Step 5 input: Lin(b_proj)(x); step 7 input: Lin(g_proj)(x).
-  Bf16Vec bl(size_t(T * H)), gate(size_t(T * HD));  // bf16 [T, H], bf16 [T, HD]
-  gemm_bf16(x, D, bf16_ptr(w.b_proj), bl.data(), H, T, D, H);
-  gemm_bf16(x, D, bf16_ptr(w.g_proj), gate.data(), HD, T, D, HD);
+  // §3.3 step 1: q̃, k̃, ṽ = Lin(q/k/v_proj)(x); step 4 input Lin(f_a)(x); step 5 input Lin(b_proj)(x);
+  // step 7 input Lin(g_proj)(x): one call over every row (BF16 Lin outputs).
+  Bf16Vec qkv(size_t(3 * rows * HD));  // bf16 [3, rows, HD]
+  Bf16Vec fa(size_t(rows * Dk)), z(size_t(rows * HD));  // bf16 [rows, Dk], bf16 [rows, HD]
+  Bf16Vec bl(size_t(rows * H)), gate(size_t(rows * HD));  // bf16 [rows, H], bf16 [rows, HD]
+  const cpu::GemmOut proj[] = {{bf16_ptr(w.q_proj), HD, qkv.data(), nullptr, HD},
+                               {bf16_ptr(w.k_proj), HD, qkv.data() + rows * HD, nullptr, HD},
+                               {bf16_ptr(w.v_proj), HD, qkv.data() + 2 * rows * HD, nullptr, HD},
+                               {bf16_ptr(w.f_a_proj), Dk, fa.data(), nullptr, Dk},
+                               {bf16_ptr(w.b_proj), H, bl.data(), nullptr, H},
+                               {bf16_ptr(w.g_proj), HD, gate.data(), nullptr, HD}};
+  cpu::gemm_bf16_multi(x, D, rows, D, proj);
+  // Step 4: z = Lin(f_b)(Lin(f_a)(x)) (dt_bias is added in FP32 below).
+  cpu::gemm_bf16(fa.data(), Dk, bf16_ptr(w.f_b_proj), z.data(), HD, rows, Dk, HD);
 
   const float* conv_w[3] = {f32_ptr(w.q_conv), f32_ptr(w.k_conv), f32_ptr(w.v_conv)};  // f32 [HD, 1, W]
-  const float* a_log = f32_ptr(w.a_log);    // f32 [>= H]
+  const float* a_log = f32_ptr(w.a_log);      // f32 [>= H]
   const float* dt_bias = f32_ptr(w.dt_bias);  // f32 [HD]
   const float* o_norm = f32_ptr(w.o_norm);    // f32 [Dk]
   const float lower = c.kda.gate_lower_bound, eps = c.rms_norm_eps;
 
-  // Step 2: causal depthwise conv over [W−1 stored inputs, current], SiLU, BF16; the history shifts
-  // token by token (it is the carried state). q, k, v stay f32 from here on.
-  std::vector<float> qkv_f(size_t(3 * T * HD));  // f32 [3, T, HD], post-conv q, k, v
-  for (int p = 0; p < 3; ++p)
-    cpu::kda_conv_silu(qkv.data() + p * T * HD, HD, conv_w[p], st.conv + p * (W - 1) * HD,
-                       qkv_f.data() + p * T * HD, HD, T, HD, W);
+  // Step 2: causal depthwise conv over [W−1 stored inputs, current], SiLU, BF16, per sequence and
+  // projection; the history shifts token by token (it is the carried state). f32 from here on.
+  std::vector<float> qkv_f(size_t(3 * rows * HD));  // f32 [3, rows, HD], post-conv q, k, v
+  cpu::parallel_for_each(3 * n, 3 * rows * HD * W * 8, [&](int64_t item) {
+    const KdaSeq& s = seqs[size_t(item / 3)];
+    const int64_t p = item % 3;
+    cpu::kda_conv_silu_fast(qkv.data() + (p * rows + s.row0) * HD, HD, conv_w[p], s.state.conv + p * (W - 1) * HD,
+                            qkv_f.data() + (p * rows + s.row0) * HD, HD, s.T, HD, W);
+  });
   float* qf = qkv_f.data();
-  float* kf = qkv_f.data() + T * HD;
-  const float* vf = qkv_f.data() + 2 * T * HD;
+  float* kf = qkv_f.data() + rows * HD;
+  const float* vf = qkv_f.data() + 2 * rows * HD;
 
   // Steps 3–5: L2-normalise q and k (eps inside the sqrt, q scaled by Dk^−½); log-decay
-  // g = lower · σ(exp(A_log[h]) · (z + dt_bias)) ∈ (lower, 0); β = σ(b).
-  std::vector<float> g(size_t(T * HD)), beta(size_t(T * H));  // f32 [T, HD], f32 [T, H]
-  cpu::kda_qk_norm_gates(qf, kf, z.data(), dt_bias, a_log, bl.data(), lower, g.data(), beta.data(), T, H, Dk);
+  // g = lower · σ(exp(A_log[h]) · (z + dt_bias)) ∈ (lower, 0); β = σ(b). Token-local: all rows.
+  std::vector<float> g(size_t(rows * HD)), beta(size_t(rows * H));  // f32 [rows, HD], f32 [rows, H]
+  cpu::parallel_for(rows, rows * HD * 16, [&](int64_t b, int64_t e) {
+    cpu::kda_qk_norm_gates_fast(qf + b * HD, kf + b * HD, z.data() + b * HD, dt_bias, a_log, bl.data() + b * H, lower,
+                                g.data() + b * HD, beta.data() + b * H, e - b, H, Dk);
+  });
 
-  // Step 6: the delta-rule scan per head — recurrent for single tokens, chunked (C = 64) otherwise.
-  const bool chunked = form == KdaForm::chunked || (form == KdaForm::automatic && T > 1);
-  std::vector<float> o(size_t(T * HD));  // f32 [T, HD]
-#pragma omp parallel for schedule(static) if (4 * T * H * Dk * Dk >= cpu::kParallelMinWork)
-  for (int64_t h = 0; h < H; ++h) {
-    const cpu::KdaHeadIo io{qf + h * Dk, kf + h * Dk, vf + h * Dk, g.data() + h * Dk, beta.data() + h, HD, H,
-                            o.data() + h * Dk};
-    float* S = Sbase + h * Dk * Dk;  // f32 [Dk(key), Dk(value)]
-    if (chunked)
-      cpu::kda_scan_chunked(io, T, Dk, S);
-    else
-      cpu::kda_scan_recurrent(io, T, Dk, S);
+  // Step 6: the delta-rule scan per (sequence, head), through each sequence's state.
+  std::vector<std::vector<float>> widened(static_cast<size_t>(n));  // f32 [H, Dk, Dk] copies of f16 states
+  for (int64_t i = 0; i < n; ++i) {
+    const KdaStateView& st = seqs[size_t(i)].state;
+    if (!st.recurrent_f16) continue;
+    const uint16_t* h16 = static_cast<const uint16_t*>(st.recurrent);
+    widened[size_t(i)].resize(size_t(H * Dk * Dk));
+    for (size_t j = 0; j < widened[size_t(i)].size(); ++j) widened[size_t(i)][j] = f16_to_f32(h16[j]);
   }
-
-  if (st.recurrent_f16) {
+  std::vector<float> o(size_t(rows * HD));  // f32 [rows, HD]
+  cpu::parallel_for_each(n * H, 4 * rows * H * Dk * Dk, [&](int64_t item) {
+    const int64_t i = item / H, h = item % H;
+    const KdaSeq& s = seqs[size_t(i)];
+    const int64_t r0 = s.row0;
+    const cpu::KdaHeadIo io{qf + r0 * HD + h * Dk, kf + r0 * HD + h * Dk, vf + r0 * HD + h * Dk,
+                            g.data() + r0 * HD + h * Dk, beta.data() + r0 * H + h, HD, H, o.data() + r0 * HD + h * Dk};
+    float* S = (s.state.recurrent_f16 ? widened[size_t(i)].data() : static_cast<float*>(s.state.recurrent)) +
+               h * Dk * Dk;  // f32 [Dk(key), Dk(value)]
+    if (form == KdaForm::chunked)
+      cpu::kda_scan_chunked(io, s.T, Dk, S);
+    else
+      cpu::kda_scan_recurrent_fast(io, s.T, Dk, S);
+  });
+  for (int64_t i = 0; i < n; ++i) {
+    const KdaStateView& st = seqs[size_t(i)].state;
+    if (!st.recurrent_f16) continue;
     uint16_t* h16 = static_cast<uint16_t*>(st.recurrent);
-    for (size_t i = 0; i < widened.size(); ++i) h16[i] = f32_to_f16(widened[i]);
+    for (size_t j = 0; j < widened[size_t(i)].size(); ++j) h16[j] = f32_to_f16(widened[size_t(i)][j]);
   }
 
   // Step 7: ô = RMSNorm_{o_norm}(o) ⊙ σ(gate), per head, all FP32, one rounding.
-  Bf16Vec ohat(size_t(T * HD));  // bf16 [T, HD]
-  cpu::kda_out_norm_gate(o.data(), gate.data(), o_norm, eps, ohat.data(), T, H, Dk);
+  Bf16Vec ohat(size_t(rows * HD));  // bf16 [rows, HD]
+  cpu::parallel_for(rows, rows * HD * 16, [&](int64_t b, int64_t e) {
+    cpu::kda_out_norm_gate_fast(o.data() + b * HD, gate.data() + b * HD, o_norm, eps, ohat.data() + b * HD, e - b, H,
+                                Dk);
+  });
   // Step 8: out = Lin(o_proj)(ô); split over ranks: each sums its heads' columns, one all-reduce.
   if (!sh.split()) {
-    gemm_bf16(ohat.data(), HD, bf16_ptr(w.o_proj), out, D, T, HD, D);
+    cpu::gemm_bf16(ohat.data(), HD, bf16_ptr(w.o_proj), out, D, rows, HD, D);
     return;
   }
-  std::vector<float> part(size_t(T * D));  // f32 [T, D], this rank's heads only
-  cpu::gemm_bf16_f32(ohat.data(), HD, bf16_ptr(w.o_proj), part.data(), D, T, HD, D);
-  reduce_to_bf16(sh, part.data(), T * D, out);
+  std::vector<float> part(size_t(rows * D));  // f32 [rows, D], this rank's heads only
+  cpu::gemm_bf16_f32(ohat.data(), HD, bf16_ptr(w.o_proj), part.data(), D, rows, HD, D);
+  reduce_to_bf16(sh, part.data(), rows * D, out);
 }
 
 }  // namespace kestrel::model

@@ -7,11 +7,16 @@
 //  - naive: k_nope, v = kv_b_proj(ĉ) for every cached token (BF16 Lin outputs), per-head attention
 //    over [k_nope | k_pe]; the spec's equations literally, used for prefill;
 //  - absorbed: q̃_h = W_UKᵀ q_nope,h and o_h = W_UV ô_h in FP32, attention over the 576-wide cache
-//    directly (MQA, one KV head); the decode form. It skips the BF16 rounding of k_nope and v, so the
-//    two forms agree to BF16 noise, not bit for bit (tests state the bound).
+//    directly (MQA, one KV head); the CPU engine's form for prefill and decode (vectorised,
+//    kernels/cpu/mla_fast.cpp): each query's work is its own, so a token's output does not depend on
+//    the chunk or batch it runs in. It skips the BF16 rounding of k_nope and v, so the two forms agree
+//    to BF16 noise, not bit for bit (tests state the bound).
+// A call takes a batch of sequences whose rows are stacked: projections run once over all rows, the
+// cache writes, the indexer's selection and the attention per sequence through its own cache view.
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "loader/config.h"
@@ -24,9 +29,22 @@ namespace kestrel::model {
 
 enum class MlaForm : uint8_t { naive, absorbed };
 
-// Positions [pos0, pos0+T) are written; the view's block table must cover pos0 + T tokens.
+// One sequence of a batched call: rows [row0, row0 + T) of the stacked activations are its tokens at
+// positions [pos0, pos0 + T); the view's block table must cover pos0 + T tokens.
+struct MlaSeq {
+  int64_t row0 = 0, T = 0, pos0 = 0;
+  MlaCacheView cache;
+};
+
 // Under tensor parallelism `w` and `c` are one rank's (its Hm and Hi heads, tp.h); the latent and
 // index-key caches are whole on every rank; o_proj's partial sums are all-reduced (one rounding).
+// Under decode context parallelism (sh.dcp > 1) each sequence runs mla_forward_dcp in turn, on this
+// thread (its collectives must come in the same order on every rank).
+void mla_forward(const MlaWeights& w, const TextConfig& c, std::span<const MlaSeq> seqs,
+                 const uint16_t* x /* bf16 [rows, D], input_layernorm output */, int64_t rows,
+                 uint16_t* out /* bf16 [rows, D] */, MlaForm form, const Probe& probe, const Shard& sh = {});
+
+// One sequence: positions [pos0, pos0+T) are written; the view's block table must cover pos0 + T tokens.
 void mla_forward(const MlaWeights& w, const TextConfig& c, const MlaCacheView& cache, int64_t pos0,
                  const uint16_t* x /* bf16 [T, D], input_layernorm output */, int64_t T,
                  uint16_t* out /* bf16 [T, D] */, MlaForm form, const Probe& probe, const Shard& sh = {});

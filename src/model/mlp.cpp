@@ -12,9 +12,11 @@ namespace {
 Bf16Vec mlp_hidden(const MlpWeights& w, const TextConfig& c, const uint16_t* x, int64_t T) {
   const int64_t D = c.hidden_size, F = w.gate_proj.shape[0];
   Bf16Vec g(size_t(T * F)), u(size_t(T * F)), a(size_t(T * F));  // bf16 [T, F] each
-  cpu::gemm_bf16(x, D, bf16_ptr(w.gate_proj), g.data(), F, T, D, F);
-  cpu::gemm_bf16(x, D, bf16_ptr(w.up_proj), u.data(), F, T, D, F);
-  cpu::situ_glu(g.data(), u.data(), a.data(), T * F, c.situ_beta, c.situ_linear_beta);
+  // g = Lin(gate_proj)(x), u = Lin(up_proj)(x): one call, one input.
+  const cpu::GemmOut gu[] = {{bf16_ptr(w.gate_proj), F, g.data(), nullptr, F},
+                             {bf16_ptr(w.up_proj), F, u.data(), nullptr, F}};
+  cpu::gemm_bf16_multi(x, D, T, D, gu);
+  cpu::situ_glu_fast(g.data(), u.data(), a.data(), T * F, c.situ_beta, c.situ_linear_beta);
   return a;
 }
 

@@ -48,17 +48,36 @@ void prefill(const ModelWeights& w, const ModelConfig& c, State& st, std::span<c
 
 void forward(const ModelWeights& w, const ModelConfig& c, const SeqCacheView& st, std::span<const int32_t> tokens,
              float* logits_out, const ForwardOptions& opt) {
+  const Logits want = !logits_out && !opt.observer ? Logits::none : opt.last_logits_only ? Logits::last : Logits::all;
+  const SeqInput one{st, tokens, want};
+  ForwardOptions o = opt;
+  o.mla_form_prefill = tokens.size() == 1 ? opt.mla_form_decode : opt.mla_form_prefill;
+  forward_batch(w, c, std::span<const SeqInput>(&one, 1), logits_out, o);
+}
+
+void forward_batch(const ModelWeights& w, const ModelConfig& c, std::span<const SeqInput> seqs, float* logits_out,
+                   const ForwardOptions& opt) {
   const TextConfig& tc = c.text;
-  const cpu::RowInvariantScope row_invariant(opt.row_invariant);
-  const int64_t T = int64_t(tokens.size()), D = tc.hidden_size, V = tc.vocab_size;
-  KCHECK(T > 0, "empty token list");
+  const int64_t D = tc.hidden_size, V = tc.vocab_size, n = int64_t(seqs.size());
+  KCHECK(n > 0, "empty batch");
   KCHECK(int64_t(w.layers.size()) == tc.num_hidden_layers, "weights have {} layers, config {}", w.layers.size(),
          tc.num_hidden_layers);
-  for (int64_t i = 0; i < T; ++i)
-    if (tokens[size_t(i)] < 0 || tokens[size_t(i)] >= V) fail("token id {} at position {} is outside [0, {})", tokens[size_t(i)], i, V);
-  const MlaForm mla_form = T == 1 ? opt.mla_form_decode : opt.mla_form_prefill;
+  // The step's rows: every sequence's tokens, stacked in order.
+  std::vector<int64_t> row0(size_t(n + 1), 0);
+  std::vector<int32_t> ids;
+  for (int64_t i = 0; i < n; ++i) {
+    const SeqInput& s = seqs[size_t(i)];
+    KCHECK(!s.tokens.empty(), "empty token list");
+    for (size_t j = 0; j < s.tokens.size(); ++j)
+      if (s.tokens[j] < 0 || s.tokens[j] >= V) fail("token id {} at position {} is outside [0, {})", s.tokens[j], j, V);
+    ids.insert(ids.end(), s.tokens.begin(), s.tokens.end());
+    row0[size_t(i + 1)] = row0[size_t(i)] + int64_t(s.tokens.size());
+  }
+  const int64_t T = row0[size_t(n)];
   const float eps = tc.rms_norm_eps;
   const Probe top{&opt.observer, -1};
+  std::vector<KdaSeq> kseqs(static_cast<size_t>(n));
+  std::vector<MlaSeq> mseqs(static_cast<size_t>(n));
   const Shard sh{opt.comm, opt.dcp};
   KCHECK(sh.dcp == 1 || sh.dcp == sh.size(), "decode-context-parallel size {} must be 1 or the group's size {}", sh.dcp,
          sh.size());
@@ -71,7 +90,7 @@ void forward(const ModelWeights& w, const ModelConfig& c, const SeqCacheView& st
   const uint16_t* embed = bf16_ptr(w.embed);
   const int64_t Vl = w.embed.shape[0], v0 = sh.rank() * Vl;  // this rank's rows [v0, v0 + Vl)
   for (int64_t t = 0; t < T; ++t) {
-    const int64_t id = tokens[size_t(t)] - v0;
+    const int64_t id = ids[size_t(t)] - v0;
     uint16_t* dst = rs.partial.data() + t * D;
     if (id >= 0 && id < Vl)
       std::memcpy(dst, embed + id * D, size_t(D) * 2);
@@ -91,12 +110,18 @@ void forward(const ModelWeights& w, const ModelConfig& c, const SeqCacheView& st
     // Step 2: a write layer stores P as the next block and empties it.
     const bool write = tc.attn_res_writes(L);
     if (write) rs.write_block();
-    // Step 3: a = Attn_L(RMSNorm_input_layernorm(x_attn_in)).
+    // Step 3: a = Attn_L(RMSNorm_input_layernorm(x_attn_in)), each sequence through its own caches.
     cpu::rmsnorm_bf16(hin.data(), bf16_ptr(lw.input_norm), normed.data(), T, D, eps);
-    if (lw.attn_kind == AttnKind::kda)
-      kda_forward(lw.kda, tc, st.kda[size_t(L)], normed.data(), T, y.data(), opt.kda_form, sh);
-    else
-      mla_forward(lw.mla, tc, st.mla[size_t(L)], st.pos, normed.data(), T, y.data(), mla_form, probe, sh);
+    if (lw.attn_kind == AttnKind::kda) {
+      for (int64_t i = 0; i < n; ++i)
+        kseqs[size_t(i)] = {row0[size_t(i)], row0[size_t(i + 1)] - row0[size_t(i)], seqs[size_t(i)].view.kda[size_t(L)]};
+      kda_forward(lw.kda, tc, kseqs, normed.data(), T, y.data(), opt.kda_form, sh);
+    } else {
+      for (int64_t i = 0; i < n; ++i)
+        mseqs[size_t(i)] = {row0[size_t(i)], row0[size_t(i + 1)] - row0[size_t(i)], seqs[size_t(i)].view.pos,
+                            seqs[size_t(i)].view.mla[size_t(L)]};
+      mla_forward(lw.mla, tc, mseqs, normed.data(), T, y.data(), opt.mla_form_prefill, probe, sh);
+    }
     probe("attn_out", y.data(), DType::bf16, {T, D});
     // Step 4: P := a on a write layer, else P := bf16(P + a).
     if (write)
@@ -127,12 +152,22 @@ void forward(const ModelWeights& w, const ModelConfig& c, const SeqCacheView& st
           std::memcpy(opt.taps_out + (t * n_taps + k) * D, rs.partial.data() + t * D, size_t(D) * 2);
   }
 
-  // §3.2 final: h = Mix([B_0..B_{Nb−1}, P]; output_attn_res_*); §3.8: logits = lm_head(RMSNorm(h)).
+  // §3.2 final: h = Mix([B_0..B_{Nb−1}, P]; output_attn_res_*); §3.8: logits = lm_head(RMSNorm(h)),
+  // for the rows that want them only.
   attn_res_mix(rs, bf16_ptr(w.out_res_norm), bf16_ptr(w.out_res_proj), eps, hin.data());
   top("final_hidden", hin.data(), DType::bf16, {T, D});
-  if (!logits_out && !top.active()) return;
-  const int64_t first = opt.last_logits_only ? T - 1 : 0, rows = T - first;
-  cpu::rmsnorm_bf16(hin.data() + first * D, bf16_ptr(w.final_norm), normed.data(), rows, D, eps);
+  std::vector<int64_t> want;  // rows whose logits are written, in order
+  for (int64_t i = 0; i < n; ++i) {
+    const Logits l = seqs[size_t(i)].logits;
+    if (l == Logits::last) want.push_back(row0[size_t(i + 1)] - 1);
+    if (l == Logits::all)
+      for (int64_t r = row0[size_t(i)]; r < row0[size_t(i + 1)]; ++r) want.push_back(r);
+  }
+  if (want.empty()) return;
+  const int64_t rows = int64_t(want.size());
+  Bf16Vec h(size_t(rows * D));  // bf16 [rows, D]
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(h.data() + r * D, hin.data() + want[size_t(r)] * D, size_t(D) * 2);
+  cpu::rmsnorm_bf16(h.data(), bf16_ptr(w.final_norm), normed.data(), rows, D, eps);
   const TensorView& head = w.lm_head.empty() ? w.embed : w.lm_head;  // tied embeddings share the table
   std::vector<float> local;
   float* logits = logits_out;

@@ -19,9 +19,13 @@ void moe_forward(const MoeWeights& w, const TextConfig& c, const uint16_t* x, in
   KCHECK(K > 0 && K <= X, "num_experts_per_token {} out of range (1..{})", K, X);
 
   // Step 1: router in FP32: s = σ(x·W_gateᵀ); selection on s + bias; weights are the un-biased s,
-  // renormalised, times routed_scaling_factor.
+  // renormalised, times routed_scaling_factor. (Step 2's z = Lin(routed_expert_down_proj)(x) shares
+  // the input, so both products run in one call.)
   std::vector<float> r(size_t(T * X));  // f32 [T, X]
-  cpu::gemm_bf16_f32(x, D, bf16_ptr(w.router), r.data(), X, T, D, X);
+  Bf16Vec z(size_t(T * Lt));             // bf16 [T, Lt]
+  const cpu::GemmOut proj[] = {{bf16_ptr(w.router), X, nullptr, r.data(), X},
+                               {bf16_ptr(w.latent_down), Lt, z.data(), nullptr, Lt}};
+  cpu::gemm_bf16_multi(x, D, T, D, proj);
   std::vector<int32_t> ids(size_t(T * K));  // i32 [T, K]
   std::vector<float> wts(size_t(T * K));    // f32 [T, K]
   cpu::moe_route(r.data(), f32_ptr(w.router_bias), T, X, K, c.moe_renormalize, c.routed_scaling_factor, ids.data(),
@@ -29,9 +33,7 @@ void moe_forward(const MoeWeights& w, const TextConfig& c, const uint16_t* x, in
   probe("router_ids", ids.data(), DType::i32, {T, K});
   probe("router_weights", wts.data(), DType::f32, {T, K});
 
-  // Step 2: z = Lin(routed_expert_down_proj)(x).
-  Bf16Vec z(size_t(T * Lt));  // bf16 [T, Lt]
-  cpu::gemm_bf16(x, D, bf16_ptr(w.latent_down), z.data(), Lt, T, D, Lt);
+  // Step 2: z (above).
 
   // Steps 3–4: per selected expert [g | u] = z·[W1; W3]ᵀ, a = SiTU-GLU(g, u), y = bf16(a·W2ᵀ); then
   // ũ = bf16(Σ_k w_k · y_k) in top-k order.
@@ -43,7 +45,7 @@ void moe_forward(const MoeWeights& w, const TextConfig& c, const uint16_t* x, in
                      {ew.w2.packed.as<const uint8_t>(), ew.w2.scale.as<const uint8_t>()}};
   }
   Bf16Vec ut(size_t(T * Lt)), un(size_t(T * Lt));  // bf16 [T, Lt]
-  cpu::moe_experts(z.data(), ids.data(), wts.data(), ex.data(), T, X, K, Lt, I, c.situ_beta, c.situ_linear_beta,
+  cpu::moe_experts_fast(z.data(), ids.data(), wts.data(), ex.data(), T, X, K, Lt, I, c.situ_beta, c.situ_linear_beta,
                    ut.data());
   // Step 5: routed = Lin(routed_expert_up_proj)(RMSNorm_{routed_expert_norm}(ũ)).
   const uint16_t* latent_in = ut.data();
@@ -61,7 +63,7 @@ void moe_forward(const MoeWeights& w, const TextConfig& c, const uint16_t* x, in
   }
   Bf16Vec sh(size_t(T * D));  // bf16 [T, D]
   mlp_forward(w.shared, c, x, T, sh.data());
-  for (int64_t i = 0; i < T * D; ++i) out[i] = f32_to_bf16(bf16_to_f32(routed[size_t(i)]) + bf16_to_f32(sh[size_t(i)]));
+  cpu::add_bf16(routed.data(), sh.data(), out, T * D);
 }
 
 }  // namespace kestrel::model

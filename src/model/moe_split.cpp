@@ -57,8 +57,8 @@ void moe_forward_split(const MoeWeights& w, const TextConfig& c, const uint16_t*
   const bool whole_experts = Il == c.moe_intermediate_size;  // expert parallelism: y_k complete here
   std::vector<float> uf(size_t(T * Lt));  // f32 [T, Lt]
   if (Il > 0)
-    cpu::moe_experts_f32(z.data(), ids.data(), wts.data(), ex.data(), T, X, K, Lt, Il, c.situ_beta,
-                         c.situ_linear_beta, whole_experts, uf.data());
+    cpu::moe_experts_fast_f32(z.data(), ids.data(), wts.data(), ex.data(), T, X, K, Lt, Il, c.situ_beta,
+                              c.situ_linear_beta, whole_experts, uf.data());
   Bf16Vec ut(size_t(T * Lt));  // bf16 [T, Lt]
   reduce_to_bf16(sh, uf.data(), T * Lt, ut.data());
 

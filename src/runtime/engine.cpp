@@ -48,7 +48,7 @@ sched::SchedulerConfig sched_config(const ModelConfig& c, const EngineConfig& cf
 
 EngineConfig with_cpu_executor(const ModelWeights& w, const ModelConfig& c, EngineConfig cfg) {
   if (!cfg.make_executor)
-    cfg.make_executor = [&w, &c, bi = cfg.batch_invariant](const CacheFormats& f, const cache::CacheConfig& cc) {
+    cfg.make_executor = [&w, &c, bi = cfg.cpu_batched](const CacheFormats& f, const cache::CacheConfig& cc) {
       return std::unique_ptr<StepExecutor>(std::make_unique<Executor>(w, c, f, cc, ExecutorOptions{bi}));
     };
   return cfg;

@@ -61,7 +61,7 @@ struct EngineConfig {
   double prefill_step_target_s = 0.0;
   bool enable_prefix_cache = true;
   int32_t checkpoint_interval_blocks = 0;
-  bool batch_invariant = true;  // CPU executor, see executor.h
+  bool cpu_batched = true;      // CPU executor: one forward per step for all sequences (executor.h)
   int64_t max_model_len = 0;    // 0: min(model context, longest request of the memory plan)
   int32_t max_queue = std::numeric_limits<int32_t>::max();  // accepted, not yet admitted
   std::vector<int32_t> eos_token_ids;  // the end-of-sequence ids; empty: the config's eos_token_id

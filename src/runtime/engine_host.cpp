@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "core/check.h"
+#include "kernels/cpu/thread_pool.h"
 #include "loader/config.h"
 #include "loader/dspark.h"
 #include "loader/safetensors.h"
@@ -130,6 +131,7 @@ void EngineHost::load() {
       ec.make_executor = fake_executor_factory(m->cfg.text.vocab_size, opt_.fake_executor);
       m->engine = std::make_unique<runtime::Engine>(m->cfg, ec);
     } else {
+      cpu::set_num_threads(opt_.cpu_threads);  // the process-wide team of the CPU ops
       m->ckpt = std::make_unique<Checkpoint>(opt_.model_dir);
       m->w = bind_weights(m->cfg, *m->ckpt);
       if (opt_.speculative) check_speculative(*opt_.speculative, m->cfg);
@@ -145,7 +147,7 @@ void EngineHost::load() {
         p.dcp = opt_.decode_context_parallel_size;
         if (ec.formats.block_size % p.dcp != 0)
           fail("--block-size {} must divide by --decode-context-parallel-size {}", ec.formats.block_size, p.dcp);
-        ec.make_executor = tp_executor_factory(m->cfg, *m->ckpt, p, ExecutorOptions{ec.batch_invariant});
+        ec.make_executor = tp_executor_factory(m->cfg, *m->ckpt, p, ExecutorOptions{ec.cpu_batched});
       }
       m->engine = std::make_unique<runtime::Engine>(m->w, m->cfg, ec);
     }

@@ -44,6 +44,7 @@ struct EngineOptions {
   std::optional<int64_t> memory_budget;  // bytes for KV pages + KDA slots; absent: see the header
   double gpu_memory_utilization = 0.0;   // (0, 1] when given
   bool cuda_graphs = true;               // --device cuda: decode steps through CUDA graphs
+  int cpu_threads = 0;                   // threads of the CPU ops (kernels/cpu/thread_pool.h); 0: every core
   std::string quantization = "bf16";     // --device cuda: dense projection weights bf16 | ptpc-fp8
   int tensor_parallel_size = 1;          // --tensor-parallel-size: ranks (CPU: threads)
   bool expert_parallel = false;          // --enable-expert-parallel: whole experts per rank

@@ -1,13 +1,15 @@
 // Executor: turns a scheduler StepPlan into CPU forward work over the CacheStore (docs/serving.md,
-// "What the executor does with a StepPlan"): zero the slots of fresh starts, run the restores, one
-// forward per scheduled sequence over its token range through its block table and state slot, hand
-// the last position's logits to the caller's sampler where `sample` is set, then the snapshots.
+// "What the executor does with a StepPlan"): zero the slots of fresh starts, run the restores, ONE
+// forward over every scheduled sequence (model::forward_batch: the rows of all decodes and prefill
+// chunks stacked, so each projection is one GEMM for the whole step and each MoE expert is decoded
+// once for all its tokens), hand each sampled sequence's last logits to the caller's sampler, then
+// the snapshots.
 //
-// Batch invariance: with options.batch_invariant (the default) every op's result for a token is
-// independent of the other tokens of the call (recurrent KDA scan, absorbed MLA for prefill and
-// decode, per-row GEMV), so chunked prefill, preemption + re-prefill and any batch composition give
-// a request bit-identical logits, hence identical greedy tokens. Off, prefill uses the model's
-// default (faster) forms: chunked KDA, naive MLA, BLAS.
+// Batch invariance is exact: every op computes a token the same way whatever else shares the step
+// (row-invariant GEMMs, recurrent KDA, absorbed MLA, per-query indexer and attention), so chunked
+// prefill, preemption + re-prefill and any batch composition give a request bit-identical logits,
+// hence identical tokens for a deterministic sampler. options.batched = false runs one forward per
+// sequence instead (the same arithmetic; tests use it to show batching changes no bit).
 #pragma once
 
 #include <cstdint>
@@ -16,6 +18,7 @@
 #include <span>
 
 #include "core/cache_format.h"
+#include "kernels/cpu/cpu_ops.h"
 #include "loader/config.h"
 #include "loader/weights.h"
 #include "runtime/cache_store.h"
@@ -29,13 +32,13 @@ class Comm;
 namespace kestrel::runtime {
 
 struct ExecutorOptions {
-  bool batch_invariant = true;
-  int dcp = 1;  // decode-context-parallel ranks of run_rank's group: 1 or its size (executor_tp.h)
+  bool batched = true;  // one forward for all sequences of a step (false: one per sequence)
+  int dcp = 1;          // decode-context-parallel ranks of run_rank's group: 1 or its size (executor_tp.h)
 };
 
 struct ExecutorStats {
   int64_t steps = 0;
-  int64_t forwards = 0;          // forward calls (one per scheduled sequence)
+  int64_t forwards = 0;          // forward calls (one per step; batched = false: one per sequence)
   int64_t tokens_forwarded = 0;  // positions run through the model: the prefill work actually done
   int64_t samples = 0;
   int64_t device_samples = 0;         // device executors: tokens sampled on the device
@@ -93,6 +96,7 @@ class Executor : public StepExecutor {
   ExecutorOptions options_;
   CacheStore store_;
   ExecutorStats stats_;
+  cpu::PackedWeights packed_;  // the model's bf16 weights in GEMM panels, packed on first use
 };
 
 }  // namespace kestrel::runtime

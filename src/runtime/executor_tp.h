@@ -4,7 +4,7 @@
 // heads per state slot; the MLA latent and index-key pages whole on every rank), talking through an
 // in-process communicator (parallel/inproc_comm.h).
 //
-// A step: every rank runs the same StepPlan (zero/restore slots, one forward per sequence, snapshots)
+// A step: every rank runs the same StepPlan (zero/restore slots, one batched forward, snapshots)
 // on a thread of its own, in one fresh InProcessGroup (run_ranks: the first error aborts the group and
 // is rethrown here, so a failing step never leaves a rank waiting). After the logits all-gather every
 // rank holds the same whole logits; rank 0 alone calls the caller's hooks (sampling, all-logits dumps)

@@ -16,7 +16,6 @@ namespace {
 // many tokens share the call, so a (γ+1)-token verification equals γ+1 decode steps bit for bit.
 model::ForwardOptions serving_options() {
   model::ForwardOptions o;
-  o.row_invariant = true;
   o.kda_form = model::KdaForm::recurrent;
   o.mla_form_prefill = model::MlaForm::absorbed;
   o.mla_form_decode = model::MlaForm::absorbed;

@@ -26,6 +26,7 @@
 
 #include "harness.h"
 #include "kernels/cpu/mla_ops.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/indexer.h"
 #include "model/cache_view.h"
@@ -96,22 +97,25 @@ void judge(const Case& c, const uint16_t* q /* bf16 [Hi*Di] */, const float* hw 
   std::vector<float> wp(static_cast<size_t>(Hi));
   for (int64_t h = 0; h < Hi; ++h) wp[size_t(h)] = hw[h] * scale;  // the twin's FP32 w' (hw · scale)
   const double u = std::ldexp(1.0, -24);
-#pragma omp parallel for schedule(static)
-  for (int64_t s = 0; s < S; ++s) {
-    double sum = 0, mag = 0;
-    bool all_neg = true;
-    for (int64_t h = 0; h < Hi; ++h) {
-      double d = 0, a = 0;
-      for (int64_t i = 0; i < Di; ++i) {
-        const double p = double(bf16_to_f32(q[h * Di + i])) * double(bf16_to_f32(keys[size_t(s * Di + i)]));
-        d += p, a += std::fabs(p);
+  // Exact-ish double scores of every key, spread over the CPU ops' thread pool (per-key results: the
+  // split does not change them).
+  kestrel::cpu::parallel_for(S, S * Hi * Di, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      double sum = 0, mag = 0;
+      bool all_neg = true;
+      for (int64_t h = 0; h < Hi; ++h) {
+        double d = 0, a = 0;
+        for (int64_t i = 0; i < Di; ++i) {
+          const double p = double(bf16_to_f32(q[h * Di + i])) * double(bf16_to_f32(keys[size_t(s * Di + i)]));
+          d += p, a += std::fabs(p);
+        }
+        sum += double(wp[size_t(h)]) * std::max(d, 0.0);
+        mag += std::fabs(double(wp[size_t(h)])) * a;
+        all_neg = all_neg && d + 4.0 * double(Di) * u * a < 0.0;  // both FP32 dots < 0: ReLU gives exactly 0
       }
-      sum += double(wp[size_t(h)]) * std::max(d, 0.0);
-      mag += std::fabs(double(wp[size_t(h)])) * a;
-      all_neg = all_neg && d + 4.0 * double(Di) * u * a < 0.0;  // both FP32 dots < 0: ReLU gives exactly 0
+      I[size_t(s)] = sum, E[size_t(s)] = mag, zero[size_t(s)] = all_neg;
     }
-    I[size_t(s)] = sum, E[size_t(s)] = mag, zero[size_t(s)] = all_neg;
-  }
+  });
   ++v.rows;
   std::vector<char> in_g(static_cast<size_t>(S)), in_c(static_cast<size_t>(S));
   for (int64_t i = 0; i < Ki; ++i) {

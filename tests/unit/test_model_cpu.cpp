@@ -128,6 +128,72 @@ TEST(KdaCpu, PrefillThenDecodeMatchesLongerPrefillAtLayerLevel) {
   EXPECT_EQ(s1.conv, s2.conv) << "conv history holds the same last W-1 inputs";
 }
 
+// A State's caches as a forward_batch view for its next T tokens (what model::prefill does).
+model::SeqCacheView view_of(State& st, const TextConfig& tc, int64_t T) {
+  model::SeqCacheView v;
+  v.pos = st.pos;
+  v.kda.resize(size_t(tc.num_hidden_layers));
+  v.mla.resize(size_t(tc.num_hidden_layers));
+  for (int L = 0; L < tc.num_hidden_layers; ++L) {
+    if (tc.attn_kind[size_t(L)] == AttnKind::kda)
+      v.kda[size_t(L)] = st.kda[size_t(L)].view();
+    else
+      v.mla[size_t(L)] = st.mla[size_t(L)].view(tc, st.pos + T);
+  }
+  return v;
+}
+void advance(State& st, const TextConfig& tc, int64_t T) {
+  st.pos += T;
+  for (int L = 0; L < tc.num_hidden_layers; ++L)
+    if (tc.attn_kind[size_t(L)] != AttnKind::kda) st.mla[size_t(L)].len = st.pos;
+}
+
+TEST(ModelCpu, BatchedAndChunkedSequencesGetTheirSoloLogitsBitForBit) {
+  // The CPU engine's batch invariance: three sequences, each run alone in one prefill, then together
+  // in steps that chunk them differently (a prefill chunk next to decodes of the others). With a small
+  // index_topk the indexer really selects (positions past 24), so its scores and top-k are covered too.
+  const auto m = testing::make_random_model(13, [](nlohmann::json& t) { t["index_topk"] = 24; });
+  const TextConfig& tc = m.cfg.text;
+  const int64_t V = tc.vocab_size;
+  const std::vector<std::vector<int32_t>> toks = {tokens(40, 31), tokens(29, 32), tokens(35, 33)};
+  std::vector<std::vector<float>> solo;
+  for (const auto& t : toks) {
+    State st(m.cfg);
+    solo.emplace_back(t.size() * size_t(V));
+    model::prefill(m.w, m.cfg, st, t, solo.back().data());
+  }
+  // Steps: the token counts each sequence runs in each step (0: not scheduled).
+  const std::vector<std::vector<int64_t>> steps = {{7, 29, 0}, {1, 0, 30}, {20, 0, 1}, {1, 0, 1}, {11, 0, 3}};
+  std::vector<State> st(3, State(m.cfg));
+  std::vector<std::vector<float>> got(3);
+  for (size_t i = 0; i < 3; ++i) got[i].resize(toks[i].size() * size_t(V));
+  for (const auto& step : steps) {
+    std::vector<model::SeqInput> in;
+    std::vector<size_t> who;
+    for (size_t i = 0; i < 3; ++i) {
+      if (step[i] == 0) continue;
+      in.push_back({view_of(st[i], tc, step[i]), std::span(toks[i].data() + st[i].pos, size_t(step[i])), model::Logits::all});
+      who.push_back(i);
+    }
+    int64_t rows = 0;
+    for (const auto& s : in) rows += int64_t(s.tokens.size());
+    std::vector<float> logits(size_t(rows * V));
+    model::forward_batch(m.w, m.cfg, in, logits.data());
+    int64_t r = 0;
+    for (size_t j = 0; j < in.size(); ++j) {
+      const size_t i = who[j];
+      const int64_t n = int64_t(in[j].tokens.size());
+      std::copy(logits.begin() + r * V, logits.begin() + (r + n) * V, got[i].begin() + st[i].pos * V);
+      advance(st[i], tc, n);
+      r += n;
+    }
+  }
+  for (size_t i = 0; i < 3; ++i) {
+    ASSERT_EQ(st[i].pos, int64_t(toks[i].size()));
+    EXPECT_EQ(got[i], solo[i]) << "sequence " << i << ": batched/chunked logits differ from its solo prefill";
+  }
+}
+
 TEST(ModelCpu, InterleavedRequestsMatchAlone) {
   const auto a = tokens(6, 3), b = tokens(9, 4);
   const auto alone_a = run_split(nano(), a, 3), alone_b = run_split(nano(), b, 4);

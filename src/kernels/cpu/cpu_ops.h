@@ -2,23 +2,27 @@
 //
 // Every op is a plain function on raw pointers; bf16 values travel as their uint16_t bit patterns
 // (core/dtype.h). Accumulation is FP32 throughout and each op rounds to BF16 at most once, at the
-// point §3 names, so the model code decides every rounding explicitly. Ops are threaded with OpenMP
-// over independent output rows, never over a reduction, so results do not depend on the thread count.
+// point §3 names, so the model code decides every rounding explicitly. Ops are threaded over the
+// process-wide pool (thread_pool.h) by independent outputs, never inside a reduction, and the SIMD
+// path is chosen at run time (isa.h): results never depend on the thread count or on how many rows
+// share a call (row invariance: the CPU engine's batch invariance rests on it).
 //
-// Summation order is part of the contract where tests rely on it: mxfp4_gemm accumulates each output
-// in 8 interleaved FP32 lanes (element c goes to lane c mod 8, blocks in order) combined as
-// ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)); its dequantise-then-multiply twin in the tests repeats that.
+// Summation order is part of the contract where tests rely on it (gemm_kernels.h): gemm_* sum each
+// output sequentially over k with fma (ORDER_K; pairs inside vdpbf16ps on avx512bf16), mxfp4_gemm in
+// ORDER16 (8 lanes, a fixed final tree); avx2 and portable are bit-identical; the tests' twins repeat
+// the orders.
+// Ops named *_fast are the vectorised versions of a scalar twin of the same name (exp/tanh within a
+// few ulps, see simd_avx2.h); the twins stay the reference the GPU tests compare against.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
+#include <span>
+
+#include "kernels/cpu/thread_pool.h"
 
 namespace kestrel::cpu {
-
-// Smallest amount of work (multiply-adds) worth an OpenMP parallel region. Below it the fork/join and,
-// on a loaded machine, spinning team threads cost more than they save (nano layers measured 50x
-// slower with 2 threads on a busy 2-core box); every full-size K3.1 GEMM is far above it.
-inline constexpr int64_t kParallelMinWork = int64_t(1) << 20;
 
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float silu(float x) { return x * sigmoid(x); }
@@ -26,9 +30,9 @@ inline float silu(float x) { return x * sigmoid(x); }
 void bf16_to_f32_n(const uint16_t* x /* bf16 [n] */, float* y /* f32 [n] */, int64_t n);
 void f32_to_bf16_n(const float* x /* f32 [n] */, uint16_t* y /* bf16 [n] */, int64_t n);
 
-// y = x·Wᵀ, FP32 accumulation, FP32 output (router, indexer weights_proj, lm_head).
-// T == 1 runs a vectorised GEMV (AVX2/FMA when the CPU has it); T > 1 converts W in row blocks to
-// f32 and calls OpenBLAS sgemm, so the two paths may differ in the last bits of the sum.
+// y = x·Wᵀ, FP32 accumulation, FP32 output (router, indexer weights_proj, lm_head). Any T: the same
+// per-element arithmetic for every row count (gemm_bf16.cpp), so a row's result never depends on
+// the other rows of the call.
 void gemm_bf16_f32(const uint16_t* x /* bf16 [T, in], row stride ldx */, int64_t ldx,
                    const uint16_t* w /* bf16 [out, in], contiguous */,
                    float* y /* f32 [T, out], row stride ldy */, int64_t ldy, int64_t T, int64_t in, int64_t out);
@@ -36,28 +40,59 @@ void gemm_bf16_f32(const uint16_t* x /* bf16 [T, in], row stride ldx */, int64_t
 void gemm_bf16(const uint16_t* x /* bf16 [T, in], row stride ldx */, int64_t ldx,
                const uint16_t* w /* bf16 [out, in], contiguous */,
                uint16_t* y /* bf16 [T, out], row stride ldy */, int64_t ldy, int64_t T, int64_t in, int64_t out);
-// Row-invariant mode for the calling thread: gemm_bf16* runs the T == 1 GEMV for every row, so a
-// token's result never depends on how many tokens share the call. The serving executor needs this:
-// chunked prefill, preemption (re-prefill of prompt + outputs) and batching must not change a
-// request's tokens, and sgemm and the GEMV differ in the last bits. Costs the BLAS speed-up of prefill.
-class RowInvariantScope {
+// The same with FP32 activations (ORDER_K on every ISA).
+void gemm_f32_bf16w(const float* x /* f32 [T, in], row stride ldx */, int64_t ldx,
+                    const uint16_t* w /* bf16 [out, in], contiguous */,
+                    float* y /* f32 [T, out], row stride ldy */, int64_t ldy, int64_t T, int64_t in, int64_t out);
+// Several weights applied to one input in one call (q/k/v/g of KDA, gate/up of an MLP): the input is
+// prepared once and all outputs share one parallel region. Each output is exactly what gemm_bf16
+// (y) or gemm_bf16_f32 (yf) would give.
+struct GemmOut {
+  const uint16_t* w = nullptr;  // bf16 W [out, in]: W[n, k] at w[n·ldw + k], or at w[k·ldw + n] if w_kmajor
+  int64_t out = 0;
+  uint16_t* y = nullptr;        // bf16 [T, out], row stride ldy, or
+  float* yf = nullptr;          // f32 [T, out], row stride ldy
+  int64_t ldy = 0;
+  int64_t ldw = 0;              // 0: in (row-major) or out (k-major), i.e. contiguous
+  bool w_kmajor = false;
+};
+void gemm_bf16_multi(const uint16_t* x /* bf16 [T, in], row stride ldx */, int64_t ldx, int64_t T, int64_t in,
+                     std::span<const GemmOut> outs);
+// The general form: activations bf16 (xb) or f32 (xf), exactly one of them.
+void gemm_multi(const uint16_t* xb /* bf16 [T, in] */, const float* xf /* f32 [T, in] */, int64_t ldx, int64_t T,
+                int64_t in, std::span<const GemmOut> outs);
+
+// Packed weights (gemm_kernels.h panels) for one set of model weights, packed on first use while a
+// PackedScope names them on the calling thread. The CPU executor holds one for its model: every
+// weight is then transposed once, not once per call. Results are the same with or without.
+// Entries are keyed by the weight's address and shape: the object must not outlive the weights.
+class PackedWeights {
  public:
-  explicit RowInvariantScope(bool on);
-  ~RowInvariantScope();
-  RowInvariantScope(const RowInvariantScope&) = delete;
-  RowInvariantScope& operator=(const RowInvariantScope&) = delete;
+  PackedWeights();
+  ~PackedWeights();
+  PackedWeights(const PackedWeights&) = delete;
+  PackedWeights& operator=(const PackedWeights&) = delete;
+  int64_t bytes() const;  // packed so far
+  struct Impl;
+  Impl* impl() { return impl_.get(); }
 
  private:
-  bool prev_;
+  std::unique_ptr<Impl> impl_;
 };
-// Which GEMV path gemm_bf16* takes for T == 1 on this machine ("avx2-fma" or "portable").
-const char* gemv_isa();
-// Tests force the portable GEMV to compare both paths; not for production use.
-void gemv_force_portable(bool on);
+class PackedScope {
+ public:
+  explicit PackedScope(PackedWeights* p);  // null: no cache
+  ~PackedScope();
+  PackedScope(const PackedScope&) = delete;
+  PackedScope& operator=(const PackedScope&) = delete;
+
+ private:
+  PackedWeights* prev_;
+};
 
 // y = x·Wᵀ for an MXFP4 weight (MODEL.md §4) straight from packed nibbles and e8m0 scales: each
-// 32-element block of a row is dequantised into registers and applied to all T inputs; no full
-// dequantised matrix ever exists. FP32 output, no rounding.
+// row is decoded once per call and applied to all T inputs; no full dequantised matrix ever exists.
+// FP32 output, no rounding, ORDER16.
 void mxfp4_gemm(const uint8_t* packed /* u8 [out, in/2] */, const uint8_t* scale /* e8m0 [out, in/32] */,
                 const float* x /* f32 [T, in] */, float* y /* f32 [T, out] */, int64_t T, int64_t out, int64_t in);
 
@@ -80,6 +115,17 @@ void rmsnorm_bf16(const uint16_t* x /* bf16 [T, n] */, const uint16_t* w /* bf16
 // SiTU-GLU (MODEL.md §3.6 step 3): a = β·tanh(g/β)·σ(g) · βl·tanh(u/βl), FP32, one BF16 rounding.
 void situ_glu(const uint16_t* g /* bf16 [n] */, const uint16_t* u /* bf16 [n] */, uint16_t* a /* bf16 [n] */,
               int64_t n, float beta, float linear_beta);
+void situ_glu_fast(const uint16_t* g /* bf16 [n] */, const uint16_t* u /* bf16 [n] */, uint16_t* a /* bf16 [n] */,
+                   int64_t n, float beta, float linear_beta);
+// y = bf16(a + b), element-wise (AttnRes P := P + y, MoE routed + shared); y may alias a or b.
+void add_bf16(const uint16_t* a /* bf16 [n] */, const uint16_t* b /* bf16 [n] */, uint16_t* y /* bf16 [n] */,
+              int64_t n);
+// o = bf16(o · σ(g)) (MLA output gate, §3.4 step 5), vector sigmoid.
+void sigmoid_gate_bf16(uint16_t* o /* bf16 [n], in/out */, const uint16_t* g /* bf16 [n] */, int64_t n);
+// AttnRes Mix (MODEL.md §3.2) per token over n sources: ℓ_i = (v_i·u)·rsqrt(mean(v_i²) + eps) in FP64,
+// α = softmax(ℓ), h = bf16(Σ_i α_i v_i) (FP32, sources in order); a single source is copied exactly.
+void attn_res_mix_rows(const uint16_t* const* src /* n × bf16 [T, D] */, int64_t n, const float* u /* f32 [D] */,
+                       float eps, int64_t T, int64_t D, uint16_t* out /* bf16 [T, D] */);
 
 // Numerically stable softmax over n values, in place, FP32.
 void softmax_inplace(float* x /* f32 [n] */, int64_t n);

@@ -1,4 +1,7 @@
 // Row-wise and element-wise CPU ops: RMSNorm, SiTU-GLU, softmax, top-k (MODEL.md §3, §0.8).
+// RMSNorm keeps its FP64 sequential sum of squares (four rows at a time for instruction-level
+// parallelism, each row's order unchanged) and its AVX2 second pass repeats the scalar roundings
+// exactly. situ_glu is the scalar twin; situ_glu_fast the AVX2 one (simd_avx2.h tanh/sigmoid).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -8,23 +11,97 @@
 #include "core/check.h"
 #include "core/dtype.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/simd_avx2.h"
+#include "kernels/cpu/thread_pool.h"
 
 namespace kestrel::cpu {
+namespace {
+
+// y = w ⊙ bf16(x · r) for one row, the scalar roundings 8 lanes at a time.
+KESTREL_AVX2 void scale_row_avx2(const uint16_t* x, const uint16_t* w, float r, uint16_t* y, int64_t n) {
+  int64_t i = 0;
+  const __m256 rv = _mm256_set1_ps(r);
+  for (; i + 8 <= n; i += 8) {
+    // round_bf16(x·r) = bf16 → f32 of the RNE rounding: store and reload through bf16.
+    alignas(16) uint16_t tmp[8];
+    simd::store_bf16(tmp, _mm256_mul_ps(simd::load_bf16(x + i), rv));
+    simd::store_bf16(y + i, _mm256_mul_ps(simd::load_bf16(w + i), simd::load_bf16(tmp)));
+  }
+  for (; i < n; ++i) y[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(x[i]) * r));
+}
+
+KESTREL_AVX2 void situ_glu_avx2(const uint16_t* g, const uint16_t* u, uint16_t* a, int64_t n, float beta,
+                                float linear_beta) {
+  const __m256 b = _mm256_set1_ps(beta), bl = _mm256_set1_ps(linear_beta);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gf = simd::load_bf16(g + i), uf = simd::load_bf16(u + i);
+    const __m256 act = _mm256_mul_ps(_mm256_mul_ps(b, simd::tanh(_mm256_div_ps(gf, b))), simd::sigmoid(gf));
+    simd::store_bf16(a + i, _mm256_mul_ps(act, _mm256_mul_ps(bl, simd::tanh(_mm256_div_ps(uf, bl)))));
+  }
+  if (i < n) situ_glu(g + i, u + i, a + i, n - i, beta, linear_beta);
+}
+
+KESTREL_AVX2 void add_bf16_avx2(const uint16_t* a, const uint16_t* b, uint16_t* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) simd::store_bf16(y + i, _mm256_add_ps(simd::load_bf16(a + i), simd::load_bf16(b + i)));
+  for (; i < n; ++i) y[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+}
+
+KESTREL_AVX2 void gate_avx2(uint16_t* o, const uint16_t* g, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    simd::store_bf16(o + i, _mm256_mul_ps(simd::load_bf16(o + i), simd::sigmoid(simd::load_bf16(g + i))));
+  for (; i < n; ++i) o[i] = f32_to_bf16(bf16_to_f32(o[i]) * sigmoid(bf16_to_f32(g[i])));
+}
+
+}  // namespace
+
+void add_bf16(const uint16_t* a, const uint16_t* b, uint16_t* y, int64_t n) {
+  if (isa() >= Isa::avx2) return add_bf16_avx2(a, b, y, n);
+  for (int64_t i = 0; i < n; ++i) y[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+}
+
+void sigmoid_gate_bf16(uint16_t* o, const uint16_t* g, int64_t n) {
+  if (isa() >= Isa::avx2) return gate_avx2(o, g, n);
+  for (int64_t i = 0; i < n; ++i) o[i] = f32_to_bf16(bf16_to_f32(o[i]) * sigmoid(bf16_to_f32(g[i])));
+}
 
 void rmsnorm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t T, int64_t n, float eps) {
   KCHECK(n > 0 && T >= 0, "bad rmsnorm shape T={} n={}", T, n);
-  for (int64_t t = 0; t < T; ++t) {
-    const uint16_t* xr = x + t * n;
-    // Sum of squares in double: cheap here and keeps the reference-precision promise of MODEL.md §0.10.
-    double ss = 0.0;
-    for (int64_t i = 0; i < n; ++i) {
-      const double v = bf16_to_f32(xr[i]);
-      ss += v * v;
+  const bool avx2 = isa() >= Isa::avx2;
+  parallel_for((T + 3) / 4, T * n * 4, [&](int64_t b, int64_t e) {
+    for (int64_t t0 = 4 * b; t0 < std::min(T, 4 * e); t0 += 4) {
+      const int64_t nr = std::min<int64_t>(4, T - t0);
+      // Sum of squares in double, each row in index order (MODEL.md §0.10's reference precision);
+      // four independent rows interleaved so the additions overlap.
+      double ss[4] = {0.0, 0.0, 0.0, 0.0};
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t r = 0; r < 4; ++r) {
+          const double v = r < nr ? double(bf16_to_f32(x[(t0 + r) * n + i])) : 0.0;
+          ss[r] += v * v;
+        }
+      for (int64_t r = 0; r < nr; ++r) {
+        const float rs = 1.0f / std::sqrt(float(ss[r] / double(n)) + eps);
+        const uint16_t* xr = x + (t0 + r) * n;
+        uint16_t* yr = y + (t0 + r) * n;
+        if (avx2)
+          scale_row_avx2(xr, w, rs, yr, n);
+        else
+          for (int64_t i = 0; i < n; ++i) yr[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(xr[i]) * rs));
+      }
     }
-    const float r = 1.0f / std::sqrt(float(ss / double(n)) + eps);
-    for (int64_t i = 0; i < n; ++i)
-      y[t * n + i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(xr[i]) * r));
-  }
+  });
+}
+
+void situ_glu_fast(const uint16_t* g, const uint16_t* u, uint16_t* a, int64_t n, float beta, float linear_beta) {
+  KCHECK(beta > 0 && linear_beta > 0, "SiTU betas must be positive ({}, {})", beta, linear_beta);
+  if (isa() < Isa::avx2) return situ_glu(g, u, a, n, beta, linear_beta);
+  parallel_for((n + 255) / 256, n * 16, [&](int64_t b, int64_t e) {
+    const int64_t i0 = b * 256, i1 = std::min(n, e * 256);
+    situ_glu_avx2(g + i0, u + i0, a + i0, i1 - i0, beta, linear_beta);
+  });
 }
 
 void situ_glu(const uint16_t* g, const uint16_t* u, uint16_t* a, int64_t n, float beta, float linear_beta) {

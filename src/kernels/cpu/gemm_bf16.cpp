@@ -1,128 +1,183 @@
-// BF16 GEMM with FP32 accumulation (Lin of MODEL.md §3).
+// GEMM driver: Lin(W) of MODEL.md §3 for any number of rows, FP32 accumulation in ORDER_K
+// (gemm_kernels.h; ORDER_K2 on avx512bf16), over weights packed into 16-output panels.
 //
-// T == 1 (decode): a GEMV reads each W row once as bf16, widening to f32 in registers; rows are split
-// over OpenMP threads. The AVX2/FMA kernel is compiled with a target attribute and chosen at run time,
-// so the binary still runs on CPUs without AVX2 (portable kernel: 8 independent lanes the compiler
-// can vectorise at the baseline ISA).
-// T > 1 (prefill): W is widened to f32 in row blocks of ~1 M elements per thread (bounded scratch
-// even for the 163840 × 7168 lm_head) and multiplied with single-threaded OpenBLAS sgemm, blocks
-// spread over the OpenMP team; far faster than anything hand-written here, FP32 accumulation.
-#include <cblas.h>
-#include <immintrin.h>
-#include <omp.h>
-
+// One path for every row count: decode (1 row), a batch of decodes and a prefill chunk run the same
+// per-element arithmetic, so a token's output never depends on the other rows of the call — the CPU
+// engine's batch invariance rests on this. Work is split over the thread pool in tasks of 4 panels
+// (64 outputs) × up to 192 rows; inside a task each panel stays in L1 while the rows stream past.
+// Packing: under a PackedScope (the CPU executor holds one PackedWeights for its model) a weight is
+// packed on first use and reused for the process's life of that object; otherwise every call packs
+// its weights into scratch (the same values, so the same results, at the cost of a transpose).
+// Several weights that share one input run as one call (gemm_*_multi): the activations are prepared
+// once and all tasks share one parallel region.
+// Why not OpenBLAS: Debian's build has no sbgemm (no bf16), sgemm would need every weight widened to
+// f32 (twice the bytes for decode), and its result for a row may change with the row count (kernel
+// choice by shape); `kestrel bench --cpu-ceilings` prints both rates.
 #include <algorithm>
-#include <atomic>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "core/check.h"
 #include "core/dtype.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/gemm_kernels.h"
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/thread_pool.h"
 
 namespace kestrel::cpu {
+
+using gemm_detail::PackedView;
+using gemm_detail::PanelFormat;
+
+struct PackedWeights::Impl {
+  using Key = std::tuple<const uint16_t*, int64_t, int64_t, int64_t, bool, int>;  // w, N, K, ldw, kmajor, format
+  std::mutex mu;
+  std::map<Key, std::vector<uint32_t>> packed;
+  int64_t bytes = 0;
+};
+
+PackedWeights::PackedWeights() : impl_(std::make_unique<Impl>()) {}
+PackedWeights::~PackedWeights() = default;
+int64_t PackedWeights::bytes() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->bytes;
+}
+
 namespace {
 
-std::atomic<bool> g_force_portable{false};
+thread_local PackedWeights* t_packed = nullptr;
 
-bool have_avx2_fma() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
+struct OutDesc {
+  const uint16_t* w;
+  int64_t N, ldw;
+  bool kmajor;
+  float* y;
+  uint16_t* yb;
+  int64_t ldy;
+};
 
-float dot_portable(const uint16_t* w /* bf16 [n] */, const float* x /* f32 [n] */, int64_t n) {
-  float lane[8] = {};
-  int64_t c = 0;
-  for (; c + 8 <= n; c += 8)
-    for (int j = 0; j < 8; ++j) lane[j] += bf16_to_f32(w[c + j]) * x[c + j];
-  float s = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-  for (; c < n; ++c) s += bf16_to_f32(w[c]) * x[c];
-  return s;
-}
+}  // namespace
 
-// bf16 -> f32 is a 16-bit left shift of the bit pattern.
-__attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* p /* bf16 [8] */) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+PackedScope::PackedScope(PackedWeights* p) : prev_(t_packed) { t_packed = p; }
+PackedScope::~PackedScope() { t_packed = prev_; }
 
-__attribute__((target("avx2,fma"))) float dot_avx2(const uint16_t* w /* bf16 [n] */, const float* x /* f32 [n] */,
-                                                    int64_t n) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-  int64_t c = 0;
-  for (; c + 32 <= n; c += 32) {
-    a0 = _mm256_fmadd_ps(load8(w + c), _mm256_loadu_ps(x + c), a0);
-    a1 = _mm256_fmadd_ps(load8(w + c + 8), _mm256_loadu_ps(x + c + 8), a1);
-    a2 = _mm256_fmadd_ps(load8(w + c + 16), _mm256_loadu_ps(x + c + 16), a2);
-    a3 = _mm256_fmadd_ps(load8(w + c + 24), _mm256_loadu_ps(x + c + 24), a3);
-  }
-  for (; c + 8 <= n; c += 8) a0 = _mm256_fmadd_ps(load8(w + c), _mm256_loadu_ps(x + c), a0);
-  const __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, a);
-  float s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-  for (; c < n; ++c) s += bf16_to_f32(w[c]) * x[c];
-  return s;
-}
+namespace {
 
-void gemv(const uint16_t* x /* bf16 [in] */, const uint16_t* w /* bf16 [out, in] */, float* y /* f32 [out] */,
-          int64_t in, int64_t out) {
-  std::vector<float> xf(static_cast<size_t>(in));
-  bf16_to_f32_n(x, xf.data(), in);
-  const bool avx = have_avx2_fma() && !g_force_portable.load(std::memory_order_relaxed);
-  // Tiny products are not worth waking the thread team.
-  const bool par = out * in >= kParallelMinWork;
-#pragma omp parallel for schedule(static) if (par)
-  for (int64_t r = 0; r < out; ++r)
-    y[r] = avx ? dot_avx2(w + r * in, xf.data(), in) : dot_portable(w + r * in, xf.data(), in);
-}
-
-void gemm_blas(const uint16_t* x /* bf16 [T, in] */, int64_t ldx, const uint16_t* w /* bf16 [out, in] */,
-               float* y /* f32 [T, out] */, int64_t ldy, int64_t T, int64_t in, int64_t out) {
-  // OpenBLAS runs single-threaded inside our OpenMP team: its own pthread pool and the OpenMP team
-  // would otherwise spin against each other on the same cores (measured: 10x slower on 2 cores).
-  static const bool single = [] {
-    openblas_set_num_threads(1);
-    return true;
-  }();
-  (void)single;
-  std::vector<float> xf(static_cast<size_t>(T * in));
-  for (int64_t t = 0; t < T; ++t) bf16_to_f32_n(x + t * ldx, xf.data() + t * in, in);
-  // Each thread widens and multiplies its own W row blocks (~1 M elements of scratch per thread).
-  const int64_t block = std::min(out, std::max<int64_t>((int64_t(1) << 20) / in, 16));
-  const int64_t nblocks = (out + block - 1) / block;
-  const bool par = nblocks > 1 && T * in * out >= kParallelMinWork;
-#pragma omp parallel if (par)
-  {
-    std::vector<float> wf(static_cast<size_t>(block * in));
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const int64_t r0 = b * block, nb = std::min(block, out - r0);
-      for (int64_t i = 0; i < nb * in; ++i) wf[size_t(i)] = bf16_to_f32(w[r0 * in + i]);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(T), int(nb), int(in), 1.0f, xf.data(), int(in),
-                  wf.data(), int(in), 0.0f, y + r0, int(ldy));
+// The packed form of one weight: from the scope's cache (packed on first use), else into `scratch`.
+PackedView packed_view(const OutDesc& d, int64_t K, PanelFormat f, std::vector<uint32_t>& scratch) {
+  PackedView v{nullptr, d.N, K, gemm_detail::panel_dwords(f, K), f};
+  const size_t dwords = size_t((d.N + 15) / 16 * v.stride);
+  if (PackedWeights* pw = t_packed) {
+    auto& impl = *pw->impl();
+    std::lock_guard lk(impl.mu);
+    auto [it, fresh] = impl.packed.try_emplace({d.w, d.N, K, d.ldw, d.kmajor, int(f)});
+    if (fresh) {
+      it->second.resize(dwords);
+      gemm_detail::pack(d.w, d.ldw, d.kmajor, d.N, K, f, it->second.data());
+      impl.bytes += int64_t(dwords * 4);
     }
+    v.data = it->second.data();
+    return v;
   }
+  scratch.resize(dwords);
+  gemm_detail::pack(d.w, d.ldw, d.kmajor, d.N, K, f, scratch.data());
+  v.data = scratch.data();
+  return v;
 }
 
-void check_args(int64_t ldx, int64_t ldy, int64_t T, int64_t in, int64_t out) {
-  KCHECK(T >= 0 && in > 0 && out > 0, "bad gemm shape T={} in={} out={}", T, in, out);
-  KCHECK(ldx >= in && ldy >= out, "bad gemm strides ldx={} (in {}) ldy={} (out {})", ldx, in, ldy, out);
-  KCHECK(T < (int64_t(1) << 31) && in < (int64_t(1) << 31) && out < (int64_t(1) << 31), "gemm too large for BLAS");
+void run(const uint16_t* xb, const float* xf, int64_t ldx, int64_t T, int64_t K, const std::vector<OutDesc>& outs) {
+  if (T == 0 || outs.empty()) return;
+  const Isa i = isa();
+  const PanelFormat f = i == Isa::avx512bf16 && xb ? PanelFormat::kPairs : PanelFormat::kAvx2;
+  // Activations as the kernels read them: f32 [T, K] (ORDER_K), or bf16 [T, Kp] padded to even K (pairs).
+  thread_local std::vector<float> xs;
+  thread_local std::vector<uint16_t> xs16;
+  const float* xk = nullptr;
+  const uint16_t* xk16 = nullptr;
+  int64_t ld = K;
+  if (f == PanelFormat::kPairs) {
+    ld = (K + 1) / 2 * 2;
+    xs16.assign(size_t(T * ld), 0);
+    for (int64_t t = 0; t < T; ++t) std::memcpy(xs16.data() + t * ld, xb + t * ldx, size_t(K) * 2);
+    xk16 = xs16.data();
+  } else if (xf) {
+    xk = xf;
+    ld = ldx;
+  } else {
+    xs.resize(size_t(T * K));
+    for (int64_t t = 0; t < T; ++t) bf16_to_f32_n(xb + t * ldx, xs.data() + t * K, K);
+    xk = xs.data();
+  }
+  thread_local std::vector<std::vector<uint32_t>> scratch;
+  if (scratch.size() < outs.size()) scratch.resize(outs.size());
+  std::vector<PackedView> views(outs.size());
+  for (size_t o = 0; o < outs.size(); ++o) views[o] = packed_view(outs[o], K, f, scratch[o]);
+
+  constexpr int64_t kGroup = 4;  // panels per task
+  const int64_t MB = std::clamp<int64_t>((int64_t(192) << 10) / (K * 4) / 6 * 6, 6, 192);
+  const int64_t mblocks = (T + MB - 1) / MB;
+  std::vector<int64_t> first(outs.size() + 1, 0);  // first task of each output
+  int64_t work = 0;
+  for (size_t o = 0; o < outs.size(); ++o) {
+    const int64_t groups = ((outs[o].N + 15) / 16 + kGroup - 1) / kGroup;
+    first[o + 1] = first[o] + groups * mblocks;
+    work += T * K * outs[o].N;
+  }
+  parallel_for(first.back(), work, [&](int64_t b, int64_t e) {
+    for (int64_t task = b; task < e; ++task) {
+      size_t o = 0;
+      while (task >= first[o + 1]) ++o;
+      const OutDesc& d = outs[o];
+      const int64_t local = task - first[o], g = local / mblocks, mb = local % mblocks;
+      const int64_t panels = (d.N + 15) / 16, m0 = mb * MB;
+      gemm_detail::PanelBlock blk;
+      blk.w = views[o];
+      blk.p0 = g * kGroup;
+      blk.np = std::min(kGroup, panels - blk.p0);
+      blk.M = std::min(MB, T - m0);
+      blk.ldx = ld;
+      blk.ldy = d.ldy;
+      if (d.yb)
+        blk.yb = d.yb + m0 * d.ldy + 16 * blk.p0;
+      else
+        blk.y = d.y + m0 * d.ldy + 16 * blk.p0;
+      if (f == PanelFormat::kPairs) {
+        blk.xb = xk16 + m0 * ld;
+        gemm_detail::panels_avx512bf16(blk);
+      } else {
+        blk.x = xk + m0 * ld;
+        if (i >= Isa::avx2)
+          gemm_detail::panels_avx2(blk);
+        else
+          gemm_detail::panels_portable(blk);
+      }
+    }
+  });
+}
+
+void check_shape(int64_t ldx, int64_t T, int64_t in) {
+  KCHECK(T >= 0 && in > 0, "bad gemm shape T={} in={}", T, in);
+  KCHECK(ldx >= in, "bad gemm stride ldx={} (in {})", ldx, in);
+}
+
+std::vector<OutDesc> describe(int64_t in, std::span<const GemmOut> outs) {
+  std::vector<OutDesc> d;
+  for (const GemmOut& o : outs) {
+    const int64_t ldw = o.ldw ? o.ldw : (o.w_kmajor ? o.out : in);
+    KCHECK(o.w && o.out > 0 && o.ldy >= o.out && (o.y || o.yf), "bad gemm output out={} ldy={}", o.out, o.ldy);
+    KCHECK(ldw >= (o.w_kmajor ? o.out : in), "bad gemm weight stride {}", ldw);
+    d.push_back({o.w, o.out, ldw, o.w_kmajor, o.yf, o.y, o.ldy});
+  }
+  return d;
 }
 
 }  // namespace
 
-namespace {
-thread_local bool t_row_invariant = false;
-}
-RowInvariantScope::RowInvariantScope(bool on) : prev_(t_row_invariant) { t_row_invariant = on; }
-RowInvariantScope::~RowInvariantScope() { t_row_invariant = prev_; }
-
-const char* gemv_isa() { return have_avx2_fma() && !g_force_portable ? "avx2-fma" : "portable"; }
-void gemv_force_portable(bool on) { g_force_portable = on; }
-
 void bf16_to_f32_n(const uint16_t* x, float* y, int64_t n) {
-#pragma omp parallel for schedule(static) if (n >= kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) y[i] = bf16_to_f32(x[i]);
 }
 
@@ -132,22 +187,30 @@ void f32_to_bf16_n(const float* x, uint16_t* y, int64_t n) {
 
 void gemm_bf16_f32(const uint16_t* x, int64_t ldx, const uint16_t* w, float* y, int64_t ldy, int64_t T, int64_t in,
                    int64_t out) {
-  check_args(ldx, ldy, T, in, out);
-  if (T == 0) return;
-  if (T == 1)
-    gemv(x, w, y, in, out);
-  else if (t_row_invariant)
-    for (int64_t t = 0; t < T; ++t) gemv(x + t * ldx, w, y + t * ldy, in, out);
-  else
-    gemm_blas(x, ldx, w, y, ldy, T, in, out);
+  const GemmOut o{w, out, nullptr, y, ldy};
+  gemm_multi(x, nullptr, ldx, T, in, std::span<const GemmOut>(&o, 1));
 }
 
 void gemm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* y, int64_t ldy, int64_t T, int64_t in,
                int64_t out) {
-  check_args(ldx, ldy, T, in, out);
-  std::vector<float> yf(size_t(T * out));
-  gemm_bf16_f32(x, ldx, w, yf.data(), out, T, in, out);
-  for (int64_t t = 0; t < T; ++t) f32_to_bf16_n(yf.data() + t * out, y + t * ldy, out);
+  const GemmOut o{w, out, y, nullptr, ldy};
+  gemm_multi(x, nullptr, ldx, T, in, std::span<const GemmOut>(&o, 1));
+}
+
+void gemm_f32_bf16w(const float* x, int64_t ldx, const uint16_t* w, float* y, int64_t ldy, int64_t T, int64_t in,
+                    int64_t out) {
+  const GemmOut o{w, out, nullptr, y, ldy};
+  gemm_multi(nullptr, x, ldx, T, in, std::span<const GemmOut>(&o, 1));
+}
+
+void gemm_bf16_multi(const uint16_t* x, int64_t ldx, int64_t T, int64_t in, std::span<const GemmOut> outs) {
+  gemm_multi(x, nullptr, ldx, T, in, outs);
+}
+
+void gemm_multi(const uint16_t* xb, const float* xf, int64_t ldx, int64_t T, int64_t in, std::span<const GemmOut> outs) {
+  KCHECK((xb != nullptr) != (xf != nullptr), "gemm needs exactly one of bf16 and f32 activations");
+  check_shape(ldx, T, in);
+  run(xb, xf, ldx, T, in, describe(in, outs));
 }
 
 }  // namespace kestrel::cpu

@@ -26,4 +26,13 @@ void kda_out_norm_gate(const float* o /* f32 [T, H*Dk] */, const uint16_t* gate 
                        const float* o_norm /* f32 [Dk] */, float eps, uint16_t* ohat /* bf16 [T, H*Dk] */, int64_t T,
                        int64_t H, int64_t Dk);
 
+// The AVX2 versions the CPU engine runs (kda_fast.cpp): the same arguments and roundings, vector
+// exp/sigmoid and 8-lane sums (a few ulps from the twins above, tested); the twins without AVX2.
+void kda_conv_silu_fast(const uint16_t* x, int64_t ldx, const float* w, uint16_t* hist, float* y, int64_t ldy,
+                        int64_t T, int64_t C, int64_t W);
+void kda_qk_norm_gates_fast(float* q, float* k, const uint16_t* z, const float* dt_bias, const float* a_log,
+                            const uint16_t* b, float lower, float* g, float* beta, int64_t T, int64_t H, int64_t Dk);
+void kda_out_norm_gate_fast(const float* o, const uint16_t* gate, const float* o_norm, float eps, uint16_t* ohat,
+                            int64_t T, int64_t H, int64_t Dk);
+
 }  // namespace kestrel::cpu

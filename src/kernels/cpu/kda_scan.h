@@ -32,5 +32,8 @@ struct KdaHeadIo {
 // S: f32 [Dk (key), Dk (value)], updated in place.
 void kda_scan_recurrent(const KdaHeadIo& io, int64_t T, int64_t Dk, float* S);
 void kda_scan_chunked(const KdaHeadIo& io, int64_t T, int64_t Dk, float* S, int64_t chunk = 64);
+// The recurrence vectorised over the value index (kda_fast.cpp): the same sums over the key index in
+// the same order, FMA-contracted, e^g from the vector exp; the twin above without AVX2.
+void kda_scan_recurrent_fast(const KdaHeadIo& io, int64_t T, int64_t Dk, float* S);
 
 }  // namespace kestrel::cpu

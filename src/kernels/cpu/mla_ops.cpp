@@ -32,8 +32,8 @@ void mla_attn_naive(const MlaDims& dm, const uint16_t* q, const uint16_t* kv, co
   for (int64_t t = 0; t < T; ++t) {
     const std::vector<int32_t> keys = key_list(sel, Ksel, t, pos0 + t);
     const int64_t nk = int64_t(keys.size());
-#pragma omp parallel for schedule(static) if (2 * Hm * nk * CW >= kParallelMinWork)
-    for (int64_t h = 0; h < Hm; ++h) {
+    parallel_for(Hm, 2 * Hm * nk * CW, [&](int64_t hb, int64_t he) {
+    for (int64_t h = hb; h < he; ++h) {
       const uint16_t* qh = q + (t * Hm + h) * QK;  // [q_nope N | q_pe R]
       std::vector<float> pr(static_cast<size_t>(nk));
       std::vector<float> acc;
@@ -55,6 +55,7 @@ void mla_attn_naive(const MlaDims& dm, const uint16_t* q, const uint16_t* kv, co
       }
       f32_to_bf16_n(acc.data(), o + (t * Hm + h) * Dv, Dv);
     }
+    });
   }
 }
 
@@ -65,8 +66,8 @@ void mla_attn_absorbed(const MlaDims& dm, const uint16_t* q, const uint16_t* kvb
   for (int64_t t = 0; t < T; ++t) {
     const std::vector<int32_t> keys = key_list(sel, Ksel, t, pos0 + t);
     const int64_t nk = int64_t(keys.size());
-#pragma omp parallel for schedule(static) if (2 * Hm * nk * CW >= kParallelMinWork)
-    for (int64_t h = 0; h < Hm; ++h) {
+    parallel_for(Hm, 2 * Hm * nk * CW, [&](int64_t hb, int64_t he) {
+    for (int64_t h = hb; h < he; ++h) {
       const uint16_t* qh = q + (t * Hm + h) * QK;  // [q_nope N | q_pe R]
       std::vector<float> pr(static_cast<size_t>(nk));
       std::vector<float> acc;
@@ -99,6 +100,7 @@ void mla_attn_absorbed(const MlaDims& dm, const uint16_t* q, const uint16_t* kvb
       }
       f32_to_bf16_n(acc.data(), o + (t * Hm + h) * Dv, Dv);
     }
+    });
   }
 }
 
@@ -134,8 +136,8 @@ void indexer_select_topk(const uint16_t* qi, const uint16_t* keys, const float* 
     }
     bf16_to_f32_n(qi + t * Hi * Di, qf.data(), Hi * Di);
     score.assign(size_t(visible), 0.0f);
-#pragma omp parallel for schedule(static) if (visible * Hi * Di >= kParallelMinWork)
-    for (int64_t s = 0; s < visible; ++s) {
+    parallel_for(visible, visible * Hi * Di, [&](int64_t sb, int64_t se) {
+    for (int64_t s = sb; s < se; ++s) {
       const uint16_t* k = keys + s * Di;
       float acc = 0.0f;
       for (int64_t h = 0; h < Hi; ++h) {
@@ -145,6 +147,7 @@ void indexer_select_topk(const uint16_t* qi, const uint16_t* keys, const float* 
       }
       score[size_t(s)] = acc;
     }
+    });
     topk(score.data(), visible, Ki, out);
     std::sort(out, out + Ki);
   }

@@ -41,4 +41,33 @@ void indexer_select_topk(const uint16_t* qi /* bf16 [T, Hi*Di] */, const uint16_
                          const float* hw /* f32 [T, Hi] */, int64_t T, int64_t pos0, int64_t Hi, int64_t Di, int64_t Ki,
                          int32_t* sel /* i32 [T, Ki] */);
 
+// ---- The CPU engine's versions (mla_fast.cpp, indexer_fast.cpp) ----------------------------------
+
+// mla_attn_absorbed vectorised (AVX2; the twin without it): the same inputs and outputs, except that
+// `latent` may be any row set — with a selection, sel holds row indices into it (ascending, −1 ends a
+// list); without, query t reads rows 0..pos0+t. FP32 rounding noise from the twin (tests bound it).
+// It is the three stages below in a row; the model runs the token-local first and last stages over
+// all sequences of a step at once.
+void mla_q_latent(const MlaDims& d, const uint16_t* q /* bf16 [T, Hm, N+R] */, const uint16_t* kv_b,
+                  int64_t T, float* qt /* f32 [T, Hm, C+R]: W_UKᵀ q_nope | q_pe */);
+void mla_attn_latent_fast(const MlaDims& d, const float* qt /* f32 [T, Hm, C+R] */,
+                          const uint16_t* latent /* bf16 [rows, C+R] */, const int32_t* sel /* i32 [T, Ksel] or null */,
+                          int64_t Ksel, int64_t T, int64_t pos0, float* ohat /* f32 [T, Hm, C] */);  // AVX2 only
+void mla_o_latent(const MlaDims& d, const float* ohat /* f32 [T, Hm, C] */, const uint16_t* kv_b, int64_t T,
+                  uint16_t* o /* bf16 [T, Hm*Dv] */);
+void mla_attn_absorbed_fast(const MlaDims& d, const uint16_t* q /* bf16 [T, Hm, N+R] */,
+                            const uint16_t* kv_b /* bf16 [Hm*(N+Dv), C] */, const uint16_t* latent /* bf16 [rows, C+R] */,
+                            const int32_t* sel /* i32 [T, Ksel] or null */, int64_t Ksel, int64_t T, int64_t pos0,
+                            uint16_t* o /* bf16 [T, Hm*Dv] */);
+
+// indexer_select_topk, vectorised and with an O(n) selection: bit-identical output (same scores in
+// the same order, same ties), any T.
+void indexer_select_topk_fast(const uint16_t* qi /* bf16 [T, Hi*Di] */, const uint16_t* keys /* bf16 [S, Di] */,
+                              const float* hw /* f32 [T, Hi] */, int64_t T, int64_t pos0, int64_t Hi, int64_t Di,
+                              int64_t Ki, int32_t* sel /* i32 [T, Ki] */);
+
+// The positions of the k largest of x[0..n), ascending: exactly cpu::topk followed by a sort (ties to
+// the lower index, NaN with −inf below every number), by radix select in O(n).
+void topk_sorted(const float* x /* f32 [n] */, int64_t n, int64_t k, int32_t* idx /* i32 [k] */);
+
 }  // namespace kestrel::cpu

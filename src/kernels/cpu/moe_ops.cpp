@@ -1,4 +1,6 @@
-// See moe_ops.h. The loops are those of the original model/moe.cpp, unchanged in order and precision.
+// See moe_ops.h. moe_route and moe_experts are the loops of the original model/moe.cpp, unchanged in
+// order and precision; moe_experts_fast is the engine's version: experts in parallel (each decoded
+// once for all its tokens, gemm_detail::mxfp4_rows), the same ORDER16 products, vector SiTU.
 #include "kernels/cpu/moe_ops.h"
 
 #include <algorithm>
@@ -7,6 +9,9 @@
 #include "core/check.h"
 #include "core/dtype.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/gemm_kernels.h"
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/thread_pool.h"
 
 namespace kestrel::cpu {
 
@@ -73,6 +78,72 @@ void moe_experts_f32(const uint16_t* z, const int32_t* ids, const float* wts, co
     std::fill(acc, acc + Lt, 0.0f);
     for (int64_t k = 0; k < K; ++k)
       for (int64_t j = 0; j < Lt; ++j) acc[j] += wts[t * K + k] * y[size_t((t * K + k) * Lt + j)];
+  }
+}
+
+void moe_experts_fast(const uint16_t* z, const int32_t* ids, const float* wts, const ExpertPtrs* experts, int64_t T,
+                      int64_t X, int64_t K, int64_t Lt, int64_t I, float beta, float linear_beta, uint16_t* ut) {
+  std::vector<float> acc(size_t(T * Lt));  // f32 [T, Lt]
+  moe_experts_fast_f32(z, ids, wts, experts, T, X, K, Lt, I, beta, linear_beta, true, acc.data());
+  f32_to_bf16_n(acc.data(), ut, T * Lt);
+}
+
+void moe_experts_fast_f32(const uint16_t* z, const int32_t* ids, const float* wts, const ExpertPtrs* experts,
+                          int64_t T, int64_t X, int64_t K, int64_t Lt, int64_t I, float beta, float linear_beta,
+                          bool round_y, float* ut) {
+  std::vector<float> y(size_t(T * K * Lt), 0.0f);  // f32 [T, K, Lt], BF16-valued when round_y
+  std::vector<std::vector<int64_t>> users(static_cast<size_t>(X));  // expert -> flat (t*K + k) slots
+  for (int64_t i = 0; i < T * K; ++i) {
+    KCHECK(ids[i] >= 0 && ids[i] < X, "expert id {} out of range (X = {})", ids[i], X);
+    users[size_t(ids[i])].push_back(i);
+  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < X; ++e)
+    if (!users[size_t(e)].empty() && experts[e].w1.packed) active.push_back(e);  // null: another rank's expert
+  const bool avx2 = isa() >= Isa::avx2;
+  // Steps 3: one expert per task (uneven token counts: handed out one at a time).
+  parallel_for_each(int64_t(active.size()), T * K * 3 * Lt * I, [&](int64_t a) {
+    const int64_t e = active[size_t(a)];
+    const std::vector<int64_t>& slots = users[size_t(e)];
+    const int64_t n = int64_t(slots.size());
+    const ExpertPtrs& ew = experts[e];
+    thread_local std::vector<float> zp, ap, yf;
+    thread_local std::vector<uint16_t> gb, ub, ab;
+    zp.resize(size_t(n * Lt)), ap.resize(size_t(n * I)), yf.resize(size_t(n * Lt));
+    gb.resize(size_t(n * I)), ub.resize(size_t(n * I)), ab.resize(size_t(n * I));
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t* zr = z + (slots[size_t(i)] / K) * Lt;
+      if (avx2)
+        gemm_detail::permute_row_bf16_avx2(zr, Lt, zp.data() + i * Lt);
+      else
+        gemm_detail::permute_row_bf16(zr, Lt, zp.data() + i * Lt);
+    }
+    // [g | u] = bf16(z·W1ᵀ), bf16(z·W3ᵀ); a = SiTU-GLU(g, u); y = bf16(a·W2ᵀ).
+    gemm_detail::mxfp4_rows(ew.w1.packed, ew.w1.scale, zp.data(), n, I, Lt, nullptr, gb.data(), I);
+    gemm_detail::mxfp4_rows(ew.w3.packed, ew.w3.scale, zp.data(), n, I, Lt, nullptr, ub.data(), I);
+    situ_glu_fast(gb.data(), ub.data(), ab.data(), n * I, beta, linear_beta);
+    for (int64_t i = 0; i < n; ++i) {
+      if (avx2)
+        gemm_detail::permute_row_bf16_avx2(ab.data() + i * I, I, ap.data() + i * I);
+      else
+        gemm_detail::permute_row_bf16(ab.data() + i * I, I, ap.data() + i * I);
+    }
+    gemm_detail::mxfp4_rows(ew.w2.packed, ew.w2.scale, ap.data(), n, Lt, I, yf.data(), nullptr, Lt);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < Lt; ++j) {
+        const float v = yf[size_t(i * Lt + j)];
+        y[size_t(slots[size_t(i)] * Lt + j)] = round_y ? round_bf16(v) : v;
+      }
+  });
+  // Step 4: ũ = Σ_k w_k · y_k, FP32 accumulation in top-k order (moe_experts_fast rounds it).
+  for (int64_t t = 0; t < T; ++t) {
+    float* acc = ut + t * Lt;
+    std::fill(acc, acc + Lt, 0.0f);
+    for (int64_t k = 0; k < K; ++k) {
+      const float wk = wts[t * K + k];
+      const float* yk = y.data() + (t * K + k) * Lt;
+      for (int64_t j = 0; j < Lt; ++j) acc[j] += wk * yk[j];
+    }
   }
 }
 

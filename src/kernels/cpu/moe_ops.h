@@ -41,4 +41,15 @@ void moe_experts_f32(const uint16_t* z /* bf16 [T, Lt] */, const int32_t* ids /*
                      int64_t K, int64_t Lt, int64_t I, float situ_beta, float situ_linear_beta, bool round_y,
                      float* ut /* f32 [T, Lt] */);
 
+// The same as the engine runs it: experts in parallel over the thread pool, the vector SiTU-GLU
+// (situ_glu_fast); everything else identical (same MXFP4 products, same combine order).
+void moe_experts_fast(const uint16_t* z, const int32_t* ids, const float* weights, const ExpertPtrs* experts,
+                      int64_t T, int64_t X, int64_t K, int64_t Lt, int64_t I, float situ_beta, float situ_linear_beta,
+                      uint16_t* ut);
+// The same left in FP32, as moe_experts_f32 (experts with a null w1.packed skipped; round_y as there):
+// one rank of a split MoE layer on the fast path.
+void moe_experts_fast_f32(const uint16_t* z, const int32_t* ids, const float* weights, const ExpertPtrs* experts,
+                          int64_t T, int64_t X, int64_t K, int64_t Lt, int64_t I, float situ_beta,
+                          float situ_linear_beta, bool round_y, float* ut /* f32 [T, Lt] */);
+
 }  // namespace kestrel::cpu

@@ -1,0 +1,161 @@
+// The DSA indexer's scores and top-k (MODEL.md §3.5 steps 5–6) vectorised, bit-identical to the twin
+// indexer_select_topk (mla_ops.h), whose exact order the GPU kernel also repeats.
+//
+// Scores: the twin sums each dot product q_I[t,h]·k_I[s] sequentially over i (multiply, then add:
+// this library is compiled with -ffp-contract=off) and the heads in order. Here 16 keys run side by
+// side in two vectors, each lane doing exactly that sequence, over keys transposed once per call into
+// f32 [Di, S] (so a lane's k_I[s][i] is a contiguous load); four heads at a time give the eight
+// independent chains that hide the add latency. O(T·S·Hi·Di) remains the cost, at vector speed.
+// Selection: topk_sorted, a radix select (one 2048-bin histogram pass on the top 11 bits of an
+// order-preserving key, nth_element over the one bin that holds the k-th value, one output pass) in
+// O(n) instead of a partial sort; exactly topk() + ascending sort, ties to the lower index, NaN tied
+// with −inf below every number.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include "core/check.h"
+#include "core/dtype.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/mla_ops.h"
+#include "kernels/cpu/thread_pool.h"
+
+namespace kestrel::cpu {
+namespace {
+
+// Order-preserving u32 key: larger float → larger key; ±0 equal; NaN equal to −inf (the twin's rule).
+inline uint32_t order_key(float f) {
+  if (std::isnan(f)) f = -INFINITY;
+  if (f == 0.0f) f = 0.0f;
+  const uint32_t b = std::bit_cast<uint32_t>(f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// HB heads × 16 keys starting at s0: adds Σ_h (w_h·scale)·relu(d_h) into acc (the twin's order).
+template <int HB>
+KESTREL_AVX2 inline void heads16(const float* kT, int64_t Sp, int64_t s0, const float* qf, int64_t Di,
+                                 const float* wscaled, __m256& acc0, __m256& acc1) {
+  __m256 d0[HB], d1[HB];
+#pragma GCC unroll 4
+  for (int h = 0; h < HB; ++h) d0[h] = _mm256_setzero_ps(), d1[h] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < Di; ++i) {
+    const __m256 k0 = _mm256_loadu_ps(kT + i * Sp + s0), k1 = _mm256_loadu_ps(kT + i * Sp + s0 + 8);
+#pragma GCC unroll 4
+    for (int h = 0; h < HB; ++h) {
+      const __m256 q = _mm256_set1_ps(qf[h * Di + i]);
+      d0[h] = _mm256_add_ps(d0[h], _mm256_mul_ps(q, k0));
+      d1[h] = _mm256_add_ps(d1[h], _mm256_mul_ps(q, k1));
+    }
+  }
+  const __m256 zero = _mm256_setzero_ps();
+#pragma GCC unroll 4
+  for (int h = 0; h < HB; ++h) {
+    const __m256 w = _mm256_set1_ps(wscaled[h]);
+    // std::max(d, 0.0f) = d < 0 ? 0 : d (keeps NaN and −0 as the twin does)
+    const __m256 r0 = _mm256_blendv_ps(d0[h], zero, _mm256_cmp_ps(d0[h], zero, _CMP_LT_OQ));
+    const __m256 r1 = _mm256_blendv_ps(d1[h], zero, _mm256_cmp_ps(d1[h], zero, _CMP_LT_OQ));
+    acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(w, r0));
+    acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(w, r1));
+  }
+}
+
+KESTREL_AVX2 void scores_avx2(const float* kT, int64_t Sp, int64_t visible, const float* qf, int64_t Hi, int64_t Di,
+                              const float* wscaled, float* score) {
+  for (int64_t s0 = 0; s0 < visible; s0 += 16) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t h = 0;
+    for (; h + 4 <= Hi; h += 4) heads16<4>(kT, Sp, s0, qf + h * Di, Di, wscaled + h, a0, a1);
+    for (; h < Hi; ++h) heads16<1>(kT, Sp, s0, qf + h * Di, Di, wscaled + h, a0, a1);
+    _mm256_storeu_ps(score + s0, a0);
+    _mm256_storeu_ps(score + s0 + 8, a1);
+  }
+}
+
+void scores_scalar(const float* kT, int64_t Sp, int64_t visible, const float* qf, int64_t Hi, int64_t Di,
+                   const float* wscaled, float* score) {
+  for (int64_t s = 0; s < visible; ++s) {
+    float acc = 0.0f;
+    for (int64_t h = 0; h < Hi; ++h) {
+      float d = 0.0f;
+      for (int64_t i = 0; i < Di; ++i) d += qf[h * Di + i] * kT[i * Sp + s];
+      acc += wscaled[h] * std::max(d, 0.0f);
+    }
+    score[s] = acc;
+  }
+}
+
+}  // namespace
+
+void topk_sorted(const float* x, int64_t n, int64_t k, int32_t* idx) {
+  KCHECK(k >= 0 && k <= n && n < (int64_t(1) << 31), "top-{} of {} values", k, n);
+  if (k == 0) return;
+  thread_local std::vector<uint32_t> key, cand;
+  key.resize(size_t(n));
+  uint32_t hist[2048] = {};
+  for (int64_t s = 0; s < n; ++s) ++hist[(key[size_t(s)] = order_key(x[s])) >> 21];
+  // The bin holding the k-th largest key, and how many keys lie in higher bins.
+  int64_t above = 0;
+  int bin = 2047;
+  while (above + hist[bin] < k) above += hist[bin--];
+  cand.clear();
+  for (int64_t s = 0; s < n; ++s)
+    if ((key[size_t(s)] >> 21) == uint32_t(bin)) cand.push_back(key[size_t(s)]);
+  const int64_t need = k - above;  // 1 ≤ need ≤ |cand|
+  std::nth_element(cand.begin(), cand.begin() + (need - 1), cand.end(), std::greater<uint32_t>());
+  const uint32_t tau = cand[size_t(need - 1)];
+  int64_t gt = above;
+  for (uint32_t c : cand) gt += c > tau;
+  int64_t eq_left = k - gt, m = 0;  // keys equal to τ: the lowest positions win
+  for (int64_t s = 0; s < n; ++s) {
+    const uint32_t v = key[size_t(s)];
+    if (v > tau || (v == tau && eq_left-- > 0)) idx[m++] = int32_t(s);
+  }
+}
+
+void indexer_select_topk_fast(const uint16_t* qi, const uint16_t* keys, const float* hw, int64_t T, int64_t pos0,
+                              int64_t Hi, int64_t Di, int64_t Ki, int32_t* sel) {
+  KCHECK(Ki > 0, "index_topk must be positive, got {}", Ki);
+  const float scale = 1.0f / std::sqrt(float(Hi) * float(Di));
+  std::fill(sel, sel + T * Ki, -1);
+  const int64_t S = pos0 + T;
+  if (S <= Ki) {  // every query sees at most Ki keys: all selected, no scores
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t s = 0; s <= pos0 + t; ++s) sel[t * Ki + s] = int32_t(s);
+    return;
+  }
+  // Keys transposed to f32 [Di, Sp], zero-padded to a multiple of 16 keys.
+  const int64_t Sp = (S + 15) / 16 * 16;
+  std::vector<float> kT(size_t(Di * Sp), 0.0f);
+  parallel_for(S, S * Di * 4, [&](int64_t b, int64_t e) {
+    for (int64_t s = b; s < e; ++s)
+      for (int64_t i = 0; i < Di; ++i) kT[size_t(i * Sp + s)] = bf16_to_f32(keys[s * Di + i]);
+  });
+  const bool avx2 = isa() >= Isa::avx2;
+  parallel_for_each(T, T * S * Hi * Di, [&](int64_t t) {
+    const int64_t visible = pos0 + t + 1;
+    int32_t* out = sel + t * Ki;
+    if (visible <= Ki) {
+      for (int64_t s = 0; s < visible; ++s) out[s] = int32_t(s);
+      return;
+    }
+    thread_local std::vector<float> qf, wscaled, score;
+    qf.resize(size_t(Hi * Di));
+    wscaled.resize(size_t(Hi));
+    score.resize(size_t(Sp));
+    bf16_to_f32_n(qi + t * Hi * Di, qf.data(), Hi * Di);
+    for (int64_t h = 0; h < Hi; ++h) wscaled[size_t(h)] = hw[t * Hi + h] * scale;
+    if (avx2)
+      scores_avx2(kT.data(), Sp, visible, qf.data(), Hi, Di, wscaled.data(), score.data());
+    else
+      scores_scalar(kT.data(), Sp, visible, qf.data(), Hi, Di, wscaled.data(), score.data());
+    topk_sorted(score.data(), visible, Ki, out);
+  });
+}
+
+}  // namespace kestrel::cpu

@@ -1,0 +1,113 @@
+// Internal to kernels/cpu: AVX2 helpers shared by the kernels — bf16 loads and RNE stores, and
+// exp / tanh / sigmoid on 8 floats. Every function carries KESTREL_AVX2; include only from files that
+// call them from AVX2 kernels chosen at run time (isa.h).
+//
+// Accuracy: exp uses Cody–Waite reduction (x = n·ln2 + r, |r| ≤ ln2/2) and the degree-7 Taylor
+// polynomial of e^r (truncation < 0.1 ulp), then 2^n in two halves so subnormal results and overflow
+// to +inf come out right; about 1 ulp against a correctly rounded exp. tanh: the odd Taylor series to
+// x^17 for |x| < 0.5625 (truncation < 0.1 ulp), else 1 − 2/(e^{2|x|} + 1) with the sign restored
+// (no cancellation there: the subtracted term is < 0.5); about 2 ulp. NaN in, NaN out. The scalar
+// ops (std::exp, std::tanh) they replace differ by these ulps, far below the BF16 rounding that
+// follows every use (tests/unit/test_kernels_cpu.cpp bounds the effect on each op).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "kernels/cpu/isa.h"
+
+namespace kestrel::cpu::simd {
+
+// 8 bf16 → 8 f32 (bf16 is the high half of an f32).
+KESTREL_AVX2 inline __m256 load_bf16(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// 8 f32 → 8 bf16, round to nearest even, NaN kept quiet with its sign (core/dtype.h f32_to_bf16).
+KESTREL_AVX2 inline void store_bf16(uint16_t* p, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  const __m256i nanv = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+  const __m256i w = _mm256_blendv_epi8(r, nanv, isnan);  // 8 × u16 in the low halves of the dwords
+  const __m256i packed = _mm256_packus_epi32(w, w);       // per 128-bit lane: 4 words, repeated
+  const __m256i ordered = _mm256_permute4x64_epi64(packed, 0x08);  // lane 0 words, then lane 1 words
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(ordered));
+}
+
+// The f32 value of store_bf16's rounding (round_bf16 of core/dtype.h), kept in a register.
+KESTREL_AVX2 inline __m256 round_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)),
+                                     _mm256_set1_epi32(int32_t(0xffff0000u)));
+  const __m256i nanv = _mm256_or_si256(_mm256_and_si256(u, _mm256_set1_epi32(int32_t(0xffff0000u))),
+                                       _mm256_set1_epi32(0x00400000));
+  const __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(r, nanv, isnan));
+}
+
+KESTREL_AVX2 inline __m256 exp(__m256 x) {
+  // Clamp so n stays in range (e^-104 is 0 in f32, e^89 is +inf); max/min keep a NaN x (second operand).
+  x = _mm256_min_ps(_mm256_set1_ps(89.0f), _mm256_max_ps(_mm256_set1_ps(-104.0f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 = 0.693359375 − 2.12194440e-4
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  // 2^n = 2^a · 2^b with a = n >> 1, b = n − a, both within the normal exponent range.
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i a = _mm256_srai_epi32(ni, 1), b = _mm256_sub_epi32(ni, a);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 sa = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(a, bias), 23));
+  const __m256 sb = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(b, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, sa), sb);
+}
+
+KESTREL_AVX2 inline __m256 sigmoid(__m256 x) {  // 1 / (1 + e^−x), as the scalar cpu::sigmoid
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+KESTREL_AVX2 inline __m256 tanh(__m256 x) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 ax = _mm256_andnot_ps(sign, x);
+  // Small |x|: x + x³·P(x²), Taylor coefficients of tanh.
+  const __m256 x2 = _mm256_mul_ps(x, x);
+  __m256 p = _mm256_set1_ps(6404582.0f / 10854718875.0f);
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-929569.0f / 638512875.0f));
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(21844.0f / 6081075.0f));
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-1382.0f / 155925.0f));
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(62.0f / 2835.0f));
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-17.0f / 315.0f));
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(2.0f / 15.0f));
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-1.0f / 3.0f));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, x2), x, x);
+  // Large |x|: 1 − 2/(e^{2|x|} + 1), sign of x.
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 e = exp(_mm256_add_ps(ax, ax));
+  const __m256 big = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+  const __m256 bigs = _mm256_or_ps(big, _mm256_and_ps(x, sign));
+  return _mm256_blendv_ps(bigs, small, _mm256_cmp_ps(ax, _mm256_set1_ps(0.5625f), _CMP_LT_OQ));
+}
+
+// Sum of 8 lanes as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)).
+KESTREL_AVX2 inline float reduce8(__m256 v) {
+  const __m128 p = _mm_hadd_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_hadd_ps(p, p);
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+}  // namespace kestrel::cpu::simd
