@@ -120,8 +120,11 @@ def test_soak_prefix_cache_and_preemption(kestrel_bin, model_dir, tmp_path):
     # 16-token pages, 26 of them (nano); 8 requests of ~110 prompt tokens (96 shared) admitted at once need ~50 pages
     # before the prefix cache holds their prefix, and 32-token prefill chunks make them grow page by page: the
     # newest get preempted.
+    # All 8 prefill at once (the fairness defaults would let one long prompt prefill at a time, which never
+    # over-commits the pool).
     s = Server(kestrel_bin, model_dir, "--served-model-name", NAME, "--memory-budget", BUDGET, "--block-size", 16,
-               "--max-num-seqs", 8, "--max-num-batched-tokens", 32, "--max-queue", 4096, "--debug-routes")
+               "--max-num-seqs", 8, "--max-num-batched-tokens", 32, "--max-num-partial-prefills", 8,
+               "--max-long-partial-prefills", 8, "--max-queue", 4096, "--debug-routes")
     try:
         pages = integrity(s)["pages_total"]
         assert 16 <= pages <= 64, pages
