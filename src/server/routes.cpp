@@ -6,13 +6,14 @@
 #include <algorithm>
 #include <climits>
 #include <ctime>
+#include <tuple>
 
 #include "server/job.h"
 
 namespace kestrel::server {
 
 Router::Router(const ServerOptions& opt, Engine& engine, const tok::Tokenizer& tok)
-    : opt_(opt), engine_(engine), tok_(tok), encoder_(tok), metrics_(opt.served_model_name) {}
+    : opt_(opt), engine_(engine), tok_(tok), encoder_(tok), metrics_(opt.served_model_name), grammars_(tok, opt.structured) {}
 
 void Router::handle(const HttpRequest& req, const std::shared_ptr<Connection>& conn) {
   try {
@@ -121,7 +122,9 @@ void Router::generate(const ojson& body, Api api, const std::shared_ptr<Connecti
     r.prompt.assign(p.ids.begin(), p.ids.end());
     thinking = p.thinking;
     tools = p.tool_names;
+    r.constraint = GrammarService::chat_constraint(body, p, r.ignore_eos);
   } else {
+    r.constraint = GrammarService::completion_constraint(body);
     for (const char* f : {"suffix"})
       if (body.contains(f) && !body[f].is_null()) throw ApiError(400, fmt::format("'{}' is not supported", f), f);
     if (body.contains("echo") && body["echo"].is_boolean() && body["echo"].get<bool>())
@@ -153,7 +156,46 @@ void Router::generate(const ojson& body, Api api, const std::shared_ptr<Connecti
   head.created = int64_t(std::time(nullptr));
   head.include_usage = g.include_usage;
   auto job = std::make_shared<Job>(engine_, metrics_, jobs_, std::move(head), g.stream);
+  if (r.constraint && !(r.constraint->grammar = grammars_.find(*r.constraint, engine_.vocab_size())))
+    return start_when_compiled(std::move(job), std::move(r), g.n, thinking, std::move(tools), conn);
   job->start(conn, r, g.n, tok_, thinking, tools);
+}
+
+namespace {
+// The connection's pending response while a grammar compiles: only notes that the client left.
+struct Compiling : Pending {
+  std::atomic<bool> abandoned{false};
+  void abandon() override { abandoned = true; }
+};
+}  // namespace
+
+void Router::start_when_compiled(std::shared_ptr<Job> job, Request r, int n, bool thinking,
+                                 std::vector<std::string> tools, const std::shared_ptr<Connection>& conn) {
+  auto pending = std::make_shared<Compiling>();
+  conn->hold(pending);
+  OutputConstraint c = *r.constraint;
+  auto state = std::make_shared<std::tuple<std::shared_ptr<Job>, Request, std::vector<std::string>>>(
+      std::move(job), std::move(r), std::move(tools));
+  grammars_.compile_async(std::move(c), engine_.vocab_size(),
+                          [this, conn, pending, state, n, thinking](std::shared_ptr<const structured::CompiledGrammar> g,
+                                                                    std::optional<ApiError> err) {
+    conn->post([this, conn, pending, state, n, thinking, g = std::move(g), err = std::move(err)] {
+      if (pending->abandoned) return;  // the client left while the grammar compiled
+      auto& [job, r, tools] = *state;
+      try {
+        if (err) throw *err;
+        if (draining_) throw ApiError(503, "shutting down");
+        r.constraint->grammar = g;
+        job->start(conn, r, n, tok_, thinking, tools);
+      } catch (const ApiError& e) {
+        conn->reply(e.status, error_body(e.status, e.what(), e.param));
+      } catch (const Error& e) {
+        conn->reply(400, error_body(400, e.what()));
+      } catch (const std::exception& e) {
+        conn->reply(500, error_body(500, std::string("internal error: ") + e.what()));
+      }
+    });
+  });
 }
 
 }  // namespace kestrel::server

@@ -14,6 +14,7 @@
 #include "server/http_server.h"
 #include "server/metrics.h"
 #include "server/openai.h"
+#include "server/structured.h"
 #include "tokenizer/chat.h"
 #include "tokenizer/tokenizer.h"
 
@@ -54,6 +55,8 @@ class Connection {
   virtual void post(std::function<void()> fn) = 0;
 };
 
+class Job;  // job.h
+
 class Router {
  public:
   Router(const ServerOptions& opt, Engine& engine, const tok::Tokenizer& tok);
@@ -71,6 +74,10 @@ class Router {
   void tokenize(const ojson& body, Connection& conn);
   void detokenize(const ojson& body, Connection& conn);
   void generate(const ojson& body, Api api, const std::shared_ptr<Connection>& conn);
+  // Submits the job once the request's grammar is compiled (on a GrammarService worker when it is
+  // not cached; the connection is held meanwhile, and answered with the compile error if any).
+  void start_when_compiled(std::shared_ptr<Job> job, Request r, int n, bool thinking,
+                           std::vector<std::string> tools, const std::shared_ptr<Connection>& conn);
 
   const ServerOptions& opt_;
   Engine& engine_;
@@ -79,6 +86,7 @@ class Router {
   Metrics metrics_;
   std::atomic<bool> draining_{false};
   std::atomic<int> jobs_{0};
+  GrammarService grammars_;  // last: its workers stop before the rest goes away
 };
 
 }  // namespace kestrel::server
