@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -30,6 +31,23 @@ int64_t mask_count(const uint32_t* words, int64_t V) {
   for (int64_t w = 0; w < full; ++w) n += std::popcount(words[w]);
   if (V % 32) n += std::popcount(words[full] & ((1u << (V % 32)) - 1u));
   return n;
+}
+
+void raw_logprobs(std::span<const float> raw, int32_t token, int32_t n, float& logprob, std::vector<TokenLogprob>& top) {
+  // As runtime/sampler.cpp: log-softmax in FP64, ties by lower id.
+  const double mx = *std::max_element(raw.begin(), raw.end());
+  double Z = 0.0;
+  for (float v : raw) Z += std::exp(double(v) - mx);
+  const double lz = mx + std::log(Z);
+  logprob = float(double(raw[size_t(token)]) - lz);
+  const size_t k = std::min(raw.size(), size_t(std::max(n, 0)));
+  std::vector<int32_t> ids(raw.size());
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i);
+  std::partial_sort(ids.begin(), ids.begin() + std::ptrdiff_t(k), ids.end(), [&](int32_t a, int32_t b) {
+    return raw[size_t(a)] > raw[size_t(b)] || (raw[size_t(a)] == raw[size_t(b)] && a < b);
+  });
+  top.clear();
+  for (size_t i = 0; i < k; ++i) top.push_back({ids[i], float(double(raw[size_t(ids[i])]) - lz)});
 }
 
 // ---- SeqConstraint ---------------------------------------------------------------------------------

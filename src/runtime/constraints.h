@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "request/request.h"
 #include "structured/matcher.h"
 
 namespace kestrel::runtime {
@@ -33,6 +34,10 @@ namespace kestrel::runtime {
 void apply_token_mask(std::span<float> logits /* f32 [V] */, const uint32_t* words /* u32 [ceil(V/32)] */);
 // Allowed ids among the first V.
 int64_t mask_count(const uint32_t* words, int64_t V);
+// The logprob of `token` and the n most likely ids under the raw logits (the sampler's rule: logprobs
+// describe the model, not the sampling knobs — nor the grammar's mask), for a token drawn under a mask.
+void raw_logprobs(std::span<const float> raw /* f32 [V] */, int32_t token, int32_t n, float& logprob,
+                  std::vector<TokenLogprob>& top);
 
 // One request's grammar state.
 class SeqConstraint {

@@ -46,6 +46,13 @@ sched::SchedulerConfig sched_config(const ModelConfig& c, const EngineConfig& cf
   return s;
 }
 
+// Adds the scope's duration to a counter (the engine thread's structured-output time).
+struct Timed {
+  double& to;
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  ~Timed() { to += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
+};
+
 EngineConfig with_cpu_executor(const ModelWeights& w, const ModelConfig& c, EngineConfig cfg) {
   if (!cfg.make_executor)
     cfg.make_executor = [&w, &c, bi = cfg.batch_invariant](const cache::CacheFormats& f, const cache::CacheConfig& cc) {
@@ -176,6 +183,7 @@ void Engine::stamp(Req& q, TokenEvent& ev) const {
 sched::SeqResult Engine::emit(Req& q, const SampleResult& s) {
   bool grammar_end = false;
   if (q.constraint && q.error.empty()) {
+    Timed t{sstats_.host_seconds};
     const bool ok = q.preaccepted == s.token || q.constraint->accept(s.token);
     if (!ok) q.error = fmt::format("structured output: token {} is not allowed by the grammar here", s.token);
     grammar_end = ok && q.constraint->terminated();
@@ -247,22 +255,22 @@ sched::SeqResult Engine::sample_host(Req& q, const sched::ScheduledSeq& x, std::
   uint64_t index = q.output.size();
   if (!q.constraint || !q.error.empty()) return emit(q, sample_token(p, logits, q.r.prompt, q.output, index));
   int64_t allowed = wait_mask(x.id);
-  const auto t0 = std::chrono::steady_clock::now();
-  auto done = [&](const SampleResult& s) {
-    sched::SeqResult r = emit(q, s);
-    sstats_.host_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    return r;
-  };
   const uint32_t* words = nullptr;
   if (allowed == -3) {
     // Free text: draw without a mask and check; a refused token is drawn again under the mask.
     SampleResult s = sample_token(p, logits, q.r.prompt, q.output, index);
-    if (q.constraint->accept(s.token)) {
+    bool ok;
+    {
+      Timed t{sstats_.host_seconds};
+      ok = q.constraint->accept(s.token);
+    }
+    if (ok) {
       q.preaccepted = s.token;
       ++sstats_.free_samples;
-      return done(s);
+      return emit(q, s);
     }
     ++sstats_.redraws;
+    Timed t{sstats_.host_seconds};
     allowed = q.constraint->fill(redraw_mask_.data());
     words = redraw_mask_.data();
     index |= uint64_t(1) << 63;
@@ -273,17 +281,22 @@ sched::SeqResult Engine::sample_host(Req& q, const sched::ScheduledSeq& x, std::
     q.error = allowed == 0 ? kDeadEnd : kFillFailed;
     SampleResult s;
     s.token = 0;  // not an output token: the event is token-less (run_step)
-    return done(s);
+    return emit(q, s);
   }
-  masked_logits_.assign(logits.begin(), logits.end());
-  apply_token_mask(masked_logits_, words);
+  {
+    Timed t{sstats_.host_seconds};
+    masked_logits_.assign(logits.begin(), logits.end());
+    apply_token_mask(masked_logits_, words);
+  }
   // Only allowed ids have finite logits: cutting top-k to their count keeps exactly them, so even a
   // draw that rounds to the end of the kept prefix lands on an allowed id.
   if (p.top_k <= 0 || p.top_k > allowed) p.top_k = int32_t(std::min<int64_t>(allowed, INT32_MAX));
+  const int32_t want_logprobs = p.logprobs;
+  p.logprobs = -1;
   SampleResult s = sample_token(p, masked_logits_, q.r.prompt, q.output, index);
-  std::erase_if(s.top, [](const TokenLogprob& t) { return !std::isfinite(t.logprob); });
+  if (want_logprobs >= 0) raw_logprobs(logits, s.token, want_logprobs, s.logprob, s.top);
   ++sstats_.masked_samples;
-  return done(s);
+  return emit(q, s);
 }
 
 void Engine::end_all(FinishReason why, const std::string& error, Outbox& out) {
@@ -330,10 +343,12 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
     if (!q.constraint || !q.error.empty()) return true;
     const int64_t allowed = wait_mask(x.id);
     if (allowed == 0 || allowed == -1) return true;  // take_token ends it with the error
-    const auto t0 = std::chrono::steady_clock::now();
-    const bool ok = q.constraint->accept(token);
+    bool ok;
+    {
+      Timed t{sstats_.host_seconds};
+      ok = q.constraint->accept(token);
+    }
     if (ok) q.preaccepted = token, ++(allowed == -3 ? sstats_.free_samples : sstats_.masked_samples);
-    sstats_.host_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return ok;
   };
   hooks.mask_table = {masks_.data(), masks_.rows(), masks_.words()};

@@ -2,7 +2,9 @@
 // server builds requests (chat encoder → OutputConstraint → GrammarCache → engine):
 //  - strict json_schema answers: many sampled requests (temperature 1, one seed each), short strict
 //    schemas, thinking off; every answer must end the message, parse and validate. CI runs
-//    KESTREL_K3TINY_REQUESTS (default 100); the 1,000-request run is in bench/RESULTS.md
+//    KESTREL_K3TINY_REQUESTS (default 40; half as many tool requests) — the CPU executor decodes one
+//    sequence after another, so 1,000 requests take too long for CI's 2 cores; that run is in
+//    bench/RESULTS.md
 //    (KESTREL_K3TINY_REQUESTS=1000 build/tests/unit/kestrel_unit_tests --gtest_filter='K3TinyStructured.*');
 //  - tool_choice "required" with the eval set's tools: every call names a declared tool and its
 //    arguments validate against the tool's parameters (100 %), and a named tool_choice calls only it.
@@ -146,7 +148,7 @@ const char* kQuestions[] = {"Sam has 4 books. Then Sam gets 3 more. How many boo
                             "What is the weather in Oslo?", "Hello", "List two fruits."};
 
 TEST(K3TinyStructured, StrictSchemaAnswersAllValidate) {
-  const int n = requests_wanted(100);
+  const int n = requests_wanted(40);
   std::vector<Built> reqs;
   std::vector<int> schema_of;
   for (int i = 0; i < n; ++i) {
@@ -179,7 +181,7 @@ TEST(K3TinyStructured, StrictSchemaAnswersAllValidate) {
 TEST(K3TinyStructured, RequiredAndNamedToolCallsAreSchemaValid) {
   std::ifstream f(std::string(KESTREL_SOURCE_DIR) + "/models/k3-tiny/eval/tool.jsonl");
   ASSERT_TRUE(f);
-  const int n = requests_wanted(100) / 2;
+  const int n = std::max(1, requests_wanted(40) / 2);
   std::vector<Built> reqs;
   std::vector<ojson> tools_of;
   std::vector<std::string> named;
@@ -207,11 +209,15 @@ TEST(K3TinyStructured, RequiredAndNamedToolCallsAreSchemaValid) {
     if (o.finish == FinishReason::length) continue;  // reasoning ran to max_tokens: no call yet
     ++finished;
     ASSERT_FALSE(ts.tool_calls().empty()) << "tool_choice forces a call: " << ts.content();
-    if (!named[i].empty()) EXPECT_EQ(ts.tool_calls().size(), 1u);
+    if (!named[i].empty()) {
+      EXPECT_EQ(ts.tool_calls().size(), 1u);
+    }
     for (const auto& c : ts.tool_calls()) {
       ++calls;
       EXPECT_TRUE(c.complete && c.error.empty()) << c.name << ": " << c.error;
-      if (!named[i].empty()) EXPECT_EQ(c.name, named[i]);
+      if (!named[i].empty()) {
+        EXPECT_EQ(c.name, named[i]);
+      }
       const ojson* params = nullptr;
       for (const auto& t : tools_of[i])
         if (t["function"]["name"] == c.name) params = &t["function"]["parameters"];
