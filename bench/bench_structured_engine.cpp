@@ -81,6 +81,7 @@ Run run(runtime::Engine& e, int B, int tokens, const std::optional<OutputConstra
   out.step_ms = 1e3 * (after.busy_seconds - before.busy_seconds) / double(std::max<int64_t>(out.steps, 1));
   out.s.masked_samples = sa.masked_samples - sb.masked_samples;
   out.s.fill_seconds = sa.fill_seconds - sb.fill_seconds;
+  out.s.stolen = sa.stolen - sb.stolen;
   out.s.wait_seconds = sa.wait_seconds - sb.wait_seconds;
   out.s.host_seconds = sa.host_seconds - sb.host_seconds;
   return out;
@@ -150,6 +151,8 @@ int main(int argc, char** argv) {
         fmt::print("| {} | {:.3f} | {:.3f} | {:.1f} | {:.1f} | {:.1f} | {:.2f} % | {:+.2f} % |\n", B, f.step_ms, k.step_ms,
                    k.s.fill_seconds * per, k.s.wait_seconds * per, k.s.host_seconds * per,
                    100.0 * crit / (1e3 * f.step_ms), 100.0 * (k.step_ms - f.step_ms) / f.step_ms);
+        if (k.s.stolen) fmt::print(stderr, "note: batch {}: {} of {} masks filled by the engine thread itself\n", B,
+                                   k.s.stolen, k.s.masked_samples);
         if (k.s.masked_samples != k.tokens)
           fmt::print(stderr, "note: {} of {} constrained tokens were masked\n", k.s.masked_samples, k.tokens);
       }

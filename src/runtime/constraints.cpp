@@ -115,27 +115,59 @@ void MaskWorker::start(std::vector<Job> jobs) {
     KCHECK(done_ == jobs_.size(), "mask worker: a batch started before the previous one was waited for");
     jobs_ = std::move(jobs);
     allowed_.assign(jobs_.size(), 0);
+    state_.assign(jobs_.size(), kPending);
     done_ = 0;
     ++batch_;
   }
   if (!jobs_.empty()) work_cv_.notify_one();
 }
 
+void MaskWorker::fill(size_t i, std::unique_lock<std::mutex>& lk) {
+  state_[i] = kRunning;
+  const Job job = jobs_[i];
+  lk.unlock();
+  const auto t0 = std::chrono::steady_clock::now();
+  int64_t allowed;
+  try {
+    allowed = job.constraint->fill(job.words);
+  } catch (const std::exception&) {
+    allowed = -1;
+  }
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  lk.lock();
+  allowed_[i] = allowed;
+  state_[i] = kDone;
+  ++done_;
+  busy_ += dt;
+  done_cv_.notify_all();
+}
+
 int64_t MaskWorker::wait(size_t i) {
   std::unique_lock<std::mutex> lk(mu_);
   KCHECK(i < jobs_.size(), "mask worker: job {} of {}", i, jobs_.size());
-  done_cv_.wait(lk, [&] { return done_ > i; });
+  if (state_[i] == kPending) {
+    ++stolen_;
+    fill(i, lk);
+  }
+  done_cv_.wait(lk, [&] { return state_[i] == kDone; });
   return allowed_[i];
 }
 
 void MaskWorker::wait_all() {
   std::unique_lock<std::mutex> lk(mu_);
+  for (size_t i = 0; i < jobs_.size(); ++i)
+    if (state_[i] == kPending) fill(i, lk);
   done_cv_.wait(lk, [&] { return done_ == jobs_.size(); });
 }
 
 double MaskWorker::busy_seconds() const {
   std::lock_guard<std::mutex> lk(mu_);
   return busy_;
+}
+
+int64_t MaskWorker::stolen() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return stolen_;
 }
 
 void MaskWorker::run() {
@@ -145,25 +177,9 @@ void MaskWorker::run() {
     work_cv_.wait(lk, [&] { return stop_ || (batch_ != seen && done_ < jobs_.size()); });
     if (stop_) return;
     seen = batch_;
-    // The batch's jobs are fixed until it is waited for: read them without the lock.
-    const size_t n = jobs_.size();
-    for (size_t i = 0; i < n; ++i) {
-      const Job job = jobs_[i];
-      lk.unlock();
-      const auto t0 = std::chrono::steady_clock::now();
-      int64_t allowed;
-      try {
-        allowed = job.constraint->fill(job.words);
-      } catch (const std::exception&) {
-        allowed = -1;
-      }
-      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      lk.lock();
-      allowed_[i] = allowed;
-      done_ = i + 1;
-      busy_ += dt;
-      done_cv_.notify_all();
-    }
+    // In order; jobs a waiter claimed are skipped. The batch stays until it is all done.
+    for (size_t i = 0; i < jobs_.size(); ++i)
+      if (state_[i] == kPending) fill(i, lk);
   }
 }
 

@@ -83,10 +83,13 @@ class MaskTable {
   int64_t rows_, words_;
 };
 
-// One thread that fills a step's masks in order. start() hands it a batch; wait(i) blocks until
-// job i is written and returns its allowed count (−1: filling threw; the engine ends that request);
-// wait_all() until the whole batch is. A batch must be waited for before the next start() and
-// before the constraints or rows it names go away (the engine does both at the end of each step).
+// One thread that fills a step's masks in order. start() hands it a batch; wait(i) returns job i's
+// allowed count (−1: filling threw; the engine ends that request) once it is written — and if the
+// worker has not begun job i yet, the caller fills it itself rather than wait (on a loaded machine, or
+// when the forward keeps every core busy, the worker may not get a core in time: then a sampler never
+// waits longer than its own mask takes plus the one job in progress). wait_all() finishes the batch the
+// same way. A batch must be waited for before the next start() and before the constraints or rows it
+// names go away (the engine does both at the end of each step).
 class MaskWorker {
  public:
   struct Job {
@@ -101,18 +104,23 @@ class MaskWorker {
   void start(std::vector<Job> jobs);
   int64_t wait(size_t i);
   void wait_all();
-  double busy_seconds() const;  // time spent filling, in total
+  double busy_seconds() const;  // time spent filling, on the worker and by waiters, in total
+  int64_t stolen() const;       // jobs a waiter filled itself
 
  private:
+  enum State : uint8_t { kPending, kRunning, kDone };
   void run();
+  void fill(size_t i, std::unique_lock<std::mutex>& lk);  // claims job i (pending), fills it unlocked
   mutable std::mutex mu_;
   std::condition_variable work_cv_, done_cv_;
   std::vector<Job> jobs_;
   std::vector<int64_t> allowed_;
+  std::vector<State> state_;
   size_t done_ = 0;        // jobs of the current batch finished
   uint64_t batch_ = 0;     // batches started
   bool stop_ = false;
   double busy_ = 0.0;
+  int64_t stolen_ = 0;
   std::thread thread_;
 };
 

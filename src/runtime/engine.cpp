@@ -386,6 +386,7 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
     exec_stats_ = exec_->stats();
     sstats_copy_ = sstats_;
     sstats_copy_.fill_seconds = worker_.busy_seconds();
+    sstats_copy_.stolen = worker_.stolen();
     generation_tokens_ += int64_t(result.seqs.size());
     std::map<RequestId, FinishReason> done;
     for (const sched::FinishedRequest& f : sched_.drain_finished()) done[f.id] = f.reason;

@@ -95,7 +95,8 @@ class Engine final : public kestrel::Engine {
     int64_t masked_samples = 0;   // tokens sampled under a mask
     int64_t free_samples = 0;     // constrained tokens sampled in free text (no mask)
     int64_t redraws = 0;          // free-text tokens refused and drawn again under the mask
-    double fill_seconds = 0.0;    // mask filling on the worker (overlapped with the forward)
+    int64_t stolen = 0;           // masks the engine thread filled itself (the worker had not begun them)
+    double fill_seconds = 0.0;    // mask filling (worker, overlapped with the forward; and stolen ones)
     double wait_seconds = 0.0;    // the engine thread waiting for a mask (not hidden by the forward)
     double host_seconds = 0.0;    // engine thread: sync, accept, host masking (on the critical path)
   };
