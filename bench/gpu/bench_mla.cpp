@@ -9,7 +9,12 @@
 // device-to-device copy measured in the same run (read + write counted, as ANCHORS.md quotes it), and
 // for the prefill the useful FLOPs (real heads only) as TFLOP/s. Inputs are random (never zeros).
 //
-//   bench_mla [--quick] [--only decode,prefill]
+//   bench_mla [--quick] [--only decode,prefill]   the tables
+//   bench_mla --breakdown    each launch of the decode alone (q̃, core, merge + W_UV), with and without
+//                            programmatic dependent launch; the core of one row under forced split plans
+//   bench_mla --perf         the scoreboard's shapes only (≤ 60 s), as `PERF <key> <value>` lines:
+//                            mla_decode_us_b64_s32k_{bf16,fp8}, mla_decode_pct_copy_b64_s32k (BF16; _fp8 too),
+//                            mla_decode_us_b1_s4k, mla_prefill_us_8k_top2048
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -142,73 +147,206 @@ void random_selection(int64_t visible, int64_t count, int64_t Ksel, std::mt19937
   out.insert(out.end(), size_t(Ksel - n), -1);
 }
 
+// One decode batch on the device: B rows of S tokens each (block tables over the pool), dense or top-2048.
+struct DecodeCase {
+  cuda::DeviceBuffer dt, dl, ds;
+  cuda::PagedMlaCache c;
+  cuda::MlaPagedBatch bt;
+  int64_t B, S, keys;
+  bool sparse;
+  double bytes, flops;
+  DecodeCase(const LatentPool& pool, int64_t B_, int64_t S_, bool sparse_) : B(B_), S(S_), sparse(sparse_) {
+    const auto& d = kDims;
+    const int64_t Ksel = 2048;
+    std::mt19937 r(uint32_t(B * 131 + S));
+    const auto tables = pool.tables(B, S, r);
+    std::vector<int32_t> lens(static_cast<size_t>(B), static_cast<int32_t>(S)), sel, scratch;
+    if (sparse)
+      for (int64_t b = 0; b < B; ++b) random_selection(S, Ksel, Ksel, r, scratch, sel);
+    dt = upload(tables), dl = upload(lens), ds = upload(sel);
+    c = pool.c;
+    c.block_tables = static_cast<int32_t*>(dt.data()), c.bt_stride = (S + kP - 1) / kP;
+    bt.lens = static_cast<int32_t*>(dl.data()), bt.sel = sparse ? static_cast<int32_t*>(ds.data()) : nullptr;
+    bt.Ksel = Ksel, bt.B = B;
+    keys = sparse ? Ksel : S;
+    bt.max_keys = keys;
+    const double tb = double(pool.c.latent_token_bytes());
+    bytes = double(B) * keys * (tb + 4.0 / kP + (sparse ? 4.0 : 0.0));
+    flops = double(B) * d.Hm * keys * (2.0 * d.cw() + 2.0 * d.C);
+  }
+  std::string shape() const { return fmt::format("B={} S={}{}", B, S, sparse ? " top-2048" : ""); }
+};
+
+// Decode inputs shared by every case: q bf16 [64, Hm, N+R], kv_b, o.
+struct DecodeIo {
+  cuda::DeviceBuffer q, kvb, o;
+  DecodeIo() {
+    const auto& d = kDims;
+    const int64_t Bmax = 64;
+    q = cuda::DeviceBuffer(size_t(Bmax * d.Hm * d.qk()) * 2), kvb = cuda::DeviceBuffer(size_t(d.Hm * (d.N + d.Dv) * d.C) * 2);
+    o = cuda::DeviceBuffer(size_t(Bmax * d.Hm * d.Dv) * 2);
+    fill_bf16(q.data(), size_t(Bmax * d.Hm * d.qk()), 1);
+    fill_bf16(kvb.data(), size_t(d.Hm * (d.N + d.Dv) * d.C), 2);
+  }
+  uint16_t* qp() { return static_cast<uint16_t*>(q.data()); }
+  uint16_t* kp() { return static_cast<uint16_t*>(kvb.data()); }
+  uint16_t* op() { return static_cast<uint16_t*>(o.data()); }
+};
+
+double time_decode(Timer& tm, cuda::GemmLt& lt, DecodeIo& io, const DecodeCase& k, int reps) {
+  cuda::DeviceBuffer ws(cuda::mla_decode_paged_workspace_bytes(kDims, k.B, k.keys));
+  return tm.median_us([&] { cuda::mla_decode_paged(lt, kDims, io.qp(), io.kp(), k.c, k.bt, ws.data(), io.op(), nullptr); },
+                      3, reps);
+}
+
+const char* lf_name(kestrel::LatentFormat lf) { return lf == kestrel::LatentFormat::bf16 ? "BF16" : "FP8"; }
+
 void bench_decode(bool quick, Timer& tm, cuda::GemmLt& lt) {
   const auto& d = kDims;
-  const int64_t Bmax = 64, Ksel = 2048;
-  cuda::DeviceBuffer q(size_t(Bmax * d.Hm * d.qk()) * 2), kvb(size_t(d.Hm * (d.N + d.Dv) * d.C) * 2),
-      o(size_t(Bmax * d.Hm * d.Dv) * 2);
-  fill_bf16(q.data(), size_t(Bmax * d.Hm * d.qk()), 1);
-  fill_bf16(kvb.data(), size_t(d.Hm * (d.N + d.Dv) * d.C), 2);
+  DecodeIo io;
   for (kestrel::LatentFormat lf : {kestrel::LatentFormat::bf16, kestrel::LatentFormat::fp8}) {
     LatentPool pool(lf, int64_t(4) << 20);  // 4M tokens: 4.8 GB BF16, 2.8 GB FP8 (> 2M read per step)
-    const int64_t tb = pool.c.latent_token_bytes();
-    header(fmt::format("MLA decode over paged {} latent ({} B/token), 12 heads, pages of 128", 
-                       lf == kestrel::LatentFormat::bf16 ? "BF16" : "FP8", tb));
+    header(fmt::format("MLA decode over paged {} latent ({} B/token), 12 heads, pages of 128", lf_name(lf),
+                       pool.c.latent_token_bytes()));
     for (bool sparse : {false, true}) {
       for (int64_t S : {int64_t(4096), int64_t(32768)}) {
         for (int64_t B : {int64_t(1), int64_t(8), int64_t(64)}) {
-          std::mt19937 r(uint32_t(B * 131 + S));
-          const auto tables = pool.tables(B, S, r);
-          std::vector<int32_t> lens(static_cast<size_t>(B), static_cast<int32_t>(S)), sel, scratch;
-          if (sparse)
-            for (int64_t b = 0; b < B; ++b) random_selection(S, Ksel, Ksel, r, scratch, sel);
-          auto dt = upload(tables), dl = upload(lens), ds = upload(sel);
-          cuda::PagedMlaCache c = pool.c;
-          c.block_tables = static_cast<int32_t*>(dt.data()), c.bt_stride = (S + kP - 1) / kP;
-          cuda::MlaPagedBatch bt;
-          bt.lens = static_cast<int32_t*>(dl.data()), bt.sel = sparse ? static_cast<int32_t*>(ds.data()) : nullptr;
-          bt.Ksel = Ksel, bt.B = B;
-          const int64_t keys = sparse ? Ksel : S;
-          bt.max_keys = keys;
-          const double bytes = double(B) * keys * (double(tb) + 4.0 / kP + (sparse ? 4.0 : 0.0));
-          const double flops = double(B) * d.Hm * keys * (2.0 * d.cw() + 2.0 * d.C);
-          const int reps = quick ? 5 : (double(B) * keys * tb > 1e9 ? 20 : 50);
-          const std::string shape = fmt::format("B={} S={}{}", B, S, sparse ? " top-2048" : "");
-          auto* qp = static_cast<uint16_t*>(q.data());
-          auto* kp = static_cast<uint16_t*>(kvb.data());
-          auto* op = static_cast<uint16_t*>(o.data());
-          {
-            cuda::DeviceBuffer ws(cuda::mla_decode_paged_workspace_bytes(d, B, keys));
-            const double us = tm.median_us(
-                [&] { cuda::mla_decode_paged(lt, d, qp, kp, c, bt, ws.data(), op, nullptr); }, 3, reps);
-            row("mla_decode_paged (tensor cores)", shape, us, bytes, flops);
-            // The attention core alone (no q̃ GEMM, no merge + W_UV): what the split-KV kernel streams.
-            const cuda::tc::Plan pl = cuda::tc::plan(B, keys);
-            cuda::DeviceBuffer qt(size_t(B * d.Hm * d.C) * 4), ml(size_t(B * pl.n_splits * d.Hm) * 8),
-                acc(size_t(B * pl.n_splits * d.Hm * d.C) * 4);
-            KCUDA_CHECK(cudaMemset(qt.data(), 0, qt.size()));
-            cuda::tc::Args a;
-            a.d = d, a.cache = &c, a.lens = bt.lens, a.sel = bt.sel, a.Ksel = Ksel, a.B = B, a.plan = pl;
-            a.qt = static_cast<float*>(qt.data()), a.q = qp;
-            a.part_ml = static_cast<float*>(ml.data()), a.part_acc = static_cast<float*>(acc.data());
-            const double us_core = tm.median_us([&] { cuda::tc::attend(a, nullptr); }, 3, reps);
-            row(fmt::format("  attention core ({} splits of {} keys)", pl.n_splits, pl.chunk), shape, us_core, bytes,
-                flops);
-          }
-          {
-            cuda::DeviceBuffer ws(cuda::mla_decode_paged_simple_workspace_bytes(d, B, keys));
-            const double us = tm.median_us(
-                [&] { cuda::mla_decode_paged_simple(lt, d, qp, kp, c, bt, ws.data(), op, nullptr); }, 1,
-                std::max(3, reps / 4));
-            row("mla_decode_paged_simple (CUDA cores)", shape, us, bytes, flops);
-          }
+          const DecodeCase k(pool, B, S, sparse);
+          const int reps = quick ? 5 : (k.bytes > 1e9 ? 20 : 50);
+          row("mla_decode_paged (tensor cores)", k.shape(), time_decode(tm, lt, io, k, reps), k.bytes, k.flops);
+          // The attention core alone (no q̃, no merge + W_UV): what the split-KV kernel streams.
+          const cuda::tc::Plan pl = cuda::tc::plan(B, k.keys);
+          cuda::DeviceBuffer qt(size_t(B * d.Hm * d.C) * 4), ml(size_t(B * pl.n_splits * d.Hm) * 8),
+              acc(size_t(B * pl.n_splits * d.Hm * d.C) * 4);
+          KCUDA_CHECK(cudaMemset(qt.data(), 0, qt.size()));
+          cuda::tc::Args a;
+          a.d = d, a.cache = &k.c, a.lens = k.bt.lens, a.sel = k.bt.sel, a.Ksel = k.bt.Ksel, a.B = B, a.plan = pl;
+          a.qt = static_cast<float*>(qt.data()), a.q = io.qp();
+          a.part_ml = static_cast<float*>(ml.data()), a.part_acc = static_cast<float*>(acc.data());
+          const double us_core = tm.median_us([&] { cuda::tc::attend(a, nullptr); }, 3, reps);
+          row(fmt::format("  attention core ({} splits of {} keys)", pl.n_splits, pl.chunk), k.shape(), us_core, k.bytes,
+              k.flops);
+          cuda::DeviceBuffer ws(cuda::mla_decode_paged_simple_workspace_bytes(d, B, k.keys));
+          const double us = tm.median_us(
+              [&] { cuda::mla_decode_paged_simple(lt, d, io.qp(), io.kp(), k.c, k.bt, ws.data(), io.op(), nullptr); }, 1,
+              std::max(3, reps / 4));
+          row("mla_decode_paged_simple (CUDA cores)", k.shape(), us, k.bytes, k.flops);
         }
       }
     }
   }
 }
 
-void bench_prefill(bool quick, Timer& tm, cuda::GemmLt& lt) {
+// --breakdown: every launch of the decode timed alone (q̃ on CUDA cores and by cuBLASLt, the core, the merge +
+// W_UV), their sum, and the whole call with and without programmatic dependent launch; then the core of one
+// row under forced split plans (the per-CTA fixed cost against the per-tile cost), and the core with no keys
+// at all (launch + prologue + empty epilogue).
+void bench_breakdown(Timer& tm, cuda::GemmLt& lt) {
+  const auto& d = kDims;
+  DecodeIo io;
+  for (kestrel::LatentFormat lf : {kestrel::LatentFormat::bf16, kestrel::LatentFormat::fp8}) {
+    LatentPool pool(lf, int64_t(4) << 20);
+    fmt::print("\n### Decode launches one by one, paged {} latent (µs, median of 50)\n\n"
+               "| shape | plan | q̃ CUDA cores | q̃ cuBLASLt | core | merge + W_UV | sum | call (PDL) | call (no PDL) |\n"
+               "|---|---|---|---|---|---|---|---|---|\n",
+               lf_name(lf));
+    for (bool sparse : {false, true})
+      for (int64_t S : {int64_t(4096), int64_t(32768)})
+        for (int64_t B : {int64_t(1), int64_t(8), int64_t(64)}) {
+          const DecodeCase k(pool, B, S, sparse);
+          const int reps = k.bytes > 1e9 ? 20 : 50;
+          const cuda::tc::Plan pl = cuda::tc::plan(B, k.keys);
+          cuda::DeviceBuffer qt(size_t(B * d.Hm * d.C) * 4), ml(size_t(B * pl.n_splits * d.Hm) * 8),
+              acc(size_t(B * pl.n_splits * d.Hm * d.C) * 4);
+          auto* qtp = static_cast<float*>(qt.data());
+          const double t_cc =
+              tm.median_us([&] { cuda::tc::absorb_cuda_cores(d, io.qp(), io.kp(), qtp, B, nullptr, false); }, 3, reps);
+          const int64_t C = d.C, QK = d.qk();
+          const double t_lt = tm.median_us(
+              [&] {
+                lt.batched_xw_f32(io.qp(), d.Hm * QK, QK, io.kp(), C, (d.N + d.Dv) * C, qtp, d.Hm * C, C, B, d.N, C,
+                                  d.Hm, nullptr);
+              },
+              3, reps);
+          cuda::tc::Args a;
+          a.d = d, a.cache = &k.c, a.lens = k.bt.lens, a.sel = k.bt.sel, a.Ksel = k.bt.Ksel, a.B = B, a.plan = pl;
+          a.qt = qtp, a.q = io.qp(), a.part_ml = static_cast<float*>(ml.data()), a.part_acc = static_cast<float*>(acc.data());
+          const double t_core = tm.median_us([&] { cuda::tc::attend(a, nullptr); }, 3, reps);
+          const double t_merge = tm.median_us(
+              [&] { cuda::tc::merge_uv(d, B, pl.n_splits, a.part_ml, a.part_acc, io.kp(), io.op(), nullptr, false); }, 3,
+              reps);
+          cuda::tc::set_pdl(true);
+          const double t_pdl = time_decode(tm, lt, io, k, reps);
+          cuda::tc::set_pdl(false);
+          const double t_nopdl = time_decode(tm, lt, io, k, reps);
+          cuda::tc::set_pdl(true);
+          const double t_abs = B <= cuda::tc::kAbsorbMaxRows ? t_cc : t_lt;
+          fmt::print("| {} | {} × {} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} |\n", k.shape(),
+                     pl.n_splits, pl.chunk, t_cc, t_lt, t_core, t_merge, t_abs + t_core + t_merge, t_pdl, t_nopdl);
+          std::fflush(stdout);
+        }
+    fmt::print("\n### Core of one row under forced split plans, paged {} latent (µs)\n\n| S | splits × keys | core |\n|---|---|---|\n",
+               lf_name(lf));
+    for (int64_t S : {int64_t(4096), int64_t(32768)}) {
+      const DecodeCase k(pool, 1, S, false);
+      const int64_t tiles = S / cuda::tc::kKeysPerTile;
+      for (int64_t n = 1; n <= std::min<int64_t>(tiles, cuda::tc::kMaxSplits); n *= 2) {
+        cuda::tc::Plan pl;
+        pl.chunk = int((tiles + n - 1) / n * cuda::tc::kKeysPerTile), pl.n_splits = int(n);
+        cuda::DeviceBuffer qt(size_t(d.Hm * d.C) * 4), ml(size_t(n * d.Hm) * 8), acc(size_t(n * d.Hm * d.C) * 4);
+        KCUDA_CHECK(cudaMemset(qt.data(), 0, qt.size()));
+        cuda::tc::Args a;
+        a.d = d, a.cache = &k.c, a.lens = k.bt.lens, a.B = 1, a.plan = pl, a.qt = static_cast<float*>(qt.data()), a.q = io.qp();
+        a.part_ml = static_cast<float*>(ml.data()), a.part_acc = static_cast<float*>(acc.data());
+        fmt::print("| {} | {} × {} | {:.1f} |\n", S, n, pl.chunk, tm.median_us([&] { cuda::tc::attend(a, nullptr); }, 3, 50));
+      }
+    }
+    {
+      const DecodeCase k(pool, 64, 64, false);
+      const std::vector<int32_t> zeros(64, 0), ones(64, 64);
+      auto dz = upload(zeros), d64 = upload(ones);
+      cuda::DeviceBuffer qt(size_t(64 * d.Hm * d.C) * 4), ml(size_t(64 * d.Hm) * 8), acc(size_t(64 * d.Hm * d.C) * 4);
+      KCUDA_CHECK(cudaMemset(qt.data(), 0, qt.size()));
+      for (int64_t B : {int64_t(1), int64_t(64)})
+        for (const auto* lens : {&dz, &d64}) {
+          cuda::tc::Args a;
+          a.d = d, a.cache = &k.c, a.lens = static_cast<int32_t*>(lens->data()), a.B = B, a.qt = static_cast<float*>(qt.data());
+          a.q = io.qp(), a.part_ml = static_cast<float*>(ml.data()), a.part_acc = static_cast<float*>(acc.data());
+          fmt::print("| core, B={} rows of {} keys (one CTA each) | 1 × 64 | {:.1f} |\n", B, lens == &dz ? 0 : 64,
+                     tm.median_us([&] { cuda::tc::attend(a, nullptr); }, 3, 50));
+        }
+    }
+  }
+}
+
+// --perf: the scoreboard's decode numbers (PERF lines, bench/gpu/perf.py): B = 64 S = 32K over BF16 and FP8
+// pages, B = 1 S = 4K over BF16 pages, whole calls.
+void bench_perf_decode(Timer& tm, cuda::GemmLt& lt) {
+  DecodeIo io;
+  for (kestrel::LatentFormat lf : {kestrel::LatentFormat::bf16, kestrel::LatentFormat::fp8}) {
+    LatentPool pool(lf, int64_t(4) << 20);
+    const bool bf16 = lf == kestrel::LatentFormat::bf16;
+    header(fmt::format("MLA decode over paged {} latent ({} B/token), 12 heads, pages of 128", lf_name(lf),
+                       pool.c.latent_token_bytes()));
+    const DecodeCase k(pool, 64, 32768, false);
+    const double us = time_decode(tm, lt, io, k, 20);
+    row("mla_decode_paged (tensor cores)", k.shape(), us, k.bytes, k.flops);
+    const double pct = 100.0 * k.bytes / us / 1e3 / g_copy;
+    fmt::print("PERF mla_decode_us_b64_s32k_{} {:.1f}\n", bf16 ? "bf16" : "fp8", us);
+    fmt::print("PERF mla_decode_pct_copy_b64_s32k{} {:.1f}\n", bf16 ? "" : "_fp8", pct);
+    if (bf16) {
+      const DecodeCase k1(pool, 1, 4096, false);
+      const double us1 = time_decode(tm, lt, io, k1, 50);
+      row("mla_decode_paged (tensor cores)", k1.shape(), us1, k1.bytes, k1.flops);
+      fmt::print("PERF mla_decode_us_b1_s4k {:.1f}\n", us1);
+    }
+    std::fflush(stdout);
+  }
+}
+
+// The 8K-token prefill chunk at 0 and at 24576, dense and top-2048, BF16 and FP8 pages, next to the gather +
+// naive form it replaced; --perf: only BF16 top-2048 at 0 (PERF mla_prefill_us_8k_top2048).
+void bench_prefill(bool quick, bool perf, Timer& tm, cuda::GemmLt& lt) {
   const auto& d = kDims;
   const int64_t T = 8192, Ksel = 2048;
   cuda::DeviceBuffer q(size_t(T * d.Hm * d.qk()) * 2), kvb(size_t(d.Hm * (d.N + d.Dv) * d.C) * 2),
@@ -219,11 +357,13 @@ void bench_prefill(bool quick, Timer& tm, cuda::GemmLt& lt) {
   auto* kp = static_cast<uint16_t*>(kvb.data());
   auto* op = static_cast<uint16_t*>(o.data());
   for (kestrel::LatentFormat lf : {kestrel::LatentFormat::bf16, kestrel::LatentFormat::fp8}) {
+    if (perf && lf != kestrel::LatentFormat::bf16) continue;
     LatentPool pool(lf, int64_t(1) << 20);
     const int64_t tb = pool.c.latent_token_bytes();
     header(fmt::format("MLA prefill of an 8K-token chunk over paged {} latent, 12 heads",
                        lf == kestrel::LatentFormat::bf16 ? "BF16" : "FP8"));
     for (int64_t pos0 : {int64_t(0), int64_t(24576)}) {
+      if (perf && pos0 != 0) continue;
       const int64_t S = pos0 + T;
       std::mt19937 r(static_cast<uint32_t>(S));
       const auto tables = pool.tables(1, S, r);
@@ -234,6 +374,7 @@ void bench_prefill(bool quick, Timer& tm, cuda::GemmLt& lt) {
       for (int64_t t = 0; t < T; ++t) lens[size_t(t)] = int32_t(pos0 + t + 1);
       auto dl = upload(lens), dr = upload(req);
       for (bool sparse : {false, true}) {
+        if (perf && !sparse) continue;
         std::vector<int32_t> sel, scratch;
         double key_rows = 0;
         for (int64_t t = 0; t < T; ++t) {
@@ -252,8 +393,9 @@ void bench_prefill(bool quick, Timer& tm, cuda::GemmLt& lt) {
         const double us = tm.median_us([&] { cuda::mla_prefill_paged(lt, d, qp, kp, c, bt, ws.data(), op, nullptr); },
                                        1, quick ? 3 : 10);
         row("mla_prefill_paged (tensor cores)", shape, us, bytes, flops);
+        if (perf) fmt::print("PERF mla_prefill_us_8k_top2048 {:.1f}\n", us);
         // Before: gather the context, expand [k_nope | v] through kv_b, naive attention per row.
-        if (S <= cuda::mla_naive_max_keys()) {
+        if (!perf && S <= cuda::mla_naive_max_keys()) {
           std::vector<int32_t> prow(static_cast<size_t>(S));
           for (int64_t s = 0; s < S; ++s) prow[size_t(s)] = tables[size_t(s / kP)] * kP + int32_t(s % kP);
           auto dp = upload(prow);
@@ -278,11 +420,17 @@ void bench_prefill(bool quick, Timer& tm, cuda::GemmLt& lt) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false;
+  bool quick = false, perf = false, breakdown = false;
   std::string only;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--perf")) perf = true;
+    else if (!std::strcmp(argv[i], "--breakdown")) breakdown = true;
     else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+    else {
+      fmt::print(stderr, "usage: bench_mla [--quick] [--perf] [--breakdown] [--only decode,prefill]\n");
+      return 2;
+    }
   }
   auto want = [&](const char* s) { return only.empty() || only.find(s) != std::string::npos; };
   try {
@@ -299,8 +447,15 @@ int main(int argc, char** argv) {
     fmt::print("# bench_mla on {} ({} SMs): device-to-device copy {:.0f} GB/s (read + write)\n", prop.name,
                prop.multiProcessorCount, g_copy);
     cuda::GemmLt lt;
-    if (want("decode")) bench_decode(quick, tm, lt);
-    if (want("prefill")) bench_prefill(quick, tm, lt);
+    if (perf) {
+      if (want("decode")) bench_perf_decode(tm, lt);
+      if (want("prefill")) bench_prefill(quick, true, tm, lt);
+    } else if (breakdown) {
+      bench_breakdown(tm, lt);
+    } else {
+      if (want("decode")) bench_decode(quick, tm, lt);
+      if (want("prefill")) bench_prefill(quick, false, tm, lt);
+    }
   } catch (const std::exception& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return 1;

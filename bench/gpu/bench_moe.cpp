@@ -6,10 +6,16 @@
 // consecutive calls hit different experts (and nothing is served from the 50 MB L2 twice); median of the timed
 // calls with CUDA events around each call, eager and as a replayed CUDA graph (the engine's decode path). Prints
 // µs, the experts hit, the weight bytes those experts hold (every hit expert is read once: 17.55 MB each),
-// GB/s of those bytes, % of a device-to-device copy measured in the same run, and TFLOP/s; per token tile
-// (automatic, and both forced). The comparison peer is bench/gpu/moe_peer.py (PyTorch, BF16 experts).
+// GB/s of those bytes, % of a device-to-device copy measured in the same run, and TFLOP/s; per variant
+// (moe.h MoeTokenTile and MoeExpertsOptions): auto (what the engine runs), the GEMM families forced (t8, t32:
+// FP32-scale kernels; stream: decode; wide: prefill), stream without PDL / grouped at T ≤ 2 / ungrouped, wide
+// without PDL — so each change can be seen on its own. The comparison peer is bench/gpu/moe_peer.py.
 //
-//   bench_moe [--quick] [--batches 1,8,64,256,4096]
+//   bench_moe [--quick] [--batches 1,8,64,256,4096] [--variants auto,t8,...] [--breakdown] [--perf]
+//
+// --breakdown: per launch (group, w1|w3, w2, combine) median µs of eager calls with events between the launches
+// (PDL off there), for each variant. --perf: the scoreboard only (auto, graph replay, T = 1, 8, 64, 256, 4096;
+// well under a minute): lines `PERF moe_experts_us_b1 <µs>` ... `PERF copy_gbps <GB/s>`.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -40,8 +46,10 @@ void fill_random(void* d, size_t n, uint8_t lo, uint8_t span, uint64_t seed) {
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     h[i] = uint8_t(lo + (z ^ (z >> 31)) % span);
   }
-  for (size_t off = 0; off < n; off += piece)
-    KCUDA_CHECK(cudaMemcpy(static_cast<char*>(d) + off, h.data(), std::min(piece, n - off), cudaMemcpyHostToDevice));
+  // One piece from the host, the rest copied on the device (the same 64 MiB pattern repeats).
+  KCUDA_CHECK(cudaMemcpy(d, h.data(), h.size(), cudaMemcpyHostToDevice));
+  for (size_t off = piece; off < n; off += piece)
+    KCUDA_CHECK(cudaMemcpy(static_cast<char*>(d) + off, d, std::min(piece, n - off), cudaMemcpyDeviceToDevice));
 }
 // bf16 values in ±[2^-3, 2^1).
 void fill_bf16(void* d, size_t n, uint64_t seed) {
@@ -81,6 +89,38 @@ struct Timer {
   }
 };
 
+struct Variant {
+  std::string name;
+  cuda::MoeExpertsOptions opt;
+};
+// The variants bench_moe knows, by name.
+bool make_variant(const std::string& name, Variant& v) {
+  using cuda::MoeTokenTile;
+  v.name = name;
+  v.opt = cuda::MoeExpertsOptions{};
+  if (name == "auto") return true;
+  if (name == "t8") return v.opt.tile = MoeTokenTile::t8, true;
+  if (name == "t32") return v.opt.tile = MoeTokenTile::t32, true;
+  if (name == "stream") return v.opt.tile = MoeTokenTile::stream, true;
+  if (name == "wide") return v.opt.tile = MoeTokenTile::wide, true;
+  if (name == "stream-nopdl") return v.opt.tile = MoeTokenTile::stream, v.opt.pdl = 0, true;
+  if (name == "stream-grouped") return v.opt.tile = MoeTokenTile::stream, v.opt.grouped = 1, true;
+  if (name == "stream-ungrouped") return v.opt.tile = MoeTokenTile::stream, v.opt.grouped = 0, true;
+  if (name == "wide-nopdl") return v.opt.tile = MoeTokenTile::wide, v.opt.pdl = 0, true;
+  return false;
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> v;
+  size_t p = 0;
+  while (p < s.size()) {
+    const size_t q = s.find(',', p);
+    v.push_back(s.substr(p, q == std::string::npos ? std::string::npos : q - p));
+    p = q == std::string::npos ? s.size() : q + 1;
+  }
+  return v;
+}
+
 std::vector<int64_t> parse_list(const std::string& s) {
   std::vector<int64_t> v;
   size_t p = 0;
@@ -95,18 +135,41 @@ std::vector<int64_t> parse_list(const std::string& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false;
+  bool quick = false, perf = false, breakdown = false;
   std::vector<int64_t> batches = {1, 8, 64, 256, 4096};
+  std::vector<std::string> vnames = {"auto", "t8", "stream", "stream-nopdl", "stream-grouped", "t32", "wide", "wide-nopdl"};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--quick") {
       quick = true;
+    } else if (a == "--perf") {
+      perf = true;
+    } else if (a == "--breakdown") {
+      breakdown = true;
     } else if (a == "--batches" && i + 1 < argc) {
       batches = parse_list(argv[++i]);
+    } else if (a == "--variants" && i + 1 < argc) {
+      vnames = split(argv[++i]);
     } else {
-      fmt::print(stderr, "usage: bench_moe [--quick] [--batches 1,8,64,256,4096]\n");
+      fmt::print(stderr,
+                 "usage: bench_moe [--quick] [--perf] [--breakdown] [--batches 1,8,64,256,4096] [--variants auto,t8,t32,"
+                 "stream,wide,stream-nopdl,stream-grouped,stream-ungrouped,wide-nopdl]\n");
       return 2;
     }
+  }
+  if (perf) {
+    quick = true;
+    batches = {1, 8, 64, 256, 4096};
+    vnames = {"auto"};
+  }
+  std::vector<Variant> variants;
+  for (const auto& n : vnames) {
+    Variant v;
+    if (!make_variant(n, v)) {
+      fmt::print(stderr, "bench_moe: unknown variant {}\n", n);
+      return 2;
+    }
+    variants.push_back(v);
   }
   try {
     cudaDeviceProp prop{};
@@ -151,8 +214,10 @@ int main(int argc, char** argv) {
     fmt::print("896 experts, top-16, Lt 3584, I 3072: {:.2f} MB per expert, {:.1f} GB in all. Device-to-device copy "
                "measured now: {:.0f} GB/s.\n\n",
                expert_bytes / 1e6, expert_bytes * double(X) / 1e9, copy_gbs);
-    fmt::print("| T | tile | experts hit | weight bytes | eager µs | graph µs | GB/s (graph) | % of copy | TFLOP/s |\n"
+    if (perf) fmt::print("PERF copy_gbps {:.1f}\n", copy_gbs);
+    fmt::print("| T | variant | experts hit | weight bytes | eager µs | graph µs | GB/s (graph) | % of copy | TFLOP/s |\n"
                "|---|---|---|---|---|---|---|---|---|\n");
+    std::vector<std::string> breakdown_rows;
     const int kSets = 8;
     for (int64_t T : batches) {
       // kSets routings, their z, and one workspace/output.
@@ -187,21 +252,22 @@ int main(int argc, char** argv) {
       const double mean_hit = double(std::accumulate(hit.begin(), hit.end(), int64_t(0))) / kSets;
       const double bytes = mean_hit * expert_bytes;
       const double flops = 2.0 * double(T * K) * double(2 * I * Lt + Lt * I);
-      const int reps = quick ? 10 : (T >= 1024 ? 20 : 50);
-      for (auto tile : {cuda::MoeTokenTile::automatic, cuda::MoeTokenTile::t8, cuda::MoeTokenTile::t32}) {
-        auto call = [&](int i) {
+      const int reps = perf ? (T >= 1024 ? 10 : 30) : quick ? 10 : (T >= 1024 ? 20 : 50);
+      for (const Variant& var : variants) {
+        // Variants that only differ from another at this T are still run: their rows show the same path.
+        auto call = [&](int i, const cuda::MoeExpertsOptions& opt) {
           const int s = i % kSets;
           cuda::moe_experts_mxfp4(static_cast<uint16_t*>(dz[size_t(s)].data()),
                                   static_cast<int32_t*>(dids[size_t(s)].data()), static_cast<float*>(dw.data()), mw, T,
-                                  X, K, Lt, I, 4.0f, 25.0f, ws.data(), static_cast<uint16_t*>(dut.data()), stream, tile);
+                                  X, K, Lt, I, 4.0f, 25.0f, ws.data(), static_cast<uint16_t*>(dut.data()), stream, opt);
         };
-        const double eager = tm.median_us(call, 3, reps, stream);
+        const double eager = perf ? 0.0 : tm.median_us([&](int i) { call(i, var.opt); }, 3, reps, stream);
         // One graph per routing set, replayed in rotation.
         std::vector<cudaGraphExec_t> execs(kSets);
         for (int s = 0; s < kSets; ++s) {
           cudaGraph_t g;
           KCUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-          call(s);
+          call(s, var.opt);
           KCUDA_CHECK(cudaStreamEndCapture(stream, &g));
           KCUDA_CHECK(cudaGraphInstantiate(&execs[size_t(s)], g, 0));
           KCUDA_CHECK(cudaGraphDestroy(g));
@@ -209,12 +275,57 @@ int main(int argc, char** argv) {
         const double graph = tm.median_us(
             [&](int i) { KCUDA_CHECK(cudaGraphLaunch(execs[size_t(i % kSets)], stream)); }, 3, reps, stream);
         for (auto e : execs) KCUDA_CHECK(cudaGraphExecDestroy(e));
-        const double gbs = bytes / graph / 1e3;
-        const char* tname = tile == cuda::MoeTokenTile::t8 ? "8" : tile == cuda::MoeTokenTile::t32 ? "32" : "auto";
-        fmt::print("| {} | {} | {:.0f} | {:.3g} | {:.1f} | {:.1f} | {:.0f} | {:.0f}% | {:.1f} |\n", T, tname, mean_hit,
-                   bytes, eager, graph, gbs, 100.0 * gbs / copy_gbs, flops / graph / 1e6);
+        const double gbs = bytes / graph / 1e3, pct = 100.0 * gbs / copy_gbs, tflops = flops / graph / 1e6;
+        fmt::print("| {} | {} | {:.0f} | {:.3g} | {:.1f} | {:.1f} | {:.0f} | {:.0f}% | {:.1f} |\n", T, var.name, mean_hit,
+                   bytes, eager, graph, gbs, pct, tflops);
+        if (perf && var.name == "auto") {
+          if (T == 4096) {
+            fmt::print("PERF moe_experts_us_t4096 {:.1f}\nPERF moe_experts_tflops_t4096 {:.1f}\n", graph, tflops);
+          } else {
+            fmt::print("PERF moe_experts_us_b{} {:.1f}\nPERF moe_experts_pct_copy_b{} {:.1f}\n", T, graph, T, pct);
+          }
+        }
         std::fflush(stdout);
+        if (breakdown) {
+          // Eager calls with events between the launches (PDL off): median µs per launch.
+          cudaEvent_t ev[5];
+          for (auto& e : ev) KCUDA_CHECK(cudaEventCreate(&e));
+          cuda::MoeExpertsOptions o = var.opt;
+          o.marks = ev;
+          std::vector<std::vector<double>> part(5);
+          int i = 0;
+          for (int w = 0; w < 3; ++w) call(i++, o);
+          KCUDA_CHECK(cudaStreamSynchronize(stream));
+          for (int r = 0; r < reps; ++r) {
+            call(i++, o);
+            KCUDA_CHECK(cudaEventSynchronize(ev[4]));
+            for (int k = 0; k < 4; ++k) {
+              float ms = 0;
+              KCUDA_CHECK(cudaEventElapsedTime(&ms, ev[k], ev[k + 1]));
+              part[size_t(k)].push_back(ms * 1000.0);
+            }
+            float ms = 0;
+            KCUDA_CHECK(cudaEventElapsedTime(&ms, ev[0], ev[4]));
+            part[4].push_back(ms * 1000.0);
+          }
+          for (auto& e : ev) KCUDA_CHECK(cudaEventDestroy(e));
+          double med[5];
+          for (int k = 0; k < 5; ++k) {
+            std::sort(part[size_t(k)].begin(), part[size_t(k)].end());
+            med[k] = part[size_t(k)][part[size_t(k)].size() / 2];
+          }
+          // w1|w3 and w2 bytes: 2/3 and 1/3 of an expert's.
+          breakdown_rows.push_back(fmt::format(
+              "| {} | {} | {:.1f} | {:.1f} ({:.0f}%) | {:.1f} ({:.0f}%) | {:.1f} | {:.1f} |", T, var.name, med[0], med[1],
+              100.0 * bytes * 2 / 3 / med[1] / 1e3 / copy_gbs, med[2], 100.0 * bytes / 3 / med[2] / 1e3 / copy_gbs,
+              med[3], med[4]));
+        }
       }
+    }
+    if (breakdown) {
+      fmt::print("\nPer launch, eager, PDL off (% of copy for the GEMMs' weight bytes):\n\n"
+                 "| T | variant | group µs | w1·w3 µs | w2 µs | combine µs | total µs |\n|---|---|---|---|---|---|---|\n");
+      for (const auto& r : breakdown_rows) fmt::print("{}\n", r);
     }
     fmt::print("\nTargets (issue #14): ≥ 70 % of copy at T = 1, ≥ 60 % at T = 64.\n");
     KCUDA_CHECK(cudaStreamDestroy(stream));

@@ -11,8 +11,11 @@
 // paged FP8/MXFP4 keys, every request's block table pointing into one shared page pool (pages reused
 // across requests when B·S exceeds it, as the contiguous rows are), and the chunked KDA prefill scan.
 //
-//   bench_ops [--quick] [--model DIR] [--only SECTION,...]   sections: proj kda moe mla indexer
-//                                                          paged_mla paged_indexer kda_chunked model
+//   bench_ops [--quick] [--perf] [--model DIR] [--quantization bf16|ptpc-fp8] [--only SECTION,...]
+//     sections: ceilings (always measured; printed as PERF copy_gbps / bf16_gemm_tflops) proj kda moe mla indexer
+//               paged_mla paged_indexer kda_chunked model
+//     --perf: quick repetitions, PERF lines, and only ceilings + model unless --only says otherwise
+//     --quantization ptpc-fp8: the model section on FP8 dense projections (PERF keys suffixed _fp8)
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -29,6 +32,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemm_skinny.h"
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/mla.h"
 #include "kernels/cuda/moe.h"
@@ -111,16 +115,63 @@ void row(const std::string& op, const std::string& shape, double us, double byte
 
 }  // namespace
 
+// Bytes and FLOPs of the reduced-mini step, from the config (the same shapes the GPU model uploads).
+struct StepCounts {
+  double dense_params = 0;   // dense projection weights per token (all of them are read at any batch)
+  double expert_params = 0;  // per token: the selected experts (K of X per MoE layer)
+  double unhit_expert_bytes_b1 = 0;  // expert bytes a batch-1 step does not read ((X − K) per MoE layer)
+  double state_bytes_b1 = 0;         // KDA state + conv history read and written by one sequence
+};
+static StepCounts count_step(const TextConfig& t, bool fp8) {
+  StepCounts c;
+  const double D = t.hidden_size, H = t.kda.num_heads, Dk = t.kda.head_dim, HD = H * Dk, Q = t.q_lora_rank,
+               C = t.kv_lora_rank, R = t.qk_rope_head_dim, Hm = t.num_attention_heads, N = t.qk_nope_head_dim,
+               Dv = t.v_head_dim, Hi = t.index_n_heads, Di = t.index_head_dim, X = t.num_experts,
+               K = t.num_experts_per_token, Lt = t.routed_expert_hidden_size, I = t.moe_intermediate_size,
+               Is = t.shared_intermediate(), F = t.intermediate_size;
+  const double expert_bytes = 3.0 * I * Lt * (0.5 + 1.0 / 32);  // MXFP4 codes + e8m0 scales
+  for (int L = 0; L < t.num_hidden_layers; ++L) {
+    if (t.attn_kind[size_t(L)] == AttnKind::kda) {
+      c.dense_params += D * (4 * HD + Dk + H) + HD * Dk + D * HD;
+      c.state_bytes_b1 += 2.0 * (H * Dk * Dk * 4 + (t.kda.conv_size - 1) * 3 * HD * 2);
+    } else {
+      c.dense_params += D * (Q + C + R + Hm * Dv) + Q * Hm * (N + R) + D * Hm * Dv;
+      if (t.has_indexer()) c.dense_params += D * (Di + Hi) + Q * Hi * Di;
+    }
+    if (t.mlp_kind[size_t(L)] == MlpKind::dense) {
+      c.dense_params += 3 * D * F;
+    } else {
+      c.dense_params += D * X + 2 * D * Lt + 3 * D * Is;
+      c.expert_params += K * 3 * Lt * I;
+      c.unhit_expert_bytes_b1 += (X - K) * expert_bytes;
+    }
+  }
+  (void)fp8;
+  return c;
+}
+
 // One decode step of a real checkpoint, split by op group, through the GPU executor's path
 // (CudaModel::forward_batch over a paged cache): B requests, each with a context of `ctx` tokens
 // prefilled, then one decode token each; batch 1 and 64 side by side. Eager (no CUDA graphs), so the
 // events between op groups time every launch; the wall time of a graph-replayed step is printed too.
-static void decode_step(const std::string& model_dir) {
+// Then an 8K-token prefill of one sequence. PERF lines (suffix _fp8 with --quantization ptpc-fp8):
+//   decode_step_mini_us_b1 / _b64   graph-replayed step, median wall time (host prep, sync, argmax included)
+//   decode_step_mini_floor_us       bytes a batch-1 step must read (the weights less the experts it does not
+//                                   select, + KDA state/history read and written + the MLA context read) ÷ the
+//                                   copy rate measured in this run
+//   prefill_mini_tok_s_8k, prefill_mini_pct_bf16_peak   8192 tokens in one forward; model FLOPs (2·active
+//                                   params per token + MLA/indexer/KDA attention work) ÷ time ÷ the BF16 GEMM
+//                                   rate measured in this run
+static void decode_step(const std::string& model_dir, bool fp8, bool perf) {
   {
     const ModelConfig cfg = load_config(model_dir);
     const Checkpoint ckpt(model_dir);
     const ModelWeights w = bind_weights(cfg, ckpt);
-    model::CudaModel m(cfg, w);
+    model::CudaModelOptions mo;
+    mo.quant = fp8 ? model::WeightQuant::ptpc_fp8 : model::WeightQuant::bf16;
+    model::CudaModel m(cfg, w, mo);
+    const TextConfig& tc = cfg.text;
+    const std::string sfx = fp8 ? "_fp8" : "";
     const int64_t ctx = 512, Bmax = 64;
     const int P = 64;
     const int64_t pages_per = (ctx + 1 + P - 1) / P;
@@ -130,13 +181,14 @@ static void decode_step(const std::string& model_dir) {
     for (int64_t b = 0; b < Bmax; ++b)
       for (int64_t i = 0; i < pages_per; ++i) tables[size_t(b)].push_back(int32_t(b * pages_per + i));
     std::vector<int32_t> prompt(static_cast<size_t>(ctx));
-    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((i * 7919 + 13) % 8000 % cfg.text.vocab_size);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((i * 7919 + 13) % 8000 % tc.vocab_size);
     std::vector<int32_t> tok(size_t(Bmax), 17);
     struct Res {
       double median_us, graph_us;
       std::vector<std::pair<std::string, double>> ops;
     };
     std::map<int64_t, Res> res;
+    const int reps = perf ? 10 : 20;
     for (int64_t B : {int64_t(1), Bmax}) {
       for (int64_t b = 0; b < B; ++b) {
         m.zero_slot(*cache, int32_t(b));
@@ -149,7 +201,7 @@ static void decode_step(const std::string& model_dir) {
                         model::CudaSeq::Logits::last});
       std::vector<int32_t> ids(static_cast<size_t>(B));
       std::vector<double> step;
-      for (int i = 0; i < 20; ++i) {
+      for (int i = 0; i < reps; ++i) {
         const auto t0 = std::chrono::steady_clock::now();
         m.forward_batch(*cache, seqs);  // the same position each time: the timing, not the text, matters
         m.greedy(ids.data());
@@ -159,11 +211,11 @@ static void decode_step(const std::string& model_dir) {
       m.enable_op_timing(true);
       m.forward_batch(*cache, seqs);
       m.enable_op_timing(false);
-      // The same step through the CUDA graph bucket: one capture run, then 20 timed replays.
+      // The same step through the CUDA graph bucket: one capture run, then timed replays.
       m.enable_cuda_graphs(true);
       m.forward_batch(*cache, seqs);
       std::vector<double> gstep;
-      for (int i = 0; i < 20; ++i) {
+      for (int i = 0; i < 2 * reps; ++i) {
         const auto t0 = std::chrono::steady_clock::now();
         m.forward_batch(*cache, seqs);
         m.greedy(ids.data());
@@ -173,34 +225,116 @@ static void decode_step(const std::string& model_dir) {
       std::sort(gstep.begin(), gstep.end());
       res[B] = {step[step.size() / 2], gstep[gstep.size() / 2], m.op_times()};
     }
-    fmt::print("\n### One decode step of {} ({} layers, {} experts, vocab {}; weights {:.2f} GB on the GPU), context "
+    // The batch-1 floor: bytes that must be read once.
+    const StepCounts sc = count_step(tc, fp8);
+    const double weights = double(m.weight_bytes());
+    const double embed_unread = w.lm_head.empty() ? 0.0 : double(tc.vocab_size) * tc.hidden_size * 2;  // one row read
+    double mla_ctx_bytes = 0;
+    for (int L = 0; L < tc.num_hidden_layers; ++L)
+      if (tc.attn_kind[size_t(L)] != AttnKind::kda)
+        mla_ctx_bytes += double(ctx + 1) * (2.0 * (tc.kv_lora_rank + tc.qk_rope_head_dim) +
+                                            (tc.has_indexer() ? 2.0 * tc.index_head_dim : 0.0));
+    const double floor_bytes = weights - sc.unhit_expert_bytes_b1 - embed_unread + sc.state_bytes_b1 + mla_ctx_bytes;
+    const double floor_us = floor_bytes / (g_bw * 1e3);
+    fmt::print("\n### One decode step of {} ({} layers, {} experts, vocab {}; weights {:.2f} GB on the GPU, {}), context "
                "{} per request, paged cache (P = {}), CudaModel::forward_batch + device argmax\n\n"
-               "median step wall time (20 steps, host prep + sync + argmax included): eager batch 1 {:.0f} µs, batch {} "
-               "{:.0f} µs ({:.0f} tokens/s); CUDA graphs batch 1 {:.0f} µs, batch {} {:.0f} µs ({:.0f} tokens/s).\n\n"
+               "median step wall time ({} steps, host prep + sync + argmax included): eager batch 1 {:.0f} µs, batch {} "
+               "{:.0f} µs ({:.0f} tokens/s); CUDA graphs batch 1 {:.0f} µs, batch {} {:.0f} µs ({:.0f} tokens/s).\n"
+               "batch-1 floor: {:.3f} GB read ({:.3f} GB weights − {:.3f} GB unselected experts − {:.3f} GB unread "
+               "embeddings + {:.4f} GB state/context) ÷ {:.0f} GB/s = {:.0f} µs; graph step = {:.2f} × floor; batch 64 = "
+               "{:.2f} × batch 1.\n\n"
                "One eager step with CUDA events between op groups (µs, summed over layers):\n\n"
                "| op group | batch 1 | batch {} |\n|---|---|---|\n",
-               model_dir, cfg.text.num_hidden_layers, cfg.text.num_experts, cfg.text.vocab_size,
-               double(m.weight_bytes()) / 1e9, ctx, P, res[1].median_us, Bmax, res[Bmax].median_us,
+               model_dir, tc.num_hidden_layers, tc.num_experts, tc.vocab_size, weights / 1e9,
+               fp8 ? "ptpc-fp8" : "bf16", ctx, P, reps, res[1].median_us, Bmax, res[Bmax].median_us,
                double(Bmax) / res[Bmax].median_us * 1e6, res[1].graph_us, Bmax, res[Bmax].graph_us,
-               double(Bmax) / res[Bmax].graph_us * 1e6, Bmax);
+               double(Bmax) / res[Bmax].graph_us * 1e6, floor_bytes / 1e9, weights / 1e9, sc.unhit_expert_bytes_b1 / 1e9,
+               embed_unread / 1e9, (sc.state_bytes_b1 + mla_ctx_bytes) / 1e9, g_bw, floor_us, res[1].graph_us / floor_us,
+               res[Bmax].graph_us / res[1].graph_us, Bmax);
     double t1 = 0, t64 = 0;
     for (size_t i = 0; i < res[1].ops.size(); ++i) {
       const double b64 = i < res[Bmax].ops.size() ? res[Bmax].ops[i].second : 0.0;
       fmt::print("| {} | {:.1f} | {:.1f} |\n", res[1].ops[i].first, res[1].ops[i].second, b64);
       t1 += res[1].ops[i].second, t64 += b64;
     }
-    fmt::print("| total (GPU time between events) | {:.1f} | {:.1f} |\n", t1, t64);
+    fmt::print("| total (GPU time between events) | {:.1f} | {:.1f} |\n\n", t1, t64);
+    fmt::print("PERF decode_step_mini_us_b1{} {:.1f}\nPERF decode_step_mini_us_b64{} {:.1f}\n"
+               "PERF decode_step_mini_floor_us{} {:.1f}\nPERF decode_step_mini_eager_us_b1{} {:.1f}\n"
+               "PERF decode_step_mini_eager_us_b64{} {:.1f}\n",
+               sfx, res[1].graph_us, sfx, res[Bmax].graph_us, sfx, floor_us, sfx, res[1].median_us, sfx,
+               res[Bmax].median_us);
+    std::fflush(stdout);
+
+    // ---- an 8K-token prefill of one sequence ----
+    const int64_t Tp = 8192;
+    const int64_t pages = (Tp + P - 1) / P;
+    if (pages <= Bmax * pages_per) {
+      std::vector<int32_t> table(static_cast<size_t>(pages));
+      std::iota(table.begin(), table.end(), 0);
+      std::vector<int32_t> ptoks(static_cast<size_t>(Tp));
+      for (int64_t i = 0; i < Tp; ++i) ptoks[size_t(i)] = int32_t((i * 7919 + 29) % 8000 % tc.vocab_size);
+      std::vector<double> ts;
+      for (int i = 0; i < (perf ? 3 : 5); ++i) {
+        m.zero_slot(*cache, 0);
+        model::CudaSeq q{ptoks, 0, 0, table, model::CudaSeq::Logits::last};
+        const auto t0 = std::chrono::steady_clock::now();
+        m.forward_batch(*cache, std::span<const model::CudaSeq>(&q, 1));
+        int32_t next = 0;
+        m.greedy(&next);  // waits for the step: forward_batch returns before the GPU is done
+        const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+        if (i > 0) ts.push_back(us);  // the first run allocates scratch and plans cuBLASLt
+      }
+      std::sort(ts.begin(), ts.end());
+      const double us = ts[ts.size() / 2];
+      // Model FLOPs: 2·(dense + selected expert params) per token, plus per token at position p: MLA scores and
+      // values over the attended keys (min(p+1, index_topk) with an indexer), the indexer over p+1 keys, the
+      // absorbed q̃ / output maps through kv_b, and the chunked KDA scan (bench_ops' kda_chunked count).
+      double attn = 0;
+      const double Hm = tc.num_attention_heads, C = tc.kv_lora_rank, R = tc.qk_rope_head_dim,
+                   Dk = tc.kda.head_dim, H = tc.kda.num_heads;
+      for (int L = 0; L < tc.num_hidden_layers; ++L) {
+        if (tc.attn_kind[size_t(L)] == AttnKind::kda) {
+          attn += double(Tp) * H * 2.0 * (64.0 * Dk + 3.0 * Dk * Dk + 64.0 * Dk);
+          continue;
+        }
+        attn += double(Tp) * 2.0 * Hm * (tc.qk_nope_head_dim * C + tc.v_head_dim * C);
+        for (int64_t p = 0; p < Tp; ++p) {
+          const double seen = double(p + 1);
+          const double keys = tc.has_indexer() ? std::min(seen, double(tc.index_topk)) : seen;
+          attn += 2.0 * Hm * (C + R + C) * keys;
+          if (tc.has_indexer()) attn += 2.0 * tc.index_n_heads * tc.index_head_dim * seen;
+        }
+      }
+      const double flops = 2.0 * (sc.dense_params + sc.expert_params) * double(Tp) + attn +
+                           2.0 * double(tc.vocab_size) * tc.hidden_size;
+      const double tok_s = double(Tp) / us * 1e6, pct = 100.0 * flops / (us * 1e-6) / (g_tflops * 1e12);
+      fmt::print("8K prefill ({} tokens, one sequence, {}): median {:.0f} µs = {:.0f} tokens/s; {:.2f} TFLOP of model "
+                 "work = {:.1f} TFLOP/s, {:.1f} % of the BF16 GEMM rate measured ({:.0f} TFLOP/s)\n",
+                 Tp, fp8 ? "ptpc-fp8" : "bf16", us, tok_s, flops / 1e12, flops / us / 1e6, pct, g_tflops);
+      fmt::print("PERF prefill_mini_tok_s_8k{} {:.0f}\nPERF prefill_mini_pct_bf16_peak{} {:.2f}\n", sfx, tok_s, sfx, pct);
+      std::fflush(stdout);
+    }
   }
 }
 
 int main(int argc, char** argv) {
-  bool quick = false;
+  bool quick = false, perf = false, fp8 = false;
   std::string model_dir, only;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
+    if (!std::strcmp(argv[i], "--perf")) perf = quick = true;
     if (!std::strcmp(argv[i], "--model") && i + 1 < argc) model_dir = argv[++i];
     if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+    if (!std::strcmp(argv[i], "--quantization") && i + 1 < argc) {
+      const std::string q = argv[++i];
+      if (q != "bf16" && q != "ptpc-fp8") {
+        fmt::print(stderr, "--quantization: bf16 or ptpc-fp8\n");
+        return 2;
+      }
+      fp8 = q == "ptpc-fp8";
+    }
   }
+  if (perf && only.empty()) only = "ceilings,model";  // --perf: the scoreboard's numbers, quickly
   auto want = [&](const char* section) {
     if (only.empty()) return true;
     const std::string o = "," + only + ",", s = "," + std::string(section) + ",";
@@ -233,6 +367,7 @@ int main(int argc, char** argv) {
     g_tflops = 2.0 * double(M) * M * M / gus / 1e6;
     fmt::print("ceilings measured now: device-to-device copy {:.0f} GB/s (4 GiB, read+write); cuBLASLt BF16 GEMM "
                "8192^3 {:.0f} TFLOP/s (random data)\n", g_bw, g_tflops);
+    fmt::print("PERF copy_gbps {:.1f}\nPERF bf16_gemm_tflops {:.1f}\n", g_bw, g_tflops);
   }
 
   // ---- dense projections (cuBLASLt; T = 1 also the hand GEMV) -------------------------------------------------
@@ -248,6 +383,10 @@ int main(int argc, char** argv) {
                                {"indexer wq_b", 1536, 32 * 128, "—"}, {"MoE latent down", D, 3584, "—"},
                                {"MoE latent up", 3584, D, "—"},    {"7168x7168 (anchor)", D, D, "28.8 (m=1)"}};
     const int64_t maxK = D, maxN = 3 * 1536 > D ? 3 * 1536 : D;
+    cuda::DeviceBuffer part(cuda::kSkinnyPartBytes), counters(size_t(cuda::kSkinnyCounters) * 4);
+    KCUDA_CHECK(cudaMemset(counters.data(), 0, counters.size()));
+    const cuda::SkinnyWorkspace skinny_ws{static_cast<float*>(part.data()), part.size(),
+                                          static_cast<unsigned*>(counters.data()), cuda::kSkinnyCounters};
     cuda::DeviceBuffer x(size_t(256 * maxK) * 2), y(size_t(256 * maxN) * 4);
     fill_bf16(x.data(), size_t(256 * maxK), 4);
     // Rotate among weight copies so the 50 MB L2 does not serve repeated reads.
@@ -263,6 +402,18 @@ int main(int argc, char** argv) {
         }, 5, quick ? 20 : 50);
         const double bytes = 2.0 * (g.K * g.N + B * g.K + B * g.N), flops = 2.0 * B * g.K * g.N;
         row(g.name, fmt::format("B={} {}→{}", B, g.K, g.N), us, bytes, flops, B == 1 ? g.anchor : "—");
+        if (B <= cuda::kSkinnyMaxT) {  // the decode path's skinny GEMM (kernels/cuda/gemm_skinny.h)
+          it = 0;
+          cuda::GemmSegs sg;
+          sg.seg[0] = {0, y.data(), g.N, cuda::GemmEpi::bf16, nullptr, 0};
+          sg.n = 1;
+          const double sus = tm.median_us([&] {
+            cuda::gemm_skinny_bf16(static_cast<uint16_t*>(x.data()), g.K,
+                                   static_cast<uint16_t*>(w.data()) + (it++ % copies) * g.K * g.N, B, g.K, g.N, sg,
+                                   skinny_ws, nullptr);
+          }, 5, quick ? 20 : 50);
+          row(std::string(g.name) + " (skinny)", fmt::format("B={} {}→{}", B, g.K, g.N), sus, bytes, flops, "—");
+        }
         if (B == 1) {
           it = 0;
           const double gus = tm.median_us([&] {
@@ -669,6 +820,6 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (!model_dir.empty() && want("model")) decode_step(model_dir);
+  if (!model_dir.empty() && want("model")) decode_step(model_dir, fp8, perf);
   return 0;
 }

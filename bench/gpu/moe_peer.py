@@ -9,7 +9,10 @@ experts per token, weights 1/16) rotate call to call; CUDA events around each ca
 a CUDA graph. GB/s counts the BF16 bytes of the experts hit (66 MB each). `--per-expert` uses one matmul per hit
 expert instead (host loop, eager only), also the fallback when torch._grouped_mm is missing.
 
-    python3 bench/gpu/moe_peer.py [--batches 1,8,64,256,4096] [--reps N] [--per-expert]
+    python3 bench/gpu/moe_peer.py [--batches 1,8,64,256,4096] [--reps N] [--per-expert] [--perf]
+
+--perf: the scoreboard only (T = 1, 8, 64, 256; well under 90 s): lines `PERF moe_peer_torch_us_b<T> <µs>`, the
+graph-replay time (eager where capture fails).
 """
 from __future__ import annotations
 
@@ -75,7 +78,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64,256,4096")
     ap.add_argument("--reps", type=int, default=0, help="timed calls per point (default 50, 20 for T >= 1024)")
     ap.add_argument("--per-expert", action="store_true")
+    ap.add_argument("--perf", action="store_true", help="PERF lines for T = 1, 8, 64, 256 only")
     args = ap.parse_args()
+    if args.perf:
+        args.batches, args.reps, args.per_expert = "1,8,64,256", args.reps or 20, False
     dev = torch.device("cuda")
     torch.manual_seed(0)
     w13 = torch.empty(X, 2 * I, LT, dtype=torch.bfloat16, device=dev).normal_(0, 0.02)
@@ -126,6 +132,8 @@ def main() -> None:
         best = min(eager, graph) if graph == graph else eager
         print(f"| {T} | {hit:.0f} | {hit * expert_bytes:.3g} | {eager:.1f} | {graph:.1f} | "
               f"{hit * expert_bytes / best / 1e3:.0f} |", flush=True)
+        if args.perf:
+            print(f"PERF moe_peer_torch_us_b{T} {graph if graph == graph else eager:.1f}", flush=True)
 
 
 if __name__ == "__main__":

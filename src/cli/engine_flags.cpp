@@ -30,6 +30,9 @@ void EngineFlags::add_to(CLI::App& cmd) {
   cmd.add_option("--model", model, "checkpoint directory (tokenizer files included)")->required();
   cmd.add_option("--device", device, "cpu or cuda (the engine on the GPU executor)")->check(CLI::IsMember({"cpu", "cuda"}));
   cmd.add_flag("--no-cuda-graphs", no_cuda_graphs, "--device cuda: run decode steps eagerly");
+  cmd.add_option("--quantization", quantization, "--device cuda: dense projection weights bf16 | ptpc-fp8 (online "
+                                                 "FP8, per-token x per-channel scales)")
+      ->check(CLI::IsMember({"bf16", "ptpc-fp8"}));
   auto* mb = cmd.add_option("--memory-budget", memory_budget, "bytes for KV pages + KDA state slots (e.g. 512M, 2G; default 1G)");
   auto* gu = cmd.add_option("--gpu-memory-utilization", gpu_memory_utilization,
                             "fraction of memory for weights + caches (CPU: of physical RAM)");
@@ -55,6 +58,7 @@ runtime::EngineOptions EngineFlags::options(int default_max_num_seqs) const {
   if (!memory_budget.empty()) o.memory_budget = parse_bytes(memory_budget);
   o.gpu_memory_utilization = gpu_memory_utilization;
   o.cuda_graphs = !no_cuda_graphs;
+  o.quantization = quantization;
   runtime::EngineConfig& ec = o.engine;
   ec.formats.latent = cache::parse_latent_format(kv_cache_dtype);
   ec.formats.index_keys = cache::parse_index_key_format(index_cache_dtype);

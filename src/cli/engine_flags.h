@@ -2,7 +2,7 @@
 // cache formats and batching, registered once on each subcommand and turned into the engine layer's
 // EngineOptions (runtime/engine_host.h), which owns what they mean.
 //
-//   --model DIR  --device cpu|cuda  --no-cuda-graphs
+//   --model DIR  --device cpu|cuda  --no-cuda-graphs  --quantization bf16|ptpc-fp8
 //   --memory-budget SIZE | --gpu-memory-utilization F
 //   --kv-cache-dtype bf16|fp8  --index-cache-dtype bf16|fp8|mxfp4  --kda-state-dtype f32|f16
 //   --block-size N  --max-num-seqs N  --max-num-batched-tokens N  --max-model-len N  --no-prefix-cache
@@ -25,6 +25,7 @@ struct EngineFlags {
   int max_num_batched_tokens = 2048;
   int64_t max_model_len = 0;  // 0: the model's context capped by the memory plan
   bool no_prefix_cache = false, no_cuda_graphs = false;
+  std::string quantization = "bf16";
 
   void add_to(CLI::App& cmd);
   // The options these flags describe; bad spellings (dtype, size) fail here, before anything loads.

@@ -52,7 +52,9 @@ int64_t cpu_cache_budget(double f, const std::string& model_dir) {
 // from the device's memory. Returns the GPU model, to live as long as the engine.
 std::shared_ptr<void> setup_cuda(const EngineOptions& o, const ModelConfig& c, const ModelWeights& w, EngineConfig& ec) {
 #ifdef KESTREL_WITH_CUDA
-  auto m = std::make_shared<model::CudaModel>(c, w);
+  model::CudaModelOptions mo;
+  mo.quant = model::parse_weight_quant(o.quantization);
+  auto m = std::make_shared<model::CudaModel>(c, w, mo);
   // Activations of one step (max_num_batched_tokens rows through the widest layer) and cuBLASLt's
   // workspace: a fixed 2 GiB covers the mini and nano shapes with room to spare.
   if (o.gpu_memory_utilization > 0.0) {
@@ -77,6 +79,8 @@ EngineHost::EngineHost(EngineOptions options) : opt_(std::move(options)) {
   // Option errors (a bad utilization) surface at once rather than as a failed load.
   if (opt_.memory_budget && *opt_.memory_budget <= 0) fail("--memory-budget must be positive");
   if (opt_.gpu_memory_utilization != 0.0) check_utilization(opt_.gpu_memory_utilization);
+  if (opt_.quantization != "bf16" && (opt_.device != Device::cuda || opt_.fake))
+    fail("--quantization {} needs --device cuda", opt_.quantization);
   loader_ = std::thread([this] { load(); });
 }
 

@@ -39,6 +39,7 @@ struct EngineOptions {
   std::optional<int64_t> memory_budget;  // bytes for KV pages + KDA slots; absent: see the header
   double gpu_memory_utilization = 0.0;   // (0, 1] when given
   bool cuda_graphs = true;               // --device cuda: decode steps through CUDA graphs
+  std::string quantization = "bf16";     // --device cuda: dense projection weights bf16 | ptpc-fp8
   // Formats, batching, prefix cache, max_model_len, max_queue; the host fills in the budget, the
   // end-of-sequence ids and the executor.
   EngineConfig engine;

@@ -25,6 +25,7 @@
 #include "kernels/cpu/mla_ops.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/mla_tc.h"
 #include "kernels/cuda/paged.h"
 #include "model/cache_view.h"
 
@@ -42,6 +43,8 @@ enum class Fill {
   random,  // ĉ, k_pe uniform in ±1.5
   dup,     // row s copies row s % 7: many exactly tied scores
   ramp,    // k_pe rises from −2 to 2 along the positions: with q_pe of one sign the scores rise (or fall)
+  mags,    // every 128-column group of ĉ of every token has its own magnitude 2^U(lat_lo, lat_hi), values
+           // m·u³ (u uniform in ±1; a few % of them e4m3 subnormals after the FP8 scale)
 };
 
 // Requests over one shared pool of pages (a few pages nobody owns), latent rows written by the CPU writer.
@@ -57,7 +60,8 @@ struct Pool {
   Dev<uint8_t> dlat;
   Dev<int32_t> dtables;
 
-  Pool(const cpu::MlaDims& d_, LatentFormat lf_, int P_, std::vector<int64_t> lens_, Fill fill, Rng& rng)
+  Pool(const cpu::MlaDims& d_, LatentFormat lf_, int P_, std::vector<int64_t> lens_, Fill fill, Rng& rng,
+       float lat_lo = 0, float lat_hi = 0)
       : d(d_), lf(lf_), P(P_), lens(std::move(lens_)) {
     for (int64_t n : lens) max_blocks = std::max(max_blocks, (n + P - 1) / P), n_pages += (n + P - 1) / P;
     std::vector<int32_t> perm(static_cast<size_t>(n_pages));
@@ -77,6 +81,14 @@ struct Pool {
         if (fill == Fill::ramp)
           for (int64_t i = d.C; i < W; ++i)
             x[size_t(s * W + i)] = f32_to_bf16(-2.0f + 4.0f * float(s) / float(S) + rng.uniform(-0.05f, 0.05f));
+        if (fill == Fill::mags)
+          for (int64_t i0 = 0; i0 < d.C; i0 += 128) {
+            const float m = std::exp2(rng.uniform(lat_lo, lat_hi));
+            for (int64_t i = i0; i < std::min<int64_t>(i0 + 128, d.C); ++i) {
+              const float u = rng.uniform(-1.0f, 1.0f);
+              x[size_t(s * W + i)] = f32_to_bf16(m * u * u * u);
+            }
+          }
       }
       const auto v = view(r);
       for (int64_t s = 0; s < S; ++s) v.write_latent(s, x.data() + s * W);
@@ -134,12 +146,16 @@ struct Rows {
 
 enum class Op { decode, prefill };
 
-// Runs one launch of `op` over `rows` on the pool and compares every row with the CPU twin.
+// Runs one launch of `op` over `rows` on the pool and compares every row with the CPU twin. Decode: run
+// again without programmatic dependent launch (mla_tc.h) and once more with it; all three bit-identical.
 void run(Op op, Pool& pool, const Rows& rows, float q_span, bool q_pe_positive, bool q_pe_negative,
-         const std::string& what, Rng& rng) {
+         const std::string& what, Rng& rng, float q_nope_scale = 1.0f) {
   const auto& d = pool.d;
   const int64_t B = rows.size(), QK = d.qk();
   auto q = rand_bf16(size_t(B * d.Hm * QK), rng, -q_span, q_span);
+  if (q_nope_scale != 1.0f)  // a power of two: exact
+    for (size_t i = 0; i < q.size(); ++i)
+      if (int64_t(i) % QK < d.N) q[i] = f32_to_bf16(bf16_to_f32(q[i]) * q_nope_scale);
   if (q_pe_positive || q_pe_negative)
     for (int64_t i = 0; i < B * d.Hm; ++i)
       for (int64_t e = d.N; e < QK; ++e)
@@ -169,6 +185,15 @@ void run(Op op, Pool& pool, const Rows& rows, float q_span, bool q_pe_positive, 
     cuda::DeviceBuffer ws(cuda::mla_decode_paged_workspace_bytes(d, B, max_keys));
     cuda::mla_decode_paged(lt, d, dq.p(), dkvb.p(), cache, bt, ws.data(), dout.p(), nullptr);
     sync();
+    for (bool pdl : {false, true}) {
+      auto again = poisoned<uint16_t>(ref.size());
+      cuda::tc::set_pdl(pdl);
+      cuda::mla_decode_paged(lt, d, dq.p(), dkvb.p(), cache, bt, ws.data(), again.p(), nullptr);
+      sync();
+      EXPECT_TRUE(again.get() == dout.get()) << what << ": decode " << (pdl ? "repeated" : "without PDL")
+                                             << " not bit-identical";
+    }
+    cuda::tc::set_pdl(true);
   } else {
     cuda::DeviceBuffer ws(cuda::mla_prefill_paged_workspace_bytes(d, B, max_keys));
     cuda::mla_prefill_paged(lt, d, dq.p(), dkvb.p(), cache, bt, ws.data(), dout.p(), nullptr);
@@ -284,6 +309,40 @@ TEST(GpuMlaTc, DecodeBatchesAndScores) {
   }
 }
 
+// Small batches (q̃ on CUDA cores, merges of one or two rows per CTA with 32-, 16-, 8- and 1-split steps) and a
+// batch past kAbsorbMaxRows (q̃ by cuBLASLt, eight rows per merge CTA).
+TEST(GpuMlaTc, DecodeSmallAndLargeBatches) {
+  need_gpu();
+  Rng rng(67);
+  for (LatentFormat lf : kFormats) {
+    {
+      Pool pool(kMini, lf, 128, {1344, 4096, 700, 3200}, Fill::random, rng);
+      for (int64_t r : {0, 1, 3}) {  // one row: 21 splits of 64 keys (16 + 5), 64 (32 + 32), 50 (32 + 16 + 2)
+        Rows rows;
+        rows.add(int32_t(r), pool.lens[size_t(r)]);
+        run(Op::decode, pool, rows, 1.0f, false, false, fmt::format("mini B=1 S={}", pool.lens[size_t(r)]), rng);
+      }
+      Rows rows;  // 6 rows of ≤ 700 keys: 11 splits, two rows per merge CTA (8 + 3)
+      for (int i = 0; i < 6; ++i) rows.add(2, 700 - 97 * i);
+      run(Op::decode, pool, rows, 1.0f, false, false, "mini B=6", rng);
+    }
+    {
+      std::vector<int64_t> lens(80);
+      for (auto& n : lens) n = 1 + int64_t(rng.next() % 3000);
+      Pool pool(kMini, lf, 64, lens, Fill::random, rng);
+      Rows rows;
+      for (size_t r = 0; r < lens.size(); ++r) rows.add(int32_t(r), lens[r]);
+      run(Op::decode, pool, rows, 1.0f, false, false, "mini B=80 varlen", rng);
+    }
+    {
+      Pool pool(kNano, lf, 16, {1, 2000}, Fill::random, rng);
+      Rows rows;
+      rows.add(1, 2000), rows.add(0, 1);
+      run(Op::decode, pool, rows, 1.0f, false, false, "nano B=2", rng);
+    }
+  }
+}
+
 // Prefill rows: every position of a chunk of each sequence (pos0 .. pos0 + Tb − 1), several sequences per
 // launch, in the engine's order (sequence by sequence).
 Rows chunk_rows(const std::vector<std::pair<int64_t, int64_t>>& chunks /* (pos0, Tb) per request */) {
@@ -296,6 +355,41 @@ std::vector<int64_t> chunk_lens(const std::vector<std::pair<int64_t, int64_t>>& 
   std::vector<int64_t> lens;
   for (const auto& [p0, Tb] : chunks) lens.push_back(p0 + Tb);
   return lens;
+}
+
+// Latent magnitudes that differ per token and 128-column group (FP8: per-key scales folded into the scores
+// and into P, scales from the 2^−22 clamp to 2^14, e4m3 subnormals), with q̃ scaled to keep the scores
+// moderate: ~2^−21 (f16 subnormal unless the FP8 path scales q̃) to ~2^16 (past f16's range unless scaled).
+TEST(GpuMlaTc, DecodeAndPrefillMagnitudes) {
+  need_gpu();
+  Rng rng(68);
+  struct Mag {
+    float lo, hi, q;
+    const char* what;
+  };
+  for (const Mag m : {Mag{-8, 4, 1.0f / 16, "ĉ 2^-8..2^4"}, Mag{-22, -14, 131072.0f, "ĉ 2^-22..2^-14, q×2^17"},
+                      Mag{16, 22, 1.0f / 1048576, "ĉ 2^16..2^22, q×2^-20"}})
+    for (LatentFormat lf : kFormats) {
+      {
+        Pool pool(kMini, lf, 128, {4100, 700, 65}, Fill::mags, rng, m.lo, m.hi);
+        Rows rows;
+        rows.add(0, 4100), rows.add(1, 700), rows.add(2, 65), rows.add(0, 3000);
+        run(Op::decode, pool, rows, 1.0f, false, false, fmt::format("mini {}", m.what), rng, m.q);
+        rows.select(2048, [&](int64_t i, int64_t) { return 2048 - (i % 2) * 5; }, rng);
+        run(Op::decode, pool, rows, 1.0f, false, false, fmt::format("mini {}", m.what), rng, m.q);
+      }
+      {
+        Pool pool(kNano, lf, 16, {300, 40}, Fill::mags, rng, m.lo, m.hi);
+        Rows rows;
+        rows.add(0, 300), rows.add(1, 40);
+        run(Op::decode, pool, rows, 1.0f, false, false, fmt::format("nano {}", m.what), rng, m.q);
+      }
+      {
+        const std::vector<std::pair<int64_t, int64_t>> chunks = {{0, 70}, {2000, 40}};
+        Pool pool(kMini, lf, 64, chunk_lens(chunks), Fill::mags, rng, m.lo, m.hi);
+        run(Op::prefill, pool, chunk_rows(chunks), 1.0f, false, false, fmt::format("mini {}", m.what), rng, m.q);
+      }
+    }
 }
 
 TEST(GpuMlaTc, PrefillDense) {

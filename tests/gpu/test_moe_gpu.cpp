@@ -5,9 +5,11 @@
 // E2M1 decode, the e8m0 scale words, the activation loads and mma.m16n8k16 as the PTX ISA defines its
 // fragments — and comparing with cpu::mxfp4_gemm on the checkpoint layout.
 // GpuMoe.* run the kernels: the single-matrix stage (every E2M1 code, e8m0 scales over the whole range
-// 0..255, both token tiles) against cpu::mxfp4_gemm, and moe_experts_mxfp4 against cpu::moe_experts over
-// nano, mini and real expert shapes, T = 1 … 4096, experts with zero, one and hundreds of tokens, tied
-// routing weights, out-of-range ids and CUDA-graph replay. Outputs and scratch are NaN-poisoned first.
+// 0..255, every GEMM family: t8, t32, stream, wide) against cpu::mxfp4_gemm, and moe_experts_mxfp4 against
+// cpu::moe_experts over nano, mini and real expert shapes, T = 1 … 4096, experts with zero, one and hundreds
+// (skewed: thousands) of tokens, tied routing weights, out-of-range ids and CUDA-graph replay; the decode
+// GEMM also with its work split over 1, 3 and 7 CTAs (tiles cut by up to dozens of warps), ungrouped and
+// grouped, with and without programmatic dependent launch. Outputs and scratch are NaN-poisoned first.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -16,7 +18,10 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <string>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "harness.h"
 #include "kernels/cpu/cpu_ops.h"
@@ -92,10 +97,12 @@ void emulate_mma(float (&d)[32][4], const float (&a)[32][4][2], const float (&b)
   }
 }
 
-// y [T, R] from the kernel-layout bytes, following expert_gemm_kernel step by step for 8-token tiles.
+// y [T, R] from the kernel-layout bytes, following expert_gemm_kernel step by step for 8-token tiles; with
+// `fold`, the stream/wide kernels instead (moe_mma.cuh): each A register multiplied by the bf16 pair
+// ((e + 126) << 7) of its row's scale byte, the MMAs accumulating straight into one accumulator.
 std::vector<float> emulate_kernel(const std::vector<uint8_t>& kp, const std::vector<uint8_t>& ks, bool special,
                                   const std::vector<float>& x /* [T, C], BF16 values */, int64_t T, int64_t R,
-                                  int64_t C) {
+                                  int64_t C, bool fold = false) {
   const int64_t RT = R / 16, NC = C / 64;
   std::vector<float> y(size_t(T * R), std::nanf(""));
   for (int64_t n0 = 0; n0 < T; n0 += 8) {
@@ -125,6 +132,21 @@ std::vector<float> emulate_kernel(const std::vector<uint8_t>& kp, const std::vec
                 Bv[2 * b + m / 2][l][m % 2][h] = x[size_t(tok * C + 64 * c + 32 * b + 8 * t + 2 * m + h)];
           const uint8_t* sp = &ks[size_t((rt * NC + c) * 32 + g * 4)];
           sw[l] = uint32_t(sp[0]) | uint32_t(sp[1]) << 8 | uint32_t(sp[2]) << 16 | uint32_t(sp[3]) << 24;
+        }
+        if (fold) {
+          for (int l = 0; l < 32; ++l)
+            for (int st = 0; st < 4; ++st)
+              for (int j = 0; j < 4; ++j) {
+                const uint32_t e = (sw[l] >> (8 * (2 * (st >> 1) + (j & 1)))) & 0xFF;  // row g + 8(j&1), block st/2
+                const float mult = bf16_bits_to_f32((e + 126) << 7);
+                for (int h = 0; h < 2; ++h) A[st][l][j][h] = A[st][l][j][h] * 0x1p-126f * mult;  // exact
+              }
+          for (int st = 0; st < 4; ++st) {
+            float q[32][4];
+            emulate_mma(q, A[st], Bv[st], acc);
+            std::memcpy(acc, q, sizeof(q));
+          }
+          continue;
         }
         for (int b = 0; b < 2; ++b) {
           float p[32][4] = {}, q[32][4];
@@ -234,7 +256,7 @@ TEST(MoeLayout, EmulatedKernelMatchesCpuTwin) {
     unsigned e_lo, e_hi;
   };
   for (Case c : {Case{16, 64, 1, 118, 122}, Case{64, 128, 5, 118, 122}, Case{32, 256, 8, 100, 140},
-                 Case{48, 192, 13, 0, 254}}) {
+                 Case{48, 192, 13, 0, 254}, Case{32, 128, 7, 1, 128}}) {
     Mx m = random_mx(c.R, c.C, rng, c.e_lo, c.e_hi);
     if (c.e_hi >= 253)  // keep |w| finite on the CPU: codes with |v| ≤ 1.5 in those blocks
       for (int64_t r = 0; r < c.R; ++r)
@@ -243,14 +265,19 @@ TEST(MoeLayout, EmulatedKernelMatchesCpuTwin) {
             for (int64_t j = 0; j < 16; ++j) m.packed[size_t(r * c.C / 2 + b * 16 + j)] &= 0xBB;
     std::vector<float> x = to_f32(rand_bf16(size_t(c.T * c.C), rng, -1.0f, 1.0f));
     const bool special = cuda::mxfp4_special_scales(m.scale.data(), m.scale.size());
+    const bool foldable = !cuda::mxfp4_fp32_scales(m.scale.data(), m.scale.size());
     const auto [kp, ks] = pack(m);
-    const auto got = emulate_kernel(kp, ks, special, x, c.T, c.R, c.C);
     const auto want = cpu_matmul(m, x, c.T);
     const auto bound = cpu_abs_matmul(m, x, c.T);
-    for (size_t i = 0; i < want.size(); ++i) {
-      if (std::isnan(want[i]) || std::isinf(bound[i])) continue;
-      ASSERT_LE(std::fabs(got[i] - want[i]), 1e-5 * bound[i] + 1e-38)
-          << "R " << c.R << " C " << c.C << " T " << c.T << " at " << i << ": " << got[i] << " vs " << want[i];
+    for (bool fold : {false, true}) {
+      if (fold && !foldable) continue;
+      const auto got = emulate_kernel(kp, ks, special, x, c.T, c.R, c.C, fold);
+      for (size_t i = 0; i < want.size(); ++i) {
+        if (std::isnan(want[i]) || std::isinf(bound[i])) continue;
+        ASSERT_LE(std::fabs(got[i] - want[i]), 1e-5 * bound[i] + 1e-38) << "R " << c.R << " C " << c.C << " T " << c.T
+                                                                        << " fold " << fold << " at " << i << ": "
+                                                                        << got[i] << " vs " << want[i];
+      }
     }
   }
 }
@@ -259,14 +286,28 @@ TEST(MoeLayout, EmulatedKernelMatchesCpuTwin) {
 void need_gpu() { ASSERT_GT(cuda::device_count(), 0) << "no CUDA device: run this binary on the GPU machine"; }
 
 const char* tile_name(cuda::MoeTokenTile t) {
-  return t == cuda::MoeTokenTile::t8 ? "t8" : t == cuda::MoeTokenTile::t32 ? "t32" : "auto";
+  switch (t) {
+    case cuda::MoeTokenTile::t8:
+      return "t8";
+    case cuda::MoeTokenTile::t32:
+      return "t32";
+    case cuda::MoeTokenTile::stream:
+      return "stream";
+    case cuda::MoeTokenTile::wide:
+      return "wide";
+    default:
+      return "auto";
+  }
 }
+constexpr cuda::MoeTokenTile kAllTiles[] = {cuda::MoeTokenTile::t8, cuda::MoeTokenTile::t32, cuda::MoeTokenTile::stream,
+                                            cuda::MoeTokenTile::wide};
 
 // y = bf16(x·Wᵀ) of mxfp4_matmul_packed vs bf16 of cpu::mxfp4_gemm: per element |Δ| ≤ 2^-7·|ref| (one BF16
 // rounding of sums in another order) + 2^-16·Σ|w·x| (FP32 order), NaN exactly where the twin has NaN.
 void check_matmul(const std::string& what, const Mx& m, const std::vector<float>& x_in, int64_t T,
                   cuda::MoeTokenTile tile) {
   const bool special = cuda::mxfp4_special_scales(m.scale.data(), m.scale.size());
+  const bool fp32 = cuda::mxfp4_fp32_scales(m.scale.data(), m.scale.size());
   const auto [kp, ks] = pack(m);
   std::vector<uint16_t> xb(x_in.size());
   std::vector<float> x(x_in.size());  // the BF16 values both sides see
@@ -276,7 +317,7 @@ void check_matmul(const std::string& what, const Mx& m, const std::vector<float>
   auto ds = upload(ks);
   auto dy = poisoned<uint16_t>(size_t(T * m.R));
   auto dws = poisoned<uint8_t>(cuda::mxfp4_matmul_workspace_bytes(T));
-  cuda::mxfp4_matmul_packed(dx.p(), dp.p(), ds.p(), special, T, m.R, m.C, dws.p(), dy.p(), nullptr, tile);
+  cuda::mxfp4_matmul_packed(dx.p(), dp.p(), ds.p(), special, fp32, T, m.R, m.C, dws.p(), dy.p(), nullptr, tile);
   sync();
   const auto got = dy.get();
   const auto ref = cpu_matmul(m, x, T), bound = cpu_abs_matmul(m, x, T);
@@ -311,7 +352,9 @@ TEST(GpuMoe, MatmulEveryCodeAndScale) {
     unsigned e_lo, e_hi;
     int x_exp;  // |x| ≈ 2^x_exp keeps every output finite and normal
   };
-  const Range ranges[] = {{118, 122, 0}, {0, 40, 60}, {41, 200, 0}, {201, 254, -80}};
+  // [1, 40] and [41, 128] keep the scales foldable (stream and wide kernels, products down to 2^-128);
+  // 0 and above 128 send stream/wide to the FP32-scale kernels.
+  const Range ranges[] = {{118, 122, 0}, {1, 40, 60}, {41, 128, 0}, {0, 40, 60}, {41, 200, 0}, {201, 254, -80}};
   struct Shape {
     int64_t R, C;
   };
@@ -322,10 +365,10 @@ TEST(GpuMoe, MatmulEveryCodeAndScale) {
         for (int64_t b = 0; b < s.C / 32; ++b)
           if (m.scale[size_t(r * (s.C / 32) + b)] >= 253)  // |v|·2^(e−127) must stay finite for the twin
             for (int64_t j = 0; j < 16; ++j) m.packed[size_t(r * s.C / 2 + b * 16 + j)] &= 0xBB;
-      for (int64_t T : {1, 7, 8, 9, 40}) {
+      for (int64_t T : {1, 7, 8, 9, 40, 130}) {
         std::vector<float> x(size_t(T * s.C));
         for (auto& v : x) v = std::ldexp(rng.uniform(1.0f, 2.0f), e.x_exp - int(rng.next() % 3)) * (rng.next() & 1 ? -1.0f : 1.0f);
-        for (auto tile : {cuda::MoeTokenTile::t8, cuda::MoeTokenTile::t32})
+        for (auto tile : kAllTiles)
           check_matmul(fmt::format("{}x{} T={} e {}..{} {}", s.R, s.C, T, e.e_lo, e.e_hi, tile_name(tile)), m, x, T,
                        tile);
       }
@@ -343,7 +386,7 @@ TEST(GpuMoe, MatmulEveryCodeAndScale) {
     for (int64_t t = 0; t < T; ++t)  // token 0 large: rows at scale 2^-127 give normal outputs
       if (t == 0)
         for (int64_t k = 0; k < 256; ++k) x[size_t(k)] *= 0x1p100f;
-    for (auto tile : {cuda::MoeTokenTile::t8, cuda::MoeTokenTile::t32})
+    for (auto tile : kAllTiles)
       check_matmul(fmt::format("64x256 T={} scales 0/255 {}", T, tile_name(tile)), m, x, T, tile);
   }
 }
@@ -378,6 +421,7 @@ std::unique_ptr<Experts> make_experts(int64_t X, int64_t Lt, int64_t I, Rng& rng
   });
   EXPECT_EQ(E.dev.layout, cuda::kMoeExpertLayout);
   EXPECT_FALSE(E.dev.special_scales);
+  EXPECT_FALSE(E.dev.fp32_scales);
   return ex;
 }
 
@@ -405,15 +449,39 @@ void make_routing(Routing kind, int64_t T, int64_t X, int64_t K, Rng& rng, std::
   }
 }
 
+// One way of running the experts: the GEMM family and the knobs that change how the work is split.
+struct Variant {
+  cuda::MoeTokenTile tile = cuda::MoeTokenTile::automatic;
+  int grouped = -1;    // MoeExpertsOptions::grouped
+  int ctas = 0;        // MoeExpertsOptions::stream_ctas
+  int pdl = -1;        // MoeExpertsOptions::pdl
+  std::string name() const {
+    std::string n = tile_name(tile);
+    if (grouped == 0) n += " ungrouped";
+    if (grouped == 1) n += " grouped";
+    if (ctas > 0) n += fmt::format(" {} CTAs", ctas);
+    if (pdl == 0) n += " no-PDL";
+    return n;
+  }
+};
+cuda::MoeExpertsOptions options(const Variant& v) {
+  cuda::MoeExpertsOptions o;
+  o.tile = v.tile;
+  o.grouped = v.grouped;
+  o.stream_ctas = v.ctas;
+  o.pdl = v.pdl;
+  return o;
+}
+
 std::vector<uint16_t> run_gpu_moe(const Experts& E, const std::vector<uint16_t>& z, const std::vector<int32_t>& ids,
-                                  const std::vector<float>& wts, int64_t T, int64_t K, cuda::MoeTokenTile tile) {
+                                  const std::vector<float>& wts, int64_t T, int64_t K, const Variant& v) {
   auto dz = upload(z);
   auto dids = upload(ids);
   auto dw = upload(wts);
   auto dws = poisoned<uint8_t>(cuda::moe_experts_workspace_bytes(T, E.X, K, E.Lt, E.I));
   auto dut = poisoned<uint16_t>(size_t(T * E.Lt));
   cuda::moe_experts_mxfp4(dz.p(), dids.p(), dw.p(), E.dev, T, E.X, K, E.Lt, E.I, 4.0f, 25.0f, dws.p(), dut.p(), nullptr,
-                          tile);
+                          options(v));
   sync();
   return dut.get();
 }
@@ -429,47 +497,61 @@ void check_moe(const std::string& op, const std::string& shape, const std::vecto
 TEST(GpuMoe, ExpertsMatchCpuTwin) {
   need_gpu();
   Rng rng(52);
+  using cuda::MoeTokenTile;
+  const Variant autov{}, t8{MoeTokenTile::t8}, t32{MoeTokenTile::t32}, stream{MoeTokenTile::stream},
+      wide{MoeTokenTile::wide};
+  // Stream-K splits: 1 CTA (4 warps share everything), 3 and 7 CTAs (tiles cut by 2..many warps), ungrouped.
+  const Variant s1{MoeTokenTile::stream, -1, 1}, s3{MoeTokenTile::stream, -1, 3}, s7{MoeTokenTile::stream, -1, 7},
+      sung{MoeTokenTile::stream, 0}, sgrp{MoeTokenTile::stream, 1}, snopdl{MoeTokenTile::stream, -1, 0, 0},
+      wnopdl{MoeTokenTile::wide, -1, 0, 0};
+  struct Run {
+    int64_t T;
+    Routing routing;
+    std::vector<Variant> variants;  // all checked against one CPU reference
+  };
   struct Case {
     int64_t X, K, Lt, I;
     const char* what;
-    std::vector<std::tuple<int64_t, Routing, cuda::MoeTokenTile>> runs;
+    std::vector<Run> runs;
   };
-  using cuda::MoeTokenTile;
   const std::vector<Case> cases = {
       {16, 4, 128, 64, "nano",
-       {{1, Routing::random, MoeTokenTile::automatic},
-        {2, Routing::random, MoeTokenTile::automatic},
-        {7, Routing::random, MoeTokenTile::automatic},
-        {64, Routing::random, MoeTokenTile::automatic},
-        {64, Routing::ties, MoeTokenTile::t32},
-        {300, Routing::skewed, MoeTokenTile::t8},
-        {300, Routing::skewed, MoeTokenTile::t32},
-        {4096, Routing::random, MoeTokenTile::automatic},
-        {4096, Routing::random, MoeTokenTile::t8}}},
+       {{1, Routing::random, {autov, sgrp, s1}},
+        {2, Routing::random, {autov, s3}},
+        {7, Routing::random, {autov, sung, s7, snopdl}},
+        {64, Routing::random, {autov, stream, s1, s3}},
+        {64, Routing::ties, {t32, stream, wide}},
+        {300, Routing::skewed, {t8, t32, stream, s7, wide, wnopdl}},
+        {4096, Routing::random, {autov, t8, stream}},
+        {4096, Routing::skewed, {autov, wide, s7}}}},
       {8, 2, 3584, 3072, "mini (8 of 112 experts)",
-       {{1, Routing::random, MoeTokenTile::automatic},
-        {7, Routing::random, MoeTokenTile::automatic},
-        {64, Routing::random, MoeTokenTile::automatic},
-        {300, Routing::random, MoeTokenTile::t8},
-        {300, Routing::skewed, MoeTokenTile::t32}}},
+       {{1, Routing::random, {autov, sgrp, s3}},
+        {7, Routing::random, {autov, s7, wide}},
+        {64, Routing::random, {autov, stream}},
+        {300, Routing::random, {t8, stream}},
+        {300, Routing::skewed, {t32, wide, s3}}}},
       {32, 16, 3584, 3072, "real dims, 32 experts top-16",
-       {{1, Routing::random, MoeTokenTile::automatic},
-        {16, Routing::ties, MoeTokenTile::automatic},
-        {16, Routing::random, MoeTokenTile::t32}}},
+       {{1, Routing::random, {autov, sgrp, t8}},
+        {16, Routing::ties, {autov, wide, t8}},
+        {16, Routing::random, {t32, stream, s7}}}},
   };
   for (const Case& c : cases) {
     const auto E = make_experts(c.X, c.Lt, c.I, rng);
-    for (const auto& [T, routing, tile] : c.runs) {
+    for (const Run& run : c.runs) {
+      const int64_t T = run.T;
       const auto z = rand_bf16(size_t(T * c.Lt), rng, -1.0f, 1.0f);
       std::vector<int32_t> ids;
       std::vector<float> wts;
-      make_routing(routing, T, c.X, c.K, rng, ids, wts);
+      make_routing(run.routing, T, c.X, c.K, rng, ids, wts);
       std::vector<uint16_t> ref(size_t(T * c.Lt));
       cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, ref.data());
-      const auto got = run_gpu_moe(*E, z, ids, wts, T, c.K, tile);
-      const char* rname = routing == Routing::ties ? "ties" : routing == Routing::skewed ? "skewed" : "random";
-      check_moe("moe_experts_mxfp4 (u~)",
-                fmt::format("{} T={} K={} {} {}", c.what, T, c.K, rname, tile_name(tile)), got, ref);
+      const char* rname =
+          run.routing == Routing::ties ? "ties" : run.routing == Routing::skewed ? "skewed" : "random";
+      for (const Variant& v : run.variants) {
+        const auto got = run_gpu_moe(*E, z, ids, wts, T, c.K, v);
+        check_moe("moe_experts_mxfp4 (u~)", fmt::format("{} T={} K={} {} {}", c.what, T, c.K, rname, v.name()), got,
+                  ref);
+      }
     }
   }
 }
@@ -478,68 +560,87 @@ TEST(GpuMoe, ExpertsMatchCpuTwin) {
 TEST(GpuMoe, ExpertsOutOfRangeIdsAddNothing) {
   need_gpu();
   Rng rng(53);
-  const int64_t X = 16, K = 4, Lt = 128, I = 64, T = 9;
+  const int64_t X = 16, K = 4, Lt = 128, I = 64;
   const auto E = make_experts(X, Lt, I, rng);
-  const auto z = rand_bf16(size_t(T * Lt), rng, -1.0f, 1.0f);
-  std::vector<int32_t> ids;
-  std::vector<float> wts;
-  make_routing(Routing::random, T, X, K, rng, ids, wts);
-  std::vector<int32_t> gids = ids;
-  gids[1] = -1, gids[6] = int32_t(X), gids[4 * 8 + 3] = 1 << 30;
-  for (size_t i : {size_t(1), size_t(6), size_t(35)}) {
-    wts[i] = 0.0f;
-    // The twin needs a valid id that the token does not already use.
-    for (int32_t e = 0; e < X; ++e) {
-      const int64_t t = int64_t(i) / K;
-      if (std::find(ids.begin() + t * K, ids.begin() + (t + 1) * K, e) == ids.begin() + (t + 1) * K) {
-        ids[i] = e;
-        break;
-      }
-    }
-  }
-  std::vector<uint16_t> ref(size_t(T * Lt));
-  cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), T, X, K, Lt, I, 4.0f, 25.0f, ref.data());
-  const auto got = run_gpu_moe(*E, z, gids, wts, T, K, cuda::MoeTokenTile::automatic);
-  check_moe("moe_experts_mxfp4 (bad ids)", "nano T=9 K=4", got, ref);
-}
-
-// The four launches capture into a CUDA graph (no host reads); replays follow new routing in the same buffers.
-TEST(GpuMoe, ExpertsGraphReplay) {
-  need_gpu();
-  Rng rng(54);
-  const int64_t X = 16, K = 4, Lt = 128, I = 64, T = 33;
-  const auto E = make_experts(X, Lt, I, rng);
-  auto dz = poisoned<uint16_t>(size_t(T * Lt));
-  auto dids = poisoned<int32_t>(size_t(T * K));
-  auto dw = poisoned<float>(size_t(T * K));
-  auto dws = poisoned<uint8_t>(cuda::moe_experts_workspace_bytes(T, X, K, Lt, I));
-  auto dut = poisoned<uint16_t>(size_t(T * Lt));
-  cudaStream_t stream;
-  KCUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  KCUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  cuda::moe_experts_mxfp4(dz.p(), dids.p(), dw.p(), E->dev, T, X, K, Lt, I, 4.0f, 25.0f, dws.p(), dut.p(), stream);
-  KCUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  KCUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int rep = 0; rep < 3; ++rep) {
+  using cuda::MoeTokenTile;
+  for (int64_t T : {9, 1}) {
     const auto z = rand_bf16(size_t(T * Lt), rng, -1.0f, 1.0f);
     std::vector<int32_t> ids;
     std::vector<float> wts;
-    make_routing(rep == 1 ? Routing::skewed : Routing::random, T, X, K, rng, ids, wts);
-    dz.buf.copy_from_host(z.data(), z.size() * 2);
-    dids.buf.copy_from_host(ids.data(), ids.size() * 4);
-    dw.buf.copy_from_host(wts.data(), wts.size() * 4);
-    sync();  // the copies ran on the legacy stream; the graph runs on a non-blocking one
-    KCUDA_CHECK(cudaGraphLaunch(exec, stream));
-    KCUDA_CHECK(cudaStreamSynchronize(stream));
+    make_routing(Routing::random, T, X, K, rng, ids, wts);
+    std::vector<int32_t> gids = ids;
+    std::vector<size_t> bad = T == 1 ? std::vector<size_t>{1, 3} : std::vector<size_t>{1, 6, 35};
+    const int32_t bad_ids[] = {-1, int32_t(X), 1 << 30};
+    for (size_t b = 0; b < bad.size(); ++b) gids[bad[b]] = bad_ids[b];
+    for (size_t i : bad) {
+      wts[i] = 0.0f;
+      // The twin needs a valid id that the token does not already use.
+      for (int32_t e = 0; e < X; ++e) {
+        const int64_t t = int64_t(i) / K;
+        if (std::find(ids.begin() + t * K, ids.begin() + (t + 1) * K, e) == ids.begin() + (t + 1) * K) {
+          ids[i] = e;
+          break;
+        }
+      }
+    }
     std::vector<uint16_t> ref(size_t(T * Lt));
     cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), T, X, K, Lt, I, 4.0f, 25.0f, ref.data());
-    check_moe("moe_experts_mxfp4 (graph)", fmt::format("nano T={} replay {}", T, rep), dut.get(), ref);
+    for (const Variant& v : {Variant{}, Variant{MoeTokenTile::stream, 0}, Variant{MoeTokenTile::stream, 1, 3},
+                             Variant{MoeTokenTile::wide}, Variant{MoeTokenTile::t8}}) {
+      const auto got = run_gpu_moe(*E, z, gids, wts, T, K, v);
+      check_moe("moe_experts_mxfp4 (bad ids)", fmt::format("nano T={} K=4 {}", T, v.name()), got, ref);
+    }
   }
-  KCUDA_CHECK(cudaGraphExecDestroy(exec));
-  KCUDA_CHECK(cudaGraphDestroy(graph));
-  KCUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// The four launches capture into a CUDA graph (no host reads, PDL edges included); replays follow new routing in
+// the same buffers (the decode GEMMs' counters are zeroed again by every replay).
+TEST(GpuMoe, ExpertsGraphReplay) {
+  need_gpu();
+  Rng rng(54);
+  const int64_t X = 16, K = 4, Lt = 128, I = 64;
+  const auto E = make_experts(X, Lt, I, rng);
+  using cuda::MoeTokenTile;
+  const std::pair<int64_t, Variant> runs[] = {{33, Variant{}},  // stream, grouped
+                                              {33, Variant{MoeTokenTile::wide}},
+                                              {64, Variant{}},  // wide (16 slots per expert)
+                                              {33, Variant{MoeTokenTile::stream, -1, 3}},
+                                              {1, Variant{}},  // stream, ungrouped
+                                              {2, Variant{MoeTokenTile::stream, 1}}};
+  for (const auto& [T, v] : runs) {
+    auto dz = poisoned<uint16_t>(size_t(T * Lt));
+    auto dids = poisoned<int32_t>(size_t(T * K));
+    auto dw = poisoned<float>(size_t(T * K));
+    auto dws = poisoned<uint8_t>(cuda::moe_experts_workspace_bytes(T, X, K, Lt, I));
+    auto dut = poisoned<uint16_t>(size_t(T * Lt));
+    cudaStream_t stream;
+    KCUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    KCUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    cuda::moe_experts_mxfp4(dz.p(), dids.p(), dw.p(), E->dev, T, X, K, Lt, I, 4.0f, 25.0f, dws.p(), dut.p(), stream,
+                            options(v));
+    KCUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    KCUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int rep = 0; rep < 3; ++rep) {
+      const auto z = rand_bf16(size_t(T * Lt), rng, -1.0f, 1.0f);
+      std::vector<int32_t> ids;
+      std::vector<float> wts;
+      make_routing(rep == 1 ? Routing::skewed : Routing::random, T, X, K, rng, ids, wts);
+      dz.buf.copy_from_host(z.data(), z.size() * 2);
+      dids.buf.copy_from_host(ids.data(), ids.size() * 4);
+      dw.buf.copy_from_host(wts.data(), wts.size() * 4);
+      sync();  // the copies ran on the legacy stream; the graph runs on a non-blocking one
+      KCUDA_CHECK(cudaGraphLaunch(exec, stream));
+      KCUDA_CHECK(cudaStreamSynchronize(stream));
+      std::vector<uint16_t> ref(size_t(T * Lt));
+      cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), T, X, K, Lt, I, 4.0f, 25.0f, ref.data());
+      check_moe("moe_experts_mxfp4 (graph)", fmt::format("nano T={} {} replay {}", T, v.name(), rep), dut.get(), ref);
+    }
+    KCUDA_CHECK(cudaGraphExecDestroy(exec));
+    KCUDA_CHECK(cudaGraphDestroy(graph));
+    KCUDA_CHECK(cudaStreamDestroy(stream));
+  }
 }
 
 // Weights not packed for the kernels are refused with an error, not computed with.

@@ -108,3 +108,15 @@ def test_kda_state_dtype_flag(kestrel_bin, nano_dir):
     assert rec(r32.stdout) == 2 * rec(r16.stdout), (slot_line(r32.stdout), slot_line(r16.stdout))
     bad = run_kestrel(kestrel_bin, *base, "--kda-state-dtype", "f64")
     assert bad.returncode == 1 and "KDA state dtype must be f32 or f16" in bad.stderr, bad.stderr
+
+
+def test_quantization_flag_needs_the_gpu(kestrel_bin, nano_dir):
+    """--quantization ptpc-fp8 re-quantises the GPU model's dense projections; on the CPU engine it is a clean
+    error, and an unknown scheme is refused by the option parser."""
+    base = ("generate", "--model", nano_dir, "--prompt-tokens", "5,17", "--max-tokens", "2")
+    ok = run_kestrel(kestrel_bin, *base, "--quantization", "bf16")
+    assert ok.returncode == 0, ok.stderr
+    r = run_kestrel(kestrel_bin, *base, "--quantization", "ptpc-fp8")
+    assert r.returncode == 1 and "needs --device cuda" in r.stderr, r.stderr
+    bad = run_kestrel(kestrel_bin, *base, "--quantization", "int4")
+    assert bad.returncode != 0 and "quantization" in (bad.stderr + bad.stdout), bad.stderr

@@ -1,13 +1,15 @@
 // The tensor-core MLA attention kernel (src/kernels/cuda/mla_tc_body.h, the body mla_tc.cu runs on the GPU)
 // executed on the CPU: every CUDA thread is a fiber, __syncthreads a barrier of the block, and the warp
-// primitives are emulated from their PTX ISA definitions — mma.sync.m16n8k16 (bf16 fragments as the ISA
-// lays them out over the lanes, f32 accumulation), ldmatrix .x4 / .x4.trans (lane i of each group of 8
-// supplies a row address; thread t receives row t/4, elements 2(t%4), 2(t%4)+1, or the transpose),
-// cp.async (an immediate copy, zero-filled past src_bytes), shuffles and the warp min. Shared memory
-// starts as NaN bytes, so a read of anything the kernel did not write shows up.
+// primitives are emulated from their PTX ISA definitions — mma.sync.m16n8k16 (bf16 or f16 fragments as
+// the ISA lays them out over the lanes, f32 accumulation, subnormal operands kept), ldmatrix .x4 / .x4.trans
+// (lane i of each group of 8 supplies a row address; thread t receives row t/4, elements 2(t%4), 2(t%4)+1,
+// or the transpose), cp.async (an immediate copy, zero-filled past src_bytes), shuffles, the warp min/max,
+// cvt e4m3x2 → f16x2 and the bf16x2 multiply. Shared memory starts as NaN bytes, so a read of anything the
+// kernel did not write shows up.
 //
 // What this checks without a GPU: the kernel's index arithmetic (fragments, swizzle, page and selection
-// lookups, the address pipeline), masking, the online softmax and the split outputs, against the CPU twin
+// lookups, the address pipeline, the FP8 path's permuted fragments, byte placement and per-group scales),
+// masking, the online softmax and the split outputs, against the CPU twin
 // cpu::mla_attn_absorbed over MlaCacheView::read_latent (the split merge and W_UV are applied here on the
 // CPU). What it cannot check: timing, the asynchrony of cp.async, the real hardware's rounding inside the
 // MMA (emulated with a double sum) and exp2f's last ulp. The GPU tests (tests/gpu/test_mla_tc_gpu.cpp)
@@ -52,6 +54,8 @@ struct alignas(16) uint4 {
 inline float2 make_float2(float a, float b) { return {a, b}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline float __uint_as_float(uint32_t u) { return std::bit_cast<float>(u); }
+inline uint32_t __float_as_uint(float f) { return std::bit_cast<uint32_t>(f); }
+using std::max;
 using std::min;
 
 // Cooperative threads: every CUDA thread of the CTA is a ucontext fiber on the calling OS thread; a fiber
@@ -124,7 +128,24 @@ inline int warp_min(int v) {
   for (int l = 0; l < 32; ++l) m = std::min(m, int(lane_slot(buf, l)[0]));
   return m;
 }
+inline int warp_max(int v) {
+  uint32_t* buf = phase_buf();
+  my_slot()[0] = uint32_t(v);
+  wait(wbar());
+  int m = INT_MIN;
+  for (int l = 0; l < 32; ++l) m = std::max(m, int(lane_slot(buf, l)[0]));
+  return m;
+}
+inline bool warp_any(bool v) {
+  uint32_t* buf = phase_buf();
+  my_slot()[0] = v ? 1u : 0u;
+  wait(wbar());
+  bool any = false;
+  for (int l = 0; l < 32; ++l) any = any || lane_slot(buf, l)[0] != 0;
+  return any;
+}
 inline void smem_atomic_min(int* p, int v) { *p = std::min(*p, v); }  // fibers never interleave inside
+inline void smem_atomic_max(int* p, int v) { *p = std::max(*p, v); }
 template <typename T>
 T ldg(const T* p) {
   return *p;
@@ -208,14 +229,19 @@ inline void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, u
   }
   r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
 }
-// mma.m16n8k16.row.col bf16 → f32: A[16×16] row-major fragments, B[16×8] column fragments (ISA layout).
-inline void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+// mma.m16n8k16.row.col bf16 (or f16) → f32: A[16×16] row-major fragments, B[16×8] column fragments (ISA
+// layout). Operands decode exactly (subnormals included: the hardware keeps them).
+template <bool F16>
+inline void mma_any(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   uint32_t* buf = phase_buf();
   uint32_t* s = my_slot();
   for (int i = 0; i < 4; ++i) s[i] = a[i];
   s[4] = b0, s[5] = b1;
   wait(wbar());
-  auto half = [](uint32_t v, int hi) { return bf16_to_f32(uint16_t(hi ? v >> 16 : v & 0xffffu)); };
+  auto half = [](uint32_t v, int hi) {
+    const uint16_t h = uint16_t(hi ? v >> 16 : v & 0xffffu);
+    return F16 ? f16_to_f32(h) : bf16_to_f32(h);
+  };
   // A[row][k]: lane (row % 8)·4 + (k % 8)/2, register (row ≥ 8) + 2·(k ≥ 8), half k % 2 (ISA Figure: mma
   // .m16n8k16 A fragment); B[k][n]: lane n·4 + (k % 8)/2, register b0/b1 by k ≥ 8, half k % 2.
   auto A = [&](int row, int k) {
@@ -232,9 +258,21 @@ inline void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
   }
   for (int r = 0; r < 4; ++r) d[r] = out[r];
 }
+inline void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) { mma_any<false>(d, a, b0, b1); }
+inline void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) { mma_any<true>(d, a, b0, b1); }
 inline uint32_t pack_bf16(float lo, float hi) { return uint32_t(f32_to_bf16(lo)) | (uint32_t(f32_to_bf16(hi)) << 16); }
-inline uint32_t e4m3x2_to_bf16x2(uint32_t two, float s) {
-  return pack_bf16(f8e4m3_to_f32(uint8_t(two & 0xffu)) * s, f8e4m3_to_f32(uint8_t((two >> 8) & 0xffu)) * s);
+inline uint32_t pack_f16(float lo, float hi) { return uint32_t(f32_to_f16(lo)) | (uint32_t(f32_to_f16(hi)) << 16); }
+// cvt.rn.f16x2.e4m3x2 of bytes 0, 1 (lo) or 2, 3 (hi): the lower byte → the low half; exact.
+inline uint32_t e4m3x2_to_f16x2(uint32_t two) {
+  return uint32_t(f32_to_f16(f8e4m3_to_f32(uint8_t(two & 0xffu)))) |
+         (uint32_t(f32_to_f16(f8e4m3_to_f32(uint8_t((two >> 8) & 0xffu)))) << 16);
+}
+inline uint32_t e4m3x2_lo_to_f16x2(uint32_t v) { return e4m3x2_to_f16x2(v & 0xffffu); }
+inline uint32_t e4m3x2_hi_to_f16x2(uint32_t v) { return e4m3x2_to_f16x2(v >> 16); }
+// mul.rn.bf16x2: the f32 product of two bf16 values is exact (8 × 8 significant bits), then one RNE.
+inline uint32_t hmul2_bf16(uint32_t a, uint32_t b) {
+  auto one = [](uint32_t x, uint32_t y) { return uint32_t(f32_to_bf16(bf16_to_f32(uint16_t(x)) * bf16_to_f32(uint16_t(y)))); };
+  return one(a & 0xffffu, b & 0xffffu) | (one(a >> 16, b >> 16) << 16);
 }
 
 }  // namespace kestrel::cuda::tc_emu
@@ -314,6 +352,9 @@ struct Case {
   int chunk = 64;                                  // keys per split
   bool ohat = false;                               // normalised bf16 ô (needs a single split)
   bool ramp = false;                               // k_pe rising along the positions, q_pe > 0
+  // lat_lo < lat_hi: each token's 128-column groups of ĉ get their own magnitude 2^U(lat_lo, lat_hi), values
+  // m·u³ (u uniform in ±1: a few % of them e4m3 subnormals after the FP8 scale); q_nope times q_scale.
+  float lat_lo = 0, lat_hi = 0, q_scale = 1;
 };
 
 void run_case(const Case& c, uint64_t seed, bool defer) {
@@ -342,10 +383,19 @@ void run_case(const Case& c, uint64_t seed, bool defer) {
     v.block_size = c.P, v.latent = arena.data();
     v.block_table = std::span<const int32_t>(tables.data() + r * size_t(max_blocks), size_t((c.lens[r] + c.P - 1) / c.P));
     std::vector<uint16_t> x(size_t(c.lens[r] * W));
-    for (int64_t s = 0; s < c.lens[r]; ++s)
-      for (int64_t i = 0; i < W; ++i)
-        x[size_t(s * W + i)] = f32_to_bf16(c.ramp && i >= C ? -2.0f + 4.0f * float(s) / float(c.lens[r]) + rng.uniform(-0.05f, 0.05f)
-                                                            : rng.uniform(-1.5f, 1.5f));
+    for (int64_t s = 0; s < c.lens[r]; ++s) {
+      float mag = 1;
+      for (int64_t i = 0; i < W; ++i) {
+        if (i % 128 == 0 && c.lat_lo < c.lat_hi) mag = std::exp2(rng.uniform(c.lat_lo, c.lat_hi));
+        float v = c.ramp && i >= C ? -2.0f + 4.0f * float(s) / float(c.lens[r]) + rng.uniform(-0.05f, 0.05f)
+                                   : rng.uniform(-1.5f, 1.5f);
+        if (c.lat_lo < c.lat_hi && i < C) {
+          const float u = rng.uniform(-1.0f, 1.0f);
+          v = mag * u * u * u;
+        }
+        x[size_t(s * W + i)] = f32_to_bf16(v);
+      }
+    }
     for (int64_t s = 0; s < c.lens[r]; ++s) v.write_latent(s, x.data() + s * W);
     lat[r].resize(x.size());
     v.read_latent(c.lens[r], lat[r].data());
@@ -355,7 +405,7 @@ void run_case(const Case& c, uint64_t seed, bool defer) {
   std::vector<int32_t> req, lens, sel;
   for (auto [r, n] : c.rows) req.push_back(r), lens.push_back(n);
   std::vector<uint16_t> q(size_t(B * Hm * QK)), kvb(size_t(Hm * (N + Dv) * C));
-  for (auto& x : q) x = f32_to_bf16(rng.uniform(-1.0f, 1.0f));
+  for (size_t i = 0; i < q.size(); ++i) q[i] = f32_to_bf16(rng.uniform(-1.0f, 1.0f) * (int64_t(i) % QK < N ? c.q_scale : 1.0f));
   if (c.ramp)
     for (int64_t i = 0; i < B * Hm; ++i)
       for (int64_t e = N; e < QK; ++e) q[size_t(i * QK + e)] = f32_to_bf16(rng.uniform(0.5f, 1.5f));
@@ -482,9 +532,30 @@ TEST(MlaTcEmulated, MiniShapes) {
     run_case({kMini, lf, 128, {130, 1}, {{0, 130}, {1, 1}, {0, 65}}, 0, 64}, 21, false);
     run_case({kMini16, lf, 64, {200}, {{0, 200}, {0, 100}}, 80 /* sparse, fewer than visible */, 128}, 22, lf == LatentFormat::fp8);
   }
-  Case c{kMini, LatentFormat::bf16, 128, {150}, {{0, 150}, {0, 64}}, 0, 192};
-  c.ohat = true;
-  run_case(c, 23, true);
+  for (LatentFormat lf : {LatentFormat::bf16, LatentFormat::fp8}) {
+    Case c{kMini, lf, 128, {150}, {{0, 150}, {0, 64}}, 0, 192};
+    c.ohat = true;
+    run_case(c, 23, true);
+  }
+}
+
+// Scales that differ per token and per 128-column group (the FP8 path folds them into per-group partial
+// scores and into P), e4m3 subnormals, latents small enough for the scale's clamp (2^−22) and large enough
+// for scales past 2^7 (2^14 here), and q̃ tiny or large (the FP8 path's power-of-two scale of q̃ in f16).
+TEST(MlaTcEmulated, ScalesAndMagnitudes) {
+  struct Mag {
+    float lo, hi, q;
+  };
+  // q̃ up to ~2^16 (past f16's range unless scaled) and down to ~2^−21 (f16 subnormals unless scaled).
+  for (const Mag m : {Mag{-8, 4, 1.0f / 16}, Mag{-22, -14, 131072.0f}, Mag{16, 22, 1.0f / 1048576}})
+    for (LatentFormat lf : {LatentFormat::bf16, LatentFormat::fp8}) {
+      Case c{kMini, lf, 64, {300}, {{0, 300}, {0, 130}}, 0, 128};
+      c.lat_lo = m.lo, c.lat_hi = m.hi, c.q_scale = m.q;
+      run_case(c, 24, lf == LatentFormat::fp8);
+      Case n{kNano, lf, 16, {200}, {{0, 200}, {0, 77}}, 0, 64};
+      n.lat_lo = m.lo, n.lat_hi = m.hi, n.q_scale = m.q;
+      run_case(n, 25, false);
+    }
 }
 
 }  // namespace

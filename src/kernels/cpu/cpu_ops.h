@@ -61,6 +61,17 @@ void gemv_force_portable(bool on);
 void mxfp4_gemm(const uint8_t* packed /* u8 [out, in/2] */, const uint8_t* scale /* e8m0 [out, in/32] */,
                 const float* x /* f32 [T, in] */, float* y /* f32 [T, out] */, int64_t T, int64_t out, int64_t in);
 
+// PTPC FP8 (--quantization ptpc-fp8; fp8_ptpc.cpp). Each row r (a weight's output channel, or a token of
+// an activation) gets scale[r] = amax_r / 448 (amax_r = max |x[r, :]|; 1 for an all-zero or non-finite
+// row), q[r, c] = e4m3(x[r, c] / scale[r]) rounded to nearest even, saturating at ±448 (FP32 division).
+void quantize_fp8_rows(const uint16_t* x /* bf16 [R, C], row stride ldx */, int64_t ldx, int64_t R, int64_t C,
+                       uint8_t* q /* e4m3 [R, C] */, float* scale /* f32 [R] */);
+// y[t, n] = bf16((Σ_k xq[t, k]·wq[n, k])·ws[n]·xs[t]): e4m3 products (exact in FP32) summed in FP32 in k
+// order, scaled by the weight's then the token's scale, rounded once.
+void gemm_ptpc_fp8(const uint8_t* xq /* e4m3 [T, K] */, const float* xs /* f32 [T] */,
+                   const uint8_t* wq /* e4m3 [N, K] */, const float* ws /* f32 [N] */,
+                   uint16_t* y /* bf16 [T, N], row stride ldy */, int64_t ldy, int64_t T, int64_t K, int64_t N);
+
 // MODEL.md §3 conventions: y = w ⊙ bf16(x · rsqrt(mean(x²) + eps)), normalise in FP32, round, then
 // multiply by the weight and round again.
 void rmsnorm_bf16(const uint16_t* x /* bf16 [T, n] */, const uint16_t* w /* bf16 [n] */,

@@ -1,5 +1,5 @@
 // Device-side helpers shared by the .cu files: bf16 bit-pattern conversions (RNE, the same rule as
-// core/dtype.h), 16-byte vector loads of 8 bf16 values, and warp/block sum reductions.
+// core/dtype.h), 16-byte vector loads of 8 bf16 values, warp/block sum reductions, the PDL wait/trigger.
 // Device code only; never include from a .cpp file.
 #pragma once
 
@@ -56,5 +56,11 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 }
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Programmatic Dependent Launch (kernels/cuda/launch.h): wait until the previous kernel on the stream has
+// completed and its writes are visible (a no-op without a programmatic dependency); let the next kernel's
+// CTAs launch (they run up to their own wait). Every PDL kernel calls pdl_wait() on every path.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
 }  // namespace kestrel::cuda::dev

@@ -32,6 +32,13 @@ class GemmLt {
   void bf16_f32(const uint16_t* x /* bf16 [T, K], row stride ldx */, int64_t ldx,
                 const uint16_t* w /* bf16 [N, K], contiguous */, float* y /* f32 [T, N], row stride ldy */,
                 int64_t ldy, int64_t T, int64_t K, int64_t N, cudaStream_t stream);
+  // PTPC FP8 (--quantization ptpc-fp8): y = bf16((xq·Wqᵀ)[t, n]·ws[n]·xs[t]), e4m3 operands, FP32
+  // accumulation, the scales applied by cuBLASLt as outer vectors (CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F).
+  // K and ldx multiples of 16; operands 16-byte aligned. The prefill path; decode takes gemm_skinny_fp8.
+  void fp8_ptpc(const uint8_t* xq /* e4m3 [T, K], row stride ldx */, int64_t ldx, const float* xs /* f32 [T] */,
+                const uint8_t* wq /* e4m3 [N, K], contiguous */, const float* ws /* f32 [N] */,
+                uint16_t* y /* bf16 [T, N], row stride ldy */, int64_t ldy, int64_t T, int64_t K, int64_t N,
+                cudaStream_t stream);
   // Batched, W not transposed: for b < batch, y_b[M, N] = x_b[M, K]·W_b[K, N] in FP32 (the MLA absorbed
   // q̃ = W_UKᵀ q_nope over heads). Matrix b starts at x + b·sx, w + b·sw, y + b·sy (elements).
   void batched_xw_f32(const uint16_t* x, int64_t ldx, int64_t sx, const uint16_t* w, int64_t ldw, int64_t sw,
@@ -46,6 +53,7 @@ class GemmLt {
   void* workspace_ = nullptr;  // device
   size_t workspace_bytes_ = 0;
   std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, bool>, std::unique_ptr<Plan>> plans_;
+  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int>, std::unique_ptr<Plan>> fp8_plans_;
   std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>,
            std::unique_ptr<Plan>>
       bplans_;

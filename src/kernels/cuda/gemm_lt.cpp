@@ -39,6 +39,7 @@ GemmLt::GemmLt(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
 
 GemmLt::~GemmLt() {
   plans_.clear();
+  fp8_plans_.clear();
   bplans_.clear();
   if (workspace_) cudaFree(workspace_);
   if (handle_) cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
@@ -118,6 +119,43 @@ void GemmLt::bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* y
 void GemmLt::bf16_f32(const uint16_t* x, int64_t ldx, const uint16_t* w, float* y, int64_t ldy, int64_t T, int64_t K,
                       int64_t N, cudaStream_t stream) {
   run(x, ldx, w, y, ldy, T, K, N, true, stream);
+}
+
+void GemmLt::fp8_ptpc(const uint8_t* xq, int64_t ldx, const float* xs, const uint8_t* wq, const float* ws, uint16_t* y,
+                      int64_t ldy, int64_t T, int64_t K, int64_t N, cudaStream_t stream) {
+  KCUDA_REQUIRE(xq && xs && wq && ws && y, std::string("fp8 gemm: null pointer"));
+  KCUDA_REQUIRE(T >= 0 && K > 0 && N > 0 && K % 16 == 0 && ldx >= K && ldx % 16 == 0 && ldy >= N &&
+                    T < (int64_t(1) << 31) && K < (int64_t(1) << 31) && N < (int64_t(1) << 31),
+                "fp8 gemm: bad shape T=" + std::to_string(T) + " K=" + std::to_string(K) + " N=" + std::to_string(N));
+  if (T == 0) return;
+  const int align = std::min({alignment_of(xq, ldx, 1), alignment_of(wq, K, 1), alignment_of(y, ldy, 2)});
+  auto key = std::make_tuple(T, K, N, ldx, ldy, align);
+  auto it = fp8_plans_.find(key);
+  if (it == fp8_plans_.end()) {
+    auto p = std::make_unique<Plan>();
+    KCUBLAS_CHECK(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    KCUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    KCUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    const int32_t outer = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+    KCUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer, sizeof outer));
+    KCUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer, sizeof outer));
+    // Placeholder scale pointers for the heuristic; each call sets its own.
+    KCUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws, sizeof ws));
+    KCUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs, sizeof xs));
+    KCUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->a, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(N), K));
+    KCUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->b, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(T), ldx));
+    KCUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->d, CUDA_R_16BF, uint64_t(N), uint64_t(T), ldy));
+    p->algo = choose_algo(static_cast<cublasLtHandle_t>(handle_), workspace_bytes_, p->op, p->a, p->b, p->d, align,
+                          "fp8 T=" + std::to_string(T) + " K=" + std::to_string(K) + " N=" + std::to_string(N));
+    it = fp8_plans_.emplace(key, std::move(p)).first;
+  }
+  const Plan& p = *it->second;
+  KCUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws, sizeof ws));
+  KCUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs, sizeof xs));
+  const float alpha = 1.0f, beta = 0.0f;
+  KCUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, wq, p.a, xq, p.b, &beta, y, p.d,
+                               y, p.d, &p.algo, workspace_, workspace_bytes_, stream));
 }
 
 // Row-major y[M, N] = x[M, K]·W[K, N] is, column-major, D[N, M] = A[N, K]·B[K, M] with A = W (ld ldw) and

@@ -117,3 +117,42 @@ void kda_out_norm_gate(const float* o /* f32 [T, H*Dk] */, const uint16_t* gate 
                        int64_t H, int64_t Dk, cudaStream_t stream);
 
 }  // namespace kestrel::cuda
+
+namespace kestrel::cuda {
+
+// Steps 2–7 for decode rows in one launch (the fused decode chain; CPU twins as above, composed): row b
+// (one token of the sequence in slot slots[b]) reads its projections — q̃|k̃|ṽ (bf16 [3·H·Dk]), the output
+// gate (bf16 [H·Dk]), f_a's output (bf16 [Dk]) and b (bf16 [H]) — and per head h: the short conv + SiLU of
+// its q/k/v channels (history in hist_pool[slots[b]], shifted), z = bf16(f_b·f_a(x)) for its channels (the
+// FP32 dot product rounded once, as the f_b GEMM), the L2 norms and gates, the delta-rule update of
+// state_pool[slots[b]] (f32 or f16, as kda_decode), and ô = bf16(RMSNorm_{o_norm}(o) ⊙ σ(gate)).
+// One CTA of 4·Dk threads per (head, row); PDL launch. Dk ∈ {32, 64, 128}, W ≤ 8. Equal to conv_decode →
+// f_b GEMM → kda_qk_norm_gates → kda_decode → kda_out_norm_gate up to FP32 summation order.
+struct KdaDecodeIn {
+  const uint16_t* qkv;  // bf16 [B, 3·H·Dk], row stride ld_qkv
+  int64_t ld_qkv;
+  const uint16_t* gate;  // bf16 [B, H·Dk], row stride ld_gate
+  int64_t ld_gate;
+  const uint16_t* fa;  // bf16 [B, Dk], row stride ld_fa
+  int64_t ld_fa;
+  const uint16_t* bl;  // bf16 [B, H], row stride ld_bl
+  int64_t ld_bl;
+  const int32_t* cu;   // i32 [B+1] or null: rows with cu[b+1] − cu[b] ≠ 1 (a graph bucket's padding) are skipped
+};
+struct KdaDecodeWeights {
+  const float* conv;     // f32 [3·H·Dk, W]
+  const uint16_t* f_b;   // bf16 [H·Dk, Dk]
+  const float* dt_bias;  // f32 [H·Dk]
+  const float* a_log;    // f32 [≥ H]
+  const float* o_norm;   // f32 [Dk]
+  float lower, eps;
+};
+void kda_decode_fused(const KdaDecodeIn& in, const KdaDecodeWeights& w, uint16_t* hist_pool /* bf16 [n_slots, W-1, 3·H·Dk] */,
+                      const int32_t* slots /* i32 [B] */, float* state_pool /* f32 [n_slots, H, Dk, Dk] */,
+                      uint16_t* ohat /* bf16 [B, H·Dk] */, int64_t B, int64_t H, int64_t Dk, int64_t W,
+                      cudaStream_t stream);
+void kda_decode_fused(const KdaDecodeIn& in, const KdaDecodeWeights& w, uint16_t* hist_pool, const int32_t* slots,
+                      uint16_t* state_pool /* f16 [n_slots, H, Dk, Dk] */, uint16_t* ohat, int64_t B, int64_t H,
+                      int64_t Dk, int64_t W, cudaStream_t stream);
+
+}  // namespace kestrel::cuda

@@ -10,7 +10,8 @@
 // (expand K/V once, then share them across the chunk's rows) does fewer FLOPs and bytes; with the indexer
 // every row beyond 2048 positions is sparse, so this path is the one K3.1 runs.
 //
-// Steps: q̃ = W_UKᵀ q_nope (one batched GEMM, FP32 out); the core writes ô as normalised bf16 [T, Hm, C]
+// Steps: q̃ = W_UKᵀ q_nope (FP32; mla_decode.cu's absorb: CUDA cores for ≤ 64 rows, else one batched
+// cuBLASLt GEMM); the core writes ô as normalised bf16 [T, Hm, C]
 // (with few long rows the plan splits keys, and a small kernel merges the splits into bf16 ô); then
 // o_h = ô_h·W_UV,hᵀ per head by cuBLASLt (bf16 out), rows longest first so that the causal tail is short.
 #include <algorithm>
@@ -56,36 +57,46 @@ tc::Plan prefill_plan(int64_t T, int64_t max_keys) {
   return pl;
 }
 
-// ô[t, h] = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s as bf16; one warp per (row, head).
-__global__ void __launch_bounds__(32)
+// ô[t, h] = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s as bf16; one CTA of C/2 threads per (row, head),
+// a column pair each, splits added in order with 8 or 16 loads in flight (tc::merge_step).
+__global__ void __launch_bounds__(256, 4)
     merge_bf16_kernel(int Hm, int C, int n_splits, const float* __restrict__ part_ml /* f32 [T, n_splits, Hm, 2] */,
                       const float* __restrict__ part_acc /* f32 [T, n_splits, Hm, C] */,
                       uint16_t* __restrict__ ohat /* bf16 [T, Hm, C] */) {
   __shared__ float wr[tc::kMaxSplits];
-  const int lane = threadIdx.x, t = blockIdx.x, h = blockIdx.y;
-  const int64_t sstride = int64_t(Hm) * 2;
-  const float* ml = part_ml + (int64_t(t) * n_splits * Hm + h) * 2;
-  float M = -INFINITY;
-  for (int s = lane; s < n_splits; s += 32) M = fmaxf(M, ml[s * sstride]);
+  __shared__ float inv_l;
+  const int tid = threadIdx.x, lane = tid & 31, t = blockIdx.x, h = blockIdx.y;
+  const int64_t sstride = int64_t(Hm) * 2, astride = int64_t(Hm) * C;
+  if (tid < 32) {
+    const float* ml = part_ml + (int64_t(t) * n_splits * Hm + h) * 2;
+    float M = -INFINITY;
+    for (int s = lane; s < n_splits; s += 32) M = fmaxf(M, ml[s * sstride]);
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
-  float L = 0.0f;
-  for (int s = lane; s < n_splits; s += 32) {
-    const float m = ml[s * sstride];
-    const float wv = m == -INFINITY ? 0.0f : exp2f(m - M);
-    wr[s] = wv;
-    L += wv * ml[s * sstride + 1];
+    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+    float L = 0.0f;
+    for (int s = lane; s < n_splits; s += 32) {
+      const float m = ml[s * sstride];
+      const float wv = m == -INFINITY ? 0.0f : exp2f(m - M);
+      wr[s] = wv;
+      L += wv * ml[s * sstride + 1];
+    }
+    L = dev::warp_sum(L);
+    if (lane == 0) inv_l = L > 0.0f ? 1.0f / L : 0.0f;
   }
-  L = dev::warp_sum(L);
-  __syncwarp();
-  const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-  const float* acc = part_acc + (int64_t(t) * n_splits * Hm + h) * C;
-  const int64_t astride = int64_t(Hm) * C;
-  for (int c = lane; c < C; c += 32) {
-    float a = 0.0f;
-    for (int s = 0; s < n_splits; ++s)
-      if (wr[s] != 0.0f) a += wr[s] * acc[s * astride + c];
-    ohat[(int64_t(t) * Hm + h) * C + c] = dev::f32_to_bf16(a * inv);
+  __syncthreads();
+  for (int c = 2 * tid; c < C; c += 2 * blockDim.x) {
+    const float* acc = part_acc + (int64_t(t) * n_splits * Hm + h) * C + c;
+    float x = 0.0f, y = 0.0f;
+    int s = 0;
+    for (; s + 16 <= n_splits; s += 16) tc::merge_step<16>(acc, astride, wr, s, x, y);
+    if (s + 8 <= n_splits) tc::merge_step<8>(acc, astride, wr, s, x, y), s += 8;
+    for (; s < n_splits; ++s)
+      if (wr[s] != 0.0f) {
+        const float2 v = __ldg(reinterpret_cast<const float2*>(acc + s * astride));
+        x += wr[s] * v.x, y += wr[s] * v.y;
+      }
+    const uint32_t v = uint32_t(dev::f32_to_bf16(x * inv_l)) | (uint32_t(dev::f32_to_bf16(y * inv_l)) << 16);
+    *reinterpret_cast<uint32_t*>(ohat + (int64_t(t) * Hm + h) * C + c) = v;
   }
 }
 
@@ -110,21 +121,23 @@ void mla_prefill_paged(GemmLt& lt, const MlaDims& d, const uint16_t* q, const ui
   KCUDA_REQUIRE(c.latent && c.block_tables && c.block_size > 0 && c.bt_stride > 0,
                 std::string("mla_prefill_paged: null cache or block table"));
   KCUDA_REQUIRE(c.C == d.C && c.R == d.R, std::string("mla_prefill_paged: cache C/R differ from the layer's"));
-  const int64_t T = rows.B, Hm = d.Hm, N = d.N, R = d.R, Dv = d.Dv, C = d.C, QK = N + R;
+  const int64_t T = rows.B, Hm = d.Hm, N = d.N, Dv = d.Dv, C = d.C;
   const tc::Plan pl = prefill_plan(T, rows.max_keys);
   const PrefillWs ws = prefill_ws(d, T, pl, workspace);
-  lt.batched_xw_f32(q, Hm * QK, QK, kv_b, C, (N + Dv) * C, ws.qt, Hm * C, C, T, N, C, Hm, stream);
+  const bool pdl = tc::pdl_enabled();
+  tc::absorb(lt, d, q, kv_b, ws.qt, T, stream, pdl);
   tc::Args a;
   a.d = d, a.cache = &c, a.lens = rows.lens, a.req = rows.req, a.sel = rows.sel, a.Ksel = rows.Ksel, a.B = T;
-  a.plan = pl, a.qt = ws.qt, a.q = q, a.longest_first = true;
+  a.plan = pl, a.qt = ws.qt, a.q = q, a.longest_first = true, a.pdl = pdl;
   if (pl.n_splits == 1) {
     a.ohat = ws.ohat;
     tc::attend(a, stream);
   } else {
     a.part_ml = ws.part_ml, a.part_acc = ws.part_acc;
     tc::attend(a, stream);
-    merge_bf16_kernel<<<dim3(unsigned(T), unsigned(Hm)), 32, 0, stream>>>(int(Hm), int(C), pl.n_splits, ws.part_ml,
-                                                                         ws.part_acc, ws.ohat);
+    const unsigned threads = unsigned(std::min<int64_t>(256, C / 2));
+    merge_bf16_kernel<<<dim3(unsigned(T), unsigned(Hm)), threads, 0, stream>>>(int(Hm), int(C), pl.n_splits,
+                                                                               ws.part_ml, ws.part_acc, ws.ohat);
     KCUDA_CHECK_LAUNCH();
   }
   // o[:, h] = ô[:, h] · W_UV,hᵀ (W_UV,h = kv_b rows [h(N+Dv)+N, +Dv), bf16 [Dv, C]).

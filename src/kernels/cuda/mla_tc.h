@@ -14,7 +14,13 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/gemm.h"
 #include "kernels/cuda/paged.h"
+#ifdef __CUDACC__
+#include <utility>
+
+#include "kernels/cuda/cuda_check.h"
+#endif
 
 namespace kestrel::cuda::tc {
 
@@ -52,7 +58,67 @@ struct Args {
   float* part_acc = nullptr;             // device f32 [B, n_splits, Hm, C]: Σ 2^(x−m) ĉ (unnormalised)
   uint16_t* ohat = nullptr;              // device bf16 [B, Hm, C]: normalised ô (n_splits == 1 only)
   bool longest_first = false;            // launch rows in reverse order (prefill: later rows see more keys)
+  bool pdl = false;                      // programmatic dependent launch (see below)
 };
 void attend(const Args& a, cudaStream_t stream);
+
+// ---- the decode's pieces around the core (mla_decode.cu), also timed one by one by bench_mla --breakdown ----
+// q̃[b, h, :] = q_nope[b, h, :] · W_UK,h in FP32: CUDA cores for B ≤ kAbsorbMaxRows (one CTA per 64 columns,
+// head and 8 rows; W_UK read once per 8 rows, from L2 after the first), cuBLASLt's strided-batched GEMM
+// above (where tensor cores pay off).
+constexpr int64_t kAbsorbMaxRows = 64;
+void absorb(GemmLt& lt, const MlaDims& d, const uint16_t* q /* bf16 [B, Hm, N+R] */,
+            const uint16_t* kv_b /* bf16 [Hm*(N+Dv), C] */, float* qt /* f32 [B, Hm, C] */, int64_t B,
+            cudaStream_t stream, bool pdl);
+void absorb_cuda_cores(const MlaDims& d, const uint16_t* q /* bf16 [B, Hm, N+R] */,
+                       const uint16_t* kv_b /* bf16 [Hm*(N+Dv), C] */, float* qt /* f32 [B, Hm, C] */, int64_t B,
+                       cudaStream_t stream, bool pdl);
+// o[b, h] = W_UV,h · (Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s): the log-sum-exp merge of the splits fused
+// with W_UV, parallel over heads, blocks of output columns and blocks of rows.
+void merge_uv(const MlaDims& d, int64_t B, int n_splits, const float* part_ml /* f32 [B, n_splits, Hm, 2] */,
+              const float* part_acc /* f32 [B, n_splits, Hm, C] */, const uint16_t* kv_b /* bf16 [Hm*(N+Dv), C] */,
+              uint16_t* o /* bf16 [B, Hm*Dv] */, cudaStream_t stream, bool pdl);
+
+// Programmatic dependent launch (sm_90): the decode launches q̃, the core and the merge with
+// cudaLaunchAttributeProgrammaticStreamSerialization, so each grid is scheduled while its predecessor
+// finishes; every kernel waits (griddepcontrol.wait) before its first global memory access, so the order
+// of reads and writes is exactly the stream order. On by default; bench_mla turns it off to measure it.
+void set_pdl(bool on);
+bool pdl_enabled();
+
+#ifdef __CUDACC__
+// Device side of the above: wait for the predecessor grid (no-op without PDL), then let the successor be
+// scheduled (it waits for this grid's completion in turn).
+__device__ __forceinline__ void pdl_enter() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+// The split merge's inner step: (x, y) += Σ_{j<K} wr[s+j]·acc[(s+j)·astride + {0, 1}], added in split order
+// with the K loads in flight first. An empty split's accumulator was never written: it is loaded (inside
+// the workspace) but not added.
+template <int K>
+__device__ __forceinline__ void merge_step(const float* acc /* f32, split s at acc + s·astride */, int64_t astride,
+                                           const float* wr /* f32 [splits] weights */, int s, float& x, float& y) {
+  const float* a = acc + s * astride;
+  float2 v[K];
+#pragma unroll
+  for (int j = 0; j < K; ++j) v[j] = __ldg(reinterpret_cast<const float2*>(a + j * astride));
+#pragma unroll
+  for (int j = 0; j < K; ++j)
+    if (wr[s + j] != 0.0f) x += wr[s + j] * v[j].x, y += wr[s + j] * v[j].y;
+}
+// Launches kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when pdl.
+template <typename... P, typename... A>
+void launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+                   A&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr, cfg.numAttrs = pdl ? 1 : 0;
+  KCUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...));
+}
+#endif
 
 }  // namespace kestrel::cuda::tc

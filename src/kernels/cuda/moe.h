@@ -35,6 +35,8 @@ struct MoeExpertWeights {
   int64_t w2_packed_stride, w2_scale_stride;    // bytes between experts (≥ Lt·I/2, ≥ Lt·I/32)
   uint32_t layout = 0;          // kMoeExpertLayout: the bytes are in the kernels' layout (checked by the launcher)
   bool special_scales = false;  // some e8m0 scale is 0 (2^-127) or 255 (NaN): the kernels take the exact path
+  bool fp32_scales = false;     // some e8m0 scale is outside [1, 128] (|w| may pass 12): the scales cannot be folded
+                                // into the BF16 decode (moe_mma.cuh); the FP32-scale kernels (tiles t8/t32) run
 };
 
 // Host pointers to one expert in the checkpoint layout (MODEL.md §4): packed u8 [rows, cols/2], e8m0 [rows, cols/32].
@@ -54,6 +56,8 @@ void pack_mxfp4_matrix(const uint8_t* packed /* u8 [R, C/2] */, const uint8_t* s
                        uint8_t* out_scale /* u8 [R/16][C/64][32] */);
 // True if any of the n e8m0 codes is 0 or 255 (the kernels' exact scale path is then needed).
 bool mxfp4_special_scales(const uint8_t* scale, size_t n);
+// True if any of the n e8m0 codes is outside [1, 128] (MoeExpertWeights::fp32_scales).
+bool mxfp4_fp32_scales(const uint8_t* scale, size_t n);
 
 // Repacks X experts (host, checkpoint layout) into the kernels' layout and copies them to device memory
 // obtained from `device_alloc(bytes)` (six blocks: w1, w1 scales, w3, w3 scales, w2, w2 scales; the caller
@@ -61,10 +65,28 @@ bool mxfp4_special_scales(const uint8_t* scale, size_t n);
 MoeExpertWeights pack_experts_mxfp4(const MoeExpertHost* experts /* [X] */, int64_t X, int64_t Lt, int64_t I,
                                     const std::function<void*(size_t)>& device_alloc);
 
-// How the expert kernels tile the tokens of one expert: up to 8 (decode: every weight byte read once per
-// 8 tokens) or up to 32 tokens (prefill: 4× the MMAs per decoded weight). `automatic` takes 32 when the
-// slots per possibly-hit expert, T·K / min(X, T·K), reach 16.
-enum class MoeTokenTile { automatic, t8, t32 };
+// Which expert GEMMs run (all give the same results up to FP32 summation order):
+//   stream  decode: jobs of up to 8 tokens, a persistent stream-K grid (every warp streams the same bytes),
+//           e8m0 scales folded into the BF16 decode; at T ≤ 2 the tokens are not grouped (one job per slot).
+//   wide    prefill: jobs of up to 128 tokens, 256-thread CTAs of 128/256 weight rows × all the job's tokens.
+//   t8, t32 the first tensor-core kernels (fixed grid, FP32 scale per 32-column block, tiles of 8 / 32 tokens):
+//           the only ones for weights with MoeExpertWeights::fp32_scales (stream/wide fall back to t8/t32).
+// `automatic`: t32 when the slots per possibly-hit expert, T·K / min(X, T·K), reach 16, else t8. Measured on the
+// H200 (bench_moe --perf, 896 × top-16, 3584→3072, 2026-12-01): t8 127.8 µs at T=1 / 3.15 ms at T=64 / 26.6 ms at
+// T=4096 (t32) against stream 142.4 µs / 4.50 ms and wide 42.1 ms, so stream and wide stay opt-in until they win
+// (KESTREL_MOE_PATH=stream in the environment: wide from 16 slots per expert, else stream).
+enum class MoeTokenTile { automatic, t8, t32, stream, wide };
+
+// Knobs for benchmarks and tests; the defaults are what the engine runs.
+struct MoeExpertsOptions {
+  MoeTokenTile tile = MoeTokenTile::automatic;
+  int pdl = -1;          // programmatic dependent launch between the 4 launches: 1 on, 0 off, -1 on unless
+                         // KESTREL_MOE_PDL=0 in the environment
+  int grouped = -1;      // stream path: 1 group tokens by expert, 0 one job per slot, -1 ungrouped iff T ≤ 2
+  int stream_ctas = 0;   // stream path: CTAs of the persistent grid (tests force other splits); 0: all that fit
+  cudaEvent_t* marks = nullptr;  // 5 events recorded before the grouping and after each launch (group,
+                                 // w1|w3, w2, combine) for a per-launch breakdown; PDL is off then
+};
 
 // Device scratch for moe_experts_mxfp4, in bytes (256-byte aligned pieces).
 size_t moe_experts_workspace_bytes(int64_t T, int64_t X, int64_t K, int64_t Lt, int64_t I);
@@ -79,13 +101,17 @@ void moe_experts_mxfp4(const uint16_t* z /* bf16 [T, Lt], contiguous */, const i
                        int64_t K, int64_t Lt, int64_t I, float situ_beta, float situ_linear_beta,
                        void* workspace /* moe_experts_workspace_bytes(...) bytes */, uint16_t* ut /* bf16 [T, Lt] */,
                        cudaStream_t stream, MoeTokenTile tile = MoeTokenTile::automatic);
+void moe_experts_mxfp4(const uint16_t* z /* bf16 [T, Lt] */, const int32_t* ids /* i32 [T, K] */,
+                       const float* weights /* f32 [T, K] */, const MoeExpertWeights& w, int64_t T, int64_t X,
+                       int64_t K, int64_t Lt, int64_t I, float situ_beta, float situ_linear_beta, void* workspace,
+                       uint16_t* ut /* bf16 [T, Lt] */, cudaStream_t stream, const MoeExpertsOptions& opt);
 
 // The expert kernels' second stage on its own: y = bf16(x·Wᵀ) for one MXFP4 matrix W [R, C] in the kernels'
 // layout (pack_mxfp4_matrix), T rows of x. For the numerics tests (every code, extreme scales) and the
-// benchmark. R and C multiples of 64; x 16-byte aligned.
+// benchmark. R and C multiples of 64; x 16-byte aligned. special_scales / fp32_scales: as MoeExpertWeights.
 size_t mxfp4_matmul_workspace_bytes(int64_t T);
 void mxfp4_matmul_packed(const uint16_t* x /* bf16 [T, C] */, const uint8_t* packed, const uint8_t* scale,
-                         bool special_scales, int64_t T, int64_t R, int64_t C, void* workspace,
+                         bool special_scales, bool fp32_scales, int64_t T, int64_t R, int64_t C, void* workspace,
                          uint16_t* y /* bf16 [T, R] */, cudaStream_t stream, MoeTokenTile tile = MoeTokenTile::automatic);
 
 }  // namespace kestrel::cuda

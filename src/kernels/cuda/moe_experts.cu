@@ -1,47 +1,54 @@
 // Routed MoE experts (MODEL.md §3.6 steps 3–4) on tensor cores: W4A16, MXFP4 weights dequantised in
 // registers, BF16 mma.sync.m16n8k16 with FP32 accumulation. Contract in moe.h; weight layout and the
-// E2M1 decode trick in moe_layout.h. CPU twin: cpu::moe_experts.
+// E2M1 decode trick in moe_layout.h; shared device code in moe_mma.cuh. CPU twin: cpu::moe_experts.
 //
 // Four launches on one stream, no host synchronisation, fixed grids (CUDA-graph capturable):
 //   1. group (one block): slots (t·K + k) counted per expert, scanned, scattered into expert order; the
-//      experts' tokens cut into jobs of at most CT tokens (CT = 8 decode, 32 prefill: MoeTokenTile),
-//      written as a device work list (expert, first position, count) with its length.
-//   2. w13 (expert_gemm_kernel<GLU>): one CTA = 4 warps = 64 rows of W1 and the same 64 rows of W3 for one
-//      job; grid = (host bound on jobs) × I/64, CTAs past the device's job count exit at once. Each warp
-//      owns a 16-row tile and streams its whole K: per 64 columns one 16-byte load per lane for W1, one
-//      for W3 (512 contiguous bytes per warp), one 4-byte scale word each, and the tokens' z as 16-byte
-//      loads through L1, all in a register pipeline STAGES chunks deep. Per 32-column e8m0 block: two MMAs
-//      (weights = A, 16 rows; tokens = B, 8 per n-tile: "swap AB") into a fresh FP32 partial, then
-//      acc += 2^(e−127)·partial (exact for every e). Epilogue: a = bf16(SiTU-GLU(bf16 g, bf16 u)) in
-//      registers (a lane holds g and u of the same rows and tokens), stored per slot.
-//   3. w2 (expert_gemm_kernel<plain>): the same over W2 with a as input; y = bf16(acc) per slot.
-//   4. combine: ũ_t = bf16(Σ_k w_k·y_k) in top-k order, FP32; deterministic (no atomics on values). The
-//      order of tokens inside an expert (atomic scatter) never changes a value: every (row, token)
-//      output is its own MMA column with the same K order.
+//      experts' tokens cut into jobs of at most CT tokens, written as a device work list (expert, first
+//      position, count) with its length. It also zeroes the decode GEMMs' counters. Ungrouped decode (T ≤ 2:
+//      one job per slot, nothing to share) runs prep_kernel instead, which only zeroes them.
+//   2. w1|w3 with SiTU-GLU fused: a = bf16(SiTU-GLU(bf16 g, bf16 u)) per slot.
+//   3. w2: y = bf16(a·W2ᵀ) per slot.
+//   4. combine: ũ_t = bf16(Σ_k w_k·y_k) in top-k order, FP32; deterministic (no atomics on values).
+// Three GEMM families (moe.h MoeTokenTile):
+//   stream (moe_stream.cu), decode: persistent stream-K grid, CT = 8, scales folded into the decode.
+//   wide (moe_wide.cu), prefill: CT = 128, 8-warp CTAs of 128/256 weight rows × all the job's tokens.
+//   t8 / t32 (below): one CTA = 4 warps = 64 rows for one job, grid = (host bound on jobs) × R/64, CTAs past
+//      the device's job count exit at once; per 32-column block two MMAs into a fresh FP32 partial, then
+//      acc += 2^(e−127)·partial (exact for every e): the path for weights whose scales cannot be folded.
+// With stream and wide, launches 2–4 use programmatic dependent launch (moe_mma.cuh): each starts its CTAs
+// while the previous kernel drains, the decode GEMMs even their first weight loads.
+// The order of tokens inside an expert (atomic scatter) never changes a value: every (row, token) output is
+// its own MMA column with the same K order.
 //
-// Bytes and time (H200, 4.29 TB/s copy; an expert is 17.55 MB: w1|w3 11.70 MB with scales, w2 5.85 MB):
-//   group    ids in, order + work list out (KB): one block, ≈ 2–3 µs including its launch.
-//   w13      T=1: 16 experts × 11.70 MB = 187 MB → 44 µs at copy speed; T=64: ≈ 600 experts, 7.0 GB → 1.6 ms.
-//   w2       T=1: 94 MB → 22 µs; T=64: 3.5 GB → 0.8 ms.
-//   combine  T·K·Lt·2 B of y in, T·Lt·2 B out: 2 µs at T ≤ 64.
-// Issue budget: at copy speed an SM gets ≈ 110 warp-instruction slots per 512-byte warp load of weights. The
-// CT = 8 main loops compile (sm_90a, nvcc 13) to 87 (w13) and 93 (w2) instructions per 512 bytes — decode
-// ≈ 15 per 32-bit word, scales 2 per byte, 4 HMMA, 8 FFMA, loads — so they should stay memory-bound; the
-// estimate is ≈ 85 % of copy speed: ≈ 80 µs at T = 1 with launch gaps, ≈ 2.9 ms at T = 64. ptxas: 119/123
-// registers (w13, plain/exact scales), 76 (w2), no spills, no shared memory: 4 and 6 CTAs per SM.
-// Prefill (CT = 32): 16 HMMA per 16-byte weight load; 168 (w13) / 127 (w2) registers; a job's weights come
-// from L2 after the first of an expert's jobs reads them.
+// Bytes and time (H200, 4.27 TB/s copy; an expert is 17.55 MB: w1|w3 11.70 MB with scales, w2 5.85 MB):
+//   T = 1: 16 experts, 281 MB → 66 µs at copy speed. The fixed-grid t8 kernels measured 128 µs (51 %): 768
+//   and 896 CTAs for 528 and 792 slots (1.45 and 1.13 waves, the second at a fraction of the bandwidth),
+//   four launch gaps and the group kernel. stream: no tail (every warp streams L chunks), launch gaps
+//   hidden by PDL (w2's first weight loads overlap w1|w3's drain), no group kernel; the same ≈ 90
+//   instructions per 512 bytes (the decode), so the steady state stays ≈ 80 % of copy: predicted
+//   w1|w3 ≈ 55 µs + w2 ≈ 28 µs + ≈ 5 µs prep/ramp/combine ≈ 88 µs (≈ 75 % of copy).
+//   T = 4096: 4.3 TFLOP (16 slots × 4096 tokens × 3 GEMMs of 3584 × 3072). t32: 26.6 ms (163 TFLOP/s: an FFMA per
+//   accumulator per 32-column block, 4 HMMA per decoded word). wide: 2·⌈count/8⌉ HMMA per decoded word, no
+//   scale FMAs, ≈ 2.2 instructions per HMMA; ≈ 73 tokens per expert = 10 n-tiles of 16; predicted 8–11 ms.
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/moe.h"
+#include "kernels/cuda/moe_internal.cuh"
 #include "kernels/cuda/moe_layout.h"
+#include "kernels/cuda/moe_mma.cuh"
 
 namespace kestrel::cuda {
 namespace {
 
 namespace ml = moe_layout;
+using namespace moe_dev;
+using moe_detail::GemmArgs;
+using moe_detail::StreamArgs;
 
 constexpr int kGroupThreads = 1024;
 constexpr int kMaxGroupExperts = 8192;  // group kernel: two i32 counters per expert in shared memory
@@ -50,61 +57,7 @@ constexpr int kGemmThreads = 32 * kGemmWarps;
 constexpr int kCtaRows = ml::kTileRows * kGemmWarps;  // 64 output rows per CTA
 constexpr int kCombineThreads = 256;
 
-// ---- device helpers --------------------------------------------------------------------------------------
-// Weights are read once per job: 16-byte loads that skip L1.
-__device__ __forceinline__ uint4 ld_stream16(const uint8_t* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
-__device__ __forceinline__ uint32_t ld_stream4(const uint8_t* p) {
-  uint32_t v;
-  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-// Activations are shared by the four warps of a CTA: through L1.
-__device__ __forceinline__ uint4 ld_act16(const uint16_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-
-__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
-// d = A·B (C = 0) and d += A·B: m16n8k16, A row-major 16×16 BF16 (4 registers), B 16×8 BF16 (2), FP32 C/D.
-__device__ __forceinline__ void mma_first(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%10, %10, %10, %10};"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
-}
-__device__ __forceinline__ void mma_acc(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// The four A registers (BF16 pairs) of one k16 step from its packed 32-bit word (moe_layout.h).
-__device__ __forceinline__ void decode_step(uint32_t w, uint32_t (&a)[4]) {
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t r = ml::e2m1_pair_bits(w, j);
-#ifdef KESTREL_MOE_INTEGER_DECODE
-    a[j] = ml::e2m1_pair_bf16_exact(r);
-#else
-    a[j] = bf16x2_mul(r, ml::kBf16x2Pow126);
-#endif
-  }
-}
-
-// SiTU-GLU as cpu::situ_glu computes it (same operation order), on BF16-rounded g and u.
-__device__ __forceinline__ float situ_glu(float g, float u, float beta, float lbeta) {
-  const float act = beta * tanhf(g / beta) * dev::sigmoid(g);
-  return act * (lbeta * tanhf(u / lbeta));
-}
+// ---- device helpers: moe_mma.cuh ---------------------------------------------------------------------
 
 // ---- 1. grouping -----------------------------------------------------------------------------------------
 // Exclusive block-wide scan of an int pair over kGroupThreads threads; *total gets the sums.
@@ -135,14 +88,18 @@ __device__ __forceinline__ int2 block_exclusive_scan2(int2 v, int2* warp_sums /*
 
 // ids i32 [n] → order i32 [n] (slots grouped by expert, ascending expert), jobs i32 [J, 3] = (expert, first
 // position in order, count ≤ ct), *n_jobs = J. Ids outside [0, X) are left out. One block of kGroupThreads.
+// Also zeroes the decode GEMMs' split-tile counters, i32 [n_zero].
 __global__ void __launch_bounds__(kGroupThreads) group_kernel(const int32_t* __restrict__ ids, int n, int X, int ct,
                                                              int32_t* __restrict__ order, int32_t* __restrict__ jobs,
-                                                             int32_t* __restrict__ n_jobs) {
+                                                             int32_t* __restrict__ n_jobs, int32_t* __restrict__ zero,
+                                                             int n_zero) {
   extern __shared__ int32_t gsm[];  // count [X], cursor [X]
   __shared__ int2 warp_sums[32];
+  griddep_launch();  // the next GEMM may start its CTAs now; it waits for this kernel before reading its output
   int32_t* cnt = gsm;
   int32_t* cur = gsm + X;
   const int tid = threadIdx.x;
+  for (int i = tid; i < n_zero; i += kGroupThreads) zero[i] = 0;
   for (int e = tid; e < X; e += kGroupThreads) cnt[e] = 0;
   __syncthreads();
   for (int i = tid; i < n; i += kGroupThreads) {
@@ -177,24 +134,13 @@ __global__ void __launch_bounds__(kGroupThreads) group_kernel(const int32_t* __r
   }
 }
 
-// ---- 2./3. grouped MXFP4 GEMM ----------------------------------------------------------------------------
-struct GemmArgs {
-  const uint16_t* x;       // bf16 B rows: slot s reads x + (s / x_div)·ldx (z by token, or a by slot)
-  int64_t ldx;
-  int x_div;
-  const int32_t* order;    // i32 [n] slots grouped by expert
-  const int32_t* jobs;     // i32 [J, 3] (expert, first position in order, count)
-  const int32_t* n_jobs;   // i32 [1] J
-  const uint8_t* p0;       // W1 (GLU) or W: packed, kernel layout
-  const uint8_t* s0;       //   e8m0 scales, kernel layout
-  const uint8_t* p1;       // W3 (GLU only)
-  const uint8_t* s1;
-  int64_t p_stride, s_stride;  // bytes between experts
-  int R, C;                // rows of W (outputs), columns (K); R % 64 == 0, C % 64 == 0
-  uint16_t* out;           // bf16 [n, R]: the row of slot s at out + s·R
-  float beta, lbeta;       // SiTU betas (GLU only)
-};
+// Ungrouped decode: only the counters to zero, i32 [n_zero].
+__global__ void __launch_bounds__(kGroupThreads) prep_kernel(int32_t* __restrict__ zero, int n_zero) {
+  griddep_launch();
+  for (int i = threadIdx.x; i < n_zero; i += kGroupThreads) zero[i] = 0;
+}
 
+// ---- 2./3. grouped MXFP4 GEMM, FP32 scales (tiles t8 / t32) ------------------------------------------------
 // NT n-tiles of 8 tokens per job (CT = 8·NT), STAGES chunks of 64 columns in flight per warp.
 template <bool kGlu, int NT, int STAGES, bool kSpecial>
 __global__ void __launch_bounds__(kGemmThreads) expert_gemm_kernel(const GemmArgs a) {
@@ -262,8 +208,8 @@ __global__ void __launch_bounds__(kGemmThreads) expert_gemm_kernel(const GemmArg
         const float sc_g = __uint_as_float(ml::e8m0_f32_bits<kSpecial>(S.s[m], 2 * b));
         const float sc_g8 = __uint_as_float(ml::e8m0_f32_bits<kSpecial>(S.s[m], 2 * b + 1));
         uint32_t a0[4], a1[4];
-        decode_step(words[2 * b], a0);
-        decode_step(words[2 * b + 1], a1);
+        decode_step_unscaled(words[2 * b], a0);
+        decode_step_unscaled(words[2 * b + 1], a1);
 #pragma unroll
         for (int q = 0; q < NT; ++q) {
           const uint4 B = S.b[q][b];
@@ -320,24 +266,38 @@ __global__ void __launch_bounds__(kGemmThreads) expert_gemm_kernel(const GemmArg
 
 // ---- 4. combine ------------------------------------------------------------------------------------------
 // ũ[t, j..j+7] = bf16(Σ_k w[t,k]·y[t·K+k, j..j+7]), FP32 in top-k order; out-of-range ids add nothing.
+// The K rows are loaded 8 at a time before any is summed (one memory latency per 8 slots, not per slot).
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const uint16_t* __restrict__ y,
                                                                   const float* __restrict__ wts,
                                                                   const int32_t* __restrict__ ids, int64_t T, int K,
                                                                   int X, int Lt, uint16_t* __restrict__ ut) {
+  griddep_wait();  // y comes from the w2 GEMM
+  griddep_launch();
   const int per = Lt / 8;
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= T * per) return;
   const int64_t t = i / per;
   const int j = int(i - t * per) * 8;
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int k = 0; k < K; ++k) {
-    const int64_t slot = t * K + k;
-    if (unsigned(ids[slot]) >= unsigned(X)) continue;
-    const float w = wts[slot];
-    float f[8];
-    dev::unpack8(dev::ld16(y + slot * Lt + j), f);
+  for (int k0 = 0; k0 < K; k0 += 8) {
+    uint4 v[8];
+    float w[8];
+    bool ok[8];
 #pragma unroll
-    for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(w, f[q]));  // no FMA: as the CPU twin
+    for (int u = 0; u < 8; ++u) {
+      const int64_t slot = t * K + min(k0 + u, K - 1);
+      ok[u] = k0 + u < K && unsigned(__ldg(ids + slot)) < unsigned(X);
+      w[u] = ok[u] ? __ldg(wts + slot) : 0.0f;
+      v[u] = ok[u] ? ld_act16(y + slot * Lt + j) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      if (!ok[u]) continue;
+      float f[8];
+      dev::unpack8(v[u], f);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(w[u], f[q]));  // no FMA: as the CPU twin
+    }
   }
   *reinterpret_cast<uint4*>(ut + t * Lt + j) = dev::pack8(acc);
 }
@@ -345,10 +305,37 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const uint16_t
 // ---- launchers -------------------------------------------------------------------------------------------
 size_t round256(size_t n) { return (n + 255) & ~size_t(255); }
 
-int token_tile(MoeTokenTile tile, int64_t n, int64_t X) {
-  if (tile == MoeTokenTile::t8) return 8;
-  if (tile == MoeTokenTile::t32) return 32;
-  return n >= 16 * std::min(X, n) ? 32 : 8;
+enum class Path { t8, t32, stream, wide };
+
+bool env_is(const char* name, const char* value) {
+  const char* s = std::getenv(name);
+  return s != nullptr && std::strcmp(s, value) == 0;
+}
+
+// moe.h MoeTokenTile; n slots over X experts.
+Path choose_path(MoeTokenTile tile, int64_t n, int64_t X, bool fp32_scales) {
+  static const bool legacy = !env_is("KESTREL_MOE_PATH", "stream");  // see moe.h: t8/t32 measured faster
+  const int64_t per_expert = n / std::max<int64_t>(1, std::min(X, n));  // slots per possibly-hit expert
+  switch (tile) {
+    case MoeTokenTile::t8:
+      return Path::t8;
+    case MoeTokenTile::t32:
+      return Path::t32;
+    case MoeTokenTile::stream:
+      return fp32_scales ? Path::t8 : Path::stream;
+    case MoeTokenTile::wide:
+      return fp32_scales ? Path::t32 : Path::wide;
+    case MoeTokenTile::automatic:
+      break;
+  }
+  if (legacy || fp32_scales) return per_expert >= 16 ? Path::t32 : Path::t8;
+  return per_expert >= 16 ? Path::wide : Path::stream;
+}
+int path_ct(Path p) { return p == Path::t32 ? 32 : p == Path::wide ? moe_detail::kWideTokens : 8; }
+bool use_pdl(Path p, const MoeExpertsOptions& opt) {
+  static const bool env_off = env_is("KESTREL_MOE_PDL", "0");
+  if (opt.marks != nullptr || p == Path::t8 || p == Path::t32) return false;
+  return opt.pdl == 1 || (opt.pdl == -1 && !env_off);
 }
 
 struct Groups {
@@ -369,12 +356,30 @@ Groups carve_groups(char*& p, int64_t n, int64_t X) {
   p += round256(4);
   return g;
 }
+// The decode GEMMs' scratch: partials f32 (shared by w1|w3 and w2, which run one after the other) and two
+// counter arrays i32 [kMaxStreamWarps].
+struct StreamScratch {
+  float* partial;
+  int32_t* counters;  // w1|w3 at counters, w2 at counters + kMaxStreamWarps
+};
+size_t stream_scratch_bytes() {
+  return round256(moe_detail::kStreamPartialBytes) + round256(2 * moe_detail::kStreamCounterBytes);
+}
+StreamScratch carve_stream(char*& p) {
+  StreamScratch s;
+  s.partial = reinterpret_cast<float*>(p);
+  p += round256(moe_detail::kStreamPartialBytes);
+  s.counters = reinterpret_cast<int32_t*>(p);
+  p += round256(2 * moe_detail::kStreamCounterBytes);
+  return s;
+}
 
-void launch_group(const int32_t* ids, int64_t n, int64_t X, int ct, const Groups& g, cudaStream_t stream) {
+void launch_group(const int32_t* ids, int64_t n, int64_t X, int ct, const Groups& g, int32_t* zero, int n_zero,
+                  cudaStream_t stream) {
   const size_t smem = size_t(2 * X) * 4;
   if (smem > 48 * 1024)
     KCUDA_CHECK(cudaFuncSetAttribute(group_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  group_kernel<<<1, kGroupThreads, smem, stream>>>(ids, int(n), int(X), ct, g.order, g.jobs, g.n_jobs);
+  group_kernel<<<1, kGroupThreads, smem, stream>>>(ids, int(n), int(X), ct, g.order, g.jobs, g.n_jobs, zero, n_zero);
   KCUDA_CHECK_LAUNCH();
 }
 
@@ -398,18 +403,54 @@ void launch_gemm(const GemmArgs& a, int ct, bool special, int64_t n, int64_t X, 
     launch_gemm_nt<kGlu, 4, 2>(a, special, unsigned(grid), stream);
 }
 
+// One GEMM (w1|w3 if glu, else w / w2) over the grouping `grp` (ungrouped stream path: grp.jobs == nullptr)
+// by path p; `first`: the GEMM right after the grouping kernel.
+void run_gemm(Path p, bool glu, const GemmArgs& a, const Groups& grp, const int32_t* ids, int64_t n, int64_t X,
+              bool special, const StreamScratch& ss, int ctas, bool first, bool pdl, cudaStream_t stream) {
+  switch (p) {
+    case Path::t8:
+    case Path::t32:
+      if (glu)
+        launch_gemm<true>(a, path_ct(p), special, n, X, stream);
+      else
+        launch_gemm<false>(a, path_ct(p), special, n, X, stream);
+      return;
+    case Path::stream: {
+      const StreamArgs s{a, ids, int(n), int(X), ss.partial, ss.counters + (glu ? 0 : moe_detail::kMaxStreamWarps),
+                         first && grp.jobs != nullptr};
+      moe_detail::launch_stream(s, glu, ctas, pdl, stream);
+      return;
+    }
+    case Path::wide:
+      moe_detail::launch_wide(a, glu, ml::job_bound(n, X, moe_detail::kWideTokens), pdl, stream);
+      return;
+  }
+}
+
 bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
+
+void mark(const MoeExpertsOptions& opt, int i, cudaStream_t stream) {
+  if (opt.marks != nullptr) KCUDA_CHECK(cudaEventRecord(opt.marks[i], stream));
+}
 
 }  // namespace
 
 size_t moe_experts_workspace_bytes(int64_t T, int64_t X, int64_t K, int64_t Lt, int64_t I) {
   const int64_t n = T * K;
-  return groups_bytes(n, X) + round256(size_t(n * I) * 2) + round256(size_t(n * Lt) * 2);
+  return groups_bytes(n, X) + round256(size_t(n * I) * 2) + round256(size_t(n * Lt) * 2) + stream_scratch_bytes();
 }
 
 void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weights, const MoeExpertWeights& w,
                        int64_t T, int64_t X, int64_t K, int64_t Lt, int64_t I, float situ_beta, float situ_linear_beta,
                        void* workspace, uint16_t* ut, cudaStream_t stream, MoeTokenTile tile) {
+  MoeExpertsOptions opt;
+  opt.tile = tile;
+  moe_experts_mxfp4(z, ids, weights, w, T, X, K, Lt, I, situ_beta, situ_linear_beta, workspace, ut, stream, opt);
+}
+
+void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weights, const MoeExpertWeights& w,
+                       int64_t T, int64_t X, int64_t K, int64_t Lt, int64_t I, float situ_beta, float situ_linear_beta,
+                       void* workspace, uint16_t* ut, cudaStream_t stream, const MoeExpertsOptions& opt) {
   KCUDA_REQUIRE(z && ids && weights && workspace && ut && w.w1_packed && w.w1_scale && w.w3_packed && w.w3_scale &&
                     w.w2_packed && w.w2_scale,
                 std::string("moe_experts_mxfp4: null pointer"));
@@ -431,37 +472,62 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
                 std::string("moe_experts_mxfp4: z, ũ and packed weights must be 16-byte aligned, scales 4-byte"));
   if (T == 0) return;
   const int64_t n = T * K;
-  const int ct = token_tile(tile, n, X);
+  const Path path = choose_path(opt.tile, n, X, w.fp32_scales || w.special_scales);
+  const int ct = path_ct(path);
+  const bool pdl = use_pdl(path, opt);
+  const bool grouped = path != Path::stream || opt.grouped == 1 || (opt.grouped == -1 && T > 2);
   char* p = static_cast<char*>(workspace);
-  const Groups grp = carve_groups(p, n, X);
+  Groups grp = carve_groups(p, n, X);
   uint16_t* act = reinterpret_cast<uint16_t*>(p);  // bf16 [n, I], row per slot
   p += round256(size_t(n * I) * 2);
   uint16_t* y = reinterpret_cast<uint16_t*>(p);    // bf16 [n, Lt], row per slot
+  p += round256(size_t(n * Lt) * 2);
+  const StreamScratch ss = carve_stream(p);
+  int ctas13 = 0, ctas2 = 0;
+  if (path == Path::stream) {
+    ctas13 = moe_detail::stream_grid(true, opt.stream_ctas);
+    ctas2 = moe_detail::stream_grid(false, opt.stream_ctas);
+  }
+  // Counters to zero: w1|w3's [0, 4·ctas13) and w2's [kMaxStreamWarps, kMaxStreamWarps + 4·ctas2): one range.
+  const int n_zero = path == Path::stream ? moe_detail::kMaxStreamWarps + moe_detail::kStreamWarps * ctas2 : 0;
 
-  launch_group(ids, n, X, ct, grp, stream);
+  mark(opt, 0, stream);
+  if (grouped) {
+    launch_group(ids, n, X, ct, grp, ss.counters, n_zero, stream);
+  } else {
+    grp = Groups{nullptr, nullptr, nullptr};
+    prep_kernel<<<1, kGroupThreads, 0, stream>>>(ss.counters, n_zero);
+    KCUDA_CHECK_LAUNCH();
+  }
+  mark(opt, 1, stream);
   const GemmArgs a13{z,           Lt,          int(K),      grp.order,  grp.jobs,
                      grp.n_jobs,  w.w1_packed, w.w1_scale,  w.w3_packed, w.w3_scale,
                      w.w13_packed_stride,      w.w13_scale_stride,       int(I),
                      int(Lt),     act,         situ_beta,   situ_linear_beta};
-  launch_gemm<true>(a13, ct, w.special_scales, n, X, stream);
+  run_gemm(path, true, a13, grp, ids, n, X, w.special_scales, ss, ctas13, true, pdl, stream);
+  mark(opt, 2, stream);
   const GemmArgs a2{act,        I,           1,          grp.order, grp.jobs,
                     grp.n_jobs, w.w2_packed, w.w2_scale, nullptr,   nullptr,
                     w.w2_packed_stride,      w.w2_scale_stride,     int(Lt),
                     int(I),     y,           0.0f,       0.0f};
-  launch_gemm<false>(a2, ct, w.special_scales, n, X, stream);
+  run_gemm(path, false, a2, grp, ids, n, X, w.special_scales, ss, ctas2, false, pdl, stream);
+  mark(opt, 3, stream);
   const int64_t outs = T * (Lt / 8);
   KCUDA_REQUIRE((outs + kCombineThreads - 1) / kCombineThreads < (int64_t(1) << 31),
                 std::string("moe_experts_mxfp4: too many outputs"));
-  combine_kernel<<<unsigned((outs + kCombineThreads - 1) / kCombineThreads), kCombineThreads, 0, stream>>>(
-      y, weights, ids, T, int(K), int(X), int(Lt), ut);
-  KCUDA_CHECK_LAUNCH();
+  moe_detail::launch(combine_kernel, dim3(unsigned((outs + kCombineThreads - 1) / kCombineThreads)),
+                     dim3(kCombineThreads), 0, stream, pdl, static_cast<const uint16_t*>(y), weights, ids, T, int(K),
+                     int(X), int(Lt), ut);
+  mark(opt, 4, stream);
 }
 
-size_t mxfp4_matmul_workspace_bytes(int64_t T) { return round256(size_t(T) * 4) + groups_bytes(T, 1); }
+size_t mxfp4_matmul_workspace_bytes(int64_t T) {
+  return round256(size_t(T) * 4) + groups_bytes(T, 1) + stream_scratch_bytes();
+}
 
 void mxfp4_matmul_packed(const uint16_t* x, const uint8_t* packed, const uint8_t* scale, bool special_scales,
-                         int64_t T, int64_t R, int64_t C, void* workspace, uint16_t* y, cudaStream_t stream,
-                         MoeTokenTile tile) {
+                         bool fp32_scales, int64_t T, int64_t R, int64_t C, void* workspace, uint16_t* y,
+                         cudaStream_t stream, MoeTokenTile tile) {
   KCUDA_REQUIRE(x && packed && scale && workspace && y, std::string("mxfp4_matmul_packed: null pointer"));
   KCUDA_REQUIRE(R > 0 && C > 0 && R % 64 == 0 && C % 64 == 0 && R < (1 << 24) && C < (1 << 24),
                 "mxfp4_matmul_packed: R = " + std::to_string(R) + ", C = " + std::to_string(C) +
@@ -470,16 +536,20 @@ void mxfp4_matmul_packed(const uint16_t* x, const uint8_t* packed, const uint8_t
   KCUDA_REQUIRE(aligned(x, 16) && aligned(packed, 16) && aligned(scale, 4) && aligned(workspace, 256),
                 std::string("mxfp4_matmul_packed: x and packed must be 16-byte aligned, scales 4-byte"));
   if (T == 0) return;
-  const int ct = token_tile(tile, T, 1);
+  const Path path = choose_path(tile, T, 1, fp32_scales || special_scales);
+  const bool pdl = use_pdl(path, MoeExpertsOptions{});
   char* p = static_cast<char*>(workspace);
   int32_t* ids = reinterpret_cast<int32_t*>(p);  // every row routed to "expert" 0
   p += round256(size_t(T) * 4);
   const Groups grp = carve_groups(p, T, 1);
+  const StreamScratch ss = carve_stream(p);
+  const int ctas = path == Path::stream ? moe_detail::stream_grid(false, 0) : 0;
   KCUDA_CHECK(cudaMemsetAsync(ids, 0, size_t(T) * 4, stream));
-  launch_group(ids, T, 1, ct, grp, stream);
+  launch_group(ids, T, 1, path_ct(path), grp, ss.counters + moe_detail::kMaxStreamWarps,
+               path == Path::stream ? moe_detail::kStreamWarps * ctas : 0, stream);
   const GemmArgs a{x,       C,      1,       grp.order, grp.jobs, grp.n_jobs, packed, scale, nullptr, nullptr,
                    0,       0,      int(R),  int(C),    y,        0.0f,       0.0f};
-  launch_gemm<false>(a, ct, special_scales, T, 1, stream);
+  run_gemm(path, false, a, grp, ids, T, 1, special_scales, ss, ctas, true, pdl, stream);
 }
 
 }  // namespace kestrel::cuda

@@ -55,6 +55,12 @@ bool mxfp4_special_scales(const uint8_t* scale, size_t n) {
   return false;
 }
 
+bool mxfp4_fp32_scales(const uint8_t* scale, size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    if (scale[i] == 0 || scale[i] > 128) return true;
+  return false;
+}
+
 MoeExpertWeights pack_experts_mxfp4(const MoeExpertHost* experts, int64_t X, int64_t Lt, int64_t I,
                                     const std::function<void*(size_t)>& device_alloc) {
   KCHECK(X > 0 && Lt > 0 && I > 0 && Lt % 64 == 0 && I % 64 == 0,
@@ -73,11 +79,11 @@ MoeExpertWeights pack_experts_mxfp4(const MoeExpertHost* experts, int64_t X, int
   const size_t per_expert = 2 * (p13 + s13) + p2 + s2;
   const int64_t workers = std::clamp<int64_t>(int64_t(std::thread::hardware_concurrency()), 1, 16);
   std::vector<uint8_t> staging(per_expert * size_t(std::min(workers, X)));
-  bool special = false;
+  bool special = false, fp32 = false;
   for (int64_t e0 = 0; e0 < X; e0 += workers) {
     const int64_t n = std::min(workers, X - e0);
     std::vector<std::thread> pool;
-    std::vector<char> spec(size_t(n), 0);
+    std::vector<char> spec(size_t(n), 0), wide(size_t(n), 0);
     for (int64_t i = 0; i < n; ++i) {
       pool.emplace_back([&, i] {
         const MoeExpertHost& h = experts[e0 + i];
@@ -87,11 +93,14 @@ MoeExpertWeights pack_experts_mxfp4(const MoeExpertHost* experts, int64_t X, int
         pack_mxfp4_matrix(h.w2_packed, h.w2_scale, Lt, I, s + 2 * (p13 + s13), s + 2 * (p13 + s13) + p2);
         spec[size_t(i)] = mxfp4_special_scales(h.w1_scale, s13) || mxfp4_special_scales(h.w3_scale, s13) ||
                           mxfp4_special_scales(h.w2_scale, s2);
+        wide[size_t(i)] = mxfp4_fp32_scales(h.w1_scale, s13) || mxfp4_fp32_scales(h.w3_scale, s13) ||
+                          mxfp4_fp32_scales(h.w2_scale, s2);
       });
     }
     for (auto& th : pool) th.join();
     for (int64_t i = 0; i < n; ++i) {
       special = special || spec[size_t(i)];
+      fp32 = fp32 || wide[size_t(i)];
       const uint8_t* s = staging.data() + size_t(i) * per_expert;
       size_t off = 0;
       for (const Part& p : parts) {
@@ -104,6 +113,7 @@ MoeExpertWeights pack_experts_mxfp4(const MoeExpertHost* experts, int64_t X, int
                      parts[5].dev, int64_t(p13),   int64_t(s13),   int64_t(p2),    int64_t(s2)};
   w.layout = kMoeExpertLayout;
   w.special_scales = special;
+  w.fp32_scales = fp32;
   return w;
 }
 

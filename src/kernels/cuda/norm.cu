@@ -2,26 +2,34 @@
 // v = tid, tid + blockDim, ... of the row (16-byte loads, coalesced across the warp). The sources are
 // re-read in each pass rather than held in registers (up to 16 sources × 7168 values do not fit); the
 // re-reads hit L1/L2. The mixed row h is kept in shared memory (f32 [D]) for the final norm.
+#include <algorithm>
+#include <string>
+
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_util.cuh"
+#include "kernels/cuda/launch.h"
 #include "kernels/cuda/norm.h"
+#include "kernels/cuda/quant.cuh"
 
 namespace kestrel::cuda {
 namespace {
 
 constexpr int kThreads = 256;
 
-__global__ void __launch_bounds__(kThreads) rmsnorm_kernel(const uint16_t* __restrict__ x, int64_t ldx,
-                                                           const uint16_t* __restrict__ w, uint16_t* __restrict__ y,
+// y may alias x (in place): each thread reads only its own vectors, through L2 (ld.cg), before writing them.
+__global__ void __launch_bounds__(kThreads) rmsnorm_kernel(const uint16_t* x, int64_t ldx,
+                                                           const uint16_t* __restrict__ w, uint16_t* y,
                                                            int64_t ldy, int n, float eps) {
   __shared__ float scratch[32];
+  dev::pdl_trigger();
+  dev::pdl_wait();
   const uint16_t* xr = x + int64_t(blockIdx.x) * ldx;
   uint16_t* yr = y + int64_t(blockIdx.x) * ldy;
   const int nv = n / 8;
   float ss = 0.0f;
   for (int v = threadIdx.x; v < nv; v += blockDim.x) {
     float f[8];
-    dev::unpack8(dev::ld16(xr + 8 * v), f);
+    dev::unpack8(__ldcg(reinterpret_cast<const uint4*>(xr + 8 * v)), f);
 #pragma unroll
     for (int i = 0; i < 8; ++i) ss = fmaf(f[i], f[i], ss);
   }
@@ -29,7 +37,7 @@ __global__ void __launch_bounds__(kThreads) rmsnorm_kernel(const uint16_t* __res
   const float r = 1.0f / sqrtf(ss / float(n) + eps);
   for (int v = threadIdx.x; v < nv; v += blockDim.x) {
     float f[8], g[8];
-    dev::unpack8(dev::ld16(xr + 8 * v), f);
+    dev::unpack8(__ldcg(reinterpret_cast<const uint4*>(xr + 8 * v)), f);
     dev::unpack8(dev::ld16(w + 8 * v), g);
 #pragma unroll
     for (int i = 0; i < 8; ++i) f[i] = g[i] * dev::round_bf16(f[i] * r);
@@ -151,8 +159,7 @@ void rmsnorm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* y
   KCUDA_REQUIRE(aligned16(x) && aligned16(w) && aligned16(y), std::string("rmsnorm: pointers must be 16-byte aligned"));
   KCUDA_REQUIRE(T < (int64_t(1) << 31), std::string("rmsnorm: too many rows"));
   if (T == 0) return;
-  rmsnorm_kernel<<<unsigned(T), kThreads, 0, stream>>>(x, ldx, w, y, ldy, int(n), eps);
-  KCUDA_CHECK_LAUNCH();
+  launch_pdl(rmsnorm_kernel, dim3(unsigned(T)), dim3(kThreads), 0, stream, x, ldx, w, y, ldy, int(n), eps);
 }
 
 void attn_res_mix_rmsnorm(const uint16_t* blocks, int64_t block_stride, int nb, const uint16_t* partial, int64_t ld,
@@ -179,6 +186,195 @@ void attn_res_mix_rmsnorm(const uint16_t* blocks, int64_t block_stride, int nb, 
   attn_res_mix_rmsnorm_kernel<<<unsigned(T), kThreads, smem, stream>>>(
       blocks, block_stride, nb, partial, ld, mix_norm_w, mix_proj_w, rms_w, eps, h_out, y, ldy, int(D));
   KCUDA_CHECK_LAUNCH();
+}
+
+// ---- attn_res_step: the whole AttnRes point in one kernel -------------------------------------------------
+namespace {
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float m = lane < nw ? scratch[lane] : 0.0f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return m;
+}
+
+__global__ void __launch_bounds__(1024) attn_res_step_kernel(
+    const uint16_t* __restrict__ blocks, int64_t block_stride, int nb, uint16_t* __restrict__ partial,
+    const uint16_t* __restrict__ a, AttnResAdd mode, uint16_t* __restrict__ store_block,
+    const uint16_t* __restrict__ mix_norm_w, const uint16_t* __restrict__ mix_proj_w,
+    const uint16_t* __restrict__ rms_w, float eps, uint16_t* __restrict__ y, uint8_t* __restrict__ q8,
+    float* __restrict__ q_scale, int D) {
+  extern __shared__ float h[];  // f32 [D], the BF16-rounded mix
+  __shared__ float red[2 * kAttnResMaxSources][33];
+  __shared__ float alpha[kAttnResMaxSources];
+  dev::pdl_trigger();
+  dev::pdl_wait();
+  const int64_t t = blockIdx.x;
+  const int n = nb + 1, nv = D / 8;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  uint16_t* P = partial + t * D;
+  auto src = [&](int i) -> const uint16_t* { return i < nb ? blocks + i * block_stride + t * D : P; };
+  auto ld = [](const uint16_t* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); };
+
+  // Step 1–2: P up to date (each thread owns its vectors: no hazard), the stored block.
+  if (mode != AttnResAdd::none || store_block) {
+    for (int v = threadIdx.x; v < nv; v += blockDim.x) {
+      uint4 pv;
+      if (mode == AttnResAdd::replace) {
+        pv = ld(a + t * D + 8 * v);
+      } else {
+        pv = ld(P + 8 * v);
+        if (mode == AttnResAdd::add) {
+          float f[8], g[8];
+          dev::unpack8(pv, f);
+          dev::unpack8(ld(a + t * D + 8 * v), g);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) f[j] = f[j] + g[j];
+          pv = dev::pack8(f);
+        }
+      }
+      if (mode != AttnResAdd::none) *reinterpret_cast<uint4*>(P + 8 * v) = pv;
+      if (store_block) *reinterpret_cast<uint4*>(store_block + t * D + 8 * v) = pv;
+    }
+  }
+
+  // Pass 1: per source, v·u and Σv² (the thread re-reads only what it wrote above).
+  float dot[kAttnResMaxSources], ss[kAttnResMaxSources];
+#pragma unroll
+  for (int i = 0; i < kAttnResMaxSources; ++i) dot[i] = ss[i] = 0.0f;
+  for (int v = threadIdx.x; v < nv; v += blockDim.x) {
+    float wa[8], wb[8], u[8];
+    dev::unpack8(dev::ld16(mix_norm_w + 8 * v), wa);
+    dev::unpack8(dev::ld16(mix_proj_w + 8 * v), wb);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) u[j] = wa[j] * wb[j];
+#pragma unroll
+    for (int i = 0; i < kAttnResMaxSources; ++i) {
+      if (i < n) {
+        float f[8];
+        dev::unpack8(ld(src(i) + 8 * v), f);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          dot[i] = fmaf(f[j], u[j], dot[i]);
+          ss[i] = fmaf(f[j], f[j], ss[i]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kAttnResMaxSources; ++i) {
+    if (i < n) {
+      const float d = dev::warp_sum(dot[i]), s2 = dev::warp_sum(ss[i]);
+      if (lane == 0) red[2 * i][warp] = d, red[2 * i + 1][warp] = s2;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // the logits live in alpha[] (shared) until normalised: no local-memory array
+    float m = -INFINITY;
+    for (int i = 0; i < n; ++i) {
+      float d = 0.0f, s2 = 0.0f;
+      for (int w = 0; w < nw; ++w) d += red[2 * i][w], s2 += red[2 * i + 1][w];
+      alpha[i] = d / sqrtf(s2 / float(D) + eps);
+      m = fmaxf(m, alpha[i]);
+    }
+    float sum = 0.0f;
+    for (int i = 0; i < n; ++i) sum += (alpha[i] = expf(alpha[i] - m));
+    const float inv = 1.0f / sum;
+    for (int i = 0; i < n; ++i) alpha[i] = alpha[i] * inv;
+  }
+  __syncthreads();
+
+  // Pass 2: h = bf16(Σ α_i v_i), Σh².
+  float hs = 0.0f;
+  for (int v = threadIdx.x; v < nv; v += blockDim.x) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+    for (int i = 0; i < kAttnResMaxSources; ++i) {
+      if (i < n) {
+        float f[8];
+        dev::unpack8(ld(src(i) + 8 * v), f);
+        const float al = alpha[i];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = fmaf(al, f[j], acc[j]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      acc[j] = dev::round_bf16(acc[j]);
+      h[8 * v + j] = acc[j];
+      hs = fmaf(acc[j], acc[j], hs);
+    }
+  }
+  hs = dev::block_sum(hs, &red[0][0]);
+  const float r = 1.0f / sqrtf(hs / float(D) + eps);
+
+  // Pass 3: y = w ⊙ bf16(h·r) (and its amax for the FP8 codes).
+  float amax = 0.0f;
+  for (int v = threadIdx.x; v < nv; v += blockDim.x) {
+    float f[8], g[8];
+    dev::unpack8(dev::ld16(rms_w + 8 * v), g);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      f[j] = dev::round_bf16(g[j] * dev::round_bf16(h[8 * v + j] * r));
+      amax = fmaxf(amax, fabsf(f[j]));
+    }
+    *reinterpret_cast<uint4*>(y + t * D + 8 * v) = dev::pack8(f);
+  }
+  if (!q8) return;
+  // Pass 4 (FP8 PTPC of y): the same values again from h, amax over the row, codes.
+  amax = block_max(amax, &red[2][0]);
+  const float s = (amax > 0.0f && isfinite(amax)) ? amax / 448.0f : 1.0f;
+  if (threadIdx.x == 0) q_scale[t] = s;
+  for (int v = threadIdx.x; v < nv; v += blockDim.x) {
+    float g[8];
+    dev::unpack8(dev::ld16(rms_w + 8 * v), g);
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float f = dev::round_bf16(g[j] * dev::round_bf16(h[8 * v + j] * r));
+      (j < 4 ? lo : hi) |= uint32_t(dev::f32_to_e4m3_sat(f / s)) << (8 * (j & 3));
+    }
+    *reinterpret_cast<uint2*>(q8 + t * D + 8 * v) = make_uint2(lo, hi);
+  }
+}
+
+}  // namespace
+
+void attn_res_step(const uint16_t* blocks, int64_t block_stride, int nb, uint16_t* partial, const uint16_t* a,
+                   AttnResAdd mode, uint16_t* store_block, const uint16_t* mix_norm_w, const uint16_t* mix_proj_w,
+                   const uint16_t* rms_w, float eps, uint16_t* y, uint8_t* q8, float* q_scale, int64_t T, int64_t D,
+                   cudaStream_t stream) {
+  KCUDA_REQUIRE(partial && mix_norm_w && mix_proj_w && rms_w && y && (nb == 0 || blocks) &&
+                    (mode == AttnResAdd::none || a) && (!q8 || q_scale),
+                std::string("attn_res_step: null pointer"));
+  KCUDA_REQUIRE(nb >= 0 && nb + 1 <= kAttnResMaxSources,
+                "attn_res_step: " + std::to_string(nb) + " stored blocks (at most " +
+                    std::to_string(kAttnResMaxSources - 1) + ")");
+  KCUDA_REQUIRE(D > 0 && D % 8 == 0 && D * 4 <= 96 * 1024 && block_stride % 8 == 0,
+                "attn_res_step: D = " + std::to_string(D) + " must be a multiple of 8 and <= 24576");
+  KCUDA_REQUIRE((nb == 0 || aligned16(blocks)) && aligned16(partial) && (!a || aligned16(a)) &&
+                    (!store_block || aligned16(store_block)) && aligned16(mix_norm_w) && aligned16(mix_proj_w) &&
+                    aligned16(rms_w) && aligned16(y) && (reinterpret_cast<uintptr_t>(q8) & 7u) == 0,
+                std::string("attn_res_step: pointers must be 16-byte aligned (q8 8-byte)"));
+  KCUDA_REQUIRE(T >= 0 && T < (int64_t(1) << 31), std::string("attn_res_step: bad T"));
+  if (T == 0) return;
+  const size_t smem = size_t(D) * 4;
+  static bool attr_set = false;  // one device per process; the largest D once is enough
+  static size_t attr_smem = 0;
+  if (smem > 48 * 1024 && (!attr_set || smem > attr_smem)) {
+    KCUDA_CHECK(cudaFuncSetAttribute(attn_res_step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    attr_set = true, attr_smem = smem;
+  }
+  const int64_t nv = D / 8;
+  const unsigned threads = unsigned(std::min<int64_t>(1024, (nv + 31) / 32 * 32));
+  launch_pdl(attn_res_step_kernel, dim3(unsigned(T)), dim3(threads), smem, stream, blocks, block_stride, nb, partial,
+             a, mode, store_block, mix_norm_w, mix_proj_w, rms_w, eps, y, q8, q_scale, int(D));
 }
 
 }  // namespace kestrel::cuda

@@ -11,6 +11,7 @@
 namespace kestrel::cuda {
 
 // y = w ⊙ bf16(x · rsqrt(mean(x²) + eps)), normalised in FP32, rounded, times the weight, rounded.
+// y may be x itself (same rows and strides): normalised in place.
 void rmsnorm_bf16(const uint16_t* x /* bf16 [T, n], row stride ldx */, int64_t ldx, const uint16_t* w /* bf16 [n] */,
                   uint16_t* y /* bf16 [T, n], row stride ldy */, int64_t ldy, int64_t T, int64_t n, float eps,
                   cudaStream_t stream);
@@ -28,5 +29,22 @@ void attn_res_mix_rmsnorm(const uint16_t* blocks /* bf16 [nb, T, D], block i at 
                           uint16_t* h_out /* bf16 [T, D] row stride ldy, or null */,
                           uint16_t* y /* bf16 [T, D], row stride ldy */, int64_t ldy, int64_t T, int64_t D,
                           cudaStream_t stream);
+
+// One AttnRes point of the stream (MODEL.md §3.2), fused into one kernel per call (contiguous rows, ld = D):
+//  1. the partial sum is brought up to date: P := bf16(P + a) (add), P := a (replace), or left (none);
+//  2. if store_block is non-null the updated P is copied there (a write layer's new block — stored after
+//     this call's own Mix, so the Mix below still sees nb blocks);
+//  3. y = RMSNorm_{rms_w}(Mix([B_0..B_{nb−1}, P])), as attn_res_mix_rmsnorm;
+//  4. if q8 is non-null, the PTPC FP8 codes of y as well (quantize_fp8_rows' rule): the next GEMM's input.
+// One CTA per token with one 16-byte vector per thread (up to 1024 threads; D = 7168: 896), so a batch-1
+// call is one wave of latency instead of a 256-thread loop. PDL launch.
+enum class AttnResAdd : uint8_t { none, add, replace };
+void attn_res_step(const uint16_t* blocks /* bf16 [nb, T, D], block i at i·block_stride */, int64_t block_stride,
+                   int nb, uint16_t* partial /* bf16 [T, D], in/out */, const uint16_t* a /* bf16 [T, D] or null */,
+                   AttnResAdd mode, uint16_t* store_block /* bf16 [T, D] or null */,
+                   const uint16_t* mix_norm_w /* bf16 [D] */, const uint16_t* mix_proj_w /* bf16 [D] */,
+                   const uint16_t* rms_w /* bf16 [D] */, float eps, uint16_t* y /* bf16 [T, D] */,
+                   uint8_t* q8 /* e4m3 [T, D] or null */, float* q_scale /* f32 [T] */, int64_t T, int64_t D,
+                   cudaStream_t stream);
 
 }  // namespace kestrel::cuda

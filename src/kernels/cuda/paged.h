@@ -61,13 +61,13 @@ void paged_gather_latent(const PagedMlaCache& c, const int32_t* rows /* i32 [n] 
 // B query rows (one query each; several rows may share a request, e.g. speculative tokens). Row b uses
 // block-table row req[b] (req null: b) and attends to positions 0..lens[b]−1, or (sparse) to sel[b, ..]
 // (ascending positions, −1 ends the list). max_keys ≥ every row's key count (host side; sizes the
-// split over keys). Hm ≤ 16, C ≤ 512, C and R multiples of 8; FP8 rows are dequantised to their exact
-// BF16 values in shared memory.
+// split over keys). Hm ≤ 16, C ≤ 512, C and R multiples of 8; FP8 rows are read raw by the MMAs,
+// whose operands are still exactly the BF16 values MlaCacheView::read_latent returns (mla_tc.cu).
 // mla_decode_paged runs on tensor cores (mla_tc.cu: all heads of a row as the MMA's M side, split-KV,
 // log-sum-exp combine fused with o_h = W_UV,h ô_h) for (C, R) ∈ {(512, 64), (64, 16)}, and otherwise falls
 // back to mla_decode_paged_simple, the CUDA-core kernel (FP32 scores; kept as the fallback and as the
-// benchmark's baseline). The tensor-core path rounds q̃ and p to bf16 for the MMA: relative L2 error vs
-// cpu::mla_attn_absorbed ≲ 3e-3 (tested at 1e-2).
+// benchmark's baseline). The tensor-core path rounds q̃ (to bf16; FP8 pages: f16) and p (bf16) for the MMA:
+// relative L2 error vs cpu::mla_attn_absorbed ≲ 3e-3 (tested at 1e-2).
 struct MlaPagedBatch {
   const int32_t* lens = nullptr;  // device i32 [B]
   const int32_t* req = nullptr;   // device i32 [B] or null

@@ -6,6 +6,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/norm.h"
+#include "kernels/cuda/rows.h"
 #include "model/cuda/layers.h"
 
 namespace kestrel::model::gpu {
@@ -28,17 +29,33 @@ void attn_res_mix_norm(Context& x, const AttnResDev& rs, const u16* res_norm, co
 
 void attn_res_write_block(Context& x, AttnResDev& rs) {
   const int64_t TD = rs.T * rs.D;
-  KCUDA_CHECK(cudaMemcpyAsync(rs.blocks + int64_t(rs.nb) * TD, rs.partial, size_t(TD) * 2, cudaMemcpyDeviceToDevice,
-                              x.stream));
+  // Copies as kernels (copy_rows), not memcpy nodes: the PDL launches that follow get a kernel to depend on.
+  cuda::copy_rows(rs.partial, nullptr, rs.blocks + int64_t(rs.nb) * TD, nullptr, rs.T, rs.D * 2, x.stream);
   ++rs.nb;
 }
 
 void attn_res_add(Context& x, AttnResDev& rs, const u16* a, bool write) {
   const int64_t TD = rs.T * rs.D;
   if (write)
-    KCUDA_CHECK(cudaMemcpyAsync(rs.partial, a, size_t(TD) * 2, cudaMemcpyDeviceToDevice, x.stream));
+    cuda::copy_rows(a, nullptr, rs.partial, nullptr, rs.T, rs.D * 2, x.stream);
   else
     cuda::add_bf16(rs.partial, a, rs.partial, TD, x.stream);
+}
+
+void attn_res_point(Context& x, AttnResDev& rs, const u16* a, cuda::AttnResAdd mode, bool store, const u16* res_norm,
+                    const u16* res_proj, const u16* norm, u16* out, Fp8Act* out8) {
+  const int64_t T = rs.T, D = rs.D;
+  u16* block = store ? rs.blocks + int64_t(rs.nb) * T * D : nullptr;
+  uint8_t* q8 = nullptr;
+  float* qs = nullptr;
+  if (out8) {
+    q8 = x.tmp<uint8_t>(T * D);
+    qs = x.tmp<float>(T);
+    *out8 = {q8, qs};
+  }
+  cuda::attn_res_step(rs.blocks, T * D, rs.nb, rs.partial, a, mode, block, res_norm, res_proj, norm, x.c.rms_norm_eps,
+                      out, q8, qs, T, D, x.stream);
+  if (store) ++rs.nb;
 }
 
 }  // namespace kestrel::model::gpu

@@ -30,6 +30,7 @@ struct BatchStep {
   std::vector<int32_t> slot;
   int64_t max_dec_S = 0;  // longest decode context
   int64_t max_S = 0;      // longest context
+  bool attn_padded = false;  // a whole-step graph: the attention covers all T padded rows (graphs.h)
   // Static inputs (device).
   const int32_t* d_cu = nullptr;         // i32 [n+1] cu_seqlens
   const int32_t* d_slots = nullptr;      // i32 [n]

@@ -1,5 +1,6 @@
 // What every piece of the GPU forward gets: the config, the model's stream and cuBLASLt handle, step
-// scratch, the graph recorder and the instruments. One Context per CudaModel, alive as long as it: the
+// scratch, the graph recorder, the instruments, the decode switches (linear.h) and the skinny GEMM's
+// split-K workspace. One Context per CudaModel, alive as long as it: the
 // attention islands recorded into a CUDA-graph bucket hold a reference to it and run again on replay.
 //
 // Scratch (tmp) comes from the model's caching allocator and is given back at the end of each forward,
@@ -15,9 +16,11 @@
 
 #include "kernels/cuda/device_alloc.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemm_skinny.h"
 #include "loader/config.h"
 #include "model/cuda/graphs.h"
 #include "model/cuda/instruments.h"
+#include "model/cuda/linear.h"
 
 namespace kestrel::model::gpu {
 
@@ -29,6 +32,9 @@ struct Context {
   GraphRecorder graph;
   OpTimer timer;
   Captures caps;
+  DecodeOptions opt;
+  bool fp8 = false;              // --quantization ptpc-fp8: the dense projections are FP8 (weights.h)
+  cuda::SkinnyWorkspace skinny;  // the skinny GEMM's split-K scratch (owned by the model)
   std::vector<void*> scratch;
 
   template <typename T>
@@ -42,11 +48,9 @@ struct Context {
     for (void* p : scratch) alloc.free(p);
     scratch.clear();
   }
-  // y = bf16(x·Wᵀ) (kernels/cuda/gemm.h).
-  void gemm(const uint16_t* x /* bf16 [T, K], row stride ldx */, int64_t ldx, const uint16_t* w /* bf16 [N, K] */,
-            uint16_t* y /* bf16 [T, N], row stride ldy */, int64_t ldy, int64_t T, int64_t K, int64_t N) {
-    lt.bf16(x, ldx, w, y, ldy, T, K, N, stream);
-  }
+  // Fused decode kernels apply (DecodeOptions::fuse) and the op-timing / debug-capture instruments, which
+  // need the intermediate tensors, are off.
+  bool fused() const { return opt.fuse && !caps.on; }
   // An op-timing mark (eager forwards only: graphs hold no events).
   void mark(const char* name) {
     if (timer.on && graph.mode == GraphRecorder::Mode::eager) timer.mark(name, stream);

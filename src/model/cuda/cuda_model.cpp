@@ -37,7 +37,7 @@ struct CudaModel::Impl {
   cuda::GemmLt lt;
   Stream stream;
   gpu::WeightsDev w;
-  gpu::Context x{cfg.text, alloc, lt, stream.s, {}, {}, {}, {}};
+  gpu::Context x;
   bool graphs = false;
   int64_t graph_steps = 0;
   float* logits_dev = nullptr;  // f32 [logits_cap, V]: the eager steps' logits
@@ -51,9 +51,23 @@ struct CudaModel::Impl {
   int32_t* mask_idx_dev = nullptr;
   int64_t mask_rows = 0, mask_words = 0;
 
-  Impl(const ModelConfig& c, const ModelWeights& mw) : cfg(c), w(gpu::upload_weights(cfg, mw, arena)) {}
+  Impl(const ModelConfig& c, const ModelWeights& mw, const CudaModelOptions& o)
+      : cfg(c),
+        w(gpu::upload_weights(cfg, mw, arena, o.quant == WeightQuant::ptpc_fp8)),
+        x{cfg.text, alloc, lt, stream.s, {}, {}, {}, gpu::DecodeOptions::from_env(), o.quant == WeightQuant::ptpc_fp8,
+          {}, {}} {
+    // The skinny GEMM's split-K scratch: partials and zeroed counters (every launch leaves them zero).
+    x.skinny.part_bytes = cuda::kSkinnyPartBytes;
+    x.skinny.part = static_cast<float*>(alloc.alloc(x.skinny.part_bytes));
+    x.skinny.n_counters = cuda::kSkinnyCounters;
+    x.skinny.counters = static_cast<unsigned*>(alloc.alloc(size_t(x.skinny.n_counters) * 4));
+    KCUDA_CHECK(cudaMemsetAsync(x.skinny.counters, 0, size_t(x.skinny.n_counters) * 4, x.stream));
+    KCUDA_CHECK(cudaStreamSynchronize(x.stream));
+  }
   ~Impl() {
     alloc.free(logits_dev);
+    alloc.free(x.skinny.part);
+    alloc.free(x.skinny.counters);
     alloc.free(mask_dev);
     alloc.free(mask_idx_dev);
   }
@@ -86,9 +100,10 @@ struct CudaModel::Impl {
     gpu::BatchStep s = gpu::describe_batch(seqs, cc, V, in);
     x.timer.begin_step();
     x.mark("start");
-    gpu::upload_context(x, s, in);
     const bool use_graph = graphs && s.nd == s.n && in.all_last && !x.timer.on && !x.caps.on &&
                            s.n <= gpu::kMaxGraphBatch;
+    // A whole-step graph carries the context inputs in its bucket (graphs.h); every other step uploads them.
+    if (!use_graph || !gpu::whole_graph_step(x, s)) gpu::upload_context(x, s, in);
     if (!use_graph) {
       const int32_t* d_ids = gpu::upload_inputs(x, s, in);
       const int64_t nr = int64_t(in.lrows.size());
@@ -97,18 +112,23 @@ struct CudaModel::Impl {
         logits_dev = static_cast<float*>(alloc.alloc(size_t(nr * V) * 4));
         logits_cap = nr;
       }
-      gpu::forward_layers(x, w, cc, s, d_ids, s.d_pool_rows + s.T, nr, logits_dev);
+      bool identity = nr == s.T;
+      for (int64_t i = 0; identity && i < nr; ++i) identity = in.lrows[size_t(i)] == int32_t(i);
+      gpu::forward_layers(x, w, cc, s, d_ids, s.d_pool_rows + s.T, nr, identity, logits_dev);
       logits_cur = logits_dev;
       logits_rows = nr;
     } else {
       logits_cur = gpu::run_graph_step(x, cc, s, in, [&](const int32_t* ids, const int32_t* lrows, int64_t nr, float* lg) {
-        gpu::forward_layers(x, w, cc, s, ids, lrows, nr, lg);
+        gpu::forward_layers(x, w, cc, s, ids, lrows, nr, true, lg);
       });
       ++graph_steps;
       logits_rows = s.n_real;
     }
     x.mark("final+lm_head");
-    KCUDA_CHECK(cudaStreamSynchronize(x.stream));
+    // No host wait here: everything that reads the step's results (copy_logits, greedy, sample) is on this
+    // stream and synchronises itself, and the scratch given back below is only handed out again to later
+    // work on the same stream (stream order), so the host prepares the next call while the GPU runs this one.
+    if (x.timer.on) KCUDA_CHECK(cudaStreamSynchronize(x.stream));
     x.release_scratch();
     if (x.timer.on) x.timer.end_step();
     return logits_rows;
@@ -160,7 +180,14 @@ struct CudaModel::Impl {
   }
 };
 
-CudaModel::CudaModel(const ModelConfig& c, const ModelWeights& w) : impl_(std::make_unique<Impl>(c, w)) {}
+WeightQuant parse_weight_quant(const std::string& s) {
+  if (s == "bf16" || s == "none") return WeightQuant::bf16;
+  if (s == "ptpc-fp8" || s == "ptpc_fp8") return WeightQuant::ptpc_fp8;
+  fail("unknown --quantization '{}' (bf16 or ptpc-fp8)", s);
+}
+
+CudaModel::CudaModel(const ModelConfig& c, const ModelWeights& w, const CudaModelOptions& opt)
+    : impl_(std::make_unique<Impl>(c, w, opt)) {}
 CudaModel::~CudaModel() = default;
 size_t CudaModel::weight_bytes() const { return impl_->arena.bytes(); }
 

@@ -7,7 +7,8 @@
 //
 // The folder, one concern per file (MODEL.md §3 sections in each layer file):
 //   cuda_model.*   this façade: weights + caches + one forward per step, logits, greedy, the device sampler
-//   weights.*      upload and expert packing: plain structs of device pointers filled at load
+//   weights.*      upload, stacking, PTPC FP8 re-quantisation and expert packing: structs of device pointers
+//   linear.*       Lin(W)(x): the skinny GEMM for decode, cuBLASLt (BF16 / FP8) for prefill; the switches
 //   cache.*        CudaCache: paged latent / index-key pools, KDA state pools, zero / copy slot
 //   batch.*        BatchStep: how a step's sequences are stacked, and the metadata it uploads
 //   graphs.*       CUDA graphs: bucketed piecewise capture and replay of decode steps
@@ -17,8 +18,9 @@
 //   moe.cpp (§3.6), mlp.cpp (§3.7), attn_res.cpp (§3.2)
 // Forms: prefill rows (T > 1) run the naive MLA form, decode rows (T = 1) the absorbed one, like the CPU
 // defaults; KDA always runs the recurrent scan (the CPU prefill uses the chunked form, equal in exact
-// arithmetic, different in FP32 rounding). The GPU path is not batch invariant: cuBLASLt may choose
-// another algorithm for another row count.
+// arithmetic, different in FP32 rounding). Projections of T ≤ 64 rows run the skinny GEMM (linear.h), whose
+// results do not depend on T; beyond that the GPU path is not batch invariant (cuBLASLt may choose another
+// algorithm for another row count, the expert and attention kernels plan by row count).
 #pragma once
 
 #include <cstdint>
@@ -50,9 +52,20 @@ struct CudaSeq {
 
 using CudaCachePtr = std::unique_ptr<CudaCache, void (*)(CudaCache*)>;
 
+// How the dense projections are stored on the GPU: BF16 as in the checkpoint, or re-quantised at load to
+// PTPC FP8 (--quantization ptpc-fp8: e4m3 weights with per-output-channel scales, activations quantised per
+// token on the fly; model/cuda/linear.h). The router, the indexer head weights, lm_head, kv_b and the
+// embeddings stay BF16; the routed experts stay MXFP4.
+enum class WeightQuant : uint8_t { bf16, ptpc_fp8 };
+WeightQuant parse_weight_quant(const std::string& s);  // "bf16" | "ptpc-fp8"; kestrel::Error otherwise
+struct CudaModelOptions {
+  WeightQuant quant = WeightQuant::bf16;
+};
+
 class CudaModel {
  public:
-  CudaModel(const ModelConfig& c, const ModelWeights& w);  // uploads the weights (synchronous)
+  // Uploads the weights (synchronous).
+  CudaModel(const ModelConfig& c, const ModelWeights& w, const CudaModelOptions& opt = {});
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;

@@ -2,6 +2,12 @@
 // §3.1 embeddings, per layer §3.2's AttnRes bookkeeping around the attention (KDA §3.3 or MLA §3.4–3.5)
 // and the MLP (dense §3.7 or MoE §3.6), then the final Mix, model.norm and lm_head in FP32 (§3.8) over
 // the rows that want logits only.
+//
+// Fused form (Context::fused(): the default unless KESTREL_FUSE=0 or debug captures are on): each AttnRes
+// point is one kernel (attn_res_point) that first applies the pending update of P — step 4 or step 6 of
+// the previous sublayer — stores a write layer's block, then mixes and normalises (and, with ptpc-fp8,
+// quantises the normalised rows for the FP8 projections that read them). Unfused: the separate copy, add
+// and Mix + RMSNorm launches of attn_res.cpp, in the order of §3.2.
 #include <string>
 
 #include "kernels/cuda/rows.h"
@@ -10,47 +16,75 @@
 namespace kestrel::model::gpu {
 
 void forward_layers(Context& x, const WeightsDev& w, CudaCache& cc, const BatchStep& s, const int32_t* d_ids,
-                    const int32_t* d_lrows, int64_t nr, float* logits) {
+                    const int32_t* d_lrows, int64_t nr, bool lrows_identity, float* logits) {
   const TextConfig& tc = x.c;
   const int64_t T = s.T, D = tc.hidden_size, V = tc.vocab_size;
+  const bool fused = x.fused();
   // §3.1: P = embed_tokens[id], no stored blocks.
   AttnResDev rs = attn_res_begin(x, w.embed, d_ids, T);
   u16* normed = x.tmp<u16>(T * D);  // bf16 [T, D]: the sublayers' input
   u16* y = x.tmp<u16>(T * D);       // bf16 [T, D]: their output
+  Fp8Act n8;                        // normed's FP8 codes (fused ptpc-fp8 only)
+  Fp8Act* out8 = fused && x.fp8 ? &n8 : nullptr;
+  const u16* pending = nullptr;     // fused: the last sublayer's output, not yet added to P
   for (int L = 0; L < tc.num_hidden_layers; ++L) {
     const LayerWeightsDev& lw = w.layers[size_t(L)];
-    // §3.2 step 1 and step 3's norm: x = RMSNorm_input_layernorm(Mix([B_0..B_{n−1}, P])).
-    attn_res_mix_norm(x, rs, lw.attn_res_norm, lw.attn_res_proj, lw.input_norm, normed);
-    // Step 2: a write layer stores P as the next block.
     const bool write = tc.attn_res_writes(L);
-    if (write) attn_res_write_block(x, rs);
+    // §3.2 step 1 and step 3's norm: x = RMSNorm_input_layernorm(Mix([B_0..B_{n−1}, P])); step 2: a write
+    // layer stores P as the next block.
+    if (fused) {
+      attn_res_point(x, rs, pending, pending ? cuda::AttnResAdd::add : cuda::AttnResAdd::none, write,
+                     lw.attn_res_norm, lw.attn_res_proj, lw.input_norm, normed, out8);
+    } else {
+      attn_res_mix_norm(x, rs, lw.attn_res_norm, lw.attn_res_proj, lw.input_norm, normed);
+      if (write) attn_res_write_block(x, rs);
+    }
     x.mark("attn_res");
     // Step 3: a = Attn_L(x).
     if (lw.attn == AttnKind::kda)
-      kda_forward(x, lw.kda, cc, s, L, normed, y);
+      kda_forward(x, lw.kda, cc, s, L, normed, out8, y);
     else
-      mla_forward(x, lw.mla, cc, s, L, normed, y);
+      mla_forward(x, lw.mla, cc, s, L, normed, out8, y);
     if (x.caps.on) x.caps.bf16("L" + std::to_string(L) + ".attn_out", y, T * D, x.stream);
-    // Step 4: P := a on a write layer, else P := bf16(P + a).
-    attn_res_add(x, rs, y, write);
-    // Steps 5–6: m = MLP_L(RMSNorm_post_attention_layernorm(Mix([B.., P]))); P := bf16(P + m).
-    attn_res_mix_norm(x, rs, lw.mlp_res_norm, lw.mlp_res_proj, lw.post_attn_norm, normed);
+    // Step 4: P := a on a write layer, else P := bf16(P + a). Steps 5–6: m = MLP_L(RMSNorm_post_attention_
+    // layernorm(Mix([B.., P]))); P := bf16(P + m).
+    if (fused) {
+      attn_res_point(x, rs, y, write ? cuda::AttnResAdd::replace : cuda::AttnResAdd::add, false, lw.mlp_res_norm,
+                     lw.mlp_res_proj, lw.post_attn_norm, normed, out8);
+    } else {
+      attn_res_add(x, rs, y, write);
+      attn_res_mix_norm(x, rs, lw.mlp_res_norm, lw.mlp_res_proj, lw.post_attn_norm, normed);
+    }
     x.mark("attn_res");
     if (lw.mlp == MlpKind::dense) {
-      mlp_forward(x, lw.dense, normed, T, y);
+      mlp_forward(x, lw.dense, normed, out8, T, y);
       x.mark("dense_mlp");
     } else {
-      moe_forward(x, lw.moe, L, normed, T, y);
+      moe_forward(x, lw.moe, L, normed, out8, T, y);
     }
     if (x.caps.on) x.caps.bf16("L" + std::to_string(L) + ".mlp_out", y, T * D, x.stream);
-    attn_res_add(x, rs, y, false);
+    if (fused)
+      pending = y;
+    else
+      attn_res_add(x, rs, y, false);
   }
   // §3.2 final Mix, §3.8 model.norm, then lm_head in FP32 over the rows asked for.
-  attn_res_mix_norm(x, rs, w.out_res_norm, w.out_res_proj, w.final_norm, normed);
+  if (fused)
+    attn_res_point(x, rs, pending, pending ? cuda::AttnResAdd::add : cuda::AttnResAdd::none, false, w.out_res_norm,
+                   w.out_res_proj, w.final_norm, normed, nullptr);
+  else
+    attn_res_mix_norm(x, rs, w.out_res_norm, w.out_res_proj, w.final_norm, normed);
   if (nr > 0) {
-    u16* picked = x.tmp<u16>(nr * D);  // bf16 [nr, D]
-    cuda::copy_rows(normed, d_lrows, picked, nullptr, nr, D * 2, x.stream);
-    x.lt.bf16_f32(picked, D, w.lm_head, logits, V, nr, D, V, x.stream);
+    const u16* picked = normed;  // bf16 [nr, D]
+    if (!lrows_identity) {
+      u16* p = x.tmp<u16>(nr * D);
+      cuda::copy_rows(normed, d_lrows, p, nullptr, nr, D * 2, x.stream);
+      picked = p;
+    }
+    cuda::GemmSegs sg;
+    sg.seg[0] = seg_f32(0, logits, V);
+    sg.n = 1;
+    linear(x, w.lm_head, picked, D, nr, sg);
   }
 }
 

@@ -35,7 +35,7 @@ void GraphRecorder::end_segment(cudaStream_t stream) {
 }
 
 void GraphRecorder::island(const BatchStep& s, Island f, cudaStream_t stream) {
-  if (mode != Mode::capture) return f(s);
+  if (mode != Mode::capture || whole) return f(s);
   end_segment(stream);
   f(s);
   bucket->islands.push_back(std::move(f));
@@ -50,13 +50,26 @@ int64_t bucket_for(int64_t n) {
 }
 }  // namespace
 
+int64_t attn_bound(int64_t max_context) {
+  int64_t b = 512;
+  while (b < max_context) b *= 2;
+  return b;
+}
+
+bool whole_graph_step(const Context& x, const BatchStep& s) {
+  return x.opt.graph_attn && bucket_for(s.n) * attn_bound(s.max_S) <= kFullGraphMaxKeys;
+}
+
 const float* run_graph_step(Context& x, CudaCache& cc, BatchStep& s, const BatchInputs& in, const StepBody& body) {
   const int64_t V = x.c.vocab_size;
   const int64_t B = bucket_for(s.n);
-  GraphBucket& g = cc.graphs.by_size[B];
+  const int64_t bound = attn_bound(s.max_S);
+  const bool whole = whole_graph_step(x, s);
+  GraphBucket& g = cc.graphs.by_size[{B, whole ? bound : 0}];
+  const int64_t stride = whole ? (bound + cc.P - 1) / cc.P : 0;
   if (!g.meta) {
-    g.B = B;
-    g.meta = static_cast<int32_t*>(x.alloc.alloc(size_t(5 * B + 1) * 4));
+    g.B = B, g.bound = whole ? bound : 0, g.bt_stride = stride;
+    g.meta = static_cast<int32_t*>(x.alloc.alloc(size_t(5 * B + 1 + (whole ? B * (stride + 3) : 0)) * 4));
     g.logits = static_cast<float*>(x.alloc.alloc(size_t(B * V) * 4));
   }
   // The static inputs, padded to B rows: token 0, an empty KDA range, the hidden dummy slot and page row.
@@ -67,15 +80,35 @@ const float* run_graph_step(Context& x, CudaCache& cc, BatchStep& s, const Batch
   for (int64_t b = 0; b < B; ++b) meta.push_back(b < s.n ? in.slots[size_t(b)] : dummy_slot);
   for (int64_t b = 0; b < B; ++b) meta.push_back(b < s.n ? in.pool_rows[size_t(b)] : dummy_row);
   for (int64_t b = 0; b < B; ++b) meta.push_back(int32_t(b));
+  if (whole) {
+    // Context inputs at the bucket's fixed stride: dec lens [B] | tables [B, stride] | row lens [B] | row seq [B].
+    // Padded rows: one key, their own row 0 of the hidden page.
+    for (int64_t b = 0; b < B; ++b) meta.push_back(b < s.n ? in.dec_lens[size_t(b)] : 1);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t j = 0; j < stride; ++j)
+        meta.push_back(b < s.n ? (j < s.bt_stride ? in.tables[size_t(b * s.bt_stride + j)] : 0) : cc.num_pages);
+    for (int64_t b = 0; b < B; ++b) meta.push_back(b < s.n ? in.row_lens[size_t(b)] : 1);
+    for (int64_t b = 0; b < B; ++b) meta.push_back(int32_t(b));
+  }
   KCUDA_CHECK(cudaMemcpyAsync(g.meta, meta.data(), meta.size() * 4, cudaMemcpyHostToDevice, x.stream));
   s.T = s.n = s.nd = B;
   s.d_cu = g.meta + B;
   s.d_slots = s.d_cu + B + 1;
   s.d_pool_rows = s.d_slots + B;
+  if (whole) {
+    s.attn_padded = true;
+    s.max_S = s.max_dec_S = bound;
+    s.d_dec_lens = s.d_pool_rows + 2 * B;
+    s.d_tables = s.d_dec_lens + B;
+    s.bt_stride = stride;
+    s.d_row_lens = s.d_tables + B * stride;
+    s.d_row_req = s.d_row_lens + B;
+  }
   GraphRecorder& r = x.graph;
   if (g.segments.empty()) {
     r.mode = GraphRecorder::Mode::capture;
     r.bucket = &g;
+    r.whole = whole;
     try {
       r.begin_segment(x.stream);
       body(g.meta, s.d_pool_rows + B, B, g.logits);
@@ -86,9 +119,11 @@ const float* run_graph_step(Context& x, CudaCache& cc, BatchStep& s, const Batch
       for (cudaGraphExec_t e : g.segments) cudaGraphExecDestroy(e);
       g.segments.clear(), g.islands.clear();
       r.mode = GraphRecorder::Mode::eager;
+      r.whole = false;
       throw;
     }
     r.mode = GraphRecorder::Mode::eager;
+    r.whole = false;
   } else {
     r.mode = GraphRecorder::Mode::replay;
     for (size_t k = 0; k < g.segments.size(); ++k) {

@@ -10,22 +10,24 @@
 #include "model/cuda/batch.h"
 #include "model/cuda/cache.h"
 #include "model/cuda/context.h"
+#include "kernels/cuda/norm.h"
 #include "model/cuda/weights.h"
 
 namespace kestrel::model::gpu {
 
 // §3.3 KDA over the step's rows; state in the sequences' slots of cc (layer `layer`).
+// `in8`: in's PTPC FP8 codes when the producing kernel made them (ptpc-fp8), else null.
 void kda_forward(Context& x, const KdaWeightsDev& w, CudaCache& cc, const BatchStep& s, int layer,
-                 const u16* in /* bf16 [T, D] */, u16* out /* bf16 [T, D] */);
+                 const u16* in /* bf16 [T, D] */, const Fp8Act* in8, u16* out /* bf16 [T, D] */);
 // §3.4 MLA with the §3.5 indexer; new latent/key rows into their pages of cc (layer `layer`).
 void mla_forward(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchStep& s, int layer,
-                 const u16* in /* bf16 [T, D] */, u16* out /* bf16 [T, D] */);
+                 const u16* in /* bf16 [T, D] */, const Fp8Act* in8, u16* out /* bf16 [T, D] */);
 // §3.6 latent MoE (router ids captured as "L{layer}.router_ids").
-void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in /* bf16 [T, D] */, int64_t T,
-                 u16* out /* bf16 [T, D] */);
+void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in /* bf16 [T, D] */,
+                 const Fp8Act* in8, int64_t T, u16* out /* bf16 [T, D] */);
 // §3.7 gated SiTU MLP (the dense layer and the shared experts).
-void mlp_forward(Context& x, const MlpWeightsDev& w, const u16* in /* bf16 [T, D] */, int64_t T,
-                 u16* out /* bf16 [T, D] */);
+void mlp_forward(Context& x, const MlpWeightsDev& w, const u16* in /* bf16 [T, D] */, const Fp8Act* in8,
+                 int64_t T, u16* out /* bf16 [T, D] */);
 
 // §3.1–3.2 AttnRes stream of a step: the stored blocks and the partial sum.
 struct AttnResDev {
@@ -45,10 +47,17 @@ void attn_res_mix_norm(Context& x, const AttnResDev& rs, const u16* res_norm /* 
 void attn_res_write_block(Context& x, AttnResDev& rs);
 // Step 4: P := a after a write, else P := bf16(P + a). Step 6: P := bf16(P + m) (write = false).
 void attn_res_add(Context& x, AttnResDev& rs, const u16* a /* bf16 [T, D] */, bool write);
+// The fused form of one AttnRes point (kernels/cuda/norm.h attn_res_step): the pending update of P by `a`
+// (mode), a write layer's new block (store: P after the update becomes block nb, after this Mix), then
+// out = RMSNorm_norm(Mix(B, P)) and, with out8, its PTPC FP8 codes (for the FP8 projections that read it).
+void attn_res_point(Context& x, AttnResDev& rs, const u16* a /* bf16 [T, D] or null */, cuda::AttnResAdd mode,
+                    bool store, const u16* res_norm /* bf16 [D] */, const u16* res_proj /* bf16 [D] */,
+                    const u16* norm /* bf16 [D] */, u16* out /* bf16 [T, D] */, Fp8Act* out8);
 
 // The layer stack of one step (forward.cpp, §3.1–3.2, §3.8): embeddings of d_ids through every layer,
-// then the final Mix, model.norm and lm_head over the nr rows d_lrows into logits (f32 [nr, V]).
+// then the final Mix, model.norm and lm_head over the nr rows d_lrows into logits (f32 [nr, V]);
+// lrows_identity: d_lrows is 0, 1, .., nr−1 (every row wants logits, in order), so no gather is needed.
 void forward_layers(Context& x, const WeightsDev& w, CudaCache& cc, const BatchStep& s, const int32_t* d_ids,
-                    const int32_t* d_lrows, int64_t nr, float* logits);
+                    const int32_t* d_lrows, int64_t nr, bool lrows_identity, float* logits);
 
 }  // namespace kestrel::model::gpu

@@ -34,7 +34,12 @@ void mla_attend(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchSt
   const TextConfig& c = x.c;
   const int64_t C = c.kv_lora_rank, R = c.qk_rope_head_dim, N = c.qk_nope_head_dim, Dv = c.v_head_dim,
                 Hm = c.num_attention_heads, QK = N + R, Ki = c.index_topk;
-  const int64_t nd = std::min(s.nd, s.n_real), Treal = s.n_real == s.n ? s.T : s.n_real;
+  // Rows attended: every row of a whole-step graph (padded rows see their own hidden row), else the real ones.
+  const int64_t nd = s.attn_padded ? s.nd : std::min(s.nd, s.n_real),
+                Treal = s.attn_padded || s.n_real == s.n ? s.T : s.n_real;
+  // Plans (key splits, chunks) follow the context bound, not the exact longest context, so an eager step and
+  // the whole-step graph of its bucket run the same plan (graphs.h).
+  const int64_t bound_all = attn_bound(s.max_S), bound_dec = attn_bound(s.max_dec_S);
   const cuda::PagedMlaCache pv = cc.mla_view(layer, s.d_tables, s.bt_stride);
   // §3.5 steps 5–6: I = Σ_h w·(Hi·Di)^−½·ReLU(q_h·k) over the visible keys, top Ki per row.
   int32_t* sel = nullptr;  // i32 [Treal, Ki], ascending, −1 padded
@@ -42,9 +47,9 @@ void mla_attend(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchSt
     const int64_t Hi = c.index_n_heads;
     sel = x.tmp<int32_t>(Treal * Ki);
     // Scored in key chunks with a running top-k per row: the workspace is bounded, never [rows, max_S].
-    const size_t ws_bytes = cuda::indexer_select_paged_tc_workspace_bytes(Treal, s.max_S, Ki);
+    const size_t ws_bytes = cuda::indexer_select_paged_tc_workspace_bytes(Treal, bound_all, Ki);
     void* ws = x.tmp<char>(int64_t(ws_bytes));
-    cuda::indexer_select_paged_tc(qi, hw, pv, s.d_row_lens, s.d_row_req, Treal, s.max_S, Hi, Ki, ws, ws_bytes, sel,
+    cuda::indexer_select_paged_tc(qi, hw, pv, s.d_row_lens, s.d_row_req, Treal, bound_all, Hi, Ki, ws, ws_bytes, sel,
                                   x.stream);
     x.caps.ids_i32(layer, "index_topk", sel, Treal * Ki, x.stream);
     x.mark("mla.indexer");
@@ -52,7 +57,7 @@ void mla_attend(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchSt
   const cuda::MlaDims dims{Hm, N, R, Dv, C};
   if (nd > 0) {
     // Absorbed decode: every T = 1 sequence in one launch (they are rows 0..nd−1).
-    const int64_t max_keys = sel ? std::min(s.max_dec_S, Ki) : s.max_dec_S;
+    const int64_t max_keys = sel ? std::min(bound_dec, Ki) : bound_dec;
     const cuda::MlaPagedBatch bt{s.d_dec_lens, nullptr, sel, Ki, nd, max_keys};
     void* ws = x.tmp<char>(int64_t(cuda::mla_decode_paged_workspace_bytes(dims, nd, max_keys)));
     cuda::mla_decode_paged(x.lt, dims, q, w.kv_b, pv, bt, ws, o, x.stream);
@@ -71,60 +76,71 @@ void mla_attend(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchSt
 }  // namespace
 
 void mla_forward(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchStep& s, int layer, const u16* in,
-                 u16* out) {
+                 const Fp8Act* in8, u16* out) {
   const TextConfig& c = x.c;
   const int64_t T = s.T, D = c.hidden_size, Q = c.q_lora_rank, C = c.kv_lora_rank, R = c.qk_rope_head_dim,
                 Dv = c.v_head_dim, Hm = c.num_attention_heads, QK = c.qk_nope_head_dim + R, CW = C + R;
+  const int64_t Hi = c.index_n_heads, Di = c.index_head_dim;
   const float eps = c.rms_norm_eps;
-  // §3.4 step 1: c_q = RMSNorm_{q_a_layernorm}(Lin(q_a_proj)(x)); q = Lin(q_b_proj)(c_q) per head [N | R].
-  u16* qa = x.tmp<u16>(T * Q);       // bf16 [T, Q]
+  // Every projection of x at once (one stacked GEMM): §3.4 step 1's Lin(q_a_proj)(x), step 2's
+  // [c | k_pe] = Lin(kv_a_proj_with_mqa)(x), step 5's gate input Lin(g_proj)(x), and the indexer's (§3.5)
+  // Lin(wk)(x) and head weights w = weights_proj(x) in FP32.
+  u16* qa = x.tmp<u16>(T * Q);     // bf16 [T, Q]
+  u16* rows = x.tmp<u16>(T * CW);  // bf16 [T, C+R]: [c | k_pe], normalised in place into ĉ | k_pe below
+  u16* kraw = w.has_indexer ? x.tmp<u16>(T * Di) : nullptr;      // bf16 [T, Di]
+  u16* g = w.has_gate ? x.tmp<u16>(T * Hm * Dv) : nullptr;       // bf16 [T, Hm·Dv]
+  float* hw = w.has_indexer ? x.tmp<float>(T * Hi) : nullptr;    // f32 [T, Hi]
+  {
+    cuda::GemmSegs sg;
+    sg.seg[sg.n++] = seg_bf16(0, qa, Q);
+    sg.seg[sg.n++] = seg_bf16(w.off_kv, rows, CW);
+    if (w.off_wk >= 0) sg.seg[sg.n++] = seg_bf16(w.off_wk, kraw, Di);
+    if (w.off_g >= 0) sg.seg[sg.n++] = seg_bf16(w.off_g, g, Hm * Dv);
+    if (w.off_hw >= 0) sg.seg[sg.n++] = seg_f32(w.off_hw, hw, Hi);
+    linear(x, w.in_proj, in, D, T, sg, in8);
+    if (w.has_indexer && w.off_hw < 0) {  // ptpc-fp8: the FP32 head weights stay a BF16 GEMM of their own
+      cuda::GemmSegs hs;
+      hs.seg[0] = seg_f32(0, hw, Hi);
+      hs.n = 1;
+      linear(x, w.head_w, in, D, T, hs);
+    }
+  }
+  // §3.4 step 1: c_q = RMSNorm_{q_a_layernorm}(q_a); q = Lin(q_b_proj)(c_q) per head [N | R], and the
+  // indexer's queries q_I = Lin(wq_b)(c_q) (§3.5 step 1) in the same GEMM.
   u16* cq = x.tmp<u16>(T * Q);       // bf16 [T, Q]
   u16* q = x.tmp<u16>(T * Hm * QK);  // bf16 [T, Hm·(N+R)]
-  x.gemm(in, D, w.q_a, qa, Q, T, D, Q);
+  u16* qi = w.has_indexer ? x.tmp<u16>(T * Hi * Di) : nullptr;  // bf16 [T, Hi·Di]
   cuda::rmsnorm_bf16(qa, Q, w.q_a_norm, cq, Q, T, Q, eps, x.stream);
-  x.gemm(cq, Q, w.q_b, q, Hm * QK, T, Q, Hm * QK);
-  // Step 2: [c | k_pe] = Lin(kv_a_proj_with_mqa)(x); ĉ = RMSNorm(c) next to k_pe in new rows, which go
-  // into their pages.
-  u16* kva = x.tmp<u16>(T * CW);   // bf16 [T, C+R]
-  u16* rows = x.tmp<u16>(T * CW);  // bf16 [T, C+R]: ĉ | k_pe
-  x.gemm(in, D, w.kv_a, kva, CW, T, D, CW);
-  cuda::rmsnorm_bf16(kva, CW, w.kv_a_norm, rows, CW, T, C, eps, x.stream);
-  KCUDA_CHECK(cudaMemcpy2DAsync(rows + C, size_t(CW) * 2, kva + C, size_t(CW) * 2, size_t(R) * 2, size_t(T),
-                                cudaMemcpyDeviceToDevice, x.stream));
+  {
+    cuda::GemmSegs sg;
+    sg.seg[sg.n++] = seg_bf16(0, q, Hm * QK);
+    if (w.has_indexer) sg.seg[sg.n++] = seg_bf16(Hm * QK, qi, Hi * Di);
+    linear(x, w.q_proj, cq, Q, T, sg);
+  }
+  // Step 2: ĉ = RMSNorm(c) in place next to k_pe (each thread of the norm rewrites only what it read), and
+  // the new rows go into their pages.
+  cuda::rmsnorm_bf16(rows, CW, w.kv_a_norm, rows, CW, T, C, eps, x.stream);
   if (cc.formats.latent == LatentFormat::bf16)
     cuda::copy_rows(rows, nullptr, cc.latent[size_t(layer)], s.d_pool_rows, T, CW * 2, x.stream);
   else  // quantise on write, byte-identical to MlaCacheView::write_latent
     cuda::paged_write_latent(cc.mla_view(layer, nullptr, 0), rows, CW, s.d_pool_rows, T, x.stream);
-  // §3.5 steps 1–4: the indexer's queries q_I = Lin(wq_b)(c_q), keys k_I = LayerNorm(Lin(wk)(x)) into
-  // their pages, head weights w = weights_proj(x) in FP32.
-  u16* qi = nullptr;    // bf16 [T, Hi·Di]
-  float* hw = nullptr;  // f32 [T, Hi]
+  // §3.5 step 2: the indexer keys k_I = LayerNorm(Lin(wk)(x)) into their pages.
   if (w.has_indexer) {
-    const int64_t Hi = c.index_n_heads, Di = c.index_head_dim;
-    qi = x.tmp<u16>(T * Hi * Di);
-    u16* kraw = x.tmp<u16>(T * Di);  // bf16 [T, Di]
     u16* knew = x.tmp<u16>(T * Di);  // bf16 [T, Di]
-    hw = x.tmp<float>(T * Hi);
-    x.gemm(cq, Q, w.wq_b, qi, Hi * Di, T, Q, Hi * Di);
-    x.gemm(in, D, w.wk, kraw, Di, T, D, Di);
     cuda::indexer_key_norm(kraw, w.k_norm, w.k_norm_bias, T, Di, knew, x.stream);
     if (cc.formats.index_keys == IndexKeyFormat::bf16)
       cuda::copy_rows(knew, nullptr, cc.index_k[size_t(layer)], s.d_pool_rows, T, Di * 2, x.stream);
     else  // quantise on write, byte-identical to MlaCacheView::write_key
       cuda::paged_write_keys(cc.mla_view(layer, nullptr, 0), knew, Di, s.d_pool_rows, T, x.stream);
-    x.lt.bf16_f32(in, D, w.weights_proj, hw, Hi, T, D, Hi, x.stream);
   }
   x.mark("mla.proj");
-  // §3.5 steps 5–6 and §3.4 steps 3–4: the island (everything whose shape depends on the contexts).
+  // §3.5 steps 5–6 and §3.4 steps 3–4: everything whose shape depends on the contexts (an island of the
+  // graph unless the step's attention is captured, graphs.h).
   u16* o = x.tmp<u16>(T * Hm * Dv);  // bf16 [T, Hm·Dv]
   x.island(s, [&x, &w, &cc, layer, q, qi, hw, o](const BatchStep& st) { mla_attend(x, w, cc, st, layer, q, qi, hw, o); });
   // Step 5: ô = concat_h(o_h) ⊙ σ(Lin(g_proj)(x)); out = Lin(o_proj)(ô).
-  if (w.g_proj) {
-    u16* g = x.tmp<u16>(T * Hm * Dv);  // bf16 [T, Hm·Dv]
-    x.gemm(in, D, w.g_proj, g, Hm * Dv, T, D, Hm * Dv);
-    cuda::sigmoid_gate_bf16(o, g, T * Hm * Dv, x.stream);
-  }
-  x.gemm(o, Hm * Dv, w.o_proj, out, D, T, Hm * Dv, D);
+  if (g) cuda::sigmoid_gate_bf16(o, g, T * Hm * Dv, x.stream);
+  linear(x, w.o_proj, o, Hm * Dv, T, out, D);
   x.mark("mla.gate+o_proj");
 }
 

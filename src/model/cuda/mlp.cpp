@@ -1,18 +1,20 @@
-// Gated SiTU MLP on the GPU, MODEL.md §3.7 / §3.6 step 6 (CPU twin: model/mlp.cpp): gate|up as one
-// BF16 GEMM, the FP32 SiTU-GLU rounded once, the down projection.
-#include "kernels/cuda/elementwise.h"
+// Gated SiTU MLP on the GPU, MODEL.md §3.7 (CPU twin: model/mlp.cpp): gate|up as one BF16 GEMM over the
+// 8-interleaved stack with the FP32 SiTU-GLU rounded once in its epilogue (linear.h), then the down
+// projection.
 #include "model/cuda/layers.h"
 
 namespace kestrel::model::gpu {
 
-void mlp_forward(Context& x, const MlpWeightsDev& w, const u16* in, int64_t T, u16* out) {
+void mlp_forward(Context& x, const MlpWeightsDev& w, const u16* in, const Fp8Act* in8, int64_t T, u16* out) {
   const TextConfig& c = x.c;
   const int64_t D = c.hidden_size, F = w.F;
-  u16* gu = x.tmp<u16>(T * 2 * F);  // bf16 [T, 2F]: g | u
-  u16* a = x.tmp<u16>(T * F);       // bf16 [T, F]
-  x.gemm(in, D, w.gate_up, gu, 2 * F, T, D, 2 * F);
-  cuda::situ_glu_bf16(gu, 2 * F, T, F, c.situ_beta, c.situ_linear_beta, a, x.stream);
-  x.gemm(a, F, w.down, out, D, T, F, D);
+  u16* a = x.tmp<u16>(T * F);  // bf16 [T, F]
+  cuda::GemmSegs sg;
+  sg.glu_beta = c.situ_beta, sg.glu_linear_beta = c.situ_linear_beta;
+  sg.seg[0] = seg_glu(0, a, F);
+  sg.n = 1;
+  linear(x, w.gate_up, in, D, T, sg, in8);
+  linear(x, w.down, a, F, T, out, D);
 }
 
 }  // namespace kestrel::model::gpu

@@ -1,5 +1,8 @@
-// Latent MoE on the GPU, MODEL.md §3.6 steps 1–7 in order (CPU twin: model/moe.cpp). The router and the
-// expert selection run over all rows at once; the routed experts stay MXFP4 (kernels/cuda/moe.h).
+// Latent MoE on the GPU, MODEL.md §3.6 steps 1–7 in order (CPU twin: model/moe.cpp). Everything that reads
+// x is one stacked GEMM (linear.h): the shared experts' gate|up with the SiTU-GLU in its epilogue (step 6's
+// first half), z = Lin(routed_expert_down_proj)(x) (step 2) and, in BF16, the FP32 router logits (step 1).
+// The router and the expert selection run over all rows at once; the routed experts stay MXFP4
+// (kernels/cuda/moe.h); step 7's sum is the epilogue of the latent up-projection.
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/norm.h"
@@ -7,21 +10,34 @@
 
 namespace kestrel::model::gpu {
 
-void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in, int64_t T, u16* out) {
+void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in, const Fp8Act* in8, int64_t T,
+                 u16* out) {
   const TextConfig& c = x.c;
   const int64_t D = c.hidden_size, X = c.num_experts, K = c.num_experts_per_token, Lt = c.routed_expert_hidden_size,
-                I = c.moe_intermediate_size;
-  // Step 1: router in FP32: selection on σ(logits) + bias; weights the un-biased scores, renormalised,
-  // times routed_scaling_factor.
-  float* r = x.tmp<float>(T * X);        // f32 [T, X]
+                I = c.moe_intermediate_size, Is = w.Is;
+  float* r = x.tmp<float>(T * X);                         // f32 [T, X]: router logits
+  u16* z = x.tmp<u16>(T * Lt);                            // bf16 [T, Lt]
+  u16* a_sh = w.has_shared ? x.tmp<u16>(T * Is) : nullptr;  // bf16 [T, Is]: the shared experts' SiTU-GLU
+  {
+    cuda::GemmSegs sg;
+    sg.glu_beta = c.situ_beta, sg.glu_linear_beta = c.situ_linear_beta;
+    if (w.has_shared) sg.seg[sg.n++] = seg_glu(0, a_sh, Is);
+    sg.seg[sg.n++] = seg_bf16(w.off_down, z, Lt);
+    if (w.off_router >= 0) sg.seg[sg.n++] = seg_f32(w.off_router, r, X);
+    linear(x, w.in_proj, in, D, T, sg, in8);
+    if (w.off_router < 0) {  // ptpc-fp8: the FP32 router stays a BF16 GEMM of its own
+      cuda::GemmSegs rs;
+      rs.seg[0] = seg_f32(0, r, X);
+      rs.n = 1;
+      linear(x, w.router, in, D, T, rs);
+    }
+  }
+  // Step 1: selection on σ(logits) + bias; weights the un-biased scores, renormalised, times
+  // routed_scaling_factor.
   int32_t* ids = x.tmp<int32_t>(T * K);  // i32 [T, K]
   float* wts = x.tmp<float>(T * K);      // f32 [T, K]
-  x.lt.bf16_f32(in, D, w.router, r, X, T, D, X, x.stream);
   cuda::moe_route(r, w.router_bias, T, X, K, c.moe_renormalize, c.routed_scaling_factor, ids, wts, x.stream);
   x.caps.ids_i32(layer, "router_ids", ids, T * K, x.stream);
-  // Step 2: z = Lin(routed_expert_down_proj)(x).
-  u16* z = x.tmp<u16>(T * Lt);  // bf16 [T, Lt]
-  x.gemm(in, D, w.latent_down, z, Lt, T, D, Lt);
   x.mark("moe.router+down");
   // Steps 3–4: the selected experts on z, ũ = bf16(Σ_k w_k · y_k).
   u16* ut = x.tmp<u16>(T * Lt);  // bf16 [T, Lt]
@@ -35,12 +51,23 @@ void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in, i
     cuda::rmsnorm_bf16(ut, Lt, w.latent_norm, un, Lt, T, Lt, c.rms_norm_eps, x.stream);
     lin = un;
   }
-  u16* routed = w.has_shared ? x.tmp<u16>(T * D) : out;  // bf16 [T, D]
-  x.gemm(lin, Lt, w.latent_up, routed, D, T, Lt, D);
-  // Steps 6–7: out = bf16(routed + shared(x)).
-  if (w.has_shared) {
-    mlp_forward(x, w.shared, in, T, out);
-    cuda::add_bf16(routed, out, out, T * D, x.stream);
+  if (!w.has_shared) {
+    linear(x, w.latent_up, lin, Lt, T, out, D);
+  } else {
+    // Step 6: shared = Lin(down)(a_sh); step 7: out = bf16(routed + shared), the add in the up-projection's
+    // epilogue (or a separate add when the fused epilogues are off).
+    u16* sh = x.tmp<u16>(T * D);  // bf16 [T, D]
+    linear(x, w.shared_down, a_sh, Is, T, sh, D);
+    if (x.fused()) {
+      cuda::GemmSegs sg;
+      sg.seg[0] = seg_add(0, out, D, sh, D);
+      sg.n = 1;
+      linear(x, w.latent_up, lin, Lt, T, sg);
+    } else {
+      u16* routed = x.tmp<u16>(T * D);  // bf16 [T, D]
+      linear(x, w.latent_up, lin, Lt, T, routed, D);
+      cuda::add_bf16(routed, sh, out, T * D, x.stream);
+    }
   }
   x.mark("moe.up+shared");
 }

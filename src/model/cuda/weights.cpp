@@ -1,21 +1,32 @@
-// Weight upload and expert packing (see weights.h).
+// Weight upload, stacking and expert packing (see weights.h). Stacks are assembled on the host (rows
+// copied from the mmapped checkpoint into one staging buffer) and copied once; with ptpc-fp8 the BF16
+// stack goes to scratch device memory and quantize_fp8_rows writes the e4m3 codes and scales into the arena.
 #include "model/cuda/weights.h"
 
 #include <cuda_runtime.h>
 
+#include <cstring>
 #include <initializer_list>
 #include <utility>
 #include <vector>
 
 #include "core/check.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/ptpc.h"
 
 namespace kestrel::model::gpu {
 namespace {
 
+// One piece of a stacked matrix: a tensor's rows, or a gate/up pair interleaved by 8 rows.
+struct Part {
+  const TensorView* a = nullptr;
+  const TensorView* b = nullptr;  // non-null: interleave a (gate) and b (up) in blocks of 8 rows
+  int64_t rows() const { return a->shape[0] * (b ? 2 : 1); }
+};
+
 class Uploader {
  public:
-  explicit Uploader(cuda::DeviceArena& a) : arena_(a) {}
+  Uploader(cuda::DeviceArena& a, bool fp8) : arena_(a), fp8_(fp8) {}
 
   const u16* bf16(const TensorView& v) {  // null for an empty (absent optional) tensor
     if (v.empty()) return nullptr;
@@ -27,7 +38,7 @@ class Uploader {
     KCHECK(v.dtype == DType::f32, "expected an f32 tensor");
     return reinterpret_cast<const float*>(bf16(v));
   }
-  // Rows of several tensors stacked into one (same row length): one GEMM for q|k|v, gate|up.
+  // Rows of several tensors stacked into one (same row length), raw bytes: the conv kernels.
   const void* cat(std::initializer_list<const TensorView*> vs) {
     size_t n = 0;
     for (auto* v : vs) n += v->nbytes();
@@ -40,23 +51,80 @@ class Uploader {
     return p;
   }
   void* alloc(size_t n) { return arena_.alloc(n); }
-  MlpWeightsDev mlp(const MlpWeights& m) {
-    return {static_cast<const u16*>(cat({&m.gate_proj, &m.up_proj})), bf16(m.down_proj), m.gate_proj.shape[0]};
+
+  // A (stacked) BF16 matrix [Σ rows, K]; quantised to PTPC FP8 when `quantise` and the model runs ptpc-fp8.
+  LinearDev linear(const std::vector<Part>& parts, bool quantise = true) {
+    KCHECK(!parts.empty(), "empty weight stack");
+    const int64_t K = parts[0].a->shape[1];
+    int64_t N = 0;
+    for (const Part& p : parts) {
+      KCHECK(p.a->dtype == DType::bf16 && p.a->shape.rank == 2 && p.a->shape[1] == K,
+             "stacked weights must be bf16 [·, {}]", K);
+      if (p.b) {
+        KCHECK(p.b->dtype == DType::bf16 && p.b->shape[1] == K && p.b->shape[0] == p.a->shape[0] &&
+                   p.a->shape[0] % 8 == 0,
+               "gate/up pair must be bf16 [F, {}] with F a multiple of 8", K);
+      }
+      N += p.rows();
+    }
+    std::vector<uint16_t> host(size_t(N * K));
+    int64_t r = 0;
+    for (const Part& p : parts) {
+      const auto* a = static_cast<const uint16_t*>(p.a->data);
+      if (!p.b) {
+        std::memcpy(host.data() + r * K, a, size_t(p.a->shape[0] * K) * 2);
+      } else {
+        const auto* b = static_cast<const uint16_t*>(p.b->data);
+        for (int64_t f0 = 0; f0 < p.a->shape[0]; f0 += 8) {
+          std::memcpy(host.data() + (r + 2 * f0) * K, a + f0 * K, size_t(8 * K) * 2);
+          std::memcpy(host.data() + (r + 2 * f0 + 8) * K, b + f0 * K, size_t(8 * K) * 2);
+        }
+      }
+      r += p.rows();
+    }
+    LinearDev d;
+    d.N = N, d.K = K;
+    const size_t bytes = host.size() * 2;
+    if (fp8_ && quantise) {
+      void* tmp = nullptr;
+      KCUDA_CHECK(cudaMalloc(&tmp, bytes));
+      KCUDA_CHECK(cudaMemcpy(tmp, host.data(), bytes, cudaMemcpyHostToDevice));
+      auto* q = static_cast<uint8_t*>(arena_.alloc(size_t(N * K)));
+      auto* s = static_cast<float*>(arena_.alloc(size_t(N) * 4));
+      cuda::quantize_fp8_rows(static_cast<const uint16_t*>(tmp), K, N, K, q, s, nullptr);
+      KCUDA_CHECK(cudaDeviceSynchronize());
+      KCUDA_CHECK(cudaFree(tmp));
+      d.w8 = q, d.ws = s;
+    } else {
+      void* p = arena_.alloc(bytes);
+      KCUDA_CHECK(cudaMemcpy(p, host.data(), bytes, cudaMemcpyHostToDevice));
+      d.w = static_cast<const u16*>(p);
+    }
+    return d;
   }
+  LinearDev linear(const TensorView& v, bool quantise = true) { return linear({Part{&v}}, quantise); }
+  MlpWeightsDev mlp(const MlpWeights& m) {
+    MlpWeightsDev d;
+    d.gate_up = linear({Part{&m.gate_proj, &m.up_proj}});
+    d.down = linear(m.down_proj);
+    d.F = m.gate_proj.shape[0];
+    return d;
+  }
+  bool fp8() const { return fp8_; }
 
  private:
   cuda::DeviceArena& arena_;
+  bool fp8_;
 };
 
 KdaWeightsDev upload_kda(Uploader& up, const KdaWeights& k) {
   KdaWeightsDev d{};
-  d.qkv = static_cast<const u16*>(up.cat({&k.q_proj, &k.k_proj, &k.v_proj}));
+  d.in_proj = up.linear({Part{&k.q_proj}, Part{&k.k_proj}, Part{&k.v_proj}, Part{&k.g_proj}, Part{&k.f_a_proj},
+                         Part{&k.b_proj}});
   d.conv = static_cast<const float*>(up.cat({&k.q_conv, &k.k_conv, &k.v_conv}));
-  d.g_proj = up.bf16(k.g_proj);
-  d.f_a = up.bf16(k.f_a_proj);
-  d.f_b = up.bf16(k.f_b_proj);
-  d.b_proj = up.bf16(k.b_proj);
-  d.o_proj = up.bf16(k.o_proj);
+  d.f_b = up.linear(k.f_b_proj);
+  d.f_b_bf16 = d.f_b.w ? d.f_b.w : up.bf16(k.f_b_proj);
+  d.o_proj = up.linear(k.o_proj);
   d.a_log = up.f32(k.a_log);
   d.dt_bias = up.f32(k.dt_bias);
   d.o_norm = up.f32(k.o_norm);
@@ -65,34 +133,51 @@ KdaWeightsDev upload_kda(Uploader& up, const KdaWeights& k) {
 
 MlaWeightsDev upload_mla(Uploader& up, const MlaWeights& m) {
   MlaWeightsDev d{};
-  d.q_a = up.bf16(m.q_a_proj);
+  d.has_indexer = m.has_indexer;
+  d.has_gate = !m.g_proj.empty();
+  std::vector<Part> in{Part{&m.q_a_proj}, Part{&m.kv_a_proj}};
+  int64_t r = m.q_a_proj.shape[0];
+  d.off_kv = r;
+  r += m.kv_a_proj.shape[0];
+  if (m.has_indexer) in.push_back(Part{&m.indexer.wk}), d.off_wk = r, r += m.indexer.wk.shape[0];
+  if (d.has_gate) in.push_back(Part{&m.g_proj}), d.off_g = r, r += m.g_proj.shape[0];
+  if (m.has_indexer && !up.fp8()) in.push_back(Part{&m.indexer.weights_proj}), d.off_hw = r;
+  d.in_proj = up.linear(in);
+  if (m.has_indexer && up.fp8()) d.head_w = up.linear(m.indexer.weights_proj, false);
+  std::vector<Part> qp{Part{&m.q_b_proj}};
+  if (m.has_indexer) qp.push_back(Part{&m.indexer.wq_b});
+  d.q_proj = up.linear(qp);
+  d.o_proj = up.linear(m.o_proj);
   d.q_a_norm = up.bf16(m.q_a_norm);
-  d.q_b = up.bf16(m.q_b_proj);
-  d.kv_a = up.bf16(m.kv_a_proj);
   d.kv_a_norm = up.bf16(m.kv_a_norm);
   d.kv_b = up.bf16(m.kv_b_proj);
-  d.g_proj = up.bf16(m.g_proj);
-  d.o_proj = up.bf16(m.o_proj);
-  d.has_indexer = m.has_indexer;
   if (m.has_indexer) {
-    d.wq_b = up.bf16(m.indexer.wq_b);
-    d.wk = up.bf16(m.indexer.wk);
     d.k_norm = up.bf16(m.indexer.k_norm);
     d.k_norm_bias = up.bf16(m.indexer.k_norm_bias);
-    d.weights_proj = up.bf16(m.indexer.weights_proj);
   }
   return d;
 }
 
 MoeWeightsDev upload_moe(Uploader& up, const TextConfig& tc, const MoeWeights& m) {
   MoeWeightsDev d{};
-  d.router = up.bf16(m.router);
-  d.router_bias = up.f32(m.router_bias);
-  d.latent_down = up.bf16(m.latent_down);
-  d.latent_norm = up.bf16(m.latent_norm);
-  d.latent_up = up.bf16(m.latent_up);
   d.has_shared = m.has_shared;
-  if (m.has_shared) d.shared = up.mlp(m.shared);
+  std::vector<Part> in;
+  int64_t r = 0;
+  if (m.has_shared) {
+    in.push_back(Part{&m.shared.gate_proj, &m.shared.up_proj});
+    r = 2 * m.shared.gate_proj.shape[0];
+    d.Is = m.shared.gate_proj.shape[0];
+    d.shared_down = up.linear(m.shared.down_proj);
+  }
+  d.off_down = r;
+  in.push_back(Part{&m.latent_down});
+  r += m.latent_down.shape[0];
+  if (!up.fp8()) in.push_back(Part{&m.router}), d.off_router = r;
+  d.in_proj = up.linear(in);
+  if (up.fp8()) d.router = up.linear(m.router, false);
+  d.router_bias = up.f32(m.router_bias);
+  d.latent_norm = up.bf16(m.latent_norm);
+  d.latent_up = up.linear(m.latent_up);
   // Experts repacked once into the tensor-core layout of kernels/cuda/moe_layout.h (the same bytes, permuted).
   const int64_t X = tc.num_experts, Lt = tc.routed_expert_hidden_size, I = tc.moe_intermediate_size;
   KCHECK(int64_t(m.experts.size()) == X, "MoE layer has {} experts, config {}", m.experts.size(), X);
@@ -112,11 +197,15 @@ MoeWeightsDev upload_moe(Uploader& up, const TextConfig& tc, const MoeWeights& m
 
 }  // namespace
 
-WeightsDev upload_weights(const ModelConfig& c, const ModelWeights& mw, cuda::DeviceArena& arena) {
-  Uploader up(arena);
+WeightsDev upload_weights(const ModelConfig& c, const ModelWeights& mw, cuda::DeviceArena& arena, bool fp8) {
+  Uploader up(arena, fp8);
   WeightsDev w;
   w.embed = up.bf16(mw.embed);
-  w.lm_head = mw.lm_head.empty() ? w.embed : up.bf16(mw.lm_head);
+  if (mw.lm_head.empty()) {
+    w.lm_head.w = w.embed, w.lm_head.N = mw.embed.shape[0], w.lm_head.K = mw.embed.shape[1];
+  } else {
+    w.lm_head = up.linear(mw.lm_head, false);
+  }
   w.final_norm = up.bf16(mw.final_norm);
   w.out_res_norm = up.bf16(mw.out_res_norm);
   w.out_res_proj = up.bf16(mw.out_res_proj);

@@ -2,9 +2,11 @@
 // DeviceArena, kept as plain structs of device pointers. The layer forwards read only these: no
 // tensor names, no host views, no shapes beyond the config's.
 //
-// Packing done at upload: q|k|v (KDA) and gate|up (dense MLP, shared experts) are stacked row-wise so
-// each is one GEMM, the three conv kernels likewise so the conv is one launch over q|k|v; routed
-// experts stay MXFP4, each layer's X experts repacked by cuda::pack_experts_mxfp4 into the tensor-core
+// Packing done at upload: projections that read the same input are stacked row-wise into one matrix
+// (linear.h), so a decode step reads each layer's input-side weights in one launch: KDA q|k|v|g|f_a|b,
+// MLA q_a|kv_a|wk|g_proj|weights_proj and q_b|wq_b, MoE shared gate|up|latent_down|router; gate|up pairs are
+// interleaved by 8 rows so the SiTU-GLU runs in the GEMM's epilogue. The three conv kernels are stacked so
+// the conv is one launch over q|k|v; routed experts stay MXFP4, each layer's X experts repacked by cuda::pack_experts_mxfp4 into the tensor-core
 // fragment order moe_experts_mxfp4 reads (kernels/cuda/moe_layout.h: the same bytes, permuted).
 // Tied embeddings: lm_head points at embed.
 #pragma once
@@ -16,18 +18,17 @@
 #include "kernels/cuda/moe.h"
 #include "loader/config.h"
 #include "loader/weights.h"
+#include "model/cuda/linear.h"
 
 namespace kestrel::model::gpu {
 
 using u16 = uint16_t;
 
 struct KdaWeightsDev {
-  const u16* qkv;      // bf16 [3·H·Dk, D]: q_proj | k_proj | v_proj
-  const u16* g_proj;   // bf16 [H·Dk, D]
-  const u16* f_a;      // bf16 [Dk, D]
-  const u16* f_b;      // bf16 [H·Dk, Dk]
-  const u16* b_proj;   // bf16 [H, D]
-  const u16* o_proj;   // bf16 [D, H·Dk]
+  LinearDev in_proj;   // [q_proj | k_proj | v_proj (3·H·Dk) | g_proj (H·Dk) | f_a (Dk) | b_proj (H)] × D, one GEMM
+  LinearDev f_b;       // [H·Dk, Dk]
+  LinearDev o_proj;    // [D, H·Dk]
+  const u16* f_b_bf16;  // bf16 [H·Dk, Dk] (the fused decode kernel reads it; = f_b.w, or kept beside f_b.w8)
   const float* conv;   // f32 [3·H·Dk, W]: q_conv | k_conv | v_conv
   const float* a_log;  // f32 [≥ H]
   const float* dt_bias;  // f32 [H·Dk]
@@ -35,37 +36,38 @@ struct KdaWeightsDev {
 };
 
 struct MlaWeightsDev {
-  const u16* q_a;        // bf16 [Q, D]
+  // [q_a (Q) | kv_a (C+R) | wk (Di, indexer) | g_proj (Hm·Dv, output gate) | weights_proj (Hi, FP32 out; BF16 mode)]
+  LinearDev in_proj;
+  int64_t off_kv = 0, off_wk = -1, off_g = -1, off_hw = -1;  // first rows in in_proj (−1: absent)
+  LinearDev head_w;      // weights_proj [Hi, D] on its own (ptpc-fp8: FP32 outputs stay BF16); N = 0 otherwise
+  LinearDev q_proj;      // [q_b (Hm·(N+R)) | wq_b (Hi·Di, indexer)] × Q
+  LinearDev o_proj;      // [D, Hm·Dv]
   const u16* q_a_norm;   // bf16 [Q]
-  const u16* q_b;        // bf16 [Hm·(N+R), Q]
-  const u16* kv_a;       // bf16 [C+R, D]
   const u16* kv_a_norm;  // bf16 [C]
   const u16* kv_b;       // bf16 [Hm·(N+Dv), C]
-  const u16* g_proj;     // bf16 [Hm·Dv, D], null without the output gate
-  const u16* o_proj;     // bf16 [D, Hm·Dv]
-  bool has_indexer;
-  const u16* wq_b;          // bf16 [Hi·Di, Q]       (indexer; null without one)
-  const u16* wk;            // bf16 [Di, D]
-  const u16* k_norm;        // bf16 [Di]
+  bool has_indexer, has_gate;
+  const u16* k_norm;        // bf16 [Di]   (indexer)
   const u16* k_norm_bias;   // bf16 [Di] or null (bias 0)
-  const u16* weights_proj;  // bf16 [Hi, D]
 };
 
 struct MlpWeightsDev {
-  const u16* gate_up;  // bf16 [2F, D]: gate_proj | up_proj
-  const u16* down;     // bf16 [D, F]
+  LinearDev gate_up;  // [2F, D], gate and up rows interleaved by 8 (GemmEpi::situ_glu8)
+  LinearDev down;     // [D, F]
   int64_t F;
 };
 
 struct MoeWeightsDev {
-  const u16* router;       // bf16 [X, D]
+  // [shared gate|up interleaved (2·Is, with shared experts) | latent_down (Lt) | router (X, FP32 out; BF16 mode)]
+  LinearDev in_proj;
+  int64_t off_down = 0, off_router = -1;
+  LinearDev router;        // [X, D] on its own (ptpc-fp8); N = 0 otherwise
   const float* router_bias;  // f32 [X]
-  const u16* latent_down;  // bf16 [Lt, D]
   const u16* latent_norm;  // bf16 [Lt]
-  const u16* latent_up;    // bf16 [D, Lt]
+  LinearDev latent_up;     // [D, Lt]
   cuda::MoeExpertWeights experts;
   bool has_shared;
-  MlpWeightsDev shared;  // F = Is
+  LinearDev shared_down;   // [D, Is]
+  int64_t Is = 0;
 };
 
 struct LayerWeightsDev {
@@ -85,14 +87,17 @@ struct LayerWeightsDev {
 
 struct WeightsDev {
   const u16* embed;         // bf16 [V, D]
-  const u16* lm_head;       // bf16 [V, D] (= embed when tied)
+  LinearDev lm_head;        // bf16 [V, D] (= embed when tied), FP32 logits
   const u16* final_norm;    // bf16 [D]
   const u16* out_res_norm;  // bf16 [D]
   const u16* out_res_proj;  // bf16 [D]
   std::vector<LayerWeightsDev> layers;
 };
 
-// Copies every tensor of `w` into `arena` (synchronous; returns once the copies are done).
-WeightsDev upload_weights(const ModelConfig& c, const ModelWeights& w, cuda::DeviceArena& arena);
+// Copies every tensor of `w` into `arena` (synchronous; returns once the copies are done). fp8: the dense
+// projections are re-quantised at load to PTPC FP8 (e4m3 + per-output-channel scales, quantize_fp8_rows on
+// the device; the BF16 copies are not kept), except the FP32-output ones (router, indexer head weights,
+// lm_head) and the MLA kv_b the attention kernels read.
+WeightsDev upload_weights(const ModelConfig& c, const ModelWeights& w, cuda::DeviceArena& arena, bool fp8);
 
 }  // namespace kestrel::model::gpu

@@ -1,0 +1,416 @@
+// Skinny GEMM (see gemm_skinny.h): y = x·Wᵀ for T ≤ 64, W streamed once at close to the copy rate.
+//
+// Work: a CTA (4 warps, 128 threads) owns one row tile of W (16 rows) and one K range (its split); the
+// 4 warps take the range's 128-byte k-steps in turn (warp w: steps w, w+4, ...), so at any moment the
+// CTA reads 4 consecutive 128-byte pieces of each of its 16 rows. Per step a lane loads 2×16 bytes of
+// rows g and g+8 (g = lane/4) at byte 32·(lane%4) of the step: 4 lanes cover a row's 128 bytes, one
+// full cache line, and x's rows (tokens) the same way. No shared memory staging, no ldmatrix: the lane's
+// bytes are fed to mma.sync as they are, with the K order permuted consistently for W and x (a dot product
+// does not care about the order of its terms): of the lane's 8 words, mma j uses words 2j and 2j+1 as
+// the fragment's k pair (2q, 2q+1) / (2q+8, 2q+9) for bf16 m16n8k16, or (4q..4q+3) / (4q+16..) for e4m3
+// m16n8k32 — both the PTX fragment layout of A (rows g, g+8) and of B (token column g) — so W goes from
+// global memory to the tensor cores through registers only. Tokens are the MMA's N side (8 per n-tile,
+// NT tiles: T ≤ 8, 16, 32, 64); rows ≥ N and tokens ≥ T are zero-filled, never loaded.
+//
+// Latency: W loads run U steps ahead in registers (U = 4 for T ≤ 16: 16 × 16 B per lane in flight,
+// 8 KB per warp), x one step ahead (T ≤ 16) or just in time (its L2 latency is short against a step's
+// share of HBM time). W is read with ld.global.nc.L1::no_allocate (read once, leaves L1 to x); x with
+// ld.global.cg (L2; written by the previous kernel, possibly while this one was already running its
+// prologue under PDL). Before griddepcontrol.wait a CTA issues its first U steps of W (weights are never
+// written), so under PDL the weight stream starts during the previous kernel's tail.
+//
+// Reduction (deterministic): warps 1..3 park their accumulators in shared memory, warp 0 adds them in
+// warp order; with a split over CTAs, warp 0 writes its partial (f32, fragment order) and bumps the row
+// tile's counter; the CTA that sees the last count sums the S partials in split order (ld.cg) and runs
+// the epilogue, then zeroes the counter. Split S: the fewest splits that give ≥ 2 CTAs per SM (8 warps,
+// each with U·2 KB of W in flight: ~64 KB per SM against the ~50 KB that HBM latency × bandwidth asks),
+// and ≥ 8 k-steps per split; all CTAs then fit one wave (4 per SM by registers at T ≤ 16).
+// KESTREL_SKINNY_CTAS_PER_SM changes the 2.
+//
+// Resources (ptxas, sm_90a, no spills, no stack): registers bf16 NT=1 110, NT=2 146, NT=4 95, NT=8 134;
+// fp8 124, 166, 136, 178 (so 4, 3, 5, 3 / 4, 3, 3, 2 CTAs per SM); static shared memory 1.5–12 KB. SASS
+// per step and warp (bf16 NT=1): 4 LDG.E.NA.128.CONSTANT of W issued U steps ahead, 2 LDG.E.128 (.cg)
+// of x one step ahead, 4 HMMA.16816.F32.BF16; griddepcontrol.launch_dependents / .wait appear as
+// PREEXIT / ACQBULK, the wait after the first U steps of W. On sm_90 ptxas lowers the e4m3 mma.sync
+// (m16n8k32) to F2FP.F16.E4M3.UNPACK (exact e4m3 → f16) + two HMMA.16816.F32 (f16): 12 unpacks per MMA,
+// ~0.4 warp-instructions per cycle per SM at the copy rate — the FP8 path stays memory-bound, at half the
+// weight bytes.
+//
+// Predicted (H200, copy 4.27 TB/s): a 20+ MB matrix at T ≤ 16 in ≥ 85 % of the copy rate plus ~2 µs of
+// launch and tail (e.g. KDA q|k|v|g|f_a|b 90 MB ≈ 23 µs, o_proj 22 MB ≈ 7 µs, MoE latent down 51 MB ≈
+// 14 µs); T = 64 within ~20 % of that (x traffic 4× W's from L2).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_util.cuh"
+#include "kernels/cuda/gemm_skinny.h"
+#include "kernels/cuda/launch.h"
+
+namespace kestrel::cuda {
+namespace {
+
+constexpr int kWarps = 4, kThreads = 32 * kWarps;
+constexpr int kStepBytes = 128;  // bytes of each W / x row per k-step
+
+struct Params {
+  const uint8_t* x;
+  int64_t ldx;  // bytes
+  const uint8_t* w;
+  int64_t ldw;  // bytes (K · element size)
+  const float* x_scale;  // fp8
+  const float* w_scale;  // fp8
+  int T, N, kbytes;      // kbytes = K · element size
+  int ksteps, steps_per_split, splits, tiles;
+  float* part;
+  unsigned* counters;
+  GemmSegs segs;
+};
+
+__device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {  // weights: read once, not kept in L1
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint4 ld_act(const uint8_t* p) {  // activations: L2 (coherent after the PDL wait)
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+template <int I>
+__device__ __forceinline__ uint32_t word(const uint4& v) {
+  return I == 0 ? v.x : I == 1 ? v.y : I == 2 ? v.z : v.w;
+}
+
+template <bool FP8>
+__device__ __forceinline__ void mma(float* d /* f32 [4] */, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                    uint32_t b1) {
+  if constexpr (FP8) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// Lane (g, q) of a step: words 0..7 = bytes 32q..32q+31 of the step in rows g / g+8 (W) or token g (x).
+// mma j takes words 2j (k pair 2q.. / 4q..) and 2j+1 (2q+8.. / 4q+16..): word 2j is uint4 j>>1, component
+// (j&1)·2.
+template <bool FP8, int MT, int NT>
+__device__ __forceinline__ void mma_step(float (&acc)[MT * NT * 4], const uint4 (&w)[MT][2][2], const uint4 (&x)[NT][2]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      float* d = acc + (mt * NT + nt) * 4;
+      mma<FP8>(d, word<0>(w[mt][0][0]), word<0>(w[mt][1][0]), word<1>(w[mt][0][0]), word<1>(w[mt][1][0]),
+               word<0>(x[nt][0]), word<1>(x[nt][0]));
+      mma<FP8>(d, word<2>(w[mt][0][0]), word<2>(w[mt][1][0]), word<3>(w[mt][0][0]), word<3>(w[mt][1][0]),
+               word<2>(x[nt][0]), word<3>(x[nt][0]));
+      mma<FP8>(d, word<0>(w[mt][0][1]), word<0>(w[mt][1][1]), word<1>(w[mt][0][1]), word<1>(w[mt][1][1]),
+               word<0>(x[nt][1]), word<1>(x[nt][1]));
+      mma<FP8>(d, word<2>(w[mt][0][1]), word<2>(w[mt][1][1]), word<3>(w[mt][0][1]), word<3>(w[mt][1][1]),
+               word<2>(x[nt][1]), word<3>(x[nt][1]));
+    }
+}
+
+__device__ __forceinline__ int seg_of(const GemmSegs& s, int r) {
+  int i = 0;
+  while (i + 1 < s.n && int64_t(r) >= s.seg[i + 1].n0) ++i;
+  return i;
+}
+
+__device__ __forceinline__ float situ(float g, float u, float beta, float lbeta) {  // = elementwise.cu situ_kernel
+  const float act = beta * tanhf(g / beta) * dev::sigmoid(g);
+  return act * (lbeta * tanhf(u / lbeta));
+}
+
+__device__ __forceinline__ void emit(const GemmSegs& ss, int r, int tok, float v) {
+  const GemmSeg& s = ss.seg[seg_of(ss, r)];
+  const int64_t i = int64_t(tok) * s.ldy + (r - s.n0);
+  switch (s.epi) {
+    case GemmEpi::f32:
+      static_cast<float*>(s.y)[i] = v;
+      break;
+    case GemmEpi::add_bf16: {
+      const float a = dev::bf16_to_f32(s.add[int64_t(tok) * s.ld_add + (r - s.n0)]);
+      static_cast<uint16_t*>(s.y)[i] = dev::f32_to_bf16(dev::round_bf16(v) + a);
+      break;
+    }
+    default:
+      static_cast<uint16_t*>(s.y)[i] = dev::f32_to_bf16(v);
+  }
+}
+
+template <bool FP8, int NT, int MT, int U, bool XPF>
+__global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant__ Params p) {
+  static_assert(!XPF || U % 2 == 0, "x prefetch alternates two buffers over an even unroll");
+  constexpr int E = MT * NT * 4;  // accumulators per lane
+  __shared__ __align__(16) float red[kWarps - 1][E][32];
+  const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5, g = lane >> 2, q = lane & 3;
+  const int tile = int(blockIdx.x), split = int(blockIdx.y);
+  dev::pdl_trigger();
+
+  const int s_begin = split * p.steps_per_split;
+  const int s_count = min(p.ksteps, s_begin + p.steps_per_split) - s_begin;
+  const int n_my = s_count > warp ? (s_count - warp + kWarps - 1) / kWarps : 0;  // this warp's steps
+  const int lane_off = 32 * q;
+
+  const uint8_t* wrow[MT][2];
+  bool wok[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = (tile * MT + mt) * 16 + 8 * h + g;
+      wok[mt][h] = r < p.N;
+      wrow[mt][h] = p.w + int64_t(wok[mt][h] ? r : 0) * p.ldw + lane_off;
+    }
+  const uint8_t* xrow[NT];
+  bool xok[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int tok = 8 * nt + g;
+    xok[nt] = tok < p.T;
+    xrow[nt] = p.x + int64_t(xok[nt] ? tok : 0) * p.ldx + lane_off;
+  }
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  auto load_w = [&](uint4(&dst)[MT][2][2], int s) {
+    const int off = s * kStepBytes;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const bool in_k = off + lane_off + 16 * c + 16 <= p.kbytes;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) dst[mt][h][c] = (in_k && wok[mt][h]) ? ld_stream(wrow[mt][h] + off + 16 * c) : zero;
+    }
+  };
+  auto load_x = [&](uint4(&dst)[NT][2], int s) {
+    const int off = s * kStepBytes;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const bool in_k = off + lane_off + 16 * c + 16 <= p.kbytes;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) dst[nt][c] = (in_k && xok[nt]) ? ld_act(xrow[nt] + off + 16 * c) : zero;
+    }
+  };
+
+  // Prologue: the first U steps of W (independent of earlier kernels), then wait for them.
+  uint4 wb[U][MT][2][2];
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (u < n_my) load_w(wb[u], s_begin + warp + u * kWarps);
+  dev::pdl_wait();
+
+  float acc[E];  // [mt][nt][4]
+#pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] = 0.0f;
+  uint4 xb[XPF ? 2 : 1][NT][2];
+  if (XPF && n_my > 0) load_x(xb[0], s_begin + warp);
+  for (int i = 0; i < n_my; i += U) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int idx = i + u;
+      if (idx < n_my) {
+        const int s = s_begin + warp + idx * kWarps;
+        const int xi = XPF ? (u & 1) : 0;  // a constant once the loop is unrolled
+        if constexpr (XPF) {
+          if (idx + 1 < n_my) load_x(xb[xi ^ 1], s + kWarps);
+        } else {
+          load_x(xb[0], s);
+        }
+        mma_step<FP8, MT, NT>(acc, wb[u], xb[xi]);
+        if (idx + U < n_my) load_w(wb[u], s + U * kWarps);
+      }
+    }
+  }
+
+  // CTA reduction in warp order.
+  float(&a)[E] = acc;
+  if (warp > 0) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) red[warp - 1][e][lane] = a[e];
+  }
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int w = 0; w < kWarps - 1; ++w)
+#pragma unroll
+    for (int e = 0; e < E; ++e) a[e] += red[w][e][lane];
+
+  if (p.splits > 1) {
+    float4* mine = reinterpret_cast<float4*>(p.part + ((int64_t(split) * p.tiles + tile) * 32 + lane) * E);
+#pragma unroll
+    for (int e = 0; e < E / 4; ++e) mine[e] = make_float4(a[4 * e], a[4 * e + 1], a[4 * e + 2], a[4 * e + 3]);
+    __threadfence();
+    unsigned prev = 0;
+    if (lane == 0) prev = atomicAdd(&p.counters[tile], 1u);
+    prev = __shfl_sync(0xffffffffu, prev, 0);
+    if (prev != unsigned(p.splits - 1)) return;
+    __threadfence();
+    for (int s = 0; s < p.splits; ++s) {  // split order, the same in every launch
+      const float4* src = reinterpret_cast<const float4*>(p.part + ((int64_t(s) * p.tiles + tile) * 32 + lane) * E);
+#pragma unroll
+      for (int e = 0; e < E / 4; ++e) {
+        const float4 v = __ldcg(src + e);
+        if (s == 0) {
+          a[4 * e] = v.x, a[4 * e + 1] = v.y, a[4 * e + 2] = v.z, a[4 * e + 3] = v.w;
+        } else {
+          a[4 * e] += v.x, a[4 * e + 1] += v.y, a[4 * e + 2] += v.z, a[4 * e + 3] += v.w;
+        }
+      }
+    }
+    if (lane == 0) p.counters[tile] = 0u;  // ready for the next launch
+  }
+
+  // Epilogue: d[0] (row g, token 2q), d[1] (g, 2q+1), d[2] (g+8, 2q), d[3] (g+8, 2q+1).
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int rb = (tile * MT + mt) * 16;
+    if (rb >= p.N) break;
+    const int si = seg_of(p.segs, rb);
+    const GemmSeg& sg = p.segs.seg[si];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int e0 = (mt * NT + nt) * 4;
+      float d[4] = {acc[e0], acc[e0 + 1], acc[e0 + 2], acc[e0 + 3]};
+      const int r0 = rb + g, r1 = rb + g + 8, c0 = 8 * nt + 2 * q, c1 = c0 + 1;
+      if constexpr (FP8) {
+        const float s0 = r0 < p.N ? __ldg(p.w_scale + r0) : 0.0f, s1 = r1 < p.N ? __ldg(p.w_scale + r1) : 0.0f;
+        const float x0 = c0 < p.T ? __ldcg(p.x_scale + c0) : 0.0f, x1 = c1 < p.T ? __ldcg(p.x_scale + c1) : 0.0f;
+        d[0] = (d[0] * s0) * x0, d[1] = (d[1] * s0) * x1, d[2] = (d[2] * s1) * x0, d[3] = (d[3] * s1) * x1;
+      }
+      if (sg.epi == GemmEpi::situ_glu8) {  // the whole 16-row tile is in the segment (checked on the host)
+        const int f = (rb - int(sg.n0)) / 2 + g;
+        uint16_t* y = static_cast<uint16_t*>(sg.y);
+        const float b = p.segs.glu_beta, lb = p.segs.glu_linear_beta;
+        if (c0 < p.T) y[int64_t(c0) * sg.ldy + f] = dev::f32_to_bf16(situ(dev::round_bf16(d[0]), dev::round_bf16(d[2]), b, lb));
+        if (c1 < p.T) y[int64_t(c1) * sg.ldy + f] = dev::f32_to_bf16(situ(dev::round_bf16(d[1]), dev::round_bf16(d[3]), b, lb));
+      } else {
+        if (r0 < p.N) {
+          if (c0 < p.T) emit(p.segs, r0, c0, d[0]);
+          if (c1 < p.T) emit(p.segs, r0, c1, d[1]);
+        }
+        if (r1 < p.N) {
+          if (c0 < p.T) emit(p.segs, r1, c0, d[2]);
+          if (c1 < p.T) emit(p.segs, r1, c1, d[3]);
+        }
+      }
+    }
+  }
+}
+
+int num_sms() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+      return 132;
+    return v;
+  }();
+  return n;
+}
+
+template <bool FP8>
+void run(Params p, int64_t T, int64_t K, int64_t N, const SkinnyWorkspace& ws, cudaStream_t stream) {
+  const int esz = FP8 ? 1 : 2;
+  p.T = int(T), p.N = int(N), p.kbytes = int(K * esz), p.ldw = K * esz;
+  p.ksteps = int((K * esz + kStepBytes - 1) / kStepBytes);
+  const int S0 = gemm_skinny_splits(N, K, FP8);
+  p.steps_per_split = (p.ksteps + S0 - 1) / S0;
+  p.splits = (p.ksteps + p.steps_per_split - 1) / p.steps_per_split;
+  p.tiles = int((N + 15) / 16);  // MT = 1 for every instantiation below
+  const int NT = T <= 8 ? 1 : T <= 16 ? 2 : T <= 32 ? 4 : 8;
+  if (p.splits > 1) {
+    const size_t need = size_t(p.splits) * size_t(p.tiles) * 32 * size_t(NT * 4) * 4;
+    KCUDA_REQUIRE(ws.part && ws.counters && need <= ws.part_bytes && p.tiles <= ws.n_counters,
+                  "gemm_skinny: split-K workspace too small (" + std::to_string(need) + " bytes, " +
+                      std::to_string(p.tiles) + " counters needed)");
+    p.part = ws.part, p.counters = ws.counters;
+  }
+  const dim3 grid(unsigned(p.tiles), unsigned(p.splits));
+  switch (NT) {
+    case 1: launch_pdl(skinny_kernel<FP8, 1, 1, 4, true>, grid, dim3(kThreads), 0, stream, p); break;
+    case 2: launch_pdl(skinny_kernel<FP8, 2, 1, 4, true>, grid, dim3(kThreads), 0, stream, p); break;
+    case 4: launch_pdl(skinny_kernel<FP8, 4, 1, 2, false>, grid, dim3(kThreads), 0, stream, p); break;
+    default: launch_pdl(skinny_kernel<FP8, 8, 1, 2, false>, grid, dim3(kThreads), 0, stream, p); break;
+  }
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+}  // namespace
+
+int gemm_skinny_splits(int64_t N, int64_t K, bool fp8) {
+  static const int per_sm = [] {
+    const char* e = std::getenv("KESTREL_SKINNY_CTAS_PER_SM");
+    const int v = e ? std::atoi(e) : 2;
+    return v >= 1 && v <= 32 ? v : 2;
+  }();
+  const int64_t tiles = (N + 15) / 16, ksteps = (K * (fp8 ? 1 : 2) + kStepBytes - 1) / kStepBytes;
+  int64_t S = (int64_t(num_sms()) * per_sm + tiles - 1) / tiles;
+  S = std::min<int64_t>(S, std::max<int64_t>(1, ksteps / 8));  // ≥ 2 steps per warp
+  return int(std::clamp<int64_t>(S, 1, 16));
+}
+
+bool gemm_skinny_ok(const void* x, int64_t ldx, const void* w, int64_t T, int64_t K, int64_t N, const GemmSegs& segs,
+                    bool fp8) {
+  const int64_t esz = fp8 ? 1 : 2;
+  if (!x || !w || T < 1 || T > kSkinnyMaxT || K <= 0 || N <= 0 || N >= (int64_t(1) << 30) ||
+      K * esz >= (int64_t(1) << 30))
+    return false;
+  if ((K * esz) % 16 != 0 || (ldx * esz) % 16 != 0 || ldx < K || !aligned16(x) || !aligned16(w)) return false;
+  if (segs.n < 1 || segs.n > kGemmMaxSegs || segs.seg[0].n0 != 0) return false;
+  for (int i = 0; i < segs.n; ++i) {
+    const GemmSeg& s = segs.seg[i];
+    const int64_t end = i + 1 < segs.n ? segs.seg[i + 1].n0 : N;
+    if (!s.y || end <= s.n0 || end > N) return false;
+    const int64_t len = end - s.n0;
+    switch (s.epi) {
+      case GemmEpi::bf16: if (s.ldy < len) return false; break;
+      case GemmEpi::f32: if (fp8 || s.ldy < len) return false; break;
+      case GemmEpi::add_bf16: if (!s.add || s.ldy < len || s.ld_add < len) return false; break;
+      case GemmEpi::situ_glu8: if (s.n0 % 16 != 0 || len % 16 != 0 || s.ldy < len / 2) return false; break;
+      default: return false;
+    }
+  }
+  return true;
+}
+
+void gemm_skinny_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t T, int64_t K, int64_t N,
+                      const GemmSegs& segs, const SkinnyWorkspace& ws, cudaStream_t stream) {
+  KCUDA_REQUIRE(gemm_skinny_ok(x, ldx, w, T, K, N, segs, false),
+                "gemm_skinny_bf16: unsupported operands T=" + std::to_string(T) + " K=" + std::to_string(K) +
+                    " N=" + std::to_string(N) + " ldx=" + std::to_string(ldx));
+  Params p{};
+  p.x = reinterpret_cast<const uint8_t*>(x), p.ldx = ldx * 2, p.w = reinterpret_cast<const uint8_t*>(w);
+  p.segs = segs;
+  run<false>(p, T, K, N, ws, stream);
+}
+
+void gemm_skinny_fp8(const uint8_t* x, int64_t ldx, const float* x_scale, const uint8_t* w, const float* w_scale,
+                     int64_t T, int64_t K, int64_t N, const GemmSegs& segs, const SkinnyWorkspace& ws,
+                     cudaStream_t stream) {
+  KCUDA_REQUIRE(x_scale && w_scale && gemm_skinny_ok(x, ldx, w, T, K, N, segs, true),
+                "gemm_skinny_fp8: unsupported operands T=" + std::to_string(T) + " K=" + std::to_string(K) +
+                    " N=" + std::to_string(N) + " ldx=" + std::to_string(ldx));
+  Params p{};
+  p.x = x, p.ldx = ldx, p.w = w, p.x_scale = x_scale, p.w_scale = w_scale;
+  p.segs = segs;
+  run<true>(p, T, K, N, ws, stream);
+}
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,79 @@
+// What the MoE expert kernel files share on the host side: argument structs, the launchers of the decode
+// (moe_stream.cu) and prefill (moe_wide.cu) GEMMs that moe_experts.cu calls, and a launch helper that adds
+// the programmatic-dependent-launch attribute. Included by .cu files only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <utility>
+
+#include "kernels/cuda/cuda_check.h"
+
+namespace kestrel::cuda::moe_detail {
+
+// A grouped MXFP4 GEMM over a device work list (moe_experts.cu: group_kernel): job j = (expert, first position
+// in `order`, count) of jobs i32 [J, 3], J = *n_jobs.
+struct GemmArgs {
+  const uint16_t* x;       // bf16 B rows: slot s reads x + (s / x_div)·ldx (z by token, or a by slot)
+  int64_t ldx;
+  int x_div;
+  const int32_t* order;    // i32 [n] slots grouped by expert
+  const int32_t* jobs;     // i32 [J, 3] (expert, first position in order, count)
+  const int32_t* n_jobs;   // i32 [1] J
+  const uint8_t* p0;       // W1 (GLU) or W: packed, kernel layout
+  const uint8_t* s0;       //   e8m0 scales, kernel layout
+  const uint8_t* p1;       // W3 (GLU only)
+  const uint8_t* s1;
+  int64_t p_stride, s_stride;  // bytes between experts
+  int R, C;                // rows of W (outputs), columns (K); R % 64 == 0, C % 64 == 0
+  uint16_t* out;           // bf16 [n, R]: the row of slot s at out + s·R
+  float beta, lbeta;       // SiTU betas (GLU only)
+};
+
+// Decode GEMM (moe_stream.cu): the same work as GemmArgs, or, with jobs == nullptr ("ungrouped"), job j =
+// slot j of expert ids[j] (one token; count 0 if the id is outside [0, X)).
+struct StreamArgs {
+  GemmArgs g;
+  const int32_t* ids;   // i32 [n] (ungrouped only)
+  int n;                // slots (ungrouped: the number of jobs)
+  int X;
+  float* partial;       // f32 [NW][2][NM·4][32]: split tiles' partial sums (NW warps of the grid)
+  int32_t* counters;    // i32 [NW], zero when the kernel starts
+  bool wait_first;      // the job list comes from the immediately preceding kernel (PDL: wait before reading it)
+};
+
+inline constexpr int kStreamWarps = 4;        // warps per CTA of the decode GEMM (independent streams)
+inline constexpr int kMaxStreamCtas = 1024;   // bound on its grid: scratch below is sized for it
+inline constexpr int kMaxStreamWarps = kStreamWarps * kMaxStreamCtas;
+// Scratch of one decode GEMM, bytes: partials for GLU (the larger) and counters.
+inline constexpr size_t kStreamPartialBytes = size_t(kMaxStreamWarps) * 2 * 8 * 32 * 4;
+inline constexpr size_t kStreamCounterBytes = size_t(kMaxStreamWarps) * 4;
+
+// CTAs of the persistent decode GEMM on this device (all resident at once), at most kMaxStreamCtas;
+// `ctas_override` > 0 forces a count (tests: other splits of the work).
+int stream_grid(bool glu, int ctas_override);
+void launch_stream(const StreamArgs& a, bool glu, int ctas, bool pdl, cudaStream_t stream);
+
+// Prefill GEMM (moe_wide.cu): jobs of up to kWideTokens tokens; grid = jobs_bound × row groups.
+inline constexpr int kWideTokens = 128;
+void launch_wide(const GemmArgs& a, bool glu, int64_t jobs_bound, bool pdl, cudaStream_t stream);
+
+// Launches kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization if `pdl`.
+template <typename... KArgs, typename... Args>
+void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+            Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  KCUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+}  // namespace kestrel::cuda::moe_detail

@@ -1,0 +1,67 @@
+// Lin(W)(x) on the GPU for every projection of the forward, one call per (possibly stacked) weight
+// (MODEL.md §3 conventions: FP32 accumulation, each output rounded once to BF16, or kept FP32).
+//
+// A LinearDev is one weight matrix as uploaded: BF16 [N, K], or (--quantization ptpc-fp8) e4m3 [N, K] with
+// per-output-channel FP32 scales. Several matrices that read the same input are stacked row-wise at upload
+// (weights.h); the GemmSegs of a call route each stacked matrix's rows to its own output and epilogue
+// (kernels/cuda/gemm_skinny.h). linear() picks the kernel:
+//  - T ≤ skinny_max_t (decode): the skinny GEMM, all segments and epilogues in one launch (FP8: the
+//    activation is quantised per token first, or its codes come from the producing kernel, `pre`);
+//  - otherwise (prefill) cuBLASLt per segment (BF16, or FP8 with outer-vector scales), the add and SiTU-GLU
+//    epilogues as separate elementwise kernels: the same numerics as the skinny path up to FP32 order.
+//
+// Switches (read once per CudaModel from the environment; bench/gpu and the GPU tests use them to show
+// what each change is worth): KESTREL_SKINNY=0 (cuBLASLt for every GEMM), KESTREL_SKINNY_MAX_T (default 16),
+// KESTREL_FUSE=0 (no fused decode kernels: AttnRes, KDA chain, GEMM epilogues), KESTREL_GRAPH_ATTN=0 (the
+// attention stays an eager island between graph segments), KESTREL_PDL=0 (kernels/cuda/launch.h).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cuda/gemm_skinny.h"
+
+namespace kestrel::model::gpu {
+
+struct Context;
+using u16 = uint16_t;
+
+struct LinearDev {
+  const u16* w = nullptr;         // bf16 [N, K] (null when quantised)
+  const uint8_t* w8 = nullptr;    // e4m3 [N, K] (ptpc-fp8)
+  const float* ws = nullptr;      // f32 [N]: per-output-channel scales (ptpc-fp8)
+  int64_t N = 0, K = 0;
+  bool fp8() const { return w8 != nullptr; }
+};
+
+// An activation's PTPC FP8 codes, when the producing kernel made them (e4m3 [T, K] contiguous, f32 [T]).
+struct Fp8Act {
+  const uint8_t* q = nullptr;
+  const float* s = nullptr;
+};
+
+struct DecodeOptions {
+  bool skinny = true;
+  // The skinny GEMM up to 16 rows, cuBLASLt above: on the H200 the reduced-mini decode step took 710 µs at
+  // batch 1 with it (778 without) but 3,002 µs at batch 64 with it up to 64 rows (1,991 with cuBLASLt).
+  int64_t skinny_max_t = 16;
+  bool fuse = true;
+  bool graph_attn = true;
+  static DecodeOptions from_env();
+};
+
+// Segment helpers.
+inline cuda::GemmSeg seg_bf16(int64_t n0, u16* y, int64_t ldy) { return {n0, y, ldy, cuda::GemmEpi::bf16, nullptr, 0}; }
+inline cuda::GemmSeg seg_f32(int64_t n0, float* y, int64_t ldy) { return {n0, y, ldy, cuda::GemmEpi::f32, nullptr, 0}; }
+inline cuda::GemmSeg seg_add(int64_t n0, u16* y, int64_t ldy, const u16* add, int64_t ld_add) {
+  return {n0, y, ldy, cuda::GemmEpi::add_bf16, add, ld_add};
+}
+inline cuda::GemmSeg seg_glu(int64_t n0, u16* y, int64_t ldy) { return {n0, y, ldy, cuda::GemmEpi::situ_glu8, nullptr, 0}; }
+
+// The segments' outputs := x·Wᵀ, x bf16 [T, W.K] with row stride ldx.
+void linear(Context& c, const LinearDev& W, const u16* x, int64_t ldx, int64_t T, const cuda::GemmSegs& segs,
+            const Fp8Act* pre = nullptr);
+// One plain segment: y (bf16 [T, N], row stride ldy) = bf16(x·Wᵀ).
+void linear(Context& c, const LinearDev& W, const u16* x, int64_t ldx, int64_t T, u16* y, int64_t ldy,
+            const Fp8Act* pre = nullptr);
+
+}  // namespace kestrel::model::gpu

@@ -1,0 +1,439 @@
+// The fused decode path's kernels against their CPU twins (harness.h rules: random inputs, NaN-poisoned
+// outputs, stated tolerances):
+//  - the skinny GEMM (kernels/cuda/gemm_skinny.h) vs cpu::gemm_bf16 / gemm_bf16_f32 and an FP64 reference
+//    rounded at the same point, at nano, mini and real per-rank shapes for T = 1, 2, 7, 16, 33, 64; stacked
+//    segments with every epilogue; batch invariance (a token's outputs bit-identical for every T ≤ 64) and
+//    run-to-run determinism (split-K without float atomics);
+//  - PTPC FP8: the GPU quantisation bit-exact vs cpu::quantize_fp8_rows, the FP8 skinny GEMM and cuBLASLt's
+//    FP8 GEMM vs cpu::gemm_ptpc_fp8, and (informative) the FP8 error against the BF16 GEMM;
+//  - attn_res_step (one kernel per AttnRes point) vs model::attn_res_mix + cpu::rmsnorm_bf16;
+//  - kda_decode_fused vs the CPU twins of steps 2–7 composed.
+// Timings of the skinny GEMM against cuBLASLt at the real shapes are printed as notes (not asserted).
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <numeric>
+
+#include "harness.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/kda_ops.h"
+#include "kernels/cpu/kda_scan.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemm_skinny.h"
+#include "kernels/cuda/kda.h"
+#include "kernels/cuda/norm.h"
+#include "kernels/cuda/ptpc.h"
+#include "model/attn_res.h"
+
+namespace kestrel::gputest {
+namespace {
+
+constexpr double kBf16Ulp = 1.0 / 128;
+constexpr float kEps = 1e-5f;
+
+void need_gpu() { ASSERT_GT(cuda::device_count(), 0) << "no CUDA device: run this binary on the GPU machine"; }
+
+// A split-K workspace like the model's (zeroed counters).
+struct Ws {
+  cuda::DeviceBuffer part{cuda::kSkinnyPartBytes}, counters{size_t(cuda::kSkinnyCounters) * 4};
+  Ws() { KCUDA_CHECK(cudaMemset(counters.data(), 0, counters.size())); }
+  cuda::SkinnyWorkspace get() {
+    return {static_cast<float*>(part.data()), part.size(), static_cast<unsigned*>(counters.data()),
+            cuda::kSkinnyCounters};
+  }
+};
+
+cuda::GemmSegs one_seg(void* y, int64_t ldy, cuda::GemmEpi e = cuda::GemmEpi::bf16) {
+  cuda::GemmSegs s;
+  s.seg[0] = {0, y, ldy, e, nullptr, 0};
+  s.n = 1;
+  return s;
+}
+
+float time_us(const std::function<void()>& fn, int reps = 20) {
+  cudaEvent_t a, b;
+  KCUDA_CHECK(cudaEventCreate(&a));
+  KCUDA_CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) fn();
+  std::vector<float> ts;
+  for (int i = 0; i < reps; ++i) {
+    KCUDA_CHECK(cudaEventRecord(a));
+    fn();
+    KCUDA_CHECK(cudaEventRecord(b));
+    KCUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    KCUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    ts.push_back(ms * 1000.0f);
+  }
+  cudaEventDestroy(a), cudaEventDestroy(b);
+  std::nth_element(ts.begin(), ts.begin() + reps / 2, ts.end());
+  return ts[size_t(reps / 2)];
+}
+
+// FP64 x·Wᵀ for the listed rows, rounded to bf16 (the GEMM's rounding point), as f32 values.
+std::vector<float> fp64_ref_rows(const std::vector<uint16_t>& x, const std::vector<uint16_t>& w, int64_t K, int64_t N,
+                                 const std::vector<int64_t>& rows) {
+  std::vector<float> out;
+  std::vector<double> xd(static_cast<size_t>(K));
+  for (int64_t t : rows) {
+    for (int64_t k = 0; k < K; ++k) xd[size_t(k)] = bf16_to_f32(x[size_t(t * K + k)]);
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0;
+      const uint16_t* wr = w.data() + n * K;
+      for (int64_t k = 0; k < K; ++k) s += xd[size_t(k)] * double(bf16_to_f32(wr[k]));
+      out.push_back(bf16_to_f32(f32_to_bf16(float(s))));
+    }
+  }
+  return out;
+}
+
+struct GemmCase {
+  int64_t K, N;
+  const char* what;
+};
+const GemmCase kGemmCases[] = {
+    {256, 384, "nano q|k|v"},        {256, 1024, "nano lm_head"},       {32, 128, "nano f_b"},
+    {7168, 6284, "mini KDA stack q|k|v|g|f_a|b"}, {1536, 7168, "mini o_proj"}, {7168, 3808, "mini MLA stack"},
+    {1536, 6400, "mini q_b|wq_b"},   {7168, 5120, "mini MoE stack"},    {3584, 7168, "mini latent up"},
+    {4224, 7168, "mini dense down"}, {768, 7168, "mini shared down"},   {128, 1536, "mini f_b"},
+    {7168, 128, "mini wk"},          {7168, 12, "mini b_proj"},         {7168, 8448, "mini dense gate|up"}};
+
+TEST(GpuDecode, SkinnyGemmBf16MatchesTwin) {
+  need_gpu();
+  Rng rng(101);
+  Ws ws;
+  for (const GemmCase& c : kGemmCases) {
+    const int64_t Tmax = 64;
+    const auto x = rand_bf16(size_t(Tmax * c.K), rng, -1.0f, 1.0f);
+    const auto w = rand_bf16(size_t(c.N * c.K), rng, -0.02f, 0.02f);
+    auto dx = upload(x);
+    auto dw = upload(w);
+    std::vector<uint16_t> ref_all(size_t(Tmax * c.N));
+    cpu::gemm_bf16(x.data(), c.K, w.data(), ref_all.data(), c.N, Tmax, c.K, c.N);
+    double scale = 0;
+    for (uint16_t v : ref_all) scale = std::max(scale, double(std::fabs(bf16_to_f32(v))));
+    std::vector<uint16_t> row0;  // token 0's outputs at T = 1 (batch invariance reference)
+    for (int64_t T : {1, 2, 7, 16, 33, 64}) {
+      auto dy = poisoned<uint16_t>(size_t(T * c.N));
+      cuda::gemm_skinny_bf16(dx.p(), c.K, dw.p(), T, c.K, c.N, one_seg(dy.p(), c.N), ws.get(), nullptr);
+      sync();
+      const auto got = dy.get();
+      const std::vector<uint16_t> ref(ref_all.begin(), ref_all.begin() + T * c.N);
+      const std::string shape = fmt::format("{} T={} K={} N={} S={}", c.what, T, c.K, c.N,
+                                            cuda::gemm_skinny_splits(c.N, c.K, false));
+      // vs the CPU twin: one BF16 rounding of FP32 sums in another order (ulp), cancellation (atol).
+      check_bf16("gemm_skinny_bf16 vs cpu twin", shape, got, ref, {2e-3 * scale, kBf16Ulp, 2e-3});
+      // vs FP64 rounded at the same point, on the first and last rows.
+      const std::vector<int64_t> rows = T == 1 ? std::vector<int64_t>{0} : std::vector<int64_t>{0, T - 1};
+      const auto r64 = fp64_ref_rows(x, w, c.K, c.N, rows);
+      std::vector<float> g64;
+      for (int64_t t : rows)
+        for (int64_t n = 0; n < c.N; ++n) g64.push_back(bf16_to_f32(got[size_t(t * c.N + n)]));
+      check("gemm_skinny_bf16 vs fp64", shape, g64.data(), r64.data(), r64.size(), {2e-3 * scale, kBf16Ulp, 1e-2});
+      // Batch invariance: token 0 bit-identical for every T; determinism: a second launch, same bits.
+      if (T == 1) row0.assign(got.begin(), got.begin() + c.N);
+      check_exact("gemm_skinny_bf16 batch invariance", shape, got.data(), row0.data(), size_t(c.N) * 2);
+      auto dy2 = poisoned<uint16_t>(size_t(T * c.N));
+      cuda::gemm_skinny_bf16(dx.p(), c.K, dw.p(), T, c.K, c.N, one_seg(dy2.p(), c.N), ws.get(), nullptr);
+      sync();
+      const auto got2 = dy2.get();
+      check_exact("gemm_skinny_bf16 determinism", shape, got2.data(), got.data(), got.size() * 2);
+    }
+    // Timing at the large shapes: skinny vs cuBLASLt (4 weight copies rotated so L2 does not serve them).
+    if (c.K * c.N >= 8000000) {
+      const int copies = 4;
+      cuda::DeviceBuffer wc(size_t(copies * c.N * c.K) * 2);
+      for (int i = 0; i < copies; ++i)
+        KCUDA_CHECK(cudaMemcpy(static_cast<uint16_t*>(wc.data()) + i * c.N * c.K, dw.p(), size_t(c.N * c.K) * 2,
+                               cudaMemcpyDeviceToDevice));
+      cuda::GemmLt lt;
+      auto dy = poisoned<uint16_t>(size_t(Tmax * c.N));
+      for (int64_t T : {1, 16, 64}) {
+        int it = 0;
+        const float ts = time_us([&] {
+          cuda::gemm_skinny_bf16(dx.p(), c.K, static_cast<uint16_t*>(wc.data()) + (it++ % copies) * c.N * c.K, T, c.K,
+                                 c.N, one_seg(dy.p(), c.N), ws.get(), nullptr);
+        });
+        it = 0;
+        const float tl = time_us([&] {
+          lt.bf16(dx.p(), c.K, static_cast<uint16_t*>(wc.data()) + (it++ % copies) * c.N * c.K, dy.p(), c.N, T, c.K,
+                  c.N, nullptr);
+        });
+        const double gb = double(c.N * c.K * 2) / 1e9;
+        note(fmt::format("  timing {} T={} ({:.1f} MB): skinny {:.1f} us ({:.2f} TB/s), cuBLASLt {:.1f} us ({:.2f} TB/s)",
+                         c.what, T, gb * 1e3, ts, gb / ts * 1e3, tl, gb / tl * 1e3));
+      }
+    }
+  }
+}
+
+// Stacked segments with every epilogue in one launch vs separate CPU GEMMs and the CPU elementwise twins.
+TEST(GpuDecode, SkinnyGemmStackedEpilogues) {
+  need_gpu();
+  Rng rng(102);
+  Ws ws;
+  const float beta = 2.0f, lbeta = 1.5f;
+  for (int64_t K : {256, 7168}) {
+    const int64_t F = 136, Nb = 100, Nf = 12, Na = 64;  // gate/up F rows each, bf16, f32, add segments
+    const auto gate = rand_bf16(size_t(F * K), rng, -0.05f, 0.05f), up = rand_bf16(size_t(F * K), rng, -0.05f, 0.05f);
+    const auto wb = rand_bf16(size_t(Nb * K), rng, -0.02f, 0.02f), wf = rand_bf16(size_t(Nf * K), rng, -0.02f, 0.02f);
+    const auto wa = rand_bf16(size_t(Na * K), rng, -0.02f, 0.02f);
+    // The stack: [gate|up interleaved by 8 | bf16 | f32 | add].
+    std::vector<uint16_t> w;
+    for (int64_t f0 = 0; f0 < F; f0 += 8) {
+      w.insert(w.end(), gate.begin() + f0 * K, gate.begin() + (f0 + 8) * K);
+      w.insert(w.end(), up.begin() + f0 * K, up.begin() + (f0 + 8) * K);
+    }
+    for (const auto* part : {&wb, &wf, &wa}) w.insert(w.end(), part->begin(), part->end());
+    const int64_t N = 2 * F + Nb + Nf + Na;
+    auto dw = upload(w);
+    for (int64_t T : {1, 7, 64}) {
+      const auto x = rand_bf16(size_t(T * K), rng, -1.0f, 1.0f);
+      const auto addend = rand_bf16(size_t(T * Na), rng, -1.0f, 1.0f);
+      auto dx = upload(x);
+      auto da = poisoned<uint16_t>(size_t(T * F));
+      auto db = poisoned<uint16_t>(size_t(T * Nb));
+      auto df = poisoned<float>(size_t(T * Nf));
+      auto dadd = upload(addend);  // in place: y = bf16(bf16(acc) + y)
+      cuda::GemmSegs s;
+      s.glu_beta = beta, s.glu_linear_beta = lbeta;
+      s.seg[0] = {0, da.p(), F, cuda::GemmEpi::situ_glu8, nullptr, 0};
+      s.seg[1] = {2 * F, db.p(), Nb, cuda::GemmEpi::bf16, nullptr, 0};
+      s.seg[2] = {2 * F + Nb, df.p(), Nf, cuda::GemmEpi::f32, nullptr, 0};
+      s.seg[3] = {2 * F + Nb + Nf, dadd.p(), Na, cuda::GemmEpi::add_bf16, dadd.p(), Na};
+      s.n = 4;
+      ASSERT_TRUE(cuda::gemm_skinny_ok(dx.p(), K, dw.p(), T, K, N, s, false));
+      cuda::gemm_skinny_bf16(dx.p(), K, dw.p(), T, K, N, s, ws.get(), nullptr);
+      sync();
+      std::vector<uint16_t> g(size_t(T * F)), u(size_t(T * F)), a(size_t(T * F)), yb(size_t(T * Nb)), ya(size_t(T * Na));
+      std::vector<float> yf(size_t(T * Nf));
+      cpu::gemm_bf16(x.data(), K, gate.data(), g.data(), F, T, K, F);
+      cpu::gemm_bf16(x.data(), K, up.data(), u.data(), F, T, K, F);
+      cpu::situ_glu(g.data(), u.data(), a.data(), T * F, beta, lbeta);
+      cpu::gemm_bf16(x.data(), K, wb.data(), yb.data(), Nb, T, K, Nb);
+      cpu::gemm_bf16_f32(x.data(), K, wf.data(), yf.data(), Nf, T, K, Nf);
+      cpu::gemm_bf16(x.data(), K, wa.data(), ya.data(), Na, T, K, Na);
+      for (size_t i = 0; i < ya.size(); ++i) ya[i] = f32_to_bf16(bf16_to_f32(ya[i]) + bf16_to_f32(addend[i]));
+      const std::string shape = fmt::format("K={} T={} [glu {} | bf16 {} | f32 {} | add {}]", K, T, 2 * F, Nb, Nf, Na);
+      // GLU: its inputs are one-ulp-close BF16 values, so the output is within a few ulps.
+      check_bf16("skinny epilogue situ_glu8", shape, da.get(), a, {1e-3, 4 * kBf16Ulp, 1e-2});
+      check_bf16("skinny epilogue bf16", shape, db.get(), yb, {1e-3, kBf16Ulp, 2e-3});
+      double fs = 0;
+      for (float v : yf) fs = std::max(fs, double(std::fabs(v)));
+      check("skinny epilogue f32", shape, df.get().data(), yf.data(), yf.size(), {1e-5 * fs + 1e-6, 1e-4, 1e-5});
+      check_bf16("skinny epilogue add_bf16 (in place)", shape, dadd.get(), ya, {1e-3, 2 * kBf16Ulp, 2e-3});
+    }
+  }
+}
+
+TEST(GpuDecode, PtpcFp8QuantAndGemm) {
+  need_gpu();
+  Rng rng(103);
+  Ws ws;
+  cuda::GemmLt lt;
+  for (const GemmCase& c : kGemmCases) {
+    if (c.K % 16 != 0) continue;
+    const auto w = rand_bf16(size_t(c.N * c.K), rng, -0.02f, 0.02f);
+    auto dw = upload(w);
+    // Weights: per-output-channel codes and scales, bit-exact vs the twin.
+    auto dq = poisoned<uint8_t>(size_t(c.N * c.K));
+    auto ds = poisoned<float>(size_t(c.N));
+    cuda::quantize_fp8_rows(dw.p(), c.K, c.N, c.K, dq.p(), ds.p(), nullptr);
+    sync();
+    std::vector<uint8_t> wq(size_t(c.N * c.K));
+    std::vector<float> wsc(static_cast<size_t>(c.N));
+    cpu::quantize_fp8_rows(w.data(), c.K, c.N, c.K, wq.data(), wsc.data());
+    const std::string wshape = fmt::format("{} N={} K={}", c.what, c.N, c.K);
+    check_exact("quantize_fp8_rows (weights, codes)", wshape, dq.get().data(), wq.data(), wq.size());
+    check_exact("quantize_fp8_rows (weights, scales)", wshape, ds.get().data(), wsc.data(), wsc.size() * 4);
+    for (int64_t T : {1, 7, 64, 200}) {
+      const auto x = rand_bf16(size_t(T * c.K), rng, -1.0f, 1.0f);
+      auto dx = upload(x);
+      auto dxq = poisoned<uint8_t>(size_t(T * c.K));
+      auto dxs = poisoned<float>(size_t(T));
+      cuda::quantize_fp8_rows(dx.p(), c.K, T, c.K, dxq.p(), dxs.p(), nullptr);
+      std::vector<uint8_t> xq(size_t(T * c.K));
+      std::vector<float> xs(static_cast<size_t>(T));
+      cpu::quantize_fp8_rows(x.data(), c.K, T, c.K, xq.data(), xs.data());
+      sync();
+      const std::string shape = fmt::format("{} T={} K={} N={}", c.what, T, c.K, c.N);
+      check_exact("quantize_fp8_rows (tokens, codes)", shape, dxq.get().data(), xq.data(), xq.size());
+      check_exact("quantize_fp8_rows (tokens, scales)", shape, dxs.get().data(), xs.data(), xs.size() * 4);
+      std::vector<uint16_t> ref(size_t(T * c.N));
+      cpu::gemm_ptpc_fp8(xq.data(), xs.data(), wq.data(), wsc.data(), ref.data(), c.N, T, c.K, c.N);
+      double scale = 0;
+      for (uint16_t v : ref) scale = std::max(scale, double(std::fabs(bf16_to_f32(v))));
+      auto dy = poisoned<uint16_t>(size_t(T * c.N));
+      if (T <= cuda::kSkinnyMaxT) {
+        cuda::gemm_skinny_fp8(dxq.p(), c.K, dxs.p(), dq.p(), ds.p(), T, c.K, c.N, one_seg(dy.p(), c.N), ws.get(),
+                              nullptr);
+        sync();
+        check_bf16("gemm_skinny_fp8 vs cpu twin", shape, dy.get(), ref, {2e-3 * scale, kBf16Ulp, 2e-3});
+      }
+      if (c.N % 16 == 0) {
+        auto dl = poisoned<uint16_t>(size_t(T * c.N));
+        lt.fp8_ptpc(dxq.p(), c.K, dxs.p(), dq.p(), ds.p(), dl.p(), c.N, T, c.K, c.N, nullptr);
+        sync();
+        check_bf16("cuBLASLt fp8_ptpc vs cpu twin", shape, dl.get(), ref, {2e-3 * scale, kBf16Ulp, 2e-3});
+      }
+      if (T == 7) {  // informative: what PTPC FP8 costs against the BF16 product
+        std::vector<uint16_t> bf(size_t(T * c.N));
+        cpu::gemm_bf16(x.data(), c.K, w.data(), bf.data(), c.N, T, c.K, c.N);
+        double num = 0, den = 0;
+        for (size_t i = 0; i < bf.size(); ++i) {
+          const double d = double(bf16_to_f32(ref[i])) - bf16_to_f32(bf[i]);
+          num += d * d, den += double(bf16_to_f32(bf[i])) * bf16_to_f32(bf[i]);
+        }
+        note(fmt::format("  ptpc-fp8 vs bf16 GEMM {}: rel L2 {:.2e}", shape, std::sqrt(num / den)));
+      }
+    }
+  }
+}
+
+TEST(GpuDecode, AttnResStepMatchesTwin) {
+  need_gpu();
+  Rng rng(104);
+  struct Case {
+    int64_t T, D;
+    int nb;
+    cuda::AttnResAdd mode;
+    bool store, fp8;
+  };
+  using M = cuda::AttnResAdd;
+  for (Case c : {Case{3, 256, 0, M::none, true, false}, Case{3, 256, 2, M::add, false, true},
+                 Case{1, 7168, 4, M::add, true, true}, Case{1, 7168, 1, M::replace, false, false},
+                 Case{16, 7168, 3, M::replace, true, true}, Case{64, 7168, 2, M::add, false, false}}) {
+    model::AttnResStream s(c.T, c.D, c.nb + 1);
+    for (int i = 0; i <= c.nb; ++i) {
+      const float sc = 0.5f + float(i % 4);
+      auto v = rand_bf16(size_t(c.T * c.D), rng, -sc, sc);
+      std::copy(v.begin(), v.end(), i < c.nb ? s.blocks.begin() + int64_t(i) * c.T * c.D : s.partial.begin());
+    }
+    s.num_blocks = c.nb;
+    const auto a = rand_bf16(size_t(c.T * c.D), rng, -1.0f, 1.0f);
+    const auto norm_w = rand_bf16(size_t(c.D), rng, 0.5f, 1.5f), proj_w = rand_bf16(size_t(c.D), rng, -0.05f, 0.05f);
+    const auto rms_w = rand_bf16(size_t(c.D), rng, 0.5f, 1.5f);
+    auto dblocks = upload(std::vector<uint16_t>(s.blocks.begin(), s.blocks.begin() + std::max(c.nb, 1) * c.T * c.D));
+    auto dp = upload(std::vector<uint16_t>(s.partial.begin(), s.partial.end()));
+    auto da = upload(a);
+    auto dstore = poisoned<uint16_t>(size_t(c.T * c.D));
+    auto dnw = upload(norm_w), dpw = upload(proj_w), drw = upload(rms_w);
+    auto dy = poisoned<uint16_t>(size_t(c.T * c.D));
+    auto dq = poisoned<uint8_t>(size_t(c.T * c.D));
+    auto dqs = poisoned<float>(size_t(c.T));
+    cuda::attn_res_step(dblocks.p(), c.T * c.D, c.nb, dp.p(), c.mode == M::none ? nullptr : da.p(), c.mode,
+                        c.store ? dstore.p() : nullptr, dnw.p(), dpw.p(), drw.p(), kEps, dy.p(),
+                        c.fp8 ? dq.p() : nullptr, dqs.p(), c.T, c.D, nullptr);
+    sync();
+    // CPU: the pending update of P, then Mix + RMSNorm.
+    for (size_t i = 0; i < s.partial.size(); ++i) {
+      if (c.mode == M::add) s.partial[i] = f32_to_bf16(bf16_to_f32(s.partial[i]) + bf16_to_f32(a[i]));
+      if (c.mode == M::replace) s.partial[i] = a[i];
+    }
+    std::vector<uint16_t> h(size_t(c.T * c.D)), y(size_t(c.T * c.D));
+    model::attn_res_mix(s, norm_w.data(), proj_w.data(), kEps, h.data());
+    cpu::rmsnorm_bf16(h.data(), rms_w.data(), y.data(), c.T, c.D, kEps);
+    const std::string shape = fmt::format("T={} D={} nb={} mode={} store={} fp8={}", c.T, c.D, c.nb, int(c.mode),
+                                          c.store, c.fp8);
+    const std::vector<uint16_t> pnew(s.partial.begin(), s.partial.end());
+    check_exact("attn_res_step (P updated)", shape, dp.get().data(), pnew.data(), pnew.size() * 2);
+    if (c.store) check_exact("attn_res_step (stored block)", shape, dstore.get().data(), pnew.data(), pnew.size() * 2);
+    const auto got = dy.get();
+    check_bf16("attn_res_step (y)", shape, got, y, {1e-3, 3 * kBf16Ulp, 2e-3});
+    if (c.fp8) {  // the codes of the kernel's own y, by the twin's rule
+      std::vector<uint8_t> q(got.size());
+      std::vector<float> qs(static_cast<size_t>(c.T));
+      cpu::quantize_fp8_rows(got.data(), c.D, c.T, c.D, q.data(), qs.data());
+      check_exact("attn_res_step (fp8 codes)", shape, dq.get().data(), q.data(), q.size());
+      check_exact("attn_res_step (fp8 scales)", shape, dqs.get().data(), qs.data(), qs.size() * 4);
+    }
+  }
+}
+
+TEST(GpuDecode, KdaDecodeFusedMatchesTwins) {
+  need_gpu();
+  Rng rng(105);
+  const int64_t W = 4;
+  struct Shape {
+    int64_t H, Dk;
+    const char* what;
+  };
+  for (const Shape& sh : {Shape{4, 32, "nano"}, Shape{2, 64, "Dk 64"}, Shape{12, 128, "mini"}}) {
+    const int64_t H = sh.H, Dk = sh.Dk, HD = H * Dk, C3 = 3 * HD;
+    for (int64_t B : {1, 5, 64}) {
+      const int64_t n_slots = B + 3;
+      // Rows: B real + 1 padded (empty cu range) pointing at the last slot, which must stay untouched.
+      const int64_t rows = B + 1;
+      std::vector<int32_t> slots(static_cast<size_t>(rows)), cu(size_t(rows + 1));
+      std::iota(slots.begin(), slots.end(), 0);
+      for (size_t i = slots.size(); i > 1; --i) std::swap(slots[i - 1], slots[rng.next() % i]);
+      slots[size_t(B)] = int32_t(n_slots - 1);
+      for (int64_t b = 0; b <= rows; ++b) cu[size_t(b)] = int32_t(std::min(b, B));
+      const auto qkv = rand_bf16(size_t(rows * C3), rng, -2.0f, 2.0f);
+      const auto gate = rand_bf16(size_t(rows * HD), rng, -3.0f, 3.0f);
+      const auto fa = rand_bf16(size_t(rows * Dk), rng, -1.0f, 1.0f);
+      const auto bl = rand_bf16(size_t(rows * H), rng, -3.0f, 3.0f);
+      const auto conv = rand_f32(size_t(C3 * W), rng, -0.7f, 0.7f);
+      const auto f_b = rand_bf16(size_t(HD * Dk), rng, -0.3f, 0.3f);
+      const auto dt_bias = rand_f32(size_t(HD), rng, -1.0f, 1.0f), a_log = rand_f32(size_t(H), rng, -1.0f, 1.5f);
+      const auto o_norm = rand_f32(size_t(Dk), rng, 0.5f, 1.5f);
+      auto hist = rand_bf16(size_t(n_slots * (W - 1) * C3), rng, -2.0f, 2.0f);
+      auto state = rand_f32(size_t(n_slots * H * Dk * Dk), rng, -0.2f, 0.2f);
+      const float lower = -5.0f;
+      auto d_qkv = upload(qkv), d_gate = upload(gate), d_fa = upload(fa), d_bl = upload(bl);
+      auto d_conv = upload(conv);
+      auto d_fb = upload(f_b);
+      auto d_dt = upload(dt_bias), d_al = upload(a_log), d_on = upload(o_norm), d_state = upload(state);
+      auto d_hist = upload(hist);
+      auto d_slots = upload(slots), d_cu = upload(cu);
+      auto d_o = poisoned<uint16_t>(size_t(rows * HD));
+      const cuda::KdaDecodeIn in{d_qkv.p(), C3, d_gate.p(), HD, d_fa.p(), Dk, d_bl.p(), H, d_cu.p()};
+      const cuda::KdaDecodeWeights wt{d_conv.p(), d_fb.p(), d_dt.p(), d_al.p(), d_on.p(), lower, kEps};
+      cuda::kda_decode_fused(in, wt, d_hist.p(), d_slots.p(), d_state.p(), d_o.p(), rows, H, Dk, W, nullptr);
+      sync();
+      // CPU: steps 2–7 per real row with the twins.
+      std::vector<uint16_t> o_ref(size_t(B * HD));
+      for (int64_t b = 0; b < B; ++b) {
+        const int32_t sl = slots[size_t(b)];
+        std::vector<float> y(static_cast<size_t>(C3)), g(static_cast<size_t>(HD)), beta(static_cast<size_t>(H)),
+            o(static_cast<size_t>(HD));
+        cpu::kda_conv_silu(qkv.data() + b * C3, C3, conv.data(), hist.data() + sl * (W - 1) * C3, y.data(), C3, 1, C3,
+                           W);
+        std::vector<uint16_t> z(static_cast<size_t>(HD));
+        cpu::gemm_bf16(fa.data() + b * Dk, Dk, f_b.data(), z.data(), HD, 1, Dk, HD);
+        float* q = y.data();
+        float* k = y.data() + HD;
+        cpu::kda_qk_norm_gates(q, k, z.data(), dt_bias.data(), a_log.data(), bl.data() + b * H, lower, g.data(),
+                               beta.data(), 1, H, Dk);
+        for (int64_t h = 0; h < H; ++h) {
+          const cpu::KdaHeadIo io{q + h * Dk, k + h * Dk, y.data() + 2 * HD + h * Dk, g.data() + h * Dk,
+                                  beta.data() + h, HD, H, o.data() + h * Dk};
+          cpu::kda_scan_recurrent(io, 1, Dk, state.data() + (int64_t(sl) * H + h) * Dk * Dk);
+        }
+        cpu::kda_out_norm_gate(o.data(), gate.data() + b * HD, o_norm.data(), kEps, o_ref.data() + b * HD, 1, H, Dk);
+      }
+      const std::string shape = fmt::format("{} H={} Dk={} B={} (+1 padded row)", sh.what, H, Dk, B);
+      auto o_got = d_o.get();
+      o_got.resize(size_t(B * HD));  // the padded row is not written
+      check_bf16("kda_decode_fused (ô)", shape, o_got, o_ref, {2e-3, 2 * kBf16Ulp, 3e-3});
+      // State: z is the f_b product rounded to bf16; a sum that lands on a rounding boundary can round the other
+      // way on the GPU (FP32 order), moving one channel's decay by a few %: one row of one head's S. So the
+      // per-element bound is loose and the rel L2 over the pool tight.
+      const auto st = d_state.get();
+      double smax = 0;
+      for (float v : state) smax = std::max(smax, double(std::fabs(v)));
+      check("kda_decode_fused (state)", shape, st.data(), state.data(), state.size(), {5e-3 * smax, 5e-2, 1e-4});
+      const auto hs = d_hist.get();
+      check_exact("kda_decode_fused (conv history)", shape, hs.data(), hist.data(), hist.size() * 2);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kestrel::gputest
