@@ -183,6 +183,7 @@ TEST(GpuStructured, EngineConstrainedRequestsAreValid) {
   c.grammar = structured::compile_json_schema(vocab, schema);
   model::CudaModel gm(cfg, w);
   for (bool gpu : {true, false}) {
+    const int64_t graphs_before = gm.graph_steps();
     runtime::EngineConfig ec;
     ec.memory_budget = int64_t(256) << 20;
     ec.max_running = 16;
@@ -230,6 +231,12 @@ TEST(GpuStructured, EngineConstrainedRequestsAreValid) {
                      "{} redraws", gpu ? "GPU" : "CPU", valid, cut, st.masked_samples, st.free_samples, st.redraws));
     EXPECT_EQ(cut, 0) << "the schema bounds the document well below max_tokens";
     EXPECT_EQ(valid, 18);
+    if (gpu) {
+      // The masks must hold on the whole-step decode graphs (decode steps replay a captured forward; the
+      // mask kernel and the sampler run after it on the graph bucket's logits), not only on eager steps.
+      EXPECT_GT(gm.graph_steps() - graphs_before, 0) << "no decode step went through a CUDA graph";
+      EXPECT_GT(st.masked_samples, 0);
+    }
   }
 }
 

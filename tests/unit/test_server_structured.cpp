@@ -141,6 +141,67 @@ TEST(ServerStructured, GrammarServiceCompilesOffTheCallerAndCachesRefusals) {
   EXPECT_GE(gs.stats().entries, 3u);
 }
 
+// Adversarial schemas at the service (issue #20 item 4): each is a 400 within bounded time or a
+// bounded compile, never a hang or an unconstrained request; the limits are the serve flags' options.
+TEST(ServerStructured, AdversarialSchemasAreBounded) {
+  StructuredOptions opt;
+  opt.compile_threads = 1;
+  opt.limits.max_compile_seconds = 5.0;
+  GrammarService gs(T(), opt);
+  const int64_t V = int64_t(T().vocab_size());
+  // The error (nullopt: compiled) and the seconds the compile took.
+  auto outcome = [&](GrammarService& g, const ojson& schema) {
+    ojson b = body(std::string("{") + kMsgs + "}");
+    b["response_format"] = {{"type", "json_schema"}, {"json_schema", {{"name", "x"}, {"schema", schema}}}};
+    auto c = GrammarService::chat_constraint(b, prompt(b), false);
+    EXPECT_TRUE(c);
+    std::promise<std::optional<ApiError>> p;
+    const auto t0 = std::chrono::steady_clock::now();
+    g.compile_async(*c, V, [&](auto gr, auto err) {
+      EXPECT_TRUE(bool(gr) != bool(err));
+      p.set_value(err);
+    });
+    auto err = p.get_future().get();
+    return std::make_pair(err, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  };
+  // 100,000 enum values: refused, naming the count and the limit.
+  ojson big = ojson::array();
+  for (int i = 0; i < 100000; ++i) big.push_back("v" + std::to_string(i));
+  auto [e1, t1] = outcome(gs, {{"enum", big}});
+  ASSERT_TRUE(e1);
+  EXPECT_EQ(e1->status, 400);
+  EXPECT_EQ(e1->param, "response_format");
+  EXPECT_NE(std::string(e1->what()).find("100000 values"), std::string::npos) << e1->what();
+  // Nesting far past the depth limit: refused (the limit is checked before any recursive copy).
+  ojson deep = {{"type", "integer"}};
+  for (int i = 0; i < 3000; ++i) deep = ojson{{"type", "array"}, {"items", deep}};
+  auto [e2, t2] = outcome(gs, deep);
+  ASSERT_TRUE(e2);
+  EXPECT_NE(std::string(e2->what()).find("deeper than"), std::string::npos) << e2->what();
+  // Recursion that reads nothing: refused (recursion through a container compiles: test_structured.cpp).
+  auto [e3, t3] = outcome(gs, ojson::parse(R"({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+      "$ref": "#/$defs/a"})"));
+  ASSERT_TRUE(e3);
+  EXPECT_EQ(e3->status, 400);
+  for (double t : {t1, t2, t3}) EXPECT_LT(t, opt.limits.max_compile_seconds + 2.0);
+  // The limits bound a compile that would otherwise succeed: few states, or no time at all.
+  const ojson wide = ojson::parse(R"({"type": "object", "properties": {"a": {"type": "string", "format": "date-time"},
+      "b": {"type": "string", "format": "email"}, "c": {"type": "number", "minimum": -5.5, "maximum": 1e6}},
+      "required": ["a", "b", "c"], "additionalProperties": false})");
+  StructuredOptions tiny = opt;
+  tiny.limits.max_states = 50;
+  GrammarService gs_states(T(), tiny);
+  const auto e5 = outcome(gs_states, wide).first;
+  ASSERT_TRUE(e5);
+  EXPECT_NE(std::string(e5->what()).find("limit"), std::string::npos) << e5->what();
+  tiny = opt;
+  tiny.limits.max_compile_seconds = 1e-9;
+  GrammarService gs_time(T(), tiny);
+  const auto e6 = outcome(gs_time, wide).first;
+  ASSERT_TRUE(e6);
+  EXPECT_NE(std::string(e6->what()).find("longer than"), std::string::npos) << e6->what();
+}
+
 // ---- over HTTP ------------------------------------------------------------------------------------
 
 namespace net = boost::asio;
