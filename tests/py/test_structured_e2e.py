@@ -40,6 +40,9 @@ def check(schema, v, where="$"):
     """The JSON Schema subset the eval set's tools use; returns a list of errors."""
     errs = []
     t = schema.get("type")
+    if isinstance(t, list):  # a list of types: valid when valid as one of them
+        tries = [check({**schema, "type": x}, v, where) for x in t]
+        return [] if any(e == [] for e in tries) else [f"{where}: none of the types {t}"]
     types = {"string": str, "boolean": bool, "object": dict, "array": list, "null": type(None)}
     if t == "integer":
         if not (isinstance(v, int) and not isinstance(v, bool)):
@@ -171,19 +174,24 @@ def test_json_schema_answers_parse_and_validate(client):
 def test_pydantic_parse_helper(client):
     # The client's own strict-schema path (what LangChain's json_schema mode uses underneath).
     q = [{"role": "user", "content": "Sam has 4 books. Then Sam gets 3 more. How many books does Sam have now?"}]
+    # The client raises LengthFinishReasonError for an answer cut by max_tokens (reasoning ran long): skipped.
+    parsed = 0
     for seed in range(4):
-        r = client.beta.chat.completions.parse(model=MODEL, messages=q, response_format=Answer, max_tokens=200,
-                                               temperature=1.0, seed=seed, reasoning_effort="low")
-        c = r.choices[0]
-        if c.finish_reason == "length":
+        try:
+            r = client.beta.chat.completions.parse(model=MODEL, messages=q, response_format=Answer, max_tokens=200,
+                                                   temperature=1.0, seed=seed, reasoning_effort="low")
+        except openai.LengthFinishReasonError:
             continue
-        assert isinstance(c.message.parsed, Answer)
+        assert isinstance(r.choices[0].message.parsed, Answer)
+        parsed += 1
+    assert parsed >= 1
     tool = openai.pydantic_function_tool(Answer, name="give_answer")
-    r = client.beta.chat.completions.parse(model=MODEL, messages=q, tools=[tool], tool_choice="required",
-                                           max_tokens=300, temperature=1.0, seed=7, reasoning_effort="low")
-    c = r.choices[0]
-    if c.finish_reason != "length":
-        assert isinstance(c.message.tool_calls[0].function.parsed_arguments, Answer)
+    try:
+        r = client.beta.chat.completions.parse(model=MODEL, messages=q, tools=[tool], tool_choice="required",
+                                               max_tokens=300, temperature=1.0, seed=7, reasoning_effort="low")
+        assert isinstance(r.choices[0].message.tool_calls[0].function.parsed_arguments, Answer)
+    except openai.LengthFinishReasonError:
+        pass
 
 
 def test_unsupported_keywords_are_400s_naming_them(client):
