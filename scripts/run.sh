@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
-scripts/build.sh >/dev/null
+scripts/build.sh kestrel >/dev/null  # the server alone: a first start does not compile the test suites
 model="${KESTREL_MODEL:-models/k3-tiny}"
 port="${KESTREL_PORT:-8000}"
 if [ ! -f "$model/config.json" ]; then

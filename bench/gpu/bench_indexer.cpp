@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_ref.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/indexer.h"

@@ -26,10 +26,10 @@
 #include <string>
 #include <vector>
 
+#include "gpu_ref.h"  // tests/gpu/ref: the reference kernels (baselines)
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/gemm.h"
-#include "kernels/cuda/mla.h"
 #include "kernels/cuda/mla_tc.h"
 #include "kernels/cuda/paged.h"
 

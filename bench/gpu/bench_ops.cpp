@@ -29,12 +29,12 @@
 #include <string>
 #include <vector>
 
+#include "gpu_ref.h"  // tests/gpu/ref: the reference kernels (baselines)
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/gemm_skinny.h"
 #include "kernels/cuda/kda.h"
-#include "kernels/cuda/mla.h"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/paged.h"
 #include "loader/config.h"
@@ -312,6 +312,18 @@ static void decode_step(const std::string& model_dir, bool fp8, bool perf) {
                  "work = {:.1f} TFLOP/s, {:.1f} % of the BF16 GEMM rate measured ({:.0f} TFLOP/s)\n",
                  Tp, fp8 ? "ptpc-fp8" : "bf16", us, tok_s, flops / 1e12, flops / us / 1e6, pct, g_tflops);
       fmt::print("PERF prefill_mini_tok_s_8k{} {:.0f}\nPERF prefill_mini_pct_bf16_peak{} {:.2f}\n", sfx, tok_s, sfx, pct);
+      // Where the prefill's time goes: one more run with CUDA events between op groups.
+      {
+        m.zero_slot(*cache, 0);
+        model::CudaSeq q{ptoks, 0, 0, table, model::CudaSeq::Logits::last};
+        m.enable_op_timing(true);
+        m.forward_batch(*cache, std::span<const model::CudaSeq>(&q, 1));
+        m.enable_op_timing(false);
+        fmt::print("\n8K prefill with CUDA events between op groups (µs, summed over layers):\n\n| op group | µs |\n|---|---|\n");
+        double tot = 0;
+        for (const auto& [name, t] : m.op_times()) fmt::print("| {} | {:.1f} |\n", name, t), tot += t;
+        fmt::print("| total | {:.1f} |\n\n", tot);
+      }
       std::fflush(stdout);
     }
   }

@@ -12,7 +12,9 @@ traffic (read + write of f32 [H, 128, 128] per request) in TB/s.
 Timing: triton.testing.do_bench (median, L2 flushed between runs). FLA is carried as its pure-Python wheel
 (fla-core 0.6.0; needs torch, triton, einops, which the GPU image has):
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/fla_core-0.6.0-py3-none-any.whl
-  PYTHONPATH=/tmp/site python3 bench/gpu/kda_peer.py [--quick] [--only prefill|decode] [--safe-gate]
+  PYTHONPATH=/tmp/site python3 bench/gpu/kda_peer.py [--quick] [--only prefill|decode] [--safe-gate] [--perf]
+--perf prints only the scoreboard lines (well under 60 s): PERF fla_chunk_kda_us_h12_32k <us>,
+PERF fla_chunk_kda_us_h12_8k <us>, PERF fla_fused_recurrent_us_b1 <us> (FP32 state, in place).
 """
 import argparse
 import math
@@ -42,6 +44,51 @@ def ms(fn, rep=200):
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
+def prefill_us(H, L, B, rep=100, **extra):
+    """Median microseconds of one chunk_kda call at H heads, B sequences of L tokens."""
+    T = L * B
+    q, k, v, g, beta = inputs(T, H, torch.bfloat16)
+    cu = torch.arange(0, T + 1, L, dtype=torch.long, device="cuda")
+    h0 = torch.zeros(B, H, DK, DK, dtype=torch.float32, device="cuda")
+
+    def f():
+        chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, **extra)
+
+    with torch.inference_mode():
+        return ms(f, rep=rep) * 1e3
+
+
+def decode_us(B, H=12, rep=200):
+    """Median microseconds of one fused_recurrent_kda_fwd step of B requests (one token each), FP32 state in
+    place, rotating over slot sets of a pool larger than the L2."""
+    per_slot = H * DK * DK * 4
+    n_sets = max(2, math.ceil(2e9 / (B * per_slot)))
+    pool = torch.zeros(n_sets * B, H, DK, DK, dtype=torch.float32, device="cuda")
+    q, k, v, g, beta = inputs(B, H, torch.float32)
+    cu = torch.arange(0, B + 1, dtype=torch.long, device="cuda")
+    sets = [torch.arange(s * B, (s + 1) * B, dtype=torch.int32, device="cuda") for s in range(n_sets)]
+    it = [0]
+
+    def f():
+        idx = sets[it[0] % n_sets]
+        it[0] += 1
+        fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, inplace_final_state=True,
+                                cu_seqlens=cu, ssm_state_indices=idx)
+
+    with torch.inference_mode():
+        t = ms(f, rep=rep) * 1e3
+    del pool
+    torch.cuda.empty_cache()
+    return t
+
+
+def perf():
+    for L in (32768, 8192):
+        print(f"PERF fla_chunk_kda_us_h12_{L // 1024}k {prefill_us(12, L, 1):.1f}", flush=True)
+        torch.cuda.empty_cache()
+    print(f"PERF fla_fused_recurrent_us_b1 {decode_us(1):.2f}", flush=True)
+
+
 def prefill(quick, safe_gate):
     print("\n== FLA chunk_kda prefill (BF16 q/k/v, FP32 g/beta/state) ==")
     print(f"{'shape':<22} {'ms':>10} {'Mtok/s':>10}")
@@ -49,19 +96,10 @@ def prefill(quick, safe_gate):
     if quick:
         cases = cases[:2]
     for H, L, B in cases:
-        T = L * B
-        q, k, v, g, beta = inputs(T, H, torch.bfloat16)
-        cu = torch.arange(0, T + 1, L, dtype=torch.long, device="cuda")
-        h0 = torch.zeros(B, H, DK, DK, dtype=torch.float32, device="cuda")
         variants = [("", {})] + ([(" safe_gate", {"safe_gate": True})] if safe_gate else [])
         for name, extra in variants:
-            def f():
-                chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, **extra)
-
-            with torch.inference_mode():
-                t = ms(f, rep=100 if T <= 32768 else 300)
-            print(f"{f'H={H} {B}x{L}{name}':<22} {t:>10.3f} {T / t / 1e3:>10.1f}")
-        del q, k, v, g, beta
+            t = prefill_us(H, L, B, rep=100 if L * B <= 32768 else 300, **extra) / 1e3
+            print(f"{f'H={H} {B}x{L}{name}':<22} {t:>10.3f} {L * B / t / 1e3:>10.1f}")
         torch.cuda.empty_cache()
 
 
@@ -69,26 +107,9 @@ def decode(quick):
     H = 12
     print(f"\n== FLA fused_recurrent_kda_fwd decode, in place, H={H}, Dk={DK}, FP32 state ==")
     print(f"{'B':>6} {'us':>10} {'TB/s':>10}")
-    per_slot = H * DK * DK * 4
     for B in ([1, 64] if quick else [1, 8, 64, 256, 1024]):
-        n_sets = max(2, math.ceil(2e9 / (B * per_slot)))
-        pool = torch.zeros(n_sets * B, H, DK, DK, dtype=torch.float32, device="cuda")
-        q, k, v, g, beta = inputs(B, H, torch.float32)
-        cu = torch.arange(0, B + 1, dtype=torch.long, device="cuda")
-        sets = [torch.arange(s * B, (s + 1) * B, dtype=torch.int32, device="cuda") for s in range(n_sets)]
-        it = [0]
-
-        def f():
-            idx = sets[it[0] % n_sets]
-            it[0] += 1
-            fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, inplace_final_state=True,
-                                    cu_seqlens=cu, ssm_state_indices=idx)
-
-        with torch.inference_mode():
-            t = ms(f) * 1e3
-        print(f"{B:>6} {t:>10.2f} {2 * B * per_slot / (t * 1e-6) / 1e12:>10.2f}")
-        del pool
-        torch.cuda.empty_cache()
+        t = decode_us(B, H)
+        print(f"{B:>6} {t:>10.2f} {2 * B * H * DK * DK * 4 / (t * 1e-6) / 1e12:>10.2f}")
 
 
 def main():
@@ -96,8 +117,12 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=["prefill", "decode"])
     ap.add_argument("--safe-gate", action="store_true")
+    ap.add_argument("--perf", action="store_true", help="only the PERF scoreboard lines")
     a = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    if a.perf:
+        perf()
+        return
     if a.only in (None, "decode"):
         decode(a.quick)
     if a.only in (None, "prefill"):

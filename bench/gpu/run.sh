@@ -24,6 +24,12 @@
 #                            # there: nano checkpoint, the GPU structured-output tests (GpuStructured.*), then
 #                            # bench_structured_engine on models/k3-tiny --device cuda at batch 1 and 64
 #   bench/gpu/run.sh decode  # there: the fused decode path's tests and bench_ops --perf per variant (see below)
+#   bench/gpu/run.sh kda     # there: KDA (issue #15 point 4): the KDA GPU tests over every kernel variant,
+#                            # bench_kda --perf (scoreboard lines + one PERF line per variant), FLA's kda_peer
+#                            # --perf (wheel in .whl/), the GPU-vs-CPU model test under each kda_chunked
+#                            # variant (KESTREL_KDA_CHUNKED), then the bench_kda tables; logs in $OUT
+#   bench/gpu/run.sh bench_kda [--quick] [--only prefill|decode] [--perf [--variant I,S,F]]
+#                            # there: bench/gpu/bench_kda.cpp alone
 #   bench/gpu/run.sh eval SETS_DIR [MODEL]
 #                            # there: `kestrel serve --device cuda` on MODEL (default models/k3-tiny) and
 #                            # `kestrel eval` over every SETS_DIR/*.jsonl, smallest first, while
@@ -33,6 +39,13 @@
 #                            # off leaves no file. EVAL_REF_SETS (a pattern, default all) picks the
 #                            # reference's sets ("none": no reference run); EVAL_SERVE_ARGS adds serve
 #                            # flags (e.g. "--index-cache-dtype fp8"), EVAL_PORT moves the port (18123).
+#   bench/gpu/run.sh soak    # there: issue #24's memory soak (≤ ~3 min): `kestrel serve --device cuda` on
+#                            # SOAK_MODEL (default models/k3-tiny) and `kestrel bench --soak`: SOAK_ROUNDS (10) rounds
+#                            # of SOAK_STREAMS (1000) concurrent streams, 30 % of the clients leaving early, the
+#                            # server's GPU memory and RSS per round, checked (GPU ≤ 64 MiB, RSS ≤ 16 MB from round
+#                            # 3 to the last); then a second server with shared prefixes and a page pool small
+#                            # enough to preempt (SOAK_PREFIX_ROUNDS, 6). $OUT: soak_{plain,prefix}.{json,log},
+#                            # soak_server_logs.tgz (serve logs, end metrics).
 # With the device tool: run `bench/gpu/run.sh test` with carry [".gpu-carry"].
 # The device tool sends the session's main checkout, not a helper's worktree: from a worktree, copy
 # .gpu-carry/ and bench/gpu/run.sh into a git-ignored folder F of that checkout (F/.gpu-carry,
@@ -80,6 +93,12 @@ case "${1:-}" in
       export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
     fi
     ldd .gpu-carry/kestrel_gpu_tests | grep -E "not found|cublasLt|openblas" || true
+    # NCCL is dlopen'ed (src/parallel/nccl_comm.h); point at a copy when the loader path lacks one
+    # (PyTorch's wheels ship site-packages/nvidia/nccl/lib/libnccl.so.2).
+    if [ -z "${KESTREL_NCCL_LIBRARY:-}" ] && ! ldconfig -p | grep -q "libnccl.so.2 "; then
+      n="$(find / -name 'libnccl.so.2' -not -path '/proc/*' 2>/dev/null | head -1)"
+      [ -n "$n" ] && export KESTREL_NCCL_LIBRARY="$n" && echo "NCCL: $n"
+    fi
     OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}" .gpu-carry/kestrel_gpu_tests "${@:2}"
     ;;
   all)
@@ -155,6 +174,51 @@ case "${1:-}" in
     echo "### variant: ptpc-fp8" | tee -a "$out/decode_bench.md"
     "$self" bench --perf --quantization ptpc-fp8 --model "$ck/mini" 2>&1 | tee -a "$out/decode_bench.md" \
       | grep -E "^PERF|floor|tokens/s" || true
+    ;;
+  kda)
+    # KDA_DEADLINE (s, default 560) bounds the run inside the device tool's limit; KDA_VARIANTS lists the
+    # kda_chunked variants (INTRA,SEQ,F16) the model test runs under besides the engine's default.
+    out="${OUT:-/tmp}"
+    ck=/tmp/kestrel_ckpt
+    end=$(( $(date +%s) + ${KDA_DEADLINE:-560} ))
+    left() { echo $(( end - $(date +%s) > 5 ? end - $(date +%s) : 5 )); }
+    unpack
+    if ! ldd .gpu-carry/kestrel_gpu_tests | grep -q "libcublasLt.so.13 => /"; then
+      d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
+      export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
+    fi
+    mkdir -p "$ck"
+    [ -f "$ck/nano/config.json" ] || python3 reference/make_checkpoint.py --config nano --out "$ck/nano" --seed 1 \
+      --no-vision >/dev/null &
+    ckpt_pid=$!
+    if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+    fi
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    OMP_NUM_THREADS="$(nproc)" timeout "$(left)" .gpu-carry/kestrel_gpu_tests \
+      --gtest_filter='GpuKda.*:GpuOps.Kda*:GpuDecode.KdaDecodeFused*' 2>&1 | tee "$out/kda_tests.log" \
+      | grep -vE "^\[ RUN|^\[       OK" | tail -40 || true
+    timeout "$(left)" .gpu-carry/bench_kda --perf 2>&1 | tee "$out/kda_perf.log" | grep -E "PERF|error" || true
+    python3 -c "import fla" 2>/dev/null && { timeout "$(left)" python3 bench/gpu/kda_peer.py --perf 2>&1 \
+      | tee "$out/kda_peer.log" | grep PERF || true; }
+    wait "$ckpt_pid"
+    : > "$out/kda_model.log"
+    for v in "" ${KDA_VARIANTS:-2,2,0 2,4,0 2,4,1}; do
+      echo "### KESTREL_KDA_CHUNKED=${v:-(engine default)}" | tee -a "$out/kda_model.log"
+      KESTREL_KDA_CHUNKED="$v" KESTREL_GPU_CKPTS="$ck/nano" OMP_NUM_THREADS="$(nproc)" timeout "$(left)" \
+        .gpu-carry/kestrel_gpu_tests --gtest_filter='GpuModel.*' --gtest_brief=1 2>&1 | tee -a "$out/kda_model.log" \
+        | tail -4 || true
+    done
+    timeout "$(left)" .gpu-carry/bench_kda ${KDA_BENCH_ARGS:---quick} 2>&1 | tee "$out/bench_kda.md" || true
+    ;;
+  bench_kda)
+    unpack
+    if ! ldd .gpu-carry/bench_kda | grep -q "libcublasLt.so.13 => /"; then
+      d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
+      export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
+    fi
+    .gpu-carry/bench_kda "${@:2}"
     ;;
   eval)
     out="${OUT:-/tmp}"
@@ -249,7 +313,7 @@ case "${1:-}" in
     done
     for c in 1 64; do
       n=$(( c == 1 ? 16 : 192 ))
-      timeout "$(left)" .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --tokenizer "$ck/mini" \
+      timeout "${5:-$(left)}" .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --tokenizer "$ck/mini" \
         --input-len 1024 --output-len 128 --ignore-eos --num-prompts "$n" --max-concurrency "$c" --num-warmups 2 \
         --no-progress --result-file "$out/perf/serve_c$c.json" >"$out/perf/serve_bench_c$c.log" 2>&1 || true
     done
@@ -277,6 +341,65 @@ case "${1:-}" in
     # The device tool brings back at most 8 files: the logs travel as one archive.
     tar czf "$out/perf_logs.tgz" -C "$out" perf && rm -rf "$out/perf"
     ;;
+  soak)
+    # Issue #24 point 3 on the H200 (record the tables in bench/RESULTS.md). Two servers, one after the other,
+    # each serving only the soak (the GPU column is the process's memory per nvidia-smi, or the device's when the
+    # container hides the pid: '*'). SOAK_DEADLINE (s, default 200) bounds the whole; a run cut off leaves its
+    # per-round rows in the .log but no .json. Exit status: 1 when a soak's check failed.
+    out="${OUT:-/tmp}"
+    model="${SOAK_MODEL:-models/k3-tiny}"
+    end=$(( $(date +%s) + ${SOAK_DEADLINE:-200} ))
+    left() { echo $(( end - $(date +%s) > 5 ? end - $(date +%s) : 5 )); }
+    unpack
+    if ! ldd .gpu-carry/kestrel | grep -q "libcublasLt.so.13 => /"; then
+      d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
+      export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
+    fi
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/soak_machine.txt"
+    status=0
+    # soak_one NAME PORT "SERVE FLAGS" "BENCH FLAGS" [SECONDS]: one server, one soak (at most SECONDS, default
+    # what is left), the server stopped (SIGTERM) after.
+    soak_one() {
+      local name="$1" port="$2" srv rc=0
+      # shellcheck disable=SC2086  # the flag lists are word-split on purpose
+      .gpu-carry/kestrel serve --device cuda --model "$model" --served-model-name soak --port "$port" --debug-routes \
+        --max-queue 4096 $3 >"$out/soak_${name}_serve.log" 2>&1 &
+      srv=$!
+      for _ in $(seq 240); do
+        python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null && break
+        kill -0 $srv 2>/dev/null || { tail -20 "$out/soak_${name}_serve.log"; status=1; return; }
+        sleep 0.5
+      done
+      # shellcheck disable=SC2086
+      timeout "${5:-$(left)}" .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --model soak --tokenizer "$model" \
+        --server-pid "$srv" --no-progress --ignore-eos --soak-settle 1 $4 --result-file "$out/soak_$name.json" \
+        2>&1 | tee "$out/soak_$name.log" || rc=$?
+      [ "$rc" = 0 ] || { echo "soak $name: exit $rc"; status=1; }
+      python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$port/metrics', timeout=10).read().decode())" \
+        2>/dev/null | grep -E "^(vllm:(num_preemptions|prefix_cache_hits|request_success)|kestrel:kv_pages)" \
+        | tee "$out/soak_${name}_metrics.txt" || true
+      kill $srv 2>/dev/null; wait $srv 2>/dev/null || true
+      grep -hiE "error|fatal" "$out/soak_${name}_serve.log" | head -5 || true
+    }
+    # 1. The operator's run (the issue's): rounds of 1,000 streams on the chat endpoint, 256 running at most.
+    soak_one plain 18126 "--max-num-seqs 256 --memory-budget ${SOAK_MEMORY:-8G}" \
+      "--endpoint /v1/chat/completions --soak ${SOAK_ROUNDS:-10} --num-prompts ${SOAK_STREAMS:-1000} --input-len 128 \
+       --range-ratio 0.5 --output-len 32 --seed 24 --soak-baseline-round 3 --soak-max-gpu-growth 64 --soak-max-rss-growth 16" \
+      "$(( $(left) > 100 ? $(left) - ${SOAK_PREFIX_SECONDS:-70} : $(left) ))"  # leave the second soak its time
+    # 2. Shared prefixes (4 × 512 tokens) and a pool of 16-token pages smaller than the running requests want:
+    #    on k3-tiny, 32M is 64 requests' KDA state slots (~28.6 MB) and 7,008 tokens of pages, against ~12K tokens
+    #    for 64 requests of ~640-token prompts (512 shared) + 32 out: prefix-cache hits, checkpoints, eviction
+    #    and preemption under the same churn (soak_prefix_metrics.txt: num_preemptions > 0); every page
+    #    accounted for after each round.
+    soak_one prefix 18127 "--max-num-seqs 64 --memory-budget ${SOAK_PREFIX_MEMORY:-32M} --block-size 16 --max-num-batched-tokens 1024" \
+      "--endpoint /v1/completions --soak ${SOAK_PREFIX_ROUNDS:-6} --num-prompts ${SOAK_PREFIX_STREAMS:-400} \
+       --input-len 128 --range-ratio 0.5 --output-len 32 --soak-prefix-len 512 --soak-prefix-groups 4 --seed 25 \
+       --soak-baseline-round 3 --soak-max-gpu-growth 64 --soak-max-rss-growth 16"
+    # The device tool brings back at most 8 files: the server logs and end metrics travel as one archive.
+    (cd "$out" && tar czf soak_server_logs.tgz soak_machine.txt soak_*_serve.log soak_*_metrics.txt 2>/dev/null \
+      && rm -f soak_*_serve.log soak_*_metrics.txt) || true
+    exit $status
+    ;;
   bench)
     unpack
     if ! ldd .gpu-carry/bench_ops | grep -q "libcublasLt.so.13 => /"; then
@@ -295,7 +418,7 @@ case "${1:-}" in
     .gpu-carry/bench_mla "${@:2}"
     ;;
   *)
-    echo "usage: $0 pack|test|all|serving|decode|eval|perf|bench|bench_mla" >&2
+    echo "usage: $0 pack|test|all|serving|decode|kda|eval|perf|soak|bench|bench_mla|bench_kda" >&2
     exit 2
     ;;
 esac

@@ -38,6 +38,10 @@ class Model:
         self.kda_mode = kda_mode
         self.kda_chunk = kda_chunk
         self.topk_override = topk_override
+        # DSpark taps (MODEL.md §5): when set, every forward leaves `last_taps` [T, n·D], the AttnRes partial
+        # sum P after each listed layer (pre-norm), concatenated in list order.
+        self.tap_layers: list | None = None
+        self.last_taps = None
         for L in range(self.cfg.num_hidden_layers):
             if not (self.cfg.is_kda(L) or self.cfg.is_mla(L)):
                 raise ValueError(f"layer {L} is neither KDA nor MLA")
@@ -83,6 +87,7 @@ class Model:
         # §3.1 embedding: B = [], P = e
         P = ck.get("model.embed_tokens.weight")[tokens]
         B: list = []
+        taps: dict = {}
         for L in range(cfg.num_hidden_layers):
             pre = f"model.layers.{L}."
             cap: dict = {}
@@ -104,6 +109,8 @@ class Model:
             # §3.2.6
             m = self._mlp(L, rmsnorm(x_mlp_in, ck.get(pre + "post_attention_layernorm.weight"), eps), cap)
             P = bf16(P + m)
+            if self.tap_layers and L in self.tap_layers:
+                taps[L] = P
             if capture is not None:
                 capture[f"L{L}.attn_in"] = x_attn_in
                 capture[f"L{L}.attn_out"] = a
@@ -118,6 +125,8 @@ class Model:
         if capture is not None:
             capture["final_hidden"] = h
             capture["logits"] = logits
+        if self.tap_layers:
+            self.last_taps = torch.cat([taps[L] for L in self.tap_layers], dim=-1)
         state["pos"] += tokens.numel()
         return logits
 

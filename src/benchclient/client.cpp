@@ -128,7 +128,9 @@ struct Client::Impl {
     }
     j["temperature"] = 0.0;
     j["stream"] = true;
-    j["stream_options"] = {{"include_usage", true}};
+    // continuous_usage_stats (vLLM's, ours): every chunk says how many tokens the request has
+    // produced, so inter-token latency is counted per token, not per chunk (see read_response).
+    j["stream_options"] = {{"include_usage", true}, {"continuous_usage_stats", true}};
     if (opt.ignore_eos) j["ignore_eos"] = true;
     return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   }
@@ -149,6 +151,7 @@ struct Client::Impl {
     bool first = false, finished = false, done = false;
     Clock::time_point last_token, last_choice, finish_time;
     std::optional<long long> usage_tokens;
+    long long counted = 0;  // tokens accounted for in ITL so far (continuous usage)
     auto consume = [&](Clock::time_point now) {
       std::string& b = p.get().body();
       if (b.empty()) return;
@@ -161,14 +164,28 @@ struct Client::Impl {
         if (ch.completion_tokens) usage_tokens = ch.completion_tokens;
         if (ch.has_choices) last_choice = now;
         if (ch.finished && !finished) finished = true, finish_time = now;
-        if (ch.token) {
+        // Tokens this chunk brings: the server's running count when every chunk carries usage
+        // (tokens that produce no text, like chat markup, are then counted where they surface);
+        // else the chunk's text re-encoded with the tokenizer; else one.
+        long long k = 0;
+        if (ch.has_choices && ch.completion_tokens) {
+          k = std::max(0LL, *ch.completion_tokens - counted);
+          counted = std::max(counted, *ch.completion_tokens);
+        } else if (ch.token) {
+          k = tok ? std::max<long long>(1, (long long)tok->encode(ch.text).size()) : 1;
+        }
+        if (k > 0 || ch.token) {
           if (!first) {
-            out.ttft = secs(now - st);
+            out.ttft = secs(now - st);  // the first chunk's other tokens are part of the TTFT
             first = true;
-          } else {
-            out.itl.push_back(secs(now - last_token));
+          } else if (k > 0) {
+            // ITL per token: the gap since the last token-bearing chunk, shared by its k tokens.
+            const double gap = secs(now - last_token) / double(k);
+            for (long long i = 0; i < k; ++i) out.itl.push_back(gap);
           }
           last_token = now;
+        }
+        if (ch.token) {
           ++out.token_chunks;
           out.generated_text += ch.text;
         }

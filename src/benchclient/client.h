@@ -11,7 +11,9 @@
 // time (0 = no limit), the rest wait in arrival order. A request's clock starts when it is sent.
 //
 // Output tokens of a request: usage.completion_tokens when the server sends it, else the generated
-// text re-encoded with the tokenizer when there is one, else the number of token chunks.
+// text re-encoded with the tokenizer when there is one, else the number of token chunks. Requests
+// ask for usage in every chunk (stream_options.continuous_usage_stats) so that inter-token latency
+// is per token (stats.h).
 // Nothing here throws for a failed request: it becomes a RequestOutput with success = false (or an
 // HttpReply with its error set, for the plain POSTs of `kestrel eval`).
 #pragma once

@@ -72,7 +72,10 @@ StreamChunk interpret_chunk(std::string_view payload, Api api) {
   if (ch == j.end() || !ch->is_array() || ch->empty() || !(*ch)[0].is_object()) return c;
   const nlohmann::json& choice = (*ch)[0];
   c.has_choices = true;
-  if (auto f = choice.find("finish_reason"); f != choice.end() && !f->is_null()) c.finished = true;
+  if (auto f = choice.find("finish_reason"); f != choice.end() && !f->is_null()) {
+    c.finished = true;
+    if (f->is_string()) c.finish_reason = f->get<std::string>();
+  }
   auto str = [](const nlohmann::json& o, const char* key) -> const std::string* {
     auto it = o.find(key);
     return it != o.end() && it->is_string() ? it->get_ptr<const std::string*>() : nullptr;

@@ -36,6 +36,7 @@ struct StreamChunk {
   bool has_choices = false;   // carries a choice (token, role opener or finish)
   bool token = false;         // carries generated output (see interpret_chunk)
   bool finished = false;      // a choice has a finish_reason
+  std::string finish_reason;  // its value when a string ("length", "stop", ...)
   std::string text;           // generated text of choice 0
   std::optional<long long> completion_tokens, prompt_tokens;  // from `usage`
   std::string error;          // the server reported an error in-stream, or the payload is not JSON

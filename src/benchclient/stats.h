@@ -3,7 +3,12 @@
 //
 //   TTFT   time from sending the request to the first streamed token chunk.
 //   TPOT   per request, (e2e latency - TTFT) / (output tokens - 1); only requests with > 1 token.
-//   ITL    every gap between consecutive token chunks of a request, pooled over all requests.
+//   ITL    per token: the gap between consecutive token-bearing chunks of a request divided among
+//          the tokens the later chunk brings (the server's running usage count when it streams one,
+//          vLLM's continuous_usage_stats; else the chunk's text re-encoded; else one), pooled over
+//          all requests. Tokens without text (chat markup) thus count where they surface instead of
+//          merging two gaps into one; against a server that streams one token per chunk this is
+//          vLLM's per-chunk ITL.
 //   E2EL   time from sending the request to its last streamed choice chunk.
 //   Percentiles interpolate linearly between order statistics (numpy.percentile's default); std is
 //   the population standard deviation (numpy.std); an empty sample gives 0 for everything, as
@@ -27,7 +32,7 @@ struct RequestOutput {
   double queue_time = 0;       // client-side wait for a concurrency slot before sending
   double ttft = 0;
   double latency = 0;          // end-to-end
-  std::vector<double> itl;     // gaps between consecutive token chunks
+  std::vector<double> itl;     // inter-token gaps, one per token after the first chunk (see ITL)
   int token_chunks = 0;        // chunks that carried output
   std::string generated_text;
   std::string error;

@@ -15,16 +15,6 @@
 
 namespace kestrel::cache {
 
-// The formats are kestrel's (core/cache_format.h); the cache manager's callers may spell them cache::.
-using kestrel::CacheFormats;
-using kestrel::format_name;
-using kestrel::IndexKeyFormat;
-using kestrel::KdaStateDtype;
-using kestrel::LatentFormat;
-using kestrel::parse_index_key_format;
-using kestrel::parse_kda_state_dtype;
-using kestrel::parse_latent_format;
-
 struct CacheLayout {
   int block_size = 0;
   int num_mla_layers = 0;

@@ -7,6 +7,8 @@
 //                 [--num-warmups N] [--ignore-eos] [--api-key K] [--result-file out.json]
 //                 [--save-detailed] [--metric-percentiles 50,90,99] [--no-progress]
 //
+//   kestrel bench --soak ROUNDS [--server-pid PID] [--soak-drop F] [--soak-prefix-len N] ... (benchclient/soak.h)
+//
 // Flags, metrics, the printed table and the JSON keys follow `vllm bench serve`, so the two clients'
 // numbers can be set side by side (src/benchclient/stats.h has the definitions). Like vLLM's, it
 // first sends one test request (retried until --ready-check-timeout; 0 skips it), then the warm-ups,
@@ -14,6 +16,7 @@
 // command exits 1 after writing its report.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -28,6 +31,7 @@
 #include "benchclient/client.h"
 #include "benchclient/dataset.h"
 #include "benchclient/report.h"
+#include "benchclient/soak.h"
 #include "benchclient/stats.h"
 #include "cli/commands.h"
 #include "core/check.h"
@@ -81,17 +85,52 @@ bool is_tokenizer_dir(const std::string& dir) {
   return std::filesystem::is_regular_file(std::filesystem::path(dir) / "tiktoken.model", ec);
 }
 
+struct Opts {
+  std::string base_url = "http://127.0.0.1:8000", endpoint = "/v1/completions", model, tokenizer,
+              dataset = "random", preset, api_key, result_file, rate = "inf", label, percentiles = "99";
+  int input_len = 1024, output_len = 128, num_prompts = 1000, max_concurrency = 0, num_warmups = 0;
+  double range_ratio = 0, burstiness = 1, timeout = 600, ready_timeout = 60;
+  uint64_t seed = 0;
+  bool ignore_eos = false, no_progress = false, detailed = false;
+  bench::SoakOptions soak;
+  double soak_max_rss = -1, soak_max_gpu = -1;
+};
+
+// --soak: the rounds, a row printed as each is sampled, the summary, the JSON; exit 1 on a failed check.
+void soak(Opts& o, const bench::ClientOptions& co, const tok::Tokenizer* tok) {
+  using namespace kestrel::bench;
+  SoakOptions so = o.soak;
+  so.dataset = RandomDatasetOptions{o.num_prompts, o.input_len, o.output_len, o.range_ratio, o.seed};
+  so.max_concurrency = o.max_concurrency;
+  if (o.soak_max_rss >= 0) so.max_rss_growth_mb = o.soak_max_rss;
+  if (o.soak_max_gpu >= 0) so.max_gpu_growth_mib = o.soak_max_gpu;
+  fmt::print("Soak: {} rounds of {} streams ({} at a time), {:.0f}% of clients leaving early{}\n", so.rounds,
+             o.num_prompts, o.max_concurrency > 0 ? std::to_string(o.max_concurrency) : std::string("all"),
+             100 * so.drop_fraction,
+             so.server_pid ? fmt::format("; server pid {}", so.server_pid) : std::string("; no --server-pid: no memory"));
+  fmt::print("{}\n", soak_table_header());
+  std::fflush(stdout);
+  const std::vector<SoakRound> rounds = run_soak(so, co, tok, [](const SoakRound& r) {
+    fmt::print("{}\n", soak_table_row(r));
+    std::fflush(stdout);
+  });
+  const SoakSummary sum = summarize(rounds, so);
+  fmt::print("{}\n", sum.verdict);
+  for (const SoakRound& r : rounds)
+    if (!r.first_error.empty()) fmt::print(stderr, "round {}: {} failed; first error: {}\n", r.round, r.failed, r.first_error);
+  if (!o.result_file.empty()) {
+    std::ofstream f(o.result_file);
+    if (!f) fail("cannot write --result-file {}", o.result_file);
+    f << soak_json(rounds, sum, so, co).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
+    if (!f) fail("error writing --result-file {}", o.result_file);
+    fmt::print("results written to {}\n", o.result_file);
+  }
+  if (!sum.ok) fail("soak check failed");
+}
+
 }  // namespace
 
 void register_bench(CLI::App& app) {
-  struct Opts {
-    std::string base_url = "http://127.0.0.1:8000", endpoint = "/v1/completions", model, tokenizer,
-                dataset = "random", preset, api_key, result_file, rate = "inf", label, percentiles = "99";
-    int input_len = 1024, output_len = 128, num_prompts = 1000, max_concurrency = 0, num_warmups = 0;
-    double range_ratio = 0, burstiness = 1, timeout = 600, ready_timeout = 60;
-    uint64_t seed = 0;
-    bool ignore_eos = false, no_progress = false, detailed = false;
-  };
   auto o = std::make_shared<Opts>();
   CLI::App* cmd = app.add_subcommand("bench", "serving benchmark against an OpenAI-compatible server (as `vllm bench serve`)");
   cmd->add_option("--base-url", o->base_url, "server URL, http://HOST:PORT[/PREFIX]");
@@ -120,6 +159,34 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--timeout", o->timeout, "seconds without data from the server that fail a request");
   cmd->add_option("--ready-check-timeout", o->ready_timeout, "seconds to retry the initial test request (0: skip it)");
   cmd->add_flag("--no-progress", o->no_progress, "no progress bar on stderr");
+  // Soak mode (benchclient/soak.h): rounds of --num-prompts streams with disconnects, memory per round.
+  cmd->add_option("--soak", o->soak.rounds, "soak: ROUNDS of --num-prompts concurrent streams with random disconnects, "
+                                            "printing the server's memory and gauges after each")
+      ->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--server-pid", o->soak.server_pid, "soak: the server's pid (RSS from /proc, GPU memory from nvidia-smi)")
+      ->check(CLI::Range(1, 1 << 30));
+  cmd->add_option("--soak-drop", o->soak.drop_fraction, "soak: fraction of clients that disconnect early (default 0.3)")
+      ->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--soak-queued-share", o->soak.queued_share,
+                  "soak: share of the drops made soon after the response head, while likely queued (default 0.5)")
+      ->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--soak-queued-drop-ms", o->soak.queued_drop_ms, "soak: such a drop comes within this long (default 200)")
+      ->check(CLI::Range(0, 3600000));
+  cmd->add_option("--soak-prefix-len", o->soak.shared_prefix_len,
+                  "soak: every prompt starts with one of --soak-prefix-groups shared prefixes of this many tokens")
+      ->check(CLI::Range(0, 1 << 24));
+  cmd->add_option("--soak-prefix-groups", o->soak.shared_prefix_groups, "soak: distinct shared prefixes (default 4)")
+      ->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--soak-settle", o->soak.settle_s, "soak: seconds between the drain and the sample (default 2)")
+      ->check(CLI::Range(0.0, 3600.0));
+  cmd->add_option("--soak-drain-timeout", o->soak.drain_timeout_s, "soak: seconds to wait for running = waiting = 0")
+      ->check(CLI::Range(0.0, 86400.0));
+  cmd->add_option("--soak-baseline-round", o->soak.baseline_round, "soak: growth is measured from after this round (default 2)")
+      ->check(CLI::Range(0, 1 << 20));
+  cmd->add_option("--soak-max-rss-growth", o->soak_max_rss, "soak: exit 1 if RSS grows more (MB) from the baseline round to the last")
+      ->check(CLI::Range(0.0, 1e12));
+  cmd->add_option("--soak-max-gpu-growth", o->soak_max_gpu, "soak: exit 1 if GPU memory grows more (MiB) likewise")
+      ->check(CLI::Range(0.0, 1e12));
   cmd->callback([o, cmd] {
     using namespace kestrel::bench;
     if (o->dataset != "random") fail("--dataset {}: only 'random' is supported", o->dataset);
@@ -171,6 +238,12 @@ void register_bench(CLI::App& app) {
 
     RandomDatasetOptions dopt{o->num_prompts, o->input_len, o->output_len, o->range_ratio, o->seed};
     const std::vector<SampleRequest> requests = random_dataset(dopt, tokenizer ? &*tokenizer : nullptr);
+    // The readiness probe and the warm-ups use prompts of their own (another seed): a measured
+    // prompt sent before the run would be served from the prefix cache in it.
+    RandomDatasetOptions wopt = dopt;
+    wopt.num_prompts = o->num_warmups + 1;  // the warm-ups, then the probe's
+    wopt.seed = o->seed ^ 0x77a4c0ffee5eedull;
+    const std::vector<SampleRequest> warmups = random_dataset(wopt, tokenizer ? &*tokenizer : nullptr);
 
     Schedule sched;
     sched.request_rate = rate;
@@ -183,7 +256,7 @@ void register_bench(CLI::App& app) {
       std::fflush(stdout);
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(o->ready_timeout);
       for (;;) {
-        const auto out = client->run({requests[0]}, Schedule{}, nullptr, nullptr);
+        const auto out = client->run({warmups.back()}, Schedule{}, nullptr, nullptr);
         if (out[0].success) break;
         if (std::chrono::steady_clock::now() >= deadline)
           fail("initial test request to {}{} failed: {} (check --base-url, --endpoint and --model)", o->base_url,
@@ -192,12 +265,13 @@ void register_bench(CLI::App& app) {
       }
       fmt::print("Initial test run completed.\n");
     }
+    if (cmd->count("--soak")) return soak(*o, co, tokenizer ? &*tokenizer : nullptr);
     if (o->num_warmups > 0) {
       fmt::print("Warming up with {} requests...\n", o->num_warmups);
       std::fflush(stdout);
       Schedule ws;
       ws.max_concurrency = o->max_concurrency;
-      const auto out = client->run(std::vector<SampleRequest>(size_t(o->num_warmups), requests[0]), ws, nullptr, nullptr);
+      const auto out = client->run(std::vector<SampleRequest>(warmups.begin(), warmups.end() - 1), ws, nullptr, nullptr);
       int failed = 0;
       for (const auto& r : out) failed += !r.success;
       fmt::print("Warmup run completed{}.\n", failed ? fmt::format(" ({} of {} failed)", failed, out.size()) : "");

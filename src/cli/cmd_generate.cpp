@@ -38,7 +38,7 @@
 #include <string>
 #include <vector>
 
-#include "cache/layout.h"
+#include "core/cache_format.h"
 #include "cli/commands.h"
 #include "cli/engine_flags.h"
 #include "core/check.h"
@@ -203,7 +203,7 @@ void generate(const Opts& o) {
   runtime::Engine& engine = host.engine();
   const int64_t V = engine.vocab_size();
   fmt::print("memory plan ({} latent, {} index keys, {} KDA state):\n{}\n", o.engine.kv_cache_dtype,
-             o.engine.index_cache_dtype, cache::format_name(eo.engine.formats.kda_state), engine.memory_plan().describe());
+             o.engine.index_cache_dtype, format_name(eo.engine.formats.kda_state), engine.memory_plan().describe());
 
   // Every request is checked before any runs, so a bad one fails the command with nothing in flight.
   std::vector<Request> requests(prompts.size());
@@ -309,7 +309,10 @@ void register_generate(CLI::App& app) {
   cmd->add_option("--logprobs", o->logprobs, "print the sampled token's logprob and the N (<= 20) most likely");
   cmd->add_option("--dump-logits", o->dump_logits, "write f32 logits [positions, vocab] as .npy (single prompt)");
   cmd->add_flag("--quiet", o->quiet, "print only the summary for several prompts");
-  cmd->callback([o] { generate(*o); });
+  cmd->callback([o] {
+    o->engine.resolve_model();
+    generate(*o);
+  });
 }
 
 }  // namespace kestrel::cli

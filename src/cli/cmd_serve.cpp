@@ -1,7 +1,12 @@
 // `kestrel serve`: the OpenAI-compatible HTTP server (src/server) over the engine.
 //
-//   kestrel serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key K] [--served-model-name NAME]
-//                 [--max-queue N] [engine flags: cli/engine_flags.h] [--fake-engine ...]
+//   kestrel serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key K] [--served-model-name NAME]
+//                 [--max-queue N] [--log-level info] [--disable-access-log] [--allowed-origins O ...]
+//                 [engine flags: cli/engine_flags.h] [--fake-engine ...]
+//
+// Without --model the embedded k3-tiny is served (found next to the binary or under its install
+// prefix; engine_flags.h), as "k3-tiny". Requests may name the model by --served-model-name (the id
+// /v1/models reports; default: the --model argument), by the path given, or by the directory's name.
 //
 // Flags follow `vllm serve` where they mean the same. The server listens at once and answers
 // /health with 503 until the engine is loaded (runtime/engine_host.h, off the io threads); then the
@@ -13,6 +18,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -22,6 +28,7 @@
 #include "core/check.h"
 #include "runtime/engine_host.h"
 #include "server/http_server.h"
+#include "server/log.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel::cli {
@@ -32,14 +39,34 @@ struct Opts {
   std::string host = "127.0.0.1", api_key, served_name;
   int port = 8000, max_queue = 256, threads = 1, shutdown_timeout = 10, max_connections = 16384;
   int64_t max_request_bytes = 8 << 20;
-  bool fake = false;
+  std::string log_level = "info";
+  bool no_access_log = false;
+  std::vector<std::string> allowed_origins;
+  bool fake = false, debug_routes = false;
   int fake_delay_ms = 0, fake_load_ms = 0;
   server::StructuredOptions structured;
 };
 
+// The names a request may use for the model besides the served name: the path given and the
+// directory's name.
+std::vector<std::string> model_aliases(const std::string& given) {
+  std::vector<std::string> out = {given};
+  std::string trimmed = given;
+  while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
+  const std::string base = std::filesystem::path(trimmed).filename().string();
+  if (!base.empty() && base != given) out.push_back(base);
+  std::error_code ec;
+  const std::string abs = std::filesystem::weakly_canonical(given, ec).string();
+  if (!ec && !abs.empty() && abs != given) out.push_back(abs);
+  return out;
+}
+
 void serve(Opts& o) {
   if (o.api_key.empty())
     if (const char* k = std::getenv("KESTREL_API_KEY")) o.api_key = k;
+  server::log::set_level(server::log::parse_level(o.log_level));
+  server::log::set_access_log(!o.no_access_log);
+  o.engine.resolve_model();
   const tok::Tokenizer tokenizer = tok::Tokenizer::load(o.engine.model);
 
   runtime::EngineOptions eo = o.engine.options(16);  // bad dtype or size spellings fail here, before listening
@@ -57,12 +84,18 @@ void serve(Opts& o) {
   so.host = o.host;
   so.port = uint16_t(o.port);
   so.api_key = o.api_key;
-  so.served_model_name = o.served_name.empty() ? o.engine.model : o.served_name;
+  // The embedded default is served under its directory's name; a given path as given (vLLM).
+  so.served_model_name = !o.served_name.empty() ? o.served_name
+                         : o.engine.model_given ? o.engine.model
+                                                : std::filesystem::path(o.engine.model).filename().string();
+  so.model_aliases = model_aliases(o.engine.model);
+  so.allowed_origins = o.allowed_origins;
   so.max_body_bytes = size_t(o.max_request_bytes);
   so.threads = o.threads;
   so.max_connections = o.max_connections;
   so.shutdown_timeout = std::chrono::seconds(o.shutdown_timeout);
   so.structured = o.structured;
+  so.debug_routes = o.debug_routes;
   server::Server srv(so, engine, tokenizer);
   srv.listen();
   const std::string url = fmt::format("http://{}:{}", o.host.find(':') != std::string::npos ? "[" + o.host + "]" : o.host, srv.port());
@@ -80,7 +113,8 @@ void serve(Opts& o) {
                                "concurrent requests, longest single request {} tokens",
                                m.token_capacity, m.num_pages, m.layout.block_size, o.engine.kv_cache_dtype,
                                o.engine.index_cache_dtype, m.max_running, m.longest_request);
-      fmt::print("kestrel serve: model loaded, ready (max_model_len {})\n  {}\n", engine.max_model_len(), capacity);
+      fmt::print("kestrel serve: model loaded, ready (max_model_len {})\n  {}\nchat in a browser: {}/\n",
+                 engine.max_model_len(), capacity, url);
       fmt::print("try: curl {}/v1/chat/completions -H 'Content-Type: application/json'{} -d '{{\"model\": \"{}\", "
                  "\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"max_tokens\": 32}}'\n",
                  url, o.api_key.empty() ? "" : " -H \"Authorization: Bearer $KESTREL_API_KEY\"", so.served_model_name);
@@ -116,6 +150,14 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--http-threads", o->threads, "io threads")->check(CLI::Range(1, 64));
   cmd->add_option("--shutdown-timeout", o->shutdown_timeout, "seconds running requests get on SIGTERM")
       ->check(CLI::Range(0, 3600));
+  cmd->add_flag("--debug-routes", o->debug_routes,
+                "GET /debug/integrity: check the engine's page/slot/prefix-cache bookkeeping (soak tests; not for production)");
+  cmd->add_option("--log-level", o->log_level, "least severe log line written: debug, info, warning, error")
+      ->check(CLI::IsMember({"debug", "info", "warning", "warn", "error"}));
+  cmd->add_flag("--disable-access-log", o->no_access_log, "no access-log line per request (5xx answers are still logged)");
+  cmd->add_option("--allowed-origins", o->allowed_origins,
+                  "CORS: origins whose pages may call the API ('*': any), e.g. --allowed-origins http://localhost:3000")
+      ->delimiter(',');
   // Structured outputs (response_format, tools): limits that bound what one schema can cost.
   auto& lim = o->structured.limits;
   cmd->add_option("--grammar-compile-timeout", lim.max_compile_seconds,

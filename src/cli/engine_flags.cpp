@@ -1,7 +1,11 @@
 // EngineFlags: see engine_flags.h.
 #include "cli/engine_flags.h"
 
+#include <algorithm>
+#include <filesystem>
+
 #include "cache/layout.h"
+#include "core/cache_format.h"
 #include "core/check.h"
 
 namespace kestrel::cli {
@@ -26,8 +30,36 @@ int64_t parse_bytes(const std::string& s) {
   return int64_t(v * mul);
 }
 
+std::string default_model_dir() {
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) return {};
+  const std::filesystem::path bin = exe.parent_path();
+  for (const std::filesystem::path& p : {bin / "models" / "k3-tiny", bin / "k3-tiny",
+                                         bin / ".." / "share" / "kestrel" / "models" / "k3-tiny",
+                                         bin / ".." / ".." / ".." / "models" / "k3-tiny"})
+    if (std::filesystem::is_regular_file(p / "config.json", ec)) return std::filesystem::weakly_canonical(p, ec).string();
+  return {};
+}
+
+int long_prefill_default(bool cuda, int max_num_batched_tokens) {
+  // What counts as long, and the largest long chunk; the engine shrinks the chunk further to its
+  // step-time target (EngineConfig::prefill_step_target_s).
+  const int want = cuda ? 2048 : 256;
+  return std::max(1, std::min(want, max_num_batched_tokens / 2));
+}
+
+void EngineFlags::resolve_model() {
+  if (!model.empty()) return;
+  model = default_model_dir();
+  if (model.empty())
+    fail("no --model given, and the embedded k3-tiny was not found next to the binary (models/k3-tiny, "
+         "../share/kestrel/models/k3-tiny, or the checkout it was built in); pass --model DIR");
+}
+
 void EngineFlags::add_to(CLI::App& cmd) {
-  cmd.add_option("--model", model, "checkpoint directory (tokenizer files included)")->required();
+  cmd.add_option("--model", model, "checkpoint directory (tokenizer files included; default: the embedded k3-tiny)")
+      ->each([this](const std::string&) { model_given = true; });
   cmd.add_option("--device", device, "cpu or cuda (the engine on the GPU executor)")->check(CLI::IsMember({"cpu", "cuda"}));
   cmd.add_flag("--no-cuda-graphs", no_cuda_graphs, "--device cuda: run decode steps eagerly");
   cmd.add_option("--quantization", quantization, "--device cuda: dense projection weights bf16 | ptpc-fp8 (online "
@@ -49,25 +81,59 @@ void EngineFlags::add_to(CLI::App& cmd) {
                                                    "capped by the memory plan)")
       ->check(CLI::Range(int64_t(2), int64_t(1) << 40));
   cmd.add_flag("--no-prefix-cache", no_prefix_cache, "disable prefix caching");
+  cmd.add_option("--tensor-parallel-size", tensor_parallel_size,
+                 "ranks the model is split over (heads, projections, experts; docs/parallel.md); --device cpu: "
+                 "threads of this process")
+      ->check(CLI::Range(1, 1024));
+  cmd.add_flag("--enable-expert-parallel", enable_expert_parallel,
+               "with --tensor-parallel-size N: whole experts per rank instead of every expert split N ways");
+  cmd.add_option("--decode-context-parallel-size", decode_context_parallel_size,
+                 "spread each request's MLA latent and index-key cache along tokens over this many TP ranks (1 or "
+                 "the TP size)")
+      ->check(CLI::Range(1, 1024));
+  cmd.add_option("--long-prefill-token-threshold", long_prefill_token_threshold,
+                 "longest prefill chunk per step; longer prompts are 'long' (0: no cap; default: CPU 256, GPU 2048, "
+                 "at most half of --max-num-batched-tokens)")
+      ->check(CLI::Range(0, 1 << 24));
+  cmd.add_option("--max-num-partial-prefills", max_num_partial_prefills, "requests prefilling at once")
+      ->check(CLI::Range(1, 1 << 16));
+  cmd.add_option("--max-long-partial-prefills", max_long_partial_prefills,
+                 "long prompts prefilling at once (shorter ones pass a waiting long one)")
+      ->check(CLI::Range(1, 1 << 16));
+  cmd.add_option("--speculative-config", speculative_config,
+                 "DSpark speculative decoding, vLLM's JSON: {\"method\":\"dspark\",\"model\":\"DIR\","
+                 "\"num_speculative_tokens\":7,\"draft_sample_method\":\"probabilistic\",\"rejection_sample_method\":\"block\"}");
 }
 
 runtime::EngineOptions EngineFlags::options(int default_max_num_seqs) const {
   runtime::EngineOptions o;
   o.model_dir = model;
+  if (!speculative_config.empty()) o.speculative = runtime::parse_speculative_config(speculative_config);
   o.device = device == "cuda" ? runtime::Device::cuda : runtime::Device::cpu;
   if (!memory_budget.empty()) o.memory_budget = parse_bytes(memory_budget);
   o.gpu_memory_utilization = gpu_memory_utilization;
   o.cuda_graphs = !no_cuda_graphs;
   o.quantization = quantization;
+  o.tensor_parallel_size = tensor_parallel_size;
+  o.expert_parallel = enable_expert_parallel;
+  o.decode_context_parallel_size = decode_context_parallel_size;
   runtime::EngineConfig& ec = o.engine;
-  ec.formats.latent = cache::parse_latent_format(kv_cache_dtype);
-  ec.formats.index_keys = cache::parse_index_key_format(index_cache_dtype);
-  ec.formats.kda_state = cache::parse_kda_state_dtype(kda_state_dtype);
+  ec.formats.latent = parse_latent_format(kv_cache_dtype);
+  ec.formats.index_keys = parse_index_key_format(index_cache_dtype);
+  ec.formats.kda_state = parse_kda_state_dtype(kda_state_dtype);
   if (block_size > 0) ec.formats.block_size = block_size;
   ec.max_running = max_num_seqs > 0 ? max_num_seqs : default_max_num_seqs;
   ec.max_num_batched_tokens = max_num_batched_tokens;
   ec.max_model_len = max_model_len;
   ec.enable_prefix_cache = !no_prefix_cache;
+  ec.long_prefill_token_threshold = long_prefill_token_threshold >= 0
+                                        ? long_prefill_token_threshold
+                                        : long_prefill_default(o.device == runtime::Device::cuda, max_num_batched_tokens);
+  // A step with a long prefill in it lasts about this long (CPU: a short request's first token within
+  // 3 s is two such steps and its own prompt; GPU: within 200 ms).
+  ec.prefill_step_target_s = o.device == runtime::Device::cuda ? 0.05 : 0.75;
+  ec.max_num_partial_prefills = max_num_partial_prefills;
+  ec.max_long_partial_prefills = max_long_partial_prefills;
   return o;
 }
 

@@ -16,11 +16,15 @@
 #include <set>
 
 #include "core/check.h"
+#include "structured/schema_util.h"
 #include "tokenizer/utf8.h"
 
 namespace kestrel::eval {
 
 using json = nlohmann::json;
+using structured::compare_numbers;
+using structured::escape_ptr;
+using structured::json_equal;
 
 namespace {
 
@@ -74,45 +78,6 @@ bool has_type(const json& x, const std::string& t) {
   return x.is_string();
 }
 
-// Exact comparison of two JSON numbers: integers as integers, otherwise as long double (64-bit
-// mantissa: every int64 and uint64 is exact, and so is every double).
-int compare_numbers(const json& a, const json& b) {
-  if (a.is_number_integer() && b.is_number_integer()) {
-    const bool an = a.is_number_unsigned(), bn = b.is_number_unsigned();
-    const __int128 x = an ? __int128(a.get<uint64_t>()) : __int128(a.get<int64_t>());
-    const __int128 y = bn ? __int128(b.get<uint64_t>()) : __int128(b.get<int64_t>());
-    return x < y ? -1 : x > y ? 1 : 0;
-  }
-  auto ld = [](const json& v) -> long double {
-    if (v.is_number_unsigned()) return static_cast<long double>(v.get<uint64_t>());
-    if (v.is_number_integer()) return static_cast<long double>(v.get<int64_t>());
-    return static_cast<long double>(v.get<double>());
-  };
-  const long double x = ld(a), y = ld(b);
-  return x < y ? -1 : x > y ? 1 : 0;
-}
-
-// JSON equality as the spec defines it: numbers by value (1 == 1.0), recursively.
-bool json_equal(const json& a, const json& b) {
-  if (a.is_number() && b.is_number()) return compare_numbers(a, b) == 0;
-  if (a.type() != b.type()) return false;
-  if (a.is_array()) {
-    if (a.size() != b.size()) return false;
-    for (size_t i = 0; i < a.size(); ++i)
-      if (!json_equal(a[i], b[i])) return false;
-    return true;
-  }
-  if (a.is_object()) {
-    if (a.size() != b.size()) return false;
-    for (auto it = a.begin(); it != a.end(); ++it) {
-      const auto jt = b.find(it.key());
-      if (jt == b.end() || !json_equal(*it, *jt)) return false;
-    }
-    return true;
-  }
-  return a == b;
-}
-
 bool is_multiple_of(const json& x, const json& m) {
   if (x.is_number_integer() && m.is_number_integer()) {
     const __int128 a = x.is_number_unsigned() ? __int128(x.get<uint64_t>()) : __int128(x.get<int64_t>());
@@ -122,19 +87,6 @@ bool is_multiple_of(const json& x, const json& m) {
   const double q = x.get<double>() / m.get<double>();
   if (!std::isfinite(q)) return false;
   return std::fabs(q - std::round(q)) <= 1e-9 * std::max(1.0, std::fabs(q));
-}
-
-std::string pointer_escape(const std::string& key) {
-  std::string out;
-  for (char c : key) {
-    if (c == '~')
-      out += "~0";
-    else if (c == '/')
-      out += "~1";
-    else
-      out += c;
-  }
-  return out;
 }
 
 std::string percent_decode(const std::string& s, const std::string& ref) {
@@ -217,7 +169,7 @@ struct JsonSchema::Impl {
 
   void check_schema_map(const json& v, const std::string& path, int depth) {
     if (!v.is_object()) fail("schema {}: must be an object of schemas", path);
-    for (auto it = v.begin(); it != v.end(); ++it) check(*it, path + "/" + pointer_escape(it.key()), depth + 1);
+    for (auto it = v.begin(); it != v.end(); ++it) check(*it, path + "/" + escape_ptr(it.key()), depth + 1);
   }
   void check_schema_array(const json& v, const std::string& path, int depth, bool allow_empty = false) {
     if (!v.is_array() || (!allow_empty && v.empty())) fail("schema {}: must be a non-empty array of schemas", path);
@@ -250,7 +202,7 @@ struct JsonSchema::Impl {
     for (auto it = s.begin(); it != s.end(); ++it) {
       const std::string& k = it.key();
       const json& v = *it;
-      const std::string p = path + "/" + pointer_escape(k);
+      const std::string p = path + "/" + escape_ptr(k);
       if (kAnnotations.count(k)) continue;
       if (k == "$id") {
         if (!is_root) fail("schema {}: '$id' below the root is not supported (it would change how $ref resolves)", p);
@@ -292,11 +244,11 @@ struct JsonSchema::Impl {
         check_string_array(v, p);
       } else if (k == "dependentRequired") {
         if (!v.is_object()) fail("schema {}: must be an object", p);
-        for (auto jt = v.begin(); jt != v.end(); ++jt) check_string_array(*jt, p + "/" + pointer_escape(jt.key()));
+        for (auto jt = v.begin(); jt != v.end(); ++jt) check_string_array(*jt, p + "/" + escape_ptr(jt.key()));
       } else if (k == "dependencies") {
         if (!v.is_object()) fail("schema {}: must be an object", p);
         for (auto jt = v.begin(); jt != v.end(); ++jt) {
-          const std::string q = p + "/" + pointer_escape(jt.key());
+          const std::string q = p + "/" + escape_ptr(jt.key());
           if (jt->is_array())
             check_string_array(*jt, q);
           else
@@ -521,13 +473,13 @@ struct JsonSchema::Impl {
     if (const json* v = kw("dependentSchemas")) {
       for (auto it = v->begin(); it != v->end(); ++it)
         if (x.contains(it.key()) &&
-            !val(*it, x, ip, sp + "/dependentSchemas/" + pointer_escape(it.key()), depth + 1, why))
+            !val(*it, x, ip, sp + "/dependentSchemas/" + escape_ptr(it.key()), depth + 1, why))
           return false;
     }
     if (const json* v = kw("dependencies")) {
       for (auto it = v->begin(); it != v->end(); ++it) {
         if (!x.contains(it.key())) continue;
-        const std::string where = sp + "/dependencies/" + pointer_escape(it.key());
+        const std::string where = sp + "/dependencies/" + escape_ptr(it.key());
         if (it->is_array() ? !require_all(*it, it.key(), where) : !val(*it, x, ip, where, depth + 1, why)) return false;
       }
     }
@@ -537,13 +489,13 @@ struct JsonSchema::Impl {
     const json* names = kw("propertyNames");
     for (auto it = x.begin(); it != x.end(); ++it) {
       const std::string& key = it.key();
-      const std::string kp = ip + "/" + pointer_escape(key);
+      const std::string kp = ip + "/" + escape_ptr(key);
       if (names && !val(*names, json(key), kp, sp + "/propertyNames", depth + 1, why)) return false;
       bool matched = false;
       if (props) {
         if (const auto jt = props->find(key); jt != props->end()) {
           matched = true;
-          if (!val(*jt, *it, kp, sp + "/properties/" + pointer_escape(key), depth + 1, why)) return false;
+          if (!val(*jt, *it, kp, sp + "/properties/" + escape_ptr(key), depth + 1, why)) return false;
         }
       }
       if (pprops) {
@@ -559,7 +511,7 @@ struct JsonSchema::Impl {
           }
           if (!hit) continue;
           matched = true;
-          if (!val(*jt, *it, kp, sp + "/patternProperties/" + pointer_escape(jt.key()), depth + 1, why)) return false;
+          if (!val(*jt, *it, kp, sp + "/patternProperties/" + escape_ptr(jt.key()), depth + 1, why)) return false;
         }
       }
       if (!matched && addl) {

@@ -7,25 +7,6 @@
 namespace kestrel {
 namespace {
 
-bool is_sharded(const TensorSpec& s) {
-  switch (s.module) {
-    case Module::embedding:
-    case Module::lm_head:
-    case Module::kda:
-    case Module::dense_mlp:
-    case Module::routed_experts:
-    case Module::shared_experts:
-      return true;
-    case Module::mla: {
-      // q_a_proj, kv_a_proj and their norms feed every head: replicated.
-      const std::string_view n = s.name;
-      return !(n.find("q_a_") != n.npos || n.find("kv_a_") != n.npos);
-    }
-    default:
-      return false;
-  }
-}
-
 std::string human(double v, const char* unit) {
   const char* pre[] = {"", "K", "M", "G", "T", "P"};
   int i = 0;
@@ -55,12 +36,84 @@ Inventory take_inventory(const ModelConfig& c) {
     inv.total_bytes += b;
     const std::string dt = s.module == Module::routed_experts ? "MXFP4" : std::string(dtype_safetensors_name(s.dtype));
     inv.bytes_by_dtype[dt] += b;
-    (is_sharded(s) ? inv.sharded_bytes : inv.replicated_bytes) += b;
     if (s.module == Module::embedding || s.module == Module::vision || s.module == Module::projector) return;
     active += s.module == Module::routed_experts ? double(p) * active_frac : double(p);
   });
   inv.active_params = int64_t(active + 0.5);
   return inv;
+}
+
+LayoutMemory layout_memory(const ModelConfig& c, const ParallelLayout& p) {
+  LayoutMemory m;
+  m.layout = p;
+  m.problems = layout_problems(c, p);
+  if (!m.problems.empty()) return m;
+  ModelWeights scratch;
+  for_each_tensor(c, &scratch, [&](TensorSpec& s) {
+    const TensorSlice sl = shard_slice(s, c, p);
+    const int64_t b = slice_shape(s.shape, sl).numel() * int64_t(dtype_size(s.dtype));
+    if (sl.absent) return;
+    m.weight_bytes += b;
+    if (sl.whole() && !(s.module == Module::routed_experts && p.expert_parallel)) m.replicated_bytes += b;
+  });
+  const TextConfig& t = c.text;
+  m.cache_bytes_per_token = (cache_bytes_per_token(t) + p.dcp - 1) / p.dcp;  // DCP spreads tokens over ranks
+  const int64_t H = t.kda.num_heads / p.tp, Dk = t.kda.head_dim;
+  m.kda_state_bytes = (kda_recurrent_bytes(KdaStateDtype::f32, H, Dk) + kda_conv_bytes(H, Dk, t.kda.conv_size)) *
+                      t.num_layers_of(AttnKind::kda);
+  return m;
+}
+
+std::vector<Platform> reference_platforms() {
+  const int64_t h200 = int64_t(139.8 * double(int64_t(1) << 30));
+  const int64_t mi355x = int64_t(288) << 30;
+  return {{"8 x H200", 8, h200}, {"16 x H200", 16, h200}, {"8 x MI355X", 8, mi355x}};
+}
+
+std::vector<std::string> format_layouts(const ModelConfig& c) {
+  std::vector<std::string> out;
+  const int64_t ctx = c.text.max_position_embeddings;
+  std::vector<ParallelLayout> layouts = {{1, 0, false, 1}, {8, 0, false, 1}, {8, 0, true, 1}, {8, 0, true, 8},
+                                         {16, 0, true, 1}};
+  out.push_back("memory per GPU by parallel layout (rank 0 of each; the loader's sharding rules, docs/parallel.md)");
+  std::vector<LayoutMemory> mems;
+  for (const ParallelLayout& p : layouts) {
+    mems.push_back(layout_memory(c, p));
+    const LayoutMemory& m = mems.back();
+    if (!m.problems.empty()) {
+      out.push_back(fmt::format("layout {:<12} cannot split this model: {}", p.name(), m.problems.front()));
+      continue;
+    }
+    out.push_back(fmt::format("layout {:<12} weights {} B = {}{}; MLA cache {} B/token; KDA state {} B = {:.1f} "
+                              "MiB/request",
+                              p.name(), m.weight_bytes, gib(m.weight_bytes),
+                              p.tp > 1 ? fmt::format(" (replicated {})", gib(m.replicated_bytes)) : "",
+                              m.cache_bytes_per_token, m.kda_state_bytes, double(m.kda_state_bytes) / (1 << 20)));
+  }
+  out.push_back(fmt::format("fit: weights + {} runtime reserve + one {}-token request (KDA state + MLA cache) per GPU",
+                            gib(kRuntimeReserveBytes), ctx));
+  for (const Platform& pf : reference_platforms()) {
+    for (const LayoutMemory& m : mems) {
+      const ParallelLayout& p = m.layout;
+      if (p.tp == 1 || !m.problems.empty()) continue;
+      std::string verdict;
+      if (pf.gpus % p.tp != 0) {
+        verdict = fmt::format("n/a ({} ranks)", p.tp);
+      } else {
+        const int64_t free = pf.bytes_per_gpu - m.weight_bytes - kRuntimeReserveBytes;
+        const int64_t one = m.kda_state_bytes + m.cache_bytes_per_token * ctx;
+        if (free >= one)
+          verdict = fmt::format("fits: {} free for caches = {} tokens of MLA cache", gib(free),
+                                (free - m.kda_state_bytes) / std::max<int64_t>(m.cache_bytes_per_token, 1));
+        else if (free >= 0)
+          verdict = fmt::format("no: {} free, one full-context request needs {}", gib(free), gib(one));
+        else
+          verdict = fmt::format("no: weights + reserve exceed the GPU by {}", gib(-free));
+      }
+      out.push_back(fmt::format("fit {:<11} {:<12} {}", pf.name, p.name(), verdict));
+    }
+  }
+  return out;
 }
 
 int64_t kda_state_bytes_per_request(const TextConfig& t) {
@@ -125,10 +178,8 @@ std::string format_inventory(const ModelConfig& c, const Inventory& inv) {
                    gib(kda_state_bytes_per_request(t)), t.num_layers_of(AttnKind::kda)));
   line(fmt::format("MLA caches        {} bytes per token (bf16 latent {} + fp8 index key, {} layers)",
                    cache_bytes_per_token(t), t.mla_cache_width(), t.num_layers_of(AttnKind::mla)));
-  line("weights per GPU   (sharded: heads, FFN, vocab, experts; replicated: norms, router, latent, q_a/kv_a, "
-       "indexer, vision)");
-  for (int tp : {1, 8, 16})
-    line(fmt::format("  TP={:<3}          {}", tp, gib(inv.bytes_per_gpu(tp))));
+  line("");
+  for (const std::string& l : format_layouts(c)) line(l);
   return s;
 }
 

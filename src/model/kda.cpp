@@ -27,7 +27,7 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st, const u
 }
 
 void kda_forward(const KdaWeights& w, const TextConfig& c, const KdaStateView& st, const uint16_t* x, int64_t T,
-                 uint16_t* out, KdaForm form) {
+                 uint16_t* out, KdaForm form, const Shard& sh) {
   const int64_t D = c.hidden_size, H = c.kda.num_heads, Dk = c.kda.head_dim, HD = H * Dk, W = c.kda.conv_size;
   KCHECK(st.recurrent && st.conv, "KDA state view is empty");
   // f32 [H, Dk, Dk]: the state itself, or a widened copy of an f16 state written back at the end.
@@ -98,8 +98,14 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, const KdaStateView& s
   // Step 7: ô = RMSNorm_{o_norm}(o) ⊙ σ(gate), per head, all FP32, one rounding.
   Bf16Vec ohat(size_t(T * HD));  // bf16 [T, HD]
   cpu::kda_out_norm_gate(o.data(), gate.data(), o_norm, eps, ohat.data(), T, H, Dk);
-  // Step 8: out = Lin(o_proj)(ô).
-  gemm_bf16(ohat.data(), HD, bf16_ptr(w.o_proj), out, D, T, HD, D);
+  // Step 8: out = Lin(o_proj)(ô); split over ranks: each sums its heads' columns, one all-reduce.
+  if (!sh.split()) {
+    gemm_bf16(ohat.data(), HD, bf16_ptr(w.o_proj), out, D, T, HD, D);
+    return;
+  }
+  std::vector<float> part(size_t(T * D));  // f32 [T, D], this rank's heads only
+  cpu::gemm_bf16_f32(ohat.data(), HD, bf16_ptr(w.o_proj), part.data(), D, T, HD, D);
+  reduce_to_bf16(sh, part.data(), T * D, out);
 }
 
 }  // namespace kestrel::model

@@ -13,6 +13,7 @@
 #include "loader/weights.h"
 #include "model/cache_view.h"
 #include "model/common.h"
+#include "model/tp.h"
 
 namespace kestrel::model {
 
@@ -29,9 +30,11 @@ enum class KdaForm { automatic, recurrent, chunked };
 
 // Reads and updates the state in place: an engine state slot or a KdaState. An f16 recurrent state
 // is widened to f32 for the scan and rounded back once per call (MODEL.md §0.4 opt-in).
+// Under tensor parallelism (sh.split()) `w` and `c` are one rank's (its H heads, tp.h) and o_proj's
+// partial sums are all-reduced before the one BF16 rounding; `out` is then the whole layer's output.
 void kda_forward(const KdaWeights& w, const TextConfig& c, const KdaStateView& st,
                  const uint16_t* x /* bf16 [T, D], input_layernorm output */, int64_t T,
-                 uint16_t* out /* bf16 [T, D] */, KdaForm form = KdaForm::automatic);
+                 uint16_t* out /* bf16 [T, D] */, KdaForm form = KdaForm::automatic, const Shard& sh = {});
 void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st,
                  const uint16_t* x /* bf16 [T, D], input_layernorm output */, int64_t T,
                  uint16_t* out /* bf16 [T, D] */, KdaForm form = KdaForm::automatic);

@@ -11,6 +11,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/mla_ops.h"
 #include "model/indexer.h"
+#include "model/tp.h"
 
 namespace kestrel::model {
 
@@ -22,7 +23,8 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, MlaCache& cache, cons
 }
 
 void mla_forward(const MlaWeights& w, const TextConfig& c, const MlaCacheView& cache, int64_t pos0, const uint16_t* x,
-                 int64_t T, uint16_t* out, MlaForm form, const Probe& probe) {
+                 int64_t T, uint16_t* out, MlaForm form, const Probe& probe, const Shard& sh) {
+  if (sh.dcp > 1) return mla_forward_dcp(w, c, cache, pos0, x, T, out, probe, sh);
   const int64_t D = c.hidden_size, Q = c.q_lora_rank, C = c.kv_lora_rank, R = c.qk_rope_head_dim,
                 N = c.qk_nope_head_dim, Dv = c.v_head_dim, Hm = c.num_attention_heads, QK = N + R, CW = C + R;
   const int64_t S = pos0 + T;
@@ -53,7 +55,7 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, const MlaCacheView& c
   std::vector<int32_t> sel;  // i32 [T, Ksel], ascending, −1 padded
   int64_t Ksel = 0;
   if (w.has_indexer) {
-    indexer_select(w.indexer, c, cache, x, cq.data(), T, pos0, sel);
+    indexer_select(w.indexer, c, cache, x, cq.data(), T, pos0, sel, sh);
     Ksel = c.index_topk;
     probe("index_topk", sel.data(), DType::i32, {T, Ksel});
   }
@@ -77,7 +79,13 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, const MlaCacheView& c
     gemm_bf16(x, D, bf16_ptr(w.g_proj), g.data(), Hm * Dv, T, D, Hm * Dv);
     for (size_t i = 0; i < o.size(); ++i) o[i] = f32_to_bf16(bf16_to_f32(o[i]) * cpu::sigmoid(bf16_to_f32(g[i])));
   }
-  gemm_bf16(o.data(), Hm * Dv, bf16_ptr(w.o_proj), out, D, T, Hm * Dv, D);
+  if (!sh.split()) {
+    gemm_bf16(o.data(), Hm * Dv, bf16_ptr(w.o_proj), out, D, T, Hm * Dv, D);
+    return;
+  }
+  std::vector<float> part(size_t(T * D));  // f32 [T, D], this rank's heads only
+  cpu::gemm_bf16_f32(o.data(), Hm * Dv, bf16_ptr(w.o_proj), part.data(), D, T, Hm * Dv, D);
+  reduce_to_bf16(sh, part.data(), T * D, out);
 }
 
 }  // namespace kestrel::model

@@ -18,15 +18,25 @@
 #include "loader/weights.h"
 #include "model/cache_view.h"
 #include "model/common.h"
+#include "model/tp.h"
 
 namespace kestrel::model {
 
 enum class MlaForm : uint8_t { naive, absorbed };
 
 // Positions [pos0, pos0+T) are written; the view's block table must cover pos0 + T tokens.
+// Under tensor parallelism `w` and `c` are one rank's (its Hm and Hi heads, tp.h); the latent and
+// index-key caches are whole on every rank; o_proj's partial sums are all-reduced (one rounding).
 void mla_forward(const MlaWeights& w, const TextConfig& c, const MlaCacheView& cache, int64_t pos0,
                  const uint16_t* x /* bf16 [T, D], input_layernorm output */, int64_t T,
-                 uint16_t* out /* bf16 [T, D] */, MlaForm form, const Probe& probe);
+                 uint16_t* out /* bf16 [T, D] */, MlaForm form, const Probe& probe, const Shard& sh = {});
+
+// Decode context parallelism (sh.dcp > 1, docs/parallel.md §5): the cache holds only this rank's
+// tokens; attention and the indexer's top-k run over the whole context through the group (absorbed
+// form only). Called by mla_forward when sh.dcp > 1.
+void mla_forward_dcp(const MlaWeights& w, const TextConfig& c, const MlaCacheView& cache, int64_t pos0,
+                     const uint16_t* x /* bf16 [T, D] */, int64_t T, uint16_t* out /* bf16 [T, D] */,
+                     const Probe& probe, const Shard& sh);
 
 // The same on a self-owned cache (grows it, advances cache.len).
 void mla_forward(const MlaWeights& w, const TextConfig& c, MlaCache& cache,

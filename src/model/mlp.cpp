@@ -6,13 +6,30 @@
 
 namespace kestrel::model {
 
-void mlp_forward(const MlpWeights& w, const TextConfig& c, const uint16_t* x, int64_t T, uint16_t* out) {
+namespace {
+
+// a = SiTU-GLU(Lin(gate)(x), Lin(up)(x)), bf16 [T, F].
+Bf16Vec mlp_hidden(const MlpWeights& w, const TextConfig& c, const uint16_t* x, int64_t T) {
   const int64_t D = c.hidden_size, F = w.gate_proj.shape[0];
   Bf16Vec g(size_t(T * F)), u(size_t(T * F)), a(size_t(T * F));  // bf16 [T, F] each
   cpu::gemm_bf16(x, D, bf16_ptr(w.gate_proj), g.data(), F, T, D, F);
   cpu::gemm_bf16(x, D, bf16_ptr(w.up_proj), u.data(), F, T, D, F);
   cpu::situ_glu(g.data(), u.data(), a.data(), T * F, c.situ_beta, c.situ_linear_beta);
+  return a;
+}
+
+}  // namespace
+
+void mlp_forward(const MlpWeights& w, const TextConfig& c, const uint16_t* x, int64_t T, uint16_t* out) {
+  const int64_t D = c.hidden_size, F = w.gate_proj.shape[0];
+  const Bf16Vec a = mlp_hidden(w, c, x, T);
   cpu::gemm_bf16(a.data(), F, bf16_ptr(w.down_proj), out, D, T, F, D);
+}
+
+void mlp_forward_partial(const MlpWeights& w, const TextConfig& c, const uint16_t* x, int64_t T, float* out) {
+  const int64_t D = c.hidden_size, F = w.gate_proj.shape[0];
+  const Bf16Vec a = mlp_hidden(w, c, x, T);
+  cpu::gemm_bf16_f32(a.data(), F, bf16_ptr(w.down_proj), out, D, T, F, D);
 }
 
 }  // namespace kestrel::model

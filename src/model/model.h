@@ -16,6 +16,12 @@
 //   ascending, −1 padded; MLA layers with an indexer); L{L}.router_ids i32 [T, K] and
 //   L{L}.router_weights f32 [T, K] (best first; MoE layers); final_hidden [T, D] (final Mix output,
 //   before model.norm); logits f32 [T or 1, V].
+//
+// Tensor parallelism (docs/parallel.md §8): with options.comm set, `w` is one rank's shard
+// (loader/shard.h, strided views packed by model::pack_strided) and `c` its rank_config (model/tp.h);
+// every rank of the group calls forward with the same tokens and caches of its own, and the layers
+// all-reduce at their sublayer ends, so every rank ends each sublayer with the whole hidden state and
+// all of them write the same whole logits. Observer captures are then the whole tensors too.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +33,7 @@
 #include "model/common.h"
 #include "model/kda.h"
 #include "model/mla.h"
+#include "model/tp.h"
 
 namespace kestrel::model {
 
@@ -55,6 +62,15 @@ struct ForwardOptions {
   // Every op's result for a token independent of how many tokens share the call (recurrent KDA, one
   // MLA form and per-row GEMV are the caller's choice together with this; see cpu::RowInvariantScope).
   bool row_invariant = false;
+  // This rank's tensor-parallel group; null = one rank. Every rank must ask for logits alike.
+  parallel::Comm* comm = nullptr;
+  // Decode context parallelism: 1, or comm's size (each MLA cache then holds the tokens t with
+  // t mod size == rank at row ⌊t/size⌋; model/mla_dcp.cpp; MLA runs the absorbed form).
+  int dcp = 1;
+  // DSpark taps (MODEL.md §5): the AttnRes partial sum P after each listed layer (pre-norm), copied into
+  // taps_out as bf16 [T, n·D] in list order. Empty list: nothing is copied.
+  std::span<const int> tap_layers;
+  uint16_t* taps_out = nullptr;  // bf16 [T, tap_layers.size()·D]
 };
 
 // Runs `tokens` at positions [v.pos, v.pos + T) through the caches of `v` (which it updates; v.pos

@@ -11,7 +11,8 @@
 namespace kestrel::model {
 
 void moe_forward(const MoeWeights& w, const TextConfig& c, const uint16_t* x, int64_t T, uint16_t* out,
-                 const Probe& probe) {
+                 const Probe& probe, const Shard& shard) {
+  if (shard.split()) return moe_forward_split(w, c, x, T, out, probe, shard);
   const int64_t D = c.hidden_size, X = c.num_experts, K = c.num_experts_per_token, Lt = c.routed_expert_hidden_size,
                 I = c.moe_intermediate_size;
   KCHECK(int64_t(w.experts.size()) == X, "MoE layer has {} experts, config says {}", w.experts.size(), X);

@@ -30,6 +30,16 @@ enum class SubmitStatus : uint8_t {
   not_ready,   // still loading, shut down, or stopped after an error (503)
 };
 
+// What holds memory in an engine, after its bookkeeping was checked (Engine::check_integrity).
+struct IntegrityReport {
+  int64_t requests = 0;              // accepted, final event not yet sent
+  int64_t running = 0, waiting = 0;  // the scheduler's
+  int32_t pages_total = 0, pages_free = 0;
+  int32_t pages_cached = 0;          // owned by prefix-cache entries (one each), maybe also read by requests
+  int32_t pages_held = 0;            // not reclaimable (as EngineStats::pages_held): 0 when idle
+  int32_t slots_total = 0, slots_free = 0, checkpoints = 0;  // KDA state slots; checkpoints: the cache's
+};
+
 struct Submission {
   SubmitStatus status = SubmitStatus::not_ready;
   RequestId id = 0;  // when accepted: the id cancel() takes and every event carries
@@ -48,6 +58,11 @@ class Engine {
   // False when the id is unknown or already finished.
   virtual bool cancel(RequestId id) = 0;
   virtual EngineStats stats() const = 0;
+  // Debugging and soak tests (`kestrel serve --debug-routes`: GET /debug/integrity): checks the
+  // engine's bookkeeping (every page's refcount equals its holders, every state slot has at most one
+  // holder, the prefix cache is a consistent tree within its pages) and reports the holdings; throws
+  // kestrel::Error naming the first violation, or when the engine cannot check (not loaded).
+  virtual IntegrityReport check_integrity() const { fail("this engine has no integrity check"); }
   // Ends every request (one cancelled event each), refuses new ones and stops the engine thread.
   // Idempotent.
   virtual void shutdown() = 0;

@@ -66,7 +66,24 @@ void validate(const Request& r, const RequestLimits& limits) {
   range("presence_penalty", s.presence_penalty, -2.0, 2.0);
   range("frequency_penalty", s.frequency_penalty, -2.0, 2.0);
   if (s.logprobs > 20) bad("logprobs", fmt::format("'logprobs' may ask for at most 20 alternatives, got {}", s.logprobs));
+  if (s.prompt_logprobs > 20)
+    bad("prompt_logprobs", fmt::format("'prompt_logprobs' may ask for at most 20 alternatives, got {}", s.prompt_logprobs));
   if (r.max_tokens < 1) bad("max_tokens", fmt::format("'max_tokens' must be >= 1, got {}", r.max_tokens));
+  if (s.min_tokens < 0 || s.min_tokens > r.max_tokens)
+    bad("min_tokens", fmt::format("'min_tokens' must be in [0, max_tokens = {}], got {}", r.max_tokens, s.min_tokens));
+  if (s.logit_bias.size() > 4096)
+    bad("logit_bias", fmt::format("'logit_bias' may hold at most 4096 entries, got {}", s.logit_bias.size()));
+  std::vector<int32_t> biased;
+  for (const auto& [t, b] : s.logit_bias) {
+    if (t < 0 || t >= limits.vocab_size)
+      bad("logit_bias", fmt::format("'logit_bias' token {} is outside the vocabulary [0, {})", t, limits.vocab_size));
+    if (!(b >= -100.0f && b <= 100.0f))
+      bad("logit_bias", fmt::format("'logit_bias' values must be in [-100, 100], got {} for token {}", b, t));
+    biased.push_back(t);
+  }
+  std::sort(biased.begin(), biased.end());
+  if (auto d = std::adjacent_find(biased.begin(), biased.end()); d != biased.end())
+    bad("logit_bias", fmt::format("'logit_bias' names token {} twice", *d));
 
   if (r.prompt.empty()) bad("prompt", "the prompt is empty");
   for (int32_t t : r.prompt)

@@ -13,7 +13,8 @@
 //   - a stop token (finish stop; that token is the event's token and the last one): any of the
 //     engine's end-of-sequence ids (the config's eos_token_id plus the tokenizer's end-of-turn
 //     specials <|end_of_msg|>, [EOS], [EOT]) or of the request's stop_token_ids. ignore_eos turns
-//     ALL of them off — generation then ends only at max_tokens, a stop string or a cancel;
+//     ALL of them off — generation then ends only at max_tokens, a stop string or a cancel. Before
+//     sampling.min_tokens output tokens the sampler never draws a stop id (its logit is −inf);
 //   - a stop string: text-level, matched by the consumer's text stream (tokenizer/text_stream.h),
 //     which then cancels the request; the engine only knows ids.
 //   A stop token's text is never part of the output text.
@@ -25,6 +26,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/check.h"
@@ -39,6 +41,10 @@ using RequestId = uint64_t;
 
 // The sampler's knobs (runtime/sampler.h applies them; vLLM's order and meanings).
 struct SamplingParams {
+  // (token, bias) pairs added to the raw logits before anything else (OpenAI's logit_bias): distinct
+  // ids in the vocabulary, bias in [-100, 100].
+  std::vector<std::pair<int32_t, float>> logit_bias;
+  int32_t min_tokens = 0;           // >= 0: no stop id can be drawn before this many output tokens
   float temperature = 0.0f;         // [0, 2]; 0 = greedy
   int32_t top_k = 0;                // >= 0; 0 = off
   float top_p = 1.0f;               // (0, 1]
@@ -48,6 +54,10 @@ struct SamplingParams {
   float frequency_penalty = 0.0f;   // [-2, 2] (output tokens)
   uint64_t seed = 0;                // draw i comes from (seed, i): the same seed gives the same tokens
   int32_t logprobs = -1;            // < 0: none; n in [0, 20]: the sampled token's logprob + the n most likely
+  // < 0: none; n in [0, 20]: for every prompt position after the first, the prompt token's logprob
+  // given the tokens before it + the n most likely (the completions API's echo; vLLM's
+  // prompt_logprobs). Such a request never starts from a prefix-cache hit: every position is computed.
+  int32_t prompt_logprobs = -1;
 };
 
 // Tokens [start, end) of the prompt carry media (an image's placeholders) with this content hash;
@@ -114,6 +124,13 @@ struct TokenLogprob {
   float logprob = 0.0f;
 };
 
+// One prompt position's logprobs (SamplingParams::prompt_logprobs): its token given the ones before.
+struct PromptLogprob {
+  int32_t token = -1;
+  float logprob = 0.0f;
+  std::vector<TokenLogprob> top;  // most likely first, ties by lower id
+};
+
 // One generated token, or a token-less end. Every accepted request gets exactly one event with
 // finish != none (its last token, or a token-less event for a cancellation or failure).
 struct TokenEvent {
@@ -124,6 +141,8 @@ struct TokenEvent {
   std::vector<TokenLogprob> top_logprobs;
   int32_t prompt_tokens = 0;          // the request's first event only: its prompt length
   int32_t cached_prompt_tokens = 0;   // the first event only: prompt tokens the prefix cache served
+  // The first event only, when sampling.prompt_logprobs >= 0: prompt positions 1 .. P−1 in order.
+  std::vector<PromptLogprob> prompt_logprobs;
   FinishReason finish = FinishReason::none;
   std::string error;                  // finish == error
 

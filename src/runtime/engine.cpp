@@ -42,6 +42,9 @@ sched::SchedulerConfig sched_config(const ModelConfig& c, const EngineConfig& cf
   s.max_num_seqs = cfg.max_running;
   s.max_num_batched_tokens = cfg.max_num_batched_tokens;
   s.checkpoint_interval_blocks = cfg.checkpoint_interval_blocks;
+  s.long_prefill_token_threshold = cfg.long_prefill_token_threshold;
+  s.max_num_partial_prefills = cfg.max_num_partial_prefills;
+  s.max_long_partial_prefills = cfg.max_long_partial_prefills;
   s.vocab_size = int32_t(c.text.vocab_size);
   return s;
 }
@@ -55,7 +58,7 @@ struct Timed {
 
 EngineConfig with_cpu_executor(const ModelWeights& w, const ModelConfig& c, EngineConfig cfg) {
   if (!cfg.make_executor)
-    cfg.make_executor = [&w, &c, bi = cfg.batch_invariant](const cache::CacheFormats& f, const cache::CacheConfig& cc) {
+    cfg.make_executor = [&w, &c, bi = cfg.batch_invariant](const CacheFormats& f, const cache::CacheConfig& cc) {
       return std::unique_ptr<StepExecutor>(std::make_unique<Executor>(w, c, f, cc, ExecutorOptions{bi}));
     };
   return cfg;
@@ -79,6 +82,9 @@ Engine::Engine(const ModelConfig& c, EngineConfig cfg)
   exec_ = cfg_.make_executor(cfg_.formats, plan_.cache_config(cfg_.enable_prefix_cache));
   KCHECK(exec_ != nullptr, "engine: the executor factory returned nothing");
   if (cfg_.eos_token_ids.empty() && c.text.eos_token_id >= 0) cfg_.eos_token_ids = {c.text.eos_token_id};
+  // Before any step is measured, long chunks start small; the first measurements size them.
+  if (cfg_.prefill_step_target_s > 0.0 && cfg_.long_prefill_token_threshold > 0)
+    sched_.set_long_prefill_chunk(std::min(cfg_.long_prefill_token_threshold, 64));
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -163,6 +169,26 @@ EngineStats Engine::stats() const {
   return s;
 }
 
+IntegrityReport Engine::check_integrity() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  // Consistent at any moment under mu_: schedule() and complete() run under it, and a step in flight
+  // holds its pages and pending snapshots through the requests that planned them.
+  sched_.check_integrity();
+  const cache::CacheManager& cm = sched_.cache();
+  IntegrityReport r;
+  r.requests = int64_t(reqs_.size());
+  r.running = int64_t(sched_.num_running());
+  r.waiting = int64_t(sched_.num_waiting());
+  r.pages_total = cm.pages().num_pages();
+  r.pages_free = cm.pages().num_free();
+  r.pages_cached = int32_t(cm.prefix_cache().size());
+  r.pages_held = r.pages_total - cm.available_pages();
+  r.slots_total = cm.slots().num_slots();
+  r.slots_free = cm.slots().num_free();
+  r.checkpoints = cm.prefix_cache().num_checkpoints();
+  return r;
+}
+
 bool Engine::ready() const {
   std::lock_guard<std::mutex> lk(mu_);
   return !stop_ && failed_.empty();
@@ -178,6 +204,7 @@ void Engine::stamp(Req& q, TokenEvent& ev) const {
   q.first_sent = true;
   ev.prompt_tokens = int32_t(q.r.prompt.size());
   ev.cached_prompt_tokens = int32_t(std::max<int64_t>(q.cached, 0));
+  ev.prompt_logprobs = std::move(q.prompt_lp);
 }
 
 sched::SeqResult Engine::emit(Req& q, const SampleResult& s) {
@@ -253,12 +280,12 @@ sched::SeqResult Engine::sample_host(Req& q, const sched::ScheduledSeq& x, std::
   SamplingParams p = q.r.sampling;
   if (penalised) p.repetition_penalty = 1.0f, p.frequency_penalty = 0.0f, p.presence_penalty = 0.0f;
   uint64_t index = q.output.size();
-  if (!q.constraint || !q.error.empty()) return emit(q, sample_token(p, logits, q.r.prompt, q.output, index));
+  if (!q.constraint || !q.error.empty()) return emit(q, sample_token(p, logits, q.r.prompt, q.output, index, q.stop_ids));
   int64_t allowed = wait_mask(x.id);
   const uint32_t* words = nullptr;
   if (allowed == -3) {
     // Free text: draw without a mask and check; a refused token is drawn again under the mask.
-    SampleResult s = sample_token(p, logits, q.r.prompt, q.output, index);
+    SampleResult s = sample_token(p, logits, q.r.prompt, q.output, index, q.stop_ids);
     bool ok;
     {
       Timed t{sstats_.host_seconds};
@@ -293,7 +320,7 @@ sched::SeqResult Engine::sample_host(Req& q, const sched::ScheduledSeq& x, std::
   if (p.top_k <= 0 || p.top_k > allowed) p.top_k = int32_t(std::min<int64_t>(allowed, INT32_MAX));
   const int32_t want_logprobs = p.logprobs;
   p.logprobs = -1;
-  SampleResult s = sample_token(p, masked_logits_, q.r.prompt, q.output, index);
+  SampleResult s = sample_token(p, masked_logits_, q.r.prompt, q.output, index, q.stop_ids);
   if (want_logprobs >= 0) raw_logprobs(logits, s.token, want_logprobs, s.logprob, s.top);
   ++sstats_.masked_samples;
   return emit(q, s);
@@ -354,7 +381,7 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
   hooks.mask_table = {masks_.data(), masks_.rows(), masks_.words()};
   hooks.sampling_inputs = [&](const sched::ScheduledSeq& x) {
     Req& q = find(x.id);
-    return StepHooks::SamplingInputs{&q.r.sampling, q.r.prompt, q.output};
+    return StepHooks::SamplingInputs{&q.r.sampling, q.r.prompt, q.output, q.stop_ids};
   };
   hooks.take_token = [&](const sched::ScheduledSeq& x, int32_t token) {
     Req& q = find(x.id);
@@ -366,16 +393,28 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
     s.token = token;
     return emit(q, s);
   };
-  hooks.wants_all_logits = [&](RequestId id) { return bool(find(id).r.on_logits); };
+  // Every position's logits: for the debug hook, and for prompt logprobs until the prompt is done.
+  hooks.wants_all_logits = [&](RequestId id) {
+    const Req& q = find(id);
+    return bool(q.r.on_logits) ||
+           (q.r.sampling.prompt_logprobs >= 0 && q.logits_sent + 1 < int64_t(q.r.prompt.size()));
+  };
   hooks.all_logits = [&](const sched::ScheduledSeq& x, std::span<const float> rows) {
     Req& q = find(x.id);
-    const int64_t V = c_.text.vocab_size;
-    for (int64_t p = std::max(x.start, q.logits_sent); p < x.end; ++p)
-      q.r.on_logits(p, rows.subspan(size_t((p - x.start) * V), size_t(V)));
+    const int64_t V = c_.text.vocab_size, P = int64_t(q.r.prompt.size());
+    for (int64_t p = std::max(x.start, q.logits_sent); p < x.end; ++p) {
+      const std::span<const float> row = rows.subspan(size_t((p - x.start) * V), size_t(V));
+      if (q.r.on_logits) q.r.on_logits(p, row);
+      // Row p predicts position p + 1.
+      if (q.r.sampling.prompt_logprobs >= 0 && p + 1 < P)
+        q.prompt_lp.push_back(token_logprobs(row, q.r.prompt[size_t(p + 1)], q.r.sampling.prompt_logprobs));
+    }
     q.logits_sent = std::max(q.logits_sent, x.end);
   };
   sched::StepResult result;
+  const auto t0 = std::chrono::steady_clock::now();
   if (plan.has_work()) result = exec_->run(plan, hooks);
+  const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   worker_.wait_all();
 
   // Bookkeeping under the lock; sinks after it.
@@ -387,6 +426,15 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
     sstats_copy_ = sstats_;
     sstats_copy_.fill_seconds = worker_.busy_seconds();
     sstats_copy_.stolen = worker_.stolen();
+    // Long prompts' chunks sized to the step-time target (engine.h).
+    if (cfg_.prefill_step_target_s > 0.0 && cfg_.long_prefill_token_threshold > 0 && plan.num_tokens >= 16) {
+      // Up at once (a slower step must not repeat), down gently (one fast step proves little).
+      const double spt = step_s / double(plan.num_tokens);
+      seconds_per_token_ = spt > seconds_per_token_ ? spt : 0.7 * seconds_per_token_ + 0.3 * spt;
+      const double fit = cfg_.prefill_step_target_s / seconds_per_token_;
+      sched_.set_long_prefill_chunk(
+          int32_t(std::clamp<double>(fit, 16.0, double(cfg_.long_prefill_token_threshold))));
+    }
     generation_tokens_ += int64_t(result.seqs.size());
     std::map<RequestId, FinishReason> done;
     for (const sched::FinishedRequest& f : sched_.drain_finished()) done[f.id] = f.reason;

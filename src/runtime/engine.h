@@ -41,7 +41,7 @@
 #include <thread>
 #include <vector>
 
-#include "cache/layout.h"
+#include "core/cache_format.h"
 #include "loader/config.h"
 #include "loader/weights.h"
 #include "request/engine.h"
@@ -57,9 +57,18 @@ struct EngineConfig {
   int64_t memory_budget = int64_t(1) << 30;  // bytes for KDA slots + cache pages
   int32_t max_running = 16;                  // concurrent requests (one running state slot each)
   int32_t checkpoint_slots = 4;              // prefix-cache KDA checkpoints
-  cache::CacheFormats formats = {128, cache::LatentFormat::bf16, cache::IndexKeyFormat::bf16,
-                                 cache::KdaStateDtype::f32};
+  CacheFormats formats = {128, LatentFormat::bf16, IndexKeyFormat::bf16,
+                                 KdaStateDtype::f32};
   int32_t max_num_batched_tokens = 2048;
+  // Fairness between long and short prompts (sched/scheduler.h): the longest prefill chunk (0: no
+  // cap), prefills at once, long prefills at once.
+  int32_t long_prefill_token_threshold = 0;
+  int32_t max_num_partial_prefills = 1 << 30;
+  int32_t max_long_partial_prefills = 1;
+  // > 0 (with a threshold): a long prompt's chunk is sized so that a step takes about this long,
+  // from the measured seconds per token of recent steps (at least 16 tokens, at most the threshold),
+  // so a short request's first token never waits behind a slow step whatever the device's speed.
+  double prefill_step_target_s = 0.0;
   bool enable_prefix_cache = true;
   int32_t checkpoint_interval_blocks = 0;
   bool batch_invariant = true;  // CPU executor, see executor.h
@@ -88,6 +97,7 @@ class Engine final : public kestrel::Engine {
   Submission submit(Request r, TokenSink sink) override;
   bool cancel(RequestId id) override;
   EngineStats stats() const override;
+  IntegrityReport check_integrity() const override;  // under the lock, between or during steps
   void shutdown() override;
 
   // Structured-output costs so far (engine-thread time on the critical path vs. the worker's).
@@ -113,7 +123,8 @@ class Engine final : public kestrel::Engine {
     TokenSink sink;
     std::vector<int32_t> output;
     std::vector<int32_t> stop_ids;  // ids that end it: end-of-sequence + its own; none under ignore_eos
-    int64_t logits_sent = 0;        // positions already passed to on_logits
+    int64_t logits_sent = 0;        // positions already passed to on_logits / prompt logprobs
+    std::vector<PromptLogprob> prompt_lp;  // prompt positions 1.. so far (sampling.prompt_logprobs)
     int64_t cached = -1;            // prompt tokens skipped at the first admission (−1: not yet admitted)
     bool first_sent = false;        // the first event (it carries the prompt counts) is out
     std::optional<TokenEvent> pending;  // this step's event, sent after complete()
@@ -161,6 +172,7 @@ class Engine final : public kestrel::Engine {
   std::string failed_;  // set when a step threw: every request ended with an error event
   int64_t prompt_tokens_ = 0, generation_tokens_ = 0;
   ExecutorStats exec_stats_;  // a copy taken under mu_ after each step (the executor's own runs unlocked)
+  double seconds_per_token_ = 0.0;  // moving average over steps of 16+ tokens (prefill_step_target_s)
   std::mutex join_mu_;
   std::thread thread_;
 };

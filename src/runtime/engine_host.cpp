@@ -7,8 +7,11 @@
 
 #include "core/check.h"
 #include "loader/config.h"
+#include "loader/dspark.h"
 #include "loader/safetensors.h"
+#include "loader/shard.h"
 #include "loader/weights.h"
+#include "runtime/executor_tp.h"
 #include "tokenizer/parser.h"
 #ifdef KESTREL_WITH_CUDA
 #include "model/cuda/cuda_model.h"
@@ -63,7 +66,7 @@ std::shared_ptr<void> setup_cuda(const EngineOptions& o, const ModelConfig& c, c
   }
   model::CudaModel* mp = m.get();
   const ModelConfig* cp = &c;
-  ec.make_executor = [mp, cp, graphs = o.cuda_graphs](const cache::CacheFormats& f, const cache::CacheConfig& cc) {
+  ec.make_executor = [mp, cp, graphs = o.cuda_graphs](const CacheFormats& f, const cache::CacheConfig& cc) {
     return std::unique_ptr<StepExecutor>(std::make_unique<CudaExecutor>(*mp, *cp, f, cc, CudaExecutorOptions{graphs}));
   };
   return m;
@@ -81,10 +84,34 @@ EngineHost::EngineHost(EngineOptions options) : opt_(std::move(options)) {
   if (opt_.gpu_memory_utilization != 0.0) check_utilization(opt_.gpu_memory_utilization);
   if (opt_.quantization != "bf16" && (opt_.device != Device::cuda || opt_.fake))
     fail("--quantization {} needs --device cuda", opt_.quantization);
+  if (opt_.tensor_parallel_size < 1) fail("--tensor-parallel-size must be >= 1, got {}", opt_.tensor_parallel_size);
+  if (opt_.decode_context_parallel_size != 1 && opt_.decode_context_parallel_size != opt_.tensor_parallel_size)
+    fail("--decode-context-parallel-size {} must be 1 or the --tensor-parallel-size ({}): the CPU twin spreads a "
+         "request's MLA cache over the whole TP group",
+         opt_.decode_context_parallel_size, opt_.tensor_parallel_size);
+  if (opt_.expert_parallel && opt_.tensor_parallel_size == 1)
+    fail("--enable-expert-parallel needs --tensor-parallel-size > 1 (experts are spread over the TP ranks)");
+  if (opt_.tensor_parallel_size > 1 && opt_.device == Device::cuda)
+    fail("--tensor-parallel-size {} with --device cuda: multi-GPU runs are one process per GPU under mpirun "
+         "(docs/parallel.md) and not built yet; --device cpu runs the tensor-parallel CPU twin",
+         opt_.tensor_parallel_size);
   loader_ = std::thread([this] { load(); });
 }
 
 EngineHost::~EngineHost() { shutdown(); }
+
+// --speculative-config: load and check the draft (config against the target, every tensor), then refuse:
+// the batching engine has no speculative path yet (runtime/spec_decode.h is the single-request CPU loop).
+static void check_speculative(const SpeculativeConfig& sc, const ModelConfig& target) {
+  const DraftConfig dc = load_draft_config(sc.model, target);
+  if (sc.num_speculative_tokens > dc.block_size)
+    fail("--speculative-config: num_speculative_tokens {} exceeds the draft's block size {}", sc.num_speculative_tokens,
+         dc.block_size);
+  const Checkpoint ckpt(sc.model);
+  (void)bind_draft_weights(dc, ckpt);
+  fail("--speculative-config: the draft {} loads and matches the target, but the serving engine does not run "
+       "speculative decoding yet (issue #19; see docs/speculative.md)", sc.model);
+}
 
 void EngineHost::load() {
   std::string error;
@@ -105,10 +132,20 @@ void EngineHost::load() {
     } else {
       m->ckpt = std::make_unique<Checkpoint>(opt_.model_dir);
       m->w = bind_weights(m->cfg, *m->ckpt);
+      if (opt_.speculative) check_speculative(*opt_.speculative, m->cfg);
       if (opt_.device == Device::cuda) {
         m->device = setup_cuda(opt_, m->cfg, m->w, ec);
       } else if (!opt_.memory_budget && opt_.gpu_memory_utilization > 0.0) {
         ec.memory_budget = cpu_cache_budget(opt_.gpu_memory_utilization, opt_.model_dir);
+      }
+      if (opt_.device == Device::cpu && opt_.tensor_parallel_size > 1) {
+        ParallelLayout p;
+        p.tp = opt_.tensor_parallel_size;
+        p.expert_parallel = opt_.expert_parallel;
+        p.dcp = opt_.decode_context_parallel_size;
+        if (ec.formats.block_size % p.dcp != 0)
+          fail("--block-size {} must divide by --decode-context-parallel-size {}", ec.formats.block_size, p.dcp);
+        ec.make_executor = tp_executor_factory(m->cfg, *m->ckpt, p, ExecutorOptions{ec.batch_invariant});
       }
       m->engine = std::make_unique<runtime::Engine>(m->w, m->cfg, ec);
     }
@@ -180,6 +217,12 @@ bool EngineHost::cancel(RequestId id) {
 EngineStats EngineHost::stats() const {
   runtime::Engine* e = get();
   return e ? e->stats() : EngineStats{};
+}
+
+IntegrityReport EngineHost::check_integrity() const {
+  runtime::Engine* e = get();
+  if (!e) fail("the engine is not loaded");
+  return e->check_integrity();
 }
 
 void EngineHost::shutdown() {

@@ -8,6 +8,10 @@
 //   - --device cuda: the weights are uploaded (model::CudaModel) and the engine runs on the GPU
 //     executor (executor_cuda.h); --gpu-memory-utilization F = F × device memory − what is in use
 //     after the upload − a 2 GiB activation reserve (runtime::cuda_cache_budget);
+//   - --tensor-parallel-size N (--enable-expert-parallel, --decode-context-parallel-size N) on the CPU: N rank threads, each over its
+//     own shard of the mapped checkpoint (executor_tp.h); a layout the model cannot split fails the
+//     load with every reason (loader/shard.h). On CUDA it is one process per GPU (docs/parallel.md),
+//     not built yet: refused at once;
 //   - fake: config.json only, no weights; a FakeExecutor (fake_executor.h) draws the tokens.
 // Loading runs on a thread of the host's own, so a server can listen (and answer /health with 503)
 // meanwhile; wait_loaded() blocks for callers that need the engine now. The host is the front
@@ -27,6 +31,7 @@
 #include "request/engine.h"
 #include "runtime/engine.h"
 #include "runtime/fake_executor.h"
+#include "runtime/spec_config.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel::runtime {
@@ -40,6 +45,9 @@ struct EngineOptions {
   double gpu_memory_utilization = 0.0;   // (0, 1] when given
   bool cuda_graphs = true;               // --device cuda: decode steps through CUDA graphs
   std::string quantization = "bf16";     // --device cuda: dense projection weights bf16 | ptpc-fp8
+  int tensor_parallel_size = 1;          // --tensor-parallel-size: ranks (CPU: threads)
+  bool expert_parallel = false;          // --enable-expert-parallel: whole experts per rank
+  int decode_context_parallel_size = 1;  // --decode-context-parallel-size: 1 or the TP size (CPU twin)
   // Formats, batching, prefix cache, max_model_len, max_queue; the host fills in the budget, the
   // end-of-sequence ids and the executor.
   EngineConfig engine;
@@ -49,6 +57,9 @@ struct EngineOptions {
   bool fake = false;                     // no weights: random (or scripted) tokens
   FakeExecutorOptions fake_executor;
   std::chrono::milliseconds fake_load_delay{0};  // lets tests see /health answer 503 while "loading"
+  // --speculative-config: the draft is loaded and checked against the target; the batching engine does not
+  // run speculation yet (docs/speculative.md), so the load then fails with a message saying so.
+  std::optional<SpeculativeConfig> speculative;
 };
 
 class EngineHost final : public kestrel::Engine {
@@ -70,6 +81,7 @@ class EngineHost final : public kestrel::Engine {
   Submission submit(Request r, TokenSink sink) override;
   bool cancel(RequestId id) override;
   EngineStats stats() const override;
+  IntegrityReport check_integrity() const override;  // kestrel::Error while not loaded
   void shutdown() override;  // waits for a load in progress, then shuts the engine down
 
  private:

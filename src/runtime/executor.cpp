@@ -9,7 +9,7 @@
 
 namespace kestrel::runtime {
 
-Executor::Executor(const ModelWeights& w, const ModelConfig& c, const cache::CacheFormats& formats,
+Executor::Executor(const ModelWeights& w, const ModelConfig& c, const CacheFormats& formats,
                    const cache::CacheConfig& cc, const ExecutorOptions& options)
     : w_(w), c_(c), options_(options), store_(c.text, formats, cc.num_pages, cc.num_state_slots) {
   if (cc.block_size != formats.block_size)
@@ -17,6 +17,10 @@ Executor::Executor(const ModelWeights& w, const ModelConfig& c, const cache::Cac
 }
 
 sched::StepResult Executor::run(const sched::StepPlan& plan, const StepHooks& hooks) {
+  return run_rank(plan, hooks, nullptr);
+}
+
+sched::StepResult Executor::run_rank(const sched::StepPlan& plan, const StepHooks& hooks, parallel::Comm* comm) {
   KCHECK(bool(hooks.sample), "executor: no sampler hook");
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t V = c_.text.vocab_size;
@@ -29,6 +33,8 @@ sched::StepResult Executor::run(const sched::StepPlan& plan, const StepHooks& ho
 
   // 3. One forward per sequence (decodes first, as listed).
   model::ForwardOptions opt;
+  opt.comm = comm;
+  opt.dcp = comm ? options_.dcp : 1;
   if (options_.batch_invariant) {
     opt.row_invariant = true;
     opt.kda_form = model::KdaForm::recurrent;

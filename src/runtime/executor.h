@@ -15,16 +15,22 @@
 #include <memory>
 #include <span>
 
+#include "core/cache_format.h"
 #include "loader/config.h"
 #include "loader/weights.h"
 #include "runtime/cache_store.h"
 #include "runtime/sampler.h"
 #include "sched/scheduler.h"
 
+namespace kestrel::parallel {
+class Comm;
+}
+
 namespace kestrel::runtime {
 
 struct ExecutorOptions {
   bool batch_invariant = true;
+  int dcp = 1;  // decode-context-parallel ranks of run_rank's group: 1 or its size (executor_tp.h)
 };
 
 struct ExecutorStats {
@@ -41,12 +47,13 @@ struct StepHooks {
   // The sampled token (and stop flag) for a sequence with `sample` set, from its last logits.
   std::function<sched::SeqResult(const sched::ScheduledSeq&, std::span<const float> logits /* f32 [V] */)> sample;
   // Optional (device executors): what the sampler of a sequence needs (its parameters, prompt and
-  // output so far; the draw index is output.size()), and the hook that takes a token sampled on the
+  // output so far, stop ids; the draw index is output.size()), and the hook that takes a token sampled on the
   // device by the same rules, so the logits never come back to the host. An executor may ignore
   // these and call `sample` instead.
   struct SamplingInputs {
     const SamplingParams* params = nullptr;
     std::span<const int32_t> prompt, output;
+    std::span<const int32_t> stop_ids;  // what min_tokens holds back (sample_token's stop_ids)
   };
   std::function<SamplingInputs(const sched::ScheduledSeq&)> sampling_inputs;
   std::function<sched::SeqResult(const sched::ScheduledSeq&, int32_t token)> take_token;
@@ -90,15 +97,18 @@ class StepExecutor {
 
 // Builds an engine's executor once the memory plan has sized its caches.
 using ExecutorFactory =
-    std::function<std::unique_ptr<StepExecutor>(const cache::CacheFormats&, const cache::CacheConfig&)>;
+    std::function<std::unique_ptr<StepExecutor>(const CacheFormats&, const cache::CacheConfig&)>;
 
 class Executor : public StepExecutor {
  public:
-  Executor(const ModelWeights& w, const ModelConfig& c, const cache::CacheFormats& formats,
+  Executor(const ModelWeights& w, const ModelConfig& c, const CacheFormats& formats,
            const cache::CacheConfig& cache_config, const ExecutorOptions& options = {});
 
   sched::StepResult run(const sched::StepPlan& plan, const StepHooks& hooks) override;
   const ExecutorStats& stats() const override { return stats_; }
+  // One rank's part of a tensor-parallel step (executor_tp.h): the same work, every forward passing
+  // `comm` to the model (`w` and `c` are then this rank's shard and rank_config). Null = run().
+  sched::StepResult run_rank(const sched::StepPlan& plan, const StepHooks& hooks, parallel::Comm* comm);
   const CacheStore& store() const { return store_; }
 
  private:

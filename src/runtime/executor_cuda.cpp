@@ -28,6 +28,40 @@ int64_t cuda_cache_budget(double utilization, int64_t reserve) {
   return budget;
 }
 
+void append_logit_adjustments(int32_t row, const StepHooks::SamplingInputs& in, int64_t V,
+                              std::vector<cuda::PenaltyEntry>& out) {
+  KCHECK(in.params != nullptr, "append_logit_adjustments: no sampling parameters");
+  const SamplingParams& sp = *in.params;
+  const bool rep = sp.repetition_penalty != 1.0f, freq = sp.frequency_penalty != 0.0f || sp.presence_penalty != 0.0f;
+  const bool hold = in.output.size() < size_t(std::max(sp.min_tokens, 0));
+  if (!rep && !freq && !hold && sp.logit_bias.empty()) return;
+  // Distinct tokens, in id order.
+  std::map<int32_t, cuda::PenaltyEntry> e;
+  auto at = [&](int32_t t) -> cuda::PenaltyEntry& {
+    auto [it, fresh] = e.try_emplace(t);
+    if (fresh) it->second = {row, t, 0, 0, 0.0f, sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty};
+    return it->second;
+  };
+  auto ok = [&](int32_t t) { return t >= 0 && t < V; };
+  for (auto [t, b] : sp.logit_bias)
+    if (ok(t)) at(t).bias = b;
+  if (hold)
+    for (int32_t t : in.stop_ids)
+      if (ok(t)) at(t).flags |= cuda::kPenaltyMasked;
+  // Repetition covers prompt ∪ output; frequency/presence only output tokens (count > 0).
+  if (rep)
+    for (int32_t t : in.prompt)
+      if (ok(t)) at(t).flags |= cuda::kPenaltyInContext;
+  if (rep || freq)
+    for (int32_t t : in.output)
+      if (ok(t)) {
+        cuda::PenaltyEntry& q = at(t);
+        q.flags |= cuda::kPenaltyInContext;
+        ++q.count;
+      }
+  for (auto& [t, q] : e) out.push_back(q);
+}
+
 namespace {
 struct HostSample {  // a device-sampled row's parameters for the host fallback
   SamplingParams params;
@@ -124,22 +158,14 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
         params.push_back({row, sp.top_k, sp.temperature, sp.top_p, sp.min_p, sp.seed, uint64_t(in.output.size())});
         param_seq.push_back(i);
         dev_id[i] = -1;
-        if (sp.repetition_penalty != 1.0f || sp.frequency_penalty != 0.0f || sp.presence_penalty != 0.0f) {
-          // Distinct tokens of prompt ∪ output, with their output counts (the sampler's penalty inputs).
-          std::map<int32_t, int32_t> count;
-          for (int32_t t : in.prompt)
-            if (t >= 0 && t < V) count.emplace(t, 0);
-          for (int32_t t : in.output)
-            if (t >= 0 && t < V) ++count[t];
-          for (auto [t, n] : count) {
-            // Repetition covers prompt ∪ output; frequency/presence only output tokens (count > 0).
-            penalties.push_back({row, t, n, sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty});
-          }
-        }
-        host_params[i].params = sp;  // the fallback samples penalised logits: penalties off there
+        append_logit_adjustments(row, in, V, penalties);
+        // The fallback samples the adjusted logits: bias, min_tokens and penalties off there.
+        host_params[i].params = sp;
         host_params[i].params.repetition_penalty = 1.0f;
         host_params[i].params.frequency_penalty = 0.0f;
         host_params[i].params.presence_penalty = 0.0f;
+        host_params[i].params.logit_bias.clear();
+        host_params[i].params.min_tokens = 0;
         host_params[i].index = uint64_t(in.output.size());
       }
     }

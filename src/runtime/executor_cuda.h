@@ -6,7 +6,7 @@
 // A step: zero the fresh slots, run the restores (device copies), then ONE batched forward over every
 // scheduled sequence (single-token sequences first, so all decodes share one absorbed-MLA launch and
 // every GEMM sees the whole batch), then the device sampler (kernels/cuda/sampling.h: penalties,
-// greedy, temperature, top-k, top-p, min-p, the per-request seed) over every sampled row, so n ids
+// greedy, temperature, top-k, top-p, min-p, the per-request seed) over every sampled row (logit_bias and min_tokens included), so n ids
 // come back instead of n·V logits; rows that want logprobs or every position's logits (debug dumps)
 // come back raw and go through the host sampler (runtime/sampler.h, the twin), as do the rare rows the
 // device sampler hands back (−1); then the snapshots. Pure decode steps go through the model's CUDA
@@ -19,7 +19,10 @@
 #include <cstdint>
 #include <memory>
 
+#include <vector>
+
 #include "cache/layout.h"
+#include "kernels/cuda/sampling.h"
 #include "loader/config.h"
 #include "loader/weights.h"
 #include "runtime/executor.h"
@@ -49,6 +52,12 @@ class CudaExecutor : public StepExecutor {
   std::unique_ptr<Impl> impl_;
   ExecutorStats stats_;
 };
+
+// The device sampler's logit adjustments for one row (kernels/cuda/sampling.h PenaltyEntry), appended
+// to `out`: logit_bias, the min_tokens mask of the stop ids while the output is shorter, and the
+// penalties over prompt ∪ output — what the twin (runtime/sampler.h) applies on the host.
+void append_logit_adjustments(int32_t row, const StepHooks::SamplingInputs& in, int64_t V,
+                              std::vector<cuda::PenaltyEntry>& out);
 
 // Cache budget for --gpu-memory-utilization F on the current device: F × total memory − what is in use
 // now (the weights, once uploaded) − `reserve` bytes for activations and cuBLASLt workspace.

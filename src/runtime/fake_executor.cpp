@@ -24,6 +24,20 @@ sched::StepResult FakeExecutor::run(const sched::StepPlan& plan, const StepHooks
     for (const sched::ScheduledSeq& x : *list) {
       ++stats_.forwards;
       stats_.tokens_forwarded += x.end - x.start;
+      if (hooks.wants_all_logits && hooks.all_logits && hooks.wants_all_logits(x.id)) {
+        // Every position's logits (prompt logprobs, dumps): N(0, 2) seeded by the tokens up to it.
+        const StepHooks::SamplingInputs in = hooks.sampling_inputs(x);
+        std::vector<float> rows(size_t((x.end - x.start) * V_));
+        for (int64_t p = x.start; p < x.end; ++p) {
+          uint64_t h = 1469598103934665603ull;
+          for (int64_t k = 0; k <= p && k < int64_t(in.prompt.size()); ++k)
+            h = (h ^ uint64_t(uint32_t(in.prompt[size_t(k)]))) * 1099511628211ull;
+          std::mt19937_64 rng(h ^ uint64_t(p));
+          std::normal_distribution<float> n(0.0f, 2.0f);
+          for (int64_t v = 0; v < V_; ++v) rows[size_t((p - x.start) * V_ + v)] = n(rng);
+        }
+        hooks.all_logits(x, rows);
+      }
       if (!x.sample) continue;
       const StepHooks::SamplingInputs in = hooks.sampling_inputs(x);
       const uint64_t index = in.output.size();
@@ -48,7 +62,7 @@ sched::StepResult FakeExecutor::run(const sched::StepPlan& plan, const StepHooks
 }
 
 ExecutorFactory fake_executor_factory(int64_t vocab_size, FakeExecutorOptions options) {
-  return [vocab_size, options](const cache::CacheFormats&, const cache::CacheConfig&) {
+  return [vocab_size, options](const CacheFormats&, const cache::CacheConfig&) {
     return std::unique_ptr<StepExecutor>(std::make_unique<FakeExecutor>(vocab_size, options));
   };
 }

@@ -6,7 +6,8 @@
 //     i and 0 elsewhere, so greedy sampling reproduces the script;
 //   - otherwise random logits N(0, 2), seeded by the prompt and the output index, so the same prompt
 //     gives the same stream whatever else runs.
-// Tokens are drawn by the engine's one sampler. The caches exist as the scheduler's bookkeeping only
+// Requests that want every position's logits (prompt logprobs) get N(0, 2) rows seeded by the
+// prompt up to each position. Tokens are drawn by the engine's one sampler. The caches exist as the scheduler's bookkeeping only
 // (no bytes are allocated), so /metrics shows the occupancy a real engine would have.
 #pragma once
 

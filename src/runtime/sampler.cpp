@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <unordered_map>
 
@@ -21,19 +22,47 @@ double sample_uniform(uint64_t seed, uint64_t index) {
   return double(r >> 11) * 0x1.0p-53;
 }
 
+PromptLogprob token_logprobs(std::span<const float> raw, int32_t token, int32_t n_top) {
+  const size_t V = raw.size();
+  KCHECK(V > 0 && token >= 0 && size_t(token) < V, "logprobs of token {} over {} logits", token, V);
+  PromptLogprob res;
+  res.token = token;
+  // log-softmax of the raw logits in FP64.
+  const double mx = *std::max_element(raw.begin(), raw.end());
+  double Z = 0.0;
+  for (float v : raw) Z += std::exp(double(v) - mx);
+  const double lz = mx + std::log(Z);
+  res.logprob = float(double(raw[size_t(token)]) - lz);
+  const size_t n = std::min(V, size_t(std::max(n_top, 0)));
+  if (n == 0) return res;
+  std::vector<int32_t> ids(V);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::partial_sort(ids.begin(), ids.begin() + std::ptrdiff_t(n), ids.end(), [&](int32_t a, int32_t b) {
+    return raw[size_t(a)] > raw[size_t(b)] || (raw[size_t(a)] == raw[size_t(b)] && a < b);
+  });
+  for (size_t i = 0; i < n; ++i) res.top.push_back({ids[i], float(double(raw[size_t(ids[i])]) - lz)});
+  return res;
+}
+
 SampleResult sample_token(const SamplingParams& p, std::span<const float> raw, std::span<const int32_t> prompt,
-                          std::span<const int32_t> output, uint64_t index) {
+                          std::span<const int32_t> output, uint64_t index, std::span<const int32_t> stop_ids) {
   const size_t V = raw.size();
   KCHECK(V > 0, "sampling from an empty vocabulary");
   SampleResult res;
+  auto ok = [&](int32_t t) { return t >= 0 && size_t(t) < V; };
 
-  // Penalties on a copy of the logits; untouched when every penalty is off.
+  // Bias, min_tokens and penalties on a copy of the logits; untouched when all are off.
   const bool rep = p.repetition_penalty != 1.0f, freq = p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f;
+  const bool hold = output.size() < size_t(std::max(p.min_tokens, 0)) && !stop_ids.empty();
   std::vector<float> adj;
   std::span<const float> logits = raw;
-  if (rep || freq) {
+  if (rep || freq || hold || !p.logit_bias.empty()) {
     adj.assign(raw.begin(), raw.end());
-    auto ok = [&](int32_t t) { return t >= 0 && size_t(t) < V; };
+    for (auto [t, b] : p.logit_bias)
+      if (ok(t)) adj[size_t(t)] += b;
+    if (hold)
+      for (int32_t t : stop_ids)
+        if (ok(t)) adj[size_t(t)] = -std::numeric_limits<float>::infinity();
     if (rep) {
       std::vector<bool> seen(V, false);
       for (auto list : {prompt, output})
@@ -104,19 +133,9 @@ SampleResult sample_token(const SamplingParams& p, std::span<const float> raw, s
   }
 
   if (p.logprobs >= 0) {
-    // log-softmax of the raw logits in FP64.
-    const double mx = *std::max_element(raw.begin(), raw.end());
-    double Z = 0.0;
-    for (float v : raw) Z += std::exp(double(v) - mx);
-    const double lz = mx + std::log(Z);
-    res.logprob = float(double(raw[size_t(res.token)]) - lz);
-    const size_t n = std::min(V, size_t(p.logprobs));
-    std::vector<int32_t> ids(V);
-    std::iota(ids.begin(), ids.end(), 0);
-    std::partial_sort(ids.begin(), ids.begin() + std::ptrdiff_t(n), ids.end(), [&](int32_t a, int32_t b) {
-      return raw[size_t(a)] > raw[size_t(b)] || (raw[size_t(a)] == raw[size_t(b)] && a < b);
-    });
-    for (size_t i = 0; i < n; ++i) res.top.push_back({ids[i], float(double(raw[size_t(ids[i])]) - lz)});
+    PromptLogprob lp = token_logprobs(raw, res.token, p.logprobs);
+    res.logprob = lp.logprob;
+    res.top = std::move(lp.top);
   }
   return res;
 }

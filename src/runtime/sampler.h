@@ -6,7 +6,8 @@
 // request's tokens never depend on what else shares the batch, on preemption, or on the order in
 // which the engine samples requests (the "same seed ⇒ same tokens whatever the batch" rule).
 //
-// Order of operations (vLLM's): penalties on the raw logits → greedy argmax if temperature == 0
+// Order of operations (vLLM's): logit_bias added to the raw logits, stop ids set to −inf while the
+// output is shorter than min_tokens, then penalties → greedy argmax if temperature == 0
 // (ties to the lower id) → divide by temperature → softmax (FP64) → min-p (drop p < min_p · p_max) →
 // top-k → top-p (shortest most-likely prefix whose mass reaches top_p, ties by lower id) → draw.
 // Penalties: repetition r over prompt + output tokens (logit > 0 ? logit / r : logit · r);
@@ -26,6 +27,7 @@ namespace kestrel::runtime {
 // The sampler's knobs and logprob entries are the request vocabulary's (request/request.h); the
 // ranges validate() enforces are this function's preconditions.
 using kestrel::SamplingParams;
+using kestrel::PromptLogprob;
 using kestrel::TokenLogprob;
 
 struct SampleResult {
@@ -34,9 +36,15 @@ struct SampleResult {
   std::vector<TokenLogprob> top;     // params.logprobs entries, most likely first, ties by lower id
 };
 
-// `index` is the output index of the token being drawn (output.size() in normal use).
+// `index` is the output index of the token being drawn (output.size() in normal use); `stop_ids` the
+// ids min_tokens holds back (the request's end-of-sequence and stop ids; none under ignore_eos).
 SampleResult sample_token(const SamplingParams& p, std::span<const float> logits /* f32 [V] */,
-                          std::span<const int32_t> prompt, std::span<const int32_t> output, uint64_t index);
+                          std::span<const int32_t> prompt, std::span<const int32_t> output, uint64_t index,
+                          std::span<const int32_t> stop_ids = {});
+
+// The logprob of `token` under the raw logits (log-softmax in FP64) and the n most likely tokens
+// (most likely first, ties by lower id): what sample_token reports, for prompt positions too.
+PromptLogprob token_logprobs(std::span<const float> logits /* f32 [V] */, int32_t token, int32_t n);
 
 // The uniform draw in [0, 1) for (seed, index): SplitMix64 of the pair, 53 bits.
 double sample_uniform(uint64_t seed, uint64_t index);

@@ -19,6 +19,11 @@ Scheduler::Scheduler(const SchedulerConfig& config, const cache::CacheConfig& ca
     fail("scheduler: max_num_batched_tokens must be positive, got {}", config.max_num_batched_tokens);
   if (config.checkpoint_interval_blocks < 0)
     fail("scheduler: checkpoint_interval_blocks must be >= 0, got {}", config.checkpoint_interval_blocks);
+  if (config.long_prefill_token_threshold < 0)
+    fail("scheduler: long_prefill_token_threshold must be >= 0, got {}", config.long_prefill_token_threshold);
+  if (config.max_num_partial_prefills < 1 || config.max_long_partial_prefills < 1)
+    fail("scheduler: max_num_partial_prefills ({}) and max_long_partial_prefills ({}) must be >= 1",
+         config.max_num_partial_prefills, config.max_long_partial_prefills);
 }
 
 int32_t Scheduler::pages_for(int64_t tokens) const {
@@ -49,6 +54,7 @@ void Scheduler::submit(RequestId id, const Request& r) {
   s.max_tokens = r.max_tokens;
   s.tokens = r.prompt;
   s.extras = cache::block_extra_keys(s.prompt_len, cache_.config().block_size, r.media);
+  s.no_prefix_hit = r.sampling.prompt_logprobs >= 0;  // on_logits sees only the positions computed (a hit skips some)
   s.arrival = next_arrival_++;
   waiting_.insert({s.arrival, id});
   seqs_.emplace(id, std::move(s));
@@ -128,7 +134,20 @@ bool Scheduler::grow_or_preempt(Seq& s, int64_t end, const std::set<RequestId>& 
   return true;
 }
 
-int64_t Scheduler::chunk_end(const Seq& s, int64_t budget) const {
+bool Scheduler::is_long(const Seq& s) const {
+  const int64_t L = config_.long_prefill_token_threshold;
+  return L > 0 && int64_t(s.tokens.size()) - s.computed > L;
+}
+
+int32_t Scheduler::long_prefill_chunk() const {
+  const int32_t L = config_.long_prefill_token_threshold;
+  return long_chunk_ > 0 ? std::min(long_chunk_, L) : L;
+}
+
+// A long prompt's chunk is at most long_prefill_chunk(); any other at most L (it has no more left).
+int64_t Scheduler::chunk_end(const Seq& s, int64_t budget, bool long_prefill) const {
+  if (config_.long_prefill_token_threshold > 0)
+    budget = std::min<int64_t>(budget, long_prefill ? long_prefill_chunk() : config_.long_prefill_token_threshold);
   int64_t end = std::min<int64_t>(int64_t(s.tokens.size()), s.computed + budget);
   auto it = s.checkpoints.upper_bound(s.computed);
   if (it != s.checkpoints.end() && *it < end) end = *it;
@@ -171,25 +190,39 @@ StepPlan Scheduler::schedule() {
     scheduled.insert(k.second);
     budget -= 1;
   }
-  // 2. Running requests still prefilling.
+  // 2. Running requests still prefilling, oldest first (each chunk at most the long-prefill cap).
+  int32_t partial = 0, partial_long = 0;  // requests mid-prefill, long ones among them
   for (const Key& k : order) {
-    if (budget == 0) break;
     auto it = seqs_.find(k.second);
     if (it == seqs_.end() || !it->second.running || it->second.prefill_done) continue;
+    ++partial;
+    partial_long += it->second.long_prefill;
+    if (budget == 0) continue;
     Seq& s = it->second;
-    const int64_t end = chunk_end(s, budget);
-    if (!grow_or_preempt(s, end, scheduled, plan)) continue;
+    const int64_t end = chunk_end(s, budget, s.long_prefill);
+    if (!grow_or_preempt(s, end, scheduled, plan)) {
+      --partial;  // preempted: it waits again
+      partial_long -= s.long_prefill;
+      continue;
+    }
     plan.prefills.push_back(make_scheduled(s, end, false));
     scheduled.insert(k.second);
     budget -= end - s.computed;
   }
   // 3. Admissions, first come first served; none in a step that had to preempt (memory is short,
-  // and the victim must not come straight back).
-  while (plan.preempted.empty() && budget > 0 && !waiting_.empty() && int32_t(running_.size()) < config_.max_num_seqs) {
-    Seq& s = seq(waiting_.begin()->second);
+  // and the victim must not come straight back). A long prompt finding every long-prefill slot taken
+  // is passed over (it keeps its place); anything else that does not fit ends admission.
+  for (auto w = waiting_.begin(); plan.preempted.empty() && budget > 0 && w != waiting_.end() &&
+                                  int32_t(running_.size()) < config_.max_num_seqs &&
+                                  partial < config_.max_num_partial_prefills;) {
+    Seq& s = seq(w->second);
+    if (is_long(s) && partial_long >= config_.max_long_partial_prefills) {
+      ++w;
+      continue;
+    }
     const int64_t n = int64_t(s.tokens.size());
     // At least the last token is computed: its logits give the next token.
-    const cache::PrefixHit hit = cache_.lookup(s.tokens, s.extras, n - 1);
+    const cache::PrefixHit hit = s.no_prefix_hit ? cache::PrefixHit{} : cache_.lookup(s.tokens, s.extras, n - 1);
     std::set<int64_t> wanted;
     const int64_t last_full = n / P * P;
     if (last_full > 0) wanted.insert(last_full);
@@ -203,7 +236,8 @@ StepPlan Scheduler::schedule() {
       for (int64_t b : wanted)
         if (b > hit.num_tokens) s.checkpoints.insert(b);
     s.computed = hit.num_tokens;
-    const int64_t end = chunk_end(s, budget);
+    const bool long_prefill = is_long(s);
+    const int64_t end = chunk_end(s, budget, long_prefill);
     if (cache_.available_pages(&hit) < pages_for(end) - int32_t(hit.pages.size()) || !cache_.admit(s.id, hit)) {
       s.computed = 0;  // a waiting request holds no progress
       s.checkpoints.clear();
@@ -211,7 +245,10 @@ StepPlan Scheduler::schedule() {
     }
     // Cannot fail: the pages were counted above and taking a slot evicts no pages.
     KCHECK(cache_.grow(s.id, end), "admission of request {} lost its pages", s.id);
-    waiting_.erase(waiting_.begin());
+    s.long_prefill = long_prefill;
+    ++partial;
+    partial_long += s.long_prefill;
+    w = waiting_.erase(w);
     running_.insert({s.arrival, s.id});
     s.running = true;
     s.cacheable = n;

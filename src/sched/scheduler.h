@@ -5,10 +5,18 @@
 // result). Each schedule() fills one step under max_num_batched_tokens and max_num_seqs:
 //  1. decodes of running requests (one token each), oldest first: decode before prefill keeps
 //     inter-token latency flat while prompts stream in;
-//  2. the next chunk of running requests still prefilling (chunked prefill);
-//  3. admission of waiting requests, strictly first come first served (a head that does not fit
+//  2. the next chunk of running requests still prefilling (chunked prefill), oldest first;
+//  3. admission of waiting requests, first come first served (a head that does not fit in memory
 //     blocks the queue, so a big request is never starved by small ones). Admission looks up the
 //     prefix cache first; a hit skips the cached tokens and restores the KDA checkpoint.
+// Fairness between long and short prompts (vLLM's partial-prefill limits): with
+// long_prefill_token_threshold L > 0 no prefill chunk is longer than L, so a long prompt leaves
+// most of every step's budget to others and a short request admitted meanwhile gets its first token
+// in the next step; a prompt longer than L is *long*, and at most max_long_partial_prefills long
+// ones prefill at once — a waiting long prompt beyond that is passed over by shorter ones behind it
+// (it keeps its place for the next long slot, freed when a long prefill ends). At most
+// max_num_partial_prefills requests are mid-prefill at once. The chunk of a long prompt may be
+// smaller than L (set_long_prefill_chunk: the engine sizes it to a step-time target).
 // When a running request cannot get pages, the newest running request not yet scheduled in this
 // step is preempted by recompute (pages and slot freed, requeued by arrival); if there is none newer
 // than the requester, the requester itself yields. A preempted request keeps its generated tokens
@@ -45,6 +53,11 @@ struct SchedulerConfig {
   // end of a matched cached chain). More checkpoints = more prefix hits, more state slots.
   int32_t checkpoint_interval_blocks = 0;
   int32_t vocab_size = 0;  // > 0: sampled ids are checked against it
+  // Fairness (see the header): the longest prefill chunk (0 = no cap: a chunk may fill the budget;
+  // then no prompt counts as long), prefills at once, long prefills at once.
+  int32_t long_prefill_token_threshold = 0;
+  int32_t max_num_partial_prefills = 1 << 30;
+  int32_t max_long_partial_prefills = 1;
 };
 
 // One request's work in a step: compute positions [start, end) from `tokens`.
@@ -95,12 +108,16 @@ class Scheduler {
 
   // Queues a request under `id` (unique among live requests). The request is already validated
   // (request.h validate()); throws kestrel::Error for a reused id or one whose prompt + max_tokens
-  // could never fit the page pool. Only the prompt, max_tokens and media are kept.
+  // could never fit the page pool. Only the prompt, max_tokens, media and whether every prompt
+  // position must be computed (prompt logprobs, logits dumps: no prefix-cache hit) are kept.
   void submit(RequestId id, const Request& r);
   // Frees everything the request holds (deferred to complete() while a plan is in flight). False
   // when the id is unknown or already finished.
   bool cancel(RequestId id);
   StepPlan schedule();
+  // The chunk size of long prompts' prefills from the next schedule() on: clamped to [1, L]; 0 = L.
+  void set_long_prefill_chunk(int32_t n) { long_chunk_ = n; }
+  int32_t long_prefill_chunk() const;
   void complete(const StepPlan& plan, const StepResult& result);
   std::vector<FinishedRequest> drain_finished();
 
@@ -126,6 +143,8 @@ class Scheduler {
     bool running = false;
     bool prefill_done = false;     // sampled since the last (re)admission
     bool cancel_pending = false;
+    bool no_prefix_hit = false;    // every prompt position is computed (its logits are wanted)
+    bool long_prefill = false;     // admitted with more than long_prefill_token_threshold tokens to prefill
     int64_t computed = 0;          // positions whose caches are written
     int64_t cacheable = 0;         // tokens known at admission: blocks below may enter the prefix cache
     std::set<int64_t> checkpoints; // token boundaries where a KDA snapshot is wanted
@@ -133,7 +152,8 @@ class Scheduler {
   using Key = std::pair<uint64_t, RequestId>;  // (arrival, id): ordered by priority
 
   Seq& seq(RequestId id);
-  int64_t chunk_end(const Seq& s, int64_t budget) const;
+  int64_t chunk_end(const Seq& s, int64_t budget, bool long_prefill) const;
+  bool is_long(const Seq& s) const;
   bool grow_or_preempt(Seq& s, int64_t end, const std::set<RequestId>& scheduled, StepPlan& plan);
   void preempt(Seq& s, StepPlan& plan);
   ScheduledSeq make_scheduled(const Seq& s, int64_t end, bool reset) const;
@@ -145,6 +165,7 @@ class Scheduler {
   std::map<RequestId, Seq> seqs_;
   std::set<Key> waiting_;
   std::set<Key> running_;
+  int32_t long_chunk_ = 0;
   uint64_t next_arrival_ = 0;
   uint64_t next_step_ = 0;
   bool in_flight_ = false;

@@ -16,13 +16,16 @@
 #include <fmt/format.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <atomic>
 #include <optional>
 #include <thread>
 #include <vector>
 
 #include "core/check.h"
+#include "server/log.h"
 #include "server/openai.h"
 #include "server/routes.h"
 
@@ -36,28 +39,16 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-const char* reason_phrase(int status) {
-  switch (status) {
-    case 100: return "Continue";
-    case 200: return "OK";
-    case 400: return "Bad Request";
-    case 401: return "Unauthorized";
-    case 404: return "Not Found";
-    case 405: return "Method Not Allowed";
-    case 408: return "Request Timeout";
-    case 413: return "Payload Too Large";
-    case 429: return "Too Many Requests";
-    case 431: return "Request Header Fields Too Large";
-    case 500: return "Internal Server Error";
-    case 503: return "Service Unavailable";
-    default: return "Unknown";
-  }
+// The reason phrase is Beast's table (RFC 9110's phrases; "<unknown-status>" for a code it lacks).
+// `headers`: extra header lines, each ending in CRLF.
+std::string http_response(int status, const std::string& body, const std::string& content_type, bool keep_alive,
+                          const std::string& headers = {}) {
+  const std::string reason(http::obsolete_reason(static_cast<http::status>(status)));
+  return fmt::format("HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: {}\r\n{}\r\n{}", status,
+                     reason, content_type, body.size(), keep_alive ? "keep-alive" : "close", headers, body);
 }
 
-std::string http_response(int status, const std::string& body, const std::string& content_type, bool keep_alive) {
-  return fmt::format("HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: {}\r\n\r\n{}", status,
-                     reason_phrase(status), content_type, body.size(), keep_alive ? "keep-alive" : "close", body);
-}
+double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
 
 std::string chunk(const std::string& data) { return fmt::format("{:x}\r\n{}\r\n", data.size(), data); }
 
@@ -88,7 +79,11 @@ struct Server::Impl {
 
 struct Session : Connection, std::enable_shared_from_this<Session> {
   Session(Server::Impl* srv, tcp::socket&& s)
-      : srv_(srv), stream_(std::move(s)), idle_timer_(stream_.get_executor()) {}
+      : srv_(srv), stream_(std::move(s)), idle_timer_(stream_.get_executor()) {
+    beast::error_code ec;
+    const auto ep = stream_.socket().remote_endpoint(ec);
+    if (!ec) peer_ = ep.address().to_string();
+  }
 
   ~Session() { srv_->connections.fetch_sub(1); }
 
@@ -96,7 +91,9 @@ struct Session : Connection, std::enable_shared_from_this<Session> {
     if (reject) {
       net::dispatch(stream_.get_executor(), [self = shared_from_this()] {
         self->close_after_write_ = true;
-        self->send(http_response(503, error_body(503, "too many connections"), "application/json", false));
+        self->begin_exchange("-", "-");
+        self->record_.error = "too many connections";
+        self->send(http_response(503, error_body(503, "too many connections"), "application/json", false), 503);
       });
       return;
     }
@@ -105,18 +102,23 @@ struct Session : Connection, std::enable_shared_from_this<Session> {
 
   // ---- Connection (the routes' side) ---------------------------------------------------------
 
-  void reply(int status, const std::string& body, const std::string& ctype) override {
+  void reply(int status, const std::string& body, const std::string& ctype, const std::string& headers) override {
     if (!keep_alive_) close_after_write_ = true;
-    out_ += http_response(status, body, ctype, !close_after_write_);
+    status_ = status;
+    out_ += http_response(status, body, ctype, !close_after_write_, cors_ + headers);
     end_exchange();
   }
 
   void stream_begin() override {
+    status_ = 200;
     out_ += "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-            "Transfer-Encoding: chunked\r\nConnection: " + std::string(keep_alive_ ? "keep-alive" : "close") + "\r\n\r\n";
+            "Transfer-Encoding: chunked\r\nConnection: " + std::string(keep_alive_ ? "keep-alive" : "close") + "\r\n" +
+            cors_ + "\r\n";
   }
 
-  void stream_event(const std::string& payload) override { out_ += chunk(sse(payload)); }
+  void stream_event(const std::string& payload, const std::string& event) override {
+    out_ += chunk(event.empty() ? sse(payload) : "event: " + event + "\n" + sse(payload));
+  }
 
   void stream_end() override {
     out_ += "0\r\n\r\n";
@@ -125,6 +127,8 @@ struct Session : Connection, std::enable_shared_from_this<Session> {
   }
 
   void hold(std::shared_ptr<Pending> p) override { pending_ = std::move(p); }
+
+  AccessRecord& record() override { return record_; }
 
   void post(std::function<void()> fn) override {
     net::post(stream_.get_executor(), [self = shared_from_this(), fn = std::move(fn)] {
@@ -140,6 +144,46 @@ struct Session : Connection, std::enable_shared_from_this<Session> {
   void end_exchange() {
     response_done_ = true;
     pending_.reset();
+    log_exchange(false);
+  }
+
+  // ---- access log ---------------------------------------------------------------------------
+
+  void begin_exchange(std::string method, std::string route) {
+    exchange_open_ = true;
+    exchange_start_ = Clock::now();
+    method_ = std::move(method);
+    route_ = std::move(route);
+    status_ = 0;
+    record_ = {};
+  }
+
+  // One line per exchange (log.h): when its answer is complete, or when the client left first.
+  void log_exchange(bool disconnect) {
+    if (!exchange_open_) return;
+    exchange_open_ = false;
+    const int status = status_ ? status_ : 499;  // nothing answered: the client closed the request
+    const log::Level level = status >= 500 ? log::Level::error : status >= 400 ? log::Level::warning : log::Level::info;
+    if (status < 500 && !log::access_log_enabled()) return;
+    if (!log::enabled(level)) return;
+    nlohmann::ordered_json j = {{"event", "access"},
+                                {"id", record_.id.empty() ? random_id("req-") : record_.id},
+                                {"method", method_},
+                                {"route", route_},
+                                {"status", status}};
+    if (record_.prompt_tokens >= 0) j["prompt_tokens"] = record_.prompt_tokens, j["completion_tokens"] = record_.completion_tokens;
+    j["latency_ms"] = std::round(ms_since(exchange_start_) * 10.0) / 10.0;
+    j["client_disconnect"] = disconnect;
+    j["peer"] = peer_;
+    if (!record_.error.empty()) j["error"] = record_.error.size() > 300 ? record_.error.substr(0, 300) + "…" : record_.error;
+    log::write(level, std::move(j));
+  }
+
+  // CORS: the Origin header against --allowed-origins.
+  bool origin_allowed(const std::string& origin) const {
+    for (const std::string& o : srv_->opt.allowed_origins)
+      if (o == "*" || o == origin) return true;
+    return false;
   }
 
   void on_read(beast::error_code ec) {
@@ -148,8 +192,32 @@ struct Session : Connection, std::enable_shared_from_this<Session> {
     stream_.expires_never();
     auto req = parser_->release();
     keep_alive_ = req.keep_alive();
-    HttpRequest r{std::string(req.method_string()), std::string(req.target()),
-                  std::string(req[http::field::authorization]), std::move(req.body())};
+    std::string target(req.target());
+    route_ = target.substr(0, target.find('?'));
+    const std::string origin(req[http::field::origin]);
+    cors_.clear();
+    if (!origin.empty() && origin_allowed(origin)) {
+      const bool any = std::find(srv_->opt.allowed_origins.begin(), srv_->opt.allowed_origins.end(), "*") !=
+                       srv_->opt.allowed_origins.end();
+      cors_ = "Access-Control-Allow-Origin: " + (any ? std::string("*") : origin) + "\r\nVary: Origin\r\n";
+    }
+    if (req.method() == http::verb::options && !origin.empty() &&
+        !req[http::field::access_control_request_method].empty()) {
+      // A CORS preflight: answered here, before the routes (no authentication: browsers send none).
+      if (cors_.empty()) {
+        record_.error = "CORS origin not allowed: " + origin;
+        reply(403, error_body(403, "origin " + origin + " is not allowed (--allowed-origins)"), "application/json", "");
+        return flush();
+      }
+      std::string hdrs(req[http::field::access_control_request_headers]);
+      if (hdrs.empty()) hdrs = "Authorization, Content-Type";
+      reply(204, "", "text/plain",
+            "Access-Control-Allow-Methods: GET, POST, OPTIONS\r\nAccess-Control-Allow-Headers: " + hdrs +
+                "\r\nAccess-Control-Max-Age: 600\r\n");
+      return flush();
+    }
+    HttpRequest r{std::string(req.method_string()), std::move(target), std::string(req[http::field::authorization]),
+                  std::move(req.body())};
     srv_->router.handle(r, shared_from_this());
     flush();
     if (pending_) watch_disconnect();
@@ -171,6 +239,10 @@ struct Session : Connection, std::enable_shared_from_this<Session> {
     if (ec) return on_read_error(ec);
     first_request_ = false;
     auto& req = parser_->get();
+    {
+      const std::string target(req.target());
+      begin_exchange(std::string(req.method_string()), target.substr(0, target.find('?')));
+    }
     if (beast::iequals(req[http::field::expect], "100-continue")) {
       // Answer before reading the body (curl waits a second for this otherwise).
       continue_sent_ = true;
@@ -199,11 +271,15 @@ struct Session : Connection, std::enable_shared_from_this<Session> {
       msg = "incomplete HTTP request";
     }
     close_after_write_ = true;
-    send(http_response(status, error_body(status, msg), "application/json", false));
+    if (!exchange_open_) begin_exchange("-", "-");
+    record_.error = msg;
+    send(http_response(status, error_body(status, msg), "application/json", false, cors_), status);
   }
 
   // A read pending on the raw socket during a response: EOF/error = the client is gone. Bytes that
-  // do arrive (a pipelined next request) are kept in buf_ for the next parse.
+  // do arrive (a pipelined next request) are kept in buf_ for the next parse. When the response is
+  // written, flush() cancels the watch (resume_read_) and the next request is read: pipelined
+  // requests may already sit whole in buf_, so nothing else would wake the connection up.
   void watch_disconnect() {
     if (watching_ || closed_) return;
     watching_ = true;
@@ -211,7 +287,8 @@ struct Session : Connection, std::enable_shared_from_this<Session> {
     stream_.socket().async_read_some(space, [self = shared_from_this()](beast::error_code ec, size_t n) {
       self->watching_ = false;
       if (self->closed_) return;
-      if (ec) return self->close();
+      const bool resume = std::exchange(self->resume_read_, false);
+      if (ec && !(resume && ec == net::error::operation_aborted)) return self->close();
       self->buf_.commit(n);
       if (self->pending_ && self->buf_.size() < 65536) return self->watch_disconnect();
       if (!self->pending_ && !self->writing_ && self->out_.empty() && !self->closed_) self->do_read();
@@ -220,9 +297,11 @@ struct Session : Connection, std::enable_shared_from_this<Session> {
 
   // ---- output -------------------------------------------------------------------------------
 
-  void send(std::string data) {
+  void send(std::string data, int status) {
     out_ += data;
+    status_ = status;
     response_done_ = true;
+    log_exchange(false);
     flush();
   }
 
@@ -246,13 +325,12 @@ struct Session : Connection, std::enable_shared_from_this<Session> {
       if (self->close_after_write_) return self->linger_close();
       if (self->response_done_ && !self->pending_) {
         self->response_done_ = false;
-        // Between requests: read the next one, unless the disconnect watch still owns the socket;
-        // it starts the read itself when bytes come, and the idle timer ends a silent connection.
+        // Between requests: read the next one. If the disconnect watch still owns the socket, stop
+        // it first; its handler starts the read (watch_disconnect).
         if (!self->watching_) return self->do_read();
-        self->idle_timer_.expires_after(self->srv_->opt.idle_timeout);
-        self->idle_timer_.async_wait([self](beast::error_code ec) {
-          if (!ec && !self->pending_ && self->watching_ && !self->writing_) self->close();
-        });
+        self->resume_read_ = true;
+        beast::error_code ignore;
+        self->stream_.socket().cancel(ignore);
       }
     });
   }
@@ -284,7 +362,10 @@ struct Session : Connection, std::enable_shared_from_this<Session> {
   void close() {
     if (closed_) return;
     closed_ = true;
-    if (auto p = std::move(pending_)) p->abandon();  // cancels what the engine still runs for it
+    if (auto p = std::move(pending_)) {
+      p->abandon();  // cancels what the engine still runs for it
+      log_exchange(true);
+    }
     beast::error_code ec;
     idle_timer_.cancel();
     stream_.socket().shutdown(tcp::socket::shutdown_both, ec);
@@ -300,8 +381,14 @@ struct Session : Connection, std::enable_shared_from_this<Session> {
   std::array<char, 4096> drain_buf_{};
   size_t discarded_ = 0;
   std::shared_ptr<Pending> pending_;  // the response the routes hold (a generation), until it ends
-  bool writing_ = false, watching_ = false, closed_ = false, close_after_write_ = false;
+  bool writing_ = false, watching_ = false, closed_ = false, close_after_write_ = false, resume_read_ = false;
   bool keep_alive_ = true, response_done_ = false, first_request_ = true, continue_sent_ = false;
+  // The exchange in progress, for its access-log line.
+  bool exchange_open_ = false;
+  Clock::time_point exchange_start_;
+  std::string method_, route_, peer_, cors_;
+  int status_ = 0;
+  AccessRecord record_;
 };
 
 void Server::Impl::do_accept() {

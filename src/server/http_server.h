@@ -9,9 +9,16 @@
 // TokenSink and are posted onto the connection's strand. A client that disconnects is noticed by a
 // read kept pending on the socket for the whole response; its engine requests are cancelled at once.
 //
-// Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-// GET /metrics, POST /tokenize, POST /detokenize. With an API key, /v1/*, /tokenize and /detokenize
-// need `Authorization: Bearer KEY` (health and metrics stay open for probes and scrapers, as vLLM).
+// Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models,
+// GET /v1/models/{id}, GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET / (the chat
+// page); with debug_routes also GET /debug/integrity. With an API key, /v1/*, /debug/*, /tokenize and
+// /detokenize need `Authorization: Bearer KEY` (health, metrics and the page stay open for probes,
+// scrapers and browsers, as vLLM).
+//
+// HTTP/1.1 pipelining: requests sent back to back on one connection are answered in order, one at a
+// time (the next is parsed once the current response is written). CORS (allowed_origins): matching
+// `Origin`s get Access-Control-Allow-Origin on every answer, and preflight OPTIONS requests are
+// answered here. Every exchange ends with one access-log line (log.h).
 #pragma once
 
 #include <atomic>
@@ -19,6 +26,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "request/engine.h"
 #include "server/structured.h"
@@ -31,6 +39,11 @@ struct ServerOptions {
   uint16_t port = 8000;                 // 0: any free port (tests)
   std::string api_key;                  // empty: no authentication
   std::string served_model_name = "kestrel";
+  // Other names a request may give the model (its directory's name, the path given to --model);
+  // /v1/models reports served_model_name only.
+  std::vector<std::string> model_aliases;
+  // CORS: origins whose browser pages may call the API ("*": any); empty: no CORS headers.
+  std::vector<std::string> allowed_origins;
   size_t max_body_bytes = 8u << 20;     // larger bodies: 413
   int threads = 1;                      // io_context threads
   int max_connections = 16384;          // beyond: answered 503 and closed
@@ -39,6 +52,7 @@ struct ServerOptions {
   std::chrono::seconds write_timeout{60};     // a client that reads nothing for this long is dropped
   std::chrono::seconds shutdown_timeout{10};  // SIGTERM: running requests get this long to finish
   StructuredOptions structured;               // grammar compile limits and workers (structured.h)
+  bool debug_routes = false;  // GET /debug/integrity (routes.h); off: 404 like any unknown path
 };
 
 class Server {

@@ -78,9 +78,12 @@ std::string Metrics::render(const EngineStats& st) const {
   gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", double(st.waiting));
   gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", st.kv_usage());
   gauge("kestrel:kv_pages_used", "KV-cache pages held by requests (0 when idle).", double(st.pages_held));
+  gauge("kestrel:kv_pages_allocated", "KV-cache pages not free: held by requests or kept by the prefix cache.",
+        double(st.pages_used));
   counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
           uint64_t(st.prefix_query_tokens));
   counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", uint64_t(st.prefix_hit_tokens));
+  counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", uint64_t(st.preemptions));
   counter("vllm:prompt_tokens", "Number of prefill tokens processed.", prompt_tokens_);
   counter("vllm:generation_tokens", "Number of generation tokens processed.", generation_tokens_);
   o += "# HELP vllm:request_success Count of successfully processed requests.\n# TYPE vllm:request_success counter\n";

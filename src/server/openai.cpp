@@ -4,7 +4,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <climits>
 #include <random>
 
 #include "tokenizer/utf8.h"
@@ -37,110 +36,6 @@ ApiError api_error(const RequestError& e, Api api) {
   return ApiError(400, e.what(), param);
 }
 
-namespace {
-
-[[noreturn]] void bad(const std::string& field, const std::string& msg) { throw ApiError(400, "'" + field + "' " + msg, field); }
-
-const ojson* field(const ojson& body, const char* name) {
-  auto it = body.find(name);
-  if (it == body.end() || it->is_null()) return nullptr;
-  return &*it;
-}
-
-std::optional<bool> get_bool(const ojson& body, const char* name) {
-  const ojson* v = field(body, name);
-  if (!v) return std::nullopt;
-  if (!v->is_boolean()) bad(name, "must be a boolean");
-  return v->get<bool>();
-}
-
-std::optional<float> get_number(const ojson& body, const char* name) {
-  const ojson* v = field(body, name);
-  if (!v) return std::nullopt;
-  if (!v->is_number()) bad(name, "must be a number");
-  return float(v->get<double>());
-}
-
-// An integer within [lo, hi]: the bounds of what the field can hold, or a protocol rule.
-std::optional<int64_t> get_int(const ojson& body, const char* name, int64_t lo, int64_t hi) {
-  const ojson* v = field(body, name);
-  if (!v) return std::nullopt;
-  if (!v->is_number_integer()) bad(name, "must be an integer");
-  if (v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(INT64_MAX)) bad(name, "is out of range");
-  const int64_t x = v->get<int64_t>();
-  if (x < lo || x > hi) bad(name, fmt::format("must be in [{}, {}], got {}", lo, hi, x));
-  return x;
-}
-
-uint64_t random_seed() { return (uint64_t(std::random_device{}()) << 32) ^ std::random_device{}(); }
-
-}  // namespace
-
-GenParams parse_gen_params(const ojson& body, Api api) {
-  if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object");
-  GenParams g;
-  if (const ojson* m = field(body, "model")) {
-    if (!m->is_string()) bad("model", "must be a string");
-    g.model = m->get<std::string>();
-  }
-  g.stream = get_bool(body, "stream").value_or(false);
-  if (const ojson* so = field(body, "stream_options")) {
-    if (!so->is_object()) bad("stream_options", "must be an object");
-    if (!g.stream) bad("stream_options", "is only allowed when 'stream' is true");
-    g.include_usage = get_bool(*so, "include_usage").value_or(false);
-  }
-  // n copies cost n engine requests; 16 keeps one HTTP request from filling the engine.
-  g.n = int(get_int(body, "n", 1, 16).value_or(1));
-  auto mt = get_int(body, "max_tokens", INT32_MIN, INT32_MAX);
-  if (api == Api::kChat) {
-    if (auto mct = get_int(body, "max_completion_tokens", INT32_MIN, INT32_MAX)) mt = mct;
-  }
-  if (mt) g.max_tokens = int(*mt);
-  Request& r = g.request;
-  SamplingParams& s = r.sampling;
-  s.temperature = get_number(body, "temperature").value_or(1.0f);  // OpenAI's default, not greedy
-  s.top_p = get_number(body, "top_p").value_or(1.0f);
-  const int64_t top_k = get_int(body, "top_k", INT32_MIN, INT32_MAX).value_or(0);
-  s.top_k = top_k == -1 ? 0 : int32_t(top_k);  // vLLM: -1 (or 0) = off
-  s.min_p = get_number(body, "min_p").value_or(0.0f);
-  s.presence_penalty = get_number(body, "presence_penalty").value_or(0.0f);
-  s.frequency_penalty = get_number(body, "frequency_penalty").value_or(0.0f);
-  s.repetition_penalty = get_number(body, "repetition_penalty").value_or(1.0f);
-  const auto seed = get_int(body, "seed", INT64_MIN, INT64_MAX);
-  s.seed = seed ? uint64_t(*seed) : random_seed();
-  r.ignore_eos = get_bool(body, "ignore_eos").value_or(false);
-  if (const ojson* ids = field(body, "stop_token_ids")) {
-    if (!ids->is_array()) bad("stop_token_ids", "must be an array of token ids");
-    for (const auto& x : *ids) {
-      if (!x.is_number_integer() || x.get<int64_t>() < INT32_MIN || x.get<int64_t>() > INT32_MAX)
-        bad("stop_token_ids", "must be an array of token ids");
-      r.stop_token_ids.push_back(int32_t(x.get<int64_t>()));
-    }
-  }
-  if (const ojson* st = field(body, "stop")) {
-    if (st->is_string()) {
-      r.stop.push_back(st->get<std::string>());
-    } else if (st->is_array()) {
-      for (const auto& x : *st) {
-        if (!x.is_string()) bad("stop", "must be a string or an array of strings");
-        r.stop.push_back(x.get<std::string>());
-      }
-    } else {
-      bad("stop", "must be a string or an array of strings");
-    }
-    r.stop.erase(std::remove(r.stop.begin(), r.stop.end(), std::string()), r.stop.end());
-  }
-  if (api == Api::kChat) {
-    const bool logprobs = get_bool(body, "logprobs").value_or(false);
-    const auto top = get_int(body, "top_logprobs", 0, INT32_MAX);
-    if (top && *top > 0 && !logprobs) bad("top_logprobs", "requires 'logprobs' to be true");
-    s.logprobs = logprobs ? int32_t(top.value_or(0)) : -1;
-  } else if (auto lp = get_int(body, "logprobs", 0, INT32_MAX)) {
-    s.logprobs = int32_t(*lp);
-  }
-  return g;
-}
-
 std::string random_id(const std::string& prefix) {
   thread_local std::mt19937_64 rng{std::random_device{}()};
   return fmt::format("{}{:016x}{:08x}", prefix, rng(), uint32_t(rng()));
@@ -156,28 +51,31 @@ json usage_json(int prompt, int completion, int reasoning, int cached) {
 
 // ---- one choice ------------------------------------------------------------------------------
 
-ChoiceStream::ChoiceStream(Api api, const tok::Tokenizer& tok, bool thinking, std::vector<std::string> tools,
-                           std::vector<std::string> stop, bool logprobs)
+ChoiceStream::ChoiceStream(Api api, const tok::Tokenizer& tok, ChoiceOptions o)
     : tok_(&tok),
-      text_(api == Api::kChat ? tok::TextStream::chat(tok, thinking, std::move(tools), std::move(stop))
-                              : tok::TextStream::plain(tok, std::move(stop))),
-      logprobs_(logprobs) {}
+      text_(api == Api::kChat ? tok::TextStream::chat(tok, o.thinking, std::move(o.tools), std::move(o.stop), o.keep_special)
+                              : tok::TextStream::plain(tok, std::move(o.stop), o.keep_special)),
+      logprobs_(o.logprobs),
+      single_tool_call_(o.single_tool_call),
+      discard_(o.discard_output),
+      echo_(std::move(o.echo)),
+      echo_ids_(std::move(o.echo_ids)) {}
 
 std::string ChoiceStream::token_text(int32_t id) const {
   if (id >= 0 && size_t(id) < tok_->vocab_size()) return tok::utf8_sanitize(tok_->token_bytes(tok::TokenId(id)));
   return fmt::format("<|token_{}|>", id);
 }
 
-json ChoiceStream::logprob_entry(const TokenEvent& ev) const {
+json ChoiceStream::logprob_entry(int32_t token, float logprob, const std::vector<TokenLogprob>& top_lp) const {
   auto one = [&](int32_t id, float lp) {
     json bytes = json::array();
     if (id >= 0 && size_t(id) < tok_->vocab_size())
       for (unsigned char c : tok_->token_bytes(tok::TokenId(id))) bytes.push_back(int(c));
     return json{{"token", token_text(id)}, {"logprob", lp}, {"bytes", bytes}};
   };
-  json e = one(ev.token, ev.logprob);
+  json e = one(token, logprob);
   json top = json::array();
-  for (const auto& t : ev.top_logprobs) top.push_back(one(t.token, t.logprob));
+  for (const auto& t : top_lp) top.push_back(one(t.token, t.logprob));
   e["top_logprobs"] = top;
   return e;
 }
@@ -188,6 +86,7 @@ void ChoiceStream::absorb(tok::TextDelta&& td, Delta& d) {
   d.reasoning += td.reasoning;
   d.content += td.content;
   for (const auto& tc : td.tool_calls) {
+    if (single_tool_call_ && tc.index > 0) continue;  // on_event ends the answer there
     if (!d.tool_calls.empty() && d.tool_calls.back()["index"] == tc.index && !tc.name) {
       d.tool_calls.back()["function"]["arguments"] =
           d.tool_calls.back()["function"]["arguments"].get<std::string>() + tc.arguments;
@@ -204,43 +103,68 @@ void ChoiceStream::absorb(tok::TextDelta&& td, Delta& d) {
   }
 }
 
+void ChoiceStream::end(const std::string& reason, Delta& d) {
+  done_ = true;
+  finish_reason_ = reason;
+  d.finish_reason = reason;
+}
+
 ChoiceStream::Delta ChoiceStream::on_event(const TokenEvent& ev) {
   Delta d;
   if (done_) return d;
-  if (ev.prompt_tokens > 0) {
+  if (!started_) {
+    started_ = true;
     prompt_tokens_ = ev.prompt_tokens;
     cached_tokens_ = ev.cached_prompt_tokens;
+    // Echo: the prompt's text first, with its logprobs (the first token has none: no context).
+    d.content = echo_;
+    if (logprobs_ && !echo_ids_.empty()) {
+      json first = {{"token", token_text(echo_ids_[0])}, {"logprob", nullptr}, {"bytes", json::array()},
+                    {"top_logprobs", nullptr}};
+      pending_logprobs_.push_back(first);
+      logprobs_all_.push_back(std::move(first));
+      for (const PromptLogprob& p : ev.prompt_logprobs) {
+        json e = logprob_entry(p.token, p.logprob, p.top);
+        pending_logprobs_.push_back(e);
+        logprobs_all_.push_back(std::move(e));
+      }
+    }
   }
   if (ev.finish == FinishReason::error || ev.finish == FinishReason::cancelled) {
-    done_ = true;
     const bool error = ev.finish == FinishReason::error;
-    finish_reason_ = error ? "error" : "abort";
     d.error = error ? (ev.error.empty() ? "engine error" : ev.error) : "request aborted";
-    d.finish_reason = finish_reason_;
+    end(error ? "error" : "abort", d);
     return d;
   }
-  if (ev.token >= 0) {
+  if (discard_) {  // max_tokens 0: the one engine token is not output
+    if (ev.finish != FinishReason::none) end("length", d);
+    else d.cancel_engine = true;
+  } else if (ev.token >= 0) {
     ++completion_tokens_;
     if (logprobs_) {
-      json e = logprob_entry(ev);
+      json e = logprob_entry(ev.token, ev.logprob, ev.top_logprobs);
       pending_logprobs_.push_back(e);
       logprobs_all_.push_back(std::move(e));
     }
     if (ev.finish != FinishReason::stop) {  // a stop token is never text
       tok::TextDelta td = text_.push(tok::TokenId(ev.token));
       if (!td.reasoning.empty()) reasoning_tokens_ = completion_tokens_;
+      const bool second_call = single_tool_call_ && std::any_of(td.tool_calls.begin(), td.tool_calls.end(),
+                                                                 [](const tok::ToolCallDelta& c) { return c.index > 0; });
       absorb(std::move(td), d);
+      if (second_call) {  // parallel_tool_calls = false: the answer is the first call
+        d.cancel_engine = ev.finish == FinishReason::none;
+        end("tool_calls", d);
+      }
     }
   }
-  if (text_.done()) {  // a stop string matched
-    d.cancel_engine = ev.finish == FinishReason::none;
-  } else if (ev.finish == FinishReason::stop || ev.finish == FinishReason::length) {
-    absorb(text_.finish(ev.finish == FinishReason::length ? tok::FinishCause::kLength : tok::FinishCause::kStop), d);
-  }
-  if (text_.done()) {
-    done_ = true;
-    finish_reason_ = text_.finish_reason();
-    d.finish_reason = finish_reason_;
+  if (!done_) {
+    if (text_.done()) {  // a stop string matched
+      d.cancel_engine = ev.finish == FinishReason::none;
+    } else if (ev.finish == FinishReason::stop || ev.finish == FinishReason::length) {
+      absorb(text_.finish(ev.finish == FinishReason::length ? tok::FinishCause::kLength : tok::FinishCause::kStop), d);
+    }
+    if (text_.done()) end(text_.finish_reason(), d);
   }
   if (!pending_logprobs_.empty() && (!d.empty() || done_)) {
     d.logprobs = pending_logprobs_;
@@ -252,7 +176,7 @@ ChoiceStream::Delta ChoiceStream::on_event(const TokenEvent& ev) {
 json ChoiceStream::tool_calls_message() const {
   json out = json::array();
   const auto& calls = text_.tool_calls();
-  for (size_t i = 0; i < calls.size(); ++i) {
+  for (size_t i = 0; i < calls.size() && !(single_tool_call_ && i > 0); ++i) {
     const std::string id = i < call_ids_.size() ? call_ids_[i] : random_id("call_");
     out.push_back({{"id", id},
                    {"type", "function"},
@@ -271,9 +195,10 @@ json completion_logprobs(const json& entries, size_t& offset) {
             {"text_offset", json::array()}};
   for (const auto& e : entries) {
     o["tokens"].push_back(e["token"]);
-    o["token_logprobs"].push_back(e["logprob"]);
-    json top = json::object();
-    for (const auto& t : e["top_logprobs"]) top[t["token"].get<std::string>()] = t["logprob"];
+    o["token_logprobs"].push_back(e["logprob"]);  // null for an echoed prompt's first token
+    json top = e["top_logprobs"].is_null() ? json(nullptr) : json::object();
+    if (!top.is_null())
+      for (const auto& t : e["top_logprobs"]) top[t["token"].get<std::string>()] = t["logprob"];
     o["top_logprobs"].push_back(top);
     o["text_offset"].push_back(offset);
     offset += e["token"].get<std::string>().size();
@@ -311,9 +236,15 @@ json completion_chunk(const ResponseHead& h, size_t index, const std::string& te
   return c;
 }
 
-std::vector<std::string> delta_payloads(const ResponseHead& h, size_t i, const ChoiceStream::Delta& d,
-                                        size_t& text_offset) {
+std::vector<std::string> delta_payloads(const ResponseHead& h, size_t i, const ChoiceStream& c,
+                                        const ChoiceStream::Delta& d, size_t& text_offset) {
   std::vector<std::string> out;
+  // vLLM's continuous_usage_stats: every chunk says how many tokens its choice has produced so far.
+  auto with_usage = [&](json chunk) {
+    if (h.continuous_usage)
+      chunk["usage"] = usage_json(c.prompt_tokens(), c.completion_tokens(), c.reasoning_tokens(), c.cached_tokens());
+    return dumps(chunk);
+  };
   if (!d.error.empty()) {
     out.push_back(error_body(500, d.error));
   } else if (h.api == Api::kChat) {
@@ -324,28 +255,27 @@ std::vector<std::string> delta_payloads(const ResponseHead& h, size_t i, const C
     json lp = d.logprobs.is_null() ? json(nullptr) : json{{"content", d.logprobs}};
     const bool has = !delta.empty() || !lp.is_null();
     if (has && d.finish_reason) {  // content and finish in separate chunks, as OpenAI sends them
-      out.push_back(dumps(chat_chunk(h, i, delta, nullptr, lp)));
-      out.push_back(dumps(chat_chunk(h, i, json::object(), *d.finish_reason, nullptr)));
+      out.push_back(with_usage(chat_chunk(h, i, delta, nullptr, lp)));
+      out.push_back(with_usage(chat_chunk(h, i, json::object(), *d.finish_reason, nullptr)));
     } else if (has || d.finish_reason) {
-      out.push_back(dumps(chat_chunk(h, i, delta, finish_json(d.finish_reason), lp)));
+      out.push_back(with_usage(chat_chunk(h, i, delta, finish_json(d.finish_reason), lp)));
     }
   } else {
     json lp = d.logprobs.is_null() ? json(nullptr) : completion_logprobs(d.logprobs, text_offset);
     if (!d.content.empty() || d.finish_reason || !lp.is_null())
-      out.push_back(dumps(completion_chunk(h, i, d.content, finish_json(d.finish_reason), lp)));
+      out.push_back(with_usage(completion_chunk(h, i, d.content, finish_json(d.finish_reason), lp)));
   }
   return out;
 }
 
-json usage_of(const std::vector<ChoiceStream>& choices) {
-  int completion = 0, reasoning = 0;
-  for (const auto& c : choices) {
+json usage_of(const std::vector<ChoiceStream>& choices, int n) {
+  int prompt = 0, cached = 0, completion = 0, reasoning = 0;
+  for (size_t i = 0; i < choices.size(); ++i) {
+    const ChoiceStream& c = choices[i];
     completion += c.completion_tokens();
     reasoning += c.reasoning_tokens();
+    if (i % size_t(std::max(n, 1)) == 0) prompt += c.prompt_tokens(), cached += c.cached_tokens();
   }
-  // The prompt is one prompt, whatever n is (OpenAI counts it once).
-  const int prompt = choices.empty() ? 0 : choices[0].prompt_tokens();
-  const int cached = choices.empty() ? 0 : choices[0].cached_tokens();
   return usage_json(prompt, completion, reasoning, cached);
 }
 

@@ -1,8 +1,7 @@
-// The OpenAI protocol, apart from HTTP: request bodies into the engine's Request (field types and
-// the protocol's own rules; value ranges are validate()'s, request/request.h), per-choice output
-// shaping (the shared text stream's deltas -> chunk deltas, tool-call ids, logprobs, token counts)
-// and the JSON of chunks, final bodies, usage and errors. Pure functions and small classes with no
-// I/O, so unit tests can drive them with hand-made engine events.
+// The OpenAI protocol, apart from HTTP: per-choice output shaping (the shared text stream's deltas -> chunk deltas, tool-call ids, logprobs, token counts)
+// and the JSON of chunks, final bodies, usage and errors (request bodies: params.h; the Responses
+// API: responses.h). Pure functions and small classes with no I/O, so unit tests can drive them with
+// hand-made engine events.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -37,26 +36,22 @@ std::string error_body(int status, const std::string& message, const std::string
 
 enum class Api { kChat, kCompletion };
 
-// One generation request as the protocol states it: the engine Request (prompt still empty) and the
-// protocol's own fields.
-struct GenParams {
-  Request request;               // sampling, stop strings and ids, ignore_eos, logprobs, seed
-  std::optional<int> max_tokens; // absent: the rest of the context (max_completion_tokens wins)
-  bool stream = false;
-  bool include_usage = false;
-  int n = 1;
-  std::optional<std::string> model;
-  bool logprobs() const { return request.sampling.logprobs >= 0; }
-};
-
-// Reads the generation fields shared by both endpoints; throws ApiError 400 for a wrong type or a
-// protocol rule broken (top_logprobs without logprobs, stream_options without stream, n outside
-// [1, 16]). No seed: a fresh random one (the engine's draws are a function of the seed).
-GenParams parse_gen_params(const ojson& body, Api api);
-
 // A RequestError from the engine's validate() as the OpenAI error: 400 with the field as `param`
 // (the prompt is `messages` in chat).
 ApiError api_error(const RequestError& e, Api api);
+
+// How one choice's output is shaped.
+struct ChoiceOptions {
+  bool thinking = false;             // chat: the prompt ended inside a think block (ChatPrompt)
+  std::vector<std::string> tools{};  // chat: declared tool names
+  std::vector<std::string> stop{};   // stop strings
+  bool logprobs = false;             // per-token logprobs entries
+  bool keep_special = false;         // skip_special_tokens = false
+  bool single_tool_call = false;     // parallel_tool_calls = false: the answer ends at a second call
+  bool discard_output = false;       // max_tokens 0: the engine's one token is not part of the answer
+  std::string echo{};                // completions echo: the prompt's text, before the output
+  std::vector<int32_t> echo_ids{};   // and its ids (for the prompt's logprobs entries)
+};
 
 // One choice of one request: engine events in, deltas out.
 class ChoiceStream {
@@ -73,9 +68,7 @@ class ChoiceStream {
     }
   };
 
-  // thinking/tools: from the ChatPrompt (chat only).
-  ChoiceStream(Api api, const tok::Tokenizer& tok, bool thinking, std::vector<std::string> tools,
-               std::vector<std::string> stop, bool logprobs);
+  ChoiceStream(Api api, const tok::Tokenizer& tok, ChoiceOptions o);
 
   Delta on_event(const TokenEvent& ev);
   bool done() const { return done_; }
@@ -84,21 +77,26 @@ class ChoiceStream {
   int completion_tokens() const { return completion_tokens_; }
   int reasoning_tokens() const { return reasoning_tokens_; }
   int prompt_tokens() const { return prompt_tokens_; }
+  void set_prompt_tokens(int n) { prompt_tokens_ = n; }  // known before the first event (the request's)
   int cached_tokens() const { return cached_tokens_; }
   const std::string& reasoning() const { return text_.reasoning(); }
-  const std::string& content() const { return text_.content(); }
+  std::string content() const { return echo_ + text_.content(); }
   const std::string& finish_reason() const { return finish_reason_; }
   json tool_calls_message() const;   // [{id, type, function{name, arguments}}]
   const json& logprobs_all() const { return logprobs_all_; }
 
  private:
   void absorb(tok::TextDelta&& td, Delta& d);
-  json logprob_entry(const TokenEvent& ev) const;
+  void end(const std::string& reason, Delta& d);
+  json logprob_entry(int32_t token, float logprob, const std::vector<TokenLogprob>& top) const;
   std::string token_text(int32_t id) const;
 
   const tok::Tokenizer* tok_;
   tok::TextStream text_;
-  bool logprobs_;
+  bool logprobs_, single_tool_call_, discard_;
+  std::string echo_;
+  std::vector<int32_t> echo_ids_;
+  bool started_ = false;  // the first event (it brings the prompt counts and logprobs) is in
   bool done_ = false;
   int completion_tokens_ = 0, reasoning_tokens_ = 0, prompt_tokens_ = 0, cached_tokens_ = 0;
   std::string finish_reason_;
@@ -112,21 +110,24 @@ struct ResponseHead {
   Api api = Api::kChat;
   std::string id, model;
   int64_t created = 0;
-  bool include_usage = false;  // streaming: every chunk carries "usage": null, then a usage chunk
+  bool include_usage = false;     // streaming: every chunk carries "usage": null, then a usage chunk
+  bool continuous_usage = false;  // streaming: every chunk carries its choice's usage so far (vLLM)
+  int n = 1;                      // choices per prompt (the usage counts each prompt once)
 };
 
 json chat_chunk(const ResponseHead& h, size_t index, json delta, json finish, json logprobs);
 json completion_chunk(const ResponseHead& h, size_t index, const std::string& text, json finish, json logprobs);
-// The SSE payloads streamed for one delta (none when it carries nothing; an engine error is an error
-// object); `text_offset` is the choice's running offset for completions logprobs.
-std::vector<std::string> delta_payloads(const ResponseHead& h, size_t index, const ChoiceStream::Delta& d,
-                                        size_t& text_offset);
+// The SSE payloads streamed for one delta of choice `c` (none when it carries nothing; an engine
+// error is an error object); `text_offset` is the choice's running offset for completions logprobs.
+std::vector<std::string> delta_payloads(const ResponseHead& h, size_t index, const ChoiceStream& c,
+                                        const ChoiceStream::Delta& d, size_t& text_offset);
 // The final streamed chunk with usage (no choices).
 json usage_chunk(const ResponseHead& h, const json& usage);
 // The non-streaming body of all choices.
 json response_body(const ResponseHead& h, const std::vector<ChoiceStream>& choices, const json& usage);
-// Usage over all choices: the prompt counted once (OpenAI), completions and reasoning summed.
-json usage_of(const std::vector<ChoiceStream>& choices);
+// Usage over all choices: each prompt counted once (choices i·n … i·n + n − 1 share prompt i, as
+// OpenAI counts one prompt for n choices), completions and reasoning summed.
+json usage_of(const std::vector<ChoiceStream>& choices, int n = 1);
 json usage_json(int prompt, int completion, int reasoning, int cached);
 
 std::string random_id(const std::string& prefix);  // "chatcmpl-<24 hex>" etc.

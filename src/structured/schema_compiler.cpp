@@ -20,10 +20,6 @@
 
 namespace kestrel::structured {
 
-using detail::as_ld;
-using detail::escape_ptr;
-using detail::json_equal;
-
 using Frag = GrammarBuilder::Frag;
 using detail::StrMode;
 

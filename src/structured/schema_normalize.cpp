@@ -17,9 +17,6 @@
 
 namespace kestrel::structured {
 
-using detail::as_ld;
-using detail::escape_ptr;
-using detail::json_equal;
 namespace {
 
 const std::set<std::string> kAnnotations = {

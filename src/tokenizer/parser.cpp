@@ -75,9 +75,11 @@ void add_call_delta(ParseDelta& d, size_t index, std::optional<std::string> name
 
 }  // namespace
 
-OutputParser::OutputParser(const Tokenizer& tok, bool thinking, std::vector<std::string> known_tools)
+OutputParser::OutputParser(const Tokenizer& tok, bool thinking, std::vector<std::string> known_tools,
+                           bool keep_special)
     : tok_(&tok),
       known_tools_(std::move(known_tools)),
+      keep_special_(keep_special),
       open_(tok.require_special("<|open|>")),
       close_(tok.require_special("<|close|>")),
       sep_(tok.require_special("<|sep|>")),
@@ -131,7 +133,7 @@ void OutputParser::on_special(TokenId id, ParseDelta& d) {
     if (id == sep_) {
       Header h = std::move(header_);
       header_ = {};
-      if (!apply_marker(h.is_open, h.bytes, d)) {
+      if (!apply_marker(h.is_open, h.bytes, d) && keep_special_) {
         // Not a marker of this grammar here: its text, separator included, stays in the output.
         emit_text(std::string(h.is_open ? "<|open|>" : "<|close|>"), d);
         emit_text(utf8_sanitize(h.bytes), d);
@@ -150,15 +152,15 @@ void OutputParser::on_special(TokenId id, ParseDelta& d) {
     flush_utf8(d);  // a stop token: the caller ends generation; it is not part of the text
     return;
   }
-  // Any other special (stray <|sep|>, media tokens, reserved): kept as its text.
+  // Any other special (stray <|sep|>, media tokens, reserved): kept as its text, or dropped.
   flush_utf8(d);
-  emit_text(tok_->token_bytes(id), d);
+  if (keep_special_) emit_text(tok_->token_bytes(id), d);
 }
 
 void OutputParser::abort_header(ParseDelta& d) {
   Header h = std::move(header_);
   header_ = {};
-  emit_text(std::string(h.is_open ? "<|open|>" : "<|close|>"), d);
+  if (keep_special_) emit_text(std::string(h.is_open ? "<|open|>" : "<|close|>"), d);
   emit_text(utf8_.push(h.bytes), d);
 }
 
@@ -316,7 +318,10 @@ ParseDelta OutputParser::finish(FinishCause cause) {
   ParseDelta d;
   if (header_.active) {
     error("output ended inside a marker");
-    abort_header(d);
+    if (keep_special_)
+      abort_header(d);
+    else
+      header_ = {};  // an unfinished marker is markup, not text
   }
   flush_utf8(d);
   const bool in_call = where_ == Where::kCall || where_ == Where::kArg || where_ == Where::kJson;

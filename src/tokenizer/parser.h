@@ -7,7 +7,10 @@
 // resolved (held back). Text is emitted only in complete UTF-8 characters. Malformed output never
 // throws and never loses text: an unknown or misplaced marker, an unclosed header, or a bad
 // argument value is passed through as text (or kept raw in the call's arguments) and reported in
-// `errors`.
+// `errors`. With keep_special off (the text stream's default, vLLM's skip_special_tokens) special
+// tokens are never text: a complete marker that does not apply and a marker left unfinished when the
+// output ends are dropped whole; a marker cut short mid-output (another special, an oversize header)
+// loses its special and keeps its ordinary text; other specials are dropped.
 #pragma once
 
 #include <optional>
@@ -60,7 +63,9 @@ class OutputParser {
  public:
   // thinking: the prompt ended inside <|open|>think<|sep|> (else inside <|open|>response<|sep|>).
   // known_tools: declared tool names; a call to another name is reported (empty: no check).
-  OutputParser(const Tokenizer& tok, bool thinking, std::vector<std::string> known_tools = {});
+  // keep_special: malformed markup and stray specials stay in the text as written (see the header).
+  OutputParser(const Tokenizer& tok, bool thinking, std::vector<std::string> known_tools = {},
+               bool keep_special = true);
 
   ParseDelta push(TokenId id);
   ParseDelta push(const std::vector<TokenId>& ids);
@@ -91,6 +96,7 @@ class OutputParser {
 
   const Tokenizer* tok_;
   std::vector<std::string> known_tools_;
+  bool keep_special_ = true;
   TokenId open_, close_, sep_;
   std::vector<TokenId> terminators_;  // end_of_turn_ids()
   Where where_;

@@ -40,16 +40,18 @@ std::string StopMatcher::flush() {
 
 TextStream::TextStream(const Tokenizer& tok, std::vector<std::string> stop) : tok_(&tok), stop_(std::move(stop)) {}
 
-TextStream TextStream::plain(const Tokenizer& tok, std::vector<std::string> stop) {
+TextStream TextStream::plain(const Tokenizer& tok, std::vector<std::string> stop, bool keep_special) {
   TextStream s(tok, std::move(stop));
   s.decoder_.emplace(tok);
+  s.keep_special_ = keep_special;
   return s;
 }
 
 TextStream TextStream::chat(const Tokenizer& tok, bool thinking, std::vector<std::string> tools,
-                            std::vector<std::string> stop) {
+                            std::vector<std::string> stop, bool keep_special) {
   TextStream s(tok, std::move(stop));
-  s.parser_.emplace(tok, thinking, std::move(tools));
+  s.parser_.emplace(tok, thinking, std::move(tools), keep_special);
+  s.keep_special_ = keep_special;
   return s;
 }
 
@@ -83,7 +85,7 @@ TextDelta TextStream::push(TokenId id) {
   if (done_) return d;
   if (parser_)
     absorb(parser_->push(id), d);
-  else if (id < tok_->vocab_size())
+  else if (id < tok_->vocab_size() && (keep_special_ || !tok_->is_special(id)))
     add_content(decoder_->push(id), d);
   if (stop_.matched()) end("stop");
   return d;

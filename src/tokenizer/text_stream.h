@@ -11,7 +11,9 @@
 // counts (tool calls included), and stop_matched() tells the caller to cancel generation.
 // Stop tokens (request.h: end-of-sequence ids and the request's stop_token_ids) are never text: the
 // caller does not push the token that ended generation, it calls finish(kStop).
-// Ids outside the tokenizer's table (a padded vocabulary) have no text.
+// Ids outside the tokenizer's table (a padded vocabulary) have no text. Special tokens are not text
+// either unless keep_special is set (vLLM's skip_special_tokens = false): plain streams drop them,
+// chat streams drop stray specials and broken or unfinished markup (parser.h).
 #pragma once
 
 #include <optional>
@@ -47,10 +49,10 @@ struct TextDelta {
 
 class TextStream {
  public:
-  static TextStream plain(const Tokenizer& tok, std::vector<std::string> stop);
+  static TextStream plain(const Tokenizer& tok, std::vector<std::string> stop, bool keep_special = false);
   // thinking / tools: from the ChatPrompt (the prompt ended inside a think block; declared tools).
   static TextStream chat(const Tokenizer& tok, bool thinking, std::vector<std::string> tools,
-                         std::vector<std::string> stop);
+                         std::vector<std::string> stop, bool keep_special = false);
 
   // A generated token that did not end generation.
   TextDelta push(TokenId id);
@@ -76,6 +78,7 @@ class TextStream {
   std::optional<OutputParser> parser_;    // chat
   std::optional<StreamDecoder> decoder_;  // plain
   StopMatcher stop_;
+  bool keep_special_ = false;
   bool done_ = false;
   std::string reasoning_, content_, finish_reason_;
 };

@@ -4,10 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
+#include "kernels/cpu/cpu_ops.h"
 #include "kernels/cuda/device_alloc.h"
+#include "kernels/cuda/gemm.h"
 #include "harness.h"
 
 namespace kestrel::gputest {
@@ -61,6 +64,36 @@ TEST(GpuAlloc, ReservedMemoryFlatUnderVaryingSteps) {
               reserved_1500 / 1048576.0, end / 1048576.0, largest_step / 1048576.0, (long long)a.driver_allocs());
   EXPECT_LE(end, reserved_1500 + largest_step / 8) << "the cache kept growing with the history of shapes";
   EXPECT_LE(end, 3 * largest_step) << "the cache holds far more than any one step needs";
+}
+
+// cuBLASLt plans are cached per shape; a server sees every row count up to its token budget, so the cache
+// must stay bounded (it kept ~1 KB of host descriptors per shape ever seen, growing the server's RSS with
+// the requests served), and a shape evicted and seen again must still compute the right product.
+TEST(GpuAlloc, GemmPlanCacheBounded) {
+  ASSERT_GT(cuda::device_count(), 0) << "no CUDA device: run this binary on the GPU machine";
+  const int64_t K = 256, N = 128, Tmax = int64_t(cuda::GemmLt::kMaxPlans) + 300;
+  Rng rng(7);
+  const auto x = rand_bf16(size_t(Tmax * K), rng, -1.0f, 1.0f);
+  const auto w = rand_bf16(size_t(N * K), rng, -0.02f, 0.02f);
+  auto dx = upload(x);
+  auto dw = upload(w);
+  auto dy = poisoned<uint16_t>(size_t(Tmax * N));
+  cuda::GemmLt lt;
+  for (int64_t T = 1; T <= Tmax; ++T) lt.bf16(dx.p(), K, dw.p(), dy.p(), N, T, K, N, nullptr);
+  sync();
+  EXPECT_LE(lt.cached_plans(), cuda::GemmLt::kMaxPlans) << "one plan kept per row count ever seen";
+  // T = 1..300 were evicted first: recomputed through fresh plans, and right.
+  for (int64_t T : {int64_t(1), int64_t(37), Tmax}) {
+    auto dt = poisoned<uint16_t>(size_t(T * N));
+    lt.bf16(dx.p(), K, dw.p(), dt.p(), N, T, K, N, nullptr);
+    sync();
+    std::vector<uint16_t> ref(size_t(T * N));
+    cpu::gemm_bf16(x.data(), K, w.data(), ref.data(), N, T, K, N);
+    double scale = 0;
+    for (uint16_t v : ref) scale = std::max(scale, double(std::fabs(bf16_to_f32(v))));
+    check_bf16("gemm_bf16 after eviction", "T=" + std::to_string(T), dt.get(), ref, Tol{2e-3 * scale, 1.0 / 128, 2e-3});
+  }
+  EXPECT_LE(lt.cached_plans(), cuda::GemmLt::kMaxPlans);
 }
 
 }  // namespace

@@ -308,7 +308,9 @@ TEST(GpuDecode, AttnResStepMatchesTwin) {
   using M = cuda::AttnResAdd;
   for (Case c : {Case{3, 256, 0, M::none, true, false}, Case{3, 256, 2, M::add, false, true},
                  Case{1, 7168, 4, M::add, true, true}, Case{1, 7168, 1, M::replace, false, false},
-                 Case{16, 7168, 3, M::replace, true, true}, Case{64, 7168, 2, M::add, false, false}}) {
+                 Case{16, 7168, 3, M::replace, true, true}, Case{64, 7168, 2, M::add, false, false},
+                 // prefill launch shape (256 threads looping over the row)
+                 Case{600, 7168, 3, M::add, true, true}, Case{512, 256, 1, M::replace, false, false}}) {
     model::AttnResStream s(c.T, c.D, c.nb + 1);
     for (int i = 0; i <= c.nb; ++i) {
       const float sc = 0.5f + float(i % 4);

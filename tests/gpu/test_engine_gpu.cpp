@@ -142,11 +142,7 @@ TEST(GpuSampling, SameTokensAsCpuTwin) {
       p.seed = r.next();
       const uint64_t index = output[size_t(i)].size();
       params.push_back({int32_t(i), p.top_k, p.temperature, p.top_p, p.min_p, p.seed, index});
-      std::map<int32_t, int32_t> count;
-      for (int32_t t : prompt[size_t(i)]) count.emplace(t, 0);
-      for (int32_t t : output[size_t(i)]) ++count[t];
-      if (p.repetition_penalty != 1.0f)
-        for (auto [t, c] : count) pen.push_back({int32_t(i), t, c, p.repetition_penalty, p.frequency_penalty, p.presence_penalty});
+      runtime::append_logit_adjustments(int32_t(i), {&p, prompt[size_t(i)], output[size_t(i)], {}}, V, pen);
     }
     auto dx = upload(x);
     auto dp = upload(params);

@@ -1,7 +1,9 @@
 // KDA delta-rule scans on the GPU against their CPU twins (MODEL.md §3.3 step 6): the chunk-parallel
-// prefill scan kda_chunked (tensor cores) against cpu::kda_scan_recurrent (the oracle) and
-// cpu::kda_scan_chunked (its twin), and the decode-specialised kda_decode against kda_recurrent and the
-// CPU oracle. See harness.h for the rules (random inputs, NaN-poisoned outputs, stated tolerances).
+// prefill scan kda_chunked (tensor cores; every variant of its intra and seq kernels) against
+// cpu::kda_scan_recurrent (the oracle) and cpu::kda_scan_chunked (its twin), and the decode-specialised
+// kda_decode (both kernels) against kda_recurrent and the CPU oracle. See harness.h for the rules (random
+// inputs, NaN-poisoned outputs, stated tolerances). tests/emu runs the same kernel sources on a CPU
+// emulation of the thread hierarchy, without a GPU.
 //
 // Tolerances of kda_chunked (relative to the FP32 CPU scans). The recurrence runs TF32 products (11
 // significant bits: ~2e-4 relative rounding per product term) and the output products BF16 (8 bits:
@@ -131,12 +133,32 @@ Dev4 upload_inputs(const ScanInputs& in) {
 // kda_chunked with an explicit workspace, poisoned with NaN bytes so that a read of anything the
 // intra-chunk launch did not write shows up in the outputs.
 template <typename StateT>
-void run_chunked(const Dev4& d, const ScanInputs& in, const Shape& s, StateT* pool, float* o, int64_t T_arg) {
+void run_chunked(const Dev4& d, const ScanInputs& in, const Shape& s, StateT* pool, float* o, int64_t T_arg,
+                 const cuda::KdaChunkedVariant& var = {}) {
   const size_t ws_bytes = cuda::kda_chunked_workspace_bytes(T_arg, in.B, s.H, s.Dk);
   auto ws = poisoned<uint8_t>(ws_bytes);
   cuda::kda_chunked(d.q.p(), d.k.p(), d.v.p(), d.g.p(), s.H * s.Dk, d.beta.p(), s.H, d.cu.p(), d.slots.p(), pool, o,
-                    T_arg, in.B, s.H, s.Dk, ws.p(), nullptr);
+                    T_arg, in.B, s.H, s.Dk, ws.p(), nullptr, var);
   sync();
+}
+
+// Every (intra, seq) pair of kda_chunked's kernel variants (kda.h), the FP16 recurrence with the seq kernels
+// that take it, and seq 0 (an alias of 2). KdaChunkedVariant{} is {1, 1}.
+struct Variant {
+  int intra, seq;
+  bool f16 = false;
+};
+const Variant kVariants[] = {{1, 1}, {1, 2},       {1, 3},       {1, 4},       {2, 1},      {2, 2},
+                             {2, 3}, {2, 4}, {2, 2, true}, {2, 3, true}, {2, 4, true}, {2, 0}};
+cuda::KdaChunkedVariant as_variant(const Variant& v) {
+  cuda::KdaChunkedVariant r;
+  r.intra = v.intra;
+  r.seq = v.seq;
+  r.f16_recurrence = v.f16;
+  return r;
+}
+std::string variant_name(const Variant& v) {
+  return fmt::format("intra{} seq{}{}", v.intra, v.seq, v.f16 ? " f16" : "");
 }
 
 struct ChunkCase {
@@ -163,47 +185,51 @@ TEST(GpuKda, ChunkedMatchesCpuScans) {
     for (const ChunkCase& c : cases) {
       const ScanInputs in = make_inputs(c.lens, s, c.gates, c.ties, rng);
       const Dev4 d = upload_inputs(in);
-      auto dpool = upload(in.pool0);
-      auto dout = poisoned<float>(size_t(std::max<int64_t>(in.T, 1) * HD));
-      run_chunked(d, in, s, dpool.p(), dout.p(), in.T);
-      const auto got_o = dout.get(), got_pool = dpool.get();
-      const std::string base = fmt::format("{} {} B={} T={} H={} Dk={} {}", s.what, c.what, in.B, in.T, s.H, s.Dk,
-                                           gates_name(c.gates));
-      for (const bool chunked : {false, true}) {
-        std::vector<float> pool = in.pool0;
-        const auto o = cpu_scan(in, s, chunked, pool);
-        const std::string shape = base + (chunked ? " vs CPU chunked" : " vs CPU recurrent");
-        const double so = max_abs(o), ss = max_abs(pool);
-        check("kda_chunked (o)", shape, got_o.data(), o.data(), size_t(in.T * HD), {2e-2 * so, 2e-2, 6e-3});
-        check("kda_chunked (state pool)", shape, got_pool.data(), pool.data(), pool.size(), {1e-2 * ss, 1e-2, 3e-3});
+      std::vector<float> ref_pool[2] = {in.pool0, in.pool0};
+      const std::vector<float> ref_o[2] = {cpu_scan(in, s, false, ref_pool[0]), cpu_scan(in, s, true, ref_pool[1])};
+      for (const Variant& var : kVariants) {
+        auto dpool = upload(in.pool0);
+        auto dout = poisoned<float>(size_t(std::max<int64_t>(in.T, 1) * HD));
+        run_chunked(d, in, s, dpool.p(), dout.p(), in.T, as_variant(var));
+        const auto got_o = dout.get(), got_pool = dpool.get();
+        const std::string base = fmt::format("{} {} B={} T={} H={} Dk={} {} {}", s.what, c.what, in.B, in.T, s.H, s.Dk,
+                                             gates_name(c.gates), variant_name(var));
+        for (const bool chunked : {false, true}) {
+          const std::vector<float>& pool = ref_pool[chunked];
+          const std::vector<float>& o = ref_o[chunked];
+          const std::string shape = base + (chunked ? " vs CPU chunked" : " vs CPU recurrent");
+          const double so = max_abs(o), ss = max_abs(pool);
+          check("kda_chunked (o)", shape, got_o.data(), o.data(), size_t(in.T * HD), {2e-2 * so, 2e-2, 6e-3});
+          check("kda_chunked (state pool)", shape, got_pool.data(), pool.data(), pool.size(), {1e-2 * ss, 1e-2, 3e-3});
+        }
+        // Slots no request uses, and the slot of a request of length 0, come back bit for bit.
+        const int64_t DD = s.Dk * s.Dk;
+        std::vector<bool> touched(size_t(in.n_slots), false);
+        for (int64_t b = 0; b < in.B; ++b) touched[size_t(in.slots[size_t(b)])] = in.lens[size_t(b)] > 0;
+        for (int64_t sl = 0; sl < in.n_slots; ++sl) {
+          if (touched[size_t(sl)]) continue;
+          const size_t off = size_t(sl * s.H * DD), n = size_t(s.H * DD);
+          check_exact("kda_chunked (untouched slot)", base + fmt::format(" slot {}", sl), got_pool.data() + off,
+                      in.pool0.data() + off, n * 4);
+        }
+        // FP16 pool: widened once, the same FP32 scan, rounded once (RNE). From an FP16-representable start
+        // it must give the FP32 launch's outputs and its final states rounded to FP16, bit for bit.
+        std::vector<float> p32(in.pool0.size());
+        std::vector<uint16_t> p16(in.pool0.size());
+        for (size_t i = 0; i < p16.size(); ++i) p16[i] = f32_to_f16(in.pool0[i]), p32[i] = f16_to_f32(p16[i]);
+        auto dp32 = upload(p32);
+        auto dp16 = upload(p16);
+        auto do32 = poisoned<float>(size_t(std::max<int64_t>(in.T, 1) * HD));
+        auto do16 = poisoned<float>(size_t(std::max<int64_t>(in.T, 1) * HD));
+        run_chunked(d, in, s, dp32.p(), do32.p(), in.T, as_variant(var));
+        run_chunked(d, in, s, dp16.p(), do16.p(), in.T, as_variant(var));
+        const auto o32 = do32.get(), o16 = do16.get(), s32 = dp32.get();
+        const auto s16 = dp16.get();
+        check_exact("kda_chunked f16 state (o)", base, o16.data(), o32.data(), size_t(in.T * HD) * 4);
+        std::vector<uint16_t> want16(s32.size());
+        for (size_t i = 0; i < s32.size(); ++i) want16[i] = f32_to_f16(s32[i]);
+        check_exact("kda_chunked f16 state (pool)", base, s16.data(), want16.data(), want16.size() * 2);
       }
-      // Slots no request uses, and the slot of a request of length 0, come back bit for bit.
-      const int64_t DD = s.Dk * s.Dk;
-      std::vector<bool> touched(size_t(in.n_slots), false);
-      for (int64_t b = 0; b < in.B; ++b) touched[size_t(in.slots[size_t(b)])] = in.lens[size_t(b)] > 0;
-      for (int64_t sl = 0; sl < in.n_slots; ++sl) {
-        if (touched[size_t(sl)]) continue;
-        const size_t off = size_t(sl * s.H * DD), n = size_t(s.H * DD);
-        check_exact("kda_chunked (untouched slot)", base + fmt::format(" slot {}", sl), got_pool.data() + off,
-                    in.pool0.data() + off, n * 4);
-      }
-      // FP16 pool: widened once, the same FP32 scan, rounded once (RNE). From an FP16-representable start
-      // it must give the FP32 launch's outputs and its final states rounded to FP16, bit for bit.
-      std::vector<float> p32(in.pool0.size());
-      std::vector<uint16_t> p16(in.pool0.size());
-      for (size_t i = 0; i < p16.size(); ++i) p16[i] = f32_to_f16(in.pool0[i]), p32[i] = f16_to_f32(p16[i]);
-      auto dp32 = upload(p32);
-      auto dp16 = upload(p16);
-      auto do32 = poisoned<float>(size_t(std::max<int64_t>(in.T, 1) * HD));
-      auto do16 = poisoned<float>(size_t(std::max<int64_t>(in.T, 1) * HD));
-      run_chunked(d, in, s, dp32.p(), do32.p(), in.T);
-      run_chunked(d, in, s, dp16.p(), do16.p(), in.T);
-      const auto o32 = do32.get(), o16 = do16.get(), s32 = dp32.get();
-      const auto s16 = dp16.get();
-      check_exact("kda_chunked f16 state (o)", base, o16.data(), o32.data(), size_t(in.T * HD) * 4);
-      std::vector<uint16_t> want16(s32.size());
-      for (size_t i = 0; i < s32.size(); ++i) want16[i] = f32_to_f16(s32[i]);
-      check_exact("kda_chunked f16 state (pool)", base, s16.data(), want16.data(), want16.size() * 2);
     }
   }
 }
@@ -310,7 +336,8 @@ TEST(GpuKda, ChunkedSubRangeAndGraphReplay) {
 }
 
 // Decode: one token per request (and a varlen batch through the same contract), against kda_recurrent
-// (the same FP32 math in another summation order) and the CPU oracle; the FP16 pool bit-for-bit against
+// (the same FP32 math in another summation order) and the CPU oracle; both decode kernels (one block per
+// item, persistent prefetching blocks) bit for bit against the default; the FP16 pool bit-for-bit against
 // the FP32 launch from an FP16-representable start.
 TEST(GpuKda, DecodeMatchesRecurrent) {
   need_gpu();
@@ -343,6 +370,18 @@ TEST(GpuKda, DecodeMatchesRecurrent) {
       const std::string shape = fmt::format("{} {} B={} T={} H={} Dk={}", s.what, bt.what, in.B, in.T, s.H, s.Dk);
       const double so = max_abs(o), ss = max_abs(pool);
       const Tol fp32{1e-5 * so, 1e-4, 2e-5}, fp32s{1e-5 * ss, 1e-4, 2e-5};
+      // Both decode kernels explicitly: the same arithmetic in the same order, so the same bits as the default.
+      for (const auto var : {cuda::kKdaDecodeBlocks, cuda::kKdaDecodeStream}) {
+        auto pv = upload(in.pool0);
+        auto ov = poisoned<float>(no);
+        cuda::kda_decode(d.q.p(), d.k.p(), d.v.p(), d.g.p(), HD, d.beta.p(), s.H, d.cu.p(), d.slots.p(), pv.p(),
+                         ov.p(), in.B, s.H, s.Dk, nullptr, var);
+        sync();
+        const auto gv = ov.get(), gpv = pv.get();
+        const std::string vs = shape + (var == cuda::kKdaDecodeBlocks ? " blocks" : " stream");
+        check_exact("kda_decode kernel (o) vs default", vs, gv.data(), go.data(), size_t(in.T * HD) * 4);
+        check_exact("kda_decode kernel (pool) vs default", vs, gpv.data(), gp.data(), gp.size() * 4);
+      }
       check("kda_decode (o) vs kda_recurrent", shape, go.data(), ro.data(), size_t(in.T * HD), fp32);
       check("kda_decode (pool) vs kda_recurrent", shape, gp.data(), rp.data(), gp.size(), fp32s);
       check("kda_decode (o) vs CPU", shape, go.data(), o.data(), size_t(in.T * HD), fp32);

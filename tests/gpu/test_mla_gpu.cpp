@@ -6,12 +6,13 @@
 #include <algorithm>
 #include <numeric>
 
+#include "gpu_ref.h"
 #include "harness.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/mla_ops.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gemm.h"
-#include "kernels/cuda/mla.h"
+#include "kernels/cuda/norm.h"
 
 namespace kestrel::gputest {
 namespace {

@@ -27,6 +27,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/moe_ops.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/gemm.h"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/moe_layout.h"
 
@@ -295,6 +296,8 @@ const char* tile_name(cuda::MoeTokenTile t) {
       return "stream";
     case cuda::MoeTokenTile::wide:
       return "wide";
+    case cuda::MoeTokenTile::dense:
+      return "dense";
     default:
       return "auto";
   }
@@ -399,7 +402,7 @@ struct Experts {
   std::vector<cuda::DeviceBuffer> bufs;
   cuda::MoeExpertWeights dev{};
 };
-std::unique_ptr<Experts> make_experts(int64_t X, int64_t Lt, int64_t I, Rng& rng) {
+std::unique_ptr<Experts> make_experts(int64_t X, int64_t Lt, int64_t I, Rng& rng, int s_lo = 118, int s_hi = 122) {
   auto ex = std::make_unique<Experts>();
   Experts& E = *ex;
   E.X = X, E.Lt = Lt, E.I = I;
@@ -407,8 +410,8 @@ std::unique_ptr<Experts> make_experts(int64_t X, int64_t Lt, int64_t I, Rng& rng
   E.w1p = rand_u8(size_t(X * p13), rng, 0, 255), E.w3p = rand_u8(size_t(X * p13), rng, 0, 255);
   E.w2p = rand_u8(size_t(X * p2), rng, 0, 255);
   // e8m0 scales 2^-9 .. 2^-5: activations stay in SiTU's interesting range.
-  E.w1s = rand_u8(size_t(X * s13), rng, 118, 122), E.w3s = rand_u8(size_t(X * s13), rng, 118, 122);
-  E.w2s = rand_u8(size_t(X * s2), rng, 118, 122);
+  E.w1s = rand_u8(size_t(X * s13), rng, s_lo, s_hi), E.w3s = rand_u8(size_t(X * s13), rng, s_lo, s_hi);
+  E.w2s = rand_u8(size_t(X * s2), rng, s_lo, s_hi);
   std::vector<cuda::MoeExpertHost> host(static_cast<size_t>(X));
   for (int64_t e = 0; e < X; ++e) {
     const size_t a = size_t(e * p13), b = size_t(e * s13), c = size_t(e * p2), d = size_t(e * s2);
@@ -420,8 +423,8 @@ std::unique_ptr<Experts> make_experts(int64_t X, int64_t Lt, int64_t I, Rng& rng
     return E.bufs.back().data();
   });
   EXPECT_EQ(E.dev.layout, cuda::kMoeExpertLayout);
-  EXPECT_FALSE(E.dev.special_scales);
-  EXPECT_FALSE(E.dev.fp32_scales);
+  EXPECT_EQ(E.dev.special_scales, s_lo == 0 || s_hi == 255);
+  EXPECT_EQ(E.dev.fp32_scales, s_lo == 0 || s_hi > 128);
   return ex;
 }
 
@@ -455,8 +458,10 @@ struct Variant {
   int grouped = -1;    // MoeExpertsOptions::grouped
   int ctas = 0;        // MoeExpertsOptions::stream_ctas
   int pdl = -1;        // MoeExpertsOptions::pdl
+  bool lt = false;     // MoeExpertsOptions::lt given (automatic may take the dense path); always for dense
   std::string name() const {
     std::string n = tile_name(tile);
+    if (lt && tile != cuda::MoeTokenTile::dense) n += " +cuBLASLt";
     if (grouped == 0) n += " ungrouped";
     if (grouped == 1) n += " grouped";
     if (ctas > 0) n += fmt::format(" {} CTAs", ctas);
@@ -478,10 +483,13 @@ std::vector<uint16_t> run_gpu_moe(const Experts& E, const std::vector<uint16_t>&
   auto dz = upload(z);
   auto dids = upload(ids);
   auto dw = upload(wts);
-  auto dws = poisoned<uint8_t>(cuda::moe_experts_workspace_bytes(T, E.X, K, E.Lt, E.I));
+  auto dws = poisoned<uint8_t>(cuda::moe_experts_workspace_bytes(T, E.X, K, E.Lt, E.I, v.tile));
   auto dut = poisoned<uint16_t>(size_t(T * E.Lt));
+  cuda::MoeExpertsOptions o = options(v);
+  std::unique_ptr<cuda::GemmLt> lt;
+  if (v.lt || v.tile == cuda::MoeTokenTile::dense) lt = std::make_unique<cuda::GemmLt>(), o.lt = lt.get();
   cuda::moe_experts_mxfp4(dz.p(), dids.p(), dw.p(), E.dev, T, E.X, K, E.Lt, E.I, 4.0f, 25.0f, dws.p(), dut.p(), nullptr,
-                          options(v));
+                          o);
   sync();
   return dut.get();
 }
@@ -504,6 +512,8 @@ TEST(GpuMoe, ExpertsMatchCpuTwin) {
   const Variant s1{MoeTokenTile::stream, -1, 1}, s3{MoeTokenTile::stream, -1, 3}, s7{MoeTokenTile::stream, -1, 7},
       sung{MoeTokenTile::stream, 0}, sgrp{MoeTokenTile::stream, 1}, snopdl{MoeTokenTile::stream, -1, 0, 0},
       wnopdl{MoeTokenTile::wide, -1, 0, 0};
+  // Dequantise + cuBLASLt (prefill): forced, and chosen by `automatic` from 256 slots per hit expert.
+  const Variant dense{MoeTokenTile::dense}, autolt{MoeTokenTile::automatic, -1, 0, -1, true};
   struct Run {
     int64_t T;
     Routing routing;
@@ -513,30 +523,34 @@ TEST(GpuMoe, ExpertsMatchCpuTwin) {
     int64_t X, K, Lt, I;
     const char* what;
     std::vector<Run> runs;
+    int s_lo = 118, s_hi = 122;  // e8m0 scale codes
   };
   const std::vector<Case> cases = {
       {16, 4, 128, 64, "nano",
        {{1, Routing::random, {autov, sgrp, s1}},
         {2, Routing::random, {autov, s3}},
-        {7, Routing::random, {autov, sung, s7, snopdl}},
+        {7, Routing::random, {autov, sung, s7, snopdl, dense}},
         {64, Routing::random, {autov, stream, s1, s3}},
         {64, Routing::ties, {t32, stream, wide}},
-        {300, Routing::skewed, {t8, t32, stream, s7, wide, wnopdl}},
-        {4096, Routing::random, {autov, t8, stream}},
-        {4096, Routing::skewed, {autov, wide, s7}}}},
+        {300, Routing::skewed, {t8, t32, stream, s7, wide, wnopdl, dense}},
+        {4096, Routing::random, {autov, t8, stream, autolt}},
+        {4096, Routing::skewed, {autov, wide, s7, dense}}}},
       {8, 2, 3584, 3072, "mini (8 of 112 experts)",
-       {{1, Routing::random, {autov, sgrp, s3}},
+       {{1, Routing::random, {autov, sgrp, s3, autolt}},
         {7, Routing::random, {autov, s7, wide}},
-        {64, Routing::random, {autov, stream}},
+        {64, Routing::random, {autov, stream, dense}},
         {300, Routing::random, {t8, stream}},
-        {300, Routing::skewed, {t32, wide, s3}}}},
+        {300, Routing::skewed, {t32, wide, s3, dense}},
+        {1024, Routing::random, {autolt}}}},
       {32, 16, 3584, 3072, "real dims, 32 experts top-16",
        {{1, Routing::random, {autov, sgrp, t8}},
-        {16, Routing::ties, {autov, wide, t8}},
+        {16, Routing::ties, {autov, wide, t8, dense}},
         {16, Routing::random, {t32, stream, s7}}}},
+      // Scales outside [1, 128] (2^-17 .. 2^3): FP32-scale kernels, and the dense path's dequantisation.
+      {16, 4, 128, 64, "nano, wide scales", {{300, Routing::skewed, {autov, t32, dense}}}, 110, 130},
   };
   for (const Case& c : cases) {
-    const auto E = make_experts(c.X, c.Lt, c.I, rng);
+    const auto E = make_experts(c.X, c.Lt, c.I, rng, c.s_lo, c.s_hi);
     for (const Run& run : c.runs) {
       const int64_t T = run.T;
       const auto z = rand_bf16(size_t(T * c.Lt), rng, -1.0f, 1.0f);

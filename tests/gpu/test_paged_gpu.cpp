@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <numeric>
 
+#include "gpu_ref.h"
 #include "harness.h"
 #include "kernels/cpu/mla_ops.h"
 #include "kernels/cuda/cuda_check.h"

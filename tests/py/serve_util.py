@@ -1,7 +1,9 @@
 """Starting and stopping `kestrel serve` for the end-to-end and load tests."""
+import json
 import re
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 
@@ -10,6 +12,9 @@ class Server:
     def __init__(self, kestrel_bin, model_dir, *args, wait_ready=True):
         self.proc = subprocess.Popen([kestrel_bin, "serve", "--model", str(model_dir), "--port", "0", *map(str, args)],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._start(wait_ready)
+
+    def _start(self, wait_ready=True):
         self.lines = []
         deadline = time.time() + 30
         while time.time() < deadline:
@@ -24,8 +29,39 @@ class Server:
         else:
             raise RuntimeError("kestrel serve did not start")
         self.url = f"http://{self.host}:{self.port}"
+        # The server logs a line per request: keep reading, so the pipe never fills and blocks it.
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
         if wait_ready:
             self.wait_healthy()
+
+    def _drain(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def output(self, until=None, timeout=10):
+        """What the server printed so far; with `until`, waits for that text first."""
+        deadline = time.time() + timeout
+        while until is not None and until not in "".join(self.lines) and time.time() < deadline:
+            if self.proc.poll() is not None:
+                self._reader.join(timeout=5)
+                break
+            time.sleep(0.02)
+        return "".join(self.lines)
+
+    def log_records(self, event="access"):
+        """The JSON log lines the server wrote so far (log.h), those of one event kind."""
+        out = []
+        for line in list(self.lines):
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    j = json.loads(line)
+                except ValueError:
+                    continue
+                if j.get("event") == event:
+                    out.append(j)
+        return out
 
     def health(self):
         try:
@@ -79,5 +115,6 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._reader.join(timeout=5)
         self.proc.stdout.close()
         return self.proc.returncode

@@ -168,3 +168,37 @@ def test_dropped_keepalive_connections_are_retried(kestrel_bin, tmp_path):
     r = json.loads(out.read_text())
     assert r["completed"] == 6 and r["failed"] == 0 and r["total_output_tokens"] == 18
     assert len(served) == 7  # the test request and the six
+
+
+def _metric(server, name):
+    m, _ = server.metrics()
+    return sum(v for k, v in m.items() if k.startswith(name))
+
+
+def test_chat_itl_is_per_token_and_warmups_are_not_measured(kestrel_bin, nano_dir, tmp_path):
+    # One request at a time, 20 ms per engine step: every token comes one step after the previous,
+    # so the server's own inter-token latency is ~20 ms. Chat output of random tokens is full of
+    # markup that produces no delta: counted per chunk the gaps merge; per token (usage in every
+    # chunk) they match the server's.
+    s = Server(kestrel_bin, nano_dir, "--fake-engine", "--fake-delay-ms", "20", "--served-model-name", MODEL,
+               "--max-model-len", "2048", "--max-num-seqs", "1")
+    try:
+        itl0, n0 = _metric(s, "vllm:inter_token_latency_seconds_sum"), _metric(s, "vllm:inter_token_latency_seconds_count")
+        out = tmp_path / "r.json"
+        p = run_kestrel(kestrel_bin, "bench", "--base-url", s.url, "--endpoint", "/v1/chat/completions", "--model", MODEL,
+                        "--tokenizer", nano_dir, "--input-len", 300, "--output-len", 30, "--num-prompts", 4,
+                        "--max-concurrency", 1, "--num-warmups", 2, "--ignore-eos", "--save-detailed", "--no-progress",
+                        "--result-file", out, timeout=120)
+        assert p.returncode == 0, p.stderr
+        r = json.loads(out.read_text())
+        server_itl_ms = 1000 * (_metric(s, "vllm:inter_token_latency_seconds_sum") - itl0) / \
+            (_metric(s, "vllm:inter_token_latency_seconds_count") - n0)
+        assert r["total_output_tokens"] == 4 * 30
+        # One ITL sample per token after each request's first chunk.
+        assert sum(len(x) for x in r["itls"]) >= 4 * 30 - 4 * 3
+        assert r["mean_itl_ms"] == pytest.approx(server_itl_ms, rel=0.25), (r["mean_itl_ms"], server_itl_ms)
+        # The warm-ups (and the readiness probe) used prompts of their own: nothing the measured run
+        # sent was served from the prefix cache.
+        assert _metric(s, "vllm:prefix_cache_hits_total") == 0
+    finally:
+        assert s.stop() == 0

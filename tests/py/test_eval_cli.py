@@ -256,8 +256,9 @@ def test_against_kestrel_serve_on_nano(kestrel_bin, nano_dir, tmp_path):
     items = [dict(i, request=dict(i["request"], messages=[{"role": "user", "content": "What is the passkey? 1234"}],
                                   max_tokens=8))
              for i in SET if i["task"] != "chat"]
-    # One request the server must reject (max_tokens 0): an HTTP 400 counted as that item's error.
-    items.append(item("ch-bad", "chat", "x", {}, {}, max_tokens=0))
+    # One request the server must reject (max_tokens -1; 0 is valid, the prompt only): an HTTP 400
+    # counted as that item's error.
+    items.append(item("ch-bad", "chat", "x", {}, {}, max_tokens=-1))
     s_path = write_set(tmp_path / "s.jsonl", items)
     server = Server(kestrel_bin, nano_dir, "--served-model-name", "nano", "--max-model-len", "2048")
     try:

@@ -120,3 +120,46 @@ def test_quantization_flag_needs_the_gpu(kestrel_bin, nano_dir):
     assert r.returncode == 1 and "needs --device cuda" in r.stderr, r.stderr
     bad = run_kestrel(kestrel_bin, *base, "--quantization", "int4")
     assert bad.returncode != 0 and "quantization" in (bad.stderr + bad.stdout), bad.stderr
+
+
+def test_tensor_parallel_cpu_twin(kestrel_bin, nano_dir, tmp_path):
+    """--device cpu --tensor-parallel-size 2 (2 rank threads, each on its shard of the checkpoint) gives the
+    one-rank greedy tokens and logits within BF16 noise, with and without --enable-expert-parallel and
+    --decode-context-parallel-size 2; a size the model's heads do not divide by is one clear error listing
+    every reason."""
+    n_prompt = 66  # past nano's index_topk (64)
+    prompt = ",".join(str((i * 37 + 5) % 700) for i in range(n_prompt))
+    base = ("generate", "--model", nano_dir, "--prompt-tokens", prompt)
+    runs = {}
+    for name, extra in (("tp1", ("--max-tokens", "5")), ("tp2", ("--max-tokens", "5", "--tensor-parallel-size", "2")),
+                        ("ep2", ("--max-tokens", "2", "--tensor-parallel-size", "2", "--enable-expert-parallel")),
+                        ("dcp2", ("--max-tokens", "5", "--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"))):
+        out = tmp_path / f"{name}.npy"
+        r = run_kestrel(kestrel_bin, *base, *extra, "--dump-logits", out)
+        assert r.returncode == 0, r.stderr
+        runs[name] = (tokens_of(r.stdout), np.load(out))
+    tokens1, logits1 = runs["tp1"]
+    scale = np.abs(logits1).max()
+    for name in ("tp2", "ep2", "dcp2"):
+        tokens, logits = runs[name]
+        # The same greedy tokens, unless TP1's own top two were closer than the noise where they part
+        # (nano's random weights give flat logits); rows are compared up to there (same inputs).
+        same = len(tokens1)
+        for i, (a, b) in enumerate(zip(tokens1, tokens)):
+            if a != b:
+                row = logits1[n_prompt - 1 + i]
+                assert row[a] - row[b] < 5e-3 * scale, (name, i, a, b)
+                same = i
+                break
+        else:
+            assert tokens == tokens1[:len(tokens)], name
+            same = len(tokens)
+        rows = n_prompt + same - 1
+        diff = np.abs(logits[:rows] - logits1[:rows]).max() / scale
+        assert 0 < diff < 2e-2, (name, diff)
+    bad = run_kestrel(kestrel_bin, *base, "--max-tokens", "2", "--tensor-parallel-size", "4")
+    assert bad.returncode == 1, bad.stderr
+    assert "cannot run this model as TP4 (2 problems)" in bad.stderr and "index_n_heads = 2" in bad.stderr, bad.stderr
+    bad = run_kestrel(kestrel_bin, *base, "--max-tokens", "2", "--tensor-parallel-size", "2",
+                      "--decode-context-parallel-size", "4")
+    assert bad.returncode == 1 and "--decode-context-parallel-size 4 must be 1 or" in bad.stderr, bad.stderr

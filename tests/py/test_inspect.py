@@ -97,7 +97,110 @@ def test_inspect_full_k31_pro(kestrel_bin):
     active = int(line.split()[2])
     assert abs(total / 1e12 - 2.8) < 0.05, total
     assert abs(active / 1e9 - 104) < 1.0, active
-    assert "TP=8" in r.stdout and "TP=16" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# memory per GPU under the parallel layouts, by hand from MODEL.md §2 and the sharding rules of
+# docs/parallel.md (rows/columns split N ways; whole: norms, AttnRes vectors, KDA f_a_proj and o_norm,
+# MLA q_a/kv_a and their norms, indexer wk and k_norm, vision; experts split N ways either way)
+GIB = 1 << 30
+
+
+def full_rank_bytes(n):
+    D, V = 7168, 163840
+    bf, f4 = 2, 4
+    total = 2 * (V // n) * D * bf                       # embed_tokens, lm_head: vocabulary rows
+    total += 3 * D * bf + 93 * 6 * D * bf               # final norm + AttnRes vectors; 6 per layer
+    H, Dk = 96 // n, 128
+    kda = (4 * H * Dk * D * bf                          # q, k, v, g_proj
+           + 3 * H * Dk * 4 * f4                        # conv weights [H*Dk, 1, 4] f32
+           + 128 * D * bf + H * Dk * 128 * bf + H * D * bf   # f_a (whole), f_b, b_proj
+           + H * f4 + H * Dk * f4 + 128 * f4            # A_log (first H of this rank), dt_bias, o_norm (whole)
+           + D * H * Dk * bf)                           # o_proj columns
+    Hm = 96 // n
+    mla = (1536 * D * bf + 1536 * bf + 576 * D * bf + 512 * bf   # q_a, kv_a and their norms: whole
+           + Hm * 192 * 1536 * bf + Hm * 256 * 512 * bf          # q_b, kv_b: heads
+           + Hm * 128 * D * bf + D * Hm * 128 * bf)              # g_proj rows, o_proj columns
+    indexer = (32 // n) * 128 * 1536 * bf + 128 * D * bf + 2 * 128 * bf + (32 // n) * D * bf
+    dense = 3 * (33792 // n) * D * bf
+    expert = 17547264                                   # MODEL.md §2: one expert's six tensors
+    moe = ((896 // n) * D * bf + (896 // n) * f4        # router rows and correction bias
+           + 2 * (3584 // n) * D * bf + (3584 // n) * bf   # latent down rows, up columns, norm
+           + 896 * expert // n                          # experts: I/n of each, or 896/n whole ones
+           + 3 * (6144 // n) * D * bf)                  # shared experts
+    vision = (1024 * 3 * 14 * 14 + 64 * 64 * 1024 + 27 * (2 * 1024 + 4608 * 1024 + 1024 * 1536 + 4096 * 1024
+              + 1024 * 4096) + 1024 + 4096 * 4096 + 7168 * 4096 + 7168) * bf
+    return total + 69 * kda + 24 * (mla + indexer) + dense + 92 * moe + vision
+
+
+def parse_layouts(out):
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith("layout ") and " weights " in line:
+            f = line.split()
+            rows[f[1]] = dict(weights=int(f[3]), cache=int(line.split("MLA cache ")[1].split()[0]),
+                              kda=int(line.split("KDA state ")[1].split()[0]))
+    return rows
+
+
+def test_inspect_full_memory_per_gpu_by_layout(kestrel_bin):
+    r = run_kestrel(kestrel_bin, "inspect", FULL_CONFIG, "--config-only")
+    assert r.returncode == 0, r.stderr
+    rows = parse_layouts(r.stdout)
+    assert set(rows) == {"TP1", "TP8", "TP8+EP8", "TP8+EP8+DCP8", "TP16+EP16"}, r.stdout
+    for name, n in (("TP8", 8), ("TP8+EP8", 8), ("TP8+EP8+DCP8", 8), ("TP16+EP16", 16)):
+        assert rows[name]["weights"] == full_rank_bytes(n), name
+    # TP1 is the whole checkpoint, A_log's padding included (69 layers x 32 unused f32 heads): 1.42 TiB.
+    assert rows["TP1"]["weights"] == full_rank_bytes(1) + 69 * (128 - 96) * 4
+    # MLA cache per token: 24 layers x (bf16 latent 576 x 2 + fp8 index key 128 + 4); DCP8 spreads it.
+    assert rows["TP8"]["cache"] == 24 * (1152 + 132)
+    assert rows["TP8+EP8+DCP8"]["cache"] == 24 * (1152 + 132) // 8
+    # KDA state per request and rank: 69 layers x (H/n heads of 128 x 128 f32 + conv 3 x H/n x 128 x 3 bf16).
+    for name, n in (("TP8", 8), ("TP16+EP16", 16)):
+        assert rows[name]["kda"] == 69 * ((96 // n) * 128 * 128 * 4 + 3 * (96 // n) * 128 * 3 * 2)
+
+    fits = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("fit "):
+            count, x, gpu, layout, verdict = line[4:].split(None, 4)
+            fits[(f"{count} {x} {gpu}", layout)] = verdict
+    h200, mi355x, reserve = int(139.8 * GIB), 288 * GIB, 6 * GIB
+    one_request = lambda name: rows[name]["kda"] + rows[name]["cache"] * 1048576
+    for (platform, name), verdict in fits.items():
+        n = 16 if name.startswith("TP16") else 8
+        gpus = 16 if platform.startswith("16") else 8
+        mem = mi355x if "MI355X" in platform else h200
+        free = mem - full_rank_bytes(n) - reserve
+        if gpus % n:
+            assert verdict.startswith("n/a"), (platform, name, verdict)
+        elif free >= one_request(name):
+            assert verdict.startswith("fits"), (platform, name, verdict)
+            assert f"{free / GIB:.2f} GiB free" in verdict
+            assert f"= {(free - rows[name]['kda']) // rows[name]['cache']} tokens" in verdict
+        else:
+            assert verdict.startswith("no"), (platform, name, verdict)
+    # The answers the layouts exist for: the full model does not fit one 8 x H200 node, fits two
+    # (TP16/EP16) and one 8 x MI355X node (TP8, also with DCP8).
+    assert fits[("8 x H200", "TP8")].startswith("no") and fits[("8 x H200", "TP8+EP8")].startswith("no")
+    assert fits[("16 x H200", "TP16+EP16")].startswith("fits")
+    assert fits[("8 x MI355X", "TP8")].startswith("fits") and fits[("8 x MI355X", "TP8+EP8+DCP8")].startswith("fits")
+    assert fits[("8 x H200", "TP16+EP16")].startswith("n/a")
+
+
+def test_inspect_layout_that_does_not_divide_is_one_error(kestrel_bin, nano_dir):
+    r = run_kestrel(kestrel_bin, "inspect", nano_dir, "--tensor-parallel-size", "4")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.startswith("error: cannot run this model as TP4 (2 problems):"), r.stderr
+    assert "index_n_heads = 2" in r.stderr and "moe_intermediate_size = 64" in r.stderr
+
+
+def test_inspect_binds_every_rank_shard(kestrel_bin, nano_dir):
+    r = run_kestrel(kestrel_bin, "inspect", nano_dir, "--tensor-parallel-size", "2")
+    assert r.returncode == 0, r.stderr
+    per_rank = [int(l.split()[7]) for l in r.stdout.splitlines() if l.startswith("shard TP2 rank")]
+    assert len(per_rank) == 2 and per_rank[0] == per_rank[1], r.stdout
+    line = next(l for l in r.stdout.splitlines() if l.startswith("layout TP2:"))
+    assert int(line.split()[2]) == per_rank[0]
 
 
 def test_inspect_generated_full_config_matches_fixture(kestrel_bin, tmp_path):

@@ -261,7 +261,7 @@ def test_memory_budget_bounds_max_model_len(kestrel_bin, nano_dir):
     s = Server(kestrel_bin, nano_dir, "--served-model-name", MODEL, "--memory-budget", "24M", "--max-num-seqs", "2",
                "--block-size", "16")
     try:
-        out = "".join(s.lines) + "".join(s.proc.stdout.readline() for _ in range(3))
+        out = s.output(until="try: curl")
         m = re.search(r"longest single request (\d+) tokens", out)
         assert m and "concurrent requests" in out and "try: curl" in out, out
         longest = int(m.group(1))
@@ -276,7 +276,7 @@ def test_memory_budget_bounds_max_model_len(kestrel_bin, nano_dir):
     bad = Server(kestrel_bin, nano_dir, "--memory-budget", "24M", "--max-num-seqs", "2", "--block-size", "16",
                  "--max-model-len", str(longest * 2), wait_ready=False)
     assert bad.proc.wait(timeout=30) == 1
-    assert "raise --memory-budget" in bad.proc.stdout.read()
+    assert "raise --memory-budget" in bad.output(until="raise --memory-budget")
     bad.stop()
 
 

@@ -160,6 +160,7 @@ TEST(BenchSse, CompletionChunks) {
   EXPECT_TRUE(interpret_chunk(R"({"choices":[{"text":"","finish_reason":null}]})", Api::kCompletions).token);
   c = interpret_chunk(R"({"choices":[{"text":"","finish_reason":"length"}]})", Api::kCompletions);
   EXPECT_TRUE(c.finished && !c.token);
+  EXPECT_EQ(c.finish_reason, "length");
   c = interpret_chunk(R"({"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":34}})", Api::kCompletions);
   EXPECT_FALSE(c.has_choices);
   EXPECT_EQ(c.completion_tokens, 34);
@@ -177,6 +178,7 @@ TEST(BenchSse, ChatChunks) {
   EXPECT_FALSE(c.token);
   c = interpret_chunk(R"({"choices":[{"delta":{},"finish_reason":"stop"}]})", Api::kChat);
   EXPECT_TRUE(c.finished && !c.token);
+  EXPECT_EQ(c.finish_reason, "stop");
   c = interpret_chunk(R"({"choices":[{"delta":{"content":"ok"},"finish_reason":null}]})", Api::kChat);
   EXPECT_TRUE(c.token);
   EXPECT_EQ(c.text, "ok");

@@ -24,7 +24,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "cache/layout.h"
+#include "core/cache_format.h"
 #include "core/dtype.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "loader/config.h"
@@ -39,8 +39,6 @@
 namespace kestrel {
 namespace {
 
-using cache::IndexKeyFormat;
-using cache::LatentFormat;
 
 using Nano = testing::NanoCheckpoint;
 const Nano& nano_ckpt() { return testing::nano_checkpoint(); }

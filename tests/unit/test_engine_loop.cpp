@@ -20,6 +20,7 @@
 #include <fmt/format.h>
 
 #include "cache/layout.h"
+#include "core/cache_format.h"
 #include "core/check.h"
 #include "nano_checkpoint.h"
 #include "runtime/engine.h"
@@ -97,7 +98,7 @@ std::vector<int32_t> random_prompt(size_t n, uint32_t seed) {
 }
 
 // Budget for `slots` state slots and `pages` pages of the given formats.
-int64_t budget_for(const cache::CacheFormats& f, int slots, int pages) {
+int64_t budget_for(const CacheFormats& f, int slots, int pages) {
   const cache::CacheLayout l = cache::CacheLayout::from_config(nano().cfg.text, f);
   return l.total_state_bytes(slots) + l.total_page_bytes(pages);
 }
@@ -374,15 +375,15 @@ TEST(EngineLoop, StopStringAcrossTokenBoundaryEndsThroughTheTextStream) {
 // per row (the golden test's) and 2e-3 overall. The slot shrinks by exactly half the recurrent bytes.
 TEST(EngineLoop, Fp16KdaStateStaysCloseToF32AndHalvesTheState) {
   const cache::CacheLayout l32 = cache::CacheLayout::from_config(nano().cfg.text, {});
-  cache::CacheFormats f16f;
-  f16f.kda_state = cache::KdaStateDtype::f16;
+  CacheFormats f16f;
+  f16f.kda_state = KdaStateDtype::f16;
   const cache::CacheLayout l16 = cache::CacheLayout::from_config(nano().cfg.text, f16f);
   EXPECT_EQ(l16.kda_recurrent_bytes * 2, l32.kda_recurrent_bytes);
   EXPECT_EQ(l32.state_bytes_per_slot() - l16.state_bytes_per_slot(),
             l16.kda_recurrent_bytes * l16.num_kda_layers);
 
   const size_t lens[] = {150, 300, 200};
-  auto run = [&](cache::KdaStateDtype dt) {
+  auto run = [&](KdaStateDtype dt) {
     EngineConfig cfg;
     cfg.formats.kda_state = dt;
     cfg.memory_budget = 64 << 20;
@@ -403,7 +404,7 @@ TEST(EngineLoop, Fp16KdaStateStaysCloseToF32AndHalvesTheState) {
     for (int i = 0; i < 3; ++i) out.push_back(col.get(i));
     return out;
   };
-  const auto a = run(cache::KdaStateDtype::f32), b = run(cache::KdaStateDtype::f16);
+  const auto a = run(KdaStateDtype::f32), b = run(KdaStateDtype::f16);
   double worst = 0, num_all = 0, den_all = 0;
   bool any_difference = false;
   for (int i = 0; i < 3; ++i) {

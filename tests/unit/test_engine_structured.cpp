@@ -125,7 +125,7 @@ EngineConfig nano_engine_config(int max_running, float closing_bias = 0.0f) {
   cfg.memory_budget = 256 << 20;
   cfg.max_running = max_running;
   if (closing_bias > 0.0f)
-    cfg.make_executor = [closing_bias](const cache::CacheFormats& f, const cache::CacheConfig& cc) {
+    cfg.make_executor = [closing_bias](const CacheFormats& f, const cache::CacheConfig& cc) {
       return std::unique_ptr<runtime::StepExecutor>(std::make_unique<ClosingBias>(
           std::make_unique<runtime::Executor>(nano().w, nano().cfg, f, cc), closing_bias, "\"]},"));
     };

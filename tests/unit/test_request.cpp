@@ -92,6 +92,24 @@ TEST(Validate, StopsAndMedia) {
   EXPECT_EQ(refused([](Request& r) { r.media = {{1, 1, 1}}; }), "media");  // empty span
 }
 
+TEST(Validate, LogitBiasMinTokensPromptLogprobs) {
+  // Edges pass: ±100, the last id, min_tokens = max_tokens, 20 prompt alternatives.
+  EXPECT_EQ(refused([](Request& r) {
+              r.sampling.logit_bias = {{0, -100.0f}, {99, 100.0f}};
+              r.sampling.min_tokens = r.max_tokens;
+              r.sampling.prompt_logprobs = 20;
+            }),
+            "");
+  EXPECT_EQ(refused([](Request& r) { r.sampling.logit_bias = {{100, 1.0f}}; }), "logit_bias");
+  EXPECT_EQ(refused([](Request& r) { r.sampling.logit_bias = {{-1, 1.0f}}; }), "logit_bias");
+  EXPECT_EQ(refused([](Request& r) { r.sampling.logit_bias = {{5, 100.5f}}; }), "logit_bias");
+  EXPECT_EQ(refused([](Request& r) { r.sampling.logit_bias = {{5, NAN}}; }), "logit_bias");
+  EXPECT_EQ(refused([](Request& r) { r.sampling.logit_bias = {{5, 1.0f}, {7, 2.0f}, {5, 3.0f}}; }), "logit_bias");
+  EXPECT_EQ(refused([](Request& r) { r.sampling.min_tokens = -1; }), "min_tokens");
+  EXPECT_EQ(refused([](Request& r) { r.sampling.min_tokens = r.max_tokens + 1; }), "min_tokens");
+  EXPECT_EQ(refused([](Request& r) { r.sampling.prompt_logprobs = 21; }), "prompt_logprobs");
+}
+
 TEST(FinishReason, Names) {
   EXPECT_STREQ(finish_reason_name(FinishReason::stop), "stop");
   EXPECT_STREQ(finish_reason_name(FinishReason::length), "length");

@@ -155,5 +155,71 @@ TEST(SamplerKnobs, LogprobsAreNormalisedAndSorted) {
   EXPECT_TRUE(sample_token(p, l, {}, {}, 0).top.empty());
 }
 
+// logit_bias is added to the raw logits before everything else: a bias decides greedy picks, ±100
+// bans or forces a token under sampling, and the logprobs still describe the raw model.
+TEST(SamplerKnobs, LogitBiasShiftsTheLogits) {
+  const std::vector<float> l = {2.0f, 1.5f, 0.0f, -1.0f};
+  SamplingParams p;  // greedy
+  EXPECT_EQ(sample_token(p, l, {}, {}, 0).token, 0);
+  p.logit_bias = {{1, 0.6f}};  // 1.5 + 0.6 = 2.1 > 2.0
+  EXPECT_EQ(sample_token(p, l, {}, {}, 0).token, 1);
+  p.logit_bias = {{1, 0.4f}};  // 1.9 < 2.0
+  EXPECT_EQ(sample_token(p, l, {}, {}, 0).token, 0);
+  p.logit_bias = {{0, -100.0f}, {3, 100.0f}};
+  p.temperature = 1.0f, p.seed = 5, p.logprobs = 1;
+  const auto forced = support(p, l);
+  EXPECT_EQ(forced, (std::set<int32_t>{3}));
+  const auto r = sample_token(p, l, {}, {}, 0);
+  // Raw logprob of token 3: −1 − log Σ e^l.
+  double z = 0;
+  for (float v : l) z += std::exp(double(v));
+  EXPECT_NEAR(r.logprob, -1.0 - std::log(z), 1e-5);
+  ASSERT_EQ(r.top.size(), 1u);
+  EXPECT_EQ(r.top[0].token, 0);  // the raw favourite, not the biased one
+  p.logit_bias = {{0, -100.0f}};
+  p.logprobs = -1;
+  EXPECT_EQ(support(p, l).count(0), 0u);
+  // Bias before repetition: (2 + 2) / 2 = 2 > 1.5 keeps token 0; without the bias 2 / 2 = 1 < 1.5.
+  SamplingParams q;
+  q.repetition_penalty = 2.0f;
+  const std::vector<int32_t> prompt0 = {0};
+  EXPECT_EQ(sample_token(q, l, prompt0, {}, 0).token, 1);
+  q.logit_bias = {{0, 2.0f}};
+  EXPECT_EQ(sample_token(q, l, prompt0, {}, 0).token, 0);
+}
+
+// min_tokens: the stop ids cannot be drawn while the output is shorter; from then on they can.
+TEST(SamplerKnobs, MinTokensHoldsBackStopIds) {
+  const std::vector<float> l = {0.0f, 5.0f, 4.0f, 1.0f};  // id 1 is the favourite
+  const std::vector<int32_t> stop = {1, 3};
+  SamplingParams p;
+  p.min_tokens = 2;
+  const std::vector<int32_t> none, one = {2}, two = {2, 2};
+  EXPECT_EQ(sample_token(p, l, {}, none, 0, stop).token, 2);
+  EXPECT_EQ(sample_token(p, l, {}, one, 1, stop).token, 2);
+  EXPECT_EQ(sample_token(p, l, {}, two, 2, stop).token, 1);
+  EXPECT_EQ(sample_token(p, l, {}, none, 0, {}).token, 1);  // no stop ids: nothing to hold back
+  p.temperature = 1.5f, p.seed = 9;
+  std::set<int32_t> early;
+  for (int i = 0; i < 400; ++i) early.insert(sample_token(p, l, {}, one, uint64_t(i), stop).token);
+  EXPECT_EQ(early.count(1) + early.count(3), 0u);
+  EXPECT_TRUE(early.count(2) && early.count(0));
+}
+
+// token_logprobs (prompt logprobs): log-softmax of the raw row and the n most likely, ties by id.
+TEST(SamplerKnobs, TokenLogprobsOfAnyToken) {
+  const std::vector<float> l = {1.0f, 3.0f, 3.0f, -2.0f};
+  double z = 0;
+  for (float v : l) z += std::exp(double(v));
+  const auto r = runtime::token_logprobs(l, 3, 2);
+  EXPECT_EQ(r.token, 3);
+  EXPECT_NEAR(r.logprob, -2.0 - std::log(z), 1e-6);
+  ASSERT_EQ(r.top.size(), 2u);
+  EXPECT_EQ(r.top[0].token, 1);
+  EXPECT_EQ(r.top[1].token, 2);
+  EXPECT_NEAR(r.top[0].logprob, 3.0 - std::log(z), 1e-6);
+  EXPECT_TRUE(runtime::token_logprobs(l, 0, 0).top.empty());
+}
+
 }  // namespace
 }  // namespace kestrel

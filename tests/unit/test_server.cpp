@@ -18,26 +18,16 @@
 #include "runtime/fake_executor.h"
 #include "server/http_server.h"
 #include "server/openai.h"
+#include "server/params.h"
 #include "tokenizer/parser.h"
+#include "server_harness.h"
 
 using namespace kestrel;
 using namespace kestrel::server;
+using namespace kestrel::server::testing;
 using nlohmann::json;
 
 namespace {
-
-const tok::Tokenizer& T() {
-  static const tok::Tokenizer t = tok::Tokenizer::load(std::string(KESTREL_SOURCE_DIR) + "/tests/data/tok_golden");
-  return t;
-}
-
-std::vector<int32_t> ids(const std::string& text) {
-  std::vector<int32_t> out;
-  for (auto id : T().encode(text, /*allow_special=*/true)) out.push_back(int32_t(id));
-  return out;
-}
-
-const std::string O = "<|open|>", C = "<|close|>", S = "<|sep|>", END = "<|end_of_msg|>";
 
 int status_of(const std::function<void()>& f) {
   try {
@@ -76,7 +66,7 @@ TEST(ServerParams, TypesAndRanges) {
   EXPECT_FALSE(chat(json::object()).logprobs());
   EXPECT_EQ(status_of([&] { submit(json::object()); }), 0);
   for (json bad : {json{{"temperature", "hot"}}, json{{"temperature", 3}}, json{{"top_p", 0}}, json{{"n", 0}},
-                   json{{"max_tokens", 1.5}}, json{{"max_tokens", 0}}, json{{"stream", "yes"}},
+                   json{{"max_tokens", 1.5}}, json{{"max_tokens", -1}}, json{{"stream", "yes"}},
                    json{{"stop", json::array({1})}}, json{{"top_logprobs", 3}}, json{{"logprobs", 1}},
                    json{{"stream_options", {{"include_usage", true}}}}, json{{"seed", "1"}}, json{{"min_p", -1}},
                    json{{"presence_penalty", 9}}, json{{"model", 3}}, json{{"stop_token_ids", json::array({-1})}},
@@ -118,7 +108,7 @@ TEST(ServerChoice, ReasoningContentAndToolCallDeltas) {
                           "tools" + S + O + "call tool=\"get_weather\" index=\"1\"" + S + O +
                           "argument key=\"city\" type=\"string\"" + S + "Paris" + C + "argument" + S + C + "call" + S +
                           C + "tools" + S + END);
-  ChoiceStream c(Api::kChat, T(), /*thinking=*/true, {"get_weather"}, {}, /*logprobs=*/true);
+  ChoiceStream c(Api::kChat, T(), ChoiceOptions{.thinking = true, .tools = {"get_weather"}, .logprobs = true});
   auto deltas = run_choice(c, script, FinishReason::stop);
   ASSERT_TRUE(c.done());
   EXPECT_EQ(c.finish_reason(), "tool_calls");
@@ -153,7 +143,7 @@ TEST(ServerChoice, ReasoningContentAndToolCallDeltas) {
 
 TEST(ServerChoice, StopStringEndsContentAndAsksForCancel) {
   const auto script = ids(O + "response" + S + "Hello STOP world, more text" + C + "response" + S + END);
-  ChoiceStream c(Api::kChat, T(), /*thinking=*/false, {}, {"STOP"}, false);
+  ChoiceStream c(Api::kChat, T(), ChoiceOptions{.stop = {"STOP"}});
   auto deltas = run_choice(c, script, FinishReason::stop);
   EXPECT_TRUE(c.done());
   EXPECT_EQ(c.content(), "Hello ");
@@ -166,118 +156,11 @@ TEST(ServerChoice, StopStringEndsContentAndAsksForCancel) {
 
 TEST(ServerChoice, CompletionTextAndLength) {
   const auto script = ids("abc def");
-  ChoiceStream c(Api::kCompletion, T(), false, {}, {}, false);
+  ChoiceStream c(Api::kCompletion, T(), ChoiceOptions{});
   run_choice(c, script, FinishReason::length);
   EXPECT_EQ(c.content(), "abc def");
   EXPECT_EQ(c.finish_reason(), "length");
 }
-
-// ---- the HTTP server in-process --------------------------------------------------------------
-
-namespace {
-
-namespace net = boost::asio;
-using tcp = net::ip::tcp;
-
-std::string nano_dir() {
-  const char* d = std::getenv("KESTREL_NANO_DIR");
-  if (!d) throw std::runtime_error("KESTREL_NANO_DIR is not set");
-  return d;
-}
-
-// The server over the real engine with a fake executor: nano's cache shapes (bookkeeping only), the
-// test tokenizer's vocabulary and end-of-turn ids, greedy output = the script.
-struct Running {
-  explicit Running(std::vector<int32_t> script, std::string api_key = {}) {
-    cfg = load_config(nano_dir());
-    cfg.text.vocab_size = int(T().vocab_size());
-    runtime::EngineConfig ec;
-    ec.max_running = 4;
-    ec.max_queue = 8;
-    ec.formats.block_size = 16;
-    ec.memory_budget = int64_t(256) << 20;
-    ec.max_model_len = 2048;
-    for (tok::TokenId id : tok::end_of_turn_ids(T())) ec.eos_token_ids.push_back(int32_t(id));
-    runtime::FakeExecutorOptions f;
-    f.script = std::move(script);
-    ec.make_executor = runtime::fake_executor_factory(cfg.text.vocab_size, f);
-    engine = std::make_unique<runtime::Engine>(cfg, ec);
-    ServerOptions so;
-    so.port = 0;
-    so.api_key = std::move(api_key);
-    so.served_model_name = "m";
-    so.max_body_bytes = 64 * 1024;
-    server = std::make_unique<Server>(so, *engine, T());
-    server->listen();
-    port = server->port();
-    thread = std::thread([this] { server->run(); });
-  }
-  ~Running() {
-    server->shutdown();
-    thread.join();
-    engine->shutdown();
-    server.reset();
-  }
-  ModelConfig cfg;
-  std::unique_ptr<runtime::Engine> engine;
-  std::unique_ptr<Server> server;
-  uint16_t port = 0;
-  std::thread thread;
-};
-
-// Sends raw bytes, reads until the server closes; returns the raw response.
-std::string raw(uint16_t port, const std::string& data) {
-  net::io_context io;
-  tcp::socket s(io);
-  s.connect({net::ip::make_address("127.0.0.1"), port});
-  boost::system::error_code ec;
-  net::write(s, net::buffer(data), ec);  // the server may answer (413) and stop reading early
-  std::string out;
-  char buf[4096];
-  for (;;) {
-    size_t n = s.read_some(net::buffer(buf), ec);
-    out.append(buf, n);
-    if (ec) break;
-  }
-  return out;
-}
-
-std::string request(const std::string& method, const std::string& path, const std::string& body,
-                    const std::string& extra = "") {
-  return method + " " + path + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n" + extra +
-         "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
-}
-
-int status(const std::string& resp) { return std::stoi(resp.substr(9, 3)); }
-
-std::string body_of(const std::string& resp) {
-  const size_t h = resp.find("\r\n\r\n");
-  std::string body = resp.substr(h + 4);
-  if (resp.substr(0, h).find("Transfer-Encoding: chunked") == std::string::npos) return body;
-  std::string out;  // de-chunk
-  size_t p = 0;
-  while (p < body.size()) {
-    const size_t e = body.find("\r\n", p);
-    const size_t n = std::stoul(body.substr(p, e - p), nullptr, 16);
-    if (n == 0) break;
-    out += body.substr(e + 2, n);
-    p = e + 2 + n + 2;
-  }
-  return out;
-}
-
-std::vector<std::string> sse_events(const std::string& body) {
-  std::vector<std::string> out;
-  size_t p = 0;
-  while ((p = body.find("data: ", p)) != std::string::npos) {
-    const size_t e = body.find("\n\n", p);
-    out.push_back(body.substr(p + 6, e - p - 6));
-    p = e + 2;
-  }
-  return out;
-}
-
-}  // namespace
 
 TEST(ServerHttp, StreamingChatWithToolCallInOpenAIShape) {
   // The K3 assistant message (MODEL.md §7) the chat grammar admits: think, an empty response, the call.

@@ -33,7 +33,15 @@ void moe_route(const float* r, const float* bias, int64_t T, int64_t X, int64_t 
 
 void moe_experts(const uint16_t* z, const int32_t* ids, const float* wts, const ExpertPtrs* experts, int64_t T,
                  int64_t X, int64_t K, int64_t Lt, int64_t I, float beta, float linear_beta, uint16_t* ut) {
-  std::vector<float> y(size_t(T * K * Lt));  // f32 [T, K, Lt], BF16-valued
+  std::vector<float> acc(size_t(T * Lt));  // f32 [T, Lt]
+  moe_experts_f32(z, ids, wts, experts, T, X, K, Lt, I, beta, linear_beta, true, acc.data());
+  f32_to_bf16_n(acc.data(), ut, T * Lt);
+}
+
+void moe_experts_f32(const uint16_t* z, const int32_t* ids, const float* wts, const ExpertPtrs* experts, int64_t T,
+                     int64_t X, int64_t K, int64_t Lt, int64_t I, float beta, float linear_beta, bool round_y,
+                     float* ut) {
+  std::vector<float> y(size_t(T * K * Lt), 0.0f);  // f32 [T, K, Lt], BF16-valued when round_y
   std::vector<std::vector<int64_t>> users(static_cast<size_t>(X));  // expert -> flat (t*K + k) slots
   for (int64_t i = 0; i < T * K; ++i) {
     KCHECK(ids[i] >= 0 && ids[i] < X, "expert id {} out of range (X = {})", ids[i], X);
@@ -44,8 +52,8 @@ void moe_experts(const uint16_t* z, const int32_t* ids, const float* wts, const 
   for (int64_t e = 0; e < X; ++e) {
     const std::vector<int64_t>& slots = users[size_t(e)];
     const int64_t n = int64_t(slots.size());
-    if (n == 0) continue;
     const ExpertPtrs& ew = experts[e];
+    if (n == 0 || !ew.w1.packed) continue;  // unused, or another rank's expert
     zf.resize(size_t(n * Lt)), gf.resize(size_t(n * I)), uf.resize(size_t(n * I)), yf.resize(size_t(n * Lt));
     gb.resize(size_t(n * I)), ub.resize(size_t(n * I)), ab.resize(size_t(n * I));
     for (int64_t i = 0; i < n; ++i) bf16_to_f32_n(z + (slots[size_t(i)] / K) * Lt, zf.data() + i * Lt, Lt);
@@ -57,15 +65,14 @@ void moe_experts(const uint16_t* z, const int32_t* ids, const float* wts, const 
     bf16_to_f32_n(ab.data(), gf.data(), n * I);
     mxfp4_gemm(ew.w2.packed, ew.w2.scale, gf.data(), yf.data(), n, Lt, I);
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < Lt; ++j) y[size_t(slots[size_t(i)] * Lt + j)] = round_bf16(yf[size_t(i * Lt + j)]);
+      for (int64_t j = 0; j < Lt; ++j) y[size_t(slots[size_t(i)] * Lt + j)] = round_y ? round_bf16(yf[size_t(i * Lt + j)]) : yf[size_t(i * Lt + j)];
   }
-  // Step 4: ũ = bf16(Σ_k w_k · y_k), FP32 accumulation in top-k order.
-  std::vector<float> acc(static_cast<size_t>(Lt));
+  // Step 4: ũ = Σ_k w_k · y_k, FP32 accumulation in top-k order (moe_experts rounds it).
   for (int64_t t = 0; t < T; ++t) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
+    float* acc = ut + t * Lt;
+    std::fill(acc, acc + Lt, 0.0f);
     for (int64_t k = 0; k < K; ++k)
-      for (int64_t j = 0; j < Lt; ++j) acc[size_t(j)] += wts[t * K + k] * y[size_t((t * K + k) * Lt + j)];
-    f32_to_bf16_n(acc.data(), ut + t * Lt, Lt);
+      for (int64_t j = 0; j < Lt; ++j) acc[j] += wts[t * K + k] * y[size_t((t * K + k) * Lt + j)];
   }
 }
 

@@ -32,5 +32,13 @@ void moe_experts(const uint16_t* z /* bf16 [T, Lt] */, const int32_t* ids /* i32
                  const float* weights /* f32 [T, K] */, const ExpertPtrs* experts /* [X] */, int64_t T, int64_t X,
                  int64_t K, int64_t Lt, int64_t I, float situ_beta, float situ_linear_beta,
                  uint16_t* ut /* bf16 [T, Lt] */);
+// The same sum left in FP32 (no final rounding), for one rank of a split MoE (model/moe.cpp): experts
+// whose w1.packed is null belong to another rank (expert parallelism) and add nothing; with
+// round_y == false the per-expert y is not rounded either, because under an intermediate-dimension
+// split it is only this rank's partial sum of a·W2ᵀ (rounded once, after the all-reduce).
+void moe_experts_f32(const uint16_t* z /* bf16 [T, Lt] */, const int32_t* ids /* i32 [T, K] */,
+                     const float* weights /* f32 [T, K] */, const ExpertPtrs* experts /* [X] */, int64_t T, int64_t X,
+                     int64_t K, int64_t Lt, int64_t I, float situ_beta, float situ_linear_beta, bool round_y,
+                     float* ut /* f32 [T, Lt] */);
 
 }  // namespace kestrel::cpu

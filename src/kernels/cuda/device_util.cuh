@@ -55,6 +55,20 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(s);
 }
 
+// The same in double (statistics the CPU twins accumulate in double). `scratch` holds >= 32 doubles.
+__device__ __forceinline__ double block_sum_d(double v, double* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  double s = lane < nw ? scratch[lane] : 0.0;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return s;
+}
+
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // Programmatic Dependent Launch (kernels/cuda/launch.h): wait until the previous kernel on the stream has

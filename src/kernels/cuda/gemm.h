@@ -4,6 +4,10 @@
 //
 // GemmLt runs every shape through cuBLASLt (row-major x·Wᵀ is the column-major product W·xᵀ with W
 // transposed), caching the heuristic's algorithm per (shape, strides, alignment, output dtype).
+// The caches are LRU-bounded (kMaxPlans each): a server's steps come in every row count up to the
+// token budget, so an unbounded cache kept a plan (~1 KB of descriptors) per shape ever seen and the
+// host memory grew with the requests served (issue #24). A plan evicted and needed again costs one
+// more heuristic query, which cuBLASLt answers from its own bounded heuristics cache.
 // gemv_bf16 is a hand-written T = 1 kernel (one warp per output row, 16-byte loads of W) for the
 // decode path, to be chosen over cuBLASLt where it measures faster.
 #pragma once
@@ -11,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <list>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -45,17 +50,36 @@ class GemmLt {
                       float* y, int64_t ldy, int64_t sy, int64_t M, int64_t K, int64_t N, int64_t batch,
                       cudaStream_t stream);
 
+  static constexpr size_t kMaxPlans = 4096;  // per cache (plain, FP8 and batched)
+  size_t cached_plans() const { return plans_.size() + fp8_plans_.size() + bplans_.size(); }
+
  private:
   struct Plan;
+  // An LRU map of plans: find() marks a hit most recent, insert() drops the least recent beyond kMaxPlans.
+  template <class Key>
+  class PlanCache {
+   public:
+    Plan* find(const Key& k);
+    Plan* insert(const Key& k, std::unique_ptr<Plan> p);
+    size_t size() const { return map_.size(); }
+    void clear();
+
+   private:
+    struct Slot {
+      std::unique_ptr<Plan> plan;
+      typename std::list<Key>::iterator lru;
+    };
+    std::map<Key, Slot> map_;
+    std::list<Key> lru_;  // front = least recently used
+  };
   void run(const uint16_t* x, int64_t ldx, const uint16_t* w, void* y, int64_t ldy, int64_t T, int64_t K, int64_t N,
            bool f32_out, cudaStream_t stream);
   void* handle_ = nullptr;     // cublasLtHandle_t
   void* workspace_ = nullptr;  // device
   size_t workspace_bytes_ = 0;
-  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, bool>, std::unique_ptr<Plan>> plans_;
-  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int>, std::unique_ptr<Plan>> fp8_plans_;
-  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>,
-           std::unique_ptr<Plan>>
+  PlanCache<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, bool>> plans_;
+  PlanCache<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int>> fp8_plans_;
+  PlanCache<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>>
       bplans_;
 };
 

@@ -30,6 +30,34 @@ struct GemmLt::Plan {
   }
 };
 
+template <class Key>
+GemmLt::Plan* GemmLt::PlanCache<Key>::find(const Key& k) {
+  auto it = map_.find(k);
+  if (it == map_.end()) return nullptr;
+  lru_.splice(lru_.end(), lru_, it->second.lru);
+  return it->second.plan.get();
+}
+
+template <class Key>
+GemmLt::Plan* GemmLt::PlanCache<Key>::insert(const Key& k, std::unique_ptr<Plan> p) {
+  // The descriptors of an evicted plan are host data that cuBLASLt read when the matmul was enqueued
+  // (or captured): nothing on the device refers to them, so they may go at once.
+  while (map_.size() >= kMaxPlans) {
+    map_.erase(lru_.front());
+    lru_.pop_front();
+  }
+  Plan* raw = p.get();
+  auto lru = lru_.insert(lru_.end(), k);
+  map_.emplace(k, Slot{std::move(p), lru});
+  return raw;
+}
+
+template <class Key>
+void GemmLt::PlanCache<Key>::clear() {
+  map_.clear();
+  lru_.clear();
+}
+
 GemmLt::GemmLt(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
   cublasLtHandle_t h = nullptr;
   KCUBLAS_CHECK(cublasLtCreate(&h));
@@ -90,8 +118,8 @@ void GemmLt::run(const uint16_t* x, int64_t ldx, const uint16_t* w, void* y, int
   const size_t out_elem = f32_out ? 4 : 2;
   const int align = std::min({alignment_of(x, ldx, 2), alignment_of(w, K, 2), alignment_of(y, ldy, out_elem)});
   auto key = std::make_tuple(T, K, N, ldx, ldy, align, f32_out);
-  auto it = plans_.find(key);
-  if (it == plans_.end()) {
+  const Plan* plan = plans_.find(key);
+  if (!plan) {
     auto p = std::make_unique<Plan>();
     KCUBLAS_CHECK(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -103,9 +131,9 @@ void GemmLt::run(const uint16_t* x, int64_t ldx, const uint16_t* w, void* y, int
     KCUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->d, dt, uint64_t(N), uint64_t(T), ldy));
     p->algo = choose_algo(static_cast<cublasLtHandle_t>(handle_), workspace_bytes_, p->op, p->a, p->b, p->d, align,
                           "T=" + std::to_string(T) + " K=" + std::to_string(K) + " N=" + std::to_string(N));
-    it = plans_.emplace(key, std::move(p)).first;
+    plan = plans_.insert(key, std::move(p));
   }
-  const Plan& p = *it->second;
+  const Plan& p = *plan;
   const float alpha = 1.0f, beta = 0.0f;
   KCUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w, p.a, x, p.b, &beta, y, p.d, y,
                                p.d, &p.algo, workspace_, workspace_bytes_, stream));
@@ -130,8 +158,8 @@ void GemmLt::fp8_ptpc(const uint8_t* xq, int64_t ldx, const float* xs, const uin
   if (T == 0) return;
   const int align = std::min({alignment_of(xq, ldx, 1), alignment_of(wq, K, 1), alignment_of(y, ldy, 2)});
   auto key = std::make_tuple(T, K, N, ldx, ldy, align);
-  auto it = fp8_plans_.find(key);
-  if (it == fp8_plans_.end()) {
+  Plan* plan = fp8_plans_.find(key);
+  if (!plan) {
     auto p = std::make_unique<Plan>();
     KCUBLAS_CHECK(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -148,9 +176,9 @@ void GemmLt::fp8_ptpc(const uint8_t* xq, int64_t ldx, const float* xs, const uin
     KCUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->d, CUDA_R_16BF, uint64_t(N), uint64_t(T), ldy));
     p->algo = choose_algo(static_cast<cublasLtHandle_t>(handle_), workspace_bytes_, p->op, p->a, p->b, p->d, align,
                           "fp8 T=" + std::to_string(T) + " K=" + std::to_string(K) + " N=" + std::to_string(N));
-    it = fp8_plans_.emplace(key, std::move(p)).first;
+    plan = fp8_plans_.insert(key, std::move(p));
   }
-  const Plan& p = *it->second;
+  const Plan& p = *plan;
   KCUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws, sizeof ws));
   KCUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs, sizeof xs));
   const float alpha = 1.0f, beta = 0.0f;
@@ -167,8 +195,8 @@ void GemmLt::batched_xw_f32(const uint16_t* x, int64_t ldx, int64_t sx, const ui
                 std::string("batched gemm: bad arguments"));
   if (M == 0) return;
   auto key = std::make_tuple(M, K, N, ldx, ldw, ldy, sx, sw, sy, batch);
-  auto it = bplans_.find(key);
-  if (it == bplans_.end()) {
+  const Plan* plan = bplans_.find(key);
+  if (!plan) {
     auto p = std::make_unique<Plan>();
     KCUBLAS_CHECK(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t tn = CUBLAS_OP_N;
@@ -187,9 +215,9 @@ void GemmLt::batched_xw_f32(const uint16_t* x, int64_t ldx, int64_t sx, const ui
     }
     p->algo = choose_algo(static_cast<cublasLtHandle_t>(handle_), workspace_bytes_, p->op, p->a, p->b, p->d, 0,
                           "batched M=" + std::to_string(M) + " K=" + std::to_string(K) + " N=" + std::to_string(N));
-    it = bplans_.emplace(key, std::move(p)).first;
+    plan = bplans_.insert(key, std::move(p));
   }
-  const Plan& p = *it->second;
+  const Plan& p = *plan;
   const float alpha = 1.0f, beta = 0.0f;
   KCUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w, p.a, x, p.b, &beta, y, p.d, y,
                                p.d, &p.algo, workspace_, workspace_bytes_, stream));

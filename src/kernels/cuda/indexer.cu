@@ -1,5 +1,6 @@
 // The DSA indexer on tensor cores (see indexer.h): scores by BF16 mma.sync with FP32 accumulation, ReLU and
-// the head-weighted sum fused in registers, and a chunked per-row radix top-k, for every row of a step.
+// the head-weighted sum fused in registers, and a chunked per-row radix top-k (indexer_topk.cu: the select
+// kernel, run after each key chunk), for every row of a step.
 //
 // Scores kernel. A CTA (8 warps) owns a group of 8 consecutive query rows and a span of key positions
 // (a multiple of 128) inside the current key chunk. Consecutive active rows of the group that read the
@@ -23,14 +24,6 @@
 // (split over the tile's keys), so decode rows keep all 8 warps busy. One FP32 score per (row, key) is
 // written to the chunk's score buffer; nothing else.
 //
-// Select kernel (one CTA of 512 threads per row, after each chunk): the row's candidates are the running top
-// Ki of the earlier chunks (order keys + positions, ascending) followed by the chunk's scores; a 4-pass 8-bit
-// radix select on the order-preserving integer image of the score (NaN → −inf, −0 → +0: the twin's
-// cpu::topk order) finds the Ki-th key (histograms by warp-aggregated shared atomics; the candidates' keys
-// stay in shared memory after the first pass when ≤ 48K), and an in-order compaction keeps everything above
-// it plus the lowest-position ties (§0.8), ascending. In place: an entry is written at an index ≤ its own,
-// after it was read.
-//
 // Numerics (why the selection can differ from the twin only inside a band): products of BF16 values are
 // exact in FP32; the twin sums them sequentially, the tensor core in its own order (and possibly with
 // truncation), so |d_gpu − d| and |d_cpu − d| ≤ c·Di·2^−24·Σ_i|q_i·k_i|; ReLU is 1-Lipschitz; the head
@@ -42,7 +35,7 @@
 //
 // Resources (ptxas, sm_90a): scores kernel 123–124 registers (Di 128; 87–92 at Di 64, 63–72 at Di 32), no spills,
 // __launch_bounds__(256, 2); shared memory per CTA at Di 128: FP8 84 KB (3 × 16.5 KB ring + 32 KB tile),
-// MXFP4 58 KB, BF16 97 KB: two CTAs per SM. Select kernel 107 registers, up to 192 KB + 3.3 KB shared.
+// MXFP4 58 KB, BF16 97 KB: two CTAs per SM.
 // SASS of the scores kernel: HMMA.16816.F32.BF16, LDSM.16.M88.4, LDGSTS.E.BYPASS.128, F2FP.F16.E4M3.UNPACK_B,
 // HMUL2.BF16_V2.
 //
@@ -53,15 +46,13 @@
 // (64 CTAs in parallel): predicted ~80–120 µs against 8.2 ms for the exact-order kernel. Prefill, T rows of
 // one request: each key tile is read from L2 once per 8-row group, FLOPs 2·T·S·32·128 (T = 2048,
 // S = 32K: 0.55 TFLOP → ~1 ms at ~50% of mma.sync peak; the select ~0.15 ms).
-// Longer than 600 lines: the two kernels and their launcher share nothing with other files.
-#include <cub/block/block_scan.cuh>
-
 #include <algorithm>
 #include <climits>
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/indexer.h"
+#include "kernels/cuda/indexer_topk.h"
 
 namespace kestrel::cuda {
 namespace {
@@ -396,139 +387,6 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_scores_tc(const ScoreArgs
   cp_async_wait<0>();
 }
 
-// ---- select ---------------------------------------------------------------------------------------------
-constexpr int kSelThreads = 512, kSelPer = 16;
-constexpr int64_t kSelCacheMax = 48 * 1024;  // order keys cached in shared memory (192 KiB)
-
-// Order-preserving image: larger float ⇒ larger integer; NaN ranks as −inf and −0 as +0 (cpu::topk).
-__device__ __forceinline__ uint32_t order_key(float x) {
-  if (isnan(x)) x = -INFINITY;
-  if (x == 0.0f) x = 0.0f;
-  const uint32_t u = __float_as_uint(x);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-__global__ void __launch_bounds__(kSelThreads)
-    indexer_select_merge(const float* __restrict__ scores, int64_t ldc, uint32_t* skeys, int32_t* sel,
-                         const int32_t* __restrict__ lens, int chunk0, int Ki, int max_len, int cache_cap) {
-  using Scan = cub::BlockScan<int, kSelThreads>;
-  extern __shared__ uint32_t cache[];  // u32 [cache_cap]: the row's order keys, kept after pass 1 when they fit
-  __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ int hist[256];
-  __shared__ int s_digit, s_remaining;
-  const int t = blockIdx.x, tid = threadIdx.x;
-  const int len = min(max(lens[t], 0), max_len);
-  int32_t* out = sel + int64_t(t) * Ki;
-  uint32_t* sk = skeys + int64_t(t) * Ki;
-  if (len <= Ki) {
-    if (chunk0 == 0)
-      for (int i = tid; i < Ki; i += kSelThreads) out[i] = i < len ? i : -1;
-    return;
-  }
-  if (len <= chunk0) return;
-  const int n_s = chunk0 == 0 ? 0 : Ki, n = n_s + min(len - chunk0, int(ldc));
-  const float* row = scores + int64_t(t) * ldc - n_s;  // entry v ≥ n_s is row[v]
-  auto key_g = [&](int v) { return v < n_s ? sk[v] : order_key(row[v]); };
-  const bool cached = n <= cache_cap;
-  auto key = [&](int v) { return cached ? cache[v] : key_g(v); };
-
-  uint32_t prefix = 0, mask = 0;
-  int remaining = Ki;  // how many keys matching prefix are still to take
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int i = tid; i < 256; i += kSelThreads) hist[i] = 0;
-    __syncthreads();
-    constexpr int U = 8;  // loads in flight per thread
-    for (int v0 = 0; v0 < n; v0 += U * kSelThreads) {
-      uint32_t u[U];
-#pragma unroll
-      for (int i = 0; i < U; ++i) {
-        const int v = v0 + i * kSelThreads + tid;
-        u[i] = 0u;
-        if (v < n) {
-          if (shift == 24) {  // first pass: from global, and into the cache
-            u[i] = key_g(v);
-            if (cached) cache[v] = u[i];
-          } else {
-            u[i] = key(v);
-          }
-        }
-      }
-      // Warp-aggregated: lanes with the same bin add once (scores crowd into few bins; same-address shared
-      // atomics would serialise). Bin 256 = not matching the prefix.
-#pragma unroll
-      for (int i = 0; i < U; ++i) {
-        const int v = v0 + i * kSelThreads + tid;
-        const int bin = v < n && (u[i] & mask) == prefix ? int((u[i] >> shift) & 0xFF) : 256;
-        const unsigned peers = __match_any_sync(0xffffffffu, bin);
-        if (bin < 256 && (tid & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
-      }
-    }
-    __syncthreads();
-    if (tid < 32) {
-      // Lane l holds bins 8l..8l+7; above = entries in higher bins; the lane where `remaining` falls
-      // finds the digit.
-      int c[8], tot = 0;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) c[i] = hist[tid * 8 + i], tot += c[i];
-      int suf = tot;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_down_sync(0xffffffffu, suf, o);
-        if (tid + o < 32) suf += y;
-      }
-      int above = suf - tot;
-      if (above < remaining && remaining <= suf) {
-        for (int i = 7; i >= 0; --i) {
-          if (above + c[i] >= remaining) {
-            s_digit = tid * 8 + i, s_remaining = remaining - above;
-            break;
-          }
-          above += c[i];
-        }
-      }
-    }
-    __syncthreads();
-    prefix |= uint32_t(s_digit) << shift;
-    mask |= 0xFFu << shift;
-    remaining = s_remaining;
-  }
-  // prefix is the Ki-th largest key: take every key above it and the `remaining` first ties, in order.
-  int base_take = 0, base_eq = 0;
-  for (int c0 = 0; c0 < n; c0 += kSelThreads * kSelPer) {
-    uint32_t u[kSelPer];
-    int32_t p[kSelPer];
-    int n_eq = 0;
-    const int v0 = c0 + tid * kSelPer;  // this thread's entries v0 .. v0 + kSelPer − 1, in order
-#pragma unroll
-    for (int i = 0; i < kSelPer; ++i) {
-      const int v = v0 + i;
-      u[i] = 0, p[i] = -1;
-      if (v < n) u[i] = key(v), p[i] = v < n_s ? out[v] : chunk0 + (v - n_s);
-      n_eq += (v < n && u[i] == prefix) ? 1 : 0;
-    }
-    int eq_rank, eq_total;
-    __syncthreads();  // every entry of this block is read before anyone writes; scan_tmp reuse
-    Scan(scan_tmp).ExclusiveSum(n_eq, eq_rank, eq_total);
-    bool take[kSelPer];
-    int n_take = 0, e = base_eq + eq_rank;  // ties before entry i (all threads, this block included)
-#pragma unroll
-    for (int i = 0; i < kSelPer; ++i) {
-      const bool in = v0 + i < n, eq = in && u[i] == prefix;
-      take[i] = in && (u[i] > prefix || (eq && e < remaining));
-      e += eq ? 1 : 0;
-      n_take += take[i] ? 1 : 0;
-    }
-    int pos, total;
-    __syncthreads();
-    Scan(scan_tmp).ExclusiveSum(n_take, pos, total);
-    pos += base_take;
-#pragma unroll
-    for (int i = 0; i < kSelPer; ++i)
-      if (take[i]) out[pos] = p[i], sk[pos] = u[i], ++pos;
-    base_take += total, base_eq += eq_total;
-  }
-}
-
 int num_sms() {
   static int n = [] {
     int dev = 0, v = 0;
@@ -586,9 +444,7 @@ void indexer_select_paged_tc(const uint16_t* qi, const float* hw, const PagedMla
   KCUDA_REQUIRE(lens && sel && Ki > 0 && Ki < (int64_t(1) << 24) && max_len > 0 && max_len < (int64_t(1) << 30),
                 std::string("indexer_select_paged_tc: bad lens/sel/Ki/max_len"));
   if (max_len <= Ki) {  // every row selects all its visible keys: no scores
-    indexer_select_merge<<<unsigned(T), kSelThreads, 0, stream>>>(nullptr, 1, nullptr, sel, lens, 0, int(Ki),
-                                                                  int(max_len), 0);
-    KCUDA_CHECK_LAUNCH();
+    indexer_detail::select_merge(nullptr, 1, nullptr, sel, lens, 0, int(Ki), int(max_len), 0, T, stream);
     return;
   }
   KCUDA_REQUIRE(qi && hw && c.keys && c.block_tables && c.bt_stride > 0 && workspace,
@@ -616,9 +472,7 @@ void indexer_select_paged_tc(const uint16_t* qi, const float* hw, const PagedMla
   a.scale = 1.0f / sqrtf(float(Hi) * float(c.Di));  // the twin's (Hi·Di)^−½
   const int groups = int((T + kGroupRows - 1) / kGroupRows);
   // The select keeps a row's candidates (≤ chunk + Ki order keys) in shared memory when they fit.
-  const int64_t cache_cap = std::min<int64_t>(chunk + Ki, kSelCacheMax);
-  const size_t sel_smem = size_t(cache_cap) * 4;
-  KCUDA_CHECK(cudaFuncSetAttribute(indexer_select_merge, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sel_smem)));
+  const int64_t cache_cap = std::min<int64_t>(chunk + Ki, indexer_detail::kSelCacheMax);
   const int64_t target_ctas = 4 * int64_t(num_sms());
   for (int64_t chunk0 = 0; chunk0 < max_len; chunk0 += chunk) {
     const int64_t keys = std::min(chunk, round128(max_len) - chunk0);
@@ -630,10 +484,8 @@ void indexer_select_paged_tc(const uint16_t* qi, const float* hw, const PagedMla
       case 64: launch_scores_fmt<64>(c.key_format, a, groups, stream); break;
       default: launch_scores_fmt<128>(c.key_format, a, groups, stream); break;
     }
-    indexer_select_merge<<<unsigned(T), kSelThreads, sel_smem, stream>>>(scores, chunk, skeys, sel, lens,
-                                                                         int(chunk0), int(Ki), int(max_len),
-                                                                         int(cache_cap));
-    KCUDA_CHECK_LAUNCH();
+    indexer_detail::select_merge(scores, chunk, skeys, sel, lens, int(chunk0), int(Ki), int(max_len), int(cache_cap),
+                                 T, stream);
   }
 }
 

@@ -6,18 +6,24 @@
 //   in registers (Dk floats, compile-time indexed), so every state element is read and written once
 //   per launch and the reads are coalesced across the warp (row i of S is contiguous in j).
 // - decode scan: see the comment at decode_kernel.
-// - chunked scan: kda_chunked.cu.
+// - chunked scan: kda_chunked.cu; the fused decode chain (steps 2–7 in one launch): kda_decode_fused.cu.
 #include <cuda_fp16.h>
+
+#include <cstdlib>
+#include <string>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/kda.h"
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/kda_internal.cuh"
 
 namespace kestrel::cuda {
 namespace {
 
-constexpr int kMaxConvW = 8;
+using kda_detail::kMaxConvW;
+using kda_detail::load4;
+using kda_detail::store4;
+using kda_detail::store4_cs;
 
 __device__ __forceinline__ float silu(float x) { return x * dev::sigmoid(x); }
 
@@ -150,52 +156,30 @@ __global__ void __launch_bounds__(DK) recurrent_kernel(const float* __restrict__
 }
 
 // Decode-specialised scan (kda_decode; same contract as kda_recurrent, built for one token per request).
-// One block of 128 threads per (32 value columns, head, request), so a batch-1 step of 12 heads × 128
-// already runs 48 blocks. Thread (warp w, lane l) holds rows i = 16m + 4w + (l >> 3), m < Dk/16, of the
-// columns 4(l & 7)..+3 of the block's slice: every state row is one 128-byte (f32) segment per 8 lanes,
-// loaded and stored as 16-byte vectors. Per token the column sums a = Σ_i d_i S_ij k_i, b = Σ_i d_i S_ij q_i
-// and kᵀq are reduced over the rows (shuffles, then one shared-memory round over the 4 warps, double-
-// buffered by token parity so one barrier per token suffices); then u = β(v − a), o = b + u·kᵀq
-// (= (S + k uᵀ)ᵀq) and S ← d ⊙ S + k uᵀ. Same math as recurrent_kernel in another summation order.
-__device__ __forceinline__ void load4(const float* p, float (&x)[4]) {
-  const float4 v = *reinterpret_cast<const float4*>(p);
-  x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
-}
-__device__ __forceinline__ void load4(const uint16_t* p, float (&x)[4]) {
-  const uint2 v = *reinterpret_cast<const uint2*>(p);
-  x[0] = __half2float(__ushort_as_half(uint16_t(v.x))), x[1] = __half2float(__ushort_as_half(uint16_t(v.x >> 16)));
-  x[2] = __half2float(__ushort_as_half(uint16_t(v.y))), x[3] = __half2float(__ushort_as_half(uint16_t(v.y >> 16)));
-}
-__device__ __forceinline__ void store4(float* p, const float (&x)[4]) {
-  *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
-}
-__device__ __forceinline__ void store4(uint16_t* p, const float (&x)[4]) {
-  const uint32_t lo = uint32_t(__half_as_ushort(__float2half_rn(x[0]))) |
-                      (uint32_t(__half_as_ushort(__float2half_rn(x[1]))) << 16);
-  const uint32_t hi = uint32_t(__half_as_ushort(__float2half_rn(x[2]))) |
-                      (uint32_t(__half_as_ushort(__float2half_rn(x[3]))) << 16);
-  *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
-}
-
+// Work item = (32 value columns, head, request), 128 threads: a batch-1 step of 12 heads × 128 is already 48
+// items. Thread (warp w, lane l) holds rows i = 16m + 4w + (l >> 3), m < Dk/16, of the columns 4(l & 7)..+3 of
+// the item's slice: every state row is one 128-byte (f32) segment per 8 lanes, loaded and stored as 16-byte
+// vectors. Per token the column sums a = Σ_i d_i S_ij k_i, b = Σ_i d_i S_ij q_i and kᵀq are reduced over the
+// rows (shuffles, then one shared-memory round over the 4 warps, double-buffered by token parity so one
+// barrier per token suffices); then u = β(v − a), o = b + u·kᵀq (= (S + k uᵀ)ᵀq) and S ← d ⊙ S + k uᵀ. Same
+// math as recurrent_kernel in another summation order.
+// decode_kernel: one block per item (the latency form). decode_stream_kernel: a wave of persistent blocks
+// walks the items (consecutive items share a head's q, k, g in L2); each thread copies its own part of the
+// next item's slice into shared memory (cp.async) before it computes the current item, so the state reads of
+// the whole batch stay in flight (the bandwidth form: the one-item-per-block kernel only has reads in flight
+// at the start of each block, which left the FP16 pool at ~2.8 TB/s). Both call decode_tokens: identical bits.
 constexpr int kDecodeCols = 32, kDecodeThreads = 128;
 
-template <int DK, typename StateT>
-__global__ void __launch_bounds__(kDecodeThreads)
-    decode_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                  const float* __restrict__ g, int64_t ld, const float* __restrict__ beta, int64_t ld_beta,
-                  const int32_t* __restrict__ cu, const int32_t* __restrict__ slots, StateT* __restrict__ pool,
-                  float* __restrict__ o, int64_t H) {
-  constexpr int R = DK / 16;          // rows per thread
-  __shared__ float red[2][4][9][8];   // [token parity][warp][a0..a3, b0..b3, kᵀq][column group]
-  const int64_t h = blockIdx.y, b = blockIdx.z;
+// Tokens t0..t1−1 of one work item, on the thread's state registers s (rows 16m + 4w + sub, value columns
+// col..col+3 of head h). red: the block's reduction buffer, par: its token parity, carried across items.
+template <int DK>
+__device__ __forceinline__ void decode_tokens(float (&s)[DK / 16][4], const float* __restrict__ q,
+                                              const float* __restrict__ k, const float* __restrict__ v,
+                                              const float* __restrict__ g, int64_t ld, const float* __restrict__ beta,
+                                              int64_t ld_beta, int64_t t0, int64_t t1, int64_t h, int col,
+                                              float (&red)[2][4][9][8], int& par, float* __restrict__ o) {
+  constexpr int R = DK / 16;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, sub = lane >> 3, c4 = lane & 7;
-  const int col = blockIdx.x * kDecodeCols + 4 * c4;  // first of this thread's 4 value columns
-  StateT* S = pool + (int64_t(slots[b]) * H + h) * DK * DK;  // [DK(key), DK(value)]
-  float s[R][4];
-#pragma unroll
-  for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
-  const int64_t t0 = cu[b], t1 = cu[b + 1];
-  int par = 0;
   for (int64_t t = t0; t < t1; ++t, par ^= 1) {
     const int64_t row = t * ld + h * DK;
     // Every global read of the token is issued here, before the barrier below.
@@ -258,8 +242,75 @@ __global__ void __launch_bounds__(kDecodeThreads)
       for (int c = 0; c < 4; ++c) o[row + col + c] = fmaf(u[c], kqs, ob[c]);
     }
   }
+}
+
+template <int DK, typename StateT>
+__global__ void __launch_bounds__(kDecodeThreads)
+    decode_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                  const float* __restrict__ g, int64_t ld, const float* __restrict__ beta, int64_t ld_beta,
+                  const int32_t* __restrict__ cu, const int32_t* __restrict__ slots, StateT* __restrict__ pool,
+                  float* __restrict__ o, int64_t H) {
+  constexpr int R = DK / 16;          // rows per thread
+  __shared__ float red[2][4][9][8];   // [token parity][warp][a0..a3, b0..b3, kᵀq][column group]
+  const int64_t h = blockIdx.y, b = blockIdx.z;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, sub = lane >> 3, c4 = lane & 7;
+  const int col = blockIdx.x * kDecodeCols + 4 * c4;  // first of this thread's 4 value columns
+  StateT* S = pool + (int64_t(slots[b]) * H + h) * DK * DK;  // [DK(key), DK(value)]
+  float s[R][4];
+#pragma unroll
+  for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
+  int par = 0;
+  decode_tokens<DK>(s, q, k, v, g, ld, beta, ld_beta, cu[b], cu[b + 1], h, col, red, par, o);
 #pragma unroll
   for (int m = 0; m < R; ++m) store4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
+}
+
+// n_items = B·H·(DK/32), item it = ((b·H) + h)·(DK/32) + column block. Dynamic shared memory: StateT [2][DK][32].
+template <int DK, typename StateT>
+__global__ void __launch_bounds__(kDecodeThreads)
+    decode_stream_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                         const float* __restrict__ g, int64_t ld, const float* __restrict__ beta, int64_t ld_beta,
+                         const int32_t* __restrict__ cu, const int32_t* __restrict__ slots,
+                         StateT* __restrict__ pool, float* __restrict__ o, int64_t H, int64_t n_items) {
+  constexpr int R = DK / 16, NCB = DK / kDecodeCols;
+  __shared__ float red[2][4][9][8];
+  StateT* buf = kda_detail::dyn_smem<StateT>();  // [2][DK][kDecodeCols]: the current and the next item's slice
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, sub = lane >> 3, c4 = lane & 7;
+  // This thread's rows and columns of item it's slice into buffer p (it reads back exactly these elements, so
+  // its own cp.async wait suffices; no barrier).
+  auto fetch = [&](int64_t it, int p) {
+    const int64_t b = it / (H * NCB), h = (it / NCB) % H, cb = it % NCB;
+    const StateT* S = pool + (int64_t(slots[b]) * H + h) * DK * DK + cb * kDecodeCols + 4 * c4;
+    StateT* dst = buf + p * DK * kDecodeCols + 4 * c4;
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+      const int r = 16 * m + 4 * w + sub;
+      if constexpr (sizeof(StateT) == 4) {
+        kda_detail::cp_async16(dst + r * kDecodeCols, S + r * DK, 16u);
+      } else {
+        kda_detail::cp_async8(dst + r * kDecodeCols, S + r * DK);
+      }
+    }
+  };
+  int par = 0, p = 0;
+  int64_t it = blockIdx.x;
+  if (it < n_items) fetch(it, 0);
+  kda_detail::cp_async_commit();
+  for (; it < n_items; it += gridDim.x, p ^= 1) {
+    // Buffer p^1 was last read for the previous item, whose stores (which used those reads) precede this.
+    if (it + gridDim.x < n_items) fetch(it + gridDim.x, p ^ 1);
+    kda_detail::cp_async_commit();
+    kda_detail::cp_async_wait<1>();  // this thread's copies of item it
+    const int64_t b = it / (H * NCB), h = (it / NCB) % H, cb = it % NCB;
+    const int col = int(cb) * kDecodeCols + 4 * c4;
+    float s[R][4];
+#pragma unroll
+    for (int m = 0; m < R; ++m) load4(buf + p * DK * kDecodeCols + (16 * m + 4 * w + sub) * kDecodeCols + 4 * c4, s[m]);
+    decode_tokens<DK>(s, q, k, v, g, ld, beta, ld_beta, cu[b], cu[b + 1], h, col, red, par, o);
+    StateT* S = pool + (int64_t(slots[b]) * H + h) * DK * DK;
+#pragma unroll
+    for (int m = 0; m < R; ++m) store4_cs(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
+  }
 }
 
 __global__ void out_norm_gate_kernel(const float* __restrict__ o, const uint16_t* __restrict__ gate,
@@ -275,6 +326,11 @@ __global__ void out_norm_gate_kernel(const float* __restrict__ o, const uint16_t
   const float gt = dev::sigmoid(dev::bf16_to_f32(gate[idx]));
   ohat[idx] = dev::f32_to_bf16(ov * r * o_norm[j] * gt);
 }
+
+}  // namespace
+
+#ifndef KESTREL_SIMT_EMU
+namespace {
 
 unsigned blocks_for(int64_t n, int threads) {
   const int64_t b = (n + threads - 1) / threads;
@@ -373,10 +429,33 @@ void kda_recurrent(const float* q, const float* k, const float* v, const float* 
 }
 
 namespace {
+template <int DK, typename StateT>
+void launch_decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+                   int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, StateT* state_pool, float* o,
+                   int64_t B, int64_t H, KdaDecodeVariant variant, cudaStream_t stream) {
+  const int64_t n_items = B * H * (DK / kDecodeCols);
+  auto stream_kernel = decode_stream_kernel<DK, StateT>;
+  constexpr size_t smem = size_t(2) * DK * kDecodeCols * sizeof(StateT);
+  int dev = 0, sms = 0, per_sm = 0;
+  KCUDA_CHECK(cudaGetDevice(&dev));
+  KCUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, stream_kernel, kDecodeThreads, smem));
+  const int64_t wave = int64_t(std::max(sms, 1)) * std::max(per_sm, 1);
+  if (variant == kKdaDecodeStream || (variant == kKdaDecodeAuto && n_items > wave)) {
+    stream_kernel<<<unsigned(std::min(n_items, wave)), kDecodeThreads, smem, stream>>>(
+        q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, H, n_items);
+  } else {
+    const dim3 grid{unsigned(DK / kDecodeCols), unsigned(H), unsigned(B)};
+    decode_kernel<DK><<<grid, kDecodeThreads, 0, stream>>>(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots,
+                                                           state_pool, o, H);
+  }
+  KCUDA_CHECK_LAUNCH();
+}
+
 template <typename StateT>
 void decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
             int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, StateT* state_pool, float* o, int64_t B,
-            int64_t H, int64_t Dk, cudaStream_t stream) {
+            int64_t H, int64_t Dk, cudaStream_t stream, KdaDecodeVariant variant) {
   // Vector state access needs a 16-byte (f32) / 8-byte (f16) aligned pool; otherwise the plain kernel.
   if (reinterpret_cast<uintptr_t>(state_pool) % (4 * sizeof(StateT)) != 0) {
     recurrent(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream);
@@ -386,38 +465,58 @@ void decode(const float* q, const float* k, const float* v, const float* g, int6
                 std::string("kda_decode: null pointer"));
   KCUDA_REQUIRE(B >= 0 && B < 65536 && H > 0 && H < 65536 && ld >= H * Dk && ld_beta >= H,
                 std::string("kda_decode: bad B, H or strides"));
+  KCUDA_REQUIRE(variant >= kKdaDecodeAuto && variant <= kKdaDecodeStream,
+                "kda_decode: bad variant " + std::to_string(int(variant)));
   if (B == 0) return;
-  const dim3 grid{unsigned(Dk / kDecodeCols), unsigned(H), unsigned(B)};
   switch (Dk) {
     case 32:
-      decode_kernel<32><<<grid, kDecodeThreads, 0, stream>>>(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots,
-                                                             state_pool, o, H);
+      launch_decode<32>(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, variant, stream);
       break;
     case 64:
-      decode_kernel<64><<<grid, kDecodeThreads, 0, stream>>>(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots,
-                                                             state_pool, o, H);
+      launch_decode<64>(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, variant, stream);
       break;
     case 128:
-      decode_kernel<128><<<grid, kDecodeThreads, 0, stream>>>(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots,
-                                                              state_pool, o, H);
+      launch_decode<128>(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, variant, stream);
       break;
     default:
       KCUDA_REQUIRE(false, "kda_decode: Dk = " + std::to_string(Dk) + " (supported: 32, 64, 128)");
   }
-  KCUDA_CHECK_LAUNCH();
 }
 }  // namespace
+
+KdaDecodeVariant kda_decode_default_variant() {
+  static const KdaDecodeVariant v = [] {
+    const char* e = std::getenv("KESTREL_KDA_DECODE");
+    if (e == nullptr || *e == 0) return kKdaDecodeBlocks;
+    const std::string s = e;
+    KCUDA_REQUIRE(s == "auto" || s == "blocks" || s == "stream",
+                  "KESTREL_KDA_DECODE=" + s + " (expected auto, blocks or stream)");
+    return s == "auto" ? kKdaDecodeAuto : s == "blocks" ? kKdaDecodeBlocks : kKdaDecodeStream;
+  }();
+  return v;
+}
 
 void kda_decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
                 int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
                 int64_t B, int64_t H, int64_t Dk, cudaStream_t stream) {
-  decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream);
+  decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream,
+         kda_decode_default_variant());
 }
-
 void kda_decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
                 int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, uint16_t* state_pool, float* o,
                 int64_t B, int64_t H, int64_t Dk, cudaStream_t stream) {
-  decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream);
+  decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream,
+         kda_decode_default_variant());
+}
+void kda_decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+                int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
+                int64_t B, int64_t H, int64_t Dk, cudaStream_t stream, KdaDecodeVariant variant) {
+  decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream, variant);
+}
+void kda_decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+                int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, uint16_t* state_pool, float* o,
+                int64_t B, int64_t H, int64_t Dk, cudaStream_t stream, KdaDecodeVariant variant) {
+  decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream, variant);
 }
 
 void kda_out_norm_gate(const float* o, const uint16_t* gate, const float* o_norm, float eps, uint16_t* ohat, int64_t T,
@@ -431,220 +530,6 @@ void kda_out_norm_gate(const float* o, const uint16_t* gate, const float* o_norm
   KCUDA_CHECK_LAUNCH();
 }
 
-// ---- the fused decode chain (kda_decode_fused) -------------------------------------------------------------
-// One CTA of 4·DK threads per (head h, row b). Phases, separated by barriers:
-//  A. threads < 3·DK run the conv of one q/k/v channel of the head (conv_decode_kernel's arithmetic,
-//     history shifted in place); then every thread starts its state loads (the decode_kernel layout: DK/32
-//     slices of 128 threads, slice c owning value columns 32c..32c+31) and all threads compute the f_b rows
-//     of the head (4 threads per output, FP32, shuffle-summed, rounded to bf16);
-//  Resources (ptxas): ≤ 64 registers at 512 threads (two CTAs per SM at Dk = 128), no spills.
-//  B. one warp each sums q² and k²; threads < DK normalise, form g and keep exp(g) (qk_norm_gates' formulas);
-//  C. the delta-rule step of decode_kernel for one token, o into shared memory;
-//  D. one warp sums o²; threads < DK write ô (out_norm_gate's formula).
-namespace {
-
-template <int DK, typename StateT>
-__global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(const KdaDecodeIn in, const KdaDecodeWeights wt,
-                                                                   uint16_t* __restrict__ hist_pool,
-                                                                   const int32_t* __restrict__ slots,
-                                                                   StateT* __restrict__ pool,
-                                                                   uint16_t* __restrict__ ohat, int H, int W) {
-  constexpr int R = DK / 16, SL = DK / 32;
-  __shared__ float cv[3 * DK];     // conv + SiLU outputs (bf16 values): q | k | v
-  __shared__ float zs[DK];         // z (bf16 values)
-  __shared__ float qs[DK], ks[DK], ds[DK];
-  __shared__ float os[DK];
-  __shared__ float red[SL][4][9][8];
-  __shared__ float sums[3];
-  dev::pdl_trigger();
-  dev::pdl_wait();
-  const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
-  if (in.cu && in.cu[b + 1] - in.cu[b] != 1) return;  // a padded row of a graph bucket: no token, no state
-  const int64_t HD = int64_t(H) * DK, C3 = 3 * HD;
-  const int slot = slots[b];
-  // A. state loads first (longest latency), in decode_kernel's layout.
-  const int lane = tid & 31, warp = tid >> 5, slice = warp >> 2, w = warp & 3, sub = lane >> 3, c4 = lane & 7;
-  const int col = slice * 32 + 4 * c4;
-  StateT* S = pool + (int64_t(slot) * H + h) * DK * DK;
-  if (tid < 3 * DK) {
-    const int part = tid / DK, i = tid % DK;
-    const int64_t ch = part * HD + int64_t(h) * DK + i;
-    uint16_t* hist = hist_pool + int64_t(slot) * (W - 1) * C3;
-    const float* wc = wt.conv + ch * W;
-    uint16_t hv[kMaxConvW];
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kMaxConvW - 1; ++j) {
-      if (j < W - 1) {
-        hv[j] = hist[j * C3 + ch];
-        acc += wc[j] * dev::bf16_to_f32(hv[j]);
-      }
-    }
-    const uint16_t cur = in.qkv[int64_t(b) * in.ld_qkv + ch];
-    acc += wc[W - 1] * dev::bf16_to_f32(cur);
-    cv[tid] = dev::round_bf16(acc * dev::sigmoid(acc));
-#pragma unroll
-    for (int j = 0; j < kMaxConvW - 1; ++j)
-      if (j < W - 1) hist[j * C3 + ch] = j + 1 < W - 1 ? hv[j + 1] : cur;
-  }
-  // The state loads go out here, under the f_b reads and the norms (after the conv: fewer live registers).
-  float s[R][4];
-#pragma unroll
-  for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
-  {  // z = bf16(f_b[h·DK + i, :]·fa), 4 threads per output, DK/4 terms each.
-    const int i = tid >> 2, part = tid & 3;
-    const uint16_t* fr = wt.f_b + (int64_t(h) * DK + i) * DK + part * (DK / 4);
-    const uint16_t* fa = in.fa + int64_t(b) * in.ld_fa + part * (DK / 4);
-    float acc = 0.0f;
-#pragma unroll 8
-    for (int j = 0; j < DK / 4; ++j) acc = fmaf(dev::bf16_to_f32(fr[j]), dev::bf16_to_f32(fa[j]), acc);
-    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-    if (part == 0) zs[i] = dev::round_bf16(acc);
-  }
-  __syncthreads();
-  // B. norms and gates.
-  if (warp < 2) {
-    float a = 0.0f;
-    for (int i = lane; i < DK; i += 32) a = fmaf(cv[warp * DK + i], cv[warp * DK + i], a);
-    a = dev::warp_sum(a);
-    if (lane == 0) sums[warp] = a;
-  }
-  __syncthreads();
-  if (tid < DK) {
-    const float qn = (1.0f / sqrtf(float(DK))) / sqrtf(sums[0] + 1e-6f), kn = 1.0f / sqrtf(sums[1] + 1e-6f);
-    qs[tid] = cv[tid] * qn;
-    ks[tid] = cv[DK + tid] * kn;
-    const float a = expf(wt.a_log[h]);
-    const float zi = zs[tid] + wt.dt_bias[int64_t(h) * DK + tid];
-    ds[tid] = expf(wt.lower * dev::sigmoid(a * zi));
-  }
-  __syncthreads();
-  // C. one delta-rule step (decode_kernel's arithmetic for one token).
-  {
-    const float bt = dev::sigmoid(dev::bf16_to_f32(in.bl[int64_t(b) * in.ld_bl + h]));
-    float vv[4], kr[R], a[4] = {0.0f, 0.0f, 0.0f, 0.0f}, bq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, kq = 0.0f;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) vv[c] = cv[2 * DK + col + c];
-#pragma unroll
-    for (int m = 0; m < R; ++m) {
-      const int i = 16 * m + 4 * w + sub;
-      const float d = ds[i], qi = qs[i];
-      kr[m] = ks[i];
-      kq = fmaf(kr[m], qi, kq);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        s[m][c] *= d;
-        a[c] = fmaf(s[m][c], kr[m], a[c]);
-        bq[c] = fmaf(s[m][c], qi, bq[c]);
-      }
-    }
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      a[c] += __shfl_xor_sync(0xffffffffu, a[c], 8);
-      a[c] += __shfl_xor_sync(0xffffffffu, a[c], 16);
-      bq[c] += __shfl_xor_sync(0xffffffffu, bq[c], 8);
-      bq[c] += __shfl_xor_sync(0xffffffffu, bq[c], 16);
-    }
-    kq += __shfl_xor_sync(0xffffffffu, kq, 8);
-    kq += __shfl_xor_sync(0xffffffffu, kq, 16);
-    if (sub == 0) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        red[slice][w][c][c4] = a[c];
-        red[slice][w][4 + c][c4] = bq[c];
-      }
-      red[slice][w][8][c4] = kq;
-    }
-    __syncthreads();
-    float u[4], ob[4], kqs = 0.0f;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) u[c] = ob[c] = 0.0f;
-#pragma unroll
-    for (int ww = 0; ww < 4; ++ww) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        u[c] += red[slice][ww][c][c4];
-        ob[c] += red[slice][ww][4 + c][c4];
-      }
-      kqs += red[slice][ww][8][c4];
-    }
-#pragma unroll
-    for (int c = 0; c < 4; ++c) u[c] = bt * (vv[c] - u[c]);
-#pragma unroll
-    for (int m = 0; m < R; ++m)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) s[m][c] = fmaf(kr[m], u[c], s[m][c]);
-    if (w == 0 && sub == 0) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) os[col + c] = fmaf(u[c], kqs, ob[c]);
-    }
-#pragma unroll
-    for (int m = 0; m < R; ++m) store4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
-  }
-  __syncthreads();
-  // D. ô = bf16(RMSNorm(o) ⊙ σ(gate)).
-  if (warp == 0) {
-    float a = 0.0f;
-    for (int i = lane; i < DK; i += 32) a = fmaf(os[i], os[i], a);
-    a = dev::warp_sum(a);
-    if (lane == 0) sums[2] = a;
-  }
-  __syncthreads();
-  if (tid < DK) {
-    const float r = 1.0f / sqrtf(sums[2] / float(DK) + wt.eps);
-    const int64_t c = int64_t(h) * DK + tid;
-    const float gt = dev::sigmoid(dev::bf16_to_f32(in.gate[int64_t(b) * in.ld_gate + c]));
-    ohat[int64_t(b) * HD + c] = dev::f32_to_bf16(os[tid] * r * wt.o_norm[tid] * gt);
-  }
-}
-
-template <typename StateT>
-void decode_fused(const KdaDecodeIn& in, const KdaDecodeWeights& w, uint16_t* hist_pool, const int32_t* slots,
-                  StateT* pool, uint16_t* ohat, int64_t B, int64_t H, int64_t Dk, int64_t W, cudaStream_t stream) {
-  KCUDA_REQUIRE(in.qkv && in.gate && in.fa && in.bl && w.conv && w.f_b && w.dt_bias && w.a_log && w.o_norm && slots &&
-                    pool && ohat && (W == 1 || hist_pool),
-                std::string("kda_decode_fused: null pointer"));
-  KCUDA_REQUIRE(B >= 0 && B < 65536 && H > 0 && H < 65536 && W >= 1 && W <= kMaxConvW,
-                std::string("kda_decode_fused: bad B, H or W"));
-  KCUDA_REQUIRE(reinterpret_cast<uintptr_t>(pool) % (4 * sizeof(StateT)) == 0,
-                std::string("kda_decode_fused: the state pool must be aligned for 4-element vectors"));
-  if (B == 0) return;
-  const dim3 grid{unsigned(H), unsigned(B), 1u};
-  switch (Dk) {
-    case 32: {
-      void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int) =
-          kda_decode_fused_kernel<32, StateT>;
-      launch_pdl(k, grid, dim3(128), 0, stream, in, w, hist_pool, slots, pool, ohat, int(H), int(W));
-      break;
-    }
-    case 64: {
-      void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int) =
-          kda_decode_fused_kernel<64, StateT>;
-      launch_pdl(k, grid, dim3(256), 0, stream, in, w, hist_pool, slots, pool, ohat, int(H), int(W));
-      break;
-    }
-    case 128: {
-      void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int) =
-          kda_decode_fused_kernel<128, StateT>;
-      launch_pdl(k, grid, dim3(512), 0, stream, in, w, hist_pool, slots, pool, ohat, int(H), int(W));
-      break;
-    }
-    default: KCUDA_REQUIRE(false, "kda_decode_fused: Dk = " + std::to_string(Dk) + " (supported: 32, 64, 128)");
-  }
-}
-
-}  // namespace
-
-void kda_decode_fused(const KdaDecodeIn& in, const KdaDecodeWeights& w, uint16_t* hist_pool, const int32_t* slots,
-                      float* state_pool, uint16_t* ohat, int64_t B, int64_t H, int64_t Dk, int64_t W,
-                      cudaStream_t stream) {
-  decode_fused(in, w, hist_pool, slots, state_pool, ohat, B, H, Dk, W, stream);
-}
-void kda_decode_fused(const KdaDecodeIn& in, const KdaDecodeWeights& w, uint16_t* hist_pool, const int32_t* slots,
-                      uint16_t* state_pool, uint16_t* ohat, int64_t B, int64_t H, int64_t Dk, int64_t W,
-                      cudaStream_t stream) {
-  decode_fused(in, w, hist_pool, slots, state_pool, ohat, B, H, Dk, W, stream);
-}
+#endif  // KESTREL_SIMT_EMU
 
 }  // namespace kestrel::cuda

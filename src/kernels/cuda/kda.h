@@ -61,6 +61,16 @@ void kda_recurrent(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T,
 // one token per request: 128-thread blocks of 32 value columns (Dk/32 blocks per (head, request)), 16-byte
 // state loads and stores. Results equal kda_recurrent's up to FP32 summation order. Falls back to
 // kda_recurrent when the pool is not 16-byte (f32) / 8-byte (f16) aligned. Dk ∈ {32, 64, 128}.
+// Two kernels (kda.cu): kKdaDecodeBlocks, one block per (32 value columns, head, request), the latency form
+// for small batches; kKdaDecodeStream, persistent blocks that walk those work items and copy the next item's
+// state slice into shared memory (cp.async) while they compute the current one, the bandwidth form for large
+// batches. kKdaDecodeAuto picks the second when the items outnumber one wave of blocks. Both give the same
+// results bit for bit (same arithmetic in the same order).
+enum KdaDecodeVariant : int { kKdaDecodeAuto = 0, kKdaDecodeBlocks = 1, kKdaDecodeStream = 2 };
+// The kernel of the overloads without a variant (the engine's): kKdaDecodeBlocks, the one measured on the H200,
+// until bench_kda ranks the others there; KESTREL_KDA_DECODE=auto|blocks|stream overrides it (read once;
+// any other value is an error).
+KdaDecodeVariant kda_decode_default_variant();
 void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
                 const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
                 const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
@@ -71,14 +81,28 @@ void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*
                 const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
                 const int32_t* slots /* i32 [B] */, uint16_t* state_pool /* f16 [n_slots, H, Dk, Dk] */,
                 float* o /* f32 [T, H*Dk], row stride ld */, int64_t B, int64_t H, int64_t Dk, cudaStream_t stream);
+// The same with an explicit kernel choice (benchmarks, tests).
+void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
+                const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
+                const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
+                const int32_t* slots /* i32 [B] */, float* state_pool /* f32 [n_slots, H, Dk, Dk] */,
+                float* o /* f32 [T, H*Dk], row stride ld */, int64_t B, int64_t H, int64_t Dk, cudaStream_t stream,
+                KdaDecodeVariant variant);
+void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
+                const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
+                const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
+                const int32_t* slots /* i32 [B] */, uint16_t* state_pool /* f16 [n_slots, H, Dk, Dk] */,
+                float* o /* f32 [T, H*Dk], row stride ld */, int64_t B, int64_t H, int64_t Dk, cudaStream_t stream,
+                KdaDecodeVariant variant);
 
 // Step 6, chunk-parallel WY/UT form for prefill (MODEL.md §3.3, chunk 64; kda_chunked.cu has the design;
 // CPU twin cpu::kda_scan_chunked, oracle cpu::kda_scan_recurrent). The contract of kda_recurrent: request b
 // owns rows cu_seqlens[b] .. cu_seqlens[b+1] (varlen, packed) and the state state_pool[slots[b]]
 // (f32 or f16 [H, Dk(key), Dk(value)]), read at the start and written back at the end (f16: widened on read,
 // rounded to nearest even on write). Requests of length 0 leave their state untouched.
-// Tensor cores: TF32 for the recurrence, BF16 for the output products, FP32 accumulation: against the FP32
-// CPU twin, o has a relative L2 error of 2–3.5e-3 (about one BF16 rounding) and the final state 3–6e-4.
+// Tensor cores: TF32 for the recurrence (FP16 with KdaChunkedVariant::f16_recurrence), BF16 for the output
+// products, FP32 accumulation: against the FP32 CPU twin, o has a relative L2 error of 2–3.5e-3 (about one
+// BF16 rounding) and the final state 3–6e-4.
 // T: the packed row count, T >= cu_seqlens[B] - cu_seqlens[0] (sizes the workspace; if the rows of
 // cu_seqlens need more chunks than the workspace holds, nothing is computed). workspace: device memory of
 // kda_chunked_workspace_bytes(T, B, H, Dk) bytes (≈ 2.1 KB per token and head at Dk 128), 16-byte aligned,
@@ -86,6 +110,32 @@ void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*
 // Dk ∈ {32, 64, 128}; q, k, v, g 16-byte aligned and ld a multiple of 4; g ≥ −5 per token (the §3.3 gate
 // bound keeps e^{16·5} in f32 range; see kda_chunked.cu).
 size_t kda_chunked_workspace_bytes(int64_t T, int64_t B, int64_t H, int64_t Dk);
+// Kernel variants of kda_chunked's two main launches (kda_chunked.cu describes them). All variants meet the
+// same contract and tolerances; benchmarks time them against each other and, through `launches`, time the
+// launches apart. KdaChunkedVariant{} is intra 1 + seq 1, the kernels measured on the H200 (kda_chunked.cu,
+// run 2); the overloads without a variant (the engine's) take kda_chunked_default_variant().
+struct KdaChunkedVariant {
+  // Intra-chunk products: 1 = one 512-thread CTA holds a whole (chunk, head) (190 KB of shared memory, one
+  // CTA per SM); 2 = the chunk's channels stream through in quarters (106 KB, two CTAs per SM).
+  int intra = 1;
+  // Sequential pass: 1 = 2 warps per 32 value columns, each warp all keys; 2 = 4 warps per 32 value columns,
+  // the keys split between the two warps of each 16-column tile; 3 = 2 warps per 16 value columns, keys
+  // split; 4 = 3 with the Dk/16 CTAs of a (head, sequence) in one cluster, whose leader copies the shared
+  // part of each chunk image into all of them at once (multicast: 1/8 of the L2 reads); 0 = 2.
+  int seq = 1;
+  // FP16 recurrence: the intra launch stores W, K̂ and U0 (the operands of u = U0 − W·S and of the state
+  // update) in FP16 instead of TF32-rounded f32, and the seq launch multiplies them as FP16 (m16n8k16): the
+  // same 11 significant bits, 40 % smaller chunk images, half the recurrence's mma instructions; values beyond
+  // FP16's range (|x| > 65504 in the state or these operands) are not representable, the range of the FP16
+  // state of the day-0 recipe (MODEL.md §2). Needs intra = 2 and seq ∈ {0, 2, 3, 4}.
+  bool f16_recurrence = false;
+  // Launches to run: bit 0 the chunk table, bit 1 intra, bit 2 seq. Running seq without intra needs a
+  // workspace that an earlier call with the same arguments filled (benchmarks only).
+  unsigned launches = 7;
+};
+// KdaChunkedVariant{}, or KESTREL_KDA_CHUNKED=INTRA,SEQ,F16 (e.g. "2,4,1": intra 2, seq 4, FP16 recurrence),
+// read once and checked like an explicit variant: how a benchmark of the engine picks another variant.
+KdaChunkedVariant kda_chunked_default_variant();
 void kda_chunked(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
                  const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
                  const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
@@ -98,6 +148,18 @@ void kda_chunked(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H
                  const int32_t* slots /* i32 [B] */, uint16_t* state_pool /* f16 [n_slots, H, Dk, Dk] */,
                  float* o /* f32 [T, H*Dk], row stride ld */, int64_t T, int64_t B, int64_t H, int64_t Dk,
                  void* workspace, cudaStream_t stream);
+void kda_chunked(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
+                 const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
+                 const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
+                 const int32_t* slots /* i32 [B] */, float* state_pool /* f32 [n_slots, H, Dk, Dk] */,
+                 float* o /* f32 [T, H*Dk], row stride ld */, int64_t T, int64_t B, int64_t H, int64_t Dk,
+                 void* workspace, cudaStream_t stream, const KdaChunkedVariant& variant);
+void kda_chunked(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
+                 const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
+                 const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
+                 const int32_t* slots /* i32 [B] */, uint16_t* state_pool /* f16 [n_slots, H, Dk, Dk] */,
+                 float* o /* f32 [T, H*Dk], row stride ld */, int64_t T, int64_t B, int64_t H, int64_t Dk,
+                 void* workspace, cudaStream_t stream, const KdaChunkedVariant& variant);
 // Convenience forms (tests, benchmarks): read cu_seqlens[0] and [B] back (a stream synchronisation) and take
 // the workspace from cudaMallocAsync on the stream. Not capturable in a CUDA graph.
 void kda_chunked(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,

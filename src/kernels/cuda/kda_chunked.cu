@@ -3,11 +3,11 @@
 //
 // 1. chunk_table (one block): chunk_start[b] = Σ_{b'<b} ⌈len_b'/64⌉ and chunk_seq[c] = b, so the
 //    other two launches need no host copy of cu_seqlens (graph-capturable).
-// 2. intra (one 512-thread CTA per (chunk, head), all chunks in parallel): with G the cumulative
-//    log-decay inside the chunk (f64 sum, stored f32 in log2 units), β, k, q, v of the chunk:
+// 2. intra (one CTA per (chunk, head), all chunks in parallel): with G the cumulative log-decay inside the
+//    chunk (f64 sum, stored f32 in log2 units), β, k, q, v of the chunk:
 //      A_ts  = Σ_i k_t k_s e^{G_t−G_s}   (s < t)        QK_ts = Σ_i q_t k_s e^{G_t−G_s}   (s ≤ t)
-//      T     = (I + diag(β)·A)^−1 (unit lower triangular; FP32 on the CUDA cores: 16×16 diagonal
-//              blocks by forward substitution, then the block rows i = 1..3: T_ij = −T_ii Σ_m L_im T_mj)
+//      T     = (I + diag(β)·A)^−1 (unit lower triangular; FP32 on the CUDA cores from 16×16 diagonal blocks
+//              solved by forward substitution)
 //      W     = T·diag(β)·(e^G ⊙ K)       U0 = T·diag(β)·V       (so that u = U0 − W·S₀)
 //      Q̃    = e^G ⊙ Q                    K̂ = e^{G_C − G} ⊙ K     eG = e^{G_C}
 //    and writes them as the exact shared-memory image the next launch copies (row strides padded so
@@ -15,14 +15,22 @@
 //    end of the previous 16-token sub-chunk of t: e^{G_t−r} ≤ 1 times e^{r−G_s}, which is ≤ 1 for s in an
 //    earlier sub-chunk and ≤ e^{16·5} = e^80 < FLT_MAX inside t's own (the §3.3 gate bound g ≥ −5), so
 //    A and QK are two tensor-core products per 16-row block, never one exponential per (t, s, i).
-// 3. seq (one 64-thread CTA per (32 value columns, head, sequence), chunks in order): the state slice
-//    Sᵀ [32 values × Dk keys] lives in the two warps' mma accumulators (16 value rows each) for the
-//    whole sequence; per chunk
+//    Variant 1 (kda_chunked_v1.cu): one 512-thread CTA holds q, k, G and the operands of the whole chunk (190 KB of
+//    shared memory, so one CTA per SM); the block rows of T follow one another (T_ij = −T_ii Σ_m L_im T_mj).
+//    Variant 2 (kda_chunked_intra2.cu): the chunk's channels stream through in quarters (106 KB, two CTAs per
+//    SM), T by doubling (16 → 32 → 64-row blocks).
+// 3. seq (one CTA per (value columns, head, sequence), chunks in order): the state slice Sᵀ [values × Dk
+//    keys] lives in the warps' mma accumulators for the whole sequence; per chunk
 //      v_newᵀ = U0ᵀ − Sᵀ·Wᵀ      oᵀ = Sᵀ·Q̃ᵀ + v_newᵀ·QKᵀ      Sᵀ ← Sᵀ·diag(eG) + v_newᵀ·K̂
 //    with the accumulator of one product used directly as the A operand of the next (TF32: the key /
 //    token index inside each 8-wide k-step is permuted to match the accumulator layout, and the B
 //    operand is read with the same permutation; BF16: the layouts already agree). Each chunk's image
 //    arrives by two bulk copies (TMA, mbarrier completion) into a double buffer, two chunks ahead.
+//    Variant 1 (kda_chunked_v1.cu): 2 warps per 32 value columns, each warp all Dk keys of its 16 values.
+//    Variants 2, 3, 4 (kda_chunked_seq2.cu): the keys split between two warps per 16 values, which swap
+//    their partial products once per chunk (half the tensor-core work on each warp's critical path); 2: 32
+//    values per CTA; 3: 16; 4: 16, with the CTAs of a (head, sequence) in a cluster that receives the shared
+//    part of each image by one multicast copy.
 //
 // Precision: the recurrence (v_new and the state update: W, K̂, S) runs TF32 × TF32 → FP32 (operands
 // rounded to nearest, 2^−11 relative); the output path (Q̃·S and QK·v_new) runs BF16 × BF16 → FP32,
@@ -32,140 +40,47 @@
 // 3–6e−4, flat in the sequence length (no growth over 1000 tokens of undecayed gates); without the
 // rounding the same emulation agrees to 1e−7. tests/gpu/test_kda_gpu.cpp states the bounds it enforces.
 //
-// Cost per (chunk, head) at Dk = 128 (H200: ~4.3 TB/s copy, 132 SMs):
-//   intra: reads q, k, g, v (128 KiB f32), writes the 133 KiB image; 2.6 MFLOP TF32 mma (A, QK, W, U0, upper
-//     triangles of the 16-row blocks included), ~60 K FP32 FMA (T), ~40 K exponentials. One 190 KiB CTA per
-//     SM; estimated ~8 µs per CTA (load latency, 18 barriers), so ≈ 0.4 ms for 12 heads × 32K (6156 CTAs),
-//     which is also about the time its 1.6 GB of HBM traffic takes.
-//   seq: per 32 value columns per chunk, 2 × 0.52 MFLOP TF32 + 0.69 MFLOP BF16 (256 + 84 mma per warp) and
-//     ~230 KB of shared-memory fragment reads per SM: ≈ 1.1 µs per chunk step on a 2-warp CTA; the image is
-//     read once per value block (4 per head, 3 of them L2 hits). 12 heads × 32K: 512 steps ≈ 0.56 ms.
-//   Predicted totals (12 heads unless noted): 8K ≈ 0.25 ms, 32K ≈ 1.0 ms, 128K ≈ 4.1 ms, 8 × 8K ≈ 1.3 ms,
-//   96 heads × 32K ≈ 5.3 ms; FLA chunk_kda on our H200: 0.54 / 1.94 / 7.57 / 2.90 / 10.9 ms.
+// Where the time went (run 2 on the H200, 12 heads × 128 unless noted; intra1 + seq1): 8K 0.640, 32K 2.475,
+// 128K 9.796 ms (linear in T), 8 × 8K 3.388 ms, 96 heads × 32K 13.535 ms. Writing time = intra·tokens +
+// seq·(chunk steps) — one sequence runs 512 steps per 32K, 8 × 8K and 96 heads run 3 waves of 132 CTAs, i.e.
+// 6 steps per 1K tokens — fits every row to 4 % with intra ≈ 38 µs per 1K tokens (1.2 ms at 32K: ~27 µs per
+// CTA at one CTA per SM, where its 1.6 GB of HBM traffic alone would take 0.4 ms) and ≈ 2.4 µs per chunk step
+// (1.2 ms at 32K): the two launches took about half each. (If the step is slower when every SM runs a seq CTA,
+// the fit moves towards intra 0.7 / seq 1.8 ms; bench_kda now times the launches apart to settle it.)
+// Per (chunk, head) at Dk = 128: intra reads q, k, g, v (128 KiB), writes a 133 KiB image (81 KiB with the
+// FP16 recurrence), ~2.1 MFLOP of useful TF32 products; seq reads the image once from HBM per head (the value
+// blocks share it through L2), writes o (32 KiB), 6.8 MFLOP per chunk step and head.
+// Predictions for the second variants (12 heads, one sequence, 32K):
+//   intra2: two CTAs per SM hide each other's load waits, barriers and narrow phases (T's diagonal blocks on
+//     64 threads); per CTA ~35 K warp instructions, ~5 µs of issue per SM at two CTAs, so it should approach
+//     its HBM floor: ≈ 0.5–0.7 ms (from 1.2).
+//   seq2: 170 mma per warp and chunk step instead of 340, four warps per SM; bounded by ~1250 instructions per
+//     warp and ~190 KB of shared-memory reads per SM per step (≈ 0.9 µs) and by 5.2 MB of L2 reads per step
+//     across the 48 CTAs: ≈ 1.0–1.2 µs per step, 0.5–0.6 ms (from 1.2). seq3 (96 CTAs of 16 columns) reads
+//     twice the L2 bytes per step and is likely L2-bound (≈ 1.5 µs) unless L2 delivers > 7 TB/s; seq4 reads
+//     1/8 of them (multicast) and should run at its per-warp instruction bound, ≈ 0.7 µs (0.35 ms).
+//   FP16 recurrence: 106 mma and ~1100 instructions per warp and step, 35 % fewer shared-memory bytes, 40 %
+//     smaller images: seq2 ≈ 0.8 µs per step, seq4 ≈ 0.6 µs, intra2 −10 %.
+//   When every SM runs a seq CTA (8 × 8K, 96 heads) 132 CTAs read 14 MB of image per step from L2, which
+//   bounds seq1–3 near 2 µs per step (9 MB with the FP16 recurrence); seq4 reads 2.3 MB.
+//   Totals, intra2 + seq2: 8K ≈ 0.3, 32K ≈ 1.0–1.3, 128K ≈ 4–5 ms, 8 × 8K ≈ 1.8–2.2 ms, 96 heads ≈
+//   7–9 ms; intra2 + seq4 with the FP16 recurrence: 32K ≈ 0.8–1.0 ms, 8 × 8K ≈ 1.4–1.8, 96 heads ≈ 5–7 ms.
+//   FLA chunk_kda on our H200: 0.54 / 1.94 / 7.57 / 2.90 / 10.9 ms.
 //
 // Shapes: Dk ∈ {32, 64, 128} (value dim = Dk); the per-CTA shared memory is sized at compile time.
-// The file is longer than most (~700 lines): its three kernels share the image layout (Img), which
-// should have exactly one definition.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/kda.h"
+#include "kernels/cuda/kda_internal.cuh"
 
-namespace kestrel::cuda {
+namespace kestrel::cuda::kda_detail {
 namespace {
-
-constexpr int kC = 64;              // chunk length
-constexpr int kIntraThreads = 512;  // 16 warps
-constexpr int kSeqWarps = 2;        // a seq CTA owns 16·kSeqWarps value columns
-constexpr int kBV = 16 * kSeqWarps;
-constexpr double kLog2e = 1.4426950408889634;
-
-// The image of one (chunk, head) in the workspace, which is also the seq kernel's shared-memory stage.
-// Strides (in elements) make the seq kernel's fragment loads conflict-free: 8-byte f32 pairs need a row
-// stride ≡ 8 (mod 32 words), 4-byte bf16 pairs a stride ≡ 4 (mod 8 words).
-template <int K>
-struct Img {
-  static constexpr int KPW = K + 8;  // W   f32  [C tokens][KPW]      (TF32-rounded)
-  static constexpr int TP = kC + 8;  // K̂ᵀ f32  [K keys][TP], U0ᵀ f32 [K values][TP]
-  static constexpr int KPQ = K + 8;  // Q̃  bf16 [C tokens][KPQ]
-  static constexpr int APQ = kC + 8; // QK  bf16 [C tokens t][APQ] (s ≤ t, zero elsewhere)
-  static constexpr size_t w_off = 0;
-  static constexpr size_t kh_off = w_off + size_t(kC) * KPW * 4;
-  static constexpr size_t q_off = kh_off + size_t(K) * TP * 4;
-  static constexpr size_t a_off = q_off + size_t(kC) * KPQ * 2;
-  static constexpr size_t e_off = a_off + size_t(kC) * APQ * 2;  // eG f32 [K]
-  static constexpr size_t shared_bytes = e_off + size_t(K) * 4;  // the part every value block needs
-  static constexpr size_t u_off = shared_bytes;                  // U0ᵀ
-  static constexpr size_t bytes = u_off + size_t(K) * TP * 4;
-  static constexpr size_t u_slice_bytes = size_t(kBV) * TP * 4;  // one seq CTA's rows of U0ᵀ
-  static constexpr size_t stage_bytes = shared_bytes + u_slice_bytes;
-  static_assert(kh_off % 16 == 0 && q_off % 16 == 0 && a_off % 16 == 0 && e_off % 16 == 0 &&
-                    shared_bytes % 16 == 0 && bytes % 16 == 0 && u_slice_bytes % 16 == 0,
-                "bulk copies need 16-byte sizes and offsets");
-};
-
-// Intra kernel shared memory (floats): Ks, Qs, Gs, E1 [C][KP]; Ek, Eq [16][KP]; Am, Tm [C][LP]; Xs [3][16][16];
-// bs [C]. KP ≡ LP ≡ 4 (mod 32): 4-byte fragment loads (row g, column t) hit 32 distinct banks.
-template <int K>
-struct IntraSmem {
-  static constexpr int KP = K + 4, LP = kC + 4;
-  static constexpr size_t floats = size_t(4 * kC * KP + 2 * 16 * KP + 2 * kC * LP + 3 * 256 + kC);
-  static constexpr size_t bytes = floats * 4;
-};
-
-size_t img_bytes(int64_t Dk) {
-  switch (Dk) {
-    case 32: return Img<32>::bytes;
-    case 64: return Img<64>::bytes;
-    case 128: return Img<128>::bytes;
-    default: return 0;
-  }
-}
-int64_t capacity_chunks(int64_t T, int64_t B) { return T / kC + B + 1; }
-size_t table_bytes(int64_t B, int64_t cap) { return (size_t(B + 1 + cap) * 4 + 255) / 256 * 256; }
-
-// ---- device helpers ----------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-__device__ __forceinline__ float tf32f(float x) { return __uint_as_float(to_tf32(x)); }
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// D += A·B, m16n8k8 TF32. Lane l, g = l/4, t = l%4: a = (g,t) (g+8,t) (g,t+4) (g+8,t+4); b = (t,g) (t+4,g);
-// d = (g,2t) (g,2t+1) (g+8,2t) (g+8,2t+1) as (row, col).
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-// D += A·B, m16n8k16 BF16: a regs = (g, 2t..2t+1) (g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..); b regs = (2t..2t+1, g)
-// (2t+8.., g); d as above. The lower column / row index sits in the low 16 bits.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(smem_u32(bar)), "r"(parity)
-      : "memory");
-  return ok != 0;
-}
-// 1-D bulk copy global → shared (TMA), completing `bytes` of transaction on `bar`. 16-byte aligned, size % 16 == 0.
-__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32(dst)),
-      "l"(src), "r"(bytes), "r"(smem_u32(bar))
-      : "memory");
-}
-
-__device__ __forceinline__ float load_state(const float* p) { return *p; }
-__device__ __forceinline__ float load_state(const uint16_t* p) { return __half2float(__ushort_as_half(*p)); }
-__device__ __forceinline__ void store_state(float* p, float x) { *p = x; }
-__device__ __forceinline__ void store_state(uint16_t* p, float x) { *p = __half_as_ushort(__float2half_rn(x)); }
-
-__device__ __forceinline__ int nchunks(int32_t a, int32_t b) { return b > a ? int((int64_t(b) - a + kC - 1) / kC) : 0; }
 
 // ---- 1. chunk table ------------------------------------------------------------------------------------------
 // One block of 1024 threads; thread i scans sequences [i·per, (i+1)·per). If the chunks do not fit the
@@ -221,442 +136,60 @@ __global__ void __launch_bounds__(1024) chunk_table_kernel(const int32_t* __rest
   }
 }
 
-// ---- 2. intra-chunk products -----------------------------------------------------------------------------------
-template <int K>
-__global__ void __launch_bounds__(kIntraThreads, 1)
-    intra_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                 const float* __restrict__ g, int64_t ld, const float* __restrict__ beta, int64_t ld_beta,
-                 const int32_t* __restrict__ cu, const int32_t* __restrict__ cs, const int32_t* __restrict__ cseq,
-                 int B, char* __restrict__ imgs, int H) {
-  using I = Img<K>;
-  constexpr int KP = IntraSmem<K>::KP, LP = IntraSmem<K>::LP, NT = kIntraThreads;
-  extern __shared__ __align__(16) float sm[];
-  float* Ks = sm;              // [C][KP] k, later β·e^G ⊙ k (TF32)
-  float* Qs = Ks + kC * KP;    // [C][KP] q
-  float* Gs = Qs + kC * KP;    // [C][KP] cumulative log2-decay G·log2e (rows ≥ n repeat row n−1)
-  float* E1 = Gs + kC * KP;    // [C][KP] k_s e^{r−G_s} for the current row block, later β·v (TF32)
-  float* Ek = E1 + kC * KP;    // [16][KP] k_t e^{G_t−r}
-  float* Eq = Ek + 16 * KP;    // [16][KP] q_t e^{G_t−r}
-  float* Am = Eq + 16 * KP;    // [C][LP] A_ts, later L = β_t A_ts (s < t), zero elsewhere
-  float* Tm = Am + kC * LP;    // [C][LP] QK_ts, later T
-  float* Xs = Tm + kC * LP;    // [3][16][16] Σ_m L_im T_mj of one block row
-  float* bs = Xs + 3 * 256;    // [C] β (0 for rows ≥ n)
+}  // namespace
+}  // namespace kestrel::cuda::kda_detail
 
-  const int ch = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int gq = lane >> 2, tq = lane & 3;
-  if (ch >= cs[B]) return;
-  const int b = cseq[ch];
-  const int64_t t0 = int64_t(cu[b]) + int64_t(ch - cs[b]) * kC;
-  const int n = int(min(int64_t(kC), int64_t(cu[b + 1]) - t0));
-  char* img = imgs + (size_t(ch) * H + h) * I::bytes;
+#ifndef KESTREL_SIMT_EMU
+// ---- entry points ------------------------------------------------------------------------------------------------
+namespace kestrel::cuda {
+namespace {
 
-  // Phase 1: 16-byte loads, all issued before the first shared store; v stays in registers until phase 4.
-  constexpr int K4 = K / 4, NL = kC * K4 / NT;
-  static_assert(NL >= 1 && kC * K4 % NT == 0, "load mapping");
-  float4 vr[NL];
-  {
-    float4 kr[NL], qr[NL], gr[NL];
-    const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int l = 0; l < NL; ++l) {
-      const int idx = tid + l * NT, t = idx / K4, i = 4 * (idx % K4);
-      const int64_t row = (t0 + t) * ld + int64_t(h) * K + i;
-      const bool ok = t < n;
-      kr[l] = ok ? __ldg(reinterpret_cast<const float4*>(k + row)) : z;
-      qr[l] = ok ? __ldg(reinterpret_cast<const float4*>(q + row)) : z;
-      gr[l] = ok ? __ldg(reinterpret_cast<const float4*>(g + row)) : z;
-      vr[l] = ok ? __ldg(reinterpret_cast<const float4*>(v + row)) : z;
-    }
-#pragma unroll
-    for (int l = 0; l < NL; ++l) {
-      const int idx = tid + l * NT, t = idx / K4, i = 4 * (idx % K4);
-      *reinterpret_cast<float4*>(Ks + t * KP + i) = kr[l];
-      *reinterpret_cast<float4*>(Qs + t * KP + i) = qr[l];
-      *reinterpret_cast<float4*>(Gs + t * KP + i) = gr[l];
-    }
-  }
-  if (tid < kC) bs[tid] = tid < n ? beta[(t0 + tid) * ld_beta + h] : 0.0f;
-  __syncthreads();
+using kda_detail::ChunkArgs;
+using kda_detail::Img;
+using kda_detail::kC;
 
-  // Phase 2: G by channel, 4 lanes per channel (one 16-token segment each), running sums in f64.
-  if (tid < 4 * K) {  // whole warps: 4K is a multiple of 32
-    const int i = tid >> 2, p = tid & 3;
-    double loc[16], acc = 0.0;
-#pragma unroll
-    for (int tt = 0; tt < 16; ++tt) {
-      acc += double(Gs[(16 * p + tt) * KP + i]);
-      loc[tt] = acc;
-    }
-    const int base = lane & ~3;
-    const double s0 = __shfl_sync(0xffffffffu, acc, base), s1 = __shfl_sync(0xffffffffu, acc, base + 1),
-                 s2 = __shfl_sync(0xffffffffu, acc, base + 2);
-    double excl = 0.0;
-    if (p > 0) excl = s0;
-    if (p > 1) excl = excl + s1;
-    if (p > 2) excl = excl + s2;
-#pragma unroll
-    for (int tt = 0; tt < 16; ++tt) Gs[(16 * p + tt) * KP + i] = float((excl + loc[tt]) * kLog2e);
-  }
-  __syncthreads();
-
-  // Phase 3: A and QK by 16-row blocks j (reference r = G at row 16j − 1, or 0).
-  const int nb = (n + 15) / 16;
-  for (int j = 0; j < nb; ++j) {
-    for (int idx = tid; idx < 16 * K; idx += NT) {
-      const int tt = idx / K, i = idx % K, t = 16 * j + tt;
-      const float r = j ? Gs[(16 * j - 1) * KP + i] : 0.0f;
-      const float e = exp2f(Gs[t * KP + i] - r);  // ≤ 1
-      Ek[tt * KP + i] = tf32f(Ks[t * KP + i] * e);
-      Eq[tt * KP + i] = tf32f(Qs[t * KP + i] * e);
-    }
-    for (int idx = tid; idx < 16 * (j + 1) * K; idx += NT) {
-      const int s = idx / K, i = idx % K;
-      const float r = j ? Gs[(16 * j - 1) * KP + i] : 0.0f;
-      E1[s * KP + i] = tf32f(Ks[s * KP + i] * exp2f(r - Gs[s * KP + i]));  // ≤ e^80
-    }
-    __syncthreads();
-    // Jobs: (product, 8-column tile of s < 16(j+1)); entries above the diagonal are finite and unused.
-    for (int job = warp; job < 4 * (j + 1); job += NT / 32) {
-      const int prod = job & 1, nt = job >> 1;
-      const float* Aop = prod ? Eq : Ek;
-      const float* Bop = E1 + 8 * nt * KP;
-      float c[2][4] = {};  // even / odd k-steps: two independent mma chains
-#pragma unroll 4
-      for (int kk = 0; kk < K / 8; ++kk) {
-        const int col = 8 * kk + tq;
-        const uint32_t a[4] = {__float_as_uint(Aop[gq * KP + col]), __float_as_uint(Aop[(gq + 8) * KP + col]),
-                               __float_as_uint(Aop[gq * KP + col + 4]), __float_as_uint(Aop[(gq + 8) * KP + col + 4])};
-        const uint32_t bb[2] = {__float_as_uint(Bop[gq * KP + col]), __float_as_uint(Bop[gq * KP + col + 4])};
-        mma_tf32(c[kk & 1], a, bb);
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) c[0][e] += c[1][e];
-      float* out = (prod ? Tm : Am) + 16 * j * LP + 8 * nt + 2 * tq;
-      out[gq * LP] = c[0][0];
-      out[gq * LP + 1] = c[0][1];
-      out[(gq + 8) * LP] = c[0][2];
-      out[(gq + 8) * LP + 1] = c[0][3];
-    }
-    __syncthreads();
-  }
-
-  // Phase 4: L (in place), QK → image (bf16, masked), Q̃ → image (bf16), K̂ᵀ and eG → image (f32).
-  // Rows t ≥ 16·nb were never computed: masked to zero here.
-  {
-    uint32_t* aimg = reinterpret_cast<uint32_t*>(img + I::a_off);
-    for (int idx = tid; idx < kC * kC / 2; idx += NT) {
-      const int t = idx >> 5, s = 2 * (idx & 31);
-      const bool row_ok = t < 16 * nb;
-      const float a0 = row_ok && s < t ? bs[t] * Am[t * LP + s] : 0.0f;
-      const float a1 = row_ok && s + 1 < t ? bs[t] * Am[t * LP + s + 1] : 0.0f;
-      const float q0 = row_ok && s <= t ? Tm[t * LP + s] : 0.0f;
-      const float q1 = row_ok && s + 1 <= t ? Tm[t * LP + s + 1] : 0.0f;
-      Am[t * LP + s] = a0;
-      Am[t * LP + s + 1] = a1;
-      aimg[(t * I::APQ + s) / 2] = pack_bf16(q0, q1);
-    }
-    uint32_t* qimg = reinterpret_cast<uint32_t*>(img + I::q_off);
-    for (int idx = tid; idx < kC * K / 2; idx += NT) {
-      const int t = idx / (K / 2), i = 2 * (idx % (K / 2));
-      qimg[(t * I::KPQ + i) / 2] =
-          pack_bf16(Qs[t * KP + i] * exp2f(Gs[t * KP + i]), Qs[t * KP + i + 1] * exp2f(Gs[t * KP + i + 1]));
-    }
-    float* khimg = reinterpret_cast<float*>(img + I::kh_off);
-    for (int idx = tid; idx < K * (kC / 4); idx += NT) {
-      const int i = idx % K, s = 4 * (idx / K);
-      const float gc = Gs[(kC - 1) * KP + i];
-      float4 r;
-      r.x = tf32f(Ks[s * KP + i] * exp2f(gc - Gs[s * KP + i]));
-      r.y = tf32f(Ks[(s + 1) * KP + i] * exp2f(gc - Gs[(s + 1) * KP + i]));
-      r.z = tf32f(Ks[(s + 2) * KP + i] * exp2f(gc - Gs[(s + 2) * KP + i]));
-      r.w = tf32f(Ks[(s + 3) * KP + i] * exp2f(gc - Gs[(s + 3) * KP + i]));
-      *reinterpret_cast<float4*>(khimg + i * I::TP + s) = r;
-    }
-    if (tid < K) reinterpret_cast<float*>(img + I::e_off)[tid] = exp2f(Gs[(kC - 1) * KP + tid]);
-  }
-  __syncthreads();
-
-  // β·e^G ⊙ k into Ks and β·v into E1 (the B operands of W and U0); T's 16×16 diagonal blocks.
-  for (int idx = tid; idx < kC * K; idx += NT) {
-    const int t = idx / K, i = idx % K;
-    Ks[t * KP + i] = tf32f(bs[t] * Ks[t * KP + i] * exp2f(Gs[t * KP + i]));
-  }
-#pragma unroll
-  for (int l = 0; l < NL; ++l) {
-    const int idx = tid + l * NT, t = idx / K4, i = 4 * (idx % K4);
-    const float bt = bs[t];
-    *reinterpret_cast<float4*>(E1 + t * KP + i) =
-        make_float4(tf32f(bt * vr[l].x), tf32f(bt * vr[l].y), tf32f(bt * vr[l].z), tf32f(bt * vr[l].w));
-  }
-  if (tid < kC) {  // column c of (I + L_dd)^−1, forward substitution in registers
-    const int d = tid >> 4, c = tid & 15;
-    const float* Ld = Am + 16 * d * LP + 16 * d;
-    float x[16];
-#pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      float acc = 0.0f;
-#pragma unroll
-      for (int m = 0; m < r; ++m) acc = fmaf(Ld[r * LP + m], x[m], acc);
-      x[r] = r < c ? 0.0f : (r == c ? 1.0f : -acc);
-    }
-    float* Td = Tm + 16 * d * LP + 16 * d + c;
-#pragma unroll
-    for (int r = 0; r < 16; ++r) Td[r * LP] = x[r];
-  }
-  __syncthreads();
-
-  // Phase 5: block rows i = 1..3 of T: X_ij = Σ_{16j ≤ m < 16i} L[16i + r][m] T[m][16j + c], T_ij = −T_ii X_ij.
-#pragma unroll 1
-  for (int i = 1; i < 4; ++i) {
-    for (int idx = tid; idx < 256 * i; idx += NT) {
-      const int j = idx >> 8, r = (idx >> 4) & 15, c = idx & 15;
-      const float* Lr = Am + (16 * i + r) * LP;
-      float acc = 0.0f;
-      for (int m = 16 * j; m < 16 * i; ++m) acc = fmaf(Lr[m], Tm[m * LP + 16 * j + c], acc);
-      Xs[idx] = acc;
-    }
-    __syncthreads();
-    for (int idx = tid; idx < 256 * i; idx += NT) {
-      const int j = idx >> 8, r = (idx >> 4) & 15, c = idx & 15;
-      const float* Tr = Tm + (16 * i + r) * LP + 16 * i;
-      const float* X = Xs + 256 * j;
-      float acc = 0.0f;
-      for (int x = 0; x <= r; ++x) acc = fmaf(Tr[x], X[x * 16 + c], acc);
-      Tm[(16 * i + r) * LP + 16 * j + c] = -acc;
-    }
-    __syncthreads();
-  }
-
-  // Phase 6: W = T·(β e^G ⊙ K) → image (TF32), U0 = T·(β V) → image transposed (f32). A job is (product,
-  // 16-column pair of n-tiles, 16-row m-tile); the m-tile rotates with the warp so the triangular k-extent
-  // (2(m+1) steps) is spread evenly.
-  {
-    constexpr int NP = K / 16, PN = 2 * NP, QW = PN / 4;
-    static_assert(PN % 4 == 0, "job mapping");
-    float* wimg = reinterpret_cast<float*>(img + I::w_off);
-    float* uimg = reinterpret_cast<float*>(img + I::u_off);
-#pragma unroll 1
-    for (int qq = 0; qq < QW; ++qq) {
-      const int pidx = (warp >> 2) + 4 * qq, m = (warp + qq) & 3;
-      const int prod = pidx / NP, np = pidx % NP;
-      const float* Bm = prod ? E1 : Ks;
-      float c[2][4] = {};
-      for (int kk = 0; kk < 2 * (m + 1); ++kk) {
-        const int col = 8 * kk + tq;
-        const float* Ta = Tm + (16 * m + gq) * LP + col;
-        const uint32_t a[4] = {to_tf32(Ta[0]), to_tf32(Ta[8 * LP]), to_tf32(Ta[4]), to_tf32(Ta[8 * LP + 4])};
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const int ncol = 16 * np + 8 * nt + gq;
-          const uint32_t bb[2] = {__float_as_uint(Bm[col * KP + ncol]), __float_as_uint(Bm[(col + 4) * KP + ncol])};
-          mma_tf32(c[nt], a, bb);
-        }
-      }
-      const int tok = 16 * m + gq;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int col0 = 16 * np + 8 * nt + 2 * tq;
-        if (prod == 0) {
-          *reinterpret_cast<float2*>(wimg + tok * I::KPW + col0) = make_float2(tf32f(c[nt][0]), tf32f(c[nt][1]));
-          *reinterpret_cast<float2*>(wimg + (tok + 8) * I::KPW + col0) =
-              make_float2(tf32f(c[nt][2]), tf32f(c[nt][3]));
-        } else {
-          uimg[col0 * I::TP + tok] = c[nt][0];
-          uimg[(col0 + 1) * I::TP + tok] = c[nt][1];
-          uimg[col0 * I::TP + tok + 8] = c[nt][2];
-          uimg[(col0 + 1) * I::TP + tok + 8] = c[nt][3];
-        }
-      }
-    }
+size_t img_bytes(int64_t Dk) {
+  switch (Dk) {
+    case 32: return Img<32>::bytes;
+    case 64: return Img<64>::bytes;
+    case 128: return Img<128>::bytes;
+    default: return 0;
   }
 }
+using kda_detail::capacity_chunks;
+using kda_detail::table_bytes;
 
-// ---- 3. sequential pass over chunks ------------------------------------------------------------------------------
 template <int K, typename StateT>
-__global__ void __launch_bounds__(32 * kSeqWarps, 1)
-    seq_kernel(const int32_t* __restrict__ cu, const int32_t* __restrict__ cs, const int32_t* __restrict__ slots,
-               const char* __restrict__ imgs, StateT* __restrict__ pool, float* __restrict__ o, int64_t ld, int H) {
-  using I = Img<K>;
-  constexpr int NJ = K / 8;  // key n-tiles (TF32 k-steps over keys)
-  extern __shared__ __align__(128) unsigned char smraw[];
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smraw + 2 * I::stage_bytes);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, tq = lane & 3;
-  const int vb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int c_beg = cs[b], nc = cs[b + 1] - c_beg;
-  if (nc <= 0) return;  // empty sequence (or a workspace too small): the state stays as it was
-  const int64_t t_beg = cu[b];
-  const int len = cu[b + 1] - cu[b];
-  const int v0 = vb * kBV, vw = v0 + 16 * warp;  // first value column of the CTA / of this warp
-
-  if (tid == 0) {
-    mbar_init(&bars[0], 1);
-    mbar_init(&bars[1], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+void launch(const ChunkArgs& a, StateT* pool, const KdaChunkedVariant& var, cudaStream_t stream) {
+  if (var.launches & 1u) {
+    kda_detail::chunk_table_kernel<<<1, 1024, 0, stream>>>(a.cu, a.B, int(a.cap), a.cs, a.cseq);
+    KCUDA_CHECK_LAUNCH();
   }
-  __syncthreads();
-  auto issue = [&](int c) {  // thread 0: chunk c's image into stage c & 1
-    const int s = c & 1;
-    const char* src = imgs + (size_t(c_beg + c) * H + h) * I::bytes;
-    unsigned char* dst = smraw + s * I::stage_bytes;
-    mbar_expect_tx(&bars[s], uint32_t(I::stage_bytes));
-    bulk_g2s(dst, src, uint32_t(I::shared_bytes), &bars[s]);
-    bulk_g2s(dst + I::shared_bytes, src + I::u_off + size_t(v0) * I::TP * 4, uint32_t(I::u_slice_bytes), &bars[s]);
-  };
-  if (tid == 0) {
-    issue(0);
-    if (nc > 1) issue(1);
-  }
-
-  // Sᵀ in accumulator layout: sa[j] = (value vw+g, key 8j+2t), (vw+g, 8j+2t+1), (vw+g+8, 8j+2t), (vw+g+8, 8j+2t+1).
-  StateT* S = pool + (int64_t(slots[b]) * H + h) * K * K;  // [K key][K value]
-  float sa[NJ][4];
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) {
-    const int key = 8 * j + 2 * tq;
-    sa[j][0] = load_state(S + key * K + vw + gq);
-    sa[j][1] = load_state(S + (key + 1) * K + vw + gq);
-    sa[j][2] = load_state(S + key * K + vw + gq + 8);
-    sa[j][3] = load_state(S + (key + 1) * K + vw + gq + 8);
-  }
-
-#pragma unroll 1
-  for (int c = 0; c < nc; ++c) {
-    const int s = c & 1;
-    while (!mbar_try_wait(&bars[s], uint32_t((c >> 1) & 1))) {
-    }
-    const unsigned char* st = smraw + s * I::stage_bytes;
-    const float* Ws = reinterpret_cast<const float*>(st + I::w_off);
-    const float* Kh = reinterpret_cast<const float*>(st + I::kh_off);
-    const uint16_t* Qs = reinterpret_cast<const uint16_t*>(st + I::q_off);
-    const uint16_t* Aq = reinterpret_cast<const uint16_t*>(st + I::a_off);
-    const float* eG = reinterpret_cast<const float*>(st + I::e_off);
-    const float* U0 = reinterpret_cast<const float*>(st + I::shared_bytes);  // [kBV values][TP]
-
-    // v_newᵀ [16 values × 64 tokens] = U0ᵀ − Sᵀ·Wᵀ (TF32). k-step j covers keys 8j..8j+7 in the order
-    // (2t, 2t+1) per lane: a = (−sa0, −sa2, −sa1, −sa3), b = W[token][8j+2t], W[token][8j+2t+1].
-    float va[8][4];
-#pragma unroll
-    for (int m = 0; m < 8; ++m) {
-      const float2 lo = *reinterpret_cast<const float2*>(U0 + (16 * warp + gq) * I::TP + 8 * m + 2 * tq);
-      const float2 hi = *reinterpret_cast<const float2*>(U0 + (16 * warp + gq + 8) * I::TP + 8 * m + 2 * tq);
-      va[m][0] = lo.x;
-      va[m][1] = lo.y;
-      va[m][2] = hi.x;
-      va[m][3] = hi.y;
-    }
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      const uint32_t a[4] = {to_tf32(-sa[j][0]), to_tf32(-sa[j][2]), to_tf32(-sa[j][1]), to_tf32(-sa[j][3])};
-#pragma unroll
-      for (int m = 0; m < 8; ++m) {
-        const float2 w = *reinterpret_cast<const float2*>(Ws + (8 * m + gq) * I::KPW + 8 * j + 2 * tq);
-        const uint32_t bb[2] = {__float_as_uint(w.x), __float_as_uint(w.y)};
-        mma_tf32(va[m], a, bb);
-      }
-    }
-
-    // oᵀ [16 values × 64 tokens] = Sᵀ·Q̃ᵀ + v_newᵀ·QKᵀ (BF16; accumulators map onto A fragments as they are).
-    float oa[8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-      const uint32_t a[4] = {pack_bf16(sa[2 * kk][0], sa[2 * kk][1]), pack_bf16(sa[2 * kk][2], sa[2 * kk][3]),
-                             pack_bf16(sa[2 * kk + 1][0], sa[2 * kk + 1][1]),
-                             pack_bf16(sa[2 * kk + 1][2], sa[2 * kk + 1][3])};
-#pragma unroll
-      for (int m = 0; m < 8; ++m) {
-        const uint16_t* qrow = Qs + (8 * m + gq) * I::KPQ + 16 * kk + 2 * tq;
-        const uint32_t bb[2] = {*reinterpret_cast<const uint32_t*>(qrow), *reinterpret_cast<const uint32_t*>(qrow + 8)};
-        mma_bf16(oa[m], a, bb);
-      }
-    }
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint32_t a[4] = {pack_bf16(va[2 * kk][0], va[2 * kk][1]), pack_bf16(va[2 * kk][2], va[2 * kk][3]),
-                             pack_bf16(va[2 * kk + 1][0], va[2 * kk + 1][1]),
-                             pack_bf16(va[2 * kk + 1][2], va[2 * kk + 1][3])};
-#pragma unroll
-      for (int m = 0; m < 8; ++m) {
-        if (16 * kk > 8 * m + 7) continue;  // QK[t][s] = 0 for s > t
-        const uint16_t* arow = Aq + (8 * m + gq) * I::APQ + 16 * kk + 2 * tq;
-        const uint32_t bb[2] = {*reinterpret_cast<const uint32_t*>(arow), *reinterpret_cast<const uint32_t*>(arow + 8)};
-        mma_bf16(oa[m], a, bb);
-      }
-    }
-    {
-      const int n = min(kC, len - kC * c);
-      float* ob = o + (t_beg + int64_t(kC) * c) * ld + int64_t(h) * K + vw + gq;
-#pragma unroll
-      for (int m = 0; m < 8; ++m) {
-        const int tk = 8 * m + 2 * tq;
-        if (tk < n) {
-          ob[tk * ld] = oa[m][0];
-          ob[tk * ld + 8] = oa[m][2];
-        }
-        if (tk + 1 < n) {
-          ob[(tk + 1) * ld] = oa[m][1];
-          ob[(tk + 1) * ld + 8] = oa[m][3];
-        }
-      }
-    }
-
-    // Sᵀ ← Sᵀ·diag(eG) + v_newᵀ·K̂ (TF32). k-step m covers tokens 8m..8m+7 in the order (2t, 2t+1) per lane.
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      const float2 e = *reinterpret_cast<const float2*>(eG + 8 * j + 2 * tq);
-      sa[j][0] *= e.x;
-      sa[j][1] *= e.y;
-      sa[j][2] *= e.x;
-      sa[j][3] *= e.y;
-    }
-#pragma unroll
-    for (int m = 0; m < 8; ++m) {
-      const uint32_t a[4] = {to_tf32(va[m][0]), to_tf32(va[m][2]), to_tf32(va[m][1]), to_tf32(va[m][3])};
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const float2 kh = *reinterpret_cast<const float2*>(Kh + (8 * j + gq) * I::TP + 8 * m + 2 * tq);
-        const uint32_t bb[2] = {__float_as_uint(kh.x), __float_as_uint(kh.y)};
-        mma_tf32(sa[j], a, bb);
-      }
-    }
-
-    __syncthreads();  // both warps are done with stage s
-    if (tid == 0 && c + 2 < nc) {
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      issue(c + 2);
+  if (var.launches & 2u) {
+    if (var.intra == 1) {
+      kda_detail::launch_intra1<K>(a, stream);
+    } else if (var.f16_recurrence) {
+      kda_detail::launch_intra2<K, true>(a, stream);
+    } else {
+      kda_detail::launch_intra2<K, false>(a, stream);
     }
   }
-
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) {
-    const int key = 8 * j + 2 * tq;
-    store_state(S + key * K + vw + gq, sa[j][0]);
-    store_state(S + (key + 1) * K + vw + gq, sa[j][1]);
-    store_state(S + key * K + vw + gq + 8, sa[j][2]);
-    store_state(S + (key + 1) * K + vw + gq + 8, sa[j][3]);
+  if (var.launches & 4u) {
+    if (var.f16_recurrence) {
+      switch (var.seq) {
+        case 3: kda_detail::launch_seq2<K, StateT, 1, true, false>(a, pool, stream); break;
+        case 4: kda_detail::launch_seq2<K, StateT, 1, true, true>(a, pool, stream); break;
+        default: kda_detail::launch_seq2<K, StateT, 2, true, false>(a, pool, stream); break;
+      }
+      return;
+    }
+    switch (var.seq) {
+      case 1: kda_detail::launch_seq1<K, StateT>(a, pool, stream); break;
+      case 3: kda_detail::launch_seq2<K, StateT, 1, false, false>(a, pool, stream); break;
+      case 4: kda_detail::launch_seq2<K, StateT, 1, false, true>(a, pool, stream); break;
+      default: kda_detail::launch_seq2<K, StateT, 2, false, false>(a, pool, stream); break;
+    }
   }
-}
-
-// ---- launchers -------------------------------------------------------------------------------------------------------
-template <int K, typename StateT>
-void launch(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
-            int64_t ld_beta, const int32_t* cu, const int32_t* slots, StateT* pool, float* o, int64_t B, int64_t H,
-            int64_t cap, void* workspace, cudaStream_t stream) {
-  int32_t* cs = static_cast<int32_t*>(workspace);
-  int32_t* cseq = cs + B + 1;
-  char* imgs = static_cast<char*>(workspace) + table_bytes(B, cap);
-  chunk_table_kernel<<<1, 1024, 0, stream>>>(cu, int(B), int(cap), cs, cseq);
-  KCUDA_CHECK_LAUNCH();
-  auto intra = intra_kernel<K>;
-  KCUDA_CHECK(cudaFuncSetAttribute(intra, cudaFuncAttributeMaxDynamicSharedMemorySize, int(IntraSmem<K>::bytes)));
-  intra<<<dim3(unsigned(cap), unsigned(H)), kIntraThreads, IntraSmem<K>::bytes, stream>>>(
-      q, k, v, g, ld, beta, ld_beta, cu, cs, cseq, int(B), imgs, int(H));
-  KCUDA_CHECK_LAUNCH();
-  auto seq = seq_kernel<K, StateT>;
-  const size_t seq_smem = 2 * Img<K>::stage_bytes + 16;
-  KCUDA_CHECK(cudaFuncSetAttribute(seq, cudaFuncAttributeMaxDynamicSharedMemorySize, int(seq_smem)));
-  seq<<<dim3(unsigned(K / kBV), unsigned(H), unsigned(B)), 32 * kSeqWarps, seq_smem, stream>>>(cu, cs, slots, imgs,
-                                                                                                 pool, o, ld, int(H));
-  KCUDA_CHECK_LAUNCH();
 }
 
 void check_args(const void* q, const void* k, const void* v, const void* g, int64_t ld, const void* beta,
@@ -674,18 +207,25 @@ void check_args(const void* q, const void* k, const void* v, const void* g, int6
 template <typename StateT>
 void chunked(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
              int64_t ld_beta, const int32_t* cu, const int32_t* slots, StateT* pool, float* o, int64_t T, int64_t B,
-             int64_t H, int64_t Dk, void* workspace, cudaStream_t stream) {
+             int64_t H, int64_t Dk, void* workspace, cudaStream_t stream, const KdaChunkedVariant& var) {
   check_args(q, k, v, g, ld, beta, ld_beta, cu, slots, pool, o, B, H, Dk);
   KCUDA_REQUIRE(T >= 0 && T < (int64_t(1) << 31), std::string("kda_chunked: bad T"));
+  KCUDA_REQUIRE((var.intra == 1 || var.intra == 2) && var.seq >= 0 && var.seq <= 4 && var.launches <= 7 &&
+                    (!var.f16_recurrence || (var.intra == 2 && var.seq != 1)),
+                "kda_chunked: bad variant intra=" + std::to_string(var.intra) + " seq=" + std::to_string(var.seq) +
+                    " f16_recurrence=" + std::to_string(int(var.f16_recurrence)));
   if (B == 0) return;
   KCUDA_REQUIRE(workspace && reinterpret_cast<uintptr_t>(workspace) % 16 == 0,
                 std::string("kda_chunked: workspace must be non-null and 16-byte aligned"));
   const int64_t cap = capacity_chunks(T, B);
   KCUDA_REQUIRE(cap < (int64_t(1) << 31) / 2, std::string("kda_chunked: too many chunks"));
+  int32_t* cs = static_cast<int32_t*>(workspace);
+  const ChunkArgs a{q,  k,      v,  g,       ld,  beta,         ld_beta, cu, slots, cs, cs + B + 1,
+                    static_cast<char*>(workspace) + table_bytes(B, cap), o, int(B), int(H), cap};
   switch (Dk) {
-    case 32: launch<32>(q, k, v, g, ld, beta, ld_beta, cu, slots, pool, o, B, H, cap, workspace, stream); break;
-    case 64: launch<64>(q, k, v, g, ld, beta, ld_beta, cu, slots, pool, o, B, H, cap, workspace, stream); break;
-    default: launch<128>(q, k, v, g, ld, beta, ld_beta, cu, slots, pool, o, B, H, cap, workspace, stream); break;
+    case 32: launch<32>(a, pool, var, stream); break;
+    case 64: launch<64>(a, pool, var, stream); break;
+    default: launch<128>(a, pool, var, stream); break;
   }
 }
 
@@ -705,7 +245,7 @@ void chunked_alloc(const float* q, const float* k, const float* v, const float* 
   void* ws = nullptr;
   KCUDA_CHECK(cudaMallocAsync(&ws, kda_chunked_workspace_bytes(T, B, H, Dk), stream));
   try {
-    chunked(q, k, v, g, ld, beta, ld_beta, cu, slots, pool, o, T, B, H, Dk, ws, stream);
+    chunked(q, k, v, g, ld, beta, ld_beta, cu, slots, pool, o, T, B, H, Dk, ws, stream, kda_chunked_default_variant());
   } catch (...) {
     cudaFreeAsync(ws, stream);
     throw;
@@ -714,6 +254,24 @@ void chunked_alloc(const float* q, const float* k, const float* v, const float* 
 }
 
 }  // namespace
+
+KdaChunkedVariant kda_chunked_default_variant() {
+  static const KdaChunkedVariant v = [] {
+    KdaChunkedVariant r;
+    const char* e = std::getenv("KESTREL_KDA_CHUNKED");
+    if (e == nullptr || *e == 0) return r;
+    int intra = 0, seq = 0, f16 = 0;
+    char tail = 0;
+    KCUDA_REQUIRE(std::sscanf(e, "%d,%d,%d%c", &intra, &seq, &f16, &tail) == 3 && (f16 == 0 || f16 == 1),
+                  std::string("KESTREL_KDA_CHUNKED=") + e + " (expected INTRA,SEQ,F16, e.g. 2,4,1)");
+    r.intra = intra, r.seq = seq, r.f16_recurrence = f16 != 0;
+    KCUDA_REQUIRE((r.intra == 1 || r.intra == 2) && r.seq >= 0 && r.seq <= 4 &&
+                      (!r.f16_recurrence || (r.intra == 2 && r.seq != 1)),
+                  std::string("KESTREL_KDA_CHUNKED=") + e + ": no such variant (kda.h KdaChunkedVariant)");
+    return r;
+  }();
+  return v;
+}
 
 size_t kda_chunked_workspace_bytes(int64_t T, int64_t B, int64_t H, int64_t Dk) {
   KCUDA_REQUIRE(T >= 0 && B >= 0 && H > 0 && img_bytes(Dk) > 0,
@@ -724,13 +282,27 @@ size_t kda_chunked_workspace_bytes(int64_t T, int64_t B, int64_t H, int64_t Dk) 
 
 void kda_chunked(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
                  int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
+                 int64_t T, int64_t B, int64_t H, int64_t Dk, void* workspace, cudaStream_t stream,
+                 const KdaChunkedVariant& variant) {
+  chunked(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, T, B, H, Dk, workspace, stream, variant);
+}
+void kda_chunked(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+                 int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, uint16_t* state_pool, float* o,
+                 int64_t T, int64_t B, int64_t H, int64_t Dk, void* workspace, cudaStream_t stream,
+                 const KdaChunkedVariant& variant) {
+  chunked(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, T, B, H, Dk, workspace, stream, variant);
+}
+void kda_chunked(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+                 int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
                  int64_t T, int64_t B, int64_t H, int64_t Dk, void* workspace, cudaStream_t stream) {
-  chunked(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, T, B, H, Dk, workspace, stream);
+  chunked(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, T, B, H, Dk, workspace, stream,
+          kda_chunked_default_variant());
 }
 void kda_chunked(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
                  int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, uint16_t* state_pool, float* o,
                  int64_t T, int64_t B, int64_t H, int64_t Dk, void* workspace, cudaStream_t stream) {
-  chunked(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, T, B, H, Dk, workspace, stream);
+  chunked(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, T, B, H, Dk, workspace, stream,
+          kda_chunked_default_variant());
 }
 void kda_chunked(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
                  int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
@@ -744,3 +316,4 @@ void kda_chunked(const float* q, const float* k, const float* v, const float* g,
 }
 
 }  // namespace kestrel::cuda
+#endif  // KESTREL_SIMT_EMU

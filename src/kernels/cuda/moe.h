@@ -24,6 +24,8 @@ inline constexpr uint32_t kMoeExpertLayout = 0x4d58'3401u;
 //   w1, w3 (logical [I, Lt]): packed u8 [X][I/16][Lt/64][512], scales u8 [X][I/16][Lt/64][32];
 //   w2 (logical [Lt, I]):     packed u8 [X][Lt/16][I/64][512], scales u8 [X][Lt/16][I/64][32].
 // The same bytes as the checkpoint (MODEL.md §4), permuted; pack_experts_mxfp4 builds it at upload.
+class GemmLt;
+
 struct MoeExpertWeights {
   const uint8_t* w1_packed;
   const uint8_t* w1_scale;
@@ -71,25 +73,35 @@ MoeExpertWeights pack_experts_mxfp4(const MoeExpertHost* experts /* [X] */, int6
 //   wide    prefill: jobs of up to 128 tokens, 256-thread CTAs of 128/256 weight rows × all the job's tokens.
 //   t8, t32 the first tensor-core kernels (fixed grid, FP32 scale per 32-column block, tiles of 8 / 32 tokens):
 //           the only ones for weights with MoeExpertWeights::fp32_scales (stream/wide fall back to t8/t32).
-// `automatic`: t32 when the slots per possibly-hit expert, T·K / min(X, T·K), reach 16, else t8. Measured on the
-// H200 (bench_moe --perf, 896 × top-16, 3584→3072, 2026-12-01): t8 127.8 µs at T=1 / 3.15 ms at T=64 / 26.6 ms at
-// T=4096 (t32) against stream 142.4 µs / 4.50 ms and wide 42.1 ms, so stream and wide stay opt-in until they win
-// (KESTREL_MOE_PATH=stream in the environment: wide from 16 slots per expert, else stream).
-enum class MoeTokenTile { automatic, t8, t32, stream, wide };
+// `automatic`: stream for at most 4 slots (T·K), else t32 when the slots per possibly-hit expert,
+// T·K / min(X, T·K), reach 16, else t8. Measured on the H200 (2026-12-01): bench_moe --perf (896 × top-16,
+// 3584→3072): t8 127.8 µs at T=1 (16 slots) / 3.15 ms at T=64 / 26.6 ms at T=4096 (t32) against stream 142.4 µs /
+// 4.50 ms and wide 42.1 ms; but in the reduced-mini decode step (top-2, 2 slots at batch 1) stream took 116 µs
+// over 3 layers against t8's 174 µs — with 2 slots t8's fixed grid leaves most SMs idle. KESTREL_MOE_PATH=stream
+// forces stream/wide at every size (wide from 16 slots per expert), KESTREL_MOE_PATH=t8 forces t8/t32.
+//   dense   prefill: per hit expert, the weights dequantised to BF16 scratch and both GEMMs on cuBLASLt
+//           (moe_dense.cu). Needs MoeExpertsOptions::lt, one stream sync per call (never while capturing a
+//           graph) and the scratch of moe_experts_workspace_bytes(..., dense); `automatic` takes it from
+//           256 slots per hit expert when `lt` is given and the stream is not capturing.
+enum class MoeTokenTile { automatic, t8, t32, stream, wide, dense };
 
-// Knobs for benchmarks and tests; the defaults are what the engine runs.
+// Knobs for benchmarks and tests; the defaults are what the engine runs, with `lt` set.
 struct MoeExpertsOptions {
   MoeTokenTile tile = MoeTokenTile::automatic;
   int pdl = -1;          // programmatic dependent launch between the 4 launches: 1 on, 0 off, -1 on unless
                          // KESTREL_MOE_PDL=0 in the environment
   int grouped = -1;      // stream path: 1 group tokens by expert, 0 one job per slot, -1 ungrouped iff T ≤ 2
   int stream_ctas = 0;   // stream path: CTAs of the persistent grid (tests force other splits); 0: all that fit
+  GemmLt* lt = nullptr;  // cuBLASLt for the dense path (none: dense is never chosen, and forcing it is an error)
   cudaEvent_t* marks = nullptr;  // 5 events recorded before the grouping and after each launch (group,
                                  // w1|w3, w2, combine) for a per-launch breakdown; PDL is off then
 };
 
 // Device scratch for moe_experts_mxfp4, in bytes (256-byte aligned pieces).
-size_t moe_experts_workspace_bytes(int64_t T, int64_t X, int64_t K, int64_t Lt, int64_t I);
+// With tile = automatic it holds the dense path's scratch (66 MB at the real expert shape + T rows) only where
+// `automatic` may choose it (≥ 256 slots per hit expert); forcing dense needs the bytes for tile = dense.
+size_t moe_experts_workspace_bytes(int64_t T, int64_t X, int64_t K, int64_t Lt, int64_t I,
+                                   MoeTokenTile tile = MoeTokenTile::automatic);
 
 // For each (token t, slot k): [g | u] = z_t·[W1; W3]ᵀ (FP32 sums, each rounded to BF16),
 // a = bf16(SiTU-GLU(g, u)), y = bf16(a·W2ᵀ); then ũ_t = bf16(Σ_k w_k·y_k) in top-k order.

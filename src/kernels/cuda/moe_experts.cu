@@ -10,12 +10,14 @@
 //   2. w1|w3 with SiTU-GLU fused: a = bf16(SiTU-GLU(bf16 g, bf16 u)) per slot.
 //   3. w2: y = bf16(a·W2ᵀ) per slot.
 //   4. combine: ũ_t = bf16(Σ_k w_k·y_k) in top-k order, FP32; deterministic (no atomics on values).
-// Three GEMM families (moe.h MoeTokenTile):
+// Four GEMM families (moe.h MoeTokenTile):
 //   stream (moe_stream.cu), decode: persistent stream-K grid, CT = 8, scales folded into the decode.
 //   wide (moe_wide.cu), prefill: CT = 128, 8-warp CTAs of 128/256 weight rows × all the job's tokens.
 //   t8 / t32 (below): one CTA = 4 warps = 64 rows for one job, grid = (host bound on jobs) × R/64, CTAs past
 //      the device's job count exit at once; per 32-column block two MMAs into a fresh FP32 partial, then
 //      acc += 2^(e−127)·partial (exact for every e): the path for weights whose scales cannot be folded.
+//   dense (moe_dense.cu), large prefill: per hit expert, dequantise to BF16 and two cuBLASLt GEMMs; the one
+//      path with a host synchronisation (it reads the job list), so never chosen while a graph is captured.
 // With stream and wide, launches 2–4 use programmatic dependent launch (moe_mma.cuh): each starts its CTAs
 // while the previous kernel drains, the decode GEMMs even their first weight loads.
 // The order of tokens inside an expert (atomic scatter) never changes a value: every (row, token) output is
@@ -305,7 +307,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const uint16_t
 // ---- launchers -------------------------------------------------------------------------------------------
 size_t round256(size_t n) { return (n + 255) & ~size_t(255); }
 
-enum class Path { t8, t32, stream, wide };
+enum class Path { t8, t32, stream, wide, dense };
 
 bool env_is(const char* name, const char* value) {
   const char* s = std::getenv(name);
@@ -313,8 +315,13 @@ bool env_is(const char* name, const char* value) {
 }
 
 // moe.h MoeTokenTile; n slots over X experts.
+constexpr int64_t kStreamMaxSlots = 4;
+constexpr int64_t kDenseMinSlots = 256;  // slots per hit expert from which dequantise + cuBLASLt wins (moe_dense.cu)
+int64_t slots_per_expert(int64_t n, int64_t X) { return n / std::max<int64_t>(1, std::min(X, n)); }
 Path choose_path(MoeTokenTile tile, int64_t n, int64_t X, bool fp32_scales) {
-  static const bool legacy = !env_is("KESTREL_MOE_PATH", "stream");  // see moe.h: t8/t32 measured faster
+  // see moe.h: t8/t32 measured faster from 16 slots up, stream faster for a handful of slots
+  static const bool all_new = env_is("KESTREL_MOE_PATH", "stream");
+  static const bool all_old = env_is("KESTREL_MOE_PATH", "t8");
   const int64_t per_expert = n / std::max<int64_t>(1, std::min(X, n));  // slots per possibly-hit expert
   switch (tile) {
     case MoeTokenTile::t8:
@@ -325,16 +332,20 @@ Path choose_path(MoeTokenTile tile, int64_t n, int64_t X, bool fp32_scales) {
       return fp32_scales ? Path::t8 : Path::stream;
     case MoeTokenTile::wide:
       return fp32_scales ? Path::t32 : Path::wide;
+    case MoeTokenTile::dense:
+      return Path::dense;
     case MoeTokenTile::automatic:
       break;
   }
-  if (legacy || fp32_scales) return per_expert >= 16 ? Path::t32 : Path::t8;
-  return per_expert >= 16 ? Path::wide : Path::stream;
+  if (fp32_scales || all_old) return per_expert >= 16 ? Path::t32 : Path::t8;
+  if (all_new) return per_expert >= 16 ? Path::wide : Path::stream;
+  if (n <= kStreamMaxSlots) return Path::stream;
+  return per_expert >= 16 ? Path::t32 : Path::t8;
 }
 int path_ct(Path p) { return p == Path::t32 ? 32 : p == Path::wide ? moe_detail::kWideTokens : 8; }
 bool use_pdl(Path p, const MoeExpertsOptions& opt) {
   static const bool env_off = env_is("KESTREL_MOE_PDL", "0");
-  if (opt.marks != nullptr || p == Path::t8 || p == Path::t32) return false;
+  if (opt.marks != nullptr || p == Path::t8 || p == Path::t32 || p == Path::dense) return false;
   return opt.pdl == 1 || (opt.pdl == -1 && !env_off);
 }
 
@@ -424,6 +435,8 @@ void run_gemm(Path p, bool glu, const GemmArgs& a, const Groups& grp, const int3
     case Path::wide:
       moe_detail::launch_wide(a, glu, ml::job_bound(n, X, moe_detail::kWideTokens), pdl, stream);
       return;
+    case Path::dense:  // moe_dense.cu runs both GEMMs itself
+      KCUDA_REQUIRE(false, std::string("moe expert GEMM: the dense path has no grouped-kernel GEMM"));
   }
 }
 
@@ -435,9 +448,12 @@ void mark(const MoeExpertsOptions& opt, int i, cudaStream_t stream) {
 
 }  // namespace
 
-size_t moe_experts_workspace_bytes(int64_t T, int64_t X, int64_t K, int64_t Lt, int64_t I) {
+size_t moe_experts_workspace_bytes(int64_t T, int64_t X, int64_t K, int64_t Lt, int64_t I, MoeTokenTile tile) {
   const int64_t n = T * K;
-  return groups_bytes(n, X) + round256(size_t(n * I) * 2) + round256(size_t(n * Lt) * 2) + stream_scratch_bytes();
+  const bool dense = tile == MoeTokenTile::dense ||
+                     (tile == MoeTokenTile::automatic && slots_per_expert(n, X) >= kDenseMinSlots);
+  return groups_bytes(n, X) + round256(size_t(n * I) * 2) + round256(size_t(n * Lt) * 2) + stream_scratch_bytes() +
+         (dense ? moe_detail::dense_scratch_bytes(T, Lt, I) : 0);
 }
 
 void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weights, const MoeExpertWeights& w,
@@ -472,7 +488,14 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
                 std::string("moe_experts_mxfp4: z, ũ and packed weights must be 16-byte aligned, scales 4-byte"));
   if (T == 0) return;
   const int64_t n = T * K;
-  const Path path = choose_path(opt.tile, n, X, w.fp32_scales || w.special_scales);
+  Path path = choose_path(opt.tile, n, X, w.fp32_scales || w.special_scales);
+  if (opt.tile == MoeTokenTile::automatic && opt.lt != nullptr && slots_per_expert(n, X) >= kDenseMinSlots) {
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    KCUDA_CHECK(cudaStreamIsCapturing(stream, &cs));
+    if (cs == cudaStreamCaptureStatusNone) path = Path::dense;
+  }
+  KCUDA_REQUIRE(path != Path::dense || opt.lt != nullptr,
+                std::string("moe_experts_mxfp4: the dense path needs MoeExpertsOptions::lt"));
   const int ct = path_ct(path);
   const bool pdl = use_pdl(path, opt);
   const bool grouped = path != Path::stream || opt.grouped == 1 || (opt.grouped == -1 && T > 2);
@@ -492,26 +515,37 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
   const int n_zero = path == Path::stream ? moe_detail::kMaxStreamWarps + moe_detail::kStreamWarps * ctas2 : 0;
 
   mark(opt, 0, stream);
-  if (grouped) {
+  if (path == Path::dense) {
+    // One job per hit expert (ct = n); the GEMMs on cuBLASLt, y in slot order for the combine below.
+    launch_group(ids, n, X, int(n), grp, ss.counters, 0, stream);
+    mark(opt, 1, stream);
+    const moe_detail::DenseArgs da{z,   int(K), grp.order, grp.jobs,  grp.n_jobs, &w,       T,  n, X,
+                                   Lt,  I,      situ_beta, situ_linear_beta,       opt.lt,   p,  y};
+    moe_detail::run_dense(da, stream);
+    mark(opt, 2, stream);
+    mark(opt, 3, stream);
+  } else if (grouped) {
     launch_group(ids, n, X, ct, grp, ss.counters, n_zero, stream);
   } else {
     grp = Groups{nullptr, nullptr, nullptr};
     prep_kernel<<<1, kGroupThreads, 0, stream>>>(ss.counters, n_zero);
     KCUDA_CHECK_LAUNCH();
   }
-  mark(opt, 1, stream);
-  const GemmArgs a13{z,           Lt,          int(K),      grp.order,  grp.jobs,
-                     grp.n_jobs,  w.w1_packed, w.w1_scale,  w.w3_packed, w.w3_scale,
-                     w.w13_packed_stride,      w.w13_scale_stride,       int(I),
-                     int(Lt),     act,         situ_beta,   situ_linear_beta};
-  run_gemm(path, true, a13, grp, ids, n, X, w.special_scales, ss, ctas13, true, pdl, stream);
-  mark(opt, 2, stream);
-  const GemmArgs a2{act,        I,           1,          grp.order, grp.jobs,
-                    grp.n_jobs, w.w2_packed, w.w2_scale, nullptr,   nullptr,
-                    w.w2_packed_stride,      w.w2_scale_stride,     int(Lt),
-                    int(I),     y,           0.0f,       0.0f};
-  run_gemm(path, false, a2, grp, ids, n, X, w.special_scales, ss, ctas2, false, pdl, stream);
-  mark(opt, 3, stream);
+  if (path != Path::dense) {
+    mark(opt, 1, stream);
+    const GemmArgs a13{z,           Lt,          int(K),      grp.order,  grp.jobs,
+                       grp.n_jobs,  w.w1_packed, w.w1_scale,  w.w3_packed, w.w3_scale,
+                       w.w13_packed_stride,      w.w13_scale_stride,       int(I),
+                       int(Lt),     act,         situ_beta,   situ_linear_beta};
+    run_gemm(path, true, a13, grp, ids, n, X, w.special_scales, ss, ctas13, true, pdl, stream);
+    mark(opt, 2, stream);
+    const GemmArgs a2{act,        I,           1,          grp.order, grp.jobs,
+                      grp.n_jobs, w.w2_packed, w.w2_scale, nullptr,   nullptr,
+                      w.w2_packed_stride,      w.w2_scale_stride,     int(Lt),
+                      int(I),     y,           0.0f,       0.0f};
+    run_gemm(path, false, a2, grp, ids, n, X, w.special_scales, ss, ctas2, false, pdl, stream);
+    mark(opt, 3, stream);
+  }
   const int64_t outs = T * (Lt / 8);
   KCUDA_REQUIRE((outs + kCombineThreads - 1) / kCombineThreads < (int64_t(1) << 31),
                 std::string("moe_experts_mxfp4: too many outputs"));
@@ -535,6 +569,7 @@ void mxfp4_matmul_packed(const uint16_t* x, const uint8_t* packed, const uint8_t
   KCUDA_REQUIRE(T >= 0 && T < (int64_t(1) << 31), std::string("mxfp4_matmul_packed: bad T"));
   KCUDA_REQUIRE(aligned(x, 16) && aligned(packed, 16) && aligned(scale, 4) && aligned(workspace, 256),
                 std::string("mxfp4_matmul_packed: x and packed must be 16-byte aligned, scales 4-byte"));
+  KCUDA_REQUIRE(tile != MoeTokenTile::dense, std::string("mxfp4_matmul_packed: no dense path (use GemmLt)"));
   if (T == 0) return;
   const Path path = choose_path(tile, T, 1, fp32_scales || special_scales);
   const bool pdl = use_pdl(path, MoeExpertsOptions{});

@@ -1,6 +1,6 @@
 // What the MoE expert kernel files share on the host side: argument structs, the launchers of the decode
-// (moe_stream.cu) and prefill (moe_wide.cu) GEMMs that moe_experts.cu calls, and a launch helper that adds
-// the programmatic-dependent-launch attribute. Included by .cu files only.
+// (moe_stream.cu) and prefill (moe_wide.cu, moe_dense.cu) GEMMs that moe_experts.cu calls, and a launch helper
+// that adds the programmatic-dependent-launch attribute. Included by .cu files only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,7 +9,11 @@
 #include <utility>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/moe.h"
 
+namespace kestrel::cuda {
+class GemmLt;
+}
 namespace kestrel::cuda::moe_detail {
 
 // A grouped MXFP4 GEMM over a device work list (moe_experts.cu: group_kernel): job j = (expert, first position
@@ -58,6 +62,25 @@ void launch_stream(const StreamArgs& a, bool glu, int ctas, bool pdl, cudaStream
 // Prefill GEMM (moe_wide.cu): jobs of up to kWideTokens tokens; grid = jobs_bound × row groups.
 inline constexpr int kWideTokens = 128;
 void launch_wide(const GemmArgs& a, bool glu, int64_t jobs_bound, bool pdl, cudaStream_t stream);
+
+// Prefill path through cuBLASLt (moe_dense.cu): per hit expert, dequantise to BF16 scratch and run both GEMMs;
+// writes y (bf16 [n, Lt], the row of slot s at y + s·Lt) for the combine. Synchronises the stream once (the job
+// list is read on the host): never inside a CUDA-graph capture.
+struct DenseArgs {
+  const uint16_t* z;          // bf16 [T, Lt]
+  int K;                      // slots per token: slot s reads z row s / K
+  const int32_t* order;       // i32 [n] slots grouped by expert
+  const int32_t* jobs;        // i32 [J, 3], one job per hit expert (group kernel with ct ≥ n)
+  const int32_t* n_jobs;      // i32 [1]
+  const MoeExpertWeights* w;  // kernels' layout
+  int64_t T, n, X, Lt, I;
+  float beta, lbeta;
+  GemmLt* lt;
+  void* scratch;              // dense_scratch_bytes(T, Lt, I), 256-byte aligned
+  uint16_t* y;                // bf16 [n, Lt]
+};
+size_t dense_scratch_bytes(int64_t T, int64_t Lt, int64_t I);
+void run_dense(const DenseArgs& a, cudaStream_t stream);
 
 // Launches kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization if `pdl`.
 template <typename... KArgs, typename... Args>

@@ -1,4 +1,5 @@
-// RMSNorm and fused AttnRes Mix + RMSNorm. One block per token; each thread owns 8-element vectors
+// RMSNorm and fused AttnRes Mix + RMSNorm (the indexer's key LayerNorm is at the end, see there). One block
+// per token; each thread owns 8-element vectors
 // v = tid, tid + blockDim, ... of the row (16-byte loads, coalesced across the warp). The sources are
 // re-read in each pass rather than held in registers (up to 16 sources × 7168 values do not fit); the
 // re-reads hit L1/L2. The mixed row h is kept in shared memory (f32 [D]) for the final norm.
@@ -371,10 +372,54 @@ void attn_res_step(const uint16_t* blocks, int64_t block_stride, int nb, uint16_
     KCUDA_CHECK(cudaFuncSetAttribute(attn_res_step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     attr_set = true, attr_smem = smem;
   }
+  // One CTA per token. Decode: a thread per 16-byte vector (up to 1024), the shortest chain of dependent steps.
+  // Prefill (T ≥ 512, more tokens than resident CTAs): 256 threads looping over the row, so that 7 CTAs fit
+  // an SM instead of 2 and their load / reduce / sync phases overlap (measured on the reduced mini's 8K
+  // prefill: 4.3 ms for its 8 AttnRes points at one thread per vector).
   const int64_t nv = D / 8;
-  const unsigned threads = unsigned(std::min<int64_t>(1024, (nv + 31) / 32 * 32));
+  const unsigned threads =
+      T >= 512 ? unsigned(std::min<int64_t>(256, (nv + 31) / 32 * 32)) : unsigned(std::min<int64_t>(1024, (nv + 31) / 32 * 32));
   launch_pdl(attn_res_step_kernel, dim3(unsigned(T)), dim3(threads), smem, stream, blocks, block_stride, nb, partial,
              a, mode, store_block, mix_norm_w, mix_proj_w, rms_w, eps, y, q8, q_scale, int(D));
+}
+
+// ---- the DSA indexer's key LayerNorm (MODEL.md §3.5 step 2) -----------------------------------------------
+// One block of 128 threads per row, scalar loads; mean and variance in double as the CPU twin
+// (cpu::indexer_key_norm), the affine step with round-to-nearest FP32 operations only, no fused multiply-add.
+namespace {
+
+__global__ void indexer_key_norm_kernel(const uint16_t* __restrict__ kraw, const uint16_t* __restrict__ w,
+                                        const uint16_t* __restrict__ bias, int64_t Di, uint16_t* __restrict__ out) {
+  __shared__ double scratch[32];
+  const int64_t t = blockIdx.x;
+  const uint16_t* k = kraw + t * Di;
+  double s = 0.0;
+  for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) s += double(dev::bf16_to_f32(k[i]));
+  const double mean = dev::block_sum_d(s, scratch) / double(Di);
+  double v = 0.0;
+  for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) {
+    const double dd = double(dev::bf16_to_f32(k[i])) - mean;
+    v += dd * dd;
+  }
+  const double var = dev::block_sum_d(v, scratch);
+  const float rstd = float(1.0 / sqrt(var / double(Di) + 1e-6));
+  const float meanf = float(mean);
+  for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) {
+    const float b = bias ? dev::bf16_to_f32(bias[i]) : 0.0f;
+    const float xn = __fmul_rn(__fsub_rn(dev::bf16_to_f32(k[i]), meanf), rstd);
+    const float y = __fadd_rn(__fmul_rn(xn, dev::bf16_to_f32(w[i])), b);
+    out[t * Di + i] = dev::f32_to_bf16(y);
+  }
+}
+
+}  // namespace
+
+void indexer_key_norm(const uint16_t* kraw, const uint16_t* w, const uint16_t* b, int64_t T, int64_t Di, uint16_t* out,
+                      cudaStream_t stream) {
+  if (T == 0) return;
+  KCUDA_REQUIRE(Di <= 1024, std::string("indexer_key_norm: Di > 1024"));
+  indexer_key_norm_kernel<<<unsigned(T), 128, 0, stream>>>(kraw, w, b, Di, out);
+  KCUDA_CHECK_LAUNCH();
 }
 
 }  // namespace kestrel::cuda

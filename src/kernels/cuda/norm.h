@@ -1,6 +1,7 @@
-// RMSNorm and the fused AttnRes Mix + RMSNorm (MODEL.md §3 conventions, §3.2) on the GPU.
-// CPU twins: cpu::rmsnorm_bf16 (kernels/cpu/cpu_ops.h) and model::attn_res_mix (model/attn_res.h).
-// One thread block per token; rows are read with 16-byte loads, so every row length must be a
+// RMSNorm and the fused AttnRes Mix + RMSNorm (MODEL.md §3 conventions, §3.2), and the DSA indexer's key
+// LayerNorm (§3.5 step 2) on the GPU. CPU twins: cpu::rmsnorm_bf16 (kernels/cpu/cpu_ops.h),
+// model::attn_res_mix (model/attn_res.h) and cpu::indexer_key_norm (kernels/cpu/mla_ops.h).
+// One thread block per token; the RMSNorm rows are read with 16-byte loads, so their row length must be a
 // multiple of 8 and every row start 16-byte aligned (checked).
 #pragma once
 
@@ -46,5 +47,10 @@ void attn_res_step(const uint16_t* blocks /* bf16 [nb, T, D], block i at i·bloc
                    const uint16_t* rms_w /* bf16 [D] */, float eps, uint16_t* y /* bf16 [T, D] */,
                    uint8_t* q8 /* e4m3 [T, D] or null */, float* q_scale /* f32 [T] */, int64_t T, int64_t D,
                    cudaStream_t stream);
+
+// Indexer §3.5 step 2: out = bf16(LayerNorm_{1e-6}(kraw)·w + b) per row (b null = 0). Di ≤ 1024.
+void indexer_key_norm(const uint16_t* kraw /* bf16 [T, Di] */, const uint16_t* w /* bf16 [Di] */,
+                      const uint16_t* b /* bf16 [Di] or null */, int64_t T, int64_t Di,
+                      uint16_t* out /* bf16 [T, Di], row stride Di */, cudaStream_t stream);
 
 }  // namespace kestrel::cuda

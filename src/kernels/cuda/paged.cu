@@ -2,8 +2,8 @@
 // (the same amax, the same power-of-two scale rule, the same integer RNE through kernels/cuda/quant.cuh),
 // so the bytes equal the CPU writer's. amax is a max-reduction, which is exact in any order; NaN inputs
 // are skipped by the comparison `amax < |x|` as in std::max on the CPU.
-// The paged readers (absorbed decode, indexer) live in mla.cu beside the kernels they generalise; the
-// latent gather (the naive prefill's contiguous context) is here.
+// The paged readers are the attention kernels themselves (mla_decode.cu, mla_prefill.cu, mla_decode_simple.cu,
+// indexer.cu).
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
@@ -122,30 +122,6 @@ __global__ void __launch_bounds__(kWriteThreads)
   }
 }
 
-// Row n of out = the token at pool row rows[n], dequantised to BF16 like MlaCacheView::read_latent: an e4m3
-// value times its power-of-two scale is exact in BF16 (3 mantissa bits, exponent in range), so the bytes
-// equal the CPU's.
-__global__ void __launch_bounds__(kWriteThreads)
-    gather_latent_kernel(LatentFormat fmt, int C, int R, int64_t tb, const uint8_t* __restrict__ arena,
-                         const int32_t* __restrict__ rows, uint16_t* __restrict__ out) {
-  const int64_t n = blockIdx.x;
-  const uint8_t* src = arena + int64_t(rows[n]) * tb;
-  uint16_t* y = out + n * (C + R);
-  if (fmt == LatentFormat::bf16) {
-    const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
-    for (int i = threadIdx.x; i < C + R; i += blockDim.x) y[i] = s16[i];
-    return;
-  }
-  const int groups = (C + 127) / 128;
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    float s;
-    memcpy(&s, src + C + (i / 128) * 4, 4);
-    y[i] = dev::f32_to_bf16(dev::e4m3_to_f32(src[i]) * s);
-  }
-  const uint8_t* rope = src + C + groups * 4;
-  for (int i = threadIdx.x; i < R; i += blockDim.x) memcpy(y + C + i, rope + 2 * i, 2);
-}
-
 template <typename SlotT>
 void write_latent(const PagedMlaCache& c, const uint16_t* rows, int64_t ld, const SlotT* slots, int64_t T,
                   cudaStream_t stream) {
@@ -169,17 +145,6 @@ void paged_write_latent(const PagedMlaCache& c, const uint16_t* rows, int64_t ld
 void paged_write_latent(const PagedMlaCache& c, const uint16_t* rows, int64_t ld, const int32_t* slots, int64_t T,
                         cudaStream_t stream) {
   write_latent(c, rows, ld, slots, T, stream);
-}
-
-void paged_gather_latent(const PagedMlaCache& c, const int32_t* rows, int64_t n, uint16_t* out, cudaStream_t stream) {
-  KCUDA_REQUIRE(n >= 0 && n < (int64_t(1) << 31), std::string("paged_gather_latent: bad n"));
-  if (n == 0) return;
-  KCUDA_REQUIRE(rows && out && c.latent, std::string("paged_gather_latent: null pointer"));
-  KCUDA_REQUIRE(c.C > 0 && c.C % 8 == 0 && c.R >= 0 && c.R % 8 == 0,
-                "paged_gather_latent: bad shape C=" + std::to_string(c.C) + " R=" + std::to_string(c.R));
-  gather_latent_kernel<<<unsigned(n), kWriteThreads, 0, stream>>>(c.latent_format, int(c.C), int(c.R),
-                                                                  c.latent_token_bytes(), c.latent, rows, out);
-  KCUDA_CHECK_LAUNCH();
 }
 
 namespace {

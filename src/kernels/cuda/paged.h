@@ -1,9 +1,10 @@
 // Paged MLA caches on the GPU (MODEL.md §0.3, §3.4 absorbed decode, §3.5 indexer): quantise-on-write
 // into the page arenas, and batched (varlen) reads through per-request block tables for the absorbed
-// MLA decode and prefill (dense or sparse) and the indexer scores + top-k.
+// MLA decode and prefill (dense or sparse); the indexer's scores + top-k over the key pages are indexer.h's.
 // CPU twins: model::MlaCacheView::write_latent / write_key (byte-identical writes) and read_latent /
 // read_keys followed by cpu::mla_attn_absorbed / cpu::indexer_select_topk (the reads dequantise exactly
-// to the BF16 values the CPU reads back, then run the same math as kernels/cuda/mla.h).
+// to the BF16 values the CPU reads back; the contiguous reference kernels the tests compare against are
+// tests/gpu/ref/gpu_ref.h's).
 //
 // Formats and byte layouts are core/cache_format.h's (one per-layer arena per cache, indexed by page id;
 // a page holds P = block_size tokens; index keys in 64-token kernel pages, values then scales).
@@ -50,13 +51,6 @@ void paged_write_keys(const PagedMlaCache& c, const uint16_t* keys /* bf16 [T, D
 void paged_write_keys(const PagedMlaCache& c, const uint16_t* keys /* bf16 [T, Di], row stride ld */, int64_t ld,
                       const int32_t* slots /* i32 [T] */, int64_t T, cudaStream_t stream);
 
-// ---- gather ---------------------------------------------------------------------------------------------
-// out[n] = the latent of pool row rows[n] (= page·P + row), dequantised to BF16 exactly as
-// MlaCacheView::read_latent does (FP8: e4m3 · scale is exact in BF16), for the naive prefill's contiguous
-// context. Block tables are not read.
-void paged_gather_latent(const PagedMlaCache& c, const int32_t* rows /* i32 [n] */, int64_t n,
-                         uint16_t* out /* bf16 [n, C+R] */, cudaStream_t stream);
-
 // ---- absorbed MLA decode over the paged latent cache ------------------------------------------------------
 // B query rows (one query each; several rows may share a request, e.g. speculative tokens). Row b uses
 // block-table row req[b] (req null: b) and attends to positions 0..lens[b]−1, or (sparse) to sel[b, ..]
@@ -91,7 +85,7 @@ void mla_decode_paged_simple(GemmLt& lt, const MlaDims& d, const uint16_t* q /* 
 // T query rows of a step's prefill chunks, several sequences in one launch (varlen): row t uses block-table
 // row req[t] (null: t) and attends causally to positions 0..lens[t]−1 (lens[t] = its position + 1; the
 // chunk's own latent rows must already be in their pages), or to its indexer selection sel[t, ..]
-// (ascending, −1 ends it) — the same row description as the decode and indexer_select_paged, so the
+// (ascending, −1 ends it) — the same row description as the decode and indexer_select_paged_tc, so the
 // engine's per-row arrays (row lengths, row requests) serve all three. No gather: keys are read from the
 // pages through the block tables. Absorbed (MQA over the shared latent, MODEL.md §3.4): q̃ = W_UKᵀ q_nope
 // by one batched GEMM, the tensor-core core of the decode (online softmax, one CTA per row and key chunk,
@@ -107,18 +101,5 @@ void mla_prefill_paged(GemmLt& lt, const MlaDims& d, const uint16_t* q /* bf16 [
                        const uint16_t* kv_b /* bf16 [Hm*(N+Dv), C] */, const PagedMlaCache& cache,
                        const MlaPagedBatch& rows /* B = T rows */, void* workspace /* ..._workspace_bytes */,
                        uint16_t* o /* bf16 [T, Hm*Dv] */, cudaStream_t stream);
-
-// ---- indexer scores + top-k over the paged key cache ------------------------------------------------------
-// T query rows (prefill and decode alike): row t uses block-table row req[t] (null: t) and sees keys
-// 0..lens[t]−1 (lens[t] = its position + 1). sel[t] = top Ki by I = Σ_h (w·(Hi·Di)^−½)·ReLU(q_h·k), ties
-// to the lower position, ascending, −1 padded; all visible keys when lens[t] ≤ Ki. Keys are dequantised
-// exactly (FP8: e4m3·2^k, MXFP4: e2m1·2^k are BF16 values) and scored with the CPU twin's sequential FP32
-// order, so the selection equals cpu::indexer_select_topk over MlaCacheView::read_keys bit for bit.
-// Di ∈ {32, 64, 128}; Hi·Di ≤ 8192; scores is scratch f32 [T, ld_scores] with ld_scores ≥ max_len.
-void indexer_select_paged(const uint16_t* qi /* bf16 [T, Hi*Di] */, const float* hw /* f32 [T, Hi] */,
-                          const PagedMlaCache& cache, const int32_t* lens /* i32 [T] */,
-                          const int32_t* req /* i32 [T] or null */, int64_t T, int64_t max_len, int64_t Hi, int64_t Ki,
-                          float* scores /* f32 [T, ld_scores] */, int64_t ld_scores, int32_t* sel /* i32 [T, Ki] */,
-                          cudaStream_t stream);
 
 }  // namespace kestrel::cuda

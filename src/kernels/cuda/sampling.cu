@@ -277,7 +277,10 @@ __global__ void penalty_kernel(float* logits, int64_t ld, const PenaltyEntry* e,
     float& l = logits[int64_t(q.row) * ld + q.token];
     float v = l;
     // Explicit IEEE roundings: no fused multiply-add, so the result is the CPU twin's bit for bit.
-    if (q.repetition != 1.0f) v = v > 0.0f ? __fdiv_rn(v, q.repetition) : __fmul_rn(v, q.repetition);
+    if (q.bias != 0.0f) v = __fadd_rn(v, q.bias);
+    if (q.flags & kPenaltyMasked) v = -INFINITY;
+    if ((q.flags & kPenaltyInContext) && q.repetition != 1.0f)
+      v = v > 0.0f ? __fdiv_rn(v, q.repetition) : __fmul_rn(v, q.repetition);
     if (q.count > 0 && (q.frequency != 0.0f || q.presence != 0.0f))
       v = __fsub_rn(v, __fadd_rn(__fmul_rn(q.frequency, float(q.count)), q.presence));
     l = v;

@@ -1,6 +1,6 @@
 // Token selection on the GPU, so a batch's logits (f32 [B, V], V up to 160K) stay on the device and
 // only n ids come back. CPU twin: runtime::sample_token (runtime/sampler.h), whose rules these follow
-// exactly: penalties on the logits → greedy argmax if temperature == 0 (ties to the lower id) →
+// exactly: logit_bias, min_tokens masks and penalties on the logits → greedy argmax if temperature == 0 (ties to the lower id) →
 // candidates in (logit desc, id asc) order, top-k cut → probabilities over the FULL vocabulary
 // (softmax in FP64) → min-p (prob ≥ min_p · p_max) → top-p (shortest prefix whose mass reaches top_p)
 // → draw u·kept along the prefix with u = sample_uniform(seed, index) (the same SplitMix64, so the
@@ -36,12 +36,16 @@ struct SampleParams {  // one per sampled row
   uint64_t seed, index;  // the draw is sample_uniform(seed, index)
 };
 
-// One (row, token) of a request's prompt ∪ output tokens: repetition r applies to it (logit > 0 ?
-// logit / r : logit · r), then frequency · count + presence · [count > 0] is subtracted (count = its
-// occurrences in the output). Entries of one row name distinct tokens.
+inline constexpr int32_t kPenaltyInContext = 1;  // the token is in the prompt ∪ output: repetition applies
+inline constexpr int32_t kPenaltyMasked = 2;     // min_tokens holds this stop id back: its logit is −inf
+
+// One (row, token) whose logit the twin adjusts before sampling, in the twin's order: + bias
+// (logit_bias), then −inf if masked (min_tokens), then, in context, repetition r (logit > 0 ?
+// logit / r : logit · r), then frequency · count + presence subtracted when count (its occurrences in
+// the output) > 0. Entries of one row name distinct tokens.
 struct PenaltyEntry {
-  int32_t row, token, count;
-  float repetition, frequency, presence;
+  int32_t row, token, count, flags;
+  float bias, repetition, frequency, presence;
 };
 
 // In place on the logits rows named by the entries.

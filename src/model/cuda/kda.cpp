@@ -6,7 +6,8 @@
 // delta-rule scan as one decode launch over the T = 1 rows (kda_decode) and one chunk-parallel launch over
 // every prefill (kda_chunked, §3.3's WY/UT form on the tensor cores: TF32 recurrence, BF16 output products
 // — o within ~3e-3 rel L2 of the FP32 CPU twin). An FP16 state is widened to FP32 and rounded back once
-// per launch, as the CPU does per layer call.
+// per launch, as the CPU does per layer call. Both scans take their kernel variant from kda.h's defaults
+// (KESTREL_KDA_CHUNKED / KESTREL_KDA_DECODE select another for benchmarks).
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/kda.h"
 #include "model/cuda/layers.h"

@@ -17,7 +17,6 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/indexer.h"
-#include "kernels/cuda/mla.h"
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/paged.h"
 #include "kernels/cuda/rows.h"

@@ -42,7 +42,10 @@ void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in, c
   // Steps 3–4: the selected experts on z, ũ = bf16(Σ_k w_k · y_k).
   u16* ut = x.tmp<u16>(T * Lt);  // bf16 [T, Lt]
   void* ws = x.tmp<char>(int64_t(cuda::moe_experts_workspace_bytes(T, X, K, Lt, I)));
-  cuda::moe_experts_mxfp4(z, ids, wts, w.experts, T, X, K, Lt, I, c.situ_beta, c.situ_linear_beta, ws, ut, x.stream);
+  cuda::MoeExpertsOptions eo;
+  eo.lt = &x.lt;  // prefill sizes: dequantise + cuBLASLt (moe.h MoeTokenTile::dense)
+  cuda::moe_experts_mxfp4(z, ids, wts, w.experts, T, X, K, Lt, I, c.situ_beta, c.situ_linear_beta, ws, ut, x.stream,
+                          eo);
   x.mark("moe.experts");
   // Step 5: routed = Lin(routed_expert_up_proj)(RMSNorm_{routed_expert_norm}(ũ)).
   const u16* lin = ut;

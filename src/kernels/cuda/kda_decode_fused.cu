@@ -1,0 +1,238 @@
+// The fused KDA decode chain (kda_decode_fused, kda.h): MODEL.md §3.3 steps 2–7 for one-token rows in one
+// launch. Split out of kda.cu (which holds the step-by-step kernels this chain composes: conv_decode_kernel,
+// qk_norm_gates_kernel, decode_kernel, out_norm_gate_kernel) to keep both files short; the 4-element state
+// vectors and the conv window bound come from kda_internal.cuh, shared with decode_kernel.
+#include <cuda_fp16.h>
+
+#include <string>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_util.cuh"
+#include "kernels/cuda/kda.h"
+#include "kernels/cuda/kda_internal.cuh"
+#include "kernels/cuda/launch.h"
+
+namespace kestrel::cuda {
+namespace {
+using kda_detail::kMaxConvW;
+using kda_detail::load4;
+using kda_detail::store4;
+}  // namespace
+
+// ---- the fused decode chain (kda_decode_fused) -------------------------------------------------------------
+// One CTA of 4·DK threads per (head h, row b). Phases, separated by barriers:
+//  A. threads < 3·DK run the conv of one q/k/v channel of the head (conv_decode_kernel's arithmetic,
+//     history shifted in place); then every thread starts its state loads (the decode_kernel layout: DK/32
+//     slices of 128 threads, slice c owning value columns 32c..32c+31) and all threads compute the f_b rows
+//     of the head (4 threads per output, FP32, shuffle-summed, rounded to bf16);
+//  Resources (ptxas): ≤ 64 registers at 512 threads (two CTAs per SM at Dk = 128), no spills.
+//  B. one warp each sums q² and k²; threads < DK normalise, form g and keep exp(g) (qk_norm_gates' formulas);
+//  C. the delta-rule step of decode_kernel for one token, o into shared memory;
+//  D. one warp sums o²; threads < DK write ô (out_norm_gate's formula).
+namespace {
+
+template <int DK, typename StateT>
+__global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(const KdaDecodeIn in, const KdaDecodeWeights wt,
+                                                                   uint16_t* __restrict__ hist_pool,
+                                                                   const int32_t* __restrict__ slots,
+                                                                   StateT* __restrict__ pool,
+                                                                   uint16_t* __restrict__ ohat, int H, int W) {
+  constexpr int R = DK / 16, SL = DK / 32;
+  __shared__ float cv[3 * DK];     // conv + SiLU outputs (bf16 values): q | k | v
+  __shared__ float zs[DK];         // z (bf16 values)
+  __shared__ float qs[DK], ks[DK], ds[DK];
+  __shared__ float os[DK];
+  __shared__ float red[SL][4][9][8];
+  __shared__ float sums[3];
+  dev::pdl_trigger();
+  dev::pdl_wait();
+  const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
+  if (in.cu && in.cu[b + 1] - in.cu[b] != 1) return;  // a padded row of a graph bucket: no token, no state
+  const int64_t HD = int64_t(H) * DK, C3 = 3 * HD;
+  const int slot = slots[b];
+  // A. state loads first (longest latency), in decode_kernel's layout.
+  const int lane = tid & 31, warp = tid >> 5, slice = warp >> 2, w = warp & 3, sub = lane >> 3, c4 = lane & 7;
+  const int col = slice * 32 + 4 * c4;
+  StateT* S = pool + (int64_t(slot) * H + h) * DK * DK;
+  if (tid < 3 * DK) {
+    const int part = tid / DK, i = tid % DK;
+    const int64_t ch = part * HD + int64_t(h) * DK + i;
+    uint16_t* hist = hist_pool + int64_t(slot) * (W - 1) * C3;
+    const float* wc = wt.conv + ch * W;
+    uint16_t hv[kMaxConvW];
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kMaxConvW - 1; ++j) {
+      if (j < W - 1) {
+        hv[j] = hist[j * C3 + ch];
+        acc += wc[j] * dev::bf16_to_f32(hv[j]);
+      }
+    }
+    const uint16_t cur = in.qkv[int64_t(b) * in.ld_qkv + ch];
+    acc += wc[W - 1] * dev::bf16_to_f32(cur);
+    cv[tid] = dev::round_bf16(acc * dev::sigmoid(acc));
+#pragma unroll
+    for (int j = 0; j < kMaxConvW - 1; ++j)
+      if (j < W - 1) hist[j * C3 + ch] = j + 1 < W - 1 ? hv[j + 1] : cur;
+  }
+  // The state loads go out here, under the f_b reads and the norms (after the conv: fewer live registers).
+  float s[R][4];
+#pragma unroll
+  for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
+  {  // z = bf16(f_b[h·DK + i, :]·fa), 4 threads per output, DK/4 terms each.
+    const int i = tid >> 2, part = tid & 3;
+    const uint16_t* fr = wt.f_b + (int64_t(h) * DK + i) * DK + part * (DK / 4);
+    const uint16_t* fa = in.fa + int64_t(b) * in.ld_fa + part * (DK / 4);
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int j = 0; j < DK / 4; ++j) acc = fmaf(dev::bf16_to_f32(fr[j]), dev::bf16_to_f32(fa[j]), acc);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+    if (part == 0) zs[i] = dev::round_bf16(acc);
+  }
+  __syncthreads();
+  // B. norms and gates.
+  if (warp < 2) {
+    float a = 0.0f;
+    for (int i = lane; i < DK; i += 32) a = fmaf(cv[warp * DK + i], cv[warp * DK + i], a);
+    a = dev::warp_sum(a);
+    if (lane == 0) sums[warp] = a;
+  }
+  __syncthreads();
+  if (tid < DK) {
+    const float qn = (1.0f / sqrtf(float(DK))) / sqrtf(sums[0] + 1e-6f), kn = 1.0f / sqrtf(sums[1] + 1e-6f);
+    qs[tid] = cv[tid] * qn;
+    ks[tid] = cv[DK + tid] * kn;
+    const float a = expf(wt.a_log[h]);
+    const float zi = zs[tid] + wt.dt_bias[int64_t(h) * DK + tid];
+    ds[tid] = expf(wt.lower * dev::sigmoid(a * zi));
+  }
+  __syncthreads();
+  // C. one delta-rule step (decode_kernel's arithmetic for one token).
+  {
+    const float bt = dev::sigmoid(dev::bf16_to_f32(in.bl[int64_t(b) * in.ld_bl + h]));
+    float vv[4], kr[R], a[4] = {0.0f, 0.0f, 0.0f, 0.0f}, bq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, kq = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) vv[c] = cv[2 * DK + col + c];
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+      const int i = 16 * m + 4 * w + sub;
+      const float d = ds[i], qi = qs[i];
+      kr[m] = ks[i];
+      kq = fmaf(kr[m], qi, kq);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        s[m][c] *= d;
+        a[c] = fmaf(s[m][c], kr[m], a[c]);
+        bq[c] = fmaf(s[m][c], qi, bq[c]);
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      a[c] += __shfl_xor_sync(0xffffffffu, a[c], 8);
+      a[c] += __shfl_xor_sync(0xffffffffu, a[c], 16);
+      bq[c] += __shfl_xor_sync(0xffffffffu, bq[c], 8);
+      bq[c] += __shfl_xor_sync(0xffffffffu, bq[c], 16);
+    }
+    kq += __shfl_xor_sync(0xffffffffu, kq, 8);
+    kq += __shfl_xor_sync(0xffffffffu, kq, 16);
+    if (sub == 0) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        red[slice][w][c][c4] = a[c];
+        red[slice][w][4 + c][c4] = bq[c];
+      }
+      red[slice][w][8][c4] = kq;
+    }
+    __syncthreads();
+    float u[4], ob[4], kqs = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) u[c] = ob[c] = 0.0f;
+#pragma unroll
+    for (int ww = 0; ww < 4; ++ww) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        u[c] += red[slice][ww][c][c4];
+        ob[c] += red[slice][ww][4 + c][c4];
+      }
+      kqs += red[slice][ww][8][c4];
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) u[c] = bt * (vv[c] - u[c]);
+#pragma unroll
+    for (int m = 0; m < R; ++m)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[m][c] = fmaf(kr[m], u[c], s[m][c]);
+    if (w == 0 && sub == 0) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) os[col + c] = fmaf(u[c], kqs, ob[c]);
+    }
+#pragma unroll
+    for (int m = 0; m < R; ++m) store4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
+  }
+  __syncthreads();
+  // D. ô = bf16(RMSNorm(o) ⊙ σ(gate)).
+  if (warp == 0) {
+    float a = 0.0f;
+    for (int i = lane; i < DK; i += 32) a = fmaf(os[i], os[i], a);
+    a = dev::warp_sum(a);
+    if (lane == 0) sums[2] = a;
+  }
+  __syncthreads();
+  if (tid < DK) {
+    const float r = 1.0f / sqrtf(sums[2] / float(DK) + wt.eps);
+    const int64_t c = int64_t(h) * DK + tid;
+    const float gt = dev::sigmoid(dev::bf16_to_f32(in.gate[int64_t(b) * in.ld_gate + c]));
+    ohat[int64_t(b) * HD + c] = dev::f32_to_bf16(os[tid] * r * wt.o_norm[tid] * gt);
+  }
+}
+
+template <typename StateT>
+void decode_fused(const KdaDecodeIn& in, const KdaDecodeWeights& w, uint16_t* hist_pool, const int32_t* slots,
+                  StateT* pool, uint16_t* ohat, int64_t B, int64_t H, int64_t Dk, int64_t W, cudaStream_t stream) {
+  KCUDA_REQUIRE(in.qkv && in.gate && in.fa && in.bl && w.conv && w.f_b && w.dt_bias && w.a_log && w.o_norm && slots &&
+                    pool && ohat && (W == 1 || hist_pool),
+                std::string("kda_decode_fused: null pointer"));
+  KCUDA_REQUIRE(B >= 0 && B < 65536 && H > 0 && H < 65536 && W >= 1 && W <= kMaxConvW,
+                std::string("kda_decode_fused: bad B, H or W"));
+  KCUDA_REQUIRE(reinterpret_cast<uintptr_t>(pool) % (4 * sizeof(StateT)) == 0,
+                std::string("kda_decode_fused: the state pool must be aligned for 4-element vectors"));
+  if (B == 0) return;
+  const dim3 grid{unsigned(H), unsigned(B), 1u};
+  switch (Dk) {
+    case 32: {
+      void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int) =
+          kda_decode_fused_kernel<32, StateT>;
+      launch_pdl(k, grid, dim3(128), 0, stream, in, w, hist_pool, slots, pool, ohat, int(H), int(W));
+      break;
+    }
+    case 64: {
+      void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int) =
+          kda_decode_fused_kernel<64, StateT>;
+      launch_pdl(k, grid, dim3(256), 0, stream, in, w, hist_pool, slots, pool, ohat, int(H), int(W));
+      break;
+    }
+    case 128: {
+      void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int) =
+          kda_decode_fused_kernel<128, StateT>;
+      launch_pdl(k, grid, dim3(512), 0, stream, in, w, hist_pool, slots, pool, ohat, int(H), int(W));
+      break;
+    }
+    default: KCUDA_REQUIRE(false, "kda_decode_fused: Dk = " + std::to_string(Dk) + " (supported: 32, 64, 128)");
+  }
+}
+
+}  // namespace
+
+void kda_decode_fused(const KdaDecodeIn& in, const KdaDecodeWeights& w, uint16_t* hist_pool, const int32_t* slots,
+                      float* state_pool, uint16_t* ohat, int64_t B, int64_t H, int64_t Dk, int64_t W,
+                      cudaStream_t stream) {
+  decode_fused(in, w, hist_pool, slots, state_pool, ohat, B, H, Dk, W, stream);
+}
+void kda_decode_fused(const KdaDecodeIn& in, const KdaDecodeWeights& w, uint16_t* hist_pool, const int32_t* slots,
+                      uint16_t* state_pool, uint16_t* ohat, int64_t B, int64_t H, int64_t Dk, int64_t W,
+                      cudaStream_t stream) {
+  decode_fused(in, w, hist_pool, slots, state_pool, ohat, B, H, Dk, W, stream);
+}
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,57 @@
+// TpExecutor: the CPU twin of a tensor-parallel engine (docs/parallel.md §1 and §8) — N ranks as threads
+// of this process, each a CPU Executor over its own shard of the weights (bind_shard straight from the
+// mapped checkpoint, column slices packed once), its own rank_config and its own CacheStore (H/N KDA
+// heads per state slot; the MLA latent and index-key pages whole on every rank), talking through an
+// in-process communicator (parallel/inproc_comm.h).
+//
+// A step: every rank runs the same StepPlan (zero/restore slots, one forward per sequence, snapshots)
+// on a thread of its own, in one fresh InProcessGroup (run_ranks: the first error aborts the group and
+// is rethrown here, so a failing step never leaves a rank waiting). After the logits all-gather every
+// rank holds the same whole logits; rank 0 alone calls the caller's hooks (sampling, all-logits dumps)
+// and its results are the step's. The other ranks get stand-in hooks that answer the same questions
+// (whether a sequence wants every position's logits: asked once, on the calling thread), so all ranks
+// run the same collectives. Scheduling, prefix caching and preemption are the engine's and unchanged:
+// page and slot ids mean the same on every rank.
+//
+// Memory: the engine's memory plan counts the caches as one rank's (TP1) bytes, which is what the N
+// ranks hold together for the KDA state; the MLA pages are held N times (whole per rank).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "core/cache_format.h"
+#include "core/tensor.h"
+#include "loader/config.h"
+#include "loader/shard.h"
+#include "runtime/executor.h"
+
+namespace kestrel {
+class Checkpoint;
+}
+
+namespace kestrel::runtime {
+
+class TpExecutor : public StepExecutor {
+ public:
+  // layout.tp ranks (layout.rank is ignored); throws the layout's problems (check_layout) first.
+  // `c` and `ckpt` must outlive the executor.
+  TpExecutor(const ModelConfig& c, const Checkpoint& ckpt, const ParallelLayout& layout,
+             const kestrel::CacheFormats& formats, const cache::CacheConfig& cache_config,
+             const ExecutorOptions& options = {});
+  ~TpExecutor() override;
+
+  sched::StepResult run(const sched::StepPlan& plan, const StepHooks& hooks) override;
+  const ExecutorStats& stats() const override;
+  int size() const { return int(ranks_.size()); }
+
+ private:
+  struct Rank;
+  std::vector<std::unique_ptr<Rank>> ranks_;
+};
+
+// The engine's executor factory for `--device cpu --tensor-parallel-size N`.
+ExecutorFactory tp_executor_factory(const ModelConfig& c, const Checkpoint& ckpt, const ParallelLayout& layout,
+                                    const ExecutorOptions& options = {});
+
+}  // namespace kestrel::runtime
