@@ -330,4 +330,40 @@ TEST(ServerStructured, HttpJsonAnswersParseAndValidate) {
   EXPECT_EQ(b["choices"][0]["finish_reason"], "stop");
 }
 
+// Every engine request one body makes is constrained: chat's n choices, the Responses API, and each
+// choice of each prompt of a completions batch (echo kept as the completions API has it).
+TEST(ServerStructured, HttpEveryChoiceIsConstrained) {
+  Running r(ids(call_script("f")));
+  // No tools declared: the model's call cannot open in either choice.
+  json body = chat_body("");
+  body["n"] = 2;
+  body["temperature"] = 1.0;
+  auto [st, b] = post(r.port, "/v1/chat/completions", body);
+  ASSERT_EQ(st, 200) << b.dump();
+  ASSERT_EQ(b["choices"].size(), 2u) << b.dump();
+  for (const auto& c : b["choices"]) {
+    EXPECT_TRUE(c["message"]["tool_calls"].empty()) << b.dump();
+    EXPECT_EQ(c["finish_reason"], "stop") << b.dump();
+  }
+  // The Responses API takes the chat path: no function_call item without tools.
+  std::tie(st, b) = post(r.port, "/v1/responses", json{{"model", "m"}, {"input", "hi"}, {"max_output_tokens", 200}});
+  ASSERT_EQ(st, 200) << b.dump();
+  ASSERT_TRUE(b["output"].is_array()) << b.dump();
+  for (const auto& item : b["output"]) EXPECT_NE(item["type"], "function_call") << b.dump();
+  EXPECT_EQ(b["status"], "completed") << b.dump();
+
+  // Completions: the model would write text after the document; the grammar ends it there.
+  Running r2(ids("{\"a\": false} and more" + END));
+  std::tie(st, b) = post(r2.port, "/v1/completions",
+                         json{{"model", "m"}, {"prompt", {"x", "y"}}, {"n", 2}, {"echo", true}, {"temperature", 0},
+                              {"max_tokens", 40}, {"response_format", {{"type", "json_object"}}}});
+  ASSERT_EQ(st, 200) << b.dump();
+  ASSERT_EQ(b["choices"].size(), 4u) << b.dump();
+  for (size_t i = 0; i < 4; ++i) {
+    const std::string text = b["choices"][i]["text"].get<std::string>(), prompt = i < 2 ? "x" : "y";
+    ASSERT_EQ(text.substr(0, 1), prompt) << b.dump();  // echo: the prompt first
+    EXPECT_EQ(json::parse(text.substr(1), nullptr, false), json({{"a", false}})) << b.dump();
+  }
+}
+
 }  // namespace
