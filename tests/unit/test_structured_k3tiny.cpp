@@ -2,9 +2,10 @@
 // server builds requests (chat encoder → OutputConstraint → GrammarCache → engine):
 //  - strict json_schema answers: many sampled requests (temperature 1, one seed each), short strict
 //    schemas, thinking off; every answer must end the message, parse and validate. CI runs
-//    KESTREL_K3TINY_REQUESTS (default 40; half as many tool requests) — the CPU executor decodes one
-//    sequence after another, so 1,000 requests take too long for CI's 2 cores; that run is in
-//    bench/RESULTS.md
+//    KESTREL_K3TINY_REQUESTS (half as many tool requests). CI's default is 5 schema requests (one per
+//    schema) and 2 tool requests (one "required", one named): the CPU executor decodes one sequence
+//    after another, and 40 took 300-700 s per test on CI's 2 cores, past its 30-minute budget; the
+//    big run is in bench/RESULTS.md
 //    (KESTREL_K3TINY_REQUESTS=1000 build/tests/unit/kestrel_unit_tests --gtest_filter='K3TinyStructured.*');
 //  - tool_choice "required" with the eval set's tools: every call names a declared tool and its
 //    arguments validate against the tool's parameters (100 %), and a named tool_choice calls only it.
@@ -55,9 +56,10 @@ const K3Tiny& k3() {
   return *m;
 }
 
-int requests_wanted(int ci_default) {
+// KESTREL_K3TINY_REQUESTS divided by `share` (at least 1), or CI's small default.
+int requests_wanted(int ci_default, int share = 1) {
   const char* v = std::getenv("KESTREL_K3TINY_REQUESTS");
-  return v ? std::max(1, std::atoi(v)) : ci_default;
+  return v ? std::max(1, std::atoi(v) / share) : ci_default;
 }
 
 // One chat request as the server builds it.
@@ -148,7 +150,7 @@ const char* kQuestions[] = {"Sam has 4 books. Then Sam gets 3 more. How many boo
                             "What is the weather in Oslo?", "Hello", "List two fruits."};
 
 TEST(K3TinyStructured, StrictSchemaAnswersAllValidate) {
-  const int n = requests_wanted(40);
+  const int n = requests_wanted(5);
   std::vector<Built> reqs;
   std::vector<int> schema_of;
   for (int i = 0; i < n; ++i) {
@@ -177,11 +179,11 @@ TEST(K3TinyStructured, StrictSchemaAnswersAllValidate) {
   std::printf("k3-tiny strict json_schema: %d requests, %d valid documents\n", n, valid);
 }
 
-// The eval set's tool requests with tool_choice "required" (every 3rd: a named tool instead).
+// The eval set's tool requests with tool_choice "required" (every 3rd, from the 2nd: a named tool instead).
 TEST(K3TinyStructured, RequiredAndNamedToolCallsAreSchemaValid) {
   std::ifstream f(std::string(KESTREL_SOURCE_DIR) + "/models/k3-tiny/eval/tool.jsonl");
   ASSERT_TRUE(f);
-  const int n = std::max(1, requests_wanted(40) / 2);
+  const int n = requests_wanted(2, 2);
   std::vector<Built> reqs;
   std::vector<ojson> tools_of;
   std::vector<std::string> named;
@@ -190,7 +192,7 @@ TEST(K3TinyStructured, RequiredAndNamedToolCallsAreSchemaValid) {
     ojson body = ojson::parse(line)["request"];
     body["reasoning_effort"] = "low";
     named.push_back("");
-    if (i % 3 == 2) {
+    if (i % 3 == 1) {
       named.back() = body["tools"][size_t(i) % body["tools"].size()]["function"]["name"].get<std::string>();
       body["tool_choice"] = {{"type", "function"}, {"function", {{"name", named.back()}}}};
     } else {
