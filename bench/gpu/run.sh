@@ -20,6 +20,9 @@
 #   bench/gpu/run.sh perf    # there: the scoreboard in one run (≤ 8 min): ceilings, kernels, the reduced-mini
 #                            # decode step and prefill, `kestrel serve` + `kestrel bench` at c=1/64, the peers;
 #                            # writes $OUT/perf.json (copy it to bench/gpu/perf.json) and a markdown table
+#   bench/gpu/run.sh structured
+#                            # there: nano checkpoint, the GPU structured-output tests (GpuStructured.*), then
+#                            # bench_structured_engine on models/k3-tiny --device cuda at batch 1 and 64
 #   bench/gpu/run.sh decode  # there: the fused decode path's tests and bench_ops --perf per variant (see below)
 #   bench/gpu/run.sh kda     # there: KDA (issue #15 point 4): the KDA GPU tests over every kernel variant,
 #                            # bench_kda --perf (scoreboard lines + one PERF line per variant), FLA's kda_peer
@@ -72,7 +75,7 @@ case "${1:-}" in
     for b in build/tests/gpu/kestrel_gpu_tests build/src/cli/kestrel build/bench/bench_ops; do
       skip "$b" || objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
     done
-    for b in build/bench/bench_moe build/bench/bench_mla build/bench/bench_kda build/bench/bench_indexer; do  # per-kernel benchmarks, when built
+    for b in build/bench/bench_moe build/bench/bench_mla build/bench/bench_kda build/bench/bench_indexer build/bench/bench_structured_engine; do  # per-kernel benchmarks, when built
       [ -x "$b" ] && ! skip "$b" && objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
     done
     git rev-parse --short HEAD > .gpu-carry/pkg/COMMIT
@@ -131,6 +134,23 @@ case "${1:-}" in
     "$self" test --gtest_filter='GpuServingOps.*:GpuSampling.*:GpuEngine.*:GpuGraphs.*:GpuModel.*' 2>&1 \
       | tee "$out/gpu_serving_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -80 || true
     "$self" bench --model "$ck/mini" --only model 2>&1 | tee "$out/decode_step.md"
+    ;;
+  structured)
+    # Structured outputs (issue #20): the GPU tests (token-mask kernel vs its twin, masked sampling, constrained
+    # requests through the GPU engine) on nano, then the mask's cost per decode step on k3-tiny at batch 1 and 64.
+    out="${OUT:-/tmp}"
+    ck=/tmp/kestrel_ckpt
+    mkdir -p "$ck"
+    [ -f "$ck/nano/config.json" ] || python3 reference/make_checkpoint.py --config nano --out "$ck/nano" --seed 1 --no-vision >/dev/null
+    export KESTREL_GPU_CKPTS="$ck/nano"
+    "$self" test --gtest_filter='GpuStructured.*' 2>&1 | tee "$out/gpu_structured_tests.log" | tail -30 || true
+    unpack
+    if ! ldd .gpu-carry/bench_structured_engine | grep -q "libcublasLt.so.13 => /"; then
+      d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
+      export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
+    fi
+    .gpu-carry/bench_structured_engine --model models/k3-tiny --device cuda --batch 1,64 --tokens 64 2>&1 \
+      | tee "$out/structured_engine_cuda.md"
     ;;
   decode)
     # The fused decode path (issue #14 points 2–3) in one call: nano + reduced-mini checkpoints; the decode-path

@@ -44,6 +44,7 @@ struct Opts {
   std::vector<std::string> allowed_origins;
   bool fake = false, debug_routes = false;
   int fake_delay_ms = 0, fake_load_ms = 0;
+  server::StructuredOptions structured;
 };
 
 // The names a request may use for the model besides the served name: the path given and the
@@ -93,6 +94,7 @@ void serve(Opts& o) {
   so.threads = o.threads;
   so.max_connections = o.max_connections;
   so.shutdown_timeout = std::chrono::seconds(o.shutdown_timeout);
+  so.structured = o.structured;
   so.debug_routes = o.debug_routes;
   server::Server srv(so, engine, tokenizer);
   srv.listen();
@@ -156,6 +158,23 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--allowed-origins", o->allowed_origins,
                   "CORS: origins whose pages may call the API ('*': any), e.g. --allowed-origins http://localhost:3000")
       ->delimiter(',');
+  // Structured outputs (response_format, tools): limits that bound what one schema can cost.
+  auto& lim = o->structured.limits;
+  cmd->add_option("--grammar-compile-timeout", lim.max_compile_seconds,
+                  "seconds one response_format/tools grammar may take to compile (400 beyond)")
+      ->check(CLI::Range(0.01, 3600.0));
+  cmd->add_option("--grammar-max-states", lim.max_states, "automaton states of one grammar (400 beyond)")
+      ->check(CLI::Range(size_t(1000), size_t(1) << 26));
+  cmd->add_option("--grammar-max-nfa-nodes", lim.max_nfa_nodes, "builder nodes of one grammar, the memory bound (400 beyond)")
+      ->check(CLI::Range(size_t(1000), size_t(1) << 28));
+  cmd->add_option("--grammar-max-enum", lim.max_enum_values, "values of one enum (400 beyond)")
+      ->check(CLI::Range(size_t(1), size_t(1) << 24));
+  cmd->add_option("--grammar-max-nesting", lim.max_stack_depth, "nesting of generated values (arrays, objects, $ref)")
+      ->check(CLI::Range(4u, 4096u));
+  cmd->add_option("--grammar-cache-size", o->structured.cache_entries, "compiled grammars kept")
+      ->check(CLI::Range(size_t(1), size_t(1) << 20));
+  cmd->add_option("--grammar-threads", o->structured.compile_threads, "threads compiling grammars")
+      ->check(CLI::Range(1, 64));
   cmd->add_flag("--fake-engine", o->fake, "no weights: random tokens (tests and HTTP benchmarks)");
   cmd->add_option("--fake-delay-ms", o->fake_delay_ms, "fake engine: pause per engine step")->check(CLI::Range(0, 60000));
   cmd->add_option("--fake-load-ms", o->fake_load_ms, "fake engine: pretend loading takes this long")->check(CLI::Range(0, 600000));

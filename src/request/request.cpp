@@ -16,6 +16,32 @@ void range(const char* field, float x, double lo, double hi, bool lo_open = fals
     bad(field, fmt::format("'{}' must be in {}{}, {}], got {}", field, lo_open ? "(" : "[", lo, hi, x));
 }
 
+void validate_constraint(const OutputConstraint& c) {
+  using F = OutputConstraint::Format;
+  using TC = OutputConstraint::ToolChoice;
+  if (c.format == F::json_schema && c.schema.empty()) bad("response_format", "response_format json_schema needs a schema");
+  if (c.format != F::json_schema && !c.schema.empty())
+    bad("response_format", "a schema is given but the response format is not json_schema");
+  for (size_t i = 0; i < c.tools.size(); ++i) {
+    if (c.tools[i].name.empty()) bad("tools", fmt::format("tools[{}] has an empty function name", i));
+    for (size_t j = 0; j < i; ++j)
+      if (c.tools[j].name == c.tools[i].name)
+        bad("tools", fmt::format("tools[{}] and tools[{}] are both named '{}'", j, i, c.tools[i].name));
+  }
+  if ((c.tool_choice == TC::required || c.tool_choice == TC::named) && c.tools.empty())
+    bad("tool_choice", "tool_choice 'required' or a named function needs at least one tool");
+  if (c.tool_choice == TC::named &&
+      std::none_of(c.tools.begin(), c.tools.end(), [&](const ToolDecl& t) { return t.name == c.named_tool; }))
+    bad("tool_choice", fmt::format("tool_choice names '{}', which is not among the declared tools", c.named_tool));
+  if (c.tool_choice != TC::named && !c.named_tool.empty()) bad("tool_choice", "a tool is named but tool_choice is not a function");
+  if (c.max_calls < 1) bad("tools", "max_calls must be >= 1");
+  if (!c.chat) {
+    if (c.format == F::text) bad("response_format", "a document constraint needs response_format json_object or json_schema");
+    if (!c.tools.empty() || c.tool_choice != TC::automatic) bad("tools", "tools need the chat format (/v1/chat/completions)");
+  }
+  if (!c.grammar) bad("response_format", "the output constraint was not compiled");
+}
+
 }  // namespace
 
 const char* finish_reason_name(FinishReason r) {
@@ -81,6 +107,7 @@ void validate(const Request& r, const RequestLimits& limits) {
   for (const MediaSpan& m : r.media)
     if (m.start < 0 || m.end <= m.start || m.end > P)
       bad("media", fmt::format("media span [{}, {}) outside the {}-token prompt", m.start, m.end, P));
+  if (r.constraint) validate_constraint(*r.constraint);
 }
 
 }  // namespace kestrel

@@ -22,6 +22,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -30,6 +32,10 @@
 #include "core/check.h"
 
 namespace kestrel {
+
+namespace structured {
+class CompiledGrammar;  // structured/matcher.h: a grammar with its token tables over the model's vocabulary
+}
 
 using RequestId = uint64_t;
 
@@ -62,6 +68,33 @@ struct MediaSpan {
   uint64_t content_hash = 0;
 };
 
+// Structured output (docs/structured-outputs.md): what the generated tokens must spell. The front end
+// states it from the API request (`response_format`, `tools`, `tool_choice`, the thinking switch) and
+// compiles it once (structured::GrammarCache, off its I/O threads); the engine runs one Matcher per
+// request over `grammar` and masks the logits of every constrained step before sampling, so the
+// output is a sentence of the grammar: JSON valid against the schema, calls of declared tools only
+// with valid arguments, no tools section where none may open. Ends: a chat grammar ends with its own
+// <|end_of_msg|>; a document grammar (bare JSON) with an end-of-sequence id, allowed only where the
+// document may end. A terminated grammar ends the request (finish stop) even under ignore_eos.
+struct ToolDecl {
+  std::string name;        // non-empty, unique within the request
+  std::string parameters;  // its JSON Schema as JSON text (empty: no arguments)
+};
+struct OutputConstraint {
+  enum class Format : uint8_t { text, json_object, json_schema };
+  enum class ToolChoice : uint8_t { automatic, none, required, named };
+  bool chat = true;        // the K3 chat-output grammar (MODEL.md §7); false: one JSON document
+  bool thinking = true;    // chat: the prompt opened the think section (free text until it closes)
+  Format format = Format::text;
+  std::string schema;      // json_schema: the schema as JSON text (json_object: {"type": "object"})
+  std::vector<ToolDecl> tools;
+  ToolChoice tool_choice = ToolChoice::automatic;
+  std::string named_tool;  // tool_choice named: one of `tools`
+  size_t max_calls = 8;    // calls in one tools section (1 when parallel_tool_calls is false)
+  // The compiled form of all of the above over the engine's vocabulary (never null when submitted).
+  std::shared_ptr<const structured::CompiledGrammar> grammar;
+};
+
 struct Request {
   std::vector<int32_t> prompt;             // token ids, non-empty, each < the model's vocabulary
   SamplingParams sampling;
@@ -70,6 +103,7 @@ struct Request {
   std::vector<std::string> stop;           // stop strings (at most 16, non-empty): the text stream's
   bool ignore_eos = false;                 // no token id ends the request (see the header)
   std::vector<MediaSpan> media;            // image placeholders in the prompt
+  std::optional<OutputConstraint> constraint;  // structured output (above); none: unconstrained
   // Debug hook (`generate --dump-logits`): every position's logits once, in position order (prompt
   // positions, then each generated token fed back), on the engine thread. Costs a full lm_head per
   // position and keeps the logits on the host.
@@ -151,7 +185,9 @@ class RequestError : public Error {
 };
 
 // The one check of a request: prompt ids in the vocabulary, the context length, every parameter's
-// range, stop ids and strings, media spans. Throws RequestError naming the first bad field.
+// range, stop ids and strings, media spans, the output constraint's consistency (fields
+// "response_format", "tools", "tool_choice"). Throws RequestError naming the first bad field. (That
+// the compiled grammar matches the model's vocabulary is the engine's check at submit.)
 void validate(const Request& r, const RequestLimits& limits);
 
 }  // namespace kestrel

@@ -3,8 +3,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <limits>
 
 #include "core/check.h"
+#include "structured/matcher.h"
 
 namespace kestrel::runtime {
 namespace {
@@ -46,6 +49,13 @@ sched::SchedulerConfig sched_config(const ModelConfig& c, const EngineConfig& cf
   return s;
 }
 
+// Adds the scope's duration to a counter (the engine thread's structured-output time).
+struct Timed {
+  double& to;
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  ~Timed() { to += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
+};
+
 EngineConfig with_cpu_executor(const ModelWeights& w, const ModelConfig& c, EngineConfig cfg) {
   if (!cfg.make_executor)
     cfg.make_executor = [&w, &c, bi = cfg.cpu_batched](const CacheFormats& f, const cache::CacheConfig& cc) {
@@ -64,7 +74,10 @@ Engine::Engine(const ModelConfig& c, EngineConfig cfg)
       cfg_(std::move(cfg)),
       plan_(make_plan(c, cfg_)),
       limits_(make_limits(c, cfg_, plan_)),
-      sched_(sched_config(c, cfg_), plan_.cache_config(cfg_.enable_prefix_cache)) {
+      sched_(sched_config(c, cfg_), plan_.cache_config(cfg_.enable_prefix_cache)),
+      mask_words_((c.text.vocab_size + 31) / 32),
+      masks_(std::max(cfg_.max_running, 1), mask_words_),
+      redraw_mask_(size_t(mask_words_)) {
   KCHECK(bool(cfg_.make_executor), "engine: no executor factory");
   exec_ = cfg_.make_executor(cfg_.formats, plan_.cache_config(cfg_.enable_prefix_cache));
   KCHECK(exec_ != nullptr, "engine: the executor factory returned nothing");
@@ -95,6 +108,21 @@ Submission Engine::submit(Request r, TokenSink sink) {
   if (!r.ignore_eos) {
     q->stop_ids = cfg_.eos_token_ids;
     q->stop_ids.insert(q->stop_ids.end(), r.stop_token_ids.begin(), r.stop_token_ids.end());
+  }
+  if (r.constraint) {
+    const auto& g = r.constraint->grammar;
+    if (int64_t(g->vocab().vocab_size()) != limits_.vocab_size)
+      throw RequestError("response_format", fmt::format("the output constraint was compiled for {} token ids; the "
+                                                        "model has {}", g->vocab().vocab_size(), limits_.vocab_size));
+    // A document ends with an end-of-sequence id where it may end (ignore_eos or not: the grammar's
+    // end is the request's); a chat grammar ends with its own <|end_of_msg|>.
+    std::vector<int32_t> ends;
+    if (!r.constraint->chat) {
+      ends = cfg_.eos_token_ids;
+      ends.insert(ends.end(), r.stop_token_ids.begin(), r.stop_token_ids.end());
+      if (ends.empty()) throw RequestError("response_format", "a JSON document needs an end-of-sequence id; this model has none");
+    }
+    q->constraint = std::make_unique<SeqConstraint>(g, std::move(ends));
   }
   q->r = std::move(r);
   q->sink = std::move(sink);
@@ -180,6 +208,14 @@ void Engine::stamp(Req& q, TokenEvent& ev) const {
 }
 
 sched::SeqResult Engine::emit(Req& q, const SampleResult& s) {
+  bool grammar_end = false;
+  if (q.constraint && q.error.empty()) {
+    Timed t{sstats_.host_seconds};
+    const bool ok = q.preaccepted == s.token || q.constraint->accept(s.token);
+    if (!ok) q.error = fmt::format("structured output: token {} is not allowed by the grammar here", s.token);
+    grammar_end = ok && q.constraint->terminated();
+  }
+  q.preaccepted = -1;
   TokenEvent ev;
   ev.index = int32_t(q.output.size());
   ev.token = s.token;
@@ -188,7 +224,106 @@ sched::SeqResult Engine::emit(Req& q, const SampleResult& s) {
   q.output.push_back(s.token);
   q.pending = std::move(ev);
   const bool stop = std::find(q.stop_ids.begin(), q.stop_ids.end(), s.token) != q.stop_ids.end();
-  return {0, s.token, stop};
+  return {0, s.token, stop || grammar_end || !q.error.empty()};
+}
+
+Engine::StructuredStats Engine::structured_stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return sstats_copy_;
+}
+
+// This step's masks: the constrained sequences that sample and are not in free text, one table row
+// each, filled by the worker in this order while the executor runs the forward.
+void Engine::start_masks(const sched::StepPlan& plan, const std::vector<std::pair<RequestId, Req*>>& in_step) {
+  step_masks_.clear();
+  std::vector<MaskWorker::Job> jobs;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const auto* list : {&plan.decodes, &plan.prefills})
+    for (const sched::ScheduledSeq& x : *list) {
+      if (!x.sample) continue;
+      Req* q = nullptr;
+      for (auto& [i, r] : in_step)
+        if (i == x.id) q = r;
+      if (!q || !q->constraint || !q->error.empty()) continue;
+      if (!q->constraint->sync(q->output)) {
+        q->error = "structured output: the generated tokens do not follow the grammar";
+        continue;
+      }
+      if (q->constraint->free_text()) continue;
+      KCHECK(int64_t(jobs.size()) < masks_.rows(), "engine: more masked sequences than mask rows ({})", masks_.rows());
+      step_masks_[x.id] = StepMask{jobs.size(), -2};
+      jobs.push_back({q->constraint.get(), masks_.row(int64_t(jobs.size()))});
+    }
+  sstats_.host_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  worker_.start(std::move(jobs));
+}
+
+int64_t Engine::wait_mask(RequestId id) {
+  auto it = step_masks_.find(id);
+  if (it == step_masks_.end()) return -3;
+  if (it->second.allowed == -2) {
+    const auto t0 = std::chrono::steady_clock::now();
+    it->second.allowed = worker_.wait(it->second.job);
+    sstats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  return it->second.allowed;
+}
+
+namespace {
+const char* kDeadEnd =
+    "structured output: the grammar allows no token here (the output nests deeper than the matcher's stack limit)";
+const char* kFillFailed = "structured output: computing the token mask failed";
+}  // namespace
+
+sched::SeqResult Engine::sample_host(Req& q, const sched::ScheduledSeq& x, std::span<const float> logits,
+                                     bool penalised) {
+  SamplingParams p = q.r.sampling;
+  if (penalised) p.repetition_penalty = 1.0f, p.frequency_penalty = 0.0f, p.presence_penalty = 0.0f;
+  uint64_t index = q.output.size();
+  if (!q.constraint || !q.error.empty()) return emit(q, sample_token(p, logits, q.r.prompt, q.output, index, q.stop_ids));
+  int64_t allowed = wait_mask(x.id);
+  const uint32_t* words = nullptr;
+  if (allowed == -3) {
+    // Free text: draw without a mask and check; a refused token is drawn again under the mask.
+    SampleResult s = sample_token(p, logits, q.r.prompt, q.output, index, q.stop_ids);
+    bool ok;
+    {
+      Timed t{sstats_.host_seconds};
+      ok = q.constraint->accept(s.token);
+    }
+    if (ok) {
+      q.preaccepted = s.token;
+      ++sstats_.free_samples;
+      return emit(q, s);
+    }
+    ++sstats_.redraws;
+    Timed t{sstats_.host_seconds};
+    allowed = q.constraint->fill(redraw_mask_.data());
+    words = redraw_mask_.data();
+    index |= uint64_t(1) << 63;
+  } else if (allowed > 0) {
+    words = masks_.row(int64_t(step_masks_.at(x.id).job));
+  }
+  if (allowed <= 0) {
+    q.error = allowed == 0 ? kDeadEnd : kFillFailed;
+    SampleResult s;
+    s.token = 0;  // not an output token: the event is token-less (run_step)
+    return emit(q, s);
+  }
+  {
+    Timed t{sstats_.host_seconds};
+    masked_logits_.assign(logits.begin(), logits.end());
+    apply_token_mask(masked_logits_, words);
+  }
+  // Only allowed ids have finite logits: cutting top-k to their count keeps exactly them, so even a
+  // draw that rounds to the end of the kept prefix lands on an allowed id.
+  if (p.top_k <= 0 || p.top_k > allowed) p.top_k = int32_t(std::min<int64_t>(allowed, INT32_MAX));
+  const int32_t want_logprobs = p.logprobs;
+  p.logprobs = -1;
+  SampleResult s = sample_token(p, masked_logits_, q.r.prompt, q.output, index, q.stop_ids);
+  if (want_logprobs >= 0) raw_logprobs(logits, s.token, want_logprobs, s.logprob, s.top);
+  ++sstats_.masked_samples;
+  return emit(q, s);
 }
 
 void Engine::end_all(FinishReason why, const std::string& error, Outbox& out) {
@@ -210,19 +345,53 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
       if (i == id) return *q;
     fail("engine: request {} is not in this step", id);
   };
+  // Structured outputs: the masks of this step start filling now, on the worker, and must be done
+  // before this function leaves (the requests they name may go away after it), also on a throw.
+  start_masks(plan, in_step);
+  struct WaitAll {
+    MaskWorker& w;
+    ~WaitAll() { w.wait_all(); }
+  } wait_all{worker_};
   StepHooks hooks;
   hooks.sample = [&](const sched::ScheduledSeq& x, std::span<const float> logits) {
-    Req& q = find(x.id);
-    return emit(q, sample_token(q.r.sampling, logits, q.r.prompt, q.output, uint64_t(q.output.size()), q.stop_ids));
+    return sample_host(find(x.id), x, logits, false);
   };
+  hooks.sample_penalised = [&](const sched::ScheduledSeq& x, std::span<const float> logits) {
+    return sample_host(find(x.id), x, logits, true);
+  };
+  hooks.token_mask = [&](const sched::ScheduledSeq& x) {
+    StepHooks::TokenMask m;
+    const int64_t allowed = wait_mask(x.id);
+    if (allowed > 0) m.row = int32_t(step_masks_.at(x.id).job), m.allowed = allowed;
+    return m;
+  };
+  hooks.check_token = [&](const sched::ScheduledSeq& x, int32_t token) {
+    Req& q = find(x.id);
+    if (!q.constraint || !q.error.empty()) return true;
+    const int64_t allowed = wait_mask(x.id);
+    if (allowed == 0 || allowed == -1) return true;  // take_token ends it with the error
+    bool ok;
+    {
+      Timed t{sstats_.host_seconds};
+      ok = q.constraint->accept(token);
+    }
+    if (ok) q.preaccepted = token, ++(allowed == -3 ? sstats_.free_samples : sstats_.masked_samples);
+    return ok;
+  };
+  hooks.mask_table = {masks_.data(), masks_.rows(), masks_.words()};
   hooks.sampling_inputs = [&](const sched::ScheduledSeq& x) {
     Req& q = find(x.id);
     return StepHooks::SamplingInputs{&q.r.sampling, q.r.prompt, q.output, q.stop_ids};
   };
   hooks.take_token = [&](const sched::ScheduledSeq& x, int32_t token) {
+    Req& q = find(x.id);
+    if (q.constraint && q.error.empty()) {
+      const int64_t allowed = wait_mask(x.id);
+      if (allowed == 0 || allowed == -1) q.error = allowed == 0 ? kDeadEnd : kFillFailed;
+    }
     SampleResult s;
     s.token = token;
-    return emit(find(x.id), s);
+    return emit(q, s);
   };
   // Every position's logits: for the debug hook, and for prompt logprobs until the prompt is done.
   hooks.wants_all_logits = [&](RequestId id) {
@@ -246,6 +415,7 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
   const auto t0 = std::chrono::steady_clock::now();
   if (plan.has_work()) result = exec_->run(plan, hooks);
   const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  worker_.wait_all();
 
   // Bookkeeping under the lock; sinks after it.
   Outbox out;
@@ -253,6 +423,9 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
     std::lock_guard<std::mutex> lk(mu_);
     sched_.complete(plan, result);
     exec_stats_ = exec_->stats();
+    sstats_copy_ = sstats_;
+    sstats_copy_.fill_seconds = worker_.busy_seconds();
+    sstats_copy_.stolen = worker_.stolen();
     // Long prompts' chunks sized to the step-time target (engine.h).
     if (cfg_.prefill_step_target_s > 0.0 && cfg_.long_prefill_token_threshold > 0 && plan.num_tokens >= 16) {
       // Up at once (a slower step must not repeat), down gently (one fast step proves little).
@@ -275,6 +448,11 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
         if (d->second == FinishReason::cancelled) continue;
         ev.finish = d->second;
         done.erase(d);
+      }
+      if (!q->error.empty()) {  // a structured-output failure: token-less, this request only
+        ev.index = -1, ev.token = -1, ev.logprob = 0.0f, ev.top_logprobs.clear();
+        ev.finish = FinishReason::error;
+        ev.error = q->error;
       }
       ev.id = id;
       stamp(*q, ev);

@@ -17,6 +17,15 @@
 // running + checkpoint_slots prefix-cache checkpoints) and cache pages. max_model_len defaults to the
 // model's context capped by the longest request the plan holds; an explicit one beyond either is
 // refused at construction (as vLLM does), so an accepted request always fits.
+//
+// Structured outputs (request.h's OutputConstraint; runtime/constraints.h): a constrained request has a
+// SeqConstraint (its Matcher). Each step, the masks of the constrained sequences that sample are
+// filled by the mask worker while the executor runs the forward; the sampler (host: `sample` hook;
+// device: the executor, through token_mask/check_token) masks the logits, so the token is one the
+// grammar takes. Free text (the think section, a free response) is sampled without a mask and the
+// token checked; a refused one is drawn again under the mask (draw index with bit 63 set). A
+// terminated grammar ends the request (finish stop); no allowed token (the nesting limit) or a refused
+// token ends it with an error event; neither touches other requests.
 #pragma once
 
 #include <condition_variable>
@@ -36,6 +45,7 @@
 #include "loader/config.h"
 #include "loader/weights.h"
 #include "request/engine.h"
+#include "runtime/constraints.h"
 #include "runtime/executor.h"
 #include "runtime/sampler.h"
 #include "sched/memory_plan.h"
@@ -90,6 +100,18 @@ class Engine final : public kestrel::Engine {
   IntegrityReport check_integrity() const override;  // under the lock, between or during steps
   void shutdown() override;
 
+  // Structured-output costs so far (engine-thread time on the critical path vs. the worker's).
+  struct StructuredStats {
+    int64_t masked_samples = 0;   // tokens sampled under a mask
+    int64_t free_samples = 0;     // constrained tokens sampled in free text (no mask)
+    int64_t redraws = 0;          // free-text tokens refused and drawn again under the mask
+    int64_t stolen = 0;           // masks the engine thread filled itself (the worker had not begun them)
+    double fill_seconds = 0.0;    // mask filling (worker, overlapped with the forward; and stolen ones)
+    double wait_seconds = 0.0;    // the engine thread waiting for a mask (not hidden by the forward)
+    double host_seconds = 0.0;    // engine thread: sync, accept, host masking (on the critical path)
+  };
+  StructuredStats structured_stats() const;
+
   const sched::MemoryPlan& memory_plan() const { return plan_; }
   const RequestLimits& limits() const { return limits_; }
   // Blocks until no request is waiting or running (all events delivered).
@@ -106,11 +128,22 @@ class Engine final : public kestrel::Engine {
     int64_t cached = -1;            // prompt tokens skipped at the first admission (−1: not yet admitted)
     bool first_sent = false;        // the first event (it carries the prompt counts) is out
     std::optional<TokenEvent> pending;  // this step's event, sent after complete()
+    std::unique_ptr<SeqConstraint> constraint;  // structured output, if any
+    int32_t preaccepted = -1;       // token check_token already accepted (take_token follows)
+    std::string error;              // set: this step's event ends the request with this error
+  };
+  struct StepMask {  // a sampled constrained sequence's mask in this step
+    size_t job = 0;                 // the worker's job (= the table row)
+    int64_t allowed = -2;           // −2: not waited for yet
   };
   using Outbox = std::vector<std::pair<TokenSink, TokenEvent>>;
   void loop();
   void run_step(sched::StepPlan& plan, const std::vector<std::pair<RequestId, Req*>>& in_step);
   sched::SeqResult emit(Req& q, const SampleResult& s);
+  // The constrained host sampler: free text unmasked then checked, otherwise (or refused) masked.
+  sched::SeqResult sample_host(Req& q, const sched::ScheduledSeq& x, std::span<const float> logits, bool penalised);
+  int64_t wait_mask(RequestId id);  // this step's allowed count for `id` (waits); −3: no mask this step
+  void start_masks(const sched::StepPlan& plan, const std::vector<std::pair<RequestId, Req*>>& in_step);
   void stamp(Req& q, TokenEvent& ev) const;  // id and, on the first event, the prompt counts
   void end_all(FinishReason why, const std::string& error, Outbox& out);  // mu_ held
 
@@ -119,6 +152,15 @@ class Engine final : public kestrel::Engine {
   sched::MemoryPlan plan_;
   RequestLimits limits_;
   sched::Scheduler sched_;
+  // Structured outputs (declared before the executor: it may hold the table registered as pinned).
+  int64_t mask_words_ = 0;
+  MaskTable masks_;
+  MaskWorker worker_;
+  std::map<RequestId, StepMask> step_masks_;  // this step's (engine thread)
+  std::vector<uint32_t> redraw_mask_;         // u32 [mask_words]: a free-text redraw's mask
+  std::vector<float> masked_logits_;          // f32 [V]: scratch
+  StructuredStats sstats_;                    // engine thread; copied under mu_ below
+  StructuredStats sstats_copy_;
   std::unique_ptr<StepExecutor> exec_;
 
   mutable std::mutex mu_;

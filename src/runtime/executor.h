@@ -60,6 +60,30 @@ struct StepHooks {
   };
   std::function<SamplingInputs(const sched::ScheduledSeq&)> sampling_inputs;
   std::function<sched::SeqResult(const sched::ScheduledSeq&, int32_t token)> take_token;
+  // Optional (device executors): like `sample`, for a row the device already penalised (and masked):
+  // penalties are not applied again. For the rows the device sampler hands back, and for tokens the
+  // grammar refused (check_token below), which are drawn again here under the mask.
+  std::function<sched::SeqResult(const sched::ScheduledSeq&, std::span<const float> logits)> sample_penalised;
+  // Structured outputs (runtime/constraints.h), optional. `sample` masks by itself; a device executor
+  // masks on the device: token_mask(x) waits for x's mask row of this step (filled by the engine's
+  // worker while the forward runs) and returns its row in `mask_table` and the number of ids it
+  // allows (row −1: no mask this step — unconstrained, or free text). When allowed ≤ top-k's
+  // candidates, the row's top_k may be cut to `allowed` (the kept set is then exactly the allowed
+  // ids). check_token(x, token) must pass before take_token for a device-sampled token: false means
+  // the grammar refuses it (free text drew a special token it does not take there; or rounding drew
+  // a masked id) and the row goes to sample_penalised instead. mask_table is fixed for the engine's
+  // lifetime (a device executor may register it as pinned memory once).
+  struct TokenMask {
+    int32_t row = -1;
+    int64_t allowed = 0;
+  };
+  struct MaskTable {
+    const uint32_t* data = nullptr;  // host u32 [rows, words]
+    int64_t rows = 0, words = 0;
+  };
+  std::function<TokenMask(const sched::ScheduledSeq&)> token_mask;
+  std::function<bool(const sched::ScheduledSeq&, int32_t token)> check_token;
+  MaskTable mask_table;
   // Optional: requests for which every position's logits are wanted (debug dumps), and the sink
   // that receives them, rows of positions [start, end).
   std::function<bool(cache::RequestId)> wants_all_logits;

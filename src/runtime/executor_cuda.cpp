@@ -73,8 +73,24 @@ struct CudaExecutor::Impl {
   model::CudaModel& m;
   int64_t V;
   model::CudaCachePtr cache;
+  const void* pinned = nullptr;  // the engine's mask table, registered as pinned host memory
   Impl(model::CudaModel& mm, const ModelConfig& c, const CacheFormats& f, const cache::CacheConfig& cc)
       : m(mm), V(c.text.vocab_size), cache(mm.new_cache(cc.num_pages, cc.num_state_slots, f)) {}
+  ~Impl() {
+    if (pinned) cudaHostUnregister(const_cast<void*>(pinned));
+  }
+  // Pins the engine's mask table once (it is fixed for the engine's lifetime, which holds this
+  // executor); if pinning fails the copies still work, staged by the driver.
+  void pin(const StepHooks::MaskTable& t) {
+    if (!t.data || t.data == pinned) return;
+    if (pinned) cudaHostUnregister(const_cast<void*>(pinned));
+    pinned = nullptr;
+    if (cudaHostRegister(const_cast<uint32_t*>(t.data), size_t(t.rows * t.words) * 4, cudaHostRegisterDefault) ==
+        cudaSuccess)
+      pinned = t.data;
+    else
+      (void)cudaGetLastError();
+  }
 };
 
 CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const CacheFormats& formats,
@@ -159,6 +175,21 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   }
   const int64_t got = m.forward_batch(cc, seqs);
   KCHECK(got == rows, "executor: {} logits rows, expected {}", got, rows);
+  // Structured outputs: each device row's mask (filled by the engine's worker during the forward).
+  // With few allowed ids top-k is cut to them, so the device keeps exactly the allowed set.
+  std::vector<int32_t> mask_row(params.size(), -1);
+  int64_t mask_rows = 0;
+  if (hooks.token_mask && hooks.mask_table.data) {
+    impl_->pin(hooks.mask_table);
+    for (size_t k = 0; k < params.size(); ++k) {
+      const StepHooks::TokenMask tm = hooks.token_mask(*order[param_seq[k]]);
+      if (tm.row < 0) continue;
+      mask_row[k] = tm.row;
+      mask_rows = std::max<int64_t>(mask_rows, tm.row + 1);
+      if (tm.allowed <= cuda::kSampleCandidates && (params[k].top_k <= 0 || params[k].top_k > tm.allowed))
+        params[k].top_k = int32_t(tm.allowed);
+    }
+  }
   // Rows that go to the host raw (every-row dumps, logprobs) are copied before the device sampler
   // penalises its rows in place; fallback rows after, already penalised.
   std::vector<float> logits;  // f32 [rows, V]
@@ -170,9 +201,15 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   }
   if (!params.empty()) {
     std::vector<int32_t> ids(params.size());
-    m.sample(params, penalties, ids.data());
+    model::CudaModel::TokenMasks tm{hooks.mask_table.data, hooks.mask_table.rows, hooks.mask_table.words, mask_rows,
+                                    mask_row};
+    m.sample(params, penalties, ids.data(), mask_rows > 0 ? &tm : nullptr);
     bool fallback = false;
     for (size_t k = 0; k < params.size(); ++k) {
+      // A token the grammar refuses (free text drew a special it does not take; rounding drew a
+      // masked id) is drawn again on the host from the (penalised, masked) row.
+      if (ids[k] >= 0 && hooks.check_token && hooks.sample_penalised && !hooks.check_token(*order[param_seq[k]], ids[k]))
+        ids[k] = -1;
       dev_id[param_seq[k]] = ids[k];
       if (ids[k] < 0) {
         fallback = true;
@@ -200,6 +237,8 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
       if (dev_id[i] >= 0) {
         r = hooks.take_token(x, dev_id[i]);
         ++stats_.device_samples;
+      } else if (dev_id[i] == -1 && hooks.sample_penalised) {
+        r = hooks.sample_penalised(x, lrow);
       } else if (dev_id[i] == -1) {
         const SampleResult s = sample_token(host_params[i].params, lrow, {}, {}, host_params[i].index);
         r = hooks.take_token(x, s.token);

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "request/engine.h"
+#include "server/structured.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel::server {
@@ -50,6 +51,7 @@ struct ServerOptions {
   std::chrono::seconds idle_timeout{60};      // keep-alive wait for the next request
   std::chrono::seconds write_timeout{60};     // a client that reads nothing for this long is dropped
   std::chrono::seconds shutdown_timeout{10};  // SIGTERM: running requests get this long to finish
+  StructuredOptions structured;               // grammar compile limits and workers (structured.h)
   bool debug_routes = false;  // GET /debug/integrity (routes.h); off: 404 like any unknown path
 };
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <climits>
 #include <ctime>
+#include <tuple>
 
 #include "server/chat_page.h"
 #include "server/job.h"
@@ -83,7 +84,7 @@ void set_max_tokens(Request& r, const GenParams& g, int64_t max_model_len, Choic
 }  // namespace
 
 Router::Router(const ServerOptions& opt, Engine& engine, const tok::Tokenizer& tok)
-    : opt_(opt), engine_(engine), tok_(tok), encoder_(tok), metrics_(opt.served_model_name) {}
+    : opt_(opt), engine_(engine), tok_(tok), encoder_(tok), metrics_(opt.served_model_name), grammars_(tok, opt.structured) {}
 
 void Router::handle(const HttpRequest& req, const std::shared_ptr<Connection>& conn) {
   try {
@@ -268,8 +269,11 @@ Router::Prepared Router::prepare(ojson& body, Api api) {
     ChoiceOptions o = base;
     o.thinking = cp.thinking;
     o.tools = cp.tool_names;
+    r.constraint = GrammarService::chat_constraint(body, cp, r.ignore_eos);
     add(r, o);
   } else {
+    // One constraint for every prompt of a batch (it depends on the body only).
+    const std::optional<OutputConstraint> constraint = GrammarService::completion_constraint(body);
     const auto prompts = completion_prompts(body, tok_);
     if (prompts.size() * size_t(g.n) > kMaxChoices)
       throw ApiError(400, fmt::format("{} prompts × n = {} exceeds the {} sequences one request may ask for",
@@ -277,6 +281,7 @@ Router::Prepared Router::prepare(ojson& body, Api api) {
     for (const auto& [text, ids] : prompts) {
       Request r = g.request;
       r.prompt = ids;
+      r.constraint = constraint;
       ChoiceOptions o = base;
       if (g.echo) {
         o.echo_ids = ids;
@@ -302,7 +307,7 @@ void Router::generate(ojson& body, Api api, const std::shared_ptr<Connection>& c
   head.n = p.g.n;
   const std::string id = head.id;
   auto job = std::make_shared<Job>(engine_, metrics_, jobs_, api, id, openai_shaper(std::move(head)), p.g.stream, p.g.n);
-  job->start(conn, std::move(p.requests), std::move(p.options), tok_);
+  start_when_compiled(std::move(job), std::move(p.requests), std::move(p.options), conn);
 }
 
 void Router::responses(const ojson& body, const std::shared_ptr<Connection>& conn) {
@@ -312,7 +317,68 @@ void Router::responses(const ojson& body, const std::shared_ptr<Connection>& con
   const std::string id = rr.head.id;
   auto job = std::make_shared<Job>(engine_, metrics_, jobs_, Api::kChat, id, responses_shaper(std::move(rr.head)),
                                    p.g.stream, 1);
-  job->start(conn, std::move(p.requests), std::move(p.options), tok_);
+  start_when_compiled(std::move(job), std::move(p.requests), std::move(p.options), conn);
+}
+
+// Where start_when_compiled stands: the job, its requests and options, and the next request to look at.
+struct Router::Starting {
+  // The connection's pending response while a grammar compiles: only notes that the client left.
+  struct Compiling : Pending {
+    std::atomic<bool> abandoned{false};
+    void abandon() override { abandoned = true; }
+  };
+  std::shared_ptr<Job> job;
+  std::vector<Request> requests;
+  std::vector<ChoiceOptions> options;
+  size_t next = 0;
+  std::shared_ptr<Compiling> pending;  // set once a compile had to wait
+};
+
+void Router::start_when_compiled(std::shared_ptr<Job> job, std::vector<Request> requests,
+                                 std::vector<ChoiceOptions> options, const std::shared_ptr<Connection>& conn) {
+  auto st = std::make_shared<Starting>();
+  st->job = std::move(job);
+  st->requests = std::move(requests);
+  st->options = std::move(options);
+  continue_start(std::move(st), conn);
+}
+
+void Router::continue_start(std::shared_ptr<Starting> st, const std::shared_ptr<Connection>& conn) {
+  // Cached grammars attach at once; the choices of one body share one constraint, so after the
+  // first compile the rest are cache hits (a hit that the cache has dropped meanwhile compiles again).
+  for (; st->next < st->requests.size(); ++st->next) {
+    Request& r = st->requests[st->next];
+    if (!r.constraint || r.constraint->grammar) continue;
+    // A refusal found in the cache throws ApiError: before anything was held, handle() answers it;
+    // after, the callback below does.
+    if ((r.constraint->grammar = grammars_.find(*r.constraint, engine_.vocab_size()))) continue;
+    if (!st->pending) {
+      st->pending = std::make_shared<Starting::Compiling>();
+      conn->hold(st->pending);
+    }
+    OutputConstraint c = *r.constraint;
+    grammars_.compile_async(std::move(c), engine_.vocab_size(),
+                            [this, conn, st](std::shared_ptr<const structured::CompiledGrammar> g,
+                                             std::optional<ApiError> err) {
+      conn->post([this, conn, st, g = std::move(g), err = std::move(err)] {
+        if (st->pending->abandoned) return;  // the client left while the grammar compiled
+        try {
+          if (err) throw *err;
+          if (draining_) throw ApiError(503, "shutting down");
+          st->requests[st->next].constraint->grammar = g;
+          continue_start(st, conn);
+        } catch (const ApiError& e) {
+          conn->reply(e.status, error_body(e.status, e.what(), e.param));
+        } catch (const Error& e) {
+          conn->reply(400, error_body(400, e.what()));
+        } catch (const std::exception& e) {
+          conn->reply(500, error_body(500, std::string("internal error: ") + e.what()));
+        }
+      });
+    });
+    return;
+  }
+  st->job->start(conn, std::move(st->requests), std::move(st->options), tok_);
 }
 
 }  // namespace kestrel::server

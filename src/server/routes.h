@@ -17,6 +17,7 @@
 #include "server/metrics.h"
 #include "server/openai.h"
 #include "server/params.h"
+#include "server/structured.h"
 #include "tokenizer/chat.h"
 #include "tokenizer/tokenizer.h"
 
@@ -69,6 +70,8 @@ class Connection {
   virtual AccessRecord& record() = 0;
 };
 
+class Job;  // job.h
+
 class Router {
  public:
   Router(const ServerOptions& opt, Engine& engine, const tok::Tokenizer& tok);
@@ -96,6 +99,12 @@ class Router {
   Prepared prepare(ojson& body, Api api);
   void generate(ojson& body, Api api, const std::shared_ptr<Connection>& conn);
   void responses(const ojson& body, const std::shared_ptr<Connection>& conn);
+  // Submits the job once every request's grammar is compiled (on a GrammarService worker when one
+  // is not cached; the connection is held meanwhile, and answered with the compile error if any).
+  void start_when_compiled(std::shared_ptr<Job> job, std::vector<Request> requests,
+                           std::vector<ChoiceOptions> options, const std::shared_ptr<Connection>& conn);
+  struct Starting;  // routes.cpp
+  void continue_start(std::shared_ptr<Starting> st, const std::shared_ptr<Connection>& conn);
 
   const ServerOptions& opt_;
   Engine& engine_;
@@ -104,6 +113,7 @@ class Router {
   Metrics metrics_;
   std::atomic<bool> draining_{false};
   std::atomic<int> jobs_{0};
+  GrammarService grammars_;  // last: its workers stop before the rest goes away
 };
 
 }  // namespace kestrel::server

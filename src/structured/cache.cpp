@@ -41,19 +41,46 @@ std::string GrammarCache::chat_key(const ChatGrammarSpec& s) {
   return k.dump(-1, ' ', false, ojson::error_handler_t::replace);
 }
 
+namespace {
+std::string json_text(const ojson& schema) { return "json " + schema.dump(-1, ' ', false, ojson::error_handler_t::replace); }
+}  // namespace
+
 std::shared_ptr<const CompiledGrammar> GrammarCache::json_schema(const ojson& schema) {
-  const std::string text = "json " + schema.dump(-1, ' ', false, ojson::error_handler_t::replace);
-  return get(text, [&] { return compile_json_schema(vocab_, schema, opt_, limits_); });
+  return get(json_text(schema), [&] { return compile_json_schema(vocab_, schema, opt_, limits_); });
 }
 
 std::shared_ptr<const CompiledGrammar> GrammarCache::chat(const ChatGrammarSpec& spec) {
   return get("chat " + chat_key(spec), [&] { return compile_chat_grammar(vocab_, spec, opt_, limits_); });
 }
 
+std::shared_ptr<const CompiledGrammar> GrammarCache::find_json_schema(const ojson& schema) { return find(json_text(schema)); }
+std::shared_ptr<const CompiledGrammar> GrammarCache::find_chat(const ChatGrammarSpec& spec) {
+  return find("chat " + chat_key(spec));
+}
+
+std::string GrammarCache::full_key(const std::string& text) const {
+  const std::string full = text + " | " + options_key(opt_, limits_);
+  return fmt::format("{:016x}:{:016x}:", fnv1a(full), vocab_->fingerprint()) + full;
+}
+
+std::shared_ptr<const CompiledGrammar> GrammarCache::find(const std::string& text) {
+  const std::string key = full_key(text);
+  Result result;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = map_.find(key);
+    if (it == map_.end()) return nullptr;
+    result = it->second.result;
+    if (result.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return nullptr;
+    ++stats_.hits;
+    lru_.splice(lru_.begin(), lru_, it->second.pos);
+  }
+  return result.get();
+}
+
 std::shared_ptr<const CompiledGrammar> GrammarCache::get(
     const std::string& text, const std::function<std::shared_ptr<const CompiledGrammar>()>& compile) {
-  const std::string full = text + " | " + options_key(opt_, limits_);
-  const std::string key = fmt::format("{:016x}:{:016x}:", fnv1a(full), vocab_->fingerprint()) + full;
+  const std::string key = full_key(text);
   std::promise<std::shared_ptr<const CompiledGrammar>> promise;
   Result result;
   bool mine = false;

@@ -28,6 +28,11 @@ class GrammarCache {
   // The compiled grammar, or the compiler's kestrel::Error (rethrown, also from cache).
   std::shared_ptr<const CompiledGrammar> json_schema(const ojson& schema);
   std::shared_ptr<const CompiledGrammar> chat(const ChatGrammarSpec& spec);
+  // Without waiting: the compiled grammar if it is cached and done (a cached refusal is rethrown),
+  // nullptr if it is not cached or still compiling. For callers that must not block (I/O threads),
+  // which hand a miss to a worker calling chat() / json_schema().
+  std::shared_ptr<const CompiledGrammar> find_json_schema(const ojson& schema);
+  std::shared_ptr<const CompiledGrammar> find_chat(const ChatGrammarSpec& spec);
 
   struct Stats {
     size_t hits = 0, misses = 0, entries = 0;
@@ -40,6 +45,8 @@ class GrammarCache {
 
  private:
   using Result = std::shared_future<std::shared_ptr<const CompiledGrammar>>;
+  std::string full_key(const std::string& text) const;
+  std::shared_ptr<const CompiledGrammar> find(const std::string& text);
   std::shared_ptr<const CompiledGrammar> get(const std::string& key,
                                              const std::function<std::shared_ptr<const CompiledGrammar>()>& compile);
 

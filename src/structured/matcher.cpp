@@ -42,6 +42,17 @@ bool Matcher::is_terminated() const {
   return stop_.empty();  // with stop tokens, the end is only reached by accepting one
 }
 
+bool Matcher::free_text() const {
+  if (stopped_.back()) return false;
+  const uint32_t limit = cg_->max_stack_depth();
+  for (uint32_t f : top().frames) {
+    const CompiledGrammar::Table& t = cg_->tables_[pool_.state(f)];
+    // Near the nesting limit fill_mask takes the exhaustive path, which may refuse what the table accepts.
+    if (t.all_ordinary && pool_.depth(f) + t.max_height <= limit) return true;
+  }
+  return false;
+}
+
 void Matcher::rollback(size_t k) {
   KCHECK(k <= num_accepted(), "rollback of {} tokens, only {} accepted", k, num_accepted());
   history_.resize(history_.size() - k);

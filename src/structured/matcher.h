@@ -60,6 +60,7 @@ class CompiledGrammar {
     uint32_t sfx_begin = 0, sfx_end = 0;    // uncertain tokens: trie of their rests (node sfx_begin = root)
     uint32_t max_height = 0;        // frames pushed above the state while reading any token
     bool computed = false;
+    bool all_ordinary = false;      // every ordinary token is accepted (free text)
   };
   void tabulate(uint32_t q, detail::FramePool& pool, std::vector<detail::Config>& levels);
 
@@ -72,6 +73,7 @@ class CompiledGrammar {
   std::vector<uint32_t> lists_;
   std::vector<SfxNode> sfx_;
   std::vector<uint32_t> sfx_tokens_;
+  size_t ordinary_tokens_ = 0;  // tokens in the vocabulary trie
   Stats stats_;
 };
 
@@ -97,6 +99,10 @@ class Matcher {
   bool can_end() const { return !stopped_.back() && top().ended; }
   // A stop token was accepted, or the document is complete and nothing more can follow.
   bool is_terminated() const;
+  // Free text here: every ordinary token is allowed next (the mask would differ from "all" only in
+  // special tokens). An engine may then sample without a mask and check the token with accept()
+  // (reasoning-aware structured output: the think section costs no mask).
+  bool free_text() const;
   // Undoes the last k accepted tokens (k <= num_accepted()).
   void rollback(size_t k);
   size_t num_accepted() const { return history_.size() - 1; }

@@ -52,6 +52,7 @@ CompiledGrammar::CompiledGrammar(std::shared_ptr<const TokenVocab> vocab, Gramma
   // The root rule pops only into the bottom (the document's end), after which nothing can follow:
   // its states need no uncertain tokens unless some rule calls the root.
   for (const Grammar::Call& c : g_.calls) root_called_ = root_called_ || c.rule == g_.root;
+  for (const TokenVocab::TrieNode& n : vocab_->trie()) ordinary_tokens_ += n.token != kNoToken;
   tables_.resize(S);
   FramePool pool;
   std::vector<Config> levels;
@@ -110,6 +111,7 @@ void CompiledGrammar::tabulate(uint32_t q, FramePool& pool, std::vector<Config>&
   Table& t = tables_[q];
   t.computed = true;
   t.max_height = max_depth - 1;
+  t.all_ordinary = ordinary_tokens_ > 0 && accepted.size() == ordinary_tokens_;  // each trie token once
   const size_t words = vocab_->mask_words();
   if (accepted.size() * 32 > vocab_->vocab_size()) {
     t.bitset = uint32_t(bitsets_.size() / words);

@@ -453,6 +453,7 @@ ChatPrompt ChatEncoder::encode_request(const ojson& req, const std::vector<Image
     gen = req["add_generation_prompt"].get<bool>();
   if (kwargs.contains("add_generation_prompt") && kwargs["add_generation_prompt"].is_boolean())
     gen = kwargs["add_generation_prompt"].get<bool>();
+  out.generation_prompt = gen;
   if (gen) {
     b.open("message", {{"role", "assistant"}});
     b.open(thinking ? "think" : "response");

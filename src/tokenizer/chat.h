@@ -35,6 +35,7 @@ struct ChatPrompt {
   std::vector<TokenId> ids;         // segment-wise encoding
   std::vector<ChatSegment> segments;
   bool thinking = true;             // generation starts inside <|open|>think<|sep|>
+  bool generation_prompt = true;    // the prompt ends with the assistant opening (add_generation_prompt)
   std::vector<std::string> tool_names;  // declared tools, for validating parsed calls
   std::optional<std::string> forced_tool;  // tool_choice named a function
   size_t num_images = 0;            // image placeholders rendered (expanded when prompts were given)

@@ -163,8 +163,10 @@ TEST(ServerChoice, CompletionTextAndLength) {
 }
 
 TEST(ServerHttp, StreamingChatWithToolCallInOpenAIShape) {
-  Running r(ids("Hmm." + C + "think" + S + O + "tools" + S + O + "call tool=\"f\"" + S + O +
-                "argument key=\"x\" type=\"number\"" + S + "3" + C + "argument" + S + C + "call" + S + C + "tools" + S + END));
+  // The K3 assistant message (MODEL.md §7) the chat grammar admits: think, an empty response, the call.
+  Running r(ids("Hmm." + C + "think" + S + O + "response" + S + C + "response" + S + O + "tools" + S + O +
+                "call tool=\"f\" index=\"1\"" + S + O + "argument key=\"x\" type=\"number\"" + S + "3" + C +
+                "argument" + S + C + "call" + S + C + "tools" + S + C + "message" + S + END));
   const json req = {{"model", "m"}, {"stream", true}, {"stream_options", {{"include_usage", true}}}, {"temperature", 0},
                     {"messages", {{{"role", "user"}, {"content", "hi"}}}},
                     {"tools", {{{"type", "function"}, {"function", {{"name", "f"}, {"parameters", {{"type", "object"}}}}}}}}};

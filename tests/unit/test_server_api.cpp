@@ -191,8 +191,10 @@ TEST(ServerApiResponses, RequestBecomesAChatRequest) {
 }
 
 TEST(ServerApiResponses, StreamedToolCallOverHttp) {
-  Running r(ids("Hmm." + C + "think" + S + O + "tools" + S + O + "call tool=\"f\"" + S + O +
-                "argument key=\"x\" type=\"number\"" + S + "3" + C + "argument" + S + C + "call" + S + C + "tools" + S + END));
+  // The K3 assistant message (MODEL.md §7) the chat grammar admits: think, an empty response, the call.
+  Running r(ids("Hmm." + C + "think" + S + O + "response" + S + C + "response" + S + O + "tools" + S + O +
+                "call tool=\"f\" index=\"1\"" + S + O + "argument key=\"x\" type=\"number\"" + S + "3" + C +
+                "argument" + S + C + "call" + S + C + "tools" + S + C + "message" + S + END));
   const json req = {{"model", "m"}, {"stream", true}, {"temperature", 0}, {"input", "hi"},
                     {"tools", {{{"type", "function"}, {"name", "f"}, {"parameters", {{"type", "object"}}}}}}};
   const std::string resp = raw(r.port, request("POST", "/v1/responses", req.dump()));

@@ -11,6 +11,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_alloc.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/token_mask.h"
 #include "model/cuda/batch.h"
 #include "model/cuda/cache.h"
 #include "model/cuda/context.h"
@@ -44,6 +45,12 @@ struct CudaModel::Impl {
   const float* logits_cur = nullptr;  // the last step's logits (logits_dev or a graph bucket's), read by
                                       // copy_logits / greedy / sample until the next forward
 
+  // Structured outputs: the device mask table u32 [mask_rows, mask_words] and the entries' rows i32
+  // [mask_rows], allocated once for a table shape (fixed addresses).
+  uint32_t* mask_dev = nullptr;
+  int32_t* mask_idx_dev = nullptr;
+  int64_t mask_rows = 0, mask_words = 0;
+
   Impl(const ModelConfig& c, const ModelWeights& mw, const CudaModelOptions& o)
       : cfg(c),
         w(gpu::upload_weights(cfg, mw, arena, o.quant == WeightQuant::ptpc_fp8)),
@@ -61,6 +68,29 @@ struct CudaModel::Impl {
     alloc.free(logits_dev);
     alloc.free(x.skinny.part);
     alloc.free(x.skinny.counters);
+    alloc.free(mask_dev);
+    alloc.free(mask_idx_dev);
+  }
+
+  // Copies this step's mask rows and the entries' row indices; returns the device row indices.
+  const int32_t* upload_masks(const CudaModel::TokenMasks& mk, int64_t n) {
+    const int64_t V = cfg.text.vocab_size;
+    KCHECK(mk.table != nullptr && mk.words * 32 >= V && mk.table_rows >= 1 && mk.rows >= 0 &&
+               mk.rows <= mk.table_rows && int64_t(mk.row_of.size()) == n && n <= mk.table_rows,
+           "sample: bad token masks (table {} x {} words, {} rows, {} entries for {} rows)", mk.table_rows, mk.words,
+           mk.rows, mk.row_of.size(), n);
+    for (int32_t r : mk.row_of) KCHECK(r >= -1 && r < mk.rows, "sample: mask row {} outside the step's {}", r, mk.rows);
+    if (mk.table_rows != mask_rows || mk.words != mask_words) {
+      alloc.free(mask_dev);
+      alloc.free(mask_idx_dev);
+      mask_dev = static_cast<uint32_t*>(alloc.alloc(size_t(mk.table_rows * mk.words) * 4));
+      mask_idx_dev = static_cast<int32_t*>(alloc.alloc(size_t(mk.table_rows) * 4));
+      mask_rows = mk.table_rows, mask_words = mk.words;
+    }
+    if (mk.rows > 0)
+      KCUDA_CHECK(cudaMemcpyAsync(mask_dev, mk.table, size_t(mk.rows * mk.words) * 4, cudaMemcpyHostToDevice, x.stream));
+    KCUDA_CHECK(cudaMemcpyAsync(mask_idx_dev, mk.row_of.data(), size_t(n) * 4, cudaMemcpyHostToDevice, x.stream));
+    return mask_idx_dev;
   }
 
   int64_t forward_batch(CudaCache& cc, std::span<const CudaSeq> seqs) {
@@ -122,7 +152,8 @@ struct CudaModel::Impl {
     alloc.free(d);
   }
 
-  void sample(std::span<const cuda::SampleParams> params, std::span<const cuda::PenaltyEntry> pen, int32_t* host) {
+  void sample(std::span<const cuda::SampleParams> params, std::span<const cuda::PenaltyEntry> pen, int32_t* host,
+              const CudaModel::TokenMasks* masks) {
     const int64_t V = cfg.text.vocab_size, n = int64_t(params.size()), m = int64_t(pen.size());
     if (n == 0) return;
     for (const auto& p : params)
@@ -137,6 +168,10 @@ struct CudaModel::Impl {
     KCUDA_CHECK(cudaMemcpyAsync(dp, params.data(), size_t(n) * sizeof(cuda::SampleParams), cudaMemcpyHostToDevice, x.stream));
     if (m > 0)
       KCUDA_CHECK(cudaMemcpyAsync(de, pen.data(), size_t(m) * sizeof(cuda::PenaltyEntry), cudaMemcpyHostToDevice, x.stream));
+    if (masks && masks->rows > 0) {
+      const int32_t* idx = upload_masks(*masks, n);
+      cuda::apply_token_masks(const_cast<float*>(logits_cur), V, V, dp, idx, mask_dev, mask_words, n, x.stream);
+    }
     cuda::apply_penalties(const_cast<float*>(logits_cur), V, V, de, m, x.stream);
     cuda::sample_rows(logits_cur, V, V, dp, n, di, x.stream);
     KCUDA_CHECK(cudaMemcpyAsync(host, di, size_t(n) * 4, cudaMemcpyDeviceToHost, x.stream));
@@ -171,8 +206,8 @@ void CudaModel::copy_logits(float* host) const { impl_->copy_logits_rows(0, impl
 void CudaModel::copy_logits_rows(int64_t first, int64_t n, float* host) const { impl_->copy_logits_rows(first, n, host); }
 void CudaModel::greedy(int32_t* host) const { impl_->greedy(host); }
 void CudaModel::sample(std::span<const cuda::SampleParams> params, std::span<const cuda::PenaltyEntry> penalties,
-                       int32_t* ids_host) {
-  impl_->sample(params, penalties, ids_host);
+                       int32_t* ids_host, const TokenMasks* masks) {
+  impl_->sample(params, penalties, ids_host, masks);
 }
 void CudaModel::enable_cuda_graphs(bool on) { impl_->graphs = on; }
 int64_t CudaModel::graph_steps() const { return impl_->graph_steps; }

@@ -92,8 +92,18 @@ class CudaModel {
   // The full sampler on the device (kernels/cuda/sampling.h) over rows of the last forward's logits:
   // penalties first, in place (so once per forward; copy_logits afterwards sees penalised rows), then
   // ids_host[i] = the token for params[i], or −1 where the host must sample that row.
+  // With `masks` (structured outputs, kernels/cuda/token_mask.h), each entry's grammar mask is applied to
+  // its row first (disallowed ids −inf): the caller's host table rows [0, rows) are copied into the
+  // model's device table (fixed address while table_rows and words stay the same; the host table should be
+  // pinned, e.g. cudaHostRegister'ed, for the copy to be a DMA).
+  struct TokenMasks {
+    const uint32_t* table = nullptr;   // host u32 [table_rows, words]
+    int64_t table_rows = 0, words = 0;
+    int64_t rows = 0;                  // rows [0, rows) hold this step's masks
+    std::span<const int32_t> row_of;   // i32 [params.size()]: params[i]'s mask row, −1 = no mask
+  };
   void sample(std::span<const cuda::SampleParams> params, std::span<const cuda::PenaltyEntry> penalties,
-              int32_t* ids_host /* i32 [params.size()] */);
+              int32_t* ids_host /* i32 [params.size()] */, const TokenMasks* masks = nullptr);
   // CUDA graphs for decode steps (graphs.h; off by default): all-decode steps wanting their last logits
   // run through bucketed captured graphs.
   void enable_cuda_graphs(bool on);

@@ -1,0 +1,465 @@
+// Structured outputs through the engine (runtime/engine.h, runtime/constraints.h; issue #20 phase 2):
+//  - every JSON-Schema-Test-Suite draft-7 schema the compiler accepts is a generation target on the
+//    nano checkpoint with random sampling (temperature 1, one seed per schema): every document must
+//    end with the end-of-sequence token the grammar allows only where the document may end, parse, and
+//    validate with our validator. The nano model's random weights rarely close a string by chance, so
+//    an executor wrapper adds +4 to the logits of tokens holding `"` `]` `}` `,` before the engine
+//    samples (the engine, the masks and the sampler are the real ones);
+//  - preemption (recompute) and the prefix cache leave a constrained request's tokens unchanged;
+//  - the end token only where the document may end; a dead end (nesting limit) is an error event for
+//    that request only; free text is sampled without a mask and a refused token drawn again;
+//  - the pieces: the mask twin, SeqConstraint::sync (rollback / replay), the worker, validate().
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+
+#include "evalclient/json_schema.h"
+#include "nano_checkpoint.h"
+#include "runtime/engine.h"
+#include "runtime/fake_executor.h"
+#include "structured/constraint.h"
+#include "structured/json_schema_grammar.h"
+
+namespace kestrel {
+namespace {
+
+using runtime::Engine;
+using runtime::EngineConfig;
+using structured::ojson;
+using json = nlohmann::json;
+
+const testing::NanoCheckpoint& nano() { return testing::nano_checkpoint(); }
+
+std::shared_ptr<const structured::TokenVocab> nano_vocab() {
+  static const auto v = std::make_shared<const structured::TokenVocab>(*nano().tok, size_t(nano().cfg.text.vocab_size));
+  return v;
+}
+
+int32_t special(const char* name) { return int32_t(nano().tok->require_special(name)); }
+int32_t end_of_msg() { return special("<|end_of_msg|>"); }
+
+structured::SchemaLimits limits(uint32_t stack = 128) {
+  structured::SchemaLimits l;
+  l.max_compile_seconds = 900;  // sanitizer builds
+  l.max_stack_depth = stack;
+  return l;
+}
+
+// A document constraint (bare JSON, ended by an end-of-sequence id).
+OutputConstraint document(const ojson& schema, uint32_t stack = 128) {
+  OutputConstraint c = structured::document_constraint(OutputConstraint::Format::json_schema, schema);
+  c.grammar = structured::compile_json_schema(nano_vocab(), schema, {}, limits(stack));
+  return c;
+}
+
+struct Result {
+  std::vector<int32_t> tokens;
+  FinishReason finish = FinishReason::none;
+  std::string error;
+};
+
+// Collects events by key.
+class Sink {
+ public:
+  TokenSink operator()(int key) {
+    return [this, key](TokenEvent&& ev) {
+      std::lock_guard<std::mutex> lk(mu_);
+      Result& r = out_[key];
+      if (ev.token >= 0) r.tokens.push_back(ev.token);
+      if (ev.finished()) r.finish = ev.finish, r.error = ev.error;
+    };
+  }
+  Result get(int key) {
+    std::lock_guard<std::mutex> lk(mu_);
+    return out_[key];
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<int, Result> out_;
+};
+
+std::string text_of(const std::vector<int32_t>& ids) {
+  std::string s;
+  for (int32_t t : ids) {
+    if (nano().tok->is_special(tok::TokenId(t))) continue;
+    s += nano().tok->token_bytes(tok::TokenId(t));
+  }
+  return s;
+}
+
+// The CPU executor with +bias on the logits of tokens that hold one of `closers`, before the engine's
+// sampler sees them (a model that tends to close what it opened).
+class ClosingBias : public runtime::StepExecutor {
+ public:
+  ClosingBias(std::unique_ptr<runtime::StepExecutor> inner, float bias, const std::string& closers)
+      : inner_(std::move(inner)), bias_(size_t(nano().cfg.text.vocab_size), 0.0f) {
+    for (size_t id = 0; id < nano().tok->vocab_size(); ++id)
+      if (!nano().tok->is_special(tok::TokenId(id)) &&
+          nano().tok->token_bytes(tok::TokenId(id)).find_first_of(closers) != std::string::npos)
+        bias_[id] = bias;
+  }
+  sched::StepResult run(const sched::StepPlan& plan, const runtime::StepHooks& hooks) override {
+    runtime::StepHooks h = hooks;
+    h.sample = [&](const sched::ScheduledSeq& x, std::span<const float> logits) {
+      std::vector<float> b(logits.begin(), logits.end());
+      for (size_t i = 0; i < b.size(); ++i) b[i] += bias_[i];
+      return hooks.sample(x, b);
+    };
+    return inner_->run(plan, h);
+  }
+  const runtime::ExecutorStats& stats() const override { return inner_->stats(); }
+
+ private:
+  std::unique_ptr<runtime::StepExecutor> inner_;
+  std::vector<float> bias_;
+};
+
+EngineConfig nano_engine_config(int max_running, float closing_bias = 0.0f) {
+  EngineConfig cfg;
+  cfg.memory_budget = 256 << 20;
+  cfg.max_running = max_running;
+  if (closing_bias > 0.0f)
+    cfg.make_executor = [closing_bias](const CacheFormats& f, const cache::CacheConfig& cc) {
+      return std::unique_ptr<runtime::StepExecutor>(std::make_unique<ClosingBias>(
+          std::make_unique<runtime::Executor>(nano().w, nano().cfg, f, cc), closing_bias, "\"]},"));
+    };
+  return cfg;
+}
+
+std::vector<int32_t> prompt_of(const std::string& text) {
+  std::vector<int32_t> p;
+  for (tok::TokenId id : nano().tok->encode(text, false)) p.push_back(int32_t(id));
+  return p;
+}
+
+// ---- the suite as generation targets -------------------------------------------------------------
+
+const char* kSuiteDir = "/usr/share/json-schema-test-suite/tests/draft7";
+
+TEST(EngineStructured, SuiteSchemasGenerateValidDocumentsOnNano) {
+  const size_t kSeeds = 2;    // requests per schema
+  const float kBias = 2.5f;   // on closing tokens: most documents end well within max_tokens
+  ASSERT_TRUE(std::filesystem::is_directory(kSuiteDir)) << kSuiteDir << " missing (json-schema-test-suite)";
+  // The files and exclusions of test_structured.cpp (the validator's draft-7 coverage).
+  const std::vector<std::string> files = {
+      "additionalItems", "additionalProperties", "allOf", "anyOf", "boolean_schema", "const", "contains", "default",
+      "dependencies", "enum", "exclusiveMaximum", "exclusiveMinimum", "if-then-else", "items", "maxItems",
+      "maxLength", "maxProperties", "maximum", "minItems", "minLength", "minProperties", "minimum", "multipleOf",
+      "not", "oneOf", "pattern", "patternProperties", "properties", "propertyNames", "ref", "required", "type",
+      "uniqueItems"};
+  const std::set<std::string> excluded = {"ref overrides any sibling keywords", "remote ref, containing refs itself",
+                                          "Recursive references between schemas"};
+  struct Target {
+    std::string name;
+    json validator_schema;
+    OutputConstraint c;
+  };
+  std::vector<Target> targets;
+  int refused = 0;
+  for (const auto& f : files) {
+    std::ifstream in(std::string(kSuiteDir) + "/" + f + ".json");
+    ASSERT_TRUE(in) << f;
+    for (const auto& g : ojson::parse(in)) {
+      if (excluded.count(g["description"].get<std::string>())) continue;
+      try {
+        targets.push_back({f + " / " + g["description"].get<std::string>(), json::parse(g["schema"].dump()),
+                           document(g["schema"])});
+      } catch (const Error&) {
+        ++refused;  // refusals and their messages: test_structured.cpp
+      }
+    }
+  }
+  ASSERT_GT(targets.size(), 50u);  // of ~150 groups; the rest use keywords the compiler refuses (test_structured.cpp)
+  Engine e(nano().w, nano().cfg, nano_engine_config(32, kBias));
+  Sink sink;
+  const auto prompt = prompt_of("Write a JSON value:");
+  for (size_t i = 0; i < targets.size() * kSeeds; ++i) {
+    Request r;
+    r.prompt = prompt;
+    r.max_tokens = 400;
+    r.sampling.temperature = 1.0f;
+    r.sampling.seed = 1000 + i;
+    r.constraint = targets[i % targets.size()].c;
+    ASSERT_TRUE(e.submit(std::move(r), sink(int(i))).accepted());
+  }
+  e.wait_idle();
+  int valid = 0, truncated = 0;
+  size_t tokens = 0;
+  for (size_t i = 0; i < targets.size() * kSeeds; ++i) {
+    SCOPED_TRACE(targets[i % targets.size()].name);
+    const Result r = sink.get(int(i));
+    tokens += r.tokens.size();
+    ASSERT_TRUE(r.finish == FinishReason::stop || r.finish == FinishReason::length) << r.error;
+    if (r.finish == FinishReason::length) {  // cut by max_tokens: counted
+      ++truncated;
+      continue;
+    }
+    ASSERT_EQ(r.tokens.back(), end_of_msg()) << "a document ends with the end token";
+    const std::string text = text_of(r.tokens);
+    const json doc = json::parse(text, nullptr, false);
+    ASSERT_FALSE(doc.is_discarded()) << "not JSON: " << text;
+    EXPECT_EQ(eval::JsonSchema(targets[i % targets.size()].validator_schema).validate(doc), "") << text;
+    ++valid;
+  }
+  const auto st = e.structured_stats();
+  std::printf("suite on nano through the engine: %zu schemas (%d refused by the compiler) x %zu seeds: %d documents "
+              "valid, %d cut by max_tokens, %zu tokens; %lld masked, %lld free samples\n",
+              targets.size(), refused, kSeeds, valid, truncated, tokens, (long long)st.masked_samples,
+              (long long)st.free_samples);
+  EXPECT_LE(truncated, int(targets.size() * kSeeds) / 20) << "most documents must finish";
+}
+
+
+// ---- preemption and the prefix cache -------------------------------------------------------------
+
+// Constrained requests sharing a prompt head, alone on a roomy engine, then all at once on an engine
+// whose page pool forces preemption (recompute) and whose prefix cache serves the shared head: the
+// same tokens (the CPU executor is batch invariant; sampling is seeded), every document valid.
+TEST(EngineStructured, PreemptionAndPrefixCacheKeepTheTokens) {
+  const ojson schema = ojson::parse(R"({"type": "object", "properties": {
+      "name": {"type": "string", "maxLength": 12}, "n": {"type": "integer", "minimum": 0, "maximum": 999},
+      "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4}},
+      "required": ["name", "n", "tags"], "additionalProperties": false})");
+  const OutputConstraint c = document(schema);
+  const json validator_schema = json::parse(schema.dump());
+  std::vector<int32_t> head = prompt_of("The shared head of every prompt in this test, long enough to fill pages. ");
+  while (head.size() < 70) head.insert(head.end(), head.begin(), head.end());
+  const int n = 6;
+  auto request = [&](int i) {
+    Request r;
+    r.prompt = head;
+    for (int32_t t : prompt_of(" request " + std::to_string(i) + ":")) r.prompt.push_back(t);
+    r.max_tokens = 120;
+    r.sampling.temperature = i % 2 ? 0.9f : 0.0f;
+    r.sampling.seed = 77 + uint64_t(i);
+    r.constraint = c;
+    return r;
+  };
+  std::vector<Result> solo;
+  {
+    EngineConfig cfg = nano_engine_config(1, 4.0f);
+    cfg.enable_prefix_cache = false;
+    Engine e(nano().w, nano().cfg, cfg);
+    Sink sink;
+    for (int i = 0; i < n; ++i) {
+      ASSERT_TRUE(e.submit(request(i), sink(i)).accepted());
+      e.wait_idle();
+      solo.push_back(sink.get(i));
+    }
+  }
+  EngineConfig cfg = nano_engine_config(n, 4.0f);
+  cfg.formats.block_size = 16;
+  const cache::CacheLayout l = cache::CacheLayout::from_config(nano().cfg.text, cfg.formats);
+  cfg.memory_budget = l.total_state_bytes(n + cfg.checkpoint_slots) + l.total_page_bytes(22);
+  Engine e(nano().w, nano().cfg, cfg);
+  Sink sink;
+  for (int i = 0; i < n; ++i) ASSERT_TRUE(e.submit(request(i), sink(i)).accepted());
+  e.wait_idle();
+  for (int i = 0; i < n; ++i) {
+    SCOPED_TRACE(i);
+    const Result r = sink.get(i);
+    EXPECT_EQ(r.tokens, solo[size_t(i)].tokens);
+    ASSERT_EQ(r.finish, FinishReason::stop) << r.error;
+    const json doc = json::parse(text_of(r.tokens), nullptr, false);
+    ASSERT_FALSE(doc.is_discarded()) << text_of(r.tokens);
+    EXPECT_EQ(eval::JsonSchema(validator_schema).validate(doc), "");
+  }
+  EXPECT_GT(e.stats().preemptions, 0) << "the page pool was meant to force preemption";
+  EXPECT_GT(e.stats().prefix_hits, 0) << "the shared head was meant to hit the prefix cache";
+}
+
+// ---- ends, dead ends, free text -------------------------------------------------------------------
+
+// A fake model that wants to stop at once: the end token is masked until the document may end, so
+// the output is a whole document, then the end token.
+TEST(EngineStructured, EndTokenOnlyWhereTheDocumentMayEnd) {
+  EngineConfig cfg;
+  cfg.memory_budget = 64 << 20;
+  cfg.make_executor = runtime::fake_executor_factory(nano().cfg.text.vocab_size, {{end_of_msg()}, {}});
+  Engine e(nano().cfg, cfg);
+  Sink sink;
+  const ojson schema = ojson::parse(R"({"type": "object", "properties": {"a": {"type": "boolean"},
+      "b": {"enum": [1, 2]}}, "required": ["a", "b"]})");
+  Request r;
+  r.prompt = prompt_of("x");
+  r.max_tokens = 400;
+  r.constraint = document(schema);
+  ASSERT_TRUE(e.submit(r, sink(0)).accepted());
+  r.ignore_eos = true;  // the grammar's end is the request's end all the same
+  ASSERT_TRUE(e.submit(r, sink(1)).accepted());
+  e.wait_idle();
+  for (int k : {0, 1}) {
+    const Result out = sink.get(k);
+    ASSERT_EQ(out.finish, FinishReason::stop) << out.error;
+    ASSERT_GE(out.tokens.size(), 2u);
+    EXPECT_EQ(out.tokens.back(), end_of_msg());
+    for (size_t i = 0; i + 1 < out.tokens.size(); ++i) EXPECT_NE(out.tokens[i], end_of_msg());
+    const json doc = json::parse(text_of(out.tokens), nullptr, false);
+    ASSERT_FALSE(doc.is_discarded()) << text_of(out.tokens);
+    EXPECT_EQ(eval::JsonSchema(json::parse(schema.dump())).validate(doc), "");
+  }
+}
+
+// Nesting at the matcher's stack limit where only a deeper value could continue: that request ends
+// with an error event (no token), the request beside it finishes normally, the engine stays ready.
+TEST(EngineStructured, DeadEndIsAnErrorForThatRequestOnly) {
+  const int32_t brace = int32_t(*nano().tok->base_id("{"));
+  EngineConfig cfg;
+  cfg.memory_budget = 64 << 20;
+  cfg.make_executor = runtime::fake_executor_factory(nano().cfg.text.vocab_size, {{brace}, {}});
+  Engine e(nano().cfg, cfg);
+  Sink sink;
+  // Every object needs "a", whose value is a string or another such object; 6 frames of nesting.
+  const ojson deep = ojson::parse(R"({"anyOf": [{"type": "string"}, {"type": "object", "properties":
+      {"a": {"$ref": "#"}}, "required": ["a"], "additionalProperties": false}]})");
+  Request r;
+  r.prompt = prompt_of("x");
+  r.max_tokens = 1000;  // greedy over equal logits writes the lowest ids: whitespace runs included
+  r.constraint = document(deep, 6);
+  ASSERT_TRUE(e.submit(r, sink(0)).accepted());
+  r.constraint = document(ojson::parse(R"({"type": "object", "properties": {"b": {"type": "boolean"}}})"));
+  ASSERT_TRUE(e.submit(r, sink(1)).accepted());
+  e.wait_idle();
+  const Result bad = sink.get(0), good = sink.get(1);
+  EXPECT_EQ(bad.finish, FinishReason::error);
+  EXPECT_NE(bad.error.find("allows no token"), std::string::npos) << bad.error;
+  const std::string text = text_of(bad.tokens);
+  EXPECT_GE(std::count(text.begin(), text.end(), '{'), 2) << text;  // each level takes frames of several rules
+  EXPECT_EQ(good.finish, FinishReason::stop) << good.error;
+  EXPECT_TRUE(e.ready());
+}
+
+// The chat grammar with thinking: the think section is free text (no mask). A fake model that wants
+// <|open|> (not allowed in the think section) gets it drawn again under the mask; the tools section
+// can never open without tools; the message still ends with <|end_of_msg|>.
+TEST(EngineStructured, FreeTextIsUnmaskedAndRefusedTokensAreRedrawn) {
+  const int32_t open = special("<|open|>"), close = special("<|close|>");
+  const int32_t word = int32_t(*nano().tok->base_id("a"));
+  EngineConfig cfg;
+  cfg.memory_budget = 64 << 20;
+  // open, a, a, close, then open forever: the grammar needs "think<|sep|><|open|>response<|sep|>..."
+  cfg.make_executor =
+      runtime::fake_executor_factory(nano().cfg.text.vocab_size, {{open, word, word, close, open, open, open}, {}});
+  Engine e(nano().cfg, cfg);
+  Sink sink;
+  structured::GrammarCache cache(nano_vocab(), 16, {}, limits());
+  structured::ChatGrammarSpec spec;  // no tools: the tools section cannot open
+  OutputConstraint c = structured::constraint_of(spec, OutputConstraint::Format::text);
+  c.grammar = structured::compile(cache, c);
+  Request r;
+  r.prompt = prompt_of("Hello");
+  r.max_tokens = 64;
+  r.constraint = c;
+  ASSERT_TRUE(e.submit(r, sink(0)).accepted());
+  e.wait_idle();
+  const Result out = sink.get(0);
+  ASSERT_EQ(out.finish, FinishReason::stop) << out.error;
+  EXPECT_EQ(out.tokens.back(), end_of_msg());
+  EXPECT_NE(out.tokens[0], open) << "<|open|> is refused in the think section";
+  // Parsed as the chat parser would: think, response, no tools.
+  size_t opens = 0;
+  for (int32_t t : out.tokens) opens += t == open;
+  EXPECT_EQ(opens, 1u) << "only <|open|>response";
+  const auto st = e.structured_stats();
+  EXPECT_GT(st.redraws, 0);
+  EXPECT_GT(st.free_samples, 0);
+  EXPECT_GT(st.masked_samples, 0);
+}
+
+// ---- the pieces -----------------------------------------------------------------------------------
+
+TEST(EngineStructured, MaskTwinSyncAndWorker) {
+  // apply_token_mask: −inf exactly where the bit is 0; mask_count counts the first V bits only.
+  std::vector<float> x(70, 1.0f);
+  std::vector<uint32_t> w = {0xFFFFFFFFu, 0x00000001u, 0xFFFFFFFFu};
+  runtime::apply_token_mask(x, w.data());
+  for (size_t v = 0; v < 70; ++v) EXPECT_EQ(std::isinf(x[v]), v >= 33 && v < 64) << v;
+  EXPECT_EQ(runtime::mask_count(w.data(), 70), 32 + 1 + 6);
+  // sync: a matcher follows the output whatever happened to it (replay, rollback, rewrite).
+  const OutputConstraint c = document(ojson::parse(R"({"type": "array", "items": {"type": "integer"}})"));
+  runtime::SeqConstraint sc(c.grammar, {end_of_msg()});
+  const auto ids = prompt_of("[1,2,3]");
+  ASSERT_TRUE(sc.sync(ids));
+  EXPECT_EQ(sc.accepted(), ids.size());
+  std::vector<int32_t> shorter(ids.begin(), ids.begin() + 2);
+  ASSERT_TRUE(sc.sync(shorter));
+  EXPECT_EQ(sc.accepted(), 2u);
+  const auto other = prompt_of("[7]");
+  ASSERT_TRUE(sc.sync(other));
+  EXPECT_TRUE(sc.accept(end_of_msg()));
+  EXPECT_TRUE(sc.terminated());
+  EXPECT_FALSE(sc.sync(prompt_of("[x")));
+  // The worker fills in order; wait(i) gives each job's allowed count.
+  runtime::SeqConstraint a(c.grammar, {end_of_msg()}), b(c.grammar, {end_of_msg()});
+  ASSERT_TRUE(b.sync(prompt_of("[1")));
+  std::vector<uint32_t> ma(nano_vocab()->mask_words()), mb(ma.size()), ref(ma.size());
+  runtime::MaskWorker worker;
+  worker.start({{&a, ma.data()}, {&b, mb.data()}});
+  const int64_t nb = worker.wait(1), na = worker.wait(0);
+  worker.wait_all();
+  EXPECT_EQ(na, a.fill(ref.data()));
+  EXPECT_EQ(ma, ref);
+  EXPECT_EQ(nb, b.fill(ref.data()));
+  EXPECT_EQ(mb, ref);
+  EXPECT_GT(na, 0);
+  worker.start({});
+  worker.wait_all();
+}
+
+// validate(): the constraint's consistency, named by field; the engine checks the grammar's vocabulary.
+TEST(EngineStructured, ValidateChecksTheConstraint) {
+  const RequestLimits lim{nano().cfg.text.vocab_size, 100, {}};
+  auto field = [&](const std::function<void(OutputConstraint&)>& edit) -> std::string {
+    Request r;
+    r.prompt = {1, 2};
+    r.max_tokens = 4;
+    OutputConstraint c = structured::constraint_of({}, OutputConstraint::Format::text);
+    c.grammar = document(ojson::parse("true")).grammar;
+    edit(c);
+    r.constraint = c;
+    try {
+      validate(r, lim);
+    } catch (const RequestError& e) {
+      return e.field;
+    }
+    return "";
+  };
+  using TC = OutputConstraint::ToolChoice;
+  EXPECT_EQ(field([](OutputConstraint&) {}), "");
+  EXPECT_EQ(field([](OutputConstraint& c) { c.grammar = nullptr; }), "response_format");
+  EXPECT_EQ(field([](OutputConstraint& c) { c.format = OutputConstraint::Format::json_schema; }), "response_format");
+  EXPECT_EQ(field([](OutputConstraint& c) { c.tools = {{"f", ""}, {"f", ""}}; }), "tools");
+  EXPECT_EQ(field([](OutputConstraint& c) { c.tools = {{"", ""}}; }), "tools");
+  EXPECT_EQ(field([](OutputConstraint& c) { c.tool_choice = TC::required; }), "tool_choice");
+  EXPECT_EQ(field([](OutputConstraint& c) { c.tools = {{"f", ""}}, c.tool_choice = TC::named, c.named_tool = "g"; }),
+            "tool_choice");
+  EXPECT_EQ(field([](OutputConstraint& c) { c.tools = {{"f", ""}}, c.tool_choice = TC::named, c.named_tool = "f"; }),
+            "");
+  EXPECT_EQ(field([](OutputConstraint& c) { c.chat = false; }), "response_format");
+  // A grammar compiled over another vocabulary size: refused at submit.
+  EngineConfig cfg;
+  cfg.memory_budget = 64 << 20;
+  cfg.make_executor = runtime::fake_executor_factory(nano().cfg.text.vocab_size, {});
+  Engine e(nano().cfg, cfg);
+  Request r;
+  r.prompt = {1, 2};
+  r.constraint = structured::document_constraint(OutputConstraint::Format::json_object, {});
+  r.constraint->grammar = structured::compile_json_schema(
+      std::make_shared<const structured::TokenVocab>(*nano().tok, size_t(nano().cfg.text.vocab_size) + 32),
+      ojson{{"type", "object"}});
+  try {
+    e.submit(r, [](TokenEvent&&) {});
+    ADD_FAILURE() << "accepted";
+  } catch (const RequestError& err) {
+    EXPECT_EQ(err.field, "response_format");
+  }
+}
+
+}  // namespace
+}  // namespace kestrel
