@@ -131,10 +131,11 @@ Dev4 upload_inputs(const ScanInputs& in) {
 }
 
 // kda_chunked with an explicit workspace, poisoned with NaN bytes so that a read of anything the
-// intra-chunk launch did not write shows up in the outputs.
+// intra-chunk launch did not write shows up in the outputs; by default the engine's variant, which the
+// overloads without a variant run.
 template <typename StateT>
 void run_chunked(const Dev4& d, const ScanInputs& in, const Shape& s, StateT* pool, float* o, int64_t T_arg,
-                 const cuda::KdaChunkedVariant& var = {}) {
+                 const cuda::KdaChunkedVariant& var = cuda::kda_chunked_default_variant()) {
   const size_t ws_bytes = cuda::kda_chunked_workspace_bytes(T_arg, in.B, s.H, s.Dk);
   auto ws = poisoned<uint8_t>(ws_bytes);
   cuda::kda_chunked(d.q.p(), d.k.p(), d.v.p(), d.g.p(), s.H * s.Dk, d.beta.p(), s.H, d.cu.p(), d.slots.p(), pool, o,
