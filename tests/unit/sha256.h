@@ -1,5 +1,5 @@
-// SHA-256 (FIPS 180-4) for tests that must refuse golden data made from other weights (test_dspark.cpp).
-// The same algorithm as test_golden_nano.cpp's copy, whose known-answer test covers it.
+// SHA-256 (FIPS 180-4) for tests that must refuse golden data made from other weights (test_golden_nano.cpp,
+// test_dspark.cpp); GoldenSha256.KnownAnswers in test_golden_nano.cpp checks it against FIPS vectors.
 #pragma once
 
 #include <array>
