@@ -2,7 +2,7 @@
 # The whole test suite, from a clean clone: install, build (CUDA included when nvcc exists), run the
 # unit/model tests and the Python end-to-end tests, then rebuild with ASan/UBSan and run the unit
 # tests (g++) and every libFuzzer target for a bounded time (clang). CI runs exactly this (.ci/run).
-#   KESTREL_FUZZ_SECONDS  seconds per fuzz target (default 30)
+#   KESTREL_FUZZ_SECONDS  seconds per fuzz target (default 15)
 #   KESTREL_SKIP_ASAN=1   skip the sanitizer pass (local iteration only)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +36,7 @@ if [ "${KESTREL_SKIP_ASAN:-0}" != 1 ]; then
 
   echo "== libFuzzer targets (clang, ASan+UBSan) =="
   CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKESTREL_SANITIZE=ON \
-    -DKESTREL_FUZZ=ON -DKESTREL_TESTS=OFF -DKESTREL_CUDA=OFF -DKESTREL_FUZZ_SECONDS="${KESTREL_FUZZ_SECONDS:-30}" \
+    -DKESTREL_FUZZ=ON -DKESTREL_TESTS=OFF -DKESTREL_CUDA=OFF -DKESTREL_FUZZ_SECONDS="${KESTREL_FUZZ_SECONDS:-15}" \
     -DPython3_EXECUTABLE="$PWD/.venv/bin/python" >/dev/null
   ninja -C build-fuzz $(cd tests/fuzz && ls fuzz_*.cpp | sed 's/\.cpp$//')
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \

@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "build" / "test-artifacts"
 
 pytestmark = pytest.mark.skipif(chromium_path() is None and os.environ.get("KESTREL_REQUIRE_CHROMIUM") != "1",
-                                reason="chromium is not installed (scripts/install-deps.sh installs it)")
+                                reason="chromium is not installed (KESTREL_INSTALL_CHROMIUM=1 scripts/install-deps.sh installs it)")
 
 
 @pytest.fixture(scope="module")
