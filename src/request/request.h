@@ -68,6 +68,20 @@ struct MediaSpan {
   uint64_t content_hash = 0;
 };
 
+// One image of a request, preprocessed (MODEL.md §6 "Preprocess"): resized and padded to an even grid of
+// 14-px patches, scaled to [-1, 1], cut into patches. The front end (decode + preprocess) fills it; the engine
+// runs the vision tower over it at prefill and writes its (grid_h/2)·(grid_w/2) output rows, in order, into
+// the prompt's <|media_pad|> positions of the matching MediaSpan (image i ↔ media[i]).
+struct ImageInput {
+  int32_t grid_h = 0;          // patches along the height, even
+  int32_t grid_w = 0;          // patches along the width, even
+  // f32 [grid_h·grid_w, 3·14·14]: patches row-major over the grid; inside a patch (channel, y, x), the
+  // layout of the patch-embedding Conv2d weight [vt_hidden, 3, 14, 14].
+  std::vector<float> patches;
+  uint64_t content_hash = 0;   // of the encoded image bytes (the MediaSpan's hash)
+  int64_t num_tokens() const { return int64_t(grid_h / 2) * (grid_w / 2); }
+};
+
 // Structured output (docs/structured-outputs.md): what the generated tokens must spell. The front end
 // states it from the API request (`response_format`, `tools`, `tool_choice`, the thinking switch) and
 // compiles it once (structured::GrammarCache, off its I/O threads); the engine runs one Matcher per
@@ -103,6 +117,8 @@ struct Request {
   std::vector<std::string> stop;           // stop strings (at most 16, non-empty): the text stream's
   bool ignore_eos = false;                 // no token id ends the request (see the header)
   std::vector<MediaSpan> media;            // image placeholders in the prompt
+  // The images behind `media`, same count and order (empty for a text-only request).
+  std::vector<std::shared_ptr<const ImageInput>> images;
   std::optional<OutputConstraint> constraint;  // structured output (above); none: unconstrained
   // Debug hook (`generate --dump-logits`): every position's logits once, in position order (prompt
   // positions, then each generated token fed back), on the engine thread. Costs a full lm_head per
