@@ -24,7 +24,9 @@
 #                            # writes $OUT/perf.json (copy it to bench/gpu/perf.json) and a markdown table
 #   bench/gpu/run.sh structured
 #                            # there: nano checkpoint, the GPU structured-output tests (GpuStructured.*), then
-#                            # bench_structured_engine on models/k3-tiny --device cuda at batch 1 and 64
+#                            # bench_structured_engine on models/k3-tiny --device cuda at batch 1 and 64, and with
+#                            # K3TINY_REQUESTS=N (kestrel_unit_tests packed: PACK_EXTRA) N strict-schema requests
+#                            # of K3TinyStructured.* on the GPU engine
 #   bench/gpu/run.sh decode  # there: the fused decode path's tests and bench_ops --perf per variant (see below)
 #   bench/gpu/run.sh kda     # there: KDA (issue #15 point 4): the KDA GPU tests over every kernel variant,
 #                            # bench_kda --perf (scoreboard lines + one PERF line per variant), FLA's kda_peer
@@ -80,6 +82,11 @@ case "${1:-}" in
     done
     for b in build/bench/bench_moe build/bench/bench_mla build/bench/bench_kda build/bench/bench_indexer build/bench/bench_structured_engine; do  # per-kernel benchmarks, when built
       [ -x "$b" ] && ! skip "$b" && objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
+    done
+    # PACK_EXTRA="kestrel_unit_tests": the CPU unit-test binary too (structured mode's k3-tiny run on the GPU engine).
+    for n in ${PACK_EXTRA:-}; do
+      b="$(find build -name "$n" -type f -perm -u+x | head -1)"
+      [ -n "$b" ] && objcopy --strip-debug "$b" ".gpu-carry/pkg/$n"
     done
     git rev-parse --short HEAD > .gpu-carry/pkg/COMMIT
     for l in libfmt.so.9 libopenblas.so.0 libgomp.so.1 libgfortran.so.5 libquadmath.so.0 libicuuc.so.72 libicudata.so.72; do
@@ -152,8 +159,13 @@ case "${1:-}" in
       d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
       export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
     fi
-    .gpu-carry/bench_structured_engine --model models/k3-tiny --device cuda --batch 1,64 --tokens 64 2>&1 \
+    .gpu-carry/bench_structured_engine --model models/k3-tiny --device cuda --batch 1,64 --tokens 64 --reps 4 2>&1 \
       | tee "$out/structured_engine_cuda.md"
+    # Issue #20 point 5: K3TINY_REQUESTS strict-schema requests (half as many tool calls) on the GPU engine.
+    if [ -x .gpu-carry/kestrel_unit_tests ] && [ -n "${K3TINY_REQUESTS:-}" ]; then
+      KESTREL_K3TINY_DEVICE=cuda KESTREL_K3TINY_REQUESTS="$K3TINY_REQUESTS" .gpu-carry/kestrel_unit_tests \
+        --gtest_filter='K3TinyStructured.*' 2>&1 | tee "$out/k3tiny_structured_cuda.log" | tail -20
+    fi
     ;;
   decode)
     # The fused decode path (issue #14 points 2–3) in one call: nano + reduced-mini checkpoints; the decode-path
