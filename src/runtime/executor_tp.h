@@ -13,11 +13,13 @@
 // run the same collectives. Scheduling, prefix caching and preemption are the engine's and unchanged:
 // page and slot ids mean the same on every rank.
 //
-// Memory: the engine's memory plan counts the caches as one rank's (TP1) bytes, which is what the N
-// ranks hold together for the KDA state; the MLA pages are held N times (whole per rank).
+// Memory: the engine's memory plan counts one rank's caches (sched/memory_plan.h with EngineConfig::tp_size
+// and dcp_size: KDA state for H/N heads per slot, MLA pages whole per rank or P/DCP rows under DCP), out of
+// a per-rank budget; each rank's CacheStore allocates exactly that (cache::CacheLayout::for_rank).
 #pragma once
 
 #include <memory>
+#include <unordered_set>
 #include <vector>
 
 #include "core/cache_format.h"

@@ -215,6 +215,8 @@ runtime::EngineConfig with_tp(runtime::EngineConfig cfg, int tp, int dcp = 1) {
     p.dcp = dcp;
     const testing::NanoCheckpoint& n = testing::nano_checkpoint();
     cfg.make_executor = runtime::tp_executor_factory(n.cfg, *n.ckpt, p);
+    cfg.tp_size = tp;  // the memory plan counts one rank's caches
+    cfg.dcp_size = dcp;
   }
   return cfg;
 }
@@ -260,9 +262,12 @@ TEST_P(TensorParallelServing, MixedBatchWithPreemptionGivesSoloTokens) {
   cfg.max_running = 3;
   cfg.checkpoint_slots = 2;
   cfg.max_num_batched_tokens = 24;
-  const cache::CacheLayout l = cache::CacheLayout::from_config(n.cfg.text, cfg.formats);
+  // One rank's bytes (KDA heads / 2; pages of 16/DCP rows): the plan must come out at exactly 14 pages.
+  const cache::CacheLayout l = cache::CacheLayout::for_rank(n.cfg.text, cfg.formats, 2, dcp);
   cfg.memory_budget = l.total_state_bytes(5) + l.total_page_bytes(14);
   runtime::Engine e(n.w, n.cfg, with_tp(cfg, 2, dcp));
+  ASSERT_EQ(e.memory_plan().num_pages, 14);
+  ASSERT_EQ(e.memory_plan().num_state_slots, 5);
   Collector col;
   for (int i : {0, 1, 2}) e.submit(make_request(prompts[size_t(i)], max_tokens[i], i % 2 == 1, i), col.callback(i));
   col.wait_tokens(0, 2);
