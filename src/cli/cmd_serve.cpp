@@ -78,6 +78,7 @@ void serve(Opts& o) {
     eo.fake_load_delay = std::chrono::milliseconds(o.fake_load_ms);
     if (!eo.memory_budget && eo.gpu_memory_utilization == 0.0) eo.memory_budget = int64_t(64) << 30;
   }
+  if (runtime::run_mpi_rank(eo)) return;  // under mpirun: ranks > 0 executed rank 0's steps (executor_mpi.h)
   runtime::EngineHost engine(eo);
 
   server::ServerOptions so;
