@@ -22,6 +22,8 @@
 #   bench/gpu/run.sh perf    # there: the scoreboard in one run (≤ 8 min): ceilings, kernels, the reduced-mini
 #                            # decode step and prefill, `kestrel serve` + `kestrel bench` at c=1/64, the peers;
 #                            # writes $OUT/perf.json (copy it to bench/gpu/perf.json) and a markdown table
+#   bench/gpu/run.sh tp      # there: nano + nano_tp_gpu checkpoints, the GPU tensor-parallel tests (GpuTp.*: the
+#                            # same-device communicator, the engine as TP2/TP4 on one GPU against TP1)
 #   bench/gpu/run.sh structured
 #                            # there: nano checkpoint, the GPU structured-output tests (GpuStructured.*), then
 #                            # bench_structured_engine on models/k3-tiny --device cuda at batch 1 and 64, and with
@@ -144,6 +146,20 @@ case "${1:-}" in
     "$self" test --gtest_filter='GpuServingOps.*:GpuSampling.*:GpuEngine.*:GpuGraphs.*:GpuModel.*' 2>&1 \
       | tee "$out/gpu_serving_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -80 || true
     "$self" bench --model "$ck/mini" --only model 2>&1 | tee "$out/decode_step.md"
+    ;;
+  tp)
+    # Tensor parallelism on the GPU engine (issue #16): nano and nano_tp_gpu (nano with 4 indexer heads and
+    # I = 256, so TP4 leaves 64 expert columns per rank) checkpoints, then GpuTp.* — the same-device
+    # communicator against the CPU twin's collectives, and the engine as TP2/TP4 on this one GPU against TP1.
+    out="${OUT:-/tmp}"
+    ck=/tmp/kestrel_ckpt
+    mkdir -p "$ck"
+    [ -f "$ck/nano/config.json" ] || python3 reference/make_checkpoint.py --config nano --out "$ck/nano" --seed 1 --no-vision >/dev/null &
+    [ -f "$ck/nano_tp_gpu/config.json" ] || python3 reference/make_checkpoint.py --config nano --out "$ck/nano_tp_gpu" \
+      --seed 2 --no-vision --override index_n_heads=4 --override moe_intermediate_size=256 >/dev/null &
+    wait
+    export KESTREL_GPU_CKPTS="$ck/nano:$ck/nano_tp_gpu"
+    "$self" test --gtest_filter="${TP_TESTS:-GpuTp.*}" 2>&1 | tee "$out/gpu_tp_tests.log" | tail -60 || true
     ;;
   structured)
     # Structured outputs (issue #20): the GPU tests (token-mask kernel vs its twin, masked sampling, constrained
