@@ -20,8 +20,10 @@
 //    page/slot/prefix-cache accounting checked after the drain ("ok"), else "-"; and, where the server
 //    reports it (kestrel on glibc), heap_bytes: what its C allocator has handed out and not had back.
 //    RSS moves in pages and a small leak hides in the allocator's free space for a long time; the heap
-//    counts bytes, so its growth per request served after the baseline round bounds a leak to a few
-//    bytes per request (max_heap_bytes_per_request).
+//    counts bytes, so its growth per request served after the baseline round bounds a leak to tens of
+//    bytes per request (max_heap_bytes_per_request). Start the server with
+//    GLIBC_TUNABLES=glibc.malloc.tcache_count=0 for that: chunks in glibc's per-thread caches count as
+//    in use and move the figure by tens of KB.
 // Every round uses new random prompts (seed + round), so a prefix cache keeps meeting new text; with
 // shared_prefix_len > 0 each prompt starts with one of shared_prefix_groups fixed prefixes, so the
 // prefix cache's sharing, checkpoints and (with a small memory budget) preemption are exercised too.
