@@ -60,9 +60,10 @@ set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # "$0" again after the cd below
 cd "$(dirname "$0")/../.."
 
-# Unpacks .gpu-carry/pkg.tar.xz (binaries and lib/) into .gpu-carry/ once; puts lib/ on the loader path.
+# Unpacks .gpu-carry/pkg.tar.xz (binaries and lib/) into .gpu-carry/ once (COMMIT marks it done, whichever
+# binaries were packed); puts lib/ on the loader path.
 unpack() {
-  [ -x .gpu-carry/kestrel ] || python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' \
+  [ -f .gpu-carry/COMMIT ] || python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' \
     .gpu-carry/pkg.tar.xz .gpu-carry
   if [ -d .gpu-carry/pkg ]; then mv .gpu-carry/pkg/* .gpu-carry/ && rmdir .gpu-carry/pkg; fi
   export LD_LIBRARY_PATH="$PWD/.gpu-carry/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
