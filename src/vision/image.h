@@ -14,9 +14,10 @@
 // filter widens by the downscale factor, so it averages when shrinking) rounded to 8 bits per pass as
 // PIL does; padded right and bottom with black up to multiples of 28 (merge 2 × patch 14); scaled to
 // [−1, 1] (mean = std = 0.5); cut into 14 × 14 patches, row-major over the grid, (c, y, x) inside a
-// patch. Alpha is composited onto white first. The patch count after padding may exceed in_patch_limit
-// by the padding (the reference's rule limits the unpadded floor counts); each side is at most
-// patch_limit_on_one_side patches.
+// patch. Alpha is composited onto white first. The rule bounds the area, W'·H' <= W·H·in_patch_limit /
+// (⌊W/14⌋·⌊H/14⌋), not the patch count: the floors and the padding let it pass in_patch_limit a little
+// (1800 x 1800 is 130 x 130 patches), as in the reference; each side is at most patch_limit_on_one_side
+// patches.
 #pragma once
 
 #include <cstdint>

@@ -19,6 +19,9 @@
 #include <jpeglib.h>
 
 #include "core/check.h"
+#include "server/media.h"
+#include "server/openai.h"
+#include "tokenizer/chat.h"
 #include "vision/image.h"
 
 namespace kestrel::vision {
@@ -244,7 +247,7 @@ TEST(Image, ResizeGeometry) {
   EXPECT_EQ(s.resized_w, 896);
   EXPECT_EQ(s.grid_w, 64);
   // Invariants over many sizes: never enlarged, aspect kept to rounding, even grids within the side
-  // limit, unpadded floor patches within in_patch_limit.
+  // limit, the area within the rule's bound.
   std::mt19937 g(3);
   for (int i = 0; i < 2000; ++i) {
     const int w = 1 + int(g() % 12000), h = 1 + int(g() % 12000);
@@ -257,9 +260,13 @@ TEST(Image, ResizeGeometry) {
     EXPECT_LE(p.grid_h, 512);
     EXPECT_GE(p.grid_w * 14, p.resized_w);
     EXPECT_LT(p.grid_w * 14 - p.resized_w, 28);
-    EXPECT_LE(int64_t(p.resized_w / 14) * (p.resized_h / 14), cfg.in_patch_limit) << w << "x" << h;
-    if (p.resized_w > 1 && p.resized_h > 1)  // both sides scaled by one factor (truncation: < 1 px each)
+    // The rule's bound (not "patches <= in_patch_limit": the floors in the scale and the padding let the
+    // patch count pass it a little, as in the reference): W'·H' <= W·H · in_patch_limit / (⌊W/14⌋·⌊H/14⌋).
+    const double floors = std::max(1.0, double(w / 14)) * std::max(1.0, double(h / 14));
+    EXPECT_LE(double(p.resized_w) * p.resized_h, double(w) * h * double(cfg.in_patch_limit) / floors * (1 + 1e-12)) << w << "x" << h;
+    if (p.resized_w > 1 && p.resized_h > 1) {  // both sides scaled by one factor (truncation: < 1 px each)
       EXPECT_NEAR(double(p.resized_w) / w, double(p.resized_h) / h, 1.0 / p.resized_w + 1.0 / p.resized_h) << w << "x" << h;
+    }
   }
 }
 
@@ -360,5 +367,136 @@ TEST(Image, PreprocessorConfigFile) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(Image, PlaceImagesOnPadPositions) {
+  auto image = [](int gh, int gw, uint64_t hash) {
+    auto im = std::make_shared<ImageInput>();
+    im->grid_h = gh, im->grid_w = gw, im->content_hash = hash;
+    return std::shared_ptr<const ImageInput>(im);
+  };
+  const int32_t P = 99;
+  const std::vector<int32_t> prompt = {1, P, P, 2, P, P, P, P, 3};
+  const auto m = place_images(prompt, P, {image(2, 4, 11), image(4, 4, 22)});  // 2 tokens, then 4
+  ASSERT_EQ(m.size(), 2u);
+  EXPECT_EQ(m[0].start, 1);
+  EXPECT_EQ(m[0].end, 3);
+  EXPECT_EQ(m[0].content_hash, 11u);
+  EXPECT_EQ(m[1].start, 4);
+  EXPECT_EQ(m[1].end, 8);
+  EXPECT_EQ(m[1].content_hash, 22u);
+  EXPECT_THROW(place_images(prompt, P, {image(2, 4, 11)}), Error);                   // 6 pads, 2 needed
+  EXPECT_THROW(place_images(prompt, P, {image(4, 4, 1), image(2, 4, 2)}), Error);    // 4 then 2: not consecutive
+  EXPECT_TRUE(place_images(std::vector<int32_t>{1, 2}, P, {}).empty());
+}
+
 }  // namespace
 }  // namespace kestrel::vision
+
+namespace kestrel::server {
+namespace {
+
+std::string png_url(int w, int h, uint32_t seed) {
+  const std::vector<uint8_t> b = vision::encode_png(w, h, vision::noise(size_t(w) * h * 3, seed), 3);
+  static const char* A = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string s = "data:image/png;base64,";
+  for (size_t i = 0; i < b.size(); i += 3) {
+    const uint32_t v = uint32_t(b[i]) << 16 | (i + 1 < b.size() ? uint32_t(b[i + 1]) << 8 : 0) | (i + 2 < b.size() ? b[i + 2] : 0);
+    s += A[v >> 18], s += A[(v >> 12) & 63];
+    s += i + 1 < b.size() ? A[(v >> 6) & 63] : '=';
+    s += i + 2 < b.size() ? A[v & 63] : '=';
+  }
+  return s;
+}
+
+TEST(Media, Base64) {
+  auto str = [](std::string_view s) { auto v = base64_decode(s); return std::string(v.begin(), v.end()); };
+  EXPECT_EQ(str(""), "");
+  EXPECT_EQ(str("Zg=="), "f");
+  EXPECT_EQ(str("Zm8="), "fo");
+  EXPECT_EQ(str("Zm9v"), "foo");
+  EXPECT_EQ(str("Zm9v\nYmFy"), "foobar");
+  EXPECT_EQ(str("Zm8"), "fo");  // padding optional
+  for (const char* bad : {"Z", "Zh==", "Zm9v!", "Zg==Zg", "Zm9v-_"}) EXPECT_THROW(base64_decode(bad), Error) << bad;
+}
+
+TEST(Media, LimitMmPerPrompt) {
+  EXPECT_EQ(parse_limit_mm_per_prompt(R"({"image": 4})"), 4);
+  EXPECT_EQ(parse_limit_mm_per_prompt(R"({"image": 2, "video": 0})"), 2);
+  EXPECT_EQ(parse_limit_mm_per_prompt("image=3"), 3);
+  EXPECT_EQ(parse_limit_mm_per_prompt(R"({"image": 0})"), 0);
+  for (const char* bad : {R"({"video": 1})", R"({"image": -1})", R"({"image": "2"})", "[1]", "image=x", "image=", "3"})
+    EXPECT_THROW(parse_limit_mm_per_prompt(bad), Error) << bad;
+}
+
+const tok::Tokenizer& golden() {
+  static const tok::Tokenizer t = tok::Tokenizer::load(std::string(KESTREL_SOURCE_DIR) + "/tests/data/tok_golden");
+  return t;
+}
+
+ojson chat_with(const std::vector<std::string>& urls) {
+  ojson parts = ojson::array({{{"type", "text"}, {"text", "look"}}});
+  for (const auto& u : urls) parts.push_back({{"type", "image_url"}, {"image_url", {{"url", u}}}});
+  return {{"messages", ojson::array({{{"role", "user"}, {"content", parts}}})}};
+}
+
+int status_of(const MediaOptions& o, const ojson& req, std::string* msg = nullptr) {
+  RequestImages im(o);
+  try {
+    tok::ChatEncoder(golden()).encode_request(req, im.resolver());
+  } catch (const ApiError& e) {
+    if (msg) *msg = e.what();
+    return e.status;
+  }
+  return 200;
+}
+
+TEST(Media, RequestImagesFillMediaAndImages) {
+  MediaOptions o;
+  o.vision = true;
+  const std::string a = png_url(100, 50, 1), b = png_url(28, 28, 2);
+  RequestImages im(o);
+  const tok::ChatPrompt cp = tok::ChatEncoder(golden()).encode_request(chat_with({a, b, a}), im.resolver());
+  Request r;
+  r.prompt.assign(cp.ids.begin(), cp.ids.end());
+  im.attach(cp, r);
+  ASSERT_EQ(r.media.size(), 3u);
+  ASSERT_EQ(r.images.size(), 3u);
+  const int32_t pad = int32_t(golden().require_special("<|media_pad|>"));
+  const int64_t want[3] = {8, 1, 8};  // 100 x 50 -> 4 x 2 merged tokens; 28 x 28 -> 1
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(r.media[i].end - r.media[i].start, want[i]);
+    EXPECT_EQ(r.images[i]->num_tokens(), want[i]);
+    EXPECT_EQ(r.media[i].content_hash, r.images[i]->content_hash);
+    for (int64_t p = r.media[i].start; p < r.media[i].end; ++p) EXPECT_EQ(r.prompt[size_t(p)], pad);
+  }
+  EXPECT_EQ(r.media[0].content_hash, r.media[2].content_hash);  // the same bytes
+  EXPECT_NE(r.media[0].content_hash, r.media[1].content_hash);
+  EXPECT_NE(cp.text.find("image 100x50<|media_content|>"), std::string::npos);
+  EXPECT_NO_THROW(validate(r, {int64_t(golden().vocab_size()), 4096, ""}));
+}
+
+TEST(Media, Refusals) {
+  MediaOptions o;
+  std::string msg;
+  EXPECT_EQ(status_of(o, chat_with({png_url(28, 28, 1)}), &msg), 400);
+  EXPECT_NE(msg.find("no vision tower"), std::string::npos) << msg;
+  o.vision = true;
+  o.max_images = 1;
+  EXPECT_EQ(status_of(o, chat_with({png_url(28, 28, 1)})), 200);
+  EXPECT_EQ(status_of(o, chat_with({png_url(28, 28, 1), png_url(28, 28, 1)}), &msg), 400);
+  EXPECT_NE(msg.find("more than 1 images"), std::string::npos) << msg;
+  o.max_images = 4;
+  o.decode.max_pixels = 100;
+  EXPECT_EQ(status_of(o, chat_with({png_url(11, 10, 1)}), &msg), 400);
+  EXPECT_NE(msg.find("exceeds the limit of 100 pixels"), std::string::npos) << msg;
+  o.decode.max_pixels = 1 << 20;
+  for (const char* url : {"http://x/a.png", "https://x/a.png", "ftp://x", "/etc/passwd", "file:///etc/passwd",
+                          "data:image/png,abc", "data:image/png;base64,@@@", "data:image/png;base64"}) {
+    EXPECT_EQ(status_of(o, chat_with({url}), &msg), 400) << url;
+  }
+  o.max_image_bytes = 50;
+  EXPECT_EQ(status_of(o, chat_with({png_url(28, 28, 1)}), &msg), 400);
+  EXPECT_NE(msg.find("exceed 50 bytes"), std::string::npos) << msg;
+}
+
+}  // namespace
+}  // namespace kestrel::server
