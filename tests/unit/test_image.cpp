@@ -471,7 +471,23 @@ TEST(Media, RequestImagesFillMediaAndImages) {
   EXPECT_EQ(r.media[0].content_hash, r.media[2].content_hash);  // the same bytes
   EXPECT_NE(r.media[0].content_hash, r.media[1].content_hash);
   EXPECT_NE(cp.text.find("image 100x50<|media_content|>"), std::string::npos);
-  EXPECT_NO_THROW(validate(r, {int64_t(golden().vocab_size()), 4096, ""}));
+  const RequestLimits lim{int64_t(golden().vocab_size()), 4096, ""};
+  EXPECT_NO_THROW(validate(r, lim));
+  // validate() holds images to their spans: one per span, each with the span's token count.
+  auto field = [&](Request x) {
+    try {
+      validate(x, lim);
+    } catch (const RequestError& e) {
+      return e.field;
+    }
+    return std::string();
+  };
+  Request fewer = r;
+  fewer.images.pop_back();
+  EXPECT_EQ(field(fewer), "images");
+  Request swapped = r;
+  std::swap(swapped.images[0], swapped.images[1]);  // 8 tokens into a 1-token span
+  EXPECT_EQ(field(swapped), "images");
 }
 
 TEST(Media, Refusals) {
