@@ -4,7 +4,8 @@
 # packages that are missing. The CUDA toolkit is optional: CUDA sources build whenever nvcc exists.
 # OpenMPI runs the multi-process CPU twin and launches multi-GPU ranks (docs/parallel.md). NCCL is
 # optional: its header comes with the CUDA toolkit when the toolkit carries it (CUDA 13.0 here does),
-# and libnccl.so.2 is loaded at run time only by multi-GPU runs.
+# and libnccl.so.2 is loaded at run time only by multi-GPU runs. Image input decodes with libpng,
+# libjpeg-turbo and libwebp and hashes with xxHash (src/vision/image.h).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,6 +13,7 @@ pkgs=(build-essential cmake ninja-build pkg-config clang libclang-rt-14-dev
       nlohmann-json3-dev libcli11-dev libfmt-dev libgtest-dev libgmock-dev
       libicu-dev libopenblas-dev libboost-dev json-schema-test-suite
       libopenmpi-dev openmpi-bin
+      libpng-dev libjpeg62-turbo-dev libwebp-dev libxxhash-dev
       python3 python3-venv python3-pip chromium)
 # chromium: the chat page's browser test (tests/py/test_chat_page.py, headless). Like every package here it is
 # installed only when missing, so it costs CI nothing where the image already has it.

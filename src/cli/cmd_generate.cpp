@@ -4,7 +4,7 @@
 //
 //   kestrel generate (--prompt-tokens 1,2,3 | --prompt TEXT | --prompts-file FILE) --max-tokens N
 //                    [sampling flags] [--stop S] [--stop-token-id ID] [--ignore-eos] [--logprobs N]
-//                    [--dump-logits FILE] [engine flags: cli/engine_flags.h]
+//                    [--dump-logits FILE] [--image FILE ...] [engine flags: cli/engine_flags.h]
 //
 // The engine comes from the engine layer (runtime/engine_host.h) with the flags `serve` takes;
 // output text goes through the server's text stream (tokenizer/text_stream.h), so detokenisation,
@@ -24,6 +24,10 @@
 // (positions, vocab), } padded with spaces and a final '\n' so the data starts at a multiple of 64
 // bytes, then the row-major little-endian float32 logits.
 // Text prompts are encoded as plain text: special-token text in them stays ordinary text.
+// --image FILE (repeatable, with --prompt-tokens): each image is decoded and preprocessed as the
+// server does it and fills the next run of the prompt's <|media_pad|> ids (its grid's token count of
+// them, consecutive); counts that do not match are an error naming them. --dump-logits covers such
+// prompts like any other.
 #include <fmt/format.h>
 
 #include <bit>
@@ -31,6 +35,7 @@
 #include <condition_variable>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -43,9 +48,11 @@
 #include "cli/commands.h"
 #include "cli/engine_flags.h"
 #include "core/check.h"
+#include "loader/config.h"
 #include "runtime/engine_host.h"
 #include "tokenizer/text_stream.h"
 #include "tokenizer/tokenizer.h"
+#include "vision/image.h"
 
 namespace kestrel::cli {
 namespace {
@@ -96,7 +103,45 @@ struct Opts {
   std::vector<std::string> stop;
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false, quiet = false;
+  std::vector<std::string> images;  // --image FILE (repeatable)
+  int64_t max_image_pixels = 50'000'000;
 };
+
+// --image files, decoded and preprocessed as the server does (vision/image.h), placed at the prompt's
+// <|media_pad|> positions in order. The pad id: the tokenizer's <|media_pad|>, else config.json's
+// media_placeholder_token_id (MODEL.md §6).
+struct Images {
+  std::vector<std::shared_ptr<const ImageInput>> inputs;
+  std::vector<MediaSpan> media;
+};
+Images load_images(const Opts& o, const tok::Tokenizer* tk, std::span<const int32_t> prompt) {
+  const ModelConfig cfg = load_config(o.engine.model);
+  if (!cfg.vision.present)
+    fail("--image: the checkpoint has no vision tower (its config.json has no vision_config)");
+  int32_t pad = cfg.media_placeholder_token_id;
+  if (tk)
+    if (auto id = tk->special_id("<|media_pad|>")) pad = int32_t(*id);
+  if (pad < 0) fail("--image: no <|media_pad|> id (neither the tokenizer nor config.json's media_placeholder_token_id)");
+  const vision::PreprocessConfig pc = vision::load_preprocess_config(o.engine.model);
+  Images out;
+  for (const std::string& path : o.images) {
+    std::ifstream f(path, std::ios::binary);
+    if (!f) fail("--image {}: cannot open", path);
+    const std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    try {
+      const vision::LoadedImage li = vision::load_image(bytes, {o.max_image_pixels}, pc);
+      fmt::print("image {}: {} {}x{} -> grid {}x{} patches, {} tokens\n", out.inputs.size(), path, li.width, li.height,
+                 li.input->grid_h, li.input->grid_w, li.input->num_tokens());
+      out.inputs.push_back(li.input);
+    } catch (const Error& e) {
+      fail("--image {}: {}", path, e.what());
+    }
+  }
+  out.media = vision::place_images(prompt, pad, out.inputs);
+  for (size_t i = 0; i < out.media.size(); ++i)
+    fmt::print("image {}: prompt positions [{}, {})\n", i, out.media[i].start, out.media[i].end);
+  return out;
+}
 
 struct Prompt {
   std::vector<int32_t> ids;
@@ -196,6 +241,11 @@ void generate(const Opts& o) {
   const std::vector<Prompt> prompts = read_prompts(o, tk);
   const bool dump = !o.dump_logits.empty();
   if (dump && prompts.size() != 1) fail("--dump-logits works with a single prompt only");
+  Images images;
+  if (!o.images.empty()) {
+    if (o.prompt_tokens.empty()) fail("--image needs --prompt-tokens (whose <|media_pad|> positions receive the images)");
+    images = load_images(o, tk, prompts[0].ids);
+  }
 
   runtime::EngineOptions eo = o.engine.options(int(std::min<size_t>(prompts.size(), 16)));
   eo.tokenizer = tk;
@@ -222,6 +272,8 @@ void generate(const Opts& o) {
     r.stop = o.stop;
     r.stop_token_ids = o.stop_token_ids;
     r.ignore_eos = o.ignore_eos;
+    r.media = images.media;
+    r.images = images.inputs;
     if (dump)
       r.on_logits = [run](int64_t, std::span<const float> row) { run->dumped.insert(run->dumped.end(), row.begin(), row.end()); };
     validate(r, engine.limits());
@@ -312,6 +364,11 @@ void register_generate(CLI::App& app) {
   cmd->add_option("--logprobs", o->logprobs, "print the sampled token's logprob and the N (<= 20) most likely");
   cmd->add_option("--dump-logits", o->dump_logits, "write f32 logits [positions, vocab] as .npy (single prompt)");
   cmd->add_flag("--quiet", o->quiet, "print only the summary for several prompts");
+  cmd->add_option("--image", o->images,
+                  "image file (PNG, JPEG, WebP; repeatable): with --prompt-tokens, the <|media_pad|> positions "
+                  "receive the images in order")->check(CLI::ExistingFile);
+  cmd->add_option("--max-image-pixels", o->max_image_pixels, "width x height of one --image (refused beyond)")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 32));
   cmd->callback([o] {
     o->engine.resolve_model();
     generate(*o);

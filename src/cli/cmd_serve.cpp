@@ -2,6 +2,8 @@
 //
 //   kestrel serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key K] [--served-model-name NAME]
 //                 [--max-queue N] [--log-level info] [--disable-access-log] [--allowed-origins O ...]
+//                 [--limit-mm-per-prompt '{"image": N}'] [--max-image-pixels N] [--max-image-bytes-per-request N]
+//                 [--allowed-local-media-path DIR] [--mm-in-patch-limit N] [--mm-patch-limit-on-one-side N]
 //                 [engine flags: cli/engine_flags.h] [--fake-engine ...]
 //
 // Without --model the embedded k3-tiny is served (found next to the binary or under its install
@@ -26,10 +28,12 @@
 #include "cli/commands.h"
 #include "cli/engine_flags.h"
 #include "core/check.h"
+#include "loader/config.h"
 #include "runtime/engine_host.h"
 #include "server/http_server.h"
 #include "server/log.h"
 #include "tokenizer/tokenizer.h"
+#include "vision/image.h"
 
 namespace kestrel::cli {
 namespace {
@@ -45,6 +49,11 @@ struct Opts {
   bool fake = false, debug_routes = false;
   int fake_delay_ms = 0, fake_load_ms = 0;
   server::StructuredOptions structured;
+  // Image input (server/media.h).
+  std::string limit_mm = "{\"image\": 16}", allowed_local_media_path;
+  int64_t max_image_pixels = 50'000'000, max_image_bytes = int64_t(32) << 20;
+  int64_t in_patch_limit = 0;  // 0: preprocessor_config.json's, else the default
+  int patch_limit_on_one_side = 0;
 };
 
 // The names a request may use for the model besides the served name: the path given and the
@@ -69,6 +78,21 @@ void serve(Opts& o) {
   o.engine.resolve_model();
   const tok::Tokenizer tokenizer = tok::Tokenizer::load(o.engine.model);
 
+  server::MediaOptions media;
+  // Images (before loading, so a bad flag fails at once): the checkpoint has a vision tower when its config.json has a vision_config.
+  media.vision = load_config(o.engine.model).vision.present;
+  media.max_images = server::parse_limit_mm_per_prompt(o.limit_mm);
+  media.max_image_bytes = o.max_image_bytes;
+  media.decode.max_pixels = o.max_image_pixels;
+  media.preprocess = vision::load_preprocess_config(o.engine.model);
+  if (o.in_patch_limit > 0) media.preprocess.in_patch_limit = o.in_patch_limit;
+  if (o.patch_limit_on_one_side > 0) media.preprocess.patch_limit_on_one_side = o.patch_limit_on_one_side;
+  if (!o.allowed_local_media_path.empty()) {
+    std::error_code ec;
+    if (!std::filesystem::is_directory(o.allowed_local_media_path, ec))
+      fail("--allowed-local-media-path: '{}' is not a directory", o.allowed_local_media_path);
+    media.allowed_local_media_path = o.allowed_local_media_path;
+  }
   runtime::EngineOptions eo = o.engine.options(16);  // bad dtype or size spellings fail here, before listening
   eo.engine.max_queue = o.max_queue;
   eo.tokenizer = &tokenizer;
@@ -97,6 +121,7 @@ void serve(Opts& o) {
   so.shutdown_timeout = std::chrono::seconds(o.shutdown_timeout);
   so.structured = o.structured;
   so.debug_routes = o.debug_routes;
+  so.media = std::move(media);
   server::Server srv(so, engine, tokenizer);
   srv.listen();
   const std::string url = fmt::format("http://{}:{}", o.host.find(':') != std::string::npos ? "[" + o.host + "]" : o.host, srv.port());
@@ -176,6 +201,22 @@ void register_serve(CLI::App& app) {
       ->check(CLI::Range(size_t(1), size_t(1) << 20));
   cmd->add_option("--grammar-threads", o->structured.compile_threads, "threads compiling grammars")
       ->check(CLI::Range(1, 64));
+  // Image input (docs/serving.md "Image input").
+  cmd->add_option("--limit-mm-per-prompt", o->limit_mm,
+                  "images per request, vLLM's form '{\"image\": N}' (or image=N); other modalities only as 0 (default 16)");
+  cmd->add_option("--max-image-pixels", o->max_image_pixels,
+                  "width x height of one image, checked from its header before decoding (400 beyond)")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 32));
+  cmd->add_option("--max-image-bytes-per-request", o->max_image_bytes, "encoded image bytes of one request, summed (400 beyond)")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 34));
+  cmd->add_option("--allowed-local-media-path", o->allowed_local_media_path,
+                  "image parts may name files (file:// or a path) under this directory; off by default");
+  cmd->add_option("--mm-in-patch-limit", o->in_patch_limit,
+                  "resize rule: 14-px patches per image (default: preprocessor_config.json's, else 16384)")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 24));
+  cmd->add_option("--mm-patch-limit-on-one-side", o->patch_limit_on_one_side,
+                  "resize rule: patches along one side (default: preprocessor_config.json's, else 512)")
+      ->check(CLI::Range(1, 4096));
   cmd->add_flag("--fake-engine", o->fake, "no weights: random tokens (tests and HTTP benchmarks)");
   cmd->add_option("--fake-delay-ms", o->fake_delay_ms, "fake engine: pause per engine step")->check(CLI::Range(0, 60000));
   cmd->add_option("--fake-load-ms", o->fake_load_ms, "fake engine: pretend loading takes this long")->check(CLI::Range(0, 600000));

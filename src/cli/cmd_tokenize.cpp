@@ -15,8 +15,10 @@
 #include <sstream>
 
 #include "core/check.h"
+#include "server/media.h"
 #include "tokenizer/chat.h"
 #include "tokenizer/tokenizer.h"
+#include "vision/image.h"
 
 namespace kestrel::cli {
 namespace {
@@ -109,7 +111,13 @@ void run(const TokenizeOptions& o) {
       fail("--chat: request is not JSON: {}", e.what());
     }
     tok::ChatEncoder enc(t);
-    const tok::ChatPrompt p = enc.encode_request(req);
+    // Image parts (data: URLs) are decoded and expanded as the server does it, whatever the checkpoint's
+    // vision; local files are not read here.
+    server::MediaOptions media;
+    media.vision = true;
+    media.preprocess = vision::load_preprocess_config(o.model);
+    server::RequestImages images(media);
+    const tok::ChatPrompt p = enc.encode_request(req, images.resolver());
     std::cout << p.text << '\n';
     print_ids(p.ids);
     return;

@@ -107,6 +107,18 @@ void validate(const Request& r, const RequestLimits& limits) {
   for (const MediaSpan& m : r.media)
     if (m.start < 0 || m.end <= m.start || m.end > P)
       bad("media", fmt::format("media span [{}, {}) outside the {}-token prompt", m.start, m.end, P));
+  // Images, when given, match the media spans one to one: image i fills span i's positions.
+  if (!r.images.empty() && r.images.size() != r.media.size())
+    bad("images", fmt::format("{} images for {} media spans", r.images.size(), r.media.size()));
+  for (size_t i = 0; i < r.images.size(); ++i) {
+    const ImageInput* im = r.images[i].get();
+    if (!im || im->grid_h <= 0 || im->grid_w <= 0 || im->grid_h % 2 || im->grid_w % 2 ||
+        im->patches.size() != size_t(im->grid_h) * size_t(im->grid_w) * 3 * 14 * 14)
+      bad("images", fmt::format("image {} is not a preprocessed even grid of 14-px patches", i));
+    if (im->num_tokens() != r.media[i].end - r.media[i].start)
+      bad("images", fmt::format("image {} has {} tokens but its media span [{}, {}) holds {}", i, im->num_tokens(),
+                                r.media[i].start, r.media[i].end, r.media[i].end - r.media[i].start));
+  }
   if (r.constraint) validate_constraint(*r.constraint);
 }
 

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "request/engine.h"
+#include "server/media.h"
 #include "server/structured.h"
 #include "tokenizer/tokenizer.h"
 
@@ -53,6 +54,7 @@ struct ServerOptions {
   std::chrono::seconds shutdown_timeout{10};  // SIGTERM: running requests get this long to finish
   StructuredOptions structured;               // grammar compile limits and workers (structured.h)
   bool debug_routes = false;  // GET /debug/integrity (routes.h); off: 404 like any unknown path
+  MediaOptions media;         // image input: whether the model sees images, limits, local files (media.h)
 };
 
 class Server {

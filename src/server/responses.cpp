@@ -27,10 +27,19 @@ ojson content_of(const ojson& c, const std::string& where) {
   ojson parts = ojson::array();
   for (const auto& p : c) {
     const std::string type = p.is_object() && p.contains("type") && p["type"].is_string() ? p["type"].get<std::string>() : "";
-    if ((type == "input_text" || type == "output_text") && p.contains("text") && p["text"].is_string())
+    if ((type == "input_text" || type == "output_text") && p.contains("text") && p["text"].is_string()) {
       parts.push_back({{"type", "text"}, {"text", p["text"]}});
-    else
-      bad(where, fmt::format("content part type '{}' is not supported (input_text, output_text)", type));
+    } else if (type == "input_image") {
+      // {"type": "input_image", "image_url": URL, "detail"?}: the chat API's image_url part, checked and
+      // decoded with the chat path's images (server/media.h).
+      if (p.contains("file_id")) bad(where, "input_image with a file_id is not supported (no file storage); send image_url");
+      if (!p.contains("image_url") || !p["image_url"].is_string()) bad(where, "input_image needs a string 'image_url'");
+      ojson img = {{"url", p["image_url"]}};
+      if (p.contains("detail")) img["detail"] = p["detail"];
+      parts.push_back({{"type", "image_url"}, {"image_url", std::move(img)}});
+    } else {
+      bad(where, fmt::format("content part type '{}' is not supported (input_text, output_text, input_image)", type));
+    }
   }
   return parts;
 }

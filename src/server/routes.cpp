@@ -13,6 +13,7 @@
 
 #include "server/chat_page.h"
 #include "server/job.h"
+#include "server/media.h"
 #include "server/params.h"
 #include "server/responses.h"
 
@@ -224,7 +225,8 @@ void Router::tokenize(const ojson& body, Connection& conn) {
   if (body.contains("messages")) {
     ojson b = body;
     map_reasoning_effort(b);
-    ids = encoder_.encode_request(b).ids;
+    RequestImages images(opt_.media);  // image parts count their tokens (decoded, as a generation would)
+    ids = encoder_.encode_request(b, images.resolver()).ids;
   } else {
     auto p = body.find("prompt");
     if (p == body.end() || !p->is_string()) throw ApiError(400, "'prompt' (a string) or 'messages' is required", "prompt");
@@ -273,9 +275,11 @@ Router::Prepared Router::prepare(ojson& body, Api api) {
     auto m = body.find("messages");
     if (m == body.end() || !m->is_array() || m->empty())
       throw ApiError(400, "'messages' must be a non-empty array", "messages");
-    tok::ChatPrompt cp = encoder_.encode_request(body);
+    RequestImages images(opt_.media);
+    tok::ChatPrompt cp = encoder_.encode_request(body, images.resolver());
     Request r = g.request;
     r.prompt.assign(cp.ids.begin(), cp.ids.end());
+    images.attach(cp, r);
     ChoiceOptions o = base;
     o.thinking = cp.thinking;
     o.tools = cp.tool_names;

@@ -19,7 +19,6 @@ constexpr const char* kOpen = "<|open|>";
 constexpr const char* kClose = "<|close|>";
 constexpr const char* kSep = "<|sep|>";
 constexpr const char* kEndOfMsg = "<|end_of_msg|>";
-constexpr const char* kImagePlaceholder = "<|kimi_image_placeholder|>";
 
 std::string escape_attr(std::string_view v) {
   std::string out;
@@ -64,7 +63,7 @@ const char* xtml_type(const ojson& v) {
 
 class Builder {
  public:
-  Builder(const std::vector<ImagePrompt>& images) : images_(images) {}
+  Builder(const ImageResolver& images) : images_(images) {}
 
   std::vector<ChatSegment> segs;
   size_t num_images = 0;
@@ -101,20 +100,17 @@ class Builder {
     end_of_msg();
   }
 
-  void image() {
-    ++num_images;
-    if (images_.empty()) {
-      control(kImagePlaceholder);
-      return;
-    }
-    if (num_images > images_.size()) fail("the request has more images than image prompts ({})", images_.size());
-    const ImagePrompt& ip = images_[num_images - 1];
+  void image(const ojson& part) {
+    const size_t index = num_images++;
+    if (!images_) fail("this request has image content, which is not accepted here (no image decoder on this path)");
+    const ImagePrompt ip = images_(part, index);
+    if (ip.width <= 0 || ip.height <= 0 || ip.num_pads == 0) fail("image {} has an empty expansion", index);
     std::string s = "<|media_begin|>image " + std::to_string(ip.width) + "x" + std::to_string(ip.height) +
                     "<|media_content|>";
     s.reserve(s.size() + ip.num_pads * 13 + 16);
     for (size_t i = 0; i < ip.num_pads; ++i) s += "<|media_pad|>";
     s += "<|media_end|>";
-    control(std::move(s));
+    segs.push_back({std::move(s), true, int(index)});
   }
 
   // message content: string, null, or an array of parts (text / image).
@@ -132,7 +128,7 @@ class Builder {
       if (type == "text") {
         text(str_field(part, "text", what));
       } else if (type == "image_url" || type == "image" || type == "input_image") {
-        image();
+        image(part);
       } else {
         fail("{}: unsupported content part type '{}'", what, type);
       }
@@ -140,7 +136,7 @@ class Builder {
   }
 
  private:
-  const std::vector<ImagePrompt>& images_;
+  const ImageResolver& images_;
 };
 
 std::string tools_body(const ojson& tools, bool dynamic) {
@@ -257,6 +253,17 @@ bool read_bool_like(const ojson& v, const char* what) {
 ChatEncoder::ChatEncoder(const Tokenizer& tok) : tok_(&tok) {}
 
 ChatPrompt ChatEncoder::encode_request(const ojson& req, const std::vector<ImagePrompt>& images) const {
+  ImageResolver r = [&](const ojson&, size_t i) -> ImagePrompt {
+    if (i >= images.size()) fail("the request has more images than image prompts ({})", images.size());
+    return images[i];
+  };
+  ChatPrompt p = encode_request(req, r);
+  if (p.num_images != images.size())
+    fail("{} image prompts were given but the request has {} images", images.size(), p.num_images);
+  return p;
+}
+
+ChatPrompt ChatEncoder::encode_request(const ojson& req, const ImageResolver& images) const {
   if (!req.is_object()) fail("the chat request must be a JSON object");
   if (!req.contains("messages") || !req["messages"].is_array()) fail("the chat request needs a 'messages' array");
   const ojson& messages = req["messages"];
@@ -458,14 +465,23 @@ ChatPrompt ChatEncoder::encode_request(const ojson& req, const std::vector<Image
     b.open("message", {{"role", "assistant"}});
     b.open(thinking ? "think" : "response");
   }
-  if (!images.empty() && b.num_images != images.size())
-    fail("{} image prompts were given but the request has {} images", images.size(), b.num_images);
-
   out.num_images = b.num_images;
   out.segments = std::move(b.segs);
+  std::optional<TokenId> pad;
+  if (out.num_images > 0 && !(pad = tok_->special_id("<|media_pad|>")))
+    fail("the tokenizer has no <|media_pad|> token: this model takes no image input");
   for (const auto& s : out.segments) {
     out.text += s.text;
+    const size_t before = out.ids.size();
     tok_->encode_append(s.text, s.allow_special, out.ids);
+    if (s.image < 0) continue;
+    // The pads are one run inside the segment: <|media_begin|>, "image WxH", <|media_content|>, pads, <|media_end|>.
+    size_t a = before;
+    while (a < out.ids.size() && out.ids[a] != *pad) ++a;
+    size_t e = a;
+    while (e < out.ids.size() && out.ids[e] == *pad) ++e;
+    if (a == e) fail("image {} expanded to no <|media_pad|> tokens", s.image);
+    out.image_pads.emplace_back(a, e);
   }
   return out;
 }

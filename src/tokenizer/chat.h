@@ -9,8 +9,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tokenizer/tokenizer.h"
@@ -28,6 +30,7 @@ struct ImagePrompt {
 struct ChatSegment {
   std::string text;
   bool allow_special = false;
+  int image = -1;  // >= 0: this segment is the expansion of that image (in render order)
 };
 
 struct ChatPrompt {
@@ -38,18 +41,28 @@ struct ChatPrompt {
   bool generation_prompt = true;    // the prompt ends with the assistant opening (add_generation_prompt)
   std::vector<std::string> tool_names;  // declared tools, for validating parsed calls
   std::optional<std::string> forced_tool;  // tool_choice named a function
-  size_t num_images = 0;            // image placeholders rendered (expanded when prompts were given)
+  size_t num_images = 0;            // image parts rendered, each expanded from its ImagePrompt
+  // Per image, in order: the token range [first, second) of its <|media_pad|> run in `ids` (the
+  // positions that receive its vision rows; a request's MediaSpans).
+  std::vector<std::pair<size_t, size_t>> image_pads;
 };
+
+// Called for each image content part (`image_url`, `image`, `input_image`) in render order with the
+// part's JSON and its index (0, 1, ...); returns its expansion or throws (kestrel::Error: a 400).
+using ImageResolver = std::function<ImagePrompt(const nlohmann::ordered_json& part, size_t index)>;
 
 class ChatEncoder {
  public:
   explicit ChatEncoder(const Tokenizer& tok);
 
   // request: the JSON body of /v1/chat/completions (messages, tools, tool_choice, response_format,
-  // reasoning_effort, thinking / chat_template_kwargs). images: one prompt per image part in
-  // message order; when empty, image parts render as `<|kimi_image_placeholder|>` (display only).
-  // Malformed requests raise kestrel::Error with a message fit for a 400 response.
-  ChatPrompt encode_request(const nlohmann::ordered_json& request, const std::vector<ImagePrompt>& images = {}) const;
+  // reasoning_effort, thinking / chat_template_kwargs). Image parts are expanded by `images` (one
+  // call per part, in render order); without a resolver an image part is an error — a prompt never
+  // carries an image the model would not see. Malformed requests raise kestrel::Error with a message
+  // fit for a 400 response.
+  ChatPrompt encode_request(const nlohmann::ordered_json& request, const ImageResolver& images = {}) const;
+  // The same with the prompts given up front: one per image part, in render order (tests, fuzzing).
+  ChatPrompt encode_request(const nlohmann::ordered_json& request, const std::vector<ImagePrompt>& images) const;
 
  private:
   const Tokenizer* tok_;

@@ -189,16 +189,42 @@ TEST(Chat, ToolResultIndexIsPositionOfMatchingCall) {
 TEST(Chat, Images) {
   const std::string req = R"({"messages":[{"role":"user","content":[{"type":"text","text":"see "},
       {"type":"image_url","image_url":{"url":"data:,"}},{"type":"text","text":" and"},{"type":"image_url","image_url":{"url":"x"}}]}]})";
-  auto ph = render(req);
-  EXPECT_EQ(ph.text, msg(" role=\"user\"", "see <|kimi_image_placeholder|> and<|kimi_image_placeholder|>") + GEN_THINK);
-  EXPECT_EQ(ph.num_images, 2u);
+  // No expansion given: an error, never a bare placeholder the model would not see (issue #21).
+  EXPECT_THROW(render(req), kestrel::Error);
+  EXPECT_THROW(ChatEncoder(tok()).encode_request(ojson::parse(req)), kestrel::Error);
   auto ex = render(req, {{640, 480, 3}, {28, 28, 1}});
+  EXPECT_EQ(ex.num_images, 2u);
   const std::string img1 = "<|media_begin|>image 640x480<|media_content|><|media_pad|><|media_pad|><|media_pad|><|media_end|>";
   const std::string img2 = "<|media_begin|>image 28x28<|media_content|><|media_pad|><|media_end|>";
   EXPECT_EQ(ex.text, msg(" role=\"user\"", "see " + img1 + " and" + img2) + GEN_THINK);
   const TokenId pad = tok().require_special("<|media_pad|>");
   EXPECT_EQ(std::count(ex.ids.begin(), ex.ids.end(), pad), 4);
+  // The pad runs, located in the ids: exactly the pad positions, 3 then 1.
+  ASSERT_EQ(ex.image_pads.size(), 2u);
+  EXPECT_EQ(ex.image_pads[0].second - ex.image_pads[0].first, 3u);
+  EXPECT_EQ(ex.image_pads[1].second - ex.image_pads[1].first, 1u);
+  for (auto [a, e] : ex.image_pads) {
+    EXPECT_NE(ex.ids[a - 1], pad);
+    for (size_t i = a; i < e; ++i) EXPECT_EQ(ex.ids[i], pad);
+    EXPECT_EQ(ex.ids[e], tok().require_special("<|media_end|>"));
+  }
   EXPECT_THROW(render(req, {{1, 1, 1}}), kestrel::Error);
+  // A resolver sees each image part in order with its index; its error is the request's.
+  std::vector<std::string> urls;
+  ImageResolver r = [&](const ojson& part, size_t i) {
+    EXPECT_EQ(i, urls.size());
+    urls.push_back(part["image_url"]["url"].get<std::string>());
+    return ImagePrompt{28, 28, 1};
+  };
+  EXPECT_EQ(ChatEncoder(tok()).encode_request(ojson::parse(req), r).image_pads.size(), 2u);
+  EXPECT_EQ(urls, (std::vector<std::string>{"data:,", "x"}));
+  ImageResolver refuse = [](const ojson&, size_t) -> ImagePrompt { kestrel::fail("no vision here"); };
+  try {
+    ChatEncoder(tok()).encode_request(ojson::parse(req), refuse);
+    ADD_FAILURE();
+  } catch (const kestrel::Error& e) {
+    EXPECT_STREQ(e.what(), "no vision here");
+  }
 }
 
 TEST(Chat, RequestTextCannotInjectControlTokens) {
