@@ -90,3 +90,21 @@ def test_no_vision_checkpoint_is_refused(tmp_path):
                            "--out", str(tmp_path), "--seed", "3", "--no-vision"], stdout=subprocess.DEVNULL)
     with pytest.raises(ValueError, match="no vision_config"):
         vision.VisionWeights(str(tmp_path))
+
+
+def test_committed_vision_golden_regenerates_bit_for_bit(tmp_path):
+    """tests/golden/nano-vision: the stored image rows are what k3ref/vision.py computes now (seed-1 nano)."""
+    import json
+    from safetensors.torch import load_file
+    gdir = os.path.join(ROOT, "tests", "golden", "nano-vision")
+    meta = json.load(open(os.path.join(gdir, "golden.json")))
+    t = load_file(os.path.join(gdir, "golden.safetensors"))
+    subprocess.check_call([sys.executable, os.path.join(ROOT, "reference", "make_checkpoint.py"), "--config", "nano",
+                           "--out", str(tmp_path), "--seed", "1"], stdout=subprocess.DEVNULL)
+    vw = vision.VisionWeights(str(tmp_path))
+    for im in meta["images"]:
+        i, gh, gw = im["index"], im["grid_h"], im["grid_w"]
+        cap = {}
+        vision.encode_image(vw, t[f"img{i}.patches"].double().numpy(), gh, gw, cap)
+        for k, v in cap.items():
+            np.testing.assert_array_equal(v, t[f"img{i}.{k}"].double().numpy(), err_msg=f"img{i}.{k}")
