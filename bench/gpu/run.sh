@@ -17,12 +17,18 @@
 #   bench/gpu/run.sh serving # there: nano + reduced-mini checkpoints, the GPU serving tests (row copies,
 #                            # sampler, engine vs solo vs CPU, CUDA graphs) and the model test, then the
 #                            # batch-1/64 decode step of mini split by op (bench_ops --only model)
+#   bench/gpu/run.sh profile # there: Nsight Compute's per-kernel times of one batch-1 decode step of the
+#                            # reduced mini (bench/gpu/ncu_step.py turns the CSV into a table)
 #   bench/gpu/run.sh perf    # there: the scoreboard in one run (≤ 8 min): ceilings, kernels, the reduced-mini
 #                            # decode step and prefill, `kestrel serve` + `kestrel bench` at c=1/64, the peers;
 #                            # writes $OUT/perf.json (copy it to bench/gpu/perf.json) and a markdown table
+#   bench/gpu/run.sh tp      # there: nano + nano_tp_gpu checkpoints, the GPU tensor-parallel tests (GpuTp.*: the
+#                            # same-device communicator, the engine as TP2/TP4 on one GPU against TP1)
 #   bench/gpu/run.sh structured
 #                            # there: nano checkpoint, the GPU structured-output tests (GpuStructured.*), then
-#                            # bench_structured_engine on models/k3-tiny --device cuda at batch 1 and 64
+#                            # bench_structured_engine on models/k3-tiny --device cuda at batch 1 and 64, and with
+#                            # K3TINY_REQUESTS=N (kestrel_unit_tests packed: PACK_EXTRA) N strict-schema requests
+#                            # of K3TinyStructured.* on the GPU engine
 #   bench/gpu/run.sh decode  # there: the fused decode path's tests and bench_ops --perf per variant (see below)
 #   bench/gpu/run.sh kda     # there: KDA (issue #15 point 4): the KDA GPU tests over every kernel variant,
 #                            # bench_kda --perf (scoreboard lines + one PERF line per variant), FLA's kda_peer
@@ -64,8 +70,9 @@ unpack() {
 
 case "${1:-}" in
   pack)
-    # An existing build/ (configured as the developer likes) is reused; otherwise configure one.
-    if [ -f build/build.ninja ]; then ninja -C build >/dev/null; else scripts/build.sh >/dev/null; fi
+    # An existing build/ (configured as the developer likes) is reused; otherwise configure one. PACK_TARGETS
+    # ("kestrel bench_ops ...") builds only those first (default: everything).
+    if [ -f build/build.ninja ]; then ninja -C build ${PACK_TARGETS:-} >/dev/null; else scripts/build.sh ${PACK_TARGETS:-} >/dev/null; fi
     excl="$(git rev-parse --git-path info/exclude)"  # .git is a file in a worktree
     grep -qx "/.gpu-carry/" "$excl" 2>/dev/null || echo "/.gpu-carry/" >> "$excl"
     rm -rf .gpu-carry && mkdir -p .gpu-carry/pkg/lib
@@ -77,6 +84,11 @@ case "${1:-}" in
     done
     for b in build/bench/bench_moe build/bench/bench_mla build/bench/bench_kda build/bench/bench_indexer build/bench/bench_structured_engine; do  # per-kernel benchmarks, when built
       [ -x "$b" ] && ! skip "$b" && objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
+    done
+    # PACK_EXTRA="kestrel_unit_tests": the CPU unit-test binary too (structured mode's k3-tiny run on the GPU engine).
+    for n in ${PACK_EXTRA:-}; do
+      b="$(find build -name "$n" -type f -perm -u+x | head -1)"
+      [ -n "$b" ] && objcopy --strip-debug "$b" ".gpu-carry/pkg/$n"
     done
     git rev-parse --short HEAD > .gpu-carry/pkg/COMMIT
     for l in libfmt.so.9 libopenblas.so.0 libgomp.so.1 libgfortran.so.5 libquadmath.so.0 libicuuc.so.72 libicudata.so.72; do
@@ -135,6 +147,20 @@ case "${1:-}" in
       | tee "$out/gpu_serving_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -80 || true
     "$self" bench --model "$ck/mini" --only model 2>&1 | tee "$out/decode_step.md"
     ;;
+  tp)
+    # Tensor parallelism on the GPU engine (issue #16): nano and nano_tp_gpu (nano with 4 indexer heads and
+    # I = 256, so TP4 leaves 64 expert columns per rank) checkpoints, then GpuTp.* — the same-device
+    # communicator against the CPU twin's collectives, and the engine as TP2/TP4 on this one GPU against TP1.
+    out="${OUT:-/tmp}"
+    ck=/tmp/kestrel_ckpt
+    mkdir -p "$ck"
+    [ -f "$ck/nano/config.json" ] || python3 reference/make_checkpoint.py --config nano --out "$ck/nano" --seed 1 --no-vision >/dev/null &
+    [ -f "$ck/nano_tp_gpu/config.json" ] || python3 reference/make_checkpoint.py --config nano --out "$ck/nano_tp_gpu" \
+      --seed 2 --no-vision --override index_n_heads=4 --override moe_intermediate_size=256 >/dev/null &
+    wait
+    export KESTREL_GPU_CKPTS="$ck/nano:$ck/nano_tp_gpu"
+    "$self" test --gtest_filter="${TP_TESTS:-GpuTp.*}" 2>&1 | tee "$out/gpu_tp_tests.log" | tail -60 || true
+    ;;
   structured)
     # Structured outputs (issue #20): the GPU tests (token-mask kernel vs its twin, masked sampling, constrained
     # requests through the GPU engine) on nano, then the mask's cost per decode step on k3-tiny at batch 1 and 64.
@@ -149,8 +175,13 @@ case "${1:-}" in
       d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
       export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
     fi
-    .gpu-carry/bench_structured_engine --model models/k3-tiny --device cuda --batch 1,64 --tokens 64 2>&1 \
+    .gpu-carry/bench_structured_engine --model models/k3-tiny --device cuda --batch 1,64 --tokens 64 --reps 4 2>&1 \
       | tee "$out/structured_engine_cuda.md"
+    # Issue #20 point 5: K3TINY_REQUESTS strict-schema requests (half as many tool calls) on the GPU engine.
+    if [ -x .gpu-carry/kestrel_unit_tests ] && [ -n "${K3TINY_REQUESTS:-}" ]; then
+      KESTREL_K3TINY_DEVICE=cuda KESTREL_K3TINY_REQUESTS="$K3TINY_REQUESTS" .gpu-carry/kestrel_unit_tests \
+        --gtest_filter='K3TinyStructured.*' 2>&1 | tee "$out/k3tiny_structured_cuda.log" | tail -20
+    fi
     ;;
   decode)
     # The fused decode path (issue #14 points 2–3) in one call: nano + reduced-mini checkpoints; the decode-path
@@ -269,6 +300,22 @@ case "${1:-}" in
     wait $eng $ref
     for f in "$out"/engine-*.txt; do tail -n +1 "$f" | grep -vE "^\s*$" | tail -8; done
     grep -hE "^(kestrel|error)" "$out/serve.log" | head -5 || true
+    ;;
+  profile)
+    # Per-kernel GPU time of one batch-1 decode step of the reduced mini, by Nsight Compute (hardware timer,
+    # kernels serialised: no launch gaps or PDL overlap, so the sum is below the step's wall time). PROFILE_STEP
+    # (default 3 = the second eager decode step) picks the forward; $OUT: ncu_step.csv, profile_step.md.
+    out="${OUT:-/tmp}"
+    ck=/tmp/kestrel_ckpt
+    unpack
+    mkdir -p "$ck"
+    [ -f "$ck/mini/config.json" ] || python3 reference/make_checkpoint.py --config mini --out "$ck/mini" --seed 1 \
+      --fast-experts --no-vision --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 >/dev/null
+    ncu_bin="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+    # Launches: the ceilings' few hundred, then prefill + eager steps; 3,000 covers several forwards.
+    timeout "${PROFILE_TIMEOUT:-300}" "$ncu_bin" --clock-control none --metrics gpu__time_duration.sum --csv --launch-count "${PROFILE_LAUNCHES:-3000}" \
+      .gpu-carry/bench_ops --perf --only model --model "$ck/mini" > "$out/ncu_step.csv" 2> "$out/ncu_step.err" || true
+    python3 bench/gpu/ncu_step.py "$out/ncu_step.csv" --step "${PROFILE_STEP:-3}" | tee "$out/profile_step.md" | head -150
     ;;
   perf)
     # The scoreboard: every number of bench/gpu/perf.json measured in this one run (ceilings, our kernels, the
