@@ -37,10 +37,13 @@
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/paged.h"
+#include "kernels/cuda/vision.h"
 #include "loader/config.h"
 #include "loader/safetensors.h"
 #include "loader/weights.h"
 #include "model/cuda/cuda_model.h"
+#include "request/request.h"
+#include "vision/cuda/vision_cuda.h"
 
 using namespace kestrel;
 
@@ -829,6 +832,76 @@ int main(int argc, char** argv) {
               L == 32768 ? "≈2300" : "—");
         }
       }
+    }
+  }
+
+  // ---- vision tower (MODEL.md §6, issue #21): one 1024×1024 image at the real dims ---------------------------
+  if (want("vision")) {
+    header("MoonViT-V2 encoder, real dims (27 blocks, 1024 wide, 12 heads × 128), random weights");
+    VisionConfig vc;
+    vc.present = true;
+    vc.hidden_size = 1024, vc.num_heads = 12, vc.qkv_hidden_size = 1536, vc.intermediate_size = 4096;
+    vc.num_layers = 27, vc.text_hidden_size = 7168, vc.init_pos_emb_height = 64, vc.init_pos_emb_width = 64;
+    std::vector<cuda::DeviceBuffer> keep;
+    uint64_t seed = 50;
+    auto dev = [&](int64_t n) {
+      keep.emplace_back(size_t(n) * 2);
+      fill_bf16(keep.back().data(), size_t(n), seed++);
+      return static_cast<const uint16_t*>(keep.back().data());
+    };
+    const int64_t Dv = vc.hidden_size, Q = vc.qkv_hidden_size, F = vc.intermediate_size, M = vc.merged_width();
+    vision::VisionDeviceWeights w;
+    w.patch_embed = dev(Dv * 588);
+    w.pos_emb = dev(64 * 64 * Dv);
+    w.pos_host.resize(size_t(64 * 64 * Dv));
+    KCUDA_CHECK(cudaMemcpy(w.pos_host.data(), w.pos_emb, w.pos_host.size() * 2, cudaMemcpyDeviceToHost));
+    for (int b = 0; b < vc.num_layers; ++b)
+      w.blocks.push_back({dev(Dv), dev(Dv), dev(3 * Q * Dv), dev(Dv * Q), dev(F * Dv), dev(Dv * F)});
+    w.final_norm = dev(Dv);
+    w.proj0 = dev(M * M);
+    w.proj2 = dev(int64_t(vc.text_hidden_size) * M);
+    w.post_norm = dev(vc.text_hidden_size);
+    vision::VisionCuda enc(vc, std::move(w));
+    for (int n_img : {1, 4}) {
+      // 1024×1024 → 74×74 patches of 14 px (1036 px after padding to a multiple of 28): 5476 patches, 1369 tokens
+      std::vector<std::shared_ptr<ImageInput>> ims;
+      std::vector<const ImageInput*> ptrs;
+      for (int i = 0; i < n_img; ++i) {
+        auto im = std::make_shared<ImageInput>();
+        im->grid_h = im->grid_w = 74;
+        im->patches.assign(size_t(74 * 74 * 588), 0.0f);
+        for (size_t k = 0; k < im->patches.size(); ++k) im->patches[k] = float((k * 2654435761u + i) % 2001) / 1000.0f - 1.0f;
+        ims.push_back(im);
+        ptrs.push_back(im.get());
+      }
+      const auto h0 = std::chrono::steady_clock::now();
+      const int64_t tokens = enc.prepare(ptrs, nullptr);
+      const double prep_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count();
+      cuda::DeviceBuffer out(size_t(tokens * vc.text_hidden_size) * 2);
+      const double us = tm.median_us([&] { enc.run(static_cast<uint16_t*>(out.data()), nullptr); }, 1, quick ? 3 : 5);
+      const double T = 5476.0 * n_img, N = 5476.0;
+      const double gemm = 2.0 * T * vc.num_layers * (double(Dv) * 3 * Q + double(Q) * Dv + 2.0 * Dv * F) +
+                          2.0 * T * 588 * Dv + 2.0 * (T / 4) * (double(M) * M + double(M) * vc.text_hidden_size);
+      const double attn = 4.0 * n_img * N * N * Q * vc.num_layers;  // QKᵀ and PV
+      const double bytes = 2.0 * (27.0 * (3 * Q * Dv + Dv * Q + 2 * Dv * F) + double(M) * M + double(M) * 7168);
+      row("vision encode (GPU part)", fmt::format("{} × 74x74 patches", n_img), us, bytes, gemm + attn,
+          "—");
+      fmt::print("host prepare (checks, bf16 patches, uploads): {:.0f} µs; attention {:.2f} of {:.2f} TFLOP\n",
+                 prep_us, attn / 1e12, (gemm + attn) / 1e12);
+      fmt::print("PERF vision_encode_1024px_x{}_us {:.0f}\n", n_img, us);
+      KCUDA_CHECK(cudaDeviceSynchronize());
+      // attention alone, for the share of the step
+      cuda::DeviceBuffer qkv(size_t(T * 3 * Q) * 2), o(size_t(T * Q) * 2), r0(size_t(n_img + 1) * 4);
+      fill_bf16(qkv.data(), size_t(T * 3 * Q), 7);
+      std::vector<int32_t> hr;
+      for (int i = 0; i <= n_img; ++i) hr.push_back(5476 * i);
+      KCUDA_CHECK(cudaMemcpy(r0.data(), hr.data(), hr.size() * 4, cudaMemcpyHostToDevice));
+      const double aus = tm.median_us([&] {
+        cuda::vision_attention(static_cast<uint16_t*>(qkv.data()), 3 * Q, Q, static_cast<int32_t*>(r0.data()), n_img,
+                               5476, 12, 128, static_cast<uint16_t*>(o.data()), Q, nullptr);
+      }, 1, quick ? 3 : 5);
+      row("vision_attention (one block)", fmt::format("{} × 5476 rows, 12 × 128", n_img), aus,
+          2.0 * T * 4 * Q, attn / vc.num_layers, "—");
     }
   }
 

@@ -55,14 +55,17 @@ class Model:
         return {"pos": 0, "layers": layers}
 
     # ---- forward ---------------------------------------------------------------------------------------
-    def prefill(self, tokens, state: dict, capture: dict | None = None) -> torch.Tensor:
-        """Run the T new tokens `tokens` (continuing `state`), return logits [T, V] float32."""
+    def prefill(self, tokens, state: dict, capture: dict | None = None, embed_override=None) -> torch.Tensor:
+        """Run the T new tokens `tokens` (continuing `state`), return logits [T, V] float32.
+
+        embed_override (optional): (rows, values), rows = positions within this call, values [n, D] BF16-exact;
+        those rows of the embedding are replaced (§3.1: image positions receive the projector's rows, §6)."""
         tokens = torch.as_tensor(list(tokens), dtype=torch.int64)
         if tokens.numel() == 0:
             return torch.zeros(0, self.cfg.vocab_size, dtype=torch.float32)
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.vocab_size:
             raise ValueError("token id out of range")
-        return self._forward(tokens, state, capture)
+        return self._forward(tokens, state, capture, embed_override)
 
     def decode(self, token: int, state: dict, capture: dict | None = None) -> torch.Tensor:
         """One token; returns logits [V] float32."""
@@ -81,11 +84,15 @@ class Model:
             return moe_layer(self.ck, self.cfg, L, x, capture=cap)
         return dense_layer(self.ck, self.cfg, L, x)
 
-    def _forward(self, tokens, state, capture):
+    def _forward(self, tokens, state, capture, embed_override=None):
         cfg, ck = self.cfg, self.ck
         eps, bs = cfg.rms_norm_eps, cfg.attn_res_block_size
         # §3.1 embedding: B = [], P = e
         P = ck.get("model.embed_tokens.weight")[tokens]
+        if embed_override is not None:
+            rows, values = embed_override
+            P = P.clone()
+            P[torch.as_tensor(list(rows), dtype=torch.int64)] = torch.as_tensor(values, dtype=P.dtype)
         B: list = []
         taps: dict = {}
         for L in range(cfg.num_hidden_layers):

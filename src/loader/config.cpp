@@ -153,6 +153,7 @@ VisionConfig parse_vision(const Reader& r) {
   v.qkv_hidden_size = r.get_i32("qkv_hidden_size", v.hidden_size);
   v.text_hidden_size = r.get_i32("text_hidden_size");
   v.projector_ln_eps = r.get_f32("projector_ln_eps", 1e-5f);
+  v.rms_norm_eps = r.get_f32("vt_rms_norm_eps", 1e-6f);  // §0.2
   const std::vector<int> mk = r.get_int_list("merge_kernel_size");
   if (mk.size() != 2) r.bad("merge_kernel_size", "must be a list of two integers [h, w]");
   v.merge_kernel_h = mk[0];

@@ -120,6 +120,7 @@ struct VisionConfig {
   int merge_kernel_w = 2;
   int text_hidden_size = 0;
   float projector_ln_eps = 1e-5f;
+  float rms_norm_eps = 1e-6f;  // vt_rms_norm_eps; absent: 1e-6 (MODEL.md §0.2)
 
   int merged_width() const { return hidden_size * merge_kernel_h * merge_kernel_w; }
 };

@@ -49,7 +49,7 @@ void prefill(const ModelWeights& w, const ModelConfig& c, State& st, std::span<c
 void forward(const ModelWeights& w, const ModelConfig& c, const SeqCacheView& st, std::span<const int32_t> tokens,
              float* logits_out, const ForwardOptions& opt) {
   const Logits want = !logits_out && !opt.observer ? Logits::none : opt.last_logits_only ? Logits::last : Logits::all;
-  const SeqInput one{st, tokens, want};
+  const SeqInput one{st, tokens, want, opt.embed_override};
   ForwardOptions o = opt;
   o.mla_form_prefill = tokens.size() == 1 ? opt.mla_form_decode : opt.mla_form_prefill;
   forward_batch(w, c, std::span<const SeqInput>(&one, 1), logits_out, o);
@@ -98,6 +98,15 @@ void forward_batch(const ModelWeights& w, const ModelConfig& c, std::span<const 
       std::fill(dst, dst + D, uint16_t(0));
   }
   if (sh.split()) sh.comm->all_reduce_sum(rs.partial.data(), size_t(T * D), DType::bf16);
+  // §3.1/§6: image positions start from the projector's rows instead (every rank holds the whole rows).
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t Ti = row0[size_t(i + 1)] - row0[size_t(i)];
+    for (const EmbedOverride& e : seqs[size_t(i)].embed_override) {
+      KCHECK(e.row && e.pos >= 0 && e.pos < Ti, "embedding override at position {} outside the call's {} tokens",
+             e.pos, Ti);
+      std::memcpy(rs.partial.data() + (row0[size_t(i)] + e.pos) * D, e.row, size_t(D) * 2);
+    }
+  }
   top("embed", rs.partial.data(), DType::bf16, {T, D});
 
   Bf16Vec hin(size_t(T * D)), normed(size_t(T * D)), y(size_t(T * D));  // bf16 [T, D] each

@@ -58,8 +58,18 @@ struct SeqCacheView {
   int64_t pos = 0;
 };
 
+// A row that replaces a token's embedding (§3.1: image positions receive the vision tower's rows, §6):
+// position `pos` of the call's tokens (0-based within the sequence's tokens of this call) starts the
+// stream as `row` instead of embed_tokens[id].
+struct EmbedOverride {
+  int64_t pos = 0;
+  const uint16_t* row = nullptr;  // bf16 [D]
+};
+
 struct ForwardOptions {
   Observer observer;                       // optional activation captures (see above)
+  // forward()/prefill() (one sequence): embedding rows to replace (forward_batch: SeqInput's own).
+  std::span<const EmbedOverride> embed_override;
   MlaForm mla_form_prefill = MlaForm::absorbed;
   MlaForm mla_form_decode = MlaForm::absorbed;  // used when the call has exactly one token (forward)
   bool last_logits_only = false;           // forward/prefill: write only the last position's logits (f32 [1, V])
@@ -84,6 +94,7 @@ struct SeqInput {
   SeqCacheView view;
   std::span<const int32_t> tokens;
   Logits logits = Logits::last;
+  std::span<const EmbedOverride> embed_override;  // positions within `tokens`, any order, each at most once
 };
 
 // Runs `tokens` at positions [v.pos, v.pos + T) through the caches of `v` (which it updates; v.pos

@@ -8,6 +8,7 @@
 
 #include "core/check.h"
 #include "structured/matcher.h"
+#include "vision/vision.h"
 
 namespace kestrel::runtime {
 namespace {
@@ -66,6 +67,38 @@ EngineConfig with_cpu_executor(const ModelWeights& w, const ModelConfig& c, Engi
   return cfg;
 }
 
+// A request's images against the model and the executor (MODEL.md §6): a tower to run them, one image
+// per media span, images the tower takes, and in each span exactly as many <|media_pad|> tokens as its
+// image has rows. Checked here so that the step never fails on them.
+void check_images(const Request& r, const ModelConfig& c, const StepExecutor& exec) {
+  if (r.images.empty()) return;
+  if (!c.vision.present)
+    throw RequestError("images", "this model has no vision tower (the checkpoint has no vision_config); "
+                                 "requests with images are not supported");
+  if (!exec.supports_images())
+    throw RequestError("images", "this engine's executor cannot run the vision tower (images are supported on "
+                                 "the CPU engine only for now)");
+  if (r.images.size() != r.media.size())
+    throw RequestError("images", fmt::format("{} images for {} media spans", r.images.size(), r.media.size()));
+  for (size_t i = 0; i < r.images.size(); ++i) {
+    if (!r.images[i]) throw RequestError("images", fmt::format("image {} is missing", i));
+    try {
+      vision::check_image(c.vision, *r.images[i]);
+    } catch (const RequestError&) {
+      throw;
+    } catch (const Error& e) {
+      throw RequestError("images", fmt::format("image {}: {}", i, e.what()));
+    }
+    int64_t pads = 0;
+    for (int64_t p = r.media[i].start; p < r.media[i].end; ++p) pads += r.prompt[size_t(p)] == c.media_placeholder_token_id;
+    if (pads != r.images[i]->num_tokens())
+      throw RequestError("images", fmt::format("image {} has {} tokens ({}x{} patches) but its media span holds {} "
+                                               "<|media_pad|> tokens (id {})", i, r.images[i]->num_tokens(),
+                                               r.images[i]->grid_h, r.images[i]->grid_w, pads,
+                                               c.media_placeholder_token_id));
+  }
+}
+
 }  // namespace
 
 Engine::Engine(const ModelWeights& w, const ModelConfig& c, EngineConfig cfg)
@@ -106,6 +139,7 @@ void Engine::shutdown() {
 Submission Engine::submit(Request r, TokenSink sink) {
   if (!sink) fail("submit: no event sink");
   validate(r, limits_);
+  check_images(r, c_, *exec_);
   auto q = std::make_unique<Req>();
   if (!r.ignore_eos) {
     q->stop_ids = cfg_.eos_token_ids;
@@ -394,6 +428,10 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
     SampleResult s;
     s.token = token;
     return emit(q, s);
+  };
+  hooks.media_inputs = [&](const sched::ScheduledSeq& x) {
+    const Req& q = find(x.id);
+    return StepHooks::MediaInputs{q.r.prompt, q.r.media, q.r.images};
   };
   // Every position's logits: for the debug hook, and for prompt logprobs until the prompt is done.
   hooks.wants_all_logits = [&](RequestId id) {

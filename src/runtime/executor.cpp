@@ -8,6 +8,7 @@
 
 #include "core/check.h"
 #include "model/model.h"
+#include "vision/vision.h"
 
 namespace kestrel::runtime {
 
@@ -39,6 +40,44 @@ Executor::Executor(const ModelWeights& w, const ModelConfig& c, const CacheForma
   keep_step_memory();
 }
 
+std::vector<model::EmbedOverride> Executor::media_rows(const sched::ScheduledSeq& x, const StepHooks& hooks) {
+  std::vector<model::EmbedOverride> out;
+  if (!hooks.media_inputs) return out;
+  const StepHooks::MediaInputs mi = hooks.media_inputs(x);
+  if (mi.images.empty()) return out;
+  bool overlaps = false;
+  for (const MediaSpan& m : mi.media) overlaps |= m.start < x.end && x.start < m.end;
+  if (!overlaps) return out;
+  auto it = media_.find(x.id);
+  if (it == media_.end()) {  // first chunk that needs the images: encode all of them (MODEL.md §6)
+    KCHECK(supports_images(), "request {}: images, but the checkpoint has no vision tower", x.id);
+    KCHECK(mi.images.size() == mi.media.size(), "request {}: {} images for {} media spans", x.id, mi.images.size(),
+           mi.media.size());
+    const int32_t pad = c_.media_placeholder_token_id;
+    EncodedMedia em;
+    std::vector<const ImageInput*> ims;
+    for (size_t i = 0; i < mi.images.size(); ++i) {
+      const MediaSpan& m = mi.media[i];
+      int64_t pads = 0;
+      for (int64_t p = m.start; p < m.end && p < int64_t(mi.prompt.size()); ++p)
+        if (mi.prompt[size_t(p)] == pad) em.pos.push_back(p), ++pads;
+      KCHECK(pads == mi.images[i]->num_tokens(), "request {}: media span {} holds {} media_pad tokens, its image {}",
+             x.id, i, pads, mi.images[i]->num_tokens());
+      ims.push_back(mi.images[i].get());
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    em.rows = vision::encode(w_.vision, c_.vision, ims);
+    stats_.vision_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    stats_.images_encoded += int64_t(ims.size());
+    it = media_.emplace(x.id, std::move(em)).first;
+  }
+  const EncodedMedia& em = it->second;
+  const int64_t D = c_.text.hidden_size;
+  for (size_t k = 0; k < em.pos.size(); ++k)
+    if (em.pos[k] >= x.start && em.pos[k] < x.end) out.push_back({em.pos[k] - x.start, em.rows.data() + int64_t(k) * D});
+  return out;
+}
+
 sched::StepResult Executor::run(const sched::StepPlan& plan, const StepHooks& hooks) {
   return run_rank(plan, hooks, nullptr);
 }
@@ -68,13 +107,18 @@ sched::StepResult Executor::run_rank(const sched::StepPlan& plan, const StepHook
              x.end, x.tokens.size());
       seqs.push_back(&x);
     }
+  for (const auto* list : {&plan.finished, &plan.cancelled})
+    for (cache::RequestId id : *list) media_.erase(id);
   std::vector<model::SeqInput> in(seqs.size());
+  std::vector<std::vector<model::EmbedOverride>> overrides(seqs.size());  // image rows per sequence
   std::vector<int64_t> first_row(seqs.size() + 1, 0);  // each sequence's first logits row
   for (size_t i = 0; i < seqs.size(); ++i) {
     const sched::ScheduledSeq& x = *seqs[i];
     const bool all = hooks.wants_all_logits && hooks.all_logits && hooks.wants_all_logits(x.id);
     in[i].view = store_.view(x.state_slot, x.block_table, x.start);
     in[i].tokens = x.tokens;
+    overrides[i] = media_rows(x, hooks);
+    in[i].embed_override = overrides[i];
     in[i].logits = all ? model::Logits::all : x.sample ? model::Logits::last : model::Logits::none;
     const int64_t n = in[i].logits == model::Logits::all ? x.end - x.start : in[i].logits == model::Logits::last ? 1 : 0;
     first_row[i + 1] = first_row[i] + n;

@@ -16,11 +16,15 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <unordered_map>
+#include <vector>
 
 #include "core/cache_format.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "loader/config.h"
 #include "loader/weights.h"
+#include "model/model.h"
+#include "request/request.h"
 #include "runtime/cache_store.h"
 #include "runtime/sampler.h"
 #include "sched/scheduler.h"
@@ -44,6 +48,8 @@ struct ExecutorStats {
   int64_t device_samples = 0;         // device executors: tokens sampled on the device
   int64_t host_fallback_samples = 0;  // device rows the device sampler handed back to the host
   double forward_seconds = 0.0;
+  int64_t images_encoded = 0;    // images run through the vision tower (once per request)
+  double vision_seconds = 0.0;   // of which encoding (inside forward_seconds)
 };
 
 struct StepHooks {
@@ -88,6 +94,17 @@ struct StepHooks {
   // that receives them, rows of positions [start, end).
   std::function<bool(cache::RequestId)> wants_all_logits;
   std::function<void(const sched::ScheduledSeq&, std::span<const float> rows /* f32 [end-start, V] */)> all_logits;
+  // Optional: a request's images (request.h) for the prefill chunks that cover its <|media_pad|>
+  // positions (MODEL.md §6). The executor encodes a request's images once, at its first chunk that
+  // overlaps a media span, keeps the rows until the request finishes or is cancelled (a preempted
+  // request's re-prefill reuses them) and puts them in place of those positions' embeddings; image i's
+  // rows go to the media_pad ids inside media[i], in order. Empty `images`: a text-only request.
+  struct MediaInputs {
+    std::span<const int32_t> prompt;
+    std::span<const MediaSpan> media;
+    std::span<const std::shared_ptr<const ImageInput>> images;
+  };
+  std::function<MediaInputs(const sched::ScheduledSeq&)> media_inputs;
 };
 
 // What the engine drives: the CPU Executor below, or a device executor (runtime/executor_cuda.h).
@@ -96,6 +113,8 @@ class StepExecutor {
   virtual ~StepExecutor() = default;
   virtual sched::StepResult run(const sched::StepPlan& plan, const StepHooks& hooks) = 0;
   virtual const ExecutorStats& stats() const = 0;
+  // Whether requests with images can run (StepHooks::media_inputs); the engine refuses them otherwise.
+  virtual bool supports_images() const { return false; }
 };
 
 // Builds an engine's executor once the memory plan has sized its caches.
@@ -109,6 +128,7 @@ class Executor : public StepExecutor {
 
   sched::StepResult run(const sched::StepPlan& plan, const StepHooks& hooks) override;
   const ExecutorStats& stats() const override { return stats_; }
+  bool supports_images() const override { return w_.has_vision && c_.vision.present; }
   // One rank's part of a tensor-parallel step (executor_tp.h): the same work, every forward passing
   // `comm` to the model (`w` and `c` are then this rank's shard and rank_config). Null = run().
   sched::StepResult run_rank(const sched::StepPlan& plan, const StepHooks& hooks, parallel::Comm* comm);
@@ -121,6 +141,14 @@ class Executor : public StepExecutor {
   CacheStore store_;
   ExecutorStats stats_;
   cpu::PackedWeights packed_;  // the model's bf16 weights in GEMM panels, packed on first use
+  // Image rows of running requests (StepHooks::media_inputs), encoded once per request.
+  struct EncodedMedia {
+    std::vector<uint16_t> rows;  // bf16 [Σ tokens, D], images in order
+    std::vector<int64_t> pos;    // prompt position of each row, ascending
+  };
+  std::unordered_map<cache::RequestId, EncodedMedia> media_;
+  // The embedding overrides of x's positions [start, end) (encoding its images first if needed).
+  std::vector<model::EmbedOverride> media_rows(const sched::ScheduledSeq& x, const StepHooks& hooks);
 };
 
 }  // namespace kestrel::runtime

@@ -29,6 +29,8 @@ class FakeExecutor : public StepExecutor {
   FakeExecutor(int64_t vocab_size, FakeExecutorOptions options);
   sched::StepResult run(const sched::StepPlan& plan, const StepHooks& hooks) override;
   const ExecutorStats& stats() const override { return stats_; }
+  // Images are accepted and ignored: the fake model has no vision tower to run them through.
+  bool supports_images() const override { return true; }
 
  private:
   int64_t V_;
