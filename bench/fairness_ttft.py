@@ -3,7 +3,7 @@
 requests sent while one long prompt is prefilling, and the long prompt's own time to first token.
 
     python3 bench/fairness_ttft.py --kestrel build/src/cli/kestrel [--long-tokens 19000] [--shorts 5]
-        [--serve-args "--long-prefill-token-threshold 0"] [--model DIR]
+        [--serve-args "--long-prefill-token-threshold 0"] [--model DIR] [--gap S] [--delay S]
 
 Starts `kestrel serve` (the embedded k3-tiny unless --model), sends the long prompt (streamed,
 max_tokens 1), then a one-word request every --gap seconds; prints each short TTFT and the long one."""
@@ -36,6 +36,7 @@ def main():
     ap.add_argument("--long-tokens", type=int, default=19000)
     ap.add_argument("--shorts", type=int, default=5)
     ap.add_argument("--gap", type=float, default=3.0)
+    ap.add_argument("--delay", type=float, default=2.0, help="seconds between the long prompt and the first short one")
     ap.add_argument("--serve-args", default="")
     a = ap.parse_args()
     cmd = [a.kestrel, "serve", "--port", "0", "--disable-access-log", "--max-model-len", str(max(65536, a.long_tokens + 8192)),
@@ -59,7 +60,7 @@ def main():
         t_long = threading.Thread(target=lambda: long_ttft.update(s=stream_ttft(url, {
             "messages": [{"role": "user", "content": text}], "max_tokens": 1, "stream": True})))
         t_long.start()
-        time.sleep(2.0)
+        time.sleep(a.delay)
         shorts = []
         for _ in range(a.shorts):
             if not t_long.is_alive():

@@ -12,10 +12,9 @@ pkgs=(build-essential cmake ninja-build pkg-config clang libclang-rt-14-dev
       nlohmann-json3-dev libcli11-dev libfmt-dev libgtest-dev libgmock-dev
       libicu-dev libopenblas-dev libboost-dev json-schema-test-suite
       libopenmpi-dev openmpi-bin
-      python3 python3-venv python3-pip)
-# The chat page's browser test (tests/py/test_chat_page.py, headless) runs where Chromium is installed;
-# KESTREL_INSTALL_CHROMIUM=1 installs it (left out of CI's default install for its 30-minute budget).
-if [ "${KESTREL_INSTALL_CHROMIUM:-0}" = 1 ]; then pkgs+=(chromium); fi
+      python3 python3-venv python3-pip chromium)
+# chromium: the chat page's browser test (tests/py/test_chat_page.py, headless). Like every package here it is
+# installed only when missing, so it costs CI nothing where the image already has it.
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

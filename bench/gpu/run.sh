@@ -17,6 +17,8 @@
 #   bench/gpu/run.sh serving # there: nano + reduced-mini checkpoints, the GPU serving tests (row copies,
 #                            # sampler, engine vs solo vs CPU, CUDA graphs) and the model test, then the
 #                            # batch-1/64 decode step of mini split by op (bench_ops --only model)
+#   bench/gpu/run.sh profile # there: Nsight Compute's per-kernel times of one batch-1 decode step of the
+#                            # reduced mini (bench/gpu/ncu_step.py turns the CSV into a table)
 #   bench/gpu/run.sh perf    # there: the scoreboard in one run (≤ 8 min): ceilings, kernels, the reduced-mini
 #                            # decode step and prefill, `kestrel serve` + `kestrel bench` at c=1/64, the peers;
 #                            # writes $OUT/perf.json (copy it to bench/gpu/perf.json) and a markdown table
@@ -64,8 +66,9 @@ unpack() {
 
 case "${1:-}" in
   pack)
-    # An existing build/ (configured as the developer likes) is reused; otherwise configure one.
-    if [ -f build/build.ninja ]; then ninja -C build >/dev/null; else scripts/build.sh >/dev/null; fi
+    # An existing build/ (configured as the developer likes) is reused; otherwise configure one. PACK_TARGETS
+    # ("kestrel bench_ops ...") builds only those first (default: everything).
+    if [ -f build/build.ninja ]; then ninja -C build ${PACK_TARGETS:-} >/dev/null; else scripts/build.sh ${PACK_TARGETS:-} >/dev/null; fi
     excl="$(git rev-parse --git-path info/exclude)"  # .git is a file in a worktree
     grep -qx "/.gpu-carry/" "$excl" 2>/dev/null || echo "/.gpu-carry/" >> "$excl"
     rm -rf .gpu-carry && mkdir -p .gpu-carry/pkg/lib
@@ -269,6 +272,22 @@ case "${1:-}" in
     wait $eng $ref
     for f in "$out"/engine-*.txt; do tail -n +1 "$f" | grep -vE "^\s*$" | tail -8; done
     grep -hE "^(kestrel|error)" "$out/serve.log" | head -5 || true
+    ;;
+  profile)
+    # Per-kernel GPU time of one batch-1 decode step of the reduced mini, by Nsight Compute (hardware timer,
+    # kernels serialised: no launch gaps or PDL overlap, so the sum is below the step's wall time). PROFILE_STEP
+    # (default 3 = the second eager decode step) picks the forward; $OUT: ncu_step.csv, profile_step.md.
+    out="${OUT:-/tmp}"
+    ck=/tmp/kestrel_ckpt
+    unpack
+    mkdir -p "$ck"
+    [ -f "$ck/mini/config.json" ] || python3 reference/make_checkpoint.py --config mini --out "$ck/mini" --seed 1 \
+      --fast-experts --no-vision --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 >/dev/null
+    ncu_bin="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+    # Launches: the ceilings' few hundred, then prefill + eager steps; 3,000 covers several forwards.
+    timeout "${PROFILE_TIMEOUT:-300}" "$ncu_bin" --clock-control none --metrics gpu__time_duration.sum --csv --launch-count "${PROFILE_LAUNCHES:-3000}" \
+      .gpu-carry/bench_ops --perf --only model --model "$ck/mini" > "$out/ncu_step.csv" 2> "$out/ncu_step.err" || true
+    python3 bench/gpu/ncu_step.py "$out/ncu_step.csv" --step "${PROFILE_STEP:-3}" | tee "$out/profile_step.md" | head -150
     ;;
   perf)
     # The scoreboard: every number of bench/gpu/perf.json measured in this one run (ceilings, our kernels, the

@@ -9,6 +9,8 @@
 // - chunked scan: kda_chunked.cu; the fused decode chain (steps 2–7 in one launch): kda_decode_fused.cu.
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <string>
 
@@ -429,23 +431,43 @@ void kda_recurrent(const float* q, const float* k, const float* v, const float* 
 }
 
 namespace {
+// Per device, measured once: one wave of the streaming kernel (SMs × resident blocks). The occupancy query
+// costs microseconds of host time, which a batch-1 launch (a few µs of GPU work) paid on every call: the
+// batch-1 decode measured 7.4–7.6 µs with it, 5.3–5.6 µs without (H200, bench_kda, events around one launch).
+template <int DK, typename StateT>
+int64_t decode_wave() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int64_t> wave[kMaxDevices];  // 0: not measured yet (threads may race to measure it: same value)
+  int dev = 0;
+  KCUDA_CHECK(cudaGetDevice(&dev));
+  KCUDA_REQUIRE(dev >= 0 && dev < kMaxDevices, "kda_decode: device " + std::to_string(dev));
+  int64_t w = wave[dev].load(std::memory_order_relaxed);
+  if (w == 0) {
+    int sms = 0, per_sm = 0;
+    constexpr size_t smem = size_t(2) * DK * kDecodeCols * sizeof(StateT);
+    KCUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_stream_kernel<DK, StateT>,
+                                                              kDecodeThreads, smem));
+    w = int64_t(std::max(sms, 1)) * std::max(per_sm, 1);
+    wave[dev].store(w, std::memory_order_relaxed);
+  }
+  return w;
+}
+
 template <int DK, typename StateT>
 void launch_decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
                    int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, StateT* state_pool, float* o,
                    int64_t B, int64_t H, KdaDecodeVariant variant, cudaStream_t stream) {
   const int64_t n_items = B * H * (DK / kDecodeCols);
-  auto stream_kernel = decode_stream_kernel<DK, StateT>;
   constexpr size_t smem = size_t(2) * DK * kDecodeCols * sizeof(StateT);
-  int dev = 0, sms = 0, per_sm = 0;
-  KCUDA_CHECK(cudaGetDevice(&dev));
-  KCUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, stream_kernel, kDecodeThreads, smem));
-  const int64_t wave = int64_t(std::max(sms, 1)) * std::max(per_sm, 1);
+  const int64_t wave = decode_wave<DK, StateT>();
   if (variant == kKdaDecodeStream || (variant == kKdaDecodeAuto && n_items > wave)) {
-    stream_kernel<<<unsigned(std::min(n_items, wave)), kDecodeThreads, smem, stream>>>(
+    decode_stream_kernel<DK, StateT><<<unsigned(std::min(n_items, wave)), kDecodeThreads, smem, stream>>>(
         q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, H, n_items);
   } else {
     const dim3 grid{unsigned(DK / kDecodeCols), unsigned(H), unsigned(B)};
+    // Plain accesses measured best on the H200 at B = 1024 (3.87 TB/s): evict-first .cs loads and stores gave
+    // 3.68, loads with the L2 256-byte fetch hint 3.83 (2026-12-01, bench_kda --only decode).
     decode_kernel<DK><<<grid, kDecodeThreads, 0, stream>>>(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots,
                                                            state_pool, o, H);
   }

@@ -215,6 +215,15 @@ __global__ void __launch_bounds__(1024) attn_res_step_kernel(
   __shared__ float red[2 * kAttnResMaxSources][33];
   __shared__ float alpha[kAttnResMaxSources];
   dev::pdl_trigger();
+  // The three weight vectors are never written by a kernel: ask L2 for this thread's share before the PDL wait,
+  // so that at batch 1 (one CTA, a chain of dependent passes) their DRAM latency overlaps the previous kernel.
+  if (blockIdx.x == 0) {
+    for (int v = threadIdx.x; v < D / 8; v += blockDim.x) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(mix_norm_w + 8 * v));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(mix_proj_w + 8 * v));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(rms_w + 8 * v));
+    }
+  }
   dev::pdl_wait();
   const int64_t t = blockIdx.x;
   const int n = nb + 1, nv = D / 8;
