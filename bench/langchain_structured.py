@@ -8,7 +8,10 @@ does not carry.
     /tmp/lc/bin/python bench/langchain_structured.py --base-url http://127.0.0.1:8000/v1
 
 For each mode it prints what the server was sent (the request LangChain built, captured by an httpx
-event hook), whether the server accepted it, and what LangChain parsed out of the answer."""
+event hook), whether the server accepted it, and what LangChain parsed out of the answer. A fourth run
+repeats json_schema with the city's string bounded (`max_length`, JSON Schema maxLength): k3-tiny was
+never trained to answer in JSON, and in an unbounded string it writes on until max_tokens, while the
+bound lets the grammar close the document."""
 import argparse
 import json
 import time
@@ -21,6 +24,12 @@ from pydantic import BaseModel, Field
 class Weather(BaseModel):
     """The weather report a user asked for."""
     city: str = Field(description="the city's name")
+    celsius: int = Field(description="the temperature in degrees Celsius")
+
+
+class BoundedWeather(BaseModel):
+    """The weather report a user asked for."""
+    city: str = Field(description="the city's name", max_length=12)
     celsius: int = Field(description="the temperature in degrees Celsius")
 
 
@@ -40,10 +49,11 @@ def main():
     client = httpx.Client(event_hooks={"request": [capture]}, timeout=600)
     llm = ChatOpenAI(model=model, base_url=a.base_url, api_key="unused", temperature=0, max_tokens=400,
                      http_client=client, max_retries=0)
-    for method in ("function_calling", "json_mode", "json_schema"):
+    for method, schema in (("function_calling", Weather), ("json_mode", Weather), ("json_schema", Weather),
+                           ("json_schema", BoundedWeather)):
         sent.clear()
         t0 = time.time()
-        chain = llm.with_structured_output(Weather, method=method, include_raw=True)
+        chain = llm.with_structured_output(schema, method=method, include_raw=True)
         try:
             out = chain.invoke(a.question if method != "json_mode" else
                                a.question + " Answer in JSON with the keys city and celsius.")
@@ -55,7 +65,7 @@ def main():
             status, parsed, err, answer = type(e).__name__, None, e, None
         req = sent[-1] if sent else {}
         shape = {k: req[k] for k in ("tools", "tool_choice", "parallel_tool_calls", "response_format") if k in req}
-        print(f"== {method}: {time.time() - t0:.1f} s, server {status}")
+        print(f"== {method} ({schema.__name__}): {time.time() - t0:.1f} s, server {status}")
         print(f"   sent (besides messages/model/sampling): {json.dumps(shape)[:400]}")
         print(f"   answer: {str(answer)[:300]!s}")
         print(f"   parsed: {parsed!r}; parsing error: {str(err)[:200] if err else None}")

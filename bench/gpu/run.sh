@@ -22,9 +22,13 @@
 #   bench/gpu/run.sh perf    # there: the scoreboard in one run (≤ 8 min): ceilings, kernels, the reduced-mini
 #                            # decode step and prefill, `kestrel serve` + `kestrel bench` at c=1/64, the peers;
 #                            # writes $OUT/perf.json (copy it to bench/gpu/perf.json) and a markdown table
+#   bench/gpu/run.sh tp      # there: nano + nano_tp_gpu checkpoints, the GPU tensor-parallel tests (GpuTp.*: the
+#                            # same-device communicator, the engine as TP2/TP4 on one GPU against TP1)
 #   bench/gpu/run.sh structured
 #                            # there: nano checkpoint, the GPU structured-output tests (GpuStructured.*), then
-#                            # bench_structured_engine on models/k3-tiny --device cuda at batch 1 and 64
+#                            # bench_structured_engine on models/k3-tiny --device cuda at batch 1 and 64, and with
+#                            # K3TINY_REQUESTS=N (kestrel_unit_tests packed: PACK_EXTRA) N strict-schema requests
+#                            # of K3TinyStructured.* on the GPU engine
 #   bench/gpu/run.sh decode  # there: the fused decode path's tests and bench_ops --perf per variant (see below)
 #   bench/gpu/run.sh kda     # there: KDA (issue #15 point 4): the KDA GPU tests over every kernel variant,
 #                            # bench_kda --perf (scoreboard lines + one PERF line per variant), FLA's kda_peer
@@ -56,9 +60,10 @@ set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # "$0" again after the cd below
 cd "$(dirname "$0")/../.."
 
-# Unpacks .gpu-carry/pkg.tar.xz (binaries and lib/) into .gpu-carry/ once; puts lib/ on the loader path.
+# Unpacks .gpu-carry/pkg.tar.xz (binaries and lib/) into .gpu-carry/ once (COMMIT marks it done, whichever
+# binaries were packed); puts lib/ on the loader path.
 unpack() {
-  [ -x .gpu-carry/kestrel ] || python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' \
+  [ -f .gpu-carry/COMMIT ] || python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' \
     .gpu-carry/pkg.tar.xz .gpu-carry
   if [ -d .gpu-carry/pkg ]; then mv .gpu-carry/pkg/* .gpu-carry/ && rmdir .gpu-carry/pkg; fi
   export LD_LIBRARY_PATH="$PWD/.gpu-carry/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
@@ -80,6 +85,11 @@ case "${1:-}" in
     done
     for b in build/bench/bench_moe build/bench/bench_mla build/bench/bench_kda build/bench/bench_indexer build/bench/bench_structured_engine; do  # per-kernel benchmarks, when built
       [ -x "$b" ] && ! skip "$b" && objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
+    done
+    # PACK_EXTRA="kestrel_unit_tests": the CPU unit-test binary too (structured mode's k3-tiny run on the GPU engine).
+    for n in ${PACK_EXTRA:-}; do
+      b="$(find build -name "$n" -type f -perm -u+x | head -1)"
+      [ -n "$b" ] && objcopy --strip-debug "$b" ".gpu-carry/pkg/$n"
     done
     git rev-parse --short HEAD > .gpu-carry/pkg/COMMIT
     for l in libfmt.so.9 libopenblas.so.0 libgomp.so.1 libgfortran.so.5 libquadmath.so.0 libicuuc.so.72 libicudata.so.72; do
@@ -138,6 +148,20 @@ case "${1:-}" in
       | tee "$out/gpu_serving_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -80 || true
     "$self" bench --model "$ck/mini" --only model 2>&1 | tee "$out/decode_step.md"
     ;;
+  tp)
+    # Tensor parallelism on the GPU engine (issue #16): nano and nano_tp_gpu (nano with 4 indexer heads and
+    # I = 256, so TP4 leaves 64 expert columns per rank) checkpoints, then GpuTp.* — the same-device
+    # communicator against the CPU twin's collectives, and the engine as TP2/TP4 on this one GPU against TP1.
+    out="${OUT:-/tmp}"
+    ck=/tmp/kestrel_ckpt
+    mkdir -p "$ck"
+    [ -f "$ck/nano/config.json" ] || python3 reference/make_checkpoint.py --config nano --out "$ck/nano" --seed 1 --no-vision >/dev/null &
+    [ -f "$ck/nano_tp_gpu/config.json" ] || python3 reference/make_checkpoint.py --config nano --out "$ck/nano_tp_gpu" \
+      --seed 2 --no-vision --override index_n_heads=4 --override moe_intermediate_size=256 >/dev/null &
+    wait
+    export KESTREL_GPU_CKPTS="$ck/nano:$ck/nano_tp_gpu"
+    "$self" test --gtest_filter="${TP_TESTS:-GpuTp.*}" 2>&1 | tee "$out/gpu_tp_tests.log" | tail -60 || true
+    ;;
   structured)
     # Structured outputs (issue #20): the GPU tests (token-mask kernel vs its twin, masked sampling, constrained
     # requests through the GPU engine) on nano, then the mask's cost per decode step on k3-tiny at batch 1 and 64.
@@ -152,8 +176,13 @@ case "${1:-}" in
       d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
       export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
     fi
-    .gpu-carry/bench_structured_engine --model models/k3-tiny --device cuda --batch 1,64 --tokens 64 2>&1 \
+    .gpu-carry/bench_structured_engine --model models/k3-tiny --device cuda --batch 1,64 --tokens 64 --reps 4 2>&1 \
       | tee "$out/structured_engine_cuda.md"
+    # Issue #20 point 5: K3TINY_REQUESTS strict-schema requests (half as many tool calls) on the GPU engine.
+    if [ -x .gpu-carry/kestrel_unit_tests ] && [ -n "${K3TINY_REQUESTS:-}" ]; then
+      KESTREL_K3TINY_DEVICE=cuda KESTREL_K3TINY_REQUESTS="$K3TINY_REQUESTS" .gpu-carry/kestrel_unit_tests \
+        --gtest_filter='K3TinyStructured.*' 2>&1 | tee "$out/k3tiny_structured_cuda.log" | tail -20
+    fi
     ;;
   decode)
     # The fused decode path (issue #14 points 2–3) in one call: nano + reduced-mini checkpoints; the decode-path

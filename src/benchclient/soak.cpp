@@ -105,6 +105,12 @@ SoakSummary summarize(const std::vector<SoakRound>& rounds, const SoakOptions& o
   if (base && base->server.rss_mb && last.server.rss_mb) s.rss_growth_mb = *last.server.rss_mb - *base->server.rss_mb;
   if (base && base->server.gpu_mib && last.server.gpu_mib)
     s.gpu_growth_mib = *last.server.gpu_mib - *base->server.gpu_mib;
+  for (const SoakRound& r : rounds)
+    if (r.round > s.baseline_round) s.requests_after_baseline += r.sent;
+  if (base && base->server.heap_bytes && last.server.heap_bytes) {
+    s.heap_growth_bytes = *last.server.heap_bytes - *base->server.heap_bytes;
+    if (s.requests_after_baseline > 0) s.heap_bytes_per_request = *s.heap_growth_bytes / s.requests_after_baseline;
+  }
   auto check = [&](const char* what, const std::optional<double>& growth, const std::optional<double>& limit,
                    const char* unit) {
     if (!limit) return;
@@ -119,22 +125,40 @@ SoakSummary summarize(const std::vector<SoakRound>& rounds, const SoakOptions& o
   };
   check("RSS", s.rss_growth_mb, o.max_rss_growth_mb, "MB");
   check("GPU memory", s.gpu_growth_mib, o.max_gpu_growth_mib, "MiB");
+  if (o.max_heap_bytes_per_request) {
+    if (!s.heap_bytes_per_request) {
+      s.ok = false;
+      notes.push_back(fmt::format("heap growth was asked to stay within {} bytes per request but was not measured "
+                                  "(no heap_bytes from /debug/integrity, or no round after the baseline)",
+                                  *o.max_heap_bytes_per_request));
+    } else if (*s.heap_bytes_per_request > *o.max_heap_bytes_per_request) {
+      s.ok = false;
+      notes.push_back(fmt::format("the heap grew {:.0f} bytes from round {} to {}, {:.1f} per request over {} "
+                                  "requests (limit {} per request)",
+                                  *s.heap_growth_bytes, s.baseline_round, last.round, *s.heap_bytes_per_request,
+                                  s.requests_after_baseline, *o.max_heap_bytes_per_request));
+    }
+  }
   auto fmt_growth = [](const std::optional<double>& g, const char* unit) {
     return g ? fmt::format("{:+.1f} {}", *g, unit) : std::string("not measured");
   };
   s.verdict = fmt::format("growth from round {} to round {}: RSS {}, GPU memory {}", s.baseline_round, last.round,
                           fmt_growth(s.rss_growth_mb, "MB"), fmt_growth(s.gpu_growth_mib, "MiB"));
+  if (s.heap_growth_bytes)
+    s.verdict += fmt::format(", heap {:+.0f} bytes", *s.heap_growth_bytes) +
+                 (s.heap_bytes_per_request ? fmt::format(" ({:+.1f} per request)", *s.heap_bytes_per_request) : "");
   for (const std::string& n : notes) s.verdict += "\n" + n;
   return s;
 }
 
 namespace {
-constexpr const char* kRowFormat = "{:>5} {:>6} {:>6} {:>6} {:>6} {:>5} {:>7} {:>6} {:>9} {:>9} {:>5} {:>5} {:>7} {:>7}  {}";
+constexpr const char* kRowFormat =
+    "{:>5} {:>6} {:>6} {:>6} {:>6} {:>5} {:>7} {:>6} {:>9} {:>10} {:>9} {:>5} {:>5} {:>7} {:>7}  {}";
 }  // namespace
 
 std::string soak_table_header() {
   return fmt::format(kRowFormat, "round", "sent", "done", "drop-q", "drop-s", "fail", "secs", "drain", "RSS MB",
-                     "GPU MiB", "run", "wait", "pg held", "pg allc", "integrity");
+                     "heap KB", "GPU MiB", "run", "wait", "pg held", "pg allc", "integrity");
 }
 
 std::string soak_table_row(const SoakRound& r) {
@@ -147,6 +171,7 @@ std::string soak_table_row(const SoakRound& r) {
   return fmt::format(kRowFormat, r.round, cnt(r.sent), cnt(r.completed), cnt(r.dropped_queued),
                      cnt(r.dropped_stream), cnt(r.failed), pre ? "-" : fmt::format("{:.1f}", r.seconds),
                      pre ? "-" : (r.drained ? fmt::format("{:.1f}", r.drain_seconds) : "NO"), num(s.rss_mb, 1),
+                     s.heap_bytes ? fmt::format("{:.1f}", *s.heap_bytes / 1e3) : std::string("-"),
                      s.gpu_whole_device ? num(s.gpu_mib, 0) + "*" : num(s.gpu_mib, 0), num(s.running, 0), num(s.waiting, 0), num(s.pages_used, 0),
                      num(s.pages_allocated, 0), s.integrity);
 }
@@ -166,7 +191,7 @@ nlohmann::json soak_json(const std::vector<SoakRound>& rounds, const SoakSummary
     rs.push_back({{"round", r.round}, {"sent", r.sent}, {"completed", r.completed},
                   {"dropped_queued", r.dropped_queued}, {"dropped_stream", r.dropped_stream}, {"failed", r.failed},
                   {"broken", r.broken}, {"finish_reasons", r.finish_reasons}, {"first_error", r.first_error}, {"seconds", r.seconds}, {"drain_seconds", r.drain_seconds},
-                  {"drained", r.drained}, {"rss_mb", opt(s.rss_mb)}, {"gpu_mib", opt(s.gpu_mib)},
+                  {"drained", r.drained}, {"rss_mb", opt(s.rss_mb)}, {"heap_bytes", opt(s.heap_bytes)}, {"gpu_mib", opt(s.gpu_mib)},
                   {"running", opt(s.running)}, {"waiting", opt(s.waiting)}, {"kv_pages_used", opt(s.pages_used)},
                   {"gpu_whole_device", s.gpu_whole_device},
                   {"kv_pages_allocated", opt(s.pages_allocated)}, {"kv_cache_usage_perc", opt(s.kv_usage)},
@@ -188,6 +213,9 @@ nlohmann::json soak_json(const std::vector<SoakRound>& rounds, const SoakSummary
           {"baseline_round", sum.baseline_round},
           {"rss_growth_mb", opt(sum.rss_growth_mb)},
           {"gpu_growth_mib", opt(sum.gpu_growth_mib)},
+          {"heap_growth_bytes", opt(sum.heap_growth_bytes)},
+          {"requests_after_baseline", sum.requests_after_baseline},
+          {"heap_bytes_per_request", opt(sum.heap_bytes_per_request)},
           {"ok", sum.ok},
           {"verdict", sum.verdict},
           {"rounds", rs}};
@@ -331,6 +359,9 @@ class Soak {
     const HttpReply integ = get("/debug/integrity");
     if (integ.status == 200) {
       s.integrity = "ok";
+      const auto j = nlohmann::json::parse(integ.body, nullptr, false);
+      if (j.is_object() && j.contains("heap_bytes") && j["heap_bytes"].is_number())
+        s.heap_bytes = j["heap_bytes"].get<double>();
     } else if (integ.status != 404 && integ.status != 0) {
       const auto j = nlohmann::json::parse(integ.body, nullptr, false);
       s.integrity = fmt::format("HTTP {}: {}", integ.status,

@@ -17,7 +17,13 @@
 //  - the gauges of /metrics: running, waiting, kv_pages_used (held by requests), kv_pages_allocated
 //    (also those the prefix cache keeps), and kv_cache_usage_perc;
 //  - GET /debug/integrity when the server offers it (`kestrel serve --debug-routes`): the engine's
-//    page/slot/prefix-cache accounting checked after the drain ("ok"), else "-".
+//    page/slot/prefix-cache accounting checked after the drain ("ok"), else "-"; and, where the server
+//    reports it (kestrel on glibc), heap_bytes: what its C allocator has handed out and not had back.
+//    RSS moves in pages and a small leak hides in the allocator's free space for a long time; the heap
+//    counts bytes, so its growth per request served after the baseline round bounds a leak to tens of
+//    bytes per request (max_heap_bytes_per_request). Start the server with
+//    GLIBC_TUNABLES=glibc.malloc.tcache_count=0 for that: chunks in glibc's per-thread caches count as
+//    in use and move the figure by tens of KB.
 // Every round uses new random prompts (seed + round), so a prefix cache keeps meeting new text; with
 // shared_prefix_len > 0 each prompt starts with one of shared_prefix_groups fixed prefixes, so the
 // prefix cache's sharing, checkpoints and (with a small memory budget) preemption are exercised too.
@@ -52,6 +58,7 @@ struct SoakOptions {
   double settle_s = 2;             // then this long before sampling
   int baseline_round = 2;          // growth is measured from after this round to after the last
   std::optional<double> max_rss_growth_mb, max_gpu_growth_mib;  // fail the run beyond these
+  std::optional<double> max_heap_bytes_per_request;             // likewise: heap growth / requests sent after the baseline
 };
 
 // What a server looked like after a round (absent: not available).
@@ -59,6 +66,7 @@ struct ServerSample {
   std::optional<double> rss_mb, gpu_mib;
   bool gpu_whole_device = false;  // nvidia-smi listed no process of the pid: the device's memory in use (table: '*')
   std::optional<double> running, waiting, pages_used, pages_allocated, kv_usage;
+  std::optional<double> heap_bytes;  // /debug/integrity's heap_bytes
   std::string integrity = "-";  // "ok", "-" (no /debug/integrity), or the failure
 };
 
@@ -89,6 +97,9 @@ std::optional<double> parse_vm_rss_mb(const std::string& status);
 
 struct SoakSummary {
   std::optional<double> rss_growth_mb, gpu_growth_mib;  // last round − baseline round
+  std::optional<double> heap_growth_bytes;             // likewise
+  int requests_after_baseline = 0;                     // sent in the rounds after the baseline round
+  std::optional<double> heap_bytes_per_request;        // heap_growth_bytes / requests_after_baseline
   int baseline_round = 0;
   bool ok = true;       // within the limits asked for, every round drained, integrity never failed, no broken stream
   std::string verdict;  // one line per finding

@@ -25,6 +25,20 @@ CacheLayout CacheLayout::from_config(const TextConfig& t, const CacheFormats& f)
   return l;
 }
 
+CacheLayout CacheLayout::for_rank(const TextConfig& t, const CacheFormats& f, int tp, int dcp) {
+  if (tp < 1 || dcp < 1 || (dcp != 1 && dcp != tp))
+    fail("cache: a rank of TP{} with DCP{} (DCP must be 1 or the TP size)", tp, dcp);
+  if (t.kda.num_heads % tp != 0)
+    fail("cache: {} KDA heads do not split over {} tensor-parallel ranks", t.kda.num_heads, tp);
+  if (f.block_size % dcp != 0)
+    fail("cache: --block-size {} must divide by --decode-context-parallel-size {}", f.block_size, dcp);
+  TextConfig rt = t;
+  rt.kda.num_heads = t.kda.num_heads / tp;  // KDA state: the rank's heads only
+  CacheFormats rf = f;
+  rf.block_size = f.block_size / dcp;  // MLA latent and index keys: replicated per TP rank, split by DCP
+  return from_config(rt, rf);
+}
+
 std::string CacheLayout::describe() const {
   return fmt::format(
       "page = {} tokens x {} MLA layers x ({} B latent + {} B index key) = {} B; "

@@ -5,6 +5,12 @@
 //
 // One page = `block_size` tokens of EVERY MLA layer (one block table per request for all layers); one
 // state slot = every KDA layer's recurrent state and conv history for one sequence.
+//
+// Under tensor/context parallelism (docs/parallel.md §4) each rank allocates its own caches, sized by
+// for_rank(): the scheduler's page ids and slot ids mean the same on every rank, but the bytes behind them
+// are one rank's — KDA state has H/TP heads per rank (heads are split), while the MLA latent and index-key
+// rows have no head dimension and are replicated on every TP rank, unless decode context parallelism
+// spreads them along tokens (a scheduler page of P tokens is P/DCP rows on each rank).
 #pragma once
 
 #include <cstdint>
@@ -26,6 +32,10 @@ struct CacheLayout {
 
   // Throws kestrel::Error when a format does not fit the config (e.g. MXFP4 keys with Di % 32 != 0).
   static CacheLayout from_config(const TextConfig& t, const CacheFormats& f = {});
+  // What ONE rank of a TP-`tp` group with decode context parallelism `dcp` (1 or tp) allocates: KDA heads
+  // H/tp, pages of f.block_size/dcp rows (block_size below is then the rank's rows per page). Throws
+  // kestrel::Error when H or the block size does not divide. for_rank(t, f, 1, 1) == from_config(t, f).
+  static CacheLayout for_rank(const TextConfig& t, const CacheFormats& f, int tp, int dcp);
 
   int64_t bytes_per_token_per_layer() const { return latent_bytes_per_token + index_key_bytes_per_token; }
   int64_t bytes_per_token() const { return bytes_per_token_per_layer() * num_mla_layers; }

@@ -146,7 +146,7 @@ struct Opts {
   uint64_t seed = 0;
   bool ignore_eos = false, no_progress = false, detailed = false, cpu_ceilings = false;
   bench::SoakOptions soak;
-  double soak_max_rss = -1, soak_max_gpu = -1;
+  double soak_max_rss = -1, soak_max_gpu = -1, soak_max_heap = -1;
 };
 
 // --soak: the rounds, a row printed as each is sampled, the summary, the JSON; exit 1 on a failed check.
@@ -157,6 +157,7 @@ void soak(Opts& o, const bench::ClientOptions& co, const tok::Tokenizer* tok) {
   so.max_concurrency = o.max_concurrency;
   if (o.soak_max_rss >= 0) so.max_rss_growth_mb = o.soak_max_rss;
   if (o.soak_max_gpu >= 0) so.max_gpu_growth_mib = o.soak_max_gpu;
+  if (o.soak_max_heap >= 0) so.max_heap_bytes_per_request = o.soak_max_heap;
   fmt::print("Soak: {} rounds of {} streams ({} at a time), {:.0f}% of clients leaving early{}\n", so.rounds,
              o.num_prompts, o.max_concurrency > 0 ? std::to_string(o.max_concurrency) : std::string("all"),
              100 * so.drop_fraction,
@@ -242,6 +243,10 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--soak-max-rss-growth", o->soak_max_rss, "soak: exit 1 if RSS grows more (MB) from the baseline round to the last")
       ->check(CLI::Range(0.0, 1e12));
   cmd->add_option("--soak-max-gpu-growth", o->soak_max_gpu, "soak: exit 1 if GPU memory grows more (MiB) likewise")
+      ->check(CLI::Range(0.0, 1e12));
+  cmd->add_option("--soak-max-heap-growth", o->soak_max_heap,
+                  "soak: exit 1 if the server's heap (/debug/integrity's heap_bytes) grows more from the baseline round "
+                  "to the last than this many bytes per request sent after the baseline")
       ->check(CLI::Range(0.0, 1e12));
   cmd->callback([o, cmd] {
     using namespace kestrel::bench;

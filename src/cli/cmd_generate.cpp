@@ -16,7 +16,8 @@
 // per request the generated ids (and text with a tokenizer), then throughput. A single prompt prints
 // "tokens:", "prompt tokens:", "text:", "finish:", "prefill:", "decode:"; several prompts
 // (--prompts-file: one per line, text or `ids:1,2,3`; blank lines and lines starting with '#'
-// skipped) run concurrently and print "[i] ..." lines plus aggregate throughput.
+// skipped) run concurrently and print "[i] ..." lines (with --logprobs, "[i] logprobs: ..." per token)
+// plus aggregate throughput.
 // --dump-logits (single prompt only) writes every position fed through the model (prompt, then each
 // generated token but the last) as a NumPy .npy v1.0 file: magic "\x93NUMPY", version 1 0, u16
 // little-endian header length, an ASCII dict {'descr': '<f4', 'fortran_order': False, 'shape':
@@ -198,6 +199,7 @@ void generate(const Opts& o) {
 
   runtime::EngineOptions eo = o.engine.options(int(std::min<size_t>(prompts.size(), 16)));
   eo.tokenizer = tk;
+  if (runtime::run_mpi_rank(eo)) return;  // under mpirun: ranks > 0 executed rank 0's steps (executor_mpi.h)
   runtime::EngineHost host(eo);
   if (!host.wait_loaded()) fail("{}", host.load_error());
   runtime::Engine& engine = host.engine();
@@ -266,6 +268,7 @@ void generate(const Opts& o) {
       outn += int64_t(r.tokens.size());
       if (o.quiet) continue;
       fmt::print("[{}] tokens: {}\n", i, fmt::join(r.tokens, ","));
+      for (const std::string& l : r.logprob_lines) fmt::print("[{}] logprobs: {}\n", i, l);
       if (tk) fmt::print("[{}] text: {}\n", i, text_of(r));
       fmt::print("[{}] finish: {}, {} prompt tokens, first token {:.3f} s, done {:.3f} s\n", i, r.finish,
                  prompts[i].ids.size(), r.first_token_s, r.done_s);

@@ -9,7 +9,9 @@
 
 #include <memory>
 
+#include "cache/layout.h"
 #include "cli/commands.h"
+#include "core/cache_format.h"
 #include "loader/config.h"
 #include "loader/inventory.h"
 #include "loader/safetensors.h"
@@ -46,6 +48,16 @@ void register_inspect(CLI::App& app) {
       const LayoutMemory m = layout_memory(cfg, layout);
       fmt::print("\nlayout {}: {} B of weights per rank ({} B replicated), MLA cache {} B/token, KDA state {} B/request\n",
                  layout.name(), m.weight_bytes, m.replicated_bytes, m.cache_bytes_per_token, m.kda_state_bytes);
+      // The engine's memory plan for one rank (sched/memory_plan.h), in the deployment formats.
+      const CacheFormats f{128, LatentFormat::bf16, IndexKeyFormat::fp8, KdaStateDtype::f32};
+      const cache::CacheLayout rl = cache::CacheLayout::for_rank(cfg.text, f, layout.tp, layout.dcp);
+      fmt::print("caches per rank   KDA state split by heads ({} of {} per rank); MLA latent and index keys "
+                 "{} (a {}-token page is {} rows per rank)\n"
+                 "                  {}\n",
+                 cfg.text.kda.num_heads / layout.tp, cfg.text.kda.num_heads,
+                 layout.dcp > 1 ? fmt::format("spread along tokens over DCP{}", layout.dcp)
+                                : std::string("replicated on every TP rank"),
+                 f.block_size, rl.block_size, rl.describe());
     }
     if (opts->config_only) return;
     const Checkpoint ckpt(opts->dir);

@@ -78,6 +78,7 @@ void serve(Opts& o) {
     eo.fake_load_delay = std::chrono::milliseconds(o.fake_load_ms);
     if (!eo.memory_budget && eo.gpu_memory_utilization == 0.0) eo.memory_budget = int64_t(64) << 30;
   }
+  if (runtime::run_mpi_rank(eo)) return;  // under mpirun: ranks > 0 executed rank 0's steps (executor_mpi.h)
   runtime::EngineHost engine(eo);
 
   server::ServerOptions so;
@@ -111,7 +112,7 @@ void serve(Opts& o) {
           o.fake ? std::string("fake engine: random tokens, no model")
                  : fmt::format("capacity: {} tokens of KV cache ({} pages of {}; {} latent, {} index keys), {} "
                                "concurrent requests, longest single request {} tokens",
-                               m.token_capacity, m.num_pages, m.layout.block_size, o.engine.kv_cache_dtype,
+                               m.token_capacity, m.num_pages, m.block_size, o.engine.kv_cache_dtype,
                                o.engine.index_cache_dtype, m.max_running, m.longest_request);
       fmt::print("kestrel serve: model loaded, ready (max_model_len {})\n  {}\nchat in a browser: {}/\n",
                  engine.max_model_len(), capacity, url);

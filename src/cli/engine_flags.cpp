@@ -84,8 +84,8 @@ void EngineFlags::add_to(CLI::App& cmd) {
   cmd.add_option("--threads", threads, "threads of the CPU engine's ops, for the whole step (default: every core)")
       ->check(CLI::Range(0, 1024));
   cmd.add_option("--tensor-parallel-size", tensor_parallel_size,
-                 "ranks the model is split over (heads, projections, experts; docs/parallel.md); --device cpu: "
-                 "threads of this process")
+                 "ranks the model is split over (heads, projections, experts; docs/parallel.md): threads of this "
+                 "process; --device cuda: one GPU each, NCCL")
       ->check(CLI::Range(1, 1024));
   cmd.add_flag("--enable-expert-parallel", enable_expert_parallel,
                "with --tensor-parallel-size N: whole experts per rank instead of every expert split N ways");
@@ -93,6 +93,9 @@ void EngineFlags::add_to(CLI::App& cmd) {
                  "spread each request's MLA latent and index-key cache along tokens over this many TP ranks (1 or "
                  "the TP size)")
       ->check(CLI::Range(1, 1024));
+  cmd.add_flag("--debug-tp-on-one-gpu", debug_tp_on_one_gpu,
+               "--device cuda --tensor-parallel-size N: every rank on GPU 0 through a same-device communicator "
+               "(slow; for testing the parallel code on one GPU)");
   cmd.add_option("--long-prefill-token-threshold", long_prefill_token_threshold,
                  "longest prefill chunk per step; longer prompts are 'long' (0: no cap; default: CPU 256, GPU 2048, "
                  "at most half of --max-num-batched-tokens)")
@@ -120,6 +123,7 @@ runtime::EngineOptions EngineFlags::options(int default_max_num_seqs) const {
   o.tensor_parallel_size = tensor_parallel_size;
   o.expert_parallel = enable_expert_parallel;
   o.decode_context_parallel_size = decode_context_parallel_size;
+  o.debug_tp_on_one_gpu = debug_tp_on_one_gpu;
   runtime::EngineConfig& ec = o.engine;
   ec.formats.latent = parse_latent_format(kv_cache_dtype);
   ec.formats.index_keys = parse_index_key_format(index_cache_dtype);

@@ -36,6 +36,7 @@ struct EngineFlags {
   int tensor_parallel_size = 1;
   bool enable_expert_parallel = false;
   int decode_context_parallel_size = 1;
+  bool debug_tp_on_one_gpu = false;
   // Fairness (sched/scheduler.h). threshold -1: the device's default (long_prefill_default()).
   int long_prefill_token_threshold = -1;
   int max_num_partial_prefills = 4, max_long_partial_prefills = 1;

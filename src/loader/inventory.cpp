@@ -57,7 +57,11 @@ LayoutMemory layout_memory(const ModelConfig& c, const ParallelLayout& p) {
     if (sl.whole() && !(s.module == Module::routed_experts && p.expert_parallel)) m.replicated_bytes += b;
   });
   const TextConfig& t = c.text;
-  m.cache_bytes_per_token = (cache_bytes_per_token(t) + p.dcp - 1) / p.dcp;  // DCP spreads tokens over ranks
+  // One rank's caches, as the engine's memory plan counts them (cache::CacheLayout::for_rank; the loader
+  // cannot link the cache library, tests/unit/test_config.cpp checks both agree): the MLA latent (bf16)
+  // and index keys (fp8) have no head dimension, so every TP rank holds them whole unless DCP spreads a
+  // page of P tokens as P/DCP rows per rank; the KDA state splits by heads (H/TP per rank).
+  m.cache_bytes_per_token = (cache_bytes_per_token(t) + p.dcp - 1) / p.dcp;  // per token, averaged over the page
   const int64_t H = t.kda.num_heads / p.tp, Dk = t.kda.head_dim;
   m.kda_state_bytes = (kda_recurrent_bytes(KdaStateDtype::f32, H, Dk) + kda_conv_bytes(H, Dk, t.kda.conv_size)) *
                       t.num_layers_of(AttnKind::kda);

@@ -19,6 +19,8 @@ sched::MemoryPlan make_plan(const ModelConfig& c, const EngineConfig& cfg) {
   o.max_running = cfg.max_running;
   o.checkpoint_slots = cfg.enable_prefix_cache ? cfg.checkpoint_slots : 0;
   o.formats = cfg.formats;
+  o.tp = cfg.tp_size;
+  o.dcp = cfg.dcp_size;
   return sched::plan_memory(c.text, cfg.memory_budget, o);
 }
 

@@ -14,7 +14,8 @@
 // stop strings are the consumer's text stream's, which cancels on a match.
 //
 // Memory: at construction plan_memory() splits `memory_budget` into KDA state slots (max_running
-// running + checkpoint_slots prefix-cache checkpoints) and cache pages. max_model_len defaults to the
+// running + checkpoint_slots prefix-cache checkpoints) and cache pages; under tensor parallelism the
+// budget and the bytes are one rank's (EngineConfig::tp_size, dcp_size). max_model_len defaults to the
 // model's context capped by the longest request the plan holds; an explicit one beyond either is
 // refused at construction (as vLLM does), so an accepted request always fits.
 //
@@ -54,7 +55,10 @@
 namespace kestrel::runtime {
 
 struct EngineConfig {
-  int64_t memory_budget = int64_t(1) << 30;  // bytes for KDA slots + cache pages
+  int64_t memory_budget = int64_t(1) << 30;  // bytes for KDA slots + cache pages, per rank (per GPU)
+  // The executor's parallel layout, for the memory plan only (sched/memory_plan.h): each rank allocates
+  // KDA state for H/tp heads and MLA pages of block_size/dcp rows out of its own memory_budget.
+  int tp_size = 1, dcp_size = 1;
   int32_t max_running = 16;                  // concurrent requests (one running state slot each)
   int32_t checkpoint_slots = 4;              // prefix-cache KDA checkpoints
   CacheFormats formats = {128, LatentFormat::bf16, IndexKeyFormat::bf16,

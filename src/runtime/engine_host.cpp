@@ -12,17 +12,21 @@
 #include "loader/safetensors.h"
 #include "loader/shard.h"
 #include "loader/weights.h"
+#include "parallel/mpi_comm.h"
+#include "runtime/executor_mpi.h"
 #include "runtime/executor_tp.h"
 #include "tokenizer/parser.h"
 #ifdef KESTREL_WITH_CUDA
 #include "model/cuda/cuda_model.h"
 #include "runtime/executor_cuda.h"
+#include "runtime/executor_cuda_tp.h"
 #endif
 
 namespace kestrel::runtime {
 
 // Declared in this order so the engine (which refers to cfg, w and the device) goes first.
 struct EngineHost::Loaded {
+  std::shared_ptr<MpiLead> lead;  // under mpirun: rank 0's side of the world (outlives the engine)
   ModelConfig cfg;
   std::unique_ptr<Checkpoint> ckpt;
   ModelWeights w;
@@ -59,8 +63,28 @@ int64_t cpu_cache_budget(double f, const std::string& model_dir) {
 
 // --device cuda: uploads the weights and sets the GPU executor and, for a utilization, the budget
 // from the device's memory. Returns the GPU model, to live as long as the engine.
-std::shared_ptr<void> setup_cuda(const EngineOptions& o, const ModelConfig& c, const ModelWeights& w, EngineConfig& ec) {
+std::shared_ptr<void> setup_cuda(const EngineOptions& o, const ModelConfig& c, const Checkpoint& ckpt,
+                                 const ModelWeights& w, EngineConfig& ec) {
 #ifdef KESTREL_WITH_CUDA
+  if (o.tensor_parallel_size > 1) {
+    // N ranks, one GPU each (or all on one with the debug flag); each binds and uploads its own shard.
+    ParallelLayout p;
+    p.tp = o.tensor_parallel_size;
+    CudaTpOptions to;
+    to.one_device = o.debug_tp_on_one_gpu;
+    to.model.quant = model::parse_weight_quant(o.quantization);
+    auto g = std::make_shared<CudaTpGroup>(c, ckpt, p, to);
+    ec.tp_size = p.tp;
+    if (o.gpu_memory_utilization > 0.0) {
+      check_utilization(o.gpu_memory_utilization);
+      ec.memory_budget = g->cache_budget(o.gpu_memory_utilization, int64_t(2) << 30);
+    }
+    CudaTpGroup* gp = g.get();
+    ec.make_executor = [gp](const CacheFormats& f, const cache::CacheConfig& cc) {
+      return std::unique_ptr<StepExecutor>(std::make_unique<CudaTpExecutor>(*gp, f, cc));
+    };
+    return g;
+  }
   model::CudaModelOptions mo;
   mo.quant = model::parse_weight_quant(o.quantization);
   auto m = std::make_shared<model::CudaModel>(c, w, mo);
@@ -77,7 +101,7 @@ std::shared_ptr<void> setup_cuda(const EngineOptions& o, const ModelConfig& c, c
   };
   return m;
 #else
-  (void)o, (void)c, (void)w, (void)ec;
+  (void)o, (void)c, (void)ckpt, (void)w, (void)ec;
   fail("--device cuda: this kestrel was built without CUDA");
 #endif
 }
@@ -85,6 +109,24 @@ std::shared_ptr<void> setup_cuda(const EngineOptions& o, const ModelConfig& c, c
 }  // namespace
 
 EngineHost::EngineHost(EngineOptions options) : opt_(std::move(options)) {
+  try {
+    check_options();
+  } catch (...) {
+    // Under mpirun the other ranks already wait for rank 0's first message: release them.
+    if (opt_.mpi_world) {
+      try {
+        MpiLead(*opt_.mpi_world).stop();
+      } catch (...) {
+      }
+    }
+    throw;
+  }
+  loader_ = std::thread([this] { load(); });
+}
+
+EngineHost::~EngineHost() { shutdown(); }
+
+void EngineHost::check_options() const {
   // Option errors (a bad utilization) surface at once rather than as a failed load.
   if (opt_.memory_budget && *opt_.memory_budget <= 0) fail("--memory-budget must be positive");
   if (opt_.gpu_memory_utilization != 0.0) check_utilization(opt_.gpu_memory_utilization);
@@ -97,14 +139,16 @@ EngineHost::EngineHost(EngineOptions options) : opt_(std::move(options)) {
          opt_.decode_context_parallel_size, opt_.tensor_parallel_size);
   if (opt_.expert_parallel && opt_.tensor_parallel_size == 1)
     fail("--enable-expert-parallel needs --tensor-parallel-size > 1 (experts are spread over the TP ranks)");
-  if (opt_.tensor_parallel_size > 1 && opt_.device == Device::cuda)
-    fail("--tensor-parallel-size {} with --device cuda: multi-GPU runs are one process per GPU under mpirun "
-         "(docs/parallel.md) and not built yet; --device cpu runs the tensor-parallel CPU twin",
-         opt_.tensor_parallel_size);
-  loader_ = std::thread([this] { load(); });
+  if (opt_.tensor_parallel_size > 1 && opt_.device == Device::cuda &&
+      (opt_.expert_parallel || opt_.decode_context_parallel_size > 1))
+    fail("--tensor-parallel-size {} with --device cuda: {} is not built on the GPU engine yet (--device cpu runs "
+         "it on the tensor-parallel CPU twin)",
+         opt_.tensor_parallel_size,
+         opt_.expert_parallel ? "--enable-expert-parallel" : "--decode-context-parallel-size > 1");
+  if (opt_.debug_tp_on_one_gpu && opt_.device != Device::cuda)
+    fail("--debug-tp-on-one-gpu needs --device cuda");
 }
 
-EngineHost::~EngineHost() { shutdown(); }
 
 // --speculative-config: load and check the draft (config against the target, every tensor) and bind it to
 // the target's embedding and lm_head. The CPU executor speculates (runtime/spec_executor.h); the GPU and
@@ -132,6 +176,8 @@ void EngineHost::load_speculative(Loaded& m, EngineConfig& ec) const {
 void EngineHost::load() {
   std::string error;
   auto m = std::make_unique<Loaded>();
+  // Under mpirun the other ranks wait for rank 0's messages from now on: a failed load must stop them.
+  if (opt_.mpi_world) m->lead = std::make_shared<MpiLead>(*opt_.mpi_world);
   try {
     m->cfg = load_config(opt_.model_dir);
     EngineConfig ec = opt_.engine;
@@ -151,7 +197,7 @@ void EngineHost::load() {
       m->w = bind_weights(m->cfg, *m->ckpt);
       if (opt_.speculative) load_speculative(*m, ec);
       if (opt_.device == Device::cuda) {
-        m->device = setup_cuda(opt_, m->cfg, m->w, ec);
+        m->device = setup_cuda(opt_, m->cfg, *m->ckpt, m->w, ec);
       } else if (!opt_.memory_budget && opt_.gpu_memory_utilization > 0.0) {
         ec.memory_budget = cpu_cache_budget(opt_.gpu_memory_utilization, opt_.model_dir);
       }
@@ -162,12 +208,24 @@ void EngineHost::load() {
         p.dcp = opt_.decode_context_parallel_size;
         if (ec.formats.block_size % p.dcp != 0)
           fail("--block-size {} must divide by --decode-context-parallel-size {}", ec.formats.block_size, p.dcp);
-        ec.make_executor = tp_executor_factory(m->cfg, *m->ckpt, p, ExecutorOptions{ec.cpu_batched});
+        // The plan counts one rank's caches (sched/memory_plan.h); the CPU twin's ranks share this
+        // process's memory, so a budget from --gpu-memory-utilization is split between them.
+        ec.tp_size = p.tp;
+        ec.dcp_size = p.dcp;
+        if (!opt_.memory_budget && opt_.gpu_memory_utilization > 0.0) ec.memory_budget /= p.tp;
+        ec.make_executor = m->lead ? mpi_tp_executor_factory(m->cfg, *m->ckpt, p, m->lead, ExecutorOptions{ec.cpu_batched})
+                                   : tp_executor_factory(m->cfg, *m->ckpt, p, ExecutorOptions{ec.cpu_batched});
       }
       m->engine = std::make_unique<runtime::Engine>(m->w, m->cfg, ec);
     }
   } catch (const std::exception& e) {
     error = e.what();
+    if (m->lead) {
+      try {
+        m->lead->stop();  // no-op when the executor already said it
+      } catch (...) {
+      }
+    }
   }
   std::lock_guard lk(mu_);
   loaded_ = true;
@@ -240,6 +298,28 @@ IntegrityReport EngineHost::check_integrity() const {
   runtime::Engine* e = get();
   if (!e) fail("the engine is not loaded");
   return e->check_integrity();
+}
+
+bool run_mpi_rank(EngineOptions& o) {
+  if (o.tensor_parallel_size <= 1 || o.device != Device::cpu || o.fake || !parallel::launched_by_mpi()) return false;
+  std::shared_ptr<parallel::Comm> world(parallel::mpi_world());
+  if (world->size() == 1) return false;  // `mpirun -np 1`: the in-process twin
+  if (world->size() != o.tensor_parallel_size)
+    fail("--tensor-parallel-size {} under mpirun needs exactly {} processes, one per rank (got {})",
+         o.tensor_parallel_size, o.tensor_parallel_size, world->size());
+  if (world->rank() == 0) {
+    o.mpi_world = world;
+    return false;
+  }
+  cpu::set_num_threads(o.cpu_threads);
+  const ModelConfig cfg = load_config(o.model_dir);
+  const Checkpoint ckpt(o.model_dir);
+  ParallelLayout p;
+  p.tp = o.tensor_parallel_size;
+  p.expert_parallel = o.expert_parallel;
+  p.dcp = o.decode_context_parallel_size;
+  run_mpi_follower(cfg, ckpt, p, *world, ExecutorOptions{o.engine.cpu_batched});
+  return true;
 }
 
 void EngineHost::shutdown() {

@@ -10,8 +10,12 @@
 //     after the upload − a 2 GiB activation reserve (runtime::cuda_cache_budget);
 //   - --tensor-parallel-size N (--enable-expert-parallel, --decode-context-parallel-size N) on the CPU: N rank threads, each over its
 //     own shard of the mapped checkpoint (executor_tp.h); a layout the model cannot split fails the
-//     load with every reason (loader/shard.h). On CUDA it is one process per GPU (docs/parallel.md),
-//     not built yet: refused at once;
+//     load with every reason (loader/shard.h). On CUDA (TP only): N rank threads, one GPU each, NCCL
+//     (executor_cuda_tp.h; --debug-tp-on-one-gpu puts them all on GPU 0). The budget (--memory-budget,
+//     or from --gpu-memory-utilization) is one rank's: the memory plan counts one rank's caches;
+//   - under `mpirun -np N` with --device cpu --tensor-parallel-size N: process r is rank r; call
+//     run_mpi_rank() first — ranks > 0 execute rank 0's steps there and return true, rank 0 goes on with an
+//     EngineHost whose executor broadcasts each StepPlan (runtime/executor_mpi.h);
 //   - fake: config.json only, no weights; a FakeExecutor (fake_executor.h) draws the tokens.
 // Loading runs on a thread of the host's own, so a server can listen (and answer /health with 503)
 // meanwhile; wait_loaded() blocks for callers that need the engine now. The host is the front
@@ -34,6 +38,10 @@
 #include "runtime/spec_config.h"
 #include "tokenizer/tokenizer.h"
 
+namespace kestrel::parallel {
+class Comm;
+}
+
 namespace kestrel::runtime {
 
 enum class Device : uint8_t { cpu, cuda };
@@ -49,6 +57,10 @@ struct EngineOptions {
   int tensor_parallel_size = 1;          // --tensor-parallel-size: ranks (CPU: threads)
   bool expert_parallel = false;          // --enable-expert-parallel: whole experts per rank
   int decode_context_parallel_size = 1;  // --decode-context-parallel-size: 1 or the TP size (CPU twin)
+  bool debug_tp_on_one_gpu = false;      // --debug-tp-on-one-gpu: CUDA TP ranks all on GPU 0 (tests)
+  // Under mpirun (run_mpi_rank, rank 0 only): the world communicator; the engine's executor then hosts
+  // rank 0 of a TP group whose other ranks are the other processes (executor_mpi.h).
+  std::shared_ptr<parallel::Comm> mpi_world;
   // Formats, batching, prefix cache, max_model_len, max_queue; the host fills in the budget, the
   // end-of-sequence ids and the executor.
   EngineConfig engine;
@@ -87,6 +99,7 @@ class EngineHost final : public kestrel::Engine {
 
  private:
   struct Loaded;
+  void check_options() const;  // option errors, at once (before the load)
   void load();
   void load_speculative(Loaded& m, EngineConfig& ec) const;
   runtime::Engine* get() const;  // null while loading, after a failed load or after shutdown
@@ -103,5 +116,12 @@ class EngineHost final : public kestrel::Engine {
 
 // Bytes of the checkpoint's .safetensors files (the weights' share of memory).
 int64_t checkpoint_bytes(const std::string& dir);
+
+// Under `mpirun -np N kestrel generate|serve --device cpu --tensor-parallel-size N`: process r is TP rank r.
+// Rank 0: sets o.mpi_world and returns false (go on: the EngineHost hosts rank 0). Ranks > 0: load their
+// shard, execute every step rank 0 broadcasts until it stops, and return true (the command then exits).
+// Outside mpirun, on the GPU, with TP1 or under `mpirun -np 1`: returns false and changes nothing. Throws
+// when the world size differs from the TP size.
+bool run_mpi_rank(EngineOptions& o);
 
 }  // namespace kestrel::runtime

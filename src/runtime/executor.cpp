@@ -1,6 +1,8 @@
 // Executor: StepPlan → forward passes (see executor.h).
 #include "runtime/executor.h"
 
+#include <malloc.h>
+
 #include <chrono>
 #include <vector>
 
@@ -10,11 +12,32 @@
 
 namespace kestrel::runtime {
 
+namespace {
+
+// A step's activations are vectors of 100 KB to a few MB, allocated and freed every step. glibc's
+// defaults hand such blocks back to the kernel (mmap above 128 KB until its threshold adapts, heap
+// trimming above 128 KB free at the top, both per arena) and fault them in again, zero-filled, on the
+// next step: a fifth of the server's CPU time in a k3-tiny c = 16 profile (bench/RESULTS.md, issue
+// #22). Keep them: blocks up to 32 MiB (glibc's largest mmap threshold) from the heap, and a heap
+// that shrinks only past 256 MiB of free top. RSS then holds the step's high-water mark, which is
+// flat across requests (the memory soak checks that).
+void keep_step_memory() {
+  static const bool once = [] {
+    mallopt(M_MMAP_THRESHOLD, 32 << 20);
+    mallopt(M_TRIM_THRESHOLD, 256 << 20);
+    return true;
+  }();
+  (void)once;
+}
+
+}  // namespace
+
 Executor::Executor(const ModelWeights& w, const ModelConfig& c, const CacheFormats& formats,
                    const cache::CacheConfig& cc, const ExecutorOptions& options)
     : w_(w), c_(c), options_(options), store_(c.text, formats, cc.num_pages, cc.num_state_slots) {
   if (cc.block_size != formats.block_size)
     fail("executor: cache config block size {} != format block size {}", cc.block_size, formats.block_size);
+  keep_step_memory();
   if (options.speculative) {
     // The KDA trace keeps f32 states per block position (model/kda.h); an f16 state rounds per call.
     if (formats.kda_state == KdaStateDtype::f16) fail("speculative decoding needs --kda-state-dtype f32");

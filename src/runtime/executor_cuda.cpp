@@ -99,12 +99,13 @@ CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const 
     fail("executor: cache config block size {} != format block size {}", cc.block_size, formats.block_size);
   impl_ = std::make_unique<Impl>(model, c, formats, cc);
   model.enable_cuda_graphs(options.cuda_graphs);
+  follower_ = options.follower;
 }
 
 CudaExecutor::~CudaExecutor() = default;
 
 sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks& hooks) {
-  KCHECK(bool(hooks.sample), "executor: no sampler hook");
+  KCHECK(follower_ || bool(hooks.sample), "executor: no sampler hook");
   const auto t0 = std::chrono::steady_clock::now();
   model::CudaModel& m = impl_->m;
   model::CudaCache& cc = *impl_->cache;
@@ -149,7 +150,7 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
       rows += all[i] ? x.end - x.start : 1;
     }
     // Device sampling for every sampled sequence but those wanting logprobs or every row's logits.
-    if (x.sample && !all[i] && hooks.sampling_inputs && hooks.take_token) {
+    if (!follower_ && x.sample && !all[i] && hooks.sampling_inputs && hooks.take_token) {
       const StepHooks::SamplingInputs in = hooks.sampling_inputs(x);
       KCHECK(in.params != nullptr, "executor: no sampling parameters for request {}", x.id);
       const SamplingParams& sp = *in.params;
@@ -175,6 +176,12 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   }
   const int64_t got = m.forward_batch(cc, seqs);
   KCHECK(got == rows, "executor: {} logits rows, expected {}", got, rows);
+  if (follower_) {  // a TP rank other than 0: its logits are rank 0's; nothing to sample here
+    for (const cache::SlotCopy& cp : plan.copies_after) m.copy_slot(cc, cp.src, cp.dst);
+    KCUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(m.stream())));
+    stats_.forward_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return {};
+  }
   // Structured outputs: each device row's mask (filled by the engine's worker during the forward).
   // With few allowed ids top-k is cut to them, so the device keeps exactly the allowed set.
   std::vector<int32_t> mask_row(params.size(), -1);

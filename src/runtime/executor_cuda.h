@@ -35,6 +35,10 @@ namespace kestrel::runtime {
 
 struct CudaExecutorOptions {
   bool cuda_graphs = true;  // decode steps through captured CUDA graphs (model/cuda/graphs.h); off: all eager
+  // A tensor-parallel rank other than 0 (executor_cuda_tp.h): the same forward (so the same collectives),
+  // then nothing — no sampling, no logits copied out; run() returns an empty result. The hooks' only use
+  // is wants_all_logits, which must answer as rank 0's do (the logits rows, hence the gathers, must match).
+  bool follower = false;
 };
 
 class CudaExecutor : public StepExecutor {
@@ -51,6 +55,7 @@ class CudaExecutor : public StepExecutor {
   struct Impl;
   std::unique_ptr<Impl> impl_;
   ExecutorStats stats_;
+  bool follower_ = false;
 };
 
 // The device sampler's logit adjustments for one row (kernels/cuda/sampling.h PenaltyEntry), appended

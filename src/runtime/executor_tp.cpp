@@ -9,16 +9,9 @@
 
 namespace kestrel::runtime {
 
-// Declared in this order so the executor (which refers to cfg and w) goes first.
-struct TpExecutor::Rank {
-  ModelConfig cfg;                 // rank_config: this rank's head counts
-  ModelWeights w;                  // views into the mapping, column slices in `packed`
-  std::vector<HostBuffer> packed;
-  std::unique_ptr<Executor> exec;
-};
-
-TpExecutor::TpExecutor(const ModelConfig& c, const Checkpoint& ckpt, const ParallelLayout& layout,
-                       const kestrel::CacheFormats& formats, const cache::CacheConfig& cc, const ExecutorOptions& options) {
+std::unique_ptr<TpRank> make_tp_rank(const ModelConfig& c, const Checkpoint& ckpt, const ParallelLayout& layout,
+                                     int r, const kestrel::CacheFormats& formats, const cache::CacheConfig& cc,
+                                     const ExecutorOptions& options) {
   check_layout(c, layout);
   KCHECK(layout.dcp == 1 || layout.dcp == layout.tp,
          "--decode-context-parallel-size {}: the CPU twin spreads the context over the whole TP group (1 or {})",
@@ -31,16 +24,41 @@ TpExecutor::TpExecutor(const ModelConfig& c, const Checkpoint& ckpt, const Paral
   rank_formats.block_size = rank_cc.block_size = formats.block_size / layout.dcp;
   ExecutorOptions rank_options = options;
   rank_options.dcp = layout.dcp;
-  for (int r = 0; r < layout.tp; ++r) {
-    ParallelLayout p = layout;
-    p.rank = r;
-    auto rank = std::make_unique<Rank>();
-    rank->w = bind_shard(c, ckpt, p);
-    rank->packed = model::pack_strided(c, rank->w);
-    rank->cfg = model::rank_config(c, p);
-    rank->exec = std::make_unique<Executor>(rank->w, rank->cfg, rank_formats, rank_cc, rank_options);
-    ranks_.push_back(std::move(rank));
-  }
+  ParallelLayout p = layout;
+  p.rank = r;
+  auto rank = std::make_unique<TpRank>();
+  rank->w = bind_shard(c, ckpt, p);
+  rank->packed = model::pack_strided(c, rank->w);
+  rank->cfg = model::rank_config(c, p);
+  rank->exec = std::make_unique<Executor>(rank->w, rank->cfg, rank_formats, rank_cc, rank_options);
+  return rank;
+}
+
+std::unordered_set<cache::RequestId> tp_all_logits(const sched::StepPlan& plan, const StepHooks& hooks) {
+  std::unordered_set<cache::RequestId> all;
+  if (hooks.wants_all_logits && hooks.all_logits)
+    for (const auto* list : {&plan.decodes, &plan.prefills})
+      for (const sched::ScheduledSeq& x : *list)
+        if (hooks.wants_all_logits(x.id)) all.insert(x.id);
+  return all;
+}
+
+TpHooks tp_hooks(const StepHooks& hooks, const std::unordered_set<cache::RequestId>& all) {
+  const auto wants = [&all](cache::RequestId id) { return all.count(id) > 0; };
+  TpHooks h;
+  h.lead.sample = hooks.sample;  // rank 0: the caller's sampler and dumps; logits never leave the host
+  h.lead.wants_all_logits = wants;
+  h.lead.all_logits = hooks.all_logits;
+  // Other ranks: the same logits are computed, nothing is taken from them.
+  h.follow.sample = [](const sched::ScheduledSeq&, std::span<const float>) { return sched::SeqResult{}; };
+  h.follow.wants_all_logits = wants;
+  h.follow.all_logits = [](const sched::ScheduledSeq&, std::span<const float>) {};
+  return h;
+}
+
+TpExecutor::TpExecutor(const ModelConfig& c, const Checkpoint& ckpt, const ParallelLayout& layout,
+                       const kestrel::CacheFormats& formats, const cache::CacheConfig& cc, const ExecutorOptions& options) {
+  for (int r = 0; r < layout.tp; ++r) ranks_.push_back(make_tp_rank(c, ckpt, layout, r, formats, cc, options));
 }
 
 TpExecutor::~TpExecutor() = default;
@@ -48,27 +66,12 @@ TpExecutor::~TpExecutor() = default;
 const ExecutorStats& TpExecutor::stats() const { return ranks_.front()->exec->stats(); }
 
 sched::StepResult TpExecutor::run(const sched::StepPlan& plan, const StepHooks& hooks) {
-  // Which sequences want every position's logits, asked here on the caller's thread, once.
-  std::unordered_set<cache::RequestId> all;
-  if (hooks.wants_all_logits && hooks.all_logits)
-    for (const auto* list : {&plan.decodes, &plan.prefills})
-      for (const sched::ScheduledSeq& x : *list)
-        if (hooks.wants_all_logits(x.id)) all.insert(x.id);
-  const auto wants = [&all](cache::RequestId id) { return all.count(id) > 0; };
-
-  StepHooks lead;  // rank 0: the caller's sampler and dumps; logits never leave the host
-  lead.sample = hooks.sample;
-  lead.wants_all_logits = wants;
-  lead.all_logits = hooks.all_logits;
-  StepHooks follow;  // other ranks: the same logits are computed, nothing is taken from them
-  follow.sample = [](const sched::ScheduledSeq&, std::span<const float>) { return sched::SeqResult{}; };
-  follow.wants_all_logits = wants;
-  follow.all_logits = [](const sched::ScheduledSeq&, std::span<const float>) {};
-
+  const std::unordered_set<cache::RequestId> all = tp_all_logits(plan, hooks);
+  const TpHooks h = tp_hooks(hooks, all);
   sched::StepResult result;
   parallel::run_ranks(size(), [&](parallel::Comm& comm) {
     const int r = comm.rank();
-    sched::StepResult mine = ranks_[size_t(r)]->exec->run_rank(plan, r == 0 ? lead : follow, &comm);
+    sched::StepResult mine = ranks_[size_t(r)]->exec->run_rank(plan, r == 0 ? h.lead : h.follow, &comm);
     if (r == 0) result = std::move(mine);
   });
   return result;

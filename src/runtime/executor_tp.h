@@ -13,11 +13,13 @@
 // run the same collectives. Scheduling, prefix caching and preemption are the engine's and unchanged:
 // page and slot ids mean the same on every rank.
 //
-// Memory: the engine's memory plan counts the caches as one rank's (TP1) bytes, which is what the N
-// ranks hold together for the KDA state; the MLA pages are held N times (whole per rank).
+// Memory: the engine's memory plan counts one rank's caches (sched/memory_plan.h with EngineConfig::tp_size
+// and dcp_size: KDA state for H/N heads per slot, MLA pages whole per rank or P/DCP rows under DCP), out of
+// a per-rank budget; each rank's CacheStore allocates exactly that (cache::CacheLayout::for_rank).
 #pragma once
 
 #include <memory>
+#include <unordered_set>
 #include <vector>
 
 #include "core/cache_format.h"
@@ -31,6 +33,31 @@ class Checkpoint;
 }
 
 namespace kestrel::runtime {
+
+// One rank of the CPU twin: its shard (views into the mapping, column slices packed), its rank_config and
+// its CPU Executor over its own CacheStore (pages of f.block_size/dcp rows). Shared by TpExecutor (ranks as
+// threads) and MpiTpExecutor (ranks as processes, executor_mpi.h). Declared in this order so the executor
+// (which refers to cfg and w) goes first.
+struct TpRank {
+  ModelConfig cfg;
+  ModelWeights w;
+  std::vector<HostBuffer> packed;
+  std::unique_ptr<Executor> exec;
+};
+// Rank `rank` of `layout` (checked: check_layout, DCP 1 or TP, the block size divisible by DCP).
+std::unique_ptr<TpRank> make_tp_rank(const ModelConfig& c, const Checkpoint& ckpt, const ParallelLayout& layout,
+                                     int rank, const kestrel::CacheFormats& formats, const cache::CacheConfig& cc,
+                                     const ExecutorOptions& options);
+
+// The hooks of a tensor-parallel step: rank 0 gets the caller's sampler and dumps, the others stand-ins
+// that take nothing; both answer wants_all_logits from `all` (asked once, on the caller's thread, so every
+// rank computes the same logits rows and runs the same collectives). `all` must outlive the hooks.
+struct TpHooks {
+  StepHooks lead, follow;
+};
+TpHooks tp_hooks(const StepHooks& hooks, const std::unordered_set<cache::RequestId>& all);
+// The sequences of `plan` that want every position's logits (hooks.wants_all_logits).
+std::unordered_set<cache::RequestId> tp_all_logits(const sched::StepPlan& plan, const StepHooks& hooks);
 
 class TpExecutor : public StepExecutor {
  public:
@@ -46,8 +73,7 @@ class TpExecutor : public StepExecutor {
   int size() const { return int(ranks_.size()); }
 
  private:
-  struct Rank;
-  std::vector<std::unique_ptr<Rank>> ranks_;
+  std::vector<std::unique_ptr<TpRank>> ranks_;
 };
 
 // The engine's executor factory for `--device cpu --tensor-parallel-size N`.

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <unordered_map>
@@ -21,6 +22,60 @@ double sample_uniform(uint64_t seed, uint64_t index) {
   const uint64_t r = mix(mix(seed) ^ index);
   return double(r >> 11) * 0x1.0p-53;
 }
+
+namespace {
+
+// Ids of x by decreasing value, equal values by increasing id (−0 equals +0; NaN last): an LSD radix
+// sort, 3 passes of 11 bits over an order-preserving image of the floats, stable, so ids that tie
+// keep their ascending order.
+std::vector<int32_t> sort_desc(std::span<const float> x) {
+  const size_t n = x.size();
+  std::vector<uint32_t> key(n), key2(n);
+  std::vector<int32_t> id(n), id2(n);
+  for (size_t i = 0; i < n; ++i) {
+    const float v = x[i] + 0.0f;  // −0 → +0
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // ascending in the value
+    key[i] = std::isnan(v) ? 0xFFFFFFFFu : ~u;        // ascending key = descending value
+    id[i] = int32_t(i);
+  }
+  for (int shift = 0; shift < 33; shift += 11) {
+    size_t count[2049] = {};
+    for (size_t i = 0; i < n; ++i) ++count[((key[i] >> shift) & 2047u) + 1];
+    for (size_t b = 1; b < 2049; ++b) count[b] += count[b - 1];
+    for (size_t i = 0; i < n; ++i) {
+      const size_t d = count[(key[i] >> shift) & 2047u]++;
+      key2[d] = key[i];
+      id2[d] = id[i];
+    }
+    key.swap(key2);
+    id.swap(id2);
+  }
+  return id;
+}
+
+// std::max_element's answer (the first largest; NaN never wins unless it comes first) in two passes
+// the compiler can keep in registers: the largest value with 8 independent maxima (no loop-carried
+// branch per element), then its first position. At c = 16 the greedy argmax over k3-tiny's 12,256
+// logits was 5.5 % of a decode-heavy server profile, serially on the engine thread.
+int32_t argmax(std::span<const float> x) {
+  const size_t n = x.size();
+  if (std::isnan(x[0])) return 0;
+  float m8[8];
+  for (float& v : m8) v = x[0];
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) m8[j] = x[i + size_t(j)] > m8[j] ? x[i + size_t(j)] : m8[j];  // NaN: keeps m
+  float m = m8[0];
+  for (int j = 1; j < 8; ++j) m = m8[j] > m ? m8[j] : m;
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  for (i = 0; i < n; ++i)
+    if (x[i] == m) return int32_t(i);  // −0 == +0: the first zero, as max_element keeps
+  return 0;
+}
+
+}  // namespace
 
 PromptLogprob token_logprobs(std::span<const float> raw, int32_t token, int32_t n_top) {
   const size_t V = raw.size();
@@ -81,27 +136,22 @@ SampleResult sample_token(const SamplingParams& p, std::span<const float> raw, s
   }
 
   if (p.temperature == 0.0f) {
-    res.token = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    res.token = argmax(logits);
   } else {
-    // Candidates by decreasing logit, ties by lower id.
-    std::vector<int32_t> order(V);
-    std::iota(order.begin(), order.end(), 0);
-    auto better = [&](int32_t a, int32_t b) {
-      return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
-    };
+    // Candidates by decreasing logit, ties by lower id: a stable radix sort (sort_desc), the order a
+    // comparison sort by (logit desc, id asc) gives, several times faster over a 160K vocabulary; the
+    // first top_k of it are what a partial sort would give.
+    const std::vector<int32_t> order = sort_desc(logits);
     size_t keep = V;
-    if (p.top_k > 0 && size_t(p.top_k) < V) {
-      keep = size_t(p.top_k);
-      std::partial_sort(order.begin(), order.begin() + std::ptrdiff_t(keep), order.end(), better);
-    } else {
-      std::sort(order.begin(), order.end(), better);
-    }
+    if (p.top_k > 0 && size_t(p.top_k) < V) keep = size_t(p.top_k);
     const double top = logits[size_t(order[0])], T = p.temperature;
-    // Softmax over the whole vocabulary (min-p and top-p see the full distribution's probabilities).
+    // Softmax over the whole vocabulary (min-p and top-p see the full distribution's probabilities);
+    // each term computed once, summed in id order.
+    std::vector<double> e(V);
     double Z = 0.0;
-    for (size_t i = 0; i < V; ++i) Z += std::exp((double(logits[i]) - top) / T);
+    for (size_t i = 0; i < V; ++i) Z += (e[i] = std::exp((double(logits[i]) - top) / T));
     std::vector<double> prob(keep);
-    for (size_t i = 0; i < keep; ++i) prob[i] = std::exp((double(logits[size_t(order[i])]) - top) / T) / Z;
+    for (size_t i = 0; i < keep; ++i) prob[i] = e[size_t(order[i])] / Z;
     if (p.min_p > 0.0f) {
       const double cut = double(p.min_p) * prob[0];
       size_t k = 1;

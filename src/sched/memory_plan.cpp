@@ -14,7 +14,9 @@ MemoryPlan plan_memory(const TextConfig& t, int64_t budget_bytes, const MemoryPl
   if (o.max_running < 1) fail("memory plan: max_running must be >= 1, got {}", o.max_running);
   if (o.checkpoint_slots < 0) fail("memory plan: checkpoint_slots must be >= 0, got {}", o.checkpoint_slots);
   MemoryPlan p;
-  p.layout = cache::CacheLayout::from_config(t, o.formats);
+  p.layout = cache::CacheLayout::for_rank(t, o.formats, o.tp, o.dcp);
+  p.block_size = o.formats.block_size;
+  p.tp = o.tp, p.dcp = o.dcp;
   p.max_running = o.max_running;
   p.num_state_slots = o.max_running + o.checkpoint_slots;
   p.state_bytes = p.layout.total_state_bytes(p.num_state_slots);
@@ -27,7 +29,7 @@ MemoryPlan plan_memory(const TextConfig& t, int64_t budget_bytes, const MemoryPl
   p.num_pages = int32_t(pages);
   p.page_bytes = p.layout.total_page_bytes(pages);
   p.unused_bytes = left - p.page_bytes;
-  p.token_capacity = pages * p.layout.block_size;
+  p.token_capacity = pages * p.block_size;
   p.longest_request = p.token_capacity;
   return p;
 }
@@ -36,20 +38,25 @@ cache::CacheConfig MemoryPlan::cache_config(bool prefix_cache) const {
   cache::CacheConfig c;
   c.num_pages = num_pages;
   c.num_state_slots = num_state_slots;
-  c.block_size = layout.block_size;
+  c.block_size = block_size;
   c.enable_prefix_cache = prefix_cache;
   return c;
 }
 
 std::string MemoryPlan::describe() const {
   const double gib = 1024.0 * 1024.0 * 1024.0;
+  const std::string rank =
+      tp > 1 || dcp > 1 ? fmt::format("per rank of TP{}{} (KDA heads / {}, MLA pages of {} tokens hold {} rows "
+                                      "per rank):\n",
+                                      tp, dcp > 1 ? fmt::format(" + DCP{}", dcp) : "", tp, block_size, layout.block_size)
+                        : "";
   return fmt::format(
-      "{}\n"
+      "{}{}\n"
       "state slots  {} ({} running + {} checkpoints), {:.2f} GiB\n"
       "cache pages  {} x {} tokens, {:.2f} GiB ({} B left over)\n"
       "capacity     {} tokens in total; {} concurrent requests; longest single request {} tokens",
-      layout.describe(), num_state_slots, max_running, num_state_slots - max_running, double(state_bytes) / gib,
-      num_pages, layout.block_size, double(page_bytes) / gib, unused_bytes, token_capacity, max_running,
+      rank, layout.describe(), num_state_slots, max_running, num_state_slots - max_running, double(state_bytes) / gib,
+      num_pages, block_size, double(page_bytes) / gib, unused_bytes, token_capacity, max_running,
       longest_request);
 }
 

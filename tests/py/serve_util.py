@@ -9,9 +9,9 @@ import urllib.request
 
 
 class Server:
-    def __init__(self, kestrel_bin, model_dir, *args, wait_ready=True):
+    def __init__(self, kestrel_bin, model_dir, *args, wait_ready=True, env=None):
         self.proc = subprocess.Popen([kestrel_bin, "serve", "--model", str(model_dir), "--port", "0", *map(str, args)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self._start(wait_ready)
 
     def _start(self, wait_ready=True):

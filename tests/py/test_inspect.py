@@ -187,6 +187,20 @@ def test_inspect_full_memory_per_gpu_by_layout(kestrel_bin):
     assert fits[("8 x H200", "TP16+EP16")].startswith("n/a")
 
 
+def test_inspect_caches_per_rank(kestrel_bin):
+    # The engine's memory plan for one rank (issue #16 c), worked out by hand: under TP8 + DCP8 a KDA slot
+    # holds 12 of the 96 heads (69 x (12 x 128 x 128 x 4 + 3 x 3 x 12 x 128 x 2) B) and a 128-token page
+    # 16 rows per rank (24 layers x 1,284 B x 16).
+    r = run_kestrel(kestrel_bin, "inspect", FULL_CONFIG, "--config-only", "--tensor-parallel-size", "8",
+                    "--decode-context-parallel-size", "8")
+    assert r.returncode == 0, r.stderr
+    assert "KDA state split by heads (12 of 96 per rank)" in r.stdout, r.stdout
+    assert "spread along tokens over DCP8 (a 128-token page is 16 rows per rank)" in r.stdout, r.stdout
+    assert f"= {24 * 1284 * 16} B;" in r.stdout, r.stdout
+    assert f"= {69 * (12 * 128 * 128 * 4 + 3 * 3 * 12 * 128 * 2)} B" in r.stdout, r.stdout
+    # (TP8 without DCP, pages whole per rank: CacheLayout.FullModelPerRankBytes in the unit tests.)
+
+
 def test_inspect_layout_that_does_not_divide_is_one_error(kestrel_bin, nano_dir):
     r = run_kestrel(kestrel_bin, "inspect", nano_dir, "--tensor-parallel-size", "4")
     assert r.returncode == 1, r.stdout + r.stderr

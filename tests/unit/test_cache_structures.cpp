@@ -11,6 +11,7 @@
 #include "cache/layout.h"
 #include "core/check.h"
 #include "loader/config.h"
+#include "loader/inventory.h"
 #include "sched/memory_plan.h"
 
 namespace kestrel::cache {
@@ -87,6 +88,74 @@ TEST(CacheMemoryPlan, SplitsBudgetIntoSlotsAndPages) {
   EXPECT_EQ(p.token_capacity, int64_t(p.num_pages) * 128);
   EXPECT_NE(p.describe().find("longest single request"), std::string::npos);
   EXPECT_THROW(sched::plan_memory(t, 1 * gib, o), Error);  // 12 slots alone need ~5 GiB
+}
+
+// One rank's caches under tensor / decode-context parallelism (docs/parallel.md §4), every number worked
+// out by hand from the K3.1 Pro config: H = 96 KDA heads of Dk = 128, conv width 4, 69 KDA layers; 24 MLA
+// layers of C + R = 512 + 64 latent (bf16: 1,152 B) and Di = 128 index keys (fp8: 128 + 4 B).
+TEST(CacheLayout, FullModelPerRankBytes) {
+  const TextConfig t = full_text_config();
+  const CacheFormats f{128, LatentFormat::bf16, IndexKeyFormat::fp8, KdaStateDtype::f32};
+  // TP8: 12 heads per rank. Recurrent 12·128·128·4 = 786,432 B, conv 3·3·12·128·2 = 27,648 B per layer;
+  // × 69 = 56,171,520 B per slot. Pages whole: 1,284 B × 24 layers × 128 tokens = 3,944,448 B.
+  const CacheLayout tp8 = CacheLayout::for_rank(t, f, 8, 1);
+  EXPECT_EQ(tp8.kda_recurrent_bytes, 786432);
+  EXPECT_EQ(tp8.kda_conv_bytes, 27648);
+  EXPECT_EQ(tp8.state_bytes_per_slot(), 56171520);
+  EXPECT_EQ(tp8.block_size, 128);
+  EXPECT_EQ(tp8.bytes_per_page(), 3944448);
+  // TP8 + DCP8: the same slot, a 128-token page is 16 rows per rank: 1,284 × 24 × 16 = 493,056 B.
+  const CacheLayout dcp8 = CacheLayout::for_rank(t, f, 8, 8);
+  EXPECT_EQ(dcp8.state_bytes_per_slot(), 56171520);
+  EXPECT_EQ(dcp8.block_size, 16);
+  EXPECT_EQ(dcp8.bytes_per_page(), 493056);
+  // TP16: 6 heads, (393,216 + 13,824) × 69 = 28,085,760 B.
+  EXPECT_EQ(CacheLayout::for_rank(t, f, 16, 1).state_bytes_per_slot(), 28085760);
+  // One rank of TP1 is the unsharded layout.
+  const CacheLayout one = CacheLayout::for_rank(t, f, 1, 1), whole = CacheLayout::from_config(t, f);
+  EXPECT_EQ(one.state_bytes_per_slot(), whole.state_bytes_per_slot());
+  EXPECT_EQ(one.bytes_per_page(), whole.bytes_per_page());
+  // `kestrel inspect` (loader/inventory.h) reports the same per-GPU caches.
+  std::ifstream in(std::string(KESTREL_SOURCE_DIR) + "/tests/data/k31_pro_config.json");
+  const ModelConfig mc = parse_config(nlohmann::json::parse(in), "full");
+  EXPECT_EQ(layout_memory(mc, {8, 0, true, 8}).cache_bytes_per_token, 493056 / 128);
+  EXPECT_EQ(layout_memory(mc, {8, 0, true, 8}).kda_state_bytes, 56171520);
+  EXPECT_EQ(layout_memory(mc, {16, 0, true, 1}).kda_state_bytes, 28085760);
+  // Heads that do not split, a block size DCP does not divide, a DCP group other than 1 or TP.
+  EXPECT_THROW(CacheLayout::for_rank(t, f, 5, 1), Error);
+  EXPECT_THROW(CacheLayout::for_rank(t, {96, LatentFormat::bf16, IndexKeyFormat::fp8, KdaStateDtype::f32}, 64, 64),
+               Error);
+  EXPECT_THROW(CacheLayout::for_rank(t, f, 4, 2), Error);
+}
+
+// The engine's memory plan counts one rank's bytes out of one rank's budget (40 GiB here, 8 running +
+// 4 checkpoint slots): TP1 12 × 449,372,160 B = 5,392,465,920 B of slots leave 9,521 pages; TP8
+// 12 × 56,171,520 = 674,058,240 B leave 42,275,614,720 B = 10,717 pages of 3,944,448 B (2,965,504 B
+// over); TP8 + DCP8 85,742 pages of 493,056 B (7,168 B over), each still 128 scheduler tokens.
+TEST(CacheMemoryPlan, CountsOneRanksBytesUnderTpAndDcp) {
+  const TextConfig t = full_text_config();
+  const int64_t budget = int64_t(40) << 30;
+  sched::MemoryPlanOptions o;
+  o.max_running = 8;
+  o.checkpoint_slots = 4;
+  o.formats = {128, LatentFormat::bf16, IndexKeyFormat::fp8, KdaStateDtype::f32};
+  EXPECT_EQ(sched::plan_memory(t, budget, o).num_pages, 9521);
+  o.tp = 8;
+  const sched::MemoryPlan tp8 = sched::plan_memory(t, budget, o);
+  EXPECT_EQ(tp8.state_bytes, 674058240);
+  EXPECT_EQ(tp8.num_pages, 10717);
+  EXPECT_EQ(tp8.unused_bytes, 2965504);
+  EXPECT_EQ(tp8.block_size, 128);
+  EXPECT_EQ(tp8.token_capacity, int64_t(10717) * 128);
+  EXPECT_EQ(tp8.cache_config().block_size, 128);
+  EXPECT_NE(tp8.describe().find("per rank of TP8"), std::string::npos);
+  o.dcp = 8;
+  const sched::MemoryPlan dcp8 = sched::plan_memory(t, budget, o);
+  EXPECT_EQ(dcp8.num_pages, 85742);
+  EXPECT_EQ(dcp8.unused_bytes, 7168);
+  EXPECT_EQ(dcp8.token_capacity, int64_t(85742) * 128);
+  EXPECT_EQ(dcp8.cache_config().block_size, 128);
+  EXPECT_EQ(dcp8.layout.block_size, 16);
 }
 
 TEST(CachePagePool, AllocateRefUnref) {

@@ -114,16 +114,47 @@ TEST(Soak, VerdictMeasuresFromTheBaselineRoundAndAppliesTheLimits) {
   EXPECT_DOUBLE_EQ(*s.rss_growth_mb, 0.0);
 }
 
+TEST(Soak, HeapGrowthIsBoundedPerRequestSentAfterTheBaseline) {
+  SoakOptions o;
+  o.baseline_round = 2;
+  std::vector<SoakRound> rs;
+  for (int i = 0; i <= 5; ++i) {
+    rs.push_back(row(i, 270, std::nullopt));
+    rs.back().sent = i == 0 ? 0 : 250;
+    rs.back().server.heap_bytes = 76e6 + (i >= 1 ? 300e3 : 0) + (i > 2 ? 112.0 * 250 * (i - 2) : 0);
+  }
+  // 112 bytes leaked by each of the 750 requests of rounds 3–5; round 1's warm-up does not count.
+  bench::SoakSummary s = bench::summarize(rs, o);
+  EXPECT_EQ(s.requests_after_baseline, 750);
+  ASSERT_TRUE(s.heap_growth_bytes && s.heap_bytes_per_request);
+  EXPECT_DOUBLE_EQ(*s.heap_growth_bytes, 112.0 * 750);
+  EXPECT_DOUBLE_EQ(*s.heap_bytes_per_request, 112.0);
+  EXPECT_TRUE(s.ok);  // no limit asked
+  EXPECT_NE(s.verdict.find("heap +84000 bytes (+112.0 per request)"), std::string::npos) << s.verdict;
+  o.max_heap_bytes_per_request = 60;
+  s = bench::summarize(rs, o);
+  EXPECT_FALSE(s.ok);
+  EXPECT_NE(s.verdict.find("112.0 per request over 750 requests (limit 60 per request)"), std::string::npos)
+      << s.verdict;
+  o.max_heap_bytes_per_request = 112;
+  EXPECT_TRUE(bench::summarize(rs, o).ok);
+  // A limit on a heap the server did not report fails rather than passes.
+  rs.back().server.heap_bytes.reset();
+  EXPECT_FALSE(bench::summarize(rs, o).ok);
+}
+
 TEST(Soak, TableRowsShowWhatWasMeasured) {
   SoakRound r = row(3, 512.34, std::nullopt);
   r.sent = 1000, r.completed = 700, r.dropped_queued = 150, r.dropped_stream = 140, r.failed = 10;
   r.server.running = 0, r.server.waiting = 0, r.server.pages_used = 0, r.server.pages_allocated = 5000;
+  r.server.heap_bytes = 76146848;
   const std::string line = bench::soak_table_row(r);
-  for (const char* part : {" 1000 ", " 700 ", " 150 ", " 140 ", " 10 ", " 512.3 ", " 5000 ", "ok"})
+  for (const char* part : {" 1000 ", " 700 ", " 150 ", " 140 ", " 10 ", " 512.3 ", " 76146.8 ", " 5000 ", "ok"})
     EXPECT_NE(line.find(part), std::string::npos) << part << " in " << line;
   const std::string head = bench::soak_table_header();
   // Right-aligned columns: each number ends where its heading does.
   EXPECT_EQ(head.find("RSS MB") + 6, line.find("512.3") + 5) << head << "\n" << line;
+  EXPECT_EQ(head.find("heap KB") + 7, line.find("76146.8") + 7) << head << "\n" << line;
 }
 
 // ---- the engine's integrity check after churn ------------------------------------------------------------

@@ -7,6 +7,8 @@
 //    after another, and 40 took 300-700 s per test on CI's 2 cores, past its 30-minute budget; the
 //    big run is in bench/RESULTS.md
 //    (KESTREL_K3TINY_REQUESTS=1000 build/tests/unit/kestrel_unit_tests --gtest_filter='K3TinyStructured.*');
+//    KESTREL_K3TINY_DEVICE=cuda runs the same requests on the GPU engine (CUDA graphs on) instead — the
+//    1,000-request run on the H200 is `K3TINY_REQUESTS=1000 bench/gpu/run.sh structured`;
 //  - tool_choice "required" with the eval set's tools: every call names a declared tool and its
 //    arguments validate against the tool's parameters (100 %), and a named tool_choice calls only it.
 // All requests of a test share one engine at high concurrency; prompts repeat (a few per schema, one
@@ -23,6 +25,7 @@
 #include "loader/safetensors.h"
 #include "loader/weights.h"
 #include "runtime/engine.h"
+#include "runtime/engine_host.h"
 #include "structured/constraint.h"
 #include "tokenizer/chat.h"
 #include "tokenizer/text_stream.h"
@@ -97,7 +100,24 @@ std::vector<Out> run_all(std::vector<Built>& reqs, int concurrency) {
   cfg.memory_budget = int64_t(512) << 20;
   cfg.max_running = concurrency;
   cfg.formats.block_size = 16;  // prefix-cache hits down to the last 16 tokens of a repeated prompt
-  runtime::Engine e(k3().w, k3().cfg, cfg);
+  std::unique_ptr<runtime::EngineHost> host;  // KESTREL_K3TINY_DEVICE=cuda: the GPU engine, built as serve builds it
+  std::unique_ptr<runtime::Engine> cpu;
+  const char* dev = std::getenv("KESTREL_K3TINY_DEVICE");
+  if (dev != nullptr && std::string(dev) == "cuda") {
+    runtime::EngineOptions o;
+    o.model_dir = std::string(KESTREL_SOURCE_DIR) + "/models/k3-tiny";
+    o.device = runtime::Device::cuda;
+    o.memory_budget = cfg.memory_budget;
+    o.engine = cfg;
+    host = std::make_unique<runtime::EngineHost>(o);
+    if (!host->wait_loaded()) {
+      ADD_FAILURE() << "the GPU engine did not load: " << host->load_error();
+      return std::vector<Out>(reqs.size());  // unfinished: every request's check then fails
+    }
+  } else {
+    cpu = std::make_unique<runtime::Engine>(k3().w, k3().cfg, cfg);
+  }
+  runtime::Engine& e = host ? host->engine() : *cpu;
   std::mutex mu;
   std::vector<Out> out(reqs.size());
   for (size_t i = 0; i < reqs.size(); ++i) {

@@ -6,8 +6,8 @@
 //  - serving: under TP2 the engine's mixed batch (chunked prefill, preemption, staggered arrivals)
 //    gives every request its TP2-solo tokens and the greedy ones TP1's; a prefix hit gives the cold
 //    run's logits bit for bit and skips exactly the restored prefix;
-//  - errors: a layout the model cannot split fails the engine's load with every reason; CUDA TP is
-//    refused at once.
+//  - errors: a layout the model cannot split fails the engine's load with every reason; CUDA EP and
+//    DCP (not built on the GPU) and the CUDA debug switch without CUDA are refused at once.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -215,6 +215,8 @@ runtime::EngineConfig with_tp(runtime::EngineConfig cfg, int tp, int dcp = 1) {
     p.dcp = dcp;
     const testing::NanoCheckpoint& n = testing::nano_checkpoint();
     cfg.make_executor = runtime::tp_executor_factory(n.cfg, *n.ckpt, p);
+    cfg.tp_size = tp;  // the memory plan counts one rank's caches
+    cfg.dcp_size = dcp;
   }
   return cfg;
 }
@@ -260,9 +262,12 @@ TEST_P(TensorParallelServing, MixedBatchWithPreemptionGivesSoloTokens) {
   cfg.max_running = 3;
   cfg.checkpoint_slots = 2;
   cfg.max_num_batched_tokens = 24;
-  const cache::CacheLayout l = cache::CacheLayout::from_config(n.cfg.text, cfg.formats);
+  // One rank's bytes (KDA heads / 2; pages of 16/DCP rows): the plan must come out at exactly 14 pages.
+  const cache::CacheLayout l = cache::CacheLayout::for_rank(n.cfg.text, cfg.formats, 2, dcp);
   cfg.memory_budget = l.total_state_bytes(5) + l.total_page_bytes(14);
   runtime::Engine e(n.w, n.cfg, with_tp(cfg, 2, dcp));
+  ASSERT_EQ(e.memory_plan().num_pages, 14);
+  ASSERT_EQ(e.memory_plan().num_state_slots, 5);
   Collector col;
   for (int i : {0, 1, 2}) e.submit(make_request(prompts[size_t(i)], max_tokens[i], i % 2 == 1, i), col.callback(i));
   col.wait_tokens(0, 2);
@@ -346,8 +351,16 @@ TEST(TensorParallelErrors, OptionsRefusedAtOnce) {
   o.model_dir = std::getenv("KESTREL_NANO_DIR");
   o.tensor_parallel_size = 2;
   o.device = runtime::Device::cuda;
+  o.expert_parallel = true;  // GPU TP is built, GPU EP is not
   EXPECT_THROW({ runtime::EngineHost e(o); }, Error);
+  o.expert_parallel = false;
+  o.decode_context_parallel_size = 2;  // nor GPU DCP
+  EXPECT_THROW({ runtime::EngineHost e(o); }, Error);
+  o.decode_context_parallel_size = 1;
   o.device = runtime::Device::cpu;
+  o.debug_tp_on_one_gpu = true;  // a CUDA debug switch
+  EXPECT_THROW({ runtime::EngineHost e(o); }, Error);
+  o.debug_tp_on_one_gpu = false;
   o.tensor_parallel_size = 1;
   o.expert_parallel = true;
   EXPECT_THROW({ runtime::EngineHost e(o); }, Error);

@@ -110,4 +110,13 @@ KESTREL_AVX2 inline float reduce8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
+// reduce8 of four vectors at once: lane j = ((vj0+vj1)+(vj2+vj3))+((vj4+vj5)+(vj6+vj7)), the same
+// additions in the same order (hadd adds neighbours), so bit-identical to reduce8 lane by lane.
+KESTREL_AVX2 inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 ab = _mm256_hadd_ps(a, b);   // a01 a23 b01 b23 | a45 a67 b45 b67
+  const __m256 cd = _mm256_hadd_ps(c, d);   // c01 c23 d01 d23 | c45 c67 d45 d67
+  const __m256 q = _mm256_hadd_ps(ab, cd);  // a0123 b0123 c0123 d0123 | a4567 b4567 c4567 d4567
+  return _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1));
+}
+
 }  // namespace kestrel::cpu::simd

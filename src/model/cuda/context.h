@@ -22,7 +22,19 @@
 #include "model/cuda/instruments.h"
 #include "model/cuda/linear.h"
 
+namespace kestrel::parallel {
+class Comm;
+}
+
 namespace kestrel::model::gpu {
+
+// This model's place in a tensor-parallel group (tp.cpp; docs/parallel.md §3): the config above holds the
+// rank's head counts (model::rank_config), the weights are the rank's shard, and the sublayer ends call
+// the collectives of tp.cpp. comm == nullptr: one rank, every helper is the identity.
+struct TpDev {
+  parallel::Comm* comm = nullptr;
+  int size = 1, rank = 0;
+};
 
 struct Context {
   const TextConfig& c;
@@ -36,7 +48,9 @@ struct Context {
   bool fp8 = false;              // --quantization ptpc-fp8: the dense projections are FP8 (weights.h)
   cuda::SkinnyWorkspace skinny;  // the skinny GEMM's split-K scratch (owned by the model)
   std::vector<void*> scratch;
+  TpDev tp;
 
+  bool split() const { return tp.size > 1; }
   template <typename T>
   T* tmp(int64_t n) {
     void* p = alloc.alloc(size_t(std::max<int64_t>(n, 1)) * sizeof(T));

@@ -17,6 +17,7 @@
 #include "model/cuda/context.h"
 #include "model/cuda/layers.h"
 #include "model/cuda/weights.h"
+#include "parallel/comm.h"
 
 namespace kestrel::model {
 
@@ -51,9 +52,12 @@ struct CudaModel::Impl {
   int32_t* mask_idx_dev = nullptr;
   int64_t mask_rows = 0, mask_words = 0;
 
+  int tp_size = 1, tp_rank = 0;
+  int64_t vocab_lo = 0, vocab_rows = 0;  // this rank's embedding rows [vocab_lo, vocab_lo + vocab_rows)
+
   Impl(const ModelConfig& c, const ModelWeights& mw, const CudaModelOptions& o)
       : cfg(c),
-        w(gpu::upload_weights(cfg, mw, arena, o.quant == WeightQuant::ptpc_fp8)),
+        w(gpu::upload_weights(cfg, mw, arena, o.quant == WeightQuant::ptpc_fp8, o.tp_size > 1)),
         x{cfg.text, alloc, lt, stream.s, {}, {}, {}, gpu::DecodeOptions::from_env(), o.quant == WeightQuant::ptpc_fp8,
           {}, {}} {
     // The skinny GEMM's split-K scratch: partials and zeroed counters (every launch leaves them zero).
@@ -63,6 +67,40 @@ struct CudaModel::Impl {
     x.skinny.counters = static_cast<unsigned*>(alloc.alloc(size_t(x.skinny.n_counters) * 4));
     KCUDA_CHECK(cudaMemsetAsync(x.skinny.counters, 0, size_t(x.skinny.n_counters) * 4, x.stream));
     KCUDA_CHECK(cudaStreamSynchronize(x.stream));
+    KCHECK(o.tp_size >= 1 && o.tp_rank >= 0 && o.tp_rank < o.tp_size, "CudaModel: rank {} of TP{}", o.tp_rank,
+           o.tp_size);
+    tp_size = o.tp_size, tp_rank = o.tp_rank;
+    vocab_rows = mw.embed.shape[0];
+    vocab_lo = int64_t(o.tp_rank) * vocab_rows;
+    KCHECK(vocab_rows * o.tp_size == c.text.vocab_size, "CudaModel: {} embedding rows on each of {} ranks for V = {}",
+           vocab_rows, o.tp_size, c.text.vocab_size);
+  }
+
+  void attach(parallel::Comm* comm) {
+    KCHECK(comm != nullptr && comm->size() == tp_size && comm->rank() == tp_rank,
+           "CudaModel::attach_comm: a comm of rank {} of {} for a model built as rank {} of TP{}",
+           comm ? comm->rank() : -1, comm ? comm->size() : 0, tp_rank, tp_size);
+    KCHECK(comm->device() == Device::cuda, "CudaModel::attach_comm: the {} comm moves host buffers",
+           comm->backend());
+    x.tp = {comm, tp_size, tp_rank};
+    if (tp_size == 1) return;
+    graphs = false;
+    // Every rank routes over all X experts and normalises the whole ũ: their slices of the selection bias
+    // and of the latent norm weight, gathered once (rank-major = expert-/column-major: the whole vectors).
+    const TextConfig& tc = cfg.text;
+    for (gpu::LayerWeightsDev& L : w.layers) {
+      if (L.mlp != MlpKind::moe) continue;
+      gpu::MoeWeightsDev& m = L.moe;
+      auto* bias = static_cast<float*>(arena.alloc(size_t(tc.num_experts) * 4));  // f32 [X]
+      comm->all_gather(m.router_bias, bias, size_t(m.Xl), DType::f32);
+      m.router_bias = bias;
+      if (m.latent_norm) {
+        auto* norm = static_cast<uint16_t*>(arena.alloc(size_t(tc.routed_expert_hidden_size) * 2));  // bf16 [Lt]
+        comm->all_gather(m.latent_norm, norm, size_t(m.Ll), DType::bf16);
+        m.latent_norm = norm;
+      }
+    }
+    comm->barrier();
   }
   ~Impl() {
     alloc.free(logits_dev);
@@ -98,6 +136,12 @@ struct CudaModel::Impl {
     const int64_t V = tc.vocab_size;
     gpu::BatchInputs in;
     gpu::BatchStep s = gpu::describe_batch(seqs, cc, V, in);
+    if (tp_size > 1) {
+      KCHECK(x.split(), "CudaModel: rank {} of TP{} has no communicator (attach_comm)", tp_rank, tp_size);
+      // The rank's embedding rows: its own ids, shifted; every other id reads the zero row after them.
+      for (int32_t& id : in.ids)
+        id = id >= vocab_lo && id < vocab_lo + vocab_rows ? int32_t(id - vocab_lo) : int32_t(vocab_rows);
+    }
     x.timer.begin_step();
     x.mark("start");
     const bool use_graph = graphs && s.nd == s.n && in.all_last && !x.timer.on && !x.caps.on &&
@@ -209,7 +253,8 @@ void CudaModel::sample(std::span<const cuda::SampleParams> params, std::span<con
                        int32_t* ids_host, const TokenMasks* masks) {
   impl_->sample(params, penalties, ids_host, masks);
 }
-void CudaModel::enable_cuda_graphs(bool on) { impl_->graphs = on; }
+void CudaModel::enable_cuda_graphs(bool on) { impl_->graphs = on && impl_->tp_size == 1; }
+void CudaModel::attach_comm(parallel::Comm* comm) { impl_->attach(comm); }
 int64_t CudaModel::graph_steps() const { return impl_->graph_steps; }
 void* CudaModel::stream() const { return impl_->x.stream; }
 

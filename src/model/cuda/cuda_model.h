@@ -36,6 +36,10 @@
 #include "loader/config.h"
 #include "loader/weights.h"
 
+namespace kestrel::parallel {
+class Comm;
+}
+
 namespace kestrel::model {
 
 struct CudaCache;  // model/cuda/cache.h
@@ -58,8 +62,12 @@ using CudaCachePtr = std::unique_ptr<CudaCache, void (*)(CudaCache*)>;
 // embeddings stay BF16; the routed experts stay MXFP4.
 enum class WeightQuant : uint8_t { bf16, ptpc_fp8 };
 WeightQuant parse_weight_quant(const std::string& s);  // "bf16" | "ptpc-fp8"; kestrel::Error otherwise
+// Tensor parallelism (docs/parallel.md §3, §8): one CudaModel per rank, on the rank's device, built from
+// the rank's config (model::rank_config) and shard (loader/shard.h bind_shard, column slices packed by
+// model::pack_strided), with tp_size / tp_rank set; then attach_comm() on every rank, collectively.
 struct CudaModelOptions {
   WeightQuant quant = WeightQuant::bf16;
+  int tp_size = 1, tp_rank = 0;
 };
 
 class CudaModel {
@@ -71,6 +79,12 @@ class CudaModel {
   CudaModel& operator=(const CudaModel&) = delete;
 
   size_t weight_bytes() const;
+
+  // Tensor parallelism: the rank's communicator (device buffers on this model's stream; NCCL, or the
+  // same-device comm of the tests), to outlive the model. Collective: every rank calls it once, before its
+  // first forward; it gathers the few per-rank slices every rank needs whole (each MoE layer's selection
+  // bias and latent norm weight). CUDA graphs stay off under TP (enable_cuda_graphs is ignored).
+  void attach_comm(parallel::Comm* comm);
 
   // ---- caches (cache.h) -------------------------------------------------------------------------------
   // Device bytes of a cache with `pages` pages and `slots` KDA slots in formats `f` (block_size tokens

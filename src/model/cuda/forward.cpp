@@ -18,10 +18,13 @@ namespace kestrel::model::gpu {
 void forward_layers(Context& x, const WeightsDev& w, CudaCache& cc, const BatchStep& s, const int32_t* d_ids,
                     const int32_t* d_lrows, int64_t nr, bool lrows_identity, float* logits) {
   const TextConfig& tc = x.c;
-  const int64_t T = s.T, D = tc.hidden_size, V = tc.vocab_size;
+  const int64_t T = s.T, D = tc.hidden_size;
   const bool fused = x.fused();
-  // §3.1: P = embed_tokens[id], no stored blocks.
+  // §3.1: P = embed_tokens[id], no stored blocks. Under TP each rank holds V/N rows of the table and
+  // looks up its own ids (the others read the zero row appended at upload, cuda_model.cpp), so one
+  // all-reduce assembles P exactly (one nonzero term per element).
   AttnResDev rs = attn_res_begin(x, w.embed, d_ids, T);
+  tp_all_reduce(x, rs.partial, T * D);
   u16* normed = x.tmp<u16>(T * D);  // bf16 [T, D]: the sublayers' input
   u16* y = x.tmp<u16>(T * D);       // bf16 [T, D]: their output
   Fp8Act n8;                        // normed's FP8 codes (fused ptpc-fp8 only)
@@ -81,10 +84,14 @@ void forward_layers(Context& x, const WeightsDev& w, CudaCache& cc, const BatchS
       cuda::copy_rows(normed, d_lrows, p, nullptr, nr, D * 2, x.stream);
       picked = p;
     }
+    // Under TP lm_head holds V/N vocabulary rows: this rank's logits columns, gathered into [nr, V].
+    const int64_t Vl = w.lm_head.N;
+    float* mine = x.split() ? x.tmp<float>(nr * Vl) : logits;  // f32 [nr, V/N]
     cuda::GemmSegs sg;
-    sg.seg[0] = seg_f32(0, logits, V);
+    sg.seg[0] = seg_f32(0, mine, Vl);
     sg.n = 1;
     linear(x, w.lm_head, picked, D, nr, sg);
+    if (x.split()) tp_gather_columns(x, mine, nr, Vl, DType::f32, logits);
   }
 }
 

@@ -90,8 +90,10 @@ void kda_forward(Context& x, const KdaWeightsDev& w, CudaCache& cc, const BatchS
     cuda::kda_out_norm_gate(o, gate, w.o_norm, c.rms_norm_eps, ohat, T, H, Dk, x.stream);
   }
   x.mark("kda.core");
-  // Step 8: out = Lin(o_proj)(ô).
+  // Step 8: out = Lin(o_proj)(ô). Under TP: this rank's H/N heads through its o_proj columns, a partial
+  // sum over heads, all-reduced.
   linear(x, w.o_proj, ohat, HD, T, out, D);
+  tp_all_reduce(x, out, T * D);
   x.mark("kda.o_proj");
 }
 

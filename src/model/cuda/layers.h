@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "core/dtype.h"
+
 #include "model/cuda/batch.h"
 #include "model/cuda/cache.h"
 #include "model/cuda/context.h"
@@ -53,6 +55,13 @@ void attn_res_add(Context& x, AttnResDev& rs, const u16* a /* bf16 [T, D] */, bo
 void attn_res_point(Context& x, AttnResDev& rs, const u16* a /* bf16 [T, D] or null */, cuda::AttnResAdd mode,
                     bool store, const u16* res_norm /* bf16 [D] */, const u16* res_proj /* bf16 [D] */,
                     const u16* norm /* bf16 [D] */, u16* out /* bf16 [T, D] */, Fp8Act* out8);
+
+// Tensor parallelism at the sublayer ends (tp.cpp; identity on one rank). A row-parallel projection's
+// partial output bf16 [n] is summed over the ranks in place (one all-reduce). Columns other ranks computed
+// come back side by side: full[t, p·w + j] = local_p[t, j] for local esz-byte elements [T, w] → [T, N·w].
+void tp_all_reduce(Context& x, u16* y /* bf16 [n] */, int64_t n);
+void tp_gather_columns(Context& x, const void* local /* [T, w] */, int64_t T, int64_t w, DType dt,
+                       void* full /* [T, N·w] */);
 
 // The layer stack of one step (forward.cpp, §3.1–3.2, §3.8): embeddings of d_ids through every layer,
 // then the final Mix, model.norm and lm_head over the nr rows d_lrows into logits (f32 [nr, V]);

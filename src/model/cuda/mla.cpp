@@ -27,9 +27,11 @@ namespace {
 
 // §3.5 steps 5–6 and §3.4 steps 3–4 for the real sequences of the step: selects with the indexer (qi,
 // hw null without one), then attends, writing the o rows. Runs as an island.
+// Hi: the model's indexer heads (under TP q_I and w arrive gathered over the ranks: every rank scores all
+// heads and selects the same keys, docs/parallel.md §3); Hm = the config's, this rank's.
 void mla_attend(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchStep& s, int layer,
                 const u16* q /* bf16 [T, Hm·(N+R)] */, const u16* qi /* bf16 [T, Hi·Di] */,
-                const float* hw /* f32 [T, Hi] */, u16* o /* bf16 [T, Hm·Dv] */) {
+                const float* hw /* f32 [T, Hi] */, int64_t Hi, u16* o /* bf16 [T, Hm·Dv] */) {
   const TextConfig& c = x.c;
   const int64_t C = c.kv_lora_rank, R = c.qk_rope_head_dim, N = c.qk_nope_head_dim, Dv = c.v_head_dim,
                 Hm = c.num_attention_heads, QK = N + R, Ki = c.index_topk;
@@ -43,7 +45,6 @@ void mla_attend(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchSt
   // §3.5 steps 5–6: I = Σ_h w·(Hi·Di)^−½·ReLU(q_h·k) over the visible keys, top Ki per row.
   int32_t* sel = nullptr;  // i32 [Treal, Ki], ascending, −1 padded
   if (w.has_indexer) {
-    const int64_t Hi = c.index_n_heads;
     sel = x.tmp<int32_t>(Treal * Ki);
     // Scored in key chunks with a running top-k per row: the workspace is bounded, never [rows, max_S].
     const size_t ws_bytes = cuda::indexer_select_paged_tc_workspace_bytes(Treal, bound_all, Ki);
@@ -132,14 +133,29 @@ void mla_forward(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchS
     else  // quantise on write, byte-identical to MlaCacheView::write_key
       cuda::paged_write_keys(cc.mla_view(layer, nullptr, 0), knew, Di, s.d_pool_rows, T, x.stream);
   }
+  // Under TP q_I and w hold this rank's Hi/N heads: gathered to all heads (head-major, so rank p's heads
+  // are columns [p·Hi/N, (p+1)·Hi/N) of both).
+  int64_t Hi_all = Hi;
+  if (w.has_indexer && x.split()) {
+    Hi_all = Hi * x.tp.size;
+    u16* qi_all = x.tmp<u16>(T * Hi_all * Di);  // bf16 [T, Hi·Di], all heads
+    float* hw_all = x.tmp<float>(T * Hi_all);  // f32 [T, Hi], all heads
+    tp_gather_columns(x, qi, T, Hi * Di, DType::bf16, qi_all);
+    tp_gather_columns(x, hw, T, Hi, DType::f32, hw_all);
+    qi = qi_all, hw = hw_all;
+  }
   x.mark("mla.proj");
   // §3.5 steps 5–6 and §3.4 steps 3–4: everything whose shape depends on the contexts (an island of the
   // graph unless the step's attention is captured, graphs.h).
   u16* o = x.tmp<u16>(T * Hm * Dv);  // bf16 [T, Hm·Dv]
-  x.island(s, [&x, &w, &cc, layer, q, qi, hw, o](const BatchStep& st) { mla_attend(x, w, cc, st, layer, q, qi, hw, o); });
-  // Step 5: ô = concat_h(o_h) ⊙ σ(Lin(g_proj)(x)); out = Lin(o_proj)(ô).
+  x.island(s, [&x, &w, &cc, layer, q, qi, hw, Hi_all, o](const BatchStep& st) {
+    mla_attend(x, w, cc, st, layer, q, qi, hw, Hi_all, o);
+  });
+  // Step 5: ô = concat_h(o_h) ⊙ σ(Lin(g_proj)(x)); out = Lin(o_proj)(ô). Under TP: this rank's Hm/N heads
+  // through its o_proj columns, a partial sum, all-reduced.
   if (g) cuda::sigmoid_gate_bf16(o, g, T * Hm * Dv, x.stream);
   linear(x, w.o_proj, o, Hm * Dv, T, out, D);
+  tp_all_reduce(x, out, T * D);
   x.mark("mla.gate+o_proj");
 }
 

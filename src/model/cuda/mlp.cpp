@@ -1,6 +1,7 @@
 // Gated SiTU MLP on the GPU, MODEL.md §3.7 (CPU twin: model/mlp.cpp): gate|up as one BF16 GEMM over the
 // 8-interleaved stack with the FP32 SiTU-GLU rounded once in its epilogue (linear.h), then the down
-// projection.
+// projection. Under TP each rank holds F/N of the width (w.F is the rank's), so its output is a partial
+// sum, all-reduced.
 #include "model/cuda/layers.h"
 
 namespace kestrel::model::gpu {
@@ -15,6 +16,7 @@ void mlp_forward(Context& x, const MlpWeightsDev& w, const u16* in, const Fp8Act
   sg.n = 1;
   linear(x, w.gate_up, in, D, T, sg, in8);
   linear(x, w.down, a, F, T, out, D);
+  tp_all_reduce(x, out, T * D);  // under TP: F/N columns per rank (gate/up rows, down columns), a partial sum
 }
 
 }  // namespace kestrel::model::gpu

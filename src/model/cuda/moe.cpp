@@ -3,6 +3,17 @@
 // first half), z = Lin(routed_expert_down_proj)(x) (step 2) and, in BF16, the FP32 router logits (step 1).
 // The router and the expert selection run over all rows at once; the routed experts stay MXFP4
 // (kernels/cuda/moe.h); step 7's sum is the epilogue of the latent up-projection.
+//
+// Tensor parallelism (docs/parallel.md §3, "The latent MoE needs three collectives"; CPU twin:
+// model/moe_split.cpp): the rank holds X/N router rows, Lt/N latent-down rows, I/N of every expert's
+// intermediate width and Is/N of the shared experts'. Its router logits and z slice are gathered to the
+// whole [T, X] and [T, Lt] (every rank then routes identically, with the selection bias and the latent
+// norm gathered once at attach, cuda_model.cpp); its experts give a partial ũ, all-reduced; the norm runs
+// over the whole ũ, and the latent up-projection's column slice reads the rank's Lt/N of it; routed +
+// shared partials are all-reduced once.
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/norm.h"
@@ -14,23 +25,30 @@ void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in, c
                  u16* out) {
   const TextConfig& c = x.c;
   const int64_t D = c.hidden_size, X = c.num_experts, K = c.num_experts_per_token, Lt = c.routed_expert_hidden_size,
-                I = c.moe_intermediate_size, Is = w.Is;
-  float* r = x.tmp<float>(T * X);                         // f32 [T, X]: router logits
-  u16* z = x.tmp<u16>(T * Lt);                            // bf16 [T, Lt]
+                I = w.I, Is = w.Is, Xl = w.Xl, Ll = w.Ll;  // I, Is, Xl, Ll: this rank's (all of them on one rank)
+  float* r = x.tmp<float>(T * Xl);                        // f32 [T, Xl]: router logits (this rank's experts)
+  u16* z = x.tmp<u16>(T * Ll);                            // bf16 [T, Ll]: this rank's slice of z
   u16* a_sh = w.has_shared ? x.tmp<u16>(T * Is) : nullptr;  // bf16 [T, Is]: the shared experts' SiTU-GLU
   {
     cuda::GemmSegs sg;
     sg.glu_beta = c.situ_beta, sg.glu_linear_beta = c.situ_linear_beta;
     if (w.has_shared) sg.seg[sg.n++] = seg_glu(0, a_sh, Is);
-    sg.seg[sg.n++] = seg_bf16(w.off_down, z, Lt);
-    if (w.off_router >= 0) sg.seg[sg.n++] = seg_f32(w.off_router, r, X);
+    sg.seg[sg.n++] = seg_bf16(w.off_down, z, Ll);
+    if (w.off_router >= 0) sg.seg[sg.n++] = seg_f32(w.off_router, r, Xl);
     linear(x, w.in_proj, in, D, T, sg, in8);
     if (w.off_router < 0) {  // ptpc-fp8: the FP32 router stays a BF16 GEMM of its own
       cuda::GemmSegs rs;
-      rs.seg[0] = seg_f32(0, r, X);
+      rs.seg[0] = seg_f32(0, r, Xl);
       rs.n = 1;
       linear(x, w.router, in, D, T, rs);
     }
+  }
+  if (x.split()) {  // every rank's router columns and z slice, side by side
+    float* r_all = x.tmp<float>(T * X);  // f32 [T, X]
+    u16* z_all = x.tmp<u16>(T * Lt);     // bf16 [T, Lt]
+    tp_gather_columns(x, r, T, Xl, DType::f32, r_all);
+    tp_gather_columns(x, z, T, Ll, DType::bf16, z_all);
+    r = r_all, z = z_all;
   }
   // Step 1: selection on σ(logits) + bias; weights the un-biased scores, renormalised, times
   // routed_scaling_factor.
@@ -46,6 +64,7 @@ void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in, c
   eo.lt = &x.lt;  // prefill sizes: dequantise + cuBLASLt (moe.h MoeTokenTile::dense)
   cuda::moe_experts_mxfp4(z, ids, wts, w.experts, T, X, K, Lt, I, c.situ_beta, c.situ_linear_beta, ws, ut, x.stream,
                           eo);
+  tp_all_reduce(x, ut, T * Lt);  // under TP: each rank's I/N slice of every expert, a partial ũ
   x.mark("moe.experts");
   // Step 5: routed = Lin(routed_expert_up_proj)(RMSNorm_{routed_expert_norm}(ũ)).
   const u16* lin = ut;
@@ -54,8 +73,14 @@ void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in, c
     cuda::rmsnorm_bf16(ut, Lt, w.latent_norm, un, Lt, T, Lt, c.rms_norm_eps, x.stream);
     lin = un;
   }
+  if (x.split()) {  // the up-projection's column slice reads this rank's Lt/N columns (made contiguous)
+    u16* mine = x.tmp<u16>(T * Ll);  // bf16 [T, Ll]
+    KCUDA_CHECK(cudaMemcpy2DAsync(mine, size_t(Ll) * 2, lin + int64_t(x.tp.rank) * Ll, size_t(Lt) * 2, size_t(Ll) * 2,
+                                  size_t(T), cudaMemcpyDeviceToDevice, x.stream));
+    lin = mine;
+  }
   if (!w.has_shared) {
-    linear(x, w.latent_up, lin, Lt, T, out, D);
+    linear(x, w.latent_up, lin, Ll, T, out, D);
   } else {
     // Step 6: shared = Lin(down)(a_sh); step 7: out = bf16(routed + shared), the add in the up-projection's
     // epilogue (or a separate add when the fused epilogues are off).
@@ -65,13 +90,14 @@ void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in, c
       cuda::GemmSegs sg;
       sg.seg[0] = seg_add(0, out, D, sh, D);
       sg.n = 1;
-      linear(x, w.latent_up, lin, Lt, T, sg);
+      linear(x, w.latent_up, lin, Ll, T, sg);
     } else {
       u16* routed = x.tmp<u16>(T * D);  // bf16 [T, D]
-      linear(x, w.latent_up, lin, Lt, T, routed, D);
+      linear(x, w.latent_up, lin, Ll, T, routed, D);
       cuda::add_bf16(routed, sh, out, T * D, x.stream);
     }
   }
+  tp_all_reduce(x, out, T * D);  // under TP: routed + shared partial sums
   x.mark("moe.up+shared");
 }
 

@@ -28,10 +28,13 @@ class Uploader {
  public:
   Uploader(cuda::DeviceArena& a, bool fp8) : arena_(a), fp8_(fp8) {}
 
-  const u16* bf16(const TensorView& v) {  // null for an empty (absent optional) tensor
+  // null for an empty (absent optional) tensor; `extra` zero bytes appended (the TP embedding's zero row)
+  const u16* bf16(const TensorView& v, size_t extra = 0) {
     if (v.empty()) return nullptr;
-    void* p = arena_.alloc(v.nbytes());
+    KCHECK(v.is_contiguous(), "upload: a strided view (pack it first, model::pack_strided)");
+    void* p = arena_.alloc(v.nbytes() + extra);
     KCUDA_CHECK(cudaMemcpy(p, v.data, v.nbytes(), cudaMemcpyHostToDevice));
+    if (extra > 0) KCUDA_CHECK(cudaMemset(static_cast<char*>(p) + v.nbytes(), 0, extra));
     return static_cast<const u16*>(p);
   }
   const float* f32(const TensorView& v) {
@@ -58,6 +61,8 @@ class Uploader {
     const int64_t K = parts[0].a->shape[1];
     int64_t N = 0;
     for (const Part& p : parts) {
+      KCHECK(p.a->is_contiguous() && (!p.b || p.b->is_contiguous()),
+             "upload: a strided view (pack it first, model::pack_strided)");
       KCHECK(p.a->dtype == DType::bf16 && p.a->shape.rank == 2 && p.a->shape[1] == K,
              "stacked weights must be bf16 [·, {}]", K);
       if (p.b) {
@@ -178,12 +183,21 @@ MoeWeightsDev upload_moe(Uploader& up, const TextConfig& tc, const MoeWeights& m
   d.router_bias = up.f32(m.router_bias);
   d.latent_norm = up.bf16(m.latent_norm);
   d.latent_up = up.linear(m.latent_up);
+  d.Xl = m.router.shape[0];
+  d.Ll = m.latent_down.shape[0];
   // Experts repacked once into the tensor-core layout of kernels/cuda/moe_layout.h (the same bytes, permuted).
-  const int64_t X = tc.num_experts, Lt = tc.routed_expert_hidden_size, I = tc.moe_intermediate_size;
+  // I is this rank's width (the shard's w1 rows; the whole I on one rank).
+  const int64_t X = tc.num_experts, Lt = tc.routed_expert_hidden_size;
   KCHECK(int64_t(m.experts.size()) == X, "MoE layer has {} experts, config {}", m.experts.size(), X);
+  KCHECK(!m.experts.empty() && !m.experts[0].w1.packed.empty(),
+         "MoE layer: expert 0 is not on this rank (expert parallelism is not built on the GPU)");
+  const int64_t I = m.experts[0].w1.rows();
+  d.I = I;
   std::vector<cuda::MoeExpertHost> src(static_cast<size_t>(X));
   for (int64_t e = 0; e < X; ++e) {
     const ExpertWeights& ew = m.experts[size_t(e)];
+    KCHECK(ew.w1.packed.is_contiguous() && ew.w2.packed.is_contiguous() && ew.w2.scale.is_contiguous(),
+           "expert {}: a strided view (pack it first, model::pack_strided)", e);
     KCHECK(ew.w1.packed.nbytes() == size_t(I * Lt / 2) && ew.w3.packed.nbytes() == size_t(I * Lt / 2) &&
                ew.w2.packed.nbytes() == size_t(Lt * I / 2) && ew.w1.scale.nbytes() == size_t(I * Lt / 32) &&
                ew.w3.scale.nbytes() == size_t(I * Lt / 32) && ew.w2.scale.nbytes() == size_t(Lt * I / 32),
@@ -197,10 +211,11 @@ MoeWeightsDev upload_moe(Uploader& up, const TextConfig& tc, const MoeWeights& m
 
 }  // namespace
 
-WeightsDev upload_weights(const ModelConfig& c, const ModelWeights& mw, cuda::DeviceArena& arena, bool fp8) {
+WeightsDev upload_weights(const ModelConfig& c, const ModelWeights& mw, cuda::DeviceArena& arena, bool fp8,
+                          bool embed_zero_row) {
   Uploader up(arena, fp8);
   WeightsDev w;
-  w.embed = up.bf16(mw.embed);
+  w.embed = up.bf16(mw.embed, embed_zero_row ? size_t(mw.embed.shape[1]) * 2 : 0);
   if (mw.lm_head.empty()) {
     w.lm_head.w = w.embed, w.lm_head.N = mw.embed.shape[0], w.lm_head.K = mw.embed.shape[1];
   } else {

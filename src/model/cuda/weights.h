@@ -61,9 +61,11 @@ struct MoeWeightsDev {
   LinearDev in_proj;
   int64_t off_down = 0, off_router = -1;
   LinearDev router;        // [X, D] on its own (ptpc-fp8); N = 0 otherwise
-  const float* router_bias;  // f32 [X]
-  const u16* latent_norm;  // bf16 [Lt]
-  LinearDev latent_up;     // [D, Lt]
+  const float* router_bias;  // f32 [X] (under TP: gathered over the ranks at attach, cuda_model.cpp)
+  const u16* latent_norm;  // bf16 [Lt] (likewise)
+  LinearDev latent_up;     // [D, Lt] (under TP: [D, Lt/N], the rank's columns)
+  int64_t I = 0;           // the experts' intermediate width on this rank (I, or I/N under TP)
+  int64_t Xl = 0, Ll = 0;  // router rows and latent-down rows on this rank (X and Lt on one rank)
   cuda::MoeExpertWeights experts;
   bool has_shared;
   LinearDev shared_down;   // [D, Is]
@@ -98,6 +100,11 @@ struct WeightsDev {
 // projections are re-quantised at load to PTPC FP8 (e4m3 + per-output-channel scales, quantize_fp8_rows on
 // the device; the BF16 copies are not kept), except the FP32-output ones (router, indexer head weights,
 // lm_head) and the MLA kv_b the attention kernels read.
-WeightsDev upload_weights(const ModelConfig& c, const ModelWeights& w, cuda::DeviceArena& arena, bool fp8);
+// embed_zero_row: one zero row is appended to the embedding table (tensor parallelism: a rank's ids outside
+// its vocabulary rows look it up, cuda_model.cpp). Under TP `c` is the rank's config (model::rank_config)
+// and `w` its shard (loader/shard.h, strided column slices packed contiguous by model::pack_strided): every
+// width below is then the rank's, read from the tensors' shapes.
+WeightsDev upload_weights(const ModelConfig& c, const ModelWeights& w, cuda::DeviceArena& arena, bool fp8,
+                          bool embed_zero_row = false);
 
 }  // namespace kestrel::model::gpu
