@@ -324,11 +324,12 @@ struct Client::Impl {
     }
   }
 
-  net::awaitable<void> get_models(std::string* out_body, int* status) {
+  net::awaitable<void> get_models(std::string* out_body, int* status) { co_await get_path("/v1/models", out_body, status); }
+  net::awaitable<void> get_path(std::string path, std::string* out_body, int* status) {
     Conn c(ioc);
     c.stream.expires_after(std::chrono::seconds(30));
     co_await c.stream.async_connect(*endpoints, use_awaitable);
-    http::request<http::empty_body> req{http::verb::get, opt.base.path + "/v1/models", 11};
+    http::request<http::empty_body> req{http::verb::get, opt.base.path + path, 11};
     common_headers(req);
     req.keep_alive(false);
     co_await http::async_write(c.stream, req, use_awaitable);
@@ -454,6 +455,31 @@ std::string Client::first_model() {
       !j["data"][0].contains("id") || !j["data"][0]["id"].is_string())
     fail("GET {}: no model listed: {}", url, clip(body));
   return j["data"][0]["id"].get<std::string>();
+}
+
+HttpReply Client::get(const std::string& path) {
+  Impl& I = *impl_;
+  HttpReply r;
+  try {
+    I.resolve();
+  } catch (const std::exception& x) {
+    r.error = x.what();
+    return r;
+  }
+  net::co_spawn(I.ioc, I.get_path(path, &r.body, &r.status), [&](std::exception_ptr e) {
+    if (!e) return;
+    try {
+      std::rethrow_exception(e);
+    } catch (const boost::system::system_error& x) {
+      r.error = I.describe(x.code());
+    } catch (const std::exception& x) {
+      r.error = x.what();
+    }
+  });
+  I.ioc.restart();
+  I.ioc.run();
+  if (!r.error.empty()) r.status = 0;
+  return r;
 }
 
 }  // namespace kestrel::bench

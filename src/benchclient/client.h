@@ -81,6 +81,9 @@ class Client {
   std::vector<HttpReply> post_all(const std::vector<std::string>& bodies, int max_concurrency,
                                   const std::function<void(int, int)>& progress);
 
+  // GET base + path (e.g. "/metrics"); status 0 and `error` set when no answer came. Never throws.
+  HttpReply get(const std::string& path);
+
   // GET base/v1/models: the first model's id. Throws kestrel::Error when unreachable or empty.
   std::string first_model();
 

@@ -92,6 +92,14 @@ std::string format_table(const Metrics& m, const RunInfo& info) {
   section("Time per Output Token (excl. 1st token)", "TPOT", m.tpot);
   section("Inter-token Latency", "ITL", m.itl);
   section("End-to-end Latency", "E2EL", m.e2el);
+  if (m.spec) {  // vLLM's section, from the server's counters over the run
+    rule("Speculative Decoding", '-');
+    line("Acceptance rate (%):", num(100.0 * m.spec->acceptance_rate()));
+    line("Acceptance length:", num(m.spec->acceptance_length()));
+    line("Drafts:", fmt::format("{:.0f}", m.spec->drafts));
+    line("Draft tokens:", fmt::format("{:.0f}", m.spec->draft_tokens));
+    line("Accepted tokens:", fmt::format("{:.0f}", m.spec->accepted_tokens));
+  }
   s += std::string(50, '=');
   return s;
 }
@@ -166,6 +174,13 @@ nlohmann::ordered_json result_json(const Metrics& m, const RunInfo& info, const 
   }
   j["max_output_tokens_per_s"] = m.max_output_tokens_per_s;
   j["max_concurrent_requests"] = m.max_concurrent_requests;
+  if (m.spec) {
+    j["spec_decode_acceptance_rate"] = 100.0 * m.spec->acceptance_rate();
+    j["spec_decode_acceptance_length"] = m.spec->acceptance_length();
+    j["spec_decode_num_drafts"] = m.spec->drafts;
+    j["spec_decode_draft_tokens"] = m.spec->draft_tokens;
+    j["spec_decode_accepted_tokens"] = m.spec->accepted_tokens;
+  }
   auto put = [&](const char* name, const Summary& x) {
     j[fmt::format("mean_{}_ms", name)] = x.mean_ms;
     j[fmt::format("median_{}_ms", name)] = x.median_ms;

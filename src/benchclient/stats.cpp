@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
+#include <sstream>
 
 namespace kestrel::bench {
 
@@ -108,6 +110,32 @@ Metrics compute_metrics(const std::vector<RequestOutput>& outputs, double durati
     for (const auto& [t, d] : events) m.max_concurrent_requests = std::max(m.max_concurrent_requests, cur += d);
   }
   return m;
+}
+
+std::optional<SpecDecodeCounters> parse_spec_decode_metrics(const std::string& text) {
+  SpecDecodeCounters c;
+  bool any = false;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t name_end = line.find_first_of("{ ");
+    const size_t sp = line.rfind(' ');
+    if (name_end == std::string::npos || sp == std::string::npos || sp + 1 >= line.size()) continue;
+    std::string name = line.substr(0, name_end);
+    if (name.size() > 6 && name.compare(name.size() - 6, 6, "_total") == 0) name.resize(name.size() - 6);
+    double* dst = name == "vllm:spec_decode_num_drafts"            ? &c.drafts
+                  : name == "vllm:spec_decode_num_draft_tokens"    ? &c.draft_tokens
+                  : name == "vllm:spec_decode_num_accepted_tokens" ? &c.accepted_tokens
+                                                                   : nullptr;
+    if (!dst) continue;
+    char* e = nullptr;
+    const double v = std::strtod(line.c_str() + sp + 1, &e);
+    if (e == line.c_str() + sp + 1) continue;
+    *dst += v;
+    any = true;
+  }
+  if (!any) return std::nullopt;
+  return c;
 }
 
 }  // namespace kestrel::bench

@@ -53,6 +53,16 @@ struct Summary {
 };
 Summary summarize_ms(const std::vector<double>& seconds, const std::vector<double>& percentiles);
 
+// The server's speculative-decoding counters (vLLM's vllm:spec_decode_num_drafts, _num_draft_tokens,
+// _num_accepted_tokens), summed over label sets; absent when the server reports none of them.
+struct SpecDecodeCounters {
+  double drafts = 0, draft_tokens = 0, accepted_tokens = 0;
+  // Mean tokens a verification step emits (accepted drafts + the target's own token).
+  double acceptance_length() const { return drafts > 0 ? 1.0 + accepted_tokens / drafts : 0.0; }
+  double acceptance_rate() const { return draft_tokens > 0 ? accepted_tokens / draft_tokens : 0.0; }
+};
+std::optional<SpecDecodeCounters> parse_spec_decode_metrics(const std::string& prometheus_text);
+
 struct Metrics {
   int completed = 0, failed = 0;
   long long total_input = 0, total_output = 0;
@@ -61,6 +71,7 @@ struct Metrics {
   Summary ttft, tpot, itl, e2el;
   double max_output_tokens_per_s = 0;  // busiest one-second bucket of token chunks
   int max_concurrent_requests = 0;     // most requests in flight at one instant
+  std::optional<SpecDecodeCounters> spec;  // the run's share of the server's counters (after − before)
 };
 
 Metrics compute_metrics(const std::vector<RequestOutput>& outputs, double duration_s,

@@ -160,6 +160,20 @@ bool CacheManager::grow(RequestId id, int64_t num_tokens) {
   return true;
 }
 
+void CacheManager::shrink(RequestId id, int64_t num_tokens) {
+  Seq& s = seq(id);
+  const int P = config_.block_size;
+  KCHECK(num_tokens >= int64_t(s.chain.size()) * P && num_tokens <= s.table.num_tokens,
+         "request {}: shrink to {} tokens outside [{}, {}]", id, num_tokens, int64_t(s.chain.size()) * P,
+         s.table.num_tokens);
+  const size_t keep = size_t((num_tokens + P - 1) / P);
+  while (s.table.pages.size() > keep) {
+    pages_.unref(s.table.pages.back());
+    s.table.pages.pop_back();
+  }
+  s.table.num_tokens = num_tokens;
+}
+
 SlotId CacheManager::snapshot(RequestId id, int32_t block_index) {
   if (!config_.enable_prefix_cache) return -1;
   Seq& s = seq(id);

@@ -79,6 +79,9 @@ class CacheManager {
   bool admit(RequestId id, const PrefixHit& hit);
   // Grows the block table to cover num_tokens, evicting cache entries if needed; all-or-nothing.
   bool grow(RequestId id, int64_t num_tokens);
+  // Cuts the block table back to num_tokens (≥ the cached chain), releasing the pages wholly past it:
+  // the positions of rejected speculative tokens. A partly used last page stays.
+  void shrink(RequestId id, int64_t num_tokens);
   // A checkpoint slot that will hold `id`'s state after this step's forward pass, at the end of its
   // block `block_index` (an after-forward copy). -1 when no slot can be had or the block already has
   // one; snapshots are an optimisation, so the caller simply goes on.

@@ -348,10 +348,24 @@ void register_bench(CLI::App& app) {
     std::fflush(stdout);
     ProgressBar bar(int(requests.size()), !o->no_progress);
     double duration = 0;
+    // The server's speculative-decoding counters around the run (vLLM's client does the same).
+    auto spec_counters = [&]() -> std::optional<SpecDecodeCounters> {
+      const HttpReply r = client->get("/metrics");
+      return r.status == 200 ? parse_spec_decode_metrics(r.body) : std::nullopt;
+    };
+    const auto spec_before = spec_counters();
     const auto outputs = client->run(requests, sched, [&](int done, int) { bar.update(done); }, &duration);
     bar.finish();
 
-    const Metrics m = compute_metrics(outputs, duration, percentiles);
+    Metrics m = compute_metrics(outputs, duration, percentiles);
+    // A server without speculation reports zeros: no section then.
+    if (const auto spec_after = spec_before ? spec_counters() : std::nullopt; spec_after && spec_after->drafts > 0) {
+      SpecDecodeCounters d;
+      d.drafts = spec_after->drafts - spec_before->drafts;
+      d.draft_tokens = spec_after->draft_tokens - spec_before->draft_tokens;
+      d.accepted_tokens = spec_after->accepted_tokens - spec_before->accepted_tokens;
+      m.spec = d;
+    }
     RunInfo info;
     info.endpoint_type = chat ? "openai-chat" : "openai";
     info.label = o->label;

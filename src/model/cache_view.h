@@ -46,6 +46,11 @@ struct KdaStateView {
   void* recurrent = nullptr;  // f32 or f16 [H, Dk, Dk], S[h][key][value]
   bool recurrent_f16 = false;
   uint16_t* conv = nullptr;   // bf16 [3, W-1, H*Dk]
+  // Optional per-position trace (DSpark verification, docs/speculative.md): when set, a call of T tokens
+  // also writes the state after each of its tokens, so the state after any accepted prefix can be kept
+  // without recomputing it (model/kda.h kda_keep_position). f32 recurrent states only.
+  float* trace_recurrent = nullptr;  // f32 [T, H, Dk, Dk]
+  uint16_t* trace_conv = nullptr;    // bf16 [T, 3, W-1, H*Dk]
 };
 
 // Elements of one KDA layer's recurrent state [H, Dk, Dk] / conv history [3, W−1, H·Dk].

@@ -36,9 +36,12 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, std::span<const KdaSe
                  int64_t rows, uint16_t* out, KdaForm form, const Shard& sh) {
   const int64_t D = c.hidden_size, H = c.kda.num_heads, Dk = c.kda.head_dim, HD = H * Dk, W = c.kda.conv_size;
   const int64_t n = int64_t(seqs.size());
-  for (const KdaSeq& s : seqs)
+  for (const KdaSeq& s : seqs) {
     KCHECK(s.state.recurrent && s.state.conv && s.row0 >= 0 && s.T > 0 && s.row0 + s.T <= rows,
            "KDA sequence rows [{}, +{}) outside the {} rows, or an empty state view", s.row0, s.T, rows);
+    KCHECK(!s.state.trace_recurrent || (s.state.trace_conv && !s.state.recurrent_f16 && form != KdaForm::chunked),
+           "a KDA state trace needs an f32 recurrent state, a conv trace and the recurrent scan");
+  }
 
   // §3.3 step 1: q̃, k̃, ṽ = Lin(q/k/v_proj)(x); step 4 input Lin(f_a)(x); step 5 input Lin(b_proj)(x);
   // step 7 input Lin(g_proj)(x): one call over every row (BF16 Lin outputs).
@@ -67,6 +70,17 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, std::span<const KdaSe
   cpu::parallel_for_each(3 * n, 3 * rows * HD * W * 8, [&](int64_t item) {
     const KdaSeq& s = seqs[size_t(item / 3)];
     const int64_t p = item % 3;
+    if (s.state.trace_conv) {
+      // The history after token t is inputs t+1 .. t+W−1 of [W−1 stored inputs, this call's T inputs].
+      const uint16_t* hist = s.state.conv + p * (W - 1) * HD;            // bf16 [W−1, HD], before this call
+      const uint16_t* xin = qkv.data() + (p * rows + s.row0) * HD;       // bf16 [T, HD]
+      for (int64_t t = 0; t < s.T; ++t)
+        for (int64_t j = 0; j < W - 1; ++j) {
+          const int64_t src = t + 1 + j;  // index into [hist, xin]
+          const uint16_t* row = src < W - 1 ? hist + src * HD : xin + (src - (W - 1)) * HD;
+          std::memcpy(s.state.trace_conv + ((t * 3 + p) * (W - 1) + j) * HD, row, size_t(HD) * 2);
+        }
+    }
     cpu::kda_conv_silu_fast(qkv.data() + (p * rows + s.row0) * HD, HD, conv_w[p], s.state.conv + p * (W - 1) * HD,
                             qkv_f.data() + (p * rows + s.row0) * HD, HD, s.T, HD, W);
   });
@@ -100,10 +114,19 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, std::span<const KdaSe
                             g.data() + r0 * HD + h * Dk, beta.data() + r0 * H + h, HD, H, o.data() + r0 * HD + h * Dk};
     float* S = (s.state.recurrent_f16 ? widened[size_t(i)].data() : static_cast<float*>(s.state.recurrent)) +
                h * Dk * Dk;  // f32 [Dk(key), Dk(value)]
-    if (form == KdaForm::chunked)
+    if (form == KdaForm::chunked) {
       cpu::kda_scan_chunked(io, s.T, Dk, S);
-    else
+    } else if (s.state.trace_recurrent) {
+      // Token by token (the recurrent scan is, so this is the same arithmetic), copying S after each.
+      for (int64_t t = 0; t < s.T; ++t) {
+        const cpu::KdaHeadIo it{io.q + t * HD, io.k + t * HD, io.v + t * HD, io.g + t * HD, io.beta + t * H,
+                                HD, H, io.o + t * HD};
+        cpu::kda_scan_recurrent_fast(it, 1, Dk, S);
+        std::memcpy(s.state.trace_recurrent + (t * H + h) * Dk * Dk, S, size_t(Dk * Dk) * sizeof(float));
+      }
+    } else {
       cpu::kda_scan_recurrent_fast(io, s.T, Dk, S);
+    }
   });
   for (int64_t i = 0; i < n; ++i) {
     const KdaStateView& st = seqs[size_t(i)].state;
@@ -126,6 +149,13 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, std::span<const KdaSe
   std::vector<float> part(size_t(rows * D));  // f32 [rows, D], this rank's heads only
   cpu::gemm_bf16_f32(ohat.data(), HD, bf16_ptr(w.o_proj), part.data(), D, rows, HD, D);
   reduce_to_bf16(sh, part.data(), rows * D, out);
+}
+
+void kda_keep_position(const TextConfig& c, const KdaStateView& st, int64_t t) {
+  KCHECK(st.trace_recurrent && st.trace_conv && !st.recurrent_f16 && t >= 0, "kda_keep_position: no trace");
+  const int64_t S = kda_recurrent_elems(c), C = kda_conv_elems(c);
+  std::memcpy(st.recurrent, st.trace_recurrent + t * S, size_t(S) * sizeof(float));
+  std::memcpy(st.conv, st.trace_conv + t * C, size_t(C) * 2);
 }
 
 }  // namespace kestrel::model

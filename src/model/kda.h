@@ -53,4 +53,9 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, KdaState& st,
                  const uint16_t* x /* bf16 [T, D], input_layernorm output */, int64_t T,
                  uint16_t* out /* bf16 [T, D] */, KdaForm form = KdaForm::automatic);
 
+// Speculative rollback without recompute: copies the traced state after token t of the last traced call
+// (st.trace_recurrent / st.trace_conv hold T positions, t < T) into st's state. Keeping token t of a
+// recurrent call is bit-identical to a call that stopped after token t.
+void kda_keep_position(const TextConfig& c, const KdaStateView& st, int64_t t);
+
 }  // namespace kestrel::model

@@ -180,6 +180,9 @@ struct EngineStats {
   int64_t prompt_tokens = 0, generation_tokens = 0;  // accepted prompts; tokens sampled
   int64_t tokens_forwarded = 0;             // positions actually computed (prefill incl. recompute + decodes)
   double busy_seconds = 0.0;                // time spent in forward steps
+  // DSpark speculation (vLLM's vllm:spec_decode_num_* counters): verification steps, draft tokens
+  // proposed, draft tokens accepted. Mean acceptance length = 1 + accepted / drafts.
+  int64_t spec_drafts = 0, spec_draft_tokens = 0, spec_accepted_tokens = 0;
 
   // vLLM's kv_cache_usage: cached prefix pages nobody holds are reclaimable, so they count as free.
   double kv_usage() const { return pages_total ? double(pages_held) / double(pages_total) : 0.0; }

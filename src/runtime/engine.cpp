@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "core/check.h"
+#include "runtime/spec_decode.h"
 #include "structured/matcher.h"
 #include "vision/vision.h"
 
@@ -49,6 +50,7 @@ sched::SchedulerConfig sched_config(const ModelConfig& c, const EngineConfig& cf
   s.max_num_partial_prefills = cfg.max_num_partial_prefills;
   s.max_long_partial_prefills = cfg.max_long_partial_prefills;
   s.vocab_size = int32_t(c.text.vocab_size);
+  s.num_speculative_tokens = cfg.speculative ? cfg.speculative->num_speculative_tokens : 0;
   return s;
 }
 
@@ -60,9 +62,15 @@ struct Timed {
 };
 
 EngineConfig with_cpu_executor(const ModelWeights& w, const ModelConfig& c, EngineConfig cfg) {
+  if (cfg.make_executor && cfg.speculative)
+    fail("speculative decoding runs on the CPU executor (--device cpu, one rank) only so far");
   if (!cfg.make_executor)
-    cfg.make_executor = [&w, &c, bi = cfg.cpu_batched](const CacheFormats& f, const cache::CacheConfig& cc) {
-      return std::unique_ptr<StepExecutor>(std::make_unique<Executor>(w, c, f, cc, ExecutorOptions{bi}));
+    cfg.make_executor = [&w, &c, bi = cfg.cpu_batched, spec = cfg.speculative](const CacheFormats& f,
+                                                                               const cache::CacheConfig& cc) {
+      ExecutorOptions o;
+      o.batched = bi;
+      o.speculative = spec ? &*spec : nullptr;
+      return std::unique_ptr<StepExecutor>(std::make_unique<Executor>(w, c, f, cc, o));
     };
   return cfg;
 }
@@ -97,6 +105,11 @@ void check_images(const Request& r, const ModelConfig& c, const StepExecutor& ex
                                                r.images[i]->grid_h, r.images[i]->grid_w, pads,
                                                c.media_placeholder_token_id));
   }
+}
+
+// Whether speculation serves this request exactly (engine.h EngineConfig::speculative).
+bool speculates(const Request& r) {
+  return !r.constraint && !r.on_logits && speculation_supports(r.sampling);
 }
 
 }  // namespace
@@ -171,7 +184,7 @@ Submission Engine::submit(Request r, TokenSink sink) {
       return s;
     }
     s.id = next_id_++;
-    sched_.submit(s.id, q->r);  // throws for a request the page pool can never hold; nothing is kept
+    sched_.submit(s.id, q->r, cfg_.speculative && speculates(q->r));  // throws for a request the page pool can never hold; nothing is kept
     prompt_tokens_ += int64_t(q->r.prompt.size());
     reqs_.emplace(s.id, std::move(q));
     s.status = SubmitStatus::accepted;
@@ -202,6 +215,9 @@ EngineStats Engine::stats() const {
   s.generation_tokens = generation_tokens_;
   s.tokens_forwarded = exec_stats_.tokens_forwarded;
   s.busy_seconds = exec_stats_.forward_seconds;
+  s.spec_drafts = exec_stats_.spec_drafts;
+  s.spec_draft_tokens = exec_stats_.spec_draft_tokens;
+  s.spec_accepted_tokens = exec_stats_.spec_accepted_tokens;
   return s;
 }
 
@@ -258,9 +274,12 @@ sched::SeqResult Engine::emit(Req& q, const SampleResult& s) {
   ev.logprob = s.logprob;
   ev.top_logprobs = s.top;
   q.output.push_back(s.token);
-  q.pending = std::move(ev);
+  q.pending.push_back(std::move(ev));
   const bool stop = std::find(q.stop_ids.begin(), q.stop_ids.end(), s.token) != q.stop_ids.end();
-  return {0, s.token, stop || grammar_end || !q.error.empty()};
+  sched::SeqResult r;
+  r.token = s.token;
+  r.finished = stop || grammar_end || !q.error.empty();
+  return r;
 }
 
 Engine::StructuredStats Engine::structured_stats() const {
@@ -433,6 +452,24 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
     const Req& q = find(x.id);
     return StepHooks::MediaInputs{q.r.prompt, q.r.media, q.r.images};
   };
+  // A verified speculative step: its tokens in order, up to the first that ends the request.
+  hooks.take_tokens = [&](const sched::ScheduledSeq& x, std::span<const int32_t> tokens) {
+    Req& q = find(x.id);
+    sched::SeqResult r;
+    for (size_t k = 0; k < tokens.size(); ++k) {
+      SampleResult s;
+      s.token = tokens[k];
+      const sched::SeqResult e = emit(q, s);
+      if (k + 1 < tokens.size() && !e.finished) {
+        r.accepted.push_back(tokens[k]);
+        continue;
+      }
+      r.token = e.token;
+      r.finished = e.finished;
+      break;
+    }
+    return r;
+  };
   // Every position's logits: for the debug hook, and for prompt logprobs until the prompt is done.
   hooks.wants_all_logits = [&](RequestId id) {
     const Req& q = find(id);
@@ -475,28 +512,31 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
       sched_.set_long_prefill_chunk(
           int32_t(std::clamp<double>(fit, 16.0, double(cfg_.long_prefill_token_threshold))));
     }
-    generation_tokens_ += int64_t(result.seqs.size());
+    for (const sched::SeqResult& r : result.seqs) generation_tokens_ += 1 + int64_t(r.accepted.size());
     std::map<RequestId, FinishReason> done;
     for (const sched::FinishedRequest& f : sched_.drain_finished()) done[f.id] = f.reason;
     for (auto& [id, q] : in_step) {
-      if (!q->pending) continue;
-      TokenEvent ev = std::move(*q->pending);
-      q->pending.reset();
+      if (q->pending.empty()) continue;
+      std::vector<TokenEvent> evs = std::move(q->pending);
+      q->pending.clear();
       auto d = done.find(id);
       if (d != done.end()) {
-        // A cancel that landed while the step was in flight drops the token it produced.
+        // A cancel that landed while the step was in flight drops the tokens it produced.
         if (d->second == FinishReason::cancelled) continue;
-        ev.finish = d->second;
+        evs.back().finish = d->second;
         done.erase(d);
       }
       if (!q->error.empty()) {  // a structured-output failure: token-less, this request only
+        TokenEvent& ev = evs.back();
         ev.index = -1, ev.token = -1, ev.logprob = 0.0f, ev.top_logprobs.clear();
         ev.finish = FinishReason::error;
         ev.error = q->error;
       }
-      ev.id = id;
-      stamp(*q, ev);
-      out.push_back({q->sink, std::move(ev)});
+      for (TokenEvent& ev : evs) {
+        ev.id = id;
+        stamp(*q, ev);
+        out.push_back({q->sink, std::move(ev)});
+      }
     }
     for (auto [id, why] : done) {  // finished without a token this step (cancellations)
       TokenEvent ev;

@@ -79,6 +79,11 @@ struct EngineConfig {
   int64_t max_model_len = 0;    // 0: min(model context, longest request of the memory plan)
   int32_t max_queue = std::numeric_limits<int32_t>::max();  // accepted, not yet admitted
   std::vector<int32_t> eos_token_ids;  // the end-of-sequence ids; empty: the config's eos_token_id
+  // DSpark speculative decoding (docs/speculative.md): the CPU executor only. Requests that
+  // speculation cannot serve exactly (structured output, logprobs, prompt logprobs, penalties, logit
+  // bias, min_tokens, a logits hook) run without it; greedy requests get exactly the tokens they get
+  // without speculation.
+  std::optional<SpecServing> speculative;
   // Builds the executor for the planned caches (engine_host.h: the GPU or fake executor); empty =
   // the CPU Executor over the weights given to the constructor.
   ExecutorFactory make_executor;
@@ -131,7 +136,7 @@ class Engine final : public kestrel::Engine {
     std::vector<PromptLogprob> prompt_lp;  // prompt positions 1.. so far (sampling.prompt_logprobs)
     int64_t cached = -1;            // prompt tokens skipped at the first admission (−1: not yet admitted)
     bool first_sent = false;        // the first event (it carries the prompt counts) is out
-    std::optional<TokenEvent> pending;  // this step's event, sent after complete()
+    std::vector<TokenEvent> pending;  // this step's events (several after a speculative step), sent after complete()
     std::unique_ptr<SeqConstraint> constraint;  // structured output, if any
     int32_t preaccepted = -1;       // token check_token already accepted (take_token follows)
     std::string error;              // set: this step's event ends the request with this error

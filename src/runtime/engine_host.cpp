@@ -31,6 +31,11 @@ struct EngineHost::Loaded {
   std::unique_ptr<Checkpoint> ckpt;
   ModelWeights w;
   std::shared_ptr<void> device;  // the GPU model behind --device cuda
+  // --speculative-config: the draft's config, checkpoint, weights and the bound draft (Draft points at them).
+  DraftConfig draft_cfg;
+  std::unique_ptr<Checkpoint> draft_ckpt;
+  DraftWeights draft_w;
+  std::unique_ptr<model::Draft> draft;
   std::unique_ptr<runtime::Engine> engine;
 };
 
@@ -145,17 +150,27 @@ void EngineHost::check_options() const {
 }
 
 
-// --speculative-config: load and check the draft (config against the target, every tensor), then refuse:
-// the batching engine has no speculative path yet (runtime/spec_decode.h is the single-request CPU loop).
-static void check_speculative(const SpeculativeConfig& sc, const ModelConfig& target) {
-  const DraftConfig dc = load_draft_config(sc.model, target);
-  if (sc.num_speculative_tokens > dc.block_size)
+// --speculative-config: load and check the draft (config against the target, every tensor) and bind it to
+// the target's embedding and lm_head. The CPU executor speculates (runtime/spec_executor.h); the GPU and
+// tensor-parallel executors do not yet, so those refuse it.
+void EngineHost::load_speculative(Loaded& m, EngineConfig& ec) const {
+  const SpeculativeConfig& sc = *opt_.speculative;
+  if (opt_.device == Device::cuda || opt_.tensor_parallel_size > 1)
+    fail("--speculative-config: speculative decoding runs on --device cpu with one rank only so far (docs/speculative.md)");
+  m.draft_cfg = load_draft_config(sc.model, m.cfg);
+  if (sc.num_speculative_tokens > m.draft_cfg.block_size)
     fail("--speculative-config: num_speculative_tokens {} exceeds the draft's block size {}", sc.num_speculative_tokens,
-         dc.block_size);
-  const Checkpoint ckpt(sc.model);
-  (void)bind_draft_weights(dc, ckpt);
-  fail("--speculative-config: the draft {} loads and matches the target, but the serving engine does not run "
-       "speculative decoding yet (issue #19; see docs/speculative.md)", sc.model);
+         m.draft_cfg.block_size);
+  m.draft_ckpt = std::make_unique<Checkpoint>(sc.model);
+  m.draft_w = bind_draft_weights(m.draft_cfg, *m.draft_ckpt);
+  m.draft = std::make_unique<model::Draft>(m.draft_cfg, m.draft_w, m.w);
+  SpecServing s;
+  s.draft = m.draft.get();
+  s.num_speculative_tokens = sc.num_speculative_tokens > 0 ? sc.num_speculative_tokens : m.draft_cfg.block_size;
+  s.rejection = sc.rejection;
+  s.draft_greedy = sc.draft_greedy;
+  s.draft_topk = sc.draft_topk;
+  ec.speculative = s;
 }
 
 void EngineHost::load() {
@@ -180,7 +195,7 @@ void EngineHost::load() {
       cpu::set_num_threads(opt_.cpu_threads);  // the process-wide team of the CPU ops
       m->ckpt = std::make_unique<Checkpoint>(opt_.model_dir);
       m->w = bind_weights(m->cfg, *m->ckpt);
-      if (opt_.speculative) check_speculative(*opt_.speculative, m->cfg);
+      if (opt_.speculative) load_speculative(*m, ec);
       if (opt_.device == Device::cuda) {
         m->device = setup_cuda(opt_, m->cfg, *m->ckpt, m->w, ec);
       } else if (!opt_.memory_budget && opt_.gpu_memory_utilization > 0.0) {

@@ -70,8 +70,8 @@ struct EngineOptions {
   bool fake = false;                     // no weights: random (or scripted) tokens
   FakeExecutorOptions fake_executor;
   std::chrono::milliseconds fake_load_delay{0};  // lets tests see /health answer 503 while "loading"
-  // --speculative-config: the draft is loaded and checked against the target; the batching engine does not
-  // run speculation yet (docs/speculative.md), so the load then fails with a message saying so.
+  // --speculative-config: the draft is loaded, checked against the target and used by the CPU engine
+  // (docs/speculative.md); --device cuda and tensor parallelism refuse it for now.
   std::optional<SpeculativeConfig> speculative;
 };
 
@@ -101,6 +101,7 @@ class EngineHost final : public kestrel::Engine {
   struct Loaded;
   void check_options() const;  // option errors, at once (before the load)
   void load();
+  void load_speculative(Loaded& m, EngineConfig& ec) const;
   runtime::Engine* get() const;  // null while loading, after a failed load or after shutdown
 
   EngineOptions opt_;

@@ -9,6 +9,7 @@
 #include "core/check.h"
 #include "model/model.h"
 #include "vision/vision.h"
+#include "runtime/spec_decode.h"
 
 namespace kestrel::runtime {
 
@@ -38,6 +39,11 @@ Executor::Executor(const ModelWeights& w, const ModelConfig& c, const CacheForma
   if (cc.block_size != formats.block_size)
     fail("executor: cache config block size {} != format block size {}", cc.block_size, formats.block_size);
   keep_step_memory();
+  if (options.speculative) {
+    // The KDA trace keeps f32 states per block position (model/kda.h); an f16 state rounds per call.
+    if (formats.kda_state == KdaStateDtype::f16) fail("speculative decoding needs --kda-state-dtype f32");
+    spec_ = std::make_unique<SpecDrafter>(*options.speculative, cc.num_pages, cc.block_size);
+  }
 }
 
 std::vector<model::EmbedOverride> Executor::media_rows(const sched::ScheduledSeq& x, const StepHooks& hooks) {
@@ -84,6 +90,7 @@ sched::StepResult Executor::run(const sched::StepPlan& plan, const StepHooks& ho
 
 sched::StepResult Executor::run_rank(const sched::StepPlan& plan, const StepHooks& hooks, parallel::Comm* comm) {
   KCHECK(bool(hooks.sample), "executor: no sampler hook");
+  KCHECK(!spec_ || !comm, "executor: speculation runs on one rank only");
   const cpu::PackedScope packed(&packed_);
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t V = c_.text.vocab_size;
@@ -103,25 +110,66 @@ sched::StepResult Executor::run_rank(const sched::StepPlan& plan, const StepHook
   for (const auto* list : {&plan.decodes, &plan.prefills})
     for (const sched::ScheduledSeq& x : *list) {
       const int64_t T = x.end - x.start;
-      KCHECK(T > 0 && int64_t(x.tokens.size()) == T, "request {}: step range [{}, {}) with {} tokens", x.id, x.start,
-             x.end, x.tokens.size());
+      KCHECK(T > 0 && int64_t(x.tokens.size()) + x.num_draft == T && x.num_draft >= 0,
+             "request {}: step range [{}, {}) with {} tokens and {} draft positions", x.id, x.start, x.end,
+             x.tokens.size(), x.num_draft);
+      KCHECK(x.num_draft == 0 || (spec_ && x.sample && x.tokens.size() == 1),
+             "request {}: a speculative decode without a draft (or not a one-anchor decode)", x.id);
       seqs.push_back(&x);
     }
   for (const auto* list : {&plan.finished, &plan.cancelled})
     for (cache::RequestId id : *list) media_.erase(id);
-  std::vector<model::SeqInput> in(seqs.size());
   std::vector<std::vector<model::EmbedOverride>> overrides(seqs.size());  // image rows per sequence
-  std::vector<int64_t> first_row(seqs.size() + 1, 0);  // each sequence's first logits row
+  // Speculative decodes: draft each block now (per request: its Markov chain is sequential), then the
+  // anchor and the drafts run as the sequence's rows, every row's logits wanted, KDA states traced.
+  const auto td = std::chrono::steady_clock::now();
+  std::vector<SpecDrafter::Block> blocks(seqs.size());
+  std::vector<std::vector<int32_t>> spec_tokens(seqs.size());  // [anchor, drafts]
+  std::vector<std::vector<float>> trace_S(seqs.size());        // f32 [KDA layers, T, H, Dk, Dk]
+  std::vector<model::Bf16Vec> trace_conv(seqs.size());         // bf16 [KDA layers, T, 3, W−1, H·Dk]
   for (size_t i = 0; i < seqs.size(); ++i) {
     const sched::ScheduledSeq& x = *seqs[i];
-    const bool all = hooks.wants_all_logits && hooks.all_logits && hooks.wants_all_logits(x.id);
+    if (x.num_draft == 0) continue;
+    KCHECK(bool(hooks.sampling_inputs) && bool(hooks.take_tokens), "executor: speculation without its hooks");
+    const StepHooks::SamplingInputs si = hooks.sampling_inputs(x);
+    blocks[i] = spec_->draft_block(x.id, x.block_table, x.start, x.tokens[0], x.num_draft, *si.params,
+                                   uint64_t(si.output.size()));
+    spec_tokens[i] = {x.tokens[0]};
+    spec_tokens[i].insert(spec_tokens[i].end(), blocks[i].tokens.begin(), blocks[i].tokens.end());
+  }
+  if (spec_) stats_.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - td).count();
+  const TextConfig& tc = c_.text;
+  const int64_t Se = model::kda_recurrent_elems(tc), Ce = model::kda_conv_elems(tc);
+  std::vector<model::SeqInput> in(seqs.size());
+  std::vector<int64_t> first_row(seqs.size() + 1, 0);  // each sequence's first logits row
+  std::vector<int64_t> tap_row(seqs.size() + 1, 0);    // each sequence's first row of the step (taps)
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const sched::ScheduledSeq& x = *seqs[i];
+    const int64_t T = x.end - x.start;
+    const bool all = x.num_draft > 0 || (hooks.wants_all_logits && hooks.all_logits && hooks.wants_all_logits(x.id));
     in[i].view = store_.view(x.state_slot, x.block_table, x.start);
-    in[i].tokens = x.tokens;
+    in[i].tokens = x.num_draft > 0 ? std::span<const int32_t>(spec_tokens[i]) : std::span<const int32_t>(x.tokens);
     overrides[i] = media_rows(x, hooks);
     in[i].embed_override = overrides[i];
     in[i].logits = all ? model::Logits::all : x.sample ? model::Logits::last : model::Logits::none;
-    const int64_t n = in[i].logits == model::Logits::all ? x.end - x.start : in[i].logits == model::Logits::last ? 1 : 0;
+    const int64_t n = in[i].logits == model::Logits::all ? T : in[i].logits == model::Logits::last ? 1 : 0;
     first_row[i + 1] = first_row[i] + n;
+    tap_row[i + 1] = tap_row[i] + T;
+    if (x.num_draft > 0) {
+      trace_S[i].resize(size_t(tc.num_hidden_layers * T * Se));
+      trace_conv[i].resize(size_t(tc.num_hidden_layers * T * Ce));
+      for (int L = 0; L < tc.num_hidden_layers; ++L)
+        if (tc.attn_kind[size_t(L)] == AttnKind::kda) {
+          in[i].view.kda[size_t(L)].trace_recurrent = trace_S[i].data() + L * T * Se;
+          in[i].view.kda[size_t(L)].trace_conv = trace_conv[i].data() + L * T * Ce;
+        }
+    }
+  }
+  model::Bf16Vec taps;  // bf16 [step rows, n·Dt]: the draft's context for every committed position
+  if (spec_) {
+    opt.tap_layers = spec_->draft().cfg->target_layer_ids;
+    taps.resize(size_t(tap_row.back() * spec_->tap_width()));
+    opt.taps_out = taps.data();
   }
   std::vector<float> logits(size_t(first_row.back() * V));  // f32 [rows wanted, V]
   if (options_.batched) {
@@ -131,6 +179,7 @@ sched::StepResult Executor::run_rank(const sched::StepPlan& plan, const StepHook
     }
   } else {
     for (size_t i = 0; i < in.size(); ++i) {
+      if (spec_) opt.taps_out = taps.data() + tap_row[i] * spec_->tap_width();
       model::forward_batch(w_, c_, std::span<const model::SeqInput>(&in[i], 1), logits.data() + first_row[i] * V, opt);
       ++stats_.forwards;
     }
@@ -141,6 +190,35 @@ sched::StepResult Executor::run_rank(const sched::StepPlan& plan, const StepHook
     const int64_t T = x.end - x.start;
     stats_.tokens_forwarded += T;
     const float* rows = logits.data() + first_row[i] * V;
+    const uint16_t* seq_taps = spec_ ? taps.data() + tap_row[i] * spec_->tap_width() : nullptr;
+    if (x.num_draft > 0) {
+      // Verify (the request's rule), keep the KDA states after the last kept position, give the kept
+      // positions' taps to the draft, emit the tokens.
+      const StepHooks::SamplingInputs si = hooks.sampling_inputs(x);
+      const SpecServing& ss = spec_->serving();
+      const VerifyOutcome o = verify_step(*si.params, ss.rejection, rows, blocks[i].q.data(), blocks[i].tokens, V,
+                                          uint64_t(si.output.size()));
+      ++stats_.spec_drafts;
+      stats_.spec_draft_tokens += x.num_draft;
+      stats_.spec_accepted_tokens += o.accepted;
+      for (int L = 0; L < tc.num_hidden_layers; ++L)
+        if (tc.attn_kind[size_t(L)] == AttnKind::kda) model::kda_keep_position(tc, in[i].view.kda[size_t(L)], o.accepted);
+      const auto ti = std::chrono::steady_clock::now();
+      spec_->inject(x.block_table, x.start, seq_taps, o.accepted + 1);
+      stats_.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - ti).count();
+      std::vector<int32_t> emitted(blocks[i].tokens.begin(), blocks[i].tokens.begin() + o.accepted);
+      emitted.push_back(o.next);
+      sched::SeqResult r = hooks.take_tokens(x, emitted);
+      r.id = x.id;
+      result.seqs.push_back(r);
+      stats_.samples += int64_t(r.accepted.size()) + 1;
+      continue;
+    }
+    if (spec_) {
+      const auto ti = std::chrono::steady_clock::now();
+      spec_->inject(x.block_table, x.start, seq_taps, T);
+      stats_.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - ti).count();
+    }
     if (in[i].logits == model::Logits::all)
       hooks.all_logits(x, std::span<const float>(rows, size_t(T * V)));
     if (x.sample) {

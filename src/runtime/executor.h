@@ -10,6 +10,11 @@
 // prefill, preemption + re-prefill and any batch composition give a request bit-identical logits,
 // hence identical tokens for a deterministic sampler. options.batched = false runs one forward per
 // sequence instead (the same arithmetic; tests use it to show batching changes no bit).
+//
+// Speculation (options.speculative, spec_executor.h): a decode with num_draft > 0 is drafted before the
+// forward, runs its anchor + drafts as rows of the same batched forward (all logits, KDA states traced per
+// position), and is verified after it; the KDA state after the last kept position is kept and the engine's
+// take_tokens hook emits the step's tokens. Every sequence's committed rows feed the draft's caches.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +32,7 @@
 #include "request/request.h"
 #include "runtime/cache_store.h"
 #include "runtime/sampler.h"
+#include "runtime/spec_executor.h"
 #include "sched/scheduler.h"
 
 namespace kestrel::parallel {
@@ -38,6 +44,7 @@ namespace kestrel::runtime {
 struct ExecutorOptions {
   bool batched = true;  // one forward for all sequences of a step (false: one per sequence)
   int dcp = 1;          // decode-context-parallel ranks of run_rank's group: 1 or its size (executor_tp.h)
+  const SpecServing* speculative = nullptr;  // DSpark speculation (spec_executor.h); run() only, not run_rank
 };
 
 struct ExecutorStats {
@@ -50,6 +57,10 @@ struct ExecutorStats {
   double forward_seconds = 0.0;
   int64_t images_encoded = 0;    // images run through the vision tower (once per request)
   double vision_seconds = 0.0;   // of which encoding (inside forward_seconds)
+  // Speculation (vLLM's spec_decode counters): verified drafts, draft tokens proposed, draft tokens the
+  // rule accepted (what a step emits may stop earlier at a stop id or max_tokens).
+  int64_t spec_drafts = 0, spec_draft_tokens = 0, spec_accepted_tokens = 0;
+  double draft_seconds = 0.0;  // drafting and draft-cache injection
 };
 
 struct StepHooks {
@@ -66,6 +77,10 @@ struct StepHooks {
   };
   std::function<SamplingInputs(const sched::ScheduledSeq&)> sampling_inputs;
   std::function<sched::SeqResult(const sched::ScheduledSeq&, int32_t token)> take_token;
+  // Speculative decodes (ScheduledSeq::num_draft > 0): the tokens a verified step emits, in order (the
+  // accepted draft tokens, then the correction or bonus token); the result's `accepted` and `token`
+  // are what the engine kept (it may stop early at a stop id). Needs sampling_inputs.
+  std::function<sched::SeqResult(const sched::ScheduledSeq&, std::span<const int32_t> tokens)> take_tokens;
   // Optional (device executors): like `sample`, for a row the device already penalised (and masked):
   // penalties are not applied again. For the rows the device sampler hands back, and for tokens the
   // grammar refused (check_token below), which are drawn again here under the mask.
@@ -149,6 +164,7 @@ class Executor : public StepExecutor {
   std::unordered_map<cache::RequestId, EncodedMedia> media_;
   // The embedding overrides of x's positions [start, end) (encoding its images first if needed).
   std::vector<model::EmbedOverride> media_rows(const sched::ScheduledSeq& x, const StepHooks& hooks);
+  std::unique_ptr<SpecDrafter> spec_;  // set with options.speculative
 };
 
 }  // namespace kestrel::runtime

@@ -90,31 +90,95 @@ std::vector<int32_t> plain_generate(const ModelWeights& w, const ModelConfig& c,
   return out;
 }
 
+int32_t draft_pick(const SamplingParams& params, bool draft_greedy, uint64_t out_index, int i,
+                   std::span<const float> lg, double* qi) {
+  const int64_t V = int64_t(lg.size());
+  if (params.temperature == 0.0f || draft_greedy) {
+    const int32_t t = argmax(lg);
+    qi[t] = 1.0;
+    return t;
+  }
+  const double T = params.temperature, top = lg[size_t(argmax(lg))];
+  double Z = 0.0;
+  for (int64_t x = 0; x < V; ++x) Z += (qi[x] = std::exp((double(lg[size_t(x)]) - top) / T));
+  for (int64_t x = 0; x < V; ++x) qi[x] /= Z;
+  return draw_from(qi, V, sample_uniform(params.seed ^ kDraftSalt, (out_index << 8) + uint64_t(i)));
+}
+
+VerifyOutcome verify_step(const SamplingParams& params, RejectionMethod m, const float* logits, const double* q,
+                          std::span<const int32_t> drafted, int64_t V, uint64_t out_index) {
+  const int gamma = int(drafted.size());
+  if (params.temperature == 0.0f) {
+    std::vector<int32_t> am(size_t(gamma) + 1);
+    for (int i = 0; i <= gamma; ++i) am[size_t(i)] = argmax({logits + int64_t(i) * V, size_t(V)});
+    return verify_greedy(am, drafted);
+  }
+  std::vector<double> p(size_t(gamma + 1) * size_t(V));
+  for (int i = 0; i <= gamma; ++i)
+    target_distribution(params, {logits + int64_t(i) * V, size_t(V)}, p.data() + int64_t(i) * V);
+  return verify(m, p.data(), q, drafted, V,
+                [&](int k) { return sample_uniform(params.seed ^ kVerifySalt, (out_index << 8) + uint64_t(k)); });
+}
+
+bool speculation_supports(const SamplingParams& p) {
+  return p.repetition_penalty == 1.0f && p.frequency_penalty == 0.0f && p.presence_penalty == 0.0f &&
+         p.logit_bias.empty() && p.min_tokens == 0 && p.logprobs < 0 && p.prompt_logprobs < 0;
+}
+
 std::vector<int32_t> spec_generate(const ModelWeights& w, const ModelConfig& c, const model::Draft& draft,
                                    std::span<const int32_t> prompt, int max_tokens, const SamplingParams& params,
                                    const SpecDecodeOptions& opt, SpecDecodeStats* stats) {
   check_params(params);
   const DraftConfig& dc = *draft.cfg;
-  const int64_t V = c.text.vocab_size, P = int64_t(prompt.size()), W = dc.tap_width();
+  const TextConfig& tc = c.text;
+  const int64_t V = tc.vocab_size, P = int64_t(prompt.size()), W = dc.tap_width();
   KCHECK(opt.num_speculative_tokens >= 1 && opt.num_speculative_tokens <= dc.block_size,
          "num_speculative_tokens {} must be in 1..{} (the draft's block size)", opt.num_speculative_tokens, dc.block_size);
-  const bool greedy = params.temperature == 0.0f;
   model::State st(c);
   model::DraftState ds(dc);
   model::ForwardOptions fo = serving_options();
   fo.tap_layers = dc.target_layer_ids;
   std::vector<float> logits;                    // f32 [rows, V]
   model::Bf16Vec taps;                          // bf16 [rows, n·Dt]
-  auto target_forward = [&](std::span<const int32_t> toks) {
-    logits.resize(toks.size() * size_t(V));
-    taps.resize(toks.size() * size_t(W));
+  // KDA traces of the verification forward: the state after every block position (kda.h kda_keep_position).
+  const int64_t Se = model::kda_recurrent_elems(tc), Ce = model::kda_conv_elems(tc);
+  std::vector<float> trace_S;                   // f32 [KDA layers, γ+1, H, Dk, Dk]
+  model::Bf16Vec trace_conv;                    // bf16 [KDA layers, γ+1, 3, W−1, H·Dk]
+  // One target forward at st.pos (traced: T ≤ γ+1 positions per KDA layer); st.pos is the caller's to advance.
+  auto target_forward = [&](std::span<const int32_t> toks, bool traced) {
+    const int64_t T = int64_t(toks.size());
+    logits.resize(size_t(T * V));
+    taps.resize(size_t(T * W));
     fo.taps_out = taps.data();
-    model::prefill(w, c, st, toks, logits.data(), fo);
+    model::SeqCacheView v;
+    v.pos = st.pos;
+    v.kda.resize(size_t(tc.num_hidden_layers));
+    v.mla.resize(size_t(tc.num_hidden_layers));
+    if (traced) trace_S.resize(size_t(tc.num_hidden_layers * T * Se)), trace_conv.resize(size_t(tc.num_hidden_layers * T * Ce));
+    for (int L = 0; L < tc.num_hidden_layers; ++L) {
+      if (tc.attn_kind[size_t(L)] == AttnKind::kda) {
+        v.kda[size_t(L)] = st.kda[size_t(L)].view();
+        if (traced) {
+          v.kda[size_t(L)].trace_recurrent = trace_S.data() + L * T * Se;
+          v.kda[size_t(L)].trace_conv = trace_conv.data() + L * T * Ce;
+        }
+      } else {
+        v.mla[size_t(L)] = st.mla[size_t(L)].view(tc, st.pos + T);
+      }
+    }
+    model::forward(w, c, v, toks, logits.data(), fo);
+    return v;
+  };
+  auto advance = [&](int64_t n) {
+    st.pos += n;
+    for (int L = 0; L < tc.num_hidden_layers; ++L)
+      if (tc.attn_kind[size_t(L)] != AttnKind::kda) st.mla[size_t(L)].len = st.pos;
   };
 
   std::vector<int32_t> out;
   if (max_tokens <= 0) return out;
-  target_forward(prompt);
+  target_forward(prompt, false);
+  advance(P);
   const std::span<const float> last(logits.data() + (P - 1) * V, size_t(V));
   int32_t anchor = sample_token(params, last, prompt, out, 0).token;
   out.push_back(anchor);
@@ -125,10 +189,9 @@ std::vector<int32_t> spec_generate(const ModelWeights& w, const ModelConfig& c, 
   std::vector<double> q;  // f64 [γ, V] draft distributions
   while (anchor != opt.stop_token && int(out.size()) < max_tokens) {
     const int gamma = std::min(opt.num_speculative_tokens, max_tokens - int(out.size()));
-    const uint64_t base = uint64_t(out.size()) << 8;
+    const uint64_t out_index = uint64_t(out.size());
     // Draft: the Markov chain over the block; keep q_i for verification.
     q.assign(size_t(gamma) * size_t(V), 0.0);
-    const bool draft_argmax = greedy || opt.draft_greedy;
     auto pick = [&](int i, std::span<const float> lg) -> int32_t {
       if (i >= gamma) return argmax(lg);  // positions past γ are not verified
       double* qi = q.data() + int64_t(i) * V;
@@ -138,48 +201,25 @@ std::vector<int32_t> spec_generate(const ModelWeights& w, const ModelConfig& c, 
         qi[t] = 1.0;
         return t;
       }
-      if (draft_argmax) {
-        const int32_t t = argmax(lg);
-        qi[t] = 1.0;
-        return t;
-      }
-      const double T = params.temperature, top = lg[size_t(argmax(lg))];
-      double Z = 0.0;
-      for (int64_t x = 0; x < V; ++x) Z += (qi[x] = std::exp((double(lg[size_t(x)]) - top) / T));
-      for (int64_t x = 0; x < V; ++x) qi[x] /= Z;
-      return draw_from(qi, V, sample_uniform(params.seed ^ kDraftSalt, base + uint64_t(i)));
+      return draft_pick(params, opt.draft_greedy, out_index, i, lg, qi);
     };
     draft.draft(ds.views(draft.mla_cfg, ctx), ctx, anchor, opt.draft_topk, pick, d.data());
 
-    // Verification: one target forward over [anchor, x̂_1..x̂_γ].
-    const std::vector<model::KdaState> kda_before = st.kda;
-    const int64_t pos_before = st.pos;
+    // Verification: one target forward over [anchor, x̂_1..x̂_γ], KDA states traced per position.
     std::vector<int32_t> block(size_t(gamma) + 1);
     block[0] = anchor;
     std::copy(d.begin(), d.begin() + gamma, block.begin() + 1);
-    target_forward(block);
+    const model::SeqCacheView v = target_forward(block, true);
     const std::span<const int32_t> drafted(d.data(), size_t(gamma));
-    VerifyOutcome o;
-    if (greedy) {
-      std::vector<int32_t> am(size_t(gamma) + 1);
-      for (int i = 0; i <= gamma; ++i) am[size_t(i)] = argmax({logits.data() + int64_t(i) * V, size_t(V)});
-      o = verify_greedy(am, drafted);
-    } else {
-      std::vector<double> p(size_t(gamma + 1) * size_t(V));
-      for (int i = 0; i <= gamma; ++i)
-        target_distribution(params, {logits.data() + int64_t(i) * V, size_t(V)}, p.data() + int64_t(i) * V);
-      o = verify(opt.rejection, p.data(), q.data(), drafted, V,
-                 [&](int k) { return sample_uniform(params.seed ^ kVerifySalt, base + uint64_t(k)); });
-    }
+    const VerifyOutcome o = verify_step(params, opt.rejection, logits.data(), q.data(), drafted, V, out_index);
     if (stats) ++stats->drafts, stats->draft_tokens += gamma, stats->accepted_tokens += o.accepted;
 
-    // Keep anchor + τ accepted positions; roll the KDA states back when the tail was rejected.
+    // Keep anchor + τ accepted positions: the KDA states after position τ (no recompute); MLA rows past
+    // the kept prefix are overwritten by the next forward.
     const int64_t kept = o.accepted + 1;
-    if (o.accepted < gamma) {
-      st.kda = kda_before;
-      st.pos = pos_before;
-      target_forward(std::span<const int32_t>(block.data(), size_t(kept)));
-    }
+    for (int L = 0; L < tc.num_hidden_layers; ++L)
+      if (tc.attn_kind[size_t(L)] == AttnKind::kda) model::kda_keep_position(tc, v.kda[size_t(L)], o.accepted);
+    advance(kept);
     draft.inject(ds.views(draft.mla_cfg, ctx + kept), ctx, taps.data(), kept);
     ctx += kept;
     for (int i = 0; i < o.accepted && int(out.size()) < max_tokens; ++i) {

@@ -37,7 +37,7 @@ Scheduler::Seq& Scheduler::seq(RequestId id) {
   return it->second;
 }
 
-void Scheduler::submit(RequestId id, const Request& r) {
+void Scheduler::submit(RequestId id, const Request& r, bool speculate) {
   if (seqs_.count(id)) fail("request {}: id already in use", id);
   // validate() has checked the request; admission needs at least one prompt token and one to generate.
   KCHECK(!r.prompt.empty() && r.max_tokens >= 1, "request {} was not validated", id);
@@ -54,7 +54,8 @@ void Scheduler::submit(RequestId id, const Request& r) {
   s.max_tokens = r.max_tokens;
   s.tokens = r.prompt;
   s.extras = cache::block_extra_keys(s.prompt_len, cache_.config().block_size, r.media);
-  s.no_prefix_hit = r.sampling.prompt_logprobs >= 0;  // on_logits sees only the positions computed (a hit skips some)
+  s.no_prefix_hit = r.sampling.prompt_logprobs >= 0;
+  s.speculate = speculate && config_.num_speculative_tokens > 0;  // on_logits sees only the positions computed (a hit skips some)
   s.arrival = next_arrival_++;
   waiting_.insert({s.arrival, id});
   seqs_.emplace(id, std::move(s));
@@ -185,10 +186,25 @@ StepPlan Scheduler::schedule() {
     auto it = seqs_.find(k.second);
     if (it == seqs_.end() || !it->second.running || !it->second.prefill_done) continue;
     Seq& s = it->second;
-    if (!grow_or_preempt(s, s.computed + 1, scheduled, plan)) continue;
-    plan.decodes.push_back(make_scheduled(s, s.computed + 1, false));
+    // Speculation: the anchor + γ draft positions, γ cut so the step can never emit past max_tokens
+    // (it emits at most γ + 1) and to the step's budget.
+    int64_t gamma = 0;
+    if (s.speculate) {
+      const int64_t generated = int64_t(s.tokens.size()) - s.prompt_len;
+      gamma = std::clamp<int64_t>(std::min<int64_t>({config_.num_speculative_tokens, s.max_tokens - generated - 1,
+                                                     budget - 1}), 0, config_.num_speculative_tokens);
+    }
+    if (!grow_or_preempt(s, s.computed + 1 + gamma, scheduled, plan)) continue;
+    ScheduledSeq x = make_scheduled(s, s.computed + 1, false);
+    if (gamma > 0) {
+      x.end += gamma;
+      x.num_draft = int32_t(gamma);
+      const auto& pages = cache_.block_table(s.id).pages;
+      x.block_table.assign(pages.begin(), pages.begin() + pages_for(x.end));
+    }
+    plan.decodes.push_back(std::move(x));
     scheduled.insert(k.second);
-    budget -= 1;
+    budget -= 1 + gamma;
   }
   // 2. Running requests still prefilling, oldest first (each chunk at most the long-prefill cap).
   int32_t partial = 0, partial_long = 0;  // requests mid-prefill, long ones among them
@@ -294,6 +310,12 @@ void Scheduler::complete(const StepPlan& plan, const StepResult& result) {
       const int32_t t = r->second->token;
       if (t < 0 || (config_.vocab_size > 0 && t >= config_.vocab_size))
         fail("step {}: request {} sampled token {} outside the vocabulary", plan.step, x.id, t);
+      if (int64_t(r->second->accepted.size()) > x.num_draft)
+        fail("step {}: request {} accepted {} of {} draft tokens", plan.step, x.id, r->second->accepted.size(),
+             x.num_draft);
+      for (int32_t a : r->second->accepted)
+        if (a < 0 || (config_.vocab_size > 0 && a >= config_.vocab_size))
+          fail("step {}: request {} accepted token {} outside the vocabulary", plan.step, x.id, a);
     }
   if (expected != by_id.size()) fail("step {}: {} results for {} sampling requests", plan.step, by_id.size(), expected);
   in_flight_ = false;
@@ -305,6 +327,14 @@ void Scheduler::complete(const StepPlan& plan, const StepResult& result) {
       Seq& s = it->second;
       KCHECK(s.computed == x.start, "request {} advanced under a plan in flight", x.id);
       s.computed = x.end;
+      const SeqResult* spec = x.num_draft > 0 && !s.cancel_pending ? by_id.at(x.id) : nullptr;
+      if (spec) {
+        // Speculative decode: the anchor and the accepted draft tokens are computed; the rejected
+        // positions' pages go back (their rows are garbage the next forward overwrites).
+        s.computed = x.start + 1 + int64_t(spec->accepted.size());
+        s.tokens.insert(s.tokens.end(), spec->accepted.begin(), spec->accepted.end());
+        cache_.shrink(x.id, s.computed);
+      }
       if (!s.cancel_pending) cache_.commit(x.id, s.tokens, s.extras, s.computed, s.cacheable);
       if (x.sample && !s.cancel_pending) {
         const SeqResult& r = *by_id.at(x.id);

@@ -4,7 +4,10 @@
 // Loop: submit()/cancel() at any time; then repeatedly plan = schedule(), run it, complete(plan,
 // result). Each schedule() fills one step under max_num_batched_tokens and max_num_seqs:
 //  1. decodes of running requests (one token each), oldest first: decode before prefill keeps
-//     inter-token latency flat while prompts stream in;
+//     inter-token latency flat while prompts stream in. A speculating request's decode (DSpark,
+//     docs/speculative.md) also takes γ draft positions after its anchor (num_draft: the executor
+//     drafts and verifies them); complete() keeps the anchor + the accepted drafts and gives the
+//     pages wholly past them back. Draft positions are never hashed into the prefix cache;
 //  2. the next chunk of running requests still prefilling (chunked prefill), oldest first;
 //  3. admission of waiting requests, first come first served (a head that does not fit in memory
 //     blocks the queue, so a big request is never starved by small ones). Admission looks up the
@@ -58,6 +61,9 @@ struct SchedulerConfig {
   int32_t long_prefill_token_threshold = 0;
   int32_t max_num_partial_prefills = 1 << 30;
   int32_t max_long_partial_prefills = 1;
+  // DSpark speculation (docs/speculative.md): a speculating request's decode verifies up to this many
+  // draft tokens after its anchor (0: off). Fewer near max_tokens or when the step's budget is short.
+  int32_t num_speculative_tokens = 0;
 };
 
 // One request's work in a step: compute positions [start, end) from `tokens`.
@@ -70,11 +76,14 @@ struct ScheduledSeq {
   bool reset_state = false;          // zero the KDA state slot first (a fresh start without restore)
   SlotId state_slot = -1;
   std::vector<PageId> block_table;   // covers positions [0, end)
+  // > 0: a speculative decode. tokens holds the anchor only (position start); the executor drafts the
+  // num_draft tokens at [start+1, end) and verifies all of them in the step's forward; sample is set.
+  int32_t num_draft = 0;
 };
 
 struct StepPlan {
   uint64_t step = 0;
-  std::vector<ScheduledSeq> decodes;  // one token each; listed first
+  std::vector<ScheduledSeq> decodes;  // one token each (+ num_draft for speculation); listed first
   std::vector<ScheduledSeq> prefills;
   std::vector<cache::SlotCopy> copies_before;  // restore checkpoint → running slot, before the forward
   std::vector<cache::SlotCopy> copies_after;   // snapshot running → checkpoint slot, after the forward
@@ -91,6 +100,9 @@ struct SeqResult {
   RequestId id = 0;
   int32_t token = -1;
   bool finished = false;  // stop condition seen by the sampler (EOS, stop string)
+  // A speculative decode (num_draft > 0): the accepted draft tokens, emitted before `token` (at most
+  // num_draft). The request's computed positions become start + 1 + accepted.size().
+  std::vector<int32_t> accepted;
 };
 struct StepResult {
   std::vector<SeqResult> seqs;
@@ -110,7 +122,8 @@ class Scheduler {
   // (request.h validate()); throws kestrel::Error for a reused id or one whose prompt + max_tokens
   // could never fit the page pool. Only the prompt, max_tokens, media and whether every prompt
   // position must be computed (prompt logprobs, logits dumps: no prefix-cache hit) are kept.
-  void submit(RequestId id, const Request& r);
+  // speculate: its decodes verify draft tokens (config.num_speculative_tokens > 0).
+  void submit(RequestId id, const Request& r, bool speculate = false);
   // Frees everything the request holds (deferred to complete() while a plan is in flight). False
   // when the id is unknown or already finished.
   bool cancel(RequestId id);
@@ -145,6 +158,7 @@ class Scheduler {
     bool cancel_pending = false;
     bool no_prefix_hit = false;    // every prompt position is computed (its logits are wanted)
     bool long_prefill = false;     // admitted with more than long_prefill_token_threshold tokens to prefill
+    bool speculate = false;        // decodes verify draft tokens
     int64_t computed = 0;          // positions whose caches are written
     int64_t cacheable = 0;         // tokens known at admission: blocks below may enter the prefix cache
     std::set<int64_t> checkpoints; // token boundaries where a KDA snapshot is wanted

@@ -86,6 +86,10 @@ std::string Metrics::render(const EngineStats& st) const {
   counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", uint64_t(st.preemptions));
   counter("vllm:prompt_tokens", "Number of prefill tokens processed.", prompt_tokens_);
   counter("vllm:generation_tokens", "Number of generation tokens processed.", generation_tokens_);
+  // Speculative decoding (vLLM's names; 0 without --speculative-config).
+  counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", uint64_t(st.spec_drafts));
+  counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", uint64_t(st.spec_draft_tokens));
+  counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", uint64_t(st.spec_accepted_tokens));
   o += "# HELP vllm:request_success Count of successfully processed requests.\n# TYPE vllm:request_success counter\n";
   for (const char* r : {"stop", "length", "abort", "error"}) {
     auto it = success_.find(r);

@@ -80,7 +80,7 @@ class FakeExecutor {
           ck = fake_mix(ck, uint64_t(t));
         }
         const int32_t tok = model_.sample(st, ck);
-        r.seqs.push_back({x.id, tok, model_.stops(tok)});
+        r.seqs.push_back({x.id, tok, model_.stops(tok), {}});
       }
     for (const cache::SlotCopy& c : plan.copies_after) slots_.at(size_t(c.dst)) = slots_.at(size_t(c.src));
     return r;

@@ -283,6 +283,37 @@ TEST(BenchReport, VllmKeysAndTable) {
   EXPECT_NE(t.find("Mean TPOT (ms):                          15.00"), std::string::npos) << t;
   EXPECT_NE(t.find("P99 ITL (ms):"), std::string::npos);
   EXPECT_NE(t.find("Maximum request concurrency:             4"), std::string::npos) << t;
+  EXPECT_EQ(t.find("Speculative Decoding"), std::string::npos) << "no section without the server's counters";
+  EXPECT_FALSE(j.contains("spec_decode_acceptance_length"));
+}
+
+TEST(BenchReport, SpeculativeDecodingFromTheServersCounters) {
+  // As kestrel serve writes them (server/metrics.cpp), summed over label sets; other metrics ignored.
+  const std::string text =
+      "# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.\n"
+      "# TYPE vllm:spec_decode_num_drafts counter\n"
+      "vllm:spec_decode_num_drafts_total{model_name=\"m\"} 8\n"
+      "vllm:spec_decode_num_drafts_total{model_name=\"other\"} 2\n"
+      "vllm:spec_decode_num_draft_tokens_total{model_name=\"m\"} 40\n"
+      "vllm:spec_decode_num_accepted_tokens_total{model_name=\"m\"} 25\n"
+      "vllm:generation_tokens_total{model_name=\"m\"} 99\n";
+  const auto c = parse_spec_decode_metrics(text);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->drafts, 10);
+  EXPECT_EQ(c->draft_tokens, 40);
+  EXPECT_EQ(c->accepted_tokens, 25);
+  EXPECT_DOUBLE_EQ(c->acceptance_length(), 3.5);
+  EXPECT_DOUBLE_EQ(c->acceptance_rate(), 0.625);
+  EXPECT_FALSE(parse_spec_decode_metrics("vllm:generation_tokens_total{model_name=\"m\"} 3\n").has_value());
+  Metrics m = compute_metrics({timeline(0, 0.1, {0.01, 0.02}, 3)}, 1.0, {99});
+  m.spec = c;
+  const std::string t = format_table(m, RunInfo{});
+  EXPECT_NE(t.find("---------------Speculative Decoding---------------"), std::string::npos) << t;
+  EXPECT_NE(t.find("Acceptance length:                       3.50"), std::string::npos) << t;
+  EXPECT_NE(t.find("Acceptance rate (%):                     62.50"), std::string::npos) << t;
+  const auto j = result_json(m, RunInfo{}, {}, false);
+  EXPECT_DOUBLE_EQ(j["spec_decode_acceptance_length"].get<double>(), 3.5);
+  EXPECT_DOUBLE_EQ(j["spec_decode_num_drafts"].get<double>(), 10);
 }
 
 }  // namespace

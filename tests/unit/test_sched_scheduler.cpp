@@ -2,7 +2,8 @@
 // admission gated by pages and by state slots, rejection of requests that can never fit (request
 // validity itself is validate()'s, test_request.cpp),
 // cancellation (immediate, and deferred while a step is in flight), preemption by recompute,
-// prefix hits that skip prefill, and complete() refusing a result that does not match its plan.
+// prefix hits that skip prefill, complete() refusing a result that does not match its plan, and
+// speculative decodes (draft positions planned, rejected positions' pages released).
 #include <gtest/gtest.h>
 
 #include <numeric>
@@ -236,11 +237,74 @@ TEST(SchedPolicy, CompleteRejectsMismatchedResults) {
   const StepPlan p = h.s.schedule();
   EXPECT_THROW(h.s.schedule(), Error);                 // one step at a time
   EXPECT_THROW(h.s.complete(p, {}), Error);            // token missing
-  EXPECT_THROW(h.s.complete(p, {{{1, -3, false}}}), Error);
-  EXPECT_THROW(h.s.complete(p, {{{1, 3, false}, {9, 3, false}}}), Error);
+  EXPECT_THROW(h.s.complete(p, {{{1, -3, false, {}}}}), Error);
+  EXPECT_THROW(h.s.complete(p, {{{1, 3, false, {}}, {9, 3, false, {}}}}), Error);
   h.s.check_integrity();
-  h.s.complete(p, {{{1, 3, false}}});
+  h.s.complete(p, {{{1, 3, false, {}}}});
   h.s.check_integrity();
+}
+
+}  // namespace
+}  // namespace kestrel::sched
+
+namespace kestrel::sched {
+namespace {
+
+// Speculation (docs/speculative.md): a speculating decode takes the anchor + γ' draft positions, γ' cut by
+// max_tokens and the step budget; complete() keeps anchor + accepted and releases the pages wholly past them.
+TEST(SchedPolicy, SpeculativeDecodesPlanDraftsAndReleaseRejectedPages) {
+  SchedulerConfig sc = sched_config(64);
+  sc.num_speculative_tokens = 4;
+  Harness h(sc, cache_config(32, 4));
+  h.s.submit(1, request(14, 8), true);
+  h.s.submit(2, request(5, 3), false);  // not speculating
+  h.step();                             // both prefilled: 1 token each
+  StepPlan p = h.s.schedule();
+  ASSERT_EQ(p.decodes.size(), 2u);
+  const ScheduledSeq& x = p.decodes[0];
+  EXPECT_EQ(x.id, 1u);
+  EXPECT_EQ(x.num_draft, 4);
+  EXPECT_EQ(x.start, 14);
+  EXPECT_EQ(x.end, 19);  // anchor + 4 drafts
+  EXPECT_EQ(x.tokens.size(), 1u);
+  EXPECT_EQ(x.block_table.size(), 2u);  // positions 16..18 need a second page
+  EXPECT_EQ(p.decodes[1].num_draft, 0);
+  EXPECT_EQ(p.decodes[1].end - p.decodes[1].start, 1);
+  EXPECT_EQ(p.num_tokens, 6);
+  const int32_t free_before = h.s.cache().pages().num_free();
+  EXPECT_THROW(h.s.complete(p, {{{1, 3, false, {5, 6, 7, 8, 9}}, {2, 3, false, {}}}}), Error);  // 5 > 4 drafts
+  // Every draft rejected: position 14 (the anchor) kept, the page of 16..18 released.
+  h.s.complete(p, {{{1, 3, false, {}}, {2, 3, false, {}}}});
+  h.s.check_integrity();
+  EXPECT_EQ(h.s.cache().pages().num_free(), free_before + 1);
+  EXPECT_EQ(h.s.cache().block_table(1).num_tokens, 15);
+  // All accepted: 1 + 1 + (4 + 1) = 7 of 8 tokens; the last step has γ' = min(4, 8 − 7 − 1) = 0: a plain decode.
+  p = h.s.schedule();
+  ASSERT_EQ(p.decodes.size(), 2u);
+  EXPECT_EQ(p.decodes[0].num_draft, 4);
+  h.s.complete(p, {{{1, 30, false, {10, 11, 12, 13}}, {2, 3, false, {}}}});
+  h.s.check_integrity();
+  EXPECT_EQ(h.s.cache().block_table(1).num_tokens, 20);
+  p = h.s.schedule();
+  ASSERT_EQ(p.decodes.size(), 1u);  // request 2 finished at max_tokens 3
+  EXPECT_EQ(p.decodes[0].num_draft, 0);
+  h.s.complete(p, {{{1, 31, false, {}}}});
+  const auto done = h.s.drain_finished();
+  ASSERT_EQ(done.size(), 2u);
+  const std::vector<int32_t> expect_1 = {done[1].id == 1 ? done[1].output[0] : done[0].output[0], 3, 10, 11, 12, 13,
+                                         30, 31};
+  EXPECT_EQ((done[1].id == 1 ? done[1] : done[0]).output, expect_1);
+  // A short budget cuts γ': 3 tokens = anchor + 2 drafts.
+  SchedulerConfig tight = sc;
+  tight.max_num_batched_tokens = 3;
+  Harness t(tight, cache_config(32, 4));
+  t.s.submit(1, request(3, 8), true);
+  t.step();
+  p = t.s.schedule();
+  ASSERT_EQ(p.decodes.size(), 1u);
+  EXPECT_EQ(p.decodes[0].num_draft, 2);
+  t.s.complete(p, {{{1, 3, false, {4}}}});
+  t.s.check_integrity();
 }
 
 }  // namespace

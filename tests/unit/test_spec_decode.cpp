@@ -23,26 +23,8 @@
 namespace kestrel::runtime {
 namespace {
 
-struct NanoDraft {
-  DraftConfig cfg;
-  std::unique_ptr<Checkpoint> ckpt;
-  DraftWeights w;
-  std::unique_ptr<model::Draft> draft;
-};
-
-const NanoDraft& nano_draft() {
-  static NanoDraft* d = [] {
-    const std::string dir = testing::nano_draft_dir();
-    const auto& nano = testing::nano_checkpoint();
-    auto* p = new NanoDraft;
-    p->cfg = load_draft_config(dir, nano.cfg);
-    p->ckpt = std::make_unique<Checkpoint>(dir);
-    p->w = bind_draft_weights(p->cfg, *p->ckpt);
-    p->draft = std::make_unique<model::Draft>(p->cfg, p->w, nano.w);
-    return p;
-  }();
-  return *d;
-}
+using testing::NanoDraft;
+using testing::nano_draft;
 
 std::vector<int32_t> prompt_of(int n, int seed) {
   std::vector<int32_t> p;
@@ -155,7 +137,7 @@ TEST(SpeculativeConfig, ParsesVllmKeysAndRejectsTheRest) {
     EXPECT_THROW(parse_speculative_config(bad), Error) << bad;
 }
 
-TEST(SpeculativeConfig, EngineHostChecksTheDraftThenSaysTheEngineLacksIt) {
+TEST(SpeculativeConfig, EngineHostLoadsTheDraftAndRefusesWhatCannotSpeculate) {
   const char* nano = std::getenv("KESTREL_NANO_DIR");
   ASSERT_TRUE(nano);
   const std::string draft = testing::nano_draft_dir();
@@ -163,9 +145,20 @@ TEST(SpeculativeConfig, EngineHostChecksTheDraftThenSaysTheEngineLacksIt) {
   o.model_dir = nano;
   o.memory_budget = int64_t(64) << 20;
   o.speculative = parse_speculative_config(fmt::format(R"({{"method":"dspark","model":"{}"}})", draft));
-  EngineHost host(o);
-  EXPECT_FALSE(host.wait_loaded());
-  EXPECT_NE(host.load_error().find("does not run speculative decoding yet"), std::string::npos) << host.load_error();
+  {
+    EngineHost host(o);
+    EXPECT_TRUE(host.wait_loaded()) << host.load_error();
+  }
+  EngineOptions big = o;
+  big.speculative->num_speculative_tokens = 99;
+  EngineHost too_long(big);
+  EXPECT_FALSE(too_long.wait_loaded());
+  EXPECT_NE(too_long.load_error().find("block size"), std::string::npos) << too_long.load_error();
+  EngineOptions tp = o;
+  tp.tensor_parallel_size = 2;
+  EngineHost tp_host(tp);
+  EXPECT_FALSE(tp_host.wait_loaded());
+  EXPECT_NE(tp_host.load_error().find("one rank"), std::string::npos) << tp_host.load_error();
   o.speculative->model = nano;  // a target checkpoint is no draft
   EngineHost bad(o);
   EXPECT_FALSE(bad.wait_loaded());
