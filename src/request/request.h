@@ -60,8 +60,9 @@ struct SamplingParams {
   int32_t prompt_logprobs = -1;
 };
 
-// Tokens [start, end) of the prompt carry media (an image's placeholders) with this content hash;
-// prefix-cache keys include it, so equal placeholders of different images never share a block.
+// Tokens [start, end) of the prompt are one image's <|media_pad|> run — exactly its num_tokens() pads, not
+// the <|media_begin|>…<|media_content|> frame around them (validate() checks the length) — with the image's
+// content hash; prefix-cache keys include it, so equal placeholders of different images never share a block.
 struct MediaSpan {
   int64_t start = 0;
   int64_t end = 0;

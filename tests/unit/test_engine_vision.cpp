@@ -45,7 +45,7 @@ Request image_request(const std::vector<std::shared_ptr<const ImageInput>>& ims)
     r.prompt.insert(r.prompt.end(), size_t(im->num_tokens()), pad);
     r.prompt.push_back(pad - 1);
     r.prompt.insert(r.prompt.end(), {9, 33, 610});
-    r.media.push_back({s, int64_t(r.prompt.size()) - 3, im->content_hash});
+    r.media.push_back({s + 2, s + 2 + im->num_tokens(), im->content_hash});  // the pad run (request.h MediaSpan)
     r.images.push_back(im);
   }
   r.max_tokens = 3;
@@ -171,7 +171,7 @@ TEST(EngineVision, ImagesTheModelCannotTakeAreRefusedAtSubmit) {
   auto bad = std::make_shared<ImageInput>(*odd.images[0]);
   bad->patches.resize(10);
   odd.images[0] = bad;
-  refused(nano().cfg, odd, "patch values");
+  refused(nano().cfg, odd, "preprocessed even grid");  // request validation, before the tower's own check
 }
 
 }  // namespace
