@@ -1,5 +1,4 @@
-// Engine loop (see engine.h). About 600 lines: the step hooks that tie the executor to the requests — sampling,
-// structured-output masks, speculation, images — stay beside the loop they serve.
+// Engine loop (see engine.h).
 #include "runtime/engine.h"
 
 #include <algorithm>
@@ -76,36 +75,14 @@ EngineConfig with_cpu_executor(const ModelWeights& w, const ModelConfig& c, Engi
   return cfg;
 }
 
-// A request's images against the model and the executor (MODEL.md §6): a tower to run them, one image
-// per media span, images the tower takes, and in each span exactly as many <|media_pad|> tokens as its
-// image has rows. Checked here so that the step never fails on them.
+// A request's images: the model's checks (vision::check_request_images), then an executor that runs the tower.
+// Checked here so that the step never fails on them.
 void check_images(const Request& r, const ModelConfig& c, const StepExecutor& exec) {
   if (r.images.empty()) return;
-  if (!c.vision.present)
-    throw RequestError("images", "this model has no vision tower (the checkpoint has no vision_config); "
-                                 "requests with images are not supported");
+  vision::check_request_images(r, c);
   if (!exec.supports_images())
     throw RequestError("images", "this engine's executor cannot run the vision tower (images are supported on "
                                  "the CPU engine only for now)");
-  if (r.images.size() != r.media.size())
-    throw RequestError("images", fmt::format("{} images for {} media spans", r.images.size(), r.media.size()));
-  for (size_t i = 0; i < r.images.size(); ++i) {
-    if (!r.images[i]) throw RequestError("images", fmt::format("image {} is missing", i));
-    try {
-      vision::check_image(c.vision, *r.images[i]);
-    } catch (const RequestError&) {
-      throw;
-    } catch (const Error& e) {
-      throw RequestError("images", fmt::format("image {}: {}", i, e.what()));
-    }
-    int64_t pads = 0;
-    for (int64_t p = r.media[i].start; p < r.media[i].end; ++p) pads += r.prompt[size_t(p)] == c.media_placeholder_token_id;
-    if (pads != r.images[i]->num_tokens())
-      throw RequestError("images", fmt::format("image {} has {} tokens ({}x{} patches) but its media span holds {} "
-                                               "<|media_pad|> tokens (id {})", i, r.images[i]->num_tokens(),
-                                               r.images[i]->grid_h, r.images[i]->grid_w, pads,
-                                               c.media_placeholder_token_id));
-  }
 }
 
 // Whether speculation serves this request exactly (engine.h EngineConfig::speculative).

@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include <fmt/format.h>
+
 #include "kernels/cpu/cpu_ops.h"
 #include "vision/layers.h"
 
@@ -18,6 +20,32 @@ void check_image(const VisionConfig& c, const ImageInput& im) {
          im.patches.size(), want, c.patch_size, c.patch_size);
   for (float v : im.patches)
     if (!std::isfinite(v)) fail("image grid {}x{}: a patch value is not finite", im.grid_h, im.grid_w);
+}
+
+void check_request_images(const Request& r, const ModelConfig& c) {
+  if (r.images.empty()) return;
+  if (!c.vision.present)
+    throw RequestError("images", "this model has no vision tower (the checkpoint has no vision_config); "
+                                 "requests with images are not supported");
+  if (r.images.size() != r.media.size())
+    throw RequestError("images", fmt::format("{} images for {} media spans", r.images.size(), r.media.size()));
+  for (size_t i = 0; i < r.images.size(); ++i) {
+    if (!r.images[i]) throw RequestError("images", fmt::format("image {} is missing", i));
+    try {
+      check_image(c.vision, *r.images[i]);
+    } catch (const RequestError&) {
+      throw;
+    } catch (const Error& e) {
+      throw RequestError("images", fmt::format("image {}: {}", i, e.what()));
+    }
+    int64_t pads = 0;
+    for (int64_t p = r.media[i].start; p < r.media[i].end; ++p) pads += r.prompt[size_t(p)] == c.media_placeholder_token_id;
+    if (pads != r.images[i]->num_tokens())
+      throw RequestError("images", fmt::format("image {} has {} tokens ({}x{} patches) but its media span holds {} "
+                                               "<|media_pad|> tokens (id {})", i, r.images[i]->num_tokens(),
+                                               r.images[i]->grid_h, r.images[i]->grid_w, pads,
+                                               c.media_placeholder_token_id));
+  }
 }
 
 int64_t num_tokens(std::span<const ImageInput* const> images) {

@@ -34,6 +34,11 @@ namespace kestrel::vision {
 // finite values.
 void check_image(const VisionConfig& c, const ImageInput& im);
 
+// A request's images against the model (MODEL.md §6), as RequestError (field "images"): a vision tower, one
+// image per media span, each image one the tower takes (check_image), and in each span exactly as many
+// <|media_pad|> tokens (config.json's media_placeholder_token_id) as the image has rows.
+void check_request_images(const Request& r, const ModelConfig& c);
+
 // Σ num_tokens() over the images.
 int64_t num_tokens(std::span<const ImageInput* const> images);
 
