@@ -7,23 +7,27 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
+# Each stage prints the seconds since the start, so CI's log shows where its 30 minutes go.
+stage() { echo "== $* == (${SECONDS}s)"; }
 
+stage "install dependencies"
 scripts/install-deps.sh
+stage "build (release, CUDA when nvcc exists)"
 # CI's build: line tables only and -O1 test code (KESTREL_FAST_BUILD in CMakeLists.txt says why).
 KESTREL_CMAKE_ARGS="-DKESTREL_FAST_BUILD=ON ${KESTREL_CMAKE_ARGS:-}" scripts/build.sh
 
-echo "== unit and model tests (ctest) =="
+stage "unit and model tests (ctest)"
 # -LE emu: the CPU emulation of the KDA kernels takes ~9 min at full size (tests/emu/CMakeLists.txt); its
 # smoke case runs here, the rest with `ctest --test-dir build -L emu`.
 ctest --test-dir build --output-on-failure -j "$jobs" -LE emu
 
-echo "== end-to-end tests (pytest) =="
+stage "end-to-end tests (pytest)"
 KESTREL_BIN="$PWD/build/src/cli/kestrel" KESTREL_REQUIRE_CHROMIUM=1 .venv/bin/python -m pytest -q tests/py
 
 if [ "${KESTREL_SKIP_ASAN:-0}" != 1 ]; then
   # Sanitizers: the unit tests under g++ (clang 14 cannot compile Boost.Asio's C++20 coroutines in
   # src/server and src/benchclient), the fuzz targets under clang, which alone has libFuzzer.
-  echo "== ASan+UBSan build (g++) and unit tests =="
+  stage "ASan+UBSan build (g++)"
   cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKESTREL_SANITIZE=ON -DKESTREL_CUDA=OFF \
     -DPython3_EXECUTABLE="$PWD/.venv/bin/python" >/dev/null
   # Only what the sanitizer ctest runs (the unit tests and the MPI checks), not the CLI and benchmarks.
@@ -36,16 +40,18 @@ if [ "${KESTREL_SKIP_ASAN:-0}" != 1 ]; then
   # constraint compiler's input is fuzzed below. Likewise the longest of the rest under ASan (18–31 s each:
   # the 10,000-step scheduler simulation, the structured preemption run, the mixed-batch engine loop, the
   # adversarial schemas, the mpirun engine), whose code the shorter tests here cover.
+  stage "ASan+UBSan unit tests"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --test-dir build-asan --output-on-failure -j "$jobs" \
       -E 'TrainedModelIndexAgreementAtLongContext|TensorParallel\.|TensorParallelServing\.|mpi_tp|mpi_generate|K3TinyStructured|StructuredSuite\.|EngineStructured\.SuiteSchemas|EngineStructured\.PreemptionAndPrefixCache|ServerStructured\.AdversarialSchemas|StructuredSchema\.Adversarial|SchedSimulation\.TenThousandStepsThreeSeeds|EngineLoop\.MixedBatch'
 
-  echo "== libFuzzer targets (clang, ASan+UBSan) =="
+  stage "libFuzzer build (clang, ASan+UBSan)"
   CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKESTREL_SANITIZE=ON \
     -DKESTREL_FUZZ=ON -DKESTREL_TESTS=OFF -DKESTREL_CUDA=OFF -DKESTREL_FUZZ_SECONDS="${KESTREL_FUZZ_SECONDS:-15}" \
     -DPython3_EXECUTABLE="$PWD/.venv/bin/python" >/dev/null
   ninja -C build-fuzz $(cd tests/fuzz && ls fuzz_*.cpp | sed 's/\.cpp$//')
+  stage "libFuzzer runs"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --test-dir build-fuzz --output-on-failure -j "$jobs"
 fi
-echo "all test stages passed"
+echo "all test stages passed (${SECONDS}s)"
