@@ -216,9 +216,45 @@ def main(argv=None):
                                          num_workers=args.workers, prefetch_factor=4 if args.workers else None)
     it = iter(loader)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
-    log, step, rows, t_start = [], 0, 0, time.time()
+    log = []
+    error = None
+    try:
+        step, rows = _loop(args, draft, target, opt, it, gen, dev, pad, log)
+    except Exception as e:          # keep what was trained: the device call is not repeated lightly
+        import traceback
+        traceback.print_exc()
+        error = repr(e)
+        step, rows = _loop.progress
+    train_s = time.time() - _loop.t_start
+    del it, loader
+    out_dir = os.path.join(args.out, args.name)
+    nbytes = export(draft, out_dir)
+    print(f"trained {step} steps ({rows} rows, {rows * args.seq:,} tokens) in {train_s:.0f} s; "
+          f"exported {nbytes:,} bytes to {out_dir}", flush=True)
+    held = {}
+    if args.eval_rows > 0 and error is None:
+        try:
+            held = evaluate(draft, target, tok, args, dev, pad)
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            held = {"error": repr(e)}
+    summary = {"args": vars(args), "draft_params": n_params, "draft_bytes": nbytes, "steps": step, "rows": rows,
+               "tokens": rows * args.seq, "train_seconds": round(train_s, 1),
+               "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+               "held_out": held, "log": log, "config": cfg, "error": error}
+    with open(os.path.join(args.out, "train_dspark.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    if error:
+        raise SystemExit(f"training stopped early: {error} (the draft trained so far is exported)")
+
+
+def _loop(args, draft, target, opt, it, gen, dev, pad, log):
+    """The training loop; `_loop.progress` holds (steps, rows) so far, for the export after an error."""
+    step, rows = 0, 0
+    _loop.progress, _loop.t_start = (0, 0), time.time()
+    t_start = _loop.t_start
     t_log, m_sum, v_sum, l_sum, n_sum = time.time(), None, None, 0.0, 0
-    N = draft.cfg.block_size
     while step < args.max_steps and time.time() - t_start < args.time_budget:
         ids, w, _ = next(it)
         ids, w = ids.to(dev, non_blocking=True), w.to(dev, non_blocking=True)
@@ -236,6 +272,7 @@ def main(argv=None):
             gn = torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
             opt.step()
             step += 1
+            _loop.progress = (step, rows)
             mm = (match & valid).flatten(0, 1).sum(0).float()
             vv = valid.flatten(0, 1).sum(0).float()
             m_sum = mm if m_sum is None else m_sum + mm
@@ -250,19 +287,7 @@ def main(argv=None):
                 log.append(rec)
                 print(json.dumps(rec), flush=True)
                 t_log, m_sum, v_sum, l_sum, n_sum = time.time(), None, None, 0.0, 0
-    train_s = time.time() - t_start
-    del it, loader
-    out_dir = os.path.join(args.out, args.name)
-    nbytes = export(draft, out_dir)
-    print(f"trained {step} steps ({rows} rows, {rows * args.seq:,} tokens) in {train_s:.0f} s; "
-          f"exported {nbytes:,} bytes to {out_dir}", flush=True)
-    held = evaluate(draft, target, tok, args, dev, pad) if args.eval_rows > 0 else {}
-    summary = {"args": vars(args), "draft_params": n_params, "draft_bytes": nbytes, "steps": step, "rows": rows,
-               "tokens": rows * args.seq, "train_seconds": round(train_s, 1),
-               "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-               "held_out": held, "log": log, "config": cfg}
-    with open(os.path.join(args.out, "train_dspark.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    return step, rows
 
 
 if __name__ == "__main__":
