@@ -29,11 +29,11 @@ import json
 import math
 import os
 import random
+import signal
 import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from k3data import chat, samples
 
@@ -218,9 +218,14 @@ def main(argv=None):
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     log = []
     error = None
+
+    def _term(signum, frame):       # `timeout` / the device's limit: stop training, still export
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _term)
     try:
         step, rows = _loop(args, draft, target, opt, it, gen, dev, pad, log)
-    except Exception as e:          # keep what was trained: the device call is not repeated lightly
+    except (Exception, KeyboardInterrupt) as e:   # keep what was trained: the device call is not repeated lightly
         import traceback
         traceback.print_exc()
         error = repr(e)
