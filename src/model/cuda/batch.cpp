@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "core/check.h"
 #include "kernels/cuda/cuda_check.h"
@@ -48,6 +49,19 @@ BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int
     in.slots.push_back(q.slot);
     std::copy(q.block_table.begin(), q.block_table.end(), in.tables.begin() + b * s.bt_stride);
     for (int64_t i = 0; i < Tb; ++i) in.row_lens.push_back(int32_t(q.pos0 + i + 1)), in.row_req.push_back(int32_t(b));
+    if (!q.embed_pos.empty()) {  // image rows: positions inside the call, strictly ascending (so distinct)
+      KCHECK(q.embed_rows != nullptr && reinterpret_cast<uintptr_t>(q.embed_rows) % 16 == 0,
+             "forward_batch: sequence {} has {} image positions but its rows are null or not 16-byte aligned", b,
+             q.embed_pos.size());
+      s.embed_rows.push_back({q.embed_rows, int64_t(q.embed_pos.size()), int64_t(in.embed_dst.size())});
+      for (size_t k = 0; k < q.embed_pos.size(); ++k) {
+        const int32_t p = q.embed_pos[k];
+        KCHECK(p >= 0 && p < Tb && (k == 0 || p > q.embed_pos[k - 1]),
+               "forward_batch: sequence {}: image position {} (entry {}) outside [0, {}) or not ascending", b, p, k,
+               Tb);
+        in.embed_dst.push_back(int32_t(s.T + p));
+      }
+    }
     s.max_S = std::max(s.max_S, S);
     const bool decode = b < s.nd;
     if (decode) in.dec_lens.push_back(int32_t(S)), s.max_dec_S = std::max(s.max_dec_S, S);
@@ -72,6 +86,13 @@ void upload_context(Context& x, BatchStep& s, const BatchInputs& in) {
   s.d_tables = s.d_dec_lens + s.nd;
   s.d_row_lens = s.d_tables + s.n * s.bt_stride;
   s.d_row_req = s.d_row_lens + s.T;
+}
+
+void upload_embed_rows(Context& x, BatchStep& s, const BatchInputs& in) {
+  if (in.embed_dst.empty()) return;
+  int32_t* d = x.tmp<int32_t>(int64_t(in.embed_dst.size()));
+  KCUDA_CHECK(cudaMemcpyAsync(d, in.embed_dst.data(), in.embed_dst.size() * 4, cudaMemcpyHostToDevice, x.stream));
+  s.d_embed_dst = d;
 }
 
 const int32_t* upload_inputs(Context& x, BatchStep& s, const BatchInputs& in) {

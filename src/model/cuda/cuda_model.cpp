@@ -144,12 +144,14 @@ struct CudaModel::Impl {
     }
     x.timer.begin_step();
     x.mark("start");
+    // Image rows (CudaSeq::embed_rows) come only with prefill chunks; a graph bucket has no place for them.
     const bool use_graph = graphs && s.nd == s.n && in.all_last && !x.timer.on && !x.caps.on &&
-                           s.n <= gpu::kMaxGraphBatch;
+                           s.n <= gpu::kMaxGraphBatch && in.embed_dst.empty();
     // A whole-step graph carries the context inputs in its bucket (graphs.h); every other step uploads them.
     if (!use_graph || !gpu::whole_graph_step(x, s)) gpu::upload_context(x, s, in);
     if (!use_graph) {
       const int32_t* d_ids = gpu::upload_inputs(x, s, in);
+      gpu::upload_embed_rows(x, s, in);
       const int64_t nr = int64_t(in.lrows.size());
       if (nr > logits_cap) {
         alloc.free(logits_dev);

@@ -46,12 +46,18 @@ struct CudaCache;  // model/cuda/cache.h
 
 // One sequence of a batched forward: positions [pos0, pos0 + T) from `tokens`, KDA state in `slot`,
 // MLA rows through `block_table` (covering [0, pos0 + T)).
+// Image rows (MODEL.md §3.1, §6; the CPU's model::EmbedOverride): the positions `embed_pos` (indices into
+// `tokens`, strictly ascending) start the stream as the rows of `embed_rows` (device bf16 [embed_pos.size(),
+// D], in the same order, 16-byte aligned) instead of embed_tokens[id]. A step with image rows runs eagerly
+// (never through a graph bucket).
 struct CudaSeq {
   std::span<const int32_t> tokens;
   int64_t pos0 = 0;
   int32_t slot = 0;
   std::span<const int32_t> block_table;
   enum class Logits : uint8_t { none, last, all } logits = Logits::last;
+  std::span<const int32_t> embed_pos;
+  const uint16_t* embed_rows = nullptr;
 };
 
 using CudaCachePtr = std::unique_ptr<CudaCache, void (*)(CudaCache*)>;
