@@ -1,18 +1,24 @@
 // MoonViT-V2 kernels (see vision.h): varlen non-causal attention on tensor cores, 2-D RoPE, GELUs.
 //
 // Attention layout: one CTA = 4 warps = 64 query rows of one (image, head); each warp owns 16 rows. The
-// keys of the image stream through shared memory in tiles of 64: K row-major [64][dv + 8] and V transposed
-// [dv][64 + 8] (the +8 padding puts the 8 row groups × 4 column pairs of an MMA fragment read on 32
-// distinct banks). Per tile a warp computes S = Q Kᵀ (16 × 64, m16n8k16 MMAs with the Q fragments held in
-// registers for the whole kernel), scales it into the log2 domain, masks keys past the image's end, updates
-// the running row max m and sum l (online softmax), rescales its O accumulators and adds P V, where P's
-// fragments are the S accumulators of two adjacent 8-key groups re-packed to BF16 (the C layout of
-// m16n8k8 pairs is the A layout of m16n8k16). Fragment maps (PTX ISA, mma.m16n8k16 .bf16): lane = 4g + t;
+// keys of the image stream through shared memory in tiles of 64, K and V both row-major [64 keys][dv + 8],
+// stored with 16-byte stores (the +8 padding puts the 8 rows of an 8×8 ldmatrix read on 32 distinct banks
+// for dv = 16, 32 and 128). Per tile a warp computes S = Q Kᵀ (16 × 64, m16n8k16 MMAs with the Q fragments
+// held in registers for the whole kernel; K's B fragments by ldmatrix), scales it into the log2 domain, masks
+// keys past the image's end, updates the running row max m and sum l (online softmax), rescales its O
+// accumulators and adds P V, where P's fragments are the S accumulators of two adjacent 8-key groups
+// re-packed to BF16 (the C layout of m16n8k8 pairs is the A layout of m16n8k16) and V's B fragments come
+// from ldmatrix.trans of the row-major tile (which transposes each 8×8 block on the way to the registers).
+// Fragment maps (PTX ISA, mma.m16n8k16 .bf16): lane = 4g + t;
 //   A (16×16, row-major) regs: {(g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..)}
 //   B (16×8, "col" = n-major) regs: {(k 2t..2t+1, n g), (k 2t+8.., n g)}
 //   C (16×8 f32): (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
-// No double buffering: one barrier pair per key tile (the encoder is GEMM-bound at the real dims: ~5 TFLOP of
-// attention vs ~4 TFLOP of GEMMs for a 1024² image; a pipelined kernel is the next step if it measures slow).
+//   ldmatrix .x4: lane l addresses row l % 8 of 8×8 matrix l / 8; register i receives matrix i, lane 4g + t
+//   holding (row g, cols 2t, 2t+1) — with .trans (rows 2t, 2t+1, col g) — the lower half the first.
+// So for S, K rows (keys) × 8 dims give (k = dim 2t.., n = key g) = B directly; for P V, V rows (keys) ×
+// 8 dims through .trans give (k = key 2t.., n = dim g) = B. (Until 2026-12 V was transposed into shared
+// memory with 2-byte stores, 16-way bank conflicts each: 2.36 ms per real-dims block on the H200, ~10 %
+// of the BF16 rate.) No double buffering: one barrier pair per key tile.
 #include <cmath>
 #include <string>
 
@@ -40,14 +46,30 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   return uint32_t(f32_to_bf16(lo)) | (uint32_t(f32_to_bf16(hi)) << 16);
 }
 __device__ __forceinline__ uint32_t ld32(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+// Four 8×8 bf16 matrices from shared memory (see the header): p = this lane's row (16-byte aligned).
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, const uint16_t* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const uint16_t* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
 
 template <int D>
 __global__ void __launch_bounds__(128) attn_kernel(const uint16_t* __restrict__ qkv, int64_t ld, int64_t Wq,
                                                    const int32_t* __restrict__ row0, float scale_log2,
                                                    uint16_t* __restrict__ o, int64_t ldo) {
-  constexpr int KP = D + 8, VP = kBK + 8;
+  static_assert(D % 16 == 0 && kBK % 16 == 0, "ldmatrix .x4 reads two 8-wide groups at a time");
+  constexpr int KP = D + 8;
   __shared__ __align__(16) uint16_t Ks[kBK * KP];  // bf16 [64 keys][D (+8)]
-  __shared__ __align__(16) uint16_t Vt[D * VP];    // bf16 [D][64 keys (+8)]
+  __shared__ __align__(16) uint16_t Vs[kBK * KP];  // bf16 [64 keys][D (+8)]
   const int img = blockIdx.z, h = blockIdx.y;
   const int64_t r0 = row0[img], N = int64_t(row0[img + 1]) - r0;
   const int64_t q0 = int64_t(blockIdx.x) * kBQ;
@@ -57,6 +79,7 @@ __global__ void __launch_bounds__(128) attn_kernel(const uint16_t* __restrict__ 
   const uint16_t* Kb = Qb + Wq;
   const uint16_t* Vb = Qb + 2 * Wq;
   const int64_t qa = q0 + warp * 16 + g, qb = qa + 8;  // this thread's two query rows (image-local)
+  const int lm = lane >> 3, lr = lane & 7;  // ldmatrix: this lane addresses row lr of matrix lm
 
   uint32_t qf[D / 16][4];  // A fragments of Q, 16 rows × D
 #pragma unroll
@@ -82,21 +105,23 @@ __global__ void __launch_bounds__(128) attn_kernel(const uint16_t* __restrict__ 
         kv = dev::ld16(Kb + (k0 + key) * ld + c8);
         vv = dev::ld16(Vb + (k0 + key) * ld + c8);
       }
-      *reinterpret_cast<uint4*>(Ks + key * KP + c8) = kv;
-      const uint16_t* ve = reinterpret_cast<const uint16_t*>(&vv);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) Vt[(c8 + e) * VP + key] = ve[e];
+      *reinterpret_cast<uint4*>(Ks + key * KP + c8) = kv;  // zeros past the image's end: finite V rows
+      *reinterpret_cast<uint4*>(Vs + key * KP + c8) = vv;
     }
     __syncthreads();
 
     float s[kBK / 8][4];  // S = Q Kᵀ: 8-key group j = keys k0 + 8j .. +7
 #pragma unroll
-    for (int j = 0; j < kBK / 8; ++j) {
+    for (int j = 0; j < kBK / 8; j += 2) {
       s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+      s[j + 1][0] = s[j + 1][1] = s[j + 1][2] = s[j + 1][3] = 0.0f;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        const uint16_t* kr = Ks + (j * 8 + g) * KP + kk * 16 + 2 * t;
-        mma_bf16(s[j], qf[kk], ld32(kr), ld32(kr + 8));
+        // matrices: (keys of group j, dims kk·16 + 0..7), (group j, + 8..15), (group j + 1, 0..7), (j + 1, 8..15)
+        uint32_t b[4];
+        ldsm_x4(b, Ks + ((j + (lm >> 1)) * 8 + lr) * KP + kk * 16 + (lm & 1) * 8);
+        mma_bf16(s[j], qf[kk], b[0], b[1]);
+        mma_bf16(s[j + 1], qf[kk], b[2], b[3]);
       }
     }
     float mx_a = -INFINITY, mx_b = -INFINITY;
@@ -138,9 +163,12 @@ __global__ void __launch_bounds__(128) attn_kernel(const uint16_t* __restrict__ 
       const uint32_t a[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
                              pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const uint16_t* vr = Vt + (j * 8 + g) * VP + kk * 16 + 2 * t;
-        mma_bf16(acc[j], a, ld32(vr), ld32(vr + 8));
+      for (int j = 0; j < D / 8; j += 2) {
+        // .trans matrices: (keys kk·16 + 0..7, dims of group j), (keys + 8..15, group j), (0..7, j + 1), (8..15, j + 1)
+        uint32_t b[4];
+        ldsm_x4_trans(b, Vs + (kk * 16 + (lm & 1) * 8 + lr) * KP + (j + (lm >> 1)) * 8);
+        mma_bf16(acc[j], a, b[0], b[1]);
+        mma_bf16(acc[j + 1], a, b[2], b[3]);
       }
     }
   }
