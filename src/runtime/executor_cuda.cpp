@@ -100,11 +100,11 @@ struct CudaExecutor::Impl {
 
   // The step's image rows (executor_cuda.h, "Images"): encodes the images of every request in `order` whose
   // chunk overlaps a media span and that has no rows yet — all of them stacked, in calls of at most
-  // kMaxVisionPatches patches, into one device buffer — then points each such sequence's CudaSeq (seqs[i] of
-  // order[i]) at the rows of its chunk's <|media_pad|> positions; embed_pos[i] holds those positions.
+  // kMaxVisionPatches patches, into one device buffer — then appends to `embed` the rows of each such
+  // sequence's (order[i]'s) <|media_pad|> positions in its chunk; embed_pos[i] holds those positions.
   // `enc` null: a request with images in the step is an error (the engine refuses them at submit).
   void media_rows(vision::VisionCuda* enc, const std::vector<const sched::ScheduledSeq*>& order,
-                  const StepHooks& hooks, std::vector<model::CudaSeq>& seqs,
+                  const StepHooks& hooks, std::vector<model::CudaEmbedRows>& embed,
                   std::vector<std::vector<int32_t>>& embed_pos, ExecutorStats& st) {
     std::vector<StepHooks::MediaInputs> mi(order.size());
     std::vector<size_t> fresh;  // indices into order: requests whose images are encoded in this step
@@ -171,8 +171,8 @@ struct CudaExecutor::Impl {
       const auto hi = std::lower_bound(lo, md.pos.end(), x.end);
       for (auto p = lo; p != hi; ++p) embed_pos[i].push_back(int32_t(*p - x.start));
       if (embed_pos[i].empty()) continue;
-      seqs[i].embed_pos = embed_pos[i];
-      seqs[i].embed_rows = static_cast<const uint16_t*>(md.buf->data()) + (md.row0 + (lo - md.pos.begin())) * D;
+      embed.push_back({int64_t(i), embed_pos[i],
+                       static_cast<const uint16_t*>(md.buf->data()) + (md.row0 + (lo - md.pos.begin())) * D});
     }
   }
   // Pins the engine's mask table once (it is fixed for the engine's lifetime, which holds this
@@ -281,8 +281,9 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   }
   // Image rows of the chunks that cover <|media_pad|> positions (encoding the step's new images first).
   std::vector<std::vector<int32_t>> embed_pos(order.size());  // i32 per sequence: positions within its chunk
-  if (hooks.media_inputs) impl_->media_rows(vision_, order, hooks, seqs, embed_pos, stats_);
-  const int64_t got = m.forward_batch(cc, seqs);
+  std::vector<model::CudaEmbedRows> embed;
+  if (hooks.media_inputs) impl_->media_rows(vision_, order, hooks, embed, embed_pos, stats_);
+  const int64_t got = m.forward_batch(cc, seqs, embed);
   KCHECK(got == rows, "executor: {} logits rows, expected {}", got, rows);
   if (follower_) {  // a TP rank other than 0: its logits are rank 0's; nothing to sample here
     for (const cache::SlotCopy& cp : plan.copies_after) m.copy_slot(cc, cp.src, cp.dst);

@@ -19,7 +19,7 @@
 // vision_cuda.h; up to kMaxVisionPatches patches a call, more only in further calls) into one device buffer.
 // A request keeps its rows (a share of that buffer) until it finishes or is cancelled, so a chunk that cuts
 // a span, a later chunk and a preempted request's re-prefill reuse them; each chunk hands the model the
-// rows of its <|media_pad|> positions (CudaSeq::embed_pos / embed_rows), which replace those embeddings.
+// rows of its <|media_pad|> positions (model::CudaEmbedRows), which replace those embeddings.
 // Which positions are computed at all is the scheduler's (a prefix-cache hit keyed by the image hash skips
 // the span, and then nothing is encoded), exactly as on the CPU.
 //

@@ -1,10 +1,17 @@
 // GpuEngineVision.*: requests with images through the GPU engine (runtime/executor_cuda.h, "Images": the
 // step's new images in one varlen call of the GPU encoder, rows scattered over the <|media_pad|> embeddings,
-// model/cuda CudaSeq::embed_rows) against the CPU engine (runtime/executor.cpp media_rows, the twin), on every
+// model::CudaEmbedRows) against the CPU engine (runtime/executor.cpp media_rows, the twin), on every
 // checkpoint of KESTREL_GPU_CKPTS that has a vision tower (bench/gpu/run.sh vision makes the nano one;
 // none is a failure, not a skip).
 //
-// Per checkpoint, the same script on a GPU engine and on a CPU engine (greedy, ignore_eos, every position's
+// ImageRowsReplaceEmbeddingsAsOnTheCpu: the model alone. Two prefill sequences in one GPU forward with rows
+// (real embedding rows of other tokens, so the change is large and at the model's scale) at chosen positions
+// — runs, the first and last position, a lone one — against model::prefill with the same EmbedOverrides:
+// the GpuModel bounds (MODEL.md §0.10: rel L2 ≤ 2e-2, max |Δ| ≤ 5% of max |logit|) at every position (so
+// the rows land exactly where the CPU puts them); and the rows must matter: the same forward without them
+// gives other logits (rel L2 > 1e-3) at every position that has a row.
+//
+// ImagesOnTheGpuEngineMatchTheCpuEngine: per checkpoint, the same script on a GPU engine and on a CPU engine (greedy, ignore_eos, every position's
 // logits through on_logits):
 //  0. the encoder alone: VisionCuda on the checkpoint's vision weights against vision::encode, the bound of
 //     GpuVision.EncoderMatchesCpuEncoder (rel L2 ≤ 3e-2), and the measured value reported;
@@ -33,6 +40,7 @@
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "harness.h"
@@ -41,6 +49,7 @@
 #include "loader/safetensors.h"
 #include "loader/weights.h"
 #include "model/cuda/cuda_model.h"
+#include "model/model.h"
 #include "runtime/engine.h"
 #include "runtime/executor_cuda.h"
 #include "vision/cuda/vision_cuda.h"
@@ -252,6 +261,96 @@ double rel_gap(const std::vector<float>& x) {
   return double(v[0] - v[1]) / scale;
 }
 
+// rel L2 and max |Δ| / max |logit| of row `got` against `ref` (f32 [V] each).
+std::pair<double, double> row_errors(const float* got, const float* ref, int64_t V) {
+  double num = 0, den = 0, mx = 0, scale = 0;
+  for (int64_t v = 0; v < V; ++v) {
+    const double e = double(got[v]) - ref[v];
+    num += e * e, den += double(ref[v]) * ref[v];
+    mx = std::max(mx, std::fabs(e)), scale = std::max(scale, double(std::fabs(ref[v])));
+  }
+  return {std::sqrt(num / den), mx / scale};
+}
+
+TEST(GpuEngineVision, ImageRowsReplaceEmbeddingsAsOnTheCpu) {
+  const auto dirs = vision_ckpt_dirs();
+  ASSERT_FALSE(dirs.empty()) << "no checkpoint with a vision tower in KESTREL_GPU_CKPTS: run through "
+                                "bench/gpu/run.sh vision";
+  for (const std::string& dir : dirs) {
+    const ModelConfig cfg = load_config(dir);
+    const Checkpoint ckpt(dir);
+    const ModelWeights w = bind_weights(cfg, ckpt);
+    const int64_t V = cfg.text.vocab_size, D = cfg.text.hidden_size;
+    const std::string name = D == 256 ? "nano" : "mini(reduced)";
+    const uint16_t* embed = w.embed.as<const uint16_t>();  // bf16 [V, D]
+    struct SeqCase {
+      int64_t len;
+      std::vector<int32_t> pos;  // image positions, ascending
+    };
+    const std::vector<SeqCase> cases = {{40, {3, 4, 5, 6, 20, 21, 39}}, {23, {0, 7, 22}}};
+    std::vector<std::vector<int32_t>> tokens;
+    std::vector<std::vector<uint16_t>> rows;  // bf16 [pos.size(), D] per sequence
+    for (size_t b = 0; b < cases.size(); ++b) {
+      std::vector<int32_t> t;
+      for (int64_t i = 0; i < cases[b].len; ++i)
+        t.push_back(int32_t((i * 7919 + 13 + int64_t(b) * 101) % std::min<int64_t>(V, 1000)));
+      tokens.push_back(t);
+      std::vector<uint16_t> r;
+      for (size_t k = 0; k < cases[b].pos.size(); ++k) {
+        const int64_t id = (int64_t(k) * 37 + 11 + int64_t(b) * 5) % std::min<int64_t>(V, 1000);
+        r.insert(r.end(), embed + id * D, embed + (id + 1) * D);
+      }
+      rows.push_back(r);
+    }
+    // GPU: both sequences in one forward (block 16, pages 0..2 and 3..4, slots 0 and 1), every row's logits.
+    model::CudaModel gm(cfg, w);
+    auto cache = gm.new_cache(8, 2, CacheFormats{16, LatentFormat::bf16, IndexKeyFormat::bf16, KdaStateDtype::f32});
+    const std::vector<std::vector<int32_t>> tables = {{0, 1, 2}, {3, 4}};
+    std::vector<Dev<uint16_t>> drows;
+    for (const auto& r : rows) drows.push_back(upload(r));
+    auto gpu_forward = [&](bool with_rows) {
+      for (int32_t slot : {0, 1}) gm.zero_slot(*cache, slot);
+      std::vector<model::CudaSeq> seqs;
+      std::vector<model::CudaEmbedRows> er;
+      for (size_t b = 0; b < cases.size(); ++b) {
+        seqs.push_back({tokens[b], 0, int32_t(b), tables[b], model::CudaSeq::Logits::all});
+        if (with_rows) er.push_back({int64_t(b), cases[b].pos, drows[b].p()});
+      }
+      const int64_t n = gm.forward_batch(*cache, seqs, er);
+      EXPECT_EQ(n, cases[0].len + cases[1].len);
+      std::vector<float> out(size_t(n * V));
+      gm.copy_logits(out.data());
+      return out;
+    };
+    const std::vector<float> gpu = gpu_forward(true), plain = gpu_forward(false);
+    double worst_rel = 0, worst_abs = 0;
+    int64_t row0 = 0;
+    for (size_t b = 0; b < cases.size(); ++b) {
+      const int64_t T = cases[b].len;
+      std::vector<model::EmbedOverride> ov;
+      for (size_t k = 0; k < cases[b].pos.size(); ++k) ov.push_back({cases[b].pos[k], rows[b].data() + int64_t(k) * D});
+      model::State st(cfg);
+      model::ForwardOptions opt;
+      opt.embed_override = ov;
+      std::vector<float> cpu(size_t(T * V));
+      model::prefill(w, cfg, st, tokens[b], cpu.data(), opt);
+      for (int64_t p = 0; p < T; ++p) {
+        const auto [rel, abs_rel] = row_errors(gpu.data() + (row0 + p) * V, cpu.data() + p * V, V);
+        worst_rel = std::max(worst_rel, rel), worst_abs = std::max(worst_abs, abs_rel);
+        EXPECT_LE(rel, 2e-2) << name << " sequence " << b << " position " << p << ": logits rel L2 vs the CPU";
+        EXPECT_LE(abs_rel, 5e-2) << name << " sequence " << b << " position " << p << ": max |Δ| vs the CPU";
+        if (std::count(cases[b].pos.begin(), cases[b].pos.end(), int32_t(p)) > 0) {
+          const double moved = row_errors(plain.data() + (row0 + p) * V, gpu.data() + (row0 + p) * V, V).first;
+          EXPECT_GT(moved, 1e-3) << name << " sequence " << b << " position " << p << ": its image row changed nothing";
+        }
+      }
+      row0 += T;
+    }
+    note(fmt::format("{:<28} {:<34} worst rel L2 {:.2e}, worst max|Δ| {:.2e} of max|logit|", "image rows (GPU model)",
+                     name + " 2 seqs", worst_rel, worst_abs));
+  }
+}
+
 TEST(GpuEngineVision, ImagesOnTheGpuEngineMatchTheCpuEngine) {
   const auto dirs = vision_ckpt_dirs();
   ASSERT_FALSE(dirs.empty()) << "no checkpoint with a vision tower in KESTREL_GPU_CKPTS: run through "
@@ -332,13 +431,7 @@ TEST(GpuEngineVision, ImagesOnTheGpuEngineMatchTheCpuEngine) {
         ASSERT_TRUE(it != gl.end()) << name << " " << key << ": the GPU engine gave no logits at position " << p;
         const std::vector<float>& grow = it->second;
         ASSERT_EQ(grow.size(), size_t(V));
-        double num = 0, den = 0, mx = 0, scale = 0;
-        for (int64_t v = 0; v < V; ++v) {
-          const double e = double(grow[size_t(v)]) - crow[size_t(v)];
-          num += e * e, den += double(crow[size_t(v)]) * crow[size_t(v)];
-          mx = std::max(mx, std::fabs(e)), scale = std::max(scale, double(std::fabs(crow[size_t(v)])));
-        }
-        const double rel = std::sqrt(num / den), abs_rel = mx / scale;
+        const auto [rel, abs_rel] = row_errors(grow.data(), crow.data(), V);
         worst_rel = std::max(worst_rel, rel), worst_abs = std::max(worst_abs, abs_rel);
         ++rows;
         EXPECT_LE(rel, 2e-2) << name << " " << key << " position " << p << ": logits rel L2";

@@ -13,7 +13,8 @@
 
 namespace kestrel::model::gpu {
 
-BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int64_t V, BatchInputs& in) {
+BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int64_t V, BatchInputs& in,
+                         std::span<const CudaEmbedRows> embed) {
   KCHECK(!seqs.empty(), "forward_batch: no sequences");
   BatchStep s;
   s.n = int64_t(seqs.size());
@@ -49,19 +50,6 @@ BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int
     in.slots.push_back(q.slot);
     std::copy(q.block_table.begin(), q.block_table.end(), in.tables.begin() + b * s.bt_stride);
     for (int64_t i = 0; i < Tb; ++i) in.row_lens.push_back(int32_t(q.pos0 + i + 1)), in.row_req.push_back(int32_t(b));
-    if (!q.embed_pos.empty()) {  // image rows: positions inside the call, strictly ascending (so distinct)
-      KCHECK(q.embed_rows != nullptr && reinterpret_cast<uintptr_t>(q.embed_rows) % 16 == 0,
-             "forward_batch: sequence {} has {} image positions but its rows are null or not 16-byte aligned", b,
-             q.embed_pos.size());
-      s.embed_rows.push_back({q.embed_rows, int64_t(q.embed_pos.size()), int64_t(in.embed_dst.size())});
-      for (size_t k = 0; k < q.embed_pos.size(); ++k) {
-        const int32_t p = q.embed_pos[k];
-        KCHECK(p >= 0 && p < Tb && (k == 0 || p > q.embed_pos[k - 1]),
-               "forward_batch: sequence {}: image position {} (entry {}) outside [0, {}) or not ascending", b, p, k,
-               Tb);
-        in.embed_dst.push_back(int32_t(s.T + p));
-      }
-    }
     s.max_S = std::max(s.max_S, S);
     const bool decode = b < s.nd;
     if (decode) in.dec_lens.push_back(int32_t(S)), s.max_dec_S = std::max(s.max_dec_S, S);
@@ -72,6 +60,26 @@ BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int
       in.lrows.push_back(int32_t(s.T + Tb - 1));
     s.T += Tb;
     in.cu.push_back(int32_t(s.T));
+  }
+  // Image rows: positions inside their sequence, strictly ascending (so distinct), one entry per sequence.
+  std::vector<bool> has_rows(size_t(s.n), false);
+  for (const CudaEmbedRows& e : embed) {
+    KCHECK(e.seq >= 0 && e.seq < s.n && !has_rows[size_t(e.seq)],
+           "forward_batch: image rows for sequence {} (of {}; one entry per sequence)", e.seq, s.n);
+    has_rows[size_t(e.seq)] = true;
+    if (e.pos.empty()) continue;
+    KCHECK(e.rows != nullptr && reinterpret_cast<uintptr_t>(e.rows) % 16 == 0,
+           "forward_batch: sequence {} has {} image positions but its rows are null or not 16-byte aligned", e.seq,
+           e.pos.size());
+    const int64_t Tb = s.len[size_t(e.seq)];
+    s.embed_rows.push_back({e.rows, int64_t(e.pos.size()), int64_t(in.embed_dst.size())});
+    for (size_t k = 0; k < e.pos.size(); ++k) {
+      const int32_t p = e.pos[k];
+      KCHECK(p >= 0 && p < Tb && (k == 0 || p > e.pos[k - 1]),
+             "forward_batch: sequence {}: image position {} (entry {}) outside [0, {}) or not ascending", e.seq, p, k,
+             Tb);
+      in.embed_dst.push_back(int32_t(s.row0[size_t(e.seq)] + p));
+    }
   }
   s.n_real = s.n;
   return s;

@@ -9,7 +9,7 @@
 //  - context inputs, read only by the attention islands (whose shapes follow the contexts): decode
 //    context lengths [nd] | block tables [n, bt_stride] | per-row visible key counts [T] | per-row
 //    sequence [T];
-//  - image rows (eager steps that have them): the step row of each row of CudaSeq::embed_rows.
+//  - image rows (eager steps that have them): the step row of each row of the CudaEmbedRows.
 // Nothing is gathered: the indexer, the decode and the prefill attention read the pools through the
 // block tables.
 #pragma once
@@ -43,7 +43,7 @@ struct BatchStep {
   int64_t bt_stride = 0;
   const int32_t* d_row_lens = nullptr;  // i32 [rows of the real sequences]: visible keys (position + 1)
   const int32_t* d_row_req = nullptr;   // i32 [same]: sequence of the row
-  // Image rows (CudaSeq::embed_rows), one group per sequence that has them: n rows from src (device bf16
+  // Image rows (CudaEmbedRows), one group per sequence that has them: n rows from src (device bf16
   // [n, D]) replace the embedding rows d_embed_dst[off .. off + n) of the step (eager steps only).
   struct EmbedRows {
     const uint16_t* src = nullptr;
@@ -62,8 +62,10 @@ struct BatchInputs {
 };
 
 // Validates `seqs` against `cc` (token ids < V, decodes first, distinct slots, pages in range, block
-// tables covering the contexts; kestrel::Error otherwise) and describes the step.
-BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int64_t V, BatchInputs& in);
+// tables covering the contexts) and `embed` (sequences in range, at most one entry each, positions inside
+// the sequence and ascending, rows 16-byte aligned); kestrel::Error otherwise. Describes the step.
+BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int64_t V, BatchInputs& in,
+                         std::span<const CudaEmbedRows> embed = {});
 // Uploads the context inputs.
 void upload_context(Context& x, BatchStep& s, const BatchInputs& in);
 // Uploads the static inputs of an eager step; returns the device token ids (the logits rows follow the

@@ -46,18 +46,22 @@ struct CudaCache;  // model/cuda/cache.h
 
 // One sequence of a batched forward: positions [pos0, pos0 + T) from `tokens`, KDA state in `slot`,
 // MLA rows through `block_table` (covering [0, pos0 + T)).
-// Image rows (MODEL.md §3.1, §6; the CPU's model::EmbedOverride): the positions `embed_pos` (indices into
-// `tokens`, strictly ascending) start the stream as the rows of `embed_rows` (device bf16 [embed_pos.size(),
-// D], in the same order, 16-byte aligned) instead of embed_tokens[id]. A step with image rows runs eagerly
-// (never through a graph bucket).
 struct CudaSeq {
   std::span<const int32_t> tokens;
   int64_t pos0 = 0;
   int32_t slot = 0;
   std::span<const int32_t> block_table;
   enum class Logits : uint8_t { none, last, all } logits = Logits::last;
-  std::span<const int32_t> embed_pos;
-  const uint16_t* embed_rows = nullptr;
+};
+
+// Image rows of one sequence of a forward (MODEL.md §3.1, §6; the CPU's model::EmbedOverride): the positions
+// `pos` of sequence `seq` (indices into its tokens, strictly ascending) start the stream as the rows of `rows`
+// (device bf16 [pos.size(), D], in the same order, 16-byte aligned) instead of embed_tokens[id]. A forward
+// with image rows runs eagerly (never through a graph bucket).
+struct CudaEmbedRows {
+  int64_t seq = 0;
+  std::span<const int32_t> pos;
+  const uint16_t* rows = nullptr;
 };
 
 using CudaCachePtr = std::unique_ptr<CudaCache, void (*)(CudaCache*)>;
@@ -102,10 +106,11 @@ class CudaModel {
   void copy_slot(CudaCache& c, int32_t src, int32_t dst);
 
   // ---- one forward per step ---------------------------------------------------------------------------
-  // One forward over `seqs` (every sequence with T = 1 first, slots distinct). Returns the number of
-  // logits rows produced (f32 [rows, V] on the device, in sequence order: all rows of an `all`
-  // sequence, the last of a `last` one), which copy_logits / greedy / sample read until the next forward.
-  int64_t forward_batch(CudaCache& c, std::span<const CudaSeq> seqs);
+  // One forward over `seqs` (every sequence with T = 1 first, slots distinct), with the image rows `embed`
+  // (at most one entry per sequence). Returns the number of logits rows produced (f32 [rows, V] on the
+  // device, in sequence order: all rows of an `all` sequence, the last of a `last` one), which copy_logits /
+  // greedy / sample read until the next forward.
+  int64_t forward_batch(CudaCache& c, std::span<const CudaSeq> seqs, std::span<const CudaEmbedRows> embed = {});
   void copy_logits(float* host /* f32 [rows, V] */) const;
   void copy_logits_rows(int64_t first, int64_t n, float* host /* f32 [n, V] */) const;
   void greedy(int32_t* host /* i32 [rows] */) const;  // argmax per row, ties to the lower id
