@@ -18,7 +18,11 @@
 // So for S, K rows (keys) × 8 dims give (k = dim 2t.., n = key g) = B directly; for P V, V rows (keys) ×
 // 8 dims through .trans give (k = key 2t.., n = dim g) = B. (Until 2026-12 V was transposed into shared
 // memory with 2-byte stores, 16-way bank conflicts each: 2.36 ms per real-dims block on the H200, ~10 %
-// of the BF16 rate.) No double buffering: one barrier pair per key tile.
+// of the BF16 rate.) Two stages: the next key tile is copied by cp.async (16 bytes a copy, zero-filled past
+// the image's end, so masked keys meet finite V rows) while the warps work on the current one; dynamic
+// shared memory, 2 × 2 × 64 × (dv + 8) × 2 bytes (68 KiB at dv = 128). __launch_bounds__(128, 3) keeps
+// three CTAs per SM: ptxas then fits dv = 128 in 168 registers without spilling (177 unbounded, which
+// would allow only two).
 #include <cmath>
 #include <string>
 
@@ -62,14 +66,31 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const uint16_t* p) {
                : "memory");
 }
 
+// 16-byte copy global → shared through L2 (cp.async.cg); src_bytes 0 writes 16 zero bytes (src must still be
+// a valid address). Completion: cp_async_commit, then cp_async_wait<n>, then a barrier for the other threads.
+__device__ __forceinline__ void cp_async16(uint16_t* dst, const uint16_t* src, int src_bytes) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 template <int D>
-__global__ void __launch_bounds__(128) attn_kernel(const uint16_t* __restrict__ qkv, int64_t ld, int64_t Wq,
+constexpr int attn_smem_bytes() {
+  return 2 * 2 * kBK * (D + 8) * 2;  // stages × (K, V) × keys × padded row × bf16
+}
+
+template <int D>
+__global__ void __launch_bounds__(128, 3) attn_kernel(const uint16_t* __restrict__ qkv, int64_t ld, int64_t Wq,
                                                    const int32_t* __restrict__ row0, float scale_log2,
                                                    uint16_t* __restrict__ o, int64_t ldo) {
   static_assert(D % 16 == 0 && kBK % 16 == 0, "ldmatrix .x4 reads two 8-wide groups at a time");
   constexpr int KP = D + 8;
-  __shared__ __align__(16) uint16_t Ks[kBK * KP];  // bf16 [64 keys][D (+8)]
-  __shared__ __align__(16) uint16_t Vs[kBK * KP];  // bf16 [64 keys][D (+8)]
+  // Stage st: K at smem + st·2·kBK·KP, V right after it; each bf16 [64 keys][D (+8)].
+  extern __shared__ __align__(16) uint16_t smem[];
   const int img = blockIdx.z, h = blockIdx.y;
   const int64_t r0 = row0[img], N = int64_t(row0[img + 1]) - r0;
   const int64_t q0 = int64_t(blockIdx.x) * kBQ;
@@ -95,20 +116,34 @@ __global__ void __launch_bounds__(128) attn_kernel(const uint16_t* __restrict__ 
   for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;  // rows qa, qb (log2 domain)
 
-  for (int64_t k0 = 0; k0 < N; k0 += kBK) {
-    __syncthreads();  // every warp is done with the previous tile
+  // Issues the copies of the key tile at k0 into stage st (one commit group per tile).
+  auto load_tile = [&](int64_t k0, int st) {
+    uint16_t* Kd = smem + st * 2 * kBK * KP;
+    uint16_t* Vd = Kd + kBK * KP;
     constexpr int kChunks = kBK * D / 8;  // 16-byte chunks of a tile
     for (int i = threadIdx.x; i < kChunks; i += 128) {
       const int key = i / (D / 8), c8 = (i % (D / 8)) * 8;
-      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-      if (k0 + key < N) {
-        kv = dev::ld16(Kb + (k0 + key) * ld + c8);
-        vv = dev::ld16(Vb + (k0 + key) * ld + c8);
-      }
-      *reinterpret_cast<uint4*>(Ks + key * KP + c8) = kv;  // zeros past the image's end: finite V rows
-      *reinterpret_cast<uint4*>(Vs + key * KP + c8) = vv;
+      const bool in = k0 + key < N;
+      const int64_t off = in ? (k0 + key) * ld + c8 : 0;  // past the end: a valid address, 0 bytes read
+      cp_async16(Kd + key * KP + c8, Kb + off, in ? 16 : 0);  // zeros past the image's end: finite V rows
+      cp_async16(Vd + key * KP + c8, Vb + off, in ? 16 : 0);
     }
-    __syncthreads();
+    cp_async_commit();
+  };
+  load_tile(0, 0);
+  int st = 0;  // the stage holding the tile at k0
+  for (int64_t k0 = 0; k0 < N; k0 += kBK, st ^= 1) {
+    // The next tile goes to the other stage, whose last readers finished before the previous iteration's
+    // closing barrier; then wait for this tile's own group (the newer one may stay in flight).
+    if (k0 + kBK < N) {
+      load_tile(k0 + kBK, st ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // every thread's copies of this tile are visible
+    const uint16_t* Ks = smem + st * 2 * kBK * KP;
+    const uint16_t* Vs = Ks + kBK * KP;
 
     float s[kBK / 8][4];  // S = Q Kᵀ: 8-key group j = keys k0 + 8j .. +7
 #pragma unroll
@@ -171,6 +206,7 @@ __global__ void __launch_bounds__(128) attn_kernel(const uint16_t* __restrict__ 
         mma_bf16(acc[j + 1], a, b[2], b[3]);
       }
     }
+    __syncthreads();  // every warp is done with this stage before the next iteration refills it
   }
   l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
   l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
@@ -237,10 +273,14 @@ void vision_attention(const uint16_t* qkv, int64_t ld, int64_t Wq, const int32_t
   KCUDA_REQUIRE(grid.x <= 2147483647u && n_images <= 65535 && heads <= 65535,
                 std::string("vision_attention: grid too large"));
   const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(head_dim)));
+  auto launch = [&](auto kernel, int smem) {
+    KCUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<grid, 128, smem, stream>>>(qkv, ld, Wq, row0, scale_log2, o, ldo);
+  };
   switch (head_dim) {
-    case 16: attn_kernel<16><<<grid, 128, 0, stream>>>(qkv, ld, Wq, row0, scale_log2, o, ldo); break;
-    case 32: attn_kernel<32><<<grid, 128, 0, stream>>>(qkv, ld, Wq, row0, scale_log2, o, ldo); break;
-    case 128: attn_kernel<128><<<grid, 128, 0, stream>>>(qkv, ld, Wq, row0, scale_log2, o, ldo); break;
+    case 16: launch(attn_kernel<16>, attn_smem_bytes<16>()); break;
+    case 32: launch(attn_kernel<32>, attn_smem_bytes<32>()); break;
+    case 128: launch(attn_kernel<128>, attn_smem_bytes<128>()); break;
     default:
       KCUDA_REQUIRE(false, "vision_attention: head_dim " + std::to_string(head_dim) + " not in {16, 32, 128}");
   }
