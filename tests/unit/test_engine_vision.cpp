@@ -4,6 +4,7 @@
 // rows, and images a model cannot take are refused at submit with a RequestError, never in the step.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -155,6 +156,7 @@ class Gated : public runtime::StepExecutor {
       ++entered;
       cv.notify_all();
       cv.wait(lk, [&] { return !held; });
+      max_prefills = std::max(max_prefills, plan.prefills.size());
     }
     return inner_->run(plan, hooks);
   }
@@ -164,6 +166,7 @@ class Gated : public runtime::StepExecutor {
   std::condition_variable cv;
   bool held = false;
   int entered = 0;
+  size_t max_prefills = 0;  // most prefill chunks in one step
 
  private:
   std::unique_ptr<runtime::StepExecutor> inner_;
@@ -219,6 +222,7 @@ TEST(EngineVision, ARepeatedImageHitsThePrefixCacheAndIsNotEncodedAgain) {
   e.wait_idle();
   EXPECT_EQ(gate->stats().images_encoded, 3);
   EXPECT_EQ(gate->stats().vision_calls, 2);  // per request on the CPU
+  EXPECT_EQ(gate->max_prefills, 2u) << "the two image requests should prefill in one step";
   const int64_t hits = e.stats().prefix_hits;
   run.submit(e, A, 3);
   run.wait(4);
