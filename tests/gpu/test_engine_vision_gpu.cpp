@@ -11,8 +11,8 @@
 // the rows land exactly where the CPU puts them); and the rows must matter: the same forward without them
 // gives other logits (rel L2 > 1e-3) at every position that has a row.
 //
-// ImagesOnTheGpuEngineMatchTheCpuEngine: per checkpoint, the same script on a GPU engine and on a CPU engine (greedy, ignore_eos, every position's
-// logits through on_logits):
+// ImagesOnTheGpuEngineMatchTheCpuEngine: per checkpoint, the same script on a GPU engine and on a CPU engine
+// (greedy, ignore_eos, every position's logits through on_logits):
 //  0. the encoder alone: VisionCuda on the checkpoint's vision weights against vision::encode, the bound of
 //     GpuVision.EncoderMatchesCpuEncoder (rel L2 ≤ 3e-2), and the measured value reported;
 //  1. one step: the first step (a text request) is held at the executor while request A (two images) and
@@ -417,7 +417,8 @@ TEST(GpuEngineVision, ImagesOnTheGpuEngineMatchTheCpuEngine) {
       } else {
         ASSERT_TRUE(cl.count(P - 1 + int64_t(d))) << key;
         const double gap = rel_gap(cl[P - 1 + int64_t(d)]);
-        note(fmt::format("  engine-vision {} {}: GPU differs from CPU at output {} (CPU top-2 gap {:.2e} of max|logit|)",
+        note(fmt::format("  engine-vision {} {}: GPU differs from CPU at output {} (CPU top-2 gap {:.2e} of "
+                         "max|logit|)",
                          name, key, d, gap));
         EXPECT_LE(gap, 4e-2) << name << " " << key << ": GPU tokens differ from the CPU engine's at output " << d
                              << " where the CPU logits are no near tie";

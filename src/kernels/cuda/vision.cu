@@ -199,7 +199,8 @@ __global__ void __launch_bounds__(128, 3) attn_kernel(const uint16_t* __restrict
                              pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
       for (int j = 0; j < D / 8; j += 2) {
-        // .trans matrices: (keys kk·16 + 0..7, dims of group j), (keys + 8..15, group j), (0..7, j + 1), (8..15, j + 1)
+        // .trans matrices: (keys kk·16 + 0..7, dims of group j), (keys + 8..15, group j), (0..7, j + 1),
+        // (8..15, j + 1)
         uint32_t b[4];
         ldsm_x4_trans(b, Vs + (kk * 16 + (lm & 1) * 8 + lr) * KP + (j + (lm >> 1)) * 8);
         mma_bf16(acc[j], a, b[0], b[1]);

@@ -1,7 +1,7 @@
 // The layer stack of the GPU model over one step's stacked rows, MODEL.md §3 (CPU twin: model/model.cpp):
-// §3.1 embeddings (image rows over the <|media_pad|> positions, §6), per layer §3.2's AttnRes bookkeeping around the attention (KDA §3.3 or MLA §3.4–3.5)
-// and the MLP (dense §3.7 or MoE §3.6), then the final Mix, model.norm and lm_head in FP32 (§3.8) over
-// the rows that want logits only.
+// §3.1 embeddings (image rows over the <|media_pad|> positions, §6), per layer §3.2's AttnRes bookkeeping
+// around the attention (KDA §3.3 or MLA §3.4–3.5) and the MLP (dense §3.7 or MoE §3.6), then the final Mix,
+// model.norm and lm_head in FP32 (§3.8) over the rows that want logits only.
 //
 // Fused form (Context::fused(): the default unless KESTREL_FUSE=0 or debug captures are on): each AttnRes
 // point is one kernel (attn_res_point) that first applies the pending update of P — step 4 or step 6 of
