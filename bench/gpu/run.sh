@@ -24,6 +24,9 @@
 #                            # writes $OUT/perf.json (copy it to bench/gpu/perf.json) and a markdown table
 #   bench/gpu/run.sh tp      # there: nano + nano_tp_gpu checkpoints, the GPU tensor-parallel tests (GpuTp.*: the
 #                            # same-device communicator, the engine as TP2/TP4 on one GPU against TP1)
+#   bench/gpu/run.sh vision  # there: the nano checkpoint with its vision tower (nano_vl), GpuVision.* (the encoder vs
+#                            # the CPU encoder) and GpuEngineVision.* (the GPU engine with images vs the CPU engine),
+#                            # then bench_ops --perf --only vision (encoder time per 1024² image); needs reference/
 #   bench/gpu/run.sh structured
 #                            # there: nano checkpoint, the GPU structured-output tests (GpuStructured.*), then
 #                            # bench_structured_engine on models/k3-tiny --device cuda at batch 1 and 64, and with
@@ -161,6 +164,19 @@ case "${1:-}" in
     wait
     export KESTREL_GPU_CKPTS="$ck/nano:$ck/nano_tp_gpu"
     "$self" test --gtest_filter="${TP_TESTS:-GpuTp.*}" 2>&1 | tee "$out/gpu_tp_tests.log" | tail -60 || true
+    ;;
+  vision)
+    # Images on the GPU (issue #21 point 4): the nano checkpoint WITH its vision tower (nano_vl), the encoder's
+    # tests (GpuVision.*) and the GPU engine with images against the CPU engine (GpuEngineVision.*), then the
+    # encoder's time per 1024 x 1024 image at the real vision dims (bench_ops --only vision). Extra arguments
+    # go to the test binary (e.g. --gtest_filter='GpuEngineVision.*').
+    out="${OUT:-/tmp}"
+    ck=/tmp/kestrel_ckpt
+    mkdir -p "$ck"
+    [ -f "$ck/nano_vl/config.json" ] || python3 reference/make_checkpoint.py --config nano --out "$ck/nano_vl" --seed 1 >/dev/null
+    export KESTREL_GPU_CKPTS="$ck/nano_vl"
+    "$self" test --gtest_filter='GpuVision.*:GpuEngineVision.*' "${@:2}" 2>&1 | tee "$out/gpu_vision_tests.log" | tail -40 || true
+    "$self" bench --perf --only vision 2>&1 | tee "$out/bench_vision.md" | tail -20
     ;;
   structured)
     # Structured outputs (issue #20): the GPU tests (token-mask kernel vs its twin, masked sampling, constrained
@@ -469,7 +485,7 @@ case "${1:-}" in
     .gpu-carry/bench_mla "${@:2}"
     ;;
   *)
-    echo "usage: $0 pack|test|all|serving|decode|kda|eval|perf|soak|bench|bench_mla|bench_kda" >&2
+    echo "usage: $0 pack|test|all|serving|tp|structured|vision|decode|kda|eval|perf|soak|bench|bench_mla|bench_kda" >&2
     exit 2
     ;;
 esac

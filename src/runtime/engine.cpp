@@ -81,8 +81,8 @@ void check_images(const Request& r, const ModelConfig& c, const StepExecutor& ex
   if (r.images.empty()) return;
   vision::check_request_images(r, c);
   if (!exec.supports_images())
-    throw RequestError("images", "this engine's executor cannot run the vision tower (images are supported on "
-                                 "the CPU engine only for now)");
+    throw RequestError("images", "this engine's executor cannot run the vision tower (images run on the CPU "
+                                 "engine and the one-GPU engine; not yet under tensor parallelism)");
 }
 
 // Whether speculation serves this request exactly (engine.h EngineConfig::speculative).
