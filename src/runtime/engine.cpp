@@ -381,9 +381,18 @@ void Engine::end_all(FinishReason why, const std::string& error, Outbox& out) {
 
 // One step: the executor's run, with the hooks that tie it to the requests of this plan.
 void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<RequestId, Req*>>& in_step) {
+  // Executors call the hooks in plan order (or close to it): look at the entry after the last one
+  // found first, so a batch of B rows costs O(B) lookups, not O(B²).
+  size_t hint = 0;
   auto find = [&](RequestId id) -> Req& {
-    for (auto& [i, q] : in_step)
-      if (i == id) return *q;
+    const size_t n = in_step.size();
+    for (size_t k = 0; k < n; ++k) {
+      const size_t i = (hint + k) % n;
+      if (in_step[i].first == id) {
+        hint = i + 1;
+        return *in_step[i].second;
+      }
+    }
     fail("engine: request {} is not in this step", id);
   };
   // Structured outputs: the masks of this step start filling now, on the worker, and must be done
