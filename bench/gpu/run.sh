@@ -29,7 +29,8 @@
 #                            # then bench_ops --perf --only vision (encoder time per 1024² image); needs reference/
 #   bench/gpu/run.sh structured
 #                            # there: nano checkpoint, the GPU structured-output tests (GpuStructured.*), then
-#                            # bench_structured_engine on models/k3-tiny --device cuda at batch 1 and 64, and with
+#                            # bench_structured_engine on models/k3-tiny --device cuda at batch 1 and 64 (SUMMARY
+#                            # lines: the constrained step's overhead, median of 5 reps; mask pool auto, then 1), and with
 #                            # K3TINY_REQUESTS=N (kestrel_unit_tests packed: PACK_EXTRA) N strict-schema requests
 #                            # of K3TinyStructured.* on the GPU engine
 #   bench/gpu/run.sh decode  # there: the fused decode path's tests and bench_ops --perf per variant (see below)
@@ -192,8 +193,14 @@ case "${1:-}" in
       d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
       export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
     fi
-    .gpu-carry/bench_structured_engine --model models/k3-tiny --device cuda --batch 1,64 --tokens 64 --reps 4 2>&1 \
+    # The SUMMARY lines are the target (issue #20 point 3): constrained vs free decode step, medians over the reps,
+    # ≤ 5 % at batch 1 and 64. The mask pool has its automatic size (a quarter of the cores); the second run pins
+    # it to one thread, the engine's old single worker, to show what the pool buys.
+    .gpu-carry/bench_structured_engine --model models/k3-tiny --device cuda --batch 1,64 --tokens 64 --reps 5 2>&1 \
       | tee "$out/structured_engine_cuda.md"
+    .gpu-carry/bench_structured_engine --model models/k3-tiny --device cuda --batch 1,64 --tokens 64 --reps 5 \
+      --mask-threads 1 2>&1 | tee "$out/structured_engine_cuda_1thread.md"
+    grep -h SUMMARY "$out/structured_engine_cuda.md" "$out/structured_engine_cuda_1thread.md" || true
     # Issue #20 point 5: K3TINY_REQUESTS strict-schema requests (half as many tool calls) on the GPU engine.
     if [ -x .gpu-carry/kestrel_unit_tests ] && [ -n "${K3TINY_REQUESTS:-}" ]; then
       KESTREL_K3TINY_DEVICE=cuda KESTREL_K3TINY_REQUESTS="$K3TINY_REQUESTS" .gpu-carry/kestrel_unit_tests \
