@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Prefill rate of `kestrel serve --device cpu` at several prompt lengths (issue #22's prefill targets).
 #   bench/cpu_prefill_bench.sh CKPT_DIR [PROMPTS_PER_LENGTH] [LENGTH...]
-# Starts one server, warms it (one request of each length: the weights are packed on first use and the
-# step's buffers grow to their high-water mark), then per length sends PROMPTS_PER_LENGTH requests one
+# Starts one server, warms it (one request of the first length: the weights are packed on first use; a
+# step's buffers are per chunk of at most 256 tokens, so longer prompts need no other warm-up), then
+# per length sends PROMPTS_PER_LENGTH requests one
 # at a time with one output token and prints: prefill tok/s in wall clock (prompt tokens / Σ TTFT) and
 # per server CPU second (user + system from /proc: the machine is shared, so this is the figure that
 # does not move with the load), and the GFLOP/s both mean at FLOP_PER_TOKEN (default 14.0e6: k3-tiny's
@@ -18,17 +19,17 @@ out=${OUT_DIR:-$(mktemp -d)}
 port=${PORT:-18792}
 fpt=${FLOP_PER_TOKEN:-14.0e6}
 # shellcheck disable=SC2086
-"$bin" serve --model "$ckpt" --device cpu --port "$port" --served-model-name m ${SERVE_FLAGS:-} \
+"$bin" serve --model "$ckpt" --device cpu --port "$port" --served-model-name m --no-prefix-cache ${SERVE_FLAGS:-} \
   >"$out/serve.log" 2>&1 &
 server=$!
 trap 'kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true' EXIT
 cpu_s() { awk '{print ($14 + $15) / '"$(getconf CLK_TCK)"'}' "/proc/$server/stat"; }
-run() {  # run LEN PROMPTS JSON
+run() {  # run LEN PROMPTS JSON [SEED] (no prefix cache: a repeated prompt is prefilled again)
   "$bin" bench --base-url "http://127.0.0.1:$port" --model m --tokenizer "$ckpt" --input-len "$1" --output-len 1 \
-    --num-prompts "$2" --max-concurrency 1 --num-warmups 0 --ignore-eos --seed "$1" --no-progress \
+    --num-prompts "$2" --max-concurrency 1 --num-warmups 0 --ignore-eos --seed "${4:-$1}" --no-progress \
     --ready-check-timeout 120 --result-file "$3" >/dev/null 2>&1
 }
-for len in "${lens[@]}"; do run "$len" 1 "$out/warm$len.json"; done
+run "${lens[0]}" 1 "$out/warm.json" 7
 for len in "${lens[@]}"; do
   load0=$(cut -d' ' -f1 /proc/loadavg)
   cpu0=$(cpu_s)
