@@ -134,10 +134,10 @@ EVAL_SEED0 = 1_000_000
 
 def eval_items(per_task: int = 100, seed0: int = EVAL_SEED0, max_tokens: int = 32):
     """The image eval set (docs/eval.md, task "image"): per task `per_task` items, seeds seed0 + k·5 + t, t the
-    task's index (every seed ≥ 1,000,000, never trained on)."""
+    task's index (every seed ≥ 1,000,000, never trained on), in seed order."""
     items = []
-    for t, task in enumerate(TASKS):
-        for k in range(per_task):
+    for k in range(per_task):            # interleaved, so that `kestrel eval --limit N` covers every task
+        for t, task in enumerate(TASKS):
             seed = seed0 + k * len(TASKS) + t
             conv = conversation(seed, task, with_url=True)
             items.append({"id": f"image-{task}-s{seed}", "task": "image",
