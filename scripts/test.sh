@@ -7,8 +7,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
-# Each stage prints the seconds since the start, so CI's log shows where its 30 minutes go.
-stage() { echo "== $* == (${SECONDS}s)"; }
+# Each stage prints the seconds since the start and the CPU time used so far (`times`: this shell, then its
+# children, user and system), so CI's log shows where its 30 minutes go.
+stage() {
+  echo "== $* == (${SECONDS}s; CPU so far:"
+  times
+  echo ")"
+}
 
 stage "install dependencies"
 scripts/install-deps.sh
