@@ -50,9 +50,8 @@ def components(mask):
 
 
 def foreground(img):
-    """Pixels that differ from the background (the most common colour)."""
-    flat = img.reshape(-1, 3)
-    bg = Counter(map(tuple, flat)).most_common(1)[0][0]
+    """Pixels that differ from the background (the corner pixel: every drawing keeps a margin)."""
+    bg = Counter(map(tuple, img[[0, 0, -1, -1], [0, -1, 0, -1]])).most_common(1)[0][0]
     return np.any(img != np.array(bg, dtype=np.uint8), axis=-1)
 
 
@@ -76,7 +75,7 @@ def test_png_round_trip_and_header():
 
 
 def test_tasks_draw_what_they_answer():
-    for seed in range(30):
+    for seed in range(20):
         for task in vision_gen.TASKS:
             a = vision_gen.conversation(seed, task)
             b = vision_gen.conversation(seed, task)
