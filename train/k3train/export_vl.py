@@ -6,7 +6,8 @@ trained vision tower and projector (train_vl.py's vision.safetensors), config.js
 
 torch-free (numpy + json + struct): the vision file is re-written tensor by tensor with its bytes unchanged
 (BF16, released names), so this runs anywhere the repository's tests run.  The text shards are renamed
-model-0000i-of-0000N (N = text shards + 1) and the index rebuilt; every text tensor's bytes are unchanged
+model-0000i-of-0000N (N = text shards + 1) — copies, or with --link-text relative symlinks to k3-tiny's files
+— and the index rebuilt; every text tensor's bytes are unchanged
 (tests/py/test_k3data_images.py checks it on the committed model when present).  Tokenizer files and the
 model card (README.md, written by hand) are not generated here; the tokenizer files are copied.
 """
@@ -58,7 +59,7 @@ def read_tensors(path):
     return out, header.get("__metadata__", {})
 
 
-def assemble(text_dir, vision_path, out):
+def assemble(text_dir, vision_path, out, link_text=False):
     with open(os.path.join(text_dir, "config.json")) as f:
         cfg = json.load(f)
     if "vision_config" in cfg:
@@ -80,11 +81,14 @@ def assemble(text_dir, vision_path, out):
     os.makedirs(out, exist_ok=True)
     for fn in os.listdir(out):
         if fn.endswith(".safetensors"):
-            os.remove(os.path.join(out, fn))
+            os.remove(os.path.join(out, fn))     # (a symlink is removed, not its target)
     rename, wmap = {}, {}
     for i, fn in enumerate(text_shards):
         new = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        shutil.copyfile(os.path.join(text_dir, fn), os.path.join(out, new))
+        if link_text:   # a relative symlink: the repository then holds k3-tiny's shards once
+            os.symlink(os.path.relpath(os.path.join(text_dir, fn), out), os.path.join(out, new))
+        else:
+            shutil.copyfile(os.path.join(text_dir, fn), os.path.join(out, new))
         rename[fn] = new
     for name, fn in index["weight_map"].items():
         wmap[name] = rename[fn]
@@ -108,8 +112,10 @@ def main(argv=None):
     ap.add_argument("--text-model", required=True)
     ap.add_argument("--vision", required=True, help="vision.safetensors from k3train.train_vl")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--link-text", action="store_true",
+                    help="text shards as relative symlinks to --text-model's files instead of copies")
     a = ap.parse_args(argv)
-    total = assemble(a.text_model, a.vision, a.out)
+    total = assemble(a.text_model, a.vision, a.out, a.link_text)
     print(f"wrote {a.out}: {total:,} bytes of tensors")
 
 
