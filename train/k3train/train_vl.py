@@ -21,6 +21,12 @@ every assistant-turn position is the target token, which is exactly when greedy 
 turn.  A few items per task every --eval-every seconds (logged), the whole set at the end (per task, in
 OUT/train_log.json).
 
+--train-text (NOT the default; a fallback should the frozen model miss 90 % on some task): the text model is
+trained too, at --text-lr, with replay of k3-tiny's own training data (k3data.samples rows of 2,048 tokens,
+--text-batch per step, sparse top-k attention as train.py's sparse phase, router biases fixed) so its text
+skills are kept; its master weights go to OUT/resume/ as train.py writes them (3 files) and its text scores
+must then be measured again (models/k3-tiny/README.md's commands).
+
 Output (≤ 8 files ≤ 16 MiB): OUT/vision.safetensors (the tower + projector, BF16, the released names; the
 training state as JSON in its metadata; `--resume` restarts from it with fresh Adam moments) and
 OUT/train_log.json.  `python3 -m k3train.export_vl` assembles models/k3-tiny-vl from it and models/k3-tiny.
@@ -159,6 +165,9 @@ def main(argv=None):
     ap.add_argument("--eval-limit", type=int, default=None, help="only the first N items per task (smoke tests)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vision-override", default="{}", help="JSON merged into the vision config (smoke tests)")
+    ap.add_argument("--train-text", action="store_true", help="also train the text model, with text replay")
+    ap.add_argument("--text-lr", type=float, default=1e-4)
+    ap.add_argument("--text-batch", type=int, default=4, help="replay rows of 2,048 tokens per step")
     args = ap.parse_args(argv)
     total = args.total_seconds or args.time_budget
     os.makedirs(args.out, exist_ok=True)
@@ -168,9 +177,10 @@ def main(argv=None):
     tok = chat.Tokenizer(tokenizer_dir())
     media_id, pad_id = tok.special("<|media_pad|>"), tok.special("[PAD]")
     lm = load_exported(args.text_model, dev)
-    for p in lm.parameters():
-        p.requires_grad_(False)
-    lm.freeze_quant()
+    if not args.train_text:
+        for p in lm.parameters():
+            p.requires_grad_(False)
+        lm.freeze_quant()
     D = lm.cfg.hidden_size
     vc = vision_config(D, json.loads(args.vision_override))
     tower = VisionTower(vc, seed=args.seed)
@@ -184,12 +194,23 @@ def main(argv=None):
         print(f"resumed at step {step}, data seed {start_seed}", flush=True)
     tower.to(dev)
     n_params = sum(p.numel() for p in tower.parameters())
-    print(f"vision params {n_params:,}; text model frozen ({sum(p.numel() for p in lm.parameters()):,})", flush=True)
+    print(f"vision params {n_params:,}; text model {'TRAINED (replay)' if args.train_text else 'frozen'} "
+          f"({sum(p.numel() for p in lm.parameters()):,})", flush=True)
 
     decay = [p for n, p in tower.named_tensors() if p.dim() >= 2 and "pos_emb" not in n]
     no_decay = [p for n, p in tower.named_tensors() if not (p.dim() >= 2 and "pos_emb" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
+    groups = [{"params": decay, "weight_decay": 0.05, "base": args.lr},
+              {"params": no_decay, "weight_decay": 0.0, "base": args.lr}]
+    text_it = None
+    if args.train_text:
+        from .train import Rows
+        td = [p for n, p in lm.named_master() if p.dim() >= 2 and "res_proj" not in n]
+        tn = [p for n, p in lm.named_master() if not (p.dim() >= 2 and "res_proj" not in n)]
+        groups += [{"params": td, "weight_decay": 0.1, "base": args.text_lr},
+                   {"params": tn, "weight_decay": 0.0, "base": args.text_lr}]
+        text_it = iter(torch.utils.data.DataLoader(Rows(2048, 0, args.text_batch), batch_size=None, num_workers=2,
+                                                   prefetch_factor=4))
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
     first = step
 
     def lr_at(s, prog):
@@ -214,14 +235,22 @@ def main(argv=None):
             ids, w = ids.to(dev, non_blocking=True), w.to(dev, non_blocking=True)
             lr = lr_at(step, prog)
             for gp in opt.param_groups:
-                gp["lr"] = lr
+                gp["lr"] = lr * gp["base"] / args.lr
             h = forward(lm, tower, imgs, ids, media_id, dev)
             sel = w[:, 1:] > 0
             logits = lm.logits(h[sel])
             loss = F.cross_entropy(logits, ids[:, 1:][sel])
+            if text_it is not None:   # replay: k3-tiny's own data, its weighting (train.py)
+                tids, tw, _ = next(text_it)
+                tids, tw = tids.to(dev), tw.to(dev)
+                th = lm.hidden(tids[:, :-1], mode="sparse")
+                nll = F.cross_entropy(lm.logits(th).reshape(-1, lm.cfg.vocab_size),
+                                      tids[:, 1:].reshape(-1), reduction="none")
+                wt = tw[:, 1:].reshape(-1)
+                loss = loss + (nll * wt).sum() / wt.sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(tower.parameters(), 1.0)
+            gn = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
             opt.step()
             step += 1
             n_log += imgs.shape[0]
@@ -239,7 +268,11 @@ def main(argv=None):
         meta = {"step": step, "next_seed": next_seed, "train_seconds": before + time.time() - t_start, "log": log,
                 "params": n_params, "args": vars(args)}
         save_vision(tower, os.path.join(args.out, "vision.safetensors"), meta)
-        del it, loader
+        if args.train_text:
+            from .train import save_resume
+            save_resume(lm, os.path.join(args.out, "resume"), {"step": step, "log": log, "config": "tiny",
+                                                                "args": vars(args), "from": args.text_model})
+        del it, loader, text_it
     result = {"step": step, "train_seconds": meta["train_seconds"], "log": log, "vision_config": vc}
     if full is not None:
         t0 = time.time()
