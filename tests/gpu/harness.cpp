@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 
 #include "kernels/cuda/cuda_check.h"
@@ -74,7 +76,19 @@ Stats check_bf16(const std::string& op, const std::string& shape, const std::vec
 void check_exact(const std::string& op, const std::string& shape, const void* got, const void* ref, size_t bytes) {
   const bool ok = std::memcmp(got, ref, bytes) == 0;
   add_row(op, shape, 0.0, 0.0, "bit-exact", ok);
-  EXPECT_TRUE(ok) << op << " " << shape << ": not bit-identical to the CPU twin";
+  // On a mismatch: how many bytes differ and the first 4-byte word that does (as hex), so that one failed run
+  // tells an offset or a stale region from rounding.
+  size_t diff = 0, first = bytes;
+  const auto* g = static_cast<const uint8_t*>(got);
+  const auto* r = static_cast<const uint8_t*>(ref);
+  for (size_t i = 0; !ok && i < bytes; ++i)
+    if (g[i] != r[i]) ++diff, first = std::min(first, i);
+  uint32_t gw = 0, rw = 0;
+  const size_t w0 = first / 4 * 4;
+  if (!ok) std::memcpy(&gw, g + w0, std::min<size_t>(4, bytes - w0)), std::memcpy(&rw, r + w0, std::min<size_t>(4, bytes - w0));
+  EXPECT_TRUE(ok) << op << " " << shape << ": not bit-identical to the CPU twin (" << diff << " of " << bytes
+                  << " bytes differ; first at byte " << first << ": word got 0x" << std::hex << gw << " want 0x" << rw
+                  << std::dec << ")";
 }
 
 void note(const std::string& line) { rows().push_back(line); }

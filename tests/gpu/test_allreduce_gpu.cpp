@@ -176,6 +176,8 @@ TEST(GpuNccl, WorldSizeOneMatchesTheInProcessComm) {
       a.copy_from_host(in[0].data(), in[0].size());
       ab.copy_from_host(inb[0].data(), inb[0].size());
       src.copy_from_host(in[0].data(), in[0].size());
+      // The poison goes on s, the comm's stream: s is non-blocking, so a cudaMemset on the legacy stream is not
+      // ordered with the collective and could land after it (it did once, with another process loading the GPU).
       auto expect = [&](const cuda::DeviceBuffer& d, const std::vector<uint8_t>& want, const char* what) {
         KCUDA_CHECK(cudaStreamSynchronize(s));
         std::vector<uint8_t> got(want.size());
@@ -186,16 +188,16 @@ TEST(GpuNccl, WorldSizeOneMatchesTheInProcessComm) {
       expect(a, w_ar, "nccl all_reduce_sum f32");
       nc->all_reduce_sum(ab.data(), count, DType::bf16);
       expect(ab, w_arb, "nccl all_reduce_sum bf16");
-      KCUDA_CHECK(cudaMemset(out.data(), 0xFF, out.size()));
+      KCUDA_CHECK(cudaMemsetAsync(out.data(), 0xFF, out.size(), s));
       nc->all_gather(src.data(), out.data(), count, DType::f32);
       expect(out, w_ag, "nccl all_gather");
-      KCUDA_CHECK(cudaMemset(out.data(), 0xFF, out.size()));
+      KCUDA_CHECK(cudaMemsetAsync(out.data(), 0xFF, out.size(), s));
       nc->reduce_scatter_sum(src.data(), out.data(), count, DType::f32);
       expect(out, w_rs, "nccl reduce_scatter_sum");
       ab.copy_from_host(inb[0].data(), inb[0].size());
       nc->broadcast(ab.data(), count, DType::bf16, 0);
       expect(ab, w_bc, "nccl broadcast");
-      KCUDA_CHECK(cudaMemset(out.data(), 0xFF, out.size()));
+      KCUDA_CHECK(cudaMemsetAsync(out.data(), 0xFF, out.size(), s));
       nc->all_to_all(src.data(), out.data(), count, DType::f32);
       expect(out, w_a2a, "nccl all_to_all");
       nc->barrier();
