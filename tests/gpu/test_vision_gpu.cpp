@@ -158,5 +158,58 @@ TEST(GpuVision, EncoderMatchesCpuEncoder) {
   }
 }
 
+// The executor's way (runtime/executor_cuda.cpp media_rows): prepare + run on the model's stream, a
+// cudaStreamNonBlocking one, call after call with other pixels at the same rows (same grids, other seeds),
+// then fewer images than before. Each call's rows must be its own images' (vs vision::encode): the uploads
+// of prepare() must be ordered before run()'s kernels on that stream, not merely issued before them (a
+// plain cudaMemcpy goes on the legacy stream, which a non-blocking stream does not wait for: the GPU engine
+// then encoded the previous call's pixels). EncoderMatchesCpuEncoder runs on the legacy stream and repeats
+// the same images, so it cannot see this.
+TEST(GpuVision, EncoderCallsOnANonBlockingStreamSeeTheirOwnImages) {
+  HostVision hv(32, 2, 32, 64, 2, 256, 8, 8, 101);
+  std::vector<cuda::DeviceBuffer> keep;
+  vision::VisionCuda enc(hv.c, vision::VisionCuda::upload(hv.w, keep));
+  cudaStream_t s = nullptr;
+  KCUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  Rng rng(29);
+  // Calls as in GpuEngineVision's script: (4x6, 6x4, 6x6), (4x6', 6x4), (4x6, 6x4), (6x6) — many rounds,
+  // every image fresh pixels, so a call that sees any earlier call's data differs from its reference.
+  const std::vector<std::vector<std::pair<int, int>>> calls = {
+      {{4, 6}, {6, 4}, {6, 6}}, {{4, 6}, {6, 4}}, {{4, 6}, {6, 4}}, {{6, 6}}, {{2, 2}}, {{8, 8}, {4, 4}}};
+  int failed = 0;
+  for (int round = 0; round < 8; ++round)
+    for (size_t k = 0; k < calls.size(); ++k) {
+      std::vector<std::shared_ptr<ImageInput>> ims;
+      std::vector<const ImageInput*> ptrs;
+      for (auto [gh, gw] : calls[k]) ims.push_back(rand_image(gh, gw, rng)), ptrs.push_back(ims.back().get());
+      const std::vector<uint16_t> ref = vision::encode(hv.w, hv.c, ptrs);
+      auto out = gputest::poisoned<uint16_t>(ref.size());
+      gputest::sync();  // the poison (a legacy-stream copy) is in place before the stream writes
+      const int64_t n = enc.prepare(ptrs, s);
+      ASSERT_EQ(n * 256, int64_t(ref.size()));
+      enc.run(out.p(), s);
+      KCUDA_CHECK(cudaStreamSynchronize(s));
+      const std::vector<uint16_t> got = out.get();
+      // Per image: rel L2 of its rows (a stale upload shows as ~1 on the images that changed).
+      int64_t r0 = 0;
+      for (size_t i = 0; i < ptrs.size(); ++i) {
+        const int64_t rows = ptrs[i]->num_tokens();
+        double num = 0, den = 0;
+        for (int64_t e = r0 * 256; e < (r0 + rows) * 256; ++e) {
+          const double g = bf16_to_f32(got[size_t(e)]), f = bf16_to_f32(ref[size_t(e)]);
+          num += (g - f) * (g - f), den += f * f;
+        }
+        const double rel = std::sqrt(num / den);
+        if (!(rel <= 3e-2) && failed++ < 8)
+          ADD_FAILURE() << "round " << round << " call " << k << " image " << i << " (" << ptrs[i]->grid_h << "x"
+                        << ptrs[i]->grid_w << "): rel L2 " << rel << " vs vision::encode of this call's pixels";
+        r0 += rows;
+      }
+    }
+  KCUDA_CHECK(cudaStreamDestroy(s));
+  gputest::note(fmt::format("{:<28} {:<34} {} bad images of {} calls", "vision encoder, own stream", "nano dims",
+                            failed, 8 * calls.size()));
+}
+
 }  // namespace
 }  // namespace kestrel

@@ -41,6 +41,9 @@ VisionDeviceWeights VisionCuda::upload(const VisionWeights& w, std::vector<cuda:
   d.proj0 = up(w.proj0, keep);
   d.proj2 = up(w.proj2, keep);
   d.post_norm = up(w.post_norm, keep);
+  // Plain cudaMemcpy copies (legacy stream) may still be landing; the encoder runs on streams that do not
+  // wait for that stream (see prepare()), so the weights are in place before this returns.
+  KCUDA_CHECK(cudaDeviceSynchronize());
   return d;
 }
 
@@ -61,7 +64,7 @@ uint16_t* VisionCuda::scratch(int i, size_t elems) {
   return static_cast<uint16_t*>(b.data());
 }
 
-const uint16_t* VisionCuda::pos_for(int gh, int gw) {
+const uint16_t* VisionCuda::pos_for(int gh, int gw, cudaStream_t s) {
   if (gh == c_.init_pos_emb_height && gw == c_.init_pos_emb_width) return w_.pos_emb;
   auto it = pos_.find({gh, gw});
   if (it == pos_.end()) {
@@ -69,7 +72,9 @@ const uint16_t* VisionCuda::pos_for(int gh, int gw) {
     resize_pos_table(w_.pos_host.data(), c_.init_pos_emb_height, c_.init_pos_emb_width, c_.hidden_size, gh, gw,
                      host.data());
     cuda::DeviceBuffer b(host.size() * 2);
-    b.copy_from_host(host.data(), host.size() * 2);
+    // On `s`, waited for: see prepare() on why a plain cudaMemcpy is not ordered before run()'s kernels.
+    KCUDA_CHECK(cudaMemcpyAsync(b.data(), host.data(), host.size() * 2, cudaMemcpyHostToDevice, s));
+    KCUDA_CHECK(cudaStreamSynchronize(s));
     it = pos_.emplace(std::make_pair(gh, gw), std::move(b)).first;
   }
   return static_cast<const uint16_t*>(it->second.data());
@@ -110,15 +115,22 @@ int64_t VisionCuda::prepare(std::span<const ImageInput* const> images, cudaStrea
   std::vector<int32_t> all(row0_);
   all.insert(all.end(), rc.begin(), rc.end());
   all.insert(all.end(), msrc.begin(), msrc.end());
-  idx_.copy_from_host(all.data(), n_idx * 4);
   std::vector<uint16_t> hp(size_t(T_ * P));  // pixels enter the BF16 conv rounded (vision.cpp patch_embed)
   int64_t r = 0;
   for (const ImageInput* im : images) {
     cpu::f32_to_bf16_n(im->patches.data(), hp.data() + r * P, int64_t(im->patches.size()));
     r += int64_t(im->grid_h) * im->grid_w;
   }
-  KCUDA_CHECK(cudaMemcpy(scratch(0, hp.size()), hp.data(), hp.size() * 2, cudaMemcpyHostToDevice));
-  for (const auto& [gh, gw] : grids_) pos_for(gh, gw);  // resized tables ready before run()
+  // The uploads go on `s` itself and are waited for before returning. A plain cudaMemcpy from pageable
+  // memory goes on the legacy default stream and may return before its DMA lands; run()'s kernels on a
+  // cudaStreamNonBlocking stream (the model's, so the executor's) are not ordered after it, so the patch
+  // embed read the previous call's pixels (and index arrays): the GPU engine's images after its first
+  // encoder call came out as the previous call's images at the same rows.
+  KCUDA_CHECK(cudaMemcpyAsync(idx_.data(), all.data(), n_idx * 4, cudaMemcpyHostToDevice, s));
+  KCUDA_CHECK(cudaMemcpyAsync(scratch(0, hp.size()), hp.data(), hp.size() * 2, cudaMemcpyHostToDevice, s));
+  for (const auto& [gh, gw] : grids_) pos_for(gh, gw, s);  // resized tables ready before run()
+  // `all` and `hp` die here: the copies must be done (also keeps prepare's "synchronous copies" contract).
+  KCUDA_CHECK(cudaStreamSynchronize(s));
   return tokens_;
 }
 
@@ -146,7 +158,8 @@ void VisionCuda::run(uint16_t* out, cudaStream_t s) {
   gemm_.bf16(px, P, w_.patch_embed, x, Dvt, T, P, Dvt, s);
   for (int i = 0; i < n_images; ++i) {
     const int64_t r = row0_[size_t(i)], n = row0_[size_t(i) + 1] - r;
-    cuda::add_bf16(x + r * Dvt, pos_for(grids_[size_t(i)].first, grids_[size_t(i)].second), x + r * Dvt, n * Dvt, s);
+    cuda::add_bf16(x + r * Dvt, pos_for(grids_[size_t(i)].first, grids_[size_t(i)].second, s), x + r * Dvt, n * Dvt,
+                   s);
   }
   // §6 blocks: x += wo(Attn(RoPE2D(q, k), v)) on RMSNorm0(x); x += fc1(gelu_tanh(fc0(RMSNorm1(x))))
   for (const VisionDeviceWeights::Block& bw : w_.blocks) {

@@ -55,14 +55,14 @@ class VisionCuda {
   // The projector rows of every image, in order, into out (device bf16 [Σ tokens, D]) = prepare + run.
   void encode(std::span<const ImageInput* const> images, uint16_t* out, cudaStream_t stream);
   // prepare: checks the images (vision::check_image), waits for the stream's earlier work, uploads the
-  // patches (as bf16) and index arrays (synchronous copies) and returns Σ tokens. run: the GPU work alone,
+  // patches (as bf16) and index arrays (copies on `stream`, complete when it returns) and returns Σ tokens. run: the GPU work alone,
   // asynchronous on `stream` (the benchmark times it); it may be run again on the same prepared images.
   int64_t prepare(std::span<const ImageInput* const> images, cudaStream_t stream);
   void run(uint16_t* out, cudaStream_t stream);
 
  private:
   uint16_t* scratch(int i, size_t elems);  // bf16 scratch buffer i, at least elems
-  const uint16_t* pos_for(int gh, int gw);
+  const uint16_t* pos_for(int gh, int gw, cudaStream_t s);  // made (on s, waited for) by prepare
 
   VisionConfig c_;
   VisionDeviceWeights w_;
