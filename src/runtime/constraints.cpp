@@ -74,7 +74,7 @@ bool SeqConstraint::sync(std::span<const int32_t> output) {
 }
 
 int64_t SeqConstraint::fill(uint32_t* words) {
-  if (!m_.fill_mask(words)) return 0;
+  if (!m_.fill_mask(words, budget_)) return 0;
   return mask_count(words, V_);
 }
 

@@ -51,9 +51,17 @@ class SeqConstraint {
   // matcher a function of the output, whatever happened to the request (preemption keeps the output;
   // a future scheduler that drops tokens needs nothing more). False: an output token is refused.
   bool sync(std::span<const int32_t> output);
-  bool free_text() const { return m_.free_text(); }
-  // The mask of the next token; returns the number of allowed ids (0: nothing can follow).
+  // Free text within the budget (structured::Matcher::free_text(budget)): no mask needed.
+  bool free_text() { return m_.free_text(budget_); }
+  // The mask of the next token, within the budget; returns the number of allowed ids (0: nothing can follow).
   int64_t fill(uint32_t* words);
+  // Budget-aware completion (docs/structured-outputs.md, "Finishing within max_tokens"): the request
+  // may generate `tokens` more, the next one included; masks then keep the document completable within
+  // them. Unset (the default, and for requests that did not ask): masks know nothing of the budget.
+  void set_budget(uint32_t tokens) { budget_ = tokens; }
+  // The tokens that finish the output from here along its shortest path (an upper bound on the fewest;
+  // structured/matcher.h).
+  uint32_t min_completion() { return m_.min_completion(); }
   // Advances by `token`; false (unchanged) when the grammar refuses it.
   bool accept(int32_t token);
   // Nothing more can be generated: the request is complete.
@@ -64,6 +72,7 @@ class SeqConstraint {
   structured::Matcher m_;
   std::vector<int32_t> ids_;  // the accepted tokens (the matcher keeps configurations, not ids)
   int64_t V_;
+  uint32_t budget_ = structured::Matcher::kNoBudget;
 };
 
 // Host u32 [rows, words], page-aligned, zeroed, at a fixed address until destroyed.

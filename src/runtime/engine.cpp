@@ -150,6 +150,16 @@ Submission Engine::submit(Request r, TokenSink sink) {
       if (ends.empty()) throw RequestError("response_format", "a JSON document needs an end-of-sequence id; this model has none");
     }
     q->constraint = std::make_unique<SeqConstraint>(g, std::move(ends));
+    if (r.constraint->complete_within_max_tokens) {
+      // The masks can keep a complete output within max_tokens only if one fits at all.
+      const uint32_t need = q->constraint->min_completion();
+      if (int64_t(need) > r.max_tokens)
+        throw RequestError("max_tokens", fmt::format("max_tokens is {}, too few to finish an answer in this "
+                                                     "response_format: its shortest complete answer takes {} tokens "
+                                                     "(markup included); "
+                                                     "raise max_tokens, or set complete_within_max_tokens to false to "
+                                                     "accept an answer cut at max_tokens", r.max_tokens, need));
+    }
   }
   q->r = std::move(r);
   q->sink = std::move(sink);
@@ -282,6 +292,8 @@ void Engine::start_masks(const sched::StepPlan& plan, const std::vector<std::pai
         q->error = "structured output: the generated tokens do not follow the grammar";
         continue;
       }
+      if (q->r.constraint->complete_within_max_tokens)  // this token and those after it
+        q->constraint->set_budget(uint32_t(std::max<int64_t>(q->r.max_tokens - int64_t(q->output.size()), 1)));
       if (q->constraint->free_text()) continue;
       KCHECK(int64_t(jobs.size()) < masks_.rows(), "engine: more masked sequences than mask rows ({})", masks_.rows());
       step_masks_[x.id] = StepMask{jobs.size(), -2};

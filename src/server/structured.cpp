@@ -78,6 +78,16 @@ std::optional<OutputConstraint> GrammarService::completion_constraint(const ojso
   }
 }
 
+void GrammarService::set_completion(std::optional<OutputConstraint>& c, const ojson& body, bool server_default) {
+  bool on = server_default;
+  if (present(body, "complete_within_max_tokens")) {
+    if (!body["complete_within_max_tokens"].is_boolean())
+      throw ApiError(400, "'complete_within_max_tokens' must be a boolean", "complete_within_max_tokens");
+    on = body["complete_within_max_tokens"].get<bool>();
+  }
+  if (c) c->complete_within_max_tokens = on && c->format != OutputConstraint::Format::text;
+}
+
 std::shared_ptr<structured::GrammarCache> GrammarService::cache(int64_t vocab_size) {
   {
     std::lock_guard<std::mutex> lk(cache_mu_);

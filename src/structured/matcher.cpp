@@ -23,6 +23,7 @@ Matcher::Matcher(std::shared_ptr<const CompiledGrammar> grammar, std::vector<Tok
 
 void Matcher::reset() {
   pool_.reset();
+  dist_.reset(stop_.empty() ? 0 : 1);  // a document with stop tokens ends by accepting one
   history_.assign(1, Config{});
   stopped_.assign(1, 0);
   Closer closer(cg_->grammar(), pool_, cg_->max_stack_depth());
@@ -104,7 +105,7 @@ bool Matcher::accept_bytes(std::string_view bytes) {
   return true;
 }
 
-void Matcher::walk_suffixes(uint32_t q, uint32_t parent, uint32_t* words, bool& any) {
+void Matcher::walk_suffixes(uint32_t q, uint32_t parent, uint32_t* words, bool& any, uint32_t* ub) {
   const CompiledGrammar::Table& t = cg_->tables_[q];
   if (t.sfx_begin == t.sfx_end || parent == FramePool::kBottom) return;
   Closer closer(cg_->grammar(), pool_, cg_->max_stack_depth());
@@ -122,18 +123,24 @@ void Matcher::walk_suffixes(uint32_t q, uint32_t parent, uint32_t* words, bool& 
     }
     for (uint32_t k = n.tok_begin; k < n.tok_end; ++k) mask_set(words, toks[k]);
     any = any || n.tok_begin != n.tok_end;
+    if (ub && n.tok_begin != n.tok_end) *ub = std::max(*ub, dist(c));
     ++i;
   }
 }
 
-bool Matcher::fill_mask(uint32_t* words) {
+bool Matcher::fill_mask(uint32_t* words) { return fill_mask_tables(words, nullptr); }
+
+bool Matcher::fill_mask_tables(uint32_t* words, uint32_t* ub) {
   const size_t nw = mask_words();
   std::memset(words, 0, nw * sizeof(uint32_t));
   if (stopped_.back()) return false;
   const Config& cfg = top();
   const uint32_t limit = cg_->max_stack_depth();
   for (uint32_t f : cfg.frames)
-    if (pool_.depth(f) + cg_->tables_[pool_.state(f)].max_height > limit) return fill_mask_exhaustive(words);
+    if (pool_.depth(f) + cg_->tables_[pool_.state(f)].max_height > limit) {
+      if (ub) *ub = detail::StackDistance::kInf;  // no bound from the tables here: the caller walks exactly
+      return fill_mask_exhaustive(words);
+    }
 
   bool any = false;
   const Grammar& g = cg_->grammar();
@@ -148,6 +155,13 @@ bool Matcher::fill_mask(uint32_t* words) {
   uint32_t last_q = kDead;
   for (uint64_t p : seen_pairs_) {
     const uint32_t q = uint32_t(p >> 32);
+    if (ub) {
+      // An accepted token leaves q's frame at most max_after units from its end; the frames below are untouched.
+      const CompiledGrammar::Table& t = cg_->tables_[q];
+      if (t.bitset != UINT32_MAX || t.list_begin != t.list_end)
+        *ub = std::max(*ub, std::min(detail::StackDistance::kInf,
+                                     t.max_after + dist_.frame(pool_, cg_->min_accept_, uint32_t(p))));
+    }
     if (q == last_q) continue;
     last_q = q;
     const CompiledGrammar::Table& t = cg_->tables_[q];
@@ -161,7 +175,8 @@ bool Matcher::fill_mask(uint32_t* words) {
     }
   }
   // Uncertain tokens, per distinct (state, caller).
-  for (uint64_t p : seen_pairs_) walk_suffixes(uint32_t(p >> 32), uint32_t(p), words, any);
+  for (uint64_t p : seen_pairs_) walk_suffixes(uint32_t(p >> 32), uint32_t(p), words, any, ub);
+  if (ub) *ub = std::max(*ub, left_after_specials());  // stop tokens leave 0
   // Special-token terminals and stop tokens.
   for (uint32_t f : cfg.frames) {
     const Grammar::State& s = g.states[pool_.state(f)];
@@ -198,6 +213,101 @@ bool Matcher::fill_mask_exhaustive(uint32_t* words) {
   }
   if (top().ended)
     for (TokenId id : stop_) mask_set(words, id), any = true;
+  return any;
+}
+
+}  // namespace kestrel::structured
+
+namespace kestrel::structured {
+
+// ---- Budget ------------------------------------------------------------------------------------------
+
+uint32_t Matcher::min_completion() {
+  if (stopped_.back()) return 0;
+  return dist(top());
+}
+
+uint32_t Matcher::left_after_specials() {
+  const Grammar& g = cg_->grammar();
+  Closer closer(g, pool_, cg_->max_stack_depth());
+  uint32_t most = 0;
+  for (uint32_t f : top().frames) {
+    const Grammar::State& s = g.states[pool_.state(f)];
+    for (uint32_t i = s.specials_begin; i < s.specials_end; ++i) {
+      closer.step_special(top(), g.specials[i].id, scratch_);
+      most = std::max(most, dist(scratch_));
+    }
+  }
+  return most;
+}
+
+bool Matcher::fill_mask(uint32_t* words, uint32_t budget) {
+  if (budget == kNoBudget) return fill_mask(words);
+  const uint32_t limit = budget > 0 ? budget - 1 : 0;
+  uint32_t ub = 0;
+  const bool any = fill_mask_tables(words, &ub);
+  if (!any || ub <= limit) return any;
+  if (fill_mask_within(words, limit)) return true;
+  return fill_mask(words);
+}
+
+bool Matcher::free_text(uint32_t budget) {
+  if (!free_text()) return false;
+  if (budget == kNoBudget) return true;
+  const uint32_t limit = budget > 0 ? budget - 1 : 0;
+  const uint32_t depth_limit = cg_->max_stack_depth();
+  bool bounded = false;
+  for (uint32_t f : top().frames) {
+    const CompiledGrammar::Table& t = cg_->tables_[pool_.state(f)];
+    // Every ordinary token is accepted from this frame, so none leaves more than this to finish.
+    if (t.all_ordinary && pool_.depth(f) + t.max_height <= depth_limit &&
+        t.max_after + dist_.frame(pool_, cg_->min_accept_, pool_.parent(f)) <= limit) {
+      bounded = true;
+      break;
+    }
+  }
+  return bounded && left_after_specials() <= limit;
+}
+
+bool Matcher::fill_mask_within(uint32_t* words, uint32_t limit) {
+  const size_t nw = mask_words();
+  std::memset(words, 0, nw * sizeof(uint32_t));
+  if (stopped_.back()) return false;
+  bool any = false;
+  const Grammar& g = cg_->grammar();
+  Closer closer(g, pool_, cg_->max_stack_depth());
+  const auto& trie = cg_->vocab().trie();
+  const uint32_t longest = uint32_t(cg_->vocab().max_token_bytes());
+  const bool prune = cg_->every_byte_a_token_;
+  levels_[0] = top();
+  for (uint32_t i = 1; i < trie.size();) {
+    const TokenVocab::TrieNode& n = trie[i];
+    Config& c = levels_[n.depth];
+    closer.step(levels_[n.depth - 1], n.byte, c);
+    if (c.empty()) {
+      i = n.end;
+      continue;
+    }
+    const uint32_t d = dist(c);
+    // With every byte a token, one more byte lowers the distance by at most one (that byte's token
+    // then the rest of the path is a path; calling and closing never go below the stack they came
+    // from), so no token in this subtree can come back within the limit.
+    if (prune && uint64_t(d) > uint64_t(limit) + (longest - n.depth)) {
+      i = n.end;
+      continue;
+    }
+    if (n.token != kNoToken && d <= limit) mask_set(words, n.token), any = true;
+    ++i;
+  }
+  for (uint32_t f : top().frames) {
+    const Grammar::State& s = g.states[pool_.state(f)];
+    for (uint32_t k = s.specials_begin; k < s.specials_end; ++k) {
+      closer.step_special(top(), g.specials[k].id, scratch_);
+      if (dist(scratch_) <= limit) mask_set(words, g.specials[k].id), any = true;
+    }
+  }
+  if (top().ended)
+    for (TokenId id : stop_) mask_set(words, id), any = true;  // nothing left after a stop token
   return any;
 }
 

@@ -45,6 +45,8 @@ class CompiledGrammar {
     double precompute_ms = 0;
   };
   const Stats& stats() const { return stats_; }
+  // The fewest tokens from state q to the end of its rule, an upper bound (token_tables.cpp).
+  uint32_t min_accept(uint32_t q) const { return min_accept_[q]; }
 
  private:
   friend class Matcher;
@@ -59,6 +61,7 @@ class CompiledGrammar {
     uint32_t list_begin = 0, list_end = 0;  // accepted tokens as ids (when not a bitset)
     uint32_t sfx_begin = 0, sfx_end = 0;    // uncertain tokens: trie of their rests (node sfx_begin = root)
     uint32_t max_height = 0;        // frames pushed above the state while reading any token
+    uint32_t max_after = 0;         // most units needed to finish the state's frame after an accepted token
     bool computed = false;
     bool all_ordinary = false;      // every ordinary token is accepted (free text)
   };
@@ -69,6 +72,8 @@ class CompiledGrammar {
   uint32_t max_depth_;
   bool root_called_ = false;
   std::vector<Table> tables_;
+  std::vector<uint32_t> min_accept_;  // per state (min_accept)
+  bool every_byte_a_token_ = false;   // each of the 256 bytes is a token of its own
   std::vector<uint32_t> bitsets_;   // mask_words() words each
   std::vector<uint32_t> lists_;
   std::vector<SfxNode> sfx_;
@@ -103,6 +108,27 @@ class Matcher {
   // special tokens). An engine may then sample without a mask and check the token with accept()
   // (reasoning-aware structured output: the think section costs no mask).
   bool free_text() const;
+
+  // ---- Budget: finishing within a token budget (docs/structured-outputs.md, "Finishing within
+  // max_tokens"). Distances count tokens along paths the matcher accepts (CompiledGrammar::min_accept,
+  // summed over a stack's frames, plus the stop token a document with stop tokens still needs): an
+  // upper bound on the tokens that finish the document, and from any configuration some allowed token
+  // lowers it by at least one (the first step of its shortest path).
+  static constexpr uint32_t kNoBudget = UINT32_MAX;
+  // The tokens that complete the document from here along its shortest path (0 once terminated).
+  uint32_t min_completion();
+  // The mask for a request that may still generate `budget` tokens, this one included: the tokens
+  // after which the document can still be completed within budget - 1 units. When the tables show
+  // that no allowed token can push the completion past that (the common case, far from the end) this
+  // is fill_mask(words) plus a bound per top state; otherwise an exact walk of the vocabulary.
+  // When even that leaves nothing (min_completion() > budget: the request started with too small a
+  // budget, or the vocabulary lacks a one-byte token the shortest completion needs), the plain mask.
+  // kNoBudget: fill_mask(words).
+  bool fill_mask(uint32_t* words, uint32_t budget);
+  // free_text(), and no token (ordinary or special) can leave more than budget - 1 to complete,
+  // so sampling without a mask keeps the request within its budget.
+  bool free_text(uint32_t budget);
+
   // Undoes the last k accepted tokens (k <= num_accepted()).
   void rollback(size_t k);
   size_t num_accepted() const { return history_.size() - 1; }
@@ -112,7 +138,12 @@ class Matcher {
 
  private:
   const detail::Config& top() const { return history_.back(); }
-  void walk_suffixes(uint32_t q, uint32_t parent, uint32_t* words, bool& any);
+  // ub (optional): raised to the most any token set here leaves to complete (min_completion's measure).
+  void walk_suffixes(uint32_t q, uint32_t parent, uint32_t* words, bool& any, uint32_t* ub);
+  bool fill_mask_tables(uint32_t* words, uint32_t* ub);
+  bool fill_mask_within(uint32_t* words, uint32_t limit);  // exact: min_completion after the token <= limit
+  uint32_t left_after_specials();   // the most min_completion after any special edge of the top
+  uint32_t dist(const detail::Config& c) { return dist_.config(pool_, cg_->min_accept_, c); }
 
   std::shared_ptr<const CompiledGrammar> cg_;
   std::vector<TokenId> stop_;
@@ -122,6 +153,7 @@ class Matcher {
   std::vector<detail::Config> levels_;   // scratch per trie depth
   detail::Config scratch_;
   std::vector<uint64_t> seen_pairs_;
+  detail::StackDistance dist_;  // over pool_, reset with it
 };
 
 }  // namespace kestrel::structured

@@ -372,6 +372,92 @@ TEST(EngineStructured, FreeTextIsUnmaskedAndRefusedTokensAreRedrawn) {
   EXPECT_GT(st.masked_samples, 0);
 }
 
+// ---- finishing within max_tokens ------------------------------------------------------------------
+
+// A model that never closes a string (it always wants "a", as k3-tiny in json_object mode): with
+// complete_within_max_tokens the document is complete and valid within max_tokens for every max_tokens
+// from the shortest answer up (finish stop); without it the string runs to max_tokens (finish length);
+// below the shortest answer the request is refused naming max_tokens. Then the same through the chat
+// grammar with a think section the model would never close either.
+TEST(EngineStructured, CompleteWithinMaxTokensClosesWhatTheModelWouldNot) {
+  const int32_t a = int32_t(*nano().tok->base_id("a"));
+  EngineConfig cfg;
+  cfg.memory_budget = 64 << 20;
+  cfg.make_executor = runtime::fake_executor_factory(nano().cfg.text.vocab_size, {{a}, {}});
+  Engine e(nano().cfg, cfg);
+  Sink sink;
+  const ojson schema = ojson::parse(R"({"type": "object", "properties": {"name": {"type": "string"},
+      "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1}}, "required": ["name", "tags"],
+      "additionalProperties": false})");
+  OutputConstraint c = document(schema);
+  c.complete_within_max_tokens = true;
+  const uint32_t shortest = runtime::SeqConstraint(c.grammar, {end_of_msg()}).min_completion();
+  EXPECT_LE(shortest, 22u);  // {"name":"","tags":[""]} is 22 bytes, then the end token; every byte is a token
+  Request r;
+  r.prompt = prompt_of("x");
+  r.constraint = c;
+  const std::vector<int32_t> budgets = {int32_t(shortest), int32_t(shortest) + 2, 40, 90};
+  for (size_t i = 0; i < budgets.size(); ++i) {
+    r.max_tokens = budgets[i];
+    ASSERT_TRUE(e.submit(r, sink(int(i))).accepted());
+  }
+  r.constraint->complete_within_max_tokens = false;
+  r.max_tokens = 40;
+  ASSERT_TRUE(e.submit(r, sink(100)).accepted());
+  r.constraint->complete_within_max_tokens = true;
+  r.max_tokens = int32_t(shortest) - 1;
+  try {
+    e.submit(r, sink(101));
+    ADD_FAILURE() << "max_tokens below the shortest answer was accepted";
+  } catch (const RequestError& err) {
+    EXPECT_EQ(err.field, "max_tokens");
+    EXPECT_NE(std::string(err.what()).find(std::to_string(shortest) + " tokens"), std::string::npos) << err.what();
+  }
+  e.wait_idle();
+  for (size_t i = 0; i < budgets.size(); ++i) {
+    SCOPED_TRACE(budgets[i]);
+    const Result out = sink.get(int(i));
+    ASSERT_EQ(out.finish, FinishReason::stop) << out.error;
+    EXPECT_LE(int32_t(out.tokens.size()), budgets[i]);
+    EXPECT_EQ(out.tokens.back(), end_of_msg());
+    const std::string text = text_of(out.tokens);
+    const json doc = json::parse(text, nullptr, false);
+    ASSERT_FALSE(doc.is_discarded()) << text;
+    EXPECT_EQ(eval::JsonSchema(json::parse(schema.dump())).validate(doc), "") << text;
+    if (budgets[i] == 90) {
+      EXPECT_GT(text.size(), 40u) << "far from the end the model writes what it wants";
+    }
+  }
+  const Result cut = sink.get(100);
+  EXPECT_EQ(cut.finish, FinishReason::length);
+  EXPECT_TRUE(json::parse(text_of(cut.tokens), nullptr, false).is_discarded()) << text_of(cut.tokens);
+
+  // The chat grammar: think section, then the JSON answer, then the message's end.
+  structured::GrammarCache cache(nano_vocab(), 16, {}, limits());
+  structured::ChatGrammarSpec spec;
+  spec.response_schema = schema;
+  OutputConstraint chat = structured::constraint_of(spec, OutputConstraint::Format::json_schema);
+  chat.grammar = structured::compile(cache, chat);
+  chat.complete_within_max_tokens = true;
+  const uint32_t chat_shortest = runtime::SeqConstraint(chat.grammar, {}).min_completion();
+  r.constraint = chat;
+  r.max_tokens = int32_t(chat_shortest) + 3;
+  ASSERT_TRUE(e.submit(r, sink(200)).accepted());
+  e.wait_idle();
+  const Result out = sink.get(200);
+  ASSERT_EQ(out.finish, FinishReason::stop) << out.error;
+  EXPECT_LE(out.tokens.size(), size_t(r.max_tokens));
+  EXPECT_EQ(out.tokens.back(), end_of_msg());
+  std::string full;  // special tokens by name
+  for (int32_t t : out.tokens) full += nano().tok->token_bytes(tok::TokenId(t));
+  const std::string open = "<|open|>response<|sep|>", close = "<|close|>response<|sep|>";
+  const size_t from = full.rfind(open), to = full.rfind(close);
+  ASSERT_TRUE(from != std::string::npos && to != std::string::npos && from < to) << full;
+  const json doc = json::parse(full.substr(from + open.size(), to - from - open.size()), nullptr, false);
+  ASSERT_FALSE(doc.is_discarded()) << full;
+  EXPECT_EQ(eval::JsonSchema(json::parse(schema.dump())).validate(doc), "") << full;
+}
+
 // ---- the pieces -----------------------------------------------------------------------------------
 
 TEST(EngineStructured, MaskTwinSyncAndWorker) {
