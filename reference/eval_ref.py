@@ -13,6 +13,12 @@ encoder), run through k3ref.Model in float32 (CUDA when available), prefilled in
 (<|end_of_msg|>, [EOS], [EOT]) or the request's max_tokens, and parsed with chat.py's `parse_output` (a port of
 the engine's output parser). A request with temperature > 0 is still decoded greedily, and says so on stderr.
 
+Images (issue #21, the `image` task): each image_url part must be a PNG data URL of an image that the engine's
+preprocess keeps as it is (sides multiples of 28, under the patch limits — the generated eval sets'
+112 × 112); it is decoded by k3data.images.decode_png, cut into patches as the engine does, and run through
+k3ref/vision.py (numpy, FP64 with BF16 roundings); the prompt is expanded as the engine expands it
+(k3data.vision_gen.url_resolver) and the <|media_pad|> positions receive the rows (k3ref embed_override).
+
 Output: {"format": "kestrel-eval-responses-v1", "source": ..., "items": [{"id", "response": {"finish_reason",
 "content", "reasoning_content", "tool_calls": [{"name", "arguments"}]}} or {"id", "error"}]}. A failure of one item
 (a request chat.py refuses, say) becomes its "error" and the run goes on.
@@ -94,18 +100,55 @@ class Runner:
             except (KeyError, ValueError):
                 pass
         self.chunk = chunk
+        self.model_dir = model_dir
+        self.vision = None          # k3ref.vision.VisionWeights, loaded on the first image
+
+    def image_rows(self, req: dict):
+        """The projector rows of the request's images, in render order (None when it has none)."""
+        from k3data import images, vision_gen
+        parts = []
+        for m in req.get("messages", []):
+            c = m.get("content") if isinstance(m, dict) else None
+            if isinstance(c, list):
+                parts += [p for p in c if isinstance(p, dict) and p.get("type") in ("image_url", "image", "input_image")]
+        if not parts:
+            return None, None
+        from k3ref import vision
+        if self.vision is None:
+            self.vision = vision.VisionWeights(self.model_dir)
+        enc = []
+        for p in parts:
+            url = p.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            img = images.decode_png(images.png_from_data_url(url))
+            x = images.patches(img)
+            enc.append((x, img.shape[0] // images.PATCH, img.shape[1] // images.PATCH))
+        return vision.encode(self.vision, enc), vision_gen.url_resolver
 
     def answer(self, req: dict, default_max_tokens: int) -> dict:
         torch = self.torch
         thinking = thinking_of(req)
+        rows, resolver = self.image_rows(req)
         ids = self.chat.encode_chat(self.tok, req["messages"], tools=req.get("tools"),
-                                    reasoning_effort=req.get("reasoning_effort"), thinking=thinking)
+                                    reasoning_effort=req.get("reasoning_effort"), thinking=thinking, images=resolver)
+        pad_pos = []
+        if rows is not None:
+            pad = self.tok.special("<|media_pad|>")
+            pad_pos = [i for i, t in enumerate(ids) if t == pad]
+            if len(pad_pos) != rows.shape[0]:
+                raise ValueError(f"{len(pad_pos)} <|media_pad|> positions but {rows.shape[0]} image rows")
         max_new = int(req.get("max_tokens") or req.get("max_completion_tokens") or default_max_tokens)
         with torch.inference_mode():
             st = self.model.new_state()
             logits = None
+            used = 0
             for i in range(0, len(ids), self.chunk):
-                logits = self.model.prefill(ids[i:i + self.chunk], st)[-1]
+                here = [p - i for p in pad_pos if i <= p < i + self.chunk]
+                over = None
+                if here:
+                    over = (here, torch.as_tensor(rows[used:used + len(here)], dtype=torch.float32))
+                    used += len(here)
+                logits = self.model.prefill(ids[i:i + self.chunk], st, embed_override=over)[-1]
             out, stopped = [], False
             while len(out) < max_new:
                 nxt = int(torch.argmax(logits))
@@ -140,6 +183,7 @@ def main(argv=None):
     if a.chunk < 1:
         ap.error("--chunk must be positive")
     chat = import_chat()
+    sys.path.insert(0, str(ROOT / "reference"))
     import torch
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     items = load_items(a.set, a.limit)

@@ -239,7 +239,7 @@ struct DecodeCase {
     slots.copy_from_host(sl.data(), sl.size() * 4);
   }
   // kernel: 0..2 = kda_decode with that KdaDecodeVariant, 3 = kda_recurrent, 4 = kda_decode without a variant
-  // (the engine's call).
+  // (the engine's call), 5 = kda_decode kKdaDecodeRegs.
   double us(void* pool, bool f16, int kernel, int reps) {
     int64_t set = 0;
     const int64_t HD = H * kDk;
@@ -250,7 +250,9 @@ struct DecodeCase {
                   *beta = static_cast<float*>(in.beta.data());
       const int32_t* cuu = static_cast<int32_t*>(cu.data());
       float* out = static_cast<float*>(o.data());
-      const auto var = kernel == 4 ? cuda::kda_decode_default_variant() : cuda::KdaDecodeVariant(kernel);
+      const auto var = kernel == 4   ? cuda::kda_decode_default_variant()
+                       : kernel == 5 ? cuda::kKdaDecodeRegs
+                                     : cuda::KdaDecodeVariant(kernel);
       if (f16) {
         auto* p = static_cast<uint16_t*>(pool);
         kernel != 3 ? cuda::kda_decode(q, k, v, g, HD, beta, H, cuu, sl, p, out, B, H, kDk, nullptr, var)
@@ -278,14 +280,14 @@ void decode(bool quick) {
     return B == 1 ? "6.1 µs" : B == 8 ? "9.2 µs" : B == 64 ? "31.7 µs" : B == 256 ? "106.9 µs (3.8 TB/s)" : "—";
   };
   const char* names[] = {"kda_decode auto", "kda_decode blocks", "kda_decode stream", "kda_recurrent",
-                         "kda_decode (engine)"};
+                         "kda_decode (engine)", "kda_decode regs"};
   for (const int64_t B : batches) {
     DecodeCase dc(B, H);
     for (const bool f16 : {false, true}) {
       const size_t bytes = size_t(dc.n_sets * B * H * kDk * kDk) * (f16 ? 2 : 4);
       cuda::DeviceBuffer pool(bytes);
       KCUDA_CHECK(cudaMemset(pool.data(), 0, bytes));
-      for (int kernel : {4, 0, 1, 2, 3}) {
+      for (int kernel : {4, 0, 1, 2, 5, 3}) {
         const double us = dc.us(pool.data(), f16, kernel, quick ? 50 : 200);
         fmt::print("{:<30} {:>6} {:>10.2f} {:>10.2f}   {}\n",
                    fmt::format("{} {}", names[kernel], f16 ? "f16" : "f32"), B, us, dc.tbps(us, f16),
@@ -317,9 +319,9 @@ void perf(const cuda::KdaChunkedVariant& var) {
     const size_t bytes = size_t(dc.n_sets * B * 12 * kDk * kDk) * 4;
     cuda::DeviceBuffer pool(bytes);
     KCUDA_CHECK(cudaMemset(pool.data(), 0, bytes));
-    for (const int kernel : {4, 1, 2}) {
+    for (const int kernel : {4, 1, 2, 5}) {
       const double us = dc.us(pool.data(), false, kernel, 200);
-      const char* suffix = kernel == 4 ? "" : kernel == 1 ? "_blocks" : "_stream";
+      const char* suffix = kernel == 4 ? "" : kernel == 1 ? "_blocks" : kernel == 2 ? "_stream" : "_regs";
       if (B == 1) {
         fmt::print("PERF kda_decode_us_b1{} {:.2f}\n", suffix, us);
       } else {

@@ -24,9 +24,13 @@
 #                            # writes $OUT/perf.json (copy it to bench/gpu/perf.json) and a markdown table
 #   bench/gpu/run.sh tp      # there: nano + nano_tp_gpu checkpoints, the GPU tensor-parallel tests (GpuTp.*: the
 #                            # same-device communicator, the engine as TP2/TP4 on one GPU against TP1)
+#   bench/gpu/run.sh vision  # there: the nano checkpoint with its vision tower (nano_vl), GpuVision.* (the encoder vs
+#                            # the CPU encoder) and GpuEngineVision.* (the GPU engine with images vs the CPU engine),
+#                            # then bench_ops --perf --only vision (encoder time per 1024² image); needs reference/
 #   bench/gpu/run.sh structured
 #                            # there: nano checkpoint, the GPU structured-output tests (GpuStructured.*), then
-#                            # bench_structured_engine on models/k3-tiny --device cuda at batch 1 and 64, and with
+#                            # bench_structured_engine on models/k3-tiny --device cuda at batch 1 and 64 (SUMMARY
+#                            # lines: the constrained step's overhead, median of 5 reps; mask pool auto, then 1), and with
 #                            # K3TINY_REQUESTS=N (kestrel_unit_tests packed: PACK_EXTRA) N strict-schema requests
 #                            # of K3TinyStructured.* on the GPU engine
 #   bench/gpu/run.sh decode  # there: the fused decode path's tests and bench_ops --perf per variant (see below)
@@ -162,6 +166,19 @@ case "${1:-}" in
     export KESTREL_GPU_CKPTS="$ck/nano:$ck/nano_tp_gpu"
     "$self" test --gtest_filter="${TP_TESTS:-GpuTp.*}" 2>&1 | tee "$out/gpu_tp_tests.log" | tail -60 || true
     ;;
+  vision)
+    # Images on the GPU (issue #21 point 4): the nano checkpoint WITH its vision tower (nano_vl), the encoder's
+    # tests (GpuVision.*) and the GPU engine with images against the CPU engine (GpuEngineVision.*), then the
+    # encoder's time per 1024 x 1024 image at the real vision dims (bench_ops --only vision). Extra arguments
+    # go to the test binary (e.g. --gtest_filter='GpuEngineVision.*').
+    out="${OUT:-/tmp}"
+    ck=/tmp/kestrel_ckpt
+    mkdir -p "$ck"
+    [ -f "$ck/nano_vl/config.json" ] || python3 reference/make_checkpoint.py --config nano --out "$ck/nano_vl" --seed 1 >/dev/null
+    export KESTREL_GPU_CKPTS="$ck/nano_vl"
+    "$self" test --gtest_filter='GpuVision.*:GpuEngineVision.*' "${@:2}" 2>&1 | tee "$out/gpu_vision_tests.log" | tail -40 || true
+    "$self" bench --perf --only vision 2>&1 | tee "$out/bench_vision.md" | tail -20
+    ;;
   structured)
     # Structured outputs (issue #20): the GPU tests (token-mask kernel vs its twin, masked sampling, constrained
     # requests through the GPU engine) on nano, then the mask's cost per decode step on k3-tiny at batch 1 and 64.
@@ -176,8 +193,14 @@ case "${1:-}" in
       d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
       export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
     fi
-    .gpu-carry/bench_structured_engine --model models/k3-tiny --device cuda --batch 1,64 --tokens 64 --reps 4 2>&1 \
+    # The SUMMARY lines are the target (issue #20 point 3): constrained vs free decode step, medians over the reps,
+    # ≤ 5 % at batch 1 and 64. The mask pool has its automatic size (a quarter of the cores); the second run pins
+    # it to one thread, the engine's old single worker, to show what the pool buys.
+    .gpu-carry/bench_structured_engine --model models/k3-tiny --device cuda --batch 1,64 --tokens 64 --reps 5 2>&1 \
       | tee "$out/structured_engine_cuda.md"
+    .gpu-carry/bench_structured_engine --model models/k3-tiny --device cuda --batch 1,64 --tokens 64 --reps 5 \
+      --mask-threads 1 2>&1 | tee "$out/structured_engine_cuda_1thread.md"
+    grep -h SUMMARY "$out/structured_engine_cuda.md" "$out/structured_engine_cuda_1thread.md" || true
     # Issue #20 point 5: K3TINY_REQUESTS strict-schema requests (half as many tool calls) on the GPU engine.
     if [ -x .gpu-carry/kestrel_unit_tests ] && [ -n "${K3TINY_REQUESTS:-}" ]; then
       KESTREL_K3TINY_DEVICE=cuda KESTREL_K3TINY_REQUESTS="$K3TINY_REQUESTS" .gpu-carry/kestrel_unit_tests \
@@ -469,7 +492,7 @@ case "${1:-}" in
     .gpu-carry/bench_mla "${@:2}"
     ;;
   *)
-    echo "usage: $0 pack|test|all|serving|decode|kda|eval|perf|soak|bench|bench_mla|bench_kda" >&2
+    echo "usage: $0 pack|test|all|serving|tp|structured|vision|decode|kda|eval|perf|soak|bench|bench_mla|bench_kda" >&2
     exit 2
     ;;
 esac

@@ -332,6 +332,12 @@ void generate(const Opts& o) {
   fmt::print("engine: {} steps, {} preemptions, prefix cache {} hits / {} queries skipping {} tokens, {} positions "
              "computed\n",
              st.steps, st.preemptions, st.prefix_hits, st.prefix_queries, st.prefix_hit_tokens, st.tokens_forwarded);
+  // DSpark (--speculative-config): vLLM's counters and the mean acceptance length (accepted draft tokens per
+  // verification step, plus the token every step emits), what k3data/spec_eval.py reads.
+  if (st.spec_drafts > 0)
+    fmt::print("speculative: {} drafts, {} draft tokens, {} accepted; acceptance length {:.3f}\n", st.spec_drafts,
+               st.spec_draft_tokens, st.spec_accepted_tokens,
+               1.0 + double(st.spec_accepted_tokens) / double(st.spec_drafts));
   if (dump) {
     write_npy(o.dump_logits, run->dumped, int64_t(run->dumped.size()) / V, V);
     fmt::print("logits: {} positions written to {}\n", int64_t(run->dumped.size()) / V, o.dump_logits);

@@ -83,6 +83,10 @@ void EngineFlags::add_to(CLI::App& cmd) {
   cmd.add_flag("--no-prefix-cache", no_prefix_cache, "disable prefix caching");
   cmd.add_option("--threads", threads, "threads of the CPU engine's ops, for the whole step (default: every core)")
       ->check(CLI::Range(0, 1024));
+  cmd.add_option("--structured-mask-threads", mask_threads,
+                 "threads computing structured outputs' token masks while the forward runs (default: a quarter of "
+                 "the cores, 1 to 8)")
+      ->check(CLI::Range(0, 256));
   cmd.add_option("--tensor-parallel-size", tensor_parallel_size,
                  "ranks the model is split over (heads, projections, experts; docs/parallel.md): threads of this "
                  "process; --device cuda: one GPU each, NCCL")
@@ -131,6 +135,7 @@ runtime::EngineOptions EngineFlags::options(int default_max_num_seqs) const {
   if (block_size > 0) ec.formats.block_size = block_size;
   ec.max_running = max_num_seqs > 0 ? max_num_seqs : default_max_num_seqs;
   ec.max_num_batched_tokens = max_num_batched_tokens;
+  ec.mask_threads = mask_threads;
   ec.max_model_len = max_model_len;
   ec.enable_prefix_cache = !no_prefix_cache;
   ec.long_prefill_token_threshold = long_prefill_token_threshold >= 0

@@ -6,7 +6,7 @@
 //   --memory-budget SIZE | --gpu-memory-utilization F
 //   --kv-cache-dtype bf16|fp8  --index-cache-dtype bf16|fp8|mxfp4  --kda-state-dtype f32|f16
 //   --block-size N  --max-num-seqs N  --max-num-batched-tokens N  --max-model-len N  --no-prefix-cache
-//   --threads N (CPU ops)
+//   --threads N (CPU ops)  --structured-mask-threads N (structured outputs' mask pool)
 //   --tensor-parallel-size N  --enable-expert-parallel  --decode-context-parallel-size N  (docs/parallel.md)
 //   --long-prefill-token-threshold N  --max-num-partial-prefills N  --max-long-partial-prefills N
 //
@@ -31,6 +31,7 @@ struct EngineFlags {
   int max_num_batched_tokens = 2048;
   int64_t max_model_len = 0;  // 0: the model's context capped by the memory plan
   int threads = 0;            // 0: every core
+  int mask_threads = 0;       // 0: automatic (runtime::MaskPool::auto_threads)
   bool no_prefix_cache = false, no_cuda_graphs = false;
   std::string quantization = "bf16";
   int tensor_parallel_size = 1;

@@ -18,8 +18,24 @@ const char* task_name(Task t) {
     case Task::kArith: return "arith";
     case Task::kTool: return "tool";
     case Task::kChat: return "chat";
+    case Task::kImage: return "image";
   }
   return "?";
+}
+
+std::string normalize_answer(const std::string& s) {
+  auto space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; };
+  auto trim = [&](std::string t) {
+    size_t a = 0, b = t.size();
+    while (a < b && space(t[a])) ++a;
+    while (b > a && space(t[b - 1])) --b;
+    return t.substr(a, b - a);
+  };
+  std::string t = trim(s);
+  if (!t.empty() && t.back() == '.') t = trim(t.substr(0, t.size() - 1));
+  for (char& c : t)
+    if (c >= 'A' && c <= 'Z') c = char(c - 'A' + 'a');
+  return t;
 }
 
 std::string normalize_integer(const std::string& s) {
@@ -94,8 +110,10 @@ EvalItem parse_eval_item(const std::string& line, const std::string& where) {
     it.task = Task::kTool;
   else if (task == "chat")
     it.task = Task::kChat;
+  else if (task == "image")
+    it.task = Task::kImage;
   else
-    fail("{}: unknown task '{}' (expected passkey, arith, tool or chat)", where, task);
+    fail("{}: unknown task '{}' (expected passkey, arith, tool, chat or image)", where, task);
   const std::string at = fmt::format("{} ({})", where, it.id);
 
   if (!j.contains("request") || !j["request"].is_object()) fail("{}: 'request' must be an object", at);
@@ -165,6 +183,17 @@ EvalItem parse_eval_item(const std::string& line, const std::string& where) {
       break;
     }
     case Task::kChat: break;
+    case Task::kImage: {
+      const auto a = it.expect.find("answer");
+      if (a == it.expect.end() || !a->is_string() || normalize_answer(a->get<std::string>()).empty())
+        fail("{}: expect.answer must be a non-empty string", at);
+      it.answer = normalize_answer(a->get<std::string>());
+      const auto k = it.meta.find("kind");
+      if (k == it.meta.end() || !k->is_string() || k->get<std::string>().empty())
+        fail("{}: meta.kind must be a non-empty string (the table's row)", at);
+      it.kind = k->get<std::string>();
+      break;
+    }
   }
   return it;
 }

@@ -205,6 +205,13 @@ Verdict score_item(const EvalItem& item, const Response& r) {
     case Task::kChat:
       v.correct = !v.error && (!r.content.empty() || !r.tool_calls.empty());
       break;
+    case Task::kImage: {
+      if (v.error) break;
+      const std::string got = normalize_answer(r.content);
+      v.correct = got == item.answer;
+      v.extracted = clip(got, 200);
+      break;
+    }
   }
   return v;
 }
@@ -243,6 +250,10 @@ Summary summarize(const std::vector<EvalItem>& items, const std::vector<Response
         break;
       case Task::kChat:
         s.chat.add(v);
+        break;
+      case Task::kImage:
+        s.image_by_kind[it.kind].add(v);
+        s.image.add(v);
         break;
     }
   }
@@ -305,6 +316,18 @@ std::string format_tables(const Summary& s) {
   }
   if (s.chat.n > 0)
     o << fmt::format("Chat: {}/{} answered, {} errors\n\n", s.chat.correct, s.chat.n, s.chat.errors);
+  if (s.image.n > 0) {
+    o << "Images (exact match of the answer, case and a final '.' ignored)\n";
+    const std::string head = fmt::format("{:>10} {:>8} {:>9} {:>7}", "kind", "%", "correct", "errors");
+    o << head << '\n';
+    rule(head.size());
+    for (const auto& [k, c] : s.image_by_kind)
+      o << fmt::format("{:>10} {:>8} {:>9} {:>7}\n", k, pct_cell(c.correct, c.n), fmt::format("{}/{}", c.correct, c.n),
+                       c.errors);
+    rule(head.size());
+    o << fmt::format("{:>10} {:>8} {:>9} {:>7}\n\n", "all", pct_cell(s.image.correct, s.image.n),
+                     fmt::format("{}/{}", s.image.correct, s.image.n), s.image.errors);
+  }
   o << fmt::format("Items: {}, errors: {}", s.items, s.errors);
   for (const auto& e : s.first_errors) o << "\n  " << clip(e, 200);
   return o.str();
@@ -360,6 +383,11 @@ ojson summary_json(const Summary& s) {
                       {"schema_failures", std::move(failures)}};
   }
   if (s.chat.n > 0) j["chat"] = ojson{{"n", s.chat.n}, {"answered", s.chat.correct}, {"errors", s.chat.errors}};
+  if (s.image.n > 0) {
+    ojson kinds = ojson::object();
+    for (const auto& [k, c] : s.image_by_kind) kinds[k] = count_json(c);
+    j["image"] = ojson{{"total", count_json(s.image)}, {"by_kind", std::move(kinds)}};
+  }
   j["items"] = s.items;
   j["errors"] = s.errors;
   j["first_errors"] = s.first_errors;
@@ -386,6 +414,11 @@ ojson item_json(const EvalItem& item, const Response& r, const Verdict& v, bool 
       break;
     case Task::kChat:
       vj["answered"] = v.correct;
+      break;
+    case Task::kImage:
+      vj["answer"] = item.answer;
+      vj["extracted"] = v.extracted;
+      vj["correct"] = v.correct;
       break;
   }
   j["verdict"] = std::move(vj);

@@ -43,9 +43,10 @@ Response response_from_json(const nlohmann::json& j, const std::string& where);
 
 struct Verdict {
   bool error = false;
-  // passkey / arith: the last integer of content ("" if none) and whether it equals the answer.
+  // passkey / arith: the last integer of content ("" if none) and whether it equals the answer;
+  // image: content normalised (normalize_answer, clipped to 200 bytes).
   std::string extracted;
-  bool correct = false;  // passkey/arith: the answer; tool: trigger correct; chat: answered
+  bool correct = false;  // passkey/arith/image: the answer; tool: trigger correct; chat: answered
   // tool
   bool called = false;        // finish_reason == "tool_calls"
   bool schema_valid = false;  // meaningful when called
@@ -73,6 +74,8 @@ struct Summary {
   std::map<std::string, long long> tool_schema_failures;  // by schema_class
   std::map<std::string, Count> tool_trigger_by_kind;      // meta.kind: call / nofit
   Count chat;                                             // correct = answered
+  std::map<std::string, Count> image_by_kind;             // meta.kind: colour, shape, count, ...
+  Count image;
   long long items = 0, errors = 0;
   std::vector<std::string> first_errors;  // "id: error", at most 10
 };

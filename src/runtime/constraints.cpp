@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <thread>
 
 #include "core/check.h"
 
@@ -62,8 +63,9 @@ SeqConstraint::SeqConstraint(std::shared_ptr<const structured::CompiledGrammar> 
       V_(int64_t(grammar->vocab().vocab_size())) {}
 
 bool SeqConstraint::sync(std::span<const int32_t> output) {
-  // The usual case, one token accepted per token generated, costs one comparison.
+  // The usual case, one token taken per token generated, costs one comparison.
   if (ids_.size() == output.size() && (ids_.empty() || ids_.back() == output.back())) return true;
+  if (!flush()) return false;
   size_t common = 0;
   while (common < ids_.size() && common < output.size() && ids_[common] == output[common]) ++common;
   m_.rollback(ids_.size() - common);
@@ -73,14 +75,61 @@ bool SeqConstraint::sync(std::span<const int32_t> output) {
   return true;
 }
 
+bool SeqConstraint::flush() {
+  if (!pending_) return true;
+  if (!m_.accept(structured::TokenId(ids_.back()))) return false;  // stays pending: sync() reports it again
+  pending_ = false;
+  return true;
+}
+
+void SeqConstraint::require_fits(int64_t max_tokens) {
+  const uint32_t need = min_completion();
+  if (int64_t(need) > max_tokens)
+    throw RequestError("max_tokens", fmt::format("max_tokens is {}, too few to finish an answer in this response_format: "
+                                                 "its shortest complete answer takes {} tokens (markup included); raise "
+                                                 "max_tokens, or set complete_within_max_tokens to false to accept an "
+                                                 "answer cut at max_tokens", max_tokens, need));
+}
+
+uint32_t SeqConstraint::min_completion() {
+  KCHECK(!pending_, "SeqConstraint::min_completion with a deferred token");
+  return m_.min_completion();
+}
+
+bool SeqConstraint::free_text() {
+  KCHECK(!pending_, "SeqConstraint::free_text with a deferred token");
+  return m_.free_text(budget_);
+}
+
 int64_t SeqConstraint::fill(uint32_t* words) {
+  KCHECK(!pending_, "SeqConstraint::fill with a deferred token");
   if (!m_.fill_mask(words, budget_)) return 0;
   return mask_count(words, V_);
 }
 
 bool SeqConstraint::accept(int32_t token) {
+  if (!flush()) return false;
   if (token < 0 || int64_t(token) >= V_ || !m_.accept(structured::TokenId(token))) return false;
   ids_.push_back(token);
+  return true;
+}
+
+bool SeqConstraint::take(int32_t token, const uint32_t* words, bool& terminated) {
+  terminated = false;
+  if (token < 0 || int64_t(token) >= V_ || !flush()) return false;
+  const auto id = structured::TokenId(token);
+  const bool ordinary = m_.compiled().vocab().is_ordinary(id);
+  // Allowed without a matcher step: the bit of the (exact) mask, or in free text any ordinary token.
+  const bool allowed = words ? structured::mask_test(words, id) : ordinary && m_.free_text();
+  if (allowed && ordinary && !m_.token_may_terminate(id)) {
+    ids_.push_back(token);
+    pending_ = true;
+    return true;
+  }
+  if (words && !allowed) return false;
+  // A special or stop token, or one drawn outside a mask: the matcher decides now.
+  if (!accept(token)) return false;
+  terminated = m_.is_terminated();
   return true;
 }
 
@@ -96,90 +145,134 @@ MaskTable::MaskTable(int64_t rows, int64_t words) : rows_(rows), words_(words) {
 
 MaskTable::~MaskTable() { std::free(data_); }
 
-// ---- MaskWorker ------------------------------------------------------------------------------------
+// ---- MaskPool --------------------------------------------------------------------------------------
 
-MaskWorker::MaskWorker() : thread_([this] { run(); }) {}
+// One batch: its jobs, their states (claimed by compare-and-swap) and results. Waiters sleep on the
+// batch's condition variable only when a job they need is running elsewhere; a finishing job takes the
+// lock only if someone sleeps.
+struct MaskPool::Batch {
+  enum : uint8_t { kPending, kRunning, kDone };
+  std::vector<Job> jobs;
+  std::unique_ptr<std::atomic<uint8_t>[]> state;
+  std::unique_ptr<std::atomic<int64_t>[]> result;
+  std::atomic<size_t> next{0};  // the next job a pool thread tries
+  std::atomic<int> sleepers{0};
+  std::mutex mu;
+  std::condition_variable done_cv;
 
-MaskWorker::~MaskWorker() {
+  explicit Batch(std::vector<Job> j)
+      : jobs(std::move(j)), state(new std::atomic<uint8_t>[jobs.size()]), result(new std::atomic<int64_t>[jobs.size()]) {
+    for (size_t i = 0; i < jobs.size(); ++i) state[i].store(kPending, std::memory_order_relaxed), result[i] = 0;
+  }
+  bool claim(size_t i) {
+    uint8_t want = kPending;
+    return state[i].compare_exchange_strong(want, kRunning, std::memory_order_acq_rel);
+  }
+  void wait_done(size_t i) {
+    if (state[i].load(std::memory_order_acquire) == kDone) return;
+    sleepers.fetch_add(1, std::memory_order_seq_cst);
+    {
+      std::unique_lock<std::mutex> lk(mu);
+      done_cv.wait(lk, [&] { return state[i].load(std::memory_order_seq_cst) == kDone; });
+    }
+    sleepers.fetch_sub(1, std::memory_order_relaxed);
+  }
+};
+
+int MaskPool::auto_threads(int requested) {
+  if (requested > 0) return requested;
+  const int cores = int(std::thread::hardware_concurrency());
+  return std::clamp(cores / 4, 1, 8);
+}
+
+MaskPool::MaskPool(int threads) {
+  KCHECK(threads >= 1, "mask pool of {} threads", threads);
+  for (int t = 0; t < threads; ++t) threads_.emplace_back([this] { thread_main(); });
+}
+
+MaskPool::~MaskPool() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;
   }
   work_cv_.notify_all();
-  thread_.join();
+  for (std::thread& t : threads_) t.join();
 }
 
-void MaskWorker::start(std::vector<Job> jobs) {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    KCHECK(done_ == jobs_.size(), "mask worker: a batch started before the previous one was waited for");
-    jobs_ = std::move(jobs);
-    allowed_.assign(jobs_.size(), 0);
-    state_.assign(jobs_.size(), kPending);
-    done_ = 0;
-    ++batch_;
-  }
-  if (!jobs_.empty()) work_cv_.notify_one();
-}
-
-void MaskWorker::fill(size_t i, std::unique_lock<std::mutex>& lk) {
-  state_[i] = kRunning;
-  const Job job = jobs_[i];
-  lk.unlock();
-  const auto t0 = std::chrono::steady_clock::now();
-  int64_t allowed;
+int64_t MaskPool::run_job(const Job& job) {
   try {
-    allowed = job.constraint->fill(job.words);
+    if (!job.constraint->flush()) return kRefused;
+    if (job.constraint->free_text()) return kFreeText;
+    return job.constraint->fill(job.words);
   } catch (const std::exception&) {
-    allowed = -1;
+    return kFailed;
   }
-  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  lk.lock();
-  allowed_[i] = allowed;
-  state_[i] = kDone;
-  ++done_;
-  busy_ += dt;
-  done_cv_.notify_all();
 }
 
-int64_t MaskWorker::wait(size_t i) {
-  std::unique_lock<std::mutex> lk(mu_);
-  KCHECK(i < jobs_.size(), "mask worker: job {} of {}", i, jobs_.size());
-  if (state_[i] == kPending) {
-    ++stolen_;
-    fill(i, lk);
+void MaskPool::run_claimed(Batch& b, size_t i) {
+  const auto t0 = std::chrono::steady_clock::now();
+  b.result[i].store(run_job(b.jobs[i]), std::memory_order_relaxed);
+  busy_ns_.fetch_add(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
+      std::memory_order_relaxed);
+  b.state[i].store(Batch::kDone, std::memory_order_seq_cst);
+  if (b.sleepers.load(std::memory_order_seq_cst) > 0) {
+    { std::lock_guard<std::mutex> lk(b.mu); }
+    b.done_cv.notify_all();
   }
-  done_cv_.wait(lk, [&] { return state_[i] == kDone; });
-  return allowed_[i];
 }
 
-void MaskWorker::wait_all() {
-  std::unique_lock<std::mutex> lk(mu_);
-  for (size_t i = 0; i < jobs_.size(); ++i)
-    if (state_[i] == kPending) fill(i, lk);
-  done_cv_.wait(lk, [&] { return done_ == jobs_.size(); });
+void MaskPool::start(std::vector<Job> jobs) {
+  if (batch_)
+    for (size_t i = 0; i < batch_->jobs.size(); ++i)
+      KCHECK(batch_->state[i].load() == Batch::kDone, "mask pool: a batch started before the previous one was waited for");
+  auto b = std::make_shared<Batch>(std::move(jobs));
+  const bool any = !b->jobs.empty();
+  {
+    std::lock_guard<std::mutex> lk(mu_);  // the pool threads copy batch_ under mu_
+    batch_ = std::move(b);
+    generation_ += any;
+  }
+  if (any) work_cv_.notify_all();
 }
 
-double MaskWorker::busy_seconds() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return busy_;
+int64_t MaskPool::wait(size_t i) {
+  KCHECK(batch_ && i < batch_->jobs.size(), "mask pool: job {} of {}", i, batch_ ? batch_->jobs.size() : 0);
+  Batch& b = *batch_;
+  if (b.claim(i)) {
+    stolen_.fetch_add(1, std::memory_order_relaxed);
+    run_claimed(b, i);
+  }
+  b.wait_done(i);
+  return b.result[i].load(std::memory_order_relaxed);
 }
 
-int64_t MaskWorker::stolen() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return stolen_;
+void MaskPool::wait_all() {
+  if (!batch_) return;
+  Batch& b = *batch_;
+  for (size_t i = 0; i < b.jobs.size(); ++i)
+    if (b.claim(i)) run_claimed(b, i);
+  for (size_t i = 0; i < b.jobs.size(); ++i) b.wait_done(i);
 }
 
-void MaskWorker::run() {
+double MaskPool::busy_seconds() const { return 1e-9 * double(busy_ns_.load(std::memory_order_relaxed)); }
+
+int64_t MaskPool::stolen() const { return stolen_.load(std::memory_order_relaxed); }
+
+void MaskPool::thread_main() {
   uint64_t seen = 0;
-  std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
-    work_cv_.wait(lk, [&] { return stop_ || (batch_ != seen && done_ < jobs_.size()); });
-    if (stop_) return;
-    seen = batch_;
-    // In order; jobs a waiter claimed are skipped. The batch stays until it is all done.
-    for (size_t i = 0; i < jobs_.size(); ++i)
-      if (state_[i] == kPending) fill(i, lk);
+    std::shared_ptr<Batch> b;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      work_cv_.wait(lk, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      b = batch_;  // written only by start(), under mu_
+    }
+    // Claim in order; jobs a waiter or another thread took are skipped.
+    for (size_t i = b->next.fetch_add(1); i < b->jobs.size(); i = b->next.fetch_add(1))
+      if (b->claim(i)) run_claimed(*b, i);
   }
 }
 

@@ -81,8 +81,8 @@ void check_images(const Request& r, const ModelConfig& c, const StepExecutor& ex
   if (r.images.empty()) return;
   vision::check_request_images(r, c);
   if (!exec.supports_images())
-    throw RequestError("images", "this engine's executor cannot run the vision tower (images are supported on "
-                                 "the CPU engine only for now)");
+    throw RequestError("images", "this engine's executor cannot run the vision tower (images run on the CPU "
+                                 "engine and the one-GPU engine; not yet under tensor parallelism)");
 }
 
 // Whether speculation serves this request exactly (engine.h EngineConfig::speculative).
@@ -103,6 +103,7 @@ Engine::Engine(const ModelConfig& c, EngineConfig cfg)
       sched_(sched_config(c, cfg_), plan_.cache_config(cfg_.enable_prefix_cache)),
       mask_words_((c.text.vocab_size + 31) / 32),
       masks_(std::max(cfg_.max_running, 1), mask_words_),
+      worker_(MaskPool::auto_threads(cfg_.mask_threads)),
       redraw_mask_(size_t(mask_words_)) {
   KCHECK(bool(cfg_.make_executor), "engine: no executor factory");
   exec_ = cfg_.make_executor(cfg_.formats, plan_.cache_config(cfg_.enable_prefix_cache));
@@ -150,16 +151,7 @@ Submission Engine::submit(Request r, TokenSink sink) {
       if (ends.empty()) throw RequestError("response_format", "a JSON document needs an end-of-sequence id; this model has none");
     }
     q->constraint = std::make_unique<SeqConstraint>(g, std::move(ends));
-    if (r.constraint->complete_within_max_tokens) {
-      // The masks can keep a complete output within max_tokens only if one fits at all.
-      const uint32_t need = q->constraint->min_completion();
-      if (int64_t(need) > r.max_tokens)
-        throw RequestError("max_tokens", fmt::format("max_tokens is {}, too few to finish an answer in this "
-                                                     "response_format: its shortest complete answer takes {} tokens "
-                                                     "(markup included); "
-                                                     "raise max_tokens, or set complete_within_max_tokens to false to "
-                                                     "accept an answer cut at max_tokens", r.max_tokens, need));
-    }
+    if (r.constraint->complete_within_max_tokens) q->constraint->require_fits(r.max_tokens);
   }
   q->r = std::move(r);
   q->sink = std::move(sink);
@@ -247,13 +239,15 @@ void Engine::stamp(Req& q, TokenEvent& ev) const {
   ev.prompt_logprobs = std::move(q.prompt_lp);
 }
 
-sched::SeqResult Engine::emit(Req& q, const SampleResult& s) {
+sched::SeqResult Engine::emit(Req& q, const SampleResult& s, const uint32_t* words) {
   bool grammar_end = false;
   if (q.constraint && q.error.empty()) {
     Timed t{sstats_.host_seconds};
-    const bool ok = q.preaccepted == s.token || q.constraint->accept(s.token);
+    bool ok = true;
+    if (q.preaccepted == s.token) grammar_end = q.pre_terminated;
+    else ok = q.constraint->take(s.token, words, grammar_end);
     if (!ok) q.error = fmt::format("structured output: token {} is not allowed by the grammar here", s.token);
-    grammar_end = ok && q.constraint->terminated();
+    grammar_end = ok && grammar_end;
   }
   q.preaccepted = -1;
   TokenEvent ev;
@@ -275,43 +269,33 @@ Engine::StructuredStats Engine::structured_stats() const {
   return sstats_copy_;
 }
 
-// This step's masks: the constrained sequences that sample and are not in free text, one table row
-// each, filled by the worker in this order while the executor runs the forward.
+// This step's mask jobs: one per constrained sequence that samples (its table row), run by the pool in
+// this order while the executor runs the forward.
 void Engine::start_masks(const sched::StepPlan& plan, const std::vector<std::pair<RequestId, Req*>>& in_step) {
-  step_masks_.clear();
-  std::vector<MaskWorker::Job> jobs;
+  std::vector<MaskPool::Job> jobs;
   const auto t0 = std::chrono::steady_clock::now();
+  size_t k = 0;  // in_step lists the plan's sequences in this order (loop())
   for (const auto* list : {&plan.decodes, &plan.prefills})
     for (const sched::ScheduledSeq& x : *list) {
-      if (!x.sample) continue;
-      Req* q = nullptr;
-      for (auto& [i, r] : in_step)
-        if (i == x.id) q = r;
-      if (!q || !q->constraint || !q->error.empty()) continue;
+      Req* q = k < in_step.size() && in_step[k].first == x.id ? in_step[k].second : nullptr;
+      ++k;
+      for (size_t i = 0; !q && i < in_step.size(); ++i)
+        if (in_step[i].first == x.id) q = in_step[i].second;
+      if (!q) continue;
+      q->job = -1, q->allowed = -2;
+      if (!x.sample || !q->constraint || !q->error.empty()) continue;
       if (!q->constraint->sync(q->output)) {
         q->error = "structured output: the generated tokens do not follow the grammar";
         continue;
       }
-      if (q->r.constraint->complete_within_max_tokens)  // this token and those after it
-        q->constraint->set_budget(uint32_t(std::max<int64_t>(q->r.max_tokens - int64_t(q->output.size()), 1)));
-      if (q->constraint->free_text()) continue;
+      // The tokens left, this one included (output holds the deferred token), for this step's job.
+      if (q->r.constraint->complete_within_max_tokens) q->constraint->set_budget(q->r.max_tokens, q->output.size());
       KCHECK(int64_t(jobs.size()) < masks_.rows(), "engine: more masked sequences than mask rows ({})", masks_.rows());
-      step_masks_[x.id] = StepMask{jobs.size(), -2};
+      q->job = int32_t(jobs.size());
       jobs.push_back({q->constraint.get(), masks_.row(int64_t(jobs.size()))});
     }
   sstats_.host_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   worker_.start(std::move(jobs));
-}
-
-int64_t Engine::wait_mask(RequestId id) {
-  auto it = step_masks_.find(id);
-  if (it == step_masks_.end()) return -3;
-  if (it->second.allowed == -2) {
-    const auto t0 = std::chrono::steady_clock::now();
-    it->second.allowed = worker_.wait(it->second.job);
-    sstats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
-  return it->second.allowed;
 }
 
 namespace {
@@ -320,37 +304,52 @@ const char* kDeadEnd =
 const char* kFillFailed = "structured output: computing the token mask failed";
 }  // namespace
 
+int64_t Engine::wait_mask(Req& q) {
+  if (q.job < 0) return MaskPool::kFreeText;
+  if (q.allowed == -2) {
+    const auto t0 = std::chrono::steady_clock::now();
+    q.allowed = worker_.wait(size_t(q.job));
+    sstats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (q.allowed == 0) q.error = kDeadEnd;
+    if (q.allowed == MaskPool::kFailed) q.error = kFillFailed;
+    if (q.allowed == MaskPool::kRefused)
+      q.error = fmt::format("structured output: token {} is not allowed by the grammar here", q.constraint->deferred());
+  }
+  return q.allowed;
+}
+
 sched::SeqResult Engine::sample_host(Req& q, const sched::ScheduledSeq& x, std::span<const float> logits,
                                      bool penalised) {
+  (void)x;
   SamplingParams p = q.r.sampling;
   if (penalised) p.repetition_penalty = 1.0f, p.frequency_penalty = 0.0f, p.presence_penalty = 0.0f;
   uint64_t index = q.output.size();
   if (!q.constraint || !q.error.empty()) return emit(q, sample_token(p, logits, q.r.prompt, q.output, index, q.stop_ids));
-  int64_t allowed = wait_mask(x.id);
+  int64_t allowed = wait_mask(q);
   const uint32_t* words = nullptr;
-  if (allowed == -3) {
+  if (allowed == MaskPool::kFreeText && q.error.empty()) {
     // Free text: draw without a mask and check; a refused token is drawn again under the mask.
     SampleResult s = sample_token(p, logits, q.r.prompt, q.output, index, q.stop_ids);
-    bool ok;
+    bool ok, end;
     {
       Timed t{sstats_.host_seconds};
-      ok = q.constraint->accept(s.token);
+      ok = q.constraint->take(s.token, nullptr, end);
     }
     if (ok) {
-      q.preaccepted = s.token;
+      q.preaccepted = s.token, q.pre_terminated = end;
       ++sstats_.free_samples;
       return emit(q, s);
     }
     ++sstats_.redraws;
     Timed t{sstats_.host_seconds};
     allowed = q.constraint->fill(redraw_mask_.data());
+    if (allowed == 0) q.error = kDeadEnd;
     words = redraw_mask_.data();
     index |= uint64_t(1) << 63;
   } else if (allowed > 0) {
-    words = masks_.row(int64_t(step_masks_.at(x.id).job));
+    words = masks_.row(q.job);
   }
-  if (allowed <= 0) {
-    q.error = allowed == 0 ? kDeadEnd : kFillFailed;
+  if (!q.error.empty()) {
     SampleResult s;
     s.token = 0;  // not an output token: the event is token-less (run_step)
     return emit(q, s);
@@ -368,7 +367,7 @@ sched::SeqResult Engine::sample_host(Req& q, const sched::ScheduledSeq& x, std::
   SampleResult s = sample_token(p, masked_logits_, q.r.prompt, q.output, index, q.stop_ids);
   if (want_logprobs >= 0) raw_logprobs(logits, s.token, want_logprobs, s.logprob, s.top);
   ++sstats_.masked_samples;
-  return emit(q, s);
+  return emit(q, s, words);
 }
 
 void Engine::end_all(FinishReason why, const std::string& error, Outbox& out) {
@@ -385,16 +384,25 @@ void Engine::end_all(FinishReason why, const std::string& error, Outbox& out) {
 
 // One step: the executor's run, with the hooks that tie it to the requests of this plan.
 void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<RequestId, Req*>>& in_step) {
+  // Executors call the hooks in plan order (or close to it): look at the entry after the last one
+  // found first, so a batch of B rows costs O(B) lookups, not O(B²).
+  size_t hint = 0;
   auto find = [&](RequestId id) -> Req& {
-    for (auto& [i, q] : in_step)
-      if (i == id) return *q;
+    const size_t n = in_step.size();
+    for (size_t k = 0; k < n; ++k) {
+      const size_t i = (hint + k) % n;
+      if (in_step[i].first == id) {
+        hint = i + 1;
+        return *in_step[i].second;
+      }
+    }
     fail("engine: request {} is not in this step", id);
   };
   // Structured outputs: the masks of this step start filling now, on the worker, and must be done
   // before this function leaves (the requests they name may go away after it), also on a throw.
   start_masks(plan, in_step);
   struct WaitAll {
-    MaskWorker& w;
+    MaskPool& w;
     ~WaitAll() { w.wait_all(); }
   } wait_all{worker_};
   StepHooks hooks;
@@ -406,21 +414,24 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
   };
   hooks.token_mask = [&](const sched::ScheduledSeq& x) {
     StepHooks::TokenMask m;
-    const int64_t allowed = wait_mask(x.id);
-    if (allowed > 0) m.row = int32_t(step_masks_.at(x.id).job), m.allowed = allowed;
+    Req& q = find(x.id);
+    const int64_t allowed = wait_mask(q);
+    if (allowed > 0) m.row = q.job, m.allowed = allowed;
     return m;
   };
+  // A device token: a bit test of its mask row (free text: of ordinary ids); its matcher step is
+  // deferred to the next step's job unless it is special (SeqConstraint::take).
   hooks.check_token = [&](const sched::ScheduledSeq& x, int32_t token) {
     Req& q = find(x.id);
     if (!q.constraint || !q.error.empty()) return true;
-    const int64_t allowed = wait_mask(x.id);
-    if (allowed == 0 || allowed == -1) return true;  // take_token ends it with the error
-    bool ok;
+    const int64_t allowed = wait_mask(q);
+    if (!q.error.empty()) return true;  // take_token ends it with the error
+    bool ok, end;
     {
       Timed t{sstats_.host_seconds};
-      ok = q.constraint->accept(token);
+      ok = q.constraint->take(token, allowed > 0 ? masks_.row(q.job) : nullptr, end);
     }
-    if (ok) q.preaccepted = token, ++(allowed == -3 ? sstats_.free_samples : sstats_.masked_samples);
+    if (ok) q.preaccepted = token, q.pre_terminated = end, ++(allowed > 0 ? sstats_.masked_samples : sstats_.free_samples);
     return ok;
   };
   hooks.mask_table = {masks_.data(), masks_.rows(), masks_.words()};
@@ -430,13 +441,11 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
   };
   hooks.take_token = [&](const sched::ScheduledSeq& x, int32_t token) {
     Req& q = find(x.id);
-    if (q.constraint && q.error.empty()) {
-      const int64_t allowed = wait_mask(x.id);
-      if (allowed == 0 || allowed == -1) q.error = allowed == 0 ? kDeadEnd : kFillFailed;
-    }
+    const uint32_t* words = nullptr;
+    if (q.constraint && q.error.empty() && wait_mask(q) > 0) words = masks_.row(q.job);
     SampleResult s;
     s.token = token;
-    return emit(q, s);
+    return emit(q, s, words);
   };
   hooks.media_inputs = [&](const sched::ScheduledSeq& x) {
     const Req& q = find(x.id);
@@ -493,6 +502,7 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
     sstats_copy_ = sstats_;
     sstats_copy_.fill_seconds = worker_.busy_seconds();
     sstats_copy_.stolen = worker_.stolen();
+    sstats_copy_.mask_threads = worker_.threads();
     // Long prompts' chunks sized to the step-time target (engine.h).
     if (cfg_.prefill_step_target_s > 0.0 && cfg_.long_prefill_token_threshold > 0 && plan.num_tokens >= 16) {
       // Up at once (a slower step must not repeat), down gently (one fast step proves little).

@@ -20,10 +20,11 @@
 // refused at construction (as vLLM does), so an accepted request always fits.
 //
 // Structured outputs (request.h's OutputConstraint; runtime/constraints.h): a constrained request has a
-// SeqConstraint (its Matcher). Each step, the masks of the constrained sequences that sample are
-// filled by the mask worker while the executor runs the forward; the sampler (host: `sample` hook;
-// device: the executor, through token_mask/check_token) masks the logits, so the token is one the
-// grammar takes. Free text (the think section, a free response) is sampled without a mask and the
+// SeqConstraint (its Matcher). Each step, the jobs of the constrained sequences that sample (the
+// matcher's step over the previous token, then the mask) run on the mask pool while the executor runs
+// the forward; the sampler (host: `sample` hook; device: the executor, through token_mask/check_token)
+// masks the logits, so the token is one the grammar takes, and the token is taken by a bit test (its
+// matcher step deferred to the next job) unless it is special. Free text (the think section, a free response) is sampled without a mask and the
 // token checked; a refused one is drawn again under the mask (draw index with bit 63 set). A
 // terminated grammar ends the request (finish stop); no allowed token (the nesting limit) or a refused
 // token ends it with an error event; neither touches other requests.
@@ -87,6 +88,9 @@ struct EngineConfig {
   // Builds the executor for the planned caches (engine_host.h: the GPU or fake executor); empty =
   // the CPU Executor over the weights given to the constructor.
   ExecutorFactory make_executor;
+  // Structured outputs: threads of the mask pool (runtime/constraints.h MaskPool); 0: automatic
+  // (a quarter of the cores, 1 to 8).
+  int32_t mask_threads = 0;
 };
 
 class Engine final : public kestrel::Engine {
@@ -114,10 +118,12 @@ class Engine final : public kestrel::Engine {
     int64_t masked_samples = 0;   // tokens sampled under a mask
     int64_t free_samples = 0;     // constrained tokens sampled in free text (no mask)
     int64_t redraws = 0;          // free-text tokens refused and drawn again under the mask
-    int64_t stolen = 0;           // masks the engine thread filled itself (the worker had not begun them)
-    double fill_seconds = 0.0;    // mask filling (worker, overlapped with the forward; and stolen ones)
-    double wait_seconds = 0.0;    // the engine thread waiting for a mask (not hidden by the forward)
-    double host_seconds = 0.0;    // engine thread: sync, accept, host masking (on the critical path)
+    int64_t stolen = 0;           // mask jobs the engine thread ran itself (no pool thread had begun them)
+    double fill_seconds = 0.0;    // mask jobs: deferred matcher steps + filling (the pool, overlapped with
+                                  // the forward; and stolen ones)
+    double wait_seconds = 0.0;    // the engine thread waiting for a mask job (not hidden by the forward)
+    double host_seconds = 0.0;    // engine thread: sync, taking tokens, host masking (on the critical path)
+    int mask_threads = 0;         // the pool's size
   };
   StructuredStats structured_stats() const;
 
@@ -138,20 +144,22 @@ class Engine final : public kestrel::Engine {
     bool first_sent = false;        // the first event (it carries the prompt counts) is out
     std::vector<TokenEvent> pending;  // this step's events (several after a speculative step), sent after complete()
     std::unique_ptr<SeqConstraint> constraint;  // structured output, if any
-    int32_t preaccepted = -1;       // token check_token already accepted (take_token follows)
+    int32_t preaccepted = -1;       // token check_token already took (take_token follows)
+    bool pre_terminated = false;    // ... and whether it completed the grammar
+    int32_t job = -1;               // this step's mask job (= table row); −1: none
+    int64_t allowed = -2;           // its result (MaskPool); −2: not waited for yet
     std::string error;              // set: this step's event ends the request with this error
-  };
-  struct StepMask {  // a sampled constrained sequence's mask in this step
-    size_t job = 0;                 // the worker's job (= the table row)
-    int64_t allowed = -2;           // −2: not waited for yet
   };
   using Outbox = std::vector<std::pair<TokenSink, TokenEvent>>;
   void loop();
   void run_step(sched::StepPlan& plan, const std::vector<std::pair<RequestId, Req*>>& in_step);
-  sched::SeqResult emit(Req& q, const SampleResult& s);
+  // words: the mask the token was drawn under (null: none — free text, or a device token already checked).
+  sched::SeqResult emit(Req& q, const SampleResult& s, const uint32_t* words = nullptr);
   // The constrained host sampler: free text unmasked then checked, otherwise (or refused) masked.
   sched::SeqResult sample_host(Req& q, const sched::ScheduledSeq& x, std::span<const float> logits, bool penalised);
-  int64_t wait_mask(RequestId id);  // this step's allowed count for `id` (waits); −3: no mask this step
+  // This step's mask job result for q (waits): allowed count > 0; −3: no mask (free text, or no job); a
+  // failure (0: dead end, −1, −4) also sets q.error.
+  int64_t wait_mask(Req& q);
   void start_masks(const sched::StepPlan& plan, const std::vector<std::pair<RequestId, Req*>>& in_step);
   void stamp(Req& q, TokenEvent& ev) const;  // id and, on the first event, the prompt counts
   void end_all(FinishReason why, const std::string& error, Outbox& out);  // mu_ held
@@ -164,8 +172,7 @@ class Engine final : public kestrel::Engine {
   // Structured outputs (declared before the executor: it may hold the table registered as pinned).
   int64_t mask_words_ = 0;
   MaskTable masks_;
-  MaskWorker worker_;
-  std::map<RequestId, StepMask> step_masks_;  // this step's (engine thread)
+  MaskPool worker_;
   std::vector<uint32_t> redraw_mask_;         // u32 [mask_words]: a free-text redraw's mask
   std::vector<float> masked_logits_;          // f32 [V]: scratch
   StructuredStats sstats_;                    // engine thread; copied under mu_ below

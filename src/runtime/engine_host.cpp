@@ -20,6 +20,7 @@
 #include "model/cuda/cuda_model.h"
 #include "runtime/executor_cuda.h"
 #include "runtime/executor_cuda_tp.h"
+#include "vision/cuda/vision_cuda.h"
 #endif
 
 namespace kestrel::runtime {
@@ -62,7 +63,7 @@ int64_t cpu_cache_budget(double f, const std::string& model_dir) {
 }
 
 // --device cuda: uploads the weights and sets the GPU executor and, for a utilization, the budget
-// from the device's memory. Returns the GPU model, to live as long as the engine.
+// from the device's memory. Returns the GPU model (and vision encoder), to live as long as the engine.
 std::shared_ptr<void> setup_cuda(const EngineOptions& o, const ModelConfig& c, const Checkpoint& ckpt,
                                  const ModelWeights& w, EngineConfig& ec) {
 #ifdef KESTREL_WITH_CUDA
@@ -85,21 +86,35 @@ std::shared_ptr<void> setup_cuda(const EngineOptions& o, const ModelConfig& c, c
     };
     return g;
   }
+  // The text model and, for a checkpoint with a vision tower, the GPU encoder with its weights (uploaded
+  // before the budget below, so they count as in use). Members go in reverse: encoder, its weights, model.
+  struct GpuDevice {
+    std::unique_ptr<model::CudaModel> model;
+    std::vector<cuda::DeviceBuffer> vision_weights;
+    std::unique_ptr<vision::VisionCuda> vision;
+  };
+  auto d = std::make_shared<GpuDevice>();
   model::CudaModelOptions mo;
   mo.quant = model::parse_weight_quant(o.quantization);
-  auto m = std::make_shared<model::CudaModel>(c, w, mo);
-  // Activations of one step (max_num_batched_tokens rows through the widest layer) and cuBLASLt's
+  d->model = std::make_unique<model::CudaModel>(c, w, mo);
+  if (c.vision.present && w.has_vision)
+    d->vision = std::make_unique<vision::VisionCuda>(c.vision, vision::VisionCuda::upload(w.vision, d->vision_weights));
+  // Activations of one step (max_num_batched_tokens rows through the widest layer), the vision encoder's
+  // scratch (≤ kMaxVisionPatches patches a call, about 0.55 GB at the real vision dims) and cuBLASLt's
   // workspace: a fixed 2 GiB covers the mini and nano shapes with room to spare.
   if (o.gpu_memory_utilization > 0.0) {
     check_utilization(o.gpu_memory_utilization);
     ec.memory_budget = cuda_cache_budget(o.gpu_memory_utilization, int64_t(2) << 30);
   }
-  model::CudaModel* mp = m.get();
   const ModelConfig* cp = &c;
-  ec.make_executor = [mp, cp, graphs = o.cuda_graphs](const CacheFormats& f, const cache::CacheConfig& cc) {
-    return std::unique_ptr<StepExecutor>(std::make_unique<CudaExecutor>(*mp, *cp, f, cc, CudaExecutorOptions{graphs}));
+  GpuDevice* dp = d.get();
+  ec.make_executor = [dp, cp, graphs = o.cuda_graphs](const CacheFormats& f, const cache::CacheConfig& cc) {
+    CudaExecutorOptions eo;
+    eo.cuda_graphs = graphs;
+    eo.vision = dp->vision.get();
+    return std::unique_ptr<StepExecutor>(std::make_unique<CudaExecutor>(*dp->model, *cp, f, cc, eo));
   };
-  return m;
+  return d;
 #else
   (void)o, (void)c, (void)ckpt, (void)w, (void)ec;
   fail("--device cuda: this kestrel was built without CUDA");

@@ -3,6 +3,7 @@
 
 #include <malloc.h>
 
+#include <algorithm>
 #include <chrono>
 #include <vector>
 
@@ -46,35 +47,46 @@ Executor::Executor(const ModelWeights& w, const ModelConfig& c, const CacheForma
   }
 }
 
+bool overlaps_media(const sched::ScheduledSeq& x, const StepHooks::MediaInputs& mi) {
+  if (mi.images.empty()) return false;
+  for (const MediaSpan& m : mi.media)
+    if (m.start < x.end && x.start < m.end) return true;
+  return false;
+}
+
+std::vector<int64_t> media_pad_positions(cache::RequestId id, const StepHooks::MediaInputs& mi, int32_t pad) {
+  KCHECK(mi.images.size() == mi.media.size(), "request {}: {} images for {} media spans", id, mi.images.size(),
+         mi.media.size());
+  std::vector<int64_t> pos;
+  for (size_t i = 0; i < mi.images.size(); ++i) {
+    const MediaSpan& m = mi.media[i];
+    int64_t pads = 0;
+    for (int64_t p = std::max<int64_t>(m.start, 0); p < m.end && p < int64_t(mi.prompt.size()); ++p)
+      if (mi.prompt[size_t(p)] == pad) pos.push_back(p), ++pads;
+    KCHECK(mi.images[i] && pads == mi.images[i]->num_tokens(),
+           "request {}: media span {} holds {} media_pad tokens, its image {}", id, i, pads,
+           mi.images[i] ? mi.images[i]->num_tokens() : -1);
+  }
+  return pos;
+}
+
 std::vector<model::EmbedOverride> Executor::media_rows(const sched::ScheduledSeq& x, const StepHooks& hooks) {
   std::vector<model::EmbedOverride> out;
   if (!hooks.media_inputs) return out;
   const StepHooks::MediaInputs mi = hooks.media_inputs(x);
-  if (mi.images.empty()) return out;
-  bool overlaps = false;
-  for (const MediaSpan& m : mi.media) overlaps |= m.start < x.end && x.start < m.end;
-  if (!overlaps) return out;
+  if (!overlaps_media(x, mi)) return out;
   auto it = media_.find(x.id);
   if (it == media_.end()) {  // first chunk that needs the images: encode all of them (MODEL.md §6)
     KCHECK(supports_images(), "request {}: images, but the checkpoint has no vision tower", x.id);
-    KCHECK(mi.images.size() == mi.media.size(), "request {}: {} images for {} media spans", x.id, mi.images.size(),
-           mi.media.size());
-    const int32_t pad = c_.media_placeholder_token_id;
     EncodedMedia em;
+    em.pos = media_pad_positions(x.id, mi, c_.media_placeholder_token_id);
     std::vector<const ImageInput*> ims;
-    for (size_t i = 0; i < mi.images.size(); ++i) {
-      const MediaSpan& m = mi.media[i];
-      int64_t pads = 0;
-      for (int64_t p = m.start; p < m.end && p < int64_t(mi.prompt.size()); ++p)
-        if (mi.prompt[size_t(p)] == pad) em.pos.push_back(p), ++pads;
-      KCHECK(pads == mi.images[i]->num_tokens(), "request {}: media span {} holds {} media_pad tokens, its image {}",
-             x.id, i, pads, mi.images[i]->num_tokens());
-      ims.push_back(mi.images[i].get());
-    }
+    for (const auto& im : mi.images) ims.push_back(im.get());
     const auto t0 = std::chrono::steady_clock::now();
     em.rows = vision::encode(w_.vision, c_.vision, ims);
     stats_.vision_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     stats_.images_encoded += int64_t(ims.size());
+    ++stats_.vision_calls;
     it = media_.emplace(x.id, std::move(em)).first;
   }
   const EncodedMedia& em = it->second;

@@ -56,6 +56,7 @@ struct ExecutorStats {
   int64_t host_fallback_samples = 0;  // device rows the device sampler handed back to the host
   double forward_seconds = 0.0;
   int64_t images_encoded = 0;    // images run through the vision tower (once per request)
+  int64_t vision_calls = 0;      // encoder calls (CPU: one per request; GPU: a step's new images in one)
   double vision_seconds = 0.0;   // of which encoding (inside forward_seconds)
   // Speculation (vLLM's spec_decode counters): verified drafts, draft tokens proposed, draft tokens the
   // rule accepted (what a step emits may stop earlier at a stop id or max_tokens).
@@ -121,6 +122,12 @@ struct StepHooks {
   };
   std::function<MediaInputs(const sched::ScheduledSeq&)> media_inputs;
 };
+
+// Images, shared by the executors: whether x's positions [start, end) overlap one of its request's media
+// spans (so the chunk needs the image rows), and the request's <|media_pad|> positions image by image (where
+// the encoder's rows go, in order), checked against its images (one span per image, as many pads as rows).
+bool overlaps_media(const sched::ScheduledSeq& x, const StepHooks::MediaInputs& mi);
+std::vector<int64_t> media_pad_positions(cache::RequestId id, const StepHooks::MediaInputs& mi, int32_t pad);
 
 // What the engine drives: the CPU Executor below, or a device executor (runtime/executor_cuda.h).
 class StepExecutor {

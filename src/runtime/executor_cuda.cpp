@@ -6,12 +6,18 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <memory>
+#include <span>
+#include <unordered_map>
 #include <vector>
 
 #include "core/check.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/sampling.h"
 #include "model/cuda/cuda_model.h"
+#include "vision/cuda/vision_cuda.h"
+#include "vision/vision.h"
 
 namespace kestrel::runtime {
 
@@ -71,13 +77,103 @@ struct HostSample {  // a device-sampled row's parameters for the host fallback
 
 struct CudaExecutor::Impl {
   model::CudaModel& m;
-  int64_t V;
+  int64_t V, D;
+  int32_t pad;  // <|media_pad|>
   model::CudaCachePtr cache;
   const void* pinned = nullptr;  // the engine's mask table, registered as pinned host memory
+  // Image rows of running requests: a share of the device buffer of the step that encoded them.
+  struct Media {
+    std::shared_ptr<cuda::DeviceBuffer> buf;  // bf16 [rows of that step's calls, D]
+    int64_t row0 = 0;                         // the request's first row in buf
+    std::vector<int64_t> pos;                 // prompt position of each of its rows, ascending
+  };
+  std::unordered_map<cache::RequestId, Media> media;
   Impl(model::CudaModel& mm, const ModelConfig& c, const CacheFormats& f, const cache::CacheConfig& cc)
-      : m(mm), V(c.text.vocab_size), cache(mm.new_cache(cc.num_pages, cc.num_state_slots, f)) {}
+      : m(mm),
+        V(c.text.vocab_size),
+        D(c.text.hidden_size),
+        pad(c.media_placeholder_token_id),
+        cache(mm.new_cache(cc.num_pages, cc.num_state_slots, f)) {}
   ~Impl() {
     if (pinned) cudaHostUnregister(const_cast<void*>(pinned));
+  }
+
+  // The step's image rows (executor_cuda.h, "Images"): encodes the images of every request in `order` whose
+  // chunk overlaps a media span and that has no rows yet — all of them stacked, in calls of at most
+  // kMaxVisionPatches patches, into one device buffer — then appends to `embed` the rows of each such
+  // sequence's (order[i]'s) <|media_pad|> positions in its chunk; embed_pos[i] holds those positions.
+  // `enc` null: a request with images in the step is an error (the engine refuses them at submit).
+  void media_rows(vision::VisionCuda* enc, const std::vector<const sched::ScheduledSeq*>& order,
+                  const StepHooks& hooks, std::vector<model::CudaEmbedRows>& embed,
+                  std::vector<std::vector<int32_t>>& embed_pos, ExecutorStats& st) {
+    std::vector<StepHooks::MediaInputs> mi(order.size());
+    std::vector<size_t> fresh;  // indices into order: requests whose images are encoded in this step
+    bool any = false;
+    for (size_t i = 0; i < order.size(); ++i) {
+      const sched::ScheduledSeq& x = *order[i];
+      mi[i] = hooks.media_inputs(x);
+      if (!overlaps_media(x, mi[i])) continue;
+      KCHECK(enc != nullptr, "request {}: images, but this GPU executor has no vision encoder", x.id);
+      any = true;
+      if (!media.count(x.id)) fresh.push_back(i);
+    }
+    if (!any) return;
+    if (!fresh.empty()) {
+      const auto t0 = std::chrono::steady_clock::now();
+      std::vector<Media> got(fresh.size());
+      std::vector<const ImageInput*> ims;  // every fresh request's images, request by request, in order
+      int64_t rows = 0;
+      for (size_t f = 0; f < fresh.size(); ++f) {
+        const size_t i = fresh[f];
+        got[f].pos = media_pad_positions(order[i]->id, mi[i], pad);  // as many pads as each image has rows
+        got[f].row0 = rows;
+        rows += int64_t(got[f].pos.size());
+        for (const auto& im : mi[i].images) ims.push_back(im.get());
+      }
+      auto buf = std::make_shared<cuda::DeviceBuffer>(size_t(rows * D) * 2);  // bf16 [rows, D]
+      auto* out = static_cast<uint16_t*>(buf->data());
+      cudaStream_t s = static_cast<cudaStream_t>(m.stream());
+      int64_t done = 0;  // rows written
+      for (size_t a = 0; a < ims.size();) {
+        // The next call: images [a, b), at most kMaxVisionPatches patches unless one image alone is larger.
+        size_t b = a;
+        int64_t patches = 0;
+        while (b < ims.size()) {
+          const int64_t p = int64_t(ims[b]->grid_h) * ims[b]->grid_w;
+          if (b > a && patches + p > kMaxVisionPatches) break;
+          patches += p, ++b;
+        }
+        const std::span<const ImageInput* const> call(ims.data() + a, b - a);
+        KCHECK(done + vision::num_tokens(call) <= rows, "executor: image rows overflow ({} + {} > {})", done,
+               vision::num_tokens(call), rows);
+        // prepare() waits for the stream's earlier work (an earlier call's reads of its scratch) itself.
+        const int64_t n = enc->prepare(call, s);
+        enc->run(out + done * D, s);
+        done += n;
+        ++st.vision_calls;
+        a = b;
+      }
+      KCHECK(done == rows, "executor: the encoder gave {} image rows, the prompts hold {} media_pad", done, rows);
+      // Waited for here only so that vision_seconds is the encoder's time (a step with new images is rare).
+      KCUDA_CHECK(cudaStreamSynchronize(s));
+      st.vision_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      st.images_encoded += int64_t(ims.size());
+      for (size_t f = 0; f < fresh.size(); ++f) {
+        got[f].buf = buf;
+        media.emplace(order[fresh[f]]->id, std::move(got[f]));
+      }
+    }
+    for (size_t i = 0; i < order.size(); ++i) {
+      const sched::ScheduledSeq& x = *order[i];
+      if (!overlaps_media(x, mi[i])) continue;
+      const Media& md = media.at(x.id);
+      const auto lo = std::lower_bound(md.pos.begin(), md.pos.end(), x.start);
+      const auto hi = std::lower_bound(lo, md.pos.end(), x.end);
+      for (auto p = lo; p != hi; ++p) embed_pos[i].push_back(int32_t(*p - x.start));
+      if (embed_pos[i].empty()) continue;
+      embed.push_back({int64_t(i), embed_pos[i],
+                       static_cast<const uint16_t*>(md.buf->data()) + (md.row0 + (lo - md.pos.begin())) * D});
+    }
   }
   // Pins the engine's mask table once (it is fixed for the engine's lifetime, which holds this
   // executor); if pinning fails the copies still work, staged by the driver.
@@ -100,6 +196,13 @@ CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const 
   impl_ = std::make_unique<Impl>(model, c, formats, cc);
   model.enable_cuda_graphs(options.cuda_graphs);
   follower_ = options.follower;
+  vision_ = options.vision;
+  if (vision_) {
+    KCHECK(c.vision.present && c.vision.text_hidden_size == c.text.hidden_size,
+           "executor: a vision encoder for a config without a vision tower (or of another width)");
+    KCHECK(c.text.hidden_size % 8 == 0, "executor: image rows need D % 8 == 0 (16-byte rows), D = {}",
+           c.text.hidden_size);
+  }
 }
 
 CudaExecutor::~CudaExecutor() = default;
@@ -115,6 +218,8 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
     for (const sched::ScheduledSeq& x : *list)
       if (x.reset_state) m.zero_slot(cc, x.state_slot);
   for (const cache::SlotCopy& cp : plan.copies_before) m.copy_slot(cc, cp.src, cp.dst);
+  for (const auto* list : {&plan.finished, &plan.cancelled})
+    for (cache::RequestId id : *list) impl_->media.erase(id);
 
   // The batch: single-token sequences first (one absorbed MLA launch), in plan order otherwise.
   std::vector<const sched::ScheduledSeq*> order;
@@ -174,7 +279,11 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
     ++stats_.forwards;
     stats_.tokens_forwarded += x.end - x.start;
   }
-  const int64_t got = m.forward_batch(cc, seqs);
+  // Image rows of the chunks that cover <|media_pad|> positions (encoding the step's new images first).
+  std::vector<std::vector<int32_t>> embed_pos(order.size());  // i32 per sequence: positions within its chunk
+  std::vector<model::CudaEmbedRows> embed;
+  if (hooks.media_inputs) impl_->media_rows(vision_, order, hooks, embed, embed_pos, stats_);
+  const int64_t got = m.forward_batch(cc, seqs, embed);
   KCHECK(got == rows, "executor: {} logits rows, expected {}", got, rows);
   if (follower_) {  // a TP rank other than 0: its logits are rank 0's; nothing to sample here
     for (const cache::SlotCopy& cp : plan.copies_after) m.copy_slot(cc, cp.src, cp.dst);

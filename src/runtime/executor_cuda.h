@@ -13,6 +13,16 @@
 // graph buckets unless options.cuda_graphs is off (the StepPlan → padded static inputs, then replay;
 // see model/cuda/graphs.h).
 //
+// Images (MODEL.md §6; the CPU executor's media_rows is the twin): with options.vision, before the forward,
+// every request of the step whose chunk overlaps one of its media spans and whose images are not encoded yet
+// has them encoded — all such requests' images in ONE varlen call of the GPU encoder (vision/cuda/
+// vision_cuda.h; up to kMaxVisionPatches patches a call, more only in further calls) into one device buffer.
+// A request keeps its rows (a share of that buffer) until it finishes or is cancelled, so a chunk that cuts
+// a span, a later chunk and a preempted request's re-prefill reuse them; each chunk hands the model the
+// rows of its <|media_pad|> positions (model::CudaEmbedRows), which replace those embeddings.
+// Which positions are computed at all is the scheduler's (a prefix-cache hit keyed by the image hash skips
+// the span, and then nothing is encoded), exactly as on the CPU.
+//
 // The scheduler is unchanged: it only sees StepPlans and StepResults.
 #pragma once
 
@@ -30,6 +40,9 @@
 namespace kestrel::model {
 class CudaModel;
 }
+namespace kestrel::vision {
+class VisionCuda;
+}
 
 namespace kestrel::runtime {
 
@@ -39,7 +52,15 @@ struct CudaExecutorOptions {
   // then nothing — no sampling, no logits copied out; run() returns an empty result. The hooks' only use
   // is wants_all_logits, which must answer as rank 0's do (the logits rows, hence the gathers, must match).
   bool follower = false;
+  // The GPU vision encoder (with its weights on the device), to outlive the executor; null: requests with
+  // images are refused (supports_images() is false).
+  vision::VisionCuda* vision = nullptr;
 };
+
+// Patches per encoder call: a step's new images are split into calls of at most this many patches (an image
+// larger than that alone), which bounds the encoder's scratch (about 0.55 GB at the real vision dims: three
+// 1024 × 1024 images).
+inline constexpr int64_t kMaxVisionPatches = 16384;
 
 class CudaExecutor : public StepExecutor {
  public:
@@ -50,12 +71,14 @@ class CudaExecutor : public StepExecutor {
 
   sched::StepResult run(const sched::StepPlan& plan, const StepHooks& hooks) override;
   const ExecutorStats& stats() const override { return stats_; }
+  bool supports_images() const override { return vision_ != nullptr; }
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
   ExecutorStats stats_;
   bool follower_ = false;
+  vision::VisionCuda* vision_ = nullptr;
 };
 
 // The device sampler's logit adjustments for one row (kernels/cuda/sampling.h PenaltyEntry), appended

@@ -43,6 +43,12 @@ bool Matcher::is_terminated() const {
   return stop_.empty();  // with stop tokens, the end is only reached by accepting one
 }
 
+bool Matcher::token_may_terminate(TokenId id) const {
+  // is_terminated() after an ordinary token: with stop tokens only a stop token ends the matcher.
+  if (!cg_->vocab().is_ordinary(id) || std::find(stop_.begin(), stop_.end(), id) != stop_.end()) return true;
+  return stop_.empty() && cg_->bytes_may_terminate();
+}
+
 bool Matcher::free_text() const {
   if (stopped_.back()) return false;
   const uint32_t limit = cg_->max_stack_depth();

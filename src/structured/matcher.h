@@ -47,6 +47,11 @@ class CompiledGrammar {
   const Stats& stats() const { return stats_; }
   // The fewest tokens from state q to the end of its rule, an upper bound (token_tables.cpp).
   uint32_t min_accept(uint32_t q) const { return min_accept_[q]; }
+  // Whether accepting an ordinary token can ever leave a matcher of this grammar (without stop
+  // tokens) terminated: only if a byte edge, or a call's return after one, reaches an accepting state
+  // of the root rule with no way on. False for the grammars that end on a special token (the chat
+  // grammar's <|end_of_msg|>).
+  bool bytes_may_terminate() const { return bytes_may_terminate_; }
 
  private:
   friend class Matcher;
@@ -71,6 +76,7 @@ class CompiledGrammar {
   Grammar g_;
   uint32_t max_depth_;
   bool root_called_ = false;
+  bool bytes_may_terminate_ = false;
   std::vector<Table> tables_;
   std::vector<uint32_t> min_accept_;  // per state (min_accept)
   bool every_byte_a_token_ = false;   // each of the 256 bytes is a token of its own
@@ -104,6 +110,11 @@ class Matcher {
   bool can_end() const { return !stopped_.back() && top().ended; }
   // A stop token was accepted, or the document is complete and nothing more can follow.
   bool is_terminated() const;
+  // Whether accepting `id` (where allowed) may leave the matcher terminated, from the token alone: a
+  // special token or a stop token may; an ordinary one only without stop tokens and when the grammar
+  // can end on bytes (CompiledGrammar::bytes_may_terminate). False lets an engine take an allowed
+  // ordinary token without stepping the matcher at once (runtime/constraints.h defers the step).
+  bool token_may_terminate(TokenId id) const;
   // Free text here: every ordinary token is allowed next (the mask would differ from "all" only in
   // special tokens). An engine may then sample without a mask and check the token with accept()
   // (reasoning-aware structured output: the think section costs no mask).

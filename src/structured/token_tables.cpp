@@ -114,6 +114,15 @@ CompiledGrammar::CompiledGrammar(std::shared_ptr<const TokenVocab> vocab, Gramma
   std::vector<uint8_t> reach(S, 0);
   std::vector<uint32_t> work = {g_.rules[g_.root].start};
   reach[work[0]] = 1;
+  // A matcher is terminated when its configuration ended and every frame is a state with no way on;
+  // its bottom frame is always a root-rule state, which after an ordinary token is a byte edge's
+  // target or (popped into) a call's return state: if no such state is an accepting dead end, no
+  // ordinary token can terminate a matcher (bytes_may_terminate()).
+  auto final_root = [&](uint32_t t) {
+    const Grammar::State& st = g_.states[t];
+    return st.rule == g_.root && st.accepting && !st.has_bytes && st.specials_begin == st.specials_end &&
+           st.calls_begin == st.calls_end;
+  };
   while (!work.empty()) {
     const uint32_t q = work.back();
     work.pop_back();
@@ -122,9 +131,14 @@ CompiledGrammar::CompiledGrammar(std::shared_ptr<const TokenVocab> vocab, Gramma
       if (t != kDead && !reach[t]) reach[t] = 1, work.push_back(t);
     };
     if (s.has_bytes)
-      for (int b = 0; b < 256; ++b) visit(g_.step(q, uint8_t(b)));
+      for (int b = 0; b < 256; ++b) {
+        const uint32_t t = g_.step(q, uint8_t(b));
+        if (t != kDead && final_root(t)) bytes_may_terminate_ = true;
+        visit(t);
+      }
     for (uint32_t i = s.specials_begin; i < s.specials_end; ++i) visit(g_.specials[i].next);
     for (uint32_t i = s.calls_begin; i < s.calls_end; ++i) {
+      if (final_root(g_.calls[i].ret)) bytes_may_terminate_ = true;
       visit(g_.calls[i].ret);
       visit(g_.rules[g_.calls[i].rule].start);
     }

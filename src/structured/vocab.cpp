@@ -60,6 +60,9 @@ TokenVocab::TokenVocab(const tok::Tokenizer& tok, size_t vocab_size)
     trie_[path.back()].end = uint32_t(trie_.size());
     path.pop_back();
   }
+  ordinary_.assign(mask_words(), 0);
+  for (const TrieNode& n : trie_)
+    if (n.token != kNoToken) ordinary_[n.token >> 5] |= 1u << (n.token & 31);
 }
 
 }  // namespace kestrel::structured

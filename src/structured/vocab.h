@@ -44,6 +44,11 @@ class TokenVocab {
   size_t max_token_bytes() const { return max_token_bytes_; }
   bool is_special(TokenId id) const { return tok_->is_special(id); }
   bool in_vocab(TokenId id) const { return id < tok_->vocab_size(); }
+  // An ordinary token: one in the trie (a base token with bytes). Every other id is a special token,
+  // an id without bytes or one beyond the tokenizer: a grammar reads none of them as text.
+  bool is_ordinary(TokenId id) const {
+    return id < vocab_size_ && ((ordinary_[id >> 5] >> (id & 31)) & 1u);
+  }
   // Bytes of an ordinary token (special ids give their names; unused by the matcher).
   const std::string& bytes(TokenId id) const { return tok_->token_bytes(id); }
   std::optional<TokenId> special(std::string_view name) const { return tok_->special_id(name); }
@@ -56,6 +61,7 @@ class TokenVocab {
   size_t max_token_bytes_ = 0;
   uint64_t fingerprint_ = 0;
   std::vector<TrieNode> trie_;
+  std::vector<uint32_t> ordinary_;  // mask words: the trie's tokens
 };
 
 // Mask helpers (words of 32 ids).

@@ -32,8 +32,11 @@ TEST(GpuVision, AttentionMatchesCpuTwin) {
     int head_dim, heads;
     std::vector<int> rows;  // per image
   };
-  const std::vector<Case> cases = {{16, 2, {4, 64, 1}}, {16, 2, {130}},          {32, 3, {65, 7}},
-                                   {128, 2, {63, 64, 65}}, {128, 12, {200, 2, 129}}, {128, 1, {1}}};
+  // Row counts around the 64-key tile (the two-stage pipeline's last prefetch: N = 64, 128 exactly), and one
+  // long image (16 tiles: the stages swap 16 times).
+  const std::vector<Case> cases = {{16, 2, {4, 64, 1}},    {16, 2, {130}},           {32, 3, {65, 7}},
+                                   {128, 2, {63, 64, 65}}, {128, 12, {200, 2, 129}}, {128, 1, {1}},
+                                   {128, 2, {128, 192}},   {128, 2, {1000, 3}},      {32, 2, {1024}}};
   Rng rng(11);
   for (const Case& c : cases) {
     const int64_t Wq = int64_t(c.heads) * c.head_dim, ld = 3 * Wq;

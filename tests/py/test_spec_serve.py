@@ -70,3 +70,24 @@ def test_greedy_speculation_equals_plain_and_reports_acceptance(kestrel_bin, nan
         assert spec_counter(s, "vllm:spec_decode_num_drafts") >= drafts + r["spec_decode_num_drafts"]
     finally:
         assert s.stop() == 0
+
+
+def test_generate_prints_acceptance_and_equals_plain(kestrel_bin, nano_dir, draft_dir, tmp_path):
+    """`kestrel generate --speculative-config` (what k3data/spec_eval.py measures with): the same greedy tokens
+    as without speculation, and a `speculative:` line whose acceptance length is 1 + accepted / drafts."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("ids:5,9,13,200,7\nids:1,2,3\n")
+    args = ["generate", "--model", nano_dir, "--prompts-file", prompts, "--max-tokens", 12, "--temperature", 0]
+    plain = run_kestrel(kestrel_bin, *args)
+    spec = run_kestrel(kestrel_bin, *args, "--speculative-config",
+                       json.dumps({"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": 4}))
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    toks = lambda out: re.findall(r"^\[\d\] tokens: (.*)$", out, re.M)  # noqa: E731
+    assert len(toks(plain.stdout)) == 2 and toks(spec.stdout) == toks(plain.stdout)
+    assert "speculative:" not in plain.stdout
+    m = re.search(r"^speculative: (\d+) drafts, (\d+) draft tokens, (\d+) accepted; acceptance length ([\d.]+)$",
+                  spec.stdout, re.M)
+    assert m, spec.stdout
+    drafts, draft_tokens, accepted, length = int(m[1]), int(m[2]), int(m[3]), float(m[4])
+    assert drafts > 0 and 0 <= accepted <= draft_tokens <= 4 * drafts
+    assert length == pytest.approx(1 + accepted / drafts, abs=1e-3)

@@ -8,7 +8,8 @@
 //  - preemption (recompute) and the prefix cache leave a constrained request's tokens unchanged;
 //  - the end token only where the document may end; a dead end (nesting limit) is an error event for
 //    that request only; free text is sampled without a mask and a refused token drawn again;
-//  - the pieces: the mask twin, SeqConstraint::sync (rollback / replay), the worker, validate().
+//  - the pieces: the mask twin, SeqConstraint::sync (rollback / replay) and take (deferred matcher
+//    steps), the mask pool (several threads = the serial results), validate().
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -481,11 +482,11 @@ TEST(EngineStructured, MaskTwinSyncAndWorker) {
   EXPECT_TRUE(sc.accept(end_of_msg()));
   EXPECT_TRUE(sc.terminated());
   EXPECT_FALSE(sc.sync(prompt_of("[x")));
-  // The worker fills in order; wait(i) gives each job's allowed count.
+  // The pool runs the jobs; wait(i) gives each job's allowed count (the same as filling directly).
   runtime::SeqConstraint a(c.grammar, {end_of_msg()}), b(c.grammar, {end_of_msg()});
   ASSERT_TRUE(b.sync(prompt_of("[1")));
   std::vector<uint32_t> ma(nano_vocab()->mask_words()), mb(ma.size()), ref(ma.size());
-  runtime::MaskWorker worker;
+  runtime::MaskPool worker;
   worker.start({{&a, ma.data()}, {&b, mb.data()}});
   const int64_t nb = worker.wait(1), na = worker.wait(0);
   worker.wait_all();
@@ -496,6 +497,94 @@ TEST(EngineStructured, MaskTwinSyncAndWorker) {
   EXPECT_GT(na, 0);
   worker.start({});
   worker.wait_all();
+}
+
+// SeqConstraint::take: an allowed ordinary token is taken by its mask bit and the matcher's step
+// deferred to flush() (which the next mask job runs); a token outside the mask is refused and changes
+// nothing; the end token is stepped at once and completes the document; sync() keeps a deferred token.
+TEST(EngineStructured, TakeDefersTheMatcherStepOfOrdinaryTokens) {
+  const OutputConstraint c = document(ojson::parse(R"({"type": "array", "items": {"type": "integer"}})"));
+  runtime::SeqConstraint sc(c.grammar, {end_of_msg()});
+  std::vector<uint32_t> mask(nano_vocab()->mask_words());
+  const int32_t open = int32_t(*nano().tok->base_id("[")), one = int32_t(*nano().tok->base_id("1"));
+  const int32_t close = int32_t(*nano().tok->base_id("]"));
+  bool end = true;
+  ASSERT_GT(sc.fill(mask.data()), 0);
+  EXPECT_FALSE(sc.take(close, mask.data(), end)) << "']' cannot open the document";
+  ASSERT_TRUE(sc.take(open, mask.data(), end));
+  EXPECT_FALSE(end);
+  EXPECT_EQ(sc.deferred(), open);
+  EXPECT_EQ(sc.accepted(), 1u);
+  std::vector<int32_t> out = {open};
+  ASSERT_TRUE(sc.sync(out));  // the output is what was taken: nothing to do, still deferred
+  EXPECT_EQ(sc.deferred(), open);
+  ASSERT_TRUE(sc.flush());
+  EXPECT_EQ(sc.deferred(), -1);
+  ASSERT_GT(sc.fill(mask.data()), 0);
+  ASSERT_TRUE(sc.take(one, mask.data(), end));
+  ASSERT_TRUE(sc.flush());
+  ASSERT_GT(sc.fill(mask.data()), 0);
+  EXPECT_FALSE(sc.take(end_of_msg(), mask.data(), end)) << "not where the document may end";
+  ASSERT_TRUE(sc.take(close, mask.data(), end));
+  ASSERT_TRUE(sc.flush());
+  ASSERT_GT(sc.fill(mask.data()), 0);
+  ASSERT_TRUE(sc.take(end_of_msg(), mask.data(), end));
+  EXPECT_TRUE(end);
+  EXPECT_TRUE(sc.terminated());
+  EXPECT_EQ(sc.deferred(), -1) << "the end token is stepped at once";
+  // A token taken without a mask outside free text: the matcher decides at once (refused here).
+  runtime::SeqConstraint fresh(c.grammar, {end_of_msg()});
+  EXPECT_FALSE(fresh.take(close, nullptr, end));
+  ASSERT_TRUE(fresh.take(open, nullptr, end));
+  EXPECT_EQ(fresh.deferred(), -1);
+  // sync() onto another output flushes and replays.
+  ASSERT_TRUE(fresh.take(one, nullptr, end));
+  out = {open, close};
+  ASSERT_TRUE(fresh.sync(out));
+  EXPECT_EQ(fresh.accepted(), 2u);
+  EXPECT_EQ(fresh.deferred(), -1);
+}
+
+// The pool with several threads over many batches of many jobs, each job a matcher step (a deferred
+// token) and a fill: every result and row equals the serial one, whichever thread (or waiter) ran it.
+TEST(EngineStructured, MaskPoolThreadsGiveTheSerialResults) {
+  const OutputConstraint c = document(ojson::parse(R"({"type": "array", "items": {"type": "string", "maxLength": 3}})"));
+  const int n = 24;
+  std::vector<std::unique_ptr<runtime::SeqConstraint>> par, ser;
+  for (int i = 0; i < n; ++i) {
+    par.push_back(std::make_unique<runtime::SeqConstraint>(c.grammar, std::vector<int32_t>{end_of_msg()}));
+    ser.push_back(std::make_unique<runtime::SeqConstraint>(c.grammar, std::vector<int32_t>{end_of_msg()}));
+  }
+  const size_t W = nano_vocab()->mask_words();
+  std::vector<uint32_t> rows(n * W), ref(W);
+  runtime::MaskPool pool(3);
+  EXPECT_EQ(pool.threads(), 3);
+  std::mt19937 rng(5);
+  for (int step = 0; step < 60; ++step) {
+    std::vector<runtime::MaskPool::Job> jobs;
+    for (int i = 0; i < n; ++i) jobs.push_back({par[size_t(i)].get(), rows.data() + size_t(i) * W});
+    pool.start(std::move(jobs));
+    for (int k = 0; k < n; ++k) {
+      const int i = step % 2 ? n - 1 - k : k;  // waiters in either order
+      const int64_t got = pool.wait(size_t(i));
+      ASSERT_TRUE(ser[size_t(i)]->flush());
+      const int64_t want = ser[size_t(i)]->free_text() ? runtime::MaskPool::kFreeText : ser[size_t(i)]->fill(ref.data());
+      ASSERT_EQ(got, want) << "step " << step << " job " << i;
+      if (want <= 0) continue;
+      ASSERT_TRUE(std::equal(ref.begin(), ref.end(), rows.begin() + std::ptrdiff_t(size_t(i) * W)));
+      // The same allowed token for both (drawn from the row), deferred or not alike.
+      std::vector<int32_t> ids;
+      for (size_t id = 0; id < size_t(nano().cfg.text.vocab_size); ++id)
+        if (structured::mask_test(ref.data(), structured::TokenId(id)) && int32_t(id) != end_of_msg()) ids.push_back(int32_t(id));
+      if (ids.empty()) continue;
+      const int32_t t = ids[rng() % ids.size()];
+      bool e1, e2;
+      ASSERT_TRUE(par[size_t(i)]->take(t, rows.data() + size_t(i) * W, e1));
+      ASSERT_TRUE(ser[size_t(i)]->take(t, ref.data(), e2));
+    }
+    pool.wait_all();
+  }
+  EXPECT_GT(pool.busy_seconds(), 0.0);
 }
 
 // validate(): the constraint's consistency, named by field; the engine checks the grammar's vocabulary.

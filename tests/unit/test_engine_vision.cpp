@@ -4,6 +4,7 @@
 // rows, and images a model cannot take are refused at submit with a RequestError, never in the step.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -142,6 +143,98 @@ TEST(EngineVision, TheImageDecidesTheOutputAndTheSameImageGivesTheSameOutput) {
       EXPECT_GT(rel_l2(run.logits[0][p], run.logits[2][p]), 1e-3) << p;
     }
   }
+}
+
+// The CPU executor with a gate before each step (so requests submitted while it is held share the next
+// step) and its stats readable from the test.
+class Gated : public runtime::StepExecutor {
+ public:
+  explicit Gated(std::unique_ptr<runtime::StepExecutor> inner) : inner_(std::move(inner)) {}
+  sched::StepResult run(const sched::StepPlan& plan, const runtime::StepHooks& hooks) override {
+    {
+      std::unique_lock<std::mutex> lk(mu);
+      ++entered;
+      cv.notify_all();
+      cv.wait(lk, [&] { return !held; });
+      max_prefills = std::max(max_prefills, plan.prefills.size());
+    }
+    return inner_->run(plan, hooks);
+  }
+  const runtime::ExecutorStats& stats() const override { return inner_->stats(); }
+  bool supports_images() const override { return inner_->supports_images(); }
+  std::mutex mu;
+  std::condition_variable cv;
+  bool held = false;
+  int entered = 0;
+  size_t max_prefills = 0;  // most prefill chunks in one step
+
+ private:
+  std::unique_ptr<runtime::StepExecutor> inner_;
+};
+
+// Request with the images, then 10 text tokens: its media spans end before its last full 16-token block.
+Request image_request_with_tail(const std::vector<std::shared_ptr<const ImageInput>>& ims) {
+  Request r = image_request(ims);
+  for (int i = 0; i < 10; ++i) r.prompt.push_back(100 + 37 * i);
+  return r;
+}
+
+// What GpuEngineVision.ImagesOnTheGpuEngineMatchTheCpuEngine (tests/gpu) expects of the CPU engine, which it
+// runs beside the GPU one: two image requests that share a step are both encoded before it (per request on
+// the CPU: two encoder calls); the same request again hits the prefix cache past its media spans and encodes
+// nothing; the same tokens with another first image (another hash) hit nothing there and encode both images.
+TEST(EngineVision, ARepeatedImageHitsThePrefixCacheAndIsNotEncodedAgain) {
+  EngineConfig cfg;
+  cfg.memory_budget = 64 << 20;
+  cfg.formats.block_size = 16;
+  cfg.max_num_batched_tokens = 256;
+  Gated* gate = nullptr;
+  cfg.make_executor = [&gate](const CacheFormats& f, const cache::CacheConfig& cc) {
+    auto g = std::make_unique<Gated>(std::make_unique<runtime::Executor>(nano().w, nano().cfg, f, cc));
+    gate = g.get();
+    return std::unique_ptr<runtime::StepExecutor>(std::move(g));
+  };
+  Engine e(nano().w, nano().cfg, cfg);
+  ASSERT_NE(gate, nullptr);
+  Runner run;
+  {
+    std::lock_guard<std::mutex> lk(gate->mu);
+    gate->held = true;
+  }
+  Request text;
+  text.prompt = {5, 77, 301, 12, 400};
+  text.max_tokens = 4;
+  text.ignore_eos = true;
+  run.submit(e, text, 0);
+  {
+    std::unique_lock<std::mutex> lk(gate->mu);
+    ASSERT_TRUE(gate->cv.wait_for(lk, std::chrono::seconds(60), [&] { return gate->entered >= 1; }));
+  }
+  const Request A = image_request_with_tail({image(4, 6, 1), image(6, 4, 2)});  // 39 tokens, spans end at 25
+  run.submit(e, A, 1);
+  run.submit(e, image_request_with_tail({image(6, 6, 3)}), 2);                    // 30 tokens, span [7, 16)
+  {
+    std::lock_guard<std::mutex> lk(gate->mu);
+    gate->held = false;
+  }
+  gate->cv.notify_all();
+  run.wait(3);
+  e.wait_idle();
+  EXPECT_EQ(gate->stats().images_encoded, 3);
+  EXPECT_EQ(gate->stats().vision_calls, 2);  // per request on the CPU
+  EXPECT_EQ(gate->max_prefills, 2u) << "the two image requests should prefill in one step";
+  const int64_t hits = e.stats().prefix_hits;
+  run.submit(e, A, 3);
+  run.wait(4);
+  e.wait_idle();
+  EXPECT_EQ(e.stats().prefix_hits, hits + 1);
+  EXPECT_EQ(gate->stats().images_encoded, 3) << "a repeated image must not be encoded again";
+  EXPECT_EQ(run.tokens[3], run.tokens[1]);
+  run.submit(e, image_request_with_tail({image(4, 6, 7), image(6, 4, 2)}), 4);
+  run.wait(5);
+  e.wait_idle();
+  EXPECT_EQ(e.stats().prefix_hits, hits + 1) << "another image with the same tokens must not hit";
+  EXPECT_EQ(gate->stats().images_encoded, 5);
 }
 
 TEST(EngineVision, ImagesTheModelCannotTakeAreRefusedAtSubmit) {

@@ -249,3 +249,60 @@ TEST(EvalSet, MalformedItemsAreErrorsWithTheirLocation) {
   EXPECT_EQ(body["max_tokens"], 5);
   EXPECT_THROW(check_unique_ids({ok, ok}), kestrel::Error);
 }
+
+// Image items (issue #21): the answer is the whole content, trimmed, case-folded, one final '.' dropped;
+// the summary has one row per meta.kind; a malformed item names what is missing.
+TEST(EvalScorer, ImageAnswersAreExactMatchesPerKind) {
+  auto item = [](const char* id, const char* kind, const char* answer) {
+    json j = {{"id", id},
+              {"task", "image"},
+              {"request", {{"messages", json::array({{{"role", "user"}, {"content", "What colour?"}}})}}},
+              {"expect", {{"answer", answer}}},
+              {"meta", {{"kind", kind}}}};
+    return parse_eval_item(j.dump(), "t:1");
+  };
+  const EvalItem red = item("c1", "colour", "Red"), four = item("n1", "count", "4");
+  EXPECT_EQ(red.answer, "red");
+  EXPECT_TRUE(score_item(red, text("red")).correct);
+  EXPECT_TRUE(score_item(red, text(" RED.\n")).correct);
+  EXPECT_FALSE(score_item(red, text("dark red")).correct);
+  EXPECT_FALSE(score_item(red, text("reddish")).correct);
+  EXPECT_FALSE(score_item(red, text("", "red")).correct);  // only content counts
+  EXPECT_EQ(score_item(red, text("Blue.")).extracted, "blue");
+  EXPECT_TRUE(score_item(four, text("4")).correct);
+  EXPECT_FALSE(score_item(four, text("4 shapes")).correct);
+  EXPECT_EQ(normalize_answer(" a. "), "a");
+  EXPECT_EQ(normalize_answer("a.."), "a.");
+  EXPECT_EQ(normalize_answer(" . "), "");
+  Response err;
+  err.error = "timeout";
+  const std::vector<EvalItem> items = {red, four, item("c2", "colour", "blue")};
+  const std::vector<Response> rs = {text("red"), text("5"), err};
+  std::vector<Verdict> vs;
+  for (size_t i = 0; i < items.size(); ++i) vs.push_back(score_item(items[i], rs[i]));
+  const Summary s = summarize(items, rs, vs);
+  EXPECT_EQ(s.image.n, 3);
+  EXPECT_EQ(s.image.correct, 1);
+  EXPECT_EQ(s.image.errors, 1);
+  EXPECT_EQ(s.image_by_kind.at("colour").n, 2);
+  EXPECT_EQ(s.image_by_kind.at("colour").correct, 1);
+  EXPECT_EQ(s.image_by_kind.at("count").correct, 0);
+  const auto j = summary_json(s);
+  EXPECT_EQ(j["image"]["by_kind"]["colour"]["correct"], 1);
+  EXPECT_NE(format_tables(s).find("colour"), std::string::npos);
+  EXPECT_EQ(item_json(red, rs[0], vs[0], false)["verdict"]["correct"], true);
+  const std::string msgs = R"("messages": [{"role": "user", "content": "x"}])";
+  for (const auto& [line, needle] : std::vector<std::pair<std::string, const char*>>{
+           {R"({"id": "a", "task": "image", "request": {)" + msgs + R"(}, "expect": {"answer": 3}, "meta": {"kind": "k"}})",
+            "expect.answer"},
+           {R"({"id": "a", "task": "image", "request": {)" + msgs + R"(}, "expect": {"answer": " . "}, "meta": {"kind": "k"}})",
+            "expect.answer"},
+           {R"({"id": "a", "task": "image", "request": {)" + msgs + R"(}, "expect": {"answer": "x"}})", "meta.kind"}}) {
+    try {
+      parse_eval_item(line, "set.jsonl:3");
+      ADD_FAILURE() << "accepted: " << line;
+    } catch (const kestrel::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  }
+}

@@ -171,7 +171,7 @@ TEST(KernelsCpu, Mxfp4GemmEqualsDequantisedProductExactly) {
   std::mt19937_64 rng(3);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (auto [T, out, in] : {std::tuple<int64_t, int64_t, int64_t>{1, 64, 128}, {5, 33, 64}, {2, 128, 96}, {3, 7, 32},
-                            {17, 50, 192}}) {
+                            {17, 50, 192}, {7, 7, 64}, {42, 20, 128}}) {  // batch tiles' row and output tails
     std::vector<uint8_t> packed(size_t(out * in / 2)), scale(size_t(out * in / 32));
     for (int64_t r = 0; r < out; ++r)
       for (int64_t b = 0; b < in / 32; ++b) {

@@ -5,6 +5,8 @@
 // open), and hand-written outputs in the exact format of the chat encoder accepted or refused.
 #include <gtest/gtest.h>
 
+#include <random>
+
 #include "core/check.h"
 #include "evalclient/json_schema.h"
 #include "structured/chat_grammar.h"
@@ -138,6 +140,76 @@ TEST(StructuredChat, WalksParseIntoTheShapeEachModeDemands) {
   };
   uint32_t seed = 11;
   for (const Mode& m : modes) check_mode(m, 40, seed++);
+}
+
+// What the engine relies on to take a sampled token without stepping the matcher (runtime/constraints.h
+// SeqConstraint::take): the mask is exact — a bit is set exactly when accept() takes the id — along
+// seeded walks through a chat grammar (think section, tools, JSON answer) and a document grammar with a
+// stop token; in free text every ordinary id is taken; and an ordinary token never leaves these
+// matchers terminated (token_may_terminate is false for it), while a grammar that can end on bytes
+// (a bare document without stop tokens) says so.
+TEST(StructuredChat, MaskIsExactAndOrdinaryTokensNeverTerminate) {
+  const TokenVocab& v = *k3_vocab();
+  const TokenId end = *k3_tokenizer().special_id("<|end_of_msg|>");
+  const ojson schema = ojson::parse(R"({"type": "object", "properties": {"n": {"type": "integer", "maximum": 99},
+      "s": {"type": "string", "maxLength": 6}, "t": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}},
+      "required": ["n", "s", "t"], "additionalProperties": false})");
+  const std::string tools = std::string(R"({"tools": )") + kTools + "}";
+  struct Case {
+    std::string name;
+    std::shared_ptr<const CompiledGrammar> g;
+    std::vector<TokenId> stop;
+  };
+  const std::vector<Case> cases = {
+      {"chat, tools, thinking", compile_chat_grammar(k3_vocab(), chat_grammar_spec(ojson::parse(tools), true), {},
+                                                     testing::test_limits()), {}},
+      {"chat, json_schema", compile_chat_grammar(k3_vocab(), chat_grammar_spec(ojson::parse(
+           std::string(R"({"response_format": {"type": "json_schema", "json_schema": {"schema": )") + schema.dump() +
+           "}}}"), false), {}, testing::test_limits()), {}},
+      {"document + stop", compile_json_schema(k3_vocab(), schema, {}, testing::test_limits()), {end}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    if (c.stop.empty()) EXPECT_FALSE(c.g->bytes_may_terminate());
+    Matcher m(c.g, c.stop);
+    std::mt19937 rng(7);
+    std::vector<uint32_t> mask(m.mask_words());
+    size_t free_steps = 0, steps = 0;
+    for (; steps < 40 && !m.is_terminated(); ++steps) {
+      ASSERT_TRUE(m.fill_mask(mask.data()));
+      const bool free = m.free_text();
+      free_steps += free;
+      std::vector<TokenId> allowed, closing;
+      for (TokenId id = 0; id < v.vocab_size(); ++id) {
+        const bool bit = mask_test(mask.data(), id);
+        ASSERT_EQ(m.accept(id), bit) << "id " << id << " after " << steps << " tokens";
+        if (!bit) continue;
+        if (!m.token_may_terminate(id)) ASSERT_FALSE(m.is_terminated()) << "id " << id;
+        m.rollback(1);
+        if (free) ASSERT_TRUE(v.is_ordinary(id) || v.is_special(id)) << id;
+        allowed.push_back(id);
+        if (v.is_special(id) || (v.is_ordinary(id) && v.bytes(id).find_first_of("\"]}>") != std::string::npos))
+          closing.push_back(id);
+      }
+      if (free)
+        for (TokenId id = 0; id < v.vocab_size(); ++id)
+          if (v.is_ordinary(id)) ASSERT_TRUE(mask_test(mask.data(), id)) << "free text refuses ordinary id " << id;
+      const auto& from = !closing.empty() && rng() % 2 ? closing : allowed;
+      ASSERT_TRUE(m.accept(from[rng() % from.size()]));
+    }
+    std::printf("%s: %zu steps checked over %zu ids, %zu in free text\n", c.name.c_str(), steps, v.vocab_size(),
+                free_steps);
+  }
+  // A bare integer document without stop tokens ends after its 16th trailing space: bytes may end it.
+  const auto num = compile_json_schema(k3_vocab(), ojson::parse(R"({"type": "integer"})"), {}, testing::test_limits());
+  EXPECT_TRUE(num->bytes_may_terminate());
+  Matcher m(num);
+  ASSERT_TRUE(m.accept_bytes("7"));
+  const TokenId space = *k3_tokenizer().base_id(" ");
+  EXPECT_TRUE(m.token_may_terminate(space));
+  for (int i = 0; i < 16; ++i) ASSERT_TRUE(m.accept(space)) << i;
+  EXPECT_TRUE(m.is_terminated());
+  EXPECT_FALSE(Matcher(num, {end}).token_may_terminate(space));
 }
 
 // The exact text the chat encoder writes for an assistant turn (MODEL.md §7), tokenised with specials.

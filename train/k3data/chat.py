@@ -197,9 +197,11 @@ def _str_field(obj: dict, key: str, what: str) -> str:
 # encoder
 # ----------------------------------------------------------------------------------------------------------
 class _Builder:
-    def __init__(self):
+    def __init__(self, images=None):
         self.segs = []          # (text, allow_special, target)
         self.target = False
+        self.images = images    # image resolver (see render_request) or None
+        self.num_images = 0
 
     def control(self, t):
         if t:
@@ -233,6 +235,20 @@ class _Builder:
         self.close("message")
         self.end_of_msg()
 
+    def image(self, part):
+        """An image part: without a resolver the bare placeholder (the rendered template); with one, the
+        engine's expansion (src/tokenizer/chat.cpp ChatEncoder::image, MODEL.md §6 "Prompt"):
+        <|media_begin|>image {W}x{H}<|media_content|> + N × <|media_pad|> + <|media_end|>, one control segment."""
+        index = self.num_images
+        self.num_images += 1
+        if self.images is None:
+            self.control(IMAGE_PLACEHOLDER)
+            return
+        w, h, n = self.images(part, index)
+        if w <= 0 or h <= 0 or n <= 0:
+            raise ChatError(f"image {index} has an empty expansion")
+        self.control(f"<|media_begin|>image {w}x{h}<|media_content|>" + "<|media_pad|>" * n + "<|media_end|>")
+
     def content(self, c, what):
         if c is None:
             return
@@ -248,7 +264,7 @@ class _Builder:
             if t == "text":
                 self.text(_str_field(part, "text", what))
             elif t in ("image_url", "image", "input_image"):
-                self.control(IMAGE_PLACEHOLDER)
+                self.image(part)
             else:
                 raise ChatError(f"{what}: unsupported content part type '{t}'")
 
@@ -372,8 +388,10 @@ def _id_text(v):
     return v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
 
 
-def render_request(req: dict):
-    """Request dict (OpenAI chat shape) -> (segments [(text, allow_special, target)], thinking)."""
+def render_request(req: dict, images=None):
+    """Request dict (OpenAI chat shape) -> (segments [(text, allow_special, target)], thinking).
+    images (optional): resolver (part, index) -> (width, height, number of <|media_pad|>) for each image part
+    in render order; None leaves each image part as the bare <|kimi_image_placeholder|>."""
     if not isinstance(req, dict):
         raise ChatError("the chat request must be a JSON object")
     messages = req.get("messages")
@@ -402,7 +420,7 @@ def render_request(req: dict):
     if thinking and effort is not None and effort not in EFFORTS:
         raise ChatError(f"unsupported reasoning effort '{effort}'; supported: low, medium, high, max")
 
-    b = _Builder()
+    b = _Builder(images)
     tools = req.get("tools")
     tools = [] if tools is None else tools
     if not isinstance(tools, list):
@@ -575,15 +593,15 @@ def encode_segments(tok: Tokenizer, segs) -> tuple:
     return ids, tgt
 
 
-def encode_request(tok: Tokenizer, req: dict) -> list:
+def encode_request(tok: Tokenizer, req: dict, images=None) -> list:
     """A whole OpenAI-style request (as `kestrel tokenize --chat` reads it) -> prompt ids."""
-    segs, _ = render_request(req)
+    segs, _ = render_request(req, images)
     return encode_segments(tok, segs)[0]
 
 
-def render_text(req: dict) -> str:
+def render_text(req: dict, images=None) -> str:
     """The rendered prompt text (what `kestrel tokenize --chat` prints before the ids)."""
-    return "".join(s[0] for s in render_request(req)[0])
+    return "".join(s[0] for s in render_request(req, images)[0])
 
 
 def _request(messages, tools, reasoning_effort, thinking, add_generation_prompt):
@@ -596,15 +614,15 @@ def _request(messages, tools, reasoning_effort, thinking, add_generation_prompt)
 
 
 def encode_chat(tok: Tokenizer, messages, tools=None, reasoning_effort=None, thinking=True,
-                add_generation_prompt=True) -> list:
+                add_generation_prompt=True, images=None) -> list:
     """The shared interface (notes/evalformat.md): prompt ids for `messages`."""
-    return encode_request(tok, _request(messages, tools, reasoning_effort, thinking, add_generation_prompt))
+    return encode_request(tok, _request(messages, tools, reasoning_effort, thinking, add_generation_prompt), images)
 
 
-def encode_training(tok: Tokenizer, messages, tools=None, reasoning_effort=None, thinking=True):
+def encode_training(tok: Tokenizer, messages, tools=None, reasoning_effort=None, thinking=True, images=None):
     """A finished conversation -> (ids, loss mask): the mask is 1 exactly on the tokens the model generates in
     its assistant turns (everything after each turn's generation prompt, through its <|end_of_msg|>)."""
-    segs, _ = render_request(_request(messages, tools, reasoning_effort, thinking, False))
+    segs, _ = render_request(_request(messages, tools, reasoning_effort, thinking, False), images)
     ids, tgt = encode_segments(tok, segs)
     return ids, [1 if t else 0 for t in tgt]
 

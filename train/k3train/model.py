@@ -395,13 +395,23 @@ class K3Model(nn.Module):
         return {"layers": [{} if self.cfg.is_mla(L) else None for L in range(self.cfg.num_hidden_layers)],
                 "kda": {}}
 
-    def hidden(self, tokens, state=None, mode="dense", kl_out=None, load_out=None, capture=None, valid=None):
-        """valid (optional) [B, T] bool: False marks left padding, which leaves every state untouched and is
-        never attended to, so a left-padded batch computes what each prompt computes alone."""
-        """tokens [B, T] -> final normed hidden [B, T, D] (FP32, BF16 values)."""
+    def hidden(self, tokens, state=None, mode="dense", kl_out=None, load_out=None, capture=None, valid=None,
+               taps=None, media=None):
+        """tokens [B, T] -> final normed hidden [B, T, D] (FP32, BF16 values).
+        valid (optional) [B, T] bool: False marks left padding, which leaves every state untouched and is
+        never attended to, so a left-padded batch computes what each prompt computes alone.
+        taps (optional) dict {layer: None}: filled with the AttnRes partial sum P [B, T, D] after each listed
+        layer (the DSpark draft's input, MODEL.md §5 "Target taps"; k3ref.Model.tap_layers does the same).
+        media (optional): (mask [B, T] bool, rows [n, D] BF16-valued) — the True positions (the <|media_pad|>
+        tokens, row-major) take the image rows in order instead of their embeddings (§3.1, MODEL.md §6)."""
         cfg = self.cfg
         eps, bs = cfg.rms_norm_eps, cfg.attn_res_block_size
         P = b16(self.p("model.embed_tokens.weight"))[tokens].float()        # §3.1
+        if media is not None:
+            mask, rows = media
+            if int(mask.sum()) != rows.shape[0]:
+                raise ValueError(f"{int(mask.sum())} media positions but {rows.shape[0]} image rows")
+            P = P.masked_scatter(mask.unsqueeze(-1), rows.to(P.dtype))
         Bl = []
         for L in range(cfg.num_hidden_layers):
             pre = f"model.layers.{L}."
@@ -424,6 +434,8 @@ class K3Model(nn.Module):
             xm = rmsnorm(x_mlp_in, self.w(pre + "post_attention_layernorm.weight"), eps)
             m = self.moe(L, xm, load_out) if cfg.is_moe(L) else self.glu(xm, pre + "mlp.")
             P = bf16(P + m)
+            if taps is not None and L in taps:
+                taps[L] = P
             if capture is not None:
                 capture[f"L{L}.attn_in"], capture[f"L{L}.attn_out"] = x_attn_in, a
                 capture[f"L{L}.mlp_in"], capture[f"L{L}.mlp_out"] = x_mlp_in, m

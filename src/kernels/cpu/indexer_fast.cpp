@@ -4,8 +4,12 @@
 // Scores: the twin sums each dot product q_I[t,h]·k_I[s] sequentially over i (multiply, then add:
 // this library is compiled with -ffp-contract=off) and the heads in order. Here 16 keys run side by
 // side in two vectors, each lane doing exactly that sequence, over keys transposed once per call into
-// f32 [Di, S] (so a lane's k_I[s][i] is a contiguous load); four heads at a time give the eight
-// independent chains that hide the add latency. O(T·S·Hi·Di) remains the cost, at vector speed.
+// f32 blocks of 16 keys [S/16][Di][16] (a lane's k_I[s][i] is a contiguous load, and a block is 2 KB
+// of consecutive memory at Di = 32); four heads at a time give the eight independent chains that hide
+// the add latency. Queries run in groups of kQueryGroup against each key block in turn, so a block
+// comes from L2/L3 once per group and from L1 for the rest (one query at a time streamed all S·Di
+// keys per query: at 16K tokens 2 MB per query, bound by the cache bandwidth, issue #22).
+// O(T·S·Hi·Di) remains the cost, at vector speed.
 // Selection: topk_sorted, a radix select (one 2048-bin histogram pass on the top 11 bits of an
 // order-preserving key, nth_element over the one bin that holds the k-th value, one output pass) in
 // O(n) instead of a partial sort; exactly topk() + ascending sort, ties to the lower index, NaN tied
@@ -37,15 +41,18 @@ inline uint32_t order_key(float f) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// HB heads × 16 keys starting at s0: adds Σ_h (w_h·scale)·relu(d_h) into acc (the twin's order).
+constexpr int64_t kQueryGroup = 8;  // queries scored together against each key block
+
+// HB heads × the 16 keys of block kb (f32 [Di][16]): adds Σ_h (w_h·scale)·relu(d_h) into acc (the
+// twin's order).
 template <int HB>
-KESTREL_AVX2 inline void heads16(const float* kT, int64_t Sp, int64_t s0, const float* qf, int64_t Di,
-                                 const float* wscaled, __m256& acc0, __m256& acc1) {
+KESTREL_AVX2 inline void heads16(const float* kb, const float* qf, int64_t Di, const float* wscaled, __m256& acc0,
+                                 __m256& acc1) {
   __m256 d0[HB], d1[HB];
 #pragma GCC unroll 4
   for (int h = 0; h < HB; ++h) d0[h] = _mm256_setzero_ps(), d1[h] = _mm256_setzero_ps();
   for (int64_t i = 0; i < Di; ++i) {
-    const __m256 k0 = _mm256_loadu_ps(kT + i * Sp + s0), k1 = _mm256_loadu_ps(kT + i * Sp + s0 + 8);
+    const __m256 k0 = _mm256_loadu_ps(kb + 16 * i), k1 = _mm256_loadu_ps(kb + 16 * i + 8);
 #pragma GCC unroll 4
     for (int h = 0; h < HB; ++h) {
       const __m256 q = _mm256_set1_ps(qf[h * Di + i]);
@@ -65,29 +72,40 @@ KESTREL_AVX2 inline void heads16(const float* kT, int64_t Sp, int64_t s0, const 
   }
 }
 
-KESTREL_AVX2 void scores_avx2(const float* kT, int64_t Sp, int64_t visible, const float* qf, int64_t Hi, int64_t Di,
-                              const float* wscaled, float* score) {
-  for (int64_t s0 = 0; s0 < visible; s0 += 16) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    int64_t h = 0;
-    for (; h + 4 <= Hi; h += 4) heads16<4>(kT, Sp, s0, qf + h * Di, Di, wscaled + h, a0, a1);
-    for (; h < Hi; ++h) heads16<1>(kT, Sp, s0, qf + h * Di, Di, wscaled + h, a0, a1);
-    _mm256_storeu_ps(score + s0, a0);
-    _mm256_storeu_ps(score + s0 + 8, a1);
+// Queries q < nq (f32 qf [nq, Hi·Di], weights [nq, Hi]) against the keys they see: score [nq, Sp]
+// (row q valid below visible[q]; the rest of its last 16-block is scratch).
+KESTREL_AVX2 void scores_avx2(const float* kB, const int64_t* visible, int nq, const float* qf, int64_t Hi,
+                              int64_t Di, const float* wscaled, float* score, int64_t Sp) {
+  const int64_t most = *std::max_element(visible, visible + nq);
+  for (int64_t s0 = 0; s0 < most; s0 += 16) {
+    const float* kb = kB + s0 * Di;  // block s0/16: 16·Di floats
+    for (int q = 0; q < nq; ++q) {
+      if (s0 >= visible[q]) continue;
+      const float* qq = qf + q * Hi * Di;
+      const float* wq = wscaled + q * Hi;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      int64_t h = 0;
+      for (; h + 4 <= Hi; h += 4) heads16<4>(kb, qq + h * Di, Di, wq + h, a0, a1);
+      for (; h < Hi; ++h) heads16<1>(kb, qq + h * Di, Di, wq + h, a0, a1);
+      _mm256_storeu_ps(score + q * Sp + s0, a0);
+      _mm256_storeu_ps(score + q * Sp + s0 + 8, a1);
+    }
   }
 }
 
-void scores_scalar(const float* kT, int64_t Sp, int64_t visible, const float* qf, int64_t Hi, int64_t Di,
-                   const float* wscaled, float* score) {
-  for (int64_t s = 0; s < visible; ++s) {
-    float acc = 0.0f;
-    for (int64_t h = 0; h < Hi; ++h) {
-      float d = 0.0f;
-      for (int64_t i = 0; i < Di; ++i) d += qf[h * Di + i] * kT[i * Sp + s];
-      acc += wscaled[h] * std::max(d, 0.0f);
+void scores_scalar(const float* kB, const int64_t* visible, int nq, const float* qf, int64_t Hi, int64_t Di,
+                   const float* wscaled, float* score, int64_t Sp) {
+  for (int q = 0; q < nq; ++q)
+    for (int64_t s = 0; s < visible[q]; ++s) {
+      const float* kb = kB + (s / 16) * 16 * Di + s % 16;
+      float acc = 0.0f;
+      for (int64_t h = 0; h < Hi; ++h) {
+        float d = 0.0f;
+        for (int64_t i = 0; i < Di; ++i) d += qf[(q * Hi + h) * Di + i] * kb[16 * i];
+        acc += wscaled[q * Hi + h] * std::max(d, 0.0f);
+      }
+      score[q * Sp + s] = acc;
     }
-    score[s] = acc;
-  }
 }
 
 }  // namespace
@@ -129,32 +147,38 @@ void indexer_select_topk_fast(const uint16_t* qi, const uint16_t* keys, const fl
       for (int64_t s = 0; s <= pos0 + t; ++s) sel[t * Ki + s] = int32_t(s);
     return;
   }
-  // Keys transposed to f32 [Di, Sp], zero-padded to a multiple of 16 keys.
+  // Keys transposed to f32 blocks [Sp/16][Di][16], zero-padded to a multiple of 16 keys.
   const int64_t Sp = (S + 15) / 16 * 16;
-  std::vector<float> kT(size_t(Di * Sp), 0.0f);
+  std::vector<float> kB(size_t(Di * Sp), 0.0f);
   parallel_for(S, S * Di * 4, [&](int64_t b, int64_t e) {
     for (int64_t s = b; s < e; ++s)
-      for (int64_t i = 0; i < Di; ++i) kT[size_t(i * Sp + s)] = bf16_to_f32(keys[s * Di + i]);
+      for (int64_t i = 0; i < Di; ++i) kB[size_t((s / 16) * 16 * Di + 16 * i + s % 16)] = bf16_to_f32(keys[s * Di + i]);
   });
   const bool avx2 = isa() >= Isa::avx2;
-  parallel_for_each(T, T * S * Hi * Di, [&](int64_t t) {
-    const int64_t visible = pos0 + t + 1;
-    int32_t* out = sel + t * Ki;
-    if (visible <= Ki) {
-      for (int64_t s = 0; s < visible; ++s) out[s] = int32_t(s);
-      return;
-    }
+  // The queries that see more than Ki keys, in groups; the others select every key they see.
+  int64_t t_first = 0;
+  for (; t_first < T && pos0 + t_first + 1 <= Ki; ++t_first)
+    for (int64_t s = 0; s <= pos0 + t_first; ++s) sel[t_first * Ki + s] = int32_t(s);
+  const int64_t groups = (T - t_first + kQueryGroup - 1) / kQueryGroup;
+  parallel_for_each(groups, (T - t_first) * S * Hi * Di, [&](int64_t g) {
+    const int64_t t0 = t_first + g * kQueryGroup;
+    const int nq = int(std::min(kQueryGroup, T - t0));
     thread_local std::vector<float> qf, wscaled, score;
-    qf.resize(size_t(Hi * Di));
-    wscaled.resize(size_t(Hi));
-    score.resize(size_t(Sp));
-    bf16_to_f32_n(qi + t * Hi * Di, qf.data(), Hi * Di);
-    for (int64_t h = 0; h < Hi; ++h) wscaled[size_t(h)] = hw[t * Hi + h] * scale;
+    qf.resize(size_t(nq * Hi * Di));
+    wscaled.resize(size_t(nq * Hi));
+    score.resize(size_t(nq * Sp));
+    int64_t visible[kQueryGroup];
+    for (int q = 0; q < nq; ++q) {
+      const int64_t t = t0 + q;
+      visible[q] = pos0 + t + 1;
+      bf16_to_f32_n(qi + t * Hi * Di, qf.data() + q * Hi * Di, Hi * Di);
+      for (int64_t h = 0; h < Hi; ++h) wscaled[size_t(q * Hi + h)] = hw[t * Hi + h] * scale;
+    }
     if (avx2)
-      scores_avx2(kT.data(), Sp, visible, qf.data(), Hi, Di, wscaled.data(), score.data());
+      scores_avx2(kB.data(), visible, nq, qf.data(), Hi, Di, wscaled.data(), score.data(), Sp);
     else
-      scores_scalar(kT.data(), Sp, visible, qf.data(), Hi, Di, wscaled.data(), score.data());
-    topk_sorted(score.data(), visible, Ki, out);
+      scores_scalar(kB.data(), visible, nq, qf.data(), Hi, Di, wscaled.data(), score.data(), Sp);
+    for (int q = 0; q < nq; ++q) topk_sorted(score.data() + q * Sp, visible[q], Ki, sel + (t0 + q) * Ki);
   });
 }
 

@@ -84,23 +84,31 @@ KESTREL_AVX2 inline __m256 sigmoid(__m256 x) {  // 1 / (1 + e^−x), as the scal
 KESTREL_AVX2 inline __m256 tanh(__m256 x) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256 ax = _mm256_andnot_ps(sign, x);
-  // Small |x|: x + x³·P(x²), Taylor coefficients of tanh.
-  const __m256 x2 = _mm256_mul_ps(x, x);
-  __m256 p = _mm256_set1_ps(6404582.0f / 10854718875.0f);
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-929569.0f / 638512875.0f));
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(21844.0f / 6081075.0f));
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-1382.0f / 155925.0f));
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(62.0f / 2835.0f));
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-17.0f / 315.0f));
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(2.0f / 15.0f));
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-1.0f / 3.0f));
-  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, x2), x, x);
+  // Each lane takes one of two forms; a vector whose lanes all take the same one skips the other (the
+  // common case: SiTU's tanh(u/25) is nearly always small), with the same per-lane result.
+  const __m256 is_small = _mm256_cmp_ps(ax, _mm256_set1_ps(0.5625f), _CMP_LT_OQ);  // false for NaN
+  const int mask = _mm256_movemask_ps(is_small);
+  __m256 small = _mm256_setzero_ps(), bigs = _mm256_setzero_ps();
+  if (mask != 0) {
+    // Small |x|: x + x³·P(x²), Taylor coefficients of tanh.
+    const __m256 x2 = _mm256_mul_ps(x, x);
+    __m256 p = _mm256_set1_ps(6404582.0f / 10854718875.0f);
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-929569.0f / 638512875.0f));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(21844.0f / 6081075.0f));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-1382.0f / 155925.0f));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(62.0f / 2835.0f));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-17.0f / 315.0f));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(2.0f / 15.0f));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-1.0f / 3.0f));
+    small = _mm256_fmadd_ps(_mm256_mul_ps(p, x2), x, x);
+    if (mask == 0xFF) return small;
+  }
   // Large |x|: 1 − 2/(e^{2|x|} + 1), sign of x.
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 e = exp(_mm256_add_ps(ax, ax));
   const __m256 big = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
-  const __m256 bigs = _mm256_or_ps(big, _mm256_and_ps(x, sign));
-  return _mm256_blendv_ps(bigs, small, _mm256_cmp_ps(ax, _mm256_set1_ps(0.5625f), _CMP_LT_OQ));
+  bigs = _mm256_or_ps(big, _mm256_and_ps(x, sign));
+  return mask == 0 ? bigs : _mm256_blendv_ps(bigs, small, is_small);
 }
 
 // Sum of 8 lanes as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)).

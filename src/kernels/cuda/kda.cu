@@ -315,6 +315,52 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
 }
 
+// decode_regs_kernel: persistent blocks like decode_stream_kernel, but the next item's slice is loaded into a
+// second register set (16-byte loads straight to registers, no shared-memory staging) before the current item is
+// computed, and stored with plain stores (evict-first stores measured slower for the blocks kernel). Costs
+// ~32 more registers per thread, so fewer resident blocks, each with a load always in flight.
+template <int DK, typename StateT>
+__global__ void __launch_bounds__(kDecodeThreads, 4)
+    decode_regs_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                       const float* __restrict__ g, int64_t ld, const float* __restrict__ beta, int64_t ld_beta,
+                       const int32_t* __restrict__ cu, const int32_t* __restrict__ slots, StateT* __restrict__ pool,
+                       float* __restrict__ o, int64_t H, int64_t n_items) {
+  constexpr int R = DK / 16, NCB = DK / kDecodeCols;
+  __shared__ float red[2][4][9][8];
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, sub = lane >> 3, c4 = lane & 7;
+  // State slice of item it at this thread's first column (rows 16m + 4w + sub are added by the caller).
+  auto slice = [&](int64_t it) {
+    const int64_t b = it / (H * NCB), h = (it / NCB) % H, cb = it % NCB;
+    return pool + (int64_t(slots[b]) * H + h) * DK * DK + cb * kDecodeCols + 4 * c4;
+  };
+  float nxt[R][4];
+  int64_t it = blockIdx.x;
+  if (it < n_items) {
+    const StateT* S = slice(it);
+#pragma unroll
+    for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK, nxt[m]);
+  }
+  int par = 0;
+  for (; it < n_items; it += gridDim.x) {
+    float s[R][4];
+#pragma unroll
+    for (int m = 0; m < R; ++m)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[m][c] = nxt[m][c];
+    if (it + gridDim.x < n_items) {  // a different slice (slots are distinct per request): no hazard with it
+      const StateT* S = slice(it + gridDim.x);
+#pragma unroll
+      for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK, nxt[m]);
+    }
+    const int64_t b = it / (H * NCB), h = (it / NCB) % H, cb = it % NCB;
+    const int col = int(cb) * kDecodeCols + 4 * c4;
+    decode_tokens<DK>(s, q, k, v, g, ld, beta, ld_beta, cu[b], cu[b + 1], h, col, red, par, o);
+    StateT* S = pool + (int64_t(slots[b]) * H + h) * DK * DK;
+#pragma unroll
+    for (int m = 0; m < R; ++m) store4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
+  }
+}
+
 __global__ void out_norm_gate_kernel(const float* __restrict__ o, const uint16_t* __restrict__ gate,
                                      const float* __restrict__ o_norm, float eps, uint16_t* __restrict__ ohat,
                                      int64_t H, int Dk) {
@@ -455,13 +501,36 @@ int64_t decode_wave() {
 }
 
 template <int DK, typename StateT>
+int64_t decode_regs_wave() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int64_t> wave[kMaxDevices];
+  int dev = 0;
+  KCUDA_CHECK(cudaGetDevice(&dev));
+  KCUDA_REQUIRE(dev >= 0 && dev < kMaxDevices, "kda_decode: device " + std::to_string(dev));
+  int64_t w = wave[dev].load(std::memory_order_relaxed);
+  if (w == 0) {
+    int sms = 0, per_sm = 0;
+    KCUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_regs_kernel<DK, StateT>,
+                                                              kDecodeThreads, 0));
+    w = int64_t(std::max(sms, 1)) * std::max(per_sm, 1);
+    wave[dev].store(w, std::memory_order_relaxed);
+  }
+  return w;
+}
+
+template <int DK, typename StateT>
 void launch_decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
                    int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, StateT* state_pool, float* o,
                    int64_t B, int64_t H, KdaDecodeVariant variant, cudaStream_t stream) {
   const int64_t n_items = B * H * (DK / kDecodeCols);
   constexpr size_t smem = size_t(2) * DK * kDecodeCols * sizeof(StateT);
   const int64_t wave = decode_wave<DK, StateT>();
-  if (variant == kKdaDecodeStream || (variant == kKdaDecodeAuto && n_items > wave)) {
+  if (variant == kKdaDecodeRegs) {
+    const int64_t rwave = decode_regs_wave<DK, StateT>();
+    decode_regs_kernel<DK, StateT><<<unsigned(std::min(n_items, rwave)), kDecodeThreads, 0, stream>>>(
+        q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, H, n_items);
+  } else if (variant == kKdaDecodeStream || (variant == kKdaDecodeAuto && n_items > wave)) {
     decode_stream_kernel<DK, StateT><<<unsigned(std::min(n_items, wave)), kDecodeThreads, smem, stream>>>(
         q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, H, n_items);
   } else {
@@ -487,7 +556,7 @@ void decode(const float* q, const float* k, const float* v, const float* g, int6
                 std::string("kda_decode: null pointer"));
   KCUDA_REQUIRE(B >= 0 && B < 65536 && H > 0 && H < 65536 && ld >= H * Dk && ld_beta >= H,
                 std::string("kda_decode: bad B, H or strides"));
-  KCUDA_REQUIRE(variant >= kKdaDecodeAuto && variant <= kKdaDecodeStream,
+  KCUDA_REQUIRE(variant >= kKdaDecodeAuto && variant <= kKdaDecodeRegs,
                 "kda_decode: bad variant " + std::to_string(int(variant)));
   if (B == 0) return;
   switch (Dk) {
@@ -511,9 +580,10 @@ KdaDecodeVariant kda_decode_default_variant() {
     const char* e = std::getenv("KESTREL_KDA_DECODE");
     if (e == nullptr || *e == 0) return kKdaDecodeBlocks;
     const std::string s = e;
-    KCUDA_REQUIRE(s == "auto" || s == "blocks" || s == "stream",
-                  "KESTREL_KDA_DECODE=" + s + " (expected auto, blocks or stream)");
-    return s == "auto" ? kKdaDecodeAuto : s == "blocks" ? kKdaDecodeBlocks : kKdaDecodeStream;
+    KCUDA_REQUIRE(s == "auto" || s == "blocks" || s == "stream" || s == "regs",
+                  "KESTREL_KDA_DECODE=" + s + " (expected auto, blocks, stream or regs)");
+    return s == "auto" ? kKdaDecodeAuto : s == "blocks" ? kKdaDecodeBlocks : s == "stream" ? kKdaDecodeStream
+                                                                                         : kKdaDecodeRegs;
   }();
   return v;
 }

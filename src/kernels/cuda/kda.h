@@ -64,11 +64,12 @@ void kda_recurrent(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T,
 // Two kernels (kda.cu): kKdaDecodeBlocks, one block per (32 value columns, head, request), the latency form
 // for small batches; kKdaDecodeStream, persistent blocks that walk those work items and copy the next item's
 // state slice into shared memory (cp.async) while they compute the current one, the bandwidth form for large
-// batches. kKdaDecodeAuto picks the second when the items outnumber one wave of blocks. Both give the same
+// batches; kKdaDecodeRegs, persistent blocks that load the next item's slice straight into a second register
+// set. kKdaDecodeAuto picks the stream kernel when the items outnumber one wave of blocks. All give the same
 // results bit for bit (same arithmetic in the same order).
-enum KdaDecodeVariant : int { kKdaDecodeAuto = 0, kKdaDecodeBlocks = 1, kKdaDecodeStream = 2 };
+enum KdaDecodeVariant : int { kKdaDecodeAuto = 0, kKdaDecodeBlocks = 1, kKdaDecodeStream = 2, kKdaDecodeRegs = 3 };
 // The kernel of the overloads without a variant (the engine's): kKdaDecodeBlocks, the one measured on the H200,
-// until bench_kda ranks the others there; KESTREL_KDA_DECODE=auto|blocks|stream overrides it (read once;
+// until bench_kda ranks the others there; KESTREL_KDA_DECODE=auto|blocks|stream|regs overrides it (read once;
 // any other value is an error).
 KdaDecodeVariant kda_decode_default_variant();
 void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,

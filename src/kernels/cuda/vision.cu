@@ -1,18 +1,28 @@
 // MoonViT-V2 kernels (see vision.h): varlen non-causal attention on tensor cores, 2-D RoPE, GELUs.
 //
 // Attention layout: one CTA = 4 warps = 64 query rows of one (image, head); each warp owns 16 rows. The
-// keys of the image stream through shared memory in tiles of 64: K row-major [64][dv + 8] and V transposed
-// [dv][64 + 8] (the +8 padding puts the 8 row groups × 4 column pairs of an MMA fragment read on 32
-// distinct banks). Per tile a warp computes S = Q Kᵀ (16 × 64, m16n8k16 MMAs with the Q fragments held in
-// registers for the whole kernel), scales it into the log2 domain, masks keys past the image's end, updates
-// the running row max m and sum l (online softmax), rescales its O accumulators and adds P V, where P's
-// fragments are the S accumulators of two adjacent 8-key groups re-packed to BF16 (the C layout of
-// m16n8k8 pairs is the A layout of m16n8k16). Fragment maps (PTX ISA, mma.m16n8k16 .bf16): lane = 4g + t;
+// keys of the image stream through shared memory in tiles of 64, K and V both row-major [64 keys][dv + 8],
+// stored with 16-byte stores (the +8 padding puts the 8 rows of an 8×8 ldmatrix read on 32 distinct banks
+// for dv = 16, 32 and 128). Per tile a warp computes S = Q Kᵀ (16 × 64, m16n8k16 MMAs with the Q fragments
+// held in registers for the whole kernel; K's B fragments by ldmatrix), scales it into the log2 domain, masks
+// keys past the image's end, updates the running row max m and sum l (online softmax), rescales its O
+// accumulators and adds P V, where P's fragments are the S accumulators of two adjacent 8-key groups
+// re-packed to BF16 (the C layout of m16n8k8 pairs is the A layout of m16n8k16) and V's B fragments come
+// from ldmatrix.trans of the row-major tile (which transposes each 8×8 block on the way to the registers).
+// Fragment maps (PTX ISA, mma.m16n8k16 .bf16): lane = 4g + t;
 //   A (16×16, row-major) regs: {(g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..)}
 //   B (16×8, "col" = n-major) regs: {(k 2t..2t+1, n g), (k 2t+8.., n g)}
 //   C (16×8 f32): (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
-// No double buffering: one barrier pair per key tile (the encoder is GEMM-bound at the real dims: ~5 TFLOP of
-// attention vs ~4 TFLOP of GEMMs for a 1024² image; a pipelined kernel is the next step if it measures slow).
+//   ldmatrix .x4: lane l addresses row l % 8 of 8×8 matrix l / 8; register i receives matrix i, lane 4g + t
+//   holding (row g, cols 2t, 2t+1) — with .trans (rows 2t, 2t+1, col g) — the lower half the first.
+// So for S, K rows (keys) × 8 dims give (k = dim 2t.., n = key g) = B directly; for P V, V rows (keys) ×
+// 8 dims through .trans give (k = key 2t.., n = dim g) = B. (Until 2026-12 V was transposed into shared
+// memory with 2-byte stores, 16-way bank conflicts each: 2.36 ms per real-dims block on the H200, ~10 %
+// of the BF16 rate.) Two stages: the next key tile is copied by cp.async (16 bytes a copy, zero-filled past
+// the image's end, so masked keys meet finite V rows) while the warps work on the current one; dynamic
+// shared memory, 2 × 2 × 64 × (dv + 8) × 2 bytes (68 KiB at dv = 128). __launch_bounds__(128, 3) keeps
+// three CTAs per SM: ptxas then fits dv = 128 in 168 registers without spilling (177 unbounded, which
+// would allow only two).
 #include <cmath>
 #include <string>
 
@@ -40,14 +50,47 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   return uint32_t(f32_to_bf16(lo)) | (uint32_t(f32_to_bf16(hi)) << 16);
 }
 __device__ __forceinline__ uint32_t ld32(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+// Four 8×8 bf16 matrices from shared memory (see the header): p = this lane's row (16-byte aligned).
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, const uint16_t* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const uint16_t* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
+
+// 16-byte copy global → shared through L2 (cp.async.cg); src_bytes 0 writes 16 zero bytes (src must still be
+// a valid address). Completion: cp_async_commit, then cp_async_wait<n>, then a barrier for the other threads.
+__device__ __forceinline__ void cp_async16(uint16_t* dst, const uint16_t* src, int src_bytes) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 template <int D>
-__global__ void __launch_bounds__(128) attn_kernel(const uint16_t* __restrict__ qkv, int64_t ld, int64_t Wq,
+constexpr int attn_smem_bytes() {
+  return 2 * 2 * kBK * (D + 8) * 2;  // stages × (K, V) × keys × padded row × bf16
+}
+
+template <int D>
+__global__ void __launch_bounds__(128, 3) attn_kernel(const uint16_t* __restrict__ qkv, int64_t ld, int64_t Wq,
                                                    const int32_t* __restrict__ row0, float scale_log2,
                                                    uint16_t* __restrict__ o, int64_t ldo) {
-  constexpr int KP = D + 8, VP = kBK + 8;
-  __shared__ __align__(16) uint16_t Ks[kBK * KP];  // bf16 [64 keys][D (+8)]
-  __shared__ __align__(16) uint16_t Vt[D * VP];    // bf16 [D][64 keys (+8)]
+  static_assert(D % 16 == 0 && kBK % 16 == 0, "ldmatrix .x4 reads two 8-wide groups at a time");
+  constexpr int KP = D + 8;
+  // Stage st: K at smem + st·2·kBK·KP, V right after it; each bf16 [64 keys][D (+8)].
+  extern __shared__ __align__(16) uint16_t smem[];
   const int img = blockIdx.z, h = blockIdx.y;
   const int64_t r0 = row0[img], N = int64_t(row0[img + 1]) - r0;
   const int64_t q0 = int64_t(blockIdx.x) * kBQ;
@@ -57,6 +100,7 @@ __global__ void __launch_bounds__(128) attn_kernel(const uint16_t* __restrict__ 
   const uint16_t* Kb = Qb + Wq;
   const uint16_t* Vb = Qb + 2 * Wq;
   const int64_t qa = q0 + warp * 16 + g, qb = qa + 8;  // this thread's two query rows (image-local)
+  const int lm = lane >> 3, lr = lane & 7;  // ldmatrix: this lane addresses row lr of matrix lm
 
   uint32_t qf[D / 16][4];  // A fragments of Q, 16 rows × D
 #pragma unroll
@@ -72,31 +116,47 @@ __global__ void __launch_bounds__(128) attn_kernel(const uint16_t* __restrict__ 
   for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;  // rows qa, qb (log2 domain)
 
-  for (int64_t k0 = 0; k0 < N; k0 += kBK) {
-    __syncthreads();  // every warp is done with the previous tile
+  // Issues the copies of the key tile at k0 into stage st (one commit group per tile).
+  auto load_tile = [&](int64_t k0, int st) {
+    uint16_t* Kd = smem + st * 2 * kBK * KP;
+    uint16_t* Vd = Kd + kBK * KP;
     constexpr int kChunks = kBK * D / 8;  // 16-byte chunks of a tile
     for (int i = threadIdx.x; i < kChunks; i += 128) {
       const int key = i / (D / 8), c8 = (i % (D / 8)) * 8;
-      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-      if (k0 + key < N) {
-        kv = dev::ld16(Kb + (k0 + key) * ld + c8);
-        vv = dev::ld16(Vb + (k0 + key) * ld + c8);
-      }
-      *reinterpret_cast<uint4*>(Ks + key * KP + c8) = kv;
-      const uint16_t* ve = reinterpret_cast<const uint16_t*>(&vv);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) Vt[(c8 + e) * VP + key] = ve[e];
+      const bool in = k0 + key < N;
+      const int64_t off = in ? (k0 + key) * ld + c8 : 0;  // past the end: a valid address, 0 bytes read
+      cp_async16(Kd + key * KP + c8, Kb + off, in ? 16 : 0);  // zeros past the image's end: finite V rows
+      cp_async16(Vd + key * KP + c8, Vb + off, in ? 16 : 0);
     }
-    __syncthreads();
+    cp_async_commit();
+  };
+  load_tile(0, 0);
+  int st = 0;  // the stage holding the tile at k0
+  for (int64_t k0 = 0; k0 < N; k0 += kBK, st ^= 1) {
+    // The next tile goes to the other stage, whose last readers finished before the previous iteration's
+    // closing barrier; then wait for this tile's own group (the newer one may stay in flight).
+    if (k0 + kBK < N) {
+      load_tile(k0 + kBK, st ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // every thread's copies of this tile are visible
+    const uint16_t* Ks = smem + st * 2 * kBK * KP;
+    const uint16_t* Vs = Ks + kBK * KP;
 
     float s[kBK / 8][4];  // S = Q Kᵀ: 8-key group j = keys k0 + 8j .. +7
 #pragma unroll
-    for (int j = 0; j < kBK / 8; ++j) {
+    for (int j = 0; j < kBK / 8; j += 2) {
       s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+      s[j + 1][0] = s[j + 1][1] = s[j + 1][2] = s[j + 1][3] = 0.0f;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        const uint16_t* kr = Ks + (j * 8 + g) * KP + kk * 16 + 2 * t;
-        mma_bf16(s[j], qf[kk], ld32(kr), ld32(kr + 8));
+        // matrices: (keys of group j, dims kk·16 + 0..7), (group j, + 8..15), (group j + 1, 0..7), (j + 1, 8..15)
+        uint32_t b[4];
+        ldsm_x4(b, Ks + ((j + (lm >> 1)) * 8 + lr) * KP + kk * 16 + (lm & 1) * 8);
+        mma_bf16(s[j], qf[kk], b[0], b[1]);
+        mma_bf16(s[j + 1], qf[kk], b[2], b[3]);
       }
     }
     float mx_a = -INFINITY, mx_b = -INFINITY;
@@ -138,11 +198,16 @@ __global__ void __launch_bounds__(128) attn_kernel(const uint16_t* __restrict__ 
       const uint32_t a[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
                              pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const uint16_t* vr = Vt + (j * 8 + g) * VP + kk * 16 + 2 * t;
-        mma_bf16(acc[j], a, ld32(vr), ld32(vr + 8));
+      for (int j = 0; j < D / 8; j += 2) {
+        // .trans matrices: (keys kk·16 + 0..7, dims of group j), (keys + 8..15, group j), (0..7, j + 1),
+        // (8..15, j + 1)
+        uint32_t b[4];
+        ldsm_x4_trans(b, Vs + (kk * 16 + (lm & 1) * 8 + lr) * KP + (j + (lm >> 1)) * 8);
+        mma_bf16(acc[j], a, b[0], b[1]);
+        mma_bf16(acc[j + 1], a, b[2], b[3]);
       }
     }
+    __syncthreads();  // every warp is done with this stage before the next iteration refills it
   }
   l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
   l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
@@ -209,10 +274,14 @@ void vision_attention(const uint16_t* qkv, int64_t ld, int64_t Wq, const int32_t
   KCUDA_REQUIRE(grid.x <= 2147483647u && n_images <= 65535 && heads <= 65535,
                 std::string("vision_attention: grid too large"));
   const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(head_dim)));
+  auto launch = [&](auto kernel, int smem) {
+    KCUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<grid, 128, smem, stream>>>(qkv, ld, Wq, row0, scale_log2, o, ldo);
+  };
   switch (head_dim) {
-    case 16: attn_kernel<16><<<grid, 128, 0, stream>>>(qkv, ld, Wq, row0, scale_log2, o, ldo); break;
-    case 32: attn_kernel<32><<<grid, 128, 0, stream>>>(qkv, ld, Wq, row0, scale_log2, o, ldo); break;
-    case 128: attn_kernel<128><<<grid, 128, 0, stream>>>(qkv, ld, Wq, row0, scale_log2, o, ldo); break;
+    case 16: launch(attn_kernel<16>, attn_smem_bytes<16>()); break;
+    case 32: launch(attn_kernel<32>, attn_smem_bytes<32>()); break;
+    case 128: launch(attn_kernel<128>, attn_smem_bytes<128>()); break;
     default:
       KCUDA_REQUIRE(false, "vision_attention: head_dim " + std::to_string(head_dim) + " not in {16, 32, 128}");
   }

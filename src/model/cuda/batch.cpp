@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "core/check.h"
 #include "kernels/cuda/cuda_check.h"
@@ -12,7 +13,8 @@
 
 namespace kestrel::model::gpu {
 
-BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int64_t V, BatchInputs& in) {
+BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int64_t V, BatchInputs& in,
+                         std::span<const CudaEmbedRows> embed) {
   KCHECK(!seqs.empty(), "forward_batch: no sequences");
   BatchStep s;
   s.n = int64_t(seqs.size());
@@ -59,6 +61,26 @@ BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int
     s.T += Tb;
     in.cu.push_back(int32_t(s.T));
   }
+  // Image rows: positions inside their sequence, strictly ascending (so distinct), one entry per sequence.
+  std::vector<bool> has_rows(size_t(s.n), false);
+  for (const CudaEmbedRows& e : embed) {
+    KCHECK(e.seq >= 0 && e.seq < s.n && !has_rows[size_t(e.seq)],
+           "forward_batch: image rows for sequence {} (of {}; one entry per sequence)", e.seq, s.n);
+    has_rows[size_t(e.seq)] = true;
+    if (e.pos.empty()) continue;
+    KCHECK(e.rows != nullptr && reinterpret_cast<uintptr_t>(e.rows) % 16 == 0,
+           "forward_batch: sequence {} has {} image positions but its rows are null or not 16-byte aligned", e.seq,
+           e.pos.size());
+    const int64_t Tb = s.len[size_t(e.seq)];
+    s.embed_rows.push_back({e.rows, int64_t(e.pos.size()), int64_t(in.embed_dst.size())});
+    for (size_t k = 0; k < e.pos.size(); ++k) {
+      const int32_t p = e.pos[k];
+      KCHECK(p >= 0 && p < Tb && (k == 0 || p > e.pos[k - 1]),
+             "forward_batch: sequence {}: image position {} (entry {}) outside [0, {}) or not ascending", e.seq, p, k,
+             Tb);
+      in.embed_dst.push_back(int32_t(s.row0[size_t(e.seq)] + p));
+    }
+  }
   s.n_real = s.n;
   return s;
 }
@@ -72,6 +94,13 @@ void upload_context(Context& x, BatchStep& s, const BatchInputs& in) {
   s.d_tables = s.d_dec_lens + s.nd;
   s.d_row_lens = s.d_tables + s.n * s.bt_stride;
   s.d_row_req = s.d_row_lens + s.T;
+}
+
+void upload_embed_rows(Context& x, BatchStep& s, const BatchInputs& in) {
+  if (in.embed_dst.empty()) return;
+  int32_t* d = x.tmp<int32_t>(int64_t(in.embed_dst.size()));
+  KCUDA_CHECK(cudaMemcpyAsync(d, in.embed_dst.data(), in.embed_dst.size() * 4, cudaMemcpyHostToDevice, x.stream));
+  s.d_embed_dst = d;
 }
 
 const int32_t* upload_inputs(Context& x, BatchStep& s, const BatchInputs& in) {

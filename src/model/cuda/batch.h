@@ -2,12 +2,14 @@
 //
 // The tokens of every sequence are stacked into one [T, D] activation, single-token sequences (decodes)
 // first: every GEMM, norm, router and MoE launch covers the whole batch, KDA runs one varlen scan over
-// cu_seqlens, and the absorbed MLA decode covers rows 0..nd−1 in one launch. Two uploads per step:
+// cu_seqlens, and the absorbed MLA decode covers rows 0..nd−1 in one launch. Two uploads per step, three
+// with image rows:
 //  - static inputs (token ids [T] | cu_seqlens [n+1] | slot ids [n] | pool rows [T] | logits rows):
 //    one copy into scratch for an eager step, or rewritten in place in a CUDA-graph bucket (graphs.h);
 //  - context inputs, read only by the attention islands (whose shapes follow the contexts): decode
 //    context lengths [nd] | block tables [n, bt_stride] | per-row visible key counts [T] | per-row
-//    sequence [T].
+//    sequence [T];
+//  - image rows (eager steps that have them): the step row of each row of the CudaEmbedRows.
 // Nothing is gathered: the indexer, the decode and the prefill attention read the pools through the
 // block tables.
 #pragma once
@@ -41,22 +43,35 @@ struct BatchStep {
   int64_t bt_stride = 0;
   const int32_t* d_row_lens = nullptr;  // i32 [rows of the real sequences]: visible keys (position + 1)
   const int32_t* d_row_req = nullptr;   // i32 [same]: sequence of the row
+  // Image rows (CudaEmbedRows), one group per sequence that has them: n rows from src (device bf16
+  // [n, D]) replace the embedding rows d_embed_dst[off .. off + n) of the step (eager steps only).
+  struct EmbedRows {
+    const uint16_t* src = nullptr;
+    int64_t n = 0, off = 0;
+  };
+  std::vector<EmbedRows> embed_rows;
+  const int32_t* d_embed_dst = nullptr;  // i32 [Σ n]: step row of each image row (upload_embed_rows)
 };
 
 // The host arrays of a step, built with its BatchStep.
 struct BatchInputs {
   std::vector<int32_t> ids, cu{0}, slots, pool_rows, lrows;           // static inputs
   std::vector<int32_t> dec_lens, tables, row_lens, row_req;  // context inputs
+  std::vector<int32_t> embed_dst;  // step rows that take image rows (BatchStep::embed_rows)
   bool all_last = true;  // every sequence wants exactly its last logits row
 };
 
 // Validates `seqs` against `cc` (token ids < V, decodes first, distinct slots, pages in range, block
-// tables covering the contexts; kestrel::Error otherwise) and describes the step.
-BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int64_t V, BatchInputs& in);
+// tables covering the contexts) and `embed` (sequences in range, at most one entry each, positions inside
+// the sequence and ascending, rows 16-byte aligned); kestrel::Error otherwise. Describes the step.
+BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int64_t V, BatchInputs& in,
+                         std::span<const CudaEmbedRows> embed = {});
 // Uploads the context inputs.
 void upload_context(Context& x, BatchStep& s, const BatchInputs& in);
 // Uploads the static inputs of an eager step; returns the device token ids (the logits rows follow the
 // pool rows: s.d_pool_rows + s.T).
 const int32_t* upload_inputs(Context& x, BatchStep& s, const BatchInputs& in);
+// Uploads the step rows of the image rows (in.embed_dst → s.d_embed_dst); nothing when there are none.
+void upload_embed_rows(Context& x, BatchStep& s, const BatchInputs& in);
 
 }  // namespace kestrel::model::gpu

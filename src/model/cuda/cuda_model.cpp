@@ -131,11 +131,11 @@ struct CudaModel::Impl {
     return mask_idx_dev;
   }
 
-  int64_t forward_batch(CudaCache& cc, std::span<const CudaSeq> seqs) {
+  int64_t forward_batch(CudaCache& cc, std::span<const CudaSeq> seqs, std::span<const CudaEmbedRows> embed) {
     const TextConfig& tc = cfg.text;
     const int64_t V = tc.vocab_size;
     gpu::BatchInputs in;
-    gpu::BatchStep s = gpu::describe_batch(seqs, cc, V, in);
+    gpu::BatchStep s = gpu::describe_batch(seqs, cc, V, in, embed);
     if (tp_size > 1) {
       KCHECK(x.split(), "CudaModel: rank {} of TP{} has no communicator (attach_comm)", tp_rank, tp_size);
       // The rank's embedding rows: its own ids, shifted; every other id reads the zero row after them.
@@ -144,12 +144,14 @@ struct CudaModel::Impl {
     }
     x.timer.begin_step();
     x.mark("start");
+    // Image rows (CudaEmbedRows) come only with prefill chunks; a graph bucket has no place for them.
     const bool use_graph = graphs && s.nd == s.n && in.all_last && !x.timer.on && !x.caps.on &&
-                           s.n <= gpu::kMaxGraphBatch;
+                           s.n <= gpu::kMaxGraphBatch && in.embed_dst.empty();
     // A whole-step graph carries the context inputs in its bucket (graphs.h); every other step uploads them.
     if (!use_graph || !gpu::whole_graph_step(x, s)) gpu::upload_context(x, s, in);
     if (!use_graph) {
       const int32_t* d_ids = gpu::upload_inputs(x, s, in);
+      gpu::upload_embed_rows(x, s, in);
       const int64_t nr = int64_t(in.lrows.size());
       if (nr > logits_cap) {
         alloc.free(logits_dev);
@@ -245,7 +247,9 @@ CudaCachePtr CudaModel::new_cache(int32_t num_pages, int32_t num_slots, const Ca
 void CudaModel::zero_slot(CudaCache& c, int32_t slot) { gpu::zero_slot(c, slot, impl_->x.stream); }
 void CudaModel::copy_slot(CudaCache& c, int32_t src, int32_t dst) { gpu::copy_slot(c, src, dst, impl_->x.stream); }
 
-int64_t CudaModel::forward_batch(CudaCache& c, std::span<const CudaSeq> seqs) { return impl_->forward_batch(c, seqs); }
+int64_t CudaModel::forward_batch(CudaCache& c, std::span<const CudaSeq> seqs, std::span<const CudaEmbedRows> embed) {
+  return impl_->forward_batch(c, seqs, embed);
+}
 void CudaModel::copy_logits(float* host) const { impl_->copy_logits_rows(0, impl_->logits_rows, host); }
 void CudaModel::copy_logits_rows(int64_t first, int64_t n, float* host) const { impl_->copy_logits_rows(first, n, host); }
 void CudaModel::greedy(int32_t* host) const { impl_->greedy(host); }

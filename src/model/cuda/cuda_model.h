@@ -54,6 +54,16 @@ struct CudaSeq {
   enum class Logits : uint8_t { none, last, all } logits = Logits::last;
 };
 
+// Image rows of one sequence of a forward (MODEL.md §3.1, §6; the CPU's model::EmbedOverride): the positions
+// `pos` of sequence `seq` (indices into its tokens, strictly ascending) start the stream as the rows of `rows`
+// (device bf16 [pos.size(), D], in the same order, 16-byte aligned) instead of embed_tokens[id]. A forward
+// with image rows runs eagerly (never through a graph bucket).
+struct CudaEmbedRows {
+  int64_t seq = 0;
+  std::span<const int32_t> pos;
+  const uint16_t* rows = nullptr;
+};
+
 using CudaCachePtr = std::unique_ptr<CudaCache, void (*)(CudaCache*)>;
 
 // How the dense projections are stored on the GPU: BF16 as in the checkpoint, or re-quantised at load to
@@ -96,10 +106,11 @@ class CudaModel {
   void copy_slot(CudaCache& c, int32_t src, int32_t dst);
 
   // ---- one forward per step ---------------------------------------------------------------------------
-  // One forward over `seqs` (every sequence with T = 1 first, slots distinct). Returns the number of
-  // logits rows produced (f32 [rows, V] on the device, in sequence order: all rows of an `all`
-  // sequence, the last of a `last` one), which copy_logits / greedy / sample read until the next forward.
-  int64_t forward_batch(CudaCache& c, std::span<const CudaSeq> seqs);
+  // One forward over `seqs` (every sequence with T = 1 first, slots distinct), with the image rows `embed`
+  // (at most one entry per sequence). Returns the number of logits rows produced (f32 [rows, V] on the
+  // device, in sequence order: all rows of an `all` sequence, the last of a `last` one), which copy_logits /
+  // greedy / sample read until the next forward.
+  int64_t forward_batch(CudaCache& c, std::span<const CudaSeq> seqs, std::span<const CudaEmbedRows> embed = {});
   void copy_logits(float* host /* f32 [rows, V] */) const;
   void copy_logits_rows(int64_t first, int64_t n, float* host /* f32 [n, V] */) const;
   void greedy(int32_t* host /* i32 [rows] */) const;  // argmax per row, ties to the lower id

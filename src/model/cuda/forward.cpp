@@ -1,7 +1,7 @@
 // The layer stack of the GPU model over one step's stacked rows, MODEL.md §3 (CPU twin: model/model.cpp):
-// §3.1 embeddings, per layer §3.2's AttnRes bookkeeping around the attention (KDA §3.3 or MLA §3.4–3.5)
-// and the MLP (dense §3.7 or MoE §3.6), then the final Mix, model.norm and lm_head in FP32 (§3.8) over
-// the rows that want logits only.
+// §3.1 embeddings (image rows over the <|media_pad|> positions, §6), per layer §3.2's AttnRes bookkeeping
+// around the attention (KDA §3.3 or MLA §3.4–3.5) and the MLP (dense §3.7 or MoE §3.6), then the final Mix,
+// model.norm and lm_head in FP32 (§3.8) over the rows that want logits only.
 //
 // Fused form (Context::fused(): the default unless KESTREL_FUSE=0 or debug captures are on): each AttnRes
 // point is one kernel (attn_res_point) that first applies the pending update of P — step 4 or step 6 of
@@ -25,6 +25,10 @@ void forward_layers(Context& x, const WeightsDev& w, CudaCache& cc, const BatchS
   // all-reduce assembles P exactly (one nonzero term per element).
   AttnResDev rs = attn_res_begin(x, w.embed, d_ids, T);
   tp_all_reduce(x, rs.partial, T * D);
+  // §3.1 with §6: the <|media_pad|> positions start from the vision tower's rows instead (after the
+  // all-reduce, so under TP every rank's P holds them once).
+  for (const BatchStep::EmbedRows& e : s.embed_rows)
+    cuda::copy_rows(e.src, nullptr, rs.partial, s.d_embed_dst + e.off, e.n, D * 2, x.stream);
   u16* normed = x.tmp<u16>(T * D);  // bf16 [T, D]: the sublayers' input
   u16* y = x.tmp<u16>(T * D);       // bf16 [T, D]: their output
   Fp8Act n8;                        // normed's FP8 codes (fused ptpc-fp8 only)
