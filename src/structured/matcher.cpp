@@ -233,6 +233,13 @@ uint32_t Matcher::min_completion() {
   return dist(top());
 }
 
+std::vector<uint32_t> Matcher::configuration_key() const {
+  std::vector<uint32_t> key = top().frames;
+  std::sort(key.begin(), key.end());  // the closure's order depends on the path, the set does not
+  key.push_back(uint32_t(top().ended) | uint32_t(stopped_.back()) << 1 | uint32_t(top().truncated) << 2);
+  return key;
+}
+
 uint32_t Matcher::left_after_specials() {
   const Grammar& g = cg_->grammar();
   Closer closer(g, pool_, cg_->max_stack_depth());

@@ -140,6 +140,12 @@ class Matcher {
   // so sampling without a mask keeps the request within its budget.
   bool free_text(uint32_t budget);
 
+  // The current configuration as a value: equal keys within one matcher mean equal configurations
+  // (stacks are hash-consed in the matcher's pool, which rollback keeps), so a search over token
+  // sequences can merge the paths that reach one configuration (the budget tests' breadth-first
+  // search for the true fewest tokens).
+  std::vector<uint32_t> configuration_key() const;
+
   // Undoes the last k accepted tokens (k <= num_accepted()).
   void rollback(size_t k);
   size_t num_accepted() const { return history_.size() - 1; }
