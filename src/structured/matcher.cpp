@@ -290,7 +290,7 @@ bool Matcher::fill_mask_within(uint32_t* words, uint32_t limit) {
   const Grammar& g = cg_->grammar();
   Closer closer(g, pool_, cg_->max_stack_depth());
   const auto& trie = cg_->vocab().trie();
-  const uint32_t longest = uint32_t(cg_->vocab().max_token_bytes());
+  const TokenVocab& vocab = cg_->vocab();
   const bool prune = cg_->every_byte_a_token_;
   levels_[0] = top();
   for (uint32_t i = 1; i < trie.size();) {
@@ -304,8 +304,8 @@ bool Matcher::fill_mask_within(uint32_t* words, uint32_t limit) {
     const uint32_t d = dist(c);
     // With every byte a token, one more byte lowers the distance by at most one (that byte's token
     // then the rest of the path is a path; calling and closing never go below the stack they came
-    // from), so no token in this subtree can come back within the limit.
-    if (prune && uint64_t(d) > uint64_t(limit) + (longest - n.depth)) {
+    // from), so no token in this subtree, at most bytes_below(i) bytes longer, comes back within the limit.
+    if (prune && uint64_t(d) > uint64_t(limit) + vocab.bytes_below(i)) {
       i = n.end;
       continue;
     }
