@@ -189,11 +189,20 @@ def test_json_answers_complete_within_max_tokens(client):
         c = r.choices[0]
         assert c.finish_reason == "stop" and r.usage.completion_tokens <= 60
         assert check(SCHEMA, json.loads(c.message.content)) == []
-    # Opted out per request: the old behaviour, the answer cut at max_tokens.
-    r = client.chat.completions.create(model=MODEL, messages=q, max_tokens=40, temperature=0,
-                                       response_format={"type": "json_object"},
+    # An unbounded string, greedy: k3-tiny opens "city" and writes its arithmetic into it. Opted out per request
+    # that is the old behaviour, the answer cut at max_tokens; by default the same request ends complete.
+    weather = {"type": "object", "properties": {"city": {"type": "string"}, "celsius": {"type": "integer"}},
+               "required": ["city", "celsius"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "strict": True, "schema": weather}}
+    q = [{"role": "user", "content": "What is the weather in Oslo? It is 12 degrees there."}]
+    r = client.chat.completions.create(model=MODEL, messages=q, max_tokens=60, temperature=0, response_format=fmt,
                                        extra_body={"complete_within_max_tokens": False})
-    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 40
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 60
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(r.choices[0].message.content)
+    r = client.chat.completions.create(model=MODEL, messages=q, max_tokens=60, temperature=0, response_format=fmt)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 60
+    assert check(weather, json.loads(r.choices[0].message.content)) == []
     # Fewer tokens than the shortest complete answer: a 400 naming max_tokens and the minimum.
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=q, max_tokens=5, response_format={
