@@ -111,7 +111,7 @@ bool Matcher::accept_bytes(std::string_view bytes) {
   return true;
 }
 
-void Matcher::walk_suffixes(uint32_t q, uint32_t parent, uint32_t* words, bool& any, uint32_t* ub) {
+void Matcher::walk_suffixes(uint32_t q, uint32_t parent, uint32_t* words, bool& any, uint32_t* ub, uint32_t limit) {
   const CompiledGrammar::Table& t = cg_->tables_[q];
   if (t.sfx_begin == t.sfx_end || parent == FramePool::kBottom) return;
   Closer closer(cg_->grammar(), pool_, cg_->max_stack_depth());
@@ -127,8 +127,10 @@ void Matcher::walk_suffixes(uint32_t q, uint32_t parent, uint32_t* words, bool& 
       i = n.end;
       continue;
     }
-    for (uint32_t k = n.tok_begin; k < n.tok_end; ++k) mask_set(words, toks[k]);
-    any = any || n.tok_begin != n.tok_end;
+    if (n.tok_begin != n.tok_end && (limit == kNoBudget || dist(c) <= limit)) {
+      for (uint32_t k = n.tok_begin; k < n.tok_end; ++k) mask_set(words, toks[k]);
+      any = true;
+    }
     if (ub && n.tok_begin != n.tok_end) *ub = std::max(*ub, dist(c));
     ++i;
   }
@@ -260,8 +262,69 @@ bool Matcher::fill_mask(uint32_t* words, uint32_t budget) {
   uint32_t ub = 0;
   const bool any = fill_mask_tables(words, &ub);
   if (!any || ub <= limit) return any;
-  if (fill_mask_within(words, limit)) return true;
+  const int exact = fill_mask_budget_tables(words, limit);
+  if (exact > 0 || (exact < 0 && fill_mask_within(words, limit))) return true;
   return fill_mask(words);
+}
+
+int Matcher::fill_mask_budget_tables(uint32_t* words, uint32_t limit) {
+  const Config& cfg = top();
+  const uint32_t depth_limit = cg_->max_stack_depth();
+  for (uint32_t f : cfg.frames)
+    if (pool_.depth(f) + cg_->tables_[pool_.state(f)].max_height > depth_limit) return -1;  // tables not exact here
+  const size_t nw = mask_words();
+  std::memset(words, 0, nw * sizeof(uint32_t));
+  frame_words_.resize(nw);
+  bool any = false;
+  seen_pairs_.clear();
+  for (uint32_t f : cfg.frames) seen_pairs_.push_back(uint64_t(pool_.state(f)) << 32 | pool_.parent(f));
+  std::sort(seen_pairs_.begin(), seen_pairs_.end());
+  seen_pairs_.erase(std::unique(seen_pairs_.begin(), seen_pairs_.end()), seen_pairs_.end());
+  // A token's distance after it is the least over the frames it goes through, and through one frame it is
+  // what finishes that frame after the token (the table's) plus what finishes the stack below it: so a
+  // token is allowed iff some frame lets it through within the limit.
+  for (uint64_t p : seen_pairs_) {
+    const CompiledGrammar::Table& t = cg_->tables_[uint32_t(p >> 32)];
+    if (t.bitset == UINT32_MAX && t.list_begin == t.list_end) continue;
+    const uint32_t below = dist_.frame(pool_, cg_->min_accept_, uint32_t(p));
+    if (below > limit || t.min_after > limit - below) continue;  // no accepted token fits
+    const uint32_t k = limit - below;
+    if (k < t.max_after && !t.after_stored) return -1;
+    any = true;
+    if (k < t.max_after && k < t.base_after) {
+      // Few fit: those of the exceptions (least last) that leave at most k.
+      for (uint32_t i = t.after_end; i-- > t.after_begin && cg_->after_[i].left <= k;) mask_set(words, cg_->after_[i].token);
+      continue;
+    }
+    // Most or all fit: the accepted set, less (per frame, then merged) the exceptions that leave more.
+    uint32_t* w = k >= t.max_after ? words : frame_words_.data();
+    if (w != words) std::memset(w, 0, nw * sizeof(uint32_t));
+    if (t.bitset != UINT32_MAX) {
+      const uint32_t* b = cg_->bitsets_.data() + size_t(t.bitset) * nw;
+      for (size_t i = 0; i < nw; ++i) w[i] |= b[i];
+    } else {
+      for (uint32_t i = t.list_begin; i < t.list_end; ++i) mask_set(w, cg_->lists_[i]);
+    }
+    if (w == words) continue;
+    for (uint32_t i = t.after_begin; i < t.after_end && cg_->after_[i].left > k; ++i) {
+      const TokenId id = cg_->after_[i].token;
+      w[id >> 5] &= ~(1u << (id & 31));
+    }
+    for (size_t i = 0; i < nw; ++i) words[i] |= w[i];
+  }
+  for (uint64_t p : seen_pairs_) walk_suffixes(uint32_t(p >> 32), uint32_t(p), words, any, nullptr, limit);
+  const Grammar& g = cg_->grammar();
+  Closer closer(g, pool_, depth_limit);
+  for (uint32_t f : cfg.frames) {
+    const Grammar::State& s = g.states[pool_.state(f)];
+    for (uint32_t i = s.specials_begin; i < s.specials_end; ++i) {
+      closer.step_special(top(), g.specials[i].id, scratch_);
+      if (dist(scratch_) <= limit) mask_set(words, g.specials[i].id), any = true;
+    }
+  }
+  if (cfg.ended)
+    for (TokenId id : stop_) mask_set(words, id), any = true;  // nothing left after a stop token
+  return any ? 1 : 0;
 }
 
 bool Matcher::free_text(uint32_t budget) {

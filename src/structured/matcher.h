@@ -67,6 +67,12 @@ class CompiledGrammar {
     uint32_t sfx_begin = 0, sfx_end = 0;    // uncertain tokens: trie of their rests (node sfx_begin = root)
     uint32_t max_height = 0;        // frames pushed above the state while reading any token
     uint32_t max_after = 0;         // most units needed to finish the state's frame after an accepted token
+    uint32_t min_after = 0;         // fewest, over the accepted tokens
+    uint32_t base_after = 0;        // what most accepted tokens leave
+    // The accepted tokens that leave other than base_after, most first (after_): with them a budget
+    // mask is a lookup. Not stored (after_stored false) when they are many; the matcher then walks.
+    uint32_t after_begin = 0, after_end = 0;
+    bool after_stored = false;
     bool computed = false;
     bool all_ordinary = false;      // every ordinary token is accepted (free text)
   };
@@ -84,6 +90,10 @@ class CompiledGrammar {
   std::vector<uint32_t> lists_;
   std::vector<SfxNode> sfx_;
   std::vector<uint32_t> sfx_tokens_;
+  struct After {
+    uint32_t token, left;  // an accepted token and what finishes the frame after it
+  };
+  std::vector<After> after_;
   size_t ordinary_tokens_ = 0;  // tokens in the vocabulary trie
   Stats stats_;
 };
@@ -156,7 +166,10 @@ class Matcher {
  private:
   const detail::Config& top() const { return history_.back(); }
   // ub (optional): raised to the most any token set here leaves to complete (min_completion's measure).
-  void walk_suffixes(uint32_t q, uint32_t parent, uint32_t* words, bool& any, uint32_t* ub);
+  // limit (optional): set only the tokens after which min_completion() <= limit.
+  void walk_suffixes(uint32_t q, uint32_t parent, uint32_t* words, bool& any, uint32_t* ub,
+                     uint32_t limit = kNoBudget);
+  int fill_mask_budget_tables(uint32_t* words, uint32_t limit);  // exact from the tables; -1: walk instead
   bool fill_mask_tables(uint32_t* words, uint32_t* ub);
   bool fill_mask_within(uint32_t* words, uint32_t limit);  // exact: min_completion after the token <= limit
   uint32_t left_after_specials();   // the most min_completion after any special edge of the top
@@ -170,6 +183,7 @@ class Matcher {
   std::vector<detail::Config> levels_;   // scratch per trie depth
   detail::Config scratch_;
   std::vector<uint64_t> seen_pairs_;
+  std::vector<uint32_t> frame_words_;  // one frame's budget mask (fill_mask_budget_tables)
   detail::StackDistance dist_;  // over pool_, reset with it
 };
 

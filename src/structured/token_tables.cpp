@@ -169,7 +169,8 @@ CompiledGrammar::CompiledGrammar(std::shared_ptr<const TokenVocab> vocab, Gramma
   stats_.uncertain_tokens = sfx_tokens_.size();
   stats_.suffix_nodes = sfx_.size();
   stats_.memory_bytes = bitsets_.size() * 4 + lists_.size() * 4 + sfx_.size() * sizeof(SfxNode) +
-                        sfx_tokens_.size() * 4 + tables_.size() * sizeof(Table) + g_.trans.size() * 4 +
+                        sfx_tokens_.size() * 4 + after_.size() * sizeof(After) + tables_.size() * sizeof(Table) +
+                        g_.trans.size() * 4 +
                         g_.states.size() * sizeof(Grammar::State);
   stats_.precompute_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -186,7 +187,7 @@ void CompiledGrammar::tabulate(uint32_t q, FramePool& pool, std::vector<Config>&
   closer.begin(levels[0]);
   closer.add(levels[0], pool.get(q, FramePool::kBottom));
 
-  std::vector<uint32_t> accepted;
+  std::vector<uint32_t> accepted, left;                  // left[i]: what finishes the frame after accepted[i]
   std::vector<std::pair<uint32_t, uint16_t>> uncertain;  // (token, rest offset)
   std::vector<uint16_t> pops;                            // finish points on the current path
   uint32_t max_depth = 1;
@@ -209,7 +210,8 @@ void CompiledGrammar::tabulate(uint32_t q, FramePool& pool, std::vector<Config>&
     if (c.ended && (root_called_ || g_.states[q].rule != g_.root)) pops.push_back(d);
     if (n.token != kNoToken) {
       accepted.push_back(n.token);
-      max_after = std::max(max_after, dist.config(pool, min_accept_, c));
+      left.push_back(dist.config(pool, min_accept_, c));
+      max_after = std::max(max_after, left.back());
     }
     ++i;
   }
@@ -218,6 +220,26 @@ void CompiledGrammar::tabulate(uint32_t q, FramePool& pool, std::vector<Config>&
   t.computed = true;
   t.max_height = max_depth - 1;
   t.max_after = max_after;
+  t.min_after = left.empty() ? 0 : *std::min_element(left.begin(), left.end());
+  {
+    // Usually few accepted tokens leave other than the most common amount (in a string: those that
+    // close it, or end inside an escape or a UTF-8 sequence); a quarter of them at most are kept, else
+    // the matcher walks.
+    std::vector<uint32_t> sorted = left;
+    std::sort(sorted.begin(), sorted.end());
+    size_t best = 0;
+    for (size_t i = 0, j = 0; i < sorted.size(); i = j) {
+      while (j < sorted.size() && sorted[j] == sorted[i]) ++j;
+      if (j - i > best) best = j - i, t.base_after = sorted[i];
+    }
+    t.after_stored = accepted.size() - best <= accepted.size() / 4 + 64;
+    t.after_begin = uint32_t(after_.size());
+    if (t.after_stored)
+      for (size_t i = 0; i < accepted.size(); ++i)
+        if (left[i] != t.base_after) after_.push_back({accepted[i], left[i]});
+    std::sort(after_.begin() + t.after_begin, after_.end(), [](const After& a, const After& b) { return a.left > b.left; });
+    t.after_end = uint32_t(after_.size());
+  }
   t.all_ordinary = ordinary_tokens_ > 0 && accepted.size() == ordinary_tokens_;  // each trie token once
   const size_t words = vocab_->mask_words();
   if (accepted.size() * 32 > vocab_->vocab_size()) {
