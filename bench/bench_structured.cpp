@@ -8,6 +8,12 @@
 //
 // Each matcher walks a fixed valid document (Python-style separators, tokenised by the vocabulary's
 // own BPE); a mask is filled before every token, as the sampler would need it.
+//
+// Budget-aware completion (Matcher::fill_mask(words, budget), docs/structured-outputs.md "Finishing
+// within max_tokens") at every position of the same walk: "far" = a budget 10,000 tokens beyond the
+// document's end (the tables' bound suffices: the plain mask plus the bound), "near" = the tightest
+// budget, min_completion() + 1 (the bound does not suffice wherever some allowed token would leave more
+// to finish: an exact walk of the vocabulary with distances), and min_completion() itself.
 //   bench_structured [--model DIR] [--vocab N] [--reps R]
 #include <fmt/format.h>
 
@@ -103,6 +109,7 @@ std::vector<std::string> synthetic_vocab(const tok::Tokenizer& base, size_t n_ba
 
 struct Result {
   double compile_ms = 0, mask_us_b1 = 0, p50_us_b1 = 0, p99_us_b1 = 0, step_us_b64 = 0, accept_us = 0;
+  double far_us = 0, far_p99 = 0, near_us = 0, near_p50 = 0, near_p99 = 0, dist_us = 0;
   size_t tokens = 0, states = 0, memory = 0;
 };
 
@@ -141,6 +148,37 @@ Result run(const std::shared_ptr<const TokenVocab>& vocab, int reps) {
   r.p50_us_b1 = per[per.size() / 2];
   r.p99_us_b1 = per[size_t(per.size() * 0.99)];
   r.accept_us = accept_total / per.size();
+  // Budgeted masks at every position (the document's tokens are accepted whatever the near mask allows:
+  // this measures the cost, not a walk within the budget).
+  std::vector<double> far, near;
+  double dist_total = 0;
+  for (int rep = 0; rep < reps; ++rep) {
+    Matcher m(g, {stop});
+    for (size_t k = 0; k < doc.size(); ++k) {
+      const auto a = Clock::now();
+      m.fill_mask(mask.data(), uint32_t(doc.size() - k + 10000));
+      const auto b = Clock::now();
+      const uint32_t d = m.min_completion();
+      const auto c = Clock::now();
+      m.fill_mask(mask.data(), d + 1);
+      const auto e = Clock::now();
+      far.push_back(std::chrono::duration<double, std::micro>(b - a).count());
+      dist_total += std::chrono::duration<double, std::micro>(c - b).count();
+      near.push_back(std::chrono::duration<double, std::micro>(e - c).count());
+      m.accept(doc[k]);
+    }
+  }
+  auto stats = [](std::vector<double>& v, double& mean, double* p50, double& p99) {
+    std::sort(v.begin(), v.end());
+    double t = 0;
+    for (double x : v) t += x;
+    mean = t / double(v.size());
+    if (p50) *p50 = v[v.size() / 2];
+    p99 = v[size_t(double(v.size()) * 0.99)];
+  };
+  stats(far, r.far_us, nullptr, r.far_p99);
+  stats(near, r.near_us, &r.near_p50, r.near_p99);
+  r.dist_us = dist_total / double(far.size());
   // Batch 64: 64 matchers at staggered positions of the document, all 64 masks per step.
   const size_t B = 64;
   std::vector<Matcher> ms;
@@ -197,6 +235,9 @@ int main(int argc, char** argv) {
       fmt::print("{:<34} {:>7} {:>7} {:>7.0f}ms {:>8} {:>8.1f} {:>8.1f} {:>8.1f} {:>10.2f} {:>13.0f} {:>7.1f}MB\n",
                  t == &real ? model + " (real)" : "synthetic K3-sized", t->vocab_size(), r.states, r.compile_ms,
                  r.tokens, r.mask_us_b1, r.p50_us_b1, r.p99_us_b1, r.accept_us, r.step_us_b64, r.memory / 1e6);
+      fmt::print("  budget masks: far {:.1f} µs mean, {:.1f} p99; near (min_completion + 1) {:.1f} µs mean, {:.1f} p50, "
+                 "{:.1f} p99; min_completion() {:.2f} µs\n",
+                 r.far_us, r.far_p99, r.near_us, r.near_p50, r.near_p99, r.dist_us);
     }
   } catch (const std::exception& e) {
     fmt::print(stderr, "error: {}\n", e.what());

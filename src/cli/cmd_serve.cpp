@@ -49,6 +49,7 @@ struct Opts {
   bool fake = false, debug_routes = false;
   int fake_delay_ms = 0, fake_load_ms = 0;
   server::StructuredOptions structured;
+  bool no_complete_within_max_tokens = false;
   // Image input (server/media.h).
   std::string limit_mm = "{\"image\": 16}", allowed_local_media_path;
   int64_t max_image_pixels = 50'000'000, max_image_bytes = int64_t(32) << 20;
@@ -120,6 +121,7 @@ void serve(Opts& o) {
   so.max_connections = o.max_connections;
   so.shutdown_timeout = std::chrono::seconds(o.shutdown_timeout);
   so.structured = o.structured;
+  so.structured.complete_within_max_tokens = !o.no_complete_within_max_tokens;
   so.debug_routes = o.debug_routes;
   so.media = std::move(media);
   server::Server srv(so, engine, tokenizer);
@@ -201,6 +203,9 @@ void register_serve(CLI::App& app) {
       ->check(CLI::Range(size_t(1), size_t(1) << 20));
   cmd->add_option("--grammar-threads", o->structured.compile_threads, "threads compiling grammars")
       ->check(CLI::Range(1, 64));
+  cmd->add_flag("--no-complete-within-max-tokens", o->no_complete_within_max_tokens,
+                "json_object/json_schema answers may be cut by max_tokens (finish length) instead of being kept "
+                "completable within it (docs/structured-outputs.md; a request's complete_within_max_tokens overrides)");
   // Image input (docs/serving.md "Image input").
   cmd->add_option("--limit-mm-per-prompt", o->limit_mm,
                   "images per request, vLLM's form '{\"image\": N}' (or image=N); other modalities only as 0 (default 16)");

@@ -106,6 +106,11 @@ struct OutputConstraint {
   ToolChoice tool_choice = ToolChoice::automatic;
   std::string named_tool;  // tool_choice named: one of `tools`
   size_t max_calls = 8;    // calls in one tools section (1 when parallel_tool_calls is false)
+  // Budget-aware completion (docs/structured-outputs.md, "Finishing within max_tokens"): the masks keep
+  // the output completable within the request's max_tokens, so it always ends complete and valid; a
+  // request whose shortest complete output is longer than max_tokens is refused (param max_tokens).
+  // The server sets it for json_object / json_schema unless the request or the server opts out.
+  bool complete_within_max_tokens = false;
   // The compiled form of all of the above over the engine's vocabulary (never null when submitted).
   std::shared_ptr<const structured::CompiledGrammar> grammar;
 };

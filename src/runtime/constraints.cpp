@@ -82,14 +82,28 @@ bool SeqConstraint::flush() {
   return true;
 }
 
-bool SeqConstraint::free_text() const {
+void SeqConstraint::require_fits(int64_t max_tokens) {
+  const uint32_t need = min_completion();
+  if (int64_t(need) > max_tokens)
+    throw RequestError("max_tokens", fmt::format("max_tokens is {}, too few to finish an answer in this response_format: "
+                                                 "its shortest complete answer takes {} tokens (markup included); raise "
+                                                 "max_tokens, or set complete_within_max_tokens to false to accept an "
+                                                 "answer cut at max_tokens", max_tokens, need));
+}
+
+uint32_t SeqConstraint::min_completion() {
+  KCHECK(!pending_, "SeqConstraint::min_completion with a deferred token");
+  return m_.min_completion();
+}
+
+bool SeqConstraint::free_text() {
   KCHECK(!pending_, "SeqConstraint::free_text with a deferred token");
-  return m_.free_text();
+  return m_.free_text(budget_);
 }
 
 int64_t SeqConstraint::fill(uint32_t* words) {
   KCHECK(!pending_, "SeqConstraint::fill with a deferred token");
-  if (!m_.fill_mask(words)) return 0;
+  if (!m_.fill_mask(words, budget_)) return 0;
   return mask_count(words, V_);
 }
 

@@ -18,6 +18,7 @@
 // into its own fixed device table (CUDA graphs need fixed addresses).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -70,9 +71,25 @@ class SeqConstraint {
   // Applies a deferred token. False: the matcher refused it (a mask that was not exact: a bug).
   bool flush();
   int32_t deferred() const { return pending_ ? ids_.back() : -1; }
+  // Budget-aware completion (docs/structured-outputs.md, "Finishing within max_tokens"): the request
+  // may generate `tokens` more, the next one included; free_text() and fill() then keep the output
+  // completable within them. Unset (the default, and for requests that did not ask): masks know
+  // nothing of the budget. The engine sets it before the step's job runs (the job reads it).
+  // The budget of a request with max_tokens after `generated` tokens (the deferred one included).
+  void set_budget(int64_t max_tokens, size_t generated) {
+    budget_ = uint32_t(std::clamp<int64_t>(max_tokens - int64_t(generated), 1, structured::Matcher::kNoBudget - 1));
+  }
+  // At submit: a RequestError naming max_tokens when the shortest complete output is longer than
+  // max_tokens, which no mask could then keep within it.
+  void require_fits(int64_t max_tokens);
+  // The tokens that finish the output from here along its shortest path (an upper bound on the
+  // fewest; structured/matcher.h). After flush().
+  uint32_t min_completion();
   // After flush():
-  bool free_text() const;
-  // The mask of the next token; returns the number of allowed ids (0: nothing can follow).
+  // Free text within the budget (structured::Matcher::free_text(budget)): no mask needed — every
+  // ordinary token is allowed and none can push the completion past the budget.
+  bool free_text();
+  // The mask of the next token, within the budget; returns the number of allowed ids (0: nothing can follow).
   int64_t fill(uint32_t* words);
   // Advances by `token` now; false (unchanged) when the grammar refuses it.
   bool accept(int32_t token);
@@ -89,6 +106,7 @@ class SeqConstraint {
   std::vector<int32_t> ids_;  // the tokens taken (the matcher keeps configurations, not ids)
   bool pending_ = false;      // ids_.back() is taken but the matcher has not stepped over it yet
   int64_t V_;
+  uint32_t budget_ = structured::Matcher::kNoBudget;
 };
 
 // Host u32 [rows, words], page-aligned, zeroed, at a fixed address until destroyed.

@@ -151,6 +151,7 @@ Submission Engine::submit(Request r, TokenSink sink) {
       if (ends.empty()) throw RequestError("response_format", "a JSON document needs an end-of-sequence id; this model has none");
     }
     q->constraint = std::make_unique<SeqConstraint>(g, std::move(ends));
+    if (r.constraint->complete_within_max_tokens) q->constraint->require_fits(r.max_tokens);
   }
   q->r = std::move(r);
   q->sink = std::move(sink);
@@ -287,6 +288,8 @@ void Engine::start_masks(const sched::StepPlan& plan, const std::vector<std::pai
         q->error = "structured output: the generated tokens do not follow the grammar";
         continue;
       }
+      // The tokens left, this one included (output holds the deferred token), for this step's job.
+      if (q->r.constraint->complete_within_max_tokens) q->constraint->set_budget(q->r.max_tokens, q->output.size());
       KCHECK(int64_t(jobs.size()) < masks_.rows(), "engine: more masked sequences than mask rows ({})", masks_.rows());
       q->job = int32_t(jobs.size());
       jobs.push_back({q->constraint.get(), masks_.row(int64_t(jobs.size()))});

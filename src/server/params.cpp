@@ -18,7 +18,7 @@ const std::set<std::string, std::less<>> kCommon = {
     "model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
     "logit_bias", "min_tokens", "skip_special_tokens", "user", "logprobs",
-    "response_format"};  // completions too: one JSON document (server/structured.h)
+    "response_format", "complete_within_max_tokens"};  // completions too: one JSON document (server/structured.h)
 const std::set<std::string, std::less<>> kChatOnly = {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
     "reasoning_effort", "thinking", "chat_template_kwargs"};

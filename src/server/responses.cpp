@@ -15,7 +15,7 @@ namespace {
 const std::set<std::string, std::less<>> kPassThrough = {
     "model", "temperature", "top_p", "stream", "parallel_tool_calls", "user", "top_k", "min_p", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logit_bias", "min_tokens",
-    "skip_special_tokens"};
+    "skip_special_tokens", "complete_within_max_tokens"};
 // Rewritten below.
 const std::set<std::string, std::less<>> kMapped = {"input", "instructions", "max_output_tokens", "tools", "tool_choice",
                                                      "reasoning", "text", "store", "metadata", "truncation"};

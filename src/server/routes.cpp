@@ -284,10 +284,12 @@ Router::Prepared Router::prepare(ojson& body, Api api) {
     o.thinking = cp.thinking;
     o.tools = cp.tool_names;
     r.constraint = GrammarService::chat_constraint(body, cp, r.ignore_eos);
+    GrammarService::set_completion(r.constraint, body, opt_.structured.complete_within_max_tokens);
     add(r, o);
   } else {
     // One constraint for every prompt of a batch (it depends on the body only).
-    const std::optional<OutputConstraint> constraint = GrammarService::completion_constraint(body);
+    std::optional<OutputConstraint> constraint = GrammarService::completion_constraint(body);
+    GrammarService::set_completion(constraint, body, opt_.structured.complete_within_max_tokens);
     const auto prompts = completion_prompts(body, tok_);
     if (prompts.size() * size_t(g.n) > kMaxChoices)
       throw ApiError(400, fmt::format("{} prompts × n = {} exceeds the {} sequences one request may ask for",

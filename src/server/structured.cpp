@@ -78,6 +78,19 @@ std::optional<OutputConstraint> GrammarService::completion_constraint(const ojso
   }
 }
 
+void GrammarService::set_completion(std::optional<OutputConstraint>& c, const ojson& body, bool server_default) {
+  bool on = server_default;
+  if (present(body, "complete_within_max_tokens")) {
+    if (!body["complete_within_max_tokens"].is_boolean())
+      throw ApiError(400, "'complete_within_max_tokens' must be a boolean", "complete_within_max_tokens");
+    on = body["complete_within_max_tokens"].get<bool>();
+  }
+  // Only where the answer can be nothing but the JSON: with tools allowed beside it the mask would
+  // also force a tool call closed, sending arguments the model did not mean.
+  const bool tools = c && !c->tools.empty() && c->tool_choice != OutputConstraint::ToolChoice::none;
+  if (c) c->complete_within_max_tokens = on && c->format != OutputConstraint::Format::text && !tools;
+}
+
 std::shared_ptr<structured::GrammarCache> GrammarService::cache(int64_t vocab_size) {
   {
     std::lock_guard<std::mutex> lk(cache_mu_);

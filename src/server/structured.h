@@ -38,6 +38,9 @@ struct StructuredOptions {
   size_t cache_entries = 256;           // compiled grammars kept (least recently used dropped)
   int compile_threads = 2;              // workers compiling grammars that are not cached
   structured::SchemaLimits limits;      // schema and compile limits (time, states, nesting)
+  // json_object / json_schema answers complete within max_tokens unless a request says
+  // "complete_within_max_tokens": false (OutputConstraint::complete_within_max_tokens).
+  bool complete_within_max_tokens = true;
 };
 
 class GrammarService {
@@ -51,6 +54,10 @@ class GrammarService {
   static std::optional<OutputConstraint> chat_constraint(const ojson& body, const tok::ChatPrompt& prompt,
                                                          bool ignore_eos);
   static std::optional<OutputConstraint> completion_constraint(const ojson& body);
+  // Budget-aware completion for a JSON response_format: the body's "complete_within_max_tokens"
+  // (a boolean; 400 otherwise), else `server_default`. Text formats and tool calls are never forced
+  // closed: a cut text is honestly finish_reason "length".
+  static void set_completion(std::optional<OutputConstraint>& c, const ojson& body, bool server_default);
 
   // The compiled grammar for a model of `vocab_size` logits if it is cached (nullptr if not); a
   // cached refusal is an ApiError 400.

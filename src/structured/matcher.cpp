@@ -23,6 +23,7 @@ Matcher::Matcher(std::shared_ptr<const CompiledGrammar> grammar, std::vector<Tok
 
 void Matcher::reset() {
   pool_.reset();
+  dist_.reset(stop_.empty() ? 0 : 1);  // a document with stop tokens ends by accepting one
   history_.assign(1, Config{});
   stopped_.assign(1, 0);
   Closer closer(cg_->grammar(), pool_, cg_->max_stack_depth());
@@ -110,7 +111,7 @@ bool Matcher::accept_bytes(std::string_view bytes) {
   return true;
 }
 
-void Matcher::walk_suffixes(uint32_t q, uint32_t parent, uint32_t* words, bool& any) {
+void Matcher::walk_suffixes(uint32_t q, uint32_t parent, uint32_t* words, bool& any, uint32_t* ub, uint32_t limit) {
   const CompiledGrammar::Table& t = cg_->tables_[q];
   if (t.sfx_begin == t.sfx_end || parent == FramePool::kBottom) return;
   Closer closer(cg_->grammar(), pool_, cg_->max_stack_depth());
@@ -126,20 +127,28 @@ void Matcher::walk_suffixes(uint32_t q, uint32_t parent, uint32_t* words, bool& 
       i = n.end;
       continue;
     }
-    for (uint32_t k = n.tok_begin; k < n.tok_end; ++k) mask_set(words, toks[k]);
-    any = any || n.tok_begin != n.tok_end;
+    if (n.tok_begin != n.tok_end && (limit == kNoBudget || dist(c) <= limit)) {
+      for (uint32_t k = n.tok_begin; k < n.tok_end; ++k) mask_set(words, toks[k]);
+      any = true;
+    }
+    if (ub && n.tok_begin != n.tok_end) *ub = std::max(*ub, dist(c));
     ++i;
   }
 }
 
-bool Matcher::fill_mask(uint32_t* words) {
+bool Matcher::fill_mask(uint32_t* words) { return fill_mask_tables(words, nullptr); }
+
+bool Matcher::fill_mask_tables(uint32_t* words, uint32_t* ub) {
   const size_t nw = mask_words();
   std::memset(words, 0, nw * sizeof(uint32_t));
   if (stopped_.back()) return false;
   const Config& cfg = top();
   const uint32_t limit = cg_->max_stack_depth();
   for (uint32_t f : cfg.frames)
-    if (pool_.depth(f) + cg_->tables_[pool_.state(f)].max_height > limit) return fill_mask_exhaustive(words);
+    if (pool_.depth(f) + cg_->tables_[pool_.state(f)].max_height > limit) {
+      if (ub) *ub = detail::StackDistance::kInf;  // no bound from the tables here: the caller walks exactly
+      return fill_mask_exhaustive(words);
+    }
 
   bool any = false;
   const Grammar& g = cg_->grammar();
@@ -154,6 +163,13 @@ bool Matcher::fill_mask(uint32_t* words) {
   uint32_t last_q = kDead;
   for (uint64_t p : seen_pairs_) {
     const uint32_t q = uint32_t(p >> 32);
+    if (ub) {
+      // An accepted token leaves q's frame at most max_after units from its end; the frames below are untouched.
+      const CompiledGrammar::Table& t = cg_->tables_[q];
+      if (t.bitset != UINT32_MAX || t.list_begin != t.list_end)
+        *ub = std::max(*ub, std::min(detail::StackDistance::kInf,
+                                     t.max_after + dist_.frame(pool_, cg_->min_accept_, uint32_t(p))));
+    }
     if (q == last_q) continue;
     last_q = q;
     const CompiledGrammar::Table& t = cg_->tables_[q];
@@ -167,7 +183,8 @@ bool Matcher::fill_mask(uint32_t* words) {
     }
   }
   // Uncertain tokens, per distinct (state, caller).
-  for (uint64_t p : seen_pairs_) walk_suffixes(uint32_t(p >> 32), uint32_t(p), words, any);
+  for (uint64_t p : seen_pairs_) walk_suffixes(uint32_t(p >> 32), uint32_t(p), words, any, ub);
+  if (ub) *ub = std::max(*ub, left_after_specials());  // stop tokens leave 0
   // Special-token terminals and stop tokens.
   for (uint32_t f : cfg.frames) {
     const Grammar::State& s = g.states[pool_.state(f)];
@@ -204,6 +221,169 @@ bool Matcher::fill_mask_exhaustive(uint32_t* words) {
   }
   if (top().ended)
     for (TokenId id : stop_) mask_set(words, id), any = true;
+  return any;
+}
+
+}  // namespace kestrel::structured
+
+namespace kestrel::structured {
+
+// ---- Budget ------------------------------------------------------------------------------------------
+
+uint32_t Matcher::min_completion() {
+  if (stopped_.back()) return 0;
+  return dist(top());
+}
+
+std::vector<uint32_t> Matcher::configuration_key() const {
+  std::vector<uint32_t> key = top().frames;
+  std::sort(key.begin(), key.end());  // the closure's order depends on the path, the set does not
+  key.push_back(uint32_t(top().ended) | uint32_t(stopped_.back()) << 1 | uint32_t(top().truncated) << 2);
+  return key;
+}
+
+uint32_t Matcher::left_after_specials() {
+  const Grammar& g = cg_->grammar();
+  Closer closer(g, pool_, cg_->max_stack_depth());
+  uint32_t most = 0;
+  for (uint32_t f : top().frames) {
+    const Grammar::State& s = g.states[pool_.state(f)];
+    for (uint32_t i = s.specials_begin; i < s.specials_end; ++i) {
+      closer.step_special(top(), g.specials[i].id, scratch_);
+      most = std::max(most, dist(scratch_));
+    }
+  }
+  return most;
+}
+
+bool Matcher::fill_mask(uint32_t* words, uint32_t budget) {
+  if (budget == kNoBudget) return fill_mask(words);
+  const uint32_t limit = budget > 0 ? budget - 1 : 0;
+  uint32_t ub = 0;
+  const bool any = fill_mask_tables(words, &ub);
+  if (!any || ub <= limit) return any;
+  const int exact = fill_mask_budget_tables(words, limit);
+  if (exact > 0 || (exact < 0 && fill_mask_within(words, limit))) return true;
+  return fill_mask(words);
+}
+
+int Matcher::fill_mask_budget_tables(uint32_t* words, uint32_t limit) {
+  const Config& cfg = top();
+  const uint32_t depth_limit = cg_->max_stack_depth();
+  for (uint32_t f : cfg.frames)
+    if (pool_.depth(f) + cg_->tables_[pool_.state(f)].max_height > depth_limit) return -1;  // tables not exact here
+  const size_t nw = mask_words();
+  std::memset(words, 0, nw * sizeof(uint32_t));
+  frame_words_.resize(nw);
+  bool any = false;
+  seen_pairs_.clear();
+  for (uint32_t f : cfg.frames) seen_pairs_.push_back(uint64_t(pool_.state(f)) << 32 | pool_.parent(f));
+  std::sort(seen_pairs_.begin(), seen_pairs_.end());
+  seen_pairs_.erase(std::unique(seen_pairs_.begin(), seen_pairs_.end()), seen_pairs_.end());
+  // A token's distance after it is the least over the frames it goes through, and through one frame it is
+  // what finishes that frame after the token (the table's) plus what finishes the stack below it: so a
+  // token is allowed iff some frame lets it through within the limit.
+  for (uint64_t p : seen_pairs_) {
+    const CompiledGrammar::Table& t = cg_->tables_[uint32_t(p >> 32)];
+    if (t.bitset == UINT32_MAX && t.list_begin == t.list_end) continue;
+    const uint32_t below = dist_.frame(pool_, cg_->min_accept_, uint32_t(p));
+    if (below > limit || t.min_after > limit - below) continue;  // no accepted token fits
+    const uint32_t k = limit - below;
+    if (k < t.max_after && !t.after_stored) return -1;
+    any = true;
+    if (k < t.max_after && k < t.base_after) {
+      // Few fit: those of the exceptions (least last) that leave at most k.
+      for (uint32_t i = t.after_end; i-- > t.after_begin && cg_->after_[i].left <= k;) mask_set(words, cg_->after_[i].token);
+      continue;
+    }
+    // Most or all fit: the accepted set, less (per frame, then merged) the exceptions that leave more.
+    uint32_t* w = k >= t.max_after ? words : frame_words_.data();
+    if (w != words) std::memset(w, 0, nw * sizeof(uint32_t));
+    if (t.bitset != UINT32_MAX) {
+      const uint32_t* b = cg_->bitsets_.data() + size_t(t.bitset) * nw;
+      for (size_t i = 0; i < nw; ++i) w[i] |= b[i];
+    } else {
+      for (uint32_t i = t.list_begin; i < t.list_end; ++i) mask_set(w, cg_->lists_[i]);
+    }
+    if (w == words) continue;
+    for (uint32_t i = t.after_begin; i < t.after_end && cg_->after_[i].left > k; ++i) {
+      const TokenId id = cg_->after_[i].token;
+      w[id >> 5] &= ~(1u << (id & 31));
+    }
+    for (size_t i = 0; i < nw; ++i) words[i] |= w[i];
+  }
+  for (uint64_t p : seen_pairs_) walk_suffixes(uint32_t(p >> 32), uint32_t(p), words, any, nullptr, limit);
+  const Grammar& g = cg_->grammar();
+  Closer closer(g, pool_, depth_limit);
+  for (uint32_t f : cfg.frames) {
+    const Grammar::State& s = g.states[pool_.state(f)];
+    for (uint32_t i = s.specials_begin; i < s.specials_end; ++i) {
+      closer.step_special(top(), g.specials[i].id, scratch_);
+      if (dist(scratch_) <= limit) mask_set(words, g.specials[i].id), any = true;
+    }
+  }
+  if (cfg.ended)
+    for (TokenId id : stop_) mask_set(words, id), any = true;  // nothing left after a stop token
+  return any ? 1 : 0;
+}
+
+bool Matcher::free_text(uint32_t budget) {
+  if (!free_text()) return false;
+  if (budget == kNoBudget) return true;
+  const uint32_t limit = budget > 0 ? budget - 1 : 0;
+  const uint32_t depth_limit = cg_->max_stack_depth();
+  bool bounded = false;
+  for (uint32_t f : top().frames) {
+    const CompiledGrammar::Table& t = cg_->tables_[pool_.state(f)];
+    // Every ordinary token is accepted from this frame, so none leaves more than this to finish.
+    if (t.all_ordinary && pool_.depth(f) + t.max_height <= depth_limit &&
+        t.max_after + dist_.frame(pool_, cg_->min_accept_, pool_.parent(f)) <= limit) {
+      bounded = true;
+      break;
+    }
+  }
+  return bounded && left_after_specials() <= limit;
+}
+
+bool Matcher::fill_mask_within(uint32_t* words, uint32_t limit) {
+  const size_t nw = mask_words();
+  std::memset(words, 0, nw * sizeof(uint32_t));
+  if (stopped_.back()) return false;
+  bool any = false;
+  const Grammar& g = cg_->grammar();
+  Closer closer(g, pool_, cg_->max_stack_depth());
+  const auto& trie = cg_->vocab().trie();
+  const TokenVocab& vocab = cg_->vocab();
+  const bool prune = cg_->every_byte_a_token_;
+  levels_[0] = top();
+  for (uint32_t i = 1; i < trie.size();) {
+    const TokenVocab::TrieNode& n = trie[i];
+    Config& c = levels_[n.depth];
+    closer.step(levels_[n.depth - 1], n.byte, c);
+    if (c.empty()) {
+      i = n.end;
+      continue;
+    }
+    const uint32_t d = dist(c);
+    // With every byte a token, one more byte lowers the distance by at most one (that byte's token
+    // then the rest of the path is a path; calling and closing never go below the stack they came
+    // from), so no token in this subtree, at most bytes_below(i) bytes longer, comes back within the limit.
+    if (prune && uint64_t(d) > uint64_t(limit) + vocab.bytes_below(i)) {
+      i = n.end;
+      continue;
+    }
+    if (n.token != kNoToken && d <= limit) mask_set(words, n.token), any = true;
+    ++i;
+  }
+  for (uint32_t f : top().frames) {
+    const Grammar::State& s = g.states[pool_.state(f)];
+    for (uint32_t k = s.specials_begin; k < s.specials_end; ++k) {
+      closer.step_special(top(), g.specials[k].id, scratch_);
+      if (dist(scratch_) <= limit) mask_set(words, g.specials[k].id), any = true;
+    }
+  }
+  if (top().ended)
+    for (TokenId id : stop_) mask_set(words, id), any = true;  // nothing left after a stop token
   return any;
 }
 

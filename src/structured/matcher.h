@@ -45,6 +45,8 @@ class CompiledGrammar {
     double precompute_ms = 0;
   };
   const Stats& stats() const { return stats_; }
+  // The fewest tokens from state q to the end of its rule, an upper bound (token_tables.cpp).
+  uint32_t min_accept(uint32_t q) const { return min_accept_[q]; }
   // Whether accepting an ordinary token can ever leave a matcher of this grammar (without stop
   // tokens) terminated: only if a byte edge, or a call's return after one, reaches an accepting state
   // of the root rule with no way on. False for the grammars that end on a special token (the chat
@@ -64,6 +66,13 @@ class CompiledGrammar {
     uint32_t list_begin = 0, list_end = 0;  // accepted tokens as ids (when not a bitset)
     uint32_t sfx_begin = 0, sfx_end = 0;    // uncertain tokens: trie of their rests (node sfx_begin = root)
     uint32_t max_height = 0;        // frames pushed above the state while reading any token
+    uint32_t max_after = 0;         // most units needed to finish the state's frame after an accepted token
+    uint32_t min_after = 0;         // fewest, over the accepted tokens
+    uint32_t base_after = 0;        // what most accepted tokens leave
+    // The accepted tokens that leave other than base_after, most first (after_): with them a budget
+    // mask is a lookup. Not stored (after_stored false) when they are many; the matcher then walks.
+    uint32_t after_begin = 0, after_end = 0;
+    bool after_stored = false;
     bool computed = false;
     bool all_ordinary = false;      // every ordinary token is accepted (free text)
   };
@@ -75,10 +84,16 @@ class CompiledGrammar {
   bool root_called_ = false;
   bool bytes_may_terminate_ = false;
   std::vector<Table> tables_;
+  std::vector<uint32_t> min_accept_;  // per state (min_accept)
+  bool every_byte_a_token_ = false;   // each of the 256 bytes is a token of its own
   std::vector<uint32_t> bitsets_;   // mask_words() words each
   std::vector<uint32_t> lists_;
   std::vector<SfxNode> sfx_;
   std::vector<uint32_t> sfx_tokens_;
+  struct After {
+    uint32_t token, left;  // an accepted token and what finishes the frame after it
+  };
+  std::vector<After> after_;
   size_t ordinary_tokens_ = 0;  // tokens in the vocabulary trie
   Stats stats_;
 };
@@ -114,6 +129,33 @@ class Matcher {
   // special tokens). An engine may then sample without a mask and check the token with accept()
   // (reasoning-aware structured output: the think section costs no mask).
   bool free_text() const;
+
+  // ---- Budget: finishing within a token budget (docs/structured-outputs.md, "Finishing within
+  // max_tokens"). Distances count tokens along paths the matcher accepts (CompiledGrammar::min_accept,
+  // summed over a stack's frames, plus the stop token a document with stop tokens still needs): an
+  // upper bound on the tokens that finish the document, and from any configuration some allowed token
+  // lowers it by at least one (the first step of its shortest path).
+  static constexpr uint32_t kNoBudget = UINT32_MAX;
+  // The tokens that complete the document from here along its shortest path (0 once terminated).
+  uint32_t min_completion();
+  // The mask for a request that may still generate `budget` tokens, this one included: the tokens
+  // after which the document can still be completed within budget - 1 units. When the tables show
+  // that no allowed token can push the completion past that (the common case, far from the end) this
+  // is fill_mask(words) plus a bound per top state; otherwise an exact walk of the vocabulary.
+  // When even that leaves nothing (min_completion() > budget: the request started with too small a
+  // budget, or the vocabulary lacks a one-byte token the shortest completion needs), the plain mask.
+  // kNoBudget: fill_mask(words).
+  bool fill_mask(uint32_t* words, uint32_t budget);
+  // free_text(), and no token (ordinary or special) can leave more than budget - 1 to complete,
+  // so sampling without a mask keeps the request within its budget.
+  bool free_text(uint32_t budget);
+
+  // The current configuration as a value: equal keys within one matcher mean equal configurations
+  // (stacks are hash-consed in the matcher's pool, which rollback keeps), so a search over token
+  // sequences can merge the paths that reach one configuration (the budget tests' breadth-first
+  // search for the true fewest tokens).
+  std::vector<uint32_t> configuration_key() const;
+
   // Undoes the last k accepted tokens (k <= num_accepted()).
   void rollback(size_t k);
   size_t num_accepted() const { return history_.size() - 1; }
@@ -123,7 +165,15 @@ class Matcher {
 
  private:
   const detail::Config& top() const { return history_.back(); }
-  void walk_suffixes(uint32_t q, uint32_t parent, uint32_t* words, bool& any);
+  // ub (optional): raised to the most any token set here leaves to complete (min_completion's measure).
+  // limit (optional): set only the tokens after which min_completion() <= limit.
+  void walk_suffixes(uint32_t q, uint32_t parent, uint32_t* words, bool& any, uint32_t* ub,
+                     uint32_t limit = kNoBudget);
+  int fill_mask_budget_tables(uint32_t* words, uint32_t limit);  // exact from the tables; -1: walk instead
+  bool fill_mask_tables(uint32_t* words, uint32_t* ub);
+  bool fill_mask_within(uint32_t* words, uint32_t limit);  // exact: min_completion after the token <= limit
+  uint32_t left_after_specials();   // the most min_completion after any special edge of the top
+  uint32_t dist(const detail::Config& c) { return dist_.config(pool_, cg_->min_accept_, c); }
 
   std::shared_ptr<const CompiledGrammar> cg_;
   std::vector<TokenId> stop_;
@@ -133,6 +183,8 @@ class Matcher {
   std::vector<detail::Config> levels_;   // scratch per trie depth
   detail::Config scratch_;
   std::vector<uint64_t> seen_pairs_;
+  std::vector<uint32_t> frame_words_;  // one frame's budget mask (fill_mask_budget_tables)
+  detail::StackDistance dist_;  // over pool_, reset with it
 };
 
 }  // namespace kestrel::structured

@@ -164,4 +164,39 @@ class Closer {
   std::vector<uint32_t> work_;
 };
 
+// Budget-aware completion (matcher.h, "Budget"): the tokens that finish a stack along its shortest
+// path = the sum over its frames of min_accept[state] (tokens from that state to an accepting state of
+// its rule, calls included; CompiledGrammar::min_accept), plus `bottom` (what the bottom frame still
+// needs: a stop token, or nothing). Frames are persistent and hash-consed, so the sum is memoised per frame
+// id: a stack costs O(1) once its parent is known. Valid until the pool is reset (then reset this too).
+class StackDistance {
+ public:
+  static constexpr uint32_t kInf = 1u << 30;  // unreachable; sums saturate here
+  void reset(uint32_t bottom) { memo_.assign(1, bottom); }
+  uint32_t frame(const FramePool& pool, const std::vector<uint32_t>& min_accept, uint32_t f) {
+    if (memo_.size() < pool.size()) memo_.resize(pool.size(), kUnknown);
+    if (memo_[f] != kUnknown) return memo_[f];
+    chain_.clear();
+    uint32_t x = f;
+    while (memo_[x] == kUnknown) chain_.push_back(x), x = pool.parent(x);
+    uint32_t d = memo_[x];
+    for (size_t i = chain_.size(); i-- > 0;) {
+      d = std::min(kInf, d + min_accept[pool.state(chain_[i])]);
+      memo_[chain_[i]] = d;
+    }
+    return d;
+  }
+  // The fewest that finish any stack of the configuration.
+  uint32_t config(const FramePool& pool, const std::vector<uint32_t>& min_accept, const Config& c) {
+    uint32_t d = c.ended ? memo_[0] : kInf;
+    for (uint32_t f : c.frames) d = std::min(d, frame(pool, min_accept, f));
+    return d;
+  }
+
+ private:
+  static constexpr uint32_t kUnknown = UINT32_MAX;
+  std::vector<uint32_t> memo_{0};
+  std::vector<uint32_t> chain_;
+};
+
 }  // namespace kestrel::structured::detail

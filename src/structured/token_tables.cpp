@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <queue>
 
 #include "core/check.h"
 #include "structured/matcher.h"
@@ -21,6 +22,85 @@ namespace kestrel::structured {
 using detail::Closer;
 using detail::Config;
 using detail::FramePool;
+using detail::StackDistance;
+
+namespace {
+
+// min_accept[q]: the fewest tokens that take state q to an accepting state of q's rule, counting
+//   - a token whose bytes the rule's own automaton reads from q to q' (no call, no return) as one step;
+//   - a special-token edge as one step;
+//   - a call edge as the callee's min_accept from its start plus the return state's.
+// Every such path is a sequence of tokens the matcher accepts, so min_accept is an upper bound on the
+// tokens that finish the rule (exact up to tokens that straddle rule boundaries). It is the least
+// fixed point of A(q) = 0 if accepting, else min over those edges, found by Knuth's generalisation of
+// Dijkstra (every right-hand side is >= each of its inputs, so a state popped with its current value is
+// final). Token edges come from one walk of the vocabulary trie per state through the rule's automaton
+// (one table lookup per trie node, pruned at dead bytes; the token tables walk the trie per state too,
+// with whole configurations, which costs far more).
+std::vector<uint32_t> compute_min_accept(const Grammar& g, const TokenVocab& vocab, const std::vector<uint8_t>& reach) {
+  const size_t S = g.states.size();
+  const auto& trie = vocab.trie();
+  // Reverse edges: unit edges (a token or a special read) and call edges, by the states they read.
+  std::vector<std::vector<uint32_t>> unit_into(S);
+  struct CallDep {
+    uint32_t from, start, ret;
+  };
+  std::vector<CallDep> calls;
+  std::vector<std::vector<uint32_t>> calls_into(S);
+  std::vector<uint32_t> at(vocab.max_token_bytes() + 1), targets;
+  for (uint32_t q = 0; q < S; ++q) {
+    if (!reach[q]) continue;
+    const Grammar::State& s = g.states[q];
+    if (s.has_bytes) {
+      targets.clear();
+      at[0] = q;
+      for (uint32_t i = 1; i < trie.size();) {
+        const TokenVocab::TrieNode& n = trie[i];
+        const uint32_t from = at[n.depth - 1];
+        const uint32_t t = g.states[from].has_bytes ? g.step(from, n.byte) : kDead;
+        if (t == kDead) {
+          i = n.end;
+          continue;
+        }
+        at[n.depth] = t;
+        if (n.token != kNoToken) targets.push_back(t);
+        ++i;
+      }
+      std::sort(targets.begin(), targets.end());
+      targets.erase(std::unique(targets.begin(), targets.end()), targets.end());
+      for (uint32_t t : targets) unit_into[t].push_back(q);
+    }
+    for (uint32_t i = s.specials_begin; i < s.specials_end; ++i) unit_into[g.specials[i].next].push_back(q);
+    for (uint32_t i = s.calls_begin; i < s.calls_end; ++i) {
+      const CallDep d{q, g.rules[g.calls[i].rule].start, g.calls[i].ret};
+      calls_into[d.start].push_back(uint32_t(calls.size()));
+      if (d.ret != d.start) calls_into[d.ret].push_back(uint32_t(calls.size()));
+      calls.push_back(d);
+    }
+  }
+  std::vector<uint32_t> A(S, StackDistance::kInf);
+  using Item = std::pair<uint32_t, uint32_t>;  // (value, state)
+  std::priority_queue<Item, std::vector<Item>, std::greater<Item>> pq;
+  for (uint32_t q = 0; q < S; ++q)
+    if (g.states[q].accepting) A[q] = 0, pq.push({0, q});
+  auto relax = [&](uint32_t q, uint32_t v) {
+    if (v < A[q]) A[q] = v, pq.push({v, q});
+  };
+  while (!pq.empty()) {
+    const auto [v, x] = pq.top();
+    pq.pop();
+    if (v != A[x]) continue;
+    for (uint32_t q : unit_into[x]) relax(q, std::min(StackDistance::kInf, v + 1));
+    for (uint32_t i : calls_into[x]) {
+      const CallDep& d = calls[i];
+      if (A[d.start] < StackDistance::kInf && A[d.ret] < StackDistance::kInf)
+        relax(d.from, std::min(StackDistance::kInf, A[d.start] + A[d.ret]));
+    }
+  }
+  return A;
+}
+
+}  // namespace
 
 CompiledGrammar::CompiledGrammar(std::shared_ptr<const TokenVocab> vocab, Grammar grammar, uint32_t max_stack_depth,
                                  std::chrono::steady_clock::time_point deadline)
@@ -67,6 +147,12 @@ CompiledGrammar::CompiledGrammar(std::shared_ptr<const TokenVocab> vocab, Gramma
   // its states need no uncertain tokens unless some rule calls the root.
   for (const Grammar::Call& c : g_.calls) root_called_ = root_called_ || c.rule == g_.root;
   for (const TokenVocab::TrieNode& n : vocab_->trie()) ordinary_tokens_ += n.token != kNoToken;
+  min_accept_ = compute_min_accept(g_, *vocab_, reach);
+  {
+    size_t one_byte = 0;  // one-byte tokens: all 256 make min_accept drop by at most one per byte read
+    for (const TokenVocab::TrieNode& n : vocab_->trie()) one_byte += n.depth == 1 && n.token != kNoToken;
+    every_byte_a_token_ = one_byte == 256;
+  }
   tables_.resize(S);
   FramePool pool;
   std::vector<Config> levels;
@@ -83,7 +169,8 @@ CompiledGrammar::CompiledGrammar(std::shared_ptr<const TokenVocab> vocab, Gramma
   stats_.uncertain_tokens = sfx_tokens_.size();
   stats_.suffix_nodes = sfx_.size();
   stats_.memory_bytes = bitsets_.size() * 4 + lists_.size() * 4 + sfx_.size() * sizeof(SfxNode) +
-                        sfx_tokens_.size() * 4 + tables_.size() * sizeof(Table) + g_.trans.size() * 4 +
+                        sfx_tokens_.size() * 4 + after_.size() * sizeof(After) + tables_.size() * sizeof(Table) +
+                        g_.trans.size() * 4 +
                         g_.states.size() * sizeof(Grammar::State);
   stats_.precompute_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -93,15 +180,18 @@ void CompiledGrammar::tabulate(uint32_t q, FramePool& pool, std::vector<Config>&
   const size_t maxd = vocab_->max_token_bytes() + 1;
   if (levels.size() < maxd) levels.resize(maxd);
   pool.reset();
+  StackDistance dist;
+  dist.reset(0);  // relative to the unknown caller: what finishes q's frame
   // Unlimited height here: the matcher compares max_height with its remaining depth instead.
   Closer closer(g_, pool, UINT32_MAX);
   closer.begin(levels[0]);
   closer.add(levels[0], pool.get(q, FramePool::kBottom));
 
-  std::vector<uint32_t> accepted;
+  std::vector<uint32_t> accepted, left;                  // left[i]: what finishes the frame after accepted[i]
   std::vector<std::pair<uint32_t, uint16_t>> uncertain;  // (token, rest offset)
   std::vector<uint16_t> pops;                            // finish points on the current path
   uint32_t max_depth = 1;
+  uint32_t max_after = 0;
   for (uint32_t i = 1; i < trie.size();) {
     const TokenVocab::TrieNode& n = trie[i];
     const uint16_t d = n.depth;
@@ -118,13 +208,38 @@ void CompiledGrammar::tabulate(uint32_t q, FramePool& pool, std::vector<Config>&
       continue;
     }
     if (c.ended && (root_called_ || g_.states[q].rule != g_.root)) pops.push_back(d);
-    if (n.token != kNoToken) accepted.push_back(n.token);
+    if (n.token != kNoToken) {
+      accepted.push_back(n.token);
+      left.push_back(dist.config(pool, min_accept_, c));
+      max_after = std::max(max_after, left.back());
+    }
     ++i;
   }
 
   Table& t = tables_[q];
   t.computed = true;
   t.max_height = max_depth - 1;
+  t.max_after = max_after;
+  t.min_after = left.empty() ? 0 : *std::min_element(left.begin(), left.end());
+  {
+    // Usually few accepted tokens leave other than the most common amount (in a string: those that
+    // close it, or end inside an escape or a UTF-8 sequence); a quarter of them at most are kept, else
+    // the matcher walks.
+    std::vector<uint32_t> sorted = left;
+    std::sort(sorted.begin(), sorted.end());
+    size_t best = 0;
+    for (size_t i = 0, j = 0; i < sorted.size(); i = j) {
+      while (j < sorted.size() && sorted[j] == sorted[i]) ++j;
+      if (j - i > best) best = j - i, t.base_after = sorted[i];
+    }
+    t.after_stored = accepted.size() - best <= accepted.size() / 4 + 64;
+    t.after_begin = uint32_t(after_.size());
+    if (t.after_stored)
+      for (size_t i = 0; i < accepted.size(); ++i)
+        if (left[i] != t.base_after) after_.push_back({accepted[i], left[i]});
+    std::sort(after_.begin() + t.after_begin, after_.end(), [](const After& a, const After& b) { return a.left > b.left; });
+    t.after_end = uint32_t(after_.size());
+  }
   t.all_ordinary = ordinary_tokens_ > 0 && accepted.size() == ordinary_tokens_;  // each trie token once
   const size_t words = vocab_->mask_words();
   if (accepted.size() * 32 > vocab_->vocab_size()) {

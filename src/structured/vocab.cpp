@@ -60,6 +60,11 @@ TokenVocab::TokenVocab(const tok::Tokenizer& tok, size_t vocab_size)
     trie_[path.back()].end = uint32_t(trie_.size());
     path.pop_back();
   }
+  // Children before parents (reverse preorder); a node's children are the subtrees tiling (i, end).
+  below_.assign(trie_.size(), 0);
+  for (size_t i = trie_.size(); i-- > 0;)
+    for (uint32_t j = uint32_t(i) + 1; j < trie_[i].end; j = trie_[j].end)
+      below_[i] = std::max<uint16_t>(below_[i], uint16_t(below_[j] + 1));
   ordinary_.assign(mask_words(), 0);
   for (const TrieNode& n : trie_)
     if (n.token != kNoToken) ordinary_[n.token >> 5] |= 1u << (n.token & 31);

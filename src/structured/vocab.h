@@ -42,6 +42,9 @@ class TokenVocab {
   const std::vector<TrieNode>& trie() const { return trie_; }
   // Length in bytes of the longest ordinary token.
   size_t max_token_bytes() const { return max_token_bytes_; }
+  // The most bytes a token of node i's subtree has beyond node i (0 for a leaf): how far a walk that
+  // reaches node i can still go, which bounds what reading on can change (Matcher's budget walk).
+  uint16_t bytes_below(uint32_t i) const { return below_[i]; }
   bool is_special(TokenId id) const { return tok_->is_special(id); }
   bool in_vocab(TokenId id) const { return id < tok_->vocab_size(); }
   // An ordinary token: one in the trie (a base token with bytes). Every other id is a special token,
@@ -62,6 +65,7 @@ class TokenVocab {
   uint64_t fingerprint_ = 0;
   std::vector<TrieNode> trie_;
   std::vector<uint32_t> ordinary_;  // mask words: the trie's tokens
+  std::vector<uint16_t> below_;     // per trie node (bytes_below)
 };
 
 // Mask helpers (words of 32 ids).

@@ -171,6 +171,49 @@ def test_json_schema_answers_parse_and_validate(client):
         assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+def test_json_answers_complete_within_max_tokens(client):
+    # k3-tiny was trained on tool-call arguments only: left alone it never closes the JSON string it opens
+    # in json_object / json_schema mode and runs to max_tokens. Budget-aware completion (docs/
+    # structured-outputs.md, "Finishing within max_tokens", on by default for JSON formats) keeps the answer
+    # completable within max_tokens: a small max_tokens still gives a complete, valid answer (finish stop).
+    q = [{"role": "user", "content": "What is the weather in Oslo? Answer in JSON."}]
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=q, max_tokens=40, temperature=1.0, seed=seed,
+                                           response_format={"type": "json_object"})
+        c = r.choices[0]
+        assert c.finish_reason == "stop" and r.usage.completion_tokens <= 40
+        assert isinstance(json.loads(c.message.content), dict)
+        r = client.chat.completions.create(model=MODEL, messages=q, max_tokens=60, temperature=1.0, seed=seed,
+                                           response_format={"type": "json_schema", "json_schema": {
+                                               "name": "weather", "strict": True, "schema": SCHEMA}})
+        c = r.choices[0]
+        assert c.finish_reason == "stop" and r.usage.completion_tokens <= 60
+        assert check(SCHEMA, json.loads(c.message.content)) == []
+    # An unbounded string, greedy: k3-tiny opens "city" and writes its arithmetic into it. Opted out per request
+    # that is the old behaviour, the answer cut at max_tokens; by default the same request ends complete.
+    weather = {"type": "object", "properties": {"city": {"type": "string"}, "celsius": {"type": "integer"}},
+               "required": ["city", "celsius"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "strict": True, "schema": weather}}
+    q = [{"role": "user", "content": "What is the weather in Oslo? It is 12 degrees there."}]
+    r = client.chat.completions.create(model=MODEL, messages=q, max_tokens=60, temperature=0, response_format=fmt,
+                                       extra_body={"complete_within_max_tokens": False})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 60
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(r.choices[0].message.content)
+    r = client.chat.completions.create(model=MODEL, messages=q, max_tokens=60, temperature=0, response_format=fmt)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 60
+    assert check(weather, json.loads(r.choices[0].message.content)) == []
+    # Fewer tokens than the shortest complete answer: a 400 naming max_tokens and the minimum.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=q, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}})
+    assert e.value.body["param"] == "max_tokens" and "shortest complete answer takes" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=q, max_tokens=40, response_format={"type": "json_object"},
+                                       extra_body={"complete_within_max_tokens": "yes"})
+    assert e.value.body["param"] == "complete_within_max_tokens"
+
+
 def test_pydantic_parse_helper(client):
     # The client's own strict-schema path (what LangChain's json_schema mode uses underneath).
     q = [{"role": "user", "content": "Sam has 4 books. Then Sam gets 3 more. How many books does Sam have now?"}]

@@ -99,6 +99,38 @@ TEST(ServerStructured, WhichBodiesAreConstrained) {
             std::make_pair(400, std::string("response_format")));
 }
 
+// Budget-aware completion (docs/structured-outputs.md, "Finishing within max_tokens") is for answers that
+// can only be JSON: on by default for json_object / json_schema, per request or server off; never for a
+// text answer (a cut text is honestly "length") nor where a tool call could be forced closed.
+TEST(ServerStructured, WhichAnswersCompleteWithinMaxTokens) {
+  auto on = [](const std::string& extra, bool server_default = true) {
+    const ojson j = body(std::string("{") + kMsgs + extra + "}");
+    auto c = GrammarService::chat_constraint(j, prompt(j), false);
+    GrammarService::set_completion(c, j, server_default);
+    return c && c->complete_within_max_tokens;
+  };
+  const std::string json_object = R"(, "response_format": {"type": "json_object"})";
+  const std::string schema = R"(, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema":
+      {"type": "object", "properties": {"b": {"type": "boolean"}}}}})";
+  EXPECT_TRUE(on(json_object));
+  EXPECT_TRUE(on(schema));
+  EXPECT_FALSE(on(""));
+  EXPECT_FALSE(on(std::string(R"(, "tools": [)") + kTool + "]"));
+  EXPECT_FALSE(on(json_object + R"(, "tools": [)" + kTool + "]"));
+  EXPECT_TRUE(on(json_object + R"(, "tools": [)" + kTool + R"(], "tool_choice": "none")"));
+  EXPECT_FALSE(on(json_object + R"(, "complete_within_max_tokens": false)"));
+  EXPECT_FALSE(on(json_object, false));
+  EXPECT_TRUE(on(json_object + R"(, "complete_within_max_tokens": true)", false));
+  EXPECT_EQ(refusal([&] { on(json_object + R"(, "complete_within_max_tokens": 1)"); }),
+            std::make_pair(400, std::string("complete_within_max_tokens")));
+  // Completions: the document grammar.
+  const ojson j = body(R"({"prompt": "x", "response_format": {"type": "json_object"}})");
+  auto d = GrammarService::completion_constraint(j);
+  GrammarService::set_completion(d, j, true);
+  ASSERT_TRUE(d);
+  EXPECT_TRUE(d->complete_within_max_tokens);
+}
+
 TEST(ServerStructured, GrammarServiceCompilesOffTheCallerAndCachesRefusals) {
   StructuredOptions opt;
   opt.compile_threads = 1;
