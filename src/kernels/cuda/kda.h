@@ -68,8 +68,9 @@ void kda_recurrent(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T,
 // set. kKdaDecodeAuto picks the stream kernel when the items outnumber one wave of blocks. All give the same
 // results bit for bit (same arithmetic in the same order).
 enum KdaDecodeVariant : int { kKdaDecodeAuto = 0, kKdaDecodeBlocks = 1, kKdaDecodeStream = 2, kKdaDecodeRegs = 3 };
-// The kernel of the overloads without a variant (the engine's): kKdaDecodeBlocks, the one measured on the H200,
-// until bench_kda ranks the others there; KESTREL_KDA_DECODE=auto|blocks|stream|regs overrides it (read once;
+// The kernel of the overloads without a variant (the engine's): kKdaDecodeBlocks, the fastest at large batches on
+// the H200 (bench_kda, FP32 state, H = 12, B = 1024: blocks 3.85 TB/s, regs 3.62, stream 3.07; at B = 1 regs is
+// ~0.2 µs ahead: bench/RESULTS.md, session 8); KESTREL_KDA_DECODE=auto|blocks|stream|regs overrides it (read once;
 // any other value is an error).
 KdaDecodeVariant kda_decode_default_variant();
 void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
