@@ -49,7 +49,10 @@ inline std::string nano_dir() {
 // The server over the real engine with a fake executor: nano's cache shapes (bookkeeping only), the
 // test tokenizer's vocabulary and end-of-turn ids, greedy output = the script.
 struct Running {
-  explicit Running(std::vector<int32_t> script, std::string api_key = {}) {
+  // step_delay: the fake executor's sleep per engine step (a test that needs the queue to fill before the
+  // engine drains it must not race a step that takes no time).
+  explicit Running(std::vector<int32_t> script, std::string api_key = {},
+                   std::chrono::microseconds step_delay = std::chrono::microseconds(0)) {
     cfg = load_config(nano_dir());
     cfg.text.vocab_size = int(T().vocab_size());
     runtime::EngineConfig ec;
@@ -61,6 +64,7 @@ struct Running {
     for (tok::TokenId id : tok::end_of_turn_ids(T())) ec.eos_token_ids.push_back(int32_t(id));
     runtime::FakeExecutorOptions f;
     f.script = std::move(script);
+    f.step_delay = step_delay;
     ec.make_executor = runtime::fake_executor_factory(cfg.text.vocab_size, f);
     engine = std::make_unique<runtime::Engine>(cfg, ec);
     ServerOptions so;

@@ -211,7 +211,9 @@ TEST(ServerHttp, StreamingChatWithToolCallInOpenAIShape) {
 }
 
 TEST(ServerHttp, NonStreamingCompletionAndErrors) {
-  Running r(ids("one two three"), "sekrit");
+  // 25 ms per step: the 16 choices below are all submitted while the first step runs, so the queue fills and
+  // the 13th is refused; a step of no time let the engine finish choices between submissions (a flake in CI).
+  Running r(ids("one two three"), "sekrit", std::chrono::milliseconds(25));
   const std::string auth = "Authorization: Bearer sekrit\r\n";
   const json req = {{"model", "m"}, {"prompt", "hi"}, {"max_tokens", 3}, {"temperature", 0}};
   std::string resp = raw(r.port, request("POST", "/v1/completions", req.dump(), auth));
