@@ -5,6 +5,7 @@ import base64
 import json
 import os
 import re
+import select
 import shutil
 import socket
 import struct
@@ -82,23 +83,25 @@ class Browser:
         exe = chromium_path()
         if not exe:
             raise RuntimeError("chromium not found (scripts/install-deps.sh installs Debian's chromium)")
-        self.profile = tempfile.mkdtemp(prefix="kestrel-chromium-")
-        self.proc = subprocess.Popen(
-            [exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-             "--disable-extensions", "--disable-background-networking", "--remote-debugging-port=0",
-             f"--user-data-dir={self.profile}", f"--window-size={width},{height}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        port = None
-        deadline = time.time() + 30
-        while time.time() < deadline and port is None:
-            line = self.proc.stderr.readline()
-            if not line and self.proc.poll() is not None:
-                raise RuntimeError("chromium exited at start")
-            m = re.search(r"DevTools listening on ws://[^:]+:(\d+)/", line)
-            if m:
-                port = int(m.group(1))
+        # A start that prints no DevTools line in time (it happened once in a clean-clone CI run, on a 2-core
+        # machine) is retried once with a fresh profile; the error quotes chromium's last words.
+        port, said = None, []
+        for _attempt in range(2):
+            self.profile = tempfile.mkdtemp(prefix="kestrel-chromium-")
+            self.proc = subprocess.Popen(
+                [exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                 "--disable-extensions", "--disable-background-networking", "--remote-debugging-port=0",
+                 f"--user-data-dir={self.profile}", f"--window-size={width},{height}", "about:blank"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            port, said = self._devtools_port(time.time() + 45)
+            if port is not None:
+                break
+            self.proc.kill()
+            self.proc.wait()
+            shutil.rmtree(self.profile, ignore_errors=True)
         if port is None:
-            raise RuntimeError("chromium did not open its DevTools port")
+            raise RuntimeError("chromium did not open its DevTools port; its last lines: " + " | ".join(said[-8:]))
+        deadline = time.time() + 30
         # Stderr is no longer read: send it nowhere so chromium never blocks on a full pipe.
         self.proc.stderr.close()
         targets = []
@@ -111,6 +114,28 @@ class Browser:
         self.events = []
         self.call("Page.enable")
         self.call("Runtime.enable")
+
+    def _devtools_port(self, deadline):
+        """Reads chromium's stderr until its DevTools line (the port) or the deadline, without blocking past it."""
+        said, buf = [], ""
+        fd = self.proc.stderr.fileno()
+        while time.time() < deadline:
+            ready, _, _ = select.select([fd], [], [], max(0.0, min(1.0, deadline - time.time())))
+            if not ready:
+                if self.proc.poll() is not None:
+                    return None, said + [f"(exited with {self.proc.returncode})"]
+                continue
+            chunk = os.read(fd, 65536).decode(errors="replace")
+            if not chunk:
+                return None, said + [f"(exited with {self.proc.poll()})"]
+            buf += chunk
+            *lines, buf = buf.split("\n")
+            for line in lines:
+                said.append(line)
+                m = re.search(r"DevTools listening on ws://[^:]+:(\d+)/", line)
+                if m:
+                    return int(m.group(1)), said
+        return None, said + ["(timed out)"]
 
     def call(self, method, **params):
         self.next_id += 1
