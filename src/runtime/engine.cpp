@@ -1,4 +1,5 @@
-// Engine loop (see engine.h).
+// Engine loop (see engine.h). About 600 lines: the step hooks that tie the executor to the requests — sampling,
+// structured-output masks, speculation, images — stay beside the loop they serve.
 #include "runtime/engine.h"
 
 #include <algorithm>
