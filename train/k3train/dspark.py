@@ -42,7 +42,7 @@ import make_draft  # noqa: E402
 from k3ref.dspark import DraftConfig, rope_interleaved, rope_tables  # noqa: E402
 from k3ref.numerics import bf16, rmsnorm  # noqa: E402
 
-from .model import b16, lin  # noqa: E402
+from .model import _init, b16, lin  # noqa: E402
 
 SHARD_BYTES = 15 * 1024 * 1024
 
@@ -78,7 +78,7 @@ def param_shapes(cfg: dict) -> dict:
         if t.name.endswith(("norm.weight", "layernorm.weight")):
             kind = "one"
         elif t.name == "markov_w1.weight":
-            kind = "w1"
+            kind = "embed"  # unit normal, as the target's embedding table (model._init)
         elif t.name == "markov_w2.weight":
             kind = "zero"                              # the correction starts at zero: base logits only
         elif t.name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -87,19 +87,6 @@ def param_shapes(cfg: dict) -> dict:
             kind = "lin"
         out[t.name] = (tuple(t.shape), kind)
     return out
-
-
-def _init(shape, kind, g):
-    gain = 1.0
-    if isinstance(kind, tuple):
-        kind, gain = kind
-    if kind == "one":
-        return torch.ones(shape)
-    if kind == "zero":
-        return torch.zeros(shape)
-    if kind == "w1":
-        return torch.randn(shape, generator=g)
-    return torch.randn(shape, generator=g) * gain / math.sqrt(shape[-1])
 
 
 class DSparkDraft(nn.Module):
