@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <sstream>
 
 #include "kernels/cuda/cuda_check.h"
 
@@ -92,6 +94,16 @@ void check_exact(const std::string& op, const std::string& shape, const void* go
 }
 
 void note(const std::string& line) { rows().push_back(line); }
+
+std::vector<std::string> gpu_ckpt_dirs() {
+  std::vector<std::string> out;
+  const char* e = std::getenv("KESTREL_GPU_CKPTS");
+  std::stringstream ss(e ? e : "");
+  std::string d;
+  while (std::getline(ss, d, ':'))
+    if (!d.empty()) out.push_back(d);
+  return out;
+}
 
 void sync() {
   KCUDA_CHECK(cudaGetLastError());

@@ -102,6 +102,9 @@ Stats check_bf16(const std::string& op, const std::string& shape, const std::vec
 void check_exact(const std::string& op, const std::string& shape, const void* got, const void* ref, size_t bytes);
 // A free-form line (timings) for the summary.
 void note(const std::string& line);
+// The checkpoint directories of KESTREL_GPU_CKPTS (colon-separated; bench/gpu/run.sh sets it), in order;
+// empty when it is unset.
+std::vector<std::string> gpu_ckpt_dirs();
 
 void sync();  // cudaDeviceSynchronize + last-error check
 

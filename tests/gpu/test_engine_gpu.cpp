@@ -240,17 +240,6 @@ TEST(GpuSampling, DistributionMatchesTwinProbabilities) {
   }
 }
 
-std::vector<std::string> ckpt_dirs() {
-  const char* e = std::getenv("KESTREL_GPU_CKPTS");
-  std::vector<std::string> out;
-  if (!e) return out;
-  std::stringstream ss(e);
-  std::string d;
-  while (std::getline(ss, d, ':'))
-    if (!d.empty()) out.push_back(d);
-  return out;
-}
-
 struct EngineRun {
   std::vector<std::vector<int32_t>> tokens;
   std::vector<std::vector<float>> logits;  // per request f32 [positions, V] (when asked)
@@ -338,7 +327,7 @@ double rel_gap(const float* x, int64_t V) {
 }
 
 TEST(GpuEngine, BatchedStaggeredMatchesSoloAndCpu) {
-  const auto dirs = ckpt_dirs();
+  const auto dirs = gpu_ckpt_dirs();
   ASSERT_FALSE(dirs.empty()) << "KESTREL_GPU_CKPTS is not set: run through bench/gpu/run.sh";
   for (const std::string& dir : dirs) {
     const ModelConfig cfg = load_config(dir);
@@ -412,7 +401,7 @@ TEST(GpuEngine, BatchedStaggeredMatchesSoloAndCpu) {
 // with the same formats (up to near ties of the logits, as for BF16). Nano's prompts of 70 and 90 tokens
 // pass its index_topk, so the quantised keys decide selections.
 TEST(GpuEngine, QuantisedCachesMatchCpuEngine) {
-  const auto dirs = ckpt_dirs();
+  const auto dirs = gpu_ckpt_dirs();
   ASSERT_FALSE(dirs.empty()) << "KESTREL_GPU_CKPTS is not set: run through bench/gpu/run.sh";
   for (const std::string& dir : dirs) {
     const ModelConfig cfg = load_config(dir);
@@ -468,7 +457,7 @@ TEST(GpuEngine, QuantisedCachesMatchCpuEngine) {
 // padded batch (3 requests in bucket 4, 5 in 8) against the eager step of the same 3/5: the padded
 // rows must not disturb the real ones (rel L2 ≤ 1e-3, identical argmax; bit equality reported).
 TEST(GpuGraphs, ReplayBitIdenticalToEagerPerBucket) {
-  const auto dirs = ckpt_dirs();
+  const auto dirs = gpu_ckpt_dirs();
   ASSERT_FALSE(dirs.empty()) << "KESTREL_GPU_CKPTS is not set: run through bench/gpu/run.sh";
   for (const std::string& dir : dirs) {
     const ModelConfig cfg = load_config(dir);

@@ -61,13 +61,9 @@ namespace kestrel::gputest {
 namespace {
 
 std::vector<std::string> vision_ckpt_dirs() {
-  const char* e = std::getenv("KESTREL_GPU_CKPTS");
   std::vector<std::string> out;
-  if (!e) return out;
-  std::stringstream ss(e);
-  std::string d;
-  while (std::getline(ss, d, ':'))
-    if (!d.empty() && load_config(d).vision.present) out.push_back(d);
+  for (const std::string& d : gpu_ckpt_dirs())
+    if (load_config(d).vision.present) out.push_back(d);
   return out;
 }
 

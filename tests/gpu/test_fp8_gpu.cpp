@@ -73,12 +73,7 @@ TEST(GpuFp8, LogitsVsBf16OnGoldenPrompts) {
   const auto prompts = golden_prompts();
   ASSERT_FALSE(prompts.empty()) << "cannot read tests/golden/nano/golden.json under " << source_dir();
   std::vector<std::pair<std::string, bool>> dirs;  // (dir, trained)
-  if (const char* e = std::getenv("KESTREL_GPU_CKPTS")) {
-    std::stringstream ss(e);
-    std::string d;
-    while (std::getline(ss, d, ':'))
-      if (!d.empty()) dirs.push_back({d, false});
-  }
+  for (const std::string& d : gpu_ckpt_dirs()) dirs.push_back({d, false});
   const std::string tiny = source_dir() + "/models/k3-tiny";
   if (std::filesystem::exists(tiny + "/config.json")) dirs.push_back({tiny, true});
   ASSERT_FALSE(dirs.empty()) << "no checkpoint: set KESTREL_GPU_CKPTS or run from the repository root";

@@ -40,17 +40,6 @@
 namespace kestrel::gputest {
 namespace {
 
-std::vector<std::string> ckpt_dirs() {
-  const char* e = std::getenv("KESTREL_GPU_CKPTS");
-  std::vector<std::string> out;
-  if (!e) return out;
-  std::stringstream ss(e);
-  std::string d;
-  while (std::getline(ss, d, ':'))
-    if (!d.empty()) out.push_back(d);
-  return out;
-}
-
 int32_t argmax(const float* x, int64_t n) { return int32_t(std::max_element(x, x + n) - x); }
 float top2_gap(const float* x, int64_t n) {
   std::vector<float> v(x, x + n);
@@ -59,7 +48,7 @@ float top2_gap(const float* x, int64_t n) {
 }
 
 TEST(GpuModel, MatchesCpuEngine) {
-  const auto dirs = ckpt_dirs();
+  const auto dirs = gpu_ckpt_dirs();
   ASSERT_FALSE(dirs.empty()) << "KESTREL_GPU_CKPTS is not set: run through bench/gpu/run.sh";
   ASSERT_GT(cuda::device_count(), 0);
   for (const std::string& dir : dirs) {

@@ -153,21 +153,11 @@ TEST(GpuStructured, MaskedSamplingMatchesCpuTwin) {
   }
 }
 
-std::vector<std::string> ckpt_dirs() {
-  const char* e = std::getenv("KESTREL_GPU_CKPTS");
-  std::vector<std::string> out;
-  std::stringstream ss(e ? e : "");
-  std::string d;
-  while (std::getline(ss, d, ':'))
-    if (!d.empty()) out.push_back(d);
-  return out;
-}
-
 // Constrained requests on the GPU engine (graphs on; a batch with unconstrained requests beside them),
 // sampled: every document ends with the end token and validates; the same requests on the CPU engine
 // too (the tokens may differ where the GPU's logits differ, the validity may not).
 TEST(GpuStructured, EngineConstrainedRequestsAreValid) {
-  const auto dirs = ckpt_dirs();
+  const auto dirs = gpu_ckpt_dirs();
   ASSERT_FALSE(dirs.empty()) << "KESTREL_GPU_CKPTS is not set: run through bench/gpu/run.sh";
   const std::string dir = dirs[0];  // nano
   const ModelConfig cfg = load_config(dir);

@@ -45,17 +45,6 @@
 namespace kestrel::gputest {
 namespace {
 
-std::vector<std::string> tp_ckpt_dirs() {
-  const char* e = std::getenv("KESTREL_GPU_CKPTS");
-  std::vector<std::string> out;
-  if (!e) return out;
-  std::stringstream ss(e);
-  std::string d;
-  while (std::getline(ss, d, ':'))
-    if (!d.empty()) out.push_back(d);
-  return out;
-}
-
 // Runs fn(rank) on n threads (device 0 current); rethrows the first error after all joined.
 void on_ranks(int n, const std::function<void(int)>& fn) {
   std::mutex mu;
@@ -251,7 +240,7 @@ TpRun run_tp(const ModelConfig& cfg, const Checkpoint& ckpt, const ModelWeights&
 }
 
 TEST(GpuTp, GivesTp1GreedyTokensAndLogits) {
-  const auto dirs = tp_ckpt_dirs();
+  const auto dirs = gpu_ckpt_dirs();
   ASSERT_FALSE(dirs.empty()) << "KESTREL_GPU_CKPTS is not set: run through bench/gpu/run.sh tp";
   int ran_tp4 = 0;
   for (const std::string& dir : dirs) {
@@ -326,7 +315,7 @@ TEST(GpuTp, GivesTp1GreedyTokensAndLogits) {
 }
 
 TEST(GpuTp, RefusesWhatTheGpuCannotSplit) {
-  for (const std::string& dir : tp_ckpt_dirs()) {
+  for (const std::string& dir : gpu_ckpt_dirs()) {
     const ModelConfig cfg = load_config(dir);
     if (cfg.text.hidden_size != 256 || cfg.text.moe_intermediate_size != 64) continue;  // nano itself
     ParallelLayout p;
