@@ -187,3 +187,14 @@ def test_export_vl_assembles_and_engine_inspects(tmp_path):
     r = subprocess.run([BIN, "inspect", str(out)], capture_output=True, timeout=60)
     assert r.returncode == 0, r.stderr.decode()
     assert b"vision" in r.stdout.lower()
+
+
+def test_train_vl_task_weights_keep_the_default_stream_and_weight_tasks():
+    pytest.importorskip("torch")
+    from k3train import train_vl
+    assert train_vl.task_cycle("") == vision_gen.TASKS          # default: the five tasks in turn, as before
+    c = train_vl.task_cycle("digits=3,word=2,colour=0")
+    assert Counter(c) == {"shape": 1, "count": 1, "digits": 3, "word": 2}
+    for bad in ("digit=2", "word=x", "colour=0,shape=0,count=0,digits=0,word=0"):
+        with pytest.raises(SystemExit):
+            train_vl.task_cycle(bad)

@@ -8,7 +8,7 @@ gets a gradient, so the exported text tensors are byte-identical copies of k3-ti
 unchanged by construction.  Only the MoonViT-V2-structured tower (vision.py, VISION_TINY) and the
 patchmergerv2 projector are trained, by back-propagation through the frozen language model: loss = cross-
 entropy on the assistant turn's tokens (what the model generates) of single-image conversations
-(k3data/vision_gen.py, 5 tasks in turn), the <|media_pad|> positions' embeddings replaced by the projector's
+(k3data/vision_gen.py, 5 tasks in turn, or weighted by --task-weights), the <|media_pad|> positions' embeddings replaced by the projector's
 rows (K3Model.hidden media=).  One conversation per row, right-padded (causal: padding changes nothing before
 it); rows are < index_topk (256) tokens, so dense attention is exactly what the engine's top-k attention does.
 
@@ -53,9 +53,24 @@ from .vision import VisionTower, patchify, vision_config
 SEQ = vision_gen.MAX_TOKENS     # tokens per row
 
 
+def task_cycle(spec):
+    """--task-weights "digits=3,word=3" -> the task of sample seed s is cycle[s % len(cycle)]: each task repeated
+    by its integer weight (default 1), in vision_gen.TASKS order, so the stream stays a pure function of the seed."""
+    w = {t: 1 for t in vision_gen.TASKS}
+    for part in filter(None, (spec or "").split(",")):
+        name, _, n = part.partition("=")
+        if name.strip() not in w or not n.strip().isdigit():
+            raise SystemExit(f"--task-weights: bad entry {part!r} (tasks: {', '.join(vision_gen.TASKS)}; integer weights)")
+        w[name.strip()] = int(n)
+    cycle = tuple(t for t in vision_gen.TASKS for _ in range(w[t]))
+    if not cycle:
+        raise SystemExit("--task-weights: every weight is 0")
+    return cycle
+
+
 class Batches(torch.utils.data.IterableDataset):
-    def __init__(self, batch, start_seed, pad_id):
-        self.batch, self.start_seed, self.pad_id = batch, start_seed, pad_id
+    def __init__(self, batch, start_seed, pad_id, cycle=vision_gen.TASKS):
+        self.batch, self.start_seed, self.pad_id, self.cycle = batch, start_seed, pad_id, cycle
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -67,7 +82,8 @@ class Batches(torch.utils.data.IterableDataset):
             ids = np.full((self.batch, SEQ), self.pad_id, dtype=np.int64)
             w = np.zeros((self.batch, SEQ), dtype=np.float32)
             for b in range(self.batch):
-                conv = vision_gen.conversation(seed % 1_000_000)
+                s = seed % 1_000_000
+                conv = vision_gen.conversation(s, self.cycle[s % len(self.cycle)])
                 seed += nw
                 i, m = vision_gen.encode_sample(tok, conv)
                 if len(i) > SEQ:
@@ -164,6 +180,8 @@ def main(argv=None):
     ap.add_argument("--eval-every", type=float, default=60, help="seconds between quick evaluations")
     ap.add_argument("--eval-limit", type=int, default=None, help="only the first N items per task (smoke tests)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--task-weights", default="",
+                    help='samples per task in each cycle, e.g. "digits=3,word=3" (default 1 each: the 5 tasks in turn)')
     ap.add_argument("--vision-override", default="{}", help="JSON merged into the vision config (smoke tests)")
     ap.add_argument("--train-text", action="store_true", help="also train the text model, with text replay")
     ap.add_argument("--text-lr", type=float, default=1e-4)
@@ -221,7 +239,7 @@ def main(argv=None):
     if args.eval_set:
         full = eval_batches(args.eval_set, tok, pad_id, args.eval_limit)
         quick = [(k, i[:40], t[:40], w[:40], n[:40]) for k, i, t, w, n in full]
-    loader = torch.utils.data.DataLoader(Batches(args.batch, start_seed, pad_id), batch_size=None,
+    loader = torch.utils.data.DataLoader(Batches(args.batch, start_seed, pad_id, task_cycle(args.task_weights)), batch_size=None,
                                          num_workers=args.workers, prefetch_factor=4 if args.workers else None)
     it = iter(loader)
     t_start = time.time()
