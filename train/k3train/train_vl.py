@@ -13,7 +13,7 @@ rows (K3Model.hidden media=).  One conversation per row, right-padded (causal: p
 it); rows are < index_topk (256) tokens, so dense attention is exactly what the engine's top-k attention does.
 
 Schedule on training time, as train.py: AdamW β 0.9/0.95, wd 0.05 on matrices, warm-up --warmup steps, cosine to
-10 % of --lr over --total-seconds (default: --time-budget).  post_norm starts at the text embeddings' RMS so the
+10 % of --lr over --total-seconds (default: --time-budget; a --resume call then restarts warm-up and cosine).  post_norm starts at the text embeddings' RMS so the
 image rows start at the scale of the token embeddings.
 
 Evaluation (--eval-set, the committed eval set): teacher-forced exact match — an item is right when the argmax at
@@ -169,7 +169,7 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", default=None, help="a vision.safetensors of an earlier call")
     ap.add_argument("--time-budget", type=float, default=300, help="seconds of training in this call")
-    ap.add_argument("--total-seconds", type=float, default=None, help="schedule length (default: --time-budget)")
+    ap.add_argument("--total-seconds", type=float, default=None, help="length of one cosine schedule continued across --resume calls (default: each call its own cosine over --time-budget)")
     ap.add_argument("--max-steps", type=int, default=10 ** 9)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -230,6 +230,11 @@ def main(argv=None):
                                                    prefetch_factor=4))
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
     first = step
+    # The cosine's clock. A resumed call starts with fresh Adam moments and its own warm-up, so without
+    # --total-seconds it runs its own cosine over this call's --time-budget (a warm restart); measuring it from
+    # the earlier calls' seconds instead left every resumed call at the 10 % floor from its first step.
+    # --total-seconds continues one schedule across calls (its clock = all seconds trained so far).
+    sched0 = before if args.total_seconds else 0.0
 
     def lr_at(s, prog):
         lr = args.lr * min(1.0, (s - first + 1) / args.warmup)
@@ -247,7 +252,7 @@ def main(argv=None):
     next_seed = start_seed
     try:
         while step - first < args.max_steps and time.time() - t_start < args.time_budget:
-            prog = (before + time.time() - t_start) / total
+            prog = (sched0 + time.time() - t_start) / total
             imgs, ids, w, ns = next(it)
             next_seed = max(next_seed, int(ns))
             ids, w = ids.to(dev, non_blocking=True), w.to(dev, non_blocking=True)
