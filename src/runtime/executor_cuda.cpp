@@ -245,9 +245,11 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
              "request {}: a speculative decode without a draft (or not a one-anchor decode)", x.id);
       order.push_back(&x);
     }
-  std::stable_partition(order.begin(), order.end(), [](const sched::ScheduledSeq* x) { return x->num_draft == 0; });
-  std::stable_partition(order.begin(), order.end(),
-                        [](const sched::ScheduledSeq* x) { return x->num_draft == 0 && x->end - x->start == 1; });
+  // Ranks: 0 plain single-token decodes, 1 speculative decodes, 2 the rest (model::CudaSeq's order).
+  std::stable_sort(order.begin(), order.end(), [](const sched::ScheduledSeq* a, const sched::ScheduledSeq* b) {
+    auto rank = [](const sched::ScheduledSeq* x) { return x->num_draft > 0 ? 1 : x->end - x->start == 1 ? 0 : 2; };
+    return rank(a) < rank(b);
+  });
   // Speculative decodes: each block drafted now, on the host (its Markov chain is sequential per request).
   SpecStep sp;
   if (spec) draft_blocks(*spec, order, hooks, sp, stats_);
@@ -341,12 +343,18 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   // Rows that go to the host raw (every-row dumps, logprobs, verify blocks) are copied before the device
   // sampler penalises its rows in place; fallback rows after, already penalised.
   std::vector<float> logits;  // f32 [rows, V]
-  bool host_raw = false;
-  for (size_t i = 0; i < order.size(); ++i)
-    host_raw = host_raw || all[i] || order[i]->num_draft > 0 || (order[i]->sample && dev_id[i] == -2);
+  bool host_raw = false, verify_rows = false;
+  for (size_t i = 0; i < order.size(); ++i) {
+    host_raw = host_raw || all[i] || (order[i]->sample && order[i]->num_draft == 0 && dev_id[i] == -2);
+    verify_rows = verify_rows || order[i]->num_draft > 0;
+  }
+  if (host_raw || verify_rows) logits.resize(size_t(rows * V));
   if (host_raw) {
-    logits.resize(size_t(rows * V));
     m.copy_logits(logits.data());
+  } else if (verify_rows) {  // only the verify blocks' rows
+    for (size_t i = 0; i < order.size(); ++i)
+      if (order[i]->num_draft > 0)
+        m.copy_logits_rows(first_row[i], order[i]->end - order[i]->start, logits.data() + first_row[i] * V);
   }
   // Speculation: verify each block (the KDA state kept after its last accepted position), then every
   // sequence's committed rows' taps into the draft's caches.
