@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 
 #include "core/check.h"
@@ -108,13 +109,18 @@ std::shared_ptr<void> setup_cuda(const EngineOptions& o, const ModelConfig& c, c
   }
   const ModelConfig* cp = &c;
   GpuDevice* dp = d.get();
-  // --speculative-config (load_speculative ran before): the executor drafts and verifies (executor_cuda.h).
-  ec.make_executor = [dp, cp, graphs = o.cuda_graphs, spec = ec.speculative](const CacheFormats& f,
-                                                                              const cache::CacheConfig& cc) {
+  // --speculative-config (load_speculative ran before): the executor drafts and verifies (executor_cuda.h);
+  // KESTREL_DRAFT_ON_GPU=1 runs the draft on the GPU too (model/cuda/dspark.h; not yet measured on a GPU,
+  // so opt-in).
+  const char* dg = std::getenv("KESTREL_DRAFT_ON_GPU");
+  const bool draft_gpu = dg && std::string(dg) == "1";
+  ec.make_executor = [dp, cp, graphs = o.cuda_graphs, spec = ec.speculative, draft_gpu](const CacheFormats& f,
+                                                                                         const cache::CacheConfig& cc) {
     CudaExecutorOptions eo;
     eo.cuda_graphs = graphs;
     eo.vision = dp->vision.get();
     eo.speculative = spec;
+    eo.draft_on_gpu = draft_gpu;
     return std::unique_ptr<StepExecutor>(std::make_unique<CudaExecutor>(*dp->model, *cp, f, cc, eo));
   };
   ec.executor_speculates = ec.speculative.has_value();

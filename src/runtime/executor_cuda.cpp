@@ -16,6 +16,7 @@
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/sampling.h"
 #include "model/cuda/cuda_model.h"
+#include "model/cuda/dspark.h"
 #include "runtime/executor_cuda_spec.h"
 #include "vision/cuda/vision_cuda.h"
 #include "vision/vision.h"
@@ -89,7 +90,8 @@ struct CudaExecutor::Impl {
     std::vector<int64_t> pos;                 // prompt position of each of its rows, ascending
   };
   std::unordered_map<cache::RequestId, Media> media;
-  std::unique_ptr<SpecDrafter> spec;  // options.speculative: the draft and its host caches
+  std::unique_ptr<SpecDrafter> spec;         // options.speculative: the draft's rules (and host caches)
+  std::unique_ptr<model::CudaDraft> gdraft;  // options.draft_on_gpu: the draft on the device
   Impl(model::CudaModel& mm, const ModelConfig& c, const CacheFormats& f, const cache::CacheConfig& cc)
       : m(mm),
         V(c.text.vocab_size),
@@ -202,8 +204,10 @@ CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const 
     KCHECK(!options.follower, "executor: speculation runs on one rank only");
     // The same rule as the CPU executor: the KDA state is kept per block position in f32.
     if (formats.kda_state == KdaStateDtype::f16) fail("speculative decoding needs --kda-state-dtype f32");
-    impl_->spec = std::make_unique<SpecDrafter>(*options.speculative, cc.num_pages, cc.block_size);
+    impl_->spec = std::make_unique<SpecDrafter>(*options.speculative, cc.num_pages, cc.block_size,
+                                                !options.draft_on_gpu);
     model.set_taps(impl_->spec->draft().cfg->target_layer_ids);
+    if (options.draft_on_gpu) impl_->gdraft = model.new_draft(impl_->spec->draft(), cc.num_pages, cc.block_size);
   } else {
     model.set_taps({});  // the model may have served a speculating executor before
   }
@@ -252,7 +256,7 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   });
   // Speculative decodes: each block drafted now, on the host (its Markov chain is sequential per request).
   SpecStep sp;
-  if (spec) draft_blocks(*spec, order, hooks, sp, stats_);
+  if (spec) draft_blocks(*spec, impl_->gdraft.get(), order, hooks, sp, stats_);
   std::vector<model::CudaSeq> seqs;
   std::vector<int64_t> first_row(order.size(), -1);  // first logits row of each sequence
   std::vector<bool> all(order.size(), false);
@@ -358,7 +362,7 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   }
   // Speculation: verify each block (the KDA state kept after its last accepted position), then every
   // sequence's committed rows' taps into the draft's caches.
-  if (spec) verify_blocks(*spec, m, cc, order, hooks, logits, first_row, V, sp, stats_);
+  if (spec) verify_blocks(*spec, impl_->gdraft.get(), m, cc, order, hooks, logits, first_row, V, sp, stats_);
   if (!params.empty()) {
     std::vector<int32_t> ids(params.size());
     model::CudaModel::TokenMasks tm{hooks.mask_table.data, hooks.mask_table.rows, hooks.mask_table.words, mask_rows,

@@ -68,6 +68,9 @@ struct CudaExecutorOptions {
   // forward on the host, SpecDrafter), the verification as verify sequences of the one GPU forward, the
   // taps of every row copied back for the draft. One rank only (not with follower).
   std::optional<SpecServing> speculative;
+  // With speculative: the draft runs on this GPU (model/cuda/dspark.h: injection from the device taps, the
+  // block's layers and lm_head on the device, the Markov chain on the host) instead of on the host.
+  bool draft_on_gpu = false;
 };
 
 // Patches per encoder call: a step's new images are split into calls of at most this many patches (an image

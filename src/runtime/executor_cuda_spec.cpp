@@ -5,12 +5,15 @@
 
 #include "core/check.h"
 #include "model/cuda/cuda_model.h"
+#include "model/cuda/dspark.h"
 #include "runtime/spec_decode.h"
 
 namespace kestrel::runtime {
 
-void draft_blocks(SpecDrafter& spec, std::span<const sched::ScheduledSeq* const> order, const StepHooks& hooks,
-                  SpecStep& sp, ExecutorStats& st) {
+void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const sched::ScheduledSeq* const> order,
+                  const StepHooks& hooks, SpecStep& sp, ExecutorStats& st) {
+  const DraftConfig& dc = *spec.draft().cfg;
+  std::vector<float> base;  // f32 [Nb, V]: the GPU draft's base logits of one block
   const auto t0 = std::chrono::steady_clock::now();
   sp.blocks.assign(order.size(), {});
   sp.tokens.assign(order.size(), {});
@@ -21,15 +24,22 @@ void draft_blocks(SpecDrafter& spec, std::span<const sched::ScheduledSeq* const>
     KCHECK(bool(hooks.sampling_inputs) && bool(hooks.take_tokens), "executor: speculation without its hooks");
     const StepHooks::SamplingInputs si = hooks.sampling_inputs(x);
     // The draft's caches are indexed by the target's page ids (spec_executor.h).
+    if (gdraft) {
+      // §5: the block [anchor, mask × (Nb−1)] at start on the device; the Markov chain in draft_block.
+      std::vector<int32_t> blk(size_t(dc.block_size), dc.mask_token_id);
+      blk[0] = x.tokens[0];
+      base.resize(size_t(dc.block_size) * size_t(dc.vocab_size));
+      gdraft->base_logits(x.block_table, x.start, blk, base.data());
+    }
     sp.blocks[i] = spec.draft_block(x.id, x.block_table, x.start, x.tokens[0], x.num_draft, *si.params,
-                                    uint64_t(si.output.size()));
+                                    uint64_t(si.output.size()), gdraft ? base.data() : nullptr);
     sp.tokens[i] = {x.tokens[0]};
     sp.tokens[i].insert(sp.tokens[i].end(), sp.blocks[i].tokens.begin(), sp.blocks[i].tokens.end());
   }
   st.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void verify_blocks(SpecDrafter& spec, model::CudaModel& m, model::CudaCache& cc,
+void verify_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, model::CudaModel& m, model::CudaCache& cc,
                    std::span<const sched::ScheduledSeq* const> order, const StepHooks& hooks,
                    std::span<const float> logits, std::span<const int64_t> first_row, int64_t V, SpecStep& sp,
                    ExecutorStats& st) {
@@ -38,15 +48,25 @@ void verify_blocks(SpecDrafter& spec, model::CudaModel& m, model::CudaCache& cc,
   std::vector<int64_t> row0(order.size());  // each sequence's first step row
   for (size_t i = 0; i < order.size(); ++i) row0[i] = rows, rows += order[i]->end - order[i]->start;
   const int64_t width = spec.tap_width();
-  std::vector<uint16_t> taps(size_t(rows * width));  // bf16 [rows, n·Dt]
-  m.copy_taps(0, rows, taps.data());
+  std::vector<uint16_t> taps;  // bf16 [rows, n·Dt]: the host draft's copy
+  if (!gdraft) {
+    taps.resize(size_t(rows * width));
+    m.copy_taps(0, rows, taps.data());
+  }
+  // The taps of a sequence's first n rows into the draft's caches at its positions start.. .
+  auto inject = [&](size_t i, int64_t n) {
+    const sched::ScheduledSeq& x = *order[i];
+    if (gdraft)
+      gdraft->inject(x.block_table, x.start, m.taps_device() + row0[i] * width, n);
+    else
+      spec.inject(x.block_table, x.start, taps.data() + row0[i] * width, n);
+  };
   int64_t k = 0;  // verify sequences so far (the model's order of them)
   for (size_t i = 0; i < order.size(); ++i) {
     const sched::ScheduledSeq& x = *order[i];
-    const uint16_t* seq_taps = taps.data() + row0[i] * width;
     if (x.num_draft == 0) {
       const auto t0 = std::chrono::steady_clock::now();
-      spec.inject(x.block_table, x.start, seq_taps, x.end - x.start);
+      inject(i, x.end - x.start);
       st.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       continue;
     }
@@ -63,7 +83,7 @@ void verify_blocks(SpecDrafter& spec, model::CudaModel& m, model::CudaCache& cc,
     // garbage the next forward overwrites, the pages wholly past it the scheduler releases (shrink).
     m.keep_verified(cc, k++, o.accepted);
     const auto t0 = std::chrono::steady_clock::now();
-    spec.inject(x.block_table, x.start, seq_taps, o.accepted + 1);
+    inject(i, o.accepted + 1);
     st.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::vector<int32_t> emitted(sp.blocks[i].tokens.begin(), sp.blocks[i].tokens.begin() + o.accepted);
     emitted.push_back(o.next);

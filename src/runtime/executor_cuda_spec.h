@@ -14,6 +14,7 @@
 
 namespace kestrel::model {
 class CudaModel;
+class CudaDraft;
 struct CudaCache;
 }  // namespace kestrel::model
 
@@ -26,16 +27,18 @@ struct SpecStep {
   std::vector<sched::SeqResult> results;     // what take_tokens returned for each verified sequence
 };
 
-// Drafts every speculative decode of `order` (num_draft > 0) over the draft's caches, which hold [0, start).
-void draft_blocks(SpecDrafter& spec, std::span<const sched::ScheduledSeq* const> order, const StepHooks& hooks,
-                  SpecStep& sp, ExecutorStats& st);
+// Drafts every speculative decode of `order` (num_draft > 0) over the draft's caches, which hold [0, start):
+// on the host (gdraft null), or the block's base logits on the GPU draft and the Markov chain here.
+void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const sched::ScheduledSeq* const> order,
+                  const StepHooks& hooks, SpecStep& sp, ExecutorStats& st);
 
 // After the forward: verifies each speculative decode from its rows' logits (host f32 [rows, V]; a sequence's
 // rows start at first_row[i]), keeps the device KDA state after its last accepted position
 // (CudaModel::keep_verified, k-th verify sequence = k-th speculative decode of `order`), emits its tokens
 // (take_tokens, results in sp.results), and injects the taps of every sequence's committed rows (all rows of
-// a plain sequence, anchor + accepted of a verified one) into the draft's caches.
-void verify_blocks(SpecDrafter& spec, model::CudaModel& m, model::CudaCache& cc,
+// a plain sequence, anchor + accepted of a verified one) into the draft's caches (the GPU draft's straight
+// from the device taps; the host's through one device → host copy of the step's taps).
+void verify_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, model::CudaModel& m, model::CudaCache& cc,
                    std::span<const sched::ScheduledSeq* const> order, const StepHooks& hooks,
                    std::span<const float> logits, std::span<const int64_t> first_row, int64_t V, SpecStep& sp,
                    ExecutorStats& st);

@@ -43,6 +43,8 @@ class Comm;
 namespace kestrel::model {
 
 struct CudaCache;  // model/cuda/cache.h
+class CudaDraft;   // model/cuda/dspark.h
+struct Draft;      // model/dspark.h
 
 // One sequence of a batched forward: positions [pos0, pos0 + T) from `tokens`, KDA state in `slot`,
 // MLA rows through `block_table` (covering [0, pos0 + T)).
@@ -146,6 +148,12 @@ class CudaModel {
   // becomes the state after its position t (0 = the anchor, t < its T): copied from the trace into its slot,
   // every KDA layer, no recompute. Call before the next forward (the trace is overwritten by it).
   void keep_verified(CudaCache& c, int64_t k, int64_t t);
+  // The last forward's taps on the device (bf16 [T, n·D]; null without taps), for the GPU draft's injection.
+  const uint16_t* taps_device() const;
+  // The DSpark draft on this GPU (model/cuda/dspark.h): its weights uploaded, latent pools of num_pages pages
+  // of block_size rows (indexed by the target's page ids), the target's embedding and lm_head shared. One rank.
+  // The draft must outlive the result, which must be destroyed before this model.
+  std::unique_ptr<CudaDraft> new_draft(const Draft& d, int32_t num_pages, int block_size);
 
   // CUDA graphs for decode steps (graphs.h; off by default): all-decode steps wanting their last logits
   // run through bucketed captured graphs.

@@ -6,8 +6,10 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include "core/dtype.h"
+#include "model/cuda/dspark.h"
 
 #include "model/cuda/batch.h"
 #include "model/cuda/cache.h"
@@ -92,5 +94,9 @@ void kda_verify_scan(Context& x, CudaCache& cc, const BatchStep& s, int layer, c
                      float* o /* f32 [T, HD] */);
 void keep_verified(CudaCache& cc, int64_t k, int64_t t, cudaStream_t stream);
 void copy_tap(Context& x, const AttnResDev& rs, int64_t k, int64_t n_taps, u16* taps /* bf16 [T, n·D] */);
+
+// The GPU draft (dspark.cpp) over this model's context and target weights.
+std::unique_ptr<CudaDraft> new_cuda_draft(Context& x, const WeightsDev& w, const Draft& d, int32_t num_pages,
+                                          int block_size);
 
 }  // namespace kestrel::model::gpu
