@@ -16,6 +16,11 @@
 //     (the bound of GpuEngine.BatchedStaggeredMatchesSoloAndCpu). The caches' bookkeeping must be intact.
 //  3. GpuSpec.AnAgreeingDraftIsAcceptedWhole: SpecServing::oracle proposes the reference tokens: every draft
 //     token is accepted (where the run kept the reference tokens), and the tokens are the reference's.
+//  4. GpuSpec.DraftOpsMatchTwins: the draft's own kernels (kernels/cuda/dspark.h) against their CPU twins.
+//  5. GpuSpec.DraftMatchesCpuTwin: the GPU draft (model/cuda/dspark.h) injected with the GPU target's taps of a
+//     prompt gives the base logits of the CPU draft (model::Draft) injected with the same taps (rel L2 ≤ 2e-2),
+//     and the same greedy draft tokens except at near ties.
+// Tests 2 and 3 run with the draft on the host and on the GPU (CudaExecutorOptions::draft_on_gpu).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -31,11 +36,13 @@
 
 #include "cache/layout.h"
 #include "harness.h"
+#include "kernels/cuda/dspark.h"
 #include "loader/config.h"
 #include "loader/dspark.h"
 #include "loader/safetensors.h"
 #include "loader/weights.h"
 #include "model/cuda/cuda_model.h"
+#include "model/cuda/dspark.h"
 #include "model/dspark.h"
 #include "model/model.h"
 #include "runtime/engine.h"
@@ -232,7 +239,7 @@ struct SpecRun {
 
 // The first case alone (it fills the prefix cache), then the rest together, on a GPU engine.
 SpecRun run_gpu(const SpecSetup& S, const std::vector<Case>& cs, std::optional<runtime::SpecServing> spec, int pages,
-            bool want_logits) {
+                bool want_logits, bool draft_on_gpu = false) {
   runtime::EngineConfig ec;
   ec.formats.block_size = 16;
   ec.max_running = 4;
@@ -244,9 +251,10 @@ SpecRun run_gpu(const SpecSetup& S, const std::vector<Case>& cs, std::optional<r
   ec.executor_speculates = true;
   model::CudaModel* gm = S.gm.get();
   const ModelConfig* cp = &S.cfg;
-  ec.make_executor = [gm, cp, spec](const CacheFormats& f, const cache::CacheConfig& cc) {
+  ec.make_executor = [gm, cp, spec, draft_on_gpu](const CacheFormats& f, const cache::CacheConfig& cc) {
     runtime::CudaExecutorOptions eo;
     eo.speculative = spec;
+    eo.draft_on_gpu = draft_on_gpu;
     return std::unique_ptr<runtime::StepExecutor>(std::make_unique<runtime::CudaExecutor>(*gm, *cp, f, cc, eo));
   };
   runtime::Engine e(S.w, S.cfg, ec);
@@ -316,13 +324,13 @@ TEST(GpuSpec, BatchedGreedyEqualsNoSpeculation) {
   const auto cs = cases();
   const int64_t V = S->cfg.text.vocab_size;
   const SpecRun ref = run_gpu(*S, cs, std::nullopt, 64, true);
-  for (int gamma : {2, 4}) {  // nano's draft has 4-token blocks
+  for (auto [gamma, on_gpu] : {std::pair{2, false}, std::pair{4, false}, std::pair{4, true}}) {  // nano: 4-token blocks
     runtime::SpecServing s;
     s.draft = S->draft.get();
     s.num_speculative_tokens = gamma;
     // 8 pages of 16 tokens: the four later requests need up to 4 pages each, so some are preempted.
-    const SpecRun got = run_gpu(*S, cs, s, 8, false);
-    const std::string what = fmt::format("gamma {}", gamma);
+    const SpecRun got = run_gpu(*S, cs, s, 8, false, on_gpu);
+    const std::string what = fmt::format("gamma {}, draft on the {}", gamma, on_gpu ? "GPU" : "host");
     const int equal = compare_to_reference(cs, ref, got, V, what);
     const EngineStats& st = got.stats;
     note(fmt::format("{:<28} {:<34} {}/{} requests equal; {} drafts, {} draft tokens, {} accepted, {} preemptions, "
@@ -355,19 +363,131 @@ TEST(GpuSpec, AnAgreeingDraftIsAcceptedWhole) {
     const auto& p = toks->at(size_t(id - 1));
     return j < int64_t(p.size()) ? p[size_t(j)] : -1;
   };
-  const SpecRun got = run_gpu(*S, cs, s, 64, false);
-  const int equal = compare_to_reference(cs, ref, got, V, "oracle draft");
-  const EngineStats& st = got.stats;
-  note(fmt::format("{:<28} {:<34} {}/{} requests equal; {} drafts, {} draft tokens, {} accepted",
-                   "engine agreeing draft (GPU)", "gamma 4", equal, cs.size(), st.spec_drafts, st.spec_draft_tokens,
-                   st.spec_accepted_tokens));
-  EXPECT_GT(st.spec_drafts, 0);
-  // With the reference tokens kept throughout (no near-tie divergence), every proposal is accepted; a near
-  // tie that flips a token (allowed above) costs at most the rest of that request's proposals.
-  if (equal == int(cs.size())) {
-    EXPECT_EQ(st.spec_accepted_tokens, st.spec_draft_tokens);
+  for (bool on_gpu : {false, true}) {
+    const SpecRun got = run_gpu(*S, cs, s, 64, false, on_gpu);
+    const std::string what = fmt::format("oracle draft, draft on the {}", on_gpu ? "GPU" : "host");
+    const int equal = compare_to_reference(cs, ref, got, V, what);
+    const EngineStats& st = got.stats;
+    note(fmt::format("{:<28} {:<34} {}/{} requests equal; {} drafts, {} draft tokens, {} accepted",
+                     "engine agreeing draft (GPU)", what, equal, cs.size(), st.spec_drafts, st.spec_draft_tokens,
+                     st.spec_accepted_tokens));
+    EXPECT_GT(st.spec_drafts, 0) << what;
+    // With the reference tokens kept throughout (no near-tie divergence), every proposal is accepted; a near
+    // tie that flips a token (allowed above) costs at most the rest of that request's proposals.
+    if (equal == int(cs.size())) {
+      EXPECT_EQ(st.spec_accepted_tokens, st.spec_draft_tokens) << what;
+    }
+    EXPECT_GE(st.spec_accepted_tokens * 10, st.spec_draft_tokens * 7) << what << ": the agreeing draft was mostly rejected";
   }
-  EXPECT_GE(st.spec_accepted_tokens * 10, st.spec_draft_tokens * 7) << "the agreeing draft was mostly rejected";
+}
+
+// ---- the draft on the GPU --------------------------------------------------------------------------------
+
+TEST(GpuSpec, DraftOpsMatchTwins) {
+  Rng r(19);
+  const int64_t T = 4, Hm = 4, N = 32, R = 16, Dv = 32, C = 64, QK = N + R, CW = C + R;
+  // Interleaved RoPE over the rope dims of every head of q (nano draft's YaRN table).
+  const SpecSetup* S = setup();
+  REQUIRE_SETUP(S);
+  const model::DraftRope& rope = S->draft->rope;
+  ASSERT_EQ(int64_t(rope.inv_freq.size()) * 2, R) << "the nano draft's rope dims changed";
+  {
+    std::vector<uint16_t> q = rand_bf16(size_t(T * Hm * QK), r, -2.0f, 2.0f), ref = q;
+    for (int64_t h = 0; h < Hm; ++h) model::rope_interleaved(rope, ref.data() + h * QK + N, Hm * QK, T, 37, R);
+    auto dq = upload(q);
+    auto dinv = upload(rope.inv_freq);
+    cuda::dspark_rope_interleaved(dq.p() + N, Hm * QK, T, Hm, QK, 37, dinv.p(), rope.cos_sin_mul, R, nullptr);
+    sync();
+    check_bf16("dspark_rope_interleaved", "T=4 Hm=4 R=16 pos0=37", dq.get(), ref, Tol{1e-2, 1.0 / 128, 4e-3});
+  }
+  // Non-causal attention over S keys (context + block).
+  for (int64_t Skeys : {int64_t(5), int64_t(300)}) {
+    const float scale = rope.softmax_scale;
+    std::vector<uint16_t> q = rand_bf16(size_t(T * Hm * QK), r, -1.0f, 1.0f);
+    std::vector<uint16_t> kv = rand_bf16(size_t(Skeys * Hm * (N + Dv)), r, -1.0f, 1.0f);
+    std::vector<uint16_t> lat = rand_bf16(size_t(Skeys * CW), r, -1.0f, 1.0f);
+    std::vector<uint16_t> ref(size_t(T * Hm * Dv));
+    model::draft_attend(Hm, N, R, Dv, C, scale, q.data(), kv.data(), lat.data(), T, Skeys, ref.data());
+    auto dq = upload(q), dkv = upload(kv), dl = upload(lat);
+    auto scratch = poisoned<float>(size_t(T * Hm * Skeys));
+    auto o = poisoned<uint16_t>(size_t(T * Hm * Dv));
+    cuda::dspark_attend(dq.p(), dkv.p(), dl.p(), T, Skeys, Hm, N, R, Dv, C, scale, scratch.p(), o.p(), nullptr);
+    sync();
+    check_bf16("dspark_attend", fmt::format("T=4 S={} Hm=4", Skeys), o.get(), ref, Tol{2e-3, 1.0 / 128, 4e-3});
+  }
+  // SwiGLU.
+  {
+    const size_t n = 1000;
+    std::vector<uint16_t> g = rand_bf16(n, r, -4.0f, 4.0f), u = rand_bf16(n, r, -2.0f, 2.0f), ref(n);
+    for (size_t i = 0; i < n; ++i) {
+      const float x = bf16_to_f32(g[i]);
+      ref[i] = f32_to_bf16(x * (1.0f / (1.0f + std::exp(-x))) * bf16_to_f32(u[i]));
+    }
+    auto dg = upload(g), du = upload(u);
+    auto a = poisoned<uint16_t>(n);
+    cuda::dspark_swiglu(dg.p(), du.p(), a.p(), int64_t(n), nullptr);
+    sync();
+    check_bf16("dspark_swiglu", "n=1000", a.get(), ref, Tol{1e-2, 1.0 / 128, 4e-3});
+  }
+}
+
+TEST(GpuSpec, DraftMatchesCpuTwin) {
+  const SpecSetup* S = setup();
+  REQUIRE_SETUP(S);
+  const ModelConfig& cfg = S->cfg;
+  const model::Draft& draft = *S->draft;
+  const int64_t V = cfg.text.vocab_size, W = S->dcfg.tap_width(), Nb = S->dcfg.block_size, ctx = 29;
+  model::CudaModel& gm = *S->gm;
+  // The target's taps of a prompt, from the GPU forward.
+  std::vector<int32_t> prompt;
+  for (int64_t i = 0; i < ctx + 1; ++i) prompt.push_back(int32_t((i * 613 + 7) % std::min<int64_t>(V, 1000)));
+  gm.set_taps(S->dcfg.target_layer_ids);
+  const int page = 16;
+  auto cache = gm.new_cache(4, 1, CacheFormats{page, LatentFormat::bf16, IndexKeyFormat::bf16, KdaStateDtype::f32});
+  const std::vector<int32_t> table{2, 0, 3};  // not in order: the pools go through the block table
+  {
+    const model::CudaSeq q{std::span<const int32_t>(prompt.data(), size_t(ctx)), 0, 0, table,
+                           model::CudaSeq::Logits::last};
+    gm.forward_batch(*cache, std::span<const model::CudaSeq>(&q, 1));
+  }
+  std::vector<uint16_t> taps(size_t(ctx * W));  // bf16 [ctx, n·Dt]
+  gm.copy_taps(0, ctx, taps.data());
+  gm.set_taps({});
+  // CPU: inject, block, base logits.
+  model::DraftState ds(S->dcfg);
+  const auto views = ds.views(draft.mla_cfg, ctx + Nb);
+  draft.inject(views, 0, taps.data(), ctx);
+  std::vector<int32_t> blk(size_t(Nb), S->dcfg.mask_token_id);
+  blk[0] = prompt[size_t(ctx)];
+  model::Bf16Vec hn(size_t(Nb * S->dcfg.hidden_size));
+  draft.block(views, ctx, blk, hn.data());
+  std::vector<float> cpu_base(size_t(Nb * V)), gpu_base(size_t(Nb * V));
+  draft.base_logits(hn.data(), Nb, cpu_base.data());
+  // GPU: the same taps injected in two calls (as two steps would), then the block.
+  std::unique_ptr<model::CudaDraft> gd = gm.new_draft(draft, 4, page);
+  gd->inject_host(table, 0, taps.data(), 17);
+  gd->inject_host(table, 17, taps.data() + 17 * W, ctx - 17);
+  gd->base_logits(table, ctx, blk, gpu_base.data());
+  const double e = rel_l2(gpu_base.data(), cpu_base.data(), Nb * V);
+  note(fmt::format("{:<28} {:<34} rel L2 {:.2e} (tol 2e-2)", "GPU draft base logits", fmt::format("nano ctx {}", ctx), e));
+  EXPECT_LT(e, 2e-2);
+  // The greedy chain on both.
+  auto greedy = [&](const std::vector<float>& base) {
+    std::vector<int32_t> toks(static_cast<size_t>(Nb));
+    std::vector<double> gaps;
+    draft.draft_from_base(base.data(), blk[0], 0, [&](int, std::span<const float> lg) {
+      gaps.push_back(rel_gap(lg.data(), int64_t(lg.size())));
+      return argmax(lg.data(), int64_t(lg.size()));
+    }, toks.data());
+    return std::pair{toks, gaps};
+  };
+  const auto [ct, cgaps] = greedy(cpu_base);
+  const auto [gt, ggaps] = greedy(gpu_base);
+  for (int64_t i = 0; i < Nb; ++i) {
+    if (ct[size_t(i)] == gt[size_t(i)]) continue;
+    EXPECT_LT(cgaps[size_t(i)], 1e-2) << "draft token " << i << " differs where the CPU draft's logits are no near tie";
+    break;  // later tokens follow another chain
+  }
 }
 
 }  // namespace
