@@ -254,7 +254,8 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
     auto rank = [](const sched::ScheduledSeq* x) { return x->num_draft > 0 ? 1 : x->end - x->start == 1 ? 0 : 2; };
     return rank(a) < rank(b);
   });
-  // Speculative decodes: each block drafted now, on the host (its Markov chain is sequential per request).
+  // Speculative decodes: each block drafted now (the draft on the host or the GPU; its Markov chain, sequential
+  // per request, on the host).
   SpecStep sp;
   if (spec) draft_blocks(*spec, impl_->gdraft.get(), order, hooks, sp, stats_);
   std::vector<model::CudaSeq> seqs;
