@@ -205,7 +205,7 @@ case "${1:-}" in
       args=()
       [ "$mode" = spec ] && args=(--speculative-config '{"method":"dspark","model":"models/k3-tiny-dspark","num_speculative_tokens":7}')
       .gpu-carry/kestrel serve --device cuda --model models/k3-tiny --port "$port" --max-num-seqs 16 \
-        --gpu-memory-utilization 0.5 "${args[@]}" >"$out/spec_serve_$mode.log" 2>&1 &
+        --memory-budget 8G "${args[@]}" >"$out/spec_serve_$mode.log" 2>&1 &
       srv=$!
       for _ in $(seq 240); do
         python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null && break
