@@ -186,8 +186,8 @@ case "${1:-}" in
     # GpuSpec.* (verify rows, taps and the KDA keep against decodes and the CPU model; the GPU engine with
     # speculation against without, preemption and prefix hits; the agreeing draft), then k3-tiny served with
     # and without models/k3-tiny-dspark (`kestrel serve --device cuda --speculative-config`) and measured by
-    # `kestrel bench` at c = 1 and 16 (acceptance length in its Speculative Decoding section). Extra arguments
-    # go to the test binary.
+    # `kestrel bench` at c = 1 and 16 (acceptance length in its Speculative Decoding section), the draft on the
+    # host and then on the GPU (KESTREL_DRAFT_ON_GPU=1). Extra arguments go to the test binary.
     out="${OUT:-/tmp}"
     ck=/tmp/kestrel_ckpt
     mkdir -p "$ck"
@@ -201,10 +201,10 @@ case "${1:-}" in
       export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
     fi
     port=18126
-    for mode in plain spec; do
+    for mode in plain spec spec_gpu_draft; do
       args=()
-      [ "$mode" = spec ] && args=(--speculative-config '{"method":"dspark","model":"models/k3-tiny-dspark","num_speculative_tokens":7}')
-      .gpu-carry/kestrel serve --device cuda --model models/k3-tiny --port "$port" --max-num-seqs 16 \
+      [ "$mode" != plain ] && args=(--speculative-config '{"method":"dspark","model":"models/k3-tiny-dspark","num_speculative_tokens":7}')
+      KESTREL_DRAFT_ON_GPU=$([ "$mode" = spec_gpu_draft ] && echo 1 || echo 0) .gpu-carry/kestrel serve --device cuda --model models/k3-tiny --port "$port" --max-num-seqs 16 \
         --memory-budget 8G "${args[@]}" >"$out/spec_serve_$mode.log" 2>&1 &
       srv=$!
       for _ in $(seq 240); do
