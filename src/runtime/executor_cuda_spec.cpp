@@ -26,7 +26,7 @@ void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const s
     // The draft's caches are indexed by the target's page ids (spec_executor.h).
     if (gdraft) {
       // §5: the block [anchor, mask × (Nb−1)] at start on the device; the Markov chain in draft_block.
-      std::vector<int32_t> blk(size_t(dc.block_size), dc.mask_token_id);
+      std::vector<int32_t> blk(size_t(dc.block_size), dc.mask_token_id);  // i32 [Nb]
       blk[0] = x.tokens[0];
       base.resize(size_t(dc.block_size) * size_t(dc.vocab_size));
       gdraft->base_logits(x.block_table, x.start, blk, base.data());
