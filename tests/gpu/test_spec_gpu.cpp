@@ -11,9 +11,11 @@
 //     prefix-cache hits; one wants logprobs: served without speculation) on the GPU engine without speculation
 //     (the reference, every row's logits kept), then with the random draft at γ = 2 and 4 and a page pool of 8
 //     pages (preemption). Every request gets the reference tokens; the GPU path is not batch invariant (the
-//     verify steps stack more rows than the plain decodes: cuBLASLt / MoE plans follow the row count), so a
-//     divergence is allowed only where the reference logits' top two are within 1% of max |logit|, reported
-//     (the bound of GpuEngine.BatchedStaggeredMatchesSoloAndCpu). The caches' bookkeeping must be intact.
+//     verify steps stack more rows than the plain decodes: the MoE and attention kernels plan by row count,
+//     a pure one-token step runs KDA's fused kernel; the projections are kept row invariant: the model runs
+//     the skinny GEMM up to 64 rows), so a divergence is allowed only where the reference logits' top two
+//     are within 1% of max |logit|, reported (the bound of GpuEngine.BatchedStaggeredMatchesSoloAndCpu). The
+//     caches' bookkeeping must be intact.
 //  3. GpuSpec.AnAgreeingDraftIsAcceptedWhole: SpecServing::oracle proposes the reference tokens: every draft
 //     token is accepted (where the run kept the reference tokens), and the tokens are the reference's.
 //  4. GpuSpec.DraftOpsMatchTwins: the draft's own kernels (kernels/cuda/dspark.h) against their CPU twins.
@@ -81,7 +83,15 @@ const SpecSetup* setup() {
       p->draft_ckpt = std::make_unique<Checkpoint>(p->draft_dir);
       p->dw = bind_draft_weights(p->dcfg, *p->draft_ckpt);
       p->draft = std::make_unique<model::Draft>(p->dcfg, p->dw, p->w);
+      // The skinny GEMM for every projection of up to 64 rows (linear.h; it is row invariant there), so a
+      // verify step's stacked rows and a plain decode step's see the same GEMM arithmetic; read once by the
+      // model's constructor, then the environment is put back for the other tests of the binary.
+      const char* old = std::getenv("KESTREL_SKINNY_MAX_T");
+      const std::string keep = old ? old : "";
+      setenv("KESTREL_SKINNY_MAX_T", "64", 1);
       p->gm = std::make_unique<model::CudaModel>(p->cfg, p->w);
+      if (old) setenv("KESTREL_SKINNY_MAX_T", keep.c_str(), 1);
+      else unsetenv("KESTREL_SKINNY_MAX_T");
       return p;
     }
     return static_cast<SpecSetup*>(nullptr);
