@@ -18,6 +18,9 @@
 //     caches' bookkeeping must be intact.
 //  3. GpuSpec.AnAgreeingDraftIsAcceptedWhole: SpecServing::oracle proposes the reference tokens: every draft
 //     token is accepted (where the run kept the reference tokens), and the tokens are the reference's.
+//  0. GpuSpec.TracedKdaKernelsEqualPerTokenLaunches: kda_decode_traced / kda_conv_decode_traced (one launch over
+//     several requests' runs of tokens) give bit for bit the outputs, final states and per-token states of one
+//     kda_decode / kda_conv_decode launch per token followed by a copy of the slot (no checkpoint needed).
 //  4. GpuSpec.DraftOpsMatchTwins: the draft's own kernels (kernels/cuda/dspark.h) against their CPU twins.
 //  5. GpuSpec.DraftMatchesCpuTwin: the GPU draft (model/cuda/dspark.h) injected with the GPU target's taps of a
 //     prompt gives the base logits of the CPU draft (model::Draft) injected with the same taps (rel L2 ≤ 2e-2),
@@ -38,7 +41,9 @@
 
 #include "cache/layout.h"
 #include "harness.h"
+#include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/dspark.h"
+#include "kernels/cuda/kda.h"
 #include "loader/config.h"
 #include "loader/dspark.h"
 #include "loader/safetensors.h"
@@ -214,6 +219,65 @@ TEST(GpuSpec, VerifyRowsTapsAndKeep) {
   EXPECT_LT(err_keep, 1e-2) << "decoding after keep_verified(1) should continue the decodes";
   EXPECT_GT(err_wrong, 4 * err_keep + 1e-4) << "a keep at the wrong position should be visible";
   gm.set_taps({});
+}
+
+TEST(GpuSpec, TracedKdaKernelsEqualPerTokenLaunches) {
+  Rng r(7);
+  const int64_t H = 2, W = 4, slots_n = 6, row0 = 2;  // rows 0, 1 belong to no request (decodes before)
+  const std::vector<int32_t> cu{2, 5, 6, 11}, slots{4, 0, 2};  // three requests of 3, 1 and 5 tokens
+  const int64_t B = 3, T = cu.back();
+  std::vector<int32_t> iota(size_t(T + 1));
+  std::iota(iota.begin(), iota.end(), 0);
+  auto dcu = upload(cu), dslots = upload(slots), diota = upload(iota);
+  for (int64_t Dk : {int64_t(32), int64_t(64), int64_t(128)}) {
+    const int64_t HD = H * Dk, Se = H * Dk * Dk;
+    const std::string shape = fmt::format("H={} Dk={} runs 3,1,5", H, Dk);
+    // Step 6: the recurrent scan.
+    const auto q = rand_f32(size_t(T * HD), r, -0.2f, 0.2f), k = rand_f32(size_t(T * HD), r, -0.2f, 0.2f);
+    const auto v = rand_f32(size_t(T * HD), r, -1.0f, 1.0f), g = rand_f32(size_t(T * HD), r, -0.5f, 0.0f);
+    const auto beta = rand_f32(size_t(T * H), r, 0.0f, 1.0f), pool0 = rand_f32(size_t(slots_n * Se), r, -0.5f, 0.5f);
+    auto dq = upload(q), dk = upload(k), dv = upload(v), dg = upload(g), db = upload(beta);
+    auto pa = upload(pool0), pb = upload(pool0);
+    auto oa = poisoned<float>(size_t(T * HD)), ob = poisoned<float>(size_t(T * HD));
+    auto ta = poisoned<float>(size_t((T - row0) * Se)), tb = poisoned<float>(size_t((T - row0) * Se));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = cu[size_t(b)]; t < cu[size_t(b) + 1]; ++t) {
+        cuda::kda_decode(dq.p(), dk.p(), dv.p(), dg.p(), HD, db.p(), H, diota.p() + t, dslots.p() + b, pa.p(), oa.p(),
+                         1, H, Dk, nullptr);
+        KCUDA_CHECK(cudaMemcpyAsync(ta.p() + (t - row0) * Se, pa.p() + int64_t(slots[size_t(b)]) * Se,
+                                    size_t(Se) * 4, cudaMemcpyDeviceToDevice, nullptr));
+      }
+    cuda::kda_decode_traced(dq.p(), dk.p(), dv.p(), dg.p(), HD, db.p(), H, dcu.p(), dslots.p(), pb.p(), ob.p(), B, H,
+                            Dk, tb.p(), row0, nullptr);
+    sync();
+    const auto oa_h = oa.get(), ob_h = ob.get();
+    check_exact("kda_decode_traced o", shape, ob_h.data() + row0 * HD, oa_h.data() + row0 * HD,
+                size_t((T - row0) * HD) * 4);
+    check_exact("kda_decode_traced state", shape, pb.get().data(), pa.get().data(), size_t(slots_n * Se) * 4);
+    check_exact("kda_decode_traced trace", shape, tb.get().data(), ta.get().data(), size_t((T - row0) * Se) * 4);
+    // Step 2: the short conv over q|k|v.
+    const int64_t C = 3 * HD, Ce = (W - 1) * C;
+    const auto x = rand_bf16(size_t(T * C), r, -1.0f, 1.0f), h0 = rand_bf16(size_t(slots_n * Ce), r, -1.0f, 1.0f);
+    const auto w = rand_f32(size_t(C * W), r, -0.5f, 0.5f);
+    auto dx = upload(x), ha = upload(h0), hb = upload(h0);
+    auto dw = upload(w);
+    auto ya = poisoned<uint16_t>(size_t(T * C)), yb = poisoned<uint16_t>(size_t(T * C));
+    auto ca = poisoned<uint16_t>(size_t((T - row0) * Ce)), cb = poisoned<uint16_t>(size_t((T - row0) * Ce));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = cu[size_t(b)]; t < cu[size_t(b) + 1]; ++t) {
+        cuda::kda_conv_decode(dx.p() + t * C, C, dw.p(), ha.p(), dslots.p() + b, ya.p() + t * C, C, 1, C, W, nullptr);
+        KCUDA_CHECK(cudaMemcpyAsync(ca.p() + (t - row0) * Ce, ha.p() + int64_t(slots[size_t(b)]) * Ce, size_t(Ce) * 2,
+                                    cudaMemcpyDeviceToDevice, nullptr));
+      }
+    cuda::kda_conv_decode_traced(dx.p(), C, dw.p(), hb.p(), dcu.p(), dslots.p(), yb.p(), C, B, C, W, cb.p(), row0,
+                                 nullptr);
+    sync();
+    const auto ya_h = ya.get(), yb_h = yb.get();
+    check_exact("kda_conv_decode_traced y", shape, yb_h.data() + row0 * C, ya_h.data() + row0 * C,
+                size_t((T - row0) * C) * 2);
+    check_exact("kda_conv_decode_traced history", shape, hb.get().data(), ha.get().data(), size_t(slots_n * Ce) * 2);
+    check_exact("kda_conv_decode_traced trace", shape, cb.get().data(), ca.get().data(), size_t((T - row0) * Ce) * 2);
+  }
 }
 
 // ---- the engine ------------------------------------------------------------------------------------------

@@ -2,13 +2,15 @@
 // ForwardOptions::tap_layers in model/model.cpp, KdaStateView::trace_* and kda_keep_position in
 // model/kda.cpp):
 //  - taps: the AttnRes partial sum P after each tap layer, every row of the step, into bf16 [T, n·D];
-//  - a verify sequence's KDA steps 2 and 6 one position at a time (the decode kernels over one row, the
-//    request's slot), so each row's state is what token-by-token decoding leaves, copied after each
-//    position into the cache's trace;
+//  - a verify sequence's KDA steps 2 and 6 position by position with the decode kernels' per-token
+//    arithmetic, so each row's state is what token-by-token decoding leaves, stored after each position in
+//    the cache's trace: one traced launch over all verify sequences (kda_conv_decode_traced,
+//    kda_decode_traced), or with KESTREL_SPEC_TRACE=launches (and for an FP16 state) one decode launch per
+//    position and request followed by a copy of the slot;
 //  - keep_verified: the traced state after the last accepted position back into the slot (no recompute).
-// The per-position launches and copies are eager work (verify steps never run through a graph bucket):
-// fine at nano / mini sizes; the full-size path wants a decode kernel that walks the block and keeps
-// per-position states itself (docs/speculative.md "What the GPU path needs").
+// Verify steps run eagerly (never through a graph bucket). The trace holds a full state per position: fine
+// at nano / mini sizes; at full size it wants the kernel to keep only the block's states and select the
+// accepted one in place (docs/speculative.md "What the GPU path needs").
 #include <cuda_runtime.h>
 
 #include <numeric>
@@ -56,6 +58,13 @@ void kda_verify_conv(Context& x, const KdaWeightsDev& w, CudaCache& cc, const Ba
   const TextConfig& c = x.c;
   const int64_t HD = c.kda.num_heads * c.kda.head_dim, W = c.kda.conv_size, cb = cc.layout.kda_conv_bytes;
   u16* hist = cc.kda_conv[size_t(layer)];  // bf16 [slots+1, W−1, 3·HD]
+  if (x.opt.spec_trace_kernels && W >= 2) {
+    // One launch over every verify sequence's positions, the history after each traced (kda.h).
+    cuda::kda_conv_decode_traced(qkv, 3 * HD, w.conv, hist, s.d_cu + s.nd, s.d_slots + s.nd, conv, 3 * HD, s.nv,
+                                 3 * HD, W, reinterpret_cast<u16*>(cc.trace_conv[size_t(layer)]), s.row0[size_t(s.nd)],
+                                 x.stream);
+    return;
+  }
   for (int64_t b = s.nd; b < s.nd + s.nv; ++b) {
     const int32_t slot = s.slot[size_t(b)];
     for (int64_t t = 0; t < s.len[size_t(b)]; ++t) {
@@ -91,6 +100,14 @@ void verify_scan(Context& x, CudaCache& cc, const BatchStep& s, int layer, const
 
 void kda_verify_scan(Context& x, CudaCache& cc, const BatchStep& s, int layer, const float* q, const float* k,
                      const float* v, const float* g, const float* beta, float* o) {
+  const int64_t H = x.c.kda.num_heads, Dk = x.c.kda.head_dim;
+  if (x.opt.spec_trace_kernels && !cc.kda_state_f16()) {
+    // One launch over every verify sequence's positions, the state after each traced (kda.h).
+    cuda::kda_decode_traced(q, k, v, g, H * Dk, beta, H, s.d_cu + s.nd, s.d_slots + s.nd,
+                            reinterpret_cast<float*>(cc.kda_S[size_t(layer)]), o, s.nv, H, Dk,
+                            reinterpret_cast<float*>(cc.trace_S[size_t(layer)]), s.row0[size_t(s.nd)], x.stream);
+    return;
+  }
   if (cc.kda_state_f16())
     verify_scan(x, cc, s, layer, q, k, v, g, beta, reinterpret_cast<uint16_t*>(cc.kda_S[size_t(layer)]), o);
   else
