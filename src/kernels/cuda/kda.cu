@@ -7,8 +7,11 @@
 //   per launch and the reads are coalesced across the warp (row i of S is contiguous in j).
 // - decode scan: see the comment at decode_kernel.
 // - chunked scan: kda_chunked.cu; the fused decode chain (steps 2–7 in one launch): kda_decode_fused.cu.
-// About 630 lines: the three decode kernels (blocks, stream, regs) share decode_tokens' arithmetic, which keeps them
-// bit-identical, and one launcher picks among them; split apart they would each need that function exported.
+// - traced conv / decode scan (DSpark verification, kda.h kda_*_traced): the decode kernels' per-token
+//   arithmetic over runs of tokens, storing the state after each token.
+// About 750 lines: the three decode kernels (blocks, stream, regs) and the traced one share decode_tokens'
+// arithmetic, which keeps them bit-identical, and one launcher picks among them; split apart they would each
+// need that function exported (the traced conv sits beside the conv it must equal for the same reason).
 #include <cuda_fp16.h>
 
 #include <algorithm>
