@@ -33,6 +33,8 @@
 #                            # lines: the constrained step's overhead, median of 5 reps; mask pool auto, then 1), and with
 #                            # K3TINY_REQUESTS=N (kestrel_unit_tests packed: PACK_EXTRA) N strict-schema requests
 #                            # of K3TinyStructured.* on the GPU engine
+#   bench/gpu/run.sh spec    # there: DSpark speculation (issue #19): nano + its random draft (make_draft.py), GpuSpec.*,
+#                            # then k3-tiny served with and without models/k3-tiny-dspark, `kestrel bench` c = 1 / 16
 #   bench/gpu/run.sh decode  # there: the fused decode path's tests and bench_ops --perf per variant (see below)
 #   bench/gpu/run.sh kda     # there: KDA (issue #15 point 4): the KDA GPU tests over every kernel variant,
 #                            # bench_kda --perf (scoreboard lines + one PERF line per variant), FLA's kda_peer
@@ -178,6 +180,45 @@ case "${1:-}" in
     export KESTREL_GPU_CKPTS="$ck/nano_vl"
     "$self" test --gtest_filter='GpuVision.*:GpuEngineVision.*' "${@:2}" 2>&1 | tee "$out/gpu_vision_tests.log" | tail -40 || true
     "$self" bench --perf --only vision 2>&1 | tee "$out/bench_vision.md" | tail -20
+    ;;
+  spec)
+    # DSpark speculation on the GPU (issue #19, docs/speculative.md): the nano checkpoint and its random draft,
+    # GpuSpec.* (verify rows, taps and the KDA keep against decodes and the CPU model; the GPU engine with
+    # speculation against without, preemption and prefix hits; the agreeing draft), then k3-tiny served with
+    # and without models/k3-tiny-dspark (`kestrel serve --device cuda --speculative-config`) and measured by
+    # `kestrel bench` at c = 1 and 16 (acceptance length in its Speculative Decoding section), the draft on the
+    # host and then on the GPU (KESTREL_DRAFT_ON_GPU=1). Extra arguments go to the test binary.
+    out="${OUT:-/tmp}"
+    ck=/tmp/kestrel_ckpt
+    mkdir -p "$ck"
+    [ -f "$ck/nano/config.json" ] || python3 reference/make_checkpoint.py --config nano --out "$ck/nano" --seed 1 --no-vision >/dev/null
+    [ -f "$ck/nano-dspark/config.json" ] || python3 reference/make_draft.py --config nano --out "$ck/nano-dspark" --seed 1 >/dev/null
+    export KESTREL_GPU_CKPTS="$ck/nano" KESTREL_GPU_DSPARK="$ck/nano-dspark"
+    "$self" test --gtest_filter='GpuSpec.*' "${@:2}" 2>&1 | tee "$out/gpu_spec_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -40 || true
+    unpack
+    if ! ldd .gpu-carry/kestrel | grep -q "libcublasLt.so.13 => /"; then
+      d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
+      export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
+    fi
+    port=18126
+    for mode in plain spec spec_gpu_draft; do
+      args=()
+      [ "$mode" != plain ] && args=(--speculative-config '{"method":"dspark","model":"models/k3-tiny-dspark","num_speculative_tokens":7}')
+      KESTREL_DRAFT_ON_GPU=$([ "$mode" = spec_gpu_draft ] && echo 1 || echo 0) .gpu-carry/kestrel serve --device cuda --model models/k3-tiny --port "$port" --max-num-seqs 16 \
+        --memory-budget 8G "${args[@]}" >"$out/spec_serve_$mode.log" 2>&1 &
+      srv=$!
+      for _ in $(seq 240); do
+        python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null && break
+        kill -0 $srv 2>/dev/null || break
+        sleep 0.5
+      done
+      for c in 1 16; do
+        .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --tokenizer models/k3-tiny --input-len 256 --ignore-eos \
+          --output-len 128 --num-prompts $(( c == 1 ? 16 : 64 )) --max-concurrency "$c" --num-warmups 2 --no-progress \
+          2>&1 | tee "$out/spec_bench_${mode}_c$c.log" | tail -30 || true
+      done
+      kill $srv 2>/dev/null; wait $srv 2>/dev/null || true
+    done
     ;;
   structured)
     # Structured outputs (issue #20): the GPU tests (token-mask kernel vs its twin, masked sampling, constrained

@@ -16,11 +16,13 @@ namespace {
 
 double yarn_mscale(double factor, double m) { return factor <= 1.0 ? 1.0 : 0.1 * m * std::log(factor) + 1.0; }
 
+}  // namespace
+
 // Non-causal MLA attention, naive form (§3.4 steps 3–4): every query sees every one of the S keys
 // (the context rows and the whole block). Scores and softmax FP32; each head's output rounded to BF16.
-void attend_all(int64_t Hm, int64_t N, int64_t R, int64_t Dv, int64_t C, float scale,
-                const uint16_t* q /* bf16 [T, Hm, N+R] */, const uint16_t* kv /* bf16 [S, Hm, N+Dv] */,
-                const uint16_t* latent /* bf16 [S, C+R] */, int64_t T, int64_t S, uint16_t* o /* bf16 [T, Hm*Dv] */) {
+void draft_attend(int64_t Hm, int64_t N, int64_t R, int64_t Dv, int64_t C, float scale,
+                  const uint16_t* q /* bf16 [T, Hm, N+R] */, const uint16_t* kv /* bf16 [S, Hm, N+Dv] */,
+                  const uint16_t* latent /* bf16 [S, C+R] */, int64_t T, int64_t S, uint16_t* o /* bf16 [T, Hm*Dv] */) {
   const int64_t QK = N + R, CW = C + R;
   for (int64_t t = 0; t < T; ++t) {
 #pragma omp parallel for schedule(static) if (2 * Hm * S * CW >= cpu::kParallelMinWork)
@@ -44,8 +46,6 @@ void attend_all(int64_t Hm, int64_t N, int64_t R, int64_t Dv, int64_t C, float s
     }
   }
 }
-
-}  // namespace
 
 DraftRope draft_rope(const DraftConfig& c) {
   const int64_t R = c.qk_rope_head_dim;
@@ -173,7 +173,7 @@ void Draft::block(std::span<const MlaCacheView> caches, int64_t ctx, std::span<c
     rope_interleaved(rope, blk + C, CW, T, ctx, R);
     if (lp.active()) lp(fmt::format("D{}.block_latent", l), blk, DType::bf16, {T, CW});
     cpu::gemm_bf16(latent.data(), CW, bf16_ptr(L.kv_b_proj), kv.data(), Hm * (N + Dv), S, C, Hm * (N + Dv));
-    attend_all(Hm, N, R, Dv, C, rope.softmax_scale, q.data(), kv.data(), latent.data(), T, S, o.data());
+    draft_attend(Hm, N, R, Dv, C, rope.softmax_scale, q.data(), kv.data(), latent.data(), T, S, o.data());
     cpu::gemm_bf16(o.data(), Hm * Dv, bf16_ptr(L.o_proj), y.data(), D, T, Hm * Dv, D);
     if (lp.active()) lp(fmt::format("D{}.attn_out", l), y.data(), DType::bf16, {T, D});
     for (size_t i = 0; i < h.size(); ++i) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(y[i]));
@@ -229,11 +229,17 @@ void Draft::draft(std::span<const MlaCacheView> caches, int64_t ctx, int32_t anc
   blk[0] = anchor;
   Bf16Vec hn(size_t(Nb * D));                                   // bf16 [Nb, D]
   block(caches, ctx, blk, hn.data(), probe);
-  std::vector<float> base(static_cast<size_t>(Nb * V)), lg(static_cast<size_t>(V));       // f32 [Nb, V], [V]
+  std::vector<float> base(static_cast<size_t>(Nb * V));         // f32 [Nb, V]
   base_logits(hn.data(), Nb, base.data());
+  draft_from_base(base.data(), anchor, topk, pick, tokens);
+}
+
+void Draft::draft_from_base(const float* base, int32_t anchor, int topk, const Pick& pick, int32_t* tokens) const {
+  const int64_t Nb = cfg->block_size, V = cfg->vocab_size;
+  std::vector<float> lg(static_cast<size_t>(V));  // f32 [V]
   int32_t prev = anchor;
   for (int64_t i = 0; i < Nb; ++i) {
-    markov_logits(base.data() + i * V, prev, topk, lg.data());
+    markov_logits(base + i * V, prev, topk, lg.data());
     prev = tokens[i] = pick(int(i), lg);
     KCHECK(prev >= 0 && prev < V, "draft pick returned {}", prev);
   }

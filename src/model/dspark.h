@@ -35,6 +35,13 @@ DraftRope draft_rope(const DraftConfig& c);
 void rope_interleaved(const DraftRope& r, uint16_t* x /* bf16 [T, ·], R rotated values per row */, int64_t ld,
                       int64_t T, int64_t pos0, int64_t R);
 
+// Non-causal MLA attention of the draft block, naive form (§3.4 steps 3–4): every query sees every one of
+// the S keys (context rows, then the whole block); scores and softmax FP32, each head's output rounded to BF16.
+// (The CPU twin of kernels/cuda/dspark.h dspark_attend.)
+void draft_attend(int64_t Hm, int64_t N, int64_t R, int64_t Dv, int64_t C, float scale,
+                  const uint16_t* q /* bf16 [T, Hm, N+R] */, const uint16_t* kv /* bf16 [S, Hm, N+Dv] */,
+                  const uint16_t* latent /* bf16 [S, C+R] */, int64_t T, int64_t S, uint16_t* o /* bf16 [T, Hm*Dv] */);
+
 // The draft bound to its weights and to the target's embedding and lm_head.
 struct Draft {
   const DraftConfig* cfg = nullptr;
@@ -62,6 +69,10 @@ struct Draft {
   using Pick = std::function<int32_t(int i, std::span<const float> logits /* f32 [V] */)>;
   void draft(std::span<const MlaCacheView> caches, int64_t ctx_len, int32_t anchor, int topk, const Pick& pick,
              int32_t* tokens /* i32 [Nb] */, const Probe& probe = {}) const;
+  // draft()'s sequential Markov chain from the block's base logits (lm_head of the final-normed states,
+  // computed elsewhere: the GPU draft, model/cuda/dspark.h).
+  void draft_from_base(const float* base /* f32 [Nb, V] */, int32_t anchor, int topk, const Pick& pick,
+                       int32_t* tokens /* i32 [Nb] */) const;
 };
 
 // A single request's draft caches that own their pages (tests, CLI-free callers).

@@ -63,9 +63,10 @@ struct Timed {
 };
 
 EngineConfig with_cpu_executor(const ModelWeights& w, const ModelConfig& c, EngineConfig cfg) {
-  if (cfg.make_executor && cfg.speculative)
-    fail("speculative decoding runs on the CPU executor (--device cpu, one rank) only so far");
-  if (!cfg.make_executor)
+  if (cfg.make_executor && cfg.speculative && !cfg.executor_speculates)
+    fail("speculative decoding runs on the CPU executor and the one-GPU executor only (this executor factory does "
+         "not speculate)");
+  if (!cfg.make_executor) {
     cfg.make_executor = [&w, &c, bi = cfg.cpu_batched, spec = cfg.speculative](const CacheFormats& f,
                                                                                const cache::CacheConfig& cc) {
       ExecutorOptions o;
@@ -73,6 +74,8 @@ EngineConfig with_cpu_executor(const ModelWeights& w, const ModelConfig& c, Engi
       o.speculative = spec ? &*spec : nullptr;
       return std::unique_ptr<StepExecutor>(std::make_unique<Executor>(w, c, f, cc, o));
     };
+    cfg.executor_speculates = true;
+  }
   return cfg;
 }
 
@@ -107,6 +110,8 @@ Engine::Engine(const ModelConfig& c, EngineConfig cfg)
       worker_(MaskPool::auto_threads(cfg_.mask_threads)),
       redraw_mask_(size_t(mask_words_)) {
   KCHECK(bool(cfg_.make_executor), "engine: no executor factory");
+  if (cfg_.speculative && !cfg_.executor_speculates)
+    fail("speculative decoding needs an executor that speculates (the CPU or the one-GPU executor)");
   exec_ = cfg_.make_executor(cfg_.formats, plan_.cache_config(cfg_.enable_prefix_cache));
   KCHECK(exec_ != nullptr, "engine: the executor factory returned nothing");
   if (cfg_.eos_token_ids.empty() && c.text.eos_token_id >= 0) cfg_.eos_token_ids = {c.text.eos_token_id};

@@ -80,7 +80,8 @@ struct EngineConfig {
   int64_t max_model_len = 0;    // 0: min(model context, longest request of the memory plan)
   int32_t max_queue = std::numeric_limits<int32_t>::max();  // accepted, not yet admitted
   std::vector<int32_t> eos_token_ids;  // the end-of-sequence ids; empty: the config's eos_token_id
-  // DSpark speculative decoding (docs/speculative.md): the CPU executor only. Requests that
+  // DSpark speculative decoding (docs/speculative.md): the CPU executor, or a make_executor that
+  // speculates (executor_speculates: the one-GPU executor given the same SpecServing). Requests that
   // speculation cannot serve exactly (structured output, logprobs, prompt logprobs, penalties, logit
   // bias, min_tokens, a logits hook) run without it; greedy requests get exactly the tokens they get
   // without speculation.
@@ -88,6 +89,7 @@ struct EngineConfig {
   // Builds the executor for the planned caches (engine_host.h: the GPU or fake executor); empty =
   // the CPU Executor over the weights given to the constructor.
   ExecutorFactory make_executor;
+  bool executor_speculates = false;  // make_executor's executors run ScheduledSeq::num_draft > 0 decodes
   // Structured outputs: threads of the mask pool (runtime/constraints.h MaskPool); 0: automatic
   // (a quarter of the cores, 1 to 8).
   int32_t mask_threads = 0;

@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 
 #include "core/check.h"
@@ -108,12 +109,21 @@ std::shared_ptr<void> setup_cuda(const EngineOptions& o, const ModelConfig& c, c
   }
   const ModelConfig* cp = &c;
   GpuDevice* dp = d.get();
-  ec.make_executor = [dp, cp, graphs = o.cuda_graphs](const CacheFormats& f, const cache::CacheConfig& cc) {
+  // --speculative-config (load_speculative ran before): the executor drafts and verifies (executor_cuda.h);
+  // KESTREL_DRAFT_ON_GPU=1 runs the draft on the GPU too (model/cuda/dspark.h; not yet measured on a GPU,
+  // so opt-in).
+  const char* dg = std::getenv("KESTREL_DRAFT_ON_GPU");
+  const bool draft_gpu = dg && std::string(dg) == "1";
+  ec.make_executor = [dp, cp, graphs = o.cuda_graphs, spec = ec.speculative, draft_gpu](const CacheFormats& f,
+                                                                                         const cache::CacheConfig& cc) {
     CudaExecutorOptions eo;
     eo.cuda_graphs = graphs;
     eo.vision = dp->vision.get();
+    eo.speculative = spec;
+    eo.draft_on_gpu = draft_gpu;
     return std::unique_ptr<StepExecutor>(std::make_unique<CudaExecutor>(*dp->model, *cp, f, cc, eo));
   };
+  ec.executor_speculates = ec.speculative.has_value();
   return d;
 #else
   (void)o, (void)c, (void)ckpt, (void)w, (void)ec;
@@ -166,12 +176,14 @@ void EngineHost::check_options() const {
 
 
 // --speculative-config: load and check the draft (config against the target, every tensor) and bind it to
-// the target's embedding and lm_head. The CPU executor speculates (runtime/spec_executor.h); the GPU and
+// the target's embedding and lm_head. The CPU executor and the one-GPU executor speculate
+// (runtime/spec_executor.h, executor_cuda.h; setup_cuda hands the GPU executor ec.speculative); the
 // tensor-parallel executors do not yet, so those refuse it.
 void EngineHost::load_speculative(Loaded& m, EngineConfig& ec) const {
   const SpeculativeConfig& sc = *opt_.speculative;
-  if (opt_.device == Device::cuda || opt_.tensor_parallel_size > 1)
-    fail("--speculative-config: speculative decoding runs on --device cpu with one rank only so far (docs/speculative.md)");
+  if (opt_.tensor_parallel_size > 1)
+    fail("--speculative-config: speculative decoding runs with one rank only so far (--device cpu or cuda; "
+         "docs/speculative.md)");
   m.draft_cfg = load_draft_config(sc.model, m.cfg);
   if (sc.num_speculative_tokens > m.draft_cfg.block_size)
     fail("--speculative-config: num_speculative_tokens {} exceeds the draft's block size {}", sc.num_speculative_tokens,

@@ -16,6 +16,8 @@
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/sampling.h"
 #include "model/cuda/cuda_model.h"
+#include "model/cuda/dspark.h"
+#include "runtime/executor_cuda_spec.h"
 #include "vision/cuda/vision_cuda.h"
 #include "vision/vision.h"
 
@@ -88,6 +90,8 @@ struct CudaExecutor::Impl {
     std::vector<int64_t> pos;                 // prompt position of each of its rows, ascending
   };
   std::unordered_map<cache::RequestId, Media> media;
+  std::unique_ptr<SpecDrafter> spec;         // options.speculative: the draft's rules (and host caches)
+  std::unique_ptr<model::CudaDraft> gdraft;  // options.draft_on_gpu: the draft on the device
   Impl(model::CudaModel& mm, const ModelConfig& c, const CacheFormats& f, const cache::CacheConfig& cc)
       : m(mm),
         V(c.text.vocab_size),
@@ -196,6 +200,17 @@ CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const 
   impl_ = std::make_unique<Impl>(model, c, formats, cc);
   model.enable_cuda_graphs(options.cuda_graphs);
   follower_ = options.follower;
+  if (options.speculative) {
+    KCHECK(!options.follower, "executor: speculation runs on one rank only");
+    // The same rule as the CPU executor: the KDA state is kept per block position in f32.
+    if (formats.kda_state == KdaStateDtype::f16) fail("speculative decoding needs --kda-state-dtype f32");
+    impl_->spec = std::make_unique<SpecDrafter>(*options.speculative, cc.num_pages, cc.block_size,
+                                                !options.draft_on_gpu);
+    model.set_taps(impl_->spec->draft().cfg->target_layer_ids);
+    if (options.draft_on_gpu) impl_->gdraft = model.new_draft(impl_->spec->draft(), cc.num_pages, cc.block_size);
+  } else {
+    model.set_taps({});  // the model may have served a speculating executor before
+  }
   vision_ = options.vision;
   if (vision_) {
     KCHECK(c.vision.present && c.vision.text_hidden_size == c.text.hidden_size,
@@ -221,15 +236,28 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   for (const auto* list : {&plan.finished, &plan.cancelled})
     for (cache::RequestId id : *list) impl_->media.erase(id);
 
-  // The batch: single-token sequences first (one absorbed MLA launch), in plan order otherwise.
+  // The batch: single-token sequences first (one absorbed MLA launch), then speculative decodes (verify
+  // sequences), in plan order otherwise.
+  SpecDrafter* spec = impl_->spec.get();
   std::vector<const sched::ScheduledSeq*> order;
   for (const auto* list : {&plan.decodes, &plan.prefills})
     for (const sched::ScheduledSeq& x : *list) {
-      KCHECK(x.end > x.start && int64_t(x.tokens.size()) == x.end - x.start, "request {}: step range [{}, {}) with {} tokens",
-             x.id, x.start, x.end, x.tokens.size());
+      KCHECK(x.end > x.start && x.num_draft >= 0 && int64_t(x.tokens.size()) + x.num_draft == x.end - x.start,
+             "request {}: step range [{}, {}) with {} tokens and {} draft positions", x.id, x.start, x.end,
+             x.tokens.size(), x.num_draft);
+      KCHECK(x.num_draft == 0 || (spec && x.sample && x.tokens.size() == 1),
+             "request {}: a speculative decode without a draft (or not a one-anchor decode)", x.id);
       order.push_back(&x);
     }
-  std::stable_partition(order.begin(), order.end(), [](const sched::ScheduledSeq* x) { return x->end - x->start == 1; });
+  // Ranks: 0 plain single-token decodes, 1 speculative decodes, 2 the rest (model::CudaSeq's order).
+  std::stable_sort(order.begin(), order.end(), [](const sched::ScheduledSeq* a, const sched::ScheduledSeq* b) {
+    auto rank = [](const sched::ScheduledSeq* x) { return x->num_draft > 0 ? 1 : x->end - x->start == 1 ? 0 : 2; };
+    return rank(a) < rank(b);
+  });
+  // Speculative decodes: each block drafted now (the draft on the host or the GPU; its Markov chain, sequential
+  // per request, on the host).
+  SpecStep sp;
+  if (spec) draft_blocks(*spec, impl_->gdraft.get(), order, hooks, sp, stats_);
   std::vector<model::CudaSeq> seqs;
   std::vector<int64_t> first_row(order.size(), -1);  // first logits row of each sequence
   std::vector<bool> all(order.size(), false);
@@ -246,6 +274,17 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
     q.pos0 = x.start;
     q.slot = x.state_slot;
     q.block_table = std::span<const int32_t>(x.block_table.data(), x.block_table.size());
+    if (x.num_draft > 0) {  // a verify sequence: [anchor, drafts], every row's logits, verified on the host
+      q.tokens = sp.tokens[i];
+      q.verify = true;
+      q.logits = model::CudaSeq::Logits::all;
+      first_row[i] = rows;
+      rows += x.end - x.start;
+      seqs.push_back(q);
+      ++stats_.forwards;
+      stats_.tokens_forwarded += x.end - x.start;
+      continue;
+    }
     all[i] = hooks.wants_all_logits && hooks.all_logits && hooks.wants_all_logits(x.id);
     q.logits = all[i] ? model::CudaSeq::Logits::all
                : x.sample ? model::CudaSeq::Logits::last
@@ -306,15 +345,25 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
         params[k].top_k = int32_t(tm.allowed);
     }
   }
-  // Rows that go to the host raw (every-row dumps, logprobs) are copied before the device sampler
-  // penalises its rows in place; fallback rows after, already penalised.
+  // Rows that go to the host raw (every-row dumps, logprobs, verify blocks) are copied before the device
+  // sampler penalises its rows in place; fallback rows after, already penalised.
   std::vector<float> logits;  // f32 [rows, V]
-  bool host_raw = false;
-  for (size_t i = 0; i < order.size(); ++i) host_raw = host_raw || all[i] || (order[i]->sample && dev_id[i] == -2);
-  if (host_raw) {
-    logits.resize(size_t(rows * V));
-    m.copy_logits(logits.data());
+  bool host_raw = false, verify_rows = false;
+  for (size_t i = 0; i < order.size(); ++i) {
+    host_raw = host_raw || all[i] || (order[i]->sample && order[i]->num_draft == 0 && dev_id[i] == -2);
+    verify_rows = verify_rows || order[i]->num_draft > 0;
   }
+  if (host_raw || verify_rows) logits.resize(size_t(rows * V));
+  if (host_raw) {
+    m.copy_logits(logits.data());
+  } else if (verify_rows) {  // only the verify blocks' rows
+    for (size_t i = 0; i < order.size(); ++i)
+      if (order[i]->num_draft > 0)
+        m.copy_logits_rows(first_row[i], order[i]->end - order[i]->start, logits.data() + first_row[i] * V);
+  }
+  // Speculation: verify each block (the KDA state kept after its last accepted position), then every
+  // sequence's committed rows' taps into the draft's caches.
+  if (spec) verify_blocks(*spec, impl_->gdraft.get(), m, cc, order, hooks, logits, first_row, V, sp, stats_);
   if (!params.empty()) {
     std::vector<int32_t> ids(params.size());
     model::CudaModel::TokenMasks tm{hooks.mask_table.data, hooks.mask_table.rows, hooks.mask_table.words, mask_rows,
@@ -344,6 +393,10 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
     for (const sched::ScheduledSeq& x : *list) {
       const size_t i = size_t(std::find(order.begin(), order.end(), &x) - order.begin());
       const int64_t T = x.end - x.start;
+      if (x.num_draft > 0) {  // verified above
+        result.seqs.push_back(sp.results[i]);
+        continue;
+      }
       if (all[i])
         hooks.all_logits(x, std::span<const float>(logits.data() + first_row[i] * V, size_t(T * V)));
       if (!x.sample) continue;

@@ -23,12 +23,20 @@
 // Which positions are computed at all is the scheduler's (a prefix-cache hit keyed by the image hash skips
 // the span, and then nothing is encoded), exactly as on the CPU.
 //
+// Speculation (options.speculative; docs/speculative.md): a decode with num_draft > 0 is drafted on the host
+// before the forward (SpecDrafter, the CPU twin's draft over host caches), runs [anchor, drafts] as a verify
+// sequence of the same batched forward (model::CudaSeq::verify: decode forms row by row, every row's logits,
+// KDA state traced per position), and after it the rows' logits come to the host for verify_step; the KDA
+// state after the last accepted position is kept on the device (CudaModel::keep_verified) and the taps of
+// every committed row (copied back from the device) go into the draft's caches. Steps with a draft loaded run
+// eagerly (no graph buckets).
+//
 // The scheduler is unchanged: it only sees StepPlans and StepResults.
 #pragma once
 
 #include <cstdint>
 #include <memory>
-
+#include <optional>
 #include <vector>
 
 #include "cache/layout.h"
@@ -36,6 +44,7 @@
 #include "loader/config.h"
 #include "loader/weights.h"
 #include "runtime/executor.h"
+#include "runtime/spec_executor.h"
 
 namespace kestrel::model {
 class CudaModel;
@@ -55,6 +64,13 @@ struct CudaExecutorOptions {
   // The GPU vision encoder (with its weights on the device), to outlive the executor; null: requests with
   // images are refused (supports_images() is false).
   vision::VisionCuda* vision = nullptr;
+  // DSpark speculation (docs/speculative.md "The serving engine (GPU)"): the draft (its caches and its
+  // forward on the host, SpecDrafter), the verification as verify sequences of the one GPU forward, the
+  // taps of every row copied back for the draft. One rank only (not with follower).
+  std::optional<SpecServing> speculative;
+  // With speculative: the draft runs on this GPU (model/cuda/dspark.h: injection from the device taps, the
+  // block's layers and lm_head on the device, the Markov chain on the host) instead of on the host.
+  bool draft_on_gpu = false;
 };
 
 // Patches per encoder call: a step's new images are split into calls of at most this many patches (an image

@@ -8,7 +8,8 @@
 
 namespace kestrel::runtime {
 
-SpecDrafter::SpecDrafter(const SpecServing& s, int32_t num_pages, int block_size) : s_(s), block_size_(block_size) {
+SpecDrafter::SpecDrafter(const SpecServing& s, int32_t num_pages, int block_size, bool host_caches)
+    : s_(s), block_size_(block_size), host_(host_caches) {
   KCHECK(s_.draft && s_.draft->cfg, "speculation without a draft");
   const DraftConfig& dc = *s_.draft->cfg;
   if (s_.num_speculative_tokens < 1 || s_.num_speculative_tokens > dc.block_size)
@@ -16,8 +17,9 @@ SpecDrafter::SpecDrafter(const SpecServing& s, int32_t num_pages, int block_size
          dc.block_size);
   const model::MlaCacheView v =
       model::MlaCacheView::make(s_.draft->mla_cfg, LatentFormat::bf16, IndexKeyFormat::bf16, block_size);
-  latent_.assign(size_t(dc.num_hidden_layers),
-                 std::vector<uint8_t>(size_t(int64_t(num_pages) * block_size * v.latent_token_bytes())));
+  if (host_caches)
+    latent_.assign(size_t(dc.num_hidden_layers),
+                   std::vector<uint8_t>(size_t(int64_t(num_pages) * block_size * v.latent_token_bytes())));
 }
 
 std::vector<model::MlaCacheView> SpecDrafter::views(std::span<const cache::PageId> table) {
@@ -33,12 +35,13 @@ std::vector<model::MlaCacheView> SpecDrafter::views(std::span<const cache::PageI
 
 void SpecDrafter::inject(std::span<const cache::PageId> table, int64_t pos0, const uint16_t* taps, int64_t T) {
   if (T <= 0) return;
+  KCHECK(host_, "SpecDrafter: no host caches (the draft runs on the GPU)");
   s_.draft->inject(views(table), pos0, taps, T);
 }
 
 SpecDrafter::Block SpecDrafter::draft_block(RequestId id, std::span<const cache::PageId> table, int64_t ctx,
                                             int32_t anchor, int gamma, const SamplingParams& params,
-                                            uint64_t out_index) {
+                                            uint64_t out_index, const float* base) {
   const model::Draft& d = *s_.draft;
   KCHECK(gamma >= 1 && gamma <= d.cfg->block_size, "draft block of {} tokens (block size {})", gamma,
          d.cfg->block_size);
@@ -59,7 +62,12 @@ SpecDrafter::Block SpecDrafter::draft_block(RequestId id, std::span<const cache:
     }
     return draft_pick(params, s_.draft_greedy, out_index, i, lg, qi);
   };
-  d.draft(views(table), ctx, anchor, s_.draft_topk, pick, all.data());
+  if (base) {
+    d.draft_from_base(base, anchor, s_.draft_topk, pick, all.data());
+  } else {
+    KCHECK(host_, "SpecDrafter: no host caches (the draft runs on the GPU)");
+    d.draft(views(table), ctx, anchor, s_.draft_topk, pick, all.data());
+  }
   KCHECK(vocab > 0 && b.q.size() == size_t(gamma * vocab), "the draft produced no distributions");
   b.tokens.assign(all.begin(), all.begin() + gamma);
   return b;

@@ -39,7 +39,9 @@ struct SpecServing {
 
 class SpecDrafter {
  public:
-  SpecDrafter(const SpecServing& s, int32_t num_pages, int block_size);
+  // host_caches = false: the draft runs elsewhere (the GPU draft, model/cuda/dspark.h), no host arenas; then
+  // only draft_block with base logits may be called.
+  SpecDrafter(const SpecServing& s, int32_t num_pages, int block_size, bool host_caches = true);
 
   const SpecServing& serving() const { return s_; }
   const model::Draft& draft() const { return *s_.draft; }
@@ -56,12 +58,15 @@ class SpecDrafter {
     std::vector<int32_t> tokens;  // [γ]
     std::vector<double> q;        // f64 [γ, V]
   };
+  // base: the block's base logits computed elsewhere (f32 [Nb, V], the GPU draft), else the draft model runs
+  // here over the host caches.
   Block draft_block(RequestId id, std::span<const cache::PageId> table, int64_t ctx, int32_t anchor, int gamma,
-                    const SamplingParams& params, uint64_t out_index);
+                    const SamplingParams& params, uint64_t out_index, const float* base = nullptr);
 
  private:
   SpecServing s_;
   int block_size_;
+  bool host_ = true;                          // host caches (latent_) allocated
   std::vector<std::vector<uint8_t>> latent_;  // per draft layer: u8 [pages, P · (C+R)·2]
 };
 

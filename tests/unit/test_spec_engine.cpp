@@ -19,7 +19,9 @@
 #include "cache/layout.h"
 #include "nano_checkpoint.h"
 #include "nano_draft_dir.h"
+#include "model/model.h"
 #include "runtime/engine.h"
+#include "runtime/spec_executor.h"
 
 namespace kestrel {
 namespace {
@@ -202,6 +204,46 @@ TEST(SpecEngine, SampledSpeculationIsBatchInvariant) {
   e.check_integrity();
   EXPECT_EQ(ev.get(0).tokens, alone);
   EXPECT_GT(e.stats().spec_drafts, 0);
+}
+
+// The GPU executor's draft path on the CPU (executor_cuda_spec.cpp with the draft on the GPU): a SpecDrafter
+// without host caches, given the block's base logits, picks exactly the tokens and keeps exactly the q_i the
+// host drafter does — greedy and sampled — and refuses to draft or inject on its own.
+TEST(SpecEngine, DraftingFromBaseLogitsEqualsTheHostDraft) {
+  const model::Draft& d = *testing::nano_draft().draft;
+  const int64_t ctx = 21, Nb = d.cfg->block_size, V = d.cfg->vocab_size, W = d.cfg->tap_width();
+  const std::vector<int32_t> prompt = random_prompt(size_t(ctx + 1), 11);
+  // The target's taps of the context.
+  model::State st(nano().cfg);
+  model::Bf16Vec taps(size_t(ctx * W));
+  model::ForwardOptions opt;
+  opt.tap_layers = d.cfg->target_layer_ids;
+  opt.taps_out = taps.data();
+  std::vector<float> lg(size_t(ctx * nano().cfg.text.vocab_size));
+  model::prefill(nano().w, nano().cfg, st, std::span<const int32_t>(prompt.data(), size_t(ctx)), lg.data(), opt);
+  runtime::SpecServing s;
+  s.draft = &d;
+  s.num_speculative_tokens = int(Nb);
+  const std::vector<cache::PageId> table{3, 1};  // 32 positions of 16
+  runtime::SpecDrafter host(s, 4, 16), dev(s, 4, 16, false);
+  host.inject(table, 0, taps.data(), ctx);
+  // The block's base logits as the GPU draft returns them (here: the CPU draft's).
+  std::vector<int32_t> blk(size_t(Nb), d.cfg->mask_token_id);
+  blk[0] = prompt[size_t(ctx)];
+  model::Bf16Vec hn(size_t(Nb * d.cfg->hidden_size));
+  d.block(host.views(table), ctx, blk, hn.data());
+  std::vector<float> base(size_t(Nb * V));
+  d.base_logits(hn.data(), Nb, base.data());
+  for (bool sampled : {false, true}) {
+    SamplingParams p;
+    if (sampled) p.temperature = 0.9f, p.seed = 77;
+    const auto a = host.draft_block(1, table, ctx, blk[0], int(Nb) - 1, p, 5);
+    const auto b = dev.draft_block(1, table, ctx, blk[0], int(Nb) - 1, p, 5, base.data());
+    EXPECT_EQ(a.tokens, b.tokens) << (sampled ? "sampled" : "greedy");
+    EXPECT_EQ(a.q, b.q) << (sampled ? "sampled" : "greedy");
+  }
+  EXPECT_THROW(dev.inject(table, 0, taps.data(), ctx), Error);
+  EXPECT_THROW(dev.draft_block(1, table, ctx, blk[0], 2, SamplingParams{}, 5), Error);
 }
 
 }  // namespace

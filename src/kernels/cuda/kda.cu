@@ -7,8 +7,11 @@
 //   per launch and the reads are coalesced across the warp (row i of S is contiguous in j).
 // - decode scan: see the comment at decode_kernel.
 // - chunked scan: kda_chunked.cu; the fused decode chain (steps 2–7 in one launch): kda_decode_fused.cu.
-// About 630 lines: the three decode kernels (blocks, stream, regs) share decode_tokens' arithmetic, which keeps them
-// bit-identical, and one launcher picks among them; split apart they would each need that function exported.
+// - traced conv / decode scan (DSpark verification, kda.h kda_*_traced): the decode kernels' per-token
+//   arithmetic over runs of tokens, storing the state after each token.
+// About 750 lines: the three decode kernels (blocks, stream, regs) and the traced one share decode_tokens'
+// arithmetic, which keeps them bit-identical, and one launcher picks among them; split apart they would each
+// need that function exported (the traced conv sits beside the conv it must equal for the same reason).
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -88,6 +91,44 @@ __global__ void conv_decode_kernel(const uint16_t* __restrict__ x, int64_t ldx, 
 #pragma unroll
   for (int j = 0; j < kMaxConvW - 1; ++j)
     if (j < W - 1) hist[j * C + c] = j + 1 < W - 1 ? h[j + 1] : cur;
+}
+
+// conv_decode_kernel over a run of tokens per request (kda_conv_decode_traced): thread (b, c) walks tokens
+// cu[b] .. cu[b+1] with the per-token arithmetic of conv_decode_kernel, storing the history after each token
+// at trace[t − trace_row0] ([W−1, C] per token, a pool slot's layout).
+__global__ void conv_decode_traced_kernel(const uint16_t* __restrict__ x, int64_t ldx, const float* __restrict__ w,
+                                          uint16_t* __restrict__ pool, const int32_t* __restrict__ cu,
+                                          const int32_t* __restrict__ slots, uint16_t* __restrict__ y, int64_t ldy,
+                                          int64_t B, int64_t C, int W, uint16_t* __restrict__ trace,
+                                          int64_t trace_row0) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= B * C) return;
+  const int64_t b = i / C, c = i % C;
+  uint16_t* hist = pool + int64_t(slots[b]) * (W - 1) * C;
+  const float* wc = w + c * W;
+  uint16_t h[kMaxConvW];
+#pragma unroll
+  for (int j = 0; j < kMaxConvW - 1; ++j)
+    if (j < W - 1) h[j] = hist[j * C + c];
+  for (int64_t t = cu[b]; t < cu[b + 1]; ++t) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kMaxConvW - 1; ++j)
+      if (j < W - 1) acc += wc[j] * dev::bf16_to_f32(h[j]);
+    const uint16_t cur = x[t * ldx + c];
+    acc += wc[W - 1] * dev::bf16_to_f32(cur);
+    y[t * ldy + c] = dev::f32_to_bf16(silu(acc));
+#pragma unroll
+    for (int j = 0; j < kMaxConvW - 1; ++j)
+      if (j < W - 1) h[j] = j + 1 < W - 1 ? h[j + 1] : cur;
+    uint16_t* ht = trace + (t - trace_row0) * (W - 1) * C;
+#pragma unroll
+    for (int j = 0; j < kMaxConvW - 1; ++j)
+      if (j < W - 1) ht[j * C + c] = h[j];
+  }
+#pragma unroll
+  for (int j = 0; j < kMaxConvW - 1; ++j)
+    if (j < W - 1) hist[j * C + c] = h[j];
 }
 
 __global__ void qk_norm_gates_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k, int64_t ld_in,
@@ -176,12 +217,17 @@ constexpr int kDecodeCols = 32, kDecodeThreads = 128;
 
 // Tokens t0..t1−1 of one work item, on the thread's state registers s (rows 16m + 4w + sub, value columns
 // col..col+3 of head h). red: the block's reduction buffer, par: its token parity, carried across items.
-template <int DK>
+// kTrace (kda_decode_traced, f32 pools): the state after each token t is also stored at
+// trace[t − trace_row0, h] (the layout of a pool slot, [H, DK, DK] per token) — what the pool would hold after
+// a one-token launch at t.
+template <int DK, bool kTrace = false, typename TraceT = float>
 __device__ __forceinline__ void decode_tokens(float (&s)[DK / 16][4], const float* __restrict__ q,
                                               const float* __restrict__ k, const float* __restrict__ v,
                                               const float* __restrict__ g, int64_t ld, const float* __restrict__ beta,
                                               int64_t ld_beta, int64_t t0, int64_t t1, int64_t h, int col,
-                                              float (&red)[2][4][9][8], int& par, float* __restrict__ o) {
+                                              float (&red)[2][4][9][8], int& par, float* __restrict__ o,
+                                              TraceT* __restrict__ trace = nullptr, int64_t trace_row0 = 0,
+                                              int64_t H = 0) {
   constexpr int R = DK / 16;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, sub = lane >> 3, c4 = lane & 7;
   for (int64_t t = t0; t < t1; ++t, par ^= 1) {
@@ -245,6 +291,11 @@ __device__ __forceinline__ void decode_tokens(float (&s)[DK / 16][4], const floa
 #pragma unroll
       for (int c = 0; c < 4; ++c) o[row + col + c] = fmaf(u[c], kqs, ob[c]);
     }
+    if constexpr (kTrace) {
+      TraceT* St = trace + ((t - trace_row0) * H + h) * DK * DK;
+#pragma unroll
+      for (int m = 0; m < R; ++m) store4(St + (16 * m + 4 * w + sub) * DK + col, s[m]);
+    }
   }
 }
 
@@ -265,6 +316,29 @@ __global__ void __launch_bounds__(kDecodeThreads)
   for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
   int par = 0;
   decode_tokens<DK>(s, q, k, v, g, ld, beta, ld_beta, cu[b], cu[b + 1], h, col, red, par, o);
+#pragma unroll
+  for (int m = 0; m < R; ++m) store4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
+}
+
+// decode_kernel with the per-token trace (kda_decode_traced): the same loads, tokens and stores.
+template <int DK, typename StateT>
+__global__ void __launch_bounds__(kDecodeThreads)
+    decode_traced_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                         const float* __restrict__ g, int64_t ld, const float* __restrict__ beta, int64_t ld_beta,
+                         const int32_t* __restrict__ cu, const int32_t* __restrict__ slots, StateT* __restrict__ pool,
+                         float* __restrict__ o, int64_t H, StateT* __restrict__ trace, int64_t trace_row0) {
+  constexpr int R = DK / 16;
+  __shared__ float red[2][4][9][8];
+  const int64_t h = blockIdx.y, b = blockIdx.z;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, sub = lane >> 3, c4 = lane & 7;
+  const int col = blockIdx.x * kDecodeCols + 4 * c4;
+  StateT* S = pool + (int64_t(slots[b]) * H + h) * DK * DK;
+  float s[R][4];
+#pragma unroll
+  for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
+  int par = 0;
+  decode_tokens<DK, true, StateT>(s, q, k, v, g, ld, beta, ld_beta, cu[b], cu[b + 1], h, col, red, par, o, trace,
+                                  trace_row0, H);
 #pragma unroll
   for (int m = 0; m < R; ++m) store4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
 }
@@ -420,6 +494,20 @@ void kda_conv_decode(const uint16_t* x, int64_t ldx, const float* w, uint16_t* h
                     " W=" + std::to_string(W));
   if (B == 0) return;
   conv_decode_kernel<<<blocks_for(B * C, 256), 256, 0, stream>>>(x, ldx, w, hist_pool, slots, y, ldy, B, C, int(W));
+  KCUDA_CHECK_LAUNCH();
+}
+
+void kda_conv_decode_traced(const uint16_t* x, int64_t ldx, const float* w, uint16_t* hist_pool,
+                            const int32_t* cu_seqlens, const int32_t* slots, uint16_t* y, int64_t ldy, int64_t B,
+                            int64_t C, int64_t W, uint16_t* trace, int64_t trace_row0, cudaStream_t stream) {
+  KCUDA_REQUIRE(x && w && y && slots && cu_seqlens && trace && W >= 2 && hist_pool,
+                std::string("kda_conv_decode_traced: null pointer or W < 2"));
+  KCUDA_REQUIRE(W <= kMaxConvW && C > 0 && B >= 0 && ldx >= C && ldy >= C && trace_row0 >= 0,
+                "kda_conv_decode_traced: bad shape B=" + std::to_string(B) + " C=" + std::to_string(C) +
+                    " W=" + std::to_string(W));
+  if (B == 0) return;
+  conv_decode_traced_kernel<<<blocks_for(B * C, 256), 256, 0, stream>>>(x, ldx, w, hist_pool, cu_seqlens, slots, y,
+                                                                        ldy, B, C, int(W), trace, trace_row0);
   KCUDA_CHECK_LAUNCH();
 }
 
@@ -611,6 +699,46 @@ void kda_decode(const float* q, const float* k, const float* v, const float* g, 
                 int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, uint16_t* state_pool, float* o,
                 int64_t B, int64_t H, int64_t Dk, cudaStream_t stream, KdaDecodeVariant variant) {
   decode(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, stream, variant);
+}
+
+namespace {
+template <typename StateT>
+void decode_traced(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+                   int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, StateT* state_pool, float* o,
+                   int64_t B, int64_t H, int64_t Dk, StateT* trace, int64_t trace_row0, cudaStream_t stream) {
+  KCUDA_REQUIRE(q && k && v && g && beta && cu_seqlens && slots && state_pool && o && trace,
+                std::string("kda_decode_traced: null pointer"));
+  KCUDA_REQUIRE(reinterpret_cast<uintptr_t>(state_pool) % (4 * sizeof(StateT)) == 0 &&
+                    reinterpret_cast<uintptr_t>(trace) % (4 * sizeof(StateT)) == 0,
+                std::string("kda_decode_traced: the pool and the trace must be 16-byte (f32) / 8-byte (f16) aligned"));
+  KCUDA_REQUIRE(B >= 0 && B < 65536 && H > 0 && H < 65536 && ld >= H * Dk && ld_beta >= H && trace_row0 >= 0,
+                std::string("kda_decode_traced: bad B, H, strides or trace row"));
+  if (B == 0) return;
+  const dim3 grid{unsigned(Dk / kDecodeCols), unsigned(H), unsigned(B)};
+  switch (Dk) {
+    case 32:
+      decode_traced_kernel<32, StateT><<<grid, kDecodeThreads, 0, stream>>>(q, k, v, g, ld, beta, ld_beta, cu_seqlens,
+                                                                           slots, state_pool, o, H, trace, trace_row0);
+      break;
+    case 64:
+      decode_traced_kernel<64, StateT><<<grid, kDecodeThreads, 0, stream>>>(q, k, v, g, ld, beta, ld_beta, cu_seqlens,
+                                                                           slots, state_pool, o, H, trace, trace_row0);
+      break;
+    case 128:
+      decode_traced_kernel<128, StateT><<<grid, kDecodeThreads, 0, stream>>>(
+          q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, H, trace, trace_row0);
+      break;
+    default:
+      KCUDA_REQUIRE(false, "kda_decode_traced: Dk = " + std::to_string(Dk) + " (supported: 32, 64, 128)");
+  }
+  KCUDA_CHECK_LAUNCH();
+}
+}  // namespace
+
+void kda_decode_traced(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
+                       int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, float* state_pool, float* o,
+                       int64_t B, int64_t H, int64_t Dk, float* trace, int64_t trace_row0, cudaStream_t stream) {
+  decode_traced(q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, B, H, Dk, trace, trace_row0, stream);
 }
 
 void kda_out_norm_gate(const float* o, const uint16_t* gate, const float* o_norm, float eps, uint16_t* ohat, int64_t T,

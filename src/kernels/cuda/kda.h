@@ -30,6 +30,16 @@ void kda_conv_decode(const uint16_t* x /* bf16 [B, C], row stride ldx */, int64_
                      uint16_t* y /* bf16 [B, C], row stride ldy */, int64_t ldy, int64_t B, int64_t C, int64_t W,
                      cudaStream_t stream);
 
+// DSpark verification (model/cuda/speculative.cpp): kda_conv_decode over a run of tokens per request —
+// request b's tokens cu_seqlens[b] .. cu_seqlens[b+1], one after the other with the same per-token arithmetic —
+// also storing the history after each token t at trace[t − trace_row0] (bf16 [W−1, C] per token, a slot's
+// layout). Bit-identical to one kda_conv_decode launch per token followed by a copy of the slot. W ≥ 2.
+void kda_conv_decode_traced(const uint16_t* x /* bf16 [T, C], row stride ldx */, int64_t ldx,
+                            const float* w /* f32 [C, W] */, uint16_t* hist_pool /* bf16 [n_slots, W-1, C], in/out */,
+                            const int32_t* cu_seqlens /* i32 [B+1] */, const int32_t* slots /* i32 [B] */,
+                            uint16_t* y /* bf16 [T, C], row stride ldy */, int64_t ldy, int64_t B, int64_t C, int64_t W,
+                            uint16_t* trace /* bf16 [rows, W-1, C] */, int64_t trace_row0, cudaStream_t stream);
+
 // Steps 3–5: q_out = q/√(Σq² + 1e-6)·Dk^−½, k_out = k/√(Σk² + 1e-6) per (token, head);
 // g = lower·σ(exp(a_log[h])·(z + dt_bias)); beta = σ(b). Dk ≤ 1024 and a multiple of 32.
 void kda_qk_norm_gates(const uint16_t* q /* bf16 [T, H*Dk], row stride ld_in */,
@@ -96,6 +106,19 @@ void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*
                 const int32_t* slots /* i32 [B] */, uint16_t* state_pool /* f16 [n_slots, H, Dk, Dk] */,
                 float* o /* f32 [T, H*Dk], row stride ld */, int64_t B, int64_t H, int64_t Dk, cudaStream_t stream,
                 KdaDecodeVariant variant);
+
+// kda_decode's kKdaDecodeBlocks kernel over runs of tokens (DSpark verification) that also stores the state
+// after each token t at trace[t − trace_row0] ([H, Dk, Dk] per token: a slot's layout). FP32 pools only (an
+// FP16 pool is rounded per launch, so one launch per token is what the verification must mirror there):
+// bit-identical to one kda_decode launch per token followed by a copy of the slot — the same per-token
+// arithmetic, the state kept in registers between tokens where per-token launches store and reload it
+// exactly. Pool and trace 16-byte aligned. Dk ∈ {32, 64, 128}.
+void kda_decode_traced(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
+                       const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
+                       const float* beta /* f32 [T, H] */, int64_t ld_beta, const int32_t* cu_seqlens /* i32 [B+1] */,
+                       const int32_t* slots /* i32 [B] */, float* state_pool /* f32 [n_slots, H, Dk, Dk] */,
+                       float* o /* f32 [T, H*Dk], row stride ld */, int64_t B, int64_t H, int64_t Dk,
+                       float* trace /* f32 [rows, H, Dk, Dk] */, int64_t trace_row0, cudaStream_t stream);
 
 // Step 6, chunk-parallel WY/UT form for prefill (MODEL.md §3.3, chunk 64; kda_chunked.cu has the design;
 // CPU twin cpu::kda_scan_chunked, oracle cpu::kda_scan_recurrent). The contract of kda_recurrent: request b

@@ -21,15 +21,22 @@ BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int
   for (const CudaSeq& q : seqs) s.bt_stride = std::max<int64_t>(s.bt_stride, int64_t(q.block_table.size()));
   in.tables.assign(size_t(s.n * s.bt_stride), 0);  // i32 [n, bt_stride], padded with page 0
   std::vector<bool> slot_used(size_t(cc.num_slots), false);
-  bool decodes_done = false;
+  // Groups in order: plain single-token sequences (decodes), verify sequences, the rest (prefills).
+  int group = 0;
   const int64_t P = cc.P;
   for (int64_t b = 0; b < s.n; ++b) {
     const CudaSeq& q = seqs[size_t(b)];
     const int64_t Tb = int64_t(q.tokens.size()), S = q.pos0 + Tb;
     KCHECK(Tb > 0 && q.pos0 >= 0, "forward_batch: sequence {} has {} tokens at position {}", b, Tb, q.pos0);
-    if (Tb == 1 && !decodes_done) ++s.nd;
-    else decodes_done = true;
-    KCHECK(Tb > 1 || b < s.nd, "forward_batch: single-token sequences must come first (sequence {})", b);
+    const int g = q.verify ? 1 : Tb == 1 && group == 0 ? 0 : 2;
+    KCHECK(g >= group, "forward_batch: sequence {}: single-token sequences first, then verify sequences, then the "
+           "rest", b);
+    group = g;
+    if (g == 0) ++s.nd;
+    if (g == 1) ++s.nv, s.nvr += Tb, s.max_ver_S = std::max(s.max_ver_S, S);
+    KCHECK(!q.verify || q.logits == CudaSeq::Logits::all,
+           "forward_batch: verify sequence {} must want every row's logits", b);
+    KCHECK(Tb > 1 || g < 2, "forward_batch: single-token sequences must come first (sequence {})", b);
     KCHECK(q.slot >= 0 && q.slot < cc.num_slots && !slot_used[size_t(q.slot)],
            "forward_batch: sequence {} has state slot {} (of {}, distinct per sequence)", b, q.slot, cc.num_slots);
     slot_used[size_t(q.slot)] = true;

@@ -26,6 +26,10 @@ struct Context;
 
 struct BatchStep {
   int64_t T = 0, n = 0, nd = 0;  // stacked tokens, sequences, leading T = 1 sequences (decodes)
+  // DSpark verify sequences (CudaSeq::verify), right after the decodes: sequences nd .. nd+nv−1, rows
+  // nd .. nd+nvr−1; they run the decode forms row by row (kda.cpp, mla.cpp). Prefills follow.
+  int64_t nv = 0, nvr = 0;
+  int64_t max_ver_S = 0;  // longest verify context
   int64_t n_real = 0;            // real sequences (< n when a graph bucket pads the batch)
   // Per real sequence: first row, T_b, pos0_b, slot.
   std::vector<int64_t> row0, len, pos0;
@@ -43,6 +47,7 @@ struct BatchStep {
   int64_t bt_stride = 0;
   const int32_t* d_row_lens = nullptr;  // i32 [rows of the real sequences]: visible keys (position + 1)
   const int32_t* d_row_req = nullptr;   // i32 [same]: sequence of the row
+  const int32_t* d_iota = nullptr;      // i32 [T+1]: 0, 1, .., T (verify steps: one row's cu_seqlens, speculative.cpp)
   // Image rows (CudaEmbedRows), one group per sequence that has them: n rows from src (device bf16
   // [n, D]) replace the embedding rows d_embed_dst[off .. off + n) of the step (eager steps only).
   struct EmbedRows {
@@ -61,7 +66,7 @@ struct BatchInputs {
   bool all_last = true;  // every sequence wants exactly its last logits row
 };
 
-// Validates `seqs` against `cc` (token ids < V, decodes first, distinct slots, pages in range, block
+// Validates `seqs` against `cc` (token ids < V, decodes first, then verify sequences wanting all logits, distinct slots, pages in range, block
 // tables covering the contexts) and `embed` (sequences in range, at most one entry each, positions inside
 // the sequence and ascending, rows 16-byte aligned); kestrel::Error otherwise. Describes the step.
 BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int64_t V, BatchInputs& in,

@@ -73,6 +73,8 @@ void free_cache(CudaCache* c) {
   if (!c) return;
   c->graphs.release(*c->alloc);
   for (void* p : c->owned) c->alloc->free(p);
+  for (auto* v : {&c->trace_S, &c->trace_conv})
+    for (uint8_t* p : *v) c->alloc->free(p);
   delete c;
 }
 

@@ -39,6 +39,16 @@ struct CudaCache {
   std::vector<uint8_t*> index_k;         // per MLA layer with an indexer: u8 [pages+1, P · key_token_bytes]
   std::vector<void*> owned;
   gpu::GraphBuckets graphs;              // by bucket batch size
+  // DSpark verification trace (speculative.cpp): per KDA layer, the slot's recurrent and conv bytes after
+  // each verify row of the last forward — u8 [trace_cap, kda_recurrent_bytes] and u8 [trace_cap,
+  // kda_conv_bytes] — and each verify sequence's slot, first trace row and length (keep_verified).
+  std::vector<uint8_t*> trace_S, trace_conv;
+  int64_t trace_cap = 0;
+  struct VerifySeq {
+    int32_t slot = 0;
+    int64_t row0 = 0, len = 0;
+  };
+  std::vector<VerifySeq> verify;
 
   bool kda_state_f16() const { return formats.kda_state == KdaStateDtype::f16; }
   // One MLA layer's pools with the block tables of a launch (device i32 [n, bt_stride]; null for writes).

@@ -52,6 +52,11 @@ struct CudaModel::Impl {
   int32_t* mask_idx_dev = nullptr;
   int64_t mask_rows = 0, mask_words = 0;
 
+  // DSpark taps (set_taps): the layers, and the last forward's taps bf16 [taps_rows, n·D].
+  std::vector<int> tap_layers;
+  uint16_t* taps_dev = nullptr;
+  int64_t taps_cap = 0, taps_rows = 0;
+
   int tp_size = 1, tp_rank = 0;
   int64_t vocab_lo = 0, vocab_rows = 0;  // this rank's embedding rows [vocab_lo, vocab_lo + vocab_rows)
 
@@ -108,6 +113,7 @@ struct CudaModel::Impl {
     alloc.free(x.skinny.counters);
     alloc.free(mask_dev);
     alloc.free(mask_idx_dev);
+    alloc.free(taps_dev);
   }
 
   // Copies this step's mask rows and the entries' row indices; returns the device row indices.
@@ -145,8 +151,11 @@ struct CudaModel::Impl {
     x.timer.begin_step();
     x.mark("start");
     // Image rows (CudaEmbedRows) come only with prefill chunks; a graph bucket has no place for them.
+    // Verify sequences (§5) and taps run eagerly: the per-position KDA launches and the tap copies have no
+    // place in a bucket yet.
     const bool use_graph = graphs && s.nd == s.n && in.all_last && !x.timer.on && !x.caps.on &&
-                           s.n <= gpu::kMaxGraphBatch && in.embed_dst.empty();
+                           s.n <= gpu::kMaxGraphBatch && in.embed_dst.empty() && tap_layers.empty();
+    gpu::upload_verify(x, cc, s);
     // A whole-step graph carries the context inputs in its bucket (graphs.h); every other step uploads them.
     if (!use_graph || !gpu::whole_graph_step(x, s)) gpu::upload_context(x, s, in);
     if (!use_graph) {
@@ -160,7 +169,19 @@ struct CudaModel::Impl {
       }
       bool identity = nr == s.T;
       for (int64_t i = 0; identity && i < nr; ++i) identity = in.lrows[size_t(i)] == int32_t(i);
-      gpu::forward_layers(x, w, cc, s, d_ids, s.d_pool_rows + s.T, nr, identity, logits_dev);
+      gpu::TapsDev td;
+      if (!tap_layers.empty()) {
+        const int64_t width = int64_t(tap_layers.size()) * tc.hidden_size;
+        if (s.T > taps_cap) {
+          alloc.free(taps_dev);
+          taps_dev = static_cast<uint16_t*>(alloc.alloc(size_t(s.T * width) * 2));
+          taps_cap = s.T;
+        }
+        td = {tap_layers.data(), int64_t(tap_layers.size()), taps_dev};
+        taps_rows = s.T;
+      }
+      gpu::forward_layers(x, w, cc, s, d_ids, s.d_pool_rows + s.T, nr, identity, logits_dev,
+                          tap_layers.empty() ? nullptr : &td);
       logits_cur = logits_dev;
       logits_rows = nr;
     } else {
@@ -186,6 +207,17 @@ struct CudaModel::Impl {
     const int64_t V = cfg.text.vocab_size;
     if (n == 0) return;
     KCUDA_CHECK(cudaMemcpyAsync(host, logits_cur + first * V, size_t(n * V) * 4, cudaMemcpyDeviceToHost, x.stream));
+    KCUDA_CHECK(cudaStreamSynchronize(x.stream));
+  }
+
+  void copy_taps(int64_t first, int64_t n, uint16_t* host) const {
+    KCHECK(!tap_layers.empty() && first >= 0 && n >= 0 && first + n <= taps_rows,
+           "taps rows [{}, {}) outside the {} of the last forward (taps set: {})", first, first + n, taps_rows,
+           !tap_layers.empty());
+    if (n == 0) return;
+    const int64_t width = int64_t(tap_layers.size()) * cfg.text.hidden_size;
+    KCUDA_CHECK(cudaMemcpyAsync(host, taps_dev + first * width, size_t(n * width) * 2, cudaMemcpyDeviceToHost,
+                                x.stream));
     KCUDA_CHECK(cudaStreamSynchronize(x.stream));
   }
 
@@ -256,6 +288,21 @@ void CudaModel::greedy(int32_t* host) const { impl_->greedy(host); }
 void CudaModel::sample(std::span<const cuda::SampleParams> params, std::span<const cuda::PenaltyEntry> penalties,
                        int32_t* ids_host, const TokenMasks* masks) {
   impl_->sample(params, penalties, ids_host, masks);
+}
+void CudaModel::set_taps(std::span<const int> layers) {
+  for (int L : layers)
+    KCHECK(L >= 0 && L < impl_->cfg.text.num_hidden_layers, "set_taps: layer {} of {}", L,
+           impl_->cfg.text.num_hidden_layers);
+  KCHECK(layers.empty() || impl_->tp_size == 1, "set_taps: DSpark taps run on one rank only");
+  impl_->tap_layers.assign(layers.begin(), layers.end());
+  impl_->taps_rows = 0;
+}
+void CudaModel::copy_taps(int64_t first_row, int64_t n, uint16_t* host) const { impl_->copy_taps(first_row, n, host); }
+void CudaModel::keep_verified(CudaCache& c, int64_t k, int64_t t) { gpu::keep_verified(c, k, t, impl_->x.stream); }
+const uint16_t* CudaModel::taps_device() const { return impl_->tap_layers.empty() ? nullptr : impl_->taps_dev; }
+std::unique_ptr<CudaDraft> CudaModel::new_draft(const Draft& d, int32_t num_pages, int block_size) {
+  KCHECK(impl_->tp_size == 1, "new_draft: the GPU draft runs on one rank only");
+  return gpu::new_cuda_draft(impl_->x, impl_->w, d, num_pages, block_size);
 }
 void CudaModel::enable_cuda_graphs(bool on) { impl_->graphs = on && impl_->tp_size == 1; }
 void CudaModel::attach_comm(parallel::Comm* comm) { impl_->attach(comm); }

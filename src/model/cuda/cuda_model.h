@@ -15,7 +15,7 @@
 //   instruments.*  op timing and debug captures
 //   context.h      what every forward gets (stream, cuBLASLt, scratch, graph mode, instruments)
 //   forward.cpp    the layer stack (§3.1–3.2, §3.8); kda.cpp (§3.3), mla.cpp (§3.4 + §3.5 indexer),
-//   moe.cpp (§3.6), mlp.cpp (§3.7), attn_res.cpp (§3.2)
+//   moe.cpp (§3.6), mlp.cpp (§3.7), attn_res.cpp (§3.2), speculative.cpp (§5: taps, verify rows, KDA trace)
 // Forms: prefill rows (T > 1) run the naive MLA form, decode rows (T = 1) the absorbed one, like the CPU
 // defaults; KDA always runs the recurrent scan (the CPU prefill uses the chunked form, equal in exact
 // arithmetic, different in FP32 rounding). Projections of T ≤ 64 rows run the skinny GEMM (linear.h), whose
@@ -43,15 +43,24 @@ class Comm;
 namespace kestrel::model {
 
 struct CudaCache;  // model/cuda/cache.h
+class CudaDraft;   // model/cuda/dspark.h
+struct Draft;      // model/dspark.h
 
 // One sequence of a batched forward: positions [pos0, pos0 + T) from `tokens`, KDA state in `slot`,
 // MLA rows through `block_table` (covering [0, pos0 + T)).
+// verify: a DSpark verification block (MODEL.md §5, docs/speculative.md): the anchor and the draft tokens.
+// Its rows run the decode forms row by row — the absorbed MLA decode with each row's own key count, the
+// recurrent KDA scan one position at a time — so every row gets the logits token-by-token decoding would
+// (same kernels; only batch-size effects differ), and the KDA state after each position is kept in the
+// cache's trace (keep_verified picks the accepted one). Needs logits = all; such sequences come after the
+// single-token ones and before the prefills.
 struct CudaSeq {
   std::span<const int32_t> tokens;
   int64_t pos0 = 0;
   int32_t slot = 0;
   std::span<const int32_t> block_table;
   enum class Logits : uint8_t { none, last, all } logits = Logits::last;
+  bool verify = false;
 };
 
 // Image rows of one sequence of a forward (MODEL.md §3.1, §6; the CPU's model::EmbedOverride): the positions
@@ -129,6 +138,23 @@ class CudaModel {
   };
   void sample(std::span<const cuda::SampleParams> params, std::span<const cuda::PenaltyEntry> penalties,
               int32_t* ids_host /* i32 [params.size()] */, const TokenMasks* masks = nullptr);
+  // ---- DSpark speculation (speculative.cpp; MODEL.md §5, docs/speculative.md) ----------------------------
+  // Taps: with layers set (the draft's target_layer_ids, ascending or not), every forward copies the
+  // AttnRes partial sum P after each listed layer into a device buffer bf16 [T, n·D] (row = step row,
+  // column block k = layers[k]), read by copy_taps until the next forward. Such forwards run eagerly.
+  void set_taps(std::span<const int> layers);
+  void copy_taps(int64_t first_row, int64_t n, uint16_t* host /* bf16 [n, n_taps·D] */) const;
+  // After a forward with verify sequences: the KDA state of the k-th verify sequence (in sequence order)
+  // becomes the state after its position t (0 = the anchor, t < its T): copied from the trace into its slot,
+  // every KDA layer, no recompute. Call before the next forward (the trace is overwritten by it).
+  void keep_verified(CudaCache& c, int64_t k, int64_t t);
+  // The last forward's taps on the device (bf16 [T, n·D]; null without taps), for the GPU draft's injection.
+  const uint16_t* taps_device() const;
+  // The DSpark draft on this GPU (model/cuda/dspark.h): its weights uploaded, latent pools of num_pages pages
+  // of block_size rows (indexed by the target's page ids), the target's embedding and lm_head shared. One rank.
+  // The draft must outlive the result, which must be destroyed before this model.
+  std::unique_ptr<CudaDraft> new_draft(const Draft& d, int32_t num_pages, int block_size);
+
   // CUDA graphs for decode steps (graphs.h; off by default): all-decode steps wanting their last logits
   // run through bucketed captured graphs.
   void enable_cuda_graphs(bool on);

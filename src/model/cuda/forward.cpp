@@ -16,14 +16,23 @@
 namespace kestrel::model::gpu {
 
 void forward_layers(Context& x, const WeightsDev& w, CudaCache& cc, const BatchStep& s, const int32_t* d_ids,
-                    const int32_t* d_lrows, int64_t nr, bool lrows_identity, float* logits) {
+                    const int32_t* d_lrows, int64_t nr, bool lrows_identity, float* logits, const TapsDev* taps) {
   const TextConfig& tc = x.c;
   const int64_t T = s.T, D = tc.hidden_size;
   const bool fused = x.fused();
+
   // §3.1: P = embed_tokens[id], no stored blocks. Under TP each rank holds V/N rows of the table and
   // looks up its own ids (the others read the zero row appended at upload, cuda_model.cpp), so one
   // all-reduce assembles P exactly (one nonzero term per element).
   AttnResDev rs = attn_res_begin(x, w.embed, d_ids, T);
+  // §5 DSpark taps: P after layer L. In both forms P holds it once the first AttnRes point of layer L+1 (or
+  // the final one) has run: the fused point applies layer L's pending MLP update first, and a point only
+  // reads P (a write layer copies it into a block).
+  auto tap = [&](int L) {
+    if (!taps) return;
+    for (int64_t k = 0; k < taps->n; ++k)
+      if (taps->layers[k] == L) copy_tap(x, rs, k, taps->n, taps->out);
+  };
   tp_all_reduce(x, rs.partial, T * D);
   // §3.1 with §6: the <|media_pad|> positions start from the vision tower's rows instead (after the
   // all-reduce, so under TP every rank's P holds them once).
@@ -46,6 +55,7 @@ void forward_layers(Context& x, const WeightsDev& w, CudaCache& cc, const BatchS
       attn_res_mix_norm(x, rs, lw.attn_res_norm, lw.attn_res_proj, lw.input_norm, normed);
       if (write) attn_res_write_block(x, rs);
     }
+    if (L > 0) tap(L - 1);
     x.mark("attn_res");
     // Step 3: a = Attn_L(x).
     if (lw.attn == AttnKind::kda)
@@ -81,6 +91,7 @@ void forward_layers(Context& x, const WeightsDev& w, CudaCache& cc, const BatchS
                    w.out_res_proj, w.final_norm, normed, nullptr);
   else
     attn_res_mix_norm(x, rs, w.out_res_norm, w.out_res_proj, w.final_norm, normed);
+  tap(tc.num_hidden_layers - 1);
   if (nr > 0) {
     const u16* picked = normed;  // bf16 [nr, D]
     if (!lrows_identity) {

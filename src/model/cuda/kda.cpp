@@ -57,7 +57,9 @@ void kda_forward(Context& x, const KdaWeightsDev& w, CudaCache& cc, const BatchS
     // Step 2 over q|k|v at once, SiLU, BF16: the decode rows in one launch over their slots, then each prefill.
     u16* conv = x.tmp<u16>(T * 3 * HD);  // bf16 [T, 3·HD]
     if (s.nd > 0) cuda::kda_conv_decode(qkv, 3 * HD, w.conv, hist, s.d_slots, conv, 3 * HD, s.nd, 3 * HD, W, x.stream);
-    for (int64_t b = s.nd; b < s.n; ++b) {
+    // DSpark verify sequences (§5): the decode conv one position at a time, each history traced.
+    if (s.nv > 0) kda_verify_conv(x, w, cc, s, layer, qkv, conv);
+    for (int64_t b = s.nd + s.nv; b < s.n; ++b) {
       const int64_t r = s.row0[size_t(b)];
       cuda::kda_conv_prefill(qkv + r * 3 * HD, 3 * HD, w.conv, hist + int64_t(s.slot[size_t(b)]) * (W - 1) * 3 * HD,
                              conv + r * 3 * HD, 3 * HD, s.len[size_t(b)], 3 * HD, W, x.stream);
@@ -71,16 +73,19 @@ void kda_forward(Context& x, const KdaWeightsDev& w, CudaCache& cc, const BatchS
     cuda::kda_qk_norm_gates(conv, conv + HD, 3 * HD, z, w.dt_bias, w.a_log, bl, c.kda.gate_lower_bound, qf, kf, g,
                             beta, T, H, Dk, x.stream);
     cuda::bf16_to_f32_2d(conv + 2 * HD, 3 * HD, T, HD, vf, x.stream);
-    // Step 6: the delta-rule scan. The T = 1 rows (decodes, listed first) in one decode-shaped launch; every
-    // prefill sequence in one chunk-parallel launch over the rest of the packed rows (cu_seqlens from nd on).
+    // Step 6: the delta-rule scan. The T = 1 rows (decodes, listed first) in one decode-shaped launch; the
+    // verify rows (§5) one position at a time, each state traced; every prefill sequence in one chunk-parallel
+    // launch over the rest of the packed rows (cu_seqlens from nd + nv on).
     float* o = x.tmp<float>(T * HD);  // f32 [T, HD]
-    const int64_t np = s.n - s.nd;   // prefill sequences
-    void* ws = np > 0 ? x.tmp<char>(int64_t(cuda::kda_chunked_workspace_bytes(T - s.nd, np, H, Dk))) : nullptr;
+    const int64_t pf = s.nd + s.nv, Tp = T - s.nd - s.nvr;  // first prefill sequence, prefill rows
+    const int64_t np = s.n - pf;                               // prefill sequences
+    void* ws = np > 0 ? x.tmp<char>(int64_t(cuda::kda_chunked_workspace_bytes(Tp, np, H, Dk))) : nullptr;
     auto scan = [&](auto* pool) {
       if (s.nd > 0) cuda::kda_decode(qf, kf, vf, g, HD, beta, H, s.d_cu, s.d_slots, pool, o, s.nd, H, Dk, x.stream);
+      if (s.nv > 0) kda_verify_scan(x, cc, s, layer, qf, kf, vf, g, beta, o);
       if (np > 0)
-        cuda::kda_chunked(qf, kf, vf, g, HD, beta, H, s.d_cu + s.nd, s.d_slots + s.nd, pool, o, T - s.nd, np, H, Dk,
-                          ws, x.stream);
+        cuda::kda_chunked(qf, kf, vf, g, HD, beta, H, s.d_cu + pf, s.d_slots + pf, pool, o, Tp, np, H, Dk, ws,
+                          x.stream);
     };
     if (cc.kda_state_f16())
       scan(reinterpret_cast<uint16_t*>(cc.kda_S[size_t(layer)]));

@@ -6,8 +6,10 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include "core/dtype.h"
+#include "model/cuda/dspark.h"
 
 #include "model/cuda/batch.h"
 #include "model/cuda/cache.h"
@@ -63,10 +65,38 @@ void tp_all_reduce(Context& x, u16* y /* bf16 [n] */, int64_t n);
 void tp_gather_columns(Context& x, const void* local /* [T, w] */, int64_t T, int64_t w, DType dt,
                        void* full /* [T, N·w] */);
 
+// DSpark (§5) taps of a forward: P after each of layers[0..n) into out (device bf16 [T, n·D]).
+struct TapsDev {
+  const int* layers = nullptr;
+  int64_t n = 0;
+  u16* out = nullptr;
+};
+
 // The layer stack of one step (forward.cpp, §3.1–3.2, §3.8): embeddings of d_ids through every layer,
 // then the final Mix, model.norm and lm_head over the nr rows d_lrows into logits (f32 [nr, V]);
 // lrows_identity: d_lrows is 0, 1, .., nr−1 (every row wants logits, in order), so no gather is needed.
+// taps (eager steps only): the §5 taps of every row.
 void forward_layers(Context& x, const WeightsDev& w, CudaCache& cc, const BatchStep& s, const int32_t* d_ids,
-                    const int32_t* d_lrows, int64_t nr, bool lrows_identity, float* logits);
+                    const int32_t* d_lrows, int64_t nr, bool lrows_identity, float* logits,
+                    const TapsDev* taps = nullptr);
+
+// DSpark verification (speculative.cpp, §5). upload_verify: a step's verify metadata (s.d_iota, the
+// cache's verify list) and trace capacity. kda_verify_conv / kda_verify_scan: §3.3 steps 2 and 6 of the
+// verify rows one position at a time, each position's slot state copied into the cache's trace.
+// keep_verified: verify sequence k's state after its position t back into its slot. copy_tap: P into
+// column block k of the taps.
+void upload_verify(Context& x, CudaCache& cc, BatchStep& s);
+void kda_verify_conv(Context& x, const KdaWeightsDev& w, CudaCache& cc, const BatchStep& s, int layer,
+                     const u16* qkv /* bf16 [T, 3·HD] */, u16* conv /* bf16 [T, 3·HD] */);
+void kda_verify_scan(Context& x, CudaCache& cc, const BatchStep& s, int layer, const float* q /* f32 [T, HD] */,
+                     const float* k /* f32 [T, HD] */, const float* v /* f32 [T, HD] */,
+                     const float* g /* f32 [T, HD] */, const float* beta /* f32 [T, H] */,
+                     float* o /* f32 [T, HD] */);
+void keep_verified(CudaCache& cc, int64_t k, int64_t t, cudaStream_t stream);
+void copy_tap(Context& x, const AttnResDev& rs, int64_t k, int64_t n_taps, u16* taps /* bf16 [T, n·D] */);
+
+// The GPU draft (dspark.cpp) over this model's context and target weights.
+std::unique_ptr<CudaDraft> new_cuda_draft(Context& x, const WeightsDev& w, const Draft& d, int32_t num_pages,
+                                          int block_size);
 
 }  // namespace kestrel::model::gpu

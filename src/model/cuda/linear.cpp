@@ -22,6 +22,7 @@ DecodeOptions DecodeOptions::from_env() {
   o.skinny = !off("KESTREL_SKINNY");
   o.fuse = !off("KESTREL_FUSE");
   o.graph_attn = !off("KESTREL_GRAPH_ATTN");
+  if (const char* e = std::getenv("KESTREL_SPEC_TRACE")) o.spec_trace_kernels = std::strcmp(e, "launches") != 0;
   if (const char* e = std::getenv("KESTREL_SKINNY_MAX_T")) {
     const long v = std::strtol(e, nullptr, 10);
     if (v >= 0 && v <= cuda::kSkinnyMaxT) o.skinny_max_t = v;

@@ -13,7 +13,8 @@
 // Switches (read once per CudaModel from the environment; bench/gpu and the GPU tests use them to show
 // what each change is worth): KESTREL_SKINNY=0 (cuBLASLt for every GEMM), KESTREL_SKINNY_MAX_T (default 16),
 // KESTREL_FUSE=0 (no fused decode kernels: AttnRes, KDA chain, GEMM epilogues), KESTREL_GRAPH_ATTN=0 (the
-// attention stays an eager island between graph segments), KESTREL_PDL=0 (kernels/cuda/launch.h).
+// attention stays an eager island between graph segments), KESTREL_PDL=0 (kernels/cuda/launch.h),
+// KESTREL_SPEC_TRACE=launches (DSpark verify rows' KDA position by position, speculative.cpp).
 #pragma once
 
 #include <cstdint>
@@ -46,6 +47,9 @@ struct DecodeOptions {
   int64_t skinny_max_t = 16;
   bool fuse = true;
   bool graph_attn = true;
+  // DSpark verify rows: the traced KDA kernels, one launch per layer (false: KESTREL_SPEC_TRACE=launches,
+  // one launch per position and request; model/cuda/speculative.cpp).
+  bool spec_trace_kernels = true;
   static DecodeOptions from_env();
 };
 

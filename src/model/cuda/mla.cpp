@@ -62,13 +62,24 @@ void mla_attend(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchSt
     void* ws = x.tmp<char>(int64_t(cuda::mla_decode_paged_workspace_bytes(dims, nd, max_keys)));
     cuda::mla_decode_paged(x.lt, dims, q, w.kv_b, pv, bt, ws, o, x.stream);
   }
-  if (Treal > nd) {
+  if (s.nvr > 0) {
+    // DSpark verify rows (§5, rows nd .. nd+nvr−1, never in a graph): the absorbed decode again, one query per
+    // row with the row's own visible keys (position + 1) and its sequence's block table, as each row would
+    // run as a decode.
+    const int64_t bound_ver = attn_bound(s.max_ver_S), max_keys = sel ? std::min(bound_ver, Ki) : bound_ver;
+    const cuda::MlaPagedBatch vb{s.d_row_lens + nd, s.d_row_req + nd, sel ? sel + nd * Ki : nullptr, Ki, s.nvr,
+                                 max_keys};
+    void* ws = x.tmp<char>(int64_t(cuda::mla_decode_paged_workspace_bytes(dims, s.nvr, max_keys)));
+    cuda::mla_decode_paged(x.lt, dims, q + nd * Hm * QK, w.kv_b, pv, vb, ws, o + nd * Hm * Dv, x.stream);
+  }
+  if (Treal > nd + s.nvr) {
     // Prefill rows (every sequence with T > 1, one launch): the absorbed form in flash-attention style over
     // the pages, dense or over each row's selection; nothing gathered, no per-token kv_b expansion.
-    const int64_t Tp = Treal - nd, max_keys = sel ? std::min(s.max_S, Ki) : s.max_S;
-    const cuda::MlaPagedBatch pb{s.d_row_lens + nd, s.d_row_req + nd, sel ? sel + nd * Ki : nullptr, Ki, Tp, max_keys};
+    const int64_t p0 = nd + s.nvr;  // first prefill row
+    const int64_t Tp = Treal - p0, max_keys = sel ? std::min(s.max_S, Ki) : s.max_S;
+    const cuda::MlaPagedBatch pb{s.d_row_lens + p0, s.d_row_req + p0, sel ? sel + p0 * Ki : nullptr, Ki, Tp, max_keys};
     void* ws = x.tmp<char>(int64_t(cuda::mla_prefill_paged_workspace_bytes(dims, Tp, max_keys)));
-    cuda::mla_prefill_paged(x.lt, dims, q + nd * Hm * QK, w.kv_b, pv, pb, ws, o + nd * Hm * Dv, x.stream);
+    cuda::mla_prefill_paged(x.lt, dims, q + p0 * Hm * QK, w.kv_b, pv, pb, ws, o + p0 * Hm * Dv, x.stream);
   }
   x.mark("mla.attn");
 }

@@ -1,0 +1,32 @@
+// The DSpark draft's own GPU ops (MODEL.md §5; the draft's GPU forward is model/cuda/dspark.h): interleaved
+// RoPE, the non-causal naive MLA attention over context + block, and the SwiGLU of its MLP. Everything else
+// of the draft reuses the target's kernels (GEMMs, RMSNorm, embedding gather, row copies).
+// CPU twins: model::rope_interleaved and model::draft_attend (model/dspark.h), the SwiGLU loop of
+// model::Draft::block; tested in tests/gpu/test_spec_gpu.cpp (GpuSpec.DraftOpsMatchTwins).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kestrel::cuda {
+
+// Rotates pairs (2i, 2i+1) of the R values at x + t·ld + h·head_stride, h < heads, by the angle
+// (pos0 + t)·inv_freq[i]: cos and sin in FP32 times cos_sin_mul, the results rounded to BF16. R even, ≤ 256.
+void dspark_rope_interleaved(uint16_t* x /* bf16, rows of ld elements */, int64_t ld, int64_t T, int64_t heads,
+                             int64_t head_stride, int64_t pos0, const float* inv_freq /* device f32 [R/2] */,
+                             float cos_sin_mul, int64_t R, cudaStream_t stream);
+
+// Non-causal attention of T queries over S keys (naive form, §3.4 steps 3–4): score = scale · (q_nope·k_nope +
+// q_pe·k_pe) in FP32, softmax over all S keys, o_h = Σ p·v in FP32 rounded to BF16. kv holds each key's
+// [k_nope | v] per head, latent its [ĉ | k_pe]. scratch: device f32 [T, Hm, S].
+void dspark_attend(const uint16_t* q /* bf16 [T, Hm, N+R] */, const uint16_t* kv /* bf16 [S, Hm, N+Dv] */,
+                   const uint16_t* latent /* bf16 [S, C+R] */, int64_t T, int64_t S, int64_t Hm, int64_t N, int64_t R,
+                   int64_t Dv, int64_t C, float scale, float* scratch /* f32 [T, Hm, S] */,
+                   uint16_t* o /* bf16 [T, Hm·Dv] */, cudaStream_t stream);
+
+// a = bf16(silu(g)·u) elementwise, FP32 arithmetic (silu(x) = x·σ(x)).
+void dspark_swiglu(const uint16_t* g /* bf16 [n] */, const uint16_t* u /* bf16 [n] */, uint16_t* a /* bf16 [n] */,
+                   int64_t n, cudaStream_t stream);
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,44 @@
+// The DSpark draft on the GPU (MODEL.md §5; CPU twin model/dspark.h, the same steps at the same rounding
+// points): context projection of the target's taps and KV injection into the draft's own paged latent pools
+// (one per draft layer, indexed by the target's page ids like the host SpecDrafter's arenas), and the block
+// [anchor, mask × (Nb−1)] through the draft layers — naive non-causal MLA over context + block rows, SwiGLU
+// MLP — then the final norm and the target's lm_head, on the device; the block's base logits f32 [Nb, V] come
+// back for the sequential Markov chain on the host (Draft::draft_from_base). Built by CudaModel::new_draft,
+// which lends it the model's stream, scratch, cuBLASLt handle and the target's embedding and lm_head.
+// One request per block call: the batched draft over all running requests is the next step
+// (docs/speculative.md "What the GPU path needs").
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+
+namespace kestrel::model {
+
+class CudaModel;
+struct Draft;
+
+class CudaDraft {
+ public:
+  ~CudaDraft();
+  CudaDraft(const CudaDraft&) = delete;
+  CudaDraft& operator=(const CudaDraft&) = delete;
+
+  // Taps of positions [pos0, pos0 + T) of the request whose pages are `table` (device bf16 [T, n·Dt], e.g.
+  // CudaModel::taps_device() rows) → H_ctx → each draft layer's latent row [ĉ | RoPE(k_pe)] at its pool row.
+  void inject(std::span<const int32_t> table, int64_t pos0, const uint16_t* taps_dev, int64_t T);
+  // The same from host taps (tests).
+  void inject_host(std::span<const int32_t> table, int64_t pos0, const uint16_t* taps_host, int64_t T);
+  // The block `tokens` (Nb ids) at ctx .. ctx+Nb−1 over the pools holding [0, ctx): lm_head of the
+  // final-normed states, host f32 [Nb, V].
+  void base_logits(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens,
+                   float* host /* f32 [Nb, V] */);
+
+  struct Impl;  // model/cuda/dspark.cpp; only CudaModel::new_draft makes one
+  explicit CudaDraft(std::unique_ptr<Impl> impl);
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kestrel::model

@@ -1,0 +1,97 @@
+// Host drafting and verification of the GPU executor's speculative steps (see executor_cuda_spec.h).
+#include "runtime/executor_cuda_spec.h"
+
+#include <chrono>
+
+#include "core/check.h"
+#include "model/cuda/cuda_model.h"
+#include "model/cuda/dspark.h"
+#include "runtime/spec_decode.h"
+
+namespace kestrel::runtime {
+
+void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const sched::ScheduledSeq* const> order,
+                  const StepHooks& hooks, SpecStep& sp, ExecutorStats& st) {
+  const DraftConfig& dc = *spec.draft().cfg;
+  std::vector<float> base;  // f32 [Nb, V]: the GPU draft's base logits of one block
+  const auto t0 = std::chrono::steady_clock::now();
+  sp.blocks.assign(order.size(), {});
+  sp.tokens.assign(order.size(), {});
+  sp.results.assign(order.size(), {});
+  for (size_t i = 0; i < order.size(); ++i) {
+    const sched::ScheduledSeq& x = *order[i];
+    if (x.num_draft == 0) continue;
+    KCHECK(bool(hooks.sampling_inputs) && bool(hooks.take_tokens), "executor: speculation without its hooks");
+    const StepHooks::SamplingInputs si = hooks.sampling_inputs(x);
+    // The draft's caches are indexed by the target's page ids (spec_executor.h).
+    if (gdraft) {
+      // §5: the block [anchor, mask × (Nb−1)] at start on the device; the Markov chain in draft_block.
+      std::vector<int32_t> blk(size_t(dc.block_size), dc.mask_token_id);  // i32 [Nb]
+      blk[0] = x.tokens[0];
+      base.resize(size_t(dc.block_size) * size_t(dc.vocab_size));
+      gdraft->base_logits(x.block_table, x.start, blk, base.data());
+    }
+    sp.blocks[i] = spec.draft_block(x.id, x.block_table, x.start, x.tokens[0], x.num_draft, *si.params,
+                                    uint64_t(si.output.size()), gdraft ? base.data() : nullptr);
+    sp.tokens[i] = {x.tokens[0]};
+    sp.tokens[i].insert(sp.tokens[i].end(), sp.blocks[i].tokens.begin(), sp.blocks[i].tokens.end());
+  }
+  st.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void verify_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, model::CudaModel& m, model::CudaCache& cc,
+                   std::span<const sched::ScheduledSeq* const> order, const StepHooks& hooks,
+                   std::span<const float> logits, std::span<const int64_t> first_row, int64_t V, SpecStep& sp,
+                   ExecutorStats& st) {
+  // Every row's taps of the step (bf16 [step rows, n·Dt], rows in batch order), one copy.
+  int64_t rows = 0;
+  std::vector<int64_t> row0(order.size());  // each sequence's first step row
+  for (size_t i = 0; i < order.size(); ++i) row0[i] = rows, rows += order[i]->end - order[i]->start;
+  const int64_t width = spec.tap_width();
+  std::vector<uint16_t> taps;  // bf16 [rows, n·Dt]: the host draft's copy
+  if (!gdraft) {
+    taps.resize(size_t(rows * width));
+    m.copy_taps(0, rows, taps.data());
+  }
+  // The taps of a sequence's first n rows into the draft's caches at its positions start.. .
+  auto inject = [&](size_t i, int64_t n) {
+    const sched::ScheduledSeq& x = *order[i];
+    if (gdraft)
+      gdraft->inject(x.block_table, x.start, m.taps_device() + row0[i] * width, n);
+    else
+      spec.inject(x.block_table, x.start, taps.data() + row0[i] * width, n);
+  };
+  int64_t k = 0;  // verify sequences so far (the model's order of them)
+  for (size_t i = 0; i < order.size(); ++i) {
+    const sched::ScheduledSeq& x = *order[i];
+    if (x.num_draft == 0) {
+      const auto t0 = std::chrono::steady_clock::now();
+      inject(i, x.end - x.start);
+      st.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      continue;
+    }
+    // Verify with the request's rule (greedy, token or block), as the CPU executor does.
+    KCHECK(first_row[i] >= 0 && size_t((first_row[i] + x.end - x.start) * V) <= logits.size(),
+           "executor: request {}: its verify rows are not on the host", x.id);
+    const StepHooks::SamplingInputs si = hooks.sampling_inputs(x);
+    const VerifyOutcome o = verify_step(*si.params, spec.serving().rejection, logits.data() + first_row[i] * V,
+                                        sp.blocks[i].q.data(), sp.blocks[i].tokens, V, uint64_t(si.output.size()));
+    ++st.spec_drafts;
+    st.spec_draft_tokens += x.num_draft;
+    st.spec_accepted_tokens += o.accepted;
+    // Keep: the KDA state after position start + τ (the trace, no recompute); the MLA rows past it are
+    // garbage the next forward overwrites, the pages wholly past it the scheduler releases (shrink).
+    m.keep_verified(cc, k++, o.accepted);
+    const auto t0 = std::chrono::steady_clock::now();
+    inject(i, o.accepted + 1);
+    st.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::vector<int32_t> emitted(sp.blocks[i].tokens.begin(), sp.blocks[i].tokens.begin() + o.accepted);
+    emitted.push_back(o.next);
+    sched::SeqResult r = hooks.take_tokens(x, emitted);
+    r.id = x.id;
+    sp.results[i] = r;
+    st.samples += int64_t(r.accepted.size()) + 1;
+  }
+}
+
+}  // namespace kestrel::runtime
