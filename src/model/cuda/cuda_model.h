@@ -129,6 +129,12 @@ class CudaModel {
   };
   void sample(std::span<const cuda::SampleParams> params, std::span<const cuda::PenaltyEntry> penalties,
               int32_t* ids_host /* i32 [params.size()] */, const TokenMasks* masks = nullptr);
+  // Optional, between forward_batch and sample (the masks final, the forward still running): copies the masks
+  // to the device on a second stream now, beside the forward, instead of after it; sample() with the same
+  // `masks` (same table, rows and row_of array) then only waits for that copy. The host table and row_of
+  // must stay unchanged until sample() returns. The first call for a table shape does nothing (the device
+  // table is allocated in stream order by sample()).
+  void stage_masks(const TokenMasks& masks);
   // CUDA graphs for decode steps (graphs.h; off by default): all-decode steps wanting their last logits
   // run through bucketed captured graphs.
   void enable_cuda_graphs(bool on);
