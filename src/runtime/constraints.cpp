@@ -26,11 +26,64 @@ void apply_token_mask(std::span<float> logits, const uint32_t* words) {
   }
 }
 
+namespace {
+// Set bits in words [0, n). Built for generic x86-64 (no POPCNT), std::popcount is a call into libgcc's table
+// popcount, about 3 ns a word: a third of a mask job's time on k3-tiny's 383 words (perf, bench/RESULTS.md)
+// and 15 µs a mask on a K3-sized vocabulary. So: POPCNT where the CPU has it, 64-bit SWAR otherwise.
+int64_t count_bits_swar(const uint32_t* words, int64_t n) {
+  int64_t c = 0, i = 0;
+  for (; i + 2 <= n; i += 2) {
+    uint64_t x;
+    std::memcpy(&x, words + i, 8);
+    x = x - ((x >> 1) & 0x5555555555555555ull);
+    x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0Full;
+    c += int64_t((x * 0x0101010101010101ull) >> 56);
+  }
+  for (; i < n; ++i) {
+    uint32_t x = words[i];
+    x = x - ((x >> 1) & 0x55555555u);
+    x = (x & 0x33333333u) + ((x >> 2) & 0x33333333u);
+    x = (x + (x >> 4)) & 0x0F0F0F0Fu;
+    c += int64_t((x * 0x01010101u) >> 24);
+  }
+  return c;
+}
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("popcnt"))) int64_t count_bits_popcnt(const uint32_t* words, int64_t n) {
+  int64_t c = 0, i = 0;
+  for (; i + 2 <= n; i += 2) {
+    uint64_t x;
+    std::memcpy(&x, words + i, 8);
+    c += __builtin_popcountll(x);
+  }
+  if (i < n) c += __builtin_popcount(words[i]);
+  return c;
+}
+#endif
+int64_t count_bits(const uint32_t* words, int64_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool popcnt = __builtin_cpu_supports("popcnt");
+  if (popcnt) return count_bits_popcnt(words, n);
+#endif
+  return count_bits_swar(words, n);
+}
+}  // namespace
+
 int64_t mask_count(const uint32_t* words, int64_t V) {
-  int64_t n = 0;
   const int64_t full = V / 32;
-  for (int64_t w = 0; w < full; ++w) n += std::popcount(words[w]);
+  int64_t n = count_bits(words, full);
   if (V % 32) n += std::popcount(words[full] & ((1u << (V % 32)) - 1u));
+  return n;
+}
+
+int64_t mask_count_portable(const uint32_t* words, int64_t V) {
+  const int64_t full = V / 32;
+  int64_t n = count_bits_swar(words, full);
+  if (V % 32) {
+    const uint32_t last = words[full] & ((1u << (V % 32)) - 1u);
+    n += count_bits_swar(&last, 1);
+  }
   return n;
 }
 
@@ -245,6 +298,13 @@ int64_t MaskPool::wait(size_t i) {
   }
   b.wait_done(i);
   return b.result[i].load(std::memory_order_relaxed);
+}
+
+bool MaskPool::done(size_t i, int64_t& result) const {
+  KCHECK(batch_ && i < batch_->jobs.size(), "mask pool: job {} of {}", i, batch_ ? batch_->jobs.size() : 0);
+  if (batch_->state[i].load(std::memory_order_acquire) != Batch::kDone) return false;
+  result = batch_->result[i].load(std::memory_order_relaxed);
+  return true;
 }
 
 void MaskPool::wait_all() {

@@ -7,8 +7,10 @@
 // and a row of the MaskTable; the MaskPool's threads run the step's jobs in order — the matcher's step
 // over the previous token (deferred by SeqConstraint::take), then, unless the grammar is in free text
 // (every ordinary token allowed: the think section, a free response), the row — started before the
-// executor's forward, and the sampler of each sequence waits for its own job only. So the mask of step
-// N+1 (which needs the token of step N) is computed while the model runs step N+1's forward, which
+// executor's forward (a device executor: right after it has enqueued the forward, StepHooks::
+// forward_launched, so that starting them — syncs, waking the pool — is not on the path to the launch
+// while the device idles), and the sampler of each sequence waits for its own job only. So the mask of
+// step N+1 (which needs the token of step N) is computed while the model runs step N+1's forward, which
 // takes far longer; the sampler then pays the apply (CPU: one pass over the row; GPU: one kernel) and a
 // bit test per token.
 //
@@ -39,8 +41,10 @@ namespace kestrel::runtime {
 // logits[v] = −inf where bit v of `words` is 0 (words cover logits.size() ids). The CPU twin of
 // cuda::apply_token_masks (kernels/cuda/token_mask.h).
 void apply_token_mask(std::span<float> logits /* f32 [V] */, const uint32_t* words /* u32 [ceil(V/32)] */);
-// Allowed ids among the first V.
+// Allowed ids among the first V (POPCNT where the CPU has it: the build targets generic x86-64).
 int64_t mask_count(const uint32_t* words, int64_t V);
+// The same without POPCNT (the fallback; tests compare both with a bit-by-bit count).
+int64_t mask_count_portable(const uint32_t* words, int64_t V);
 // The logprob of `token` and the n most likely ids under the raw logits (the sampler's rule: logprobs
 // describe the model, not the sampling knobs — nor the grammar's mask), for a token drawn under a mask.
 void raw_logprobs(std::span<const float> raw /* f32 [V] */, int32_t token, int32_t n, float& logprob,
@@ -152,6 +156,9 @@ class MaskPool {
 
   void start(std::vector<Job> jobs);
   int64_t wait(size_t i);
+  // Job i's result if it is done (no waiting, no clock read): the engine's common case once the forward has
+  // hidden the jobs.
+  bool done(size_t i, int64_t& result) const;
   void wait_all();
   int threads() const { return int(threads_.size()); }
   double busy_seconds() const;  // time spent in jobs, on the pool and by waiters, in total

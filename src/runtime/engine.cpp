@@ -248,7 +248,8 @@ void Engine::stamp(Req& q, TokenEvent& ev) const {
 sched::SeqResult Engine::emit(Req& q, const SampleResult& s, const uint32_t* words) {
   bool grammar_end = false;
   if (q.constraint && q.error.empty()) {
-    Timed t{sstats_.host_seconds};
+    // Not timed: at batch 64 two clock reads a row cost more than the take itself (StructuredStats::host_seconds).
+    ensure_masks();  // the take must not run beside this request's job
     bool ok = true;
     if (q.preaccepted == s.token) grammar_end = q.pre_terminated;
     else ok = q.constraint->take(s.token, words, grammar_end);
@@ -273,6 +274,18 @@ sched::SeqResult Engine::emit(Req& q, const SampleResult& s, const uint32_t* wor
 Engine::StructuredStats Engine::structured_stats() const {
   std::lock_guard<std::mutex> lk(mu_);
   return sstats_copy_;
+}
+
+ExecutorStats Engine::executor_stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return exec_stats_;
+}
+
+void Engine::ensure_masks() {
+  if (!mask_plan_) return;
+  const sched::StepPlan& plan = *mask_plan_;
+  mask_plan_ = nullptr;
+  start_masks(plan, *mask_in_step_);
 }
 
 // This step's mask jobs: one per constrained sequence that samples (its table row), run by the pool in
@@ -311,11 +324,14 @@ const char* kFillFailed = "structured output: computing the token mask failed";
 }  // namespace
 
 int64_t Engine::wait_mask(Req& q) {
+  ensure_masks();
   if (q.job < 0) return MaskPool::kFreeText;
   if (q.allowed == -2) {
-    const auto t0 = std::chrono::steady_clock::now();
-    q.allowed = worker_.wait(size_t(q.job));
-    sstats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!worker_.done(size_t(q.job), q.allowed)) {  // done already: no clock read
+      const auto t0 = std::chrono::steady_clock::now();
+      q.allowed = worker_.wait(size_t(q.job));
+      sstats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
     if (q.allowed == 0) q.error = kDeadEnd;
     if (q.allowed == MaskPool::kFailed) q.error = kFillFailed;
     if (q.allowed == MaskPool::kRefused)
@@ -390,13 +406,14 @@ void Engine::end_all(FinishReason why, const std::string& error, Outbox& out) {
 
 // One step: the executor's run, with the hooks that tie it to the requests of this plan.
 void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<RequestId, Req*>>& in_step) {
-  // Executors call the hooks in plan order (or close to it): look at the entry after the last one
-  // found first, so a batch of B rows costs O(B) lookups, not O(B²).
+  // Executors call the hooks in plan order (or close to it), one or several hooks per row in turn: look at
+  // the entry last found, then the ones after it, so a batch of B rows costs O(B) lookups, not O(B²).
   size_t hint = 0;
   auto find = [&](RequestId id) -> Req& {
     const size_t n = in_step.size();
+    const size_t from = hint > 0 ? hint - 1 : 0;
     for (size_t k = 0; k < n; ++k) {
-      const size_t i = (hint + k) % n;
+      const size_t i = (from + k) % n;
       if (in_step[i].first == id) {
         hint = i + 1;
         return *in_step[i].second;
@@ -404,13 +421,19 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
     }
     fail("engine: request {} is not in this step", id);
   };
-  // Structured outputs: the masks of this step start filling now, on the worker, and must be done
-  // before this function leaves (the requests they name may go away after it), also on a throw.
-  start_masks(plan, in_step);
+  // Structured outputs: the masks of this step start filling on the pool — before the run, or, with an
+  // executor that announces its forward, once the forward is enqueued (StepHooks::forward_launched) — and
+  // must be done before this function leaves (the requests they name may go away after it), also on a
+  // throw. Every hook that needs a mask starts them first if they have not started.
+  mask_plan_ = &plan, mask_in_step_ = &in_step;
+  if (!exec_->announces_forward()) ensure_masks();
   struct WaitAll {
-    MaskPool& w;
-    ~WaitAll() { w.wait_all(); }
-  } wait_all{worker_};
+    Engine& e;
+    ~WaitAll() {
+      e.mask_plan_ = nullptr;  // not started (the run threw before its forward): nothing to wait for
+      e.worker_.wait_all();
+    }
+  } wait_all{*this};
   StepHooks hooks;
   hooks.sample = [&](const sched::ScheduledSeq& x, std::span<const float> logits) {
     return sample_host(find(x.id), x, logits, false);
@@ -432,15 +455,13 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
     if (!q.constraint || !q.error.empty()) return true;
     const int64_t allowed = wait_mask(q);
     if (!q.error.empty()) return true;  // take_token ends it with the error
-    bool ok, end;
-    {
-      Timed t{sstats_.host_seconds};
-      ok = q.constraint->take(token, allowed > 0 ? masks_.row(q.job) : nullptr, end);
-    }
+    bool end;
+    const bool ok = q.constraint->take(token, allowed > 0 ? masks_.row(q.job) : nullptr, end);  // untimed: see emit()
     if (ok) q.preaccepted = token, q.pre_terminated = end, ++(allowed > 0 ? sstats_.masked_samples : sstats_.free_samples);
     return ok;
   };
   hooks.mask_table = {masks_.data(), masks_.rows(), masks_.words()};
+  hooks.forward_launched = [&] { ensure_masks(); };
   hooks.sampling_inputs = [&](const sched::ScheduledSeq& x) {
     Req& q = find(x.id);
     return StepHooks::SamplingInputs{&q.r.sampling, q.r.prompt, q.output, q.stop_ids};
@@ -497,6 +518,7 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
   const auto t0 = std::chrono::steady_clock::now();
   if (plan.has_work()) result = exec_->run(plan, hooks);
   const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  mask_plan_ = nullptr;  // a step whose executor never needed them: nothing to start
   worker_.wait_all();
 
   // Bookkeeping under the lock; sinks after it.

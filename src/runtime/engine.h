@@ -123,11 +123,17 @@ class Engine final : public kestrel::Engine {
     int64_t stolen = 0;           // mask jobs the engine thread ran itself (no pool thread had begun them)
     double fill_seconds = 0.0;    // mask jobs: deferred matcher steps + filling (the pool, overlapped with
                                   // the forward; and stolen ones)
-    double wait_seconds = 0.0;    // the engine thread waiting for a mask job (not hidden by the forward)
-    double host_seconds = 0.0;    // engine thread: sync, taking tokens, host masking (on the critical path)
+    double wait_seconds = 0.0;    // the engine thread waiting for a mask job not yet done when first asked for
+                                  // (a device executor asks right after enqueuing the forward, so this is
+                                  // mostly hidden by it: ExecutorStats::mask_late_seconds is the part that is not)
+    double host_seconds = 0.0;    // engine thread: starting the jobs, host masking and free-text checks (the
+                                  // per-row bit tests and takes of device tokens are not timed: two clock
+                                  // reads a row cost more than the take; the executor's tail measures them)
     int mask_threads = 0;         // the pool's size
   };
   StructuredStats structured_stats() const;
+  // The executor's counters as of the last step (where a device step's time goes: ExecutorStats).
+  ExecutorStats executor_stats() const;
 
   const sched::MemoryPlan& memory_plan() const { return plan_; }
   const RequestLimits& limits() const { return limits_; }
@@ -163,6 +169,9 @@ class Engine final : public kestrel::Engine {
   // failure (0: dead end, −1, −4) also sets q.error.
   int64_t wait_mask(Req& q);
   void start_masks(const sched::StepPlan& plan, const std::vector<std::pair<RequestId, Req*>>& in_step);
+  // Starts this step's mask jobs unless they have started (StepHooks::forward_launched, or the first hook
+  // that needs a mask, whichever comes first).
+  void ensure_masks();
   void stamp(Req& q, TokenEvent& ev) const;  // id and, on the first event, the prompt counts
   void end_all(FinishReason why, const std::string& error, Outbox& out);  // mu_ held
 
@@ -177,6 +186,9 @@ class Engine final : public kestrel::Engine {
   MaskPool worker_;
   std::vector<uint32_t> redraw_mask_;         // u32 [mask_words]: a free-text redraw's mask
   std::vector<float> masked_logits_;          // f32 [V]: scratch
+  // This step's plan until its mask jobs start (engine thread; null once started).
+  const sched::StepPlan* mask_plan_ = nullptr;
+  const std::vector<std::pair<RequestId, Req*>>* mask_in_step_ = nullptr;
   StructuredStats sstats_;                    // engine thread; copied under mu_ below
   StructuredStats sstats_copy_;
   std::unique_ptr<StepExecutor> exec_;

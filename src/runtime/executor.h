@@ -62,6 +62,15 @@ struct ExecutorStats {
   // rule accepted (what a step emits may stop earlier at a stop id or max_tokens).
   int64_t spec_drafts = 0, spec_draft_tokens = 0, spec_accepted_tokens = 0;
   double draft_seconds = 0.0;  // drafting and draft-cache injection
+  // Device executors, per step summed (where each step's time goes; the GPU executor measures them with two
+  // events, the first recorded on the idle stream as the step begins): the host's time from the step's start
+  // to the forward enqueued, and to the device's forward done; forward_seconds less the latter is the step's
+  // tail (sampling, token masks applied, tokens taken). mask_late: steps whose token masks were ready only
+  // after the device's forward was done, and by how long in all (the only part of a mask wait on the critical
+  // path; a few µs of event timing error).
+  double launch_seconds = 0.0, forward_done_seconds = 0.0;
+  double mask_late_seconds = 0.0;
+  int64_t mask_late_steps = 0;
 };
 
 struct StepHooks {
@@ -106,6 +115,12 @@ struct StepHooks {
   std::function<TokenMask(const sched::ScheduledSeq&)> token_mask;
   std::function<bool(const sched::ScheduledSeq&, int32_t token)> check_token;
   MaskTable mask_table;
+  // Optional: called once per step by an executor whose StepExecutor::announces_forward() is true, as soon
+  // as the step's forward is enqueued on the device (before the first token_mask): the engine starts the
+  // step's mask jobs then, so their start is not on the path to the launch while the device idles. Other
+  // executors never call it; the engine then starts the jobs before run(). Idempotent.
+  std::function<void()> forward_launched;
+#define KESTREL_FORWARD_LAUNCHED 1  // this hook, announces_forward() and ExecutorStats' launch/late times exist
   // Optional: requests for which every position's logits are wanted (debug dumps), and the sink
   // that receives them, rows of positions [start, end).
   std::function<bool(cache::RequestId)> wants_all_logits;
@@ -137,6 +152,8 @@ class StepExecutor {
   virtual const ExecutorStats& stats() const = 0;
   // Whether requests with images can run (StepHooks::media_inputs); the engine refuses them otherwise.
   virtual bool supports_images() const { return false; }
+  // Whether run() calls StepHooks::forward_launched once it has enqueued the forward (device executors).
+  virtual bool announces_forward() const { return false; }
 };
 
 // Builds an engine's executor once the memory plan has sized its caches.

@@ -98,8 +98,13 @@ struct CudaExecutor::Impl {
         D(c.text.hidden_size),
         pad(c.media_placeholder_token_id),
         cache(mm.new_cache(cc.num_pages, cc.num_state_slots, f)) {}
+  // Where a step's time goes (ExecutorStats::launch_seconds, forward_done_seconds, mask_late_*): an event on
+  // the idle stream as the step begins and one after the forward.
+  cudaEvent_t ev_start = nullptr, ev_forward = nullptr;
   ~Impl() {
     if (pinned) cudaHostUnregister(const_cast<void*>(pinned));
+    if (ev_start) cudaEventDestroy(ev_start);
+    if (ev_forward) cudaEventDestroy(ev_forward);
   }
 
   // The step's image rows (executor_cuda.h, "Images"): encodes the images of every request in `order` whose
@@ -229,6 +234,16 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   model::CudaCache& cc = *impl_->cache;
   const int64_t V = impl_->V;
   ++stats_.steps;
+  // The stream is idle here (the previous step ended with a sync): this event's time is the step's start.
+  const bool timed = !follower_;
+  if (timed) {
+    if (!impl_->ev_start) {
+      KCUDA_CHECK(cudaEventCreate(&impl_->ev_start));
+      KCUDA_CHECK(cudaEventCreate(&impl_->ev_forward));
+    }
+    KCUDA_CHECK(cudaEventRecord(impl_->ev_start, static_cast<cudaStream_t>(m.stream())));
+  }
+  const auto t_start = std::chrono::steady_clock::now();
   for (const auto* list : {&plan.decodes, &plan.prefills})
     for (const sched::ScheduledSeq& x : *list)
       if (x.reset_state) m.zero_slot(cc, x.state_slot);
@@ -324,6 +339,10 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   if (hooks.media_inputs) impl_->media_rows(vision_, order, hooks, embed, embed_pos, stats_);
   const int64_t got = m.forward_batch(cc, seqs, embed);
   KCHECK(got == rows, "executor: {} logits rows, expected {}", got, rows);
+  if (timed) KCUDA_CHECK(cudaEventRecord(impl_->ev_forward, static_cast<cudaStream_t>(m.stream())));
+  const auto t_launch = std::chrono::steady_clock::now();
+  // The forward runs: the engine starts the step's mask jobs now (they need nothing the launch needed).
+  if (hooks.forward_launched) hooks.forward_launched();
   if (follower_) {  // a TP rank other than 0: its logits are rank 0's; nothing to sample here
     for (const cache::SlotCopy& cp : plan.copies_after) m.copy_slot(cc, cp.src, cp.dst);
     KCUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(m.stream())));
@@ -345,6 +364,11 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
         params[k].top_k = int32_t(tm.allowed);
     }
   }
+  const auto t_masks = std::chrono::steady_clock::now();
+  const model::CudaModel::TokenMasks masks{hooks.mask_table.data, hooks.mask_table.rows, hooks.mask_table.words,
+                                           mask_rows, mask_row};
+  // The rows go to the device now, on a side stream beside the forward, not after it (CudaModel::stage_masks).
+  if (mask_rows > 0 && !params.empty()) m.stage_masks(masks);
   // Rows that go to the host raw (every-row dumps, logprobs, verify blocks) are copied before the device
   // sampler penalises its rows in place; fallback rows after, already penalised.
   std::vector<float> logits;  // f32 [rows, V]
@@ -366,9 +390,7 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   if (spec) verify_blocks(*spec, impl_->gdraft.get(), m, cc, order, hooks, logits, first_row, V, sp, stats_);
   if (!params.empty()) {
     std::vector<int32_t> ids(params.size());
-    model::CudaModel::TokenMasks tm{hooks.mask_table.data, hooks.mask_table.rows, hooks.mask_table.words, mask_rows,
-                                    mask_row};
-    m.sample(params, penalties, ids.data(), mask_rows > 0 ? &tm : nullptr);
+    m.sample(params, penalties, ids.data(), mask_rows > 0 ? &masks : nullptr);
     bool fallback = false;
     for (size_t k = 0; k < params.size(); ++k) {
       // A token the grammar refuses (free text drew a special it does not take; rounding drew a
@@ -421,6 +443,15 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   for (const cache::SlotCopy& cp : plan.copies_after) m.copy_slot(cc, cp.src, cp.dst);
   KCUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(m.stream())));
   stats_.forward_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (timed) {
+    float ms = 0.0f;  // both events are done: the stream was synchronised
+    KCUDA_CHECK(cudaEventElapsedTime(&ms, impl_->ev_start, impl_->ev_forward));
+    const double done = 1e-3 * double(ms);  // the device's forward done, from the step's start
+    stats_.launch_seconds += std::chrono::duration<double>(t_launch - t_start).count();
+    stats_.forward_done_seconds += done;
+    const double late = std::chrono::duration<double>(t_masks - t_start).count() - done;
+    if (mask_rows > 0 && late > 0.0) stats_.mask_late_seconds += late, ++stats_.mask_late_steps;
+  }
   return result;
 }
 

@@ -88,6 +88,7 @@ class CudaExecutor : public StepExecutor {
   sched::StepResult run(const sched::StepPlan& plan, const StepHooks& hooks) override;
   const ExecutorStats& stats() const override { return stats_; }
   bool supports_images() const override { return vision_ != nullptr; }
+  bool announces_forward() const override { return !follower_; }
 
  private:
   struct Impl;

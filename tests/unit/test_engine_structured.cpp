@@ -9,9 +9,12 @@
 //  - the end token only where the document may end; a dead end (nesting limit) is an error event for
 //    that request only; free text is sampled without a mask and a refused token drawn again;
 //  - the pieces: the mask twin, SeqConstraint::sync (rollback / replay) and take (deferred matcher
-//    steps), the mask pool (several threads = the serial results), validate().
+//    steps), the mask pool (several threads = the serial results), validate();
+//  - a device executor's masks start once its forward is enqueued (forward_launched), never before its run,
+//    and equal the serial masks bit for bit.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -364,6 +367,142 @@ TEST(EngineStructured, MaskPoolThreadsGiveTheSerialResults) {
     pool.wait_all();
   }
   EXPECT_GT(pool.busy_seconds(), 0.0);
+}
+
+// mask_count (POPCNT where the CPU has it) and its portable twin against a bit-by-bit count: random
+// densities, every tail length, the vocabulary sizes of nano, k3-tiny and K3.
+TEST(EngineStructured, MaskCountMatchesABitByBitCount) {
+  std::mt19937_64 rng(11);
+  for (int64_t V : {int64_t(1), int64_t(31), int64_t(32), int64_t(33), int64_t(63), int64_t(64), int64_t(65),
+                    int64_t(95), int64_t(nano().cfg.text.vocab_size), int64_t(12256), int64_t(12257), int64_t(163840),
+                    int64_t(163841)})
+    for (int density = 0; density <= 4; ++density) {
+      std::vector<uint32_t> w(size_t((V + 31) / 32));
+      for (uint32_t& x : w) {
+        x = uint32_t(rng());
+        for (int d = density; d < 2; ++d) x &= uint32_t(rng());  // sparser
+        for (int d = 2; d < density; ++d) x |= uint32_t(rng());  // denser
+        if (density == 4) x = 0xFFFFFFFFu;
+      }
+      int64_t want = 0;
+      for (int64_t id = 0; id < V; ++id) want += (w[size_t(id / 32)] >> (id % 32)) & 1u;
+      EXPECT_EQ(runtime::mask_count(w.data(), V), want) << "V " << V << " density " << density;
+      EXPECT_EQ(runtime::mask_count_portable(w.data(), V), want) << "V " << V << " density " << density;
+    }
+}
+
+// A device executor without a model, in the GPU executor's order (runtime/executor_cuda.cpp): sampling_inputs,
+// the forward "enqueued" (forward_launched, when `call_hook`), token_mask per row, then a token drawn from each
+// mask row, check_token, take_token. Before the launch it poisons the mask table (`poison`): a job that ran
+// before the launch would leave a poisoned row. Every row it gets is compared, bit for bit, with the mask of
+// a SeqConstraint brought serially to the request's output.
+class DeviceLike : public runtime::StepExecutor {
+ public:
+  DeviceLike(bool announce, bool call_hook, bool poison, std::shared_ptr<const structured::CompiledGrammar> g,
+             std::vector<int32_t> ends)
+      : announce_(announce), call_hook_(call_hook), poison_(poison), g_(std::move(g)), ends_(std::move(ends)) {}
+  bool announces_forward() const override { return announce_; }
+  const runtime::ExecutorStats& stats() const override { return stats_; }
+  sched::StepResult run(const sched::StepPlan& plan, const runtime::StepHooks& hooks) override {
+    ++stats_.steps;
+    std::vector<const sched::ScheduledSeq*> rows;
+    for (const auto* list : {&plan.decodes, &plan.prefills})
+      for (const sched::ScheduledSeq& x : *list)
+        if (x.sample) rows.push_back(&x);
+    std::vector<std::vector<int32_t>> outputs;
+    for (const sched::ScheduledSeq* x : rows) {
+      const auto in = hooks.sampling_inputs(*x);
+      outputs.emplace_back(in.output.begin(), in.output.end());
+    }
+    const runtime::StepHooks::MaskTable& t = hooks.mask_table;
+    if (poison_) std::fill_n(const_cast<uint32_t*>(t.data), size_t(t.rows * t.words), 0xA5A5A5A5u);
+    if (call_hook_ && hooks.forward_launched) hooks.forward_launched();
+    std::vector<runtime::StepHooks::TokenMask> tm;
+    for (const sched::ScheduledSeq* x : rows) tm.push_back(hooks.token_mask(*x));
+    sched::StepResult result;
+    std::vector<uint32_t> ref(size_t(t.words));
+    for (size_t i = 0; i < rows.size(); ++i) {
+      runtime::SeqConstraint serial(g_, ends_);
+      EXPECT_TRUE(serial.sync(outputs[i]));
+      EXPECT_TRUE(serial.flush());
+      const uint32_t* row = tm[i].row >= 0 ? t.data + tm[i].row * t.words : nullptr;
+      if (serial.free_text()) {
+        EXPECT_LT(tm[i].row, 0);
+      } else {
+        EXPECT_EQ(tm[i].allowed, serial.fill(ref.data()));
+        ++compared;
+        if (!row || !std::equal(ref.begin(), ref.end(), row)) ++mismatched;
+      }
+      // A pseudo-random allowed id (the end token one time in four where allowed).
+      std::vector<int32_t> ids;
+      for (int64_t id = 0; row && id < t.words * 32 && id < int64_t(g_->vocab().vocab_size()); ++id)
+        if (structured::mask_test(row, structured::TokenId(id))) ids.push_back(int32_t(id));
+      int32_t token = ids.empty() ? 0 : ids[(draws_++ * 2654435761u) % ids.size()];
+      for (int32_t e : ends_)
+        if (row && structured::mask_test(row, structured::TokenId(e)) && draws_ % 4 == 0) token = e;
+      EXPECT_TRUE(hooks.check_token(*rows[i], token));
+      sched::SeqResult r = hooks.take_token(*rows[i], token);
+      r.id = rows[i]->id;
+      result.seqs.push_back(r);
+    }
+    return result;
+  }
+  std::atomic<int64_t> compared{0}, mismatched{0};
+
+ private:
+  bool announce_, call_hook_, poison_;
+  std::shared_ptr<const structured::CompiledGrammar> g_;
+  std::vector<int32_t> ends_;
+  uint64_t draws_ = 1;
+  runtime::ExecutorStats stats_;
+};
+
+// The step's mask jobs start when the device executor has enqueued its forward (StepHooks::forward_launched),
+// not before its run — a row filled before the launch would keep the executor's poison; without the hook
+// call they start at the first token_mask; an executor that does not announce its forward gets them started
+// before its run. Every row equals the serial mask, and every document ends complete.
+TEST(EngineStructured, DeviceMasksStartAtTheLaunchAndAreExact) {
+  const OutputConstraint c = document(ojson::parse(
+      R"({"type": "object", "properties": {"a": {"type": "string", "maxLength": 4}, "b": {"type": "array",
+          "items": {"type": "boolean"}, "maxItems": 3}}, "required": ["a", "b"], "additionalProperties": false})"));
+  const int32_t eos = int32_t(nano().cfg.text.eos_token_id);
+  ASSERT_GE(eos, 0);
+  struct Mode {
+    bool announce, call_hook, poison;
+  };
+  for (const Mode m : {Mode{true, true, true}, Mode{true, false, true}, Mode{false, false, false}}) {
+    SCOPED_TRACE(::testing::Message() << "announce " << m.announce << ", hook called " << m.call_hook);
+    DeviceLike* dev = nullptr;
+    EngineConfig cfg = nano_engine_config(16);
+    cfg.eos_token_ids = {eos};
+    cfg.mask_threads = 3;
+    cfg.make_executor = [&](const CacheFormats&, const cache::CacheConfig&) {
+      auto x = std::make_unique<DeviceLike>(m.announce, m.call_hook, m.poison, c.grammar, std::vector<int32_t>{eos});
+      dev = x.get();
+      return std::unique_ptr<runtime::StepExecutor>(std::move(x));
+    };
+    Engine e(nano().cfg, cfg);
+    Sink sink;
+    const int n = 16;
+    for (int i = 0; i < n; ++i) {
+      Request r;
+      r.prompt = prompt_of("item " + std::to_string(i));
+      r.max_tokens = 200;
+      r.constraint = c;
+      ASSERT_EQ(e.submit(std::move(r), sink(i)).status, SubmitStatus::accepted);
+    }
+    e.wait_idle();
+    ASSERT_NE(dev, nullptr);
+    EXPECT_GT(dev->compared.load(), 200);
+    EXPECT_EQ(dev->mismatched.load(), 0) << "rows differing from the serial mask (poisoned: filled before the launch)";
+    for (int i = 0; i < n; ++i) {
+      const Result r = sink.get(i);
+      EXPECT_TRUE(r.error.empty()) << r.error;
+      EXPECT_EQ(r.finish, FinishReason::stop) << "request " << i;
+      const json doc = json::parse(text_of(r.tokens), nullptr, false);
+      EXPECT_FALSE(doc.is_discarded()) << text_of(r.tokens);
+    }
+  }
 }
 
 // validate(): the constraint's consistency, named by field; the engine checks the grammar's vocabulary.

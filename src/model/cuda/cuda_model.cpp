@@ -51,6 +51,13 @@ struct CudaModel::Impl {
   uint32_t* mask_dev = nullptr;
   int32_t* mask_idx_dev = nullptr;
   int64_t mask_rows = 0, mask_words = 0;
+  // stage_masks: the copies on their own stream while the forward runs, the event the sampler waits for, and
+  // what was staged (sample() copies again unless it is handed the same masks).
+  Stream mask_stream;
+  cudaEvent_t mask_ready = nullptr;
+  const uint32_t* staged_table = nullptr;
+  int64_t staged_rows = -1, staged_n = -1;
+  const int32_t* staged_row_of = nullptr;
 
   // DSpark taps (set_taps): the layers, and the last forward's taps bf16 [taps_rows, n·D].
   std::vector<int> tap_layers;
@@ -114,16 +121,54 @@ struct CudaModel::Impl {
     alloc.free(mask_dev);
     alloc.free(mask_idx_dev);
     alloc.free(taps_dev);
+    if (mask_ready) cudaEventDestroy(mask_ready);
   }
 
-  // Copies this step's mask rows and the entries' row indices; returns the device row indices.
-  const int32_t* upload_masks(const CudaModel::TokenMasks& mk, int64_t n) {
+  // Whether the device table has this shape already (allocating it is stream-ordered on x.stream).
+  bool mask_table_fits(const CudaModel::TokenMasks& mk) const {
+    return mask_dev && mk.table_rows == mask_rows && mk.words == mask_words;
+  }
+  // Copies this step's masks to the device table on `s` (x.stream, or mask_stream once the table exists).
+  void copy_masks(const CudaModel::TokenMasks& mk, cudaStream_t s) {
+    if (mk.rows > 0)
+      KCUDA_CHECK(cudaMemcpyAsync(mask_dev, mk.table, size_t(mk.rows * mk.words) * 4, cudaMemcpyHostToDevice, s));
+    KCUDA_CHECK(cudaMemcpyAsync(mask_idx_dev, mk.row_of.data(), mk.row_of.size() * 4, cudaMemcpyHostToDevice, s));
+  }
+  void check_masks(const CudaModel::TokenMasks& mk, int64_t n) const {
     const int64_t V = cfg.text.vocab_size;
     KCHECK(mk.table != nullptr && mk.words * 32 >= V && mk.table_rows >= 1 && mk.rows >= 0 &&
                mk.rows <= mk.table_rows && int64_t(mk.row_of.size()) == n && n <= mk.table_rows,
            "sample: bad token masks (table {} x {} words, {} rows, {} entries for {} rows)", mk.table_rows, mk.words,
            mk.rows, mk.row_of.size(), n);
     for (int32_t r : mk.row_of) KCHECK(r >= -1 && r < mk.rows, "sample: mask row {} outside the step's {}", r, mk.rows);
+  }
+  // CudaModel::stage_masks: the copies on mask_stream, beside the forward on x.stream. The device table must
+  // exist already: allocating it here could hand out memory the forward is still using (the allocator is
+  // ordered on x.stream); the first step's masks are copied by sample() instead.
+  void stage_masks(const CudaModel::TokenMasks& mk) {
+    const int64_t n = int64_t(mk.row_of.size());
+    check_masks(mk, n);
+    if (!mask_table_fits(mk)) return;
+    if (!mask_ready) KCUDA_CHECK(cudaEventCreateWithFlags(&mask_ready, cudaEventDisableTiming));
+    copy_masks(mk, mask_stream.s);
+    KCUDA_CHECK(cudaEventRecord(mask_ready, mask_stream.s));
+    staged_table = mk.table, staged_rows = mk.rows, staged_n = n, staged_row_of = mk.row_of.data();
+  }
+
+  // This step's mask rows and the entries' row indices on the device (waiting for what stage_masks copied,
+  // or copying now on x.stream); returns the device row indices.
+  const int32_t* upload_masks(const CudaModel::TokenMasks& mk, int64_t n) {
+    const bool staged = staged_table == mk.table && staged_rows == mk.rows && staged_n == n &&
+                        staged_row_of == mk.row_of.data() && mask_table_fits(mk);
+    staged_table = nullptr, staged_rows = staged_n = -1, staged_row_of = nullptr;
+    if (staged) {
+      KCUDA_CHECK(cudaStreamWaitEvent(x.stream, mask_ready, 0));
+      return mask_idx_dev;
+    }
+    return upload_masks_now(mk, n);
+  }
+  const int32_t* upload_masks_now(const CudaModel::TokenMasks& mk, int64_t n) {
+    check_masks(mk, n);
     if (mk.table_rows != mask_rows || mk.words != mask_words) {
       alloc.free(mask_dev);
       alloc.free(mask_idx_dev);
@@ -131,15 +176,14 @@ struct CudaModel::Impl {
       mask_idx_dev = static_cast<int32_t*>(alloc.alloc(size_t(mk.table_rows) * 4));
       mask_rows = mk.table_rows, mask_words = mk.words;
     }
-    if (mk.rows > 0)
-      KCUDA_CHECK(cudaMemcpyAsync(mask_dev, mk.table, size_t(mk.rows * mk.words) * 4, cudaMemcpyHostToDevice, x.stream));
-    KCUDA_CHECK(cudaMemcpyAsync(mask_idx_dev, mk.row_of.data(), size_t(n) * 4, cudaMemcpyHostToDevice, x.stream));
+    copy_masks(mk, x.stream);
     return mask_idx_dev;
   }
 
   int64_t forward_batch(CudaCache& cc, std::span<const CudaSeq> seqs, std::span<const CudaEmbedRows> embed) {
     const TextConfig& tc = cfg.text;
     const int64_t V = tc.vocab_size;
+    staged_table = nullptr, staged_rows = staged_n = -1, staged_row_of = nullptr;  // masks staged for the last forward
     gpu::BatchInputs in;
     gpu::BatchStep s = gpu::describe_batch(seqs, cc, V, in, embed);
     if (tp_size > 1) {
@@ -304,6 +348,7 @@ std::unique_ptr<CudaDraft> CudaModel::new_draft(const Draft& d, int32_t num_page
   KCHECK(impl_->tp_size == 1, "new_draft: the GPU draft runs on one rank only");
   return gpu::new_cuda_draft(impl_->x, impl_->w, d, num_pages, block_size);
 }
+void CudaModel::stage_masks(const TokenMasks& masks) { impl_->stage_masks(masks); }
 void CudaModel::enable_cuda_graphs(bool on) { impl_->graphs = on && impl_->tp_size == 1; }
 void CudaModel::attach_comm(parallel::Comm* comm) { impl_->attach(comm); }
 int64_t CudaModel::graph_steps() const { return impl_->graph_steps; }

@@ -155,6 +155,12 @@ class CudaModel {
   // The draft must outlive the result, which must be destroyed before this model.
   std::unique_ptr<CudaDraft> new_draft(const Draft& d, int32_t num_pages, int block_size);
 
+  // Optional, between forward_batch and sample (the masks final, the forward still running): copies the masks
+  // to the device on a second stream now, beside the forward, instead of after it; sample() with the same
+  // `masks` (same table, rows and row_of array) then only waits for that copy. The host table and row_of
+  // must stay unchanged until sample() returns. The first call for a table shape does nothing (the device
+  // table is allocated in stream order by sample()).
+  void stage_masks(const TokenMasks& masks);
   // CUDA graphs for decode steps (graphs.h; off by default): all-decode steps wanting their last logits
   // run through bucketed captured graphs.
   void enable_cuda_graphs(bool on);
