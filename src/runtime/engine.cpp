@@ -300,8 +300,9 @@ void Engine::start_masks(const sched::StepPlan& plan, const std::vector<std::pai
 }
 
 namespace {
-const char* kDeadEnd =
-    "structured output: the grammar allows no token here (the output nests deeper than the matcher's stack limit)";
+// Masks never lead where nothing can follow, the nesting limit included (structured/matcher.h), so this
+// is a safety net: a grammar whose shortest completion needs a byte no single token spells.
+const char* kDeadEnd = "structured output: the grammar allows no token here";
 const char* kFillFailed = "structured output: computing the token mask failed";
 }  // namespace
 
