@@ -121,6 +121,10 @@ struct Request {
   int32_t max_tokens = 16;                 // tokens to generate at most, >= 1
   std::vector<int32_t> stop_token_ids;     // besides the engine's end-of-sequence ids
   std::vector<std::string> stop;           // stop strings (at most 16, non-empty): the text stream's
+  // How the client spelled max_tokens ("max_tokens", chat's "max_completion_tokens", the Responses API's
+  // "max_output_tokens"): every error about the budget (validate(), the structured-output minimum at
+  // submit) names this field, so a client is told about the field it actually sent.
+  std::string max_tokens_field = "max_tokens";
   bool ignore_eos = false;                 // no token id ends the request (see the header)
   std::vector<MediaSpan> media;            // image placeholders in the prompt
   // The images behind `media`, same count and order (empty for a text-only request).

@@ -152,7 +152,7 @@ Submission Engine::submit(Request r, TokenSink sink) {
       if (ends.empty()) throw RequestError("response_format", "a JSON document needs an end-of-sequence id; this model has none");
     }
     q->constraint = std::make_unique<SeqConstraint>(g, std::move(ends));
-    if (r.constraint->complete_within_max_tokens) q->constraint->require_fits(r.max_tokens);
+    if (r.constraint->complete_within_max_tokens) q->constraint->require_fits(r.max_tokens, r.max_tokens_field);
   }
   q->r = std::move(r);
   q->sink = std::move(sink);

@@ -248,10 +248,10 @@ void Router::detokenize(const ojson& body, Connection& conn) {
   conn.reply(200, dumps(json{{"prompt", tok_.decode(ids)}}));
 }
 
-Router::Prepared Router::prepare(ojson& body, Api api) {
+Router::Prepared Router::prepare(ojson& body, Api api, const std::string& completion_tokens_field) {
   Prepared p;
   map_reasoning_effort(body);
-  p.g = parse_gen_params(body, api);
+  p.g = parse_gen_params(body, api, completion_tokens_field);
   check_model(body);
   const GenParams& g = p.g;
   ChoiceOptions base;
@@ -328,7 +328,7 @@ void Router::generate(ojson& body, Api api, const std::shared_ptr<Connection>& c
 
 void Router::responses(const ojson& body, const std::shared_ptr<Connection>& conn) {
   ResponsesRequest rr = responses_to_chat(body);
-  Prepared p = prepare(rr.chat, Api::kChat);
+  Prepared p = prepare(rr.chat, Api::kChat, "max_output_tokens");
   rr.head.model = opt_.served_model_name;
   const std::string id = rr.head.id;
   auto job = std::make_shared<Job>(engine_, metrics_, jobs_, Api::kChat, id, responses_shaper(std::move(rr.head)),

@@ -96,7 +96,8 @@ class Router {
     std::vector<Request> requests;
     std::vector<ChoiceOptions> options;
   };
-  Prepared prepare(ojson& body, Api api);
+  // completion_tokens_field: parse_gen_params's (the Responses API: max_output_tokens).
+  Prepared prepare(ojson& body, Api api, const std::string& completion_tokens_field = "max_completion_tokens");
   void generate(ojson& body, Api api, const std::shared_ptr<Connection>& conn);
   void responses(const ojson& body, const std::shared_ptr<Connection>& conn);
   // Submits the job once every request's grammar is compiled (on a GrammarService worker when one

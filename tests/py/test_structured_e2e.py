@@ -214,6 +214,42 @@ def test_json_answers_complete_within_max_tokens(client):
     assert e.value.body["param"] == "complete_within_max_tokens"
 
 
+def test_budget_errors_name_the_field_sent(client):
+    # The budget's errors name the field the client sent: chat's max_completion_tokens, the Responses API's
+    # max_output_tokens (they named max_tokens, which such a client never sent).
+    q = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=q, max_completion_tokens=5, response_format=fmt)
+    assert e.value.body["param"] == "max_completion_tokens"
+    msg = e.value.body["message"]
+    assert msg.startswith("max_completion_tokens is 5, too few") and "raise max_completion_tokens" in msg
+    with pytest.raises(openai.BadRequestError) as e:  # both sent: max_completion_tokens is the one used
+        client.chat.completions.create(model=MODEL, messages=q, max_tokens=500, max_completion_tokens=5,
+                                       response_format=fmt)
+    assert e.value.body["param"] == "max_completion_tokens"
+    with pytest.raises(openai.BadRequestError) as e:  # beyond the context
+        client.chat.completions.create(model=MODEL, messages=q, max_completion_tokens=10**7)
+    assert e.value.body["param"] == "max_completion_tokens" and "or of max_completion_tokens" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=q, max_tokens=5, response_format=fmt)
+    assert e.value.body["param"] == "max_tokens"
+    text = {"format": {"type": "json_schema", "name": "weather", "schema": SCHEMA}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="What is the weather in Oslo?", max_output_tokens=5, text=text)
+    assert e.value.body["param"] == "max_output_tokens"
+    msg = e.value.body["message"]
+    assert msg.startswith("max_output_tokens is 5, too few") and "max_completion_tokens" not in msg
+    for bad in (10**7, -1):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, input="hi", max_output_tokens=bad)
+        assert e.value.body["param"] == "max_output_tokens" and "max_completion_tokens" not in e.value.body["message"]
+    # A budget that fits is answered (the same field, the same request otherwise).
+    r = client.responses.create(model=MODEL, input="What is the weather in Oslo?", max_output_tokens=60, text=text,
+                                reasoning={"effort": "none"}, temperature=0)
+    assert r.status == "completed" and check(SCHEMA, json.loads(r.output_text)) == []
+
+
 def test_pydantic_parse_helper(client):
     # The client's own strict-schema path (what LangChain's json_schema mode uses underneath).
     q = [{"role": "user", "content": "Sam has 4 books. Then Sam gets 3 more. How many books does Sam have now?"}]

@@ -85,6 +85,34 @@ TEST(ServerApiParams, ReasoningEffortMapsOntoTheModelsLevels) {
            {"minimal", "low"}, {"low", "low"}, {"medium", "medium"}, {"high", "high"}, {"xhigh", "max"},
            {"max", "max"}, {"none", "none"}, {"weird", "weird"}}) {
     ojson b = {{"reasoning_effort", sent}};
+// The budget's name travels with the request (Request::max_tokens_field), so later errors about it (the
+// context, the structured-output minimum) name the field the client sent.
+TEST(ServerApiParams, TheBudgetKeepsTheNameTheClientGaveIt) {
+  auto field_of = [](const char* body, Api api, const std::string& alias = "max_completion_tokens") {
+    return parse_gen_params(ojson::parse(body), api, alias).request.max_tokens_field;
+  };
+  EXPECT_EQ(field_of(R"({"max_tokens": 5})", Api::kChat), "max_tokens");
+  EXPECT_EQ(field_of(R"({})", Api::kChat), "max_tokens");
+  EXPECT_EQ(field_of(R"({"max_completion_tokens": 5})", Api::kChat), "max_completion_tokens");
+  EXPECT_EQ(field_of(R"({"max_tokens": 9, "max_completion_tokens": 5})", Api::kChat), "max_completion_tokens");
+  EXPECT_EQ(field_of(R"({"max_tokens": 5})", Api::kCompletion), "max_tokens");
+  // The Responses API (its max_output_tokens arrives as max_completion_tokens): its name, sent or not.
+  EXPECT_EQ(field_of(R"({"max_completion_tokens": 5})", Api::kChat, "max_output_tokens"), "max_output_tokens");
+  EXPECT_EQ(field_of(R"({})", Api::kChat, "max_output_tokens"), "max_output_tokens");
+  EXPECT_EQ(refused_param({{"max_completion_tokens", -1}}, Api::kChat), "max_completion_tokens");
+  EXPECT_EQ(refused_param({{"max_completion_tokens", "5"}}, Api::kChat), "max_completion_tokens");
+  for (const char* bad : {R"({"max_completion_tokens": -1})", R"({"max_completion_tokens": 1.5})",
+                          R"({"max_completion_tokens": 0, "min_tokens": 1})"}) {
+    try {
+      parse_gen_params(ojson::parse(bad), Api::kChat, "max_output_tokens");
+      ADD_FAILURE() << bad;
+    } catch (const ApiError& e) {
+      EXPECT_NE(std::string(e.what()).find("max_output_tokens"), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find("max_completion_tokens"), std::string::npos) << e.what();
+    }
+  }
+}
+
     map_reasoning_effort(b);
     EXPECT_EQ(b["reasoning_effort"], model) << sent;
   }
