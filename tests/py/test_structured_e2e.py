@@ -250,6 +250,53 @@ def test_budget_errors_name_the_field_sent(client):
     assert r.status == "completed" and check(SCHEMA, json.loads(r.output_text)) == []
 
 
+def test_min_tokens_yields_to_the_grammars_end(client):
+    # min_tokens holds the stop ids back only while the grammar allows another token (docs/structured-
+    # outputs.md, "min_tokens"): a JSON answer complete before min_tokens ends there (stop, valid). Before,
+    # that step had every id at -inf and the request ended with finish_reason "error".
+    small = {"type": "object", "properties": {"sunny": {"type": "boolean"}}, "required": ["sunny"],
+             "additionalProperties": False}
+    q = [{"role": "user", "content": "Is it sunny in Oslo?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "sun", "strict": True, "schema": small}}
+    for seed in range(2):
+        answers = []
+        for min_tokens in (0, 300):
+            r = client.chat.completions.create(model=MODEL, messages=q, max_tokens=400, temperature=1.0, seed=seed,
+                                               response_format=fmt, reasoning_effort="none",
+                                               extra_body={"min_tokens": min_tokens})
+            c = r.choices[0]
+            assert c.finish_reason == "stop", (min_tokens, c.message.content)
+            assert check(small, json.loads(c.message.content)) == []
+            answers.append((c.message.content, r.usage.completion_tokens))
+        # In chat the answer's closing markup is no stop id, and after it only <|end_of_msg|> may follow: there
+        # is nothing to hold, and the same seed gives the same answer.
+        assert answers[0] == answers[1] and answers[1][1] < 300
+    # A bare document (completions): after the value, whitespace (at most 16 bytes) competes with the end,
+    # so min_tokens within that holds the end back; beyond it the end wins.
+    body = {"response_format": fmt}
+    lengths = {}
+    for min_tokens in (0, 3, 300):
+        r = client.completions.create(model=MODEL, prompt="Is it sunny in Oslo? Answer in JSON:", max_tokens=400,
+                                      temperature=0, extra_body={**body, "min_tokens": min_tokens})
+        c = r.choices[0]
+        assert c.finish_reason == "stop", (min_tokens, c.text)
+        assert check(small, json.loads(c.text)) == []
+        lengths[min_tokens] = r.usage.completion_tokens
+    assert lengths[3] >= 4 and lengths[3] >= lengths[0]
+    held = lengths[0] + 3
+    r = client.completions.create(model=MODEL, prompt="Is it sunny in Oslo? Answer in JSON:", max_tokens=400,
+                                  temperature=0, extra_body={**body, "min_tokens": held})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens >= held + 1
+    assert check(small, json.loads(r.choices[0].text)) == []
+    assert lengths[300] < 300
+    # min_tokens = max_tokens under the budget: complete and valid, within max_tokens.
+    r = client.chat.completions.create(model=MODEL, messages=q, max_tokens=30, temperature=1.0, seed=4,
+                                       response_format={"type": "json_object"}, reasoning_effort="none",
+                                       extra_body={"min_tokens": 30})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 30
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
 def test_pydantic_parse_helper(client):
     # The client's own strict-schema path (what LangChain's json_schema mode uses underneath).
     q = [{"role": "user", "content": "Sam has 4 books. Then Sam gets 3 more. How many books does Sam have now?"}]
