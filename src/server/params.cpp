@@ -27,7 +27,9 @@ const std::set<std::string, std::less<>> kCompletionOnly = {"prompt", "echo", "b
 void check_fields(const ojson& body, Api api) {
   const auto& only = api == Api::kChat ? kChatOnly : kCompletionOnly;
   for (const auto& [k, v] : body.items()) {
-    if (kCommon.count(k) || only.count(k)) continue;
+    // null means absent (docs/api.md), as in the Responses API: a client that sends every field it knows,
+    // unset ones as null, asks for nothing kestrel would ignore.
+    if (kCommon.count(k) || only.count(k) || v.is_null()) continue;
     const bool other = (api == Api::kChat ? kCompletionOnly : kChatOnly).count(k) > 0;
     throw ApiError(400, fmt::format("unsupported parameter '{}'{}", k,
                                     other ? (api == Api::kChat ? " in chat completions" : " in completions")
@@ -109,7 +111,7 @@ GenParams parse_gen_params(const ojson& body, Api api, const std::string& comple
     if (!m->is_string()) bad("model", "must be a string");
     g.model = m->get<std::string>();
   }
-  if (auto u = body.find("user"); u != body.end() && !u->is_string()) bad("user", "must be a string");
+  if (const ojson* u = field(body, "user"); u && !u->is_string()) bad("user", "must be a string");
   g.stream = get_bool(body, "stream").value_or(false);
   if (const ojson* so = field(body, "stream_options")) {
     if (!so->is_object()) bad("stream_options", "must be an object");
@@ -122,14 +124,14 @@ GenParams parse_gen_params(const ojson& body, Api api, const std::string& comple
   }
   // n copies cost n engine requests; 16 keeps one HTTP request from filling the engine.
   g.n = int(get_int(body, "n", 1, 16).value_or(1));
-  auto mt = get_int(body, "max_tokens", INT32_MIN, INT32_MAX);
-  if (api == Api::kChat) {
   // The budget and the name the client gave it, which every later error about it uses
   // (Request::max_tokens_field): max_completion_tokens wins over max_tokens in chat.
   Request& r = g.request;
   // The Responses API has no other budget field: its name stands even when the field is absent (the
   // rest of the context then; a prompt too long for it is refused naming the budget).
   if (completion_tokens_field != "max_completion_tokens") r.max_tokens_field = completion_tokens_field;
+  auto mt = get_int(body, "max_tokens", INT32_MIN, INT32_MAX);
+  if (api == Api::kChat) {
     if (auto mct = get_int(body, "max_completion_tokens", INT32_MIN, INT32_MAX, completion_tokens_field)) {
       mt = mct;
       r.max_tokens_field = completion_tokens_field;

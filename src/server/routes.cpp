@@ -328,12 +328,17 @@ void Router::generate(ojson& body, Api api, const std::shared_ptr<Connection>& c
 
 void Router::responses(const ojson& body, const std::shared_ptr<Connection>& conn) {
   ResponsesRequest rr = responses_to_chat(body);
-  Prepared p = prepare(rr.chat, Api::kChat, "max_output_tokens");
-  rr.head.model = opt_.served_model_name;
-  const std::string id = rr.head.id;
-  auto job = std::make_shared<Job>(engine_, metrics_, jobs_, Api::kChat, id, responses_shaper(std::move(rr.head)),
-                                   p.g.stream, 1);
-  start_when_compiled(std::move(job), std::move(p.requests), std::move(p.options), conn);
+  // Errors about the chat body it became name the Responses fields the client sent (responses_error).
+  try {
+    Prepared p = prepare(rr.chat, Api::kChat, "max_output_tokens");
+    rr.head.model = opt_.served_model_name;
+    const std::string id = rr.head.id;
+    auto job = std::make_shared<Job>(engine_, metrics_, jobs_, Api::kChat, id, responses_shaper(std::move(rr.head)),
+                                     p.g.stream, 1);
+    start_when_compiled(std::move(job), std::move(p.requests), std::move(p.options), conn, /*responses=*/true);
+  } catch (const ApiError& e) {
+    throw responses_error(e);
+  }
 }
 
 // Where start_when_compiled stands: the job, its requests and options, and the next request to look at.
@@ -348,11 +353,14 @@ struct Router::Starting {
   std::vector<ChoiceOptions> options;
   size_t next = 0;
   std::shared_ptr<Compiling> pending;  // set once a compile had to wait
+  bool responses = false;              // a Responses request: errors in its names (responses_error)
 };
 
 void Router::start_when_compiled(std::shared_ptr<Job> job, std::vector<Request> requests,
-                                 std::vector<ChoiceOptions> options, const std::shared_ptr<Connection>& conn) {
+                                 std::vector<ChoiceOptions> options, const std::shared_ptr<Connection>& conn,
+                                 bool responses) {
   auto st = std::make_shared<Starting>();
+  st->responses = responses;
   st->job = std::move(job);
   st->requests = std::move(requests);
   st->options = std::move(options);
@@ -383,7 +391,8 @@ void Router::continue_start(std::shared_ptr<Starting> st, const std::shared_ptr<
           if (draining_) throw ApiError(503, "shutting down");
           st->requests[st->next].constraint->grammar = g;
           continue_start(st, conn);
-        } catch (const ApiError& e) {
+        } catch (const ApiError& err) {
+          const ApiError e = st->responses ? responses_error(err) : err;
           conn->reply(e.status, error_body(e.status, e.what(), e.param));
         } catch (const Error& e) {
           conn->reply(400, error_body(400, e.what()));

@@ -269,6 +269,14 @@ ChatPrompt ChatEncoder::encode_request(const ojson& req, const ImageResolver& im
   const ojson& messages = req["messages"];
   const ojson kwargs = req.contains("chat_template_kwargs") && req["chat_template_kwargs"].is_object()
                            ? req["chat_template_kwargs"] : ojson::object();
+  if (req.contains("chat_template_kwargs") && !req["chat_template_kwargs"].is_null() && !req["chat_template_kwargs"].is_object())
+    fail("'chat_template_kwargs' must be an object");
+  // The K3 template reads only the thinking switch and effort; another key (a Jinja variable of some other
+  // model's template) would be accepted and ignored, so it is refused (null: absent).
+  for (const auto& [k, v] : kwargs.items())
+    if (k != "thinking" && k != "enable_thinking" && k != "thinking_effort" && !v.is_null())
+      fail("unsupported chat_template_kwargs key '{}': the K3 chat format takes thinking (enable_thinking) and "
+           "thinking_effort", k);
   ChatPrompt out;
 
   // Thinking switch and effort.
@@ -300,6 +308,10 @@ ChatPrompt ChatEncoder::encode_request(const ojson& req, const ImageResolver& im
   if (!tools.is_array()) fail("'tools' must be an array");
   for (size_t i = 0; i < tools.size(); ++i) {
     const ojson& t = tools[i];
+    // OpenAI's other tool types (custom: free-form input; hosted tools) are not functions: rendered as one,
+    // such a tool would be called with JSON arguments it never asked for.
+    if (t.is_object() && t.contains("type") && !t["type"].is_null() && t["type"] != "function")
+      fail("tools[{}]: only function tools are supported, got type {}", i, t["type"].dump());
     const ojson& fn = t.is_object() && t.contains("function") ? t["function"] : t;
     if (!fn.is_object() || !fn.contains("name") || !fn["name"].is_string()) fail("tools[{}] needs function.name", i);
     out.tool_names.push_back(fn["name"].get<std::string>());

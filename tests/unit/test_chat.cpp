@@ -147,6 +147,24 @@ TEST(Chat, ReasoningEffort) {
   EXPECT_EQ(render(R"({"messages":[{"role":"user","content":"x"}],"reasoning_effort":"none"})").text,
             msg(" role=\"user\"", "x") + GEN_RESPONSE);
   EXPECT_THROW(render(R"({"messages":[],"reasoning_effort":"extreme"})"), kestrel::Error);
+  // chat_template_kwargs: the thinking switch and effort only; another key would be ignored, so it is refused.
+  EXPECT_EQ(render(R"({"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"enable_thinking":false,
+                       "add_generation_prompt":null}})").text,
+            msg(" role=\"user\"", "x") + GEN_RESPONSE);
+  try {
+    render(R"({"messages":[],"chat_template_kwargs":{"add_vision_id":true}})");
+    ADD_FAILURE() << "an unknown chat_template_kwargs key was accepted";
+  } catch (const kestrel::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'add_vision_id'"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(render(R"({"messages":[],"chat_template_kwargs":[1]})"), kestrel::Error);
+  // A tool of another type (OpenAI's custom tools take free-form text) is not a function: refused.
+  try {
+    render(R"({"messages":[],"tools":[{"type":"custom","name":"c"}]})");
+    ADD_FAILURE() << "a custom tool was taken for a function";
+  } catch (const kestrel::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("only function tools"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Chat, ToolCallsAndResultsMatchedById) {
