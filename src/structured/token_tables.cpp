@@ -51,7 +51,7 @@ struct Distances {
 };
 
 Distances compute_min_accept(const Grammar& g, const TokenVocab& vocab, const std::vector<uint8_t>& reach,
-                             uint32_t max_depth) {
+                             uint32_t max_depth, std::chrono::steady_clock::time_point deadline) {
   const size_t S = g.states.size();
   const auto& trie = vocab.trie();
   // Reverse edges: unit edges (a token or a special read) and call edges, by the states they read.
@@ -120,7 +120,12 @@ Distances compute_min_accept(const Grammar& g, const TokenVocab& vocab, const st
   Distances out;
   out.unlimited = solve(nullptr);
   std::vector<uint32_t> below(S, kInf);  // the level under h = 0: no call fits
-  for (uint32_t h = 0; h <= max_depth; ++h) {
+  // Headroom max_depth - 1 is the most a frame (depth >= 1) ever has.
+  for (uint32_t h = 0; h < max_depth; ++h) {
+    // A level per nesting a shortest path needs: many for a deep chain of required objects, each one
+    // Dijkstra over the states, so the compile's time limit covers them too.
+    if (std::chrono::steady_clock::now() > deadline)
+      fail("grammar compilation took longer than the time limit (distances, nesting level {})", h);
     std::vector<uint32_t> level = solve(&below);
     if (level == below) break;  // the fixed point: every level above is the same
     std::vector<std::pair<uint32_t, uint32_t>> differs;
@@ -181,7 +186,7 @@ CompiledGrammar::CompiledGrammar(std::shared_ptr<const TokenVocab> vocab, Gramma
   for (const Grammar::Call& c : g_.calls) root_called_ = root_called_ || c.rule == g_.root;
   for (const TokenVocab::TrieNode& n : vocab_->trie()) ordinary_tokens_ += n.token != kNoToken;
   {
-    Distances d = compute_min_accept(g_, *vocab_, reach, max_depth_);
+    Distances d = compute_min_accept(g_, *vocab_, reach, max_depth_, deadline);
     min_accept_ = std::move(d.unlimited);
     near_accept_ = std::move(d.near);
   }

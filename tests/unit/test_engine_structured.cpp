@@ -216,6 +216,21 @@ TEST(EngineStructured, TheNestingLimitNeverDeadEnds) {
     ASSERT_FALSE(doc.is_discarded()) << text_of(out.tokens);
     EXPECT_EQ(eval::JsonSchema(json::parse(deep.dump())).validate(doc), "") << text_of(out.tokens);
   }
+  // A schema whose every document nests deeper than the limit: with the budget, refused at submit naming
+  // the format (no max_tokens would do).
+  std::string chain = R"({"type": "boolean"})";
+  for (int i = 0; i < 8; ++i)
+    chain = R"({"type": "object", "properties": {"a": )" + chain + R"(}, "required": ["a"], "additionalProperties": false})";
+  r.constraint = document(ojson::parse(chain), 6);
+  r.constraint->complete_within_max_tokens = true;
+  r.max_tokens = 300;
+  try {
+    e.submit(r, sink(50));
+    ADD_FAILURE() << "a format with no answer within the nesting limit was accepted";
+  } catch (const RequestError& err) {
+    EXPECT_EQ(err.field, "response_format");
+    EXPECT_NE(std::string(err.what()).find("nesting limit (6 frames"), std::string::npos) << err.what();
+  }
   EXPECT_TRUE(e.ready());
 }
 

@@ -377,5 +377,29 @@ TEST(StructuredBudget, TheBoundHoldsNearTheNestingLimit) {
     }
 }
 
+// A chain of required objects as deep as the schema limit allows: each level needs room, so the distances
+// have a level per nesting (near_levels), compiled within the time limit; with a stack too shallow for the
+// chain no document fits at all, and min_completion() says so (kInf) instead of a number.
+TEST(StructuredBudget, RequiredNestingNeedsItsRoom) {
+  std::string schema = R"({"type": "boolean"})";
+  for (int i = 0; i < 40; ++i)
+    schema = R"({"type": "object", "properties": {"a": )" + schema + R"(}, "required": ["a"], "additionalProperties": false})";
+  SchemaLimits lim = testing::test_limits();
+  lim.max_compile_seconds = 60;
+  const auto deep = compile_json_schema(k3_vocab(), ojson::parse(schema), {}, lim);
+  EXPECT_GE(deep->near_levels(), 40u);
+  Matcher m(deep, {end_of_msg()});
+  const uint32_t d0 = m.min_completion();
+  ASSERT_LT(d0, detail::StackDistance::kInf);
+  EXPECT_GE(d0, 40u * 5);  // {"a": per level
+  std::mt19937 rng(5);
+  std::string text;
+  const auto ids = budget_walk(deep, {end_of_msg()}, d0 + 20, rng, 0, text);
+  EXPECT_EQ(ids.back(), end_of_msg());
+  lim.max_stack_depth = 30;
+  const auto shallow = compile_json_schema(k3_vocab(), ojson::parse(schema), {}, lim);
+  EXPECT_EQ(Matcher(shallow, {end_of_msg()}).min_completion(), detail::StackDistance::kInf);
+}
+
 }  // namespace
 }  // namespace kestrel::structured
