@@ -93,6 +93,9 @@ Router::Router(const ServerOptions& opt, Engine& engine, const tok::Tokenizer& t
 void Router::handle(const HttpRequest& req, const std::shared_ptr<Connection>& conn) {
   try {
     route(req, conn);
+  } catch (const tok::ChatRequestError& e) {  // /tokenize with messages
+    conn->record().error = e.what();
+    conn->reply(400, error_body(400, e.what(), e.field));
   } catch (const ApiError& e) {
     conn->record().error = e.what();
     // A full queue or a loading engine: the client may retry, and is told when.
@@ -276,7 +279,12 @@ Router::Prepared Router::prepare(ojson& body, Api api, const std::string& comple
     if (m == body.end() || !m->is_array() || m->empty())
       throw ApiError(400, "'messages' must be a non-empty array", "messages");
     RequestImages images(opt_.media);
-    tok::ChatPrompt cp = encoder_.encode_request(body, images.resolver());
+    tok::ChatPrompt cp;
+    try {
+      cp = encoder_.encode_request(body, images.resolver());
+    } catch (const tok::ChatRequestError& e) {  // as an ApiError: the Responses API renames its field
+      throw ApiError(400, e.what(), e.field);
+    }
     Request r = g.request;
     r.prompt.assign(cp.ids.begin(), cp.ids.end());
     images.attach(cp, r);
