@@ -91,6 +91,9 @@ bool Matcher::accept(TokenId id) {
     }
     next = std::move(cur);
   }
+  // Near the stack limit the masks allow only tokens after which the document can still be finished
+  // (fill_mask_exhaustive); the same rule here keeps a mask exact: bit set <=> accept() takes the token.
+  if (near_limit() && dist(next) >= detail::StackDistance::kInf) return false;
   history_.push_back(std::move(next));
   stopped_.push_back(0);
   return true;
@@ -205,8 +208,7 @@ bool Matcher::fill_mask_exhaustive(uint32_t* words) {
   // may lead where only a deeper value would continue (its distance is then kInf), and the mask after it
   // would be empty. So no mask is ever empty before the end. Where the tables are exact every
   // configuration after a token can be finished (this is then the tables' reference, unfiltered).
-  bool near = false;
-  for (uint32_t f : top().frames) near = near || !tables_exact(f);
+  const bool near = near_limit();
   auto finishable = [&](const Config& c) { return !near || dist(c) < detail::StackDistance::kInf; };
   levels_[0] = top();
   for (uint32_t i = 1; i < trie.size();) {

@@ -123,7 +123,8 @@ class Matcher {
   bool fill_mask_exhaustive(uint32_t* words);
   size_t mask_words() const { return cg_->vocab().mask_words(); }
 
-  // Advances by one token; false (state unchanged) when the token is not allowed.
+  // Advances by one token; false (state unchanged) when the token is not allowed (exactly the tokens
+  // fill_mask sets; near the stack limit, only those after which the document can still be finished).
   bool accept(TokenId id);
   // Advances by raw bytes (no special tokens), e.g. to force a known prefix; false = not allowed.
   bool accept_bytes(std::string_view bytes);
@@ -192,6 +193,13 @@ class Matcher {
   bool tables_exact(uint32_t f) const {
     return uint64_t(pool_.depth(f)) + cg_->tables_[pool_.state(f)].max_height + cg_->near_levels() <=
            cg_->max_stack_depth();
+  }
+  // Some frame of the current configuration is not tables_exact: masks and accept() then allow only
+  // tokens after which the document can still be finished within the stack limit.
+  bool near_limit() const {
+    for (uint32_t f : top().frames)
+      if (!tables_exact(f)) return true;
+    return false;
   }
 
   std::shared_ptr<const CompiledGrammar> cg_;

@@ -364,12 +364,20 @@ TEST(StructuredBudget, TheBoundHoldsNearTheNestingLimit) {
         const testing::Walk walk = testing::random_walk(g, rng, 200, {end_of_msg()}, "[{", 0.8, 1);
         EXPECT_EQ(walk.failure, "") << walk.text;
       }
-      // The bound is still an upper bound on the true fewest, from prefixes at the limit.
+      // The bound is still an upper bound on the true fewest, from prefixes at the limit, and the mask is
+      // exact there: bit set <=> accept() takes the id.
       const testing::Walk deep = testing::random_walk(g, rng, 30, {end_of_msg()}, "[{", 1.0, 1);
       for (size_t k = 0; k < deep.ids.size() && k < 12; k += 3) {
         Matcher m(g, {end_of_msg()});
         for (size_t i = 0; i < k; ++i) ASSERT_TRUE(m.accept(deep.ids[i]));
         if (m.is_terminated()) break;
+        std::vector<uint32_t> mask(m.mask_words());
+        m.fill_mask(mask.data());
+        for (size_t id = 0; id < k3_vocab()->vocab_size(); ++id) {
+          const bool taken = m.accept(TokenId(id));
+          if (taken) m.rollback(1);
+          ASSERT_EQ(taken, mask_test(mask.data(), TokenId(id))) << "id " << id << " after " << k << " tokens";
+        }
         const uint32_t bound = m.min_completion();
         ASSERT_LT(bound, detail::StackDistance::kInf) << "a reachable configuration that cannot finish";
         EXPECT_LE(fewest_tokens(m, bound), bound);
