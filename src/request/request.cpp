@@ -8,7 +8,7 @@
 namespace kestrel {
 namespace {
 
-[[noreturn]] void bad(const char* field, const std::string& msg) { throw RequestError(field, msg); }
+[[noreturn]] void bad(const std::string& field, const std::string& msg) { throw RequestError(field, msg); }
 
 // lo_open: the range excludes lo. NaN is never in range.
 void range(const char* field, float x, double lo, double hi, bool lo_open = false) {
@@ -68,9 +68,10 @@ void validate(const Request& r, const RequestLimits& limits) {
   if (s.logprobs > 20) bad("logprobs", fmt::format("'logprobs' may ask for at most 20 alternatives, got {}", s.logprobs));
   if (s.prompt_logprobs > 20)
     bad("prompt_logprobs", fmt::format("'prompt_logprobs' may ask for at most 20 alternatives, got {}", s.prompt_logprobs));
-  if (r.max_tokens < 1) bad("max_tokens", fmt::format("'max_tokens' must be >= 1, got {}", r.max_tokens));
+  const std::string& mt = r.max_tokens_field;
+  if (r.max_tokens < 1) bad(mt, fmt::format("'{}' must be >= 1, got {}", mt, r.max_tokens));
   if (s.min_tokens < 0 || s.min_tokens > r.max_tokens)
-    bad("min_tokens", fmt::format("'min_tokens' must be in [0, max_tokens = {}], got {}", r.max_tokens, s.min_tokens));
+    bad("min_tokens", fmt::format("'min_tokens' must be in [0, {} = {}], got {}", mt, r.max_tokens, s.min_tokens));
   if (s.logit_bias.size() > 4096)
     bad("logit_bias", fmt::format("'logit_bias' may hold at most 4096 entries, got {}", s.logit_bias.size()));
   std::vector<int32_t> biased;
@@ -94,9 +95,9 @@ void validate(const Request& r, const RequestLimits& limits) {
     bad("prompt", fmt::format("This model's maximum context length is {} tokens. However, your prompt has {} tokens. "
                               "Please reduce the length of the input.{}", mml, P, limits.context_note));
   if (P + r.max_tokens > mml)
-    bad("max_tokens", fmt::format("This model's maximum context length is {} tokens. However, you requested {} tokens "
-                                  "({} in the prompt, {} for the completion). Please reduce the length of the input "
-                                  "or of max_tokens.{}", mml, P + r.max_tokens, P, r.max_tokens, limits.context_note));
+    bad(mt, fmt::format("This model's maximum context length is {} tokens. However, you requested {} tokens "
+                        "({} in the prompt, {} for the completion). Please reduce the length of the input "
+                        "or of {}.{}", mml, P + r.max_tokens, P, r.max_tokens, mt, limits.context_note));
 
   for (int32_t t : r.stop_token_ids)
     if (t < 0 || t >= limits.vocab_size)

@@ -14,7 +14,9 @@
 //     engine's end-of-sequence ids (the config's eos_token_id plus the tokenizer's end-of-turn
 //     specials <|end_of_msg|>, [EOS], [EOT]) or of the request's stop_token_ids. ignore_eos turns
 //     ALL of them off — generation then ends only at max_tokens, a stop string or a cancel. Before
-//     sampling.min_tokens output tokens the sampler never draws a stop id (its logit is −inf);
+//     sampling.min_tokens output tokens the sampler never draws a stop id (its logit is −inf) — except
+//     where an output constraint allows nothing but an end: the grammar wins there (the engine's
+//     held_stops; docs/structured-outputs.md, "min_tokens");
 //   - a stop string: text-level, matched by the consumer's text stream (tokenizer/text_stream.h),
 //     which then cancels the request; the engine only knows ids.
 //   A stop token's text is never part of the output text.
@@ -119,6 +121,10 @@ struct Request {
   std::vector<int32_t> prompt;             // token ids, non-empty, each < the model's vocabulary
   SamplingParams sampling;
   int32_t max_tokens = 16;                 // tokens to generate at most, >= 1
+  // How the client spelled max_tokens ("max_tokens", chat's "max_completion_tokens", the Responses API's
+  // "max_output_tokens"): every error about the budget (validate(), the structured-output minimum at
+  // submit) names this field, so a client is told about the field it actually sent.
+  std::string max_tokens_field = "max_tokens";
   std::vector<int32_t> stop_token_ids;     // besides the engine's end-of-sequence ids
   std::vector<std::string> stop;           // stop strings (at most 16, non-empty): the text stream's
   bool ignore_eos = false;                 // no token id ends the request (see the header)

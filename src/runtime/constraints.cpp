@@ -135,13 +135,18 @@ bool SeqConstraint::flush() {
   return true;
 }
 
-void SeqConstraint::require_fits(int64_t max_tokens) {
+void SeqConstraint::require_fits(int64_t max_tokens, const std::string& field) {
   const uint32_t need = min_completion();
+  // No complete answer at all: every one nests deeper than the matcher's stack limit allows.
+  if (need >= structured::detail::StackDistance::kInf)
+    throw RequestError("response_format", fmt::format("no complete answer in this response_format fits in the "
+                                                      "structured-output nesting limit ({} frames, --grammar-max-nesting)",
+                                                      m_.compiled().max_stack_depth()));
   if (int64_t(need) > max_tokens)
-    throw RequestError("max_tokens", fmt::format("max_tokens is {}, too few to finish an answer in this response_format: "
-                                                 "its shortest complete answer takes {} tokens (markup included); raise "
-                                                 "max_tokens, or set complete_within_max_tokens to false to accept an "
-                                                 "answer cut at max_tokens", max_tokens, need));
+    throw RequestError(field, fmt::format("{} is {}, too few to finish an answer in this response_format: its shortest "
+                                          "complete answer takes {} tokens (markup included); raise {}, or set "
+                                          "complete_within_max_tokens to false to accept an answer cut at {}",
+                                          field, max_tokens, need, field, field));
 }
 
 uint32_t SeqConstraint::min_completion() {

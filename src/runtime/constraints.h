@@ -83,9 +83,10 @@ class SeqConstraint {
   void set_budget(int64_t max_tokens, size_t generated) {
     budget_ = uint32_t(std::clamp<int64_t>(max_tokens - int64_t(generated), 1, structured::Matcher::kNoBudget - 1));
   }
-  // At submit: a RequestError naming max_tokens when the shortest complete output is longer than
-  // max_tokens, which no mask could then keep within it.
-  void require_fits(int64_t max_tokens);
+  // At submit: a RequestError naming `field` (the request's max_tokens_field: how the client spelled
+  // max_tokens) when the shortest complete output is longer than max_tokens, which no mask could then
+  // keep within it.
+  void require_fits(int64_t max_tokens, const std::string& field);
   // The tokens that finish the output from here along its shortest path (an upper bound on the
   // fewest; structured/matcher.h). After flush().
   uint32_t min_completion();

@@ -157,7 +157,7 @@ Submission Engine::submit(Request r, TokenSink sink) {
       if (ends.empty()) throw RequestError("response_format", "a JSON document needs an end-of-sequence id; this model has none");
     }
     q->constraint = std::make_unique<SeqConstraint>(g, std::move(ends));
-    if (r.constraint->complete_within_max_tokens) q->constraint->require_fits(r.max_tokens);
+    if (r.constraint->complete_within_max_tokens) q->constraint->require_fits(r.max_tokens, r.max_tokens_field);
   }
   q->r = std::move(r);
   q->sink = std::move(sink);
@@ -318,8 +318,9 @@ void Engine::start_masks(const sched::StepPlan& plan, const std::vector<std::pai
 }
 
 namespace {
-const char* kDeadEnd =
-    "structured output: the grammar allows no token here (the output nests deeper than the matcher's stack limit)";
+// Masks never lead where nothing can follow, the nesting limit included (structured/matcher.h), so this
+// is a safety net: a grammar whose shortest completion needs a byte no single token spells.
+const char* kDeadEnd = "structured output: the grammar allows no token here";
 const char* kFillFailed = "structured output: computing the token mask failed";
 }  // namespace
 
@@ -338,6 +339,19 @@ int64_t Engine::wait_mask(Req& q) {
       q.error = fmt::format("structured output: token {} is not allowed by the grammar here", q.constraint->deferred());
   }
   return q.allowed;
+}
+
+std::span<const int32_t> Engine::held_stops(const Req& q, const uint32_t* words, int64_t allowed) const {
+  const std::span<const int32_t> stops = q.stop_ids;
+  if (!words || allowed <= 0 || q.output.size() >= size_t(std::max(q.r.sampling.min_tokens, 0))) return stops;
+  // Distinct stop ids the mask allows (a stop id may be listed twice: an eos id also in stop_token_ids).
+  int64_t stops_allowed = 0;
+  for (size_t i = 0; i < stops.size(); ++i) {
+    const int32_t t = stops[i];
+    if (t < 0 || int64_t(t) >= mask_words_ * 32 || !structured::mask_test(words, structured::TokenId(t))) continue;
+    if (std::find(stops.begin(), stops.begin() + std::ptrdiff_t(i), t) == stops.begin() + std::ptrdiff_t(i)) ++stops_allowed;
+  }
+  return stops_allowed == allowed ? std::span<const int32_t>() : stops;
 }
 
 sched::SeqResult Engine::sample_host(Req& q, const sched::ScheduledSeq& x, std::span<const float> logits,
@@ -386,7 +400,7 @@ sched::SeqResult Engine::sample_host(Req& q, const sched::ScheduledSeq& x, std::
   if (p.top_k <= 0 || p.top_k > allowed) p.top_k = int32_t(std::min<int64_t>(allowed, INT32_MAX));
   const int32_t want_logprobs = p.logprobs;
   p.logprobs = -1;
-  SampleResult s = sample_token(p, masked_logits_, q.r.prompt, q.output, index, q.stop_ids);
+  SampleResult s = sample_token(p, masked_logits_, q.r.prompt, q.output, index, held_stops(q, words, allowed));
   if (want_logprobs >= 0) raw_logprobs(logits, s.token, want_logprobs, s.logprob, s.top);
   ++sstats_.masked_samples;
   return emit(q, s, words);
@@ -464,7 +478,15 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
   hooks.forward_launched = [&] { ensure_masks(); };
   hooks.sampling_inputs = [&](const sched::ScheduledSeq& x) {
     Req& q = find(x.id);
-    return StepHooks::SamplingInputs{&q.r.sampling, q.r.prompt, q.output, q.stop_ids};
+    std::span<const int32_t> stops = q.stop_ids;
+    // While min_tokens holds the stop ids back, whether it may (held_stops) depends on this step's mask:
+    // such a row waits for its mask here, before the forward, instead of during it. Only constrained
+    // requests below min_tokens pay this.
+    if (q.constraint && q.error.empty() && x.sample && q.output.size() < size_t(std::max(q.r.sampling.min_tokens, 0))) {
+      const int64_t allowed = wait_mask(q);
+      if (allowed > 0) stops = held_stops(q, masks_.row(q.job), allowed);
+    }
+    return StepHooks::SamplingInputs{&q.r.sampling, q.r.prompt, q.output, stops};
   };
   hooks.take_token = [&](const sched::ScheduledSeq& x, int32_t token) {
     Req& q = find(x.id);

@@ -168,6 +168,12 @@ class Engine final : public kestrel::Engine {
   // This step's mask job result for q (waits): allowed count > 0; −3: no mask (free text, or no job); a
   // failure (0: dead end, −1, −4) also sets q.error.
   int64_t wait_mask(Req& q);
+  // The ids min_tokens holds back from this draw (sample_token's stop_ids): q.stop_ids while the output
+  // is shorter than min_tokens — but none when the mask the token is drawn under (`words`, `allowed`
+  // ids) allows nothing besides them: the grammar can only end there (a JSON answer complete before
+  // min_tokens, a budget's last token), and the end wins, so no row reaches a sampler with every id at
+  // −inf (docs/structured-outputs.md, "min_tokens").
+  std::span<const int32_t> held_stops(const Req& q, const uint32_t* words, int64_t allowed) const;
   void start_masks(const sched::StepPlan& plan, const std::vector<std::pair<RequestId, Req*>>& in_step);
   // Starts this step's mask jobs unless they have started (StepHooks::forward_launched, or the first hook
   // that needs a mask, whichever comes first).

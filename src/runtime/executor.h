@@ -83,7 +83,9 @@ struct StepHooks {
   struct SamplingInputs {
     const SamplingParams* params = nullptr;
     std::span<const int32_t> prompt, output;
-    std::span<const int32_t> stop_ids;  // what min_tokens holds back (sample_token's stop_ids)
+    // What min_tokens holds back (sample_token's stop_ids): none for a row whose mask this step allows
+    // only them (the grammar's end wins; Engine::held_stops).
+    std::span<const int32_t> stop_ids;
   };
   std::function<SamplingInputs(const sched::ScheduledSeq&)> sampling_inputs;
   std::function<sched::SeqResult(const sched::ScheduledSeq&, int32_t token)> take_token;

@@ -27,7 +27,9 @@ const std::set<std::string, std::less<>> kCompletionOnly = {"prompt", "echo", "b
 void check_fields(const ojson& body, Api api) {
   const auto& only = api == Api::kChat ? kChatOnly : kCompletionOnly;
   for (const auto& [k, v] : body.items()) {
-    if (kCommon.count(k) || only.count(k)) continue;
+    // null means absent (docs/api.md), as in the Responses API: a client that sends every field it knows,
+    // unset ones as null, asks for nothing kestrel would ignore.
+    if (kCommon.count(k) || only.count(k) || v.is_null()) continue;
     const bool other = (api == Api::kChat ? kCompletionOnly : kChatOnly).count(k) > 0;
     throw ApiError(400, fmt::format("unsupported parameter '{}'{}", k,
                                     other ? (api == Api::kChat ? " in chat completions" : " in completions")
@@ -56,14 +58,16 @@ std::optional<float> get_number(const ojson& body, const char* name) {
   return float(v->get<double>());
 }
 
-// An integer within [lo, hi]: the bounds of what the field can hold, or a protocol rule.
-std::optional<int64_t> get_int(const ojson& body, const char* name, int64_t lo, int64_t hi) {
+// An integer within [lo, hi]: the bounds of what the field can hold, or a protocol rule. `shown`: the
+// field's name in errors when the client spelled it otherwise (a Responses field renamed for chat).
+std::optional<int64_t> get_int(const ojson& body, const char* name, int64_t lo, int64_t hi, const std::string& shown = {}) {
   const ojson* v = field(body, name);
   if (!v) return std::nullopt;
-  if (!v->is_number_integer()) bad(name, "must be an integer");
-  if (v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(INT64_MAX)) bad(name, "is out of range");
+  const std::string& who = shown.empty() ? std::string(name) : shown;
+  if (!v->is_number_integer()) bad(who, "must be an integer");
+  if (v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(INT64_MAX)) bad(who, "is out of range");
   const int64_t x = v->get<int64_t>();
-  if (x < lo || x > hi) bad(name, fmt::format("must be in [{}, {}], got {}", lo, hi, x));
+  if (x < lo || x > hi) bad(who, fmt::format("must be in [{}, {}], got {}", lo, hi, x));
   return x;
 }
 
@@ -99,7 +103,7 @@ void map_reasoning_effort(ojson& body) {
   else if (e == "xhigh") *it = "max";
 }
 
-GenParams parse_gen_params(const ojson& body, Api api) {
+GenParams parse_gen_params(const ojson& body, Api api, const std::string& completion_tokens_field) {
   if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object");
   check_fields(body, api);
   GenParams g;
@@ -107,7 +111,7 @@ GenParams parse_gen_params(const ojson& body, Api api) {
     if (!m->is_string()) bad("model", "must be a string");
     g.model = m->get<std::string>();
   }
-  if (auto u = body.find("user"); u != body.end() && !u->is_string()) bad("user", "must be a string");
+  if (const ojson* u = field(body, "user"); u && !u->is_string()) bad("user", "must be a string");
   g.stream = get_bool(body, "stream").value_or(false);
   if (const ojson* so = field(body, "stream_options")) {
     if (!so->is_object()) bad("stream_options", "must be an object");
@@ -120,16 +124,23 @@ GenParams parse_gen_params(const ojson& body, Api api) {
   }
   // n copies cost n engine requests; 16 keeps one HTTP request from filling the engine.
   g.n = int(get_int(body, "n", 1, 16).value_or(1));
+  // The budget and the name the client gave it, which every later error about it uses
+  // (Request::max_tokens_field): max_completion_tokens wins over max_tokens in chat.
+  Request& r = g.request;
+  // The Responses API has no other budget field: its name stands even when the field is absent (the
+  // rest of the context then; a prompt too long for it is refused naming the budget).
+  if (completion_tokens_field != "max_completion_tokens") r.max_tokens_field = completion_tokens_field;
   auto mt = get_int(body, "max_tokens", INT32_MIN, INT32_MAX);
   if (api == Api::kChat) {
-    if (auto mct = get_int(body, "max_completion_tokens", INT32_MIN, INT32_MAX)) mt = mct;
+    if (auto mct = get_int(body, "max_completion_tokens", INT32_MIN, INT32_MAX, completion_tokens_field)) {
+      mt = mct;
+      r.max_tokens_field = completion_tokens_field;
+    }
   }
   if (mt) {
-    if (*mt < 0) bad(api == Api::kChat && field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens",
-                     fmt::format("must be >= 0, got {}", *mt));
+    if (*mt < 0) bad(r.max_tokens_field, fmt::format("must be >= 0, got {}", *mt));
     g.max_tokens = int(*mt);
   }
-  Request& r = g.request;
   SamplingParams& s = r.sampling;
   s.temperature = get_number(body, "temperature").value_or(1.0f);  // OpenAI's default, not greedy
   s.top_p = get_number(body, "top_p").value_or(1.0f);
@@ -140,7 +151,7 @@ GenParams parse_gen_params(const ojson& body, Api api) {
   s.frequency_penalty = get_number(body, "frequency_penalty").value_or(0.0f);
   s.repetition_penalty = get_number(body, "repetition_penalty").value_or(1.0f);
   s.min_tokens = int32_t(get_int(body, "min_tokens", 0, INT32_MAX).value_or(0));
-  if (s.min_tokens > 0 && g.max_tokens && *g.max_tokens == 0) bad("min_tokens", "needs max_tokens > 0");
+  if (s.min_tokens > 0 && g.max_tokens && *g.max_tokens == 0) bad("min_tokens", fmt::format("needs {} > 0", r.max_tokens_field));
   if (const ojson* lb = field(body, "logit_bias")) s.logit_bias = parse_logit_bias(*lb);
   const auto seed = get_int(body, "seed", INT64_MIN, INT64_MAX);
   s.seed = seed ? uint64_t(*seed) : random_seed();

@@ -29,12 +29,15 @@ struct GenParams {
   bool logprobs() const { return request.sampling.logprobs >= 0; }
 };
 
-// Reads the generation fields of /v1/chat/completions or /v1/completions (kResponses: the fields the
-// Responses API shares, already renamed by responses.h); throws ApiError 400 for an unknown field,
-// a wrong type or a protocol rule broken (top_logprobs without logprobs, stream_options without
-// stream, n outside [1, 16], best_of != n, echo in chat). No seed: a fresh random one (the engine's
-// draws are a function of the seed).
-GenParams parse_gen_params(const ojson& body, Api api);
+// Reads the generation fields of /v1/chat/completions or /v1/completions (the Responses API's body comes
+// here as a chat body, renamed by responses.h); throws ApiError 400 for an unknown field, a wrong type or
+// a protocol rule broken (top_logprobs without logprobs, stream_options without stream, n outside
+// [1, 16], best_of != n, echo in chat). No seed: a fresh random one (the engine's draws are a function of
+// the seed). `completion_tokens_field`: what the client called the body's max_completion_tokens (the
+// Responses API: max_output_tokens, its only budget field, which then names the budget even when absent);
+// it and the budget's errors name the field that way (Request::max_tokens_field).
+GenParams parse_gen_params(const ojson& body, Api api,
+                           const std::string& completion_tokens_field = "max_completion_tokens");
 
 // reasoning_effort as clients send it, onto the model's levels (MODEL.md §7: low, medium, high,
 // max; thinking off): "none" → thinking off, "minimal" → low, "low"/"medium"/"high" as they are,

@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <cstring>
 #include <ctime>
 #include <set>
 
@@ -225,6 +226,16 @@ ResponsesRequest responses_to_chat(const ojson& body) {
   rr.head.id = random_id("resp_");
   rr.head.created = int64_t(std::time(nullptr));
   return rr;
+}
+
+ApiError responses_error(const ApiError& e) {
+  static const std::pair<const char*, const char*> kNames[] = {
+      {"response_format", "text"}, {"messages", "input"}, {"reasoning_effort", "reasoning"}};
+  std::string param = e.param, msg = e.what();
+  for (const auto& [chat, responses] : kNames)
+    if (param == chat) param = responses;
+  if (msg.rfind("response_format", 0) == 0) msg = "text.format" + msg.substr(std::strlen("response_format"));
+  return ApiError(e.status, msg, param);
 }
 
 json response_object(const ResponsesHead& h, const ChoiceStream& c, const std::string& status) {

@@ -33,6 +33,12 @@ struct ResponsesRequest {
 // Throws ApiError 400 for a malformed body or a field kestrel does not honour.
 ResponsesRequest responses_to_chat(const ojson& body);
 
+// An error about the chat body responses_to_chat wrote, in the names of the Responses request it came
+// from: `param` response_format → text (its message's leading "response_format" → "text.format"),
+// messages → input, reasoning_effort → reasoning. (The budget is named at its source:
+// Request::max_tokens_field is max_output_tokens.)
+ApiError responses_error(const ApiError& e);
+
 // The Response object of a finished answer (status completed, incomplete or failed).
 json response_object(const ResponsesHead& h, const ChoiceStream& c, const std::string& status);
 

@@ -93,6 +93,9 @@ Router::Router(const ServerOptions& opt, Engine& engine, const tok::Tokenizer& t
 void Router::handle(const HttpRequest& req, const std::shared_ptr<Connection>& conn) {
   try {
     route(req, conn);
+  } catch (const tok::ChatRequestError& e) {  // /tokenize with messages
+    conn->record().error = e.what();
+    conn->reply(400, error_body(400, e.what(), e.field));
   } catch (const ApiError& e) {
     conn->record().error = e.what();
     // A full queue or a loading engine: the client may retry, and is told when.
@@ -248,10 +251,10 @@ void Router::detokenize(const ojson& body, Connection& conn) {
   conn.reply(200, dumps(json{{"prompt", tok_.decode(ids)}}));
 }
 
-Router::Prepared Router::prepare(ojson& body, Api api) {
+Router::Prepared Router::prepare(ojson& body, Api api, const std::string& completion_tokens_field) {
   Prepared p;
   map_reasoning_effort(body);
-  p.g = parse_gen_params(body, api);
+  p.g = parse_gen_params(body, api, completion_tokens_field);
   check_model(body);
   const GenParams& g = p.g;
   ChoiceOptions base;
@@ -276,7 +279,12 @@ Router::Prepared Router::prepare(ojson& body, Api api) {
     if (m == body.end() || !m->is_array() || m->empty())
       throw ApiError(400, "'messages' must be a non-empty array", "messages");
     RequestImages images(opt_.media);
-    tok::ChatPrompt cp = encoder_.encode_request(body, images.resolver());
+    tok::ChatPrompt cp;
+    try {
+      cp = encoder_.encode_request(body, images.resolver());
+    } catch (const tok::ChatRequestError& e) {  // as an ApiError: the Responses API renames its field
+      throw ApiError(400, e.what(), e.field);
+    }
     Request r = g.request;
     r.prompt.assign(cp.ids.begin(), cp.ids.end());
     images.attach(cp, r);
@@ -328,12 +336,17 @@ void Router::generate(ojson& body, Api api, const std::shared_ptr<Connection>& c
 
 void Router::responses(const ojson& body, const std::shared_ptr<Connection>& conn) {
   ResponsesRequest rr = responses_to_chat(body);
-  Prepared p = prepare(rr.chat, Api::kChat);
-  rr.head.model = opt_.served_model_name;
-  const std::string id = rr.head.id;
-  auto job = std::make_shared<Job>(engine_, metrics_, jobs_, Api::kChat, id, responses_shaper(std::move(rr.head)),
-                                   p.g.stream, 1);
-  start_when_compiled(std::move(job), std::move(p.requests), std::move(p.options), conn);
+  // Errors about the chat body it became name the Responses fields the client sent (responses_error).
+  try {
+    Prepared p = prepare(rr.chat, Api::kChat, "max_output_tokens");
+    rr.head.model = opt_.served_model_name;
+    const std::string id = rr.head.id;
+    auto job = std::make_shared<Job>(engine_, metrics_, jobs_, Api::kChat, id, responses_shaper(std::move(rr.head)),
+                                     p.g.stream, 1);
+    start_when_compiled(std::move(job), std::move(p.requests), std::move(p.options), conn, /*responses=*/true);
+  } catch (const ApiError& e) {
+    throw responses_error(e);
+  }
 }
 
 // Where start_when_compiled stands: the job, its requests and options, and the next request to look at.
@@ -348,11 +361,14 @@ struct Router::Starting {
   std::vector<ChoiceOptions> options;
   size_t next = 0;
   std::shared_ptr<Compiling> pending;  // set once a compile had to wait
+  bool responses = false;              // a Responses request: errors in its names (responses_error)
 };
 
 void Router::start_when_compiled(std::shared_ptr<Job> job, std::vector<Request> requests,
-                                 std::vector<ChoiceOptions> options, const std::shared_ptr<Connection>& conn) {
+                                 std::vector<ChoiceOptions> options, const std::shared_ptr<Connection>& conn,
+                                 bool responses) {
   auto st = std::make_shared<Starting>();
+  st->responses = responses;
   st->job = std::move(job);
   st->requests = std::move(requests);
   st->options = std::move(options);
@@ -383,7 +399,8 @@ void Router::continue_start(std::shared_ptr<Starting> st, const std::shared_ptr<
           if (draining_) throw ApiError(503, "shutting down");
           st->requests[st->next].constraint->grammar = g;
           continue_start(st, conn);
-        } catch (const ApiError& e) {
+        } catch (const ApiError& err) {
+          const ApiError e = st->responses ? responses_error(err) : err;
           conn->reply(e.status, error_body(e.status, e.what(), e.param));
         } catch (const Error& e) {
           conn->reply(400, error_body(400, e.what()));

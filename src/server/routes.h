@@ -96,13 +96,16 @@ class Router {
     std::vector<Request> requests;
     std::vector<ChoiceOptions> options;
   };
-  Prepared prepare(ojson& body, Api api);
+  // completion_tokens_field: parse_gen_params's (the Responses API: max_output_tokens).
+  Prepared prepare(ojson& body, Api api, const std::string& completion_tokens_field = "max_completion_tokens");
   void generate(ojson& body, Api api, const std::shared_ptr<Connection>& conn);
   void responses(const ojson& body, const std::shared_ptr<Connection>& conn);
   // Submits the job once every request's grammar is compiled (on a GrammarService worker when one
   // is not cached; the connection is held meanwhile, and answered with the compile error if any).
+  // responses: a Responses request (its errors are renamed by responses_error).
   void start_when_compiled(std::shared_ptr<Job> job, std::vector<Request> requests,
-                           std::vector<ChoiceOptions> options, const std::shared_ptr<Connection>& conn);
+                           std::vector<ChoiceOptions> options, const std::shared_ptr<Connection>& conn,
+                           bool responses = false);
   struct Starting;  // routes.cpp
   void continue_start(std::shared_ptr<Starting> st, const std::shared_ptr<Connection>& conn);
 

@@ -15,6 +15,7 @@ using detail::FramePool;
 Matcher::Matcher(std::shared_ptr<const CompiledGrammar> grammar, std::vector<TokenId> stop_tokens)
     : cg_(std::move(grammar)), stop_(std::move(stop_tokens)) {
   KCHECK(cg_ != nullptr, "null grammar");
+  fd_ = cg_->frame_distances();
   for (TokenId id : stop_)
     if (id >= cg_->vocab().vocab_size()) fail("stop token {} is outside the vocabulary", id);
   levels_.resize(cg_->vocab().max_token_bytes() + 2);
@@ -51,11 +52,9 @@ bool Matcher::token_may_terminate(TokenId id) const {
 
 bool Matcher::free_text() const {
   if (stopped_.back()) return false;
-  const uint32_t limit = cg_->max_stack_depth();
   for (uint32_t f : top().frames) {
-    const CompiledGrammar::Table& t = cg_->tables_[pool_.state(f)];
     // Near the nesting limit fill_mask takes the exhaustive path, which may refuse what the table accepts.
-    if (t.all_ordinary && pool_.depth(f) + t.max_height <= limit) return true;
+    if (cg_->tables_[pool_.state(f)].all_ordinary && tables_exact(f)) return true;
   }
   return false;
 }
@@ -92,6 +91,9 @@ bool Matcher::accept(TokenId id) {
     }
     next = std::move(cur);
   }
+  // Near the stack limit the masks allow only tokens after which the document can still be finished
+  // (fill_mask_exhaustive); the same rule here keeps a mask exact: bit set <=> accept() takes the token.
+  if (near_limit() && dist(next) >= detail::StackDistance::kInf) return false;
   history_.push_back(std::move(next));
   stopped_.push_back(0);
   return true;
@@ -143,9 +145,8 @@ bool Matcher::fill_mask_tables(uint32_t* words, uint32_t* ub) {
   std::memset(words, 0, nw * sizeof(uint32_t));
   if (stopped_.back()) return false;
   const Config& cfg = top();
-  const uint32_t limit = cg_->max_stack_depth();
   for (uint32_t f : cfg.frames)
-    if (pool_.depth(f) + cg_->tables_[pool_.state(f)].max_height > limit) {
+    if (!tables_exact(f)) {
       if (ub) *ub = detail::StackDistance::kInf;  // no bound from the tables here: the caller walks exactly
       return fill_mask_exhaustive(words);
     }
@@ -168,7 +169,7 @@ bool Matcher::fill_mask_tables(uint32_t* words, uint32_t* ub) {
       const CompiledGrammar::Table& t = cg_->tables_[q];
       if (t.bitset != UINT32_MAX || t.list_begin != t.list_end)
         *ub = std::max(*ub, std::min(detail::StackDistance::kInf,
-                                     t.max_after + dist_.frame(pool_, cg_->min_accept_, uint32_t(p))));
+                                     t.max_after + below(uint32_t(p))));
     }
     if (q == last_q) continue;
     last_q = q;
@@ -203,6 +204,12 @@ bool Matcher::fill_mask_exhaustive(uint32_t* words) {
   const Grammar& g = cg_->grammar();
   Closer closer(g, pool_, cg_->max_stack_depth());
   const auto& trie = cg_->vocab().trie();
+  // Near the stack limit, only tokens after which the document can still be finished within it: a token
+  // may lead where only a deeper value would continue (its distance is then kInf), and the mask after it
+  // would be empty. So no mask is ever empty before the end. Where the tables are exact every
+  // configuration after a token can be finished (this is then the tables' reference, unfiltered).
+  const bool near = near_limit();
+  auto finishable = [&](const Config& c) { return !near || dist(c) < detail::StackDistance::kInf; };
   levels_[0] = top();
   for (uint32_t i = 1; i < trie.size();) {
     const TokenVocab::TrieNode& n = trie[i];
@@ -212,12 +219,15 @@ bool Matcher::fill_mask_exhaustive(uint32_t* words) {
       i = n.end;
       continue;
     }
-    if (n.token != kNoToken) mask_set(words, n.token), any = true;
+    if (n.token != kNoToken && finishable(c)) mask_set(words, n.token), any = true;
     ++i;
   }
   for (uint32_t f : top().frames) {
     const Grammar::State& s = g.states[pool_.state(f)];
-    for (uint32_t k = s.specials_begin; k < s.specials_end; ++k) mask_set(words, g.specials[k].id), any = true;
+    for (uint32_t k = s.specials_begin; k < s.specials_end; ++k) {
+      closer.step_special(top(), g.specials[k].id, scratch_);
+      if (finishable(scratch_)) mask_set(words, g.specials[k].id), any = true;
+    }
   }
   if (top().ended)
     for (TokenId id : stop_) mask_set(words, id), any = true;
@@ -271,7 +281,7 @@ int Matcher::fill_mask_budget_tables(uint32_t* words, uint32_t limit) {
   const Config& cfg = top();
   const uint32_t depth_limit = cg_->max_stack_depth();
   for (uint32_t f : cfg.frames)
-    if (pool_.depth(f) + cg_->tables_[pool_.state(f)].max_height > depth_limit) return -1;  // tables not exact here
+    if (!tables_exact(f)) return -1;
   const size_t nw = mask_words();
   std::memset(words, 0, nw * sizeof(uint32_t));
   frame_words_.resize(nw);
@@ -286,9 +296,9 @@ int Matcher::fill_mask_budget_tables(uint32_t* words, uint32_t limit) {
   for (uint64_t p : seen_pairs_) {
     const CompiledGrammar::Table& t = cg_->tables_[uint32_t(p >> 32)];
     if (t.bitset == UINT32_MAX && t.list_begin == t.list_end) continue;
-    const uint32_t below = dist_.frame(pool_, cg_->min_accept_, uint32_t(p));
-    if (below > limit || t.min_after > limit - below) continue;  // no accepted token fits
-    const uint32_t k = limit - below;
+    const uint32_t rest = below(uint32_t(p));
+    if (rest > limit || t.min_after > limit - rest) continue;  // no accepted token fits
+    const uint32_t k = limit - rest;
     if (k < t.max_after && !t.after_stored) return -1;
     any = true;
     if (k < t.max_after && k < t.base_after) {
@@ -331,13 +341,11 @@ bool Matcher::free_text(uint32_t budget) {
   if (!free_text()) return false;
   if (budget == kNoBudget) return true;
   const uint32_t limit = budget > 0 ? budget - 1 : 0;
-  const uint32_t depth_limit = cg_->max_stack_depth();
   bool bounded = false;
   for (uint32_t f : top().frames) {
     const CompiledGrammar::Table& t = cg_->tables_[pool_.state(f)];
     // Every ordinary token is accepted from this frame, so none leaves more than this to finish.
-    if (t.all_ordinary && pool_.depth(f) + t.max_height <= depth_limit &&
-        t.max_after + dist_.frame(pool_, cg_->min_accept_, pool_.parent(f)) <= limit) {
+    if (t.all_ordinary && tables_exact(f) && t.max_after + below(pool_.parent(f)) <= limit) {
       bounded = true;
       break;
     }

@@ -47,6 +47,16 @@ class CompiledGrammar {
   const Stats& stats() const { return stats_; }
   // The fewest tokens from state q to the end of its rule, an upper bound (token_tables.cpp).
   uint32_t min_accept(uint32_t q) const { return min_accept_[q]; }
+  // The same for a frame with room for only `headroom` more frames above it (the stack limit refuses
+  // deeper calls); StackDistance::kInf when nothing fits. min_accept once headroom >= near_levels().
+  uint32_t near_accept(uint32_t q, uint32_t headroom) const {
+    return detail::FrameDistances{&min_accept_, &near_accept_, headroom}.at(q, 0);
+  }
+  // The headrooms below which some state's distance differs from min_accept (0: none; every shortest
+  // path fits wherever the matcher is).
+  uint32_t near_levels() const { return uint32_t(near_accept_.size()); }
+  // What finishes each frame of this grammar's matchers, by state and depth (stacks.h).
+  detail::FrameDistances frame_distances() const { return {&min_accept_, &near_accept_, max_depth_}; }
   // Whether accepting an ordinary token can ever leave a matcher of this grammar (without stop
   // tokens) terminated: only if a byte edge, or a call's return after one, reaches an accepting state
   // of the root rule with no way on. False for the grammars that end on a special token (the chat
@@ -85,6 +95,7 @@ class CompiledGrammar {
   bool bytes_may_terminate_ = false;
   std::vector<Table> tables_;
   std::vector<uint32_t> min_accept_;  // per state (min_accept)
+  std::vector<std::vector<std::pair<uint32_t, uint32_t>>> near_accept_;  // per headroom: (state, distance) where it differs
   bool every_byte_a_token_ = false;   // each of the 256 bytes is a token of its own
   std::vector<uint32_t> bitsets_;   // mask_words() words each
   std::vector<uint32_t> lists_;
@@ -112,7 +123,8 @@ class Matcher {
   bool fill_mask_exhaustive(uint32_t* words);
   size_t mask_words() const { return cg_->vocab().mask_words(); }
 
-  // Advances by one token; false (state unchanged) when the token is not allowed.
+  // Advances by one token; false (state unchanged) when the token is not allowed (exactly the tokens
+  // fill_mask sets; near the stack limit, only those after which the document can still be finished).
   bool accept(TokenId id);
   // Advances by raw bytes (no special tokens), e.g. to force a known prefix; false = not allowed.
   bool accept_bytes(std::string_view bytes);
@@ -173,7 +185,22 @@ class Matcher {
   bool fill_mask_tables(uint32_t* words, uint32_t* ub);
   bool fill_mask_within(uint32_t* words, uint32_t limit);  // exact: min_completion after the token <= limit
   uint32_t left_after_specials();   // the most min_completion after any special edge of the top
-  uint32_t dist(const detail::Config& c) { return dist_.config(pool_, cg_->min_accept_, c); }
+  uint32_t dist(const detail::Config& c) { return dist_.config(pool_, fd_, c); }
+  uint32_t below(uint32_t parent) { return dist_.frame(pool_, fd_, parent); }  // what finishes the stack from parent down
+  // Whether frame f's token tables (and their amounts, computed without a depth limit) are exact: no
+  // frame after any token from f comes within near_levels() of the stack limit. Otherwise fill_mask
+  // walks the vocabulary from the real configuration.
+  bool tables_exact(uint32_t f) const {
+    return uint64_t(pool_.depth(f)) + cg_->tables_[pool_.state(f)].max_height + cg_->near_levels() <=
+           cg_->max_stack_depth();
+  }
+  // Some frame of the current configuration is not tables_exact: masks and accept() then allow only
+  // tokens after which the document can still be finished within the stack limit.
+  bool near_limit() const {
+    for (uint32_t f : top().frames)
+      if (!tables_exact(f)) return true;
+    return false;
+  }
 
   std::shared_ptr<const CompiledGrammar> cg_;
   std::vector<TokenId> stop_;
@@ -185,6 +212,7 @@ class Matcher {
   std::vector<uint64_t> seen_pairs_;
   std::vector<uint32_t> frame_words_;  // one frame's budget mask (fill_mask_budget_tables)
   detail::StackDistance dist_;  // over pool_, reset with it
+  detail::FrameDistances fd_;   // cg_->frame_distances()
 };
 
 }  // namespace kestrel::structured

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "structured/grammar.h"
@@ -164,16 +165,37 @@ class Closer {
   std::vector<uint32_t> work_;
 };
 
+// What finishes one frame, by its state and its depth: min_accept[state] (tokens from that state to an
+// accepting state of its rule, calls included; CompiledGrammar::min_accept) — unless the frame has fewer
+// than near.size() frames of room above it before the matcher's depth limit (headroom h = max_depth −
+// depth): then near[h], the same distance over paths whose calls fit in that room (CompiledGrammar::
+// near_accept), stored sparsely as (state, distance) pairs sorted by state for the states where it differs.
+// kInf: no path fits. Without `near` (the token tables' frame-relative walks), min_accept at every depth.
+struct FrameDistances {
+  static constexpr uint32_t kInf = 1u << 30;  // unreachable; sums saturate here
+  const std::vector<uint32_t>* unlimited = nullptr;
+  const std::vector<std::vector<std::pair<uint32_t, uint32_t>>>* near = nullptr;
+  uint32_t max_depth = UINT32_MAX;
+  uint32_t at(uint32_t state, uint32_t depth) const {
+    if (near && depth <= max_depth && max_depth - depth < near->size()) {
+      const auto& level = (*near)[max_depth - depth];
+      const auto it = std::lower_bound(level.begin(), level.end(), std::pair<uint32_t, uint32_t>(state, 0));
+      if (it != level.end() && it->first == state) return it->second;
+    }
+    return (*unlimited)[state];
+  }
+};
+
 // Budget-aware completion (matcher.h, "Budget"): the tokens that finish a stack along its shortest
-// path = the sum over its frames of min_accept[state] (tokens from that state to an accepting state of
-// its rule, calls included; CompiledGrammar::min_accept), plus `bottom` (what the bottom frame still
-// needs: a stop token, or nothing). Frames are persistent and hash-consed, so the sum is memoised per frame
-// id: a stack costs O(1) once its parent is known. Valid until the pool is reset (then reset this too).
+// path = the sum over its frames of what finishes each (FrameDistances), plus `bottom` (what the bottom
+// frame still needs: a stop token, or nothing). Frames are persistent and hash-consed (a frame's depth is
+// part of it), so the sum is memoised per frame id: a stack costs O(1) once its parent is known. Valid
+// until the pool is reset (then reset this too), for one FrameDistances.
 class StackDistance {
  public:
-  static constexpr uint32_t kInf = 1u << 30;  // unreachable; sums saturate here
+  static constexpr uint32_t kInf = FrameDistances::kInf;
   void reset(uint32_t bottom) { memo_.assign(1, bottom); }
-  uint32_t frame(const FramePool& pool, const std::vector<uint32_t>& min_accept, uint32_t f) {
+  uint32_t frame(const FramePool& pool, const FrameDistances& fd, uint32_t f) {
     if (memo_.size() < pool.size()) memo_.resize(pool.size(), kUnknown);
     if (memo_[f] != kUnknown) return memo_[f];
     chain_.clear();
@@ -181,15 +203,15 @@ class StackDistance {
     while (memo_[x] == kUnknown) chain_.push_back(x), x = pool.parent(x);
     uint32_t d = memo_[x];
     for (size_t i = chain_.size(); i-- > 0;) {
-      d = std::min(kInf, d + min_accept[pool.state(chain_[i])]);
+      d = std::min(kInf, d + fd.at(pool.state(chain_[i]), pool.depth(chain_[i])));
       memo_[chain_[i]] = d;
     }
     return d;
   }
   // The fewest that finish any stack of the configuration.
-  uint32_t config(const FramePool& pool, const std::vector<uint32_t>& min_accept, const Config& c) {
+  uint32_t config(const FramePool& pool, const FrameDistances& fd, const Config& c) {
     uint32_t d = c.ended ? memo_[0] : kInf;
-    for (uint32_t f : c.frames) d = std::min(d, frame(pool, min_accept, f));
+    for (uint32_t f : c.frames) d = std::min(d, frame(pool, fd, f));
     return d;
   }
 

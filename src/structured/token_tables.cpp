@@ -22,6 +22,7 @@ namespace kestrel::structured {
 using detail::Closer;
 using detail::Config;
 using detail::FramePool;
+using detail::FrameDistances;
 using detail::StackDistance;
 
 namespace {
@@ -37,7 +38,20 @@ namespace {
 // final). Token edges come from one walk of the vocabulary trie per state through the rule's automaton
 // (one table lookup per trie node, pruned at dead bytes; the token tables walk the trie per state too,
 // with whole configurations, which costs far more).
-std::vector<uint32_t> compute_min_accept(const Grammar& g, const TokenVocab& vocab, const std::vector<uint8_t>& reach) {
+//
+// The matcher refuses a call that would stack more than max_stack_depth frames, so a frame with room for
+// only h more frames above it can use only paths whose calls nest at most h deep: near[h] (h = 0, 1, ...)
+// is that distance, the same fixed point with a call costing the callee's near[h − 1] from its start (none
+// for h = 0) plus the return state's near[h]. It falls with h and reaches min_accept once h covers the
+// deepest nesting a shortest path needs (a shortest derivation repeats no rule along a branch, so at most
+// the rule count); near holds the levels before that, each only the states where it differs.
+struct Distances {
+  std::vector<uint32_t> unlimited;
+  std::vector<std::vector<std::pair<uint32_t, uint32_t>>> near;
+};
+
+Distances compute_min_accept(const Grammar& g, const TokenVocab& vocab, const std::vector<uint8_t>& reach,
+                             uint32_t max_depth, std::chrono::steady_clock::time_point deadline) {
   const size_t S = g.states.size();
   const auto& trie = vocab.trie();
   // Reverse edges: unit edges (a token or a special read) and call edges, by the states they read.
@@ -78,26 +92,50 @@ std::vector<uint32_t> compute_min_accept(const Grammar& g, const TokenVocab& voc
       calls.push_back(d);
     }
   }
-  std::vector<uint32_t> A(S, StackDistance::kInf);
-  using Item = std::pair<uint32_t, uint32_t>;  // (value, state)
-  std::priority_queue<Item, std::vector<Item>, std::greater<Item>> pq;
-  for (uint32_t q = 0; q < S; ++q)
-    if (g.states[q].accepting) A[q] = 0, pq.push({0, q});
-  auto relax = [&](uint32_t q, uint32_t v) {
-    if (v < A[q]) A[q] = v, pq.push({v, q});
-  };
-  while (!pq.empty()) {
-    const auto [v, x] = pq.top();
-    pq.pop();
-    if (v != A[x]) continue;
-    for (uint32_t q : unit_into[x]) relax(q, std::min(StackDistance::kInf, v + 1));
-    for (uint32_t i : calls_into[x]) {
-      const CallDep& d = calls[i];
-      if (A[d.start] < StackDistance::kInf && A[d.ret] < StackDistance::kInf)
-        relax(d.from, std::min(StackDistance::kInf, A[d.start] + A[d.ret]));
+  constexpr uint32_t kInf = StackDistance::kInf;
+  // callee: null, the fixed point itself (unlimited); else a call costs callee[start] + A[ret], where
+  // callee is the level below (>= A pointwise, so the right-hand sides still never fall below a popped value).
+  auto solve = [&](const std::vector<uint32_t>* callee) {
+    std::vector<uint32_t> A(S, kInf);
+    using Item = std::pair<uint32_t, uint32_t>;  // (value, state)
+    std::priority_queue<Item, std::vector<Item>, std::greater<Item>> pq;
+    for (uint32_t q = 0; q < S; ++q)
+      if (g.states[q].accepting) A[q] = 0, pq.push({0, q});
+    auto relax = [&](uint32_t q, uint32_t v) {
+      if (v < A[q]) A[q] = v, pq.push({v, q});
+    };
+    while (!pq.empty()) {
+      const auto [v, x] = pq.top();
+      pq.pop();
+      if (v != A[x]) continue;
+      for (uint32_t q : unit_into[x]) relax(q, std::min(kInf, v + 1));
+      for (uint32_t i : calls_into[x]) {
+        const CallDep& d = calls[i];
+        const uint32_t start = callee ? (*callee)[d.start] : A[d.start];
+        if (start < kInf && A[d.ret] < kInf) relax(d.from, std::min(kInf, start + A[d.ret]));
+      }
     }
+    return A;
+  };
+  Distances out;
+  out.unlimited = solve(nullptr);
+  std::vector<uint32_t> below(S, kInf);  // the level under h = 0: no call fits
+  // Headroom max_depth - 1 is the most a frame (depth >= 1) ever has.
+  for (uint32_t h = 0; h < max_depth; ++h) {
+    // A level per nesting a shortest path needs: many for a deep chain of required objects, each one
+    // Dijkstra over the states, so the compile's time limit covers them too.
+    if (std::chrono::steady_clock::now() > deadline)
+      fail("grammar compilation took longer than the time limit (distances, nesting level {})", h);
+    std::vector<uint32_t> level = solve(&below);
+    if (level == below) break;  // the fixed point: every level above is the same
+    std::vector<std::pair<uint32_t, uint32_t>> differs;
+    for (uint32_t q = 0; q < S; ++q)
+      if (reach[q] && level[q] != out.unlimited[q]) differs.push_back({q, level[q]});
+    if (differs.empty()) break;  // min_accept from here on
+    out.near.push_back(std::move(differs));
+    below = std::move(level);
   }
-  return A;
+  return out;
 }
 
 }  // namespace
@@ -147,7 +185,11 @@ CompiledGrammar::CompiledGrammar(std::shared_ptr<const TokenVocab> vocab, Gramma
   // its states need no uncertain tokens unless some rule calls the root.
   for (const Grammar::Call& c : g_.calls) root_called_ = root_called_ || c.rule == g_.root;
   for (const TokenVocab::TrieNode& n : vocab_->trie()) ordinary_tokens_ += n.token != kNoToken;
-  min_accept_ = compute_min_accept(g_, *vocab_, reach);
+  {
+    Distances d = compute_min_accept(g_, *vocab_, reach, max_depth_, deadline);
+    min_accept_ = std::move(d.unlimited);
+    near_accept_ = std::move(d.near);
+  }
   {
     size_t one_byte = 0;  // one-byte tokens: all 256 make min_accept drop by at most one per byte read
     for (const TokenVocab::TrieNode& n : vocab_->trie()) one_byte += n.depth == 1 && n.token != kNoToken;
@@ -182,6 +224,9 @@ void CompiledGrammar::tabulate(uint32_t q, FramePool& pool, std::vector<Config>&
   pool.reset();
   StackDistance dist;
   dist.reset(0);  // relative to the unknown caller: what finishes q's frame
+  // Unlimited depth: the matcher uses these amounts only where no frame is within near_levels() of its
+  // limit after any token (Matcher::tables_exact).
+  const detail::FrameDistances unlimited{&min_accept_, nullptr, UINT32_MAX};
   // Unlimited height here: the matcher compares max_height with its remaining depth instead.
   Closer closer(g_, pool, UINT32_MAX);
   closer.begin(levels[0]);
@@ -210,7 +255,7 @@ void CompiledGrammar::tabulate(uint32_t q, FramePool& pool, std::vector<Config>&
     if (c.ended && (root_called_ || g_.states[q].rule != g_.root)) pops.push_back(d);
     if (n.token != kNoToken) {
       accepted.push_back(n.token);
-      left.push_back(dist.config(pool, min_accept_, c));
+      left.push_back(dist.config(pool, unlimited, c));
       max_after = std::max(max_after, left.back());
     }
     ++i;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <map>
+#include <typeinfo>
 
 #include "core/check.h"
 #include "tokenizer/json_py.h"
@@ -14,6 +15,24 @@ namespace kestrel::tok {
 namespace {
 
 using ojson = nlohmann::ordered_json;
+
+// A malformed request, naming the request field at fault.
+template <class... A>
+[[noreturn]] void bad(const char* field, fmt::format_string<A...> f, A&&... a) {
+  throw ChatRequestError(field, fmt::format(f, std::forward<A>(a)...));
+}
+
+// Runs f; an error the shared helpers (content parts, tool calls, tool declarations) throw names `field`.
+// Errors of other kinds (an image resolver's own, with its status) pass through as they are.
+template <class F>
+void about(const char* field, F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    if (typeid(e) != typeid(Error)) throw;
+    throw ChatRequestError(field, e.what());
+  }
+}
 
 constexpr const char* kOpen = "<|open|>";
 constexpr const char* kClose = "<|close|>";
@@ -264,47 +283,68 @@ ChatPrompt ChatEncoder::encode_request(const ojson& req, const std::vector<Image
 }
 
 ChatPrompt ChatEncoder::encode_request(const ojson& req, const ImageResolver& images) const {
-  if (!req.is_object()) fail("the chat request must be a JSON object");
-  if (!req.contains("messages") || !req["messages"].is_array()) fail("the chat request needs a 'messages' array");
+  if (!req.is_object()) bad("messages", "the chat request must be a JSON object");
+  if (!req.contains("messages") || !req["messages"].is_array()) bad("messages", "the chat request needs a 'messages' array");
   const ojson& messages = req["messages"];
   const ojson kwargs = req.contains("chat_template_kwargs") && req["chat_template_kwargs"].is_object()
                            ? req["chat_template_kwargs"] : ojson::object();
+  if (req.contains("chat_template_kwargs") && !req["chat_template_kwargs"].is_null() && !req["chat_template_kwargs"].is_object())
+    bad("chat_template_kwargs", "'chat_template_kwargs' must be an object");
+  // The K3 template reads only the thinking switch, the effort and add_generation_prompt; another key (a
+  // Jinja variable of some other model's template) would be accepted and ignored, so it is refused (null:
+  // absent).
+  for (const auto& [k, v] : kwargs.items())
+    if (k != "thinking" && k != "enable_thinking" && k != "thinking_effort" && k != "add_generation_prompt" &&
+        !v.is_null())
+      bad("chat_template_kwargs", "unsupported chat_template_kwargs key '{}': the K3 chat format takes thinking "
+          "(enable_thinking), thinking_effort and add_generation_prompt", k);
   ChatPrompt out;
 
   // Thinking switch and effort.
   bool thinking = true;
-  if (req.contains("thinking") && !req["thinking"].is_null()) thinking = read_bool_like(req["thinking"], "'thinking'");
-  for (const char* k : {"thinking", "enable_thinking"})
-    if (kwargs.contains(k) && !kwargs[k].is_null()) thinking = read_bool_like(kwargs[k], "chat_template_kwargs.thinking");
+  about("thinking", [&] {
+    if (req.contains("thinking") && !req["thinking"].is_null()) thinking = read_bool_like(req["thinking"], "'thinking'");
+  });
+  about("chat_template_kwargs", [&] {
+    for (const char* k : {"thinking", "enable_thinking"})
+      if (kwargs.contains(k) && !kwargs[k].is_null()) thinking = read_bool_like(kwargs[k], "chat_template_kwargs.thinking");
+  });
   std::optional<std::string> effort;
   if (req.contains("reasoning_effort") && !req["reasoning_effort"].is_null()) {
-    if (!req["reasoning_effort"].is_string()) fail("'reasoning_effort' must be a string");
+    if (!req["reasoning_effort"].is_string()) bad("reasoning_effort", "'reasoning_effort' must be a string");
     const std::string e = req["reasoning_effort"].get<std::string>();
     if (e == "none")
       thinking = false;
     else
       effort = e;
   }
+  const char* effort_field = "reasoning_effort";
   if (kwargs.contains("thinking_effort") && !kwargs["thinking_effort"].is_null()) {
-    if (!kwargs["thinking_effort"].is_string()) fail("chat_template_kwargs.thinking_effort must be a string");
+    if (!kwargs["thinking_effort"].is_string())
+      bad("chat_template_kwargs", "chat_template_kwargs.thinking_effort must be a string");
     effort = kwargs["thinking_effort"].get<std::string>();
+    effort_field = "chat_template_kwargs";
   }
   if (thinking && effort && *effort != "low" && *effort != "medium" && *effort != "high" && *effort != "max")
-    fail("unsupported reasoning effort '{}'; supported: low, medium, high, max", *effort);
+    bad(effort_field, "unsupported reasoning effort '{}'; supported: low, medium, high, max", *effort);
   out.thinking = thinking;
 
   Builder b(images);
 
   // Tools.
   ojson tools = req.contains("tools") && !req["tools"].is_null() ? req["tools"] : ojson::array();
-  if (!tools.is_array()) fail("'tools' must be an array");
+  if (!tools.is_array()) bad("tools", "'tools' must be an array");
   for (size_t i = 0; i < tools.size(); ++i) {
     const ojson& t = tools[i];
+    // OpenAI's other tool types (custom: free-form input; hosted tools) are not functions: rendered as one,
+    // such a tool would be called with JSON arguments it never asked for.
+    if (t.is_object() && t.contains("type") && !t["type"].is_null() && t["type"] != "function")
+      bad("tools", "tools[{}]: only function tools are supported, got type {}", i, t["type"].dump());
     const ojson& fn = t.is_object() && t.contains("function") ? t["function"] : t;
-    if (!fn.is_object() || !fn.contains("name") || !fn["name"].is_string()) fail("tools[{}] needs function.name", i);
+    if (!fn.is_object() || !fn.contains("name") || !fn["name"].is_string()) bad("tools", "tools[{}] needs function.name", i);
     out.tool_names.push_back(fn["name"].get<std::string>());
   }
-  if (!tools.empty()) declare_tools(b, tools, false);
+  if (!tools.empty()) about("tools", [&] { declare_tools(b, tools, false); });
 
   if (thinking && effort)
     b.internal_system("thinking-effort",
@@ -316,6 +356,7 @@ ChatPrompt ChatEncoder::encode_request(const ojson& req, const ImageResolver& im
   const ojson* last_calls = nullptr;
   size_t tool_counter = 0;
   size_t mi = 0;
+  about("messages", [&] {
   while (mi < messages.size()) {
     const ojson& m = messages[mi];
     const std::string what = "messages[" + std::to_string(mi) + "]";
@@ -396,6 +437,7 @@ ChatPrompt ChatEncoder::encode_request(const ojson& req, const ImageResolver& im
       fail("{}: unsupported role '{}'", what, role);
     }
   }
+  });
 
   // tool_choice.
   if (req.contains("tool_choice") && !req["tool_choice"].is_null()) {
@@ -412,18 +454,18 @@ ChatPrompt ChatEncoder::encode_request(const ojson& req, const ImageResolver& im
         b.internal_system("tool-choice",
                           "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message.");
       else if (s != "auto")
-        fail("unsupported tool_choice '{}'", s);
+        bad("tool_choice", "unsupported tool_choice '{}'", s);
     } else if (tc.is_object()) {
       const ojson& fn = tc.contains("function") ? tc["function"] : tc;
       if (!fn.is_object() || !fn.contains("name") || !fn["name"].is_string())
-        fail("tool_choice object needs function.name");
+        bad("tool_choice", "tool_choice object needs function.name (a function named among the tools)");
       const std::string fname = fn["name"].get<std::string>();
       if (std::find(out.tool_names.begin(), out.tool_names.end(), fname) == out.tool_names.end())
-        fail("tool_choice names '{}', which is not among the declared tools", fname);
+        bad("tool_choice", "tool_choice names '{}', which is not among the declared tools", fname);
       out.forced_tool = fname;
       required();
     } else {
-      fail("tool_choice must be a string or an object");
+      bad("tool_choice", "tool_choice must be a string or an object");
     }
   }
 
@@ -451,7 +493,7 @@ ChatPrompt ChatEncoder::encode_request(const ojson& req, const ImageResolver& im
                                                "\nThe JSON data must match the following schema:\n```json\n" +
                                                py_json_dumps(deep_sort(schema), true) + "\n```");
     } else if (type != "text") {
-      fail("unsupported response_format type '{}'", type);
+      bad("response_format", "unsupported response_format type '{}'", type);
     }
   }
 
@@ -469,7 +511,7 @@ ChatPrompt ChatEncoder::encode_request(const ojson& req, const ImageResolver& im
   out.segments = std::move(b.segs);
   std::optional<TokenId> pad;
   if (out.num_images > 0 && !(pad = tok_->special_id("<|media_pad|>")))
-    fail("the tokenizer has no <|media_pad|> token: this model takes no image input");
+    bad("messages", "the tokenizer has no <|media_pad|> token: this model takes no image input");
   for (const auto& s : out.segments) {
     out.text += s.text;
     const size_t before = out.ids.size();
@@ -480,7 +522,7 @@ ChatPrompt ChatEncoder::encode_request(const ojson& req, const ImageResolver& im
     while (a < out.ids.size() && out.ids[a] != *pad) ++a;
     size_t e = a;
     while (e < out.ids.size() && out.ids[e] == *pad) ++e;
-    if (a == e) fail("image {} expanded to no <|media_pad|> tokens", s.image);
+    if (a == e) bad("messages", "image {} expanded to no <|media_pad|> tokens", s.image);
     out.image_pads.emplace_back(a, e);
   }
   return out;

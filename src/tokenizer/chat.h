@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/check.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel::tok {
@@ -51,6 +52,15 @@ struct ChatPrompt {
 // part's JSON and its index (0, 1, ...); returns its expansion or throws (kestrel::Error: a 400).
 using ImageResolver = std::function<ImagePrompt(const nlohmann::ordered_json& part, size_t index)>;
 
+// A malformed chat request: kestrel::Error with the request field at fault ("messages", "tools",
+// "tool_choice", "response_format", "reasoning_effort", "thinking", "chat_template_kwargs"), which the
+// server reports as the 400's `param`.
+class ChatRequestError : public Error {
+ public:
+  ChatRequestError(std::string field, const std::string& msg) : Error(msg), field(std::move(field)) {}
+  std::string field;
+};
+
 class ChatEncoder {
  public:
   explicit ChatEncoder(const Tokenizer& tok);
@@ -58,8 +68,8 @@ class ChatEncoder {
   // request: the JSON body of /v1/chat/completions (messages, tools, tool_choice, response_format,
   // reasoning_effort, thinking / chat_template_kwargs). Image parts are expanded by `images` (one
   // call per part, in render order); without a resolver an image part is an error — a prompt never
-  // carries an image the model would not see. Malformed requests raise kestrel::Error with a message
-  // fit for a 400 response.
+  // carries an image the model would not see. Malformed requests raise ChatRequestError (a
+  // kestrel::Error) with a message fit for a 400 response and the field it is about.
   ChatPrompt encode_request(const nlohmann::ordered_json& request, const ImageResolver& images = {}) const;
   // The same with the prompts given up front: one per image part, in render order (tests, fuzzing).
   ChatPrompt encode_request(const nlohmann::ordered_json& request, const std::vector<ImagePrompt>& images) const;

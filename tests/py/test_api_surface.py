@@ -460,4 +460,14 @@ def test_responses_history_items_and_refusals(server, client):
                          ({"reasoning": {"summary": "auto"}}, "reasoning")):
         resp = post(server, "/v1/responses", {"model": MODEL, "input": "hi", **extra})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (extra, resp.text)
+    # Errors found after the rewrite into a chat request name the Responses fields: a schema keyword of
+    # text.format (a grammar compile), a prompt longer than the context (2048 tokens here), the budget.
+    for extra, param, says in (
+            ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "string", "pattern": "a"}}}},
+             "text", "text.format schema"),
+            ({"input": "hello " * 3000}, "input", "maximum context length"),
+            ({"max_output_tokens": 10**7}, "max_output_tokens", "max_output_tokens")):
+        resp = post(server, "/v1/responses", {"model": MODEL, "input": "hi", **extra})
+        err = resp.json()["error"]
+        assert resp.status_code == 400 and err["param"] == param and says in err["message"], (extra, resp.text)
     assert httpx.get(server.url + "/v1/responses/resp_x").status_code == 404

@@ -214,6 +214,89 @@ def test_json_answers_complete_within_max_tokens(client):
     assert e.value.body["param"] == "complete_within_max_tokens"
 
 
+def test_budget_errors_name_the_field_sent(client):
+    # The budget's errors name the field the client sent: chat's max_completion_tokens, the Responses API's
+    # max_output_tokens (they named max_tokens, which such a client never sent).
+    q = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=q, max_completion_tokens=5, response_format=fmt)
+    assert e.value.body["param"] == "max_completion_tokens"
+    msg = e.value.body["message"]
+    assert msg.startswith("max_completion_tokens is 5, too few") and "raise max_completion_tokens" in msg
+    with pytest.raises(openai.BadRequestError) as e:  # both sent: max_completion_tokens is the one used
+        client.chat.completions.create(model=MODEL, messages=q, max_tokens=500, max_completion_tokens=5,
+                                       response_format=fmt)
+    assert e.value.body["param"] == "max_completion_tokens"
+    with pytest.raises(openai.BadRequestError) as e:  # beyond the context
+        client.chat.completions.create(model=MODEL, messages=q, max_completion_tokens=10**7)
+    assert e.value.body["param"] == "max_completion_tokens" and "or of max_completion_tokens" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=q, max_tokens=5, response_format=fmt)
+    assert e.value.body["param"] == "max_tokens"
+    text = {"format": {"type": "json_schema", "name": "weather", "schema": SCHEMA}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="What is the weather in Oslo?", max_output_tokens=5, text=text)
+    assert e.value.body["param"] == "max_output_tokens"
+    msg = e.value.body["message"]
+    assert msg.startswith("max_output_tokens is 5, too few") and "max_completion_tokens" not in msg
+    for bad in (10**7, -1):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, input="hi", max_output_tokens=bad)
+        assert e.value.body["param"] == "max_output_tokens" and "max_completion_tokens" not in e.value.body["message"]
+    # A budget that fits is answered (the same field, the same request otherwise).
+    r = client.responses.create(model=MODEL, input="What is the weather in Oslo?", max_output_tokens=60, text=text,
+                                reasoning={"effort": "none"}, temperature=0)
+    assert r.status == "completed" and check(SCHEMA, json.loads(r.output_text)) == []
+
+
+def test_min_tokens_yields_to_the_grammars_end(client):
+    # min_tokens holds the stop ids back only while the grammar allows another token (docs/structured-
+    # outputs.md, "min_tokens"): a JSON answer complete before min_tokens ends there (stop, valid). Before,
+    # that step had every id at -inf and the request ended with finish_reason "error".
+    small = {"type": "object", "properties": {"sunny": {"type": "boolean"}}, "required": ["sunny"],
+             "additionalProperties": False}
+    q = [{"role": "user", "content": "Is it sunny in Oslo?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "sun", "strict": True, "schema": small}}
+    for seed in range(2):
+        answers = []
+        for min_tokens in (0, 300):
+            r = client.chat.completions.create(model=MODEL, messages=q, max_tokens=400, temperature=1.0, seed=seed,
+                                               response_format=fmt, reasoning_effort="none",
+                                               extra_body={"min_tokens": min_tokens})
+            c = r.choices[0]
+            assert c.finish_reason == "stop", (min_tokens, c.message.content)
+            assert check(small, json.loads(c.message.content)) == []
+            answers.append((c.message.content, r.usage.completion_tokens))
+        # In chat the answer's closing markup is no stop id, and after it only <|end_of_msg|> may follow: there
+        # is nothing to hold, and the same seed gives the same answer.
+        assert answers[0] == answers[1] and answers[1][1] < 300
+    # A bare document (completions): after the value, whitespace (at most 16 bytes) competes with the end,
+    # so min_tokens within that holds the end back; beyond it the end wins.
+    body = {"response_format": fmt}
+    lengths = {}
+    for min_tokens in (0, 3, 300):
+        r = client.completions.create(model=MODEL, prompt="Is it sunny in Oslo? Answer in JSON:", max_tokens=400,
+                                      temperature=0, extra_body={**body, "min_tokens": min_tokens})
+        c = r.choices[0]
+        assert c.finish_reason == "stop", (min_tokens, c.text)
+        assert check(small, json.loads(c.text)) == []
+        lengths[min_tokens] = r.usage.completion_tokens
+    assert lengths[3] >= 4 and lengths[3] >= lengths[0]
+    held = lengths[0] + 3
+    r = client.completions.create(model=MODEL, prompt="Is it sunny in Oslo? Answer in JSON:", max_tokens=400,
+                                  temperature=0, extra_body={**body, "min_tokens": held})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens >= held + 1
+    assert check(small, json.loads(r.choices[0].text)) == []
+    assert lengths[300] < 300
+    # min_tokens = max_tokens under the budget: complete and valid, within max_tokens.
+    r = client.chat.completions.create(model=MODEL, messages=q, max_tokens=30, temperature=1.0, seed=4,
+                                       response_format={"type": "json_object"}, reasoning_effort="none",
+                                       extra_body={"min_tokens": 30})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 30
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
 def test_pydantic_parse_helper(client):
     # The client's own strict-schema path (what LangChain's json_schema mode uses underneath).
     q = [{"role": "user", "content": "Sam has 4 books. Then Sam gets 3 more. How many books does Sam have now?"}]

@@ -147,6 +147,53 @@ TEST(Chat, ReasoningEffort) {
   EXPECT_EQ(render(R"({"messages":[{"role":"user","content":"x"}],"reasoning_effort":"none"})").text,
             msg(" role=\"user\"", "x") + GEN_RESPONSE);
   EXPECT_THROW(render(R"({"messages":[],"reasoning_effort":"extreme"})"), kestrel::Error);
+  // chat_template_kwargs: the thinking switch, the effort and add_generation_prompt only; another key would
+  // be ignored, so it is refused.
+  EXPECT_EQ(render(R"({"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"enable_thinking":false,
+                       "add_vision_id":null}})").text,
+            msg(" role=\"user\"", "x") + GEN_RESPONSE);
+  EXPECT_EQ(render(R"({"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"add_generation_prompt":false}})").text,
+            msg(" role=\"user\"", "x"));
+  try {
+    render(R"({"messages":[],"chat_template_kwargs":{"add_vision_id":true}})");
+    ADD_FAILURE() << "an unknown chat_template_kwargs key was accepted";
+  } catch (const kestrel::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'add_vision_id'"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(render(R"({"messages":[],"chat_template_kwargs":[1]})"), kestrel::Error);
+  // A tool of another type (OpenAI's custom tools take free-form text) is not a function: refused.
+  try {
+    render(R"({"messages":[],"tools":[{"type":"custom","name":"c"}]})");
+    ADD_FAILURE() << "a custom tool was taken for a function";
+  } catch (const kestrel::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("only function tools"), std::string::npos) << e.what();
+  }
+}
+
+// Every refusal names the request field at fault (the server's 400 `param`).
+TEST(Chat, ErrorsNameTheirField) {
+  auto field_of = [](const std::string& req) -> std::string {
+    try {
+      render(req);
+    } catch (const kestrel::tok::ChatRequestError& e) {
+      return e.field;
+    } catch (const kestrel::Error& e) {
+      return std::string("(no field) ") + e.what();
+    }
+    return "(accepted)";
+  };
+  const std::string u = R"("messages":[{"role":"user","content":"x"}])";
+  EXPECT_EQ(field_of(R"({"messages":[{"role":"robot","content":"x"}]})"), "messages");
+  EXPECT_EQ(field_of(R"({"messages":[{"role":"user","content":[{"type":"input_audio"}]}]})"), "messages");
+  EXPECT_EQ(field_of(R"({"messages":[{"role":"assistant","tool_calls":[{"function":{"name":1}}]}]})"), "messages");
+  EXPECT_EQ(field_of("{" + u + R"(,"tools":[{"type":"custom","name":"c"}]})"), "tools");
+  EXPECT_EQ(field_of("{" + u + R"(,"tools":[{"type":"function","function":{}}]})"), "tools");
+  EXPECT_EQ(field_of("{" + u + R"(,"tool_choice":"sometimes"})"), "tool_choice");
+  EXPECT_EQ(field_of("{" + u + R"(,"response_format":{"type":"yaml"}})"), "response_format");
+  EXPECT_EQ(field_of("{" + u + R"(,"reasoning_effort":"extreme"})"), "reasoning_effort");
+  EXPECT_EQ(field_of("{" + u + R"(,"chat_template_kwargs":{"thinking_effort":"extreme"}})"), "chat_template_kwargs");
+  EXPECT_EQ(field_of("{" + u + R"(,"chat_template_kwargs":{"x":1}})"), "chat_template_kwargs");
+  EXPECT_EQ(field_of("{" + u + R"(,"thinking":"maybe"})"), "thinking");
 }
 
 TEST(Chat, ToolCallsAndResultsMatchedById) {

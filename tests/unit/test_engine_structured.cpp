@@ -6,8 +6,9 @@
 //    an executor wrapper adds +4 to the logits of tokens holding `"` `]` `}` `,` before the engine
 //    samples (the engine, the masks and the sampler are the real ones);
 //  - preemption (recompute) and the prefix cache leave a constrained request's tokens unchanged;
-//  - the end token only where the document may end; a dead end (nesting limit) is an error event for
-//    that request only; free text is sampled without a mask and a refused token drawn again;
+//  - the end token only where the document may end; the nesting limit is never a dead end (with the
+//    budget, complete and valid within max_tokens); free text is sampled without a mask and a refused
+//    token drawn again;
 //  - the pieces: the mask twin, SeqConstraint::sync (rollback / replay) and take (deferred matcher
 //    steps), the mask pool (several threads = the serial results), validate();
 //  - a device executor's masks start once its forward is enqueued (forward_launched), never before its run,
@@ -175,9 +176,12 @@ TEST(EngineStructured, EndTokenOnlyWhereTheDocumentMayEnd) {
   }
 }
 
-// Nesting at the matcher's stack limit where only a deeper value could continue: that request ends
-// with an error event (no token), the request beside it finishes normally, the engine stays ready.
-TEST(EngineStructured, DeadEndIsAnErrorForThatRequestOnly) {
+// Nesting at the matcher's stack limit, where only a deeper value could continue: the masks allow a token
+// only if the document can still be finished within the limit, so a model that always opens another
+// object gets no further than that and no request meets an empty mask (before, such a request ended with
+// an error event). With the budget the answer is complete and valid within max_tokens for every budget
+// from the shortest up; without it, it runs to max_tokens (the model writes "{" into a string forever).
+TEST(EngineStructured, TheNestingLimitNeverDeadEnds) {
   const int32_t brace = int32_t(*nano().tok->base_id("{"));
   EngineConfig cfg;
   cfg.memory_budget = 64 << 20;
@@ -187,20 +191,49 @@ TEST(EngineStructured, DeadEndIsAnErrorForThatRequestOnly) {
   // Every object needs "a", whose value is a string or another such object; 6 frames of nesting.
   const ojson deep = ojson::parse(R"({"anyOf": [{"type": "string"}, {"type": "object", "properties":
       {"a": {"$ref": "#"}}, "required": ["a"], "additionalProperties": false}]})");
+  OutputConstraint c = document(deep, 6);
+  const uint32_t shortest = runtime::SeqConstraint(c.grammar, {end_of_msg()}).min_completion();
   Request r;
   r.prompt = prompt_of("x");
-  r.max_tokens = 1000;  // greedy over equal logits writes the lowest ids: whitespace runs included
-  r.constraint = document(deep, 6);
+  r.constraint = c;
+  r.max_tokens = 300;  // greedy over equal logits writes the lowest ids: whitespace runs included
   ASSERT_TRUE(e.submit(r, sink(0)).accepted());
-  r.constraint = document(ojson::parse(R"({"type": "object", "properties": {"b": {"type": "boolean"}}})"));
-  ASSERT_TRUE(e.submit(r, sink(1)).accepted());
+  r.constraint->complete_within_max_tokens = true;
+  const std::vector<int32_t> budgets = {int32_t(shortest), int32_t(shortest) + 1, int32_t(shortest) + 5, 40, 120};
+  for (size_t i = 0; i < budgets.size(); ++i) {
+    r.max_tokens = budgets[i];
+    ASSERT_TRUE(e.submit(r, sink(int(1 + i))).accepted());
+  }
   e.wait_idle();
-  const Result bad = sink.get(0), good = sink.get(1);
-  EXPECT_EQ(bad.finish, FinishReason::error);
-  EXPECT_NE(bad.error.find("allows no token"), std::string::npos) << bad.error;
-  const std::string text = text_of(bad.tokens);
+  const Result open = sink.get(0);
+  EXPECT_EQ(open.finish, FinishReason::length) << open.error;
+  EXPECT_EQ(open.tokens.size(), 300u);
+  const std::string text = text_of(open.tokens);
   EXPECT_GE(std::count(text.begin(), text.end(), '{'), 2) << text;  // each level takes frames of several rules
-  EXPECT_EQ(good.finish, FinishReason::stop) << good.error;
+  for (size_t i = 0; i < budgets.size(); ++i) {
+    SCOPED_TRACE(budgets[i]);
+    const Result out = sink.get(int(1 + i));
+    ASSERT_EQ(out.finish, FinishReason::stop) << out.error;
+    EXPECT_LE(int32_t(out.tokens.size()), budgets[i]);
+    const json doc = json::parse(text_of(out.tokens), nullptr, false);
+    ASSERT_FALSE(doc.is_discarded()) << text_of(out.tokens);
+    EXPECT_EQ(eval::JsonSchema(json::parse(deep.dump())).validate(doc), "") << text_of(out.tokens);
+  }
+  // A schema whose every document nests deeper than the limit: with the budget, refused at submit naming
+  // the format (no max_tokens would do).
+  std::string chain = R"({"type": "boolean"})";
+  for (int i = 0; i < 8; ++i)
+    chain = R"({"type": "object", "properties": {"a": )" + chain + R"(}, "required": ["a"], "additionalProperties": false})";
+  r.constraint = document(ojson::parse(chain), 6);
+  r.constraint->complete_within_max_tokens = true;
+  r.max_tokens = 300;
+  try {
+    e.submit(r, sink(50));
+    ADD_FAILURE() << "a format with no answer within the nesting limit was accepted";
+  } catch (const RequestError& err) {
+    EXPECT_EQ(err.field, "response_format");
+    EXPECT_NE(std::string(err.what()).find("nesting limit (6 frames"), std::string::npos) << err.what();
+  }
   EXPECT_TRUE(e.ready());
 }
 

@@ -62,6 +62,17 @@ TEST(EngineStructured, CompleteWithinMaxTokensClosesWhatTheModelWouldNot) {
     EXPECT_EQ(err.field, "max_tokens");
     EXPECT_NE(std::string(err.what()).find(std::to_string(shortest) + " tokens"), std::string::npos) << err.what();
   }
+  // The refusal names the budget as the client spelled it (Request::max_tokens_field).
+  r.max_tokens_field = "max_completion_tokens";
+  try {
+    e.submit(r, sink(102));
+    ADD_FAILURE() << "max_tokens below the shortest answer was accepted";
+  } catch (const RequestError& err) {
+    EXPECT_EQ(err.field, "max_completion_tokens");
+    EXPECT_EQ(std::string(err.what()).rfind("max_completion_tokens is ", 0), 0u) << err.what();
+    EXPECT_NE(std::string(err.what()).find("raise max_completion_tokens"), std::string::npos) << err.what();
+  }
+  r.max_tokens_field = "max_tokens";
   e.wait_idle();
   for (size_t i = 0; i < budgets.size(); ++i) {
     SCOPED_TRACE(budgets[i]);

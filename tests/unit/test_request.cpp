@@ -83,6 +83,34 @@ TEST(Validate, PromptVocabularyAndContext) {
   }
 }
 
+// Errors about the budget name the field as the client spelled it (Request::max_tokens_field).
+TEST(Validate, BudgetErrorsNameTheFieldSent) {
+  for (const std::string name : {"max_completion_tokens", "max_output_tokens"}) {
+    SCOPED_TRACE(name);
+    EXPECT_EQ(refused([&](Request& r) { r.max_tokens_field = name, r.max_tokens = 0; }), name);
+    EXPECT_EQ(refused([&](Request& r) { r.max_tokens_field = name, r.max_tokens = 18; }), name);  // past the context
+    Request r = ok();
+    r.max_tokens_field = name;
+    r.max_tokens = 18;
+    try {
+      validate(r, kLimits);
+      ADD_FAILURE() << "accepted 21 tokens in a 20-token context";
+    } catch (const RequestError& e) {
+      EXPECT_NE(std::string(e.what()).find("or of " + name), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find("max_tokens"), std::string::npos) << e.what();
+    }
+    r.max_tokens = 2;
+    r.sampling.min_tokens = 3;
+    try {
+      validate(r, kLimits);
+      ADD_FAILURE() << "accepted min_tokens above the budget";
+    } catch (const RequestError& e) {
+      EXPECT_EQ(e.field, "min_tokens");
+      EXPECT_NE(std::string(e.what()).find(name + " = 2"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Validate, StopsAndMedia) {
   EXPECT_EQ(refused([](Request& r) { r.stop_token_ids = {100}; }), "stop_token_ids");
   EXPECT_EQ(refused([](Request& r) { r.stop_token_ids = {-1}; }), "stop_token_ids");

@@ -53,6 +53,11 @@ TEST(ServerApiParams, UnknownAndUnhonouredFieldsAreRefusedByName) {
   EXPECT_EQ(refused_param({{"messages", json::array()}}, Api::kCompletion), "messages");
   EXPECT_EQ(refused_param({{"user", 5}}, Api::kChat), "user");
   EXPECT_EQ(refused_param({{"model", nullptr}}, Api::kChat), "model");
+  // null means absent, for a field kestrel does not know too (what a client that sends every field it
+  // knows, unset ones as null, sends); the same field with a value is refused.
+  EXPECT_EQ(refused_param({{"store", nullptr}, {"user", nullptr}, {"metadata", nullptr}}, Api::kChat), "");
+  EXPECT_EQ(refused_param({{"suffix", nullptr}, {"service_tier", nullptr}}, Api::kCompletion), "");
+  EXPECT_EQ(refused_param({{"store", false}}, Api::kChat), "store");
   EXPECT_EQ(refused_param({{"best_of", 2}}, Api::kCompletion), "best_of");
   EXPECT_EQ(refused_param({{"best_of", 2}, {"n", 2}}, Api::kCompletion), "");
   EXPECT_EQ(refused_param({{"suffix", "x"}}, Api::kCompletion), "suffix");
@@ -78,6 +83,34 @@ TEST(ServerApiParams, UnknownAndUnhonouredFieldsAreRefusedByName) {
   const GenParams e = parse_gen_params(ojson::parse(R"({"echo": true, "logprobs": 2})"), Api::kCompletion);
   EXPECT_TRUE(e.echo);
   EXPECT_EQ(e.request.sampling.prompt_logprobs, 2);
+}
+
+// The budget's name travels with the request (Request::max_tokens_field), so later errors about it (the
+// context, the structured-output minimum) name the field the client sent.
+TEST(ServerApiParams, TheBudgetKeepsTheNameTheClientGaveIt) {
+  auto field_of = [](const char* body, Api api, const std::string& alias = "max_completion_tokens") {
+    return parse_gen_params(ojson::parse(body), api, alias).request.max_tokens_field;
+  };
+  EXPECT_EQ(field_of(R"({"max_tokens": 5})", Api::kChat), "max_tokens");
+  EXPECT_EQ(field_of(R"({})", Api::kChat), "max_tokens");
+  EXPECT_EQ(field_of(R"({"max_completion_tokens": 5})", Api::kChat), "max_completion_tokens");
+  EXPECT_EQ(field_of(R"({"max_tokens": 9, "max_completion_tokens": 5})", Api::kChat), "max_completion_tokens");
+  EXPECT_EQ(field_of(R"({"max_tokens": 5})", Api::kCompletion), "max_tokens");
+  // The Responses API (its max_output_tokens arrives as max_completion_tokens): its name, sent or not.
+  EXPECT_EQ(field_of(R"({"max_completion_tokens": 5})", Api::kChat, "max_output_tokens"), "max_output_tokens");
+  EXPECT_EQ(field_of(R"({})", Api::kChat, "max_output_tokens"), "max_output_tokens");
+  EXPECT_EQ(refused_param({{"max_completion_tokens", -1}}, Api::kChat), "max_completion_tokens");
+  EXPECT_EQ(refused_param({{"max_completion_tokens", "5"}}, Api::kChat), "max_completion_tokens");
+  for (const char* bad : {R"({"max_completion_tokens": -1})", R"({"max_completion_tokens": 1.5})",
+                          R"({"max_completion_tokens": 0, "min_tokens": 1})"}) {
+    try {
+      parse_gen_params(ojson::parse(bad), Api::kChat, "max_output_tokens");
+      ADD_FAILURE() << bad;
+    } catch (const ApiError& e) {
+      EXPECT_NE(std::string(e.what()).find("max_output_tokens"), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find("max_completion_tokens"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(ServerApiParams, ReasoningEffortMapsOntoTheModelsLevels) {
@@ -188,6 +221,19 @@ TEST(ServerApiResponses, RequestBecomesAChatRequest) {
                           R"({"input": "x", "tools": [{"type": "web_search"}]})", R"({"input": [{"type": "item_reference"}]})",
                           R"({"input": "x", "reasoning": {"summary": "auto"}})", R"({"input": "x", "include": ["a"]})", R"({})"})
     EXPECT_THROW(responses_to_chat(ojson::parse(bad)), ApiError) << bad;
+}
+
+// Errors about the chat body a Responses request became name the fields the client sent.
+TEST(ServerApiResponses, ErrorsNameTheResponsesFields) {
+  const ApiError fmt = responses_error(ApiError(400, "response_format schema /pattern: unsupported keyword", "response_format"));
+  EXPECT_EQ(fmt.param, "text");
+  EXPECT_STREQ(fmt.what(), "text.format schema /pattern: unsupported keyword");
+  EXPECT_EQ(responses_error(ApiError(400, "image input is not supported", "messages")).param, "input");
+  EXPECT_EQ(responses_error(ApiError(400, "x", "reasoning_effort")).param, "reasoning");
+  const ApiError same = responses_error(ApiError(429, "queue full", "tools"));
+  EXPECT_EQ(same.param, "tools");
+  EXPECT_EQ(same.status, 429);
+  EXPECT_STREQ(same.what(), "queue full");
 }
 
 TEST(ServerApiResponses, StreamedToolCallOverHttp) {

@@ -320,5 +320,94 @@ TEST(StructuredBudget, MinCompletionIsAnUpperBoundOnTheFewestTokens) {
   std::printf("min_completion exact at %d of %d configurations\n", tight, total);
 }
 
+// Near the nesting limit (SchemaLimits::max_stack_depth, small here so walks reach it): distances count
+// only the calls that fit in the room left above each frame (CompiledGrammar::near_accept), so the budget
+// bound holds there too, and no mask, budgeted or not, leads where only a deeper value would continue.
+// The schemas: every object needs "a", a string or another such object (at the limit only the string
+// fits, and a string is itself a rule: the last levels must close with one); trees whose children may be
+// empty; nested arrays. Before, a walk that opened as deep as it could reached an empty mask.
+TEST(StructuredBudget, TheBoundHoldsNearTheNestingLimit) {
+  const std::vector<const char*> schemas = {
+      R"({"anyOf": [{"type": "string"}, {"type": "object", "properties": {"a": {"$ref": "#"}},
+          "required": ["a"], "additionalProperties": false}]})",
+      R"({"$defs": {"n": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/n"}}},
+          "required": ["kids"], "additionalProperties": false}}, "$ref": "#/$defs/n"})",
+      R"({"type": "array", "items": {"anyOf": [{"type": "integer"}, {"$ref": "#"}]}, "minItems": 1})"};
+  std::mt19937 rng(11);
+  int checked = 0;
+  for (const char* schema : schemas)
+    for (const uint32_t stack : {5u, 8u}) {
+      SCOPED_TRACE(std::string(schema) + ", stack " + std::to_string(stack));
+      SchemaLimits lim = testing::test_limits();
+      lim.max_stack_depth = stack;
+      const auto g = compile_json_schema(k3_vocab(), ojson::parse(schema), {}, lim);
+      EXPECT_GE(g->near_levels(), 1u) << "finishing needs calls: the room above a frame matters";
+      const eval::JsonSchema validator(json::parse(schema));
+      const uint32_t d0 = Matcher(g, {end_of_msg()}).min_completion();
+      for (uint32_t budget : {d0, d0 + 2, d0 + 10, d0 + 40}) {
+        for (int seed = 0; seed < 4; ++seed) {
+          std::string text;
+          // Adversarial: prefers tokens without a closing byte, so it opens as deep as the masks let it.
+          const auto ids = budget_walk(g, {end_of_msg()}, budget, rng, checked < 150 ? 2 : 0, text, seed == 3);
+          checked += int(ids.size() / 4);
+          ASSERT_FALSE(ids.empty());
+          EXPECT_LE(ids.size(), budget);
+          EXPECT_EQ(ids.back(), end_of_msg());
+          text.resize(text.size() - k3_vocab()->bytes(end_of_msg()).size());
+          const json doc = json::parse(text, nullptr, false);
+          ASSERT_FALSE(doc.is_discarded()) << "not JSON: " << text;
+          EXPECT_EQ(validator.validate(doc), "") << text;
+        }
+      }
+      // Without a budget: walks that open whatever they can never meet an empty mask before the end.
+      for (int w = 0; w < 6; ++w) {
+        const testing::Walk walk = testing::random_walk(g, rng, 200, {end_of_msg()}, "[{", 0.8, 1);
+        EXPECT_EQ(walk.failure, "") << walk.text;
+      }
+      // The bound is still an upper bound on the true fewest, from prefixes at the limit, and the mask is
+      // exact there: bit set <=> accept() takes the id.
+      const testing::Walk deep = testing::random_walk(g, rng, 30, {end_of_msg()}, "[{", 1.0, 1);
+      for (size_t k = 0; k < deep.ids.size() && k < 12; k += 3) {
+        Matcher m(g, {end_of_msg()});
+        for (size_t i = 0; i < k; ++i) ASSERT_TRUE(m.accept(deep.ids[i]));
+        if (m.is_terminated()) break;
+        std::vector<uint32_t> mask(m.mask_words());
+        m.fill_mask(mask.data());
+        for (size_t id = 0; id < k3_vocab()->vocab_size(); ++id) {
+          const bool taken = m.accept(TokenId(id));
+          if (taken) m.rollback(1);
+          ASSERT_EQ(taken, mask_test(mask.data(), TokenId(id))) << "id " << id << " after " << k << " tokens";
+        }
+        const uint32_t bound = m.min_completion();
+        ASSERT_LT(bound, detail::StackDistance::kInf) << "a reachable configuration that cannot finish";
+        EXPECT_LE(fewest_tokens(m, bound), bound);
+      }
+    }
+}
+
+// A chain of required objects as deep as the schema limit allows: each level needs room, so the distances
+// have a level per nesting (near_levels), compiled within the time limit; with a stack too shallow for the
+// chain no document fits at all, and min_completion() says so (kInf) instead of a number.
+TEST(StructuredBudget, RequiredNestingNeedsItsRoom) {
+  std::string schema = R"({"type": "boolean"})";
+  for (int i = 0; i < 40; ++i)
+    schema = R"({"type": "object", "properties": {"a": )" + schema + R"(}, "required": ["a"], "additionalProperties": false})";
+  SchemaLimits lim = testing::test_limits();
+  lim.max_compile_seconds = 60;
+  const auto deep = compile_json_schema(k3_vocab(), ojson::parse(schema), {}, lim);
+  EXPECT_GE(deep->near_levels(), 40u);
+  Matcher m(deep, {end_of_msg()});
+  const uint32_t d0 = m.min_completion();
+  ASSERT_LT(d0, detail::StackDistance::kInf);
+  EXPECT_GE(d0, 40u * 5);  // {"a": per level
+  std::mt19937 rng(5);
+  std::string text;
+  const auto ids = budget_walk(deep, {end_of_msg()}, d0 + 20, rng, 0, text);
+  EXPECT_EQ(ids.back(), end_of_msg());
+  lim.max_stack_depth = 30;
+  const auto shallow = compile_json_schema(k3_vocab(), ojson::parse(schema), {}, lim);
+  EXPECT_EQ(Matcher(shallow, {end_of_msg()}).min_completion(), detail::StackDistance::kInf);
+}
+
 }  // namespace
 }  // namespace kestrel::structured
