@@ -98,7 +98,10 @@ case "${1:-}" in
       [ -n "$b" ] && objcopy --strip-debug "$b" ".gpu-carry/pkg/$n"
     done
     git rev-parse --short HEAD > .gpu-carry/pkg/COMMIT
-    for l in libfmt.so.9 libopenblas.so.0 libgomp.so.1 libgfortran.so.5 libquadmath.so.0 libicuuc.so.72 libicudata.so.72; do
+    # `kestrel` itself also links the image codecs and Open MPI (executor_mpi), which the device image lacks.
+    for l in libfmt.so.9 libopenblas.so.0 libgomp.so.1 libgfortran.so.5 libquadmath.so.0 libicuuc.so.72 libicudata.so.72 \
+             libjpeg.so.62 libpng16.so.16 libwebp.so.7 libxxhash.so.0 libz.so.1 libmpi.so.40 libopen-rte.so.40 \
+             libopen-pal.so.40 libhwloc.so.15 libevent_core-2.1.so.7 libevent_pthreads-2.1.so.7 libudev.so.1; do
       cp -L "$(ldconfig -p | awk -v l="$l" '$1 == l {print $NF; exit}')" .gpu-carry/pkg/lib/
     done
     # Binaries + ICU + OpenBLAS are ~95 MB and the tree (with models/k3-tiny) ~36 MB, against the device
