@@ -1,5 +1,6 @@
-// Engine loop (see engine.h). About 600 lines: the step hooks that tie the executor to the requests — sampling,
-// structured-output masks, speculation, images — stay beside the loop they serve.
+// Engine loop (see engine.h). About 650 lines: the step hooks that tie the executor to the requests — sampling,
+// structured-output masks, speculation, images — stay beside the loop they serve; the mask jobs' start at the
+// forward's launch and min_tokens' held stops read the same per-step state as those hooks.
 #include "runtime/engine.h"
 
 #include <algorithm>
