@@ -75,6 +75,16 @@ unpack() {
   export LD_LIBRARY_PATH="$PWD/.gpu-carry/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
 }
 
+# Waits up to 120 s for `kestrel serve` on 127.0.0.1:PORT to answer /health; returns 1 at once if its process PID
+# has exited (the callers decide whether that ends the mode), 0 when healthy or after the wait (as the loops did).
+wait_healthy() {
+  for _ in $(seq 240); do
+    python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$1/health', timeout=2)" 2>/dev/null && return 0
+    kill -0 "$2" 2>/dev/null || return 1
+    sleep 0.5
+  done
+}
+
 case "${1:-}" in
   pack)
     # An existing build/ (configured as the developer likes) is reused; otherwise configure one. PACK_TARGETS
@@ -210,11 +220,7 @@ case "${1:-}" in
       KESTREL_DRAFT_ON_GPU=$([ "$mode" = spec_gpu_draft ] && echo 1 || echo 0) .gpu-carry/kestrel serve --device cuda --model models/k3-tiny --port "$port" --max-num-seqs 16 \
         --memory-budget 8G "${args[@]}" >"$out/spec_serve_$mode.log" 2>&1 &
       srv=$!
-      for _ in $(seq 240); do
-        python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null && break
-        kill -0 $srv 2>/dev/null || break
-        sleep 0.5
-      done
+      wait_healthy "$port" "$srv" || true
       for c in 1 16; do
         .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --tokenizer models/k3-tiny --input-len 256 --ignore-eos \
           --output-len 128 --num-prompts $(( c == 1 ? 16 : 64 )) --max-concurrency "$c" --num-warmups 2 --no-progress \
@@ -339,12 +345,7 @@ case "${1:-}" in
       >"$out/serve.log" 2>&1 &
     srv=$!
     trap 'kill $srv 2>/dev/null || true' EXIT
-    for _ in $(seq 240); do
-      python3 -c "import urllib.request, sys; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" \
-        2>/dev/null && break
-      kill -0 $srv 2>/dev/null || { tail -20 "$out/serve.log"; exit 1; }
-      sleep 0.5
-    done
+    wait_healthy "$port" "$srv" || { tail -20 "$out/serve.log"; exit 1; }
     mapfile -t files < <(ls "$sets"/*.jsonl | sort -V)
     (
       for f in "${files[@]}"; do
@@ -426,11 +427,7 @@ case "${1:-}" in
     .gpu-carry/kestrel serve --device cuda --model "$ck/mini" --port "$port" --max-num-seqs 64 \
       --gpu-memory-utilization 0.5 >"$out/perf/serve.log" 2>&1 &
     srv=$!
-    for _ in $(seq 240); do
-      python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null && break
-      kill -0 $srv 2>/dev/null || break
-      sleep 0.5
-    done
+    wait_healthy "$port" "$srv" || true
     for c in 1 64; do
       n=$(( c == 1 ? 16 : 192 ))
       timeout "${5:-$(left)}" .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --tokenizer "$ck/mini" \
@@ -446,11 +443,7 @@ case "${1:-}" in
       .gpu-carry/kestrel serve --device cuda --model models/k3-tiny --port "$port" --max-num-seqs 4 \
         --max-model-len 1056768 --memory-budget 8G >"$out/perf/serve_1m.log" 2>&1 &
       srv=$!
-      for _ in $(seq 240); do
-        python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null && break
-        kill -0 $srv 2>/dev/null || break
-        sleep 0.5
-      done
+      wait_healthy "$port" "$srv" || true
       timeout "$(left)" python3 bench/gpu/passkey_long.py --base-url "http://127.0.0.1:$port" --set "$pk" 2>&1 \
         | tee "$out/perf/passkey_1m.log" || true
       kill $srv 2>/dev/null; wait $srv 2>/dev/null || true
@@ -485,11 +478,7 @@ case "${1:-}" in
       .gpu-carry/kestrel serve --device cuda --model "$model" --served-model-name soak --port "$port" --debug-routes \
         --max-queue 4096 $3 >"$out/soak_${name}_serve.log" 2>&1 &
       srv=$!
-      for _ in $(seq 240); do
-        python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null && break
-        kill -0 $srv 2>/dev/null || { tail -20 "$out/soak_${name}_serve.log"; status=1; return; }
-        sleep 0.5
-      done
+      wait_healthy "$port" "$srv" || { tail -20 "$out/soak_${name}_serve.log"; status=1; return; }
       # shellcheck disable=SC2086
       timeout "${5:-$(left)}" .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --model soak --tokenizer "$model" \
         --server-pid "$srv" --no-progress --ignore-eos --soak-settle 1 $4 --result-file "$out/soak_$name.json" \
