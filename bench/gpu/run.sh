@@ -197,15 +197,27 @@ case "${1:-}" in
   spec)
     # DSpark speculation on the GPU (issue #19, docs/speculative.md): the nano checkpoint and its random draft,
     # GpuSpec.* (verify rows, taps and the KDA keep against decodes and the CPU model; the GPU engine with
-    # speculation against without, preemption and prefix hits; the agreeing draft), then k3-tiny served with
-    # and without models/k3-tiny-dspark (`kestrel serve --device cuda --speculative-config`) and measured by
-    # `kestrel bench` at c = 1 and 16 (acceptance length in its Speculative Decoding section), the draft on the
-    # host and then on the GPU (KESTREL_DRAFT_ON_GPU=1). Extra arguments go to the test binary.
+    # speculation against without, preemption and prefix hits; the agreeing draft); then TPOT with and without
+    # speculation through `kestrel serve --device cuda` + `kestrel bench` (256 in / 128 out, --ignore-eos,
+    # random prompts; acceptance length from the server's /metrics): k3-tiny with models/k3-tiny-dspark at
+    # c = SPEC_CONC (default 1 8 32) in SPEC_MODES (plain, host: the draft on the host, gpu: the draft on the
+    # device, KESTREL_DRAFT_ON_GPU=1), and the reduced mini with a random draft at real dimensions (make_draft.py
+    # --config mini, 5 layers; its taps inside the 4 layers) at c = 1, plain and gpu: the cost of one speculative
+    # step at real shapes. spec_keys.py turns the result files into perf.json's dspark_* keys ($OUT/perf.json, a
+    # copy of bench/gpu/perf.json with its "dspark" section replaced). Extra arguments go to the test binary.
     out="${OUT:-/tmp}"
     ck=/tmp/kestrel_ckpt
     mkdir -p "$ck"
     [ -f "$ck/nano/config.json" ] || python3 reference/make_checkpoint.py --config nano --out "$ck/nano" --seed 1 --no-vision >/dev/null
     [ -f "$ck/nano-dspark/config.json" ] || python3 reference/make_draft.py --config nano --out "$ck/nano-dspark" --seed 1 >/dev/null
+    # The reduced mini and its draft are made while the tests run (about a minute: the draft is 2.3 B parameters).
+    (
+      [ -f "$ck/mini/config.json" ] || python3 reference/make_checkpoint.py --config mini --out "$ck/mini" --seed 1 \
+        --fast-experts --no-vision --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 >/dev/null
+      [ -f "$ck/mini-dspark/config.json" ] || python3 reference/make_draft.py --config mini --out "$ck/mini-dspark" --seed 1 \
+        --override vocab_size=8192 --override 'target_layer_ids=[0,1,2,3]' >/dev/null
+    ) &
+    mk=$!
     export KESTREL_GPU_CKPTS="$ck/nano" KESTREL_GPU_DSPARK="$ck/nano-dspark"
     "$self" test --gtest_filter='GpuSpec.*' "${@:2}" 2>&1 | tee "$out/gpu_spec_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -40 || true
     unpack
@@ -214,20 +226,35 @@ case "${1:-}" in
       export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
     fi
     port=18126
-    for mode in plain spec spec_gpu_draft; do
-      args=()
-      [ "$mode" != plain ] && args=(--speculative-config '{"method":"dspark","model":"models/k3-tiny-dspark","num_speculative_tokens":7}')
-      KESTREL_DRAFT_ON_GPU=$([ "$mode" = spec_gpu_draft ] && echo 1 || echo 0) .gpu-carry/kestrel serve --device cuda --model models/k3-tiny --port "$port" --max-num-seqs 16 \
-        --memory-budget 8G "${args[@]}" >"$out/spec_serve_$mode.log" 2>&1 &
-      srv=$!
-      wait_healthy "$port" "$srv" || true
-      for c in 1 16; do
-        .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --tokenizer models/k3-tiny --input-len 256 --ignore-eos \
-          --output-len 128 --num-prompts $(( c == 1 ? 16 : 64 )) --max-concurrency "$c" --num-warmups 2 --no-progress \
-          2>&1 | tee "$out/spec_bench_${mode}_c$c.log" | tail -30 || true
+    # spec_run NAME MODEL DRAFT MODE C...: one server, kestrel bench at each concurrency → $out/spec_NAME_MODE_cC.json
+    spec_run() {
+      local name=$1 model=$2 draft=$3 mode=$4 c n
+      shift 4
+      local args=()
+      [ "$mode" != plain ] && args=(--speculative-config "{\"method\":\"dspark\",\"model\":\"$draft\",\"num_speculative_tokens\":7}")
+      KESTREL_DRAFT_ON_GPU=$([ "$mode" = gpu ] && echo 1 || echo 0) .gpu-carry/kestrel serve --device cuda --model "$model" \
+        --port "$port" --max-num-seqs 32 --memory-budget 16G "${args[@]}" >"$out/spec_serve_${name}_$mode.log" 2>&1 &
+      local srv=$!
+      wait_healthy "$port" "$srv" || { echo "spec: $name $mode: the server did not come up"; tail -5 "$out/spec_serve_${name}_$mode.log"; return 0; }
+      for c in "$@"; do
+        n=$(( c == 1 ? 16 : 2 * c ))
+        .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --tokenizer "$model" --input-len 256 --ignore-eos \
+          --output-len 128 --num-prompts "$n" --max-concurrency "$c" --num-warmups 2 --no-progress \
+          --result-file "$out/spec_${name}_${mode}_c$c.json" >"$out/spec_bench_${name}_${mode}_c$c.log" 2>&1 || true
+        grep -E "TPOT|Acceptance length|Output token throughput" "$out/spec_bench_${name}_${mode}_c$c.log" | sed "s/^/$name $mode c=$c: /"
       done
       kill $srv 2>/dev/null; wait $srv 2>/dev/null || true
+    }
+    for mode in ${SPEC_MODES:-plain host gpu}; do
+      spec_run k3tiny models/k3-tiny models/k3-tiny-dspark "$mode" ${SPEC_CONC:-1 8 32}
     done
+    wait "$mk" || true
+    for mode in ${SPEC_MINI_MODES:-plain gpu}; do
+      spec_run mini "$ck/mini" "$ck/mini-dspark" "$mode" 1
+    done
+    cp bench/gpu/perf.json "$out/perf.json" 2>/dev/null || true
+    python3 bench/gpu/spec_keys.py --dir "$out" --perf "$out/perf.json" --commit "$(cat .gpu-carry/COMMIT 2>/dev/null)" \
+      --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" || true
     ;;
   structured)
     # Structured outputs (issue #20): the GPU tests (token-mask kernel vs its twin, masked sampling, constrained
