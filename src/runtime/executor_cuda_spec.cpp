@@ -18,11 +18,14 @@ void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const s
   sp.blocks.assign(order.size(), {});
   sp.tokens.assign(order.size(), {});
   sp.results.assign(order.size(), {});
+  sp.greedy.assign(order.size(), 0);
+  sp.target_ids.clear();
   for (size_t i = 0; i < order.size(); ++i) {
     const sched::ScheduledSeq& x = *order[i];
     if (x.num_draft == 0) continue;
     KCHECK(bool(hooks.sampling_inputs) && bool(hooks.take_tokens), "executor: speculation without its hooks");
     const StepHooks::SamplingInputs si = hooks.sampling_inputs(x);
+    sp.greedy[i] = si.params->temperature == 0.0f;
     // The draft's caches are indexed by the target's page ids (spec_executor.h).
     if (gdraft) {
       // §5: the block [anchor, mask × (Nb−1)] at start on the device; the Markov chain in draft_block.
@@ -70,12 +73,21 @@ void verify_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, model::CudaModel
       st.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       continue;
     }
-    // Verify with the request's rule (greedy, token or block), as the CPU executor does.
-    KCHECK(first_row[i] >= 0 && size_t((first_row[i] + x.end - x.start) * V) <= logits.size(),
-           "executor: request {}: its verify rows are not on the host", x.id);
+    // Verify with the request's rule (greedy, token or block), as the CPU executor does; a greedy block from
+    // the device's argmax of its rows when the executor computed it (verify_step's greedy rule on those ids).
+    const int64_t T = x.end - x.start;
     const StepHooks::SamplingInputs si = hooks.sampling_inputs(x);
-    const VerifyOutcome o = verify_step(*si.params, spec.serving().rejection, logits.data() + first_row[i] * V,
-                                        sp.blocks[i].q.data(), sp.blocks[i].tokens, V, uint64_t(si.output.size()));
+    VerifyOutcome o;
+    if (sp.greedy[i] && !sp.target_ids.empty()) {
+      KCHECK(first_row[i] >= 0 && size_t(first_row[i] + T) <= sp.target_ids.size(),
+             "executor: request {}: its verify rows have no device argmax", x.id);
+      o = verify_greedy(std::span<const int32_t>(sp.target_ids.data() + first_row[i], size_t(T)), sp.blocks[i].tokens);
+    } else {
+      KCHECK(first_row[i] >= 0 && size_t((first_row[i] + T) * V) <= logits.size(),
+             "executor: request {}: its verify rows are not on the host", x.id);
+      o = verify_step(*si.params, spec.serving().rejection, logits.data() + first_row[i] * V, sp.blocks[i].q.data(),
+                      sp.blocks[i].tokens, V, uint64_t(si.output.size()));
+    }
     ++st.spec_drafts;
     st.spec_draft_tokens += x.num_draft;
     st.spec_accepted_tokens += o.accepted;
