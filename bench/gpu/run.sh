@@ -200,24 +200,26 @@ case "${1:-}" in
     # speculation against without, preemption and prefix hits; the agreeing draft), then k3-tiny served with
     # and without models/k3-tiny-dspark (`kestrel serve --device cuda --speculative-config`) and measured by
     # `kestrel bench` at c = 1 and 16 (acceptance length in its Speculative Decoding section), the draft on the
-    # host and then on the GPU (KESTREL_DRAFT_ON_GPU=1). Extra arguments go to the test binary.
+    # host and then on the GPU (KESTREL_DRAFT_ON_GPU=1), that last once more with the verify steps eager
+    # (KESTREL_SPEC_GRAPHS=0: the A/B of GpuSpecGraph's verify graphs). Extra arguments go to the test binary.
     out="${OUT:-/tmp}"
     ck=/tmp/kestrel_ckpt
     mkdir -p "$ck"
     [ -f "$ck/nano/config.json" ] || python3 reference/make_checkpoint.py --config nano --out "$ck/nano" --seed 1 --no-vision >/dev/null
     [ -f "$ck/nano-dspark/config.json" ] || python3 reference/make_draft.py --config nano --out "$ck/nano-dspark" --seed 1 >/dev/null
     export KESTREL_GPU_CKPTS="$ck/nano" KESTREL_GPU_DSPARK="$ck/nano-dspark"
-    "$self" test --gtest_filter='GpuSpec.*' "${@:2}" 2>&1 | tee "$out/gpu_spec_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -40 || true
+    "$self" test --gtest_filter='GpuSpec.*:GpuSpecGraph.*' "${@:2}" 2>&1 | tee "$out/gpu_spec_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -40 || true
     unpack
     if ! ldd .gpu-carry/kestrel | grep -q "libcublasLt.so.13 => /"; then
       d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
       export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
     fi
     port=18126
-    for mode in plain spec spec_gpu_draft; do
+    for mode in plain spec spec_gpu_draft spec_gpu_draft_eager; do
       args=()
       [ "$mode" != plain ] && args=(--speculative-config '{"method":"dspark","model":"models/k3-tiny-dspark","num_speculative_tokens":7}')
-      KESTREL_DRAFT_ON_GPU=$([ "$mode" = spec_gpu_draft ] && echo 1 || echo 0) .gpu-carry/kestrel serve --device cuda --model models/k3-tiny --port "$port" --max-num-seqs 16 \
+      KESTREL_SPEC_GRAPHS=$([ "$mode" = spec_gpu_draft_eager ] && echo 0 || echo 1) \
+      KESTREL_DRAFT_ON_GPU=$([ "${mode#spec_gpu_draft}" != "$mode" ] && echo 1 || echo 0) .gpu-carry/kestrel serve --device cuda --model models/k3-tiny --port "$port" --max-num-seqs 16 \
         --memory-budget 8G "${args[@]}" >"$out/spec_serve_$mode.log" 2>&1 &
       srv=$!
       wait_healthy "$port" "$srv" || true
