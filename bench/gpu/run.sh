@@ -201,7 +201,8 @@ case "${1:-}" in
     # speculation through `kestrel serve --device cuda` + `kestrel bench` (256 in / 128 out, --ignore-eos,
     # random prompts; acceptance length from the server's /metrics): k3-tiny with models/k3-tiny-dspark at
     # c = SPEC_CONC (default 1 8 32) in SPEC_MODES (plain, host: the draft on the host, gpu: the draft on the
-    # device, KESTREL_DRAFT_ON_GPU=1), and the reduced mini with a random draft at real dimensions (make_draft.py
+    # device, KESTREL_DRAFT_ON_GPU=1, gpueager: gpu with the verify steps eager, KESTREL_SPEC_GRAPHS=0, the A/B
+    # of the verify graphs), and the reduced mini with a random draft at real dimensions (make_draft.py
     # --config mini, 5 layers; its taps inside the 4 layers) at c = 1, plain and gpu: the cost of one speculative
     # step at real shapes. spec_keys.py turns the result files into perf.json's dspark_* keys ($OUT/perf.json, a
     # copy of bench/gpu/perf.json with its "dspark" section replaced). Extra arguments go to the test binary.
@@ -219,7 +220,7 @@ case "${1:-}" in
     ) &
     mk=$!
     export KESTREL_GPU_CKPTS="$ck/nano" KESTREL_GPU_DSPARK="$ck/nano-dspark"
-    "$self" test --gtest_filter='GpuSpec.*' "${@:2}" 2>&1 | tee "$out/gpu_spec_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -40 || true
+    "$self" test --gtest_filter='GpuSpec.*:GpuSpecGraph.*' "${@:2}" 2>&1 | tee "$out/gpu_spec_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -40 || true
     unpack
     if ! ldd .gpu-carry/kestrel | grep -q "libcublasLt.so.13 => /"; then
       d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
@@ -232,7 +233,8 @@ case "${1:-}" in
       shift 4
       local args=()
       [ "$mode" != plain ] && args=(--speculative-config "{\"method\":\"dspark\",\"model\":\"$draft\",\"num_speculative_tokens\":7}")
-      KESTREL_DRAFT_ON_GPU=$([ "$mode" = gpu ] && echo 1 || echo 0) .gpu-carry/kestrel serve --device cuda --model "$model" \
+      KESTREL_SPEC_GRAPHS=$([ "$mode" = gpueager ] && echo 0 || echo 1) \
+      KESTREL_DRAFT_ON_GPU=$([ "${mode#gpu}" != "$mode" ] && echo 1 || echo 0) .gpu-carry/kestrel serve --device cuda --model "$model" \
         --port "$port" --max-num-seqs 32 --memory-budget 16G "${args[@]}" >"$out/spec_serve_${name}_$mode.log" 2>&1 &
       local srv=$!
       wait_healthy "$port" "$srv" || { echo "spec: $name $mode: the server did not come up"; tail -5 "$out/spec_serve_${name}_$mode.log"; return 0; }
@@ -245,7 +247,7 @@ case "${1:-}" in
       done
       kill $srv 2>/dev/null; wait $srv 2>/dev/null || true
     }
-    for mode in ${SPEC_MODES:-plain host gpu}; do
+    for mode in ${SPEC_MODES:-plain host gpu gpueager}; do
       spec_run k3tiny models/k3-tiny models/k3-tiny-dspark "$mode" ${SPEC_CONC:-1 8 32}
     done
     wait "$mk" || true

@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <span>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -92,12 +94,18 @@ struct CudaExecutor::Impl {
   std::unordered_map<cache::RequestId, Media> media;
   std::unique_ptr<SpecDrafter> spec;         // options.speculative: the draft's rules (and host caches)
   std::unique_ptr<model::CudaDraft> gdraft;  // options.draft_on_gpu: the draft on the device
+  // Greedy verify blocks verified on their rows' device argmax (KESTREL_SPEC_DEVICE_GREEDY=0: on the host
+  // from the rows' logits, as sampled blocks are).
+  bool device_greedy = true;
   Impl(model::CudaModel& mm, const ModelConfig& c, const CacheFormats& f, const cache::CacheConfig& cc)
       : m(mm),
         V(c.text.vocab_size),
         D(c.text.hidden_size),
         pad(c.media_placeholder_token_id),
-        cache(mm.new_cache(cc.num_pages, cc.num_state_slots, f)) {}
+        cache(mm.new_cache(cc.num_pages, cc.num_state_slots, f)) {
+    const char* e = std::getenv("KESTREL_SPEC_DEVICE_GREEDY");
+    device_greedy = !(e && std::string_view(e) == "0");
+  }
   // Where a step's time goes (ExecutorStats::launch_seconds, forward_done_seconds, mask_late_*): an event on
   // the idle stream as the step begins and one after the forward.
   cudaEvent_t ev_start = nullptr, ev_forward = nullptr;
@@ -371,20 +379,36 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   if (mask_rows > 0 && !params.empty()) m.stage_masks(masks);
   // Rows that go to the host raw (every-row dumps, logprobs, verify blocks) are copied before the device
   // sampler penalises its rows in place; fallback rows after, already penalised.
+  // Greedy verify blocks (unless KESTREL_SPEC_DEVICE_GREEDY=0): every verify row's argmax on the device (the
+  // verify sequences' rows are contiguous), only the ids back; their logits stay on the device.
+  auto dev_greedy = [&](size_t i) { return impl_->device_greedy && order[i]->num_draft > 0 && sp.greedy[i]; };
+  int64_t vlo = -1, vhi = -1;  // the verify rows [vlo, vhi)
+  bool any_dev_greedy = false;
+  for (size_t i = 0; i < order.size(); ++i) {
+    if (order[i]->num_draft == 0) continue;
+    if (vlo < 0) vlo = first_row[i];
+    vhi = first_row[i] + order[i]->end - order[i]->start;
+    any_dev_greedy = any_dev_greedy || dev_greedy(i);
+  }
+  if (any_dev_greedy) {
+    sp.target_ids.assign(size_t(rows), -1);
+    m.greedy_rows(vlo, vhi - vlo, sp.target_ids.data() + vlo);
+  }
   std::vector<float> logits;  // f32 [rows, V]
   bool host_raw = false, verify_rows = false;
   for (size_t i = 0; i < order.size(); ++i) {
     host_raw = host_raw || all[i] || (order[i]->sample && order[i]->num_draft == 0 && dev_id[i] == -2);
-    verify_rows = verify_rows || order[i]->num_draft > 0;
+    verify_rows = verify_rows || (order[i]->num_draft > 0 && !dev_greedy(i));
   }
   if (host_raw || verify_rows) logits.resize(size_t(rows * V));
   if (host_raw) {
     m.copy_logits(logits.data());
-  } else if (verify_rows) {  // only the verify blocks' rows
+  } else if (verify_rows) {  // only the rows of the verify blocks the host verifies
     for (size_t i = 0; i < order.size(); ++i)
-      if (order[i]->num_draft > 0)
+      if (order[i]->num_draft > 0 && !dev_greedy(i))
         m.copy_logits_rows(first_row[i], order[i]->end - order[i]->start, logits.data() + first_row[i] * V);
   }
+  if (!any_dev_greedy) sp.target_ids.clear();
   // Speculation: verify each block (the KDA state kept after its last accepted position), then every
   // sequence's committed rows' taps into the draft's caches.
   if (spec) verify_blocks(*spec, impl_->gdraft.get(), m, cc, order, hooks, logits, first_row, V, sp, stats_);

@@ -26,10 +26,12 @@
 // Speculation (options.speculative; docs/speculative.md): a decode with num_draft > 0 is drafted on the host
 // before the forward (SpecDrafter, the CPU twin's draft over host caches), runs [anchor, drafts] as a verify
 // sequence of the same batched forward (model::CudaSeq::verify: decode forms row by row, every row's logits,
-// KDA state traced per position), and after it the rows' logits come to the host for verify_step; the KDA
-// state after the last accepted position is kept on the device (CudaModel::keep_verified) and the taps of
-// every committed row (copied back from the device) go into the draft's caches. Steps with a draft loaded run
-// eagerly (no graph buckets).
+// KDA state traced per position), and after it the rows' logits come to the host for verify_step (a greedy
+// request's: only its rows' device argmax, CudaModel::greedy_rows; KESTREL_SPEC_DEVICE_GREEDY=0: logits); the
+// KDA state after the last accepted position is kept on the device (CudaModel::keep_verified) and the taps of
+// every committed row (copied back from the device) go into the draft's caches. With cuda_graphs, a step of
+// verify sequences only, all of one length, and a pure decode step with taps, go through graph buckets
+// (model/cuda/graphs.h; KESTREL_SPEC_GRAPHS=0: eager); mixed steps run eagerly.
 //
 // The scheduler is unchanged: it only sees StepPlans and StepResults.
 #pragma once
@@ -69,7 +71,8 @@ struct CudaExecutorOptions {
   // taps of every row copied back for the draft. One rank only (not with follower).
   std::optional<SpecServing> speculative;
   // With speculative: the draft runs on this GPU (model/cuda/dspark.h: injection from the device taps, the
-  // block's layers and lm_head on the device, the Markov chain on the host) instead of on the host.
+  // block's layers and lm_head on the device, the Markov chain on the host — on the device for greedy picks,
+  // KESTREL_DRAFT_CHAIN_ON_GPU=0: on the host) instead of on the host.
   bool draft_on_gpu = false;
 };
 

@@ -2,6 +2,8 @@
 #include "runtime/executor_cuda_spec.h"
 
 #include <chrono>
+#include <cstdlib>
+#include <string_view>
 
 #include "core/check.h"
 #include "model/cuda/cuda_model.h"
@@ -9,6 +11,18 @@
 #include "runtime/spec_decode.h"
 
 namespace kestrel::runtime {
+
+namespace {
+// The GPU draft's greedy Markov chain on the device (KESTREL_DRAFT_CHAIN_ON_GPU=0: on the host from copied
+// base logits, as sampled picks always are).
+bool chain_on_device() {
+  static const bool on = [] {
+    const char* e = std::getenv("KESTREL_DRAFT_CHAIN_ON_GPU");
+    return !(e && std::string_view(e) == "0");
+  }();
+  return on;
+}
+}  // namespace
 
 void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const sched::ScheduledSeq* const> order,
                   const StepHooks& hooks, SpecStep& sp, ExecutorStats& st) {
@@ -18,21 +32,39 @@ void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const s
   sp.blocks.assign(order.size(), {});
   sp.tokens.assign(order.size(), {});
   sp.results.assign(order.size(), {});
+  sp.greedy.assign(order.size(), 0);
+  sp.target_ids.clear();
   for (size_t i = 0; i < order.size(); ++i) {
     const sched::ScheduledSeq& x = *order[i];
     if (x.num_draft == 0) continue;
     KCHECK(bool(hooks.sampling_inputs) && bool(hooks.take_tokens), "executor: speculation without its hooks");
     const StepHooks::SamplingInputs si = hooks.sampling_inputs(x);
+    sp.greedy[i] = si.params->temperature == 0.0f;
     // The draft's caches are indexed by the target's page ids (spec_executor.h).
-    if (gdraft) {
-      // §5: the block [anchor, mask × (Nb−1)] at start on the device; the Markov chain in draft_block.
-      std::vector<int32_t> blk(size_t(dc.block_size), dc.mask_token_id);  // i32 [Nb]
-      blk[0] = x.tokens[0];
-      base.resize(size_t(dc.block_size) * size_t(dc.vocab_size));
-      gdraft->base_logits(x.block_table, x.start, blk, base.data());
+    // §5: the block [anchor, mask × (Nb−1)] at start.
+    std::vector<int32_t> blk(size_t(dc.block_size), dc.mask_token_id);  // i32 [Nb]
+    blk[0] = x.tokens[0];
+    const SpecServing& sv = spec.serving();
+    if (gdraft && chain_on_device() && (sp.greedy[i] || sv.draft_greedy) && sv.draft_topk == 0 && !sv.oracle) {
+      // Greedy picks: the Markov chain on the device too (CudaDraft::greedy_tokens), only the γ tokens back;
+      // q_i one-hot as draft_pick makes it, needed only by a sampled request's verification.
+      SpecDrafter::Block& b = sp.blocks[i];
+      b.tokens.resize(size_t(x.num_draft));
+      gdraft->greedy_tokens(x.block_table, x.start, blk, x.num_draft, b.tokens.data());
+      if (!sp.greedy[i]) {
+        const int64_t V = dc.vocab_size;
+        b.q.assign(size_t(x.num_draft * V), 0.0);
+        for (int64_t t = 0; t < x.num_draft; ++t) b.q[size_t(t * V + b.tokens[size_t(t)])] = 1.0;
+      }
+    } else {
+      // The base logits on the device (GPU draft) or the whole draft on the host; the chain in draft_block.
+      if (gdraft) {
+        base.resize(size_t(dc.block_size) * size_t(dc.vocab_size));
+        gdraft->base_logits(x.block_table, x.start, blk, base.data());
+      }
+      sp.blocks[i] = spec.draft_block(x.id, x.block_table, x.start, x.tokens[0], x.num_draft, *si.params,
+                                      uint64_t(si.output.size()), gdraft ? base.data() : nullptr);
     }
-    sp.blocks[i] = spec.draft_block(x.id, x.block_table, x.start, x.tokens[0], x.num_draft, *si.params,
-                                    uint64_t(si.output.size()), gdraft ? base.data() : nullptr);
     sp.tokens[i] = {x.tokens[0]};
     sp.tokens[i].insert(sp.tokens[i].end(), sp.blocks[i].tokens.begin(), sp.blocks[i].tokens.end());
   }
@@ -70,12 +102,21 @@ void verify_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, model::CudaModel
       st.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       continue;
     }
-    // Verify with the request's rule (greedy, token or block), as the CPU executor does.
-    KCHECK(first_row[i] >= 0 && size_t((first_row[i] + x.end - x.start) * V) <= logits.size(),
-           "executor: request {}: its verify rows are not on the host", x.id);
+    // Verify with the request's rule (greedy, token or block), as the CPU executor does; a greedy block from
+    // the device's argmax of its rows when the executor computed it (verify_step's greedy rule on those ids).
+    const int64_t T = x.end - x.start;
     const StepHooks::SamplingInputs si = hooks.sampling_inputs(x);
-    const VerifyOutcome o = verify_step(*si.params, spec.serving().rejection, logits.data() + first_row[i] * V,
-                                        sp.blocks[i].q.data(), sp.blocks[i].tokens, V, uint64_t(si.output.size()));
+    VerifyOutcome o;
+    if (sp.greedy[i] && !sp.target_ids.empty()) {
+      KCHECK(first_row[i] >= 0 && size_t(first_row[i] + T) <= sp.target_ids.size(),
+             "executor: request {}: its verify rows have no device argmax", x.id);
+      o = verify_greedy(std::span<const int32_t>(sp.target_ids.data() + first_row[i], size_t(T)), sp.blocks[i].tokens);
+    } else {
+      KCHECK(first_row[i] >= 0 && size_t((first_row[i] + T) * V) <= logits.size(),
+             "executor: request {}: its verify rows are not on the host", x.id);
+      o = verify_step(*si.params, spec.serving().rejection, logits.data() + first_row[i] * V, sp.blocks[i].q.data(),
+                      sp.blocks[i].tokens, V, uint64_t(si.output.size()));
+    }
     ++st.spec_drafts;
     st.spec_draft_tokens += x.num_draft;
     st.spec_accepted_tokens += o.accepted;

@@ -25,6 +25,10 @@ struct SpecStep {
   std::vector<SpecDrafter::Block> blocks;   // the drafted tokens and q_i (f64 [γ, V])
   std::vector<std::vector<int32_t>> tokens;  // i32 [1 + γ]: the verify sequence's rows, anchor first
   std::vector<sched::SeqResult> results;     // what take_tokens returned for each verified sequence
+  std::vector<uint8_t> greedy;               // the request samples greedily (temperature 0): verify on ids
+  // i32 [step rows]: each verify row's target argmax, computed on the device (CudaModel::greedy_rows) when a
+  // greedy block is in the step — then only these ids crossed to the host, not the rows' logits; empty: none.
+  std::vector<int32_t> target_ids;
 };
 
 // Drafts every speculative decode of `order` (num_draft > 0) over the draft's caches, which hold [0, start):
@@ -33,7 +37,8 @@ void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const s
                   const StepHooks& hooks, SpecStep& sp, ExecutorStats& st);
 
 // After the forward: verifies each speculative decode from its rows' logits (host f32 [rows, V]; a sequence's
-// rows start at first_row[i]), keeps the device KDA state after its last accepted position
+// rows start at first_row[i]) or, for a greedy request when sp.target_ids is filled, from its rows' device
+// argmax there (the same ids: argmax_rows and the host's argmax both take the lower id on a tie), keeps the device KDA state after its last accepted position
 // (CudaModel::keep_verified, k-th verify sequence = k-th speculative decode of `order`), emits its tokens
 // (take_tokens, results in sp.results), and injects the taps of every sequence's committed rows (all rows of
 // a plain sequence, anchor + accepted of a verified one) into the draft's caches (the GPU draft's straight

@@ -24,7 +24,8 @@
 //  4. GpuSpec.DraftOpsMatchTwins: the draft's own kernels (kernels/cuda/dspark.h) against their CPU twins.
 //  5. GpuSpec.DraftMatchesCpuTwin: the GPU draft (model/cuda/dspark.h) injected with the GPU target's taps of a
 //     prompt gives the base logits of the CPU draft (model::Draft) injected with the same taps (rel L2 ≤ 2e-2),
-//     and the same greedy draft tokens except at near ties.
+//     and the same greedy draft tokens except at near ties; its greedy chain on the device (greedy_tokens) gives
+//     exactly the host chain's tokens over the GPU base logits.
 // Tests 2 and 3 run with the draft on the host and on the GPU (CudaExecutorOptions::draft_on_gpu).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -562,6 +563,13 @@ TEST(GpuSpec, DraftMatchesCpuTwin) {
     EXPECT_LT(cgaps[size_t(i)], 1e-2) << "draft token " << i << " differs where the CPU draft's logits are no near tie";
     break;  // later tokens follow another chain
   }
+  // The greedy chain on the device (CudaDraft::greedy_tokens, the executor's greedy path): from the same GPU
+  // base logits, the host chain's bits, so exactly the host chain's tokens — all Nb, and a shorter run.
+  std::vector<int32_t> dev(static_cast<size_t>(Nb), -7), dev3(3, -7);
+  gd->greedy_tokens(table, ctx, blk, Nb, dev.data());
+  gd->greedy_tokens(table, ctx, blk, 3, dev3.data());
+  EXPECT_EQ(dev, gt) << "the device Markov chain differs from the host chain over the same base logits";
+  EXPECT_EQ(dev3, std::vector<int32_t>(gt.begin(), gt.begin() + 3));
 }
 
 }  // namespace

@@ -16,7 +16,10 @@
 // Config parsing errors are checked at the end. Bounds state the value measured when they were chosen.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <cstdlib>
 #include <fstream>
 #include <limits>
@@ -218,6 +221,42 @@ TEST(DSparkGolden, TeacherForcedStep1) {
   EXPECT_LT(rel_l2(tl, gtl), 1e-3);
   EXPECT_EQ(ttoks, g.i32("step1.topk_tokens"));
   (void)D;
+}
+
+// The Markov head's row (markov_logits) equals its definition — out[v] = base[v] + (Σ_k W2[v, k]·W1[prev, k],
+// FP32 summed in k order from 0) — bit for bit, for several previous tokens and base rows; with top-k, the same
+// values at the base top-k and −inf elsewhere. The guard for a faster chain (vectorised on the host, or on the
+// device for greedy drafts: docs/speculative.md), which must keep these bits for the host and GPU drafts to agree.
+TEST(DSparkGolden, MarkovLogitsEqualThePlainSum) {
+  const DraftGolden& g = golden();
+  REQUIRE_GOLDEN(g);
+  const model::Draft draft(g.dcfg, g.dw, g.w);
+  const int64_t V = g.dcfg.vocab_size, r = g.dcfg.markov_rank;
+  const auto* w1 = static_cast<const uint16_t*>(g.dw.markov_w1.data);  // bf16 [V, r]
+  const auto* w2 = static_cast<const uint16_t*>(g.dw.markov_w2.data);  // bf16 [V, r]
+  std::vector<float> base(static_cast<size_t>(V)), got(static_cast<size_t>(V)), want(static_cast<size_t>(V));
+  for (int32_t prev : {0, 1, int32_t(V / 3), int32_t(V - 1)}) {
+    for (int64_t v = 0; v < V; ++v) base[size_t(v)] = float((v * 7919 + prev * 31) % 12289) / 997.0f - 6.0f;  // distinct
+    for (int64_t v = 0; v < V; ++v) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < r; ++k) s += bf16_to_f32(w2[v * r + k]) * bf16_to_f32(w1[int64_t(prev) * r + k]);
+      want[size_t(v)] = base[size_t(v)] + s;
+    }
+    draft.markov_logits(base.data(), prev, 0, got.data());
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), size_t(V) * 4), 0) << "prev " << prev;
+    const int topk = 5;
+    draft.markov_logits(base.data(), prev, topk, got.data());
+    std::vector<float> sorted(base);
+    std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+    int64_t kept = 0;
+    for (int64_t v = 0; v < V; ++v) {
+      if (std::isinf(got[size_t(v)])) continue;
+      ++kept;
+      EXPECT_EQ(got[size_t(v)], want[size_t(v)]) << "prev " << prev << " token " << v;
+      EXPECT_GE(base[size_t(v)], sorted[size_t(topk - 1)]) << "token " << v << " kept outside the base top-k";
+    }
+    EXPECT_EQ(kept, topk) << "prev " << prev;
+  }
 }
 
 TEST(DSparkGolden, IncrementalInjectionStep2) {

@@ -85,6 +85,59 @@ __global__ void swiglu_kernel(const uint16_t* g, const uint16_t* u, uint16_t* a,
   }
 }
 
+
+// dspark_markov_greedy: CTA b walks its steps; per step the W1 row of the previous token in shared memory,
+// each thread the tokens v ≡ tid (mod blockDim) with the sum in k order (__fmul_rn / __fadd_rn: never fused,
+// like the host's), keeping its first maximum, then a CTA reduction to the lowest id of the largest value.
+constexpr int kMarkovThreads = 1024;
+__device__ __forceinline__ bool markov_better(float v, int i, float bv, int bi) {
+  // bi < 0: nothing yet. Larger value wins; equal values: the lower id (the host's first maximum).
+  return bi < 0 || (i >= 0 && (v > bv || (v == bv && i < bi)));
+}
+__global__ void __launch_bounds__(kMarkovThreads)
+    markov_greedy_kernel(const float* __restrict__ base, int64_t Nb, const uint16_t* __restrict__ w1,
+                         const uint16_t* __restrict__ w2, const int32_t* __restrict__ anchors, int64_t V, int64_t r,
+                         int64_t steps, int32_t* __restrict__ ids) {
+  extern __shared__ float e[];  // f32 [r]: W1[prev]
+  __shared__ float wv[kMarkovThreads / 32];
+  __shared__ int wi[kMarkovThreads / 32];
+  __shared__ int prev_s;
+  const int64_t b = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+  if (tid == 0) prev_s = anchors[b];
+  __syncthreads();
+  for (int64_t i = 0; i < steps; ++i) {
+    const int prev = prev_s;
+    for (int64_t k = tid; k < r; k += blockDim.x) e[k] = bf16_to_f32(w1[int64_t(prev) * r + k]);
+    __syncthreads();
+    const float* bl = base + (b * Nb + i) * V;
+    float bv = 0.0f;
+    int bi = -1;
+    for (int64_t v = tid; v < V; v += blockDim.x) {
+      const uint16_t* row = w2 + v * r;
+      float s = 0.0f;
+      for (int64_t k = 0; k < r; ++k) s = __fadd_rn(s, __fmul_rn(bf16_to_f32(row[k]), e[k]));
+      const float val = __fadd_rn(bl[v], s);
+      if (bi < 0 || val > bv) bv = val, bi = int(v);  // v ascends: the thread's first maximum
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+      const float ov = __shfl_down_sync(0xffffffffu, bv, off);
+      const int oi = __shfl_down_sync(0xffffffffu, bi, off);
+      if (oi >= 0 && markov_better(ov, oi, bv, bi)) bv = ov, bi = oi;
+    }
+    if (lane == 0) wv[warp] = bv, wi[warp] = bi;
+    __syncthreads();
+    if (tid == 0) {
+      float best = wv[0];
+      int at = wi[0];
+      for (int w = 1; w < nw; ++w)
+        if (wi[w] >= 0 && markov_better(wv[w], wi[w], best, at)) best = wv[w], at = wi[w];
+      ids[b * steps + i] = at;
+      prev_s = at;
+    }
+    __syncthreads();  // prev_s written; e and the warp slots free again
+  }
+}
 }  // namespace
 
 void dspark_rope_interleaved(uint16_t* x, int64_t ld, int64_t T, int64_t heads, int64_t head_stride, int64_t pos0,
@@ -110,6 +163,20 @@ void dspark_attend(const uint16_t* q, const uint16_t* kv, const uint16_t* latent
   if (T == 0) return;
   attend_kernel<<<dim3(unsigned(T), unsigned(Hm)), kThreads, 0, stream>>>(q, kv, latent, S, Hm, N, R, Dv, C, scale,
                                                                           scratch, o);
+  KCUDA_CHECK_LAUNCH();
+}
+
+void dspark_markov_greedy(const float* base, int64_t Nb, const uint16_t* w1, const uint16_t* w2,
+                          const int32_t* anchors, int64_t n, int64_t V, int64_t r, int64_t steps, int32_t* ids,
+                          cudaStream_t stream) {
+  KCUDA_REQUIRE(base && w1 && w2 && anchors && ids, std::string("dspark_markov_greedy: null pointer"));
+  KCUDA_REQUIRE(n >= 0 && n < 65536 && V > 0 && V < (int64_t(1) << 31) && r > 0 && r <= 8192 && steps >= 0 &&
+                    steps <= Nb,
+                "dspark_markov_greedy: bad shape n=" + std::to_string(n) + " V=" + std::to_string(V) +
+                    " r=" + std::to_string(r) + " steps=" + std::to_string(steps) + " Nb=" + std::to_string(Nb));
+  if (n == 0 || steps == 0) return;
+  markov_greedy_kernel<<<unsigned(n), kMarkovThreads, size_t(r) * 4, stream>>>(base, Nb, w1, w2, anchors, V, r, steps,
+                                                                               ids);
   KCUDA_CHECK_LAUNCH();
 }
 

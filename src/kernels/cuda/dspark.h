@@ -1,5 +1,6 @@
 // The DSpark draft's own GPU ops (MODEL.md §5; the draft's GPU forward is model/cuda/dspark.h): interleaved
-// RoPE, the non-causal naive MLA attention over context + block, and the SwiGLU of its MLP. Everything else
+// RoPE, the non-causal naive MLA attention over context + block, the SwiGLU of its MLP, and the greedy
+// Markov chain. Everything else
 // of the draft reuses the target's kernels (GEMMs, RMSNorm, embedding gather, row copies).
 // CPU twins: model::rope_interleaved and model::draft_attend (model/dspark.h), the SwiGLU loop of
 // model::Draft::block; tested in tests/gpu/test_spec_gpu.cpp (GpuSpec.DraftOpsMatchTwins).
@@ -28,5 +29,14 @@ void dspark_attend(const uint16_t* q /* bf16 [T, Hm, N+R] */, const uint16_t* kv
 // a = bf16(silu(g)·u) elementwise, FP32 arithmetic (silu(x) = x·σ(x)).
 void dspark_swiglu(const uint16_t* g /* bf16 [n] */, const uint16_t* u /* bf16 [n] */, uint16_t* a /* bf16 [n] */,
                    int64_t n, cudaStream_t stream);
+
+// The Markov chain of greedy draft picks (§5, no top-k) for n requests, one CTA each: for i < steps,
+// logits_i = base[b, i] + W2·W1[prev] and prev = ids[b, i] = argmax_v logits_i, prev starting at anchors[b].
+// The CPU twin's bits (model::Draft::markov_logits, then std::max_element): each v's sum over k in order from
+// 0 in FP32 with separate rounded multiplies and adds (no fused multiply-add), the first maximum on a tie.
+void dspark_markov_greedy(const float* base /* f32 [n, Nb, V] */, int64_t Nb, const uint16_t* w1 /* bf16 [V, r] */,
+                          const uint16_t* w2 /* bf16 [V, r] */, const int32_t* anchors /* i32 [n] */, int64_t n,
+                          int64_t V, int64_t r, int64_t steps, int32_t* ids /* i32 [n, steps] */,
+                          cudaStream_t stream);
 
 }  // namespace kestrel::cuda

@@ -38,7 +38,7 @@ struct CudaCache {
   std::vector<uint8_t*> latent;          // per MLA layer: u8 [(pages+1)·P, latent_token_bytes]
   std::vector<uint8_t*> index_k;         // per MLA layer with an indexer: u8 [pages+1, P · key_token_bytes]
   std::vector<void*> owned;
-  gpu::GraphBuckets graphs;              // by bucket batch size
+  gpu::GraphBuckets graphs;              // by (bucket batch size, rows per sequence, context bound)
   // DSpark verification trace (speculative.cpp): per KDA layer, the slot's recurrent and conv bytes after
   // each verify row of the last forward — u8 [trace_cap, kda_recurrent_bytes] and u8 [trace_cap,
   // kda_conv_bytes] — and each verify sequence's slot, first trace row and length (keep_verified).

@@ -59,9 +59,11 @@ struct CudaModel::Impl {
   int64_t staged_rows = -1, staged_n = -1;
   const int32_t* staged_row_of = nullptr;
 
-  // DSpark taps (set_taps): the layers, and the last forward's taps bf16 [taps_rows, n·D].
+  // DSpark taps (set_taps): the layers, the eager steps' taps bf16 [taps_cap, n·D], and the last forward's
+  // (taps_dev or a graph bucket's) bf16 [taps_rows, n·D].
   std::vector<int> tap_layers;
   uint16_t* taps_dev = nullptr;
+  const uint16_t* taps_cur = nullptr;
   int64_t taps_cap = 0, taps_rows = 0;
 
   int tp_size = 1, tp_rank = 0;
@@ -194,14 +196,17 @@ struct CudaModel::Impl {
     }
     x.timer.begin_step();
     x.mark("start");
-    // Image rows (CudaEmbedRows) come only with prefill chunks; a graph bucket has no place for them.
-    // Verify sequences (§5) and taps run eagerly: the per-position KDA launches and the tap copies have no
-    // place in a bucket yet.
-    const bool use_graph = graphs && s.nd == s.n && in.all_last && !x.timer.on && !x.caps.on &&
-                           s.n <= gpu::kMaxGraphBatch && in.embed_dst.empty() && tap_layers.empty();
+    // Image rows (CudaEmbedRows) come only with prefill chunks; a graph bucket has no place for them. Pure
+    // decode steps and pure verify steps (§5: one length 1 + γ for all) run through graph buckets, taps
+    // included (graphs.h; KESTREL_SPEC_GRAPHS=0: only decode steps without taps); mixed steps run eagerly.
+    const bool graph_ok = graphs && !x.timer.on && !x.caps.on && in.embed_dst.empty() && s.n <= gpu::kMaxGraphBatch &&
+                          (tap_layers.empty() || x.opt.spec_graphs);
+    const bool use_graph =
+        graph_ok && ((s.nd == s.n && in.all_last) || gpu::verify_graph_step(x, s, cc.kda_state_f16()));
     gpu::upload_verify(x, cc, s);
     // A whole-step graph carries the context inputs in its bucket (graphs.h); every other step uploads them.
     if (!use_graph || !gpu::whole_graph_step(x, s)) gpu::upload_context(x, s, in);
+    const int64_t width = int64_t(tap_layers.size()) * tc.hidden_size;  // the taps' row: n·D
     if (!use_graph) {
       const int32_t* d_ids = gpu::upload_inputs(x, s, in);
       gpu::upload_embed_rows(x, s, in);
@@ -215,25 +220,32 @@ struct CudaModel::Impl {
       for (int64_t i = 0; identity && i < nr; ++i) identity = in.lrows[size_t(i)] == int32_t(i);
       gpu::TapsDev td;
       if (!tap_layers.empty()) {
-        const int64_t width = int64_t(tap_layers.size()) * tc.hidden_size;
         if (s.T > taps_cap) {
           alloc.free(taps_dev);
           taps_dev = static_cast<uint16_t*>(alloc.alloc(size_t(s.T * width) * 2));
           taps_cap = s.T;
         }
         td = {tap_layers.data(), int64_t(tap_layers.size()), taps_dev};
-        taps_rows = s.T;
       }
+      taps_cur = taps_dev;
+      taps_rows = tap_layers.empty() ? 0 : s.T;
       gpu::forward_layers(x, w, cc, s, d_ids, s.d_pool_rows + s.T, nr, identity, logits_dev,
                           tap_layers.empty() ? nullptr : &td);
       logits_cur = logits_dev;
       logits_rows = nr;
     } else {
-      logits_cur = gpu::run_graph_step(x, cc, s, in, [&](const int32_t* ids, const int32_t* lrows, int64_t nr, float* lg) {
-        gpu::forward_layers(x, w, cc, s, ids, lrows, nr, true, lg);
-      });
+      const int64_t real_rows = s.T;  // the real sequences' rows come first in the bucket
+      const gpu::GraphOut go = gpu::run_graph_step(
+          x, cc, s, in, tap_layers, tap_layers.empty() ? 0 : width,
+          [&](const int32_t* ids, const int32_t* lrows, int64_t nr, float* lg, uint16_t* taps) {
+            gpu::TapsDev td{tap_layers.data(), int64_t(tap_layers.size()), taps};
+            gpu::forward_layers(x, w, cc, s, ids, lrows, nr, true, lg, taps ? &td : nullptr);
+          });
       ++graph_steps;
-      logits_rows = s.n_real;
+      logits_cur = go.logits;
+      logits_rows = real_rows;
+      taps_cur = go.taps;
+      taps_rows = go.taps ? real_rows : 0;
     }
     x.mark("final+lm_head");
     // No host wait here: everything that reads the step's results (copy_logits, greedy, sample) is on this
@@ -260,16 +272,19 @@ struct CudaModel::Impl {
            !tap_layers.empty());
     if (n == 0) return;
     const int64_t width = int64_t(tap_layers.size()) * cfg.text.hidden_size;
-    KCUDA_CHECK(cudaMemcpyAsync(host, taps_dev + first * width, size_t(n * width) * 2, cudaMemcpyDeviceToHost,
+    KCUDA_CHECK(cudaMemcpyAsync(host, taps_cur + first * width, size_t(n * width) * 2, cudaMemcpyDeviceToHost,
                                 x.stream));
     KCUDA_CHECK(cudaStreamSynchronize(x.stream));
   }
 
-  void greedy(int32_t* host) {
-    if (logits_rows == 0) return;
-    int32_t* d = static_cast<int32_t*>(alloc.alloc(size_t(logits_rows) * 4));
-    cuda::argmax_rows(logits_cur, cfg.text.vocab_size, logits_rows, cfg.text.vocab_size, d, x.stream);
-    KCUDA_CHECK(cudaMemcpyAsync(host, d, size_t(logits_rows) * 4, cudaMemcpyDeviceToHost, x.stream));
+  void greedy_rows(int64_t first, int64_t n, int32_t* host) {
+    KCHECK(first >= 0 && n >= 0 && first + n <= logits_rows, "greedy rows [{}, {}) outside the {} of the last forward",
+           first, first + n, logits_rows);
+    if (n == 0) return;
+    const int64_t V = cfg.text.vocab_size;
+    int32_t* d = static_cast<int32_t*>(alloc.alloc(size_t(n) * 4));  // i32 [n]
+    cuda::argmax_rows(logits_cur + first * V, V, n, V, d, x.stream);
+    KCUDA_CHECK(cudaMemcpyAsync(host, d, size_t(n) * 4, cudaMemcpyDeviceToHost, x.stream));
     KCUDA_CHECK(cudaStreamSynchronize(x.stream));
     alloc.free(d);
   }
@@ -328,7 +343,8 @@ int64_t CudaModel::forward_batch(CudaCache& c, std::span<const CudaSeq> seqs, st
 }
 void CudaModel::copy_logits(float* host) const { impl_->copy_logits_rows(0, impl_->logits_rows, host); }
 void CudaModel::copy_logits_rows(int64_t first, int64_t n, float* host) const { impl_->copy_logits_rows(first, n, host); }
-void CudaModel::greedy(int32_t* host) const { impl_->greedy(host); }
+void CudaModel::greedy(int32_t* host) const { impl_->greedy_rows(0, impl_->logits_rows, host); }
+void CudaModel::greedy_rows(int64_t first, int64_t n, int32_t* host) const { impl_->greedy_rows(first, n, host); }
 void CudaModel::sample(std::span<const cuda::SampleParams> params, std::span<const cuda::PenaltyEntry> penalties,
                        int32_t* ids_host, const TokenMasks* masks) {
   impl_->sample(params, penalties, ids_host, masks);
@@ -343,7 +359,7 @@ void CudaModel::set_taps(std::span<const int> layers) {
 }
 void CudaModel::copy_taps(int64_t first_row, int64_t n, uint16_t* host) const { impl_->copy_taps(first_row, n, host); }
 void CudaModel::keep_verified(CudaCache& c, int64_t k, int64_t t) { gpu::keep_verified(c, k, t, impl_->x.stream); }
-const uint16_t* CudaModel::taps_device() const { return impl_->tap_layers.empty() ? nullptr : impl_->taps_dev; }
+const uint16_t* CudaModel::taps_device() const { return impl_->tap_layers.empty() ? nullptr : impl_->taps_cur; }
 std::unique_ptr<CudaDraft> CudaModel::new_draft(const Draft& d, int32_t num_pages, int block_size) {
   KCHECK(impl_->tp_size == 1, "new_draft: the GPU draft runs on one rank only");
   return gpu::new_cuda_draft(impl_->x, impl_->w, d, num_pages, block_size);

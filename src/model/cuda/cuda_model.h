@@ -11,7 +11,7 @@
 //   linear.*       Lin(W)(x): the skinny GEMM for decode, cuBLASLt (BF16 / FP8) for prefill; the switches
 //   cache.*        CudaCache: paged latent / index-key pools, KDA state pools, zero / copy slot
 //   batch.*        BatchStep: how a step's sequences are stacked, and the metadata it uploads
-//   graphs.*       CUDA graphs: bucketed piecewise capture and replay of decode steps
+//   graphs.*       CUDA graphs: bucketed capture and replay of decode and DSpark verify steps
 //   instruments.*  op timing and debug captures
 //   context.h      what every forward gets (stream, cuBLASLt, scratch, graph mode, instruments)
 //   forward.cpp    the layer stack (§3.1–3.2, §3.8); kda.cpp (§3.3), mla.cpp (§3.4 + §3.5 indexer),
@@ -123,6 +123,8 @@ class CudaModel {
   void copy_logits(float* host /* f32 [rows, V] */) const;
   void copy_logits_rows(int64_t first, int64_t n, float* host /* f32 [n, V] */) const;
   void greedy(int32_t* host /* i32 [rows] */) const;  // argmax per row, ties to the lower id
+  // The same for rows [first, first + n) only (DSpark greedy verification: only the ids cross to the host).
+  void greedy_rows(int64_t first, int64_t n, int32_t* host /* i32 [n] */) const;
   // The full sampler on the device (kernels/cuda/sampling.h) over rows of the last forward's logits:
   // penalties first, in place (so once per forward; copy_logits afterwards sees penalised rows), then
   // ids_host[i] = the token for params[i], or −1 where the host must sample that row.
@@ -141,7 +143,7 @@ class CudaModel {
   // ---- DSpark speculation (speculative.cpp; MODEL.md §5, docs/speculative.md) ----------------------------
   // Taps: with layers set (the draft's target_layer_ids, ascending or not), every forward copies the
   // AttnRes partial sum P after each listed layer into a device buffer bf16 [T, n·D] (row = step row,
-  // column block k = layers[k]), read by copy_taps until the next forward. Such forwards run eagerly.
+  // column block k = layers[k]), read by copy_taps until the next forward (graph steps copy them too).
   void set_taps(std::span<const int> layers);
   void copy_taps(int64_t first_row, int64_t n, uint16_t* host /* bf16 [n, n_taps·D] */) const;
   // After a forward with verify sequences: the KDA state of the k-th verify sequence (in sequence order)
@@ -161,8 +163,9 @@ class CudaModel {
   // must stay unchanged until sample() returns. The first call for a table shape does nothing (the device
   // table is allocated in stream order by sample()).
   void stage_masks(const TokenMasks& masks);
-  // CUDA graphs for decode steps (graphs.h; off by default): all-decode steps wanting their last logits
-  // run through bucketed captured graphs.
+  // CUDA graphs (graphs.h; off by default): all-decode steps wanting their last logits, and all-verify steps
+  // of one block length (DSpark, taps included; KESTREL_SPEC_GRAPHS=0: eager), run through bucketed captured
+  // graphs.
   void enable_cuda_graphs(bool on);
   int64_t graph_steps() const;  // forwards that ran through a graph bucket (captured or replayed)
   // The device stream every launch of this model goes to (for callers adding their own work).

@@ -34,6 +34,7 @@ struct CudaDraft::Impl {
   gpu::LinearDev context_proj;
   const u16 *context_norm = nullptr, *final_norm = nullptr;
   const float* inv_freq = nullptr;  // f32 [R/2]
+  const u16 *markov_w1 = nullptr, *markov_w2 = nullptr;  // bf16 [V, r] each: the Markov head (greedy_tokens)
 
   const void* up(const void* host, size_t bytes) {
     owned.emplace_back(bytes);
@@ -58,6 +59,8 @@ struct CudaDraft::Impl {
     context_proj = lin(w.context_proj);
     context_norm = up(w.context_norm);
     final_norm = up(w.final_norm);
+    markov_w1 = up(w.markov_w1);
+    markov_w2 = up(w.markov_w2);
     inv_freq = static_cast<const float*>(up(d.rope.inv_freq.data(), d.rope.inv_freq.size() * 4));
     const int64_t rows = int64_t(num_pages) * P, CW = c.cache_width();
     for (const DraftLayerWeights& L : w.layers) {
@@ -105,7 +108,8 @@ struct CudaDraft::Impl {
     x.release_scratch();
   }
 
-  void base_logits(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens, float* host) {
+  // The block's base logits, device f32 [T, V] in step scratch (the caller releases it).
+  const float* block_logits(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens) {
     const DraftConfig& c = *d.cfg;
     const int64_t T = int64_t(tokens.size()), D = c.hidden_size, V = c.vocab_size, F = c.intermediate_size,
                   Hm = c.num_attention_heads, Q = c.q_lora_rank, C = c.kv_lora_rank, N = c.qk_nope_head_dim,
@@ -162,7 +166,27 @@ struct CudaDraft::Impl {
     sg.seg[0] = gpu::seg_f32(0, lg, V);
     sg.n = 1;
     gpu::linear(x, target.lm_head, xn, D, T, sg);
+    return lg;
+  }
+
+  void base_logits(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens, float* host) {
+    const float* lg = block_logits(table, ctx, tokens);
+    const int64_t V = d.cfg->vocab_size, T = int64_t(tokens.size());
     KCUDA_CHECK(cudaMemcpyAsync(host, lg, size_t(T * V) * 4, cudaMemcpyDeviceToHost, x.stream));
+    KCUDA_CHECK(cudaStreamSynchronize(x.stream));
+    x.release_scratch();
+  }
+
+  void greedy_tokens(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens, int64_t steps,
+                     int32_t* host) {
+    const int64_t V = d.cfg->vocab_size, T = int64_t(tokens.size());
+    KCHECK(steps >= 1 && steps <= T, "draft: {} greedy picks from a block of {}", steps, T);
+    const float* lg = block_logits(table, ctx, tokens);
+    int32_t* anchor = x.tmp<int32_t>(1);  // i32 [1]
+    int32_t* ids = x.tmp<int32_t>(steps);  // i32 [steps]
+    KCUDA_CHECK(cudaMemcpyAsync(anchor, tokens.data(), 4, cudaMemcpyHostToDevice, x.stream));
+    cuda::dspark_markov_greedy(lg, T, markov_w1, markov_w2, anchor, 1, V, d.cfg->markov_rank, steps, ids, x.stream);
+    KCUDA_CHECK(cudaMemcpyAsync(host, ids, size_t(steps) * 4, cudaMemcpyDeviceToHost, x.stream));
     KCUDA_CHECK(cudaStreamSynchronize(x.stream));
     x.release_scratch();
   }
@@ -180,6 +204,10 @@ void CudaDraft::inject_host(std::span<const int32_t> table, int64_t pos0, const 
   cuda::DeviceBuffer buf(bytes);  // bf16 [T, n·Dt]
   buf.copy_from_host(taps_host, bytes);
   impl_->inject(table, pos0, static_cast<const uint16_t*>(buf.data()), T);  // synchronises before returning
+}
+void CudaDraft::greedy_tokens(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens,
+                              int64_t steps, int32_t* host) {
+  impl_->greedy_tokens(table, ctx, tokens, steps, host);
 }
 void CudaDraft::base_logits(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens,
                             float* host) {

@@ -3,7 +3,8 @@
 // (one per draft layer, indexed by the target's page ids like the host SpecDrafter's arenas), and the block
 // [anchor, mask × (Nb−1)] through the draft layers — naive non-causal MLA over context + block rows, SwiGLU
 // MLP — then the final norm and the target's lm_head, on the device; the block's base logits f32 [Nb, V] come
-// back for the sequential Markov chain on the host (Draft::draft_from_base). Built by CudaModel::new_draft,
+// back for the sequential Markov chain on the host (Draft::draft_from_base), or, for greedy picks, the chain
+// runs on the device and only the draft tokens come back (greedy_tokens). Built by CudaModel::new_draft,
 // which lends it the model's stream, scratch, cuBLASLt handle and the target's embedding and lm_head.
 // One request per block call: the batched draft over all running requests is the next step
 // (docs/speculative.md "What the GPU path needs").
@@ -33,6 +34,13 @@ class CudaDraft {
   // final-normed states, host f32 [Nb, V].
   void base_logits(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens,
                    float* host /* f32 [Nb, V] */);
+
+  // Greedy picks (argmax, no top-k): the same block, its base logits kept on the device, and the Markov chain
+  // there too (kernels/cuda/dspark.h dspark_markov_greedy: Draft::markov_logits' bits, the first maximum as
+  // the host's argmax); the first `steps` draft tokens into host i32 [steps] — what Draft::draft_from_base
+  // gives with argmax picks, without the f32 [Nb, V] copy and the host chain.
+  void greedy_tokens(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens, int64_t steps,
+                     int32_t* host /* i32 [steps] */);
 
   struct Impl;  // model/cuda/dspark.cpp; only CudaModel::new_draft makes one
   explicit CudaDraft(std::unique_ptr<Impl> impl);

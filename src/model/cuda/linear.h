@@ -14,7 +14,8 @@
 // what each change is worth): KESTREL_SKINNY=0 (cuBLASLt for every GEMM), KESTREL_SKINNY_MAX_T (default 16),
 // KESTREL_FUSE=0 (no fused decode kernels: AttnRes, KDA chain, GEMM epilogues), KESTREL_GRAPH_ATTN=0 (the
 // attention stays an eager island between graph segments), KESTREL_PDL=0 (kernels/cuda/launch.h),
-// KESTREL_SPEC_TRACE=launches (DSpark verify rows' KDA position by position, speculative.cpp).
+// KESTREL_SPEC_TRACE=launches (DSpark verify rows' KDA position by position, speculative.cpp),
+// KESTREL_SPEC_GRAPHS=0 / KESTREL_SPEC_GRAPH_PAD=1 (DSpark steps in CUDA graphs, graphs.h).
 #pragma once
 
 #include <cstdint>
@@ -50,6 +51,11 @@ struct DecodeOptions {
   // DSpark verify rows: the traced KDA kernels, one launch per layer (false: KESTREL_SPEC_TRACE=launches,
   // one launch per position and request; model/cuda/speculative.cpp).
   bool spec_trace_kernels = true;
+  // DSpark steps in CUDA graphs (graphs.h): pure-verify steps through verify buckets and decode steps with
+  // taps through decode buckets (false: KESTREL_SPEC_GRAPHS=0, both eager as before); verify buckets padded
+  // to a power of two within the skinny GEMM (true: KESTREL_SPEC_GRAPH_PAD=1; default: exact counts).
+  bool spec_graphs = true;
+  bool spec_graph_pad = false;
   static DecodeOptions from_env();
 };
 

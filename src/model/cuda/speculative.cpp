@@ -8,7 +8,9 @@
 //    kda_decode_traced), or with KESTREL_SPEC_TRACE=launches (and for an FP16 state) one decode launch per
 //    position and request followed by a copy of the slot;
 //  - keep_verified: the traced state after the last accepted position back into the slot (no recompute).
-// Verify steps run eagerly (never through a graph bucket). The trace holds a full state per position: fine
+// A pure-verify step may run through a verify graph bucket (graphs.h): the traced launches, the taps' copies
+// and every row's logits are captured; the trace's address is baked into those graphs, so reallocating it
+// drops the cache's verify buckets first. The trace holds a full state per position: fine
 // at nano / mini sizes; at full size it wants the kernel to keep only the block's states and select the
 // accepted one in place (docs/speculative.md "What the GPU path needs").
 #include <cuda_runtime.h>
@@ -40,6 +42,7 @@ void upload_verify(Context& x, CudaCache& cc, BatchStep& s) {
     const int64_t sb = cc.layout.kda_recurrent_bytes, cb = cc.layout.kda_conv_bytes;
     // The old trace may still be read by queued copies of an earlier step: wait for them before freeing.
     KCUDA_CHECK(cudaStreamSynchronize(x.stream));
+    cc.graphs.release_verify(*cc.alloc);  // their graphs write the old trace
     for (auto* v : {&cc.trace_S, &cc.trace_conv})
       for (uint8_t* p : *v) cc.alloc->free(p);
     cc.trace_S.assign(cc.kda_S.size(), nullptr);
