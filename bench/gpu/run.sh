@@ -23,7 +23,8 @@
 #                            # decode step and prefill, `kestrel serve` + `kestrel bench` at c=1/64, the peers;
 #                            # writes $OUT/perf.json (copy it to bench/gpu/perf.json) and a markdown table
 #   bench/gpu/run.sh tp      # there: nano + nano_tp_gpu checkpoints, the GPU tensor-parallel tests (GpuTp.*: the
-#                            # same-device communicator, the engine as TP2/TP4 on one GPU against TP1)
+#                            # same-device communicator, the engine as TP2/TP4 and EP2/EP4 on one GPU against TP1;
+#                            # GpuMoe.ExpertParallel*: one EP rank's experts against the CPU twin)
 #   bench/gpu/run.sh vision  # there: the nano checkpoint with its vision tower (nano_vl), GpuVision.* (the encoder vs
 #                            # the CPU encoder) and GpuEngineVision.* (the GPU engine with images vs the CPU engine),
 #                            # then bench_ops --perf --only vision (encoder time per 1024² image); needs reference/
@@ -168,9 +169,11 @@ case "${1:-}" in
     "$self" bench --model "$ck/mini" --only model 2>&1 | tee "$out/decode_step.md"
     ;;
   tp)
-    # Tensor parallelism on the GPU engine (issue #16): nano and nano_tp_gpu (nano with 4 indexer heads and
-    # I = 256, so TP4 leaves 64 expert columns per rank) checkpoints, then GpuTp.* — the same-device
-    # communicator against the CPU twin's collectives, and the engine as TP2/TP4 on this one GPU against TP1.
+    # Tensor and expert parallelism on the GPU engine (issue #16): nano and nano_tp_gpu (nano with 4 indexer
+    # heads and I = 256, so TP4 leaves 64 expert columns per rank; both have 16 experts, so EP2 and EP4 hold 8
+    # and 4 whole experts per rank) checkpoints, then GpuTp.* — the same-device communicator against the CPU
+    # twin's collectives, the engine as TP2/TP4 and TP2+EP2/TP4+EP4 on this one GPU against TP1 — and
+    # GpuMoe.ExpertParallel* (one EP rank's expert kernels against the CPU twin).
     out="${OUT:-/tmp}"
     ck=/tmp/kestrel_ckpt
     mkdir -p "$ck"
@@ -179,7 +182,7 @@ case "${1:-}" in
       --seed 2 --no-vision --override index_n_heads=4 --override moe_intermediate_size=256 >/dev/null &
     wait
     export KESTREL_GPU_CKPTS="$ck/nano:$ck/nano_tp_gpu"
-    "$self" test --gtest_filter="${TP_TESTS:-GpuTp.*}" 2>&1 | tee "$out/gpu_tp_tests.log" | tail -60 || true
+    "$self" test --gtest_filter="${TP_TESTS:-GpuTp.*:GpuMoe.ExpertParallel*}" 2>&1 | tee "$out/gpu_tp_tests.log" | tail -60 || true
     ;;
   vision)
     # Images on the GPU (issue #21 point 4): the nano checkpoint WITH its vision tower (nano_vl), the encoder's

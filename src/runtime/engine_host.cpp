@@ -72,6 +72,7 @@ std::shared_ptr<void> setup_cuda(const EngineOptions& o, const ModelConfig& c, c
     // N ranks, one GPU each (or all on one with the debug flag); each binds and uploads its own shard.
     ParallelLayout p;
     p.tp = o.tensor_parallel_size;
+    p.expert_parallel = o.expert_parallel;
     CudaTpOptions to;
     to.one_device = o.debug_tp_on_one_gpu;
     to.model.quant = model::parse_weight_quant(o.quantization);
@@ -164,12 +165,10 @@ void EngineHost::check_options() const {
          opt_.decode_context_parallel_size, opt_.tensor_parallel_size);
   if (opt_.expert_parallel && opt_.tensor_parallel_size == 1)
     fail("--enable-expert-parallel needs --tensor-parallel-size > 1 (experts are spread over the TP ranks)");
-  if (opt_.tensor_parallel_size > 1 && opt_.device == Device::cuda &&
-      (opt_.expert_parallel || opt_.decode_context_parallel_size > 1))
-    fail("--tensor-parallel-size {} with --device cuda: {} is not built on the GPU engine yet (--device cpu runs "
-         "it on the tensor-parallel CPU twin)",
-         opt_.tensor_parallel_size,
-         opt_.expert_parallel ? "--enable-expert-parallel" : "--decode-context-parallel-size > 1");
+  if (opt_.tensor_parallel_size > 1 && opt_.device == Device::cuda && opt_.decode_context_parallel_size > 1)
+    fail("--tensor-parallel-size {} with --device cuda: --decode-context-parallel-size > 1 is not built on the GPU "
+         "engine yet (--device cpu runs it on the tensor-parallel CPU twin)",
+         opt_.tensor_parallel_size);
   if (opt_.debug_tp_on_one_gpu && opt_.device != Device::cuda)
     fail("--debug-tp-on-one-gpu needs --device cuda");
 }

@@ -10,7 +10,7 @@
 //     after the upload − a 2 GiB activation reserve (runtime::cuda_cache_budget);
 //   - --tensor-parallel-size N (--enable-expert-parallel, --decode-context-parallel-size N) on the CPU: N rank threads, each over its
 //     own shard of the mapped checkpoint (executor_tp.h); a layout the model cannot split fails the
-//     load with every reason (loader/shard.h). On CUDA (TP only): N rank threads, one GPU each, NCCL
+//     load with every reason (loader/shard.h). On CUDA (TP and EP; DCP not yet): N rank threads, one GPU each, NCCL
 //     (executor_cuda_tp.h; --debug-tp-on-one-gpu puts them all on GPU 0). The budget (--memory-budget,
 //     or from --gpu-memory-utilization) is one rank's: the memory plan counts one rank's caches;
 //   - under `mpirun -np N` with --device cpu --tensor-parallel-size N: process r is rank r; call

@@ -28,8 +28,6 @@ std::vector<std::string> cuda_tp_problems(const ModelConfig& c, const ParallelLa
   if (!out.empty()) return out;
   const TextConfig& t = c.text;
   const int N = p.tp;
-  if (p.expert_parallel)
-    out.push_back("--enable-expert-parallel is not built on the GPU engine yet (the CPU twin has it)");
   if (p.dcp > 1)
     out.push_back("--decode-context-parallel-size > 1 is not built on the GPU engine yet (the CPU twin has it)");
   if (t.num_layers_of(MlpKind::moe) > 0) {

@@ -24,8 +24,12 @@
 // in would leave them waiting: the step's inputs are validated identically on every rank before any
 // collective (model/cuda/batch.h), so bad input fails on all ranks at the same point.
 //
-// Not built on the GPU yet: --enable-expert-parallel, --decode-context-parallel-size > 1 (the CPU twin has
-// both), the engine across processes (mpirun) and the custom all-reduce in the forward.
+// Expert parallelism (--enable-expert-parallel): each rank binds and uploads only its X/N whole experts
+// (bind_shard leaves the others empty; model/cuda/weights.cpp uploads the rank's range) and the MoE forward
+// maps the router's ids to its own (model/cuda/moe.cpp); the collectives are the I split's.
+//
+// Not built on the GPU yet: --decode-context-parallel-size > 1 (the CPU twin has it; docs/parallel.md §8
+// lists what the GPU needs), the engine across processes (mpirun) and the custom all-reduce in the forward.
 #pragma once
 
 #include <functional>
@@ -56,8 +60,8 @@ struct CudaTpOptions {
 };
 
 // Everything that stops the GPU engine from running `c` as layout `p`: layout_problems() (counts that do
-// not divide) and the GPU's own limits (expert kernels need I/N a multiple of 64, gate/up stacks F/N and
-// Is/N a multiple of 8; EP and DCP not built on the GPU). Empty: it can.
+// not divide) and the GPU's own limits (expert kernels need I/N a multiple of 64 unless experts are whole
+// under EP, gate/up stacks F/N and Is/N a multiple of 8; DCP not built on the GPU). Empty: it can.
 std::vector<std::string> cuda_tp_problems(const ModelConfig& c, const ParallelLayout& p);
 
 class CudaTpGroup {

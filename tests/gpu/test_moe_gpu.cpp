@@ -7,7 +7,8 @@
 // GpuMoe.* run the kernels: the single-matrix stage (every E2M1 code, e8m0 scales over the whole range
 // 0..255, every GEMM family: t8, t32, stream, wide) against cpu::mxfp4_gemm, and moe_experts_mxfp4 against
 // cpu::moe_experts over nano, mini and real expert shapes, T = 1 … 4096, experts with zero, one and hundreds
-// (skewed: thousands) of tokens, tied routing weights, out-of-range ids and CUDA-graph replay; the decode
+// (skewed: thousands) of tokens, tied routing weights, out-of-range ids, one expert-parallel rank's experts
+// (moe_local_ids; fewer local experts than K) and CUDA-graph replay; the decode
 // GEMM also with its work split over 1, 3 and 7 CTAs (tiles cut by up to dozens of warps), ungrouped and
 // grouped, with and without programmatic dependent launch. Outputs and scratch are NaN-poisoned first.
 #include <fmt/format.h>
@@ -603,6 +604,60 @@ TEST(GpuMoe, ExpertsOutOfRangeIdsAddNothing) {
                              Variant{MoeTokenTile::wide}, Variant{MoeTokenTile::t8}}) {
       const auto got = run_gpu_moe(*E, z, gids, wts, T, K, v);
       check_moe("moe_experts_mxfp4 (bad ids)", fmt::format("nano T={} K=4 {}", T, v.name()), got, ref);
+    }
+  }
+}
+
+// Expert parallelism (model/cuda/moe.cpp): a rank packs only its experts [lo, lo + X/N), maps the global ids
+// with moe_local_ids (others → −1) and runs the kernels over X/N experts; its ũ must be the twin's over all X
+// experts with the other ranks' slots weighted 0. N = 8 leaves 2 experts per rank for K = 4 (K > X locally).
+TEST(GpuMoe, ExpertParallelRankComputesItsExpertsOnly) {
+  need_gpu();
+  Rng rng(54);
+  const int64_t X = 16, K = 4, Lt = 128, I = 64;
+  const auto E = make_experts(X, Lt, I, rng);
+  const int64_t p13 = I * Lt / 2, s13 = I * Lt / 32, p2 = Lt * I / 2, s2 = Lt * I / 32;
+  using cuda::MoeTokenTile;
+  for (int N : {2, 8}) {
+    const int64_t Xe = X / N;
+    for (int r : {0, N - 1}) {
+      const int64_t lo = r * Xe;
+      std::vector<cuda::MoeExpertHost> host;
+      for (int64_t e = lo; e < lo + Xe; ++e)
+        host.push_back({&E->w1p[size_t(e * p13)], &E->w1s[size_t(e * s13)], &E->w3p[size_t(e * p13)],
+                        &E->w3s[size_t(e * s13)], &E->w2p[size_t(e * p2)], &E->w2s[size_t(e * s2)]});
+      Experts mine;
+      mine.X = Xe, mine.Lt = Lt, mine.I = I;
+      mine.dev = cuda::pack_experts_mxfp4(host.data(), Xe, Lt, I, [&mine](size_t n) {
+        mine.bufs.emplace_back(n);
+        return mine.bufs.back().data();
+      });
+      for (int64_t T : {1, 9}) {
+        const auto z = rand_bf16(size_t(T * Lt), rng, -1.0f, 1.0f);
+        std::vector<int32_t> ids;
+        std::vector<float> wts;
+        make_routing(Routing::random, T, X, K, rng, ids, wts);
+        // The local ids, on the device from the global ones.
+        auto dids = upload(ids);
+        auto dlocal = poisoned<int32_t>(ids.size());
+        cuda::moe_local_ids(dids.p(), int64_t(ids.size()), lo, Xe, dlocal.p(), nullptr);
+        sync();
+        const std::vector<int32_t> local = dlocal.get();
+        std::vector<float> ref_w = wts;
+        for (size_t i = 0; i < ids.size(); ++i) {
+          const bool own = ids[i] >= lo && ids[i] < lo + Xe;
+          EXPECT_EQ(local[i], own ? ids[i] - lo : -1) << "N=" << N << " rank " << r << " slot " << i;
+          if (!own) ref_w[i] = 0.0f;
+        }
+        std::vector<uint16_t> ref(size_t(T * Lt));
+        cpu::moe_experts(z.data(), ids.data(), ref_w.data(), E->cpu.data(), T, X, K, Lt, I, 4.0f, 25.0f, ref.data());
+        for (const Variant& v : {Variant{}, Variant{MoeTokenTile::stream, 0}, Variant{MoeTokenTile::stream, 1, 3},
+                                 Variant{MoeTokenTile::wide}, Variant{MoeTokenTile::t8}}) {
+          const auto got = run_gpu_moe(mine, z, local, wts, T, K, v);
+          check_moe("moe_experts_mxfp4 (one EP rank)",
+                    fmt::format("nano EP{} rank {} T={} K=4 {}", N, r, T, v.name()), got, ref);
+        }
+      }
     }
   }
 }

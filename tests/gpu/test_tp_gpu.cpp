@@ -13,8 +13,10 @@
 //     sum adds the products in another order, and here each rank's partial is rounded to BF16 once more),
 //     compared up to the first token where the runs part; tokens equal except where TP1's own top two lie
 //     within 2 % (a near tie), reported.
-//  3. GpuTp.RefusesWhatTheGpuCannotSplit: nano's I = 64 split 2 ways (32 columns) is refused at start with
-//     the reason, as is expert parallelism.
+//  3. GpuTp.ExpertParallelGivesTp1GreedyTokensAndLogits: the same with --enable-expert-parallel, EP2 (nano,
+//     nano_tp_gpu) and EP4 (nano_tp_gpu: 4 of its 16 experts per rank) against TP1, same bounds.
+//  4. GpuTp.RefusesWhatTheGpuCannotSplit: nano's I = 64 split 2 ways (32 columns) is refused at start with
+//     the reason; EP2 of nano (whole experts) is not; DCP (not built on the GPU) is, with the reason.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -25,6 +27,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -186,8 +189,9 @@ struct TpRun {
 };
 
 // Each prompt alone through a GPU engine (greedy, every position's logits); tp > 1: a CudaTpGroup on GPU 0.
-TpRun run_tp(const ModelConfig& cfg, const Checkpoint& ckpt, const ModelWeights& w, int tp,
+TpRun run_tp(const ModelConfig& cfg, const Checkpoint& ckpt, const ModelWeights& w, const ParallelLayout& p,
              const std::vector<std::vector<int32_t>>& prompts, int max_tokens) {
+  const int tp = p.tp;
   runtime::EngineConfig ec;
   ec.memory_budget = int64_t(128) << 20;
   ec.max_running = 2;
@@ -203,8 +207,6 @@ TpRun run_tp(const ModelConfig& cfg, const Checkpoint& ckpt, const ModelWeights&
           std::make_unique<runtime::CudaExecutor>(*m, cfg, f, cc, runtime::CudaExecutorOptions{false}));
     };
   } else {
-    ParallelLayout p;
-    p.tp = tp;
     runtime::CudaTpOptions o;
     o.one_device = true;
     group = std::make_unique<runtime::CudaTpGroup>(cfg, ckpt, p, o);
@@ -233,16 +235,18 @@ TpRun run_tp(const ModelConfig& cfg, const Checkpoint& ckpt, const ModelWeights&
         if (ev.finish == FinishReason::error) error = ev.error;
       });
       e.wait_idle();
-      EXPECT_EQ(error, "") << "TP" << tp << " request " << i;
+      EXPECT_EQ(error, "") << p.name() << " request " << i;
     }
   }
   return out;
 }
 
-TEST(GpuTp, GivesTp1GreedyTokensAndLogits) {
+// Every layout of `layouts` the GPU can split, on every checkpoint of KESTREL_GPU_CKPTS, against TP1 (see the
+// header, 2.). Returns how many runs each TP size had.
+std::map<int, int> check_against_tp1(const std::vector<ParallelLayout>& layouts) {
+  std::map<int, int> ran;
   const auto dirs = gpu_ckpt_dirs();
-  ASSERT_FALSE(dirs.empty()) << "KESTREL_GPU_CKPTS is not set: run through bench/gpu/run.sh tp";
-  int ran_tp4 = 0;
+  EXPECT_FALSE(dirs.empty()) << "KESTREL_GPU_CKPTS is not set: run through bench/gpu/run.sh tp";
   for (const std::string& dir : dirs) {
     const ModelConfig cfg = load_config(dir);
     const Checkpoint ckpt(dir);
@@ -256,30 +260,31 @@ TEST(GpuTp, GivesTp1GreedyTokensAndLogits) {
     }
     const int max_tokens = 8;
     std::unique_ptr<TpRun> ref;
-    for (int tp : {2, 4}) {
-      ParallelLayout p;
-      p.tp = tp;
+    for (const ParallelLayout& p : layouts) {
+      const std::string name = p.name();
       const std::vector<std::string> why = runtime::cuda_tp_problems(cfg, p);
       if (!why.empty()) {
-        note(fmt::format("  TP{} on {}: skipped ({})", tp, dir, why.front()));
+        note(fmt::format("  {} on {}: skipped ({})", name, dir, why.front()));
         continue;
       }
-      if (!ref) ref = std::make_unique<TpRun>(run_tp(cfg, ckpt, w, 1, prompts, max_tokens));
-      const TpRun got = run_tp(cfg, ckpt, w, tp, prompts, max_tokens);
-      ran_tp4 += tp == 4;
+      if (!ref) ref = std::make_unique<TpRun>(run_tp(cfg, ckpt, w, ParallelLayout{}, prompts, max_tokens));
+      const TpRun got = run_tp(cfg, ckpt, w, p, prompts, max_tokens);
+      ++ran[p.tp];
       double worst = 0;
       int rows = 0, ties = 0;
       for (size_t i = 0; i < prompts.size(); ++i) {
-        ASSERT_EQ(ref->tokens[i].size(), size_t(max_tokens));
-        ASSERT_EQ(got.tokens[i].size(), size_t(max_tokens));
+        EXPECT_EQ(ref->tokens[i].size(), size_t(max_tokens));
+        EXPECT_EQ(got.tokens[i].size(), size_t(max_tokens)) << name << " request " << i;
+        if (ref->tokens[i].size() != size_t(max_tokens) || got.tokens[i].size() != size_t(max_tokens)) continue;
         const int64_t P = int64_t(prompts[i].size());
         size_t same = 0;
         while (same < got.tokens[i].size() && got.tokens[i][same] == ref->tokens[i][same]) ++same;
         // Rows computed from the same context: the prompt's, then one per output token up to the first that
         // differs (its row included: it is the row that chose differently).
         const int64_t nrows = P + int64_t(std::min(same, size_t(max_tokens - 1)));
-        ASSERT_GE(int64_t(ref->logits[i].size()), nrows * V);
-        ASSERT_GE(int64_t(got.logits[i].size()), nrows * V);
+        EXPECT_GE(int64_t(ref->logits[i].size()), nrows * V);
+        EXPECT_GE(int64_t(got.logits[i].size()), nrows * V) << name << " request " << i;
+        if (int64_t(ref->logits[i].size()) < nrows * V || int64_t(got.logits[i].size()) < nrows * V) continue;
         for (int64_t row = 0; row < nrows; ++row) {
           const float* a = ref->logits[i].data() + row * V;
           const float* b = got.logits[i].data() + row * V;
@@ -288,9 +293,9 @@ TEST(GpuTp, GivesTp1GreedyTokensAndLogits) {
             scale = std::max(scale, double(std::fabs(a[v])));
             err = std::max(err, double(std::fabs(a[v] - b[v])));
           }
-          ASSERT_TRUE(std::isfinite(err)) << "TP" << tp << " request " << i << " row " << row;
+          EXPECT_TRUE(std::isfinite(err)) << name << " request " << i << " row " << row;
           worst = std::max(worst, err / scale);
-          EXPECT_LE(err, 2e-2 * scale) << "TP" << tp << " request " << i << " logits row " << row;
+          EXPECT_LE(err, 2e-2 * scale) << name << " request " << i << " logits row " << row;
           ++rows;
         }
         if (same < got.tokens[i].size()) {
@@ -301,17 +306,37 @@ TEST(GpuTp, GivesTp1GreedyTokensAndLogits) {
           for (int64_t k = 0; k < V; ++k) scale = std::max(scale, double(std::fabs(a[k])));
           const double gap = double(v[0] - v[1]) / scale;
           ++ties;
-          note(fmt::format("  TP{} {} request {}: tokens part at output {} (TP1 top-2 gap {:.2e} of max|logit|)", tp,
+          note(fmt::format("  {} {} request {}: tokens part at output {} (TP1 top-2 gap {:.2e} of max|logit|)", name,
                            dir, i, same, gap));
-          EXPECT_LE(gap, 2e-2) << "TP" << tp << " request " << i << ": greedy tokens differ at output " << same
+          EXPECT_LE(gap, 2e-2) << name << " request " << i << ": greedy tokens differ at output " << same
                                << " where TP1's logits are no near tie";
         }
       }
-      note(fmt::format("{:<28} TP{} on {}: {} logits rows, worst |Δ| {:.2e} of max|logit|, {} near-tie partings",
-                       "engine TP (one GPU)", tp, dir, rows, worst, ties));
+      note(fmt::format("{:<28} {} on {}: {} logits rows, worst |Δ| {:.2e} of max|logit|, {} near-tie partings",
+                       "engine TP (one GPU)", name, dir, rows, worst, ties));
     }
   }
-  EXPECT_GT(ran_tp4, 0) << "no checkpoint the GPU splits 4 ways (bench/gpu/run.sh tp makes nano_tp_gpu)";
+  return ran;
+}
+
+ParallelLayout layout(int tp, bool ep) {
+  ParallelLayout p;
+  p.tp = tp;
+  p.expert_parallel = ep;
+  return p;
+}
+
+TEST(GpuTp, GivesTp1GreedyTokensAndLogits) {
+  const std::map<int, int> ran = check_against_tp1({layout(2, false), layout(4, false)});
+  EXPECT_GT(ran.count(4), 0u) << "no checkpoint the GPU splits 4 ways (bench/gpu/run.sh tp makes nano_tp_gpu)";
+}
+
+// --enable-expert-parallel: each rank holds X/N whole experts (nano: 16 experts, top-4; EP4 leaves exactly
+// 4 per rank, so some tokens have all their experts on one rank and none on the others).
+TEST(GpuTp, ExpertParallelGivesTp1GreedyTokensAndLogits) {
+  const std::map<int, int> ran = check_against_tp1({layout(2, true), layout(4, true)});
+  EXPECT_GT(ran.count(2), 0u) << "no checkpoint the GPU runs as TP2+EP2";
+  EXPECT_GT(ran.count(4), 0u) << "no checkpoint the GPU runs as TP4+EP4 (bench/gpu/run.sh tp makes nano_tp_gpu)";
 }
 
 TEST(GpuTp, RefusesWhatTheGpuCannotSplit) {
@@ -330,10 +355,15 @@ TEST(GpuTp, RefusesWhatTheGpuCannotSplit) {
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("cannot run this model as TP2 on the GPU"), std::string::npos) << e.what();
     }
+    // Whole experts per rank need no 64-column slices: EP2 of nano is accepted (and run by the test above).
     p.expert_parallel = true;
     const std::vector<std::string> ep = runtime::cuda_tp_problems(cfg, p);
-    ASSERT_FALSE(ep.empty());
-    EXPECT_NE(ep[0].find("expert-parallel"), std::string::npos) << ep[0];
+    EXPECT_TRUE(ep.empty()) << ep.front();
+    // Decode context parallelism is not built on the GPU: refused with the reason (EP2+DCP2: the only one).
+    p.dcp = 2;
+    const std::vector<std::string> dcp = runtime::cuda_tp_problems(cfg, p);
+    ASSERT_EQ(dcp.size(), 1u);
+    EXPECT_NE(dcp[0].find("--decode-context-parallel-size"), std::string::npos) << dcp[0];
     return;
   }
   GTEST_SKIP() << "nano is not among KESTREL_GPU_CKPTS";

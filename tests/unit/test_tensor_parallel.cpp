@@ -6,8 +6,8 @@
 //  - serving: under TP2 the engine's mixed batch (chunked prefill, preemption, staggered arrivals)
 //    gives every request its TP2-solo tokens and the greedy ones TP1's; a prefix hit gives the cold
 //    run's logits bit for bit and skips exactly the restored prefix;
-//  - errors: a layout the model cannot split fails the engine's load with every reason; CUDA EP and
-//    DCP (not built on the GPU) and the CUDA debug switch without CUDA are refused at once.
+//  - errors: a layout the model cannot split fails the engine's load with every reason; CUDA DCP (not
+//    built on the GPU) and the CUDA debug switch without CUDA are refused at once.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -351,10 +351,7 @@ TEST(TensorParallelErrors, OptionsRefusedAtOnce) {
   o.model_dir = std::getenv("KESTREL_NANO_DIR");
   o.tensor_parallel_size = 2;
   o.device = runtime::Device::cuda;
-  o.expert_parallel = true;  // GPU TP is built, GPU EP is not
-  EXPECT_THROW({ runtime::EngineHost e(o); }, Error);
-  o.expert_parallel = false;
-  o.decode_context_parallel_size = 2;  // nor GPU DCP
+  o.decode_context_parallel_size = 2;  // GPU TP and EP are built, GPU DCP is not
   EXPECT_THROW({ runtime::EngineHost e(o); }, Error);
   o.decode_context_parallel_size = 1;
   o.device = runtime::Device::cpu;

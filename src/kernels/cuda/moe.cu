@@ -1,4 +1,5 @@
-// MoE router (MODEL.md §3.6 step 1); see moe.h. The routed experts are in moe_experts.cu.
+// MoE router (MODEL.md §3.6 step 1) and the expert-parallel id map; see moe.h. The routed experts are in
+// moe_experts.cu.
 //
 // One block per token: sigmoid scores in shared memory, then K rounds of a block-wide arg-max over the
 // not-yet-chosen experts (ties to the lower index), then the un-biased weights, renormalised.
@@ -76,7 +77,28 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(const float* __res
   }
 }
 
+// ---- expert parallelism: global → local ids --------------------------------------------------------
+__global__ void local_ids_kernel(const int32_t* __restrict__ ids, int n, int lo, int count,
+                                 int32_t* __restrict__ local) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int e = ids[i] - lo;
+  local[i] = unsigned(e) < unsigned(count) ? e : -1;
+}
+
 }  // namespace
+
+void moe_local_ids(const int32_t* ids, int64_t n, int64_t lo, int64_t count, int32_t* local, cudaStream_t stream) {
+  KCUDA_REQUIRE(ids && local, std::string("moe_local_ids: null pointer"));
+  KCUDA_REQUIRE(n >= 0 && n < (int64_t(1) << 31) && lo >= 0 && count > 0 && lo + count <= kMaxExperts,
+                "moe_local_ids: n = " + std::to_string(n) + ", experts [" + std::to_string(lo) + ", " +
+                    std::to_string(lo + count) + ")");
+  if (n == 0) return;
+  constexpr int kThreads = 256;
+  local_ids_kernel<<<unsigned((n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(ids, int(n), int(lo), int(count),
+                                                                                     local);
+  KCUDA_CHECK_LAUNCH();
+}
 
 void moe_route(const float* logits, const float* bias, int64_t T, int64_t X, int64_t K, bool renormalize,
                float scaling, int32_t* ids, float* weights, cudaStream_t stream) {

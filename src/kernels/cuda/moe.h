@@ -17,6 +17,13 @@ void moe_route(const float* logits /* f32 [T, X] */, const float* bias /* f32 [X
                bool renormalize, float scaling, int32_t* ids /* i32 [T, K] */, float* weights /* f32 [T, K] */,
                cudaStream_t stream);
 
+// Expert parallelism (docs/parallel.md §3): a rank holds experts [lo, lo + count) only. Maps the router's
+// global ids to the rank's local ones: local[i] = ids[i] − lo if ids[i] ∈ [lo, lo + count), else −1, which
+// moe_experts_mxfp4 (over X = count) skips before its grouping, so other ranks' experts cost nothing here.
+// n < 2^31; ids and local may alias.
+void moe_local_ids(const int32_t* ids /* i32 [n] */, int64_t n, int64_t lo, int64_t count,
+                   int32_t* local /* i32 [n] */, cudaStream_t stream);
+
 // Tag of the tensor-core layout (moe_layout.h) in MoeExpertWeights::layout.
 inline constexpr uint32_t kMoeExpertLayout = 0x4d58'3401u;
 
@@ -107,7 +114,8 @@ size_t moe_experts_workspace_bytes(int64_t T, int64_t X, int64_t K, int64_t Lt, 
 // a = bf16(SiTU-GLU(g, u)), y = bf16(a·W2ᵀ); then ũ_t = bf16(Σ_k w_k·y_k) in top-k order.
 // Tokens are grouped by expert on the device (no host round trip; graph-capturable), then two tensor-core
 // kernels (w1|w3 with SiTU-GLU fused, w2) and the weight combine. Slots whose id is outside [0, X) add
-// nothing. Lt and I must be multiples of 64; z 16-byte aligned; w from pack_experts_mxfp4.
+// nothing (K may exceed X: a rank's own experts under expert parallelism, moe_local_ids). Lt and I must be
+// multiples of 64; z 16-byte aligned; w from pack_experts_mxfp4.
 void moe_experts_mxfp4(const uint16_t* z /* bf16 [T, Lt], contiguous */, const int32_t* ids /* i32 [T, K] */,
                        const float* weights /* f32 [T, K] */, const MoeExpertWeights& w, int64_t T, int64_t X,
                        int64_t K, int64_t Lt, int64_t I, float situ_beta, float situ_linear_beta,

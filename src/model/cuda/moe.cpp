@@ -11,6 +11,13 @@
 // norm gathered once at attach, cuda_model.cpp); its experts give a partial ũ, all-reduced; the norm runs
 // over the whole ũ, and the latent up-projection's column slice reads the rank's Lt/N of it; routed +
 // shared partials are all-reduced once.
+//
+// Expert parallelism (--enable-expert-parallel; CPU twin: the same moe_split.cpp): the rank holds X/N whole
+// experts [x_lo, x_lo + Xe) instead of I/N of every expert; everything else is as under the I split. The
+// hidden states are replicated after every all-reduce, so each rank already holds every token its experts
+// need (no dispatch all-to-all): it maps the global ids to its own (others → −1, which the expert kernels
+// skip before grouping) and its partial ũ — the contributions of its experts only — goes into the same ũ
+// all-reduce (the combine).
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_check.h"
@@ -58,13 +65,21 @@ void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in, c
   x.caps.ids_i32(layer, "router_ids", ids, T * K, x.stream);
   x.mark("moe.router+down");
   // Steps 3–4: the selected experts on z, ũ = bf16(Σ_k w_k · y_k).
+  const int32_t* eids = ids;  // i32 [T, K]: ids into w.experts
+  if (w.Xe != X) {            // expert parallelism: this rank's experts only, the others' slots −1
+    int32_t* local = x.tmp<int32_t>(T * K);  // i32 [T, K]
+    cuda::moe_local_ids(ids, T * K, w.x_lo, w.Xe, local, x.stream);
+    eids = local;
+  }
   u16* ut = x.tmp<u16>(T * Lt);  // bf16 [T, Lt]
-  void* ws = x.tmp<char>(int64_t(cuda::moe_experts_workspace_bytes(T, X, K, Lt, I)));
+  void* ws = x.tmp<char>(int64_t(cuda::moe_experts_workspace_bytes(T, w.Xe, K, Lt, I)));
   cuda::MoeExpertsOptions eo;
   eo.lt = &x.lt;  // prefill sizes: dequantise + cuBLASLt (moe.h MoeTokenTile::dense)
-  cuda::moe_experts_mxfp4(z, ids, wts, w.experts, T, X, K, Lt, I, c.situ_beta, c.situ_linear_beta, ws, ut, x.stream,
-                          eo);
-  tp_all_reduce(x, ut, T * Lt);  // under TP: each rank's I/N slice of every expert, a partial ũ
+  cuda::moe_experts_mxfp4(z, eids, wts, w.experts, T, w.Xe, K, Lt, I, c.situ_beta, c.situ_linear_beta, ws, ut,
+                          x.stream, eo);
+  // Under TP each rank's ũ is partial: its I/N slice of every selected expert, or (EP) its own experts' whole
+  // contributions; the sum over ranks is the full ũ.
+  tp_all_reduce(x, ut, T * Lt);
   x.mark("moe.experts");
   // Step 5: routed = Lin(routed_expert_up_proj)(RMSNorm_{routed_expert_norm}(ũ)).
   const u16* lin = ut;

@@ -186,15 +186,24 @@ MoeWeightsDev upload_moe(Uploader& up, const TextConfig& tc, const MoeWeights& m
   d.Xl = m.router.shape[0];
   d.Ll = m.latent_down.shape[0];
   // Experts repacked once into the tensor-core layout of kernels/cuda/moe_layout.h (the same bytes, permuted).
-  // I is this rank's width (the shard's w1 rows; the whole I on one rank).
+  // I is this rank's width (the shard's w1 rows; the whole I on one rank and under expert parallelism). Under
+  // expert parallelism (loader/shard.h) only the rank's contiguous range of whole experts is bound, the
+  // others are empty views: only that range [x_lo, x_lo + Xe) is uploaded.
   const int64_t X = tc.num_experts, Lt = tc.routed_expert_hidden_size;
   KCHECK(int64_t(m.experts.size()) == X, "MoE layer has {} experts, config {}", m.experts.size(), X);
-  KCHECK(!m.experts.empty() && !m.experts[0].w1.packed.empty(),
-         "MoE layer: expert 0 is not on this rank (expert parallelism is not built on the GPU)");
-  const int64_t I = m.experts[0].w1.rows();
+  int64_t lo = 0;
+  while (lo < X && m.experts[size_t(lo)].w1.packed.empty()) ++lo;
+  int64_t hi = lo;
+  while (hi < X && !m.experts[size_t(hi)].w1.packed.empty()) ++hi;
+  KCHECK(hi > lo, "MoE layer: no routed expert is bound on this rank");
+  for (int64_t e = hi; e < X; ++e)
+    KCHECK(m.experts[size_t(e)].w1.packed.empty(), "MoE layer: this rank's experts are not one range ({}..{} and {})",
+           lo, hi - 1, e);
+  d.x_lo = lo, d.Xe = hi - lo;
+  const int64_t I = m.experts[size_t(lo)].w1.rows();
   d.I = I;
-  std::vector<cuda::MoeExpertHost> src(static_cast<size_t>(X));
-  for (int64_t e = 0; e < X; ++e) {
+  std::vector<cuda::MoeExpertHost> src(static_cast<size_t>(d.Xe));
+  for (int64_t e = lo; e < hi; ++e) {
     const ExpertWeights& ew = m.experts[size_t(e)];
     KCHECK(ew.w1.packed.is_contiguous() && ew.w2.packed.is_contiguous() && ew.w2.scale.is_contiguous(),
            "expert {}: a strided view (pack it first, model::pack_strided)", e);
@@ -203,9 +212,10 @@ MoeWeightsDev upload_moe(Uploader& up, const TextConfig& tc, const MoeWeights& m
                ew.w3.scale.nbytes() == size_t(I * Lt / 32) && ew.w2.scale.nbytes() == size_t(Lt * I / 32),
            "expert {} tensors do not match [I, Lt] = [{}, {}]", e, I, Lt);
     auto p = [](const TensorView& v) { return static_cast<const uint8_t*>(v.data); };
-    src[size_t(e)] = {p(ew.w1.packed), p(ew.w1.scale), p(ew.w3.packed), p(ew.w3.scale), p(ew.w2.packed), p(ew.w2.scale)};
+    src[size_t(e - lo)] = {p(ew.w1.packed), p(ew.w1.scale), p(ew.w3.packed), p(ew.w3.scale), p(ew.w2.packed),
+                           p(ew.w2.scale)};
   }
-  d.experts = cuda::pack_experts_mxfp4(src.data(), X, Lt, I, [&](size_t n) { return up.alloc(n); });
+  d.experts = cuda::pack_experts_mxfp4(src.data(), d.Xe, Lt, I, [&](size_t n) { return up.alloc(n); });
   return d;
 }
 

@@ -64,8 +64,11 @@ struct MoeWeightsDev {
   const float* router_bias;  // f32 [X] (under TP: gathered over the ranks at attach, cuda_model.cpp)
   const u16* latent_norm;  // bf16 [Lt] (likewise)
   LinearDev latent_up;     // [D, Lt] (under TP: [D, Lt/N], the rank's columns)
-  int64_t I = 0;           // the experts' intermediate width on this rank (I, or I/N under TP)
+  int64_t I = 0;           // the experts' intermediate width on this rank (I, or I/N under TP; I under EP)
   int64_t Xl = 0, Ll = 0;  // router rows and latent-down rows on this rank (X and Lt on one rank)
+  // The experts `experts` holds: global ids [x_lo, x_lo + Xe) — all X (x_lo = 0) on one rank and under the
+  // I split, the rank's X/N whole experts under --enable-expert-parallel (moe.cpp maps ids to local ones).
+  int64_t x_lo = 0, Xe = 0;
   cuda::MoeExpertWeights experts;
   bool has_shared;
   LinearDev shared_down;   // [D, Is]
