@@ -324,11 +324,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
 // decode_kernel for all Dk/32 column groups of one (head, request) in one block of Dk/32 × 128 threads: the
 // same arithmetic per group (bits equal to decode_kernel's), but a block reads whole 512-byte state rows
 // (f32, Dk = 128) instead of four blocks each reading a 128-byte part of every row at different times, and the
-// request's q, k, g, β are read once per block. The bandwidth form for large batches. The launch bounds hold it
-// to 64 registers (2 blocks, 1,024 threads per SM at Dk = 128; ptxas: no spills): at its natural 84 only one
-// 512-thread block fits an SM, while decode_kernel's 80 registers give 6 × 128 = 768 threads.
+// request's q, k, g, β are read once per block. The bandwidth form for large batches.
 template <int DK, typename StateT>
-__global__ void __launch_bounds__(kDecodeThreads * (DK / kDecodeCols), 128 / DK * 2)
+__global__ void __launch_bounds__(kDecodeThreads * (DK / kDecodeCols))
     decode_heads_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                         const float* __restrict__ g, int64_t ld, const float* __restrict__ beta, int64_t ld_beta,
                         const int32_t* __restrict__ cu, const int32_t* __restrict__ slots, StateT* __restrict__ pool,
