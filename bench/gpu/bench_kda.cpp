@@ -239,7 +239,7 @@ struct DecodeCase {
     slots.copy_from_host(sl.data(), sl.size() * 4);
   }
   // kernel: 0..2 = kda_decode with that KdaDecodeVariant, 3 = kda_recurrent, 4 = kda_decode without a variant
-  // (the engine's call), 5 = kda_decode kKdaDecodeRegs, 6 = kda_decode kKdaDecodeHeads.
+  // (the engine's call), 5 = kda_decode kKdaDecodeRegs.
   double us(void* pool, bool f16, int kernel, int reps) {
     int64_t set = 0;
     const int64_t HD = H * kDk;
@@ -252,7 +252,6 @@ struct DecodeCase {
       float* out = static_cast<float*>(o.data());
       const auto var = kernel == 4   ? cuda::kda_decode_default_variant()
                        : kernel == 5 ? cuda::kKdaDecodeRegs
-                       : kernel == 6 ? cuda::kKdaDecodeHeads
                                      : cuda::KdaDecodeVariant(kernel);
       if (f16) {
         auto* p = static_cast<uint16_t*>(pool);
@@ -281,14 +280,14 @@ void decode(bool quick) {
     return B == 1 ? "6.1 µs" : B == 8 ? "9.2 µs" : B == 64 ? "31.7 µs" : B == 256 ? "106.9 µs (3.8 TB/s)" : "—";
   };
   const char* names[] = {"kda_decode auto", "kda_decode blocks", "kda_decode stream", "kda_recurrent",
-                         "kda_decode (engine)", "kda_decode regs", "kda_decode heads"};
+                         "kda_decode (engine)", "kda_decode regs"};
   for (const int64_t B : batches) {
     DecodeCase dc(B, H);
     for (const bool f16 : {false, true}) {
       const size_t bytes = size_t(dc.n_sets * B * H * kDk * kDk) * (f16 ? 2 : 4);
       cuda::DeviceBuffer pool(bytes);
       KCUDA_CHECK(cudaMemset(pool.data(), 0, bytes));
-      for (int kernel : {4, 0, 1, 2, 5, 6, 3}) {
+      for (int kernel : {4, 0, 1, 2, 5, 3}) {
         const double us = dc.us(pool.data(), f16, kernel, quick ? 50 : 200);
         fmt::print("{:<30} {:>6} {:>10.2f} {:>10.2f}   {}\n",
                    fmt::format("{} {}", names[kernel], f16 ? "f16" : "f32"), B, us, dc.tbps(us, f16),

@@ -229,8 +229,7 @@ __device__ __forceinline__ void decode_tokens(float (&s)[DK / 16][4], const floa
                                               TraceT* __restrict__ trace = nullptr, int64_t trace_row0 = 0,
                                               int64_t H = 0) {
   constexpr int R = DK / 16;
-  // A 128-thread column group's own index (decode_heads_kernel runs Dk/32 groups in one block).
-  const int tid = threadIdx.x & (kDecodeThreads - 1), lane = tid & 31, w = tid >> 5, sub = lane >> 3, c4 = lane & 7;
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, sub = lane >> 3, c4 = lane & 7;
   for (int64_t t = t0; t < t1; ++t, par ^= 1) {
     const int64_t row = t * ld + h * DK;
     // Every global read of the token is issued here, before the barrier below.
@@ -317,33 +316,6 @@ __global__ void __launch_bounds__(kDecodeThreads)
   for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
   int par = 0;
   decode_tokens<DK>(s, q, k, v, g, ld, beta, ld_beta, cu[b], cu[b + 1], h, col, red, par, o);
-#pragma unroll
-  for (int m = 0; m < R; ++m) store4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
-}
-
-// decode_kernel for all Dk/32 column groups of one (head, request) in one block of Dk/32 × 128 threads: the
-// same arithmetic per group (bits equal to decode_kernel's), but a block reads whole 512-byte state rows
-// (f32, Dk = 128) instead of four blocks each reading a 128-byte part of every row at different times, and the
-// request's q, k, g, β are read once per block. The bandwidth form for large batches.
-template <int DK, typename StateT>
-__global__ void __launch_bounds__(kDecodeThreads * (DK / kDecodeCols))
-    decode_heads_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                        const float* __restrict__ g, int64_t ld, const float* __restrict__ beta, int64_t ld_beta,
-                        const int32_t* __restrict__ cu, const int32_t* __restrict__ slots, StateT* __restrict__ pool,
-                        float* __restrict__ o, int64_t H) {
-  constexpr int R = DK / 16, NCB = DK / kDecodeCols;
-  __shared__ float red[NCB][2][4][9][8];  // one reduction buffer per column group
-  const int64_t h = blockIdx.x, b = blockIdx.y;
-  const int grp = threadIdx.x / kDecodeThreads, tid = threadIdx.x % kDecodeThreads;
-  const int lane = tid & 31, w = tid >> 5, sub = lane >> 3, c4 = lane & 7;
-  const int col = grp * kDecodeCols + 4 * c4;
-  StateT* S = pool + (int64_t(slots[b]) * H + h) * DK * DK;
-  float s[R][4];
-#pragma unroll
-  for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
-  int par = 0;
-  // Every group runs the same tokens (one request), so decode_tokens' block-wide barriers line up.
-  decode_tokens<DK>(s, q, k, v, g, ld, beta, ld_beta, cu[b], cu[b + 1], h, col, red[grp], par, o);
 #pragma unroll
   for (int m = 0; m < R; ++m) store4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
 }
@@ -648,10 +620,6 @@ void launch_decode(const float* q, const float* k, const float* v, const float* 
     const int64_t rwave = decode_regs_wave<DK, StateT>();
     decode_regs_kernel<DK, StateT><<<unsigned(std::min(n_items, rwave)), kDecodeThreads, 0, stream>>>(
         q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, H, n_items);
-  } else if (variant == kKdaDecodeHeads) {
-    const dim3 grid{unsigned(H), unsigned(B)};
-    decode_heads_kernel<DK, StateT><<<grid, kDecodeThreads * (DK / kDecodeCols), 0, stream>>>(
-        q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, H);
   } else if (variant == kKdaDecodeStream || (variant == kKdaDecodeAuto && n_items > wave)) {
     decode_stream_kernel<DK, StateT><<<unsigned(std::min(n_items, wave)), kDecodeThreads, smem, stream>>>(
         q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, H, n_items);
@@ -678,7 +646,7 @@ void decode(const float* q, const float* k, const float* v, const float* g, int6
                 std::string("kda_decode: null pointer"));
   KCUDA_REQUIRE(B >= 0 && B < 65536 && H > 0 && H < 65536 && ld >= H * Dk && ld_beta >= H,
                 std::string("kda_decode: bad B, H or strides"));
-  KCUDA_REQUIRE(variant >= kKdaDecodeAuto && variant <= kKdaDecodeHeads,
+  KCUDA_REQUIRE(variant >= kKdaDecodeAuto && variant <= kKdaDecodeRegs,
                 "kda_decode: bad variant " + std::to_string(int(variant)));
   if (B == 0) return;
   switch (Dk) {
@@ -702,13 +670,10 @@ KdaDecodeVariant kda_decode_default_variant() {
     const char* e = std::getenv("KESTREL_KDA_DECODE");
     if (e == nullptr || *e == 0) return kKdaDecodeBlocks;
     const std::string s = e;
-    KCUDA_REQUIRE(s == "auto" || s == "blocks" || s == "stream" || s == "regs" || s == "heads",
-                  "KESTREL_KDA_DECODE=" + s + " (expected auto, blocks, stream, regs or heads)");
-    return s == "auto"     ? kKdaDecodeAuto
-           : s == "blocks" ? kKdaDecodeBlocks
-           : s == "stream" ? kKdaDecodeStream
-           : s == "regs"   ? kKdaDecodeRegs
-                           : kKdaDecodeHeads;
+    KCUDA_REQUIRE(s == "auto" || s == "blocks" || s == "stream" || s == "regs",
+                  "KESTREL_KDA_DECODE=" + s + " (expected auto, blocks, stream or regs)");
+    return s == "auto" ? kKdaDecodeAuto : s == "blocks" ? kKdaDecodeBlocks : s == "stream" ? kKdaDecodeStream
+                                                                                         : kKdaDecodeRegs;
   }();
   return v;
 }

@@ -75,19 +75,12 @@ void kda_recurrent(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T,
 // for small batches; kKdaDecodeStream, persistent blocks that walk those work items and copy the next item's
 // state slice into shared memory (cp.async) while they compute the current one, the bandwidth form for large
 // batches; kKdaDecodeRegs, persistent blocks that load the next item's slice straight into a second register
-// set; kKdaDecodeHeads, one block of Dk/32 × 128 threads per (head, request), whole state rows per block.
-// kKdaDecodeAuto picks the stream kernel when the items outnumber one wave of blocks. All give the same
+// set. kKdaDecodeAuto picks the stream kernel when the items outnumber one wave of blocks. All give the same
 // results bit for bit (same arithmetic in the same order).
-enum KdaDecodeVariant : int {
-  kKdaDecodeAuto = 0,
-  kKdaDecodeBlocks = 1,
-  kKdaDecodeStream = 2,
-  kKdaDecodeRegs = 3,
-  kKdaDecodeHeads = 4
-};
+enum KdaDecodeVariant : int { kKdaDecodeAuto = 0, kKdaDecodeBlocks = 1, kKdaDecodeStream = 2, kKdaDecodeRegs = 3 };
 // The kernel of the overloads without a variant (the engine's): kKdaDecodeBlocks, the fastest at large batches on
 // the H200 (bench_kda, FP32 state, H = 12, B = 1024: blocks 3.85 TB/s, regs 3.62, stream 3.07; at B = 1 regs is
-// ~0.2 µs ahead: bench/RESULTS.md, session 8); KESTREL_KDA_DECODE=auto|blocks|stream|regs|heads overrides it (read once;
+// ~0.2 µs ahead: bench/RESULTS.md, session 8); KESTREL_KDA_DECODE=auto|blocks|stream|regs overrides it (read once;
 // any other value is an error).
 KdaDecodeVariant kda_decode_default_variant();
 void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
