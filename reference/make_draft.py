@@ -72,6 +72,10 @@ def draft_config(preset, overrides=()):
     for key, value in overrides:
         cfg[key] = value
     cfg["num_target_layers"] = len(cfg["target_layer_ids"])
+    # The mask token follows an overridden vocabulary (as make_checkpoint's bos/eos/pad do), unless it is
+    # overridden itself: a reduced target's vocab_size=8192 left it at 163837, outside the vocabulary.
+    if "mask_token_id" not in dict(overrides):
+        cfg["mask_token_id"] = cfg["vocab_size"] - mc.NUM_SPECIALS + 253
     return cfg
 
 
