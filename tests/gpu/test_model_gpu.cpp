@@ -9,8 +9,11 @@
 // both engines' router ids and index selections are captured at every position and layer; at
 // positions before the first differing choice (a choice at position t only affects positions ≥ t) the
 // logits must agree within MODEL.md §0.10's rel L2 ≤ 2e-2, max |Δ| ≤ 5% of max |logit|, and the argmax
-// must be equal (at most one position may differ, and only where the CPU's top two logits are within
-// 4% of max |logit|: a near tie, reported). From the first differing choice on, positions are
+// must be equal except at near ties, reported: positions where the CPU's top two logits are within 4% of
+// max |logit| AND within twice that position's measured GPU−CPU max |Δ| (the observed error could flip
+// them), at most one position per 16 compared (at least one). The seed-2 nano_tp_gpu checkpoint
+// (2026-12-02) has two such ties in 62 positions, gaps 0.12 % and 0.08 % of max |logit| with max |Δ| 0.34 %;
+// the old rule (one tie in all) failed it on those. From the first differing choice on, positions are
 // reported, not failed. Measured on the H200 (2026-11-29) with the well-conditioned nano checkpoint
 // (reference/README.md "Conditioning"): nano rel L2 2.5e-3, greedy equal at 78/78 positions, no
 // differing choice; reduced mini 1.4e-3, 24/24. The first runs on the earlier, chaotic checkpoint had
@@ -182,13 +185,14 @@ TEST(GpuModel, MatchesCpuEngine) {
       worst_l2 = std::max(worst_l2, l2), worst_rel_abs = std::max(worst_rel_abs, rel_abs);
       if (ac != ag) {
         const float gap = top2_gap(c, V);
-        const bool tie = gap <= 0.04 * scale;
+        const bool tie = gap <= 0.04 * scale && gap <= 2.0 * mx;  // within the error measured here
         note(fmt::format("  {} position {}: CPU argmax {} GPU {}; CPU top-2 gap {:.4g} (logit scale {:.3g}) -> {}",
                          name, p, ac, ag, gap, scale, tie ? "near tie" : "REAL MISMATCH"));
         (tie ? near_ties : mismatched)++;
       }
     }
-    const bool ok = mismatched == 0 && near_ties <= 1 && worst_l2 <= 2e-2 && worst_rel_abs <= 5e-2 && l0_err <= 5e-3;
+    const bool ok = mismatched == 0 && near_ties <= std::max<int64_t>(1, first_diff / 16) && worst_l2 <= 2e-2 &&
+                    worst_rel_abs <= 5e-2 && l0_err <= 5e-3;
     note(fmt::format("{:<28} {:<34} {:<11.3e} {:<11.3e} {:<38} {}", "model logits (GPU vs CPU)",
                      fmt::format("{} P={} G={} pos<{}", name, P, G, first_diff), worst_rel_abs, worst_l2,
                      "max|d|/max 5e-2, L2 2e-2, L0 5e-3", ok ? "PASS" : "FAIL"));
