@@ -4,7 +4,8 @@
 // FP32 outputs must agree to 2e-5 relative to the row's |x|·|w| mass; BF16 outputs may then differ
 // by one BF16 ulp where the FP32 sum sits next to a rounding boundary. Exact (==) where the order is
 // the contract: avx2 vs portable GEMM and MXFP4 (gemm_kernels.h), and row / thread / packing
-// invariance on every ISA the CPU has (the CPU engine's batch invariance rests on it).
+// invariance on every ISA the CPU has (the CPU engine's batch invariance rests on it). The avx512bf16
+// MXFP4 product (ORDER_B32) has the GEMM tolerance and the exact invariances.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -16,6 +17,7 @@
 #include "core/check.h"
 #include "core/dtype.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/gemm_kernels.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/thread_pool.h"
 
@@ -198,6 +200,55 @@ TEST(KernelsCpu, Mxfp4GemmEqualsDequantisedProductExactly) {
           const float ref = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
           ASSERT_EQ(y[size_t(t * out + r)], ref) << cpu::isa_name(i) << " T=" << T << " r=" << r << " t=" << t;
         }
+      }
+    }
+  }
+}
+
+// The avx512bf16 expert product (ORDER_B32, mxfp4_avx512.cpp): the same products as the dequantised
+// weight times the bf16 inputs, so against a double twin within the GEMM tolerance (2e-5 of the |x|·|w|
+// mass; vdpbf16ps's internal rounding is the CPU's, so no exact scalar twin); exact where the engine
+// needs it: a row's result alone equals its result in any batch, with 1 or 2 threads, and the bf16
+// output is the rounded f32 output.
+TEST(KernelsCpu, Mxfp4Bf16ProductMatchesDequantisedAndIsRowAndThreadInvariant) {
+  if (cpu::detected_isa() < cpu::Isa::avx512bf16) GTEST_SKIP() << "no AVX-512 BF16 on this CPU";
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (auto [T, out, in] : {std::tuple<int64_t, int64_t, int64_t>{1, 64, 128}, {5, 33, 64}, {3, 7, 32},
+                            {17, 50, 192}, {42, 20, 128}, {4, 16, 96}, {6, 1, 32}}) {  // row and token tails
+    std::vector<uint8_t> packed(size_t(out * in / 2)), scale(size_t(out * in / 32));
+    for (int64_t r = 0; r < out; ++r)
+      for (int64_t b = 0; b < in / 32; ++b) {
+        float blk[32];
+        const float mag = std::ldexp(1.0f, int(rng() % 9) - 6);
+        for (float& v : blk) v = nd(rng) * mag;
+        scale[size_t(r * (in / 32) + b)] = mxfp4_quantize_block(blk, &packed[size_t(r * (in / 2) + b * 16)]);
+      }
+    const int64_t ldx = in + 3;  // a row stride past the width
+    const auto x = rand_bf16(size_t(T * ldx), rng);
+    std::vector<float> y(size_t(T * out)), y1(y.size());
+    std::vector<uint16_t> yb(y.size());
+    cpu::set_num_threads(2);
+    cpu::gemm_detail::mxfp4_rows_bf16(packed.data(), scale.data(), x.data(), ldx, T, out, in, y.data(), nullptr, out);
+    cpu::gemm_detail::mxfp4_rows_bf16(packed.data(), scale.data(), x.data(), ldx, T, out, in, nullptr, yb.data(), out);
+    cpu::set_num_threads(1);
+    for (int64_t t = 0; t < T; ++t)  // each row alone
+      cpu::gemm_detail::mxfp4_rows_bf16(packed.data(), scale.data(), x.data() + t * ldx, ldx, 1, out, in,
+                                        y1.data() + t * out, nullptr, out);
+    cpu::set_num_threads(0);
+    ASSERT_EQ(y1, y) << "T=" << T << " out=" << out << " in=" << in;
+    std::vector<float> wd(static_cast<size_t>(in));
+    for (int64_t r = 0; r < out; ++r) {
+      mxfp4_dequantize_row(&packed[size_t(r * (in / 2))], &scale[size_t(r * (in / 32))], wd.data(), size_t(in));
+      for (int64_t t = 0; t < T; ++t) {
+        double ref = 0.0, mass = 0.0;
+        for (int64_t c = 0; c < in; ++c) {
+          const double p = double(wd[size_t(c)]) * bf16_to_f32(x[size_t(t * ldx + c)]);
+          ref += p, mass += std::fabs(p);
+        }
+        const size_t i = size_t(t * out + r);
+        ASSERT_LE(std::fabs(y[i] - ref), 2e-5 * mass) << "T=" << T << " r=" << r << " t=" << t;
+        ASSERT_EQ(yb[i], f32_to_bf16(y[i]));
       }
     }
   }
