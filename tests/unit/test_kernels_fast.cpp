@@ -268,11 +268,12 @@ TEST(KernelsFast, TopkSortedEqualsTopkThenSort) {
   for (int rep = 0; rep < reps; ++rep) {
     const int64_t n = 1 + int64_t(rng() % 3000), k = int64_t(rng() % uint64_t(n + 1));
     std::vector<float> x(static_cast<size_t>(n));
-    const int kind = rep % 4;
+    const int kind = rep % 5;
     for (auto& v : x) {
       const uint64_t r = rng();
       if (kind == 0) v = float(int(r % 7)) - 3.0f;            // heavy ties
       else if (kind == 1) v = std::ldexp(float(r % 1000), -int(r % 40));
+      else if (kind == 4) v = 0.5f + std::ldexp(float(r % 5000), -24);  // one exponent, as a query's scores
       else v = float(std::normal_distribution<float>()(rng));
       if (kind == 3 && r % 17 == 0) v = (r % 2) ? NAN : -INFINITY;
       if (kind == 3 && r % 23 == 0) v = (r % 2) ? 0.0f : -0.0f;

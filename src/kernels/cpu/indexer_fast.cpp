@@ -10,7 +10,7 @@
 // comes from L2/L3 once per group and from L1 for the rest (one query at a time streamed all S·Di
 // keys per query: at 16K tokens 2 MB per query, bound by the cache bandwidth, issue #22).
 // O(T·S·Hi·Di) remains the cost, at vector speed.
-// Selection: topk_sorted, a radix select (one 2048-bin histogram pass on the top 11 bits of an
+// Selection: topk_sorted, a radix select (one 2048-bin histogram pass over the range [min, max] of an
 // order-preserving key, nth_element over the one bin that holds the k-th value, one output pass) in
 // O(n) instead of a partial sort; exactly topk() + ascending sort, ties to the lower index, NaN tied
 // with −inf below every number.
@@ -115,15 +115,27 @@ void topk_sorted(const float* x, int64_t n, int64_t k, int32_t* idx) {
   if (k == 0) return;
   thread_local std::vector<uint32_t> key, cand;
   key.resize(size_t(n));
+  // Keys, and their range: the histogram spans [lo, hi] rather than the top bits, because the
+  // scores of one query cluster (non-negative, close exponents): on the top 11 bits most of them
+  // shared a bin, so the nth_element over that bin and the same-bin increments (each waits for the
+  // previous store) made this the indexer's largest cost at 2K tokens (issue #22).
+  uint32_t lo = UINT32_MAX, hi = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    const uint32_t v = order_key(x[s]);
+    key[size_t(s)] = v;
+    lo = std::min(lo, v), hi = std::max(hi, v);
+  }
+  int shift = 0;
+  while (((hi - lo) >> shift) >= 2048u) ++shift;
   uint32_t hist[2048] = {};
-  for (int64_t s = 0; s < n; ++s) ++hist[(key[size_t(s)] = order_key(x[s])) >> 21];
+  for (int64_t s = 0; s < n; ++s) ++hist[(key[size_t(s)] - lo) >> shift];
   // The bin holding the k-th largest key, and how many keys lie in higher bins.
   int64_t above = 0;
-  int bin = 2047;
+  uint32_t bin = (hi - lo) >> shift;
   while (above + hist[bin] < k) above += hist[bin--];
   cand.clear();
   for (int64_t s = 0; s < n; ++s)
-    if ((key[size_t(s)] >> 21) == uint32_t(bin)) cand.push_back(key[size_t(s)]);
+    if (((key[size_t(s)] - lo) >> shift) == bin) cand.push_back(key[size_t(s)]);
   const int64_t need = k - above;  // 1 ≤ need ≤ |cand|
   std::nth_element(cand.begin(), cand.begin() + (need - 1), cand.end(), std::greater<uint32_t>());
   const uint32_t tau = cand[size_t(need - 1)];
