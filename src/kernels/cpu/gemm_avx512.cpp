@@ -22,23 +22,10 @@
 #include "core/dtype.h"
 #include "kernels/cpu/gemm_kernels.h"
 #include "kernels/cpu/isa.h"
+#include "kernels/cpu/simd_avx512.h"
 
 namespace kestrel::cpu::gemm_detail {
 namespace {
-
-// 16 f32 → 16 bf16, exactly f32_to_bf16 (core/dtype.h) per lane: RNE by the integer add, NaN kept
-// quiet with its sign. Not vcvtneps2bf16: that flushes denormal inputs, which f32_to_bf16 rounds.
-// Vector stores matter here: at the model's K of 128–768 a scalar store per output cost about as
-// much as a fifth of the tile's dot products.
-KESTREL_AVX512BF16 inline __m256i to_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-  const __m512i nanv = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  const __mmask16 isnan =
-      _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(isnan, r, nanv));
-}
 
 template <int MR, int NP>
 KESTREL_AVX512BF16 inline void micro(const PanelBlock& b, int64_t m0, int64_t p) {
@@ -68,11 +55,13 @@ KESTREL_AVX512BF16 inline void micro(const PanelBlock& b, int64_t m0, int64_t p)
 #pragma GCC unroll 4
   for (int q = 0; q < NP; ++q) {
     const int64_t nloc = 16 * (p + q), nvalid = std::min<int64_t>(16, b.w.N - 16 * (b.p0 + p + q));
-    const __mmask16 valid = __mmask16((1u << nvalid) - 1u);  // outputs past N are not stored
+    // One masked vector store per row (outputs past N untouched): at the model's K of 128–768 a scalar
+    // store per output was a large share of the tile's time.
+    const __mmask16 valid = __mmask16((1u << nvalid) - 1u);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       if (b.yb)
-        _mm256_mask_storeu_epi16(b.yb + (m0 + m) * b.ldy + nloc, valid, to_bf16(acc[m][q]));
+        _mm256_mask_storeu_epi16(b.yb + (m0 + m) * b.ldy + nloc, valid, simd512::to_bf16(acc[m][q]));
       else
         _mm512_mask_storeu_ps(b.y + (m0 + m) * b.ldy + nloc, valid, acc[m][q]);
     }

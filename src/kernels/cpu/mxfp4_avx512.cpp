@@ -26,6 +26,7 @@
 #include "core/dtype.h"
 #include "kernels/cpu/gemm_kernels.h"
 #include "kernels/cpu/isa.h"
+#include "kernels/cpu/simd_avx512.h"
 #include "kernels/cpu/thread_pool.h"
 
 namespace kestrel::cpu::gemm_detail {
@@ -93,16 +94,22 @@ KESTREL_AVX512BF16 void tile(const uint32_t* wd, int64_t nblk, int64_t r0, int n
       for (int t = 0; t < kT; ++t) acc[r * kT + t] = _mm512_dpbf16_ps(acc[r * kT + t], (__m512bh)xv[t], (__m512bh)w);
     }
   }
+  // Element 4t + r of the folded sums is output (r, t): each token's nr outputs are adjacent.
+  const __m512 sum = reduce16(acc);
+  const __mmask8 rows = __mmask8((1u << nr) - 1u);
   alignas(64) float s[16];
-  _mm512_store_ps(s, reduce16(acc));  // s[4t + r] = output (r, t)
-  for (int t = 0; t < nt; ++t)
-    for (int r = 0; r < nr; ++r) {
-      const int64_t at = (t0 + t) * ldy + col0 + r0 + r;
-      if (yb)
-        yb[at] = f32_to_bf16(s[4 * t + r]);
-      else
-        y[at] = s[4 * t + r];
-    }
+  alignas(32) uint16_t sb[16];
+  if (yb)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sb), simd512::to_bf16(sum));
+  else
+    _mm512_store_ps(s, sum);
+  for (int t = 0; t < nt; ++t) {
+    const int64_t at = (t0 + t) * ldy + col0 + r0;
+    if (yb)
+      _mm_mask_storeu_epi16(yb + at, rows, _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 4 * t)));
+    else
+      _mm_mask_storeu_ps(y + at, rows, _mm_load_ps(s + 4 * t));
+  }
 }
 
 // Panel rows [c0, c0 + nr): decoded once into wd (u32 [nr][nblk][16]), then every token.
