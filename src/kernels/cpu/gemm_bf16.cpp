@@ -93,16 +93,23 @@ void run(const uint16_t* xb, const float* xf, int64_t ldx, int64_t T, int64_t K,
   if (T == 0 || outs.empty()) return;
   const Isa i = isa();
   const PanelFormat f = i == Isa::avx512bf16 && xb ? PanelFormat::kPairs : PanelFormat::kAvx2;
-  // Activations as the kernels read them: f32 [T, K] (ORDER_K), or bf16 [T, Kp] padded to even K (pairs).
+  // Activations as the kernels read them: f32 [T, K] (ORDER_K), or bf16 [T, Kp] padded to even K (pairs:
+  // the caller's rows themselves when K is even, a padded copy otherwise).
   thread_local std::vector<float> xs;
   thread_local std::vector<uint16_t> xs16;
   const float* xk = nullptr;
   const uint16_t* xk16 = nullptr;
   int64_t ld = K;
-  if (f == PanelFormat::kPairs) {
-    ld = (K + 1) / 2 * 2;
-    xs16.assign(size_t(T * ld), 0);
-    for (int64_t t = 0; t < T; ++t) std::memcpy(xs16.data() + t * ld, xb + t * ldx, size_t(K) * 2);
+  if (f == PanelFormat::kPairs && K % 2 == 0) {  // the rows as they are: no padding to add
+    xk16 = xb;
+    ld = ldx;
+  } else if (f == PanelFormat::kPairs) {
+    ld = K + 1;
+    xs16.resize(size_t(T * ld));
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(xs16.data() + t * ld, xb + t * ldx, size_t(K) * 2);
+      xs16[size_t(t * ld + K)] = 0;
+    }
     xk16 = xs16.data();
   } else if (xf) {
     xk = xf;

@@ -52,7 +52,8 @@ void pack(const uint16_t* w, int64_t ldw, bool kmajor, int64_t N, int64_t K, Pan
 // [p0, p0 + np) of `w` (n counted from the first of them), written as f32 or rounded to bf16.
 struct PanelBlock {
   const float* x = nullptr;     // f32 [M, K], row stride ldx (ORDER_K paths)
-  const uint16_t* xb = nullptr; // bf16 [M, Kp] with Kp = K rounded up to even, zero-padded (kPairs)
+  const uint16_t* xb = nullptr; // bf16 [M, Kp], Kp = K rounded up to even, row stride ldx; for odd K a
+                                // zero at column K (kPairs)
   int64_t ldx = 0, M = 0;
   PackedView w;
   int64_t p0 = 0, np = 0;
