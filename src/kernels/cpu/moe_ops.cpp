@@ -103,7 +103,9 @@ void moe_experts_fast_f32(const uint16_t* z, const int32_t* ids, const float* wt
     if (!users[size_t(e)].empty() && experts[e].w1.packed) active.push_back(e);  // null: another rank's expert
   const bool avx2 = isa() >= Isa::avx2, bf16dot = isa() >= Isa::avx512bf16;
   // Steps 3: one expert per task (uneven token counts: handed out one at a time).
-  parallel_for_each(int64_t(active.size()), T * K * 3 * Lt * I, [&](int64_t a) {
+  // Few tokens (decode): weighed as 8, as the GEMM does (gemm_bf16.cpp), so the step's two experts
+  // decode on both cores.
+  parallel_for_each(int64_t(active.size()), std::max<int64_t>(T, 8) * K * 3 * Lt * I, [&](int64_t a) {
     const int64_t e = active[size_t(a)];
     const std::vector<int64_t>& slots = users[size_t(e)];
     const int64_t n = int64_t(slots.size());
