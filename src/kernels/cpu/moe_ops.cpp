@@ -102,9 +102,8 @@ void moe_experts_fast_f32(const uint16_t* z, const int32_t* ids, const float* wt
   for (int64_t e = 0; e < X; ++e)
     if (!users[size_t(e)].empty() && experts[e].w1.packed) active.push_back(e);  // null: another rank's expert
   const bool avx2 = isa() >= Isa::avx2, bf16dot = isa() >= Isa::avx512bf16;
-  // Steps 3: one expert per task (uneven token counts: handed out one at a time).
-  // Few tokens (decode): weighed as 8, as the GEMM does (gemm_bf16.cpp), so the step's two experts
-  // decode on both cores.
+  // Steps 3: one expert per task (uneven token counts: handed out one at a time). Few tokens (decode)
+  // are weighed as 8, as the GEMM does (gemm_bf16.cpp), so the step's two experts run on both cores.
   parallel_for_each(int64_t(active.size()), std::max<int64_t>(T, 8) * K * 3 * Lt * I, [&](int64_t a) {
     const int64_t e = active[size_t(a)];
     const std::vector<int64_t>& slots = users[size_t(e)];
@@ -130,18 +129,17 @@ void moe_experts_fast_f32(const uint16_t* z, const int32_t* ids, const float* wt
           gemm_detail::permute_row_bf16_avx2(zr, Lt, zp.data() + i * Lt);
         else
           gemm_detail::permute_row_bf16(zr, Lt, zp.data() + i * Lt);
-    }
-    // [g | u] = bf16(z·W1ᵀ), bf16(z·W3ᵀ); a = SiTU-GLU(g, u); y = bf16(a·W2ᵀ).
-    gemm_detail::mxfp4_rows(ew.w1.packed, ew.w1.scale, zp.data(), n, I, Lt, nullptr, gb.data(), I);
-    gemm_detail::mxfp4_rows(ew.w3.packed, ew.w3.scale, zp.data(), n, I, Lt, nullptr, ub.data(), I);
-    situ_glu_fast(gb.data(), ub.data(), ab.data(), n * I, beta, linear_beta);
-    for (int64_t i = 0; i < n; ++i) {
-      if (avx2)
-        gemm_detail::permute_row_bf16_avx2(ab.data() + i * I, I, ap.data() + i * I);
-      else
-        gemm_detail::permute_row_bf16(ab.data() + i * I, I, ap.data() + i * I);
-    }
-    gemm_detail::mxfp4_rows(ew.w2.packed, ew.w2.scale, ap.data(), n, Lt, I, yf.data(), nullptr, Lt);
+      }
+      gemm_detail::mxfp4_rows(ew.w1.packed, ew.w1.scale, zp.data(), n, I, Lt, nullptr, gb.data(), I);
+      gemm_detail::mxfp4_rows(ew.w3.packed, ew.w3.scale, zp.data(), n, I, Lt, nullptr, ub.data(), I);
+      situ_glu_fast(gb.data(), ub.data(), ab.data(), n * I, beta, linear_beta);
+      for (int64_t i = 0; i < n; ++i) {
+        if (avx2)
+          gemm_detail::permute_row_bf16_avx2(ab.data() + i * I, I, ap.data() + i * I);
+        else
+          gemm_detail::permute_row_bf16(ab.data() + i * I, I, ap.data() + i * I);
+      }
+      gemm_detail::mxfp4_rows(ew.w2.packed, ew.w2.scale, ap.data(), n, Lt, I, yf.data(), nullptr, Lt);
     }
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = 0; j < Lt; ++j) {
