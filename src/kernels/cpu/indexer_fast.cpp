@@ -117,9 +117,8 @@ void topk_sorted(const float* x, int64_t n, int64_t k, int32_t* idx) {
   thread_local std::vector<uint32_t> key, cand;
   key.resize(size_t(n));
   // Keys, and their range: the histogram spans [lo, hi] rather than the top bits, because the
-  // scores of one query cluster (non-negative, close exponents): on the top 11 bits most of them
-  // shared a bin, so the nth_element over that bin and the same-bin increments (each waits for the
-  // previous store) made this the indexer's largest cost at 2K tokens (issue #22).
+  // scores of one query cluster (close exponents): on the top 11 bits many of them can share a bin,
+  // which makes the nth_element over that bin long and the same-bin increments wait on each other.
   uint32_t lo = UINT32_MAX, hi = 0;
   for (int64_t s = 0; s < n; ++s) {
     const uint32_t v = order_key(x[s]);
