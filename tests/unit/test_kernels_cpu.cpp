@@ -262,8 +262,10 @@ TEST(KernelsCpu, Mxfp4RejectsRaggedWidth) {
 
 TEST(KernelsCpu, RmsNormMatchesFormula) {
   std::mt19937_64 rng(4);
-  for (int64_t n : {1, 7, 8, 9, 16, 17, 256, 1000}) {  // the avx2 row scaling's 8-wide body and its tails
-    const int64_t T = 3;
+  // The avx2 row scaling's 8-wide body and its tails; T = 3 and 13: row groups of 4 (avx2) and 8
+  // (avx512bf16's sums of squares) with a partial last group.
+  for (auto [n, T] : {std::pair<int64_t, int64_t>{1, 3}, {7, 3}, {8, 13}, {9, 3}, {16, 13}, {17, 13}, {256, 13},
+                      {1000, 3}}) {
     const auto x = rand_bf16(size_t(T * n), rng, 3.0f);
     const auto w = rand_bf16(size_t(n), rng);
     std::vector<uint16_t> y(size_t(T * n)), yp(y.size());
@@ -272,7 +274,7 @@ TEST(KernelsCpu, RmsNormMatchesFormula) {
       cpu::rmsnorm_bf16(x.data(), w.data(), yp.data(), T, n, 1e-5f);
     }
     cpu::rmsnorm_bf16(x.data(), w.data(), y.data(), T, n, 1e-5f);
-    ASSERT_EQ(y, yp) << "n=" << n << ": the vector path rounds exactly as the scalar one";
+    ASSERT_EQ(y, yp) << "n=" << n << " T=" << T << ": the vector path rounds exactly as the scalar one";
     for (int64_t t = 0; t < T; ++t) {
       double ss = 0;
       for (int64_t i = 0; i < n; ++i) ss += std::pow(double(bf16_to_f32(x[size_t(t * n + i)])), 2);
