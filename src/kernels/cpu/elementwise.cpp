@@ -1,6 +1,6 @@
 // Row-wise and element-wise CPU ops: RMSNorm, SiTU-GLU, softmax, top-k (MODEL.md §3, §0.8).
 // RMSNorm keeps its FP64 sequential sum of squares (four rows at a time for instruction-level
-// parallelism, each row's order unchanged) and its AVX2 second pass repeats the scalar roundings
+// parallelism, eight as register lanes on avx512bf16, each row's order unchanged) and its AVX2 second pass repeats the scalar roundings
 // exactly. situ_glu is the scalar twin; situ_glu_fast the AVX2 one (simd_avx2.h tanh/sigmoid).
 #include <algorithm>
 #include <cmath>

@@ -3,7 +3,8 @@
 // runs everywhere and uses AVX-512 BF16 where it exists.
 //
 //   avx512bf16  bf16 GEMMs and the MXFP4 expert products through vdpbf16ps (AVX-512 BF16), the MLA
-//               latent attention in AVX-512 FP32 (mla_avx512.cpp); everything else as avx2
+//               latent attention in AVX-512 FP32 (mla_avx512.cpp), RMSNorm's sums of squares eight
+//               rows at a time (bit-identical); everything else as avx2
 //   avx2        AVX2 + FMA kernels (this project's baseline for speed)
 //   portable    scalar twins: the avx2 kernels' exact summation order, one element at a time
 //
