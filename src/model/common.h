@@ -10,6 +10,7 @@
 #include <functional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -22,6 +23,32 @@ namespace kestrel::model {
 using Observer = std::function<void(std::string_view name, const TensorView& t)>;
 
 using Bf16Vec = std::vector<uint16_t>;
+
+// An allocator whose value-less construct leaves the element uninitialised (default-initialised), so
+// Scratch<T>(n) allocates without a zero-fill. For a step's buffers that a kernel writes in full
+// before anything reads them: their zero-fill was a serial memset on the engine thread, ~4 % of a
+// 2K prefill's engine-thread time while the pool's other thread waited (bench/RESULTS.md, issue #22).
+template <class T>
+struct NoZeroAllocator : std::allocator<T> {
+  using value_type = T;
+  NoZeroAllocator() = default;
+  template <class U>
+  NoZeroAllocator(const NoZeroAllocator<U>&) noexcept {}
+  template <class U>
+  struct rebind {
+    using other = NoZeroAllocator<U>;
+  };
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... A>
+  void construct(U* p, A&&... a) {
+    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
+};
+template <class T>
+using Scratch = std::vector<T, NoZeroAllocator<T>>;
 
 // Names captures of one layer as "L{layer}.{what}" (or bare `what` when layer < 0).
 struct Probe {

@@ -66,7 +66,7 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, std::span<const KdaSe
 
   // Step 2: causal depthwise conv over [W−1 stored inputs, current], SiLU, BF16, per sequence and
   // projection; the history shifts token by token (it is the carried state). f32 from here on.
-  std::vector<float> qkv_f(size_t(3 * rows * HD));  // f32 [3, rows, HD], post-conv q, k, v
+  Scratch<float> qkv_f(size_t(3 * rows * HD));  // f32 [3, rows, HD], post-conv q, k, v (every row written)
   cpu::parallel_for_each(3 * n, 3 * rows * HD * W * 8, [&](int64_t item) {
     const KdaSeq& s = seqs[size_t(item / 3)];
     const int64_t p = item % 3;
@@ -90,7 +90,7 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, std::span<const KdaSe
 
   // Steps 3–5: L2-normalise q and k (eps inside the sqrt, q scaled by Dk^−½); log-decay
   // g = lower · σ(exp(A_log[h]) · (z + dt_bias)) ∈ (lower, 0); β = σ(b). Token-local: all rows.
-  std::vector<float> g(size_t(rows * HD)), beta(size_t(rows * H));  // f32 [rows, HD], f32 [rows, H]
+  Scratch<float> g(size_t(rows * HD)), beta(size_t(rows * H));  // f32 [rows, HD], f32 [rows, H]
   cpu::parallel_for(rows, rows * HD * 16, [&](int64_t b, int64_t e) {
     cpu::kda_qk_norm_gates_fast(qf + b * HD, kf + b * HD, z.data() + b * HD, dt_bias, a_log, bl.data() + b * H, lower,
                                 g.data() + b * HD, beta.data() + b * H, e - b, H, Dk);
@@ -105,7 +105,7 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, std::span<const KdaSe
     widened[size_t(i)].resize(size_t(H * Dk * Dk));
     for (size_t j = 0; j < widened[size_t(i)].size(); ++j) widened[size_t(i)][j] = f16_to_f32(h16[j]);
   }
-  std::vector<float> o(size_t(rows * HD));  // f32 [rows, HD]
+  Scratch<float> o(size_t(rows * HD));  // f32 [rows, HD] (every sequence and head scanned)
   cpu::parallel_for_each(n * H, 4 * rows * H * Dk * Dk, [&](int64_t item) {
     const int64_t i = item / H, h = item % H;
     const KdaSeq& s = seqs[size_t(i)];

@@ -11,7 +11,8 @@ namespace {
 // a = SiTU-GLU(Lin(gate)(x), Lin(up)(x)), bf16 [T, F].
 Bf16Vec mlp_hidden(const MlpWeights& w, const TextConfig& c, const uint16_t* x, int64_t T) {
   const int64_t D = c.hidden_size, F = w.gate_proj.shape[0];
-  Bf16Vec g(size_t(T * F)), u(size_t(T * F)), a(size_t(T * F));  // bf16 [T, F] each
+  Scratch<uint16_t> g(size_t(T * F)), u(size_t(T * F));  // bf16 [T, F] each, written by the GEMM
+  Bf16Vec a(size_t(T * F));                               // bf16 [T, F]
   // g = Lin(gate_proj)(x), u = Lin(up_proj)(x): one call, one input.
   const cpu::GemmOut gu[] = {{bf16_ptr(w.gate_proj), F, g.data(), nullptr, F},
                              {bf16_ptr(w.up_proj), F, u.data(), nullptr, F}};

@@ -21,8 +21,9 @@ void moe_forward(const MoeWeights& w, const TextConfig& c, const uint16_t* x, in
   // Step 1: router in FP32: s = σ(x·W_gateᵀ); selection on s + bias; weights are the un-biased s,
   // renormalised, times routed_scaling_factor. (Step 2's z = Lin(routed_expert_down_proj)(x) shares
   // the input, so both products run in one call.)
-  std::vector<float> r(size_t(T * X));  // f32 [T, X]
-  Bf16Vec z(size_t(T * Lt));             // bf16 [T, Lt]
+  // Scratch (common.h): every buffer below is written in full by the call that fills it.
+  Scratch<float> r(size_t(T * X));     // f32 [T, X]
+  Scratch<uint16_t> z(size_t(T * Lt));  // bf16 [T, Lt]
   const cpu::GemmOut proj[] = {{bf16_ptr(w.router), X, nullptr, r.data(), X},
                                {bf16_ptr(w.latent_down), Lt, z.data(), nullptr, Lt}};
   cpu::gemm_bf16_multi(x, D, T, D, proj);
@@ -44,7 +45,7 @@ void moe_forward(const MoeWeights& w, const TextConfig& c, const uint16_t* x, in
                      {ew.w3.packed.as<const uint8_t>(), ew.w3.scale.as<const uint8_t>()},
                      {ew.w2.packed.as<const uint8_t>(), ew.w2.scale.as<const uint8_t>()}};
   }
-  Bf16Vec ut(size_t(T * Lt)), un(size_t(T * Lt));  // bf16 [T, Lt]
+  Scratch<uint16_t> ut(size_t(T * Lt)), un(size_t(T * Lt));  // bf16 [T, Lt]
   cpu::moe_experts_fast(z.data(), ids.data(), wts.data(), ex.data(), T, X, K, Lt, I, c.situ_beta, c.situ_linear_beta,
                    ut.data());
   // Step 5: routed = Lin(routed_expert_up_proj)(RMSNorm_{routed_expert_norm}(ũ)).
@@ -53,7 +54,7 @@ void moe_forward(const MoeWeights& w, const TextConfig& c, const uint16_t* x, in
     cpu::rmsnorm_bf16(ut.data(), bf16_ptr(w.latent_norm), un.data(), T, Lt, c.rms_norm_eps);
     latent_in = un.data();
   }
-  Bf16Vec routed(size_t(T * D));  // bf16 [T, D]
+  Scratch<uint16_t> routed(size_t(T * D));  // bf16 [T, D]
   cpu::gemm_bf16(latent_in, Lt, bf16_ptr(w.latent_up), routed.data(), D, T, Lt, D);
 
   // Steps 6–7: out = bf16(routed + shared(x)).
@@ -61,7 +62,7 @@ void moe_forward(const MoeWeights& w, const TextConfig& c, const uint16_t* x, in
     std::copy(routed.begin(), routed.end(), out);
     return;
   }
-  Bf16Vec sh(size_t(T * D));  // bf16 [T, D]
+  Scratch<uint16_t> sh(size_t(T * D));  // bf16 [T, D]
   mlp_forward(w.shared, c, x, T, sh.data());
   cpu::add_bf16(routed.data(), sh.data(), out, T * D);
 }

@@ -4,7 +4,8 @@
 // FP32 outputs must agree to 2e-5 relative to the row's |x|·|w| mass; BF16 outputs may then differ
 // by one BF16 ulp where the FP32 sum sits next to a rounding boundary. Exact (==) where the order is
 // the contract: avx2 vs portable GEMM and MXFP4 (gemm_kernels.h), and row / thread / packing
-// invariance on every ISA the CPU has (the CPU engine's batch invariance rests on it).
+// invariance on every ISA the CPU has (the CPU engine's batch invariance rests on it). The avx512bf16
+// MXFP4 product (ORDER_B32) has the GEMM tolerance and the exact invariances.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -16,6 +17,7 @@
 #include "core/check.h"
 #include "core/dtype.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/gemm_kernels.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/thread_pool.h"
 
@@ -203,6 +205,55 @@ TEST(KernelsCpu, Mxfp4GemmEqualsDequantisedProductExactly) {
   }
 }
 
+// The avx512bf16 expert product (ORDER_B32, mxfp4_avx512.cpp): the same products as the dequantised
+// weight times the bf16 inputs, so against a double twin within the GEMM tolerance (2e-5 of the |x|·|w|
+// mass; vdpbf16ps's internal rounding is the CPU's, so no exact scalar twin); exact where the engine
+// needs it: a row's result alone equals its result in any batch, with 1 or 2 threads, and the bf16
+// output is the rounded f32 output.
+TEST(KernelsCpu, Mxfp4Bf16ProductMatchesDequantisedAndIsRowAndThreadInvariant) {
+  if (cpu::detected_isa() < cpu::Isa::avx512bf16) GTEST_SKIP() << "no AVX-512 BF16 on this CPU";
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (auto [T, out, in] : {std::tuple<int64_t, int64_t, int64_t>{1, 64, 128}, {5, 33, 64}, {3, 7, 32},
+                            {17, 50, 192}, {42, 20, 128}, {4, 16, 96}, {6, 1, 32}}) {  // row and token tails
+    std::vector<uint8_t> packed(size_t(out * in / 2)), scale(size_t(out * in / 32));
+    for (int64_t r = 0; r < out; ++r)
+      for (int64_t b = 0; b < in / 32; ++b) {
+        float blk[32];
+        const float mag = std::ldexp(1.0f, int(rng() % 9) - 6);
+        for (float& v : blk) v = nd(rng) * mag;
+        scale[size_t(r * (in / 32) + b)] = mxfp4_quantize_block(blk, &packed[size_t(r * (in / 2) + b * 16)]);
+      }
+    const int64_t ldx = in + 3;  // a row stride past the width
+    const auto x = rand_bf16(size_t(T * ldx), rng);
+    std::vector<float> y(size_t(T * out)), y1(y.size());
+    std::vector<uint16_t> yb(y.size());
+    cpu::set_num_threads(2);
+    cpu::gemm_detail::mxfp4_rows_bf16(packed.data(), scale.data(), x.data(), ldx, T, out, in, y.data(), nullptr, out);
+    cpu::gemm_detail::mxfp4_rows_bf16(packed.data(), scale.data(), x.data(), ldx, T, out, in, nullptr, yb.data(), out);
+    cpu::set_num_threads(1);
+    for (int64_t t = 0; t < T; ++t)  // each row alone
+      cpu::gemm_detail::mxfp4_rows_bf16(packed.data(), scale.data(), x.data() + t * ldx, ldx, 1, out, in,
+                                        y1.data() + t * out, nullptr, out);
+    cpu::set_num_threads(0);
+    ASSERT_EQ(y1, y) << "T=" << T << " out=" << out << " in=" << in;
+    std::vector<float> wd(static_cast<size_t>(in));
+    for (int64_t r = 0; r < out; ++r) {
+      mxfp4_dequantize_row(&packed[size_t(r * (in / 2))], &scale[size_t(r * (in / 32))], wd.data(), size_t(in));
+      for (int64_t t = 0; t < T; ++t) {
+        double ref = 0.0, mass = 0.0;
+        for (int64_t c = 0; c < in; ++c) {
+          const double p = double(wd[size_t(c)]) * bf16_to_f32(x[size_t(t * ldx + c)]);
+          ref += p, mass += std::fabs(p);
+        }
+        const size_t i = size_t(t * out + r);
+        ASSERT_LE(std::fabs(y[i] - ref), 2e-5 * mass) << "T=" << T << " r=" << r << " t=" << t;
+        ASSERT_EQ(yb[i], f32_to_bf16(y[i]));
+      }
+    }
+  }
+}
+
 TEST(KernelsCpu, Mxfp4RejectsRaggedWidth) {
   uint8_t p[8] = {}, s[1] = {127};
   float x[16] = {}, y[1];
@@ -211,8 +262,10 @@ TEST(KernelsCpu, Mxfp4RejectsRaggedWidth) {
 
 TEST(KernelsCpu, RmsNormMatchesFormula) {
   std::mt19937_64 rng(4);
-  for (int64_t n : {1, 7, 8, 9, 16, 17, 256, 1000}) {  // the avx2 row scaling's 8-wide body and its tails
-    const int64_t T = 3;
+  // The avx2 row scaling's 8-wide body and its tails; T = 3 and 13: row groups of 4 (avx2) and 8
+  // (avx512bf16's sums of squares) with a partial last group.
+  for (auto [n, T] : {std::pair<int64_t, int64_t>{1, 3}, {7, 3}, {8, 13}, {9, 3}, {16, 13}, {17, 13}, {256, 13},
+                      {1000, 3}}) {
     const auto x = rand_bf16(size_t(T * n), rng, 3.0f);
     const auto w = rand_bf16(size_t(n), rng);
     std::vector<uint16_t> y(size_t(T * n)), yp(y.size());
@@ -221,7 +274,7 @@ TEST(KernelsCpu, RmsNormMatchesFormula) {
       cpu::rmsnorm_bf16(x.data(), w.data(), yp.data(), T, n, 1e-5f);
     }
     cpu::rmsnorm_bf16(x.data(), w.data(), y.data(), T, n, 1e-5f);
-    ASSERT_EQ(y, yp) << "n=" << n << ": the vector path rounds exactly as the scalar one";
+    ASSERT_EQ(y, yp) << "n=" << n << " T=" << T << ": the vector path rounds exactly as the scalar one";
     for (int64_t t = 0; t < T; ++t) {
       double ss = 0;
       for (int64_t i = 0; i < n; ++i) ss += std::pow(double(bf16_to_f32(x[size_t(t * n + i)])), 2);

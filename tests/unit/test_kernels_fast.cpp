@@ -233,9 +233,10 @@ TEST(KernelsFast, MlaAbsorbedAgainstTwinWithSelectionAndDense) {
   std::mt19937_64 rng(24);
   // {Hm, N, R, Dv, C}: C = 80 is one 4-group chunk and one 16-group; C = 40 leaves an 8-element tail,
   // C + R = 45 a 13-element tail in the scores; T, pos0 and Ks give key counts with and without an
-  // 8-key tail.
+  // 8-key tail; Hm = 6 with C = 160: the AVX-512 kernel's 4 + 2 heads and 64 + 64 + 32 columns.
   for (auto [d, T, pos0, Ks] : {std::tuple<cpu::MlaDims, int64_t, int64_t, int64_t>{{3, 24, 16, 32, 80}, 9, 50, 20},
-                                {{1, 8, 5, 8, 40}, 1, 0, 1}, {{2, 16, 8, 24, 16}, 4, 13, 9}, {{2, 8, 16, 16, 64}, 2, 70, 16}}) {
+                                {{1, 8, 5, 8, 40}, 1, 0, 1}, {{2, 16, 8, 24, 16}, 4, 13, 9}, {{2, 8, 16, 16, 64}, 2, 70, 16},
+                                {{6, 16, 8, 16, 160}, 3, 40, 23}}) {
   SCOPED_TRACE("C=" + std::to_string(d.C) + " R=" + std::to_string(d.R) + " T=" + std::to_string(T));
   const int64_t S = pos0 + T;
   const auto q = rand_bf16(size_t(T * d.Hm * d.qk()), rng), kvb = rand_bf16(size_t(d.Hm * (d.N + d.Dv) * d.C), rng, 0.2f);
@@ -268,11 +269,12 @@ TEST(KernelsFast, TopkSortedEqualsTopkThenSort) {
   for (int rep = 0; rep < reps; ++rep) {
     const int64_t n = 1 + int64_t(rng() % 3000), k = int64_t(rng() % uint64_t(n + 1));
     std::vector<float> x(static_cast<size_t>(n));
-    const int kind = rep % 4;
+    const int kind = rep % 5;
     for (auto& v : x) {
       const uint64_t r = rng();
       if (kind == 0) v = float(int(r % 7)) - 3.0f;            // heavy ties
       else if (kind == 1) v = std::ldexp(float(r % 1000), -int(r % 40));
+      else if (kind == 4) v = 0.5f + std::ldexp(float(r % 5000), -24);  // one exponent, as a query's scores
       else v = float(std::normal_distribution<float>()(rng));
       if (kind == 3 && r % 17 == 0) v = (r % 2) ? NAN : -INFINITY;
       if (kind == 3 && r % 23 == 0) v = (r % 2) ? 0.0f : -0.0f;

@@ -1,6 +1,6 @@
 // Row-wise and element-wise CPU ops: RMSNorm, SiTU-GLU, softmax, top-k (MODEL.md §3, §0.8).
 // RMSNorm keeps its FP64 sequential sum of squares (four rows at a time for instruction-level
-// parallelism, each row's order unchanged) and its AVX2 second pass repeats the scalar roundings
+// parallelism, eight as register lanes on avx512bf16, each row's order unchanged) and its AVX2 second pass repeats the scalar roundings
 // exactly. situ_glu is the scalar twin; situ_glu_fast the AVX2 one (simd_avx2.h tanh/sigmoid).
 #include <algorithm>
 #include <cmath>
@@ -56,6 +56,55 @@ KESTREL_AVX2 void gate_avx2(uint16_t* o, const uint16_t* g, int64_t n) {
   for (; i < n; ++i) o[i] = f32_to_bf16(bf16_to_f32(o[i]) * sigmoid(bf16_to_f32(g[i])));
 }
 
+// Sums of squares of rows [0, nr) (nr ≤ 8) of x (bf16 [nr, n], row stride n) in double, each row's
+// terms added in index order — the scalar loop's arithmetic exactly (a double product, then a double
+// add, per element), but with the eight rows as the eight lanes of one register: an 8 × 8 block of
+// bf16 is loaded row-wise and transposed, so each add serves eight rows. The scalar loop's four
+// interleaved chains were bound by the add latency (issue #22: 3.5 % of a 2K prefill profile).
+#if defined(__GNUC__) && !defined(__clang__)  // GCC 12's avx512fintrin.h: a false -Wmaybe-uninitialized
+#pragma GCC diagnostic push                     // inside _mm512_cvtps_pd (as in gemm_avx512.cpp)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+KESTREL_AVX512BF16 void sumsq_rows8(const uint16_t* x, int64_t n, int64_t nr, double* ss) {
+  __m512d acc = _mm512_setzero_pd();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 r[8];
+    for (int k = 0; k < 8; ++k)
+      r[k] = k < nr ? simd::load_bf16(x + k * n + i) : _mm256_setzero_ps();
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    const __m256 c[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+                         _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+                         _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+                         _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+    for (int j = 0; j < 8; ++j) {  // element i + j of every row, in order
+      const __m512d v = _mm512_cvtps_pd(c[j]);
+      acc = _mm512_add_pd(acc, _mm512_mul_pd(v, v));
+    }
+  }
+  alignas(64) double a[8];
+  _mm512_store_pd(a, acc);
+  for (int64_t r = 0; r < nr; ++r) {
+    double s = a[r];
+    for (int64_t k = i; k < n; ++k) {  // the row's tail, still in order
+      const double v = double(bf16_to_f32(x[r * n + k]));
+      s += v * v;
+    }
+    ss[r] = s;
+  }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
 }  // namespace
 
 void add_bf16(const uint16_t* a, const uint16_t* b, uint16_t* y, int64_t n) {
@@ -70,18 +119,22 @@ void sigmoid_gate_bf16(uint16_t* o, const uint16_t* g, int64_t n) {
 
 void rmsnorm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t T, int64_t n, float eps) {
   KCHECK(n > 0 && T >= 0, "bad rmsnorm shape T={} n={}", T, n);
-  const bool avx2 = isa() >= Isa::avx2;
-  parallel_for((T + 3) / 4, T * n * 4, [&](int64_t b, int64_t e) {
-    for (int64_t t0 = 4 * b; t0 < std::min(T, 4 * e); t0 += 4) {
-      const int64_t nr = std::min<int64_t>(4, T - t0);
+  const bool avx2 = isa() >= Isa::avx2, avx512 = isa() >= Isa::avx512bf16;
+  const int64_t G = avx512 ? 8 : 4;  // rows per group
+  parallel_for((T + G - 1) / G, T * n * 4, [&](int64_t b, int64_t e) {
+    for (int64_t t0 = G * b; t0 < std::min(T, G * e); t0 += G) {
+      const int64_t nr = std::min<int64_t>(G, T - t0);
       // Sum of squares in double, each row in index order (MODEL.md §0.10's reference precision);
-      // four independent rows interleaved so the additions overlap.
-      double ss[4] = {0.0, 0.0, 0.0, 0.0};
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t r = 0; r < 4; ++r) {
-          const double v = r < nr ? double(bf16_to_f32(x[(t0 + r) * n + i])) : 0.0;
-          ss[r] += v * v;
-        }
+      // independent rows interleaved so the additions overlap (eight in one register on avx512bf16).
+      double ss[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+      if (avx512)
+        sumsq_rows8(x + t0 * n, n, nr, ss);
+      else
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t r = 0; r < 4; ++r) {
+            const double v = r < nr ? double(bf16_to_f32(x[(t0 + r) * n + i])) : 0.0;
+            ss[r] += v * v;
+          }
       for (int64_t r = 0; r < nr; ++r) {
         const float rs = 1.0f / std::sqrt(float(ss[r] / double(n)) + eps);
         const uint16_t* xr = x + (t0 + r) * n;

@@ -22,6 +22,7 @@
 #include "core/dtype.h"
 #include "kernels/cpu/gemm_kernels.h"
 #include "kernels/cpu/isa.h"
+#include "kernels/cpu/simd_avx512.h"
 
 namespace kestrel::cpu::gemm_detail {
 namespace {
@@ -54,16 +55,15 @@ KESTREL_AVX512BF16 inline void micro(const PanelBlock& b, int64_t m0, int64_t p)
 #pragma GCC unroll 4
   for (int q = 0; q < NP; ++q) {
     const int64_t nloc = 16 * (p + q), nvalid = std::min<int64_t>(16, b.w.N - 16 * (b.p0 + p + q));
+    // One masked vector store per row (outputs past N untouched): at the model's K of 128–768 a scalar
+    // store per output was a large share of the tile's time.
+    const __mmask16 valid = __mmask16((1u << nvalid) - 1u);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
-      alignas(64) float v[16];
-      _mm512_store_ps(v, acc[m][q]);
-      for (int64_t c = 0; c < nvalid; ++c) {
-        if (b.yb)
-          b.yb[(m0 + m) * b.ldy + nloc + c] = f32_to_bf16(v[c]);
-        else
-          b.y[(m0 + m) * b.ldy + nloc + c] = v[c];
-      }
+      if (b.yb)
+        _mm256_mask_storeu_epi16(b.yb + (m0 + m) * b.ldy + nloc, valid, simd512::to_bf16(acc[m][q]));
+      else
+        _mm512_mask_storeu_ps(b.y + (m0 + m) * b.ldy + nloc, valid, acc[m][q]);
     }
   }
 }

@@ -4,7 +4,8 @@
 // One path for every row count: decode (1 row), a batch of decodes and a prefill chunk run the same
 // per-element arithmetic, so a token's output never depends on the other rows of the call — the CPU
 // engine's batch invariance rests on this. Work is split over the thread pool in tasks of 4 panels
-// (64 outputs) × up to 192 rows; inside a task each panel stays in L1 while the rows stream past.
+// (64 outputs) × up to 192 rows; inside a task each panel stays in L1 while the rows stream past; a
+// call of few rows is weighed by its weight bytes (decode GEMVs are bandwidth-bound).
 // Packing: under a PackedScope (the CPU executor holds one PackedWeights for its model) a weight is
 // packed on first use and reused for the process's life of that object; otherwise every call packs
 // its weights into scratch (the same values, so the same results, at the cost of a transpose).
@@ -93,16 +94,23 @@ void run(const uint16_t* xb, const float* xf, int64_t ldx, int64_t T, int64_t K,
   if (T == 0 || outs.empty()) return;
   const Isa i = isa();
   const PanelFormat f = i == Isa::avx512bf16 && xb ? PanelFormat::kPairs : PanelFormat::kAvx2;
-  // Activations as the kernels read them: f32 [T, K] (ORDER_K), or bf16 [T, Kp] padded to even K (pairs).
+  // Activations as the kernels read them: f32 [T, K] (ORDER_K), or bf16 [T, Kp] padded to even K (pairs:
+  // the caller's rows themselves when K is even, a padded copy otherwise).
   thread_local std::vector<float> xs;
   thread_local std::vector<uint16_t> xs16;
   const float* xk = nullptr;
   const uint16_t* xk16 = nullptr;
   int64_t ld = K;
-  if (f == PanelFormat::kPairs) {
-    ld = (K + 1) / 2 * 2;
-    xs16.assign(size_t(T * ld), 0);
-    for (int64_t t = 0; t < T; ++t) std::memcpy(xs16.data() + t * ld, xb + t * ldx, size_t(K) * 2);
+  if (f == PanelFormat::kPairs && K % 2 == 0) {  // the rows as they are: no padding to add
+    xk16 = xb;
+    ld = ldx;
+  } else if (f == PanelFormat::kPairs) {
+    ld = K + 1;
+    xs16.resize(size_t(T * ld));
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(xs16.data() + t * ld, xb + t * ldx, size_t(K) * 2);
+      xs16[size_t(t * ld + K)] = 0;
+    }
     xk16 = xs16.data();
   } else if (xf) {
     xk = xf;
@@ -125,7 +133,10 @@ void run(const uint16_t* xb, const float* xf, int64_t ldx, int64_t T, int64_t K,
   for (size_t o = 0; o < outs.size(); ++o) {
     const int64_t groups = ((outs[o].N + 15) / 16 + kGroup - 1) / kGroup;
     first[o + 1] = first[o] + groups * mblocks;
-    work += T * K * outs[o].N;
+    // Few rows (decode) stream the weight from L3 or DRAM, which one core cannot saturate: count such a
+    // call as if it had 8 rows, so a 256 × 256 decode GEMV already runs on two threads (issue #22:
+    // c = 1 TPOT was mostly single-threaded GEMVs while the other core spun).
+    work += std::max<int64_t>(T, 8) * K * outs[o].N;
   }
   parallel_for(first.back(), work, [&](int64_t b, int64_t e) {
     for (int64_t task = b; task < e; ++task) {

@@ -24,6 +24,10 @@
 // rows split into even and odd elements for free (low and high nibbles), hence this order there;
 // activations are laid out to match once per call ("permuted": per 16-group the 8 even elements,
 // then the 8 odd ones; the tail as is).
+//
+// ORDER_B32 (the MXFP4 expert product on avx512bf16, mxfp4_avx512.cpp): 16 lanes over k; per 32-block
+// b, lane i adds the pair (x[32b+2i]·w[32b+2i], x[32b+2i+1]·w[32b+2i+1]) inside vdpbf16ps, blocks in
+// order; the lanes then fold as lane i + lane i+8, then +4, +2, +1. Bf16 activations, natural order.
 #pragma once
 
 #include <cstdint>
@@ -48,7 +52,8 @@ void pack(const uint16_t* w, int64_t ldw, bool kmajor, int64_t N, int64_t K, Pan
 // [p0, p0 + np) of `w` (n counted from the first of them), written as f32 or rounded to bf16.
 struct PanelBlock {
   const float* x = nullptr;     // f32 [M, K], row stride ldx (ORDER_K paths)
-  const uint16_t* xb = nullptr; // bf16 [M, Kp] with Kp = K rounded up to even, zero-padded (kPairs)
+  const uint16_t* xb = nullptr; // bf16 [M, Kp], Kp = K rounded up to even, row stride ldx; for odd K a
+                                // zero at column K (kPairs)
   int64_t ldx = 0, M = 0;
   PackedView w;
   int64_t p0 = 0, np = 0;
@@ -80,6 +85,10 @@ void block_avx2(const Block& b);
 // xp [T, in]; writes f32 y or bf16 yb [T, out] (row stride ldy). Threaded over 16-row panels.
 void mxfp4_rows(const uint8_t* packed, const uint8_t* scale, const float* xp, int64_t T, int64_t out, int64_t in,
                 float* y, uint16_t* yb, int64_t ldy);
+
+// The same product in ORDER_B32 from bf16 activations x [T, in] (row stride ldx); avx512bf16 CPUs only.
+void mxfp4_rows_bf16(const uint8_t* packed, const uint8_t* scale, const uint16_t* x, int64_t ldx, int64_t T,
+                     int64_t out, int64_t in, float* y, uint16_t* yb, int64_t ldy);
 
 // x (bf16 or f32 [K]) → the permuted f32 row of ORDER16.
 void permute_row_bf16(const uint16_t* x, int64_t K, float* xp);

@@ -10,7 +10,7 @@
 // comes from L2/L3 once per group and from L1 for the rest (one query at a time streamed all S·Di
 // keys per query: at 16K tokens 2 MB per query, bound by the cache bandwidth, issue #22).
 // O(T·S·Hi·Di) remains the cost, at vector speed.
-// Selection: topk_sorted, a radix select (one 2048-bin histogram pass on the top 11 bits of an
+// Selection: topk_sorted, a radix select (one histogram pass, up to 2048 bins, over the range [min, max] of an
 // order-preserving key, nth_element over the one bin that holds the k-th value, one output pass) in
 // O(n) instead of a partial sort; exactly topk() + ascending sort, ties to the lower index, NaN tied
 // with −inf below every number.
@@ -34,11 +34,12 @@ namespace kestrel::cpu {
 namespace {
 
 // Order-preserving u32 key: larger float → larger key; ±0 equal; NaN equal to −inf (the twin's rule).
+// Branch-free (selects, no jumps), so the compiler vectorises the key pass.
 inline uint32_t order_key(float f) {
-  if (std::isnan(f)) f = -INFINITY;
-  if (f == 0.0f) f = 0.0f;
-  const uint32_t b = std::bit_cast<uint32_t>(f);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  uint32_t b = std::bit_cast<uint32_t>(f);
+  const uint32_t mag = b & 0x7fffffffu;
+  b = mag > 0x7f800000u ? 0xff800000u : mag == 0 ? 0u : b;  // NaN → −inf, −0 → +0
+  return b ^ (uint32_t(int32_t(b) >> 31) | 0x80000000u);     // negative: all bits flipped; else the sign
 }
 
 constexpr int64_t kQueryGroup = 8;  // queries scored together against each key block
@@ -115,25 +116,52 @@ void topk_sorted(const float* x, int64_t n, int64_t k, int32_t* idx) {
   if (k == 0) return;
   thread_local std::vector<uint32_t> key, cand;
   key.resize(size_t(n));
-  uint32_t hist[2048] = {};
-  for (int64_t s = 0; s < n; ++s) ++hist[(key[size_t(s)] = order_key(x[s])) >> 21];
+  // Keys, and their range: the histogram spans [lo, hi] rather than the top bits, because the
+  // scores of one query cluster (close exponents): on the top 11 bits many of them can share a bin,
+  // which makes the nth_element over that bin long and the same-bin increments wait on each other.
+  uint32_t lo = UINT32_MAX, hi = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    const uint32_t v = order_key(x[s]);
+    key[size_t(s)] = v;
+    lo = std::min(lo, v), hi = std::max(hi, v);
+  }
+  // About one bin per two keys (64 to 2048 bins): clearing a histogram larger than the row cost
+  // more than filling it.
+  const uint32_t bins = uint32_t(1) << std::clamp(int(std::bit_width(uint64_t(n))) - 2, 6, 11);
+  int shift = 0;
+  while (((hi - lo) >> shift) >= bins) ++shift;
+  uint32_t hist[2048];
+  std::fill_n(hist, bins, 0u);
+  for (int64_t s = 0; s < n; ++s) ++hist[(key[size_t(s)] - lo) >> shift];
   // The bin holding the k-th largest key, and how many keys lie in higher bins.
   int64_t above = 0;
-  int bin = 2047;
+  uint32_t bin = (hi - lo) >> shift;
   while (above + hist[bin] < k) above += hist[bin--];
-  cand.clear();
-  for (int64_t s = 0; s < n; ++s)
-    if ((key[size_t(s)] >> 21) == uint32_t(bin)) cand.push_back(key[size_t(s)]);
-  const int64_t need = k - above;  // 1 ≤ need ≤ |cand|
-  std::nth_element(cand.begin(), cand.begin() + (need - 1), cand.end(), std::greater<uint32_t>());
-  const uint32_t tau = cand[size_t(need - 1)];
-  int64_t gt = above;
-  for (uint32_t c : cand) gt += c > tau;
-  int64_t eq_left = k - gt, m = 0;  // keys equal to τ: the lowest positions win
+  // The passes below write unconditionally and advance by a 0/1 count: which keys pass is data, not
+  // a pattern the branch predictor can learn (about a quarter of them at 2K tokens).
+  cand.resize(size_t(n));
+  int64_t nc = 0;
   for (int64_t s = 0; s < n; ++s) {
     const uint32_t v = key[size_t(s)];
-    if (v > tau || (v == tau && eq_left-- > 0)) idx[m++] = int32_t(s);
+    cand[size_t(nc)] = v;
+    nc += ((v - lo) >> shift) == bin;
   }
+  const int64_t need = k - above;  // 1 ≤ need ≤ nc
+  std::nth_element(cand.begin(), cand.begin() + (need - 1), cand.begin() + nc, std::greater<uint32_t>());
+  const uint32_t tau = cand[size_t(need - 1)];
+  int64_t gt = above;
+  for (int64_t c = 0; c < nc; ++c) gt += cand[size_t(c)] > tau;
+  const int64_t eq_take = k - gt;  // keys equal to τ: the lowest positions win
+  int64_t m = 0, eq_seen = 0;
+  int32_t* out = reinterpret_cast<int32_t*>(cand.data());  // the candidates are no longer needed
+  for (int64_t s = 0; s < n; ++s) {
+    const uint32_t v = key[size_t(s)];
+    const bool eq = v == tau;
+    out[m] = int32_t(s);
+    m += (v > tau) | (eq & (eq_seen < eq_take));
+    eq_seen += eq;
+  }
+  std::copy_n(out, k, idx);
 }
 
 void indexer_select_topk_fast(const uint16_t* qi, const uint16_t* keys, const float* hw, int64_t T, int64_t pos0,

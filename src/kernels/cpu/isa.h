@@ -2,13 +2,15 @@
 // (__builtin_cpu_supports, which also checks that the OS saves the wider registers), so one binary
 // runs everywhere and uses AVX-512 BF16 where it exists.
 //
-//   avx512bf16  bf16 GEMMs through vdpbf16ps (AVX-512 BF16); everything else as avx2
+//   avx512bf16  bf16 GEMMs and the MXFP4 expert products through vdpbf16ps (AVX-512 BF16), the MLA
+//               latent attention in AVX-512 FP32 (mla_avx512.cpp), RMSNorm's sums of squares eight
+//               rows at a time (bit-identical); everything else as avx2
 //   avx2        AVX2 + FMA kernels (this project's baseline for speed)
 //   portable    scalar twins: the avx2 kernels' exact summation order, one element at a time
 //
 // The avx2 and portable paths give bit-identical results (tests/unit/test_kernels_cpu.cpp checks);
-// the avx512bf16 GEMM sums in another order (pairs inside vdpbf16ps, 16 lanes), so its results differ
-// from the others in the last bits but are just as row- and batch-invariant.
+// the avx512bf16 kernels sum in other orders (pairs inside vdpbf16ps, 16 lanes), so their results
+// differ from the others in the last bits but are just as row- and batch-invariant.
 #pragma once
 
 namespace kestrel::cpu {

@@ -3,7 +3,8 @@
 //
 // Three stages (the model runs the first and last over every row of a step, the middle per sequence):
 //   mla_q_latent:   q̃_h = W_UK,hᵀ q_nope,h (one GEMM per head) | q_pe, FP32;
-//   mla_attn_latent_fast, one (query, head) pair at a time over the thread pool:
+//   mla_attn_latent_fast, one (query, head) pair at a time over the thread pool (on avx512bf16
+//                   CPUs: mla_avx512.cpp, a query's heads together):
 //                   s_j = q̃·[ĉ_j | k_pe,j]·(N+R)^−½ straight from the bf16 latent rows (8 keys at a
 //                   time, one accumulator each, ORDER16 lanes); softmax in FP32 with the vector exp;
 //                   ô = Σ_j p_j ĉ_j (FP32);
@@ -131,6 +132,7 @@ KESTREL_AVX2 void one_pair(int64_t C, int64_t CW, const float* qt /* f32 [CW] */
 
 void mla_attn_latent_fast(const MlaDims& dm, const float* qt, const uint16_t* rows, const int32_t* sel, int64_t Ksel,
                           int64_t T, int64_t pos0, float* ohat) {
+  if (isa() >= Isa::avx512bf16) return mla_attn_latent_avx512(dm, qt, rows, sel, Ksel, T, pos0, ohat);
   const int64_t Hm = dm.Hm, C = dm.C, CW = dm.cw();
   KCHECK(isa() >= Isa::avx2, "mla_attn_latent_fast needs AVX2");
   const float scale = 1.0f / std::sqrt(float(dm.qk()));

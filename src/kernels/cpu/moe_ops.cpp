@@ -1,6 +1,7 @@
 // See moe_ops.h. moe_route and moe_experts are the loops of the original model/moe.cpp, unchanged in
 // order and precision; moe_experts_fast is the engine's version: experts in parallel (each decoded
-// once for all its tokens, gemm_detail::mxfp4_rows), the same ORDER16 products, vector SiTU.
+// once for all its tokens), vector SiTU, and the products in ORDER16 (gemm_detail::mxfp4_rows) or,
+// on avx512bf16, in ORDER_B32 from the bf16 rows (mxfp4_rows_bf16: twice the multiply rate).
 #include "kernels/cpu/moe_ops.h"
 
 #include <algorithm>
@@ -100,35 +101,46 @@ void moe_experts_fast_f32(const uint16_t* z, const int32_t* ids, const float* wt
   std::vector<int64_t> active;
   for (int64_t e = 0; e < X; ++e)
     if (!users[size_t(e)].empty() && experts[e].w1.packed) active.push_back(e);  // null: another rank's expert
-  const bool avx2 = isa() >= Isa::avx2;
-  // Steps 3: one expert per task (uneven token counts: handed out one at a time).
-  parallel_for_each(int64_t(active.size()), T * K * 3 * Lt * I, [&](int64_t a) {
+  const bool avx2 = isa() >= Isa::avx2, bf16dot = isa() >= Isa::avx512bf16;
+  // Steps 3: one expert per task (uneven token counts: handed out one at a time). Few tokens (decode)
+  // are weighed as 8, as the GEMM does (gemm_bf16.cpp), so the step's two experts run on both cores.
+  parallel_for_each(int64_t(active.size()), std::max<int64_t>(T, 8) * K * 3 * Lt * I, [&](int64_t a) {
     const int64_t e = active[size_t(a)];
     const std::vector<int64_t>& slots = users[size_t(e)];
     const int64_t n = int64_t(slots.size());
     const ExpertPtrs& ew = experts[e];
     thread_local std::vector<float> zp, ap, yf;
-    thread_local std::vector<uint16_t> gb, ub, ab;
-    zp.resize(size_t(n * Lt)), ap.resize(size_t(n * I)), yf.resize(size_t(n * Lt));
+    thread_local std::vector<uint16_t> zb, gb, ub, ab;
+    yf.resize(size_t(n * Lt));
     gb.resize(size_t(n * I)), ub.resize(size_t(n * I)), ab.resize(size_t(n * I));
-    for (int64_t i = 0; i < n; ++i) {
-      const uint16_t* zr = z + (slots[size_t(i)] / K) * Lt;
-      if (avx2)
-        gemm_detail::permute_row_bf16_avx2(zr, Lt, zp.data() + i * Lt);
-      else
-        gemm_detail::permute_row_bf16(zr, Lt, zp.data() + i * Lt);
-    }
     // [g | u] = bf16(z·W1ᵀ), bf16(z·W3ᵀ); a = SiTU-GLU(g, u); y = bf16(a·W2ᵀ).
-    gemm_detail::mxfp4_rows(ew.w1.packed, ew.w1.scale, zp.data(), n, I, Lt, nullptr, gb.data(), I);
-    gemm_detail::mxfp4_rows(ew.w3.packed, ew.w3.scale, zp.data(), n, I, Lt, nullptr, ub.data(), I);
-    situ_glu_fast(gb.data(), ub.data(), ab.data(), n * I, beta, linear_beta);
-    for (int64_t i = 0; i < n; ++i) {
-      if (avx2)
-        gemm_detail::permute_row_bf16_avx2(ab.data() + i * I, I, ap.data() + i * I);
-      else
-        gemm_detail::permute_row_bf16(ab.data() + i * I, I, ap.data() + i * I);
+    if (bf16dot) {  // each product in ORDER_B32 from the bf16 rows as they are
+      zb.resize(size_t(n * Lt));  // bf16 [n, Lt]: this expert's tokens' z rows
+      for (int64_t i = 0; i < n; ++i) std::copy_n(z + (slots[size_t(i)] / K) * Lt, Lt, zb.data() + i * Lt);
+      gemm_detail::mxfp4_rows_bf16(ew.w1.packed, ew.w1.scale, zb.data(), Lt, n, I, Lt, nullptr, gb.data(), I);
+      gemm_detail::mxfp4_rows_bf16(ew.w3.packed, ew.w3.scale, zb.data(), Lt, n, I, Lt, nullptr, ub.data(), I);
+      situ_glu_fast(gb.data(), ub.data(), ab.data(), n * I, beta, linear_beta);
+      gemm_detail::mxfp4_rows_bf16(ew.w2.packed, ew.w2.scale, ab.data(), I, n, Lt, I, yf.data(), nullptr, Lt);
+    } else {
+      zp.resize(size_t(n * Lt)), ap.resize(size_t(n * I));
+      for (int64_t i = 0; i < n; ++i) {
+        const uint16_t* zr = z + (slots[size_t(i)] / K) * Lt;
+        if (avx2)
+          gemm_detail::permute_row_bf16_avx2(zr, Lt, zp.data() + i * Lt);
+        else
+          gemm_detail::permute_row_bf16(zr, Lt, zp.data() + i * Lt);
+      }
+      gemm_detail::mxfp4_rows(ew.w1.packed, ew.w1.scale, zp.data(), n, I, Lt, nullptr, gb.data(), I);
+      gemm_detail::mxfp4_rows(ew.w3.packed, ew.w3.scale, zp.data(), n, I, Lt, nullptr, ub.data(), I);
+      situ_glu_fast(gb.data(), ub.data(), ab.data(), n * I, beta, linear_beta);
+      for (int64_t i = 0; i < n; ++i) {
+        if (avx2)
+          gemm_detail::permute_row_bf16_avx2(ab.data() + i * I, I, ap.data() + i * I);
+        else
+          gemm_detail::permute_row_bf16(ab.data() + i * I, I, ap.data() + i * I);
+      }
+      gemm_detail::mxfp4_rows(ew.w2.packed, ew.w2.scale, ap.data(), n, Lt, I, yf.data(), nullptr, Lt);
     }
-    gemm_detail::mxfp4_rows(ew.w2.packed, ew.w2.scale, ap.data(), n, Lt, I, yf.data(), nullptr, Lt);
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = 0; j < Lt; ++j) {
         const float v = yf[size_t(i * Lt + j)];

@@ -42,7 +42,8 @@ void moe_experts_f32(const uint16_t* z /* bf16 [T, Lt] */, const int32_t* ids /*
                      float* ut /* f32 [T, Lt] */);
 
 // The same as the engine runs it: experts in parallel over the thread pool, the vector SiTU-GLU
-// (situ_glu_fast); everything else identical (same MXFP4 products, same combine order).
+// (situ_glu_fast), the same combine order; the MXFP4 products in ORDER16 as moe_experts, except on
+// avx512bf16 CPUs: ORDER_B32 (kernels/cpu/gemm_kernels.h), the same products summed in another order.
 void moe_experts_fast(const uint16_t* z, const int32_t* ids, const float* weights, const ExpertPtrs* experts,
                       int64_t T, int64_t X, int64_t K, int64_t Lt, int64_t I, float situ_beta, float situ_linear_beta,
                       uint16_t* ut);
