@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "core/check.h"
@@ -169,6 +170,171 @@ struct CudaDraft::Impl {
     return lg;
   }
 
+  // ---- the batched draft: every request of a step in one launch sequence, no host sync in between ----------
+
+  // Uploads host i32 [n] into step scratch. One pageable copy per batched call: both call sites find the stream
+  // idle (the step's logits or ids were just synced), so a staging sync there costs nothing.
+  int32_t* upload_i32(const std::vector<int32_t>& h) {
+    int32_t* dv = x.tmp<int32_t>(int64_t(h.size()));
+    if (!h.empty())
+      KCUDA_CHECK(cudaMemcpyAsync(dv, h.data(), h.size() * 4, cudaMemcpyHostToDevice, x.stream));
+    return dv;
+  }
+  int32_t pool_row(std::span<const int32_t> table, int64_t p) const {
+    KCHECK(p / P < int64_t(table.size()), "draft: block table of {} pages for position {}", table.size(), p);
+    return int32_t(int64_t(table[size_t(p / P)]) * P + p % P);
+  }
+
+  // inject() for every sequence at once: the taps rows [tap_row, tap_row + n) of `taps` (device bf16
+  // [rows, n·Dt]) gathered, then the same per-row steps over all of them (RoPE at each row's own position),
+  // each layer's rows scattered to their sequences' pool rows. No sync: the scratch goes back to the
+  // stream-ordered allocator (one per stream), the next user of it runs after these launches.
+  void inject_batch(std::span<const CudaDraft::InjectSeq> seqs, const u16* taps) {
+    const DraftConfig& c = *d.cfg;
+    const int64_t D = c.hidden_size, In = c.tap_width(), C = c.kv_lora_rank, R = c.qk_rope_head_dim, CW = C + R;
+    int64_t M = 0;
+    for (const auto& s : seqs) {
+      KCHECK(s.n >= 0 && s.pos0 >= 0 && s.tap_row >= 0, "draft: inject of {} rows at {}", s.n, s.pos0);
+      M += s.n;
+    }
+    if (M == 0) return;
+    KCHECK(taps && (In * 2) % 16 == 0, "draft: taps rows of {} bf16 are not 16-byte rows", In);
+    std::vector<int32_t> h(size_t(3 * M));  // i32 [3, M]: taps row, pool row, position of each injected row
+    int64_t k = 0;
+    for (const auto& s : seqs)
+      for (int64_t t = 0; t < s.n; ++t, ++k) {
+        h[size_t(k)] = int32_t(s.tap_row + t);
+        h[size_t(M + k)] = pool_row(s.table, s.pos0 + t);
+        h[size_t(2 * M + k)] = int32_t(s.pos0 + t);
+      }
+    const int32_t* idx = upload_i32(h);
+    const int32_t *src = idx, *dst = idx + M, *pos = idx + 2 * M;  // i32 [M] each
+    u16* in = x.tmp<u16>(M * In);  // bf16 [M, n·Dt]: the committed rows' taps
+    cuda::copy_rows(taps, src, in, nullptr, M, In * 2, x.stream);
+    u16* proj = x.tmp<u16>(M * D);  // bf16 [M, D]
+    u16* hctx = x.tmp<u16>(M * D);  // bf16 [M, D]
+    gpu::linear(x, context_proj, in, In, M, proj, D);
+    cuda::rmsnorm_bf16(proj, D, context_norm, hctx, D, M, D, c.rms_norm_eps, x.stream);
+    u16* rows = x.tmp<u16>(M * CW);  // bf16 [M, C+R]
+    for (const Layer& l : layers) {
+      gpu::linear(x, l.kv_a, hctx, D, M, rows, CW);
+      cuda::rmsnorm_bf16(rows, CW, l.kv_a_norm, rows, CW, M, C, c.rms_norm_eps, x.stream);
+      cuda::dspark_rope_interleaved(rows + C, CW, M, 1, 0, 0, inv_freq, d.rope.cos_sin_mul, R, x.stream, pos);
+      cuda::copy_rows(rows, nullptr, l.pool, dst, M, CW * 2, x.stream);
+    }
+    x.release_scratch();
+  }
+
+  // block_logits() for B requests at once: rows b·Nb .. b·Nb+Nb−1 are request b's block [anchor, mask × (Nb−1)]
+  // at ctx_b .. ctx_b+Nb−1. The latent rows of request b (its context from the pools, then its block's) sit at
+  // lo_b .. lo_b+ctx_b+Nb−1 of one [Σ(ctx_b+Nb), C+R] buffer, and the attention is varlen over them. Every
+  // other op is per row, so a request's rows get block_logits()'s bits wherever the GEMMs are row invariant
+  // (the skinny GEMM, linear.h). Returns device f32 [B·Nb, V] in step scratch (the caller releases it);
+  // *anchors_dev: device i32 [B].
+  const float* block_logits_batch(std::span<const CudaDraft::BlockSeq> reqs, const int32_t** anchors_dev) {
+    const DraftConfig& c = *d.cfg;
+    const int64_t B = int64_t(reqs.size()), Nb = c.block_size, T = B * Nb, D = c.hidden_size, V = c.vocab_size,
+                  F = c.intermediate_size, Hm = c.num_attention_heads, Q = c.q_lora_rank, C = c.kv_lora_rank,
+                  N = c.qk_nope_head_dim, R = c.qk_rope_head_dim, Dv = c.v_head_dim, QK = N + R, CW = C + R;
+    const float eps = c.rms_norm_eps;
+    KCHECK(B > 0, "draft: a batched block of no requests");
+    int64_t Cn = 0, Sk = 0, Smax = 0;  // context rows, latent rows, the longest request's keys
+    for (const auto& r : reqs) {
+      KCHECK(r.ctx >= 0 && r.anchor >= 0 && r.anchor < V, "draft: block of anchor {} at {}", r.anchor, r.ctx);
+      Cn += r.ctx, Sk += r.ctx + Nb, Smax = std::max(Smax, r.ctx + Nb);
+    }
+    // One upload, i32: ids, pos, kbeg, klen, block latent row [T] each; anchors [B]; context pool row and
+    // latent row [Cn] each.
+    std::vector<int32_t> h(size_t(5 * T + B + 2 * Cn));
+    int32_t *ids_h = h.data(), *pos_h = ids_h + T, *kb_h = pos_h + T, *kl_h = kb_h + T, *bd_h = kl_h + T,
+            *an_h = bd_h + T, *cs_h = an_h + B, *cd_h = cs_h + Cn;
+    int64_t lo = 0, cn = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const auto& r = reqs[size_t(b)];
+      an_h[b] = r.anchor;
+      for (int64_t p = 0; p < r.ctx; ++p, ++cn) cs_h[cn] = pool_row(r.table, p), cd_h[cn] = int32_t(lo + p);
+      for (int64_t j = 0; j < Nb; ++j) {
+        const int64_t t = b * Nb + j;
+        ids_h[t] = j == 0 ? r.anchor : c.mask_token_id;
+        pos_h[t] = int32_t(r.ctx + j);
+        kb_h[t] = int32_t(lo);
+        kl_h[t] = int32_t(r.ctx + Nb);
+        bd_h[t] = int32_t(lo + r.ctx + j);
+      }
+      lo += r.ctx + Nb;
+    }
+    const int32_t* idx = upload_i32(h);
+    const int32_t *ids = idx, *pos = idx + T, *kbeg = idx + 2 * T, *klen = idx + 3 * T, *bdst = idx + 4 * T,
+                  *anchors = idx + 5 * T, *csrc = anchors + B, *cdst = csrc + Cn;  // as laid out above
+    *anchors_dev = anchors;
+    u16* h_ = x.tmp<u16>(T * D);            // bf16 [T, D]: the residual stream
+    cuda::embed_gather(target.embed, ids, T, D, h_, x.stream);
+    u16* xn = x.tmp<u16>(T * D);            // bf16 [T, D]
+    u16* y = x.tmp<u16>(T * D);             // bf16 [T, D]
+    u16* qa = x.tmp<u16>(T * Q);            // bf16 [T, Q]
+    u16* cq = x.tmp<u16>(T * Q);            // bf16 [T, Q]
+    u16* q = x.tmp<u16>(T * Hm * QK);       // bf16 [T, Hm·(N+R)]
+    u16* blk = x.tmp<u16>(T * CW);          // bf16 [T, C+R]: the blocks' latent rows
+    u16* latent = x.tmp<u16>(Sk * CW);      // bf16 [Sk, C+R]: per request its context rows, then its block's
+    u16* kv = x.tmp<u16>(Sk * Hm * (N + Dv));  // bf16 [Sk, Hm·(N+Dv)]
+    u16* o = x.tmp<u16>(T * Hm * Dv);       // bf16 [T, Hm·Dv]
+    u16* g = x.tmp<u16>(T * F);             // bf16 [T, Fd]
+    u16* u = x.tmp<u16>(T * F);             // bf16 [T, Fd]
+    float* scratch = x.tmp<float>(T * Hm * Smax);  // f32 [T, Hm, Smax]
+    for (const Layer& l : layers) {
+      cuda::rmsnorm_bf16(h_, D, l.input_norm, xn, D, T, D, eps, x.stream);
+      gpu::linear(x, l.q_a, xn, D, T, qa, Q);
+      cuda::rmsnorm_bf16(qa, Q, l.q_a_norm, cq, Q, T, Q, eps, x.stream);
+      gpu::linear(x, l.q_b, cq, Q, T, q, Hm * QK);
+      cuda::dspark_rope_interleaved(q + N, Hm * QK, T, Hm, QK, 0, inv_freq, d.rope.cos_sin_mul, R, x.stream, pos);
+      if (Cn > 0) cuda::copy_rows(l.pool, csrc, latent, cdst, Cn, CW * 2, x.stream);
+      gpu::linear(x, l.kv_a, xn, D, T, blk, CW);
+      cuda::rmsnorm_bf16(blk, CW, l.kv_a_norm, blk, CW, T, C, eps, x.stream);
+      cuda::dspark_rope_interleaved(blk + C, CW, T, 1, 0, 0, inv_freq, d.rope.cos_sin_mul, R, x.stream, pos);
+      cuda::copy_rows(blk, nullptr, latent, bdst, T, CW * 2, x.stream);
+      gpu::linear(x, l.kv_b, latent, CW, Sk, kv, Hm * (N + Dv));
+      cuda::dspark_attend_varlen(q, kv, latent, T, kbeg, klen, Smax, Hm, N, R, Dv, C, d.rope.softmax_scale, scratch, o,
+                                 x.stream);
+      gpu::linear(x, l.o, o, Hm * Dv, T, y, D);
+      cuda::add_bf16(h_, y, h_, T * D, x.stream);
+      cuda::rmsnorm_bf16(h_, D, l.post_attn_norm, xn, D, T, D, eps, x.stream);
+      gpu::linear(x, l.gate, xn, D, T, g, F);
+      gpu::linear(x, l.up, xn, D, T, u, F);
+      cuda::dspark_swiglu(g, u, g, T * F, x.stream);
+      gpu::linear(x, l.down, g, F, T, y, D);
+      cuda::add_bf16(h_, y, h_, T * D, x.stream);
+    }
+    cuda::rmsnorm_bf16(h_, D, final_norm, xn, D, T, D, eps, x.stream);
+    float* lg = x.tmp<float>(T * V);  // f32 [T, V]
+    cuda::GemmSegs sg;
+    sg.seg[0] = gpu::seg_f32(0, lg, V);
+    sg.n = 1;
+    gpu::linear(x, target.lm_head, xn, D, T, sg);
+    return lg;
+  }
+
+  void base_logits_batch(std::span<const CudaDraft::BlockSeq> reqs, float* host) {
+    const int32_t* anchors = nullptr;
+    const float* lg = block_logits_batch(reqs, &anchors);
+    const int64_t n = int64_t(reqs.size()) * d.cfg->block_size * d.cfg->vocab_size;
+    KCUDA_CHECK(cudaMemcpyAsync(host, lg, size_t(n) * 4, cudaMemcpyDeviceToHost, x.stream));
+    KCUDA_CHECK(cudaStreamSynchronize(x.stream));
+    x.release_scratch();
+  }
+
+  void greedy_tokens_batch(std::span<const CudaDraft::BlockSeq> reqs, int64_t steps, int32_t* host) {
+    const int64_t V = d.cfg->vocab_size, Nb = d.cfg->block_size, B = int64_t(reqs.size());
+    KCHECK(steps >= 1 && steps <= Nb, "draft: {} greedy picks from a block of {}", steps, Nb);
+    if (B == 0) return;
+    const int32_t* anchors = nullptr;
+    const float* lg = block_logits_batch(reqs, &anchors);
+    int32_t* ids = x.tmp<int32_t>(B * steps);  // i32 [B, steps]
+    cuda::dspark_markov_greedy(lg, Nb, markov_w1, markov_w2, anchors, B, V, d.cfg->markov_rank, steps, ids, x.stream);
+    KCUDA_CHECK(cudaMemcpyAsync(host, ids, size_t(B * steps) * 4, cudaMemcpyDeviceToHost, x.stream));
+    KCUDA_CHECK(cudaStreamSynchronize(x.stream));  // the one sync of the batched draft
+    x.release_scratch();
+  }
+
   void base_logits(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens, float* host) {
     const float* lg = block_logits(table, ctx, tokens);
     const int64_t V = d.cfg->vocab_size, T = int64_t(tokens.size());
@@ -212,6 +378,13 @@ void CudaDraft::greedy_tokens(std::span<const int32_t> table, int64_t ctx, std::
 void CudaDraft::base_logits(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens,
                             float* host) {
   impl_->base_logits(table, ctx, tokens, host);
+}
+void CudaDraft::inject_batch(std::span<const InjectSeq> seqs, const uint16_t* taps_dev) {
+  impl_->inject_batch(seqs, taps_dev);
+}
+void CudaDraft::base_logits_batch(std::span<const BlockSeq> reqs, float* host) { impl_->base_logits_batch(reqs, host); }
+void CudaDraft::greedy_tokens_batch(std::span<const BlockSeq> reqs, int64_t steps, int32_t* host) {
+  impl_->greedy_tokens_batch(reqs, steps, host);
 }
 
 namespace gpu {
