@@ -28,7 +28,8 @@
 //     exactly the host chain's tokens over the GPU base logits.
 //  6. GpuSpec.BatchedDraftEqualsPerRequest: the batched draft (inject_batch, base_logits_batch,
 //     greedy_tokens_batch) gives bit for bit the per-request calls' base logits and tokens, B = 1, 3, 5
-//     requests of different context lengths.
+//     requests of different context lengths; the same tokens through its CUDA graphs (captured, replayed
+//     with other requests of the same shape).
 // Tests 2 and 3 run with the draft on the host and on the GPU (CudaExecutorOptions::draft_on_gpu).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -649,6 +650,32 @@ TEST(GpuSpec, BatchedDraftEqualsPerRequest) {
     note(fmt::format("{:<28} {:<34} {} of {} base logits differ bitwise", "GPU batched draft",
                      fmt::format("nano B={}", n), differing, n * Nb * V));
   }
+  // The same through CUDA graphs (set_graphs: one per (B, steps, bounds), the latent rows padded to 64 —
+  // within the skinny GEMM, so still bit for bit): captured on first use, then replayed with other requests
+  // of the same shape (other tables, contexts and anchors through the graph's fixed index buffer).
+  std::unique_ptr<model::CudaDraft> grf = gm.new_draft(draft, pages, page);
+  grf->set_graphs(true);
+  grf->inject_batch(part1, dtaps.p());
+  grf->inject_batch(part2, dtaps.p());
+  auto graph_check = [&](const std::vector<int64_t>& which, int64_t steps) {
+    std::vector<model::CudaDraft::BlockSeq> reqs;
+    for (int64_t b : which) reqs.push_back({tables[size_t(b)], ctx[size_t(b)], anchors[size_t(b)]});
+    std::vector<int32_t> toks(which.size() * size_t(steps), -7), want;
+    grf->greedy_tokens_batch(reqs, steps, toks.data());
+    for (int64_t b : which) want.insert(want.end(), tok1[size_t(b)].begin(), tok1[size_t(b)].begin() + steps);
+    EXPECT_EQ(toks, want) << "graph draft, " << which.size() << " requests from " << which[0] << ", " << steps
+                          << " steps";
+  };
+  for (int rep = 0; rep < 2; ++rep) {  // capture, then replay
+    graph_check({0}, Nb);
+    graph_check({2, 1, 0}, Nb);
+    graph_check({4, 3, 2, 1, 0}, Nb);
+  }
+  graph_check({3}, Nb);          // B = 1 again: other table, context, anchor
+  graph_check({2, 3, 4}, Nb);    // B = 3 again
+  graph_check({1, 0, 4}, 2);     // a shorter chain: its own graph
+  grf->set_graphs(false);
+  graph_check({4, 3, 2, 1, 0}, Nb);  // eager again
   // The base logits are no constant: the requests' contexts must matter (else the test could not fail).
   EXPECT_NE(std::memcmp(base1[0].data(), base1[1].data(), size_t(Nb * V) * 4), 0);
 }

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <map>
+#include <tuple>
 #include <vector>
 
 #include "core/check.h"
@@ -225,50 +227,61 @@ struct CudaDraft::Impl {
     x.release_scratch();
   }
 
-  // block_logits() for B requests at once: rows b·Nb .. b·Nb+Nb−1 are request b's block [anchor, mask × (Nb−1)]
-  // at ctx_b .. ctx_b+Nb−1. The latent rows of request b (its context from the pools, then its block's) sit at
-  // lo_b .. lo_b+ctx_b+Nb−1 of one [Σ(ctx_b+Nb), C+R] buffer, and the attention is varlen over them. Every
-  // other op is per row, so a request's rows get block_logits()'s bits wherever the GEMMs are row invariant
-  // (the skinny GEMM, linear.h). Returns device f32 [B·Nb, V] in step scratch (the caller releases it);
-  // *anchors_dev: device i32 [B].
-  const float* block_logits_batch(std::span<const CudaDraft::BlockSeq> reqs, const int32_t** anchors_dev) {
+  // The batched block's index arrays, host i32, laid out as the device copy `meta` is read by
+  // block_rows(): ids, pos, kbeg, klen, block latent row [T] each (T = B·Nb); anchors [B]; context pool row
+  // and latent row [Sk − T] each. Rows b·Nb .. b·Nb+Nb−1 are request b's block [anchor, mask × (Nb−1)] at
+  // ctx_b .. ctx_b+Nb−1; request b's latent rows (its context from the pools, then its block's) are
+  // lo_b .. lo_b+ctx_b+Nb−1 of one [Sk, C+R] buffer. Sk ≥ Σ(ctx_b + Nb): a graph's padding copies pool row 0
+  // into the unused latent rows, which no query reads.
+  std::vector<int32_t> block_meta(std::span<const CudaDraft::BlockSeq> reqs, int64_t Sk) const {
     const DraftConfig& c = *d.cfg;
-    const int64_t B = int64_t(reqs.size()), Nb = c.block_size, T = B * Nb, D = c.hidden_size, V = c.vocab_size,
-                  F = c.intermediate_size, Hm = c.num_attention_heads, Q = c.q_lora_rank, C = c.kv_lora_rank,
-                  N = c.qk_nope_head_dim, R = c.qk_rope_head_dim, Dv = c.v_head_dim, QK = N + R, CW = C + R;
-    const float eps = c.rms_norm_eps;
-    KCHECK(B > 0, "draft: a batched block of no requests");
-    int64_t Cn = 0, Sk = 0, Smax = 0;  // context rows, latent rows, the longest request's keys
-    for (const auto& r : reqs) {
-      KCHECK(r.ctx >= 0 && r.anchor >= 0 && r.anchor < V, "draft: block of anchor {} at {}", r.anchor, r.ctx);
-      Cn += r.ctx, Sk += r.ctx + Nb, Smax = std::max(Smax, r.ctx + Nb);
-    }
-    // One upload, i32: ids, pos, kbeg, klen, block latent row [T] each; anchors [B]; context pool row and
-    // latent row [Cn] each.
+    const int64_t B = int64_t(reqs.size()), Nb = c.block_size, T = B * Nb, Cn = Sk - T;
     std::vector<int32_t> h(size_t(5 * T + B + 2 * Cn));
-    int32_t *ids_h = h.data(), *pos_h = ids_h + T, *kb_h = pos_h + T, *kl_h = kb_h + T, *bd_h = kl_h + T,
-            *an_h = bd_h + T, *cs_h = an_h + B, *cd_h = cs_h + Cn;
+    int32_t *ids = h.data(), *pos = ids + T, *kb = pos + T, *kl = kb + T, *bd = kl + T, *an = bd + T, *cs = an + B,
+            *cd = cs + Cn;
     int64_t lo = 0, cn = 0;
     for (int64_t b = 0; b < B; ++b) {
       const auto& r = reqs[size_t(b)];
-      an_h[b] = r.anchor;
-      for (int64_t p = 0; p < r.ctx; ++p, ++cn) cs_h[cn] = pool_row(r.table, p), cd_h[cn] = int32_t(lo + p);
+      KCHECK(r.ctx >= 0 && r.anchor >= 0 && r.anchor < c.vocab_size, "draft: block of anchor {} at {}", r.anchor,
+             r.ctx);
+      an[b] = r.anchor;
+      for (int64_t p = 0; p < r.ctx; ++p, ++cn) cs[cn] = pool_row(r.table, p), cd[cn] = int32_t(lo + p);
       for (int64_t j = 0; j < Nb; ++j) {
         const int64_t t = b * Nb + j;
-        ids_h[t] = j == 0 ? r.anchor : c.mask_token_id;
-        pos_h[t] = int32_t(r.ctx + j);
-        kb_h[t] = int32_t(lo);
-        kl_h[t] = int32_t(r.ctx + Nb);
-        bd_h[t] = int32_t(lo + r.ctx + j);
+        ids[t] = j == 0 ? r.anchor : c.mask_token_id;
+        pos[t] = int32_t(r.ctx + j);
+        kb[t] = int32_t(lo);
+        kl[t] = int32_t(r.ctx + Nb);
+        bd[t] = int32_t(lo + r.ctx + j);
       }
       lo += r.ctx + Nb;
     }
-    const int32_t* idx = upload_i32(h);
-    const int32_t *ids = idx, *pos = idx + T, *kbeg = idx + 2 * T, *klen = idx + 3 * T, *bdst = idx + 4 * T,
-                  *anchors = idx + 5 * T, *csrc = anchors + B, *cdst = csrc + Cn;  // as laid out above
-    *anchors_dev = anchors;
-    u16* h_ = x.tmp<u16>(T * D);            // bf16 [T, D]: the residual stream
-    cuda::embed_gather(target.embed, ids, T, D, h_, x.stream);
+    KCHECK(lo <= Sk, "draft: {} latent rows for a bound of {}", lo, Sk);
+    for (int64_t k = 0; cn < Cn; ++cn, ++k) cs[cn] = 0, cd[cn] = int32_t(lo + k);  // padding (graphs)
+    return h;
+  }
+  static void block_sizes(std::span<const CudaDraft::BlockSeq> reqs, int64_t Nb, int64_t& Sk, int64_t& Smax) {
+    Sk = 0, Smax = 0;
+    for (const auto& r : reqs) Sk += r.ctx + Nb, Smax = std::max(Smax, r.ctx + Nb);
+  }
+
+  // block_logits() for B requests at once from `meta` (device, block_meta's layout): every launch reads its
+  // indices from there and nothing crosses to the host, so the sequence is capturable (graphs below). Every
+  // op is per row or per request (RoPE at each row's position, the attention varlen over the request's own
+  // keys), so a request's rows get block_logits()'s bits wherever the GEMMs are row invariant (the skinny
+  // GEMM, linear.h). Sk: latent rows, Smax ≥ the longest request's keys (the attention scratch's stride).
+  // Returns device f32 [B·Nb, V] in scratch (the caller releases it).
+  const float* block_rows(const int32_t* meta, int64_t B, int64_t Sk, int64_t Smax) {
+    const DraftConfig& c = *d.cfg;
+    const int64_t Nb = c.block_size, T = B * Nb, D = c.hidden_size, V = c.vocab_size, F = c.intermediate_size,
+                  Hm = c.num_attention_heads, Q = c.q_lora_rank, C = c.kv_lora_rank, N = c.qk_nope_head_dim,
+                  R = c.qk_rope_head_dim, Dv = c.v_head_dim, QK = N + R, CW = C + R, Cn = Sk - T;
+    const float eps = c.rms_norm_eps;
+    KCHECK(B > 0 && Cn >= 0 && Smax >= Nb, "draft: a batched block of {} requests, {} latent rows", B, Sk);
+    const int32_t *ids = meta, *pos = meta + T, *kbeg = meta + 2 * T, *klen = meta + 3 * T, *bdst = meta + 4 * T,
+                  *csrc = meta + 5 * T + B, *cdst = csrc + Cn;  // i32, block_meta's layout
+    u16* h = x.tmp<u16>(T * D);             // bf16 [T, D]: the residual stream
+    cuda::embed_gather(target.embed, ids, T, D, h, x.stream);
     u16* xn = x.tmp<u16>(T * D);            // bf16 [T, D]
     u16* y = x.tmp<u16>(T * D);             // bf16 [T, D]
     u16* qa = x.tmp<u16>(T * Q);            // bf16 [T, Q]
@@ -282,7 +295,7 @@ struct CudaDraft::Impl {
     u16* u = x.tmp<u16>(T * F);             // bf16 [T, Fd]
     float* scratch = x.tmp<float>(T * Hm * Smax);  // f32 [T, Hm, Smax]
     for (const Layer& l : layers) {
-      cuda::rmsnorm_bf16(h_, D, l.input_norm, xn, D, T, D, eps, x.stream);
+      cuda::rmsnorm_bf16(h, D, l.input_norm, xn, D, T, D, eps, x.stream);
       gpu::linear(x, l.q_a, xn, D, T, qa, Q);
       cuda::rmsnorm_bf16(qa, Q, l.q_a_norm, cq, Q, T, Q, eps, x.stream);
       gpu::linear(x, l.q_b, cq, Q, T, q, Hm * QK);
@@ -293,18 +306,18 @@ struct CudaDraft::Impl {
       cuda::dspark_rope_interleaved(blk + C, CW, T, 1, 0, 0, inv_freq, d.rope.cos_sin_mul, R, x.stream, pos);
       cuda::copy_rows(blk, nullptr, latent, bdst, T, CW * 2, x.stream);
       gpu::linear(x, l.kv_b, latent, CW, Sk, kv, Hm * (N + Dv));
-      cuda::dspark_attend_varlen(q, kv, latent, T, kbeg, klen, Smax, Hm, N, R, Dv, C, d.rope.softmax_scale, scratch, o,
-                                 x.stream);
+      cuda::dspark_attend_varlen(q, kv, latent, T, kbeg, klen, Smax, Hm, N, R, Dv, C, d.rope.softmax_scale, scratch,
+                                 o, x.stream);
       gpu::linear(x, l.o, o, Hm * Dv, T, y, D);
-      cuda::add_bf16(h_, y, h_, T * D, x.stream);
-      cuda::rmsnorm_bf16(h_, D, l.post_attn_norm, xn, D, T, D, eps, x.stream);
+      cuda::add_bf16(h, y, h, T * D, x.stream);
+      cuda::rmsnorm_bf16(h, D, l.post_attn_norm, xn, D, T, D, eps, x.stream);
       gpu::linear(x, l.gate, xn, D, T, g, F);
       gpu::linear(x, l.up, xn, D, T, u, F);
       cuda::dspark_swiglu(g, u, g, T * F, x.stream);
       gpu::linear(x, l.down, g, F, T, y, D);
-      cuda::add_bf16(h_, y, h_, T * D, x.stream);
+      cuda::add_bf16(h, y, h, T * D, x.stream);
     }
-    cuda::rmsnorm_bf16(h_, D, final_norm, xn, D, T, D, eps, x.stream);
+    cuda::rmsnorm_bf16(h, D, final_norm, xn, D, T, D, eps, x.stream);
     float* lg = x.tmp<float>(T * V);  // f32 [T, V]
     cuda::GemmSegs sg;
     sg.seg[0] = gpu::seg_f32(0, lg, V);
@@ -312,24 +325,110 @@ struct CudaDraft::Impl {
     gpu::linear(x, target.lm_head, xn, D, T, sg);
     return lg;
   }
+  // The blocks' rows and then their greedy chains: ids device i32 [B, steps].
+  void greedy_rows(const int32_t* meta, int64_t B, int64_t Sk, int64_t Smax, int64_t steps, int32_t* ids) {
+    const float* lg = block_rows(meta, B, Sk, Smax);
+    const int32_t* anchors = meta + 5 * B * d.cfg->block_size;  // block_meta's layout
+    cuda::dspark_markov_greedy(lg, d.cfg->block_size, markov_w1, markov_w2, anchors, B, d.cfg->vocab_size,
+                               d.cfg->markov_rank, steps, ids, x.stream);
+  }
 
   void base_logits_batch(std::span<const CudaDraft::BlockSeq> reqs, float* host) {
-    const int32_t* anchors = nullptr;
-    const float* lg = block_logits_batch(reqs, &anchors);
-    const int64_t n = int64_t(reqs.size()) * d.cfg->block_size * d.cfg->vocab_size;
-    KCUDA_CHECK(cudaMemcpyAsync(host, lg, size_t(n) * 4, cudaMemcpyDeviceToHost, x.stream));
+    const int64_t B = int64_t(reqs.size()), Nb = d.cfg->block_size, V = d.cfg->vocab_size;
+    KCHECK(B > 0, "draft: a batched block of no requests");
+    int64_t Sk, Smax;
+    block_sizes(reqs, Nb, Sk, Smax);
+    const float* lg = block_rows(upload_i32(block_meta(reqs, Sk)), B, Sk, Smax);
+    KCUDA_CHECK(cudaMemcpyAsync(host, lg, size_t(B * Nb * V) * 4, cudaMemcpyDeviceToHost, x.stream));
     KCUDA_CHECK(cudaStreamSynchronize(x.stream));
     x.release_scratch();
   }
 
+  // The batched greedy draft in CUDA graphs (CudaDraft::set_graphs): one graph per (B, steps, Sk bound, Smax
+  // bound), the bounds powers of two (Sk ≥ 64: small steps share one, and up to 64 rows the skinny GEMM
+  // keeps the padded kv_b rows from changing the real rows' bits). A graph reads its fixed `meta` and
+  // writes its fixed `ids`; everything it allocated while capturing is kept (Context::tmp) until the graphs
+  // are dropped: all of them once kMaxGraphs exist (a new working set of shapes), or with the draft.
+  struct DraftGraph {
+    cudaGraphExec_t exec = nullptr;
+    gpu::GraphBucket kept;   // only .kept: the scratch baked into the graph
+    int32_t* meta = nullptr;  // device i32: block_meta for the bounds
+    int32_t* ids = nullptr;   // device i32 [B, steps]
+  };
+  static constexpr size_t kMaxGraphs = 24;
+  bool graphs_on = false;
+  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, DraftGraph> graphs;  // by (B, steps, Sk, Smax)
+  static int64_t pow2_at_least(int64_t n, int64_t lo) {
+    int64_t b = lo;
+    while (b < n) b *= 2;
+    return b;
+  }
+  void drop_graphs() {
+    for (auto& [k, g] : graphs) {
+      if (g.exec) cudaGraphExecDestroy(g.exec);
+      for (void* p : g.kept.kept) x.alloc.free(p);
+      x.alloc.free(g.meta), x.alloc.free(g.ids);
+    }
+    graphs.clear();
+  }
+  ~Impl() {
+    if (!graphs.empty()) {
+      cudaStreamSynchronize(x.stream);  // no replay in flight (every call syncs; this is cheap insurance)
+      drop_graphs();
+    }
+  }
+
   void greedy_tokens_batch(std::span<const CudaDraft::BlockSeq> reqs, int64_t steps, int32_t* host) {
-    const int64_t V = d.cfg->vocab_size, Nb = d.cfg->block_size, B = int64_t(reqs.size());
+    const int64_t Nb = d.cfg->block_size, B = int64_t(reqs.size());
     KCHECK(steps >= 1 && steps <= Nb, "draft: {} greedy picks from a block of {}", steps, Nb);
     if (B == 0) return;
-    const int32_t* anchors = nullptr;
-    const float* lg = block_logits_batch(reqs, &anchors);
-    int32_t* ids = x.tmp<int32_t>(B * steps);  // i32 [B, steps]
-    cuda::dspark_markov_greedy(lg, Nb, markov_w1, markov_w2, anchors, B, V, d.cfg->markov_rank, steps, ids, x.stream);
+    int64_t Sk, Smax;
+    block_sizes(reqs, Nb, Sk, Smax);
+    const int32_t* ids = nullptr;  // device i32 [B, steps]
+    if (!graphs_on) {
+      int32_t* out = x.tmp<int32_t>(B * steps);
+      greedy_rows(upload_i32(block_meta(reqs, Sk)), B, Sk, Smax, steps, out);
+      ids = out;
+    } else {
+      KCHECK(x.graph.mode == gpu::GraphRecorder::Mode::eager, "draft: graphs while the model records one");
+      const int64_t SkB = pow2_at_least(Sk, 64), SmaxB = pow2_at_least(Smax, 16);
+      const auto key = std::tuple{B, steps, SkB, SmaxB};
+      if (!graphs.count(key) && graphs.size() >= kMaxGraphs) drop_graphs();
+      DraftGraph& g = graphs[key];
+      const std::vector<int32_t> meta = block_meta(reqs, SkB);
+      if (!g.meta) {
+        g.meta = static_cast<int32_t*>(x.alloc.alloc(meta.size() * 4));
+        g.ids = static_cast<int32_t*>(x.alloc.alloc(size_t(B * steps) * 4));
+      }
+      // The stream is idle here (the previous step synced), so the pageable copy cannot overwrite `meta`
+      // under a replay still reading it.
+      KCUDA_CHECK(cudaMemcpyAsync(g.meta, meta.data(), meta.size() * 4, cudaMemcpyHostToDevice, x.stream));
+      if (!g.exec) {
+        gpu::GraphRecorder& r = x.graph;
+        r.mode = gpu::GraphRecorder::Mode::capture;
+        r.bucket = &g.kept;
+        try {
+          KCUDA_CHECK(cudaStreamBeginCapture(x.stream, cudaStreamCaptureModeRelaxed));
+          greedy_rows(g.meta, B, SkB, SmaxB, steps, g.ids);
+          cudaGraph_t gr = nullptr;
+          KCUDA_CHECK(cudaStreamEndCapture(x.stream, &gr));
+          const cudaError_t err = cudaGraphInstantiate(&g.exec, gr, 0);
+          cudaGraphDestroy(gr);
+          KCUDA_CHECK(err);
+        } catch (...) {
+          cudaGraph_t junk = nullptr;
+          if (cudaStreamEndCapture(x.stream, &junk) == cudaSuccess && junk) cudaGraphDestroy(junk);
+          r.mode = gpu::GraphRecorder::Mode::eager;
+          r.bucket = nullptr;
+          g.exec = nullptr;
+          throw;
+        }
+        r.mode = gpu::GraphRecorder::Mode::eager;
+        r.bucket = nullptr;
+      }
+      KCUDA_CHECK(cudaGraphLaunch(g.exec, x.stream));  // capturing did not run it
+      ids = g.ids;
+    }
     KCUDA_CHECK(cudaMemcpyAsync(host, ids, size_t(B * steps) * 4, cudaMemcpyDeviceToHost, x.stream));
     KCUDA_CHECK(cudaStreamSynchronize(x.stream));  // the one sync of the batched draft
     x.release_scratch();
@@ -385,6 +484,13 @@ void CudaDraft::inject_batch(std::span<const InjectSeq> seqs, const uint16_t* ta
 void CudaDraft::base_logits_batch(std::span<const BlockSeq> reqs, float* host) { impl_->base_logits_batch(reqs, host); }
 void CudaDraft::greedy_tokens_batch(std::span<const BlockSeq> reqs, int64_t steps, int32_t* host) {
   impl_->greedy_tokens_batch(reqs, steps, host);
+}
+void CudaDraft::set_graphs(bool on) {
+  if (!on && !impl_->graphs.empty()) {
+    KCUDA_CHECK(cudaStreamSynchronize(impl_->x.stream));
+    impl_->drop_graphs();
+  }
+  impl_->graphs_on = on;
 }
 
 namespace gpu {

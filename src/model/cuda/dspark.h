@@ -9,7 +9,8 @@
 // Two forms: one request per call (inject, base_logits, greedy_tokens), and the batched draft (inject_batch,
 // greedy_tokens_batch, base_logits_batch): every request of a step in one launch sequence — index arrays
 // uploaded once, RoPE at per-row positions, the attention varlen over requests — with at most one host sync
-// (the copy of the results). The executor uses the batched form unless KESTREL_DRAFT_BATCHED=0.
+// (the copy of the results). The executor uses the batched form unless KESTREL_DRAFT_BATCHED=0; its greedy
+// draft can run as one CUDA graph per step shape (set_graphs, KESTREL_DRAFT_GRAPHS=1).
 #pragma once
 
 #include <cstdint>
@@ -63,6 +64,9 @@ class CudaDraft {
   void greedy_tokens_batch(std::span<const BlockSeq> reqs, int64_t steps, int32_t* host /* i32 [B, steps] */);
   // base_logits() of every request at once: host f32 [B, Nb, V] (tests; the sampled path stays per request).
   void base_logits_batch(std::span<const BlockSeq> reqs, float* host /* f32 [B, Nb, V] */);
+  // greedy_tokens_batch through CUDA graphs, one per (B, steps, latent-row bound, key bound), captured on
+  // first use (off by default: the executor turns it on with KESTREL_DRAFT_GRAPHS=1). Off drops them.
+  void set_graphs(bool on);
 
   struct Impl;  // model/cuda/dspark.cpp; only CudaModel::new_draft makes one
   explicit CudaDraft(std::unique_ptr<Impl> impl);
