@@ -58,7 +58,7 @@ __global__ void attend_kernel(const uint16_t* q, const uint16_t* kv, const uint1
   if (kbeg) {
     kv += int64_t(kbeg[t]) * Hm * KW;
     latent += int64_t(kbeg[t]) * CW;
-    S = klen[t];
+    S = min(int64_t(klen[t]), S);  // the launcher's contract says klen ≤ Smax; never past the scratch row
   }
   float m = -INFINITY;
   for (int64_t j = threadIdx.x; j < S; j += kThreads) {
