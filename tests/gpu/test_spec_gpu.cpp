@@ -21,7 +21,9 @@
 //  0. GpuSpec.TracedKdaKernelsEqualPerTokenLaunches: kda_decode_traced / kda_conv_decode_traced (one launch over
 //     several requests' runs of tokens) give bit for bit the outputs, final states and per-token states of one
 //     kda_decode / kda_conv_decode launch per token followed by a copy of the slot (no checkpoint needed).
-//  4. GpuSpec.DraftOpsMatchTwins: the draft's own kernels (kernels/cuda/dspark.h) against their CPU twins.
+//  4. GpuSpec.DraftOpsMatchTwins: the draft's own kernels (kernels/cuda/dspark.h) against their CPU twins,
+//     and their batched forms (per-row RoPE positions, the varlen attention) bit for bit against the
+//     per-request ones.
 //  5. GpuSpec.DraftMatchesCpuTwin: the GPU draft (model/cuda/dspark.h) injected with the GPU target's taps of a
 //     prompt gives the base logits of the CPU draft (model::Draft) injected with the same taps (rel L2 ≤ 2e-2),
 //     and the same greedy draft tokens except at near ties; its greedy chain on the device (greedy_tokens) gives
@@ -494,6 +496,42 @@ TEST(GpuSpec, DraftOpsMatchTwins) {
     cuda::dspark_attend(dq.p(), dkv.p(), dl.p(), T, Skeys, Hm, N, R, Dv, C, scale, scratch.p(), o.p(), nullptr);
     sync();
     check_bf16("dspark_attend", fmt::format("T=4 S={} Hm=4", Skeys), o.get(), ref, Tol{2e-3, 1.0 / 128, 4e-3});
+  }
+  // The batched forms against the per-request ones, bit for bit: RoPE at per-row positions (two requests'
+  // rows at 37.. and 5..) and the attention varlen over two requests' keys (5 and 300: their rows stacked,
+  // their keys concatenated, the second at an offset).
+  {
+    std::vector<uint16_t> q = rand_bf16(size_t(2 * T * Hm * QK), r, -2.0f, 2.0f);
+    auto one = upload(q), both = upload(q);
+    auto dinv = upload(rope.inv_freq);
+    std::vector<int32_t> pos;
+    for (int64_t t = 0; t < T; ++t) pos.push_back(int32_t(37 + t));
+    for (int64_t t = 0; t < T; ++t) pos.push_back(int32_t(5 + t));
+    auto dpos = upload(pos);
+    cuda::dspark_rope_interleaved(one.p() + N, Hm * QK, T, Hm, QK, 37, dinv.p(), rope.cos_sin_mul, R, nullptr);
+    cuda::dspark_rope_interleaved(one.p() + T * Hm * QK + N, Hm * QK, T, Hm, QK, 5, dinv.p(), rope.cos_sin_mul, R,
+                                  nullptr);
+    cuda::dspark_rope_interleaved(both.p() + N, Hm * QK, 2 * T, Hm, QK, 0, dinv.p(), rope.cos_sin_mul, R, nullptr,
+                                  dpos.p());
+    sync();
+    EXPECT_EQ(both.get(), one.get()) << "dspark_rope_interleaved with per-row positions";
+    const int64_t S1 = 5, S2 = 300, Sk = S1 + S2;
+    std::vector<uint16_t> kv = rand_bf16(size_t(Sk * Hm * (N + Dv)), r, -1.0f, 1.0f);
+    std::vector<uint16_t> lat = rand_bf16(size_t(Sk * CW), r, -1.0f, 1.0f);
+    auto dq = upload(q), dkv = upload(kv), dl = upload(lat);
+    auto scratch = poisoned<float>(size_t(2 * T * Hm * (Sk + 7)));  // ≥ f32 [2T, Hm, S2 + 7]
+    auto o1 = poisoned<uint16_t>(size_t(2 * T * Hm * Dv)), o2 = poisoned<uint16_t>(size_t(2 * T * Hm * Dv));
+    const float scale = rope.softmax_scale;
+    cuda::dspark_attend(dq.p(), dkv.p(), dl.p(), T, S1, Hm, N, R, Dv, C, scale, scratch.p(), o1.p(), nullptr);
+    cuda::dspark_attend(dq.p() + T * Hm * QK, dkv.p() + S1 * Hm * (N + Dv), dl.p() + S1 * CW, T, S2, Hm, N, R, Dv, C,
+                        scale, scratch.p(), o1.p() + T * Hm * Dv, nullptr);
+    std::vector<int32_t> kbeg(size_t(2 * T), 0), klen(size_t(2 * T), int32_t(S1));
+    for (int64_t t = T; t < 2 * T; ++t) kbeg[size_t(t)] = int32_t(S1), klen[size_t(t)] = int32_t(S2);
+    auto dkb = upload(kbeg), dkl = upload(klen);
+    cuda::dspark_attend_varlen(dq.p(), dkv.p(), dl.p(), 2 * T, dkb.p(), dkl.p(), S2 + 7, Hm, N, R, Dv, C, scale,
+                               scratch.p(), o2.p(), nullptr);
+    sync();
+    EXPECT_EQ(o2.get(), o1.get()) << "dspark_attend_varlen against one dspark_attend per request";
   }
   // SwiGLU.
   {
