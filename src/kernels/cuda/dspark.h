@@ -1,6 +1,6 @@
 // The DSpark draft's own GPU ops (MODEL.md §5; the draft's GPU forward is model/cuda/dspark.h): interleaved
-// RoPE, the non-causal naive MLA attention over context + block, the SwiGLU of its MLP, and the greedy
-// Markov chain. Everything else
+// RoPE (at consecutive or per-row positions), the non-causal naive MLA attention over context + block (one
+// request, or varlen over a batch of requests), the SwiGLU of its MLP, and the greedy Markov chain. Everything else
 // of the draft reuses the target's kernels (GEMMs, RMSNorm, embedding gather, row copies).
 // CPU twins: model::rope_interleaved and model::draft_attend (model/dspark.h), the SwiGLU loop of
 // model::Draft::block; tested in tests/gpu/test_spec_gpu.cpp (GpuSpec.DraftOpsMatchTwins).
