@@ -205,7 +205,8 @@ case "${1:-}" in
     # random prompts; acceptance length from the server's /metrics): k3-tiny with models/k3-tiny-dspark at
     # c = SPEC_CONC (default 1 8 32) in SPEC_MODES (plain, host: the draft on the host, gpu: the draft on the
     # device, KESTREL_DRAFT_ON_GPU=1, gpueager: gpu with the verify steps eager, KESTREL_SPEC_GRAPHS=0, the A/B
-    # of the verify graphs), and the reduced mini with a random draft at real dimensions (make_draft.py
+    # of the verify graphs; gpuperreq: gpu with one draft call per request, KESTREL_DRAFT_BATCHED=0, the A/B of
+    # the batched draft; gpugraph: gpu with the batched draft in CUDA graphs, KESTREL_DRAFT_GRAPHS=1), and the reduced mini with a random draft at real dimensions (make_draft.py
     # --config mini, 5 layers; its taps inside the 4 layers) at c = 1, plain and gpu: the cost of one speculative
     # step at real shapes. spec_keys.py turns the result files into perf.json's dspark_* keys ($OUT/perf.json, a
     # copy of bench/gpu/perf.json with its "dspark" section replaced). Extra arguments go to the test binary.
@@ -237,6 +238,8 @@ case "${1:-}" in
       local args=()
       [ "$mode" != plain ] && args=(--speculative-config "{\"method\":\"dspark\",\"model\":\"$draft\",\"num_speculative_tokens\":7}")
       KESTREL_SPEC_GRAPHS=$([ "$mode" = gpueager ] && echo 0 || echo 1) \
+      KESTREL_DRAFT_BATCHED=$([ "$mode" = gpuperreq ] && echo 0 || echo 1) \
+      KESTREL_DRAFT_GRAPHS=$([ "$mode" = gpugraph ] && echo 1 || echo 0) \
       KESTREL_DRAFT_ON_GPU=$([ "${mode#gpu}" != "$mode" ] && echo 1 || echo 0) .gpu-carry/kestrel serve --device cuda --model "$model" \
         --port "$port" --max-num-seqs 32 --memory-budget 16G "${args[@]}" >"$out/spec_serve_${name}_$mode.log" 2>&1 &
       local srv=$!
@@ -250,11 +253,11 @@ case "${1:-}" in
       done
       kill $srv 2>/dev/null; wait $srv 2>/dev/null || true
     }
-    for mode in ${SPEC_MODES:-plain host gpu gpueager}; do
+    for mode in ${SPEC_MODES:-plain host gpu gpuperreq gpugraph gpueager}; do
       spec_run k3tiny models/k3-tiny models/k3-tiny-dspark "$mode" ${SPEC_CONC:-1 8 32}
     done
     wait "$mk" || true
-    for mode in ${SPEC_MINI_MODES:-plain gpu}; do
+    for mode in ${SPEC_MINI_MODES:-plain gpu gpugraph}; do
       spec_run mini "$ck/mini" "$ck/mini-dspark" "$mode" 1
     done
     cp bench/gpu/perf.json "$out/perf.json" 2>/dev/null || true

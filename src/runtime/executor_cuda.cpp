@@ -220,7 +220,13 @@ CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const 
     impl_->spec = std::make_unique<SpecDrafter>(*options.speculative, cc.num_pages, cc.block_size,
                                                 !options.draft_on_gpu);
     model.set_taps(impl_->spec->draft().cfg->target_layer_ids);
-    if (options.draft_on_gpu) impl_->gdraft = model.new_draft(impl_->spec->draft(), cc.num_pages, cc.block_size);
+    if (options.draft_on_gpu) {
+      impl_->gdraft = model.new_draft(impl_->spec->draft(), cc.num_pages, cc.block_size);
+      // The batched greedy draft as one CUDA graph per step shape: KESTREL_DRAFT_GRAPHS=1 (with CUDA graphs
+      // on); off by default until measured on the device (CudaDraft::set_graphs).
+      const char* e = std::getenv("KESTREL_DRAFT_GRAPHS");
+      if (options.cuda_graphs && e && std::string_view(e) == "1") impl_->gdraft->set_graphs(true);
+    }
   } else {
     model.set_taps({});  // the model may have served a speculating executor before
   }

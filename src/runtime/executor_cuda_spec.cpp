@@ -1,6 +1,7 @@
 // Host drafting and verification of the GPU executor's speculative steps (see executor_cuda_spec.h).
 #include "runtime/executor_cuda_spec.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <string_view>
@@ -22,6 +23,15 @@ bool chain_on_device() {
   }();
   return on;
 }
+// The GPU draft batched over the step's requests (CudaDraft::inject_batch / greedy_tokens_batch: one launch
+// sequence and at most one sync for all of them); KESTREL_DRAFT_BATCHED=0: one call per request, as before.
+bool draft_batched() {
+  static const bool on = [] {
+    const char* e = std::getenv("KESTREL_DRAFT_BATCHED");
+    return !(e && std::string_view(e) == "0");
+  }();
+  return on;
+}
 }  // namespace
 
 void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const sched::ScheduledSeq* const> order,
@@ -34,6 +44,12 @@ void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const s
   sp.results.assign(order.size(), {});
   sp.greedy.assign(order.size(), 0);
   sp.target_ids.clear();
+  // The batched device-greedy blocks: their requests' indices in `order` and their blocks, drafted in one call
+  // after the loop; the longest num_draft of them is every chain's length (a shorter request keeps its first).
+  std::vector<size_t> batch;
+  std::vector<model::CudaDraft::BlockSeq> bseqs;
+  int64_t bsteps = 0;
+  std::vector<uint8_t> dev_chain(order.size(), 0);  // the block's chain ran on the device (greedy picks)
   for (size_t i = 0; i < order.size(); ++i) {
     const sched::ScheduledSeq& x = *order[i];
     if (x.num_draft == 0) continue;
@@ -50,12 +66,14 @@ void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const s
       // q_i one-hot as draft_pick makes it, needed only by a sampled request's verification.
       SpecDrafter::Block& b = sp.blocks[i];
       b.tokens.resize(size_t(x.num_draft));
-      gdraft->greedy_tokens(x.block_table, x.start, blk, x.num_draft, b.tokens.data());
-      if (!sp.greedy[i]) {
-        const int64_t V = dc.vocab_size;
-        b.q.assign(size_t(x.num_draft * V), 0.0);
-        for (int64_t t = 0; t < x.num_draft; ++t) b.q[size_t(t * V + b.tokens[size_t(t)])] = 1.0;
+      dev_chain[i] = 1;
+      if (draft_batched()) {
+        batch.push_back(i);
+        bseqs.push_back({x.block_table, x.start, x.tokens[0]});
+        bsteps = std::max<int64_t>(bsteps, x.num_draft);
+        continue;  // drafted below, with the others
       }
+      gdraft->greedy_tokens(x.block_table, x.start, blk, x.num_draft, b.tokens.data());
     } else {
       // The base logits on the device (GPU draft) or the whole draft on the host; the chain in draft_block.
       if (gdraft) {
@@ -65,8 +83,27 @@ void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const s
       sp.blocks[i] = spec.draft_block(x.id, x.block_table, x.start, x.tokens[0], x.num_draft, *si.params,
                                       uint64_t(si.output.size()), gdraft ? base.data() : nullptr);
     }
+  }
+  if (!batch.empty()) {
+    std::vector<int32_t> ids(batch.size() * size_t(bsteps));  // i32 [B, bsteps]
+    gdraft->greedy_tokens_batch(bseqs, bsteps, ids.data());
+    for (size_t k = 0; k < batch.size(); ++k) {
+      SpecDrafter::Block& b = sp.blocks[batch[k]];
+      std::copy_n(ids.begin() + std::ptrdiff_t(k * size_t(bsteps)), b.tokens.size(), b.tokens.begin());
+    }
+  }
+  for (size_t i = 0; i < order.size(); ++i) {
+    const sched::ScheduledSeq& x = *order[i];
+    if (x.num_draft == 0) continue;
+    SpecDrafter::Block& b = sp.blocks[i];
+    // A device-greedy block of a sampled request: q_i one-hot as draft_pick makes it (its verification reads it).
+    if (dev_chain[i] && !sp.greedy[i]) {
+      const int64_t V = dc.vocab_size;
+      b.q.assign(size_t(x.num_draft * V), 0.0);
+      for (int64_t t = 0; t < x.num_draft; ++t) b.q[size_t(t * V + b.tokens[size_t(t)])] = 1.0;
+    }
     sp.tokens[i] = {x.tokens[0]};
-    sp.tokens[i].insert(sp.tokens[i].end(), sp.blocks[i].tokens.begin(), sp.blocks[i].tokens.end());
+    sp.tokens[i].insert(sp.tokens[i].end(), b.tokens.begin(), b.tokens.end());
   }
   st.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -85,10 +122,16 @@ void verify_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, model::CudaModel
     taps.resize(size_t(rows * width));
     m.copy_taps(0, rows, taps.data());
   }
-  // The taps of a sequence's first n rows into the draft's caches at its positions start.. .
+  // The taps of a sequence's first n rows into the draft's caches at its positions start.. : batched, all
+  // after the loop in one CudaDraft::inject_batch (the sequences' pages are disjoint where they write, so the
+  // order does not matter).
+  const bool batched = gdraft && draft_batched();
+  std::vector<model::CudaDraft::InjectSeq> pending;
   auto inject = [&](size_t i, int64_t n) {
     const sched::ScheduledSeq& x = *order[i];
-    if (gdraft)
+    if (batched)
+      pending.push_back({x.block_table, x.start, row0[i], n});
+    else if (gdraft)
       gdraft->inject(x.block_table, x.start, m.taps_device() + row0[i] * width, n);
     else
       spec.inject(x.block_table, x.start, taps.data() + row0[i] * width, n);
@@ -132,6 +175,11 @@ void verify_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, model::CudaModel
     r.id = x.id;
     sp.results[i] = r;
     st.samples += int64_t(r.accepted.size()) + 1;
+  }
+  if (!pending.empty()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    gdraft->inject_batch(pending, m.taps_device());
+    st.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 }
 

@@ -32,7 +32,9 @@ struct SpecStep {
 };
 
 // Drafts every speculative decode of `order` (num_draft > 0) over the draft's caches, which hold [0, start):
-// on the host (gdraft null), or the block's base logits on the GPU draft and the Markov chain here.
+// on the host (gdraft null), or the block's base logits on the GPU draft and the Markov chain here, or — greedy
+// picks on the GPU draft — the whole chain on the device, all such requests in one batched call
+// (CudaDraft::greedy_tokens_batch; KESTREL_DRAFT_BATCHED=0: one call per request).
 void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const sched::ScheduledSeq* const> order,
                   const StepHooks& hooks, SpecStep& sp, ExecutorStats& st);
 
@@ -42,7 +44,8 @@ void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const s
 // (CudaModel::keep_verified, k-th verify sequence = k-th speculative decode of `order`), emits its tokens
 // (take_tokens, results in sp.results), and injects the taps of every sequence's committed rows (all rows of
 // a plain sequence, anchor + accepted of a verified one) into the draft's caches (the GPU draft's straight
-// from the device taps; the host's through one device → host copy of the step's taps).
+// from the device taps, all sequences in one CudaDraft::inject_batch after the loop unless
+// KESTREL_DRAFT_BATCHED=0; the host's through one device → host copy of the step's taps).
 void verify_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, model::CudaModel& m, model::CudaCache& cc,
                    std::span<const sched::ScheduledSeq* const> order, const StepHooks& hooks,
                    std::span<const float> logits, std::span<const int64_t> first_row, int64_t V, SpecStep& sp,

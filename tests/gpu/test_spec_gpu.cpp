@@ -21,11 +21,17 @@
 //  0. GpuSpec.TracedKdaKernelsEqualPerTokenLaunches: kda_decode_traced / kda_conv_decode_traced (one launch over
 //     several requests' runs of tokens) give bit for bit the outputs, final states and per-token states of one
 //     kda_decode / kda_conv_decode launch per token followed by a copy of the slot (no checkpoint needed).
-//  4. GpuSpec.DraftOpsMatchTwins: the draft's own kernels (kernels/cuda/dspark.h) against their CPU twins.
+//  4. GpuSpec.DraftOpsMatchTwins: the draft's own kernels (kernels/cuda/dspark.h) against their CPU twins,
+//     and their batched forms (per-row RoPE positions, the varlen attention) bit for bit against the
+//     per-request ones.
 //  5. GpuSpec.DraftMatchesCpuTwin: the GPU draft (model/cuda/dspark.h) injected with the GPU target's taps of a
 //     prompt gives the base logits of the CPU draft (model::Draft) injected with the same taps (rel L2 ≤ 2e-2),
 //     and the same greedy draft tokens except at near ties; its greedy chain on the device (greedy_tokens) gives
 //     exactly the host chain's tokens over the GPU base logits.
+//  6. GpuSpec.BatchedDraftEqualsPerRequest: the batched draft (inject_batch, base_logits_batch,
+//     greedy_tokens_batch) gives bit for bit the per-request calls' base logits and tokens, B = 1, 3, 5
+//     requests of different context lengths; the same tokens through its CUDA graphs (captured, replayed
+//     with other requests of the same shape).
 // Tests 2 and 3 run with the draft on the host and on the GPU (CudaExecutorOptions::draft_on_gpu).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -33,6 +39,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -490,6 +497,42 @@ TEST(GpuSpec, DraftOpsMatchTwins) {
     sync();
     check_bf16("dspark_attend", fmt::format("T=4 S={} Hm=4", Skeys), o.get(), ref, Tol{2e-3, 1.0 / 128, 4e-3});
   }
+  // The batched forms against the per-request ones, bit for bit: RoPE at per-row positions (two requests'
+  // rows at 37.. and 5..) and the attention varlen over two requests' keys (5 and 300: their rows stacked,
+  // their keys concatenated, the second at an offset).
+  {
+    std::vector<uint16_t> q = rand_bf16(size_t(2 * T * Hm * QK), r, -2.0f, 2.0f);
+    auto one = upload(q), both = upload(q);
+    auto dinv = upload(rope.inv_freq);
+    std::vector<int32_t> pos;
+    for (int64_t t = 0; t < T; ++t) pos.push_back(int32_t(37 + t));
+    for (int64_t t = 0; t < T; ++t) pos.push_back(int32_t(5 + t));
+    auto dpos = upload(pos);
+    cuda::dspark_rope_interleaved(one.p() + N, Hm * QK, T, Hm, QK, 37, dinv.p(), rope.cos_sin_mul, R, nullptr);
+    cuda::dspark_rope_interleaved(one.p() + T * Hm * QK + N, Hm * QK, T, Hm, QK, 5, dinv.p(), rope.cos_sin_mul, R,
+                                  nullptr);
+    cuda::dspark_rope_interleaved(both.p() + N, Hm * QK, 2 * T, Hm, QK, 0, dinv.p(), rope.cos_sin_mul, R, nullptr,
+                                  dpos.p());
+    sync();
+    EXPECT_EQ(both.get(), one.get()) << "dspark_rope_interleaved with per-row positions";
+    const int64_t S1 = 5, S2 = 300, Sk = S1 + S2;
+    std::vector<uint16_t> kv = rand_bf16(size_t(Sk * Hm * (N + Dv)), r, -1.0f, 1.0f);
+    std::vector<uint16_t> lat = rand_bf16(size_t(Sk * CW), r, -1.0f, 1.0f);
+    auto dq = upload(q), dkv = upload(kv), dl = upload(lat);
+    auto scratch = poisoned<float>(size_t(2 * T * Hm * (Sk + 7)));  // ≥ f32 [2T, Hm, S2 + 7]
+    auto o1 = poisoned<uint16_t>(size_t(2 * T * Hm * Dv)), o2 = poisoned<uint16_t>(size_t(2 * T * Hm * Dv));
+    const float scale = rope.softmax_scale;
+    cuda::dspark_attend(dq.p(), dkv.p(), dl.p(), T, S1, Hm, N, R, Dv, C, scale, scratch.p(), o1.p(), nullptr);
+    cuda::dspark_attend(dq.p() + T * Hm * QK, dkv.p() + S1 * Hm * (N + Dv), dl.p() + S1 * CW, T, S2, Hm, N, R, Dv, C,
+                        scale, scratch.p(), o1.p() + T * Hm * Dv, nullptr);
+    std::vector<int32_t> kbeg(size_t(2 * T), 0), klen(size_t(2 * T), int32_t(S1));
+    for (int64_t t = T; t < 2 * T; ++t) kbeg[size_t(t)] = int32_t(S1), klen[size_t(t)] = int32_t(S2);
+    auto dkb = upload(kbeg), dkl = upload(klen);
+    cuda::dspark_attend_varlen(dq.p(), dkv.p(), dl.p(), 2 * T, dkb.p(), dkl.p(), S2 + 7, Hm, N, R, Dv, C, scale,
+                               scratch.p(), o2.p(), nullptr);
+    sync();
+    EXPECT_EQ(o2.get(), o1.get()) << "dspark_attend_varlen against one dspark_attend per request";
+  }
   // SwiGLU.
   {
     const size_t n = 1000;
@@ -570,6 +613,109 @@ TEST(GpuSpec, DraftMatchesCpuTwin) {
   gd->greedy_tokens(table, ctx, blk, 3, dev3.data());
   EXPECT_EQ(dev, gt) << "the device Markov chain differs from the host chain over the same base logits";
   EXPECT_EQ(dev3, std::vector<int32_t>(gt.begin(), gt.begin() + 3));
+}
+
+
+// The batched draft (CudaDraft::inject_batch / base_logits_batch / greedy_tokens_batch, the executor's path
+// unless KESTREL_DRAFT_BATCHED=0) against one call per request on a second draft: B = 1, 3, 5 requests of
+// different context lengths, injected in two batched calls (as two steps would: the second at pos0 > 0, from
+// taps rows further down the step's buffer), then the blocks together. Bit for bit: every op of the batched
+// forward is per row or per request (RoPE at each row's position, the varlen attention over the request's own
+// keys in the same order), and every GEMM here has ≤ 64 rows, where the skinny GEMM (setup() puts its bound
+// at 64) gives a row the same bits whatever the row count (gemm_skinny.h "Determinism").
+TEST(GpuSpec, BatchedDraftEqualsPerRequest) {
+  const SpecSetup* S = setup();
+  REQUIRE_SETUP(S);
+  const model::Draft& draft = *S->draft;
+  const int64_t V = S->cfg.text.vocab_size, W = S->dcfg.tap_width(), Nb = S->dcfg.block_size;
+  const int page = 16, pages = 8;
+  const std::vector<int64_t> ctx{5, 12, 1, 9, 3};    // context lengths; Σ(ctx + Nb) stays ≤ 64 rows
+  const std::vector<int64_t> first{2, 7, 0, 9, 1};   // rows injected by the first call, the rest by the second
+  const int64_t B = int64_t(ctx.size());
+  ASSERT_LE(std::accumulate(ctx.begin(), ctx.end(), int64_t(0)) + B * Nb, 64) << "the nano draft's block grew";
+  std::vector<std::vector<int32_t>> tables;                  // one page each, not in request order
+  for (int64_t b = 0; b < B; ++b) tables.push_back({int32_t((3 * b + 2) % pages)});
+  std::vector<int64_t> off(size_t(B), 0);                    // request b's first taps row
+  for (int64_t b = 1; b < B; ++b) off[size_t(b)] = off[size_t(b - 1)] + ctx[size_t(b - 1)];
+  Rng r(1919);
+  const std::vector<uint16_t> taps = rand_bf16(size_t((off.back() + ctx.back()) * W), r, -2.0f, 2.0f);
+  std::vector<int32_t> anchors;
+  for (int64_t b = 0; b < B; ++b) anchors.push_back(int32_t((b * 977 + 31) % std::min<int64_t>(V, 1000)));
+
+  model::CudaModel& gm = *S->gm;
+  std::unique_ptr<model::CudaDraft> one = gm.new_draft(draft, pages, page), all = gm.new_draft(draft, pages, page);
+  auto dtaps = upload(taps);
+  std::vector<model::CudaDraft::InjectSeq> part1, part2;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t a = first[size_t(b)], o = off[size_t(b)];
+    one->inject_host(tables[size_t(b)], 0, taps.data() + o * W, a);
+    one->inject_host(tables[size_t(b)], a, taps.data() + (o + a) * W, ctx[size_t(b)] - a);
+    part1.push_back({tables[size_t(b)], 0, o, a});
+    part2.push_back({tables[size_t(b)], a, o + a, ctx[size_t(b)] - a});
+  }
+  all->inject_batch(part1, dtaps.p());
+  all->inject_batch(part2, dtaps.p());
+  // Per request: base logits f32 [Nb, V] and the Nb greedy tokens.
+  std::vector<std::vector<float>> base1(size_t(B), std::vector<float>(size_t(Nb * V)));
+  std::vector<std::vector<int32_t>> tok1(size_t(B), std::vector<int32_t>(size_t(Nb), -7));
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<int32_t> blk(size_t(Nb), S->dcfg.mask_token_id);
+    blk[0] = anchors[size_t(b)];
+    one->base_logits(tables[size_t(b)], ctx[size_t(b)], blk, base1[size_t(b)].data());
+    one->greedy_tokens(tables[size_t(b)], ctx[size_t(b)], blk, Nb, tok1[size_t(b)].data());
+  }
+  for (int64_t n : {int64_t(1), int64_t(3), int64_t(5)}) {
+    // The first n requests, in reverse order (the batch order is the caller's, not the tables').
+    std::vector<model::CudaDraft::BlockSeq> reqs;
+    for (int64_t b = n - 1; b >= 0; --b) reqs.push_back({tables[size_t(b)], ctx[size_t(b)], anchors[size_t(b)]});
+    std::vector<float> base(size_t(n * Nb * V), -1.0f);
+    std::vector<int32_t> toks(size_t(n * Nb), -7), toks2(size_t(n * 2), -7);
+    all->base_logits_batch(reqs, base.data());
+    all->greedy_tokens_batch(reqs, Nb, toks.data());
+    all->greedy_tokens_batch(reqs, 2, toks2.data());
+    int64_t differing = 0;
+    for (int64_t k = 0; k < n; ++k) {
+      const size_t b = size_t(n - 1 - k);
+      const float* got = base.data() + k * Nb * V;
+      for (int64_t i = 0; i < Nb * V; ++i) differing += std::memcmp(&got[i], &base1[b][size_t(i)], 4) != 0;
+      EXPECT_EQ(std::vector<int32_t>(toks.begin() + k * Nb, toks.begin() + (k + 1) * Nb), tok1[b])
+          << "B=" << n << " request " << b << " (ctx " << ctx[b] << "): batched greedy tokens";
+      EXPECT_EQ(std::vector<int32_t>(toks2.begin() + k * 2, toks2.begin() + (k + 1) * 2),
+                std::vector<int32_t>(tok1[b].begin(), tok1[b].begin() + 2))
+          << "B=" << n << " request " << b << ": a shorter chain";
+    }
+    EXPECT_EQ(differing, 0) << "B=" << n << ": batched base logits differ bitwise from the per-request draft's";
+    note(fmt::format("{:<28} {:<34} {} of {} base logits differ bitwise", "GPU batched draft",
+                     fmt::format("nano B={}", n), differing, n * Nb * V));
+  }
+  // The same through CUDA graphs (set_graphs: one per (B, steps, bounds), the latent rows padded to 64 —
+  // within the skinny GEMM, so still bit for bit): captured on first use, then replayed with other requests
+  // of the same shape (other tables, contexts and anchors through the graph's fixed index buffer).
+  std::unique_ptr<model::CudaDraft> grf = gm.new_draft(draft, pages, page);
+  grf->set_graphs(true);
+  grf->inject_batch(part1, dtaps.p());
+  grf->inject_batch(part2, dtaps.p());
+  auto graph_check = [&](const std::vector<int64_t>& which, int64_t steps) {
+    std::vector<model::CudaDraft::BlockSeq> reqs;
+    for (int64_t b : which) reqs.push_back({tables[size_t(b)], ctx[size_t(b)], anchors[size_t(b)]});
+    std::vector<int32_t> toks(which.size() * size_t(steps), -7), want;
+    grf->greedy_tokens_batch(reqs, steps, toks.data());
+    for (int64_t b : which) want.insert(want.end(), tok1[size_t(b)].begin(), tok1[size_t(b)].begin() + steps);
+    EXPECT_EQ(toks, want) << "graph draft, " << which.size() << " requests from " << which[0] << ", " << steps
+                          << " steps";
+  };
+  for (int rep = 0; rep < 2; ++rep) {  // capture, then replay
+    graph_check({0}, Nb);
+    graph_check({2, 1, 0}, Nb);
+    graph_check({4, 3, 2, 1, 0}, Nb);
+  }
+  graph_check({3}, Nb);          // B = 1 again: other table, context, anchor
+  graph_check({2, 3, 4}, Nb);    // B = 3 again
+  graph_check({1, 0, 4}, 2);     // a shorter chain: its own graph
+  grf->set_graphs(false);
+  graph_check({4, 3, 2, 1, 0}, Nb);  // eager again
+  // The base logits are no constant: the requests' contexts must matter (else the test could not fail).
+  EXPECT_NE(std::memcmp(base1[0].data(), base1[1].data(), size_t(Nb * V) * 4), 0);
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // DSpark draft ops (see dspark.h). Small and simple on purpose: the draft is one to five dense layers over
 // a block of Nb ≤ 16 rows per request; the attention is one CTA per (query row, head), three passes over
-// the keys (scores to scratch, max and exp-sum, the weighted values).
+// the keys (scores to scratch, max and exp-sum, the weighted values), varlen over requests when batched.
 #include <algorithm>
 #include <string>
 
@@ -17,10 +17,10 @@ using dev::f32_to_bf16;
 constexpr int kThreads = 128;
 
 __global__ void rope_kernel(uint16_t* x, int64_t ld, int64_t heads, int64_t head_stride, int64_t pos0,
-                            const float* inv_freq, float mul, int64_t half) {
+                            const int32_t* pos, const float* inv_freq, float mul, int64_t half) {
   const int64_t t = blockIdx.x, h = blockIdx.y;
   uint16_t* row = x + t * ld + h * head_stride;
-  const float p = float(pos0 + t);
+  const float p = float(pos ? int64_t(pos[t]) : pos0 + t);  // the same int64 → float either way: the same bits
   for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
     // The CPU twin's arithmetic: angle in FP32, cos/sin in FP32 (precise, not the fast intrinsics).
     const float ang = p * inv_freq[i];
@@ -45,12 +45,21 @@ __device__ float block_reduce(float v, bool is_max, float* sh) {
   return r;
 }
 
-__global__ void attend_kernel(const uint16_t* q, const uint16_t* kv, const uint16_t* latent, int64_t S, int64_t Hm,
-                              int64_t N, int64_t R, int64_t Dv, int64_t C, float scale, float* scratch, uint16_t* o) {
+// kbeg / klen null: every query row over keys [0, S); else row t over keys [kbeg[t], kbeg[t] + klen[t]) (the
+// batched draft: each request's rows over its own context + block), S then the scratch row stride. The loops
+// run over the row's keys in the same order either way, so a request's rows get the same bits batched or alone.
+__global__ void attend_kernel(const uint16_t* q, const uint16_t* kv, const uint16_t* latent, int64_t S,
+                              const int32_t* kbeg, const int32_t* klen, int64_t Hm, int64_t N, int64_t R, int64_t Dv,
+                              int64_t C, float scale, float* scratch, uint16_t* o) {
   __shared__ float sh[kThreads / 32];
   const int64_t t = blockIdx.x, h = blockIdx.y, QK = N + R, KW = N + Dv, CW = C + R;
   const uint16_t* qh = q + (t * Hm + h) * QK;
   float* pr = scratch + (t * Hm + h) * S;
+  if (kbeg) {
+    kv += int64_t(kbeg[t]) * Hm * KW;
+    latent += int64_t(kbeg[t]) * CW;
+    S = min(int64_t(klen[t]), S);  // the launcher's contract says klen ≤ Smax; never past the scratch row
+  }
   float m = -INFINITY;
   for (int64_t j = threadIdx.x; j < S; j += kThreads) {
     const uint16_t* kn = kv + (j * Hm + h) * KW;
@@ -141,15 +150,16 @@ __global__ void __launch_bounds__(kMarkovThreads)
 }  // namespace
 
 void dspark_rope_interleaved(uint16_t* x, int64_t ld, int64_t T, int64_t heads, int64_t head_stride, int64_t pos0,
-                             const float* inv_freq, float cos_sin_mul, int64_t R, cudaStream_t stream) {
+                             const float* inv_freq, float cos_sin_mul, int64_t R, cudaStream_t stream,
+                             const int32_t* pos) {
   KCUDA_REQUIRE(x && inv_freq, std::string("dspark_rope_interleaved: null pointer"));
   KCUDA_REQUIRE(R > 0 && R % 2 == 0 && R <= 256 && T >= 0 && T < 65536 && heads > 0 && heads < 65536 && pos0 >= 0 &&
                     ld >= R,
                 "dspark_rope_interleaved: bad shape T=" + std::to_string(T) + " heads=" + std::to_string(heads) +
                     " R=" + std::to_string(R));
   if (T == 0) return;
-  rope_kernel<<<dim3(unsigned(T), unsigned(heads)), 64, 0, stream>>>(x, ld, heads, head_stride, pos0, inv_freq,
-                                                                     cos_sin_mul, R / 2);
+  rope_kernel<<<dim3(unsigned(T), unsigned(heads)), 64, 0, stream>>>(x, ld, heads, head_stride, pos0, pos,
+                                                                     inv_freq, cos_sin_mul, R / 2);
   KCUDA_CHECK_LAUNCH();
 }
 
@@ -161,8 +171,21 @@ void dspark_attend(const uint16_t* q, const uint16_t* kv, const uint16_t* latent
                 "dspark_attend: bad shape T=" + std::to_string(T) + " S=" + std::to_string(S) +
                     " Hm=" + std::to_string(Hm));
   if (T == 0) return;
-  attend_kernel<<<dim3(unsigned(T), unsigned(Hm)), kThreads, 0, stream>>>(q, kv, latent, S, Hm, N, R, Dv, C, scale,
-                                                                          scratch, o);
+  attend_kernel<<<dim3(unsigned(T), unsigned(Hm)), kThreads, 0, stream>>>(q, kv, latent, S, nullptr, nullptr, Hm, N,
+                                                                          R, Dv, C, scale, scratch, o);
+  KCUDA_CHECK_LAUNCH();
+}
+
+void dspark_attend_varlen(const uint16_t* q, const uint16_t* kv, const uint16_t* latent, int64_t T,
+                          const int32_t* kbeg, const int32_t* klen, int64_t Smax, int64_t Hm, int64_t N, int64_t R,
+                          int64_t Dv, int64_t C, float scale, float* scratch, uint16_t* o, cudaStream_t stream) {
+  KCUDA_REQUIRE(q && kv && latent && kbeg && klen && scratch && o, std::string("dspark_attend_varlen: null pointer"));
+  KCUDA_REQUIRE(T >= 0 && T < 65536 && Smax > 0 && Hm > 0 && Hm < 65536 && N > 0 && R >= 0 && Dv > 0 && C > 0,
+                "dspark_attend_varlen: bad shape T=" + std::to_string(T) + " Smax=" + std::to_string(Smax) +
+                    " Hm=" + std::to_string(Hm));
+  if (T == 0) return;
+  attend_kernel<<<dim3(unsigned(T), unsigned(Hm)), kThreads, 0, stream>>>(q, kv, latent, Smax, kbeg, klen, Hm, N, R,
+                                                                          Dv, C, scale, scratch, o);
   KCUDA_CHECK_LAUNCH();
 }
 

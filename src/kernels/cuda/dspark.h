@@ -1,6 +1,6 @@
 // The DSpark draft's own GPU ops (MODEL.md §5; the draft's GPU forward is model/cuda/dspark.h): interleaved
-// RoPE, the non-causal naive MLA attention over context + block, the SwiGLU of its MLP, and the greedy
-// Markov chain. Everything else
+// RoPE (at consecutive or per-row positions), the non-causal naive MLA attention over context + block (one
+// request, or varlen over a batch of requests), the SwiGLU of its MLP, and the greedy Markov chain. Everything else
 // of the draft reuses the target's kernels (GEMMs, RMSNorm, embedding gather, row copies).
 // CPU twins: model::rope_interleaved and model::draft_attend (model/dspark.h), the SwiGLU loop of
 // model::Draft::block; tested in tests/gpu/test_spec_gpu.cpp (GpuSpec.DraftOpsMatchTwins).
@@ -13,10 +13,13 @@
 namespace kestrel::cuda {
 
 // Rotates pairs (2i, 2i+1) of the R values at x + t·ld + h·head_stride, h < heads, by the angle
-// (pos0 + t)·inv_freq[i]: cos and sin in FP32 times cos_sin_mul, the results rounded to BF16. R even, ≤ 256.
+// (pos0 + t)·inv_freq[i] — or pos[t]·inv_freq[i] when pos is given (the batched draft: rows of several
+// requests at their own positions) —: cos and sin in FP32 times cos_sin_mul, the results rounded to BF16.
+// R even, ≤ 256.
 void dspark_rope_interleaved(uint16_t* x /* bf16, rows of ld elements */, int64_t ld, int64_t T, int64_t heads,
                              int64_t head_stride, int64_t pos0, const float* inv_freq /* device f32 [R/2] */,
-                             float cos_sin_mul, int64_t R, cudaStream_t stream);
+                             float cos_sin_mul, int64_t R, cudaStream_t stream,
+                             const int32_t* pos = nullptr /* device i32 [T] or null */);
 
 // Non-causal attention of T queries over S keys (naive form, §3.4 steps 3–4): score = scale · (q_nope·k_nope +
 // q_pe·k_pe) in FP32, softmax over all S keys, o_h = Σ p·v in FP32 rounded to BF16. kv holds each key's
@@ -25,6 +28,15 @@ void dspark_attend(const uint16_t* q /* bf16 [T, Hm, N+R] */, const uint16_t* kv
                    const uint16_t* latent /* bf16 [S, C+R] */, int64_t T, int64_t S, int64_t Hm, int64_t N, int64_t R,
                    int64_t Dv, int64_t C, float scale, float* scratch /* f32 [T, Hm, S] */,
                    uint16_t* o /* bf16 [T, Hm·Dv] */, cudaStream_t stream);
+
+// The same for query rows of several requests (the batched draft): row t attends over the keys
+// [kbeg[t], kbeg[t] + klen[t]) of kv / latent (its request's context + block rows), klen[t] in [1, Smax];
+// per row the same arithmetic in the same order as dspark_attend over that request's keys alone.
+void dspark_attend_varlen(const uint16_t* q /* bf16 [T, Hm, N+R] */, const uint16_t* kv /* bf16 [Sk, Hm, N+Dv] */,
+                          const uint16_t* latent /* bf16 [Sk, C+R] */, int64_t T, const int32_t* kbeg /* i32 [T] */,
+                          const int32_t* klen /* i32 [T] */, int64_t Smax, int64_t Hm, int64_t N, int64_t R,
+                          int64_t Dv, int64_t C, float scale, float* scratch /* f32 [T, Hm, Smax] */,
+                          uint16_t* o /* bf16 [T, Hm·Dv] */, cudaStream_t stream);
 
 // a = bf16(silu(g)·u) elementwise, FP32 arithmetic (silu(x) = x·σ(x)).
 void dspark_swiglu(const uint16_t* g /* bf16 [n] */, const uint16_t* u /* bf16 [n] */, uint16_t* a /* bf16 [n] */,

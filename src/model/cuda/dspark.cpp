@@ -3,6 +3,9 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <map>
+#include <tuple>
 #include <vector>
 
 #include "core/check.h"
@@ -169,6 +172,268 @@ struct CudaDraft::Impl {
     return lg;
   }
 
+  // ---- the batched draft: every request of a step in one launch sequence, no host sync in between ----------
+
+  // Uploads host i32 [n] into step scratch. One pageable copy per batched call: both call sites find the stream
+  // idle (the step's logits or ids were just synced), so a staging sync there costs nothing.
+  int32_t* upload_i32(const std::vector<int32_t>& h) {
+    int32_t* dv = x.tmp<int32_t>(int64_t(h.size()));
+    if (!h.empty())
+      KCUDA_CHECK(cudaMemcpyAsync(dv, h.data(), h.size() * 4, cudaMemcpyHostToDevice, x.stream));
+    return dv;
+  }
+  int32_t pool_row(std::span<const int32_t> table, int64_t p) const {
+    KCHECK(p / P < int64_t(table.size()), "draft: block table of {} pages for position {}", table.size(), p);
+    return int32_t(int64_t(table[size_t(p / P)]) * P + p % P);
+  }
+
+  // inject() for every sequence at once: the taps rows [tap_row, tap_row + n) of `taps` (device bf16
+  // [rows, n·Dt]) gathered, then the same per-row steps over all of them (RoPE at each row's own position),
+  // each layer's rows scattered to their sequences' pool rows. No sync: the scratch goes back to the
+  // stream-ordered allocator (one per stream), the next user of it runs after these launches.
+  void inject_batch(std::span<const CudaDraft::InjectSeq> seqs, const u16* taps) {
+    const DraftConfig& c = *d.cfg;
+    const int64_t D = c.hidden_size, In = c.tap_width(), C = c.kv_lora_rank, R = c.qk_rope_head_dim, CW = C + R;
+    int64_t M = 0;
+    for (const auto& s : seqs) {
+      KCHECK(s.n >= 0 && s.pos0 >= 0 && s.tap_row >= 0, "draft: inject of {} rows at {}", s.n, s.pos0);
+      M += s.n;
+    }
+    if (M == 0) return;
+    KCHECK(taps && (In * 2) % 16 == 0, "draft: taps rows of {} bf16 are not 16-byte rows", In);
+    std::vector<int32_t> h(size_t(3 * M));  // i32 [3, M]: taps row, pool row, position of each injected row
+    int64_t k = 0;
+    for (const auto& s : seqs)
+      for (int64_t t = 0; t < s.n; ++t, ++k) {
+        h[size_t(k)] = int32_t(s.tap_row + t);
+        h[size_t(M + k)] = pool_row(s.table, s.pos0 + t);
+        h[size_t(2 * M + k)] = int32_t(s.pos0 + t);
+      }
+    const int32_t* idx = upload_i32(h);
+    const int32_t *src = idx, *dst = idx + M, *pos = idx + 2 * M;  // i32 [M] each
+    u16* in = x.tmp<u16>(M * In);  // bf16 [M, n·Dt]: the committed rows' taps
+    cuda::copy_rows(taps, src, in, nullptr, M, In * 2, x.stream);
+    u16* proj = x.tmp<u16>(M * D);  // bf16 [M, D]
+    u16* hctx = x.tmp<u16>(M * D);  // bf16 [M, D]
+    gpu::linear(x, context_proj, in, In, M, proj, D);
+    cuda::rmsnorm_bf16(proj, D, context_norm, hctx, D, M, D, c.rms_norm_eps, x.stream);
+    u16* rows = x.tmp<u16>(M * CW);  // bf16 [M, C+R]
+    for (const Layer& l : layers) {
+      gpu::linear(x, l.kv_a, hctx, D, M, rows, CW);
+      cuda::rmsnorm_bf16(rows, CW, l.kv_a_norm, rows, CW, M, C, c.rms_norm_eps, x.stream);
+      cuda::dspark_rope_interleaved(rows + C, CW, M, 1, 0, 0, inv_freq, d.rope.cos_sin_mul, R, x.stream, pos);
+      cuda::copy_rows(rows, nullptr, l.pool, dst, M, CW * 2, x.stream);
+    }
+    x.release_scratch();
+  }
+
+  // The batched block's index arrays, host i32, laid out as the device copy `meta` is read by
+  // block_rows(): ids, pos, kbeg, klen, block latent row [T] each (T = B·Nb); anchors [B]; context pool row
+  // and latent row [Sk − T] each. Rows b·Nb .. b·Nb+Nb−1 are request b's block [anchor, mask × (Nb−1)] at
+  // ctx_b .. ctx_b+Nb−1; request b's latent rows (its context from the pools, then its block's) are
+  // lo_b .. lo_b+ctx_b+Nb−1 of one [Sk, C+R] buffer. Sk ≥ Σ(ctx_b + Nb): a graph's padding copies pool row 0
+  // into the unused latent rows, which no query reads.
+  std::vector<int32_t> block_meta(std::span<const CudaDraft::BlockSeq> reqs, int64_t Sk) const {
+    const DraftConfig& c = *d.cfg;
+    const int64_t B = int64_t(reqs.size()), Nb = c.block_size, T = B * Nb, Cn = Sk - T;
+    std::vector<int32_t> h(size_t(5 * T + B + 2 * Cn));
+    int32_t *ids = h.data(), *pos = ids + T, *kb = pos + T, *kl = kb + T, *bd = kl + T, *an = bd + T, *cs = an + B,
+            *cd = cs + Cn;
+    int64_t lo = 0, cn = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const auto& r = reqs[size_t(b)];
+      KCHECK(r.ctx >= 0 && r.anchor >= 0 && r.anchor < c.vocab_size, "draft: block of anchor {} at {}", r.anchor,
+             r.ctx);
+      an[b] = r.anchor;
+      for (int64_t p = 0; p < r.ctx; ++p, ++cn) cs[cn] = pool_row(r.table, p), cd[cn] = int32_t(lo + p);
+      for (int64_t j = 0; j < Nb; ++j) {
+        const int64_t t = b * Nb + j;
+        ids[t] = j == 0 ? r.anchor : c.mask_token_id;
+        pos[t] = int32_t(r.ctx + j);
+        kb[t] = int32_t(lo);
+        kl[t] = int32_t(r.ctx + Nb);
+        bd[t] = int32_t(lo + r.ctx + j);
+      }
+      lo += r.ctx + Nb;
+    }
+    KCHECK(lo <= Sk, "draft: {} latent rows for a bound of {}", lo, Sk);
+    for (int64_t k = 0; cn < Cn; ++cn, ++k) cs[cn] = 0, cd[cn] = int32_t(lo + k);  // padding (graphs)
+    return h;
+  }
+  static void block_sizes(std::span<const CudaDraft::BlockSeq> reqs, int64_t Nb, int64_t& Sk, int64_t& Smax) {
+    Sk = 0, Smax = 0;
+    for (const auto& r : reqs) Sk += r.ctx + Nb, Smax = std::max(Smax, r.ctx + Nb);
+  }
+
+  // block_logits() for B requests at once from `meta` (device, block_meta's layout): every launch reads its
+  // indices from there and nothing crosses to the host, so the sequence is capturable (graphs below). Every
+  // op is per row or per request (RoPE at each row's position, the attention varlen over the request's own
+  // keys), so a request's rows get block_logits()'s bits wherever the GEMMs are row invariant (the skinny
+  // GEMM, linear.h). Sk: latent rows, Smax ≥ the longest request's keys (the attention scratch's stride).
+  // Returns device f32 [B·Nb, V] in scratch (the caller releases it).
+  const float* block_rows(const int32_t* meta, int64_t B, int64_t Sk, int64_t Smax) {
+    const DraftConfig& c = *d.cfg;
+    const int64_t Nb = c.block_size, T = B * Nb, D = c.hidden_size, V = c.vocab_size, F = c.intermediate_size,
+                  Hm = c.num_attention_heads, Q = c.q_lora_rank, C = c.kv_lora_rank, N = c.qk_nope_head_dim,
+                  R = c.qk_rope_head_dim, Dv = c.v_head_dim, QK = N + R, CW = C + R, Cn = Sk - T;
+    const float eps = c.rms_norm_eps;
+    KCHECK(B > 0 && Cn >= 0 && Smax >= Nb, "draft: a batched block of {} requests, {} latent rows", B, Sk);
+    const int32_t *ids = meta, *pos = meta + T, *kbeg = meta + 2 * T, *klen = meta + 3 * T, *bdst = meta + 4 * T,
+                  *csrc = meta + 5 * T + B, *cdst = csrc + Cn;  // i32, block_meta's layout
+    u16* h = x.tmp<u16>(T * D);             // bf16 [T, D]: the residual stream
+    cuda::embed_gather(target.embed, ids, T, D, h, x.stream);
+    u16* xn = x.tmp<u16>(T * D);            // bf16 [T, D]
+    u16* y = x.tmp<u16>(T * D);             // bf16 [T, D]
+    u16* qa = x.tmp<u16>(T * Q);            // bf16 [T, Q]
+    u16* cq = x.tmp<u16>(T * Q);            // bf16 [T, Q]
+    u16* q = x.tmp<u16>(T * Hm * QK);       // bf16 [T, Hm·(N+R)]
+    u16* blk = x.tmp<u16>(T * CW);          // bf16 [T, C+R]: the blocks' latent rows
+    u16* latent = x.tmp<u16>(Sk * CW);      // bf16 [Sk, C+R]: per request its context rows, then its block's
+    u16* kv = x.tmp<u16>(Sk * Hm * (N + Dv));  // bf16 [Sk, Hm·(N+Dv)]
+    u16* o = x.tmp<u16>(T * Hm * Dv);       // bf16 [T, Hm·Dv]
+    u16* g = x.tmp<u16>(T * F);             // bf16 [T, Fd]
+    u16* u = x.tmp<u16>(T * F);             // bf16 [T, Fd]
+    float* scratch = x.tmp<float>(T * Hm * Smax);  // f32 [T, Hm, Smax]
+    for (const Layer& l : layers) {
+      cuda::rmsnorm_bf16(h, D, l.input_norm, xn, D, T, D, eps, x.stream);
+      gpu::linear(x, l.q_a, xn, D, T, qa, Q);
+      cuda::rmsnorm_bf16(qa, Q, l.q_a_norm, cq, Q, T, Q, eps, x.stream);
+      gpu::linear(x, l.q_b, cq, Q, T, q, Hm * QK);
+      cuda::dspark_rope_interleaved(q + N, Hm * QK, T, Hm, QK, 0, inv_freq, d.rope.cos_sin_mul, R, x.stream, pos);
+      if (Cn > 0) cuda::copy_rows(l.pool, csrc, latent, cdst, Cn, CW * 2, x.stream);
+      gpu::linear(x, l.kv_a, xn, D, T, blk, CW);
+      cuda::rmsnorm_bf16(blk, CW, l.kv_a_norm, blk, CW, T, C, eps, x.stream);
+      cuda::dspark_rope_interleaved(blk + C, CW, T, 1, 0, 0, inv_freq, d.rope.cos_sin_mul, R, x.stream, pos);
+      cuda::copy_rows(blk, nullptr, latent, bdst, T, CW * 2, x.stream);
+      gpu::linear(x, l.kv_b, latent, CW, Sk, kv, Hm * (N + Dv));
+      cuda::dspark_attend_varlen(q, kv, latent, T, kbeg, klen, Smax, Hm, N, R, Dv, C, d.rope.softmax_scale, scratch,
+                                 o, x.stream);
+      gpu::linear(x, l.o, o, Hm * Dv, T, y, D);
+      cuda::add_bf16(h, y, h, T * D, x.stream);
+      cuda::rmsnorm_bf16(h, D, l.post_attn_norm, xn, D, T, D, eps, x.stream);
+      gpu::linear(x, l.gate, xn, D, T, g, F);
+      gpu::linear(x, l.up, xn, D, T, u, F);
+      cuda::dspark_swiglu(g, u, g, T * F, x.stream);
+      gpu::linear(x, l.down, g, F, T, y, D);
+      cuda::add_bf16(h, y, h, T * D, x.stream);
+    }
+    cuda::rmsnorm_bf16(h, D, final_norm, xn, D, T, D, eps, x.stream);
+    float* lg = x.tmp<float>(T * V);  // f32 [T, V]
+    cuda::GemmSegs sg;
+    sg.seg[0] = gpu::seg_f32(0, lg, V);
+    sg.n = 1;
+    gpu::linear(x, target.lm_head, xn, D, T, sg);
+    return lg;
+  }
+  // The blocks' rows and then their greedy chains: ids device i32 [B, steps].
+  void greedy_rows(const int32_t* meta, int64_t B, int64_t Sk, int64_t Smax, int64_t steps, int32_t* ids) {
+    const float* lg = block_rows(meta, B, Sk, Smax);
+    const int32_t* anchors = meta + 5 * B * d.cfg->block_size;  // block_meta's layout
+    cuda::dspark_markov_greedy(lg, d.cfg->block_size, markov_w1, markov_w2, anchors, B, d.cfg->vocab_size,
+                               d.cfg->markov_rank, steps, ids, x.stream);
+  }
+
+  void base_logits_batch(std::span<const CudaDraft::BlockSeq> reqs, float* host) {
+    const int64_t B = int64_t(reqs.size()), Nb = d.cfg->block_size, V = d.cfg->vocab_size;
+    KCHECK(B > 0, "draft: a batched block of no requests");
+    int64_t Sk, Smax;
+    block_sizes(reqs, Nb, Sk, Smax);
+    const float* lg = block_rows(upload_i32(block_meta(reqs, Sk)), B, Sk, Smax);
+    KCUDA_CHECK(cudaMemcpyAsync(host, lg, size_t(B * Nb * V) * 4, cudaMemcpyDeviceToHost, x.stream));
+    KCUDA_CHECK(cudaStreamSynchronize(x.stream));
+    x.release_scratch();
+  }
+
+  // The batched greedy draft in CUDA graphs (CudaDraft::set_graphs): one graph per (B, steps, Sk bound, Smax
+  // bound), the bounds powers of two (Sk ≥ 64: small steps share one, and up to 64 rows the skinny GEMM
+  // keeps the padded kv_b rows from changing the real rows' bits). A graph reads its fixed `meta` and
+  // writes its fixed `ids`; everything it allocated while capturing is kept (Context::tmp) until the graphs
+  // are dropped: all of them once kMaxGraphs exist (a new working set of shapes), or with the draft.
+  struct DraftGraph {
+    cudaGraphExec_t exec = nullptr;
+    gpu::GraphBucket kept;   // only .kept: the scratch baked into the graph
+    int32_t* meta = nullptr;  // device i32: block_meta for the bounds
+    int32_t* ids = nullptr;   // device i32 [B, steps]
+  };
+  static constexpr size_t kMaxGraphs = 24;
+  bool graphs_on = false;
+  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, DraftGraph> graphs;  // by (B, steps, Sk, Smax)
+  static int64_t pow2_at_least(int64_t n, int64_t lo) {
+    int64_t b = lo;
+    while (b < n) b *= 2;
+    return b;
+  }
+  void drop_graphs() {
+    for (auto& [k, g] : graphs) {
+      if (g.exec) cudaGraphExecDestroy(g.exec);
+      for (void* p : g.kept.kept) x.alloc.free(p);
+      x.alloc.free(g.meta), x.alloc.free(g.ids);
+    }
+    graphs.clear();
+  }
+  ~Impl() {
+    if (!graphs.empty()) {
+      cudaStreamSynchronize(x.stream);  // no replay in flight (every call syncs; this is cheap insurance)
+      drop_graphs();
+    }
+  }
+
+  void greedy_tokens_batch(std::span<const CudaDraft::BlockSeq> reqs, int64_t steps, int32_t* host) {
+    const int64_t Nb = d.cfg->block_size, B = int64_t(reqs.size());
+    KCHECK(steps >= 1 && steps <= Nb, "draft: {} greedy picks from a block of {}", steps, Nb);
+    if (B == 0) return;
+    int64_t Sk, Smax;
+    block_sizes(reqs, Nb, Sk, Smax);
+    const int32_t* ids = nullptr;  // device i32 [B, steps]
+    if (!graphs_on) {
+      int32_t* out = x.tmp<int32_t>(B * steps);
+      greedy_rows(upload_i32(block_meta(reqs, Sk)), B, Sk, Smax, steps, out);
+      ids = out;
+    } else {
+      KCHECK(x.graph.mode == gpu::GraphRecorder::Mode::eager, "draft: graphs while the model records one");
+      const int64_t SkB = pow2_at_least(Sk, 64), SmaxB = pow2_at_least(Smax, 16);
+      const auto key = std::tuple{B, steps, SkB, SmaxB};
+      if (!graphs.count(key) && graphs.size() >= kMaxGraphs) drop_graphs();
+      DraftGraph& g = graphs[key];
+      const std::vector<int32_t> meta = block_meta(reqs, SkB);
+      if (!g.meta) {
+        g.meta = static_cast<int32_t*>(x.alloc.alloc(meta.size() * 4));
+        g.ids = static_cast<int32_t*>(x.alloc.alloc(size_t(B * steps) * 4));
+      }
+      // The stream is idle here (the previous step synced), so the pageable copy cannot overwrite `meta`
+      // under a replay still reading it.
+      KCUDA_CHECK(cudaMemcpyAsync(g.meta, meta.data(), meta.size() * 4, cudaMemcpyHostToDevice, x.stream));
+      if (!g.exec) {
+        gpu::GraphRecorder& r = x.graph;
+        r.mode = gpu::GraphRecorder::Mode::capture;
+        r.bucket = &g.kept;
+        try {
+          KCUDA_CHECK(cudaStreamBeginCapture(x.stream, cudaStreamCaptureModeRelaxed));
+          greedy_rows(g.meta, B, SkB, SmaxB, steps, g.ids);
+          cudaGraph_t gr = nullptr;
+          KCUDA_CHECK(cudaStreamEndCapture(x.stream, &gr));
+          const cudaError_t err = cudaGraphInstantiate(&g.exec, gr, 0);
+          cudaGraphDestroy(gr);
+          KCUDA_CHECK(err);
+        } catch (...) {
+          cudaGraph_t junk = nullptr;
+          if (cudaStreamEndCapture(x.stream, &junk) == cudaSuccess && junk) cudaGraphDestroy(junk);
+          r.mode = gpu::GraphRecorder::Mode::eager;
+          r.bucket = nullptr;
+          g.exec = nullptr;
+          throw;
+        }
+        r.mode = gpu::GraphRecorder::Mode::eager;
+        r.bucket = nullptr;
+      }
+      KCUDA_CHECK(cudaGraphLaunch(g.exec, x.stream));  // capturing did not run it
+      ids = g.ids;
+    }
+    KCUDA_CHECK(cudaMemcpyAsync(host, ids, size_t(B * steps) * 4, cudaMemcpyDeviceToHost, x.stream));
+    KCUDA_CHECK(cudaStreamSynchronize(x.stream));  // the one sync of the batched draft
+    x.release_scratch();
+  }
+
   void base_logits(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens, float* host) {
     const float* lg = block_logits(table, ctx, tokens);
     const int64_t V = d.cfg->vocab_size, T = int64_t(tokens.size());
@@ -212,6 +477,20 @@ void CudaDraft::greedy_tokens(std::span<const int32_t> table, int64_t ctx, std::
 void CudaDraft::base_logits(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens,
                             float* host) {
   impl_->base_logits(table, ctx, tokens, host);
+}
+void CudaDraft::inject_batch(std::span<const InjectSeq> seqs, const uint16_t* taps_dev) {
+  impl_->inject_batch(seqs, taps_dev);
+}
+void CudaDraft::base_logits_batch(std::span<const BlockSeq> reqs, float* host) { impl_->base_logits_batch(reqs, host); }
+void CudaDraft::greedy_tokens_batch(std::span<const BlockSeq> reqs, int64_t steps, int32_t* host) {
+  impl_->greedy_tokens_batch(reqs, steps, host);
+}
+void CudaDraft::set_graphs(bool on) {
+  if (!on && !impl_->graphs.empty()) {
+    KCUDA_CHECK(cudaStreamSynchronize(impl_->x.stream));
+    impl_->drop_graphs();
+  }
+  impl_->graphs_on = on;
 }
 
 namespace gpu {

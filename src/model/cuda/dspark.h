@@ -6,8 +6,11 @@
 // back for the sequential Markov chain on the host (Draft::draft_from_base), or, for greedy picks, the chain
 // runs on the device and only the draft tokens come back (greedy_tokens). Built by CudaModel::new_draft,
 // which lends it the model's stream, scratch, cuBLASLt handle and the target's embedding and lm_head.
-// One request per block call: the batched draft over all running requests is the next step
-// (docs/speculative.md "What the GPU path needs").
+// Two forms: one request per call (inject, base_logits, greedy_tokens), and the batched draft (inject_batch,
+// greedy_tokens_batch, base_logits_batch): every request of a step in one launch sequence — index arrays
+// uploaded once, RoPE at per-row positions, the attention varlen over requests — with at most one host sync
+// (the copy of the results). The executor uses the batched form unless KESTREL_DRAFT_BATCHED=0; its greedy
+// draft can run as one CUDA graph per step shape (set_graphs, KESTREL_DRAFT_GRAPHS=1).
 #pragma once
 
 #include <cstdint>
@@ -41,6 +44,29 @@ class CudaDraft {
   // gives with argmax picks, without the f32 [Nb, V] copy and the host chain.
   void greedy_tokens(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens, int64_t steps,
                      int32_t* host /* i32 [steps] */);
+
+  // The batched draft. A sequence's committed rows to inject: the taps rows [tap_row, tap_row + n) of the
+  // step's device taps go to positions [pos0, pos0 + n) of the sequence whose pages are `table`.
+  struct InjectSeq {
+    std::span<const int32_t> table;
+    int64_t pos0 = 0, tap_row = 0, n = 0;
+  };
+  // inject() for all of them in one launch sequence, no host sync (taps_dev: device bf16 [step rows, n·Dt]).
+  void inject_batch(std::span<const InjectSeq> seqs, const uint16_t* taps_dev);
+  // A request's block [anchor, mask × (Nb−1)] at ctx .. ctx+Nb−1 over its pools holding [0, ctx).
+  struct BlockSeq {
+    std::span<const int32_t> table;
+    int64_t ctx = 0;
+    int32_t anchor = 0;
+  };
+  // greedy_tokens() of every request at once: the blocks through the draft layers together, the Markov chains
+  // in one launch, the first `steps` tokens of each into host i32 [B, steps] with one copy and one sync.
+  void greedy_tokens_batch(std::span<const BlockSeq> reqs, int64_t steps, int32_t* host /* i32 [B, steps] */);
+  // base_logits() of every request at once: host f32 [B, Nb, V] (tests; the sampled path stays per request).
+  void base_logits_batch(std::span<const BlockSeq> reqs, float* host /* f32 [B, Nb, V] */);
+  // greedy_tokens_batch through CUDA graphs, one per (B, steps, latent-row bound, key bound), captured on
+  // first use (off by default: the executor turns it on with KESTREL_DRAFT_GRAPHS=1). Off drops them.
+  void set_graphs(bool on);
 
   struct Impl;  // model/cuda/dspark.cpp; only CudaModel::new_draft makes one
   explicit CudaDraft(std::unique_ptr<Impl> impl);
