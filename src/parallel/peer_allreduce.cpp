@@ -26,6 +26,7 @@ struct DeviceGuard {
 
 struct PeerAllReduceGroup::Impl {
   std::vector<int> devices;
+  bool one_device = false;     // every rank on one GPU: each call fenced by two barriers (peer_allreduce.h)
   cuda::OneShotBuffers b;
   std::vector<void*> own;      // per rank: u8 [kControlBytes + 2·max_bytes] on its device
   std::vector<void*> staging;  // per rank: u8 [max_bytes], for messages whose buffer is not 16-byte aligned
@@ -44,8 +45,9 @@ PeerAllReduceGroup::PeerAllReduceGroup(const std::vector<int>& devices, size_t m
   m.b.half_bytes = max_bytes;
   m.b.blocks = cuda::one_shot_blocks(max_bytes);
   const bool one_device = std::all_of(devices.begin(), devices.end(), [&](int d) { return d == devices[0]; });
+  m.one_device = one_device && n > 1;
   DeviceGuard guard;
-  if (one_device && n > 1) {
+  if (m.one_device) {
     // All ranks' spinning blocks on one device: at most N·G <= SMs / 2 (peer_allreduce.h, the one-device case).
     int sms = 0;
     KCUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, devices[0]));
@@ -124,15 +126,14 @@ class OneShotComm final : public Comm {
     PeerAllReduceGroup::Impl& m = *g_.impl_;
     const bool bf16 = dt == DType::bf16;
     const size_t bytes = count * dtype_size(dt);
-    if (reinterpret_cast<uintptr_t>(buf) % 16 == 0) {
-      cuda::one_shot_all_reduce(m.b, rank_, buf, buf, count, bf16, stream_);
-    } else {
-      // The kernel reads and writes 16-byte vectors: stage a misaligned message (same call on every rank).
-      void* s = m.staging[size_t(rank_)];
-      KCUDA_CHECK(cudaMemcpyAsync(s, buf, bytes, cudaMemcpyDeviceToDevice, stream_));
-      cuda::one_shot_all_reduce(m.b, rank_, s, s, count, bf16, stream_);
-      KCUDA_CHECK(cudaMemcpyAsync(buf, s, bytes, cudaMemcpyDeviceToDevice, stream_));
-    }
+    // The kernel reads and writes 16-byte vectors: a misaligned message is staged (same call on every rank).
+    const bool staged = reinterpret_cast<uintptr_t>(buf) % 16 != 0;
+    void* data = staged ? m.staging[size_t(rank_)] : buf;
+    if (staged) KCUDA_CHECK(cudaMemcpyAsync(data, buf, bytes, cudaMemcpyDeviceToDevice, stream_));
+    if (m.one_device) inner_->barrier();  // every rank's stream drained: the device is idle
+    cuda::one_shot_all_reduce(m.b, rank_, data, data, count, bf16, stream_);
+    if (m.one_device) inner_->barrier();  // every rank's kernel enqueued before anything else is
+    if (staged) KCUDA_CHECK(cudaMemcpyAsync(buf, data, bytes, cudaMemcpyDeviceToDevice, stream_));
     m.calls.fetch_add(1);
   }
   void all_gather(const void* send, void* recv, size_t count, DType dt) override {

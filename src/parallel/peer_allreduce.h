@@ -17,15 +17,19 @@
 // Ordering: the kernel and the wrapped comm's work are on, or synchronous with, the same stream.
 //
 // Ranks on ONE device (the GPU tests, --debug-tp-on-one-gpu): each rank launches its own kernel on its own
-// stream, and a rank's blocks spin until the other ranks' kernels have published. That is safe when every
-// kernel any rank enqueues can still be scheduled while the spinning blocks are resident: at most one
-// one-shot kernel per rank runs at a time (stream order), so at most N·G blocks spin, and G is chosen so
-// that N·G ≤ SMs / 2 — the spinning blocks sit on at most half the SMs, the other half stays wholly free
-// for any other kernel, which can therefore always make progress; the ranks' streams
-// then reach their one-shot calls and the spinning ends. Not covered by that argument: two ranks' streams
-// sharing one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS, default 8 — the engine creates one stream per
-// rank) could order a rank's launch behind another rank's waiting work; the kernel's 10 s trap turns such
-// a deadlock into a launch error, never a hang.
+// stream, and a rank's blocks spin until the other ranks' kernels have published, so all N kernels must be
+// running at once. Two hazards would stop that: another rank's kernels filling the device, and a host call
+// between two ranks' launches that serialises the device's streams (CUDA's implicit synchronisation: a
+// device memory allocation — the caching allocator's growth in a step — or a cudaFree / device sync on a
+// rank thread while a peer's kernel spins waiting for that very thread). So on one device each call is
+// fenced by two barriers of the wrapped (same-device) comm, which wait for every rank's stream: before
+// the launch (every stream drained: nothing else runs on the device) and after it (every rank has enqueued
+// its kernel before any rank issues anything else). Between them the ranks only launch, and N·G ≤ SMs / 2
+// blocks (G capped so) fit the idle device at once. That costs two host rendezvous per call — this mode
+// tests the protocol and the engine's routing, not speed. Left to the kernel's 10 s trap (a launch error
+// that ends the run, never a hang): streams sharing one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS,
+// default 8) scheduling one rank's kernel only after another's has ended. On distinct GPUs none of this
+// applies (a rank's device runs only its own stream) and there is no barrier.
 // Results: the host backends' bytes (rank order, f32 accumulation, one rounding), so on one device the
 // engine's logits are bit-identical with and without the flag (the same-device comm sums the same way);
 // against NCCL they match within rounding.

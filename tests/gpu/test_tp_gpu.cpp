@@ -44,6 +44,7 @@
 
 #include "core/check.h"
 #include "harness.h"
+#include "kernels/cuda/allreduce.h"
 #include "loader/config.h"
 #include "loader/safetensors.h"
 #include "loader/shard.h"
@@ -473,9 +474,10 @@ TEST(GpuTp, CustomAllReduceMatchesCpuTwin) {
   }
 }
 
-// µs per 16 KB bf16 all-reduce: the one-shot kernel (one launch per rank, ranks on their own streams) against
-// the same-device comm (host synchronisation per call). A note only: one device is not the kernel's topology
-// (anchor: 3.5-5.2 µs on 8 GPUs against ~18 µs for NCCL).
+// µs per 16 KB bf16 all-reduce on this one GPU: the flag's path (a launch per rank on its own stream, fenced
+// by the one-device mode's two host rendezvous), the same-device comm, and the kernel alone (all ranks in one
+// cooperative launch: its on-device cost without host synchronisation). A note only: one device is not the
+// kernel's topology (anchor: 3.5-5.2 µs on 8 GPUs against ~18 µs for NCCL).
 TEST(GpuTp, CustomAllReduceTimingNote) {
   const size_t count = 8192, bytes = count * 2;
   for (int n : {2, 4}) {
@@ -501,10 +503,37 @@ TEST(GpuTp, CustomAllReduceTimingNote) {
     const double one_shot = time_us(rk.comms, rk.streams, 2000);
     time_us(pr.comms, pr.streams, 5);
     const double comm = time_us(pr.comms, pr.streams, 200);
-    EXPECT_GT(rk.peer.calls(), 0);
-    note(fmt::format("{:<28} TP{} 16 KB bf16 on one GPU: one-shot {:.1f} us, same-device comm {:.1f} us per call "
-                     "(informational: not the multi-GPU topology)",
-                     "custom all-reduce", n, one_shot, comm));
+    EXPECT_EQ(rk.peer.calls(), int64_t(n) * 2020);
+    // The kernel alone: n ranks' exchange buffers (u8 [control | 2 halves of 16 KB]) in one cooperative launch.
+    cuda::OneShotBuffers b;
+    b.n = n;
+    b.half_bytes = bytes;
+    b.blocks = cuda::one_shot_blocks(bytes);
+    std::vector<void*> ex(static_cast<size_t>(n));
+    const size_t control = (cuda::kOneShotFlagBytes + 255) / 256 * 256;
+    for (int p = 0; p < n; ++p) {
+      ASSERT_EQ(cudaMalloc(&ex[size_t(p)], control + 2 * bytes), cudaSuccess);
+      ASSERT_EQ(cudaMemset(ex[size_t(p)], 0, control), cudaSuccess);
+      b.flags[p] = static_cast<uint32_t*>(ex[size_t(p)]);
+      b.data[p] = static_cast<char*>(ex[size_t(p)]) + control;
+    }
+    std::vector<const void*> in(dev.begin(), dev.end());
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    ASSERT_EQ(cudaEventCreate(&e0), cudaSuccess);
+    ASSERT_EQ(cudaEventCreate(&e1), cudaSuccess);
+    for (int i = 0; i < 20; ++i) cuda::one_shot_all_reduce_emulated(b, in.data(), dev.data(), count, true, nullptr);
+    const int iters = 2000;
+    ASSERT_EQ(cudaEventRecord(e0, nullptr), cudaSuccess);
+    for (int i = 0; i < iters; ++i) cuda::one_shot_all_reduce_emulated(b, in.data(), dev.data(), count, true, nullptr);
+    ASSERT_EQ(cudaEventRecord(e1, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaEventSynchronize(e1), cudaSuccess);
+    float ms = 0;
+    ASSERT_EQ(cudaEventElapsedTime(&ms, e0, e1), cudaSuccess);
+    cudaEventDestroy(e0), cudaEventDestroy(e1);
+    note(fmt::format("{:<28} TP{} 16 KB bf16 on one GPU: flag's path {:.1f} us (two host rendezvous), same-device "
+                     "comm {:.1f} us, kernel alone {:.2f} us per call (informational: not the multi-GPU topology)",
+                     "custom all-reduce", n, one_shot, comm, 1000.0 * ms / iters));
+    for (void* d : ex) cudaFree(d);
     for (void* d : dev) cudaFree(d);
   }
 }
