@@ -172,7 +172,8 @@ case "${1:-}" in
     # Tensor and expert parallelism on the GPU engine (issue #16): nano and nano_tp_gpu (nano with 4 indexer
     # heads and I = 256, so TP4 leaves 64 expert columns per rank; both have 16 experts, so EP2 and EP4 hold 8
     # and 4 whole experts per rank) checkpoints, then GpuTp.* — the same-device communicator against the CPU
-    # twin's collectives, the engine as TP2/TP4 and TP2+EP2/TP4+EP4 on this one GPU against TP1 — and
+    # twin's collectives, the engine as TP2/TP4 and TP2+EP2/TP4+EP4 on this one GPU against TP1, the one-shot
+    # all-reduce of --enable-custom-all-reduce per rank and in the engine (GpuTp.CustomAllReduce*) — and
     # GpuMoe.ExpertParallel* (one EP rank's expert kernels against the CPU twin).
     out="${OUT:-/tmp}"
     ck=/tmp/kestrel_ckpt

@@ -100,6 +100,9 @@ void EngineFlags::add_to(CLI::App& cmd) {
   cmd.add_flag("--debug-tp-on-one-gpu", debug_tp_on_one_gpu,
                "--device cuda --tensor-parallel-size N: every rank on GPU 0 through a same-device communicator "
                "(slow; for testing the parallel code on one GPU)");
+  cmd.add_flag("--enable-custom-all-reduce", enable_custom_all_reduce,
+               "--device cuda --tensor-parallel-size N: all-reduces of at most 1 MB (decode) through a one-shot "
+               "kernel over peer-accessible GPU buffers instead of NCCL (docs/parallel.md §2)");
   cmd.add_option("--long-prefill-token-threshold", long_prefill_token_threshold,
                  "longest prefill chunk per step; longer prompts are 'long' (0: no cap; default: CPU 256, GPU 2048, "
                  "at most half of --max-num-batched-tokens)")
@@ -128,6 +131,7 @@ runtime::EngineOptions EngineFlags::options(int default_max_num_seqs) const {
   o.expert_parallel = enable_expert_parallel;
   o.decode_context_parallel_size = decode_context_parallel_size;
   o.debug_tp_on_one_gpu = debug_tp_on_one_gpu;
+  o.custom_all_reduce = enable_custom_all_reduce;
   runtime::EngineConfig& ec = o.engine;
   ec.formats.latent = parse_latent_format(kv_cache_dtype);
   ec.formats.index_keys = parse_index_key_format(index_cache_dtype);

@@ -8,6 +8,7 @@
 //   --block-size N  --max-num-seqs N  --max-num-batched-tokens N  --max-model-len N  --no-prefix-cache
 //   --threads N (CPU ops)  --structured-mask-threads N (structured outputs' mask pool)
 //   --tensor-parallel-size N  --enable-expert-parallel  --decode-context-parallel-size N  (docs/parallel.md)
+//   --enable-custom-all-reduce  --debug-tp-on-one-gpu
 //   --long-prefill-token-threshold N  --max-num-partial-prefills N  --max-long-partial-prefills N
 //
 // Without --model the embedded k3-tiny is used when it is found (default_model_dir()).
@@ -38,6 +39,7 @@ struct EngineFlags {
   bool enable_expert_parallel = false;
   int decode_context_parallel_size = 1;
   bool debug_tp_on_one_gpu = false;
+  bool enable_custom_all_reduce = false;  // opt-in (vLLM's is opt-out: --disable-custom-all-reduce)
   // Fairness (sched/scheduler.h). threshold -1: the device's default (long_prefill_default()).
   int long_prefill_token_threshold = -1;
   int max_num_partial_prefills = 4, max_long_partial_prefills = 1;

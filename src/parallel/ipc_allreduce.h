@@ -1,6 +1,7 @@
 // The one-shot device all-reduce (kernels/cuda/allreduce.h) wired across processes with CUDA IPC:
-// the fast path for decode-sized all-reduces inside one node, behind --enable-custom-all-reduce
-// (docs/parallel.md). Larger messages, and ranks on other nodes, go through NCCL.
+// the fast path for decode-sized all-reduces inside one node when ranks are processes (docs/parallel.md
+// §2). The GPU engine's ranks are threads of one process; --enable-custom-all-reduce wires them through
+// peer access instead (peer_allreduce.h). Larger messages, and ranks on other nodes, go through NCCL.
 //
 // Construction is collective over a host bootstrap comm (MPI: one process per GPU; IPC handles cannot
 // be opened in the process that made them, so in-process threads cannot use it beyond world size 1):

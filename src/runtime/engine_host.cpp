@@ -75,6 +75,7 @@ std::shared_ptr<void> setup_cuda(const EngineOptions& o, const ModelConfig& c, c
     p.expert_parallel = o.expert_parallel;
     CudaTpOptions to;
     to.one_device = o.debug_tp_on_one_gpu;
+    to.custom_all_reduce = o.custom_all_reduce;
     to.model.quant = model::parse_weight_quant(o.quantization);
     auto g = std::make_shared<CudaTpGroup>(c, ckpt, p, to);
     ec.tp_size = p.tp;
@@ -171,6 +172,11 @@ void EngineHost::check_options() const {
          opt_.tensor_parallel_size);
   if (opt_.debug_tp_on_one_gpu && opt_.device != Device::cuda)
     fail("--debug-tp-on-one-gpu needs --device cuda");
+  // The one-shot kernel replaces the GPU ranks' all-reduces; with one rank there is none, and the CPU twin's
+  // host comm already sums in the kernel's order: asking for it there is a mistake, said at once.
+  if (opt_.custom_all_reduce && (opt_.device != Device::cuda || opt_.tensor_parallel_size < 2))
+    fail("--enable-custom-all-reduce needs --device cuda and --tensor-parallel-size > 1 (it replaces the GPU ranks' "
+         "decode-sized all-reduces)");
 }
 
 

@@ -11,7 +11,8 @@
 //   - --tensor-parallel-size N (--enable-expert-parallel, --decode-context-parallel-size N) on the CPU: N rank threads, each over its
 //     own shard of the mapped checkpoint (executor_tp.h); a layout the model cannot split fails the
 //     load with every reason (loader/shard.h). On CUDA (TP and EP; DCP not yet): N rank threads, one GPU each, NCCL
-//     (executor_cuda_tp.h; --debug-tp-on-one-gpu puts them all on GPU 0). The budget (--memory-budget,
+//     (executor_cuda_tp.h; --debug-tp-on-one-gpu puts them all on GPU 0; --enable-custom-all-reduce sends
+//     decode-sized all-reduces through the one-shot kernel, parallel/peer_allreduce.h). The budget (--memory-budget,
 //     or from --gpu-memory-utilization) is one rank's: the memory plan counts one rank's caches;
 //   - under `mpirun -np N` with --device cpu --tensor-parallel-size N: process r is rank r; call
 //     run_mpi_rank() first — ranks > 0 execute rank 0's steps there and return true, rank 0 goes on with an
@@ -58,6 +59,7 @@ struct EngineOptions {
   bool expert_parallel = false;          // --enable-expert-parallel: whole experts per rank
   int decode_context_parallel_size = 1;  // --decode-context-parallel-size: 1 or the TP size (CPU twin)
   bool debug_tp_on_one_gpu = false;      // --debug-tp-on-one-gpu: CUDA TP ranks all on GPU 0 (tests)
+  bool custom_all_reduce = false;        // --enable-custom-all-reduce: CUDA TP, one-shot all-reduce <= 1 MB
   // Under mpirun (run_mpi_rank, rank 0 only): the world communicator; the engine's executor then hosts
   // rank 0 of a TP group whose other ranks are the other processes (executor_mpi.h).
   std::shared_ptr<parallel::Comm> mpi_world;

@@ -19,6 +19,7 @@
 #include "parallel/device_comm.h"
 #include "parallel/inproc_comm.h"
 #include "parallel/nccl_comm.h"
+#include "parallel/peer_allreduce.h"
 #include "runtime/executor_cuda.h"
 
 namespace kestrel::runtime {
@@ -118,6 +119,17 @@ CudaTpGroup::CudaTpGroup(const ModelConfig& c, const Checkpoint& ckpt, const Par
       }
     });
   }
+  if (o.custom_all_reduce) {
+    // Decode-sized all-reduces through the one-shot kernel; the wrapped comm keeps everything else. Wrapped
+    // before attach_comm, so every collective of the model goes through the one decorator.
+    std::vector<int> devices;
+    for (const auto& k : ranks_) devices.push_back(k->device);
+    peer_ = std::make_unique<parallel::PeerAllReduceGroup>(devices);
+    for (int r = 0; r < N; ++r) {
+      Rank& k = *ranks_[size_t(r)];
+      k.comm = peer_->wrap(std::move(k.comm), r, k.model->stream());
+    }
+  }
   run([&](int r) { ranks_[size_t(r)]->model->attach_comm(ranks_[size_t(r)]->comm.get()); });
 }
 
@@ -131,6 +143,8 @@ CudaTpGroup::~CudaTpGroup() {
     t.join();
   }
 }
+
+int64_t CudaTpGroup::custom_all_reduces() const { return peer_ ? peer_->calls() : 0; }
 
 int CudaTpGroup::device(int r) const { return ranks_.at(size_t(r))->device; }
 const ModelConfig& CudaTpGroup::rank_config(int r) const { return ranks_.at(size_t(r))->cfg; }

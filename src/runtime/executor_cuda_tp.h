@@ -28,8 +28,15 @@
 // (bind_shard leaves the others empty; model/cuda/weights.cpp uploads the rank's range) and the MoE forward
 // maps the router's ids to its own (model/cuda/moe.cpp); the collectives are the I split's.
 //
+// Custom all-reduce (--enable-custom-all-reduce, CudaTpOptions::custom_all_reduce): each rank's comm is
+// wrapped by parallel::PeerAllReduceGroup — all-reduces of at most 1 MB (decode sizes) run the one-shot
+// kernel over buffers the ranks' GPUs reach by peer access (or that share the one device), the rest go
+// through NCCL / the same-device comm; no peer access between two ranks' GPUs is an error at start. The
+// kernel keeps its epoch in device memory, so it would replay inside a CUDA graph, but graphs stay off
+// under TP (the other collectives are not captured).
+//
 // Not built on the GPU yet: --decode-context-parallel-size > 1 (the CPU twin has it; docs/parallel.md §8
-// lists what the GPU needs), the engine across processes (mpirun) and the custom all-reduce in the forward.
+// lists what the GPU needs) and the engine across processes (mpirun).
 #pragma once
 
 #include <functional>
@@ -48,6 +55,7 @@ class Checkpoint;
 }
 namespace kestrel::parallel {
 class SameDeviceGroup;
+class PeerAllReduceGroup;
 }
 
 namespace kestrel::runtime {
@@ -57,6 +65,9 @@ class CudaExecutor;
 struct CudaTpOptions {
   bool one_device = false;        // every rank on the current GPU through the same-device comm (tests, debug)
   model::CudaModelOptions model;  // quantisation (tp_size / tp_rank are set per rank)
+  // --enable-custom-all-reduce: all-reduces of at most parallel::kCustomAllReduceMaxBytes through the
+  // one-shot kernel over peer-accessible buffers (parallel/peer_allreduce.h), the rest through the comm.
+  bool custom_all_reduce = false;
 };
 
 // Everything that stops the GPU engine from running `c` as layout `p`: layout_problems() (counts that do
@@ -83,11 +94,14 @@ class CudaTpGroup {
   // The cache budget of one rank for --gpu-memory-utilization F (runtime::cuda_cache_budget on each device,
   // shared by the ranks on that device), the smallest over the ranks.
   int64_t cache_budget(double utilization, int64_t reserve);
+  // One-shot all-reduces launched so far over all ranks (0 without --enable-custom-all-reduce).
+  int64_t custom_all_reduces() const;
 
  private:
   struct Rank;
   std::vector<std::unique_ptr<Rank>> ranks_;
   std::unique_ptr<parallel::SameDeviceGroup> same_;
+  std::unique_ptr<parallel::PeerAllReduceGroup> peer_;  // --enable-custom-all-reduce; outlives the ranks' comms
 };
 
 class CudaTpExecutor : public StepExecutor {

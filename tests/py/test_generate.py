@@ -163,3 +163,7 @@ def test_tensor_parallel_cpu_twin(kestrel_bin, nano_dir, tmp_path):
     bad = run_kestrel(kestrel_bin, *base, "--max-tokens", "2", "--tensor-parallel-size", "2",
                       "--decode-context-parallel-size", "4")
     assert bad.returncode == 1 and "--decode-context-parallel-size 4 must be 1 or" in bad.stderr, bad.stderr
+    # The one-shot all-reduce is a GPU-rank flag: parsed, and refused for the CPU twin with the reason.
+    bad = run_kestrel(kestrel_bin, *base, "--max-tokens", "2", "--tensor-parallel-size", "2",
+                      "--enable-custom-all-reduce")
+    assert bad.returncode == 1 and "--enable-custom-all-reduce needs --device cuda" in bad.stderr, bad.stderr

@@ -366,5 +366,35 @@ TEST(TensorParallelErrors, OptionsRefusedAtOnce) {
   EXPECT_THROW({ runtime::EngineHost e(o); }, Error);
 }
 
+// --enable-custom-all-reduce replaces the GPU ranks' all-reduces: refused at once, with the reason, on the CPU
+// (TP2 twin) and with one GPU rank; accepted by the option check under CUDA TP2 (what the load then does
+// needs GPUs: tests/gpu/test_tp_gpu.cpp GpuTp.CustomAllReduce*).
+TEST(TensorParallelErrors, CustomAllReduceNeedsCudaTensorParallel) {
+  runtime::EngineOptions o;
+  o.model_dir = std::getenv("KESTREL_NANO_DIR");
+  o.memory_budget = int64_t(16) << 20;
+  o.custom_all_reduce = true;
+  for (const auto& [device, tp] : {std::pair{runtime::Device::cpu, 2}, std::pair{runtime::Device::cpu, 1},
+                                   std::pair{runtime::Device::cuda, 1}}) {
+    o.device = device;
+    o.tensor_parallel_size = tp;
+    try {
+      runtime::EngineHost e(o);
+      ADD_FAILURE() << "accepted with tp " << tp;
+    } catch (const Error& err) {
+      EXPECT_NE(std::string(err.what()).find("--enable-custom-all-reduce needs --device cuda and "
+                                             "--tensor-parallel-size > 1"),
+                std::string::npos)
+          << err.what();
+    }
+  }
+  // The same options without the flag pass the check (CPU TP2 loads and serves).
+  o.custom_all_reduce = false;
+  o.device = runtime::Device::cpu;
+  o.tensor_parallel_size = 2;
+  runtime::EngineHost ok(o);
+  EXPECT_TRUE(ok.wait_loaded()) << ok.load_error();
+}
+
 }  // namespace
 }  // namespace kestrel
