@@ -196,7 +196,8 @@ bool Matcher::fill_mask_tables(uint32_t* words, uint32_t* ub) {
   return any;
 }
 
-bool Matcher::fill_mask_exhaustive(uint32_t* words) {
+template <class Node, class Special>
+bool Matcher::walk_vocabulary(uint32_t* words, Node node, Special special) {
   const size_t nw = mask_words();
   std::memset(words, 0, nw * sizeof(uint32_t));
   if (stopped_.back()) return false;
@@ -204,12 +205,6 @@ bool Matcher::fill_mask_exhaustive(uint32_t* words) {
   const Grammar& g = cg_->grammar();
   Closer closer(g, pool_, cg_->max_stack_depth());
   const auto& trie = cg_->vocab().trie();
-  // Near the stack limit, only tokens after which the document can still be finished within it: a token
-  // may lead where only a deeper value would continue (its distance is then kInf), and the mask after it
-  // would be empty. So no mask is ever empty before the end. Where the tables are exact every
-  // configuration after a token can be finished (this is then the tables' reference, unfiltered).
-  const bool near = near_limit();
-  auto finishable = [&](const Config& c) { return !near || dist(c) < detail::StackDistance::kInf; };
   levels_[0] = top();
   for (uint32_t i = 1; i < trie.size();) {
     const TokenVocab::TrieNode& n = trie[i];
@@ -219,19 +214,35 @@ bool Matcher::fill_mask_exhaustive(uint32_t* words) {
       i = n.end;
       continue;
     }
-    if (n.token != kNoToken && finishable(c)) mask_set(words, n.token), any = true;
+    const Walk w = node(i, c);
+    if (w == Walk::kCut) {
+      i = n.end;
+      continue;
+    }
+    if (n.token != kNoToken && w == Walk::kKeep) mask_set(words, n.token), any = true;
     ++i;
   }
   for (uint32_t f : top().frames) {
     const Grammar::State& s = g.states[pool_.state(f)];
     for (uint32_t k = s.specials_begin; k < s.specials_end; ++k) {
       closer.step_special(top(), g.specials[k].id, scratch_);
-      if (finishable(scratch_)) mask_set(words, g.specials[k].id), any = true;
+      if (special(scratch_)) mask_set(words, g.specials[k].id), any = true;
     }
   }
   if (top().ended)
-    for (TokenId id : stop_) mask_set(words, id), any = true;
+    for (TokenId id : stop_) mask_set(words, id), any = true;  // nothing left after a stop token
   return any;
+}
+
+bool Matcher::fill_mask_exhaustive(uint32_t* words) {
+  // Near the stack limit, only tokens after which the document can still be finished within it: a token
+  // may lead where only a deeper value would continue (its distance is then kInf), and the mask after it
+  // would be empty. So no mask is ever empty before the end. Where the tables are exact every
+  // configuration after a token can be finished (this is then the tables' reference, unfiltered).
+  const bool near = near_limit();
+  auto finishable = [&](const Config& c) { return !near || dist(c) < detail::StackDistance::kInf; };
+  return walk_vocabulary(
+      words, [&](uint32_t, const Config& c) { return finishable(c) ? Walk::kKeep : Walk::kPass; }, finishable);
 }
 
 }  // namespace kestrel::structured
@@ -354,45 +365,19 @@ bool Matcher::free_text(uint32_t budget) {
 }
 
 bool Matcher::fill_mask_within(uint32_t* words, uint32_t limit) {
-  const size_t nw = mask_words();
-  std::memset(words, 0, nw * sizeof(uint32_t));
-  if (stopped_.back()) return false;
-  bool any = false;
-  const Grammar& g = cg_->grammar();
-  Closer closer(g, pool_, cg_->max_stack_depth());
-  const auto& trie = cg_->vocab().trie();
   const TokenVocab& vocab = cg_->vocab();
   const bool prune = cg_->every_byte_a_token_;
-  levels_[0] = top();
-  for (uint32_t i = 1; i < trie.size();) {
-    const TokenVocab::TrieNode& n = trie[i];
-    Config& c = levels_[n.depth];
-    closer.step(levels_[n.depth - 1], n.byte, c);
-    if (c.empty()) {
-      i = n.end;
-      continue;
-    }
-    const uint32_t d = dist(c);
-    // With every byte a token, one more byte lowers the distance by at most one (that byte's token
-    // then the rest of the path is a path; calling and closing never go below the stack they came
-    // from), so no token in this subtree, at most bytes_below(i) bytes longer, comes back within the limit.
-    if (prune && uint64_t(d) > uint64_t(limit) + vocab.bytes_below(i)) {
-      i = n.end;
-      continue;
-    }
-    if (n.token != kNoToken && d <= limit) mask_set(words, n.token), any = true;
-    ++i;
-  }
-  for (uint32_t f : top().frames) {
-    const Grammar::State& s = g.states[pool_.state(f)];
-    for (uint32_t k = s.specials_begin; k < s.specials_end; ++k) {
-      closer.step_special(top(), g.specials[k].id, scratch_);
-      if (dist(scratch_) <= limit) mask_set(words, g.specials[k].id), any = true;
-    }
-  }
-  if (top().ended)
-    for (TokenId id : stop_) mask_set(words, id), any = true;  // nothing left after a stop token
-  return any;
+  return walk_vocabulary(
+      words,
+      [&](uint32_t i, const Config& c) {
+        const uint32_t d = dist(c);
+        // With every byte a token, one more byte lowers the distance by at most one (that byte's token
+        // then the rest of the path is a path; calling and closing never go below the stack they came
+        // from), so no token in this subtree, at most bytes_below(i) bytes longer, comes back within the limit.
+        if (prune && uint64_t(d) > uint64_t(limit) + vocab.bytes_below(i)) return Walk::kCut;
+        return d <= limit ? Walk::kKeep : Walk::kPass;
+      },
+      [&](const Config& c) { return dist(c) <= limit; });
 }
 
 }  // namespace kestrel::structured

@@ -184,6 +184,13 @@ class Matcher {
   int fill_mask_budget_tables(uint32_t* words, uint32_t limit);  // exact from the tables; -1: walk instead
   bool fill_mask_tables(uint32_t* words, uint32_t* ub);
   bool fill_mask_within(uint32_t* words, uint32_t limit);  // exact: min_completion after the token <= limit
+  // The exact vocabulary walk of fill_mask_exhaustive and fill_mask_within (matcher.cpp): `words` cleared, then
+  // every token whose bytes the current configuration accepts is offered to node(trie index, configuration
+  // after it) → kKeep (set it, descend), kPass (descend) or kCut (skip the subtree); each special terminal of
+  // the top to special(configuration after it); the stop tokens where the document may end.
+  enum class Walk { kKeep, kPass, kCut };
+  template <class Node, class Special>
+  bool walk_vocabulary(uint32_t* words, Node node, Special special);
   uint32_t left_after_specials();   // the most min_completion after any special edge of the top
   uint32_t dist(const detail::Config& c) { return dist_.config(pool_, fd_, c); }
   uint32_t below(uint32_t parent) { return dist_.frame(pool_, fd_, parent); }  // what finishes the stack from parent down
