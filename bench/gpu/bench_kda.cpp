@@ -11,8 +11,9 @@
 // engine's variant (kda_chunked_default_variant: intra 2 + seq 3, the fastest TF32 pair measured,
 // unless KESTREL_KDA_CHUNKED says otherwise) next to intra 2 + seq 2, intra 2 + seq 4 (clusters, multicast)
 // and the same with the FP16 recurrence.
-// Decode: both kernels (one block per work item / persistent blocks prefetching the next item's state), auto
-// (the second beyond one wave) and the engine's (kda_decode_default_variant: blocks unless KESTREL_KDA_DECODE).
+// Decode: every kernel (one block per work item, the same with an L2 prefetch one part-wave ahead, persistent
+// blocks prefetching the next item's state into shared memory or registers), auto (blocks; prefetch past four
+// waves) and the engine's (kda_decode_default_variant: auto unless KESTREL_KDA_DECODE).
 //
 // Timing: CUDA events around every launch, median of the repetitions after warm-ups. Decode rotates over
 // disjoint slot sets of a state pool several times the L2, so every launch reads its states from HBM.
@@ -27,7 +28,7 @@
 // and the same for every variant, to rank them in one run (informative keys in perf.json):
 //   PERF kda_prefill_us_h12_{32k,8k}_i<INTRA>s<SEQ>[h]   (h: FP16 recurrence) for i1s1 i2s1 i2s2 i2s3 i2s4 i2s2h
 //                                                         i2s3h i2s4h
-//   PERF kda_decode_us_b1_{blocks,stream}   PERF kda_decode_tbps_b1024_{blocks,stream}
+//   PERF kda_decode_us_b1_{blocks,stream,regs,pf}   PERF kda_decode_tbps_b1024_{blocks,stream,regs,pf}
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -239,7 +240,7 @@ struct DecodeCase {
     slots.copy_from_host(sl.data(), sl.size() * 4);
   }
   // kernel: 0..2 = kda_decode with that KdaDecodeVariant, 3 = kda_recurrent, 4 = kda_decode without a variant
-  // (the engine's call), 5 = kda_decode kKdaDecodeRegs.
+  // (the engine's call), 5 = kda_decode kKdaDecodeRegs, 6 = kda_decode kKdaDecodePrefetch.
   double us(void* pool, bool f16, int kernel, int reps) {
     int64_t set = 0;
     const int64_t HD = H * kDk;
@@ -252,6 +253,7 @@ struct DecodeCase {
       float* out = static_cast<float*>(o.data());
       const auto var = kernel == 4   ? cuda::kda_decode_default_variant()
                        : kernel == 5 ? cuda::kKdaDecodeRegs
+                       : kernel == 6 ? cuda::kKdaDecodePrefetch
                                      : cuda::KdaDecodeVariant(kernel);
       if (f16) {
         auto* p = static_cast<uint16_t*>(pool);
@@ -280,14 +282,14 @@ void decode(bool quick) {
     return B == 1 ? "6.1 µs" : B == 8 ? "9.2 µs" : B == 64 ? "31.7 µs" : B == 256 ? "106.9 µs (3.8 TB/s)" : "—";
   };
   const char* names[] = {"kda_decode auto", "kda_decode blocks", "kda_decode stream", "kda_recurrent",
-                         "kda_decode (engine)", "kda_decode regs"};
+                         "kda_decode (engine)", "kda_decode regs", "kda_decode prefetch"};
   for (const int64_t B : batches) {
     DecodeCase dc(B, H);
     for (const bool f16 : {false, true}) {
       const size_t bytes = size_t(dc.n_sets * B * H * kDk * kDk) * (f16 ? 2 : 4);
       cuda::DeviceBuffer pool(bytes);
       KCUDA_CHECK(cudaMemset(pool.data(), 0, bytes));
-      for (int kernel : {4, 0, 1, 2, 5, 3}) {
+      for (int kernel : {4, 0, 1, 2, 5, 6, 3}) {
         const double us = dc.us(pool.data(), f16, kernel, quick ? 50 : 200);
         fmt::print("{:<30} {:>6} {:>10.2f} {:>10.2f}   {}\n",
                    fmt::format("{} {}", names[kernel], f16 ? "f16" : "f32"), B, us, dc.tbps(us, f16),
@@ -319,9 +321,13 @@ void perf(const cuda::KdaChunkedVariant& var) {
     const size_t bytes = size_t(dc.n_sets * B * 12 * kDk * kDk) * 4;
     cuda::DeviceBuffer pool(bytes);
     KCUDA_CHECK(cudaMemset(pool.data(), 0, bytes));
-    for (const int kernel : {4, 1, 2, 5}) {
+    for (const int kernel : {4, 1, 2, 5, 6}) {
       const double us = dc.us(pool.data(), false, kernel, 200);
-      const char* suffix = kernel == 4 ? "" : kernel == 1 ? "_blocks" : kernel == 2 ? "_stream" : "_regs";
+      const char* suffix = kernel == 4   ? ""
+                           : kernel == 1 ? "_blocks"
+                           : kernel == 2 ? "_stream"
+                           : kernel == 5 ? "_regs"
+                                         : "_pf";
       if (B == 1) {
         fmt::print("PERF kda_decode_us_b1{} {:.2f}\n", suffix, us);
       } else {

@@ -372,7 +372,8 @@ TEST(GpuKda, DecodeMatchesRecurrent) {
       const double so = max_abs(o), ss = max_abs(pool);
       const Tol fp32{1e-5 * so, 1e-4, 2e-5}, fp32s{1e-5 * ss, 1e-4, 2e-5};
       // Every decode kernel explicitly: the same arithmetic in the same order, so the same bits as the default.
-      for (const auto var : {cuda::kKdaDecodeBlocks, cuda::kKdaDecodeStream, cuda::kKdaDecodeRegs}) {
+      for (const auto var :
+           {cuda::kKdaDecodeBlocks, cuda::kKdaDecodeStream, cuda::kKdaDecodeRegs, cuda::kKdaDecodePrefetch}) {
         auto pv = upload(in.pool0);
         auto ov = poisoned<float>(no);
         cuda::kda_decode(d.q.p(), d.k.p(), d.v.p(), d.g.p(), HD, d.beta.p(), s.H, d.cu.p(), d.slots.p(), pv.p(),
@@ -381,7 +382,8 @@ TEST(GpuKda, DecodeMatchesRecurrent) {
         const auto gv = ov.get(), gpv = pv.get();
         const std::string vs = shape + (var == cuda::kKdaDecodeBlocks   ? " blocks"
                                             : var == cuda::kKdaDecodeStream ? " stream"
-                                                                            : " regs");
+                                            : var == cuda::kKdaDecodeRegs   ? " regs"
+                                                                            : " prefetch");
         check_exact("kda_decode kernel (o) vs default", vs, gv.data(), go.data(), size_t(in.T * HD) * 4);
         check_exact("kda_decode kernel (pool) vs default", vs, gpv.data(), gp.data(), gp.size() * 4);
       }

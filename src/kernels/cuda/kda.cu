@@ -299,12 +299,17 @@ __device__ __forceinline__ void decode_tokens(float (&s)[DK / 16][4], const floa
   }
 }
 
-template <int DK, typename StateT>
+// kPf (kKdaDecodePrefetch): after issuing its own state loads the block asks L2 for the slice of the block
+// pf_dist places later in launch order (≈ one wave on: SMs × resident blocks), so that block's loads find L2
+// rather than HBM — more state bytes in flight than the resident blocks' own loads give. The lanes of column
+// group 0 prefetch one 128-byte line per row (the f32 slice's row; half a line is used by an f16 slice). Values
+// are untouched: the same bits as kKdaDecodeBlocks.
+template <int DK, typename StateT, bool kPf = false>
 __global__ void __launch_bounds__(kDecodeThreads)
     decode_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                   const float* __restrict__ g, int64_t ld, const float* __restrict__ beta, int64_t ld_beta,
                   const int32_t* __restrict__ cu, const int32_t* __restrict__ slots, StateT* __restrict__ pool,
-                  float* __restrict__ o, int64_t H) {
+                  float* __restrict__ o, int64_t H, int64_t pf_dist = 0) {
   constexpr int R = DK / 16;          // rows per thread
   __shared__ float red[2][4][9][8];   // [token parity][warp][a0..a3, b0..b3, kᵀq][column group]
   const int64_t h = blockIdx.y, b = blockIdx.z;
@@ -314,6 +319,17 @@ __global__ void __launch_bounds__(kDecodeThreads)
   float s[R][4];
 #pragma unroll
   for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
+  if constexpr (kPf) {
+    const int64_t nx = gridDim.x, ny = gridDim.y;
+    const int64_t lin = blockIdx.x + nx * (blockIdx.y + ny * int64_t(blockIdx.z)) + pf_dist;
+    if (c4 == 0 && lin < nx * ny * int64_t(gridDim.z)) {
+      const int64_t cbf = lin % nx, hf = (lin / nx) % ny, bf = lin / (nx * ny);
+      const StateT* Sf = pool + (int64_t(slots[bf]) * H + hf) * DK * DK + cbf * kDecodeCols;
+#pragma unroll
+      for (int m = 0; m < R; ++m)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(Sf + (16 * m + 4 * w + sub) * DK));
+    }
+  }
   int par = 0;
   decode_tokens<DK>(s, q, k, v, g, ld, beta, ld_beta, cu[b], cu[b + 1], h, col, red, par, o);
 #pragma unroll
@@ -609,6 +625,45 @@ int64_t decode_regs_wave() {
   return w;
 }
 
+// One wave of decode_kernel<…, true> (SMs × resident blocks), measured once per device like decode_wave.
+template <int DK, typename StateT>
+int64_t decode_blocks_wave() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int64_t> wave[kMaxDevices];
+  int dev = 0;
+  KCUDA_CHECK(cudaGetDevice(&dev));
+  KCUDA_REQUIRE(dev >= 0 && dev < kMaxDevices, "kda_decode: device " + std::to_string(dev));
+  int64_t w = wave[dev].load(std::memory_order_relaxed);
+  if (w == 0) {
+    int sms = 0, per_sm = 0;
+    KCUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<DK, StateT, true>,
+                                                              kDecodeThreads, 0));
+    w = int64_t(std::max(sms, 1)) * std::max(per_sm, 1);
+    wave[dev].store(w, std::memory_order_relaxed);
+  }
+  return w;
+}
+
+// The prefetch distance of kKdaDecodePrefetch in blocks: 3/8 of a wave. Measured on the H200 (bench_kda, FP32
+// state, H = 12, B = 1024, 2026-12-02): plain blocks 3.87 TB/s; a distance of 1/8 wave 3.85, 1/4 3.98, 3/8
+// 4.00, 1/2 3.98, 5/8 3.78, 3/4 3.56, 1 3.15, 2 2.85 — too near and the line is not there in time, too far
+// and it is evicted (by the stores streaming through L2) before its block runs. KESTREL_KDA_PF_WAVES
+// overrides the fraction (read once; for measurements).
+int64_t prefetch_distance(int64_t wave) {
+  static const double waves = [] {
+    const char* e = std::getenv("KESTREL_KDA_PF_WAVES");
+    const double v = e ? std::atof(e) : 0.375;
+    KCUDA_REQUIRE(v > 0.0 && v < 64.0, std::string("KESTREL_KDA_PF_WAVES must be in (0, 64)"));
+    return v;
+  }();
+  return std::max<int64_t>(1, int64_t(waves * double(wave)));
+}
+
+// kKdaDecodeAuto: the prefetching kernel past this many waves of blocks, the plain one below (measured: B = 64,
+// 2.9 waves, prefetch 2.75–2.89 TB/s against 2.98; B = 256, 11.6 waves, 3.67–3.70 against 3.66; B = 1024 above).
+constexpr int64_t kAutoPrefetchWaves = 4;
+
 template <int DK, typename StateT>
 void launch_decode(const float* q, const float* k, const float* v, const float* g, int64_t ld, const float* beta,
                    int64_t ld_beta, const int32_t* cu_seqlens, const int32_t* slots, StateT* state_pool, float* o,
@@ -620,9 +675,15 @@ void launch_decode(const float* q, const float* k, const float* v, const float* 
     const int64_t rwave = decode_regs_wave<DK, StateT>();
     decode_regs_kernel<DK, StateT><<<unsigned(std::min(n_items, rwave)), kDecodeThreads, 0, stream>>>(
         q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, H, n_items);
-  } else if (variant == kKdaDecodeStream || (variant == kKdaDecodeAuto && n_items > wave)) {
+  } else if (variant == kKdaDecodeStream) {
     decode_stream_kernel<DK, StateT><<<unsigned(std::min(n_items, wave)), kDecodeThreads, smem, stream>>>(
         q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, H, n_items);
+  } else if (variant == kKdaDecodePrefetch ||
+             (variant == kKdaDecodeAuto && n_items > kAutoPrefetchWaves * decode_blocks_wave<DK, StateT>())) {
+    const dim3 grid{unsigned(DK / kDecodeCols), unsigned(H), unsigned(B)};
+    decode_kernel<DK, StateT, true><<<grid, kDecodeThreads, 0, stream>>>(
+        q, k, v, g, ld, beta, ld_beta, cu_seqlens, slots, state_pool, o, H,
+        prefetch_distance(decode_blocks_wave<DK, StateT>()));
   } else {
     const dim3 grid{unsigned(DK / kDecodeCols), unsigned(H), unsigned(B)};
     // Plain accesses measured best on the H200 at B = 1024 (3.87 TB/s): evict-first .cs loads and stores gave
@@ -646,7 +707,7 @@ void decode(const float* q, const float* k, const float* v, const float* g, int6
                 std::string("kda_decode: null pointer"));
   KCUDA_REQUIRE(B >= 0 && B < 65536 && H > 0 && H < 65536 && ld >= H * Dk && ld_beta >= H,
                 std::string("kda_decode: bad B, H or strides"));
-  KCUDA_REQUIRE(variant >= kKdaDecodeAuto && variant <= kKdaDecodeRegs,
+  KCUDA_REQUIRE(variant >= kKdaDecodeAuto && variant <= kKdaDecodePrefetch,
                 "kda_decode: bad variant " + std::to_string(int(variant)));
   if (B == 0) return;
   switch (Dk) {
@@ -668,12 +729,15 @@ void decode(const float* q, const float* k, const float* v, const float* g, int6
 KdaDecodeVariant kda_decode_default_variant() {
   static const KdaDecodeVariant v = [] {
     const char* e = std::getenv("KESTREL_KDA_DECODE");
-    if (e == nullptr || *e == 0) return kKdaDecodeBlocks;
+    if (e == nullptr || *e == 0) return kKdaDecodeAuto;
     const std::string s = e;
-    KCUDA_REQUIRE(s == "auto" || s == "blocks" || s == "stream" || s == "regs",
-                  "KESTREL_KDA_DECODE=" + s + " (expected auto, blocks, stream or regs)");
-    return s == "auto" ? kKdaDecodeAuto : s == "blocks" ? kKdaDecodeBlocks : s == "stream" ? kKdaDecodeStream
-                                                                                         : kKdaDecodeRegs;
+    KCUDA_REQUIRE(s == "auto" || s == "blocks" || s == "stream" || s == "regs" || s == "prefetch",
+                  "KESTREL_KDA_DECODE=" + s + " (expected auto, blocks, stream, regs or prefetch)");
+    return s == "auto"     ? kKdaDecodeAuto
+           : s == "blocks" ? kKdaDecodeBlocks
+           : s == "stream" ? kKdaDecodeStream
+           : s == "regs"   ? kKdaDecodeRegs
+                           : kKdaDecodePrefetch;
   }();
   return v;
 }

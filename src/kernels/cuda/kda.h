@@ -71,17 +71,24 @@ void kda_recurrent(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T,
 // one token per request: 128-thread blocks of 32 value columns (Dk/32 blocks per (head, request)), 16-byte
 // state loads and stores. Results equal kda_recurrent's up to FP32 summation order. Falls back to
 // kda_recurrent when the pool is not 16-byte (f32) / 8-byte (f16) aligned. Dk ∈ {32, 64, 128}.
-// Two kernels (kda.cu): kKdaDecodeBlocks, one block per (32 value columns, head, request), the latency form
-// for small batches; kKdaDecodeStream, persistent blocks that walk those work items and copy the next item's
-// state slice into shared memory (cp.async) while they compute the current one, the bandwidth form for large
-// batches; kKdaDecodeRegs, persistent blocks that load the next item's slice straight into a second register
-// set. kKdaDecodeAuto picks the stream kernel when the items outnumber one wave of blocks. All give the same
-// results bit for bit (same arithmetic in the same order).
-enum KdaDecodeVariant : int { kKdaDecodeAuto = 0, kKdaDecodeBlocks = 1, kKdaDecodeStream = 2, kKdaDecodeRegs = 3 };
-// The kernel of the overloads without a variant (the engine's): kKdaDecodeBlocks, the fastest at large batches on
-// the H200 (bench_kda, FP32 state, H = 12, B = 1024: blocks 3.85 TB/s, regs 3.62, stream 3.07; at B = 1 regs is
-// ~0.2 µs ahead: bench/RESULTS.md, session 8); KESTREL_KDA_DECODE=auto|blocks|stream|regs overrides it (read once;
-// any other value is an error).
+// Kernels (kda.cu): kKdaDecodeBlocks, one block per (32 value columns, head, request), the latency form
+// for small batches; kKdaDecodePrefetch, the blocks kernel that also prefetches into L2 the slice of the block
+// 3/8 of a wave later in launch order, the bandwidth form for large batches; kKdaDecodeStream, persistent blocks
+// that walk those work items and copy the next item's state slice into shared memory (cp.async) while they
+// compute the current one; kKdaDecodeRegs, persistent blocks that load the next item's slice straight into a
+// second register set. kKdaDecodeAuto: blocks, or prefetch when the items outnumber four waves of blocks. All
+// give the same results bit for bit (same arithmetic in the same order).
+enum KdaDecodeVariant : int {
+  kKdaDecodeAuto = 0,
+  kKdaDecodeBlocks = 1,
+  kKdaDecodeStream = 2,
+  kKdaDecodeRegs = 3,
+  kKdaDecodePrefetch = 4
+};
+// The kernel of the overloads without a variant (the engine's): kKdaDecodeAuto (H200, bench_kda, FP32 state,
+// H = 12, B = 1024: prefetch 3.98–4.00 TB/s, blocks 3.87, regs 3.62, stream 3.09; B = 64: blocks 2.98, prefetch
+// 2.75–2.89; bench/RESULTS.md, session 11); KESTREL_KDA_DECODE=auto|blocks|stream|regs|prefetch overrides it
+// (read once; any other value is an error).
 KdaDecodeVariant kda_decode_default_variant();
 void kda_decode(const float* q /* f32 [T, H*Dk] */, const float* k /* f32 [T, H*Dk] */,
                 const float* v /* f32 [T, H*Dk] */, const float* g /* f32 [T, H*Dk] */, int64_t ld,
