@@ -15,7 +15,8 @@
 // blocks prefetching the next item's state into shared memory or registers), auto (blocks; prefetch past four
 // waves) and the engine's (kda_decode_default_variant: auto unless KESTREL_KDA_DECODE).
 //
-// Timing: CUDA events around every launch, median of the repetitions after warm-ups. Decode rotates over
+// Timing: CUDA events around every launch, median of the repetitions after warm-ups; decode launches are queued
+// before they run (median_us' hold), so each event pair times the kernel, not the host's launch rate. Decode rotates over
 // disjoint slot sets of a state pool several times the L2, so every launch reads its states from HBM.
 // Inputs are random (q, k unit-norm per head, q scaled by Dk^-1/2, g = −5·σ(z), β in (0, 1)), tiled from
 // 4096 random rows for the long prefills.
@@ -33,12 +34,16 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/cuda/cuda_check.h"
@@ -51,17 +56,41 @@ namespace {
 
 constexpr int64_t kDk = 128;
 
-// Median over `reps` launches of fn, each bracketed by its own pair of events.
-double median_us(const std::function<void()>& fn, int warm, int reps) {
+// Median over `reps` launches of fn, each bracketed by its own pair of events. hold (the decode cases): the
+// launches are queued behind a host function that blocks the stream until a batch of them is enqueued, so they
+// run back to back on the device, as they do inside the engine's CUDA graphs. Without it a launch that takes
+// a few µs measures the host's launch rate as well: the batch-1 decode read 5.1–5.5 µs on one machine start
+// and 7.1–7.7 µs on another for every kernel alike (2026-12-02). The host function gives up after 200 ms,
+// so a stream that cannot take a whole batch without blocking the host only loses the hold, never deadlocks.
+struct Hold {
+  std::atomic<int> go{0};
+  static void CUDART_CB wait(void* p) {
+    auto* h = static_cast<Hold*>(p);
+    const auto t0 = std::chrono::steady_clock::now();
+    while (h->go.load(std::memory_order_acquire) == 0 &&
+           std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(200))
+      std::this_thread::yield();
+  }
+};
+
+double median_us(const std::function<void()>& fn, int warm, int reps, bool hold = false) {
   for (int i = 0; i < warm; ++i) fn();
   KCUDA_CHECK(cudaDeviceSynchronize());
   std::vector<cudaEvent_t> ev(size_t(2 * reps));
   for (auto& e : ev) KCUDA_CHECK(cudaEventCreate(&e));
+  constexpr int kBatch = 50;  // launches per hold: 150 queued operations, well inside a stream's queue
+  std::vector<std::unique_ptr<Hold>> holds;
   for (int i = 0; i < reps; ++i) {
+    if (hold && i % kBatch == 0) {
+      if (!holds.empty()) holds.back()->go.store(1, std::memory_order_release);
+      holds.push_back(std::make_unique<Hold>());
+      KCUDA_CHECK(cudaLaunchHostFunc(nullptr, Hold::wait, holds.back().get()));
+    }
     KCUDA_CHECK(cudaEventRecord(ev[size_t(2 * i)]));
     fn();
     KCUDA_CHECK(cudaEventRecord(ev[size_t(2 * i + 1)]));
   }
+  if (!holds.empty()) holds.back()->go.store(1, std::memory_order_release);
   KCUDA_CHECK(cudaDeviceSynchronize());
   std::vector<double> t(static_cast<size_t>(reps));
   for (int i = 0; i < reps; ++i) {
@@ -265,7 +294,7 @@ struct DecodeCase {
                     : cuda::kda_recurrent(q, k, v, g, HD, beta, H, cuu, sl, p, out, B, H, kDk, nullptr);
       }
     };
-    return median_us(f, 10, reps);
+    return median_us(f, 10, reps, /*hold=*/true);
   }
   double tbps(double us, bool f16) const {
     return 2.0 * double(B * H * kDk * kDk) * (f16 ? 2 : 4) / (us * 1e-6) / 1e12;
