@@ -120,7 +120,8 @@ struct Client::Impl {
     nlohmann::ordered_json j;
     j["model"] = opt.model;
     if (opt.api == Api::kChat) {
-      j["messages"] = nlohmann::ordered_json::array({{{"role", "user"}, {"content", r.prompt}}});
+      j["messages"] = r.messages.empty() ? nlohmann::ordered_json::array({{{"role", "user"}, {"content", r.prompt}}})
+                                         : nlohmann::ordered_json::parse(r.messages);
       j["max_completion_tokens"] = r.output_len;
     } else {
       j["prompt"] = r.prompt;

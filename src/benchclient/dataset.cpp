@@ -1,8 +1,12 @@
-// The random dataset: see dataset.h.
+// The random and custom datasets: see dataset.h.
 #include "benchclient/dataset.h"
+
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <numeric>
 #include <random>
 
 #include "core/check.h"
@@ -94,6 +98,80 @@ std::vector<SampleRequest> random_dataset(const RandomDatasetOptions& o, const t
       }
       r.prompt_len = n;
     }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+namespace {
+
+int count_tokens(const std::string& text, const tok::Tokenizer* t) {
+  if (t) return int(t->encode(text).size());
+  int words = 0;
+  bool in_word = false;
+  for (char c : text) {
+    const bool space = c == ' ' || c == '\n' || c == '\t' || c == '\r';
+    words += !space && !in_word;
+    in_word = !space;
+  }
+  return words;
+}
+
+// One line of the file as a request (output_len left to the caller).
+SampleRequest parse_custom_line(const std::string& line, size_t lineno, const std::string& path,
+                                const tok::Tokenizer* t) {
+  const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) fail("{}:{}: not a JSON object", path, lineno);
+  SampleRequest r;
+  const nlohmann::json* msgs = nullptr;
+  if (auto it = j.find("prompt"); it != j.end()) {
+    if (!it->is_string()) fail("{}:{}: \"prompt\" must be a string", path, lineno);
+    r.prompt = it->get<std::string>();
+    r.prompt_len = count_tokens(r.prompt, t);
+    return r;
+  }
+  if (auto it = j.find("messages"); it != j.end()) {
+    msgs = &*it;
+  } else if (auto rq = j.find("request"); rq != j.end() && rq->is_object()) {
+    if (auto m = rq->find("messages"); m != rq->end()) msgs = &*m;
+  }
+  if (!msgs) fail("{}:{}: expected \"prompt\", \"messages\" or \"request\": {{\"messages\": ...}}", path, lineno);
+  if (!msgs->is_array() || msgs->empty()) fail("{}:{}: \"messages\" must be a non-empty array", path, lineno);
+  int len = 0;
+  for (const auto& m : *msgs) {
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+      fail("{}:{}: every message needs a string \"role\"", path, lineno);
+    if (auto c = m.find("content"); c != m.end() && c->is_string()) len += count_tokens(c->get<std::string>(), t);
+  }
+  r.messages = msgs->dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  r.prompt_len = len;
+  return r;
+}
+
+}  // namespace
+
+std::vector<SampleRequest> custom_dataset(const CustomDatasetOptions& o, const tok::Tokenizer* t) {
+  if (o.num_prompts < 1) fail("--num-prompts must be at least 1 (got {})", o.num_prompts);
+  if (o.output_len < 1) fail("--output-len must be at least 1 (got {})", o.output_len);
+  if (o.path.empty()) fail("--dataset custom needs --dataset-path FILE (JSONL)");
+  std::ifstream f(o.path);
+  if (!f) fail("--dataset-path {}: cannot open", o.path);
+  std::vector<SampleRequest> lines;
+  std::string line;
+  for (size_t n = 1; std::getline(f, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines
+    lines.push_back(parse_custom_line(line, n, o.path, t));
+  }
+  if (lines.empty()) fail("--dataset-path {}: no requests in the file", o.path);
+  std::vector<size_t> order(lines.size());
+  std::iota(order.begin(), order.end(), size_t(0));
+  std::mt19937_64 rng(o.seed);
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<SampleRequest> out;
+  out.reserve(size_t(o.num_prompts));
+  for (int i = 0; i < o.num_prompts; ++i) {
+    SampleRequest r = lines[order[size_t(i) % order.size()]];
+    r.output_len = o.output_len;
     out.push_back(std::move(r));
   }
   return out;

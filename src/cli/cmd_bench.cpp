@@ -1,7 +1,8 @@
 // `kestrel bench`: serving benchmark against any OpenAI-compatible server (ours or vLLM's).
 //
 //   kestrel bench --base-url http://127.0.0.1:8000 [--endpoint /v1/completions|/v1/chat/completions]
-//                 [--model NAME] [--tokenizer DIR] [--dataset random] [--preset 8k-1k|128k-100]
+//                 [--model NAME] [--tokenizer DIR] [--dataset random|custom [--dataset-path FILE.jsonl]]
+//                 [--preset 8k-1k|128k-100]
 //                 [--input-len N --output-len N --range-ratio R] [--num-prompts N]
 //                 [--max-concurrency C] [--request-rate R|inf] [--burstiness B] [--seed S]
 //                 [--num-warmups N] [--ignore-eos] [--api-key K] [--result-file out.json]
@@ -140,7 +141,7 @@ void print_cpu_ceilings(const std::string& ckpt, int64_t context) {
 
 struct Opts {
   std::string base_url = "http://127.0.0.1:8000", endpoint = "/v1/completions", model, tokenizer,
-              dataset = "random", preset, api_key, result_file, rate = "inf", label, percentiles = "99";
+              dataset = "random", dataset_path, preset, api_key, result_file, rate = "inf", label, percentiles = "99";
   int input_len = 1024, output_len = 128, num_prompts = 1000, max_concurrency = 0, num_warmups = 0;
   double range_ratio = 0, burstiness = 1, timeout = 600, ready_timeout = 60;
   uint64_t seed = 0;
@@ -192,7 +193,10 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--model", o->model, "model name sent in requests (default: the server's first in /v1/models)");
   cmd->add_option("--tokenizer", o->tokenizer,
                   "checkpoint/tokenizer directory: exact prompt lengths and token counts (default: --model if it is one)");
-  cmd->add_option("--dataset", o->dataset, "dataset (only 'random')");
+  cmd->add_option("--dataset", o->dataset,
+                  "random (prompts of --input-len random tokens) or custom (--dataset-path: JSONL lines with \"prompt\", "
+                  "\"messages\" or a kestrel eval set's \"request\")");
+  cmd->add_option("--dataset-path", o->dataset_path, "the custom dataset's JSONL file");
   cmd->add_option("--preset", o->preset, "input/output lengths: 8k-1k (8192/1024) or 128k-100 (128000/100)");
   cmd->add_option("--input-len", o->input_len, "prompt tokens (random dataset)")->check(CLI::Range(1, 1 << 24));
   cmd->add_option("--output-len", o->output_len, "max_tokens per request")->check(CLI::Range(1, 1 << 24));
@@ -251,7 +255,9 @@ void register_bench(CLI::App& app) {
   cmd->callback([o, cmd] {
     using namespace kestrel::bench;
     if (o->cpu_ceilings) return print_cpu_ceilings(o->tokenizer, o->input_len);
-    if (o->dataset != "random") fail("--dataset {}: only 'random' is supported", o->dataset);
+    if (o->dataset != "random" && o->dataset != "custom") fail("--dataset {}: expected random or custom", o->dataset);
+    if (o->dataset == "random" && !o->dataset_path.empty()) fail("--dataset-path needs --dataset custom");
+    if (o->dataset == "custom" && cmd->count("--soak")) fail("--soak runs on the random dataset only");
     if (!o->preset.empty()) {
       const Preset* p = nullptr;
       for (const auto& x : kPresets)
@@ -299,7 +305,14 @@ void register_bench(CLI::App& app) {
     client = std::make_unique<Client>(co, tokenizer ? &*tokenizer : nullptr);
 
     RandomDatasetOptions dopt{o->num_prompts, o->input_len, o->output_len, o->range_ratio, o->seed};
-    const std::vector<SampleRequest> requests = random_dataset(dopt, tokenizer ? &*tokenizer : nullptr);
+    const std::vector<SampleRequest> requests =
+        o->dataset == "custom"
+            ? custom_dataset({o->dataset_path, o->num_prompts, o->output_len, o->seed}, tokenizer ? &*tokenizer : nullptr)
+            : random_dataset(dopt, tokenizer ? &*tokenizer : nullptr);
+    if (!chat)
+      for (const SampleRequest& r : requests)
+        if (!r.messages.empty())
+          fail("--dataset-path {}: lines with \"messages\" need --endpoint /v1/chat/completions", o->dataset_path);
     // The readiness probe and the warm-ups use prompts of their own (another seed): a measured
     // prompt sent before the run would be served from the prefix cache in it.
     RandomDatasetOptions wopt = dopt;

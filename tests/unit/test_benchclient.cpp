@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
 
 #include "benchclient/client.h"
 #include "benchclient/dataset.h"
@@ -229,6 +232,85 @@ TEST(BenchDataset, WordsWithoutTokenizerAndBadInput) {
   EXPECT_EQ(std::count(reqs[0].prompt.begin(), reqs[0].prompt.end(), ' '), 4);
   EXPECT_THROW(random_dataset({0, 5, 2, 0, 1}, nullptr), Error);
   EXPECT_THROW(random_dataset({1, 5, 2, 1.0, 1}, nullptr), Error);
+}
+
+// A temporary JSONL file with the given lines (removed with the object).
+struct TempJsonl {
+  std::filesystem::path path;
+  explicit TempJsonl(const std::vector<std::string>& lines, const char* name = "kestrel_custom_dataset.jsonl")
+      : path(std::filesystem::temp_directory_path() / name) {
+    std::ofstream f(path);
+    for (const auto& l : lines) f << l << '\n';
+  }
+  ~TempJsonl() { std::filesystem::remove(path); }
+};
+
+TEST(BenchDataset, CustomLinesInEveryFormShuffledAndRepeated) {
+  const tok::Tokenizer t = test_tokenizer();
+  const TempJsonl f({R"({"prompt": " the cat sat"})", "",
+                     R"({"messages": [{"role": "user", "content": " the dog"}, {"role": "assistant", "content": " on"}]})",
+                     R"({"id": "x", "request": {"max_tokens": 5, "messages": [{"role": "user", "content": " a fox"}]}})"});
+  const auto reqs = custom_dataset({f.path.string(), 7, 9, 5}, &t);
+  ASSERT_EQ(reqs.size(), 7u);
+  std::map<std::string, int> seen;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const SampleRequest& r = reqs[i];
+    EXPECT_EQ(r.output_len, 9);
+    const std::string key = r.messages.empty() ? r.prompt : r.messages;
+    ++seen[key];
+    if (i >= 3) EXPECT_EQ(key, reqs[i - 3].messages.empty() ? reqs[i - 3].prompt : reqs[i - 3].messages);  // cycles
+    if (r.messages.empty()) {
+      EXPECT_EQ(r.prompt, " the cat sat");
+      EXPECT_EQ(r.prompt_len, int(t.encode(" the cat sat").size()));
+    } else {
+      const auto m = nlohmann::json::parse(r.messages);
+      ASSERT_TRUE(m.is_array());
+      if (m.size() == 2) {
+        EXPECT_EQ(m[1]["content"], " on");
+        EXPECT_EQ(r.prompt_len, int(t.encode(" the dog").size() + t.encode(" on").size()));
+      } else {
+        ASSERT_EQ(m.size(), 1u);
+        EXPECT_EQ(m[0]["content"], " a fox");
+      }
+    }
+  }
+  EXPECT_EQ(seen.size(), 3u);  // every line used, the blank one skipped
+  // The seed picks the order; the same seed the same order.
+  const auto again = custom_dataset({f.path.string(), 7, 9, 5}, &t);
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(again[i].messages + again[i].prompt, reqs[i].messages + reqs[i].prompt);
+  // The body a chat request carries: the line's own messages, whole.
+  ClientOptions co;
+  co.api = Api::kChat;
+  co.model = "m";
+  for (const SampleRequest& r : reqs) {
+    if (r.messages.empty()) continue;
+    const auto j = nlohmann::json::parse(Client(co, nullptr).request_body(r));
+    EXPECT_EQ(j["messages"], nlohmann::json::parse(r.messages));
+    EXPECT_EQ(j["max_completion_tokens"], 9);
+  }
+}
+
+TEST(BenchDataset, CustomBadLinesNameTheirLine) {
+  auto msg = [](const std::vector<std::string>& lines) {
+    const TempJsonl f(lines, "kestrel_custom_dataset_bad.jsonl");
+    try {
+      custom_dataset({f.path.string(), 2, 4, 0}, nullptr);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(msg({R"({"prompt": "a"})", "not json"}).find(":2: not a JSON object"), std::string::npos);
+  EXPECT_NE(msg({R"({"prompt": 3})"}).find(":1: \"prompt\" must be a string"), std::string::npos);
+  EXPECT_NE(msg({R"({"text": "a"})"}).find(":1: expected"), std::string::npos);
+  EXPECT_NE(msg({R"({"messages": []})"}).find("non-empty array"), std::string::npos);
+  EXPECT_NE(msg({R"({"messages": [{"content": "a"}]})"}).find("\"role\""), std::string::npos);
+  EXPECT_NE(msg({"", "  "}).find("no requests"), std::string::npos);
+  EXPECT_THROW(custom_dataset({"/nonexistent/kestrel.jsonl", 1, 1, 0}, nullptr), Error);
+  EXPECT_THROW(custom_dataset({"", 1, 1, 0}, nullptr), Error);
+  // Without a tokenizer a prompt's length counts its words.
+  const TempJsonl f({R"({"prompt": "one two  three\nfour"})"}, "kestrel_custom_dataset_words.jsonl");
+  EXPECT_EQ(custom_dataset({f.path.string(), 1, 4, 0}, nullptr)[0].prompt_len, 4);
 }
 
 TEST(BenchClient, UrlsAndRequestBodies) {
