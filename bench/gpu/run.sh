@@ -203,7 +203,7 @@ case "${1:-}" in
     # GpuSpec.* (verify rows, taps and the KDA keep against decodes and the CPU model; the GPU engine with
     # speculation against without, preemption and prefix hits; the agreeing draft); then TPOT with and without
     # speculation through `kestrel serve --device cuda` + `kestrel bench` (256 in / 128 out, --ignore-eos,
-    # random prompts; acceptance length from the server's /metrics): k3-tiny with models/k3-tiny-dspark at
+    # random prompts, then k3-tiny's eval prompts: see below; acceptance length from the server's /metrics): k3-tiny with models/k3-tiny-dspark at
     # c = SPEC_CONC (default 1 8 32) in SPEC_MODES (plain, host: the draft on the host, gpu: the draft on the
     # device, KESTREL_DRAFT_ON_GPU=1, gpueager: gpu with the verify steps eager, KESTREL_SPEC_GRAPHS=0, the A/B
     # of the verify graphs; gpuperreq: gpu with one draft call per request, KESTREL_DRAFT_BATCHED=0, the A/B of
@@ -245,9 +245,16 @@ case "${1:-}" in
         --port "$port" --max-num-seqs 32 --memory-budget 16G "${args[@]}" >"$out/spec_serve_${name}_$mode.log" 2>&1 &
       local srv=$!
       wait_healthy "$port" "$srv" || { echo "spec: $name $mode: the server did not come up"; tail -5 "$out/spec_serve_${name}_$mode.log"; return 0; }
+      # The prompts: random words (256 tokens, 128 out, --ignore-eos), or for k3tinytasks / k3tinytaskseos k3-tiny's
+      # own eval prompts through the chat endpoint, 128 tokens out with / without --ignore-eos.
+      local data=(--input-len 256 --ignore-eos)
+      case "$name" in
+        k3tinytasks) data=(--endpoint /v1/chat/completions --dataset custom --dataset-path "$tasks" --ignore-eos) ;;
+        k3tinytaskseos) data=(--endpoint /v1/chat/completions --dataset custom --dataset-path "$tasks") ;;
+      esac
       for c in "$@"; do
         n=$(( c == 1 ? 16 : 2 * c ))
-        .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --tokenizer "$model" --input-len 256 --ignore-eos \
+        .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --tokenizer "$model" "${data[@]}" \
           --output-len 128 --num-prompts "$n" --max-concurrency "$c" --num-warmups 2 --no-progress \
           --result-file "$out/spec_${name}_${mode}_c$c.json" >"$out/spec_bench_${name}_${mode}_c$c.log" 2>&1 || true
         grep -E "TPOT|Acceptance length|Output token throughput" "$out/spec_bench_${name}_${mode}_c$c.log" | sed "s/^/$name $mode c=$c: /"
@@ -256,6 +263,16 @@ case "${1:-}" in
     }
     for mode in ${SPEC_MODES:-plain host gpu gpuperreq gpugraph gpueager}; do
       spec_run k3tiny models/k3-tiny models/k3-tiny-dspark "$mode" ${SPEC_CONC:-1 8 32}
+    done
+    # k3-tiny on the prompts it and its draft were made for (its eval sets: chat, tool calls, arithmetic, pass
+    # keys; kestrel bench --dataset custom), where acceptance is the model card's rather than random words' worst
+    # case: SPEC_TASK_MODES (default plain gpu) at SPEC_CONC, past EOS (k3tinytasks) and stopping there
+    # (k3tinytaskseos).
+    tasks=/tmp/spec_tasks.jsonl
+    cat models/k3-tiny/eval/*.jsonl > "$tasks"
+    for mode in ${SPEC_TASK_MODES:-plain gpu}; do
+      spec_run k3tinytasks models/k3-tiny models/k3-tiny-dspark "$mode" ${SPEC_CONC:-1 8 32}
+      spec_run k3tinytaskseos models/k3-tiny models/k3-tiny-dspark "$mode" ${SPEC_CONC:-1 8 32}
     done
     wait "$mk" || true
     for mode in ${SPEC_MINI_MODES:-plain gpu gpugraph}; do

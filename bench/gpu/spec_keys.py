@@ -4,13 +4,14 @@
     spec_keys.py --dir OUT [--perf bench/gpu/perf.json] [--commit SHA] [--machine TEXT]
 
 Reads the `kestrel bench --result-file` JSONs that run.sh spec writes as OUT/spec_<model>_<mode>_c<C>.json
-(model: k3tiny with models/k3-tiny-dspark, mini = the reduced mini with a random draft; mode: plain, host,
+(model: k3tiny with models/k3-tiny-dspark on random prompts, k3tinytasks / k3tinytaskseos the same on k3-tiny's
+eval prompts past / stopping at EOS, mini = the reduced mini with a random draft; mode: plain, host,
 gpu, gpueager = gpu with eager verify steps, gpuperreq = gpu with the per-request draft, gpugraph = gpu with
 the batched draft in CUDA graphs) and writes them into perf.json under "dspark" with their own date, commit and command (they come from a
 different run than the rest of perf.json, so they are kept apart and say so), then prints a markdown table.
 
 Keys: dspark_<model>_tpot_ms_c<C>_<mode> (median TPOT), dspark_<model>_accept_len_c<C>_<mode> (1 + accepted
-draft tokens per draft, vLLM's mean acceptance length), dspark_k3tiny_speedup_c<C>_<mode> (plain TPOT / spec
+draft tokens per draft, vLLM's mean acceptance length), dspark_<model>_speedup_c<C>_<mode> (plain TPOT / spec
 TPOT). The projection for real shapes: a random draft is almost never accepted, so the reduced mini's
 speculative TPOT is the cost of one speculative step (draft + verify of 1 + γ rows, one token out); divided by
 k3-tiny's measured acceptance length it is the TPOT a trained draft of that acceptance would give at these
@@ -28,7 +29,8 @@ import sys
 def read(folder):
     runs = {}
     for p in sorted(pathlib.Path(folder).glob("spec_*_c*.json")):
-        m = re.match(r"^spec_(k3tiny|mini)_(plain|host|gpu|gpueager|gpuperreq|gpugraph)_c(\d+)\.json$", p.name)
+        m = re.match(r"^spec_(k3tinytaskseos|k3tinytasks|k3tiny|mini)_(plain|host|gpu|gpueager|gpuperreq|gpugraph)_c(\d+)\.json$",
+                     p.name)
         if not m:
             continue
         r = json.loads(p.read_text())
@@ -44,10 +46,10 @@ def keys(runs):
             v[f"dspark_{model}_accept_len_c{c}_{mode}"] = r["spec_decode_acceptance_length"]
     for (model, mode, c), r in sorted(runs.items()):
         plain = runs.get((model, "plain", c))
-        if model == "k3tiny" and mode != "plain" and plain:
+        if model != "mini" and mode != "plain" and plain:
             t = r.get("median_tpot_ms")
             if t:
-                v[f"dspark_k3tiny_speedup_c{c}_{mode}"] = plain["median_tpot_ms"] / t
+                v[f"dspark_{model}_speedup_c{c}_{mode}"] = plain["median_tpot_ms"] / t
     for mode in ("host", "gpu", "gpueager", "gpuperreq", "gpugraph"):
         step = v.get(f"dspark_mini_tpot_ms_c1_{mode}")
         acc = v.get(f"dspark_k3tiny_accept_len_c1_{mode}")
