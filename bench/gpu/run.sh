@@ -209,7 +209,9 @@ case "${1:-}" in
     # of the verify graphs; gpuperreq: gpu with one draft call per request, KESTREL_DRAFT_BATCHED=0, the A/B of
     # the batched draft; gpugraph: gpu with the batched draft in CUDA graphs, KESTREL_DRAFT_GRAPHS=1), and the reduced mini with a random draft at real dimensions (make_draft.py
     # --config mini, 5 layers; its taps inside the 4 layers) at c = 1, plain and gpu: the cost of one speculative
-    # step at real shapes. spec_keys.py turns the result files into perf.json's dspark_* keys ($OUT/perf.json, a
+    # step at real shapes. SPEC_PROFILE=N (N ≥ 1; KESTREL_SPEC_PROFILE, runtime/spec_profile.h): the servers print
+    # a per-phase timing of the speculative steps to stderr (every N steps if N > 1, and at exit); each concurrency
+    # then runs on a server of its own and the summaries go to $out/spec_profile_NAME_MODE_cC.txt. spec_keys.py turns the result files into perf.json's dspark_* keys ($OUT/perf.json, a
     # copy of bench/gpu/perf.json with its "dspark" section replaced). Extra arguments go to the test binary.
     out="${OUT:-/tmp}"
     ck=/tmp/kestrel_ckpt
@@ -241,10 +243,11 @@ case "${1:-}" in
       KESTREL_SPEC_GRAPHS=$([ "$mode" = gpueager ] && echo 0 || echo 1) \
       KESTREL_DRAFT_BATCHED=$([ "$mode" = gpuperreq ] && echo 0 || echo 1) \
       KESTREL_DRAFT_GRAPHS=$([ "$mode" = gpugraph ] && echo 1 || echo 0) \
+      KESTREL_SPEC_PROFILE="${SPEC_PROFILE:-0}" \
       KESTREL_DRAFT_ON_GPU=$([ "${mode#gpu}" != "$mode" ] && echo 1 || echo 0) .gpu-carry/kestrel serve --device cuda --model "$model" \
-        --port "$port" --max-num-seqs 32 --memory-budget 16G "${args[@]}" >"$out/spec_serve_${name}_$mode.log" 2>&1 &
+        --port "$port" --max-num-seqs 32 --memory-budget 16G "${args[@]}" >"$out/spec_serve_${name}_$mode$tag.log" 2>&1 &
       local srv=$!
-      wait_healthy "$port" "$srv" || { echo "spec: $name $mode: the server did not come up"; tail -5 "$out/spec_serve_${name}_$mode.log"; return 0; }
+      wait_healthy "$port" "$srv" || { echo "spec: $name $mode: the server did not come up"; tail -5 "$out/spec_serve_${name}_$mode$tag.log"; return 0; }
       for c in "$@"; do
         n=$(( c == 1 ? 16 : 2 * c ))
         .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --tokenizer "$model" --input-len 256 --ignore-eos \
@@ -253,13 +256,25 @@ case "${1:-}" in
         grep -E "TPOT|Acceptance length|Output token throughput" "$out/spec_bench_${name}_${mode}_c$c.log" | sed "s/^/$name $mode c=$c: /"
       done
       kill $srv 2>/dev/null; wait $srv 2>/dev/null || true
+      if [ "${SPEC_PROFILE:-0}" != 0 ]; then
+        grep -A40 "^spec-profile" "$out/spec_serve_${name}_$mode$tag.log" | grep -E "^spec-profile|^  " \
+          >"$out/spec_profile_${name}_$mode$tag.txt" || true
+        if [ -s "$out/spec_profile_${name}_$mode$tag.txt" ]; then tail -30 "$out/spec_profile_${name}_$mode$tag.txt"; fi
+      fi
+    }
+    # spec_runs NAME MODEL DRAFT MODE C...: spec_run, one server per concurrency when profiling (a summary per c).
+    spec_runs() {
+      local name=$1 model=$2 draft=$3 mode=$4 c
+      shift 4
+      if [ "${SPEC_PROFILE:-0}" = 0 ] || [ "$mode" = plain ]; then tag="" spec_run "$name" "$model" "$draft" "$mode" "$@"; return; fi
+      for c in "$@"; do tag="_c$c" spec_run "$name" "$model" "$draft" "$mode" "$c"; done
     }
     for mode in ${SPEC_MODES:-plain host gpu gpuperreq gpugraph gpueager}; do
-      spec_run k3tiny models/k3-tiny models/k3-tiny-dspark "$mode" ${SPEC_CONC:-1 8 32}
+      spec_runs k3tiny models/k3-tiny models/k3-tiny-dspark "$mode" ${SPEC_CONC:-1 8 32}
     done
     wait "$mk" || true
     for mode in ${SPEC_MINI_MODES:-plain gpu gpugraph}; do
-      spec_run mini "$ck/mini" "$ck/mini-dspark" "$mode" 1
+      spec_runs mini "$ck/mini" "$ck/mini-dspark" "$mode" 1
     done
     cp bench/gpu/perf.json "$out/perf.json" 2>/dev/null || true
     python3 bench/gpu/spec_keys.py --dir "$out" --perf "$out/perf.json" --commit "$(cat .gpu-carry/COMMIT 2>/dev/null)" \

@@ -20,6 +20,7 @@
 #include "model/cuda/cuda_model.h"
 #include "model/cuda/dspark.h"
 #include "runtime/executor_cuda_spec.h"
+#include "runtime/spec_profile.h"
 #include "vision/cuda/vision_cuda.h"
 #include "vision/vision.h"
 
@@ -94,6 +95,7 @@ struct CudaExecutor::Impl {
   std::unordered_map<cache::RequestId, Media> media;
   std::unique_ptr<SpecDrafter> spec;         // options.speculative: the draft's rules (and host caches)
   std::unique_ptr<model::CudaDraft> gdraft;  // options.draft_on_gpu: the draft on the device
+  std::unique_ptr<SpecProfile> prof;         // KESTREL_SPEC_PROFILE: phase timing of speculative steps
   // Greedy verify blocks verified on their rows' device argmax (KESTREL_SPEC_DEVICE_GREEDY=0: on the host
   // from the rows' logits, as sampled blocks are).
   bool device_greedy = true;
@@ -227,6 +229,11 @@ CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const 
       const char* e = std::getenv("KESTREL_DRAFT_GRAPHS");
       if (options.cuda_graphs && e && std::string_view(e) == "1") impl_->gdraft->set_graphs(true);
     }
+    int64_t every = 0;
+    if (SpecProfile::enabled_from_env(&every)) {
+      SpecProfile* p = (impl_->prof = std::make_unique<SpecProfile>(static_cast<cudaStream_t>(model.stream()), every)).get();
+      if (impl_->gdraft) impl_->gdraft->set_marker([p](const char* phase) { p->mark(phase); });
+    }
   } else {
     model.set_taps({});  // the model may have served a speculating executor before
   }
@@ -239,7 +246,9 @@ CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const 
   }
 }
 
-CudaExecutor::~CudaExecutor() = default;
+CudaExecutor::~CudaExecutor() {
+  if (impl_ && impl_->gdraft) impl_->gdraft->set_marker({});  // the profile goes first (Impl's members)
+}
 
 sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks& hooks) {
   KCHECK(follower_ || bool(hooks.sample), "executor: no sampler hook");
@@ -258,6 +267,8 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
     KCUDA_CHECK(cudaEventRecord(impl_->ev_start, static_cast<cudaStream_t>(m.stream())));
   }
   const auto t_start = std::chrono::steady_clock::now();
+  SpecProfile* prof = follower_ ? nullptr : impl_->prof.get();
+  if (prof) prof->begin_step();
   for (const auto* list : {&plan.decodes, &plan.prefills})
     for (const sched::ScheduledSeq& x : *list)
       if (x.reset_state) m.zero_slot(cc, x.state_slot);
@@ -286,6 +297,8 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   // Speculative decodes: each block drafted now (the draft on the host or the GPU; its Markov chain, sequential
   // per request, on the host).
   SpecStep sp;
+  sp.prof = prof;
+  spec_mark(prof, "step.setup");
   if (spec) draft_blocks(*spec, impl_->gdraft.get(), order, hooks, sp, stats_);
   std::vector<model::CudaSeq> seqs;
   std::vector<int64_t> first_row(order.size(), -1);  // first logits row of each sequence
@@ -351,8 +364,10 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   std::vector<std::vector<int32_t>> embed_pos(order.size());  // i32 per sequence: positions within its chunk
   std::vector<model::CudaEmbedRows> embed;
   if (hooks.media_inputs) impl_->media_rows(vision_, order, hooks, embed, embed_pos, stats_);
+  spec_mark(prof, "step.build_seqs");
   const int64_t got = m.forward_batch(cc, seqs, embed);
   KCHECK(got == rows, "executor: {} logits rows, expected {}", got, rows);
+  spec_mark(prof, "target.forward");
   if (timed) KCUDA_CHECK(cudaEventRecord(impl_->ev_forward, static_cast<cudaStream_t>(m.stream())));
   const auto t_launch = std::chrono::steady_clock::now();
   // The forward runs: the engine starts the step's mask jobs now (they need nothing the launch needed).
@@ -383,6 +398,7 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
                                            mask_rows, mask_row};
   // The rows go to the device now, on a side stream beside the forward, not after it (CudaModel::stage_masks).
   if (mask_rows > 0 && !params.empty()) m.stage_masks(masks);
+  spec_mark(prof, "step.masks");
   // Rows that go to the host raw (every-row dumps, logprobs, verify blocks) are copied before the device
   // sampler penalises its rows in place; fallback rows after, already penalised.
   // Greedy verify blocks (unless KESTREL_SPEC_DEVICE_GREEDY=0): every verify row's argmax on the device (the
@@ -399,6 +415,7 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   if (any_dev_greedy) {
     sp.target_ids.assign(size_t(rows), -1);
     m.greedy_rows(vlo, vhi - vlo, sp.target_ids.data() + vlo);
+    spec_mark(prof, "verify.argmax_d2h_sync");
   }
   std::vector<float> logits;  // f32 [rows, V]
   bool host_raw = false, verify_rows = false;
@@ -415,6 +432,7 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
         m.copy_logits_rows(first_row[i], order[i]->end - order[i]->start, logits.data() + first_row[i] * V);
   }
   if (!any_dev_greedy) sp.target_ids.clear();
+  if (host_raw || verify_rows) spec_mark(prof, "verify.logits_d2h_sync");
   // Speculation: verify each block (the KDA state kept after its last accepted position), then every
   // sequence's committed rows' taps into the draft's caches.
   if (spec) verify_blocks(*spec, impl_->gdraft.get(), m, cc, order, hooks, logits, first_row, V, sp, stats_);
@@ -438,6 +456,7 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
       for (size_t k = 0; k < params.size(); ++k)
         if (ids[k] < 0) m.copy_logits_rows(params[k].row, 1, logits.data() + int64_t(params[k].row) * V);
     }
+    spec_mark(prof, "plain.sample_sync");
   }
   // Results in plan order, as the CPU executor gives them.
   sched::StepResult result;
@@ -470,8 +489,15 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
       result.seqs.push_back(r);
       ++stats_.samples;
     }
+  spec_mark(prof, "step.results");
   for (const cache::SlotCopy& cp : plan.copies_after) m.copy_slot(cc, cp.src, cp.dst);
   KCUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(m.stream())));
+  spec_mark(prof, "step.final_sync");
+  if (prof) {
+    int64_t nv = 0, drafted = 0;
+    for (const sched::ScheduledSeq* x : order) nv += x->num_draft > 0, drafted += x->num_draft;
+    prof->end_step(nv, drafted);
+  }
   stats_.forward_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (timed) {
     float ms = 0.0f;  // both events are done: the stream was synchronised

@@ -10,6 +10,7 @@
 #include "model/cuda/cuda_model.h"
 #include "model/cuda/dspark.h"
 #include "runtime/spec_decode.h"
+#include "runtime/spec_profile.h"
 
 namespace kestrel::runtime {
 
@@ -84,6 +85,7 @@ void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const s
                                       uint64_t(si.output.size()), gdraft ? base.data() : nullptr);
     }
   }
+  spec_mark(sp.prof, "draft.host_prep");
   if (!batch.empty()) {
     std::vector<int32_t> ids(batch.size() * size_t(bsteps));  // i32 [B, bsteps]
     gdraft->greedy_tokens_batch(bseqs, bsteps, ids.data());
@@ -105,6 +107,7 @@ void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const s
     sp.tokens[i] = {x.tokens[0]};
     sp.tokens[i].insert(sp.tokens[i].end(), b.tokens.begin(), b.tokens.end());
   }
+  spec_mark(sp.prof, "draft.host_post");
   st.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -165,21 +168,26 @@ void verify_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, model::CudaModel
     st.spec_accepted_tokens += o.accepted;
     // Keep: the KDA state after position start + τ (the trace, no recompute); the MLA rows past it are
     // garbage the next forward overwrites, the pages wholly past it the scheduler releases (shrink).
+    spec_mark(sp.prof, "verify.host");
     m.keep_verified(cc, k++, o.accepted);
+    spec_mark(sp.prof, "verify.keep_verified");
     const auto t0 = std::chrono::steady_clock::now();
     inject(i, o.accepted + 1);
     st.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    spec_mark(sp.prof, "inject.per_seq");
     std::vector<int32_t> emitted(sp.blocks[i].tokens.begin(), sp.blocks[i].tokens.begin() + o.accepted);
     emitted.push_back(o.next);
     sched::SeqResult r = hooks.take_tokens(x, emitted);
     r.id = x.id;
     sp.results[i] = r;
     st.samples += int64_t(r.accepted.size()) + 1;
+    spec_mark(sp.prof, "verify.take_tokens");
   }
   if (!pending.empty()) {
     const auto t0 = std::chrono::steady_clock::now();
     gdraft->inject_batch(pending, m.taps_device());
     st.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    spec_mark(sp.prof, "inject.batch");
   }
 }
 

@@ -20,6 +20,8 @@ struct CudaCache;
 
 namespace kestrel::runtime {
 
+class SpecProfile;  // spec_profile.h
+
 // One step's speculative state, indexed like the executor's batch order.
 struct SpecStep {
   std::vector<SpecDrafter::Block> blocks;   // the drafted tokens and q_i (f64 [γ, V])
@@ -29,6 +31,7 @@ struct SpecStep {
   // i32 [step rows]: each verify row's target argmax, computed on the device (CudaModel::greedy_rows) when a
   // greedy block is in the step — then only these ids crossed to the host, not the rows' logits; empty: none.
   std::vector<int32_t> target_ids;
+  SpecProfile* prof = nullptr;  // KESTREL_SPEC_PROFILE: the executor's phase timing (null: off)
 };
 
 // Drafts every speculative decode of `order` (num_draft > 0) over the draft's caches, which hold [0, start):

@@ -38,6 +38,10 @@ struct CudaDraft::Impl {
   const u16 *context_norm = nullptr, *final_norm = nullptr;
   const float* inv_freq = nullptr;  // f32 [R/2]
   const u16 *markov_w1 = nullptr, *markov_w2 = nullptr;  // bf16 [V, r] each: the Markov head (greedy_tokens)
+  std::function<void(const char*)> marker;  // CudaDraft::set_marker
+  void mark(const char* phase) const {
+    if (marker) marker(phase);
+  }
 
   const void* up(const void* host, size_t bytes) {
     owned.emplace_back(bytes);
@@ -328,6 +332,7 @@ struct CudaDraft::Impl {
   // The blocks' rows and then their greedy chains: ids device i32 [B, steps].
   void greedy_rows(const int32_t* meta, int64_t B, int64_t Sk, int64_t Smax, int64_t steps, int32_t* ids) {
     const float* lg = block_rows(meta, B, Sk, Smax);
+    if (x.graph.mode == gpu::GraphRecorder::Mode::eager) mark("draft.layers");
     const int32_t* anchors = meta + 5 * B * d.cfg->block_size;  // block_meta's layout
     cuda::dspark_markov_greedy(lg, d.cfg->block_size, markov_w1, markov_w2, anchors, B, d.cfg->vocab_size,
                                d.cfg->markov_rank, steps, ids, x.stream);
@@ -387,7 +392,10 @@ struct CudaDraft::Impl {
     const int32_t* ids = nullptr;  // device i32 [B, steps]
     if (!graphs_on) {
       int32_t* out = x.tmp<int32_t>(B * steps);
-      greedy_rows(upload_i32(block_meta(reqs, Sk)), B, Sk, Smax, steps, out);
+      const int32_t* meta = upload_i32(block_meta(reqs, Sk));
+      mark("draft.meta_upload");
+      greedy_rows(meta, B, Sk, Smax, steps, out);
+      mark("draft.markov_chain");
       ids = out;
     } else {
       KCHECK(x.graph.mode == gpu::GraphRecorder::Mode::eager, "draft: graphs while the model records one");
@@ -403,6 +411,7 @@ struct CudaDraft::Impl {
       // The stream is idle here (the previous step synced), so the pageable copy cannot overwrite `meta`
       // under a replay still reading it.
       KCUDA_CHECK(cudaMemcpyAsync(g.meta, meta.data(), meta.size() * 4, cudaMemcpyHostToDevice, x.stream));
+      mark("draft.meta_upload");
       if (!g.exec) {
         gpu::GraphRecorder& r = x.graph;
         r.mode = gpu::GraphRecorder::Mode::capture;
@@ -426,11 +435,14 @@ struct CudaDraft::Impl {
         r.mode = gpu::GraphRecorder::Mode::eager;
         r.bucket = nullptr;
       }
+      mark("draft.graph_capture");
       KCUDA_CHECK(cudaGraphLaunch(g.exec, x.stream));  // capturing did not run it
+      mark("draft.graph_replay");
       ids = g.ids;
     }
     KCUDA_CHECK(cudaMemcpyAsync(host, ids, size_t(B * steps) * 4, cudaMemcpyDeviceToHost, x.stream));
     KCUDA_CHECK(cudaStreamSynchronize(x.stream));  // the one sync of the batched draft
+    mark("draft.ids_d2h_sync");
     x.release_scratch();
   }
 
@@ -485,6 +497,7 @@ void CudaDraft::base_logits_batch(std::span<const BlockSeq> reqs, float* host) {
 void CudaDraft::greedy_tokens_batch(std::span<const BlockSeq> reqs, int64_t steps, int32_t* host) {
   impl_->greedy_tokens_batch(reqs, steps, host);
 }
+void CudaDraft::set_marker(std::function<void(const char*)> mark) { impl_->marker = std::move(mark); }
 void CudaDraft::set_graphs(bool on) {
   if (!on && !impl_->graphs.empty()) {
     KCUDA_CHECK(cudaStreamSynchronize(impl_->x.stream));

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 
@@ -67,6 +68,10 @@ class CudaDraft {
   // greedy_tokens_batch through CUDA graphs, one per (B, steps, latent-row bound, key bound), captured on
   // first use (off by default: the executor turns it on with KESTREL_DRAFT_GRAPHS=1). Off drops them.
   void set_graphs(bool on);
+  // Phase marks for the executor's profile (runtime/spec_profile.h, KESTREL_SPEC_PROFILE): called with a
+  // string literal at the end of each phase of the batched calls (upload, layers, chain, copy + sync);
+  // empty (the default): none.
+  void set_marker(std::function<void(const char*)> mark);
 
   struct Impl;  // model/cuda/dspark.cpp; only CudaModel::new_draft makes one
   explicit CudaDraft(std::unique_ptr<Impl> impl);
