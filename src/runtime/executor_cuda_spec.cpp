@@ -33,6 +33,15 @@ bool draft_batched() {
   }();
   return on;
 }
+// Every verify sequence's KDA keep in one launch after the verification loop (CudaModel::keep_verified_batch);
+// KESTREL_SPEC_KEEP=perseq: two copies per KDA layer and sequence inside the loop, as before (the A/B).
+bool keep_batched() {
+  static const bool on = [] {
+    const char* e = std::getenv("KESTREL_SPEC_KEEP");
+    return !(e && std::string_view(e) == "perseq");
+  }();
+  return on;
+}
 }  // namespace
 
 void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const sched::ScheduledSeq* const> order,
@@ -140,6 +149,8 @@ void verify_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, model::CudaModel
       spec.inject(x.block_table, x.start, taps.data() + row0[i] * width, n);
   };
   int64_t k = 0;  // verify sequences so far (the model's order of them)
+  const bool keep_batch = keep_batched();
+  std::vector<int64_t> keep;  // each verify sequence's last kept position, in the model's order
   for (size_t i = 0; i < order.size(); ++i) {
     const sched::ScheduledSeq& x = *order[i];
     if (x.num_draft == 0) {
@@ -168,20 +179,28 @@ void verify_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, model::CudaModel
     st.spec_accepted_tokens += o.accepted;
     // Keep: the KDA state after position start + τ (the trace, no recompute); the MLA rows past it are
     // garbage the next forward overwrites, the pages wholly past it the scheduler releases (shrink).
-    spec_mark(sp.prof, "verify.host");
-    m.keep_verified(cc, k++, o.accepted);
-    spec_mark(sp.prof, "verify.keep_verified");
+    if (keep_batch) {
+      keep.push_back(o.accepted);
+    } else {
+      spec_mark(sp.prof, "verify.host");
+      m.keep_verified(cc, k++, o.accepted);
+      spec_mark(sp.prof, "verify.keep_perseq");
+    }
     const auto t0 = std::chrono::steady_clock::now();
     inject(i, o.accepted + 1);
     st.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    spec_mark(sp.prof, "inject.per_seq");
+    if (!batched) spec_mark(sp.prof, "inject.per_seq");
     std::vector<int32_t> emitted(sp.blocks[i].tokens.begin(), sp.blocks[i].tokens.begin() + o.accepted);
     emitted.push_back(o.next);
     sched::SeqResult r = hooks.take_tokens(x, emitted);
     r.id = x.id;
     sp.results[i] = r;
     st.samples += int64_t(r.accepted.size()) + 1;
-    spec_mark(sp.prof, "verify.take_tokens");
+    spec_mark(sp.prof, "verify.host");
+  }
+  if (!keep.empty()) {
+    m.keep_verified_batch(cc, keep);
+    spec_mark(sp.prof, "verify.keep_batch");
   }
   if (!pending.empty()) {
     const auto t0 = std::chrono::steady_clock::now();
