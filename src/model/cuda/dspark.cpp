@@ -205,7 +205,8 @@ struct CudaDraft::Impl {
     }
     if (M == 0) return;
     KCHECK(taps && (In * 2) % 16 == 0, "draft: taps rows of {} bf16 are not 16-byte rows", In);
-    std::vector<int32_t> h(size_t(3 * M));  // i32 [3, M]: taps row, pool row, position of each injected row
+    std::vector<int32_t>& h = host_idx;  // i32 [3, M]: taps row, pool row, position of each injected row
+    h.resize(size_t(3 * M));
     int64_t k = 0;
     for (const auto& s : seqs)
       for (int64_t t = 0; t < s.n; ++t, ++k) {
@@ -237,10 +238,13 @@ struct CudaDraft::Impl {
   // ctx_b .. ctx_b+Nb−1; request b's latent rows (its context from the pools, then its block's) are
   // lo_b .. lo_b+ctx_b+Nb−1 of one [Sk, C+R] buffer. Sk ≥ Σ(ctx_b + Nb): a graph's padding copies pool row 0
   // into the unused latent rows, which no query reads.
-  std::vector<int32_t> block_meta(std::span<const CudaDraft::BlockSeq> reqs, int64_t Sk) const {
+  // Filled into host_meta (kept between calls: no host allocation once the shapes have been seen).
+  std::vector<int32_t> host_meta, host_idx;  // i32: block_meta's arrays; inject_batch's [3, M]
+  const std::vector<int32_t>& block_meta(std::span<const CudaDraft::BlockSeq> reqs, int64_t Sk) {
     const DraftConfig& c = *d.cfg;
     const int64_t B = int64_t(reqs.size()), Nb = c.block_size, T = B * Nb, Cn = Sk - T;
-    std::vector<int32_t> h(size_t(5 * T + B + 2 * Cn));
+    std::vector<int32_t>& h = host_meta;
+    h.resize(size_t(5 * T + B + 2 * Cn));
     int32_t *ids = h.data(), *pos = ids + T, *kb = pos + T, *kl = kb + T, *bd = kl + T, *an = bd + T, *cs = an + B,
             *cd = cs + Cn;
     int64_t lo = 0, cn = 0;
@@ -403,7 +407,7 @@ struct CudaDraft::Impl {
       const auto key = std::tuple{B, steps, SkB, SmaxB};
       if (!graphs.count(key) && graphs.size() >= kMaxGraphs) drop_graphs();
       DraftGraph& g = graphs[key];
-      const std::vector<int32_t> meta = block_meta(reqs, SkB);
+      const std::vector<int32_t>& meta = block_meta(reqs, SkB);
       if (!g.meta) {
         g.meta = static_cast<int32_t*>(x.alloc.alloc(meta.size() * 4));
         g.ids = static_cast<int32_t*>(x.alloc.alloc(size_t(B * steps) * 4));

@@ -63,7 +63,8 @@ class CudaDraft {
   // greedy_tokens() of every request at once: the blocks through the draft layers together, the Markov chains
   // in one launch, the first `steps` tokens of each into host i32 [B, steps] with one copy and one sync.
   void greedy_tokens_batch(std::span<const BlockSeq> reqs, int64_t steps, int32_t* host /* i32 [B, steps] */);
-  // base_logits() of every request at once: host f32 [B, Nb, V] (tests; the sampled path stays per request).
+  // base_logits() of every request at once: host f32 [B, Nb, V], one copy and one sync (the executor's sampled
+  // blocks; their Markov chains run on the host).
   void base_logits_batch(std::span<const BlockSeq> reqs, float* host /* f32 [B, Nb, V] */);
   // greedy_tokens_batch through CUDA graphs, one per (B, steps, latent-row bound, key bound), captured on
   // first use (off by default: the executor turns it on with KESTREL_DRAFT_GRAPHS=1). Off drops them.
