@@ -10,7 +10,8 @@
 // greedy_tokens_batch, base_logits_batch): every request of a step in one launch sequence — index arrays
 // uploaded once, RoPE at per-row positions, the attention varlen over requests — with at most one host sync
 // (the copy of the results). The executor uses the batched form unless KESTREL_DRAFT_BATCHED=0; its greedy
-// draft can run as one CUDA graph per step shape (set_graphs, KESTREL_DRAFT_GRAPHS=1).
+// draft runs as one CUDA graph per step shape (set_graphs) when CUDA graphs are on, unless
+// KESTREL_DRAFT_GRAPHS=0.
 #pragma once
 
 #include <cstdint>
@@ -67,7 +68,8 @@ class CudaDraft {
   // blocks; their Markov chains run on the host).
   void base_logits_batch(std::span<const BlockSeq> reqs, float* host /* f32 [B, Nb, V] */);
   // greedy_tokens_batch through CUDA graphs, one per (B, steps, latent-row bound, key bound), captured on
-  // first use (off by default: the executor turns it on with KESTREL_DRAFT_GRAPHS=1). Off drops them.
+  // first use (off until set: the executor turns it on with CUDA graphs unless KESTREL_DRAFT_GRAPHS=0). Off
+  // drops them.
   void set_graphs(bool on);
   // Phase marks for the executor's profile (runtime/spec_profile.h, KESTREL_SPEC_PROFILE): called with a
   // string literal at the end of each phase of the batched calls (upload, layers, chain, copy + sync);
