@@ -438,8 +438,8 @@ struct CudaDraft::Impl {
         }
         r.mode = gpu::GraphRecorder::Mode::eager;
         r.bucket = nullptr;
+        mark("draft.graph_capture");
       }
-      mark("draft.graph_capture");
       KCUDA_CHECK(cudaGraphLaunch(g.exec, x.stream));  // capturing did not run it
       mark("draft.graph_replay");
       ids = g.ids;
