@@ -9,7 +9,7 @@
 // Two forms: one request per call (inject, base_logits, greedy_tokens), and the batched draft (inject_batch,
 // greedy_tokens_batch, base_logits_batch): every request of a step in one launch sequence — index arrays
 // uploaded once, RoPE at per-row positions, the attention varlen over requests — with at most one host sync
-// (the copy of the results). The executor uses the batched form unless KESTREL_DRAFT_BATCHED=0; its greedy
+// (the copy of the results). The per-request calls are the batched ones with B = 1 (one code path). The executor uses the batched form unless KESTREL_DRAFT_BATCHED=0; its greedy
 // draft runs as one CUDA graph per step shape (set_graphs) when CUDA graphs are on, unless
 // KESTREL_DRAFT_GRAPHS=0.
 #pragma once
@@ -32,11 +32,12 @@ class CudaDraft {
 
   // Taps of positions [pos0, pos0 + T) of the request whose pages are `table` (device bf16 [T, n·Dt], e.g.
   // CudaModel::taps_device() rows) → H_ctx → each draft layer's latent row [ĉ | RoPE(k_pe)] at its pool row.
+  // Queued on the stream, no sync: taps_dev must stay valid until the stream has passed it.
   void inject(std::span<const int32_t> table, int64_t pos0, const uint16_t* taps_dev, int64_t T);
   // The same from host taps (tests).
   void inject_host(std::span<const int32_t> table, int64_t pos0, const uint16_t* taps_host, int64_t T);
-  // The block `tokens` (Nb ids) at ctx .. ctx+Nb−1 over the pools holding [0, ctx): lm_head of the
-  // final-normed states, host f32 [Nb, V].
+  // The block `tokens` (Nb ids, the §5 block [anchor, mask × (Nb−1)]; anything else is an error) at
+  // ctx .. ctx+Nb−1 over the pools holding [0, ctx): lm_head of the final-normed states, host f32 [Nb, V].
   void base_logits(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens,
                    float* host /* f32 [Nb, V] */);
 
