@@ -245,6 +245,11 @@ CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const 
       // GpuSpec.* pass with it; KESTREL_DRAFT_GRAPHS=0 turns it off (eager launches, the A/B).
       const char* e = std::getenv("KESTREL_DRAFT_GRAPHS");
       if (options.cuda_graphs && !(e && std::string_view(e) == "0")) impl_->gdraft->set_graphs(true);
+      // The draft's attention in the latent space (CudaDraft::set_absorbed): KESTREL_DRAFT_ATTN=absorbed; off by
+      // default until measured on the device (it is what the real-shape draft needs: the naive form expands
+      // every context row through kv_b each step).
+      const char* a = std::getenv("KESTREL_DRAFT_ATTN");
+      if (a && std::string_view(a) == "absorbed") impl_->gdraft->set_absorbed(true);
     }
     int64_t every = 0;
     if (SpecProfile::enabled_from_env(&every)) {

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <tuple>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "kernels/cuda/dspark.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/norm.h"
+#include "kernels/cuda/paged.h"
 #include "kernels/cuda/rows.h"
 #include "model/common.h"
 #include "model/dspark.h"
@@ -39,6 +41,7 @@ struct CudaDraft::Impl {
   const float* inv_freq = nullptr;  // f32 [R/2]
   const u16 *markov_w1 = nullptr, *markov_w2 = nullptr;  // bf16 [V, r] each: the Markov head (greedy_tokens)
   std::function<void(const char*)> marker;  // CudaDraft::set_marker
+  bool absorbed = false;                     // CudaDraft::set_absorbed: the attention in the latent space
   void mark(const char* phase) const {
     if (marker) marker(phase);
   }
@@ -164,11 +167,15 @@ struct CudaDraft::Impl {
   // into the unused latent rows, which no query reads.
   // Filled into host_meta (kept between calls: no host allocation once the shapes have been seen).
   std::vector<int32_t> host_meta, host_idx;  // i32: block_meta's arrays; inject_batch's [3, M]
-  const std::vector<int32_t>& block_meta(std::span<const CudaDraft::BlockSeq> reqs, int64_t Sk) {
+  // The absorbed attention (set_absorbed) reads two more arrays after those: each block row's request [T]
+  // and a block table per request [B, Smax] whose "pages" are single latent rows (block size 1: entry p of
+  // request b is its latent row lo_b + p, −1 past its ctx_b + Nb keys), so mla_decode_paged reads the
+  // gathered latent rows as a paged cache.
+  const std::vector<int32_t>& block_meta(std::span<const CudaDraft::BlockSeq> reqs, int64_t Sk, int64_t Smax) {
     const DraftConfig& c = *d.cfg;
     const int64_t B = int64_t(reqs.size()), Nb = c.block_size, T = B * Nb, Cn = Sk - T;
     std::vector<int32_t>& h = host_meta;
-    h.resize(size_t(5 * T + B + 2 * Cn));
+    h.resize(size_t(5 * T + B + 2 * Cn + (absorbed ? T + B * Smax : 0)));
     int32_t *ids = h.data(), *pos = ids + T, *kb = pos + T, *kl = kb + T, *bd = kl + T, *an = bd + T, *cs = an + B,
             *cd = cs + Cn;
     int64_t lo = 0, cn = 0;
@@ -190,6 +197,17 @@ struct CudaDraft::Impl {
     }
     KCHECK(lo <= Sk, "draft: {} latent rows for a bound of {}", lo, Sk);
     for (int64_t k = 0; cn < Cn; ++cn, ++k) cs[cn] = 0, cd[cn] = int32_t(lo + k);  // padding (graphs)
+    if (absorbed) {
+      int32_t *rq = cd + Cn, *bt = rq + T;
+      lo = 0;
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t S = reqs[size_t(b)].ctx + Nb;
+        KCHECK(S <= Smax, "draft: {} keys for a bound of {}", S, Smax);
+        for (int64_t j = 0; j < Nb; ++j) rq[b * Nb + j] = int32_t(b);
+        for (int64_t p = 0; p < Smax; ++p) bt[b * Smax + p] = p < S ? int32_t(lo + p) : -1;
+        lo += S;
+      }
+    }
     return h;
   }
   static void block_sizes(std::span<const CudaDraft::BlockSeq> reqs, int64_t Nb, int64_t& Sk, int64_t& Smax) {
@@ -202,7 +220,11 @@ struct CudaDraft::Impl {
   // launch reads its indices from there and nothing crosses to the host, so the sequence is capturable
   // (graphs below). Every op is per row or per request (RoPE at each row's position, the attention varlen over
   // the request's own keys), so a request's rows get the same bits at any B wherever the GEMMs are row
-  // invariant (the skinny GEMM, linear.h). Sk: latent rows, Smax ≥ the longest request's keys (the attention scratch's stride).
+  // invariant (the skinny GEMM, linear.h). Sk: latent rows, Smax ≥ the longest request's keys (the attention
+  // scratch's stride). The attention: naive (kv_b expands every context row of every request each step, then
+  // dspark_attend_varlen: the CPU twin's form) or, with set_absorbed, absorbed as the target's MLA decode
+  // (mla_decode_paged over the gathered latent rows: q̃ = W_UKᵀ q_nope per row, scores against ĉ, o = W_UV ô;
+  // no [Sk, Hm·(N+Dv)] expansion — equal in exact arithmetic, q̃ and p rounded to bf16 there).
   // Returns device f32 [B·Nb, V] in scratch (the caller releases it).
   const float* block_rows(const int32_t* meta, int64_t B, int64_t Sk, int64_t Smax) {
     const DraftConfig& c = *d.cfg;
@@ -222,11 +244,33 @@ struct CudaDraft::Impl {
     u16* q = x.tmp<u16>(T * Hm * QK);       // bf16 [T, Hm·(N+R)]
     u16* blk = x.tmp<u16>(T * CW);          // bf16 [T, C+R]: the blocks' latent rows
     u16* latent = x.tmp<u16>(Sk * CW);      // bf16 [Sk, C+R]: per request its context rows, then its block's
-    u16* kv = x.tmp<u16>(Sk * Hm * (N + Dv));  // bf16 [Sk, Hm·(N+Dv)]
     u16* o = x.tmp<u16>(T * Hm * Dv);       // bf16 [T, Hm·Dv]
     u16* g = x.tmp<u16>(T * F);             // bf16 [T, Fd]
     u16* u = x.tmp<u16>(T * F);             // bf16 [T, Fd]
-    float* scratch = x.tmp<float>(T * Hm * Smax);  // f32 [T, Hm, Smax]
+    // Naive attention: every latent row expanded, and the scores. Absorbed: the decode kernel's workspace,
+    // the latent rows seen as a paged cache of 1-row pages through block_meta's per-request tables.
+    u16* kv = nullptr;          // bf16 [Sk, Hm·(N+Dv)]
+    float* scratch = nullptr;   // f32 [T, Hm, Smax]
+    void* ws = nullptr;         // mla_decode_paged_workspace_bytes(dims, T, Smax)
+    const cuda::MlaDims dims{Hm, N, R, Dv, C};
+    cuda::PagedMlaCache pv;
+    cuda::MlaPagedBatch pb;
+    // The draft's softmax scale (YaRN's mscale² included) over the kernel's (N+R)^−½, folded into q.
+    const float q_mul = d.rope.softmax_scale * std::sqrt(float(QK));
+    if (absorbed) {
+      const int32_t* req = cdst + Cn;  // i32 [T], then the tables i32 [B, Smax]
+      ws = x.tmp<char>(int64_t(cuda::mla_decode_paged_workspace_bytes(dims, T, Smax)));
+      pv.latent_format = LatentFormat::bf16;
+      pv.block_size = 1;
+      pv.C = C, pv.R = R, pv.Di = 0;
+      pv.latent = reinterpret_cast<uint8_t*>(latent);
+      pv.block_tables = req + T;
+      pv.bt_stride = Smax;
+      pb = cuda::MlaPagedBatch{klen, req, nullptr, 0, T, Smax};
+    } else {
+      kv = x.tmp<u16>(Sk * Hm * (N + Dv));
+      scratch = x.tmp<float>(T * Hm * Smax);
+    }
     for (const Layer& l : layers) {
       cuda::rmsnorm_bf16(h, D, l.input_norm, xn, D, T, D, eps, x.stream);
       gpu::linear(x, l.q_a, xn, D, T, qa, Q);
@@ -238,9 +282,15 @@ struct CudaDraft::Impl {
       cuda::rmsnorm_bf16(blk, CW, l.kv_a_norm, blk, CW, T, C, eps, x.stream);
       cuda::dspark_rope_interleaved(blk + C, CW, T, 1, 0, 0, inv_freq, d.rope.cos_sin_mul, R, x.stream, pos);
       cuda::copy_rows(blk, nullptr, latent, bdst, T, CW * 2, x.stream);
-      gpu::linear(x, l.kv_b, latent, CW, Sk, kv, Hm * (N + Dv));
-      cuda::dspark_attend_varlen(q, kv, latent, T, kbeg, klen, Smax, Hm, N, R, Dv, C, d.rope.softmax_scale, scratch,
-                                 o, x.stream);
+      if (absorbed) {
+        KCHECK(l.kv_b.w, "draft: the absorbed attention needs kv_b in bf16");
+        if (q_mul != 1.0f) cuda::dspark_scale_bf16(q, T * Hm * QK, q_mul, x.stream);
+        cuda::mla_decode_paged(x.lt, dims, q, l.kv_b.w, pv, pb, ws, o, x.stream);
+      } else {
+        gpu::linear(x, l.kv_b, latent, CW, Sk, kv, Hm * (N + Dv));
+        cuda::dspark_attend_varlen(q, kv, latent, T, kbeg, klen, Smax, Hm, N, R, Dv, C, d.rope.softmax_scale, scratch,
+                                   o, x.stream);
+      }
       gpu::linear(x, l.o, o, Hm * Dv, T, y, D);
       cuda::add_bf16(h, y, h, T * D, x.stream);
       cuda::rmsnorm_bf16(h, D, l.post_attn_norm, xn, D, T, D, eps, x.stream);
@@ -272,7 +322,7 @@ struct CudaDraft::Impl {
     KCHECK(B > 0, "draft: a batched block of no requests");
     int64_t Sk, Smax;
     block_sizes(reqs, Nb, Sk, Smax);
-    const float* lg = block_rows(upload_i32(block_meta(reqs, Sk)), B, Sk, Smax);
+    const float* lg = block_rows(upload_i32(block_meta(reqs, Sk, Smax)), B, Sk, Smax);
     KCUDA_CHECK(cudaMemcpyAsync(host, lg, size_t(B * Nb * V) * 4, cudaMemcpyDeviceToHost, x.stream));
     KCUDA_CHECK(cudaStreamSynchronize(x.stream));
     x.release_scratch();
@@ -321,7 +371,7 @@ struct CudaDraft::Impl {
     const int32_t* ids = nullptr;  // device i32 [B, steps]
     if (!graphs_on) {
       int32_t* out = x.tmp<int32_t>(B * steps);
-      const int32_t* meta = upload_i32(block_meta(reqs, Sk));
+      const int32_t* meta = upload_i32(block_meta(reqs, Sk, Smax));
       mark("draft.meta_upload");
       greedy_rows(meta, B, Sk, Smax, steps, out);
       mark("draft.markov_chain");
@@ -332,7 +382,7 @@ struct CudaDraft::Impl {
       const auto key = std::tuple{B, steps, SkB, SmaxB};
       if (!graphs.count(key) && graphs.size() >= kMaxGraphs) drop_graphs();
       DraftGraph& g = graphs[key];
-      const std::vector<int32_t>& meta = block_meta(reqs, SkB);
+      const std::vector<int32_t>& meta = block_meta(reqs, SkB, SmaxB);
       if (!g.meta) {
         g.meta = static_cast<int32_t*>(x.alloc.alloc(meta.size() * 4));
         g.ids = static_cast<int32_t*>(x.alloc.alloc(size_t(B * steps) * 4));
@@ -414,6 +464,14 @@ void CudaDraft::inject_batch(std::span<const InjectSeq> seqs, const uint16_t* ta
 void CudaDraft::base_logits_batch(std::span<const BlockSeq> reqs, float* host) { impl_->base_logits_batch(reqs, host); }
 void CudaDraft::greedy_tokens_batch(std::span<const BlockSeq> reqs, int64_t steps, int32_t* host) {
   impl_->greedy_tokens_batch(reqs, steps, host);
+}
+void CudaDraft::set_absorbed(bool on) {
+  if (on == impl_->absorbed) return;
+  if (!impl_->graphs.empty()) {  // their index layout and kernels are the other form's
+    KCUDA_CHECK(cudaStreamSynchronize(impl_->x.stream));
+    impl_->drop_graphs();
+  }
+  impl_->absorbed = on;
 }
 void CudaDraft::set_marker(std::function<void(const char*)> mark) { impl_->marker = std::move(mark); }
 void CudaDraft::set_graphs(bool on) {

@@ -72,6 +72,12 @@ class CudaDraft {
   // first use (off until set: the executor turns it on with CUDA graphs unless KESTREL_DRAFT_GRAPHS=0). Off
   // drops them.
   void set_graphs(bool on);
+  // The draft's attention in the latent space (the target's absorbed MLA decode, kernels/cuda/paged.h
+  // mla_decode_paged, over the gathered latent rows) instead of expanding every context row through kv_b each
+  // step (naive, the CPU twin's form and the default). Equal in exact arithmetic; q̃ and p rounded to bf16 (rel
+  // L2 of the base logits ≲ 1e-2 on nano, GpuSpec.AbsorbedDraftMatchesNaive). The executor turns it on with
+  // KESTREL_DRAFT_ATTN=absorbed. Switching drops the draft's graphs.
+  void set_absorbed(bool on);
   // Phase marks for the executor's profile (runtime/spec_profile.h, KESTREL_SPEC_PROFILE): called with a
   // string literal at the end of each phase of the batched calls (upload, layers, chain, copy + sync);
   // empty (the default): none.
