@@ -209,7 +209,7 @@ case "${1:-}" in
     # of the verify graphs; gpuperreq: gpu with one draft call per request, KESTREL_DRAFT_BATCHED=0, the A/B of
     # the batched draft; gpu runs the batched draft in CUDA graphs, the default since issue #19 point 4; gpunograph:
     # gpu with the draft's launches eager, KESTREL_DRAFT_GRAPHS=0, the A/B; gpugraph: the same as gpu, kept for
-    # older result files), and the reduced mini with a random draft at real dimensions (make_draft.py
+    # older result files; gpuabs: gpu with the draft's attention absorbed, KESTREL_DRAFT_ATTN=absorbed), and the reduced mini with a random draft at real dimensions (make_draft.py
     # --config mini, 5 layers; its taps inside the 4 layers) at c = 1, plain and gpu: the cost of one speculative
     # step at real shapes. SPEC_PROFILE=N (N ≥ 1; KESTREL_SPEC_PROFILE, runtime/spec_profile.h): the servers print
     # a per-phase timing of the speculative steps to stderr (every N steps if N > 1, and at exit); each concurrency
@@ -246,6 +246,7 @@ case "${1:-}" in
       KESTREL_DRAFT_BATCHED=$([ "$mode" = gpuperreq ] && echo 0 || echo 1) \
       KESTREL_DRAFT_GRAPHS=$([ "$mode" = gpunograph ] && echo 0 || echo 1) \
       KESTREL_SPEC_PROFILE="${SPEC_PROFILE:-0}" \
+      KESTREL_DRAFT_ATTN=$([ "$mode" = gpuabs ] && echo absorbed || echo naive) \
       KESTREL_DRAFT_ON_GPU=$([ "${mode#gpu}" != "$mode" ] && echo 1 || echo 0) .gpu-carry/kestrel serve --device cuda --model "$model" \
         --port "$port" --max-num-seqs 32 --memory-budget 16G "${args[@]}" >"$out/spec_serve_${name}_$mode$tag.log" 2>&1 &
       local srv=$!
@@ -271,11 +272,11 @@ case "${1:-}" in
       if [ "${SPEC_PROFILE:-0}" = 0 ] || [ "$mode" = plain ]; then tag="" spec_run "$name" "$model" "$draft" "$mode" "$@"; return; fi
       for c in "$@"; do tag="_c$c" spec_run "$name" "$model" "$draft" "$mode" "$c"; done
     }
-    for mode in ${SPEC_MODES:-plain host gpu gpuperreq gpunograph gpueager}; do
+    for mode in ${SPEC_MODES:-plain host gpu gpuperreq gpunograph gpueager gpuabs}; do
       spec_runs k3tiny models/k3-tiny models/k3-tiny-dspark "$mode" ${SPEC_CONC:-1 8 32}
     done
     wait "$mk" || true
-    for mode in ${SPEC_MINI_MODES:-plain gpu gpunograph}; do
+    for mode in ${SPEC_MINI_MODES:-plain gpu gpunograph gpuabs}; do
       spec_runs mini "$ck/mini" "$ck/mini-dspark" "$mode" 1
     done
     cp bench/gpu/perf.json "$out/perf.json" 2>/dev/null || true
