@@ -55,6 +55,9 @@ size_t SpecProfile::sum(const char* phase) {
 void SpecProfile::end_step(int64_t verify_seqs, int64_t draft_tokens) {
   mark("(end)");
   if (verify_seqs <= 0 || marks_.size() < 2) return;
+  // The last marks may follow the step's sync: wait for the last event (the stream is idle by then, so this
+  // costs nothing) — cudaEventElapsedTime fails on an event not yet reached.
+  KCUDA_CHECK(cudaEventSynchronize(marks_.back().ev));
   // A phase marked several times in one step (per-sequence work) counts once in `count`.
   std::vector<size_t> seen;  // indices into sums_ (it may grow below)
   for (size_t i = 1; i < marks_.size(); ++i) {

@@ -35,7 +35,7 @@ class SpecProfile {
 
   void begin_step();
   void mark(const char* phase);  // `phase` must be a string literal (kept by pointer, compared by text)
-  // After the step's last stream sync (every event is complete): sums the step's phases if it verified
+  // At the step's end (it waits for the last event itself): sums the step's phases if it verified
   // any sequence (verify_seqs > 0, with draft_tokens drafted in all), reports every `every` steps.
   void end_step(int64_t verify_seqs, int64_t draft_tokens);
 
