@@ -9,11 +9,15 @@
 //     bit for bit the same, and each kept slot must hold exactly the trace row of its position — for positions
 //     0 (only the anchor kept), the block's last (all accepted) and mixed ones. A batched keep that did nothing
 //     fails: some positions differ from the forward's final state, which the pools hold before the keep.
+//  3. GpuSpec.ProfileSumsPhasesOfSpeculativeSteps: runtime/spec_profile.h (KESTREL_SPEC_PROFILE) over marks
+//     recorded after a sync, as the executor's last ones are: its summary (every 2 steps) names each phase with
+//     its count, skips a step without verify sequences, and reads events the stream has not reached yet.
 // Kept apart from test_spec_gpu.cpp (already past the ~600-line guide); same GpuSpec.* filter.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -27,6 +31,7 @@
 #include "loader/weights.h"
 #include "model/cuda/cache.h"
 #include "model/cuda/cuda_model.h"
+#include "runtime/spec_profile.h"
 
 namespace kestrel::gputest {
 namespace {
@@ -196,6 +201,39 @@ TEST(GpuSpec, KeepVerifiedBatchedEqualsPerSequence) {
     }
   }
   note(fmt::format("{:<28} {:<34} {} cases bit-exact", "keep_verified_batch", "nano B=1,3,5", cases));
+}
+
+TEST(GpuSpec, ProfileSumsPhasesOfSpeculativeSteps) {
+  cudaStream_t st = nullptr;
+  KCUDA_CHECK(cudaStreamCreate(&st));
+  auto dbuf = poisoned<uint8_t>(size_t(1) << 24);  // 16 MB: a device memset keeps the stream busy a little
+  testing::internal::CaptureStderr();
+  {
+    runtime::SpecProfile p(st, 2);
+    for (int step = 0; step < 3; ++step) {
+      p.begin_step();
+      KCUDA_CHECK(cudaMemsetAsync(dbuf.p(), step, size_t(1) << 24, st));
+      p.mark("phase.one");
+      p.mark("phase.two");
+      p.mark("phase.two");  // twice in a step: counted once
+      KCUDA_CHECK(cudaMemsetAsync(dbuf.p(), step + 1, size_t(1) << 24, st));  // the last mark follows queued work
+      p.mark("phase.three");
+      p.end_step(step == 1 ? 0 : 3, 21);  // step 1 verified nothing: not summed
+    }
+  }  // two summed steps: one report at the second, none left at destruction
+  const std::string err = testing::internal::GetCapturedStderr();
+  KCUDA_CHECK(cudaStreamDestroy(st));
+  note(fmt::format("{:<28} {:<34} {} bytes of summary", "spec profile", "3 steps, every 2", err.size()));
+  EXPECT_NE(err.find("spec-profile #1: 2 speculative steps, 3.00 verify sequences"), std::string::npos) << err;
+  EXPECT_EQ(err.find("spec-profile #2"), std::string::npos) << err;
+  for (const char* ph : {"phase.one", "phase.two", "phase.three"}) {
+    const size_t at = err.find(std::string("  ") + ph);
+    ASSERT_NE(at, std::string::npos) << ph << " missing:\n" << err;
+    const std::string line = err.substr(at, err.find('\n', at) - at);
+    int64_t count = -1;
+    std::sscanf(line.c_str() + 2 + std::strlen(ph), "%ld", &count);
+    EXPECT_EQ(count, 2) << line;
+  }
 }
 
 }  // namespace
