@@ -207,9 +207,13 @@ case "${1:-}" in
     # c = SPEC_CONC (default 1 8 32) in SPEC_MODES (plain, host: the draft on the host, gpu: the draft on the
     # device, KESTREL_DRAFT_ON_GPU=1, gpueager: gpu with the verify steps eager, KESTREL_SPEC_GRAPHS=0, the A/B
     # of the verify graphs; gpuperreq: gpu with one draft call per request, KESTREL_DRAFT_BATCHED=0, the A/B of
-    # the batched draft; gpugraph: gpu with the batched draft in CUDA graphs, KESTREL_DRAFT_GRAPHS=1), and the reduced mini with a random draft at real dimensions (make_draft.py
+    # the batched draft; gpu runs the batched draft in CUDA graphs, the default since issue #19 point 4; gpunograph:
+    # gpu with the draft's launches eager, KESTREL_DRAFT_GRAPHS=0, the A/B; gpugraph: the same as gpu, kept for
+    # older result files; gpuabs: gpu with the draft's attention absorbed, KESTREL_DRAFT_ATTN=absorbed), and the reduced mini with a random draft at real dimensions (make_draft.py
     # --config mini, 5 layers; its taps inside the 4 layers) at c = 1, plain and gpu: the cost of one speculative
-    # step at real shapes. spec_keys.py turns the result files into perf.json's dspark_* keys ($OUT/perf.json, a
+    # step at real shapes. SPEC_PROFILE=N (N ≥ 1; KESTREL_SPEC_PROFILE, runtime/spec_profile.h): the servers print
+    # a per-phase timing of the speculative steps to stderr (every N steps if N > 1, and at exit); each concurrency
+    # then runs on a server of its own and the summaries go to $out/spec_profile_NAME_MODE_cC.txt. spec_keys.py turns the result files into perf.json's dspark_* keys ($OUT/perf.json, a
     # copy of bench/gpu/perf.json with its "dspark" section replaced). Extra arguments go to the test binary.
     out="${OUT:-/tmp}"
     ck=/tmp/kestrel_ckpt
@@ -240,11 +244,13 @@ case "${1:-}" in
       [ "$mode" != plain ] && args=(--speculative-config "{\"method\":\"dspark\",\"model\":\"$draft\",\"num_speculative_tokens\":7}")
       KESTREL_SPEC_GRAPHS=$([ "$mode" = gpueager ] && echo 0 || echo 1) \
       KESTREL_DRAFT_BATCHED=$([ "$mode" = gpuperreq ] && echo 0 || echo 1) \
-      KESTREL_DRAFT_GRAPHS=$([ "$mode" = gpugraph ] && echo 1 || echo 0) \
+      KESTREL_DRAFT_GRAPHS=$([ "$mode" = gpunograph ] && echo 0 || echo 1) \
+      KESTREL_SPEC_PROFILE="${SPEC_PROFILE:-0}" \
+      KESTREL_DRAFT_ATTN=$([ "$mode" = gpuabs ] && echo absorbed || echo naive) \
       KESTREL_DRAFT_ON_GPU=$([ "${mode#gpu}" != "$mode" ] && echo 1 || echo 0) .gpu-carry/kestrel serve --device cuda --model "$model" \
-        --port "$port" --max-num-seqs 32 --memory-budget 16G "${args[@]}" >"$out/spec_serve_${name}_$mode.log" 2>&1 &
+        --port "$port" --max-num-seqs 32 --memory-budget 16G "${args[@]}" >"$out/spec_serve_${name}_$mode$tag.log" 2>&1 &
       local srv=$!
-      wait_healthy "$port" "$srv" || { echo "spec: $name $mode: the server did not come up"; tail -5 "$out/spec_serve_${name}_$mode.log"; return 0; }
+      wait_healthy "$port" "$srv" || { echo "spec: $name $mode: the server did not come up"; tail -5 "$out/spec_serve_${name}_$mode$tag.log"; return 0; }
       # The prompts: random words (256 tokens, 128 out, --ignore-eos), or for k3tinytasks / k3tinytaskseos k3-tiny's
       # own eval prompts through the chat endpoint, 128 tokens out with / without --ignore-eos.
       local data=(--input-len 256 --ignore-eos)
@@ -260,9 +266,21 @@ case "${1:-}" in
         grep -E "TPOT|Acceptance length|Output token throughput" "$out/spec_bench_${name}_${mode}_c$c.log" | sed "s/^/$name $mode c=$c: /"
       done
       kill $srv 2>/dev/null; wait $srv 2>/dev/null || true
+      if [ "${SPEC_PROFILE:-0}" != 0 ]; then
+        grep -A40 "^spec-profile" "$out/spec_serve_${name}_$mode$tag.log" | grep -E "^spec-profile|^  " \
+          >"$out/spec_profile_${name}_$mode$tag.txt" || true
+        if [ -s "$out/spec_profile_${name}_$mode$tag.txt" ]; then tail -30 "$out/spec_profile_${name}_$mode$tag.txt"; fi
+      fi
     }
-    for mode in ${SPEC_MODES:-plain host gpu gpuperreq gpugraph gpueager}; do
-      spec_run k3tiny models/k3-tiny models/k3-tiny-dspark "$mode" ${SPEC_CONC:-1 8 32}
+    # spec_runs NAME MODEL DRAFT MODE C...: spec_run, one server per concurrency when profiling (a summary per c).
+    spec_runs() {
+      local name=$1 model=$2 draft=$3 mode=$4 c
+      shift 4
+      if [ "${SPEC_PROFILE:-0}" = 0 ] || [ "$mode" = plain ]; then tag="" spec_run "$name" "$model" "$draft" "$mode" "$@"; return; fi
+      for c in "$@"; do tag="_c$c" spec_run "$name" "$model" "$draft" "$mode" "$c"; done
+    }
+    for mode in ${SPEC_MODES:-plain host gpu gpuperreq gpunograph gpueager gpuabs}; do
+      spec_runs k3tiny models/k3-tiny models/k3-tiny-dspark "$mode" ${SPEC_CONC:-1 8 32}
     done
     # k3-tiny on the prompts it and its draft were made for (its eval sets: chat, tool calls, arithmetic, pass
     # keys; kestrel bench --dataset custom), where acceptance is the model card's rather than random words' worst
@@ -271,12 +289,12 @@ case "${1:-}" in
     tasks=/tmp/spec_tasks.jsonl
     cat models/k3-tiny/eval/*.jsonl > "$tasks"
     for mode in ${SPEC_TASK_MODES:-plain gpu}; do
-      spec_run k3tinytasks models/k3-tiny models/k3-tiny-dspark "$mode" ${SPEC_CONC:-1 8 32}
-      spec_run k3tinytaskseos models/k3-tiny models/k3-tiny-dspark "$mode" ${SPEC_CONC:-1 8 32}
+      spec_runs k3tinytasks models/k3-tiny models/k3-tiny-dspark "$mode" ${SPEC_CONC:-1 8 32}
+      spec_runs k3tinytaskseos models/k3-tiny models/k3-tiny-dspark "$mode" ${SPEC_CONC:-1 8 32}
     done
     wait "$mk" || true
-    for mode in ${SPEC_MINI_MODES:-plain gpu gpugraph}; do
-      spec_run mini "$ck/mini" "$ck/mini-dspark" "$mode" 1
+    for mode in ${SPEC_MINI_MODES:-plain gpu gpunograph gpuabs}; do
+      spec_runs mini "$ck/mini" "$ck/mini-dspark" "$mode" 1
     done
     cp bench/gpu/perf.json "$out/perf.json" 2>/dev/null || true
     python3 bench/gpu/spec_keys.py --dir "$out" --perf "$out/perf.json" --commit "$(cat .gpu-carry/COMMIT 2>/dev/null)" \

@@ -7,7 +7,8 @@ Reads the `kestrel bench --result-file` JSONs that run.sh spec writes as OUT/spe
 (model: k3tiny with models/k3-tiny-dspark on random prompts, k3tinytasks / k3tinytaskseos the same on k3-tiny's
 eval prompts past / stopping at EOS, mini = the reduced mini with a random draft; mode: plain, host,
 gpu, gpueager = gpu with eager verify steps, gpuperreq = gpu with the per-request draft, gpugraph = gpu with
-the batched draft in CUDA graphs) and writes them into perf.json under "dspark" with their own date, commit and command (they come from a
+the batched draft in CUDA graphs — since issue #19 point 4 that is gpu itself —, gpunograph = gpu with the draft's
+graphs off, gpuabs = gpu with the draft's attention absorbed) and writes them into perf.json under "dspark" with their own date, commit and command (they come from a
 different run than the rest of perf.json, so they are kept apart and say so), then prints a markdown table.
 
 Keys: dspark_<model>_tpot_ms_c<C>_<mode> (median TPOT), dspark_<model>_accept_len_c<C>_<mode> (1 + accepted
@@ -29,8 +30,8 @@ import sys
 def read(folder):
     runs = {}
     for p in sorted(pathlib.Path(folder).glob("spec_*_c*.json")):
-        m = re.match(r"^spec_(k3tinytaskseos|k3tinytasks|k3tiny|mini)_(plain|host|gpu|gpueager|gpuperreq|gpugraph)_c(\d+)\.json$",
-                     p.name)
+        m = re.match(r"^spec_(k3tinytaskseos|k3tinytasks|k3tiny|mini)_"
+                     r"(plain|host|gpu|gpueager|gpuperreq|gpugraph|gpunograph|gpuabs)_c(\d+)\.json$", p.name)
         if not m:
             continue
         r = json.loads(p.read_text())
@@ -50,7 +51,7 @@ def keys(runs):
             t = r.get("median_tpot_ms")
             if t:
                 v[f"dspark_{model}_speedup_c{c}_{mode}"] = plain["median_tpot_ms"] / t
-    for mode in ("host", "gpu", "gpueager", "gpuperreq", "gpugraph"):
+    for mode in ("host", "gpu", "gpueager", "gpuperreq", "gpugraph", "gpunograph", "gpuabs"):
         step = v.get(f"dspark_mini_tpot_ms_c1_{mode}")
         acc = v.get(f"dspark_k3tiny_accept_len_c1_{mode}")
         plain = v.get("dspark_mini_tpot_ms_c1_plain")

@@ -20,6 +20,7 @@
 #include "model/cuda/cuda_model.h"
 #include "model/cuda/dspark.h"
 #include "runtime/executor_cuda_spec.h"
+#include "runtime/spec_profile.h"
 #include "vision/cuda/vision_cuda.h"
 #include "vision/vision.h"
 
@@ -94,6 +95,23 @@ struct CudaExecutor::Impl {
   std::unordered_map<cache::RequestId, Media> media;
   std::unique_ptr<SpecDrafter> spec;         // options.speculative: the draft's rules (and host caches)
   std::unique_ptr<model::CudaDraft> gdraft;  // options.draft_on_gpu: the draft on the device
+  std::unique_ptr<SpecProfile> prof;         // KESTREL_SPEC_PROFILE: phase timing of speculative steps
+  SpecStep sp;                               // the speculative step's state, reused step after step
+  // A step's host vectors, kept so that their capacity is reused (a step allocates nothing once its batch
+  // shapes have been seen); meaningful only inside run().
+  struct StepScratch {
+    std::vector<const sched::ScheduledSeq*> order;
+    std::vector<model::CudaSeq> seqs;
+    std::vector<int64_t> first_row;
+    std::vector<uint8_t> all;
+    std::vector<int32_t> dev_id;
+    std::vector<HostSample> host_params;
+    std::vector<cuda::SampleParams> params;
+    std::vector<cuda::PenaltyEntry> penalties;
+    std::vector<size_t> param_seq;
+    std::vector<int32_t> mask_row, ids;
+  } ss;
+  std::vector<float> logits;                 // f32 [rows, V]: host rows of a step, reused (no zeroing per step)
   // Greedy verify blocks verified on their rows' device argmax (KESTREL_SPEC_DEVICE_GREEDY=0: on the host
   // from the rows' logits, as sampled blocks are).
   bool device_greedy = true;
@@ -222,10 +240,21 @@ CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const 
     model.set_taps(impl_->spec->draft().cfg->target_layer_ids);
     if (options.draft_on_gpu) {
       impl_->gdraft = model.new_draft(impl_->spec->draft(), cc.num_pages, cc.block_size);
-      // The batched greedy draft as one CUDA graph per step shape: KESTREL_DRAFT_GRAPHS=1 (with CUDA graphs
-      // on); off by default until measured on the device (CudaDraft::set_graphs).
+      // The batched greedy draft as one CUDA graph per step shape (CudaDraft::set_graphs) whenever CUDA graphs
+      // are on: measured faster on the H200 (k3-tiny c = 1 TPOT 0.319 → 0.308 ms, c = 32 2.16 → 1.79 ms) and
+      // GpuSpec.* pass with it; KESTREL_DRAFT_GRAPHS=0 turns it off (eager launches, the A/B).
       const char* e = std::getenv("KESTREL_DRAFT_GRAPHS");
-      if (options.cuda_graphs && e && std::string_view(e) == "1") impl_->gdraft->set_graphs(true);
+      if (options.cuda_graphs && !(e && std::string_view(e) == "0")) impl_->gdraft->set_graphs(true);
+      // The draft's attention in the latent space (CudaDraft::set_absorbed): KESTREL_DRAFT_ATTN=absorbed; off by
+      // default until measured on the device (it is what the real-shape draft needs: the naive form expands
+      // every context row through kv_b each step).
+      const char* a = std::getenv("KESTREL_DRAFT_ATTN");
+      if (a && std::string_view(a) == "absorbed") impl_->gdraft->set_absorbed(true);
+    }
+    int64_t every = 0;
+    if (SpecProfile::enabled_from_env(&every)) {
+      SpecProfile* p = (impl_->prof = std::make_unique<SpecProfile>(static_cast<cudaStream_t>(model.stream()), every)).get();
+      if (impl_->gdraft) impl_->gdraft->set_marker([p](const char* phase) { p->mark(phase); });
     }
   } else {
     model.set_taps({});  // the model may have served a speculating executor before
@@ -239,7 +268,9 @@ CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const 
   }
 }
 
-CudaExecutor::~CudaExecutor() = default;
+CudaExecutor::~CudaExecutor() {
+  if (impl_ && impl_->gdraft) impl_->gdraft->set_marker({});  // the profile goes first (Impl's members)
+}
 
 sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks& hooks) {
   KCHECK(follower_ || bool(hooks.sample), "executor: no sampler hook");
@@ -258,6 +289,8 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
     KCUDA_CHECK(cudaEventRecord(impl_->ev_start, static_cast<cudaStream_t>(m.stream())));
   }
   const auto t_start = std::chrono::steady_clock::now();
+  SpecProfile* prof = follower_ ? nullptr : impl_->prof.get();
+  if (prof) prof->begin_step();
   for (const auto* list : {&plan.decodes, &plan.prefills})
     for (const sched::ScheduledSeq& x : *list)
       if (x.reset_state) m.zero_slot(cc, x.state_slot);
@@ -268,7 +301,9 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   // The batch: single-token sequences first (one absorbed MLA launch), then speculative decodes (verify
   // sequences), in plan order otherwise.
   SpecDrafter* spec = impl_->spec.get();
-  std::vector<const sched::ScheduledSeq*> order;
+  Impl::StepScratch& ss = impl_->ss;
+  std::vector<const sched::ScheduledSeq*>& order = ss.order;
+  order.clear();
   for (const auto* list : {&plan.decodes, &plan.prefills})
     for (const sched::ScheduledSeq& x : *list) {
       KCHECK(x.end > x.start && x.num_draft >= 0 && int64_t(x.tokens.size()) + x.num_draft == x.end - x.start,
@@ -285,16 +320,26 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   });
   // Speculative decodes: each block drafted now (the draft on the host or the GPU; its Markov chain, sequential
   // per request, on the host).
-  SpecStep sp;
+  SpecStep& sp = impl_->sp;
+  sp.prof = prof;
+  spec_mark(prof, "step.setup");
   if (spec) draft_blocks(*spec, impl_->gdraft.get(), order, hooks, sp, stats_);
-  std::vector<model::CudaSeq> seqs;
-  std::vector<int64_t> first_row(order.size(), -1);  // first logits row of each sequence
-  std::vector<bool> all(order.size(), false);
-  std::vector<int32_t> dev_id(order.size(), -2);  // token sampled on the device; −1: host fallback; −2: host
-  std::vector<HostSample> host_params(order.size());
-  std::vector<cuda::SampleParams> params;
-  std::vector<cuda::PenaltyEntry> penalties;
-  std::vector<size_t> param_seq;  // sequence of each params entry
+  std::vector<model::CudaSeq>& seqs = ss.seqs;
+  seqs.clear();
+  std::vector<int64_t>& first_row = ss.first_row;  // first logits row of each sequence
+  first_row.assign(order.size(), -1);
+  std::vector<uint8_t>& all = ss.all;  // the sequence wants every row's logits
+  all.assign(order.size(), 0);
+  std::vector<int32_t>& dev_id = ss.dev_id;  // token sampled on the device; −1: host fallback; −2: host
+  dev_id.assign(order.size(), -2);
+  std::vector<HostSample>& host_params = ss.host_params;
+  host_params.resize(order.size());
+  std::vector<cuda::SampleParams>& params = ss.params;
+  params.clear();
+  std::vector<cuda::PenaltyEntry>& penalties = ss.penalties;
+  penalties.clear();
+  std::vector<size_t>& param_seq = ss.param_seq;  // sequence of each params entry
+  param_seq.clear();
   int64_t rows = 0;
   for (size_t i = 0; i < order.size(); ++i) {
     const sched::ScheduledSeq& x = *order[i];
@@ -351,8 +396,10 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   std::vector<std::vector<int32_t>> embed_pos(order.size());  // i32 per sequence: positions within its chunk
   std::vector<model::CudaEmbedRows> embed;
   if (hooks.media_inputs) impl_->media_rows(vision_, order, hooks, embed, embed_pos, stats_);
+  spec_mark(prof, "step.build_seqs");
   const int64_t got = m.forward_batch(cc, seqs, embed);
   KCHECK(got == rows, "executor: {} logits rows, expected {}", got, rows);
+  spec_mark(prof, "target.forward");
   if (timed) KCUDA_CHECK(cudaEventRecord(impl_->ev_forward, static_cast<cudaStream_t>(m.stream())));
   const auto t_launch = std::chrono::steady_clock::now();
   // The forward runs: the engine starts the step's mask jobs now (they need nothing the launch needed).
@@ -365,7 +412,8 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   }
   // Structured outputs: each device row's mask (filled by the engine's worker during the forward).
   // With few allowed ids top-k is cut to them, so the device keeps exactly the allowed set.
-  std::vector<int32_t> mask_row(params.size(), -1);
+  std::vector<int32_t>& mask_row = ss.mask_row;
+  mask_row.assign(params.size(), -1);
   int64_t mask_rows = 0;
   if (hooks.token_mask && hooks.mask_table.data) {
     impl_->pin(hooks.mask_table);
@@ -383,6 +431,7 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
                                            mask_rows, mask_row};
   // The rows go to the device now, on a side stream beside the forward, not after it (CudaModel::stage_masks).
   if (mask_rows > 0 && !params.empty()) m.stage_masks(masks);
+  spec_mark(prof, "step.masks");
   // Rows that go to the host raw (every-row dumps, logprobs, verify blocks) are copied before the device
   // sampler penalises its rows in place; fallback rows after, already penalised.
   // Greedy verify blocks (unless KESTREL_SPEC_DEVICE_GREEDY=0): every verify row's argmax on the device (the
@@ -399,27 +448,45 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
   if (any_dev_greedy) {
     sp.target_ids.assign(size_t(rows), -1);
     m.greedy_rows(vlo, vhi - vlo, sp.target_ids.data() + vlo);
+    spec_mark(prof, "verify.argmax_d2h_sync");
   }
-  std::vector<float> logits;  // f32 [rows, V]
+  // f32 [rows, V] on the host: only the rows copied below are meaningful. The buffer only grows (a resize
+  // zeroes what it adds), so a step does not clear megabytes it then overwrites; n_host: rows·V once sized.
+  std::vector<float>& logits = impl_->logits;
+  size_t n_host = 0;
+  auto host_rows = [&] {
+    n_host = size_t(rows * V);
+    if (logits.size() < n_host) logits.resize(n_host);
+  };
   bool host_raw = false, verify_rows = false;
   for (size_t i = 0; i < order.size(); ++i) {
     host_raw = host_raw || all[i] || (order[i]->sample && order[i]->num_draft == 0 && dev_id[i] == -2);
     verify_rows = verify_rows || (order[i]->num_draft > 0 && !dev_greedy(i));
   }
-  if (host_raw || verify_rows) logits.resize(size_t(rows * V));
+  if (host_raw || verify_rows) host_rows();
   if (host_raw) {
     m.copy_logits(logits.data());
-  } else if (verify_rows) {  // only the rows of the verify blocks the host verifies
+  } else if (verify_rows) {
+    // The rows of the verify blocks the host verifies: the verify sequences' rows are contiguous, so one copy
+    // (one sync) from the first such block's first row to the last one's end, not one per request.
+    int64_t lo = -1, hi = -1;
     for (size_t i = 0; i < order.size(); ++i)
-      if (order[i]->num_draft > 0 && !dev_greedy(i))
-        m.copy_logits_rows(first_row[i], order[i]->end - order[i]->start, logits.data() + first_row[i] * V);
+      if (order[i]->num_draft > 0 && !dev_greedy(i)) {
+        if (lo < 0) lo = first_row[i];
+        hi = first_row[i] + order[i]->end - order[i]->start;
+      }
+    m.copy_logits_rows(lo, hi - lo, logits.data() + lo * V);
   }
   if (!any_dev_greedy) sp.target_ids.clear();
+  if (host_raw || verify_rows) spec_mark(prof, "verify.logits_d2h_sync");
   // Speculation: verify each block (the KDA state kept after its last accepted position), then every
   // sequence's committed rows' taps into the draft's caches.
-  if (spec) verify_blocks(*spec, impl_->gdraft.get(), m, cc, order, hooks, logits, first_row, V, sp, stats_);
+  if (spec)
+    verify_blocks(*spec, impl_->gdraft.get(), m, cc, order, hooks, std::span<const float>(logits.data(), n_host),
+                  first_row, V, sp, stats_);
   if (!params.empty()) {
-    std::vector<int32_t> ids(params.size());
+    std::vector<int32_t>& ids = ss.ids;
+    ids.resize(params.size());
     m.sample(params, penalties, ids.data(), mask_rows > 0 ? &masks : nullptr);
     bool fallback = false;
     for (size_t k = 0; k < params.size(); ++k) {
@@ -434,10 +501,11 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
       }
     }
     if (fallback) {
-      if (logits.empty()) logits.resize(size_t(rows * V));
+      if (n_host == 0) host_rows();
       for (size_t k = 0; k < params.size(); ++k)
         if (ids[k] < 0) m.copy_logits_rows(params[k].row, 1, logits.data() + int64_t(params[k].row) * V);
     }
+    spec_mark(prof, "plain.sample_sync");
   }
   // Results in plan order, as the CPU executor gives them.
   sched::StepResult result;
@@ -470,8 +538,15 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
       result.seqs.push_back(r);
       ++stats_.samples;
     }
+  spec_mark(prof, "step.results");
   for (const cache::SlotCopy& cp : plan.copies_after) m.copy_slot(cc, cp.src, cp.dst);
   KCUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(m.stream())));
+  spec_mark(prof, "step.final_sync");
+  if (prof) {
+    int64_t nv = 0, drafted = 0;
+    for (const sched::ScheduledSeq* x : order) nv += x->num_draft > 0, drafted += x->num_draft;
+    prof->end_step(nv, drafted);
+  }
   stats_.forward_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (timed) {
     float ms = 0.0f;  // both events are done: the stream was synchronised

@@ -10,6 +10,7 @@
 #include "model/cuda/cuda_model.h"
 #include "model/cuda/dspark.h"
 #include "runtime/spec_decode.h"
+#include "runtime/spec_profile.h"
 
 namespace kestrel::runtime {
 
@@ -32,24 +33,43 @@ bool draft_batched() {
   }();
   return on;
 }
+// Every verify sequence's KDA keep in one launch after the verification loop (CudaModel::keep_verified_batch);
+// KESTREL_SPEC_KEEP=perseq: two copies per KDA layer and sequence inside the loop, as before (the A/B).
+bool keep_batched() {
+  static const bool on = [] {
+    const char* e = std::getenv("KESTREL_SPEC_KEEP");
+    return !(e && std::string_view(e) == "perseq");
+  }();
+  return on;
+}
 }  // namespace
 
 void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const sched::ScheduledSeq* const> order,
                   const StepHooks& hooks, SpecStep& sp, ExecutorStats& st) {
   const DraftConfig& dc = *spec.draft().cfg;
-  std::vector<float> base;  // f32 [Nb, V]: the GPU draft's base logits of one block
+  SpecStep::Scratch& s = sp.scratch;
+  std::vector<float>& base = s.base;  // f32 [Nb, V]: the GPU draft's base logits of one block
   const auto t0 = std::chrono::steady_clock::now();
-  sp.blocks.assign(order.size(), {});
-  sp.tokens.assign(order.size(), {});
+  // Resized, not reassigned: the inner vectors keep their capacity from step to step.
+  sp.blocks.resize(order.size());
+  sp.tokens.resize(order.size());
+  for (size_t i = 0; i < order.size(); ++i) sp.blocks[i].tokens.clear(), sp.blocks[i].q.clear(), sp.tokens[i].clear();
   sp.results.assign(order.size(), {});
   sp.greedy.assign(order.size(), 0);
   sp.target_ids.clear();
   // The batched device-greedy blocks: their requests' indices in `order` and their blocks, drafted in one call
   // after the loop; the longest num_draft of them is every chain's length (a shorter request keeps its first).
-  std::vector<size_t> batch;
-  std::vector<model::CudaDraft::BlockSeq> bseqs;
+  std::vector<size_t>& batch = s.batch;
+  std::vector<model::CudaDraft::BlockSeq>& bseqs = s.bseqs;
+  batch.clear(), bseqs.clear();
+  // The GPU draft's other blocks (sampled picks, top-k, oracle): their base logits in one batched call
+  // (base_logits_batch: one copy and one sync for all), then each chain on the host in draft_block.
+  std::vector<size_t>& sampled = s.sampled;
+  std::vector<model::CudaDraft::BlockSeq>& sseqs = s.sseqs;
+  sampled.clear(), sseqs.clear();
   int64_t bsteps = 0;
-  std::vector<uint8_t> dev_chain(order.size(), 0);  // the block's chain ran on the device (greedy picks)
+  std::vector<uint8_t>& dev_chain = s.dev_chain;  // the block's chain ran on the device (greedy picks)
+  dev_chain.assign(order.size(), 0);
   for (size_t i = 0; i < order.size(); ++i) {
     const sched::ScheduledSeq& x = *order[i];
     if (x.num_draft == 0) continue;
@@ -58,7 +78,8 @@ void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const s
     sp.greedy[i] = si.params->temperature == 0.0f;
     // The draft's caches are indexed by the target's page ids (spec_executor.h).
     // §5: the block [anchor, mask × (Nb−1)] at start.
-    std::vector<int32_t> blk(size_t(dc.block_size), dc.mask_token_id);  // i32 [Nb]
+    std::vector<int32_t>& blk = s.blk;  // i32 [Nb]
+    blk.assign(size_t(dc.block_size), dc.mask_token_id);
     blk[0] = x.tokens[0];
     const SpecServing& sv = spec.serving();
     if (gdraft && chain_on_device() && (sp.greedy[i] || sv.draft_greedy) && sv.draft_topk == 0 && !sv.oracle) {
@@ -76,6 +97,11 @@ void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const s
       gdraft->greedy_tokens(x.block_table, x.start, blk, x.num_draft, b.tokens.data());
     } else {
       // The base logits on the device (GPU draft) or the whole draft on the host; the chain in draft_block.
+      if (gdraft && draft_batched()) {
+        sampled.push_back(i);
+        sseqs.push_back({x.block_table, x.start, x.tokens[0]});
+        continue;  // drafted below, with the others
+      }
       if (gdraft) {
         base.resize(size_t(dc.block_size) * size_t(dc.vocab_size));
         gdraft->base_logits(x.block_table, x.start, blk, base.data());
@@ -84,8 +110,23 @@ void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const s
                                       uint64_t(si.output.size()), gdraft ? base.data() : nullptr);
     }
   }
+  spec_mark(sp.prof, "draft.host_prep");
+  if (!sampled.empty()) {
+    const size_t NbV = size_t(dc.block_size) * size_t(dc.vocab_size);
+    base.resize(sampled.size() * NbV);  // f32 [B, Nb, V]
+    gdraft->base_logits_batch(sseqs, base.data());
+    spec_mark(sp.prof, "draft.base_logits_batch");
+    for (size_t k = 0; k < sampled.size(); ++k) {
+      const sched::ScheduledSeq& x = *order[sampled[k]];
+      const StepHooks::SamplingInputs si = hooks.sampling_inputs(x);
+      sp.blocks[sampled[k]] = spec.draft_block(x.id, x.block_table, x.start, x.tokens[0], x.num_draft, *si.params,
+                                               uint64_t(si.output.size()), base.data() + k * NbV);
+    }
+    spec_mark(sp.prof, "draft.host_chains");
+  }
   if (!batch.empty()) {
-    std::vector<int32_t> ids(batch.size() * size_t(bsteps));  // i32 [B, bsteps]
+    std::vector<int32_t>& ids = s.ids;  // i32 [B, bsteps]
+    ids.resize(batch.size() * size_t(bsteps));
     gdraft->greedy_tokens_batch(bseqs, bsteps, ids.data());
     for (size_t k = 0; k < batch.size(); ++k) {
       SpecDrafter::Block& b = sp.blocks[batch[k]];
@@ -102,9 +143,10 @@ void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const s
       b.q.assign(size_t(x.num_draft * V), 0.0);
       for (int64_t t = 0; t < x.num_draft; ++t) b.q[size_t(t * V + b.tokens[size_t(t)])] = 1.0;
     }
-    sp.tokens[i] = {x.tokens[0]};
+    sp.tokens[i].push_back(x.tokens[0]);
     sp.tokens[i].insert(sp.tokens[i].end(), b.tokens.begin(), b.tokens.end());
   }
+  spec_mark(sp.prof, "draft.host_post");
   st.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -113,11 +155,13 @@ void verify_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, model::CudaModel
                    std::span<const float> logits, std::span<const int64_t> first_row, int64_t V, SpecStep& sp,
                    ExecutorStats& st) {
   // Every row's taps of the step (bf16 [step rows, n·Dt], rows in batch order), one copy.
+  SpecStep::Scratch& s = sp.scratch;
   int64_t rows = 0;
-  std::vector<int64_t> row0(order.size());  // each sequence's first step row
+  std::vector<int64_t>& row0 = s.row0;  // each sequence's first step row
+  row0.resize(order.size());
   for (size_t i = 0; i < order.size(); ++i) row0[i] = rows, rows += order[i]->end - order[i]->start;
   const int64_t width = spec.tap_width();
-  std::vector<uint16_t> taps;  // bf16 [rows, n·Dt]: the host draft's copy
+  std::vector<uint16_t>& taps = s.taps;  // bf16 [rows, n·Dt]: the host draft's copy
   if (!gdraft) {
     taps.resize(size_t(rows * width));
     m.copy_taps(0, rows, taps.data());
@@ -126,7 +170,8 @@ void verify_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, model::CudaModel
   // after the loop in one CudaDraft::inject_batch (the sequences' pages are disjoint where they write, so the
   // order does not matter).
   const bool batched = gdraft && draft_batched();
-  std::vector<model::CudaDraft::InjectSeq> pending;
+  std::vector<model::CudaDraft::InjectSeq>& pending = s.pending;
+  pending.clear();
   auto inject = [&](size_t i, int64_t n) {
     const sched::ScheduledSeq& x = *order[i];
     if (batched)
@@ -137,6 +182,9 @@ void verify_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, model::CudaModel
       spec.inject(x.block_table, x.start, taps.data() + row0[i] * width, n);
   };
   int64_t k = 0;  // verify sequences so far (the model's order of them)
+  const bool keep_batch = keep_batched();
+  std::vector<int64_t>& keep = s.keep;  // each verify sequence's last kept position, in the model's order
+  keep.clear();
   for (size_t i = 0; i < order.size(); ++i) {
     const sched::ScheduledSeq& x = *order[i];
     if (x.num_draft == 0) {
@@ -165,21 +213,35 @@ void verify_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, model::CudaModel
     st.spec_accepted_tokens += o.accepted;
     // Keep: the KDA state after position start + τ (the trace, no recompute); the MLA rows past it are
     // garbage the next forward overwrites, the pages wholly past it the scheduler releases (shrink).
-    m.keep_verified(cc, k++, o.accepted);
+    if (keep_batch) {
+      keep.push_back(o.accepted);
+    } else {
+      spec_mark(sp.prof, "verify.host");
+      m.keep_verified(cc, k++, o.accepted);
+      spec_mark(sp.prof, "verify.keep_perseq");
+    }
     const auto t0 = std::chrono::steady_clock::now();
     inject(i, o.accepted + 1);
     st.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::vector<int32_t> emitted(sp.blocks[i].tokens.begin(), sp.blocks[i].tokens.begin() + o.accepted);
+    if (!batched) spec_mark(sp.prof, "inject.per_seq");
+    std::vector<int32_t>& emitted = s.emitted;
+    emitted.assign(sp.blocks[i].tokens.begin(), sp.blocks[i].tokens.begin() + o.accepted);
     emitted.push_back(o.next);
     sched::SeqResult r = hooks.take_tokens(x, emitted);
     r.id = x.id;
     sp.results[i] = r;
     st.samples += int64_t(r.accepted.size()) + 1;
+    spec_mark(sp.prof, "verify.host");
+  }
+  if (!keep.empty()) {
+    m.keep_verified_batch(cc, keep);
+    spec_mark(sp.prof, "verify.keep_batch");
   }
   if (!pending.empty()) {
     const auto t0 = std::chrono::steady_clock::now();
     gdraft->inject_batch(pending, m.taps_device());
     st.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    spec_mark(sp.prof, "inject.batch");
   }
 }
 

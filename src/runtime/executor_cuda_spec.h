@@ -2,12 +2,20 @@
 // host drafting before a step's forward and the host verification after it. Internal to executor_cuda.cpp;
 // the CPU executor's twin of the same steps is inline in executor.cpp (same SpecDrafter, same verify_step,
 // same draws), so both executors emit the same tokens for the same logits.
+//
+// Host syncs of one speculative step with the GPU draft (KESTREL_SPEC_PROFILE names each; nothing per
+// request): (1) the draft's tokens (greedy_tokens_batch) or base logits (base_logits_batch) back, (2) the
+// verify rows' device argmax (greedy blocks) or their logits (sampled blocks, one copy of the contiguous verify
+// rows) back, (3) the step's closing stream sync in CudaExecutor::run — plus one for the device sampler when
+// the step also holds plain decodes. Host → device uploads (pageable, staged without a sync): the draft's
+// index arrays, the forward's batch metadata, keep_verified_batch's map, inject_batch's index arrays.
 #pragma once
 
 #include <cstdint>
 #include <span>
 #include <vector>
 
+#include "model/cuda/dspark.h"
 #include "runtime/executor.h"
 #include "runtime/spec_executor.h"
 #include "sched/scheduler.h"
@@ -20,7 +28,11 @@ struct CudaCache;
 
 namespace kestrel::runtime {
 
-// One step's speculative state, indexed like the executor's batch order.
+class SpecProfile;  // spec_profile.h
+
+// One step's speculative state, indexed like the executor's batch order. The executor keeps one for its
+// lifetime: each step overwrites it, so its vectors (and the scratch below) keep their capacity and a step
+// allocates nothing on the host once the batch shapes have been seen.
 struct SpecStep {
   std::vector<SpecDrafter::Block> blocks;   // the drafted tokens and q_i (f64 [γ, V])
   std::vector<std::vector<int32_t>> tokens;  // i32 [1 + γ]: the verify sequence's rows, anchor first
@@ -29,12 +41,30 @@ struct SpecStep {
   // i32 [step rows]: each verify row's target argmax, computed on the device (CudaModel::greedy_rows) when a
   // greedy block is in the step — then only these ids crossed to the host, not the rows' logits; empty: none.
   std::vector<int32_t> target_ids;
+  SpecProfile* prof = nullptr;  // KESTREL_SPEC_PROFILE: the executor's phase timing (null: off)
+  // Scratch of draft_blocks and verify_blocks (meaningless between calls).
+  struct Scratch {
+    std::vector<float> base;                            // f32 [Nb, V]: one block's base logits (GPU draft)
+    std::vector<int32_t> blk;                           // i32 [Nb]: one block [anchor, mask × (Nb−1)]
+    std::vector<size_t> batch;                          // indices into order of the batched device-greedy blocks
+    std::vector<model::CudaDraft::BlockSeq> bseqs;      // their blocks
+    std::vector<int32_t> ids;                           // i32 [B, steps]: their draft tokens
+    std::vector<size_t> sampled;                        // indices into order of the batched base-logits blocks
+    std::vector<model::CudaDraft::BlockSeq> sseqs;      // their blocks (base_logits_batch, chain on the host)
+    std::vector<uint8_t> dev_chain;                     // per sequence: its chain ran on the device
+    std::vector<int64_t> row0;                          // per sequence: its first step row
+    std::vector<uint16_t> taps;                         // bf16 [rows, n·Dt]: the host draft's copy of the taps
+    std::vector<model::CudaDraft::InjectSeq> pending;   // the batched injection
+    std::vector<int64_t> keep;                          // per verify sequence: its last kept position
+    std::vector<int32_t> emitted;                       // one sequence's emitted tokens
+  } scratch;
 };
 
 // Drafts every speculative decode of `order` (num_draft > 0) over the draft's caches, which hold [0, start):
-// on the host (gdraft null), or the block's base logits on the GPU draft and the Markov chain here, or — greedy
-// picks on the GPU draft — the whole chain on the device, all such requests in one batched call
-// (CudaDraft::greedy_tokens_batch; KESTREL_DRAFT_BATCHED=0: one call per request).
+// on the host (gdraft null), or the blocks' base logits on the GPU draft (all such requests in one
+// CudaDraft::base_logits_batch) and each Markov chain here, or — greedy picks on the GPU draft — the whole
+// chain on the device, all such requests in one batched call (CudaDraft::greedy_tokens_batch);
+// KESTREL_DRAFT_BATCHED=0: one call per request for both.
 void draft_blocks(SpecDrafter& spec, model::CudaDraft* gdraft, std::span<const sched::ScheduledSeq* const> order,
                   const StepHooks& hooks, SpecStep& sp, ExecutorStats& st);
 

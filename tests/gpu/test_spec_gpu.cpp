@@ -29,9 +29,11 @@
 //     and the same greedy draft tokens except at near ties; its greedy chain on the device (greedy_tokens) gives
 //     exactly the host chain's tokens over the GPU base logits.
 //  6. GpuSpec.BatchedDraftEqualsPerRequest: the batched draft (inject_batch, base_logits_batch,
-//     greedy_tokens_batch) gives bit for bit the per-request calls' base logits and tokens, B = 1, 3, 5
-//     requests of different context lengths; the same tokens through its CUDA graphs (captured, replayed
-//     with other requests of the same shape).
+//     greedy_tokens_batch) over B = 3, 5 requests of different context lengths at once gives bit for bit the
+//     base logits and tokens of B = 1 calls made one request at a time (the per-request calls are the batched
+//     code with B = 1, so this checks that a request's rows do not depend on the others in its batch: the
+//     varlen attention's key ranges, the per-row positions, the stacked index arrays); the same tokens through
+//     its CUDA graphs (captured, replayed with other requests of the same shape).
 // Tests 2 and 3 run with the draft on the host and on the GPU (CudaExecutorOptions::draft_on_gpu).
 // About 720 lines, past the ~600 guide: the seven tests share this file's checkpoint and draft loading, the
 // CPU-twin helpers and the engine runner, which a split would have to copy or export.
@@ -619,7 +621,8 @@ TEST(GpuSpec, DraftMatchesCpuTwin) {
 
 
 // The batched draft (CudaDraft::inject_batch / base_logits_batch / greedy_tokens_batch, the executor's path
-// unless KESTREL_DRAFT_BATCHED=0) against one call per request on a second draft: B = 1, 3, 5 requests of
+// unless KESTREL_DRAFT_BATCHED=0) against one call per request on a second draft (the same code with B = 1, one
+// request at a time: inject_host, base_logits, greedy_tokens): B = 1, 3, 5 requests of
 // different context lengths, injected in two batched calls (as two steps would: the second at pos0 > 0, from
 // taps rows further down the step's buffer), then the blocks together. Bit for bit: every op of the batched
 // forward is per row or per request (RoPE at each row's position, the varlen attention over the request's own

@@ -94,6 +94,10 @@ __global__ void swiglu_kernel(const uint16_t* g, const uint16_t* u, uint16_t* a,
   }
 }
 
+__global__ void scale_kernel(uint16_t* x, int64_t n, float s) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    x[i] = f32_to_bf16(bf16_to_f32(x[i]) * s);
+}
 
 // dspark_markov_greedy: CTA b walks its steps; per step the W1 row of the previous token in shared memory,
 // each thread the tokens v ≡ tid (mod blockDim) with the sum in k order (__fmul_rn / __fadd_rn: never fused,
@@ -207,6 +211,13 @@ void dspark_swiglu(const uint16_t* g, const uint16_t* u, uint16_t* a, int64_t n,
   KCUDA_REQUIRE(g && u && a && n >= 0, std::string("dspark_swiglu: bad arguments"));
   if (n == 0) return;
   swiglu_kernel<<<unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, stream>>>(g, u, a, n);
+  KCUDA_CHECK_LAUNCH();
+}
+
+void dspark_scale_bf16(uint16_t* x, int64_t n, float s, cudaStream_t stream) {
+  KCUDA_REQUIRE(x && n >= 0, std::string("dspark_scale_bf16: bad arguments"));
+  if (n == 0) return;
+  scale_kernel<<<unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, stream>>>(x, n, s);
   KCUDA_CHECK_LAUNCH();
 }
 

@@ -42,6 +42,11 @@ void dspark_attend_varlen(const uint16_t* q /* bf16 [T, Hm, N+R] */, const uint1
 void dspark_swiglu(const uint16_t* g /* bf16 [n] */, const uint16_t* u /* bf16 [n] */, uint16_t* a /* bf16 [n] */,
                    int64_t n, cudaStream_t stream);
 
+// x = bf16(f32(x)·s) elementwise, in place (the absorbed draft attention: the draft's softmax scale, YaRN's
+// mscale² included, folded into q, since mla_decode_paged scales by (N+R)^−½). CPU twin: the loop in
+// tests/gpu/test_spec_absorbed_gpu.cpp (core/dtype.h's conversions; nothing else runs it on the host).
+void dspark_scale_bf16(uint16_t* x /* bf16 [n] */, int64_t n, float s, cudaStream_t stream);
+
 // The Markov chain of greedy draft picks (§5, no top-k) for n requests, one CTA each: for i < steps,
 // logits_i = base[b, i] + W2·W1[prev] and prev = ids[b, i] = argmax_v logits_i, prev starting at anchors[b].
 // The CPU twin's bits (model::Draft::markov_logits, then std::max_element): each v's sum over k in order from

@@ -28,4 +28,27 @@ inline void cpu_copy_rows(const void* src, const int32_t* src_idx, void* dst, co
                 static_cast<const char*>(src) + (src_idx ? src_idx[i] : i) * row_bytes, size_t(row_bytes));
 }
 
+// Several arrays' rows by one index map in ONE launch (DSpark's keep_verified: every KDA layer's recurrent
+// state and conv history of every verify sequence, from the verify trace into the slots).
+struct RowArrays {
+  const void* src = nullptr;  // u8 [*, row_bytes], 16-byte aligned
+  void* dst = nullptr;        // u8 [*, row_bytes], 16-byte aligned
+  int64_t row_bytes = 0;      // a positive multiple of 16
+};
+// For every a < n_arrays and i < n: row dst_idx[i] of arrays[a].dst = row src_idx[i] of arrays[a].src.
+// arrays: device RowArrays [n_arrays] (n_arrays ≤ 65535); src_idx, dst_idx: device i32 [n]; max_row_bytes
+// ≥ every arrays[a].row_bytes (sizes the grid; the device checks nothing, the caller builds the table).
+// Everything the launch reads is in device memory, so it is capturable in a CUDA graph. Rows written by two
+// (a, i) must not overlap.
+void copy_rows_multi(const RowArrays* arrays, int64_t n_arrays, int64_t max_row_bytes,
+                     const int32_t* src_idx /* i32 [n] */, const int32_t* dst_idx /* i32 [n] */, int64_t n,
+                     cudaStream_t stream);
+
+// CPU twin of copy_rows_multi over host arrays.
+inline void cpu_copy_rows_multi(const RowArrays* arrays, int64_t n_arrays, const int32_t* src_idx,
+                                const int32_t* dst_idx, int64_t n) {
+  for (int64_t a = 0; a < n_arrays; ++a)
+    cpu_copy_rows(arrays[a].src, src_idx, arrays[a].dst, dst_idx, n, arrays[a].row_bytes);
+}
+
 }  // namespace kestrel::cuda

@@ -75,6 +75,8 @@ void free_cache(CudaCache* c) {
   for (void* p : c->owned) c->alloc->free(p);
   for (auto* v : {&c->trace_S, &c->trace_conv})
     for (uint8_t* p : *v) c->alloc->free(p);
+  if (c->keep_tab) c->alloc->free(c->keep_tab);
+  if (c->keep_idx) c->alloc->free(c->keep_idx);
   delete c;
 }
 

@@ -49,6 +49,13 @@ struct CudaCache {
     int64_t row0 = 0, len = 0;
   };
   std::vector<VerifySeq> verify;
+  // keep_verified_batch's launch table: per KDA layer {trace_S → kda_S, sb} and {trace_conv → kda_conv, cb}
+  // (device cuda::RowArrays [keep_arrays]; built on first use, dropped when the trace is reallocated) and its
+  // index map device i32 [2, keep_idx_cap]: each verify sequence's trace row, then its slot.
+  void* keep_tab = nullptr;
+  int64_t keep_arrays = 0;
+  int32_t* keep_idx = nullptr;
+  int64_t keep_idx_cap = 0;
 
   bool kda_state_f16() const { return formats.kda_state == KdaStateDtype::f16; }
   // One MLA layer's pools with the block tables of a launch (device i32 [n, bt_stride]; null for writes).

@@ -359,6 +359,9 @@ void CudaModel::set_taps(std::span<const int> layers) {
 }
 void CudaModel::copy_taps(int64_t first_row, int64_t n, uint16_t* host) const { impl_->copy_taps(first_row, n, host); }
 void CudaModel::keep_verified(CudaCache& c, int64_t k, int64_t t) { gpu::keep_verified(c, k, t, impl_->x.stream); }
+void CudaModel::keep_verified_batch(CudaCache& c, std::span<const int64_t> t) {
+  gpu::keep_verified_batch(c, t, impl_->x.stream);
+}
 const uint16_t* CudaModel::taps_device() const { return impl_->tap_layers.empty() ? nullptr : impl_->taps_cur; }
 std::unique_ptr<CudaDraft> CudaModel::new_draft(const Draft& d, int32_t num_pages, int block_size) {
   KCHECK(impl_->tp_size == 1, "new_draft: the GPU draft runs on one rank only");

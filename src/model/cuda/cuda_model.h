@@ -150,6 +150,9 @@ class CudaModel {
   // becomes the state after its position t (0 = the anchor, t < its T): copied from the trace into its slot,
   // every KDA layer, no recompute. Call before the next forward (the trace is overwritten by it).
   void keep_verified(CudaCache& c, int64_t k, int64_t t);
+  // keep_verified(c, k, t[k]) for every verify sequence k of the last forward (t.size() = their count) in one
+  // launch: the same bytes, without 2 copies per KDA layer and sequence (the executor's default).
+  void keep_verified_batch(CudaCache& c, std::span<const int64_t> t);
   // The last forward's taps on the device (bf16 [T, n·D]; null without taps), for the GPU draft's injection.
   const uint16_t* taps_device() const;
   // The DSpark draft on this GPU (model/cuda/dspark.h): its weights uploaded, latent pools of num_pages pages

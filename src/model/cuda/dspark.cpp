@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <tuple>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "kernels/cuda/dspark.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/norm.h"
+#include "kernels/cuda/paged.h"
 #include "kernels/cuda/rows.h"
 #include "model/common.h"
 #include "model/dspark.h"
@@ -38,6 +40,11 @@ struct CudaDraft::Impl {
   const u16 *context_norm = nullptr, *final_norm = nullptr;
   const float* inv_freq = nullptr;  // f32 [R/2]
   const u16 *markov_w1 = nullptr, *markov_w2 = nullptr;  // bf16 [V, r] each: the Markov head (greedy_tokens)
+  std::function<void(const char*)> marker;  // CudaDraft::set_marker
+  bool absorbed = false;                     // CudaDraft::set_absorbed: the attention in the latent space
+  void mark(const char* phase) const {
+    if (marker) marker(phase);
+  }
 
   const void* up(const void* host, size_t bytes) {
     owned.emplace_back(bytes);
@@ -78,98 +85,22 @@ struct CudaDraft::Impl {
     KCUDA_CHECK(cudaStreamSynchronize(x.stream));
   }
 
-  // Pool rows of positions [pos0, pos0 + T) through `table`, uploaded: device i32 [T].
-  const int32_t* pool_rows(std::span<const int32_t> table, int64_t pos0, int64_t T) {
-    KCHECK(int64_t(table.size()) * P >= pos0 + T, "draft: block table of {} pages for positions up to {}",
-           table.size(), pos0 + T);
-    std::vector<int32_t> r(static_cast<size_t>(T));  // i32 [T]
-    for (int64_t t = 0; t < T; ++t) r[size_t(t)] = int32_t(int64_t(table[size_t((pos0 + t) / P)]) * P + (pos0 + t) % P);
-    int32_t* dv = x.tmp<int32_t>(T);
-    KCUDA_CHECK(cudaMemcpyAsync(dv, r.data(), size_t(T) * 4, cudaMemcpyHostToDevice, x.stream));
-    return dv;
+  // The per-request calls are the batched ones with B = 1 (one code path for the draft's layers; the tests
+  // compare B = 1 calls one at a time with B > 1). A per-request block must be the §5 block
+  // [anchor, mask × (Nb−1)], which the batched draft builds itself from the anchor.
+  CudaDraft::BlockSeq one_block(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens) const {
+    const DraftConfig& c = *d.cfg;
+    KCHECK(int64_t(tokens.size()) == c.block_size, "draft: a block of {} tokens (block size {})", tokens.size(),
+           c.block_size);
+    for (size_t j = 1; j < tokens.size(); ++j)
+      KCHECK(tokens[j] == c.mask_token_id, "draft: block position {} holds {}, not the mask token {}", j, tokens[j],
+             c.mask_token_id);
+    return {table, ctx, tokens[0]};
   }
-
   void inject(std::span<const int32_t> table, int64_t pos0, const u16* taps, int64_t T) {
-    const DraftConfig& c = *d.cfg;
-    const int64_t D = c.hidden_size, In = c.tap_width(), C = c.kv_lora_rank, R = c.qk_rope_head_dim, CW = C + R;
     if (T <= 0) return;
-    // H_ctx = RMSNorm_{context_norm}(Lin(context_proj)(concat taps)).
-    u16* proj = x.tmp<u16>(T * D);  // bf16 [T, D]
-    u16* hctx = x.tmp<u16>(T * D);  // bf16 [T, D]
-    gpu::linear(x, context_proj, taps, In, T, proj, D);
-    cuda::rmsnorm_bf16(proj, D, context_norm, hctx, D, T, D, c.rms_norm_eps, x.stream);
-    // Per layer: [c | k_pe] = Lin(kv_a_proj)(H_ctx); ĉ = RMSNorm(c) in place; RoPE(k_pe, pos); into the pool.
-    const int32_t* dst = pool_rows(table, pos0, T);
-    u16* rows = x.tmp<u16>(T * CW);  // bf16 [T, C+R]
-    for (const Layer& l : layers) {
-      gpu::linear(x, l.kv_a, hctx, D, T, rows, CW);
-      cuda::rmsnorm_bf16(rows, CW, l.kv_a_norm, rows, CW, T, C, c.rms_norm_eps, x.stream);
-      cuda::dspark_rope_interleaved(rows + C, CW, T, 1, 0, pos0, inv_freq, d.rope.cos_sin_mul, R, x.stream);
-      cuda::copy_rows(rows, nullptr, l.pool, dst, T, CW * 2, x.stream);
-    }
-    KCUDA_CHECK(cudaStreamSynchronize(x.stream));  // the host index list and scratch go away below
-    x.release_scratch();
-  }
-
-  // The block's base logits, device f32 [T, V] in step scratch (the caller releases it).
-  const float* block_logits(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens) {
-    const DraftConfig& c = *d.cfg;
-    const int64_t T = int64_t(tokens.size()), D = c.hidden_size, V = c.vocab_size, F = c.intermediate_size,
-                  Hm = c.num_attention_heads, Q = c.q_lora_rank, C = c.kv_lora_rank, N = c.qk_nope_head_dim,
-                  R = c.qk_rope_head_dim, Dv = c.v_head_dim, QK = N + R, CW = C + R, S = ctx + T;
-    const float eps = c.rms_norm_eps;
-    KCHECK(T > 0 && ctx >= 0, "draft block of {} tokens at {}", T, ctx);
-    for (int32_t id : tokens) KCHECK(id >= 0 && id < V, "draft block token {} outside [0, {})", id, V);
-    // Inputs are the target's embeddings of the block tokens.
-    int32_t* ids = x.tmp<int32_t>(T);  // i32 [T]
-    KCUDA_CHECK(cudaMemcpyAsync(ids, tokens.data(), size_t(T) * 4, cudaMemcpyHostToDevice, x.stream));
-    u16* h = x.tmp<u16>(T * D);  // bf16 [T, D]: the residual stream
-    cuda::embed_gather(target.embed, ids, T, D, h, x.stream);
-    const int32_t* src = ctx > 0 ? pool_rows(table, 0, ctx) : nullptr;  // the context rows' pool rows
-    u16* xn = x.tmp<u16>(T * D);            // bf16 [T, D]
-    u16* y = x.tmp<u16>(T * D);             // bf16 [T, D]
-    u16* qa = x.tmp<u16>(T * Q);            // bf16 [T, Q]
-    u16* cq = x.tmp<u16>(T * Q);            // bf16 [T, Q]
-    u16* q = x.tmp<u16>(T * Hm * QK);       // bf16 [T, Hm·(N+R)]
-    u16* latent = x.tmp<u16>(S * CW);       // bf16 [S, C+R]: context rows, then the block's
-    u16* kv = x.tmp<u16>(S * Hm * (N + Dv));  // bf16 [S, Hm·(N+Dv)]
-    u16* o = x.tmp<u16>(T * Hm * Dv);       // bf16 [T, Hm·Dv]
-    u16* g = x.tmp<u16>(T * F);             // bf16 [T, Fd]
-    u16* u = x.tmp<u16>(T * F);             // bf16 [T, Fd]
-    float* scratch = x.tmp<float>(T * Hm * S);  // f32 [T, Hm, S]
-    for (const Layer& l : layers) {
-      // h += MLA(RMSNorm(h)): §3.4 with interleaved RoPE on the rope dims, no output gate.
-      cuda::rmsnorm_bf16(h, D, l.input_norm, xn, D, T, D, eps, x.stream);
-      gpu::linear(x, l.q_a, xn, D, T, qa, Q);
-      cuda::rmsnorm_bf16(qa, Q, l.q_a_norm, cq, Q, T, Q, eps, x.stream);
-      gpu::linear(x, l.q_b, cq, Q, T, q, Hm * QK);
-      cuda::dspark_rope_interleaved(q + N, Hm * QK, T, Hm, QK, ctx, inv_freq, d.rope.cos_sin_mul, R, x.stream);
-      // Context rows from the pool, then the block's own rows (computed here, never written to the pool).
-      if (ctx > 0) cuda::copy_rows(l.pool, src, latent, nullptr, ctx, CW * 2, x.stream);
-      u16* blk = latent + ctx * CW;
-      gpu::linear(x, l.kv_a, xn, D, T, blk, CW);
-      cuda::rmsnorm_bf16(blk, CW, l.kv_a_norm, blk, CW, T, C, eps, x.stream);
-      cuda::dspark_rope_interleaved(blk + C, CW, T, 1, 0, ctx, inv_freq, d.rope.cos_sin_mul, R, x.stream);
-      gpu::linear(x, l.kv_b, latent, CW, S, kv, Hm * (N + Dv));
-      cuda::dspark_attend(q, kv, latent, T, S, Hm, N, R, Dv, C, d.rope.softmax_scale, scratch, o, x.stream);
-      gpu::linear(x, l.o, o, Hm * Dv, T, y, D);
-      cuda::add_bf16(h, y, h, T * D, x.stream);
-      // h += MLP(RMSNorm(h)): SwiGLU, silu(g)·u in FP32, one rounding.
-      cuda::rmsnorm_bf16(h, D, l.post_attn_norm, xn, D, T, D, eps, x.stream);
-      gpu::linear(x, l.gate, xn, D, T, g, F);
-      gpu::linear(x, l.up, xn, D, T, u, F);
-      cuda::dspark_swiglu(g, u, g, T * F, x.stream);
-      gpu::linear(x, l.down, g, F, T, y, D);
-      cuda::add_bf16(h, y, h, T * D, x.stream);
-    }
-    // Final norm, then the target's lm_head in FP32.
-    cuda::rmsnorm_bf16(h, D, final_norm, xn, D, T, D, eps, x.stream);
-    float* lg = x.tmp<float>(T * V);  // f32 [T, V]
-    cuda::GemmSegs sg;
-    sg.seg[0] = gpu::seg_f32(0, lg, V);
-    sg.n = 1;
-    gpu::linear(x, target.lm_head, xn, D, T, sg);
-    return lg;
+    const CudaDraft::InjectSeq one{table, pos0, 0, T};
+    inject_batch(std::span<const CudaDraft::InjectSeq>(&one, 1), taps);
   }
 
   // ---- the batched draft: every request of a step in one launch sequence, no host sync in between ----------
@@ -201,7 +132,8 @@ struct CudaDraft::Impl {
     }
     if (M == 0) return;
     KCHECK(taps && (In * 2) % 16 == 0, "draft: taps rows of {} bf16 are not 16-byte rows", In);
-    std::vector<int32_t> h(size_t(3 * M));  // i32 [3, M]: taps row, pool row, position of each injected row
+    std::vector<int32_t>& h = host_idx;  // i32 [3, M]: taps row, pool row, position of each injected row
+    h.resize(size_t(3 * M));
     int64_t k = 0;
     for (const auto& s : seqs)
       for (int64_t t = 0; t < s.n; ++t, ++k) {
@@ -233,10 +165,17 @@ struct CudaDraft::Impl {
   // ctx_b .. ctx_b+Nb−1; request b's latent rows (its context from the pools, then its block's) are
   // lo_b .. lo_b+ctx_b+Nb−1 of one [Sk, C+R] buffer. Sk ≥ Σ(ctx_b + Nb): a graph's padding copies pool row 0
   // into the unused latent rows, which no query reads.
-  std::vector<int32_t> block_meta(std::span<const CudaDraft::BlockSeq> reqs, int64_t Sk) const {
+  // Filled into host_meta (kept between calls: no host allocation once the shapes have been seen).
+  std::vector<int32_t> host_meta, host_idx;  // i32: block_meta's arrays; inject_batch's [3, M]
+  // The absorbed attention (set_absorbed) reads two more arrays after those: each block row's request [T]
+  // and a block table per request [B, Smax] whose "pages" are single latent rows (block size 1: entry p of
+  // request b is its latent row lo_b + p, −1 past its ctx_b + Nb keys), so mla_decode_paged reads the
+  // gathered latent rows as a paged cache.
+  const std::vector<int32_t>& block_meta(std::span<const CudaDraft::BlockSeq> reqs, int64_t Sk, int64_t Smax) {
     const DraftConfig& c = *d.cfg;
     const int64_t B = int64_t(reqs.size()), Nb = c.block_size, T = B * Nb, Cn = Sk - T;
-    std::vector<int32_t> h(size_t(5 * T + B + 2 * Cn));
+    std::vector<int32_t>& h = host_meta;
+    h.resize(size_t(5 * T + B + 2 * Cn + (absorbed ? T + B * Smax : 0)));
     int32_t *ids = h.data(), *pos = ids + T, *kb = pos + T, *kl = kb + T, *bd = kl + T, *an = bd + T, *cs = an + B,
             *cd = cs + Cn;
     int64_t lo = 0, cn = 0;
@@ -258,6 +197,17 @@ struct CudaDraft::Impl {
     }
     KCHECK(lo <= Sk, "draft: {} latent rows for a bound of {}", lo, Sk);
     for (int64_t k = 0; cn < Cn; ++cn, ++k) cs[cn] = 0, cd[cn] = int32_t(lo + k);  // padding (graphs)
+    if (absorbed) {
+      int32_t *rq = cd + Cn, *bt = rq + T;
+      lo = 0;
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t S = reqs[size_t(b)].ctx + Nb;
+        KCHECK(S <= Smax, "draft: {} keys for a bound of {}", S, Smax);
+        for (int64_t j = 0; j < Nb; ++j) rq[b * Nb + j] = int32_t(b);
+        for (int64_t p = 0; p < Smax; ++p) bt[b * Smax + p] = p < S ? int32_t(lo + p) : -1;
+        lo += S;
+      }
+    }
     return h;
   }
   static void block_sizes(std::span<const CudaDraft::BlockSeq> reqs, int64_t Nb, int64_t& Sk, int64_t& Smax) {
@@ -265,11 +215,16 @@ struct CudaDraft::Impl {
     for (const auto& r : reqs) Sk += r.ctx + Nb, Smax = std::max(Smax, r.ctx + Nb);
   }
 
-  // block_logits() for B requests at once from `meta` (device, block_meta's layout): every launch reads its
-  // indices from there and nothing crosses to the host, so the sequence is capturable (graphs below). Every
-  // op is per row or per request (RoPE at each row's position, the attention varlen over the request's own
-  // keys), so a request's rows get block_logits()'s bits wherever the GEMMs are row invariant (the skinny
-  // GEMM, linear.h). Sk: latent rows, Smax ≥ the longest request's keys (the attention scratch's stride).
+  // The blocks of B requests through the draft layers (§5: MLA over each request's context + block rows,
+  // SwiGLU MLP), then the final norm and the target's lm_head, from `meta` (device, block_meta's layout): every
+  // launch reads its indices from there and nothing crosses to the host, so the sequence is capturable
+  // (graphs below). Every op is per row or per request (RoPE at each row's position, the attention varlen over
+  // the request's own keys), so a request's rows get the same bits at any B wherever the GEMMs are row
+  // invariant (the skinny GEMM, linear.h). Sk: latent rows, Smax ≥ the longest request's keys (the attention
+  // scratch's stride). The attention: naive (kv_b expands every context row of every request each step, then
+  // dspark_attend_varlen: the CPU twin's form) or, with set_absorbed, absorbed as the target's MLA decode
+  // (mla_decode_paged over the gathered latent rows: q̃ = W_UKᵀ q_nope per row, scores against ĉ, o = W_UV ô;
+  // no [Sk, Hm·(N+Dv)] expansion — equal in exact arithmetic, q̃ and p rounded to bf16 there).
   // Returns device f32 [B·Nb, V] in scratch (the caller releases it).
   const float* block_rows(const int32_t* meta, int64_t B, int64_t Sk, int64_t Smax) {
     const DraftConfig& c = *d.cfg;
@@ -289,11 +244,33 @@ struct CudaDraft::Impl {
     u16* q = x.tmp<u16>(T * Hm * QK);       // bf16 [T, Hm·(N+R)]
     u16* blk = x.tmp<u16>(T * CW);          // bf16 [T, C+R]: the blocks' latent rows
     u16* latent = x.tmp<u16>(Sk * CW);      // bf16 [Sk, C+R]: per request its context rows, then its block's
-    u16* kv = x.tmp<u16>(Sk * Hm * (N + Dv));  // bf16 [Sk, Hm·(N+Dv)]
     u16* o = x.tmp<u16>(T * Hm * Dv);       // bf16 [T, Hm·Dv]
     u16* g = x.tmp<u16>(T * F);             // bf16 [T, Fd]
     u16* u = x.tmp<u16>(T * F);             // bf16 [T, Fd]
-    float* scratch = x.tmp<float>(T * Hm * Smax);  // f32 [T, Hm, Smax]
+    // Naive attention: every latent row expanded, and the scores. Absorbed: the decode kernel's workspace,
+    // the latent rows seen as a paged cache of 1-row pages through block_meta's per-request tables.
+    u16* kv = nullptr;          // bf16 [Sk, Hm·(N+Dv)]
+    float* scratch = nullptr;   // f32 [T, Hm, Smax]
+    void* ws = nullptr;         // mla_decode_paged_workspace_bytes(dims, T, Smax)
+    const cuda::MlaDims dims{Hm, N, R, Dv, C};
+    cuda::PagedMlaCache pv;
+    cuda::MlaPagedBatch pb;
+    // The draft's softmax scale (YaRN's mscale² included) over the kernel's (N+R)^−½, folded into q.
+    const float q_mul = d.rope.softmax_scale * std::sqrt(float(QK));
+    if (absorbed) {
+      const int32_t* req = cdst + Cn;  // i32 [T], then the tables i32 [B, Smax]
+      ws = x.tmp<char>(int64_t(cuda::mla_decode_paged_workspace_bytes(dims, T, Smax)));
+      pv.latent_format = LatentFormat::bf16;
+      pv.block_size = 1;
+      pv.C = C, pv.R = R, pv.Di = 0;
+      pv.latent = reinterpret_cast<uint8_t*>(latent);
+      pv.block_tables = req + T;
+      pv.bt_stride = Smax;
+      pb = cuda::MlaPagedBatch{klen, req, nullptr, 0, T, Smax};
+    } else {
+      kv = x.tmp<u16>(Sk * Hm * (N + Dv));
+      scratch = x.tmp<float>(T * Hm * Smax);
+    }
     for (const Layer& l : layers) {
       cuda::rmsnorm_bf16(h, D, l.input_norm, xn, D, T, D, eps, x.stream);
       gpu::linear(x, l.q_a, xn, D, T, qa, Q);
@@ -305,9 +282,15 @@ struct CudaDraft::Impl {
       cuda::rmsnorm_bf16(blk, CW, l.kv_a_norm, blk, CW, T, C, eps, x.stream);
       cuda::dspark_rope_interleaved(blk + C, CW, T, 1, 0, 0, inv_freq, d.rope.cos_sin_mul, R, x.stream, pos);
       cuda::copy_rows(blk, nullptr, latent, bdst, T, CW * 2, x.stream);
-      gpu::linear(x, l.kv_b, latent, CW, Sk, kv, Hm * (N + Dv));
-      cuda::dspark_attend_varlen(q, kv, latent, T, kbeg, klen, Smax, Hm, N, R, Dv, C, d.rope.softmax_scale, scratch,
-                                 o, x.stream);
+      if (absorbed) {
+        KCHECK(l.kv_b.w, "draft: the absorbed attention needs kv_b in bf16");
+        if (q_mul != 1.0f) cuda::dspark_scale_bf16(q, T * Hm * QK, q_mul, x.stream);
+        cuda::mla_decode_paged(x.lt, dims, q, l.kv_b.w, pv, pb, ws, o, x.stream);
+      } else {
+        gpu::linear(x, l.kv_b, latent, CW, Sk, kv, Hm * (N + Dv));
+        cuda::dspark_attend_varlen(q, kv, latent, T, kbeg, klen, Smax, Hm, N, R, Dv, C, d.rope.softmax_scale, scratch,
+                                   o, x.stream);
+      }
       gpu::linear(x, l.o, o, Hm * Dv, T, y, D);
       cuda::add_bf16(h, y, h, T * D, x.stream);
       cuda::rmsnorm_bf16(h, D, l.post_attn_norm, xn, D, T, D, eps, x.stream);
@@ -328,6 +311,7 @@ struct CudaDraft::Impl {
   // The blocks' rows and then their greedy chains: ids device i32 [B, steps].
   void greedy_rows(const int32_t* meta, int64_t B, int64_t Sk, int64_t Smax, int64_t steps, int32_t* ids) {
     const float* lg = block_rows(meta, B, Sk, Smax);
+    if (x.graph.mode == gpu::GraphRecorder::Mode::eager) mark("draft.layers");
     const int32_t* anchors = meta + 5 * B * d.cfg->block_size;  // block_meta's layout
     cuda::dspark_markov_greedy(lg, d.cfg->block_size, markov_w1, markov_w2, anchors, B, d.cfg->vocab_size,
                                d.cfg->markov_rank, steps, ids, x.stream);
@@ -338,7 +322,7 @@ struct CudaDraft::Impl {
     KCHECK(B > 0, "draft: a batched block of no requests");
     int64_t Sk, Smax;
     block_sizes(reqs, Nb, Sk, Smax);
-    const float* lg = block_rows(upload_i32(block_meta(reqs, Sk)), B, Sk, Smax);
+    const float* lg = block_rows(upload_i32(block_meta(reqs, Sk, Smax)), B, Sk, Smax);
     KCUDA_CHECK(cudaMemcpyAsync(host, lg, size_t(B * Nb * V) * 4, cudaMemcpyDeviceToHost, x.stream));
     KCUDA_CHECK(cudaStreamSynchronize(x.stream));
     x.release_scratch();
@@ -387,7 +371,10 @@ struct CudaDraft::Impl {
     const int32_t* ids = nullptr;  // device i32 [B, steps]
     if (!graphs_on) {
       int32_t* out = x.tmp<int32_t>(B * steps);
-      greedy_rows(upload_i32(block_meta(reqs, Sk)), B, Sk, Smax, steps, out);
+      const int32_t* meta = upload_i32(block_meta(reqs, Sk, Smax));
+      mark("draft.meta_upload");
+      greedy_rows(meta, B, Sk, Smax, steps, out);
+      mark("draft.markov_chain");
       ids = out;
     } else {
       KCHECK(x.graph.mode == gpu::GraphRecorder::Mode::eager, "draft: graphs while the model records one");
@@ -395,7 +382,7 @@ struct CudaDraft::Impl {
       const auto key = std::tuple{B, steps, SkB, SmaxB};
       if (!graphs.count(key) && graphs.size() >= kMaxGraphs) drop_graphs();
       DraftGraph& g = graphs[key];
-      const std::vector<int32_t> meta = block_meta(reqs, SkB);
+      const std::vector<int32_t>& meta = block_meta(reqs, SkB, SmaxB);
       if (!g.meta) {
         g.meta = static_cast<int32_t*>(x.alloc.alloc(meta.size() * 4));
         g.ids = static_cast<int32_t*>(x.alloc.alloc(size_t(B * steps) * 4));
@@ -403,6 +390,7 @@ struct CudaDraft::Impl {
       // The stream is idle here (the previous step synced), so the pageable copy cannot overwrite `meta`
       // under a replay still reading it.
       KCUDA_CHECK(cudaMemcpyAsync(g.meta, meta.data(), meta.size() * 4, cudaMemcpyHostToDevice, x.stream));
+      mark("draft.meta_upload");
       if (!g.exec) {
         gpu::GraphRecorder& r = x.graph;
         r.mode = gpu::GraphRecorder::Mode::capture;
@@ -425,35 +413,26 @@ struct CudaDraft::Impl {
         }
         r.mode = gpu::GraphRecorder::Mode::eager;
         r.bucket = nullptr;
+        mark("draft.graph_capture");
       }
       KCUDA_CHECK(cudaGraphLaunch(g.exec, x.stream));  // capturing did not run it
+      mark("draft.graph_replay");
       ids = g.ids;
     }
     KCUDA_CHECK(cudaMemcpyAsync(host, ids, size_t(B * steps) * 4, cudaMemcpyDeviceToHost, x.stream));
     KCUDA_CHECK(cudaStreamSynchronize(x.stream));  // the one sync of the batched draft
+    mark("draft.ids_d2h_sync");
     x.release_scratch();
   }
 
   void base_logits(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens, float* host) {
-    const float* lg = block_logits(table, ctx, tokens);
-    const int64_t V = d.cfg->vocab_size, T = int64_t(tokens.size());
-    KCUDA_CHECK(cudaMemcpyAsync(host, lg, size_t(T * V) * 4, cudaMemcpyDeviceToHost, x.stream));
-    KCUDA_CHECK(cudaStreamSynchronize(x.stream));
-    x.release_scratch();
+    const CudaDraft::BlockSeq one = one_block(table, ctx, tokens);
+    base_logits_batch(std::span<const CudaDraft::BlockSeq>(&one, 1), host);
   }
-
   void greedy_tokens(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens, int64_t steps,
                      int32_t* host) {
-    const int64_t V = d.cfg->vocab_size, T = int64_t(tokens.size());
-    KCHECK(steps >= 1 && steps <= T, "draft: {} greedy picks from a block of {}", steps, T);
-    const float* lg = block_logits(table, ctx, tokens);
-    int32_t* anchor = x.tmp<int32_t>(1);  // i32 [1]
-    int32_t* ids = x.tmp<int32_t>(steps);  // i32 [steps]
-    KCUDA_CHECK(cudaMemcpyAsync(anchor, tokens.data(), 4, cudaMemcpyHostToDevice, x.stream));
-    cuda::dspark_markov_greedy(lg, T, markov_w1, markov_w2, anchor, 1, V, d.cfg->markov_rank, steps, ids, x.stream);
-    KCUDA_CHECK(cudaMemcpyAsync(host, ids, size_t(steps) * 4, cudaMemcpyDeviceToHost, x.stream));
-    KCUDA_CHECK(cudaStreamSynchronize(x.stream));
-    x.release_scratch();
+    const CudaDraft::BlockSeq one = one_block(table, ctx, tokens);
+    greedy_tokens_batch(std::span<const CudaDraft::BlockSeq>(&one, 1), steps, host);
   }
 };
 
@@ -468,7 +447,8 @@ void CudaDraft::inject_host(std::span<const int32_t> table, int64_t pos0, const 
   const size_t bytes = size_t(T * impl_->d.cfg->tap_width()) * 2;
   cuda::DeviceBuffer buf(bytes);  // bf16 [T, n·Dt]
   buf.copy_from_host(taps_host, bytes);
-  impl_->inject(table, pos0, static_cast<const uint16_t*>(buf.data()), T);  // synchronises before returning
+  impl_->inject(table, pos0, static_cast<const uint16_t*>(buf.data()), T);
+  KCUDA_CHECK(cudaStreamSynchronize(impl_->x.stream));  // the launches read buf, freed on return
 }
 void CudaDraft::greedy_tokens(std::span<const int32_t> table, int64_t ctx, std::span<const int32_t> tokens,
                               int64_t steps, int32_t* host) {
@@ -485,6 +465,15 @@ void CudaDraft::base_logits_batch(std::span<const BlockSeq> reqs, float* host) {
 void CudaDraft::greedy_tokens_batch(std::span<const BlockSeq> reqs, int64_t steps, int32_t* host) {
   impl_->greedy_tokens_batch(reqs, steps, host);
 }
+void CudaDraft::set_absorbed(bool on) {
+  if (on == impl_->absorbed) return;
+  if (!impl_->graphs.empty()) {  // their index layout and kernels are the other form's
+    KCUDA_CHECK(cudaStreamSynchronize(impl_->x.stream));
+    impl_->drop_graphs();
+  }
+  impl_->absorbed = on;
+}
+void CudaDraft::set_marker(std::function<void(const char*)> mark) { impl_->marker = std::move(mark); }
 void CudaDraft::set_graphs(bool on) {
   if (!on && !impl_->graphs.empty()) {
     KCUDA_CHECK(cudaStreamSynchronize(impl_->x.stream));

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "core/dtype.h"
 #include "model/cuda/dspark.h"
@@ -83,8 +84,9 @@ void forward_layers(Context& x, const WeightsDev& w, CudaCache& cc, const BatchS
 // DSpark verification (speculative.cpp, §5). upload_verify: a step's verify metadata (s.d_iota, the
 // cache's verify list) and trace capacity. kda_verify_conv / kda_verify_scan: §3.3 steps 2 and 6 of the
 // verify rows one position at a time, each position's slot state copied into the cache's trace.
-// keep_verified: verify sequence k's state after its position t back into its slot. copy_tap: P into
-// column block k of the taps.
+// keep_verified: verify sequence k's state after its position t back into its slot (2 copies per KDA
+// layer); keep_verified_batch: every verify sequence k's after its position t[k], all KDA layers, in one
+// launch (one small index upload). copy_tap: P into column block k of the taps.
 void upload_verify(Context& x, CudaCache& cc, BatchStep& s);
 void kda_verify_conv(Context& x, const KdaWeightsDev& w, CudaCache& cc, const BatchStep& s, int layer,
                      const u16* qkv /* bf16 [T, 3·HD] */, u16* conv /* bf16 [T, 3·HD] */);
@@ -93,6 +95,7 @@ void kda_verify_scan(Context& x, CudaCache& cc, const BatchStep& s, int layer, c
                      const float* g /* f32 [T, HD] */, const float* beta /* f32 [T, H] */,
                      float* o /* f32 [T, HD] */);
 void keep_verified(CudaCache& cc, int64_t k, int64_t t, cudaStream_t stream);
+void keep_verified_batch(CudaCache& cc, std::span<const int64_t> t /* [verify sequences] */, cudaStream_t stream);
 void copy_tap(Context& x, const AttnResDev& rs, int64_t k, int64_t n_taps, u16* taps /* bf16 [T, n·D] */);
 
 // The GPU draft (dspark.cpp) over this model's context and target weights.

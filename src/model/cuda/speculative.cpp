@@ -7,7 +7,10 @@
 //    the cache's trace: one traced launch over all verify sequences (kda_conv_decode_traced,
 //    kda_decode_traced), or with KESTREL_SPEC_TRACE=launches (and for an FP16 state) one decode launch per
 //    position and request followed by a copy of the slot;
-//  - keep_verified: the traced state after the last accepted position back into the slot (no recompute).
+//  - keep_verified: the traced state after the last accepted position back into the slot (no recompute):
+//    keep_verified_batch does it for every verify sequence and KDA layer in one copy_rows_multi launch
+//    (kernels/cuda/rows.h), the executor's default; keep_verified, two copies per layer and sequence, is the
+//    A/B twin (KESTREL_SPEC_KEEP=perseq) and the tests' reference.
 // A pure-verify step may run through a verify graph bucket (graphs.h): the traced launches, the taps' copies
 // and every row's logits are captured; the trace's address is baked into those graphs, so reallocating it
 // drops the cache's verify buckets first. The trace holds a full state per position: fine
@@ -15,12 +18,14 @@
 // accepted one in place (docs/speculative.md "What the GPU path needs").
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <numeric>
 #include <vector>
 
 #include "core/check.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/kda.h"
+#include "kernels/cuda/rows.h"
 #include "model/cuda/layers.h"
 
 namespace kestrel::model::gpu {
@@ -45,6 +50,8 @@ void upload_verify(Context& x, CudaCache& cc, BatchStep& s) {
     cc.graphs.release_verify(*cc.alloc);  // their graphs write the old trace
     for (auto* v : {&cc.trace_S, &cc.trace_conv})
       for (uint8_t* p : *v) cc.alloc->free(p);
+    if (cc.keep_tab) cc.alloc->free(cc.keep_tab);  // it points into the old trace
+    cc.keep_tab = nullptr, cc.keep_arrays = 0;
     cc.trace_S.assign(cc.kda_S.size(), nullptr);
     cc.trace_conv.assign(cc.kda_S.size(), nullptr);
     for (size_t L = 0; L < cc.kda_S.size(); ++L) {
@@ -130,6 +137,53 @@ void keep_verified(CudaCache& cc, int64_t k, int64_t t, cudaStream_t stream) {
     KCUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<uint8_t*>(cc.kda_conv[L]) + int64_t(vs.slot) * cb,
                                 cc.trace_conv[L] + row * cb, size_t(cb), cudaMemcpyDeviceToDevice, stream));
   }
+}
+
+void keep_verified_batch(CudaCache& cc, std::span<const int64_t> t, cudaStream_t stream) {
+  const int64_t nv = int64_t(cc.verify.size());
+  KCHECK(int64_t(t.size()) == nv, "keep_verified_batch: {} positions for the last forward's {} verify sequences",
+         t.size(), nv);
+  if (nv == 0) return;
+  const int64_t sb = cc.layout.kda_recurrent_bytes, cb = cc.layout.kda_conv_bytes;
+  if (sb % 16 != 0 || cb % 16 != 0) {  // the launch moves 16-byte vectors; such a config keeps the copies
+    for (int64_t k = 0; k < nv; ++k) keep_verified(cc, k, t[size_t(k)], stream);
+    return;
+  }
+  if (!cc.keep_tab) {
+    // The launch table of the current trace (rebuilt after upload_verify reallocates it). The pageable copy is
+    // staged before cudaMemcpyAsync returns, so the host vector may go.
+    std::vector<cuda::RowArrays> tab;  // [2 · KDA layers]
+    for (size_t L = 0; L < cc.kda_S.size(); ++L) {
+      if (!cc.kda_S[L]) continue;
+      KCHECK(cc.trace_S[L] && cc.trace_conv[L], "keep_verified_batch: KDA layer {} has no trace", L);
+      tab.push_back({cc.trace_S[L], cc.kda_S[L], sb});
+      tab.push_back({cc.trace_conv[L], cc.kda_conv[L], cb});
+    }
+    if (tab.empty()) return;  // no KDA layer: nothing to keep
+    cc.keep_tab = cc.alloc->alloc(tab.size() * sizeof(cuda::RowArrays));
+    cc.keep_arrays = int64_t(tab.size());
+    KCUDA_CHECK(cudaMemcpyAsync(cc.keep_tab, tab.data(), tab.size() * sizeof(cuda::RowArrays), cudaMemcpyHostToDevice,
+                                stream));
+  }
+  if (nv > cc.keep_idx_cap) {
+    // A launch still queued may read the old map: wait for it before giving the memory back (rare: growth).
+    KCUDA_CHECK(cudaStreamSynchronize(stream));
+    if (cc.keep_idx) cc.alloc->free(cc.keep_idx);
+    cc.keep_idx_cap = std::max<int64_t>(nv, 64);
+    cc.keep_idx = static_cast<int32_t*>(cc.alloc->alloc(size_t(2 * cc.keep_idx_cap) * 4));
+  }
+  std::vector<int32_t> idx(size_t(2 * nv));  // i32 [2, nv]: trace rows, then slots
+  for (int64_t k = 0; k < nv; ++k) {
+    const CudaCache::VerifySeq& vs = cc.verify[size_t(k)];
+    KCHECK(t[size_t(k)] >= 0 && t[size_t(k)] < vs.len, "keep_verified_batch: position {} outside the block's {}",
+           t[size_t(k)], vs.len);
+    idx[size_t(k)] = int32_t(vs.row0 + t[size_t(k)]);
+    idx[size_t(nv + k)] = vs.slot;
+  }
+  // Stream-ordered after any earlier launch reading the map, so it cannot change under one.
+  KCUDA_CHECK(cudaMemcpyAsync(cc.keep_idx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice, stream));
+  cuda::copy_rows_multi(static_cast<const cuda::RowArrays*>(cc.keep_tab), cc.keep_arrays, std::max(sb, cb),
+                        cc.keep_idx, cc.keep_idx + nv, nv, stream);
 }
 
 void copy_tap(Context& x, const AttnResDev& rs, int64_t k, int64_t n_taps, u16* taps) {
