@@ -13,6 +13,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/mla_ops.h"
+#include "model/common.h"
 #include "model/indexer.h"
 #include "model/tp.h"
 
@@ -91,15 +92,19 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, std::span<const MlaSe
   cpu::rmsnorm_bf16(qa.data(), bf16_ptr(w.q_a_norm), cq.data(), rows, Q, eps);
   cpu::gemm_bf16(cq.data(), Q, bf16_ptr(w.q_b_proj), q.data(), Hm * QK, rows, Q, Hm * QK);
   // ĉ = RMSNorm_{kv_a_layernorm}(c); k_pe untouched; the row [ĉ | k_pe] goes into the sequence's cache.
-  for (const MlaSeq& s : seqs) {
-    Bf16Vec row(static_cast<size_t>(CW));  // bf16 [C+R]
-    for (int64_t t = 0; t < s.T; ++t) {
-      const uint16_t* kv = kva.data() + (s.row0 + t) * CW;
-      cpu::rmsnorm_bf16(kv, bf16_ptr(w.kv_a_norm), row.data(), 1, C, eps);
-      std::memcpy(row.data() + C, kv + C, size_t(R) * 2);
-      s.cache.write_latent(s.pos0 + t, row.data());
+  // The rows' norms split over the team (each row alone, as before: the same bits), then the cache
+  // writes in order on this thread: done row by row here, the norms kept the other core waiting at
+  // every MLA layer of a prefill (issue #22).
+  Scratch<uint16_t> kvn(size_t(rows * CW));  // bf16 [rows, C+R], every row written below
+  cpu::parallel_for(rows, rows * C * 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* kv = kva.data() + r * CW;
+      cpu::rmsnorm_bf16(kv, bf16_ptr(w.kv_a_norm), kvn.data() + r * CW, 1, C, eps);
+      std::memcpy(kvn.data() + r * CW + C, kv + C, size_t(R) * 2);
     }
-  }
+  });
+  for (const MlaSeq& s : seqs)
+    for (int64_t t = 0; t < s.T; ++t) s.cache.write_latent(s.pos0 + t, kvn.data() + (s.row0 + t) * CW);
 
   // §3.5: which keys each query sees (dense causal without an indexer).
   std::vector<int32_t> sel;  // i32 [rows, Ksel], ascending, −1 padded

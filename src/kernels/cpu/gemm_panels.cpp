@@ -59,20 +59,8 @@ KESTREL_AVX2 void pack_avx2(const uint16_t* w, int64_t ldw, int64_t N, int64_t K
       // dword i = (a[i], b[i]) for i = 0..7: row j's and row j+8's weight at k + i.
       r[j] = _mm256_castsi256_ps(_mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b)));
     }
-    // 8 × 8 dword transpose: t[i] = (r[0][i], …, r[7][i]).
-    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    const __m256 c[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
-                         _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
-                         _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
-                         _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
-    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(reinterpret_cast<float*>(o + 8 * (k + i)), c[i]);
+    simd::transpose8x8(r);  // r[i] = the 8 dwords of k + i
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(reinterpret_cast<float*>(o + 8 * (k + i)), r[i]);
   }
   for (; k < K; ++k)
     for (int j = 0; j < 8; ++j)

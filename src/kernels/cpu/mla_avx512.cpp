@@ -9,7 +9,7 @@
 // Rows are read 32 bf16 at a time and split into even and odd elements by a shift and a mask (no
 // widening shuffle); q̃ is split the same way once per query.
 // Order per (query, head): score_j = Σ over 32-element groups of the even then the odd products (FMA
-// per lane, then the fixed lane tree of reduce16), softmax as the AVX2 kernel's (vector exp, FP32),
+// per lane, then the fixed lane tree of reduce16), softmax simd::softmax_inplace (the AVX2 kernel's),
 // ô = Σ_j p_j ĉ_j with one FMA chain per column in key order. A function of the query's keys alone, never of the
 // batch or chunk; FP32 noise against the scalar twin (tests/unit/test_kernels_fast.cpp bounds it).
 #include <immintrin.h>
@@ -105,23 +105,6 @@ KESTREL_AVX512BF16 void scores(const float* qp, int nh, int64_t CW, const uint16
   }
 }
 
-// Softmax of one head's nk scores in place (FP32, max subtracted; the AVX2 kernel's steps).
-KESTREL_AVX2 void softmax(float* s, int64_t nk) {
-  float m = -INFINITY;
-  for (int64_t j = 0; j < nk; ++j) m = std::max(m, s[j]);
-  __m256 sum8 = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= nk; j += 8) {
-    const __m256 e = simd::exp(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m)));
-    _mm256_storeu_ps(s + j, e);
-    sum8 = _mm256_add_ps(sum8, e);
-  }
-  float sum = simd::reduce8(sum8);
-  for (; j < nk; ++j) sum += (s[j] = std::exp(s[j] - m));
-  const float inv = 1.0f / sum;
-  for (j = 0; j < nk; ++j) s[j] *= inv;
-}
-
 // ô_h[c0, c0 + 64) = Σ_j p_h,j ĉ_j for heads [0, nh): p [nh, nk] (row stride ldp), ohat rows of C.
 // Accumulated as even and odd columns (split32), interleaved back once at the end.
 KESTREL_AVX512BF16 void values(const float* p, int64_t ldp, int nh, const uint16_t* rows, const int32_t* keys,
@@ -206,7 +189,7 @@ void mla_attn_latent_avx512(const MlaDims& dm, const float* qt, const uint16_t* 
         qp.assign(size_t(kH * ((CW + 31) / 32) * 32), 0.0f);
         split_q(q, nh, CW, qp.data());
         scores(qp.data(), nh, CW, rows, keys, nk, scale, s.data(), nk);
-        for (int h = 0; h < nh; ++h) softmax(s.data() + h * nk, nk);
+        for (int h = 0; h < nh; ++h) simd::softmax_inplace(s.data() + h * nk, nk);
         for (int64_t c0 = 0; c0 < C; c0 += 64) values(s.data(), nk, nh, rows, keys, nk, CW, C, c0, o);
       }
     }

@@ -101,20 +101,7 @@ KESTREL_AVX2 void one_pair(int64_t C, int64_t CW, const float* qt /* f32 [CW] */
   for (; i + 8 <= nk; i += 8) scores_n<8>(sc.qtp.data(), rows, keys + i, CW, scale, s + i);
   for (; i < nk; ++i) scores_n<1>(sc.qtp.data(), rows, keys + i, CW, scale, s + i);
 
-  // Softmax over the nk scores (FP32, max subtracted).
-  float m = -INFINITY;
-  for (int64_t j = 0; j < nk; ++j) m = std::max(m, s[j]);
-  __m256 sum8 = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= nk; j += 8) {
-    const __m256 e = simd::exp(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m)));
-    _mm256_storeu_ps(s + j, e);
-    sum8 = _mm256_add_ps(sum8, e);
-  }
-  float sum = simd::reduce8(sum8);
-  for (; j < nk; ++j) sum += (s[j] = std::exp(s[j] - m));
-  const float inv = 1.0f / sum;
-  for (j = 0; j < nk; ++j) s[j] *= inv;
+  simd::softmax_inplace(s, nk);  // FP32, max subtracted
 
   // ô = Σ_j p_j ĉ_j.
   const int64_t G = C / 16;

@@ -19,22 +19,27 @@ namespace kestrel::cpu {
 void moe_route(const float* r, const float* bias, int64_t T, int64_t X, int64_t K, bool renormalize, float scaling,
                int32_t* ids, float* wts) {
   KCHECK(K > 0 && K <= X, "top-{} of {} experts", K, X);
-  std::vector<float> s(static_cast<size_t>(X)), sel(static_cast<size_t>(X));
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t e = 0; e < X; ++e) {
-      s[size_t(e)] = sigmoid(r[t * X + e]);
-      sel[size_t(e)] = s[size_t(e)] + bias[e];
+  // Rows are independent (each its own sigmoid, top-k and weights), so they split over the team: at a
+  // 2K prefill this loop ran on the engine thread alone while the other core waited (issue #22). The
+  // weight of a row: X sigmoids (an exp each) and a top-k over X, about 64 operations per expert.
+  parallel_for(T, T * X * 64, [&](int64_t t0, int64_t t1) {
+    std::vector<float> s(static_cast<size_t>(X)), sel(static_cast<size_t>(X));
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t e = 0; e < X; ++e) {
+        s[size_t(e)] = sigmoid(r[t * X + e]);
+        sel[size_t(e)] = s[size_t(e)] + bias[e];
+      }
+      int32_t* id = ids + t * K;
+      float* wt = wts + t * K;
+      topk(sel.data(), X, K, id);
+      float sum = 0.0f;
+      for (int64_t k = 0; k < K; ++k) sum += (wt[k] = s[size_t(id[k])]);
+      for (int64_t k = 0; k < K; ++k) {
+        if (renormalize) wt[k] /= (sum + 1e-20f);
+        wt[k] *= scaling;
+      }
     }
-    int32_t* id = ids + t * K;
-    float* wt = wts + t * K;
-    topk(sel.data(), X, K, id);
-    float sum = 0.0f;
-    for (int64_t k = 0; k < K; ++k) sum += (wt[k] = s[size_t(id[k])]);
-    for (int64_t k = 0; k < K; ++k) {
-      if (renormalize) wt[k] /= (sum + 1e-20f);
-      wt[k] *= scaling;
-    }
-  }
+  });
 }
 
 void moe_experts(const uint16_t* z, const int32_t* ids, const float* wts, const ExpertPtrs* experts, int64_t T,
@@ -86,7 +91,11 @@ void moe_experts_fast(const uint16_t* z, const int32_t* ids, const float* wts, c
                       int64_t X, int64_t K, int64_t Lt, int64_t I, float beta, float linear_beta, uint16_t* ut) {
   std::vector<float> acc(size_t(T * Lt));  // f32 [T, Lt]
   moe_experts_fast_f32(z, ids, wts, experts, T, X, K, Lt, I, beta, linear_beta, true, acc.data());
-  f32_to_bf16_n(acc.data(), ut, T * Lt);
+  // The rounding to bf16 over rows in parallel (element-wise: the same bits on any thread; the scalar
+  // f32_to_bf16 is about 8 operations an element).
+  parallel_for(T, T * Lt * 8, [&](int64_t t0, int64_t t1) {
+    f32_to_bf16_n(acc.data() + t0 * Lt, ut + t0 * Lt, (t1 - t0) * Lt);
+  });
 }
 
 void moe_experts_fast_f32(const uint16_t* z, const int32_t* ids, const float* wts, const ExpertPtrs* experts,
@@ -147,16 +156,21 @@ void moe_experts_fast_f32(const uint16_t* z, const int32_t* ids, const float* wt
         y[size_t(slots[size_t(i)] * Lt + j)] = round_y ? round_bf16(v) : v;
       }
   });
-  // Step 4: ũ = Σ_k w_k · y_k, FP32 accumulation in top-k order (moe_experts_fast rounds it).
-  for (int64_t t = 0; t < T; ++t) {
-    float* acc = ut + t * Lt;
-    std::fill(acc, acc + Lt, 0.0f);
-    for (int64_t k = 0; k < K; ++k) {
-      const float wk = wts[t * K + k];
-      const float* yk = y.data() + (t * K + k) * Lt;
-      for (int64_t j = 0; j < Lt; ++j) acc[j] += wk * yk[j];
+  // Step 4: ũ = Σ_k w_k · y_k, FP32 accumulation in top-k order (moe_experts_fast rounds it). Rows
+  // split over the team (each row's sum in the same order on any thread): serial, it kept the other
+  // core waiting at every MoE layer of a prefill. Weight: a multiply-add and a load of y (not in
+  // cache: written by the expert tasks) per element, about 4 operations.
+  parallel_for(T, T * K * Lt * 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* acc = ut + t * Lt;
+      std::fill(acc, acc + Lt, 0.0f);
+      for (int64_t k = 0; k < K; ++k) {
+        const float wk = wts[t * K + k];
+        const float* yk = y.data() + (t * K + k) * Lt;
+        for (int64_t j = 0; j < Lt; ++j) acc[j] += wk * yk[j];
+      }
     }
-  }
+  });
 }
 
 }  // namespace kestrel::cpu

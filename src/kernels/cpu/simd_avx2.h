@@ -1,5 +1,5 @@
-// Internal to kernels/cpu: AVX2 helpers shared by the kernels — bf16 loads and RNE stores, and
-// exp / tanh / sigmoid on 8 floats. Every function carries KESTREL_AVX2; include only from files that
+// Internal to kernels/cpu: AVX2 helpers shared by the kernels — bf16 loads and RNE stores, exp / tanh /
+// sigmoid on 8 floats, an 8 × 8 transpose and an in-place softmax of a score row. Every function carries KESTREL_AVX2; include only from files that
 // call them from AVX2 kernels chosen at run time (isa.h).
 //
 // Accuracy: exp uses Cody–Waite reduction (x = n·ln2 + r, |r| ≤ ln2/2) and the degree-7 Taylor
@@ -13,6 +13,8 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "kernels/cpu/isa.h"
@@ -125,6 +127,43 @@ KESTREL_AVX2 inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 cd = _mm256_hadd_ps(c, d);   // c01 c23 d01 d23 | c45 c67 d45 d67
   const __m256 q = _mm256_hadd_ps(ab, cd);  // a0123 b0123 c0123 d0123 | a4567 b4567 c4567 d4567
   return _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1));
+}
+
+// 8 × 8 transpose of f32 lanes (or any 32-bit words): on return r[i] = (r[0][i], …, r[7][i]) of the
+// input. Shared by RMSNorm's eight-row sums (elementwise.cpp) and the AVX2 panel packing
+// (gemm_panels.cpp); the AVX-512 callers inline it too (their target is a superset of this one).
+KESTREL_AVX2 inline void transpose8x8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20), r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20), r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31), r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31), r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// Softmax of nk scores in place (FP32, the maximum subtracted, exp 8 lanes at a time, the tail with
+// std::exp, one reciprocal of the sum): one query head's attention weights in both MLA kernels
+// (mla_fast.cpp AVX2, mla_avx512.cpp), so the two give the same weights from the same scores.
+KESTREL_AVX2 inline void softmax_inplace(float* s, int64_t nk) {
+  float m = -INFINITY;
+  for (int64_t j = 0; j < nk; ++j) m = std::max(m, s[j]);
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= nk; j += 8) {
+    const __m256 e = exp(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m)));
+    _mm256_storeu_ps(s + j, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float sum = reduce8(sum8);
+  for (; j < nk; ++j) sum += (s[j] = std::exp(s[j] - m));
+  const float inv = 1.0f / sum;
+  for (j = 0; j < nk; ++j) s[j] *= inv;
 }
 
 }  // namespace kestrel::cpu::simd

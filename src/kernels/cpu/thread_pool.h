@@ -27,14 +27,16 @@ inline constexpr int64_t kParallelMinWork = int64_t(1) << 18;
 
 namespace detail {
 using RangeFn = void (*)(void* ctx, int64_t begin, int64_t end);
-// Runs call(ctx, b, e) over [0, n) on `threads` threads: static = one contiguous range per thread;
-// dynamic = single items handed out in order (uneven items). Rethrows the first exception.
+// Runs call(ctx, b, e) over [0, n) on `threads` threads: static = contiguous ranges, a few per thread
+// (at most n), claimed in order; dynamic = single items handed out in order (uneven items). Rethrows
+// the first exception.
 void run(int64_t n, int threads, bool dynamic, RangeFn call, void* ctx);
 int threads_for(int64_t n, int64_t work);
 }  // namespace detail
 
-// fn(begin, end) over contiguous ranges of [0, n), one per thread, when the total `work` (about
-// n × cost per item) is worth the team; else fn(0, n) here.
+// fn(begin, end) over contiguous ranges of [0, n) (a few per thread, fixed by n and the thread count,
+// so fn must not assume one range per thread), when the total `work` (about n × cost per item) is
+// worth the team; else fn(0, n) here.
 template <class F>
 void parallel_for(int64_t n, int64_t work, F&& fn) {
   if (n <= 0) return;
