@@ -12,6 +12,10 @@
 //  3. GpuSpec.ProfileSumsPhasesOfSpeculativeSteps: runtime/spec_profile.h (KESTREL_SPEC_PROFILE) over marks
 //     recorded after a sync, as the executor's last ones are: its summary (every 2 steps) names each phase with
 //     its count, skips a step without verify sequences, and reads events the stream has not reached yet.
+//  4. GpuSpec.MarkovGreedyMatchesTwin: kernels/cuda/dspark.h dspark_markov_greedy (the vocabulary split over
+//     CTAs, two launches a step) against a host twin of model::Draft::markov_logits + first maximum, token for
+//     token: r = 32 (16-byte rows) and 12 (the scalar path), V a multiple of the CTA's 1024 tokens and not,
+//     one and several requests, and planted ties (a base row with two equal maxima and W2 rows of zeros).
 // Kept apart from test_spec_gpu.cpp (already past the ~600-line guide); same GpuSpec.* filter.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -25,6 +29,7 @@
 
 #include "harness.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/dspark.h"
 #include "kernels/cuda/rows.h"
 #include "loader/config.h"
 #include "loader/safetensors.h"
@@ -70,6 +75,55 @@ TEST(GpuSpec, CopyRowsMultiMatchesTwin) {
     check_exact("copy_rows_multi", fmt::format("array {}: {} rows of {} B", a, n, bytes[a]), got.data(),
                 dst_h[a].data(), got.size());
     EXPECT_NE(before[a], dst_h[a]) << "the twin wrote nothing: the case tests nothing";
+  }
+}
+
+TEST(GpuSpec, MarkovGreedyMatchesTwin) {
+  Rng rng(23);
+  struct Case {
+    int64_t n, V, r, Nb, steps;
+  };
+  for (const Case& c : {Case{1, 12256, 32, 8, 7}, Case{3, 2048, 32, 8, 8}, Case{2, 1000, 12, 4, 3},
+                        Case{5, 3000, 64, 8, 7}}) {
+    const std::string shape = fmt::format("n={} V={} r={} steps={}", c.n, c.V, c.r, c.steps);
+    std::vector<float> base = rand_f32(size_t(c.n * c.Nb * c.V), rng, -4.0f, 4.0f);
+    std::vector<uint16_t> w1 = rand_bf16(size_t(c.V * c.r), rng, -1.0f, 1.0f);
+    std::vector<uint16_t> w2 = rand_bf16(size_t(c.V * c.r), rng, -1.0f, 1.0f);
+    std::vector<int32_t> anchors(size_t(c.n));
+    for (int64_t b = 0; b < c.n; ++b) anchors[size_t(b)] = int32_t((b * 7919 + 13) % c.V);
+    // Ties: W2 rows 5 and 9 zero and request 0's step-0 base equal and largest there, so its pick must be 5
+    // (the first maximum) whatever the CTA split.
+    for (int64_t k = 0; k < c.r; ++k) w2[size_t(5 * c.r + k)] = w2[size_t(9 * c.r + k)] = 0;
+    base[5] = base[9] = 1e6f;
+    auto d_base = upload(base);
+    auto d_w1 = upload(w1), d_w2 = upload(w2);
+    auto d_anchors = upload(anchors);
+    Dev<int32_t> d_ids = poisoned<int32_t>(size_t(c.n * c.steps));
+    auto ws = upload(std::vector<uint8_t>(cuda::dspark_markov_greedy_workspace_bytes(c.n, c.V)));
+    cuda::dspark_markov_greedy(d_base.p(), c.Nb, d_w1.p(), d_w2.p(), d_anchors.p(), c.n, c.V, c.r, c.steps, d_ids.p(),
+                               ws.p(), nullptr);
+    sync();
+    const std::vector<int32_t> got = d_ids.get();
+    // The twin: model::Draft::markov_logits' sum (over k in order, FP32, multiply then add: the host build has no
+    // FMA contraction) and std::max_element's first maximum.
+    std::vector<int32_t> ref(size_t(c.n * c.steps));
+    std::vector<float> e(size_t(c.r)), lg(size_t(c.V));
+    const std::vector<float> w1f = to_f32(w1), w2f = to_f32(w2);
+    for (int64_t b = 0; b < c.n; ++b) {
+      int32_t prev = anchors[size_t(b)];
+      for (int64_t i = 0; i < c.steps; ++i) {
+        for (int64_t k = 0; k < c.r; ++k) e[size_t(k)] = w1f[size_t(prev * c.r + k)];
+        for (int64_t v = 0; v < c.V; ++v) {
+          float s = 0.0f;
+          for (int64_t k = 0; k < c.r; ++k) s += w2f[size_t(v * c.r + k)] * e[size_t(k)];
+          lg[size_t(v)] = base[size_t((b * c.Nb + i) * c.V + v)] + s;
+        }
+        prev = int32_t(std::max_element(lg.begin(), lg.end()) - lg.begin());
+        ref[size_t(b * c.steps + i)] = prev;
+      }
+    }
+    EXPECT_EQ(got, ref) << shape;
+    EXPECT_EQ(got[0], 5) << shape << ": the planted tie goes to the lower id";
   }
 }
 

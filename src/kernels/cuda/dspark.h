@@ -47,13 +47,16 @@ void dspark_swiglu(const uint16_t* g /* bf16 [n] */, const uint16_t* u /* bf16 [
 // tests/gpu/test_spec_absorbed_gpu.cpp (core/dtype.h's conversions; nothing else runs it on the host).
 void dspark_scale_bf16(uint16_t* x /* bf16 [n] */, int64_t n, float s, cudaStream_t stream);
 
-// The Markov chain of greedy draft picks (§5, no top-k) for n requests, one CTA each: for i < steps,
+// The Markov chain of greedy draft picks (§5, no top-k) for n requests: for i < steps,
 // logits_i = base[b, i] + W2·W1[prev] and prev = ids[b, i] = argmax_v logits_i, prev starting at anchors[b].
-// The CPU twin's bits (model::Draft::markov_logits, then std::max_element): each v's sum over k in order from
-// 0 in FP32 with separate rounded multiplies and adds (no fused multiply-add), the first maximum on a tie.
+// Two launches a step, the vocabulary split over CTAs (dspark.cu). The CPU twin's bits
+// (model::Draft::markov_logits, then std::max_element): each v's sum over k in order from 0 in FP32 with separate
+// rounded multiplies and adds (no fused multiply-add), the first maximum on a tie. workspace: at least
+// dspark_markov_greedy_workspace_bytes(n, V), device memory (the CTAs' bests of a step).
+size_t dspark_markov_greedy_workspace_bytes(int64_t n, int64_t V);
 void dspark_markov_greedy(const float* base /* f32 [n, Nb, V] */, int64_t Nb, const uint16_t* w1 /* bf16 [V, r] */,
                           const uint16_t* w2 /* bf16 [V, r] */, const int32_t* anchors /* i32 [n] */, int64_t n,
-                          int64_t V, int64_t r, int64_t steps, int32_t* ids /* i32 [n, steps] */,
+                          int64_t V, int64_t r, int64_t steps, int32_t* ids /* i32 [n, steps] */, void* workspace,
                           cudaStream_t stream);
 
 }  // namespace kestrel::cuda

@@ -313,8 +313,9 @@ struct CudaDraft::Impl {
     const float* lg = block_rows(meta, B, Sk, Smax);
     if (x.graph.mode == gpu::GraphRecorder::Mode::eager) mark("draft.layers");
     const int32_t* anchors = meta + 5 * B * d.cfg->block_size;  // block_meta's layout
+    void* ws = x.tmp<char>(int64_t(cuda::dspark_markov_greedy_workspace_bytes(B, d.cfg->vocab_size)));
     cuda::dspark_markov_greedy(lg, d.cfg->block_size, markov_w1, markov_w2, anchors, B, d.cfg->vocab_size,
-                               d.cfg->markov_rank, steps, ids, x.stream);
+                               d.cfg->markov_rank, steps, ids, ws, x.stream);
   }
 
   void base_logits_batch(std::span<const CudaDraft::BlockSeq> reqs, float* host) {
