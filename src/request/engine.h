@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <functional>
 
 #include "request/request.h"
@@ -50,6 +51,9 @@ class Engine {
  public:
   virtual ~Engine() = default;
   virtual bool ready() const = 0;
+  // Why the engine cannot serve although it is not loading: a failed load or a step that threw (the engine then
+  // refuses every request). Empty while loading, shut down or healthy.
+  virtual std::string failure() const { return {}; }
   virtual int64_t max_model_len() const = 0;  // prompt + max_tokens at most
   virtual int64_t vocab_size() const = 0;
   // Validates the request (validate() in request.h: RequestError on a bad one) and queues it. On

@@ -3,9 +3,12 @@
 // forward's launch and min_tokens' held stops read the same per-step state as those hooks.
 #include "runtime/engine.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 
 #include "core/check.h"
@@ -231,6 +234,11 @@ IntegrityReport Engine::check_integrity() const {
 bool Engine::ready() const {
   std::lock_guard<std::mutex> lk(mu_);
   return !stop_ && failed_.empty();
+}
+
+std::string Engine::failure() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return failed_;
 }
 
 void Engine::wait_idle() {
@@ -634,6 +642,10 @@ void Engine::loop() {
         stop_ = true;
         end_all(FinishReason::error, failed_, out);
       }
+      // Said once where an operator looks (the server's /health and API errors repeat it): without this line a
+      // failed step showed only as requests refused with 503.
+      fmt::print(stderr, "kestrel: an engine step failed; every request is refused from now on: {}\n", e.what());
+      std::fflush(stderr);
       for (auto& [sink, ev] : out) sink(std::move(ev));
       idle_cv_.notify_all();
       return;

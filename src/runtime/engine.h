@@ -107,6 +107,7 @@ class Engine final : public kestrel::Engine {
   Engine& operator=(const Engine&) = delete;
 
   bool ready() const override;  // false after shutdown() or a failed step
+  std::string failure() const override;  // the failed step's error
   int64_t max_model_len() const override { return limits_.max_model_len; }
   int64_t vocab_size() const override { return limits_.vocab_size; }
   Submission submit(Request r, TokenSink sink) override;

@@ -300,6 +300,11 @@ bool EngineHost::ready() const {
   return e && e->ready();
 }
 
+std::string EngineHost::failure() const {
+  if (runtime::Engine* e = get()) return e->failure();
+  return load_error();
+}
+
 int64_t EngineHost::max_model_len() const {
   runtime::Engine* e = get();
   return e ? e->max_model_len() : 0;

@@ -91,6 +91,7 @@ class EngineHost final : public kestrel::Engine {
   const ModelConfig& model_config() const;
 
   bool ready() const override;
+  std::string failure() const override;  // load_error(), or the loaded engine's failed step
   int64_t max_model_len() const override;
   int64_t vocab_size() const override;
   Submission submit(Request r, TokenSink sink) override;

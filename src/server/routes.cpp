@@ -149,7 +149,7 @@ void Router::route(const HttpRequest& req, const std::shared_ptr<Connection>& co
   if (target == "/health") {
     need("GET");
     const bool ok = engine_.ready() && !draining_;
-    return conn->reply(ok ? 200 : 503, ok ? "" : error_body(503, draining_ ? "shutting down" : "model is loading"));
+    return conn->reply(ok ? 200 : 503, ok ? "" : error_body(503, unavailable()));
   }
   if (target == "/metrics") {
     need("GET");
@@ -208,7 +208,7 @@ void Router::route(const HttpRequest& req, const std::shared_ptr<Connection>& co
   if (!body.is_object()) throw ApiError(400, "request body must be a JSON object");
   if (target == "/tokenize") return tokenize(body, *conn);
   if (target == "/detokenize") return detokenize(body, *conn);
-  if (!engine_.ready()) throw ApiError(503, draining_ ? "shutting down" : "model is loading");
+  if (!engine_.ready()) throw ApiError(503, unavailable());
   if (draining_) throw ApiError(503, "shutting down");
   if (target == "/v1/responses") return responses(body, conn);
   generate(body, target == "/v1/chat/completions" ? Api::kChat : Api::kCompletion, conn);

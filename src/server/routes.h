@@ -86,6 +86,12 @@ class Router {
  private:
   void route(const HttpRequest& req, const std::shared_ptr<Connection>& conn);
   bool knows_model(const std::string& name) const;  // the served name or one of its aliases
+  // The 503 message while the engine cannot serve: shutting down, the engine's failure, or still loading.
+  std::string unavailable() const {
+    if (draining_) return "shutting down";
+    const std::string why = engine_.failure();
+    return why.empty() ? "model is loading" : "the engine failed: " + why;
+  }
   void check_model(const ojson& body) const;
   json model_card() const;
   void tokenize(const ojson& body, Connection& conn);

@@ -101,6 +101,56 @@ std::vector<ChoiceStream::Delta> run_choice(ChoiceStream& c, const std::vector<i
   }
   return out;
 }
+// A step that throws (here: the executor's third) ends the requests in flight with the error and makes the
+// server refuse everything after it with 503s that say why — not "model is loading", which is what a failed
+// engine used to look like from outside.
+TEST(Server, AFailedEngineStepIsReportedNotMistakenForLoading) {
+  struct Throwing : runtime::StepExecutor {
+    std::unique_ptr<runtime::StepExecutor> inner;
+    int steps = 0;
+    sched::StepResult run(const sched::StepPlan& plan, const runtime::StepHooks& hooks) override {
+      if (++steps == 3) throw Error("device fault in step 3");
+      return inner->run(plan, hooks);
+    }
+    const runtime::ExecutorStats& stats() const override { return inner->stats(); }
+  };
+  Running r(ids("one two three"));
+  // The Running engine stands; a second one over the throwing executor serves a second server.
+  runtime::EngineConfig ec;
+  ec.max_running = 4;
+  ec.max_queue = 8;
+  ec.formats.block_size = 16;
+  ec.memory_budget = int64_t(256) << 20;
+  ec.max_model_len = 2048;
+  const int64_t V = r.cfg.text.vocab_size;
+  ec.make_executor = [V](const kestrel::CacheFormats& f, const kestrel::cache::CacheConfig& c) {
+    auto t = std::make_unique<Throwing>();
+    t->inner = runtime::fake_executor_factory(V, {})(f, c);
+    return std::unique_ptr<runtime::StepExecutor>(std::move(t));
+  };
+  runtime::Engine engine(r.cfg, ec);
+  ServerOptions so;
+  so.port = 0;
+  so.served_model_name = "m";
+  Server server(so, engine, T());
+  server.listen();
+  std::thread th([&] { server.run(); });
+  EXPECT_EQ(status(raw(server.port(), request("GET", "/health", ""))), 200);
+  const json req = {{"prompt", "x"}, {"max_tokens", 8}, {"ignore_eos", true}};
+  const std::string first = raw(server.port(), request("POST", "/v1/completions", req.dump()));
+  EXPECT_NE(first.find("device fault in step 3"), std::string::npos) << first;  // the request in flight
+  const std::string health = raw(server.port(), request("GET", "/health", ""));
+  EXPECT_EQ(status(health), 503);
+  EXPECT_NE(health.find("the engine failed: device fault in step 3"), std::string::npos) << health;
+  const std::string next = raw(server.port(), request("POST", "/v1/completions", req.dump()));
+  EXPECT_EQ(status(next), 503);
+  EXPECT_NE(next.find("the engine failed"), std::string::npos) << next;
+  EXPECT_EQ(next.find("model is loading"), std::string::npos) << next;
+  server.shutdown();
+  th.join();
+  engine.shutdown();
+}
+
 }  // namespace
 
 TEST(ServerChoice, ReasoningContentAndToolCallDeltas) {
