@@ -56,6 +56,7 @@ sched::SchedulerConfig sched_config(const ModelConfig& c, const EngineConfig& cf
   s.max_long_partial_prefills = cfg.max_long_partial_prefills;
   s.vocab_size = int32_t(c.text.vocab_size);
   s.num_speculative_tokens = cfg.speculative ? cfg.speculative->num_speculative_tokens : 0;
+  s.spec_disable_by_batch_size = cfg.speculative ? cfg.speculative->disable_by_batch_size : 0;
   return s;
 }
 

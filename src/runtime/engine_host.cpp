@@ -202,6 +202,7 @@ void EngineHost::load_speculative(Loaded& m, EngineConfig& ec) const {
   s.rejection = sc.rejection;
   s.draft_greedy = sc.draft_greedy;
   s.draft_topk = sc.draft_topk;
+  s.disable_by_batch_size = sc.disable_by_batch_size;
   ec.speculative = s;
 }
 

@@ -42,9 +42,11 @@ SpeculativeConfig parse_speculative_config(const std::string& text) {
       c.rejection = parse_rejection_method(str("rejection_sample_method"));
     } else if (k == "dspark_draft_topk") {
       c.draft_topk = integer("dspark_draft_topk", 0, 1 << 20);
+    } else if (k == "disable_by_batch_size") {
+      c.disable_by_batch_size = integer("disable_by_batch_size", 1, 1 << 20);
     } else {
       fail("--speculative-config: unknown key \"{}\" (method, model, num_speculative_tokens, draft_sample_method, "
-           "rejection_sample_method, dspark_draft_topk)", k);
+           "rejection_sample_method, dspark_draft_topk, disable_by_batch_size)", k);
     }
   }
   if (!j.contains("method")) fail("--speculative-config: \"method\" is required (\"dspark\")");

@@ -20,6 +20,7 @@ struct SpeculativeConfig {
   bool draft_greedy = false;            // draft_sample_method "greedy" (default "probabilistic")
   RejectionMethod rejection = RejectionMethod::block;
   int draft_topk = 0;                   // dspark_draft_topk; 0 = no pruning
+  int disable_by_batch_size = 0;        // vLLM's: no drafts in a step with more decodes than this (0 = never)
 };
 
 SpeculativeConfig parse_speculative_config(const std::string& json_text);

@@ -32,6 +32,7 @@ struct SpecServing {
   RejectionMethod rejection = RejectionMethod::block;
   bool draft_greedy = false;       // draft_sample_method "greedy"
   int draft_topk = 0;              // dspark_draft_topk
+  int disable_by_batch_size = 0;   // no drafts in a step with more decodes than this (0 = never)
   // Test hook (an always-agreeing draft): the token proposed for output index j of request id, or −1 to
   // keep the draft model's. The draft model still runs.
   std::function<int32_t(RequestId id, int64_t j)> oracle;

@@ -181,6 +181,15 @@ StepPlan Scheduler::schedule() {
 
   // 1. Decodes, oldest first. A copy of the keys: preemption edits running_.
   const std::vector<Key> order(running_.begin(), running_.end());
+  bool draft = config_.num_speculative_tokens > 0;
+  if (draft && config_.spec_disable_by_batch_size > 0) {
+    int64_t decodes = 0;
+    for (const Key& k : order) {
+      auto it = seqs_.find(k.second);
+      decodes += it != seqs_.end() && it->second.running && it->second.prefill_done;
+    }
+    draft = decodes <= config_.spec_disable_by_batch_size;
+  }
   for (const Key& k : order) {
     if (budget == 0) break;
     auto it = seqs_.find(k.second);
@@ -189,7 +198,7 @@ StepPlan Scheduler::schedule() {
     // Speculation: the anchor + γ draft positions, γ cut so the step can never emit past max_tokens
     // (it emits at most γ + 1) and to the step's budget.
     int64_t gamma = 0;
-    if (s.speculate) {
+    if (s.speculate && draft) {
       const int64_t generated = int64_t(s.tokens.size()) - s.prompt_len;
       gamma = std::clamp<int64_t>(std::min<int64_t>({config_.num_speculative_tokens, s.max_tokens - generated - 1,
                                                      budget - 1}), 0, config_.num_speculative_tokens);

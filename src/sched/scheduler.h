@@ -64,6 +64,10 @@ struct SchedulerConfig {
   // DSpark speculation (docs/speculative.md): a speculating request's decode verifies up to this many
   // draft tokens after its anchor (0: off). Fewer near max_tokens or when the step's budget is short.
   int32_t num_speculative_tokens = 0;
+  // vLLM's disable_by_batch_size: a step with more decodes than this drafts nothing (0 = never). A large batch's
+  // verify forward over B·(1+γ) rows costs more than the tokens it gains (k3-tiny on the H200: speculation is
+  // 0.34–0.37 × plain's TPOT at c = 1 but 1.07–1.16 × at c = 8–32, bench/RESULTS.md session 11).
+  int32_t spec_disable_by_batch_size = 0;
 };
 
 // One request's work in a step: compute positions [start, end) from `tokens`.

@@ -250,6 +250,36 @@ TEST(SchedPolicy, CompleteRejectsMismatchedResults) {
 namespace kestrel::sched {
 namespace {
 
+// vLLM's disable_by_batch_size: a step with more decodes than it drafts for nobody; one with as many or fewer
+// drafts as usual.
+TEST(SchedPolicy, SpeculationPausesWhileTheBatchIsLargerThanDisableByBatchSize) {
+  SchedulerConfig sc = sched_config(64);
+  sc.num_speculative_tokens = 3;
+  sc.spec_disable_by_batch_size = 2;
+  Harness h(sc, cache_config(64, 4));
+  h.s.submit(1, request(5, 30), true);
+  h.s.submit(2, request(5, 30), true);
+  h.s.submit(3, request(5, 2), true);  // finishes at its first decode
+  h.step();                            // all three prefilled
+  StepPlan p = h.s.schedule();
+  ASSERT_EQ(p.decodes.size(), 3u);
+  for (const ScheduledSeq& x : p.decodes) EXPECT_EQ(x.num_draft, 0) << "request " << x.id << ": 3 decodes > 2";
+  EXPECT_EQ(p.num_tokens, 3);
+  h.s.complete(p, {{{1, 3, false, {}}, {2, 3, false, {}}, {3, 3, false, {}}}});
+  h.s.check_integrity();
+  p = h.s.schedule();
+  ASSERT_EQ(p.decodes.size(), 2u);  // request 3 reached max_tokens
+  for (const ScheduledSeq& x : p.decodes) EXPECT_EQ(x.num_draft, 3) << "request " << x.id << ": 2 decodes";
+  // Off (0): three decodes draft.
+  sc.spec_disable_by_batch_size = 0;
+  Harness all(sc, cache_config(64, 4));
+  for (RequestId id : {1, 2, 3}) all.s.submit(id, request(5, 30), true);
+  all.step();
+  p = all.s.schedule();
+  ASSERT_EQ(p.decodes.size(), 3u);
+  for (const ScheduledSeq& x : p.decodes) EXPECT_EQ(x.num_draft, 3) << "request " << x.id;
+}
+
 // Speculation (docs/speculative.md): a speculating decode takes the anchor + γ' draft positions, γ' cut by
 // max_tokens and the step budget; complete() keeps anchor + accepted and releases the pages wholly past them.
 TEST(SchedPolicy, SpeculativeDecodesPlanDraftsAndReleaseRejectedPages) {

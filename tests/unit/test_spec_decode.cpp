@@ -122,18 +122,21 @@ TEST(SpecDecode, TargetDistributionFollowsTheSamplerKnobs) {
 TEST(SpeculativeConfig, ParsesVllmKeysAndRejectsTheRest) {
   const SpeculativeConfig c = parse_speculative_config(
       R"({"method":"dspark","model":"/d","num_speculative_tokens":7,"draft_sample_method":"greedy",)"
-      R"("rejection_sample_method":"token","dspark_draft_topk":8})");
+      R"("rejection_sample_method":"token","dspark_draft_topk":8,"disable_by_batch_size":4})");
   EXPECT_EQ(c.model, "/d");
   EXPECT_EQ(c.num_speculative_tokens, 7);
   EXPECT_TRUE(c.draft_greedy);
   EXPECT_EQ(c.rejection, RejectionMethod::token);
   EXPECT_EQ(c.draft_topk, 8);
+  EXPECT_EQ(c.disable_by_batch_size, 4);
+  EXPECT_EQ(parse_speculative_config(R"({"method":"dspark","model":"/d"})").disable_by_batch_size, 0);
   EXPECT_EQ(parse_speculative_config(R"({"method":"dspark","model":"/d"})").rejection, RejectionMethod::block);
   for (const char* bad : {R"({"method":"eagle","model":"/d"})", R"({"model":"/d"})", R"({"method":"dspark"})",
                           R"({"method":"dspark","model":"/d","num_speculative_tokens":0})",
                           R"({"method":"dspark","model":"/d","rejection_sample_method":"tree"})",
                           R"({"method":"dspark","model":"/d","draft_sample_method":"typical"})",
-                          R"({"method":"dspark","model":"/d","prompt_lookup_max":3})", "[1]", "{"})
+                          R"({"method":"dspark","model":"/d","prompt_lookup_max":3})",
+                          R"({"method":"dspark","model":"/d","disable_by_batch_size":0})", "[1]", "{"})
     EXPECT_THROW(parse_speculative_config(bad), Error) << bad;
 }
 
