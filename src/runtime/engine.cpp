@@ -1,4 +1,4 @@
-// Engine loop (see engine.h). About 650 lines: the step hooks that tie the executor to the requests — sampling,
+// Engine loop (see engine.h). About 665 lines: the step hooks that tie the executor to the requests — sampling,
 // structured-output masks, speculation, images — stay beside the loop they serve; the mask jobs' start at the
 // forward's launch and min_tokens' held stops read the same per-step state as those hooks.
 #include "runtime/engine.h"
