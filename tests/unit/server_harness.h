@@ -46,6 +46,19 @@ inline std::string nano_dir() {
   return d;
 }
 
+// The engine settings of the servers under test (make_executor left to the caller): small queues, nano-sized
+// pages and budget, the test tokenizer's end-of-turn ids.
+inline runtime::EngineConfig engine_config() {
+  runtime::EngineConfig ec;
+  ec.max_running = 4;
+  ec.max_queue = 8;
+  ec.formats.block_size = 16;
+  ec.memory_budget = int64_t(256) << 20;
+  ec.max_model_len = 2048;
+  for (tok::TokenId id : tok::end_of_turn_ids(T())) ec.eos_token_ids.push_back(int32_t(id));
+  return ec;
+}
+
 // The server over the real engine with a fake executor: nano's cache shapes (bookkeeping only), the
 // test tokenizer's vocabulary and end-of-turn ids, greedy output = the script.
 struct Running {
@@ -55,13 +68,7 @@ struct Running {
                    std::chrono::microseconds step_delay = std::chrono::microseconds(0)) {
     cfg = load_config(nano_dir());
     cfg.text.vocab_size = int(T().vocab_size());
-    runtime::EngineConfig ec;
-    ec.max_running = 4;
-    ec.max_queue = 8;
-    ec.formats.block_size = 16;
-    ec.memory_budget = int64_t(256) << 20;
-    ec.max_model_len = 2048;
-    for (tok::TokenId id : tok::end_of_turn_ids(T())) ec.eos_token_ids.push_back(int32_t(id));
+    runtime::EngineConfig ec = engine_config();
     runtime::FakeExecutorOptions f;
     f.script = std::move(script);
     f.step_delay = step_delay;

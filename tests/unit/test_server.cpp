@@ -116,12 +116,7 @@ TEST(Server, AFailedEngineStepIsReportedNotMistakenForLoading) {
   };
   Running r(ids("one two three"));
   // The Running engine stands; a second one over the throwing executor serves a second server.
-  runtime::EngineConfig ec;
-  ec.max_running = 4;
-  ec.max_queue = 8;
-  ec.formats.block_size = 16;
-  ec.memory_budget = int64_t(256) << 20;
-  ec.max_model_len = 2048;
+  runtime::EngineConfig ec = engine_config();
   const int64_t V = r.cfg.text.vocab_size;
   ec.make_executor = [V](const kestrel::CacheFormats& f, const kestrel::cache::CacheConfig& c) {
     auto t = std::make_unique<Throwing>();

@@ -584,11 +584,12 @@ void kda_recurrent(const float* q, const float* k, const float* v, const float* 
 }
 
 namespace {
-// Per device, measured once: one wave of the streaming kernel (SMs × resident blocks). The occupancy query
-// costs microseconds of host time, which a batch-1 launch (a few µs of GPU work) paid on every call: the
-// batch-1 decode measured 7.4–7.6 µs with it, 5.3–5.6 µs without (H200, bench_kda, events around one launch).
-template <int DK, typename StateT>
-int64_t decode_wave() {
+// Per device, measured once: one wave of `Kernel` (SMs × its resident blocks of kDecodeThreads threads with `smem`
+// bytes of dynamic shared memory). The occupancy query costs microseconds of host time, which a batch-1 launch
+// (a few µs of GPU work) paid on every call: the batch-1 decode measured 7.4–7.6 µs with it, 5.3–5.6 µs without
+// (H200, bench_kda, events around one launch). One cache per kernel (the template argument).
+template <auto Kernel>
+int64_t resident_wave(size_t smem) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int64_t> wave[kMaxDevices];  // 0: not measured yet (threads may race to measure it: same value)
   int dev = 0;
@@ -597,53 +598,24 @@ int64_t decode_wave() {
   int64_t w = wave[dev].load(std::memory_order_relaxed);
   if (w == 0) {
     int sms = 0, per_sm = 0;
-    constexpr size_t smem = size_t(2) * DK * kDecodeCols * sizeof(StateT);
     KCUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_stream_kernel<DK, StateT>,
-                                                              kDecodeThreads, smem));
+    KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kDecodeThreads, smem));
     w = int64_t(std::max(sms, 1)) * std::max(per_sm, 1);
     wave[dev].store(w, std::memory_order_relaxed);
   }
   return w;
 }
-
+template <int DK, typename StateT>
+int64_t decode_wave() {  // the streaming kernel, its two slices of shared memory
+  return resident_wave<decode_stream_kernel<DK, StateT>>(size_t(2) * DK * kDecodeCols * sizeof(StateT));
+}
 template <int DK, typename StateT>
 int64_t decode_regs_wave() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int64_t> wave[kMaxDevices];
-  int dev = 0;
-  KCUDA_CHECK(cudaGetDevice(&dev));
-  KCUDA_REQUIRE(dev >= 0 && dev < kMaxDevices, "kda_decode: device " + std::to_string(dev));
-  int64_t w = wave[dev].load(std::memory_order_relaxed);
-  if (w == 0) {
-    int sms = 0, per_sm = 0;
-    KCUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_regs_kernel<DK, StateT>,
-                                                              kDecodeThreads, 0));
-    w = int64_t(std::max(sms, 1)) * std::max(per_sm, 1);
-    wave[dev].store(w, std::memory_order_relaxed);
-  }
-  return w;
+  return resident_wave<decode_regs_kernel<DK, StateT>>(0);
 }
-
-// One wave of decode_kernel<…, true> (SMs × resident blocks), measured once per device like decode_wave.
 template <int DK, typename StateT>
-int64_t decode_blocks_wave() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int64_t> wave[kMaxDevices];
-  int dev = 0;
-  KCUDA_CHECK(cudaGetDevice(&dev));
-  KCUDA_REQUIRE(dev >= 0 && dev < kMaxDevices, "kda_decode: device " + std::to_string(dev));
-  int64_t w = wave[dev].load(std::memory_order_relaxed);
-  if (w == 0) {
-    int sms = 0, per_sm = 0;
-    KCUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<DK, StateT, true>,
-                                                              kDecodeThreads, 0));
-    w = int64_t(std::max(sms, 1)) * std::max(per_sm, 1);
-    wave[dev].store(w, std::memory_order_relaxed);
-  }
-  return w;
+int64_t decode_blocks_wave() {  // the prefetching blocks kernel
+  return resident_wave<decode_kernel<DK, StateT, true>>(0);
 }
 
 // The prefetch distance of kKdaDecodePrefetch in blocks: 3/8 of a wave. Measured on the H200 (bench_kda, FP32
