@@ -9,7 +9,7 @@
 // - chunked scan: kda_chunked.cu; the fused decode chain (steps 2–7 in one launch): kda_decode_fused.cu.
 // - traced conv / decode scan (DSpark verification, kda.h kda_*_traced): the decode kernels' per-token
 //   arithmetic over runs of tokens, storing the state after each token.
-// About 820 lines: the decode kernels (blocks, with or without its L2 prefetch, stream, regs) and the traced one
+// About 800 lines: the decode kernels (blocks, with or without its L2 prefetch, stream, regs) and the traced one
 // share decode_tokens' arithmetic, which keeps them bit-identical, and one launcher picks among them; split apart
 // they would each need that function exported (the traced conv sits beside the conv it must equal for the same
 // reason).
