@@ -108,4 +108,9 @@ std::vector<std::string> gpu_ckpt_dirs();
 
 void sync();  // cudaDeviceSynchronize + last-error check
 
+// ‖a − b‖₂ / ‖b‖₂ over n values (in double).
+double rel_l2(const float* a, const float* b, int64_t n);
+// Top-2 gap of a logits row relative to its max |logit| (how near a tie its argmax is).
+double rel_gap(const float* x, int64_t V);
+
 }  // namespace kestrel::gputest

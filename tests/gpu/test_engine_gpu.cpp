@@ -317,14 +317,6 @@ size_t first_diff(const std::vector<int32_t>& a, const std::vector<int32_t>& b) 
   return i;
 }
 
-// Top-2 gap of a row relative to its max |logit|.
-double rel_gap(const float* x, int64_t V) {
-  std::vector<float> v(x, x + V);
-  std::partial_sort(v.begin(), v.begin() + 2, v.end(), std::greater<float>());
-  double scale = 0;
-  for (int64_t i = 0; i < V; ++i) scale = std::max(scale, double(std::fabs(x[i])));
-  return double(v[0] - v[1]) / scale;
-}
 
 TEST(GpuEngine, BatchedStaggeredMatchesSoloAndCpu) {
   const auto dirs = gpu_ckpt_dirs();

@@ -250,14 +250,7 @@ void run_script(const ModelConfig& cfg, const ModelWeights& w, model::CudaModel*
   EXPECT_EQ(run.error, "");
 }
 
-// Top-2 gap of a row relative to its max |logit|.
-double rel_gap(const std::vector<float>& x) {
-  std::vector<float> v(x);
-  std::partial_sort(v.begin(), v.begin() + 2, v.end(), std::greater<float>());
-  double scale = 0;
-  for (float f : x) scale = std::max(scale, double(std::fabs(f)));
-  return double(v[0] - v[1]) / scale;
-}
+double rel_gap(const std::vector<float>& x) { return gputest::rel_gap(x.data(), int64_t(x.size())); }
 
 // rel L2 and max |Δ| / max |logit| of row `got` against `ref` (f32 [V] each).
 std::pair<double, double> row_errors(const float* got, const float* ref, int64_t V) {

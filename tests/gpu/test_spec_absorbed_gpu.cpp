@@ -86,18 +86,6 @@ AbsSetup* abs_setup() {
   return s;
 }
 
-double rel_l2(const float* a, const float* b, int64_t n) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; ++i) num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), den += double(b[i]) * b[i];
-  return std::sqrt(num / std::max(den, 1e-30));
-}
-double rel_gap(const float* x, int64_t V) {
-  std::vector<float> v(x, x + V);
-  std::partial_sort(v.begin(), v.begin() + 2, v.end(), std::greater<float>());
-  double scale = 0;
-  for (int64_t i = 0; i < V; ++i) scale = std::max(scale, double(std::fabs(x[i])));
-  return double(v[0] - v[1]) / scale;
-}
 
 TEST(GpuSpec, AbsorbedDraftMatchesNaive) {
   AbsSetup* S = abs_setup();

@@ -121,23 +121,10 @@ const SpecSetup* setup() {
                                  "bench/gpu/run.sh spec (the draft: KESTREL_GPU_DSPARK or <nano>-dspark)"
 
 int32_t argmax(const float* x, int64_t V) { return int32_t(std::max_element(x, x + V) - x); }
-double rel_l2(const float* a, const float* b, int64_t n) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; ++i) num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), den += double(b[i]) * b[i];
-  return std::sqrt(num / std::max(den, 1e-30));
-}
 std::vector<float> widen(const std::vector<uint16_t>& b) {
   std::vector<float> f(b.size());
   for (size_t i = 0; i < b.size(); ++i) f[i] = bf16_to_f32(b[i]);
   return f;
-}
-// Top-2 gap of a row relative to its max |logit|.
-double rel_gap(const float* x, int64_t V) {
-  std::vector<float> v(x, x + V);
-  std::partial_sort(v.begin(), v.begin() + 2, v.end(), std::greater<float>());
-  double scale = 0;
-  for (int64_t i = 0; i < V; ++i) scale = std::max(scale, double(std::fabs(x[i])));
-  return double(v[0] - v[1]) / scale;
 }
 
 TEST(GpuSpec, VerifyRowsTapsAndKeep) {

@@ -80,11 +80,6 @@ std::unique_ptr<model::CudaModel> model_with_env(const Nano& n, const char* name
   return m;
 }
 
-double rel_l2(const float* a, const float* b, int64_t n) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; ++i) num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), den += double(b[i]) * b[i];
-  return std::sqrt(num / std::max(den, 1e-30));
-}
 int32_t host_argmax(const float* x, int64_t V) { return int32_t(std::max_element(x, x + V) - x); }
 
 // Everything a verify step leaves behind, copied to the host.
