@@ -4,12 +4,16 @@
 //
 // For each batch T: 8 routings (16 distinct random experts per token, weights 1/16), rotated call to call so
 // consecutive calls hit different experts (and nothing is served from the 50 MB L2 twice); median of the timed
-// calls with CUDA events around each call, eager and as a replayed CUDA graph (the engine's decode path). Prints
+// calls with CUDA events around each call, eager and as a replayed CUDA graph (the engine's decode path; each
+// replay waits for the last, so the host's launch latency is inside the time), and the graph replays queued back
+// to back with an event pair around each (the GPU never idles for the host, as inside the engine's step graph,
+// where a kernel always precedes the experts: PERF moe_experts_queued_us_bT). Prints
 // µs, the experts hit, the weight bytes those experts hold (every hit expert is read once: 17.55 MB each),
 // GB/s of those bytes, % of a device-to-device copy measured in the same run, and TFLOP/s; per variant
 // (moe.h MoeTokenTile and MoeExpertsOptions): auto (what the engine runs), the GEMM families forced (t8, t32:
 // FP32-scale kernels; stream: decode; wide: prefill), stream without PDL / grouped at T ≤ 2 / ungrouped, wide
-// without PDL — so each change can be seen on its own. The comparison peer is bench/gpu/moe_peer.py.
+// without PDL, stream-ctasN (the persistent grid forced to N CTAs), t8-nopdl, t8-ksN (t8's K split forced to
+// N) — so each change can be seen on its own. The comparison peer is bench/gpu/moe_peer.py.
 //
 //   bench_moe [--quick] [--batches 1,8,64,256,4096] [--variants auto,t8,...] [--breakdown] [--perf]
 //
@@ -87,6 +91,30 @@ struct Timer {
     std::sort(t.begin(), t.end());
     return t[t.size() / 2];
   }
+  // The same calls queued back to back (an event pair around each, one sync at the end): the GPU never waits for
+  // the host's launch, as inside the engine's step graph where another kernel always precedes the experts.
+  double queued_median_us(const std::function<void(int)>& fn, int warm, int reps, cudaStream_t s) {
+    int i = 0;
+    for (int w = 0; w < warm; ++w) fn(i++);
+    std::vector<cudaEvent_t> ev(size_t(2 * reps));
+    for (auto& e : ev) KCUDA_CHECK(cudaEventCreate(&e));
+    for (int r = 0; r < reps; ++r) {
+      KCUDA_CHECK(cudaEventRecord(ev[size_t(2 * r)], s));
+      fn(i++);
+      KCUDA_CHECK(cudaEventRecord(ev[size_t(2 * r + 1)], s));
+    }
+    KCUDA_CHECK(cudaStreamSynchronize(s));
+    std::vector<double> t;
+    for (int r = 0; r < reps; ++r) {
+      float ms = 0;
+      KCUDA_CHECK(cudaEventElapsedTime(&ms, ev[size_t(2 * r)], ev[size_t(2 * r + 1)]));
+      t.push_back(ms * 1000.0);
+    }
+    for (auto& e : ev) KCUDA_CHECK(cudaEventDestroy(e));
+    KCUDA_CHECK(cudaGetLastError());
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  }
 };
 
 struct Variant {
@@ -107,6 +135,17 @@ bool make_variant(const std::string& name, Variant& v) {
   if (name == "stream-grouped") return v.opt.tile = MoeTokenTile::stream, v.opt.grouped = 1, true;
   if (name == "stream-ungrouped") return v.opt.tile = MoeTokenTile::stream, v.opt.grouped = 0, true;
   if (name == "wide-nopdl") return v.opt.tile = MoeTokenTile::wide, v.opt.pdl = 0, true;
+  if (name == "t8-nopdl") return v.opt.tile = MoeTokenTile::t8, v.opt.pdl = 0, true;
+  if (name.rfind("t8-ks", 0) == 0) {  // t8-ksN: the t8 kernel's K split forced to N
+    const int n = std::atoi(name.c_str() + 5);
+    if (n < 1 || n > 8) return false;
+    return v.opt.tile = MoeTokenTile::t8, v.opt.t8_ksplit = n, true;
+  }
+  if (name.rfind("stream-ctas", 0) == 0) {  // stream-ctasN: the persistent grid forced to N CTAs
+    const int n = std::atoi(name.c_str() + 11);
+    if (n < 1 || n > 1024) return false;
+    return v.opt.tile = MoeTokenTile::stream, v.opt.stream_ctas = n, true;
+  }
   return false;
 }
 
@@ -153,7 +192,7 @@ int main(int argc, char** argv) {
     } else {
       fmt::print(stderr,
                  "usage: bench_moe [--quick] [--perf] [--breakdown] [--batches 1,8,64,256,4096] [--variants auto,t8,t32,"
-                 "stream,wide,stream-nopdl,stream-grouped,stream-ungrouped,wide-nopdl]\n");
+                 "stream,wide,stream-nopdl,stream-grouped,stream-ungrouped,wide-nopdl,stream-ctasN,t8-nopdl,t8-ksN]\n");
       return 2;
     }
   }
@@ -215,8 +254,8 @@ int main(int argc, char** argv) {
                "measured now: {:.0f} GB/s.\n\n",
                expert_bytes / 1e6, expert_bytes * double(X) / 1e9, copy_gbs);
     if (perf) fmt::print("PERF copy_gbps {:.1f}\n", copy_gbs);
-    fmt::print("| T | variant | experts hit | weight bytes | eager µs | graph µs | GB/s (graph) | % of copy | TFLOP/s |\n"
-               "|---|---|---|---|---|---|---|---|---|\n");
+    fmt::print("| T | variant | experts hit | weight bytes | eager µs | graph µs | graph queued µs | GB/s (graph) | % of copy "
+               "| % of copy (queued) | TFLOP/s |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
     std::vector<std::string> breakdown_rows;
     const int kSets = 8;
     for (int64_t T : batches) {
@@ -274,15 +313,19 @@ int main(int argc, char** argv) {
         }
         const double graph = tm.median_us(
             [&](int i) { KCUDA_CHECK(cudaGraphLaunch(execs[size_t(i % kSets)], stream)); }, 3, reps, stream);
+        const double queued = tm.queued_median_us(
+            [&](int i) { KCUDA_CHECK(cudaGraphLaunch(execs[size_t(i % kSets)], stream)); }, 3, reps, stream);
         for (auto e : execs) KCUDA_CHECK(cudaGraphExecDestroy(e));
         const double gbs = bytes / graph / 1e3, pct = 100.0 * gbs / copy_gbs, tflops = flops / graph / 1e6;
-        fmt::print("| {} | {} | {:.0f} | {:.3g} | {:.1f} | {:.1f} | {:.0f} | {:.0f}% | {:.1f} |\n", T, var.name, mean_hit,
-                   bytes, eager, graph, gbs, pct, tflops);
+        fmt::print("| {} | {} | {:.0f} | {:.3g} | {:.1f} | {:.1f} | {:.1f} | {:.0f} | {:.0f}% | {:.0f}% | {:.1f} |\n", T,
+                   var.name, mean_hit, bytes, eager, graph, queued, gbs, pct, 100.0 * bytes / queued / 1e3 / copy_gbs,
+                   tflops);
         if (perf && var.name == "auto") {
           if (T == 4096) {
             fmt::print("PERF moe_experts_us_t4096 {:.1f}\nPERF moe_experts_tflops_t4096 {:.1f}\n", graph, tflops);
           } else {
             fmt::print("PERF moe_experts_us_b{} {:.1f}\nPERF moe_experts_pct_copy_b{} {:.1f}\n", T, graph, T, pct);
+            fmt::print("PERF moe_experts_queued_us_b{} {:.1f}\n", T, queued);
           }
         }
         std::fflush(stdout);

@@ -159,6 +159,8 @@ static StepCounts count_step(const TextConfig& t, bool fp8) {
 // events between op groups time every launch; the wall time of a graph-replayed step is printed too.
 // Then an 8K-token prefill of one sequence. PERF lines (suffix _fp8 with --quantization ptpc-fp8):
 //   decode_step_mini_us_b1 / _b64   graph-replayed step, median wall time (host prep, sync, argmax included)
+//   decode_step_mini_pipelined_us_b1 / _b64   20 graph steps queued back to back, one argmax + sync: the
+//                                   GPU's time per step with the host's share overlapped
 //   decode_step_mini_floor_us       bytes a batch-1 step must read (the weights less the experts it does not
 //                                   select, + KDA state/history read and written + the MLA context read) ÷ the
 //                                   copy rate measured in this run
@@ -187,7 +189,7 @@ static void decode_step(const std::string& model_dir, bool fp8, bool perf) {
     for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((i * 7919 + 13) % 8000 % tc.vocab_size);
     std::vector<int32_t> tok(size_t(Bmax), 17);
     struct Res {
-      double median_us, graph_us;
+      double median_us, graph_us, pipelined_us;
       std::vector<std::pair<std::string, double>> ops;
     };
     std::map<int64_t, Res> res;
@@ -224,9 +226,20 @@ static void decode_step(const std::string& model_dir, bool fp8, bool perf) {
         m.greedy(ids.data());
         gstep.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
       }
+      // Back to back: N replays queued, one argmax and sync at the end — the GPU's time per step when the host
+      // work of step N+1 overlaps step N (what the wall time above would be with host preparation overlapped).
+      std::vector<double> pstep;
+      for (int r = 0; r < 5; ++r) {
+        const int n = 20;
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < n; ++i) m.forward_batch(*cache, seqs);
+        m.greedy(ids.data());
+        pstep.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / n);
+      }
       m.enable_cuda_graphs(false);
       std::sort(gstep.begin(), gstep.end());
-      res[B] = {step[step.size() / 2], gstep[gstep.size() / 2], m.op_times()};
+      std::sort(pstep.begin(), pstep.end());
+      res[B] = {step[step.size() / 2], gstep[gstep.size() / 2], pstep[pstep.size() / 2], m.op_times()};
     }
     // The batch-1 floor: bytes that must be read once.
     const StepCounts sc = count_step(tc, fp8);
@@ -242,7 +255,8 @@ static void decode_step(const std::string& model_dir, bool fp8, bool perf) {
     fmt::print("\n### One decode step of {} ({} layers, {} experts, vocab {}; weights {:.2f} GB on the GPU, {}), context "
                "{} per request, paged cache (P = {}), CudaModel::forward_batch + device argmax\n\n"
                "median step wall time ({} steps, host prep + sync + argmax included): eager batch 1 {:.0f} µs, batch {} "
-               "{:.0f} µs ({:.0f} tokens/s); CUDA graphs batch 1 {:.0f} µs, batch {} {:.0f} µs ({:.0f} tokens/s).\n"
+               "{:.0f} µs ({:.0f} tokens/s); CUDA graphs batch 1 {:.0f} µs, batch {} {:.0f} µs ({:.0f} tokens/s); graphs queued back to back (one sync per 20 "
+               "steps) batch 1 {:.0f} µs, batch {} {:.0f} µs.\n"
                "batch-1 floor: {:.3f} GB read ({:.3f} GB weights − {:.3f} GB unselected experts − {:.3f} GB unread "
                "embeddings + {:.4f} GB state/context) ÷ {:.0f} GB/s = {:.0f} µs; graph step = {:.2f} × floor; batch 64 = "
                "{:.2f} × batch 1.\n\n"
@@ -251,7 +265,7 @@ static void decode_step(const std::string& model_dir, bool fp8, bool perf) {
                model_dir, tc.num_hidden_layers, tc.num_experts, tc.vocab_size, weights / 1e9,
                fp8 ? "ptpc-fp8" : "bf16", ctx, P, reps, res[1].median_us, Bmax, res[Bmax].median_us,
                double(Bmax) / res[Bmax].median_us * 1e6, res[1].graph_us, Bmax, res[Bmax].graph_us,
-               double(Bmax) / res[Bmax].graph_us * 1e6, floor_bytes / 1e9, weights / 1e9, sc.unhit_expert_bytes_b1 / 1e9,
+               double(Bmax) / res[Bmax].graph_us * 1e6, res[1].pipelined_us, Bmax, res[Bmax].pipelined_us, floor_bytes / 1e9, weights / 1e9, sc.unhit_expert_bytes_b1 / 1e9,
                embed_unread / 1e9, (sc.state_bytes_b1 + mla_ctx_bytes) / 1e9, g_bw, floor_us, res[1].graph_us / floor_us,
                res[Bmax].graph_us / res[1].graph_us, Bmax);
     double t1 = 0, t64 = 0;
@@ -263,9 +277,10 @@ static void decode_step(const std::string& model_dir, bool fp8, bool perf) {
     fmt::print("| total (GPU time between events) | {:.1f} | {:.1f} |\n\n", t1, t64);
     fmt::print("PERF decode_step_mini_us_b1{} {:.1f}\nPERF decode_step_mini_us_b64{} {:.1f}\n"
                "PERF decode_step_mini_floor_us{} {:.1f}\nPERF decode_step_mini_eager_us_b1{} {:.1f}\n"
-               "PERF decode_step_mini_eager_us_b64{} {:.1f}\n",
+               "PERF decode_step_mini_eager_us_b64{} {:.1f}\nPERF decode_step_mini_pipelined_us_b1{} {:.1f}\n"
+               "PERF decode_step_mini_pipelined_us_b64{} {:.1f}\n",
                sfx, res[1].graph_us, sfx, res[Bmax].graph_us, sfx, floor_us, sfx, res[1].median_us, sfx,
-               res[Bmax].median_us);
+               res[Bmax].median_us, sfx, res[1].pipelined_us, sfx, res[Bmax].pipelined_us);
     std::fflush(stdout);
 
     // ---- an 8K-token prefill of one sequence ----
