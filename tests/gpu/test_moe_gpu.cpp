@@ -460,6 +460,7 @@ struct Variant {
   int ctas = 0;        // MoeExpertsOptions::stream_ctas
   int pdl = -1;        // MoeExpertsOptions::pdl
   bool lt = false;     // MoeExpertsOptions::lt given (automatic may take the dense path); always for dense
+  int ksplit = 0;      // MoeExpertsOptions::t8_ksplit
   std::string name() const {
     std::string n = tile_name(tile);
     if (lt && tile != cuda::MoeTokenTile::dense) n += " +cuBLASLt";
@@ -467,6 +468,7 @@ struct Variant {
     if (grouped == 1) n += " grouped";
     if (ctas > 0) n += fmt::format(" {} CTAs", ctas);
     if (pdl == 0) n += " no-PDL";
+    if (ksplit > 0) n += fmt::format(" K/{}", ksplit);
     return n;
   }
 };
@@ -476,6 +478,7 @@ cuda::MoeExpertsOptions options(const Variant& v) {
   o.grouped = v.grouped;
   o.stream_ctas = v.ctas;
   o.pdl = v.pdl;
+  o.t8_ksplit = v.ksplit;
   return o;
 }
 
@@ -515,6 +518,10 @@ TEST(GpuMoe, ExpertsMatchCpuTwin) {
       wnopdl{MoeTokenTile::wide, -1, 0, 0};
   // Dequantise + cuBLASLt (prefill): forced, and chosen by `automatic` from 256 slots per hit expert.
   const Variant dense{MoeTokenTile::dense}, autolt{MoeTokenTile::automatic, -1, 0, -1, true};
+  // t8 with K split over 2, 3, 4 CTAs per tile (automatic picks 2 for w1|w3 and 3 for w2 at real dims, T = 1),
+  // with and without PDL.
+  const Variant k2{MoeTokenTile::t8, -1, 0, -1, false, 2}, k3{MoeTokenTile::t8, -1, 0, -1, false, 3},
+      k4{MoeTokenTile::t8, -1, 0, -1, false, 4}, k3nopdl{MoeTokenTile::t8, -1, 0, 0, false, 3};
   struct Run {
     int64_t T;
     Routing routing;
@@ -529,7 +536,7 @@ TEST(GpuMoe, ExpertsMatchCpuTwin) {
   const std::vector<Case> cases = {
       {16, 4, 128, 64, "nano",
        {{1, Routing::random, {autov, sgrp, s1}},
-        {2, Routing::random, {autov, s3}},
+        {2, Routing::random, {autov, s3, k2}},
         {7, Routing::random, {autov, sung, s7, snopdl, dense}},
         {64, Routing::random, {autov, stream, s1, s3}},
         {64, Routing::ties, {t32, stream, wide}},
@@ -538,14 +545,15 @@ TEST(GpuMoe, ExpertsMatchCpuTwin) {
         {4096, Routing::skewed, {autov, wide, s7, dense}}}},
       {8, 2, 3584, 3072, "mini (8 of 112 experts)",
        {{1, Routing::random, {autov, sgrp, s3, autolt}},
-        {7, Routing::random, {autov, s7, wide}},
+        {7, Routing::random, {autov, s7, wide, k3}},
         {64, Routing::random, {autov, stream, dense}},
         {300, Routing::random, {t8, stream}},
         {300, Routing::skewed, {t32, wide, s3, dense}},
         {1024, Routing::random, {autolt}}}},
       {32, 16, 3584, 3072, "real dims, 32 experts top-16",
-       {{1, Routing::random, {autov, sgrp, t8}},
-        {16, Routing::ties, {autov, wide, t8, dense}},
+       {{1, Routing::random, {autov, sgrp, t8, k2, k4, k3nopdl}},
+        {2, Routing::random, {autov, k3}},
+        {16, Routing::ties, {autov, wide, t8, dense, k4}},
         {16, Routing::random, {t32, stream, s7}}}},
       // Scales outside [1, 128] (2^-17 .. 2^3): FP32-scale kernels, and the dense path's dequantisation.
       {16, 4, 128, 64, "nano, wide scales", {{300, Routing::skewed, {autov, t32, dense}}}, 110, 130},
@@ -675,7 +683,8 @@ TEST(GpuMoe, ExpertsGraphReplay) {
                                               {64, Variant{}},  // wide (16 slots per expert)
                                               {33, Variant{MoeTokenTile::stream, -1, 3}},
                                               {1, Variant{}},  // stream, ungrouped
-                                              {2, Variant{MoeTokenTile::stream, 1}}};
+                                              {2, Variant{MoeTokenTile::stream, 1}},
+                                              {5, Variant{MoeTokenTile::t8, -1, 0, -1, false, 2}}};
   for (const auto& [T, v] : runs) {
     auto dz = poisoned<uint16_t>(size_t(T * Lt));
     auto dids = poisoned<int32_t>(size_t(T * K));
@@ -709,6 +718,25 @@ TEST(GpuMoe, ExpertsGraphReplay) {
     KCUDA_CHECK(cudaGraphExecDestroy(exec));
     KCUDA_CHECK(cudaGraphDestroy(graph));
     KCUDA_CHECK(cudaStreamDestroy(stream));
+  }
+}
+
+// The K-split t8 kernel sums its splits' partials in split order, whichever CTA finishes last: the same bits
+// on every run (real dims, T = 1: the split the engine's batch-1 decode takes).
+TEST(GpuMoe, T8KSplitIsDeterministic) {
+  need_gpu();
+  Rng rng(55);
+  const int64_t X = 32, K = 16, Lt = 3584, I = 3072, T = 1;
+  const auto E = make_experts(X, Lt, I, rng);
+  const auto z = rand_bf16(size_t(T * Lt), rng, -1.0f, 1.0f);
+  std::vector<int32_t> ids;
+  std::vector<float> wts;
+  make_routing(Routing::random, T, X, K, rng, ids, wts);
+  for (int ks : {0, 3}) {
+    const Variant v{cuda::MoeTokenTile::t8, -1, 0, -1, false, ks};
+    const auto first = run_gpu_moe(*E, z, ids, wts, T, K, v);
+    for (int rep = 0; rep < 4; ++rep)
+      EXPECT_EQ(run_gpu_moe(*E, z, ids, wts, T, K, v), first) << v.name() << " run " << rep + 1;
   }
 }
 

@@ -80,12 +80,13 @@ MoeExpertWeights pack_experts_mxfp4(const MoeExpertHost* experts /* [X] */, int6
 //   wide    prefill: jobs of up to 128 tokens, 256-thread CTAs of 128/256 weight rows × all the job's tokens.
 //   t8, t32 the first tensor-core kernels (fixed grid, FP32 scale per 32-column block, tiles of 8 / 32 tokens):
 //           the only ones for weights with MoeExpertWeights::fp32_scales (stream/wide fall back to t8/t32).
-// `automatic`: stream for at most 4 slots (T·K), else t32 when the slots per possibly-hit expert,
-// T·K / min(X, T·K), reach 16, else t8. Measured on the H200 (2026-12-01): bench_moe --perf (896 × top-16,
-// 3584→3072): t8 127.8 µs at T=1 (16 slots) / 3.15 ms at T=64 / 26.6 ms at T=4096 (t32) against stream 142.4 µs /
-// 4.50 ms and wide 42.1 ms; but in the reduced-mini decode step (top-2, 2 slots at batch 1) stream took 116 µs
-// over 3 layers against t8's 174 µs — with 2 slots t8's fixed grid leaves most SMs idle. KESTREL_MOE_PATH=stream
-// forces stream/wide at every size (wide from 16 slots per expert), KESTREL_MOE_PATH=t8 forces t8/t32.
+// `automatic`: t32 when the slots per possibly-hit expert, T·K / min(X, T·K), reach 16, else t8. Measured on the
+// H200 (2026-12-01): bench_moe --perf (896 × top-16, 3584→3072): t8 127.8 µs at T=1 (16 slots) / 3.15 ms at
+// T=64 / 26.6 ms at T=4096 (t32) against stream 142.4 µs / 4.50 ms and wide 42.1 ms. In the reduced-mini decode
+// step (top-2, 2 slots at batch 1) stream beat t8's fixed grid (116 against 174 µs over 3 layers) until t8
+// split K to fill its waves (session 12: t8 91 µs, stream 117, eager, so stream is no longer chosen).
+// KESTREL_MOE_PATH=stream forces stream/wide at every size (wide from 16 slots per expert), KESTREL_MOE_PATH=t8
+// forces t8/t32.
 //   dense   prefill: per hit expert, the weights dequantised to BF16 scratch and both GEMMs on cuBLASLt
 //           (moe_dense.cu). Needs MoeExpertsOptions::lt, one stream sync per call (never while capturing a
 //           graph) and the scratch of moe_experts_workspace_bytes(..., dense); `automatic` takes it from
@@ -99,6 +100,8 @@ struct MoeExpertsOptions {
                          // KESTREL_MOE_PDL=0 in the environment
   int grouped = -1;      // stream path: 1 group tokens by expert, 0 one job per slot, -1 ungrouped iff T ≤ 2
   int stream_ctas = 0;   // stream path: CTAs of the persistent grid (tests force other splits); 0: all that fit
+  int t8_ksplit = 0;     // t8 path: K split over this many CTAs per 64-row tile (tests, benchmarks; at most the
+                         // tile's 64-column chunks and 8); 0: chosen so the last wave is full (moe_experts.cu)
   GemmLt* lt = nullptr;  // cuBLASLt for the dense path (none: dense is never chosen, and forcing it is an error)
   cudaEvent_t* marks = nullptr;  // 5 events recorded before the grouping and after each launch (group,
                                  // w1|w3, w2, combine) for a per-launch breakdown; PDL is off then

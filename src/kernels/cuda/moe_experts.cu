@@ -13,23 +13,23 @@
 // Four GEMM families (moe.h MoeTokenTile):
 //   stream (moe_stream.cu), decode: persistent stream-K grid, CT = 8, scales folded into the decode.
 //   wide (moe_wide.cu), prefill: CT = 128, 8-warp CTAs of 128/256 weight rows × all the job's tokens.
-//   t8 / t32 (below): one CTA = 4 warps = 64 rows for one job, grid = (host bound on jobs) × R/64, CTAs past
-//      the device's job count exit at once; per 32-column block two MMAs into a fresh FP32 partial, then
-//      acc += 2^(e−127)·partial (exact for every e): the path for weights whose scales cannot be folded.
+//   t8 / t32 (moe_t8.cu): one CTA = 4 warps = 64 rows for one job, FP32 scale per 32-column block: the path
+//      for weights whose scales cannot be folded, and (t8) the decode path, its K split over 2–8 CTAs when few
+//      jobs would leave its last wave almost empty (the tile counters and partials below).
 //   dense (moe_dense.cu), large prefill: per hit expert, dequantise to BF16 and two cuBLASLt GEMMs; the one
 //      path with a host synchronisation (it reads the job list), so never chosen while a graph is captured.
-// With stream and wide, launches 2–4 use programmatic dependent launch (moe_mma.cuh): each starts its CTAs
-// while the previous kernel drains, the decode GEMMs even their first weight loads.
+// With stream, wide and t8, launches 2–4 use programmatic dependent launch (moe_mma.cuh): each starts its CTAs
+// while the previous kernel drains, the stream GEMMs even their first weight loads.
 // The order of tokens inside an expert (atomic scatter) never changes a value: every (row, token) output is
 // its own MMA column with the same K order.
 //
 // Bytes and time (H200, 4.27 TB/s copy; an expert is 17.55 MB: w1|w3 11.70 MB with scales, w2 5.85 MB):
-//   T = 1: 16 experts, 281 MB → 66 µs at copy speed. The fixed-grid t8 kernels measured 128 µs (51 %): 768
-//   and 896 CTAs for 528 and 792 slots (1.45 and 1.13 waves, the second at a fraction of the bandwidth),
-//   four launch gaps and the group kernel. stream: no tail (every warp streams L chunks), launch gaps
-//   hidden by PDL (w2's first weight loads overlap w1|w3's drain), no group kernel; the same ≈ 90
-//   instructions per 512 bytes (the decode), so the steady state stays ≈ 80 % of copy: predicted
-//   w1|w3 ≈ 55 µs + w2 ≈ 28 µs + ≈ 5 µs prep/ramp/combine ≈ 88 µs (≈ 75 % of copy).
+//   T = 1: 16 experts, 281 MB → 66 µs at copy speed. The fixed-grid t8 kernels measured 124 µs (53 %; per
+//   launch, PDL off: group 8.6, w1|w3 72.6 = 61 %, w2 48.1 = 46 %, combine 5.9): 768 and 896 CTAs for 528
+//   and 792 slots (1.45 and 1.13 waves; the second runs with a few warps per SM, far too few bytes in flight),
+//   while at T = 8 (11 waves) the same kernels stream at 80 / 74 %. stream was meant to fix that but streams
+//   slower per byte (52 % at T = 8, without PDL; its loop is not unrolled over the ring), so T = 1 now splits
+//   t8's K instead: w1|w3 × 2 (2.9 waves), w2 × 3 (3.4 waves). Session 12: see bench/RESULTS.md.
 //   T = 4096: 4.3 TFLOP (16 slots × 4096 tokens × 3 GEMMs of 3584 × 3072). t32: 26.6 ms (163 TFLOP/s: an FFMA per
 //   accumulator per 32-column block, 4 HMMA per decoded word). wide: 2·⌈count/8⌉ HMMA per decoded word, no
 //   scale FMAs, ≈ 2.2 instructions per HMMA; ≈ 73 tokens per expert = 10 n-tiles of 16; predicted 8–11 ms.
@@ -54,9 +54,7 @@ using moe_detail::StreamArgs;
 
 constexpr int kGroupThreads = 1024;
 constexpr int kMaxGroupExperts = 8192;  // group kernel: two i32 counters per expert in shared memory
-constexpr int kGemmWarps = 4;
-constexpr int kGemmThreads = 32 * kGemmWarps;
-constexpr int kCtaRows = ml::kTileRows * kGemmWarps;  // 64 output rows per CTA
+constexpr int kCtaRows = moe_detail::kFixedCtaRows;  // output rows per CTA of the t8 / t32 kernels
 constexpr int kCombineThreads = 256;
 
 // ---- device helpers: moe_mma.cuh ---------------------------------------------------------------------
@@ -142,130 +140,6 @@ __global__ void __launch_bounds__(kGroupThreads) prep_kernel(int32_t* __restrict
   for (int i = threadIdx.x; i < n_zero; i += kGroupThreads) zero[i] = 0;
 }
 
-// ---- 2./3. grouped MXFP4 GEMM, FP32 scales (tiles t8 / t32) ------------------------------------------------
-// NT n-tiles of 8 tokens per job (CT = 8·NT), STAGES chunks of 64 columns in flight per warp.
-template <bool kGlu, int NT, int STAGES, bool kSpecial>
-__global__ void __launch_bounds__(kGemmThreads) expert_gemm_kernel(const GemmArgs a) {
-  constexpr int NM = kGlu ? 2 : 1;  // weight matrices per warp
-  const int n_rg = a.R / kCtaRows;
-  const int nj = *a.n_jobs;
-  const int64_t item = blockIdx.x;
-  if (item >= int64_t(nj) * n_rg) return;  // beyond the device's work list
-  // Consecutive CTAs take the same rows of consecutive jobs (an expert's chunks are adjacent): L2 reuse.
-  const int rg = int(item / nj), job = int(item - int64_t(rg) * nj);
-  const int e = a.jobs[3 * job], begin = a.jobs[3 * job + 1], count = a.jobs[3 * job + 2];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int tile = rg * kGemmWarps + warp;
-  const int NC = a.C / ml::kChunkCols;
-
-  const int64_t tile_chunks = int64_t(tile) * NC;
-  const uint8_t* wp[NM];
-  const uint8_t* wsc[NM];
-  wp[0] = a.p0 + e * a.p_stride + tile_chunks * ml::kTileChunkBytes + lane * 16;
-  wsc[0] = a.s0 + e * a.s_stride + tile_chunks * ml::kTileChunkScaleBytes + g * 4;
-  if constexpr (kGlu) {
-    wp[NM - 1] = a.p1 + e * a.p_stride + tile_chunks * ml::kTileChunkBytes + lane * 16;
-    wsc[NM - 1] = a.s1 + e * a.s_stride + tile_chunks * ml::kTileChunkScaleBytes + g * 4;
-  }
-  // Token column n = 8q + g of n-tile q; columns past `count` repeat the last token (their results are dropped).
-  const uint16_t* brow[NT];
-#pragma unroll
-  for (int q = 0; q < NT; ++q) {
-    const int slot = a.order[begin + min(q * 8 + g, count - 1)];
-    brow[q] = a.x + int64_t(slot / a.x_div) * a.ldx + 8 * t;
-  }
-
-  struct Stage {
-    uint4 w[NM];      // packed A words of one chunk
-    uint32_t s[NM];   // scale word (rows g, g+8 × blocks 0, 1)
-    uint4 b[NT][2];   // B: 8 bf16 of block 0 and block 1
-  };
-  Stage st[STAGES];
-  float acc[NM][NT][4];
-#pragma unroll
-  for (int m = 0; m < NM; ++m)
-#pragma unroll
-    for (int q = 0; q < NT; ++q)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[m][q][i] = 0.0f;
-
-  auto load = [&](Stage& S, int c) {
-#pragma unroll
-    for (int m = 0; m < NM; ++m) {
-      S.w[m] = ld_stream16(wp[m] + int64_t(c) * ml::kTileChunkBytes);
-      S.s[m] = ld_stream4(wsc[m] + int64_t(c) * ml::kTileChunkScaleBytes);
-    }
-#pragma unroll
-    for (int q = 0; q < NT; ++q) {
-      S.b[q][0] = ld_act16(brow[q] + c * ml::kChunkCols);
-      S.b[q][1] = ld_act16(brow[q] + c * ml::kChunkCols + 32);
-    }
-  };
-  auto compute = [&](const Stage& S) {
-#pragma unroll
-    for (int m = 0; m < NM; ++m) {
-      const uint32_t words[4] = {S.w[m].x, S.w[m].y, S.w[m].z, S.w[m].w};
-#pragma unroll
-      for (int b = 0; b < 2; ++b) {  // e8m0 block b of the chunk = k16 steps 2b, 2b+1
-        const float sc_g = __uint_as_float(ml::e8m0_f32_bits<kSpecial>(S.s[m], 2 * b));
-        const float sc_g8 = __uint_as_float(ml::e8m0_f32_bits<kSpecial>(S.s[m], 2 * b + 1));
-        uint32_t a0[4], a1[4];
-        decode_step_unscaled(words[2 * b], a0);
-        decode_step_unscaled(words[2 * b + 1], a1);
-#pragma unroll
-        for (int q = 0; q < NT; ++q) {
-          const uint4 B = S.b[q][b];
-          float p[4];
-          mma_first(p, a0, B.x, B.y);
-          mma_acc(p, a1, B.z, B.w);
-          acc[m][q][0] = fmaf(p[0], sc_g, acc[m][q][0]);  // C rows g (c0, c1) and g+8 (c2, c3)
-          acc[m][q][1] = fmaf(p[1], sc_g, acc[m][q][1]);
-          acc[m][q][2] = fmaf(p[2], sc_g8, acc[m][q][2]);
-          acc[m][q][3] = fmaf(p[3], sc_g8, acc[m][q][3]);
-        }
-      }
-    }
-  };
-
-  // Software pipeline: chunk c lives in st[c % STAGES]; the load of chunk c + STAGES − 1 is issued before
-  // chunk c is consumed.
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s)
-    if (s < NC) load(st[s], s);
-  for (int c0 = 0; c0 < NC; c0 += STAGES) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      const int c = c0 + s;
-      if (c < NC) {
-        if (c + STAGES - 1 < NC) load(st[(s + STAGES - 1) % STAGES], c + STAGES - 1);
-        compute(st[s]);
-      }
-    }
-  }
-
-  // Epilogue: C fragment (c0, c1) = row g, tokens 2t, 2t+1; (c2, c3) = row g+8.
-  const int row0 = tile * ml::kTileRows + g;
-#pragma unroll
-  for (int q = 0; q < NT; ++q) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int n = q * 8 + 2 * t + i;
-      if (n >= count) continue;
-      uint16_t* o = a.out + int64_t(a.order[begin + n]) * a.R;
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const int idx = 2 * rr + i;
-        if constexpr (kGlu) {
-          o[row0 + 8 * rr] = dev::f32_to_bf16(
-              situ_glu(dev::round_bf16(acc[0][q][idx]), dev::round_bf16(acc[1][q][idx]), a.beta, a.lbeta));
-        } else {
-          o[row0 + 8 * rr] = dev::f32_to_bf16(acc[0][q][idx]);
-        }
-      }
-    }
-  }
-}
-
 // ---- 4. combine ------------------------------------------------------------------------------------------
 // ũ[t, j..j+7] = bf16(Σ_k w[t,k]·y[t·K+k, j..j+7]), FP32 in top-k order; out-of-range ids add nothing.
 // The K rows are loaded 8 at a time before any is summed (one memory latency per 8 slots, not per slot).
@@ -315,11 +189,10 @@ bool env_is(const char* name, const char* value) {
 }
 
 // moe.h MoeTokenTile; n slots over X experts.
-constexpr int64_t kStreamMaxSlots = 4;
 constexpr int64_t kDenseMinSlots = 256;  // slots per hit expert from which dequantise + cuBLASLt wins (moe_dense.cu)
 int64_t slots_per_expert(int64_t n, int64_t X) { return n / std::max<int64_t>(1, std::min(X, n)); }
 Path choose_path(MoeTokenTile tile, int64_t n, int64_t X, bool fp32_scales) {
-  // see moe.h: t8/t32 measured faster from 16 slots up, stream faster for a handful of slots
+  // see moe.h: t8 (K split for few slots) and t32 measured faster than stream at every size
   static const bool all_new = env_is("KESTREL_MOE_PATH", "stream");
   static const bool all_old = env_is("KESTREL_MOE_PATH", "t8");
   const int64_t per_expert = n / std::max<int64_t>(1, std::min(X, n));  // slots per possibly-hit expert
@@ -339,13 +212,12 @@ Path choose_path(MoeTokenTile tile, int64_t n, int64_t X, bool fp32_scales) {
   }
   if (fp32_scales || all_old) return per_expert >= 16 ? Path::t32 : Path::t8;
   if (all_new) return per_expert >= 16 ? Path::wide : Path::stream;
-  if (n <= kStreamMaxSlots) return Path::stream;
   return per_expert >= 16 ? Path::t32 : Path::t8;
 }
 int path_ct(Path p) { return p == Path::t32 ? 32 : p == Path::wide ? moe_detail::kWideTokens : 8; }
 bool use_pdl(Path p, const MoeExpertsOptions& opt) {
   static const bool env_off = env_is("KESTREL_MOE_PDL", "0");
-  if (opt.marks != nullptr || p == Path::t8 || p == Path::t32 || p == Path::dense) return false;
+  if (opt.marks != nullptr || p == Path::t32 || p == Path::dense) return false;
   return opt.pdl == 1 || (opt.pdl == -1 && !env_off);
 }
 
@@ -394,26 +266,6 @@ void launch_group(const int32_t* ids, int64_t n, int64_t X, int ct, const Groups
   KCUDA_CHECK_LAUNCH();
 }
 
-template <bool kGlu, int NT, int STAGES>
-void launch_gemm_nt(const GemmArgs& a, bool special, unsigned grid, cudaStream_t stream) {
-  if (special)
-    expert_gemm_kernel<kGlu, NT, STAGES, true><<<grid, kGemmThreads, 0, stream>>>(a);
-  else
-    expert_gemm_kernel<kGlu, NT, STAGES, false><<<grid, kGemmThreads, 0, stream>>>(a);
-  KCUDA_CHECK_LAUNCH();
-}
-
-// grid = (bound on jobs) × (row groups of 64); CTAs past the device's job count return at once.
-template <bool kGlu>
-void launch_gemm(const GemmArgs& a, int ct, bool special, int64_t n, int64_t X, cudaStream_t stream) {
-  const int64_t grid = ml::job_bound(n, X, ct) * (a.R / kCtaRows);
-  KCUDA_REQUIRE(grid > 0 && grid < (int64_t(1) << 31), "moe expert GEMM: grid " + std::to_string(grid));
-  if (ct == 8)
-    launch_gemm_nt<kGlu, 1, 4>(a, special, unsigned(grid), stream);
-  else
-    launch_gemm_nt<kGlu, 4, 2>(a, special, unsigned(grid), stream);
-}
-
 // One GEMM (w1|w3 if glu, else w / w2) over the grouping `grp` (ungrouped stream path: grp.jobs == nullptr)
 // by path p; `first`: the GEMM right after the grouping kernel.
 void run_gemm(Path p, bool glu, const GemmArgs& a, const Groups& grp, const int32_t* ids, int64_t n, int64_t X,
@@ -421,10 +273,7 @@ void run_gemm(Path p, bool glu, const GemmArgs& a, const Groups& grp, const int3
   switch (p) {
     case Path::t8:
     case Path::t32:
-      if (glu)
-        launch_gemm<true>(a, path_ct(p), special, n, X, stream);
-      else
-        launch_gemm<false>(a, path_ct(p), special, n, X, stream);
+      moe_detail::launch_fixed(a, glu, path_ct(p), special, n, X, pdl, stream);
       return;
     case Path::stream: {
       const StreamArgs s{a, ids, int(n), int(X), ss.partial, ss.counters + (glu ? 0 : moe_detail::kMaxStreamWarps),
@@ -513,7 +362,21 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
     ctas2 = moe_detail::stream_grid(false, opt.stream_ctas);
   }
   // Counters to zero: w1|w3's [0, 4·ctas13) and w2's [kMaxStreamWarps, kMaxStreamWarps + 4·ctas2): one range.
-  const int n_zero = path == Path::stream ? moe_detail::kMaxStreamWarps + moe_detail::kStreamWarps * ctas2 : 0;
+  int n_zero = path == Path::stream ? moe_detail::kMaxStreamWarps + moe_detail::kStreamWarps * ctas2 : 0;
+  // t8 with K split (choose_ksplit): w1|w3's tile counters at [0, c13), w2's at [c13, c13 + c2), partials shared
+  // (w2 starts after w1|w3 has finished).
+  int ks13 = 1, ks2 = 1;
+  int64_t c13 = 0;
+  if (path == Path::t8) {
+    const int64_t bound = ml::job_bound(n, X, 8), cap = 2 * int64_t(moe_detail::kMaxStreamWarps);
+    const int64_t pf = int64_t(moe_detail::kStreamPartialBytes / 4);
+    ks13 = moe_detail::t8_ksplit(opt.t8_ksplit, true, w.special_scales, bound * (I / kCtaRows), Lt, cap, pf,
+                         bound * (I / ml::kTileRows));
+    c13 = ks13 > 1 ? bound * (I / ml::kTileRows) : 0;
+    ks2 = moe_detail::t8_ksplit(opt.t8_ksplit, false, w.special_scales, bound * (Lt / kCtaRows), I, cap - c13, pf,
+                        bound * (Lt / ml::kTileRows));
+    n_zero = int(c13 + (ks2 > 1 ? bound * (Lt / ml::kTileRows) : 0));
+  }
 
   mark(opt, 0, stream);
   if (path == Path::dense) {
@@ -537,13 +400,15 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
     const GemmArgs a13{z,           Lt,          int(K),      grp.order,  grp.jobs,
                        grp.n_jobs,  w.w1_packed, w.w1_scale,  w.w3_packed, w.w3_scale,
                        w.w13_packed_stride,      w.w13_scale_stride,       int(I),
-                       int(Lt),     act,         situ_beta,   situ_linear_beta};
+                       int(Lt),     act,         situ_beta,   situ_linear_beta,
+                       ks13,        ss.partial,  ss.counters};
     run_gemm(path, true, a13, grp, ids, n, X, w.special_scales, ss, ctas13, true, pdl, stream);
     mark(opt, 2, stream);
     const GemmArgs a2{act,        I,           1,          grp.order, grp.jobs,
                       grp.n_jobs, w.w2_packed, w.w2_scale, nullptr,   nullptr,
                       w.w2_packed_stride,      w.w2_scale_stride,     int(Lt),
-                      int(I),     y,           0.0f,       0.0f};
+                      int(I),     y,           0.0f,       0.0f,
+                      ks2,        ss.partial,  ss.counters + c13};
     run_gemm(path, false, a2, grp, ids, n, X, w.special_scales, ss, ctas2, false, pdl, stream);
     mark(opt, 3, stream);
   }
@@ -584,7 +449,7 @@ void mxfp4_matmul_packed(const uint16_t* x, const uint8_t* packed, const uint8_t
   launch_group(ids, T, 1, path_ct(path), grp, ss.counters + moe_detail::kMaxStreamWarps,
                path == Path::stream ? moe_detail::kStreamWarps * ctas : 0, stream);
   const GemmArgs a{x,       C,      1,       grp.order, grp.jobs, grp.n_jobs, packed, scale, nullptr, nullptr,
-                   0,       0,      int(R),  int(C),    y,        0.0f,       0.0f};
+                   0,       0,      int(R),  int(C),    y,        0.0f,       0.0f,   1,     nullptr, nullptr};
   run_gemm(path, false, a, grp, ids, T, 1, special_scales, ss, ctas, true, pdl, stream);
 }
 

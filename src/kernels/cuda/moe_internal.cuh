@@ -33,7 +33,24 @@ struct GemmArgs {
   int R, C;                // rows of W (outputs), columns (K); R % 64 == 0, C % 64 == 0
   uint16_t* out;           // bf16 [n, R]: the row of slot s at out + s·R
   float beta, lbeta;       // SiTU betas (GLU only)
+  // Fixed-tile kernels (t8) only: K split over `ksplit` CTAs per (job, row group) when that fills the last
+  // wave (moe_experts.cu choose_ksplit); the splits' FP32 partials f32 [jobs, R/16, ksplit, 32, NM·4] and
+  // one counter per (job, 16-row tile), i32 [jobs · R/16], zero when the kernel starts.
+  int ksplit = 1;
+  float* partial = nullptr;
+  int32_t* counters = nullptr;
 };
+
+// Fixed-tile GEMM (moe_t8.cu): t8 (ct = 8, the decode path) or t32 (ct = 32); grid = job_bound(n, X, ct) ×
+// R/kFixedCtaRows × a.ksplit. `special`: the e8m0 scales include the special codes (MoeExpertWeights).
+inline constexpr int kFixedCtaRows = 64;
+void launch_fixed(const GemmArgs& a, bool glu, int ct, bool special, int64_t n, int64_t X, bool pdl,
+                  cudaStream_t stream);
+// t8's K split for `base` CTAs over C columns and `tiles` (job, 16-row tile) pairs, given the counters and
+// partial floats the scratch holds (1 when a split does not fit); forced ≥ 1 (MoeExpertsOptions::t8_ksplit)
+// takes min(forced, C/64, 8).
+int t8_ksplit(int forced, bool glu, bool special, int64_t base, int64_t C, int64_t counters_free,
+              int64_t partial_floats, int64_t tiles);
 
 // Decode GEMM (moe_stream.cu): the same work as GemmArgs, or, with jobs == nullptr ("ungrouped"), job j =
 // slot j of expert ids[j] (one token; count 0 if the id is outside [0, X)).

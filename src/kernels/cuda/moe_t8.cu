@@ -1,0 +1,342 @@
+// Fixed-tile grouped MXFP4 GEMM of the routed experts (moe_experts.cu's t8 and t32 paths): one CTA = 4 warps
+// = 64 rows of one job (an expert and up to 8·NT of its tokens), a warp 16 rows, FP32 scales per 32-column
+// block. Contract: moe_internal.cuh (GemmArgs, launch_fixed, t8_ksplit). t8 (NT = 1) is the decode path,
+// t32 (NT = 4) the prefill path for weights whose scales cannot be folded into the decode.
+//
+// Layout of the work: grid = (host bound on jobs) × R/64 × ksplit; CTAs past the device's job count exit at
+// once. Per 32-column block two MMAs into a fresh FP32 partial, then acc += 2^(e−127)·partial (exact for every
+// e). Weights come from global memory into registers STAGES − 1 chunks ahead (ld.global.nc, no L1).
+// K split (t8_ksplit): with few jobs (batch 1: 16 experts of one token) the fixed grid leaves its last wave
+// almost empty, and a wave with a few warps per SM keeps far too few bytes in flight; splitting K over 2–8
+// CTAs per tile fills the waves; the splits' FP32 partials meet in the last warp of the tile to finish, summed
+// in split order (deterministic).
+// Measured (H200, session 12, bench_moe; per launch, eager): T = 1 at the real shape w1|w3 85.3 → 75.6 µs with
+// K split in 2 (w2 51.4 → 47.2 in 3); the deep w1|w3 pipeline: t8_deep_allowed below.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_util.cuh"
+#include "kernels/cuda/moe_internal.cuh"
+#include "kernels/cuda/moe_layout.h"
+#include "kernels/cuda/moe_mma.cuh"
+
+namespace kestrel::cuda::moe_detail {
+namespace {
+
+namespace ml = moe_layout;
+using namespace moe_dev;
+
+constexpr int kGemmWarps = 4;
+constexpr int kGemmThreads = 32 * kGemmWarps;
+constexpr int kCtaRows = kFixedCtaRows;
+static_assert(kCtaRows == ml::kTileRows * kGemmWarps, "64 output rows per CTA");
+
+// NT n-tiles of 8 tokens per job (CT = 8·NT), STAGES chunks of 64 columns in flight per warp.
+// With a.ksplit = S > 1, CTA b takes K split b % S (chunks [NC·s/S, NC·(s+1)/S)) of item b / S; each warp
+// parks its FP32 partial, and the warp that brings the tile's counter to S sums the S partials in split order
+// (deterministic whichever finishes last) and runs the epilogue.
+// PDL: everything it reads (job list, activations) comes from earlier kernels, so it waits first; it lets
+// dependents launch only after its main loop, so their CTAs do not take slots from its own later waves.
+// kJitB: activations are read when a chunk is consumed (mostly L1 hits: the CTA's warps share the columns)
+// instead of STAGES − 1 chunks ahead with the weights, so a stage holds only weights and scales (5 registers
+// per matrix instead of 13) and the pipeline can be twice as deep in the same registers. (Reading them one
+// chunk ahead in two register buffers measured slower: 153 registers, 3 CTAs per SM.)
+template <bool kGlu, int NT, int STAGES, bool kSpecial, bool kJitB>
+__global__ void __launch_bounds__(kGemmThreads) expert_gemm_kernel(const GemmArgs a) {
+  constexpr int NM = kGlu ? 2 : 1;  // weight matrices per warp
+  constexpr int E = NM * NT * 4;    // accumulators per lane
+  griddep_wait();
+  const int n_rg = a.R / kCtaRows;
+  const int nj = *a.n_jobs;
+  const int S = a.ksplit;
+  const int ks = int(blockIdx.x % unsigned(S));
+  const int64_t item = blockIdx.x / unsigned(S);
+  if (item >= int64_t(nj) * n_rg) return;  // beyond the device's work list
+  // Consecutive CTAs take the same rows of consecutive jobs (an expert's chunks are adjacent): L2 reuse.
+  const int rg = int(item / nj), job = int(item - int64_t(rg) * nj);
+  const int e = a.jobs[3 * job], begin = a.jobs[3 * job + 1], count = a.jobs[3 * job + 2];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int tile = rg * kGemmWarps + warp;
+  const int NCall = a.C / ml::kChunkCols;
+  const int c_begin = int(int64_t(NCall) * ks / S);
+  const int NC = int(int64_t(NCall) * (ks + 1) / S) - c_begin;  // this split's chunks
+
+  const int64_t tile_chunks = int64_t(tile) * NCall + c_begin;
+  const uint8_t* wp[NM];
+  const uint8_t* wsc[NM];
+  wp[0] = a.p0 + e * a.p_stride + tile_chunks * ml::kTileChunkBytes + lane * 16;
+  wsc[0] = a.s0 + e * a.s_stride + tile_chunks * ml::kTileChunkScaleBytes + g * 4;
+  if constexpr (kGlu) {
+    wp[NM - 1] = a.p1 + e * a.p_stride + tile_chunks * ml::kTileChunkBytes + lane * 16;
+    wsc[NM - 1] = a.s1 + e * a.s_stride + tile_chunks * ml::kTileChunkScaleBytes + g * 4;
+  }
+  // Token column n = 8q + g of n-tile q; columns past `count` repeat the last token (their results are dropped).
+  const uint16_t* brow[NT];
+#pragma unroll
+  for (int q = 0; q < NT; ++q) {
+    const int slot = a.order[begin + min(q * 8 + g, count - 1)];
+    brow[q] = a.x + int64_t(slot / a.x_div) * a.ldx + 8 * t + c_begin * ml::kChunkCols;
+  }
+
+  struct Stage {
+    uint4 w[NM];                // packed A words of one chunk
+    uint32_t s[NM];             // scale word (rows g, g+8 × blocks 0, 1)
+    uint4 b[kJitB ? 1 : NT][2]; // B: 8 bf16 of block 0 and block 1 (unused with kJitB)
+  };
+  Stage st[STAGES];
+  float acc[NM][NT][4];
+#pragma unroll
+  for (int m = 0; m < NM; ++m)
+#pragma unroll
+    for (int q = 0; q < NT; ++q)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[m][q][i] = 0.0f;
+
+  auto load = [&](Stage& S, int c) {
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+      S.w[m] = ld_stream16(wp[m] + int64_t(c) * ml::kTileChunkBytes);
+      S.s[m] = ld_stream4(wsc[m] + int64_t(c) * ml::kTileChunkScaleBytes);
+    }
+    if constexpr (!kJitB) {
+#pragma unroll
+      for (int q = 0; q < NT; ++q) {
+        S.b[q][0] = ld_act16(brow[q] + c * ml::kChunkCols);
+        S.b[q][1] = ld_act16(brow[q] + c * ml::kChunkCols + 32);
+      }
+    }
+  };
+  uint4 jb[NT][2];  // kJitB: the chunk's activations
+  auto load_b = [&](uint4(&B)[NT][2], int c) {
+#pragma unroll
+    for (int q = 0; q < NT; ++q) {
+      B[q][0] = ld_act16(brow[q] + c * ml::kChunkCols);
+      B[q][1] = ld_act16(brow[q] + c * ml::kChunkCols + 32);
+    }
+  };
+  auto compute = [&](const Stage& S, const uint4(&Bv)[NT][2]) {
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+      const uint32_t words[4] = {S.w[m].x, S.w[m].y, S.w[m].z, S.w[m].w};
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {  // e8m0 block b of the chunk = k16 steps 2b, 2b+1
+        const float sc_g = __uint_as_float(ml::e8m0_f32_bits<kSpecial>(S.s[m], 2 * b));
+        const float sc_g8 = __uint_as_float(ml::e8m0_f32_bits<kSpecial>(S.s[m], 2 * b + 1));
+        uint32_t a0[4], a1[4];
+        decode_step_unscaled(words[2 * b], a0);
+        decode_step_unscaled(words[2 * b + 1], a1);
+#pragma unroll
+        for (int q = 0; q < NT; ++q) {
+          const uint4 B = Bv[q][b];
+          float p[4];
+          mma_first(p, a0, B.x, B.y);
+          mma_acc(p, a1, B.z, B.w);
+          acc[m][q][0] = fmaf(p[0], sc_g, acc[m][q][0]);  // C rows g (c0, c1) and g+8 (c2, c3)
+          acc[m][q][1] = fmaf(p[1], sc_g, acc[m][q][1]);
+          acc[m][q][2] = fmaf(p[2], sc_g8, acc[m][q][2]);
+          acc[m][q][3] = fmaf(p[3], sc_g8, acc[m][q][3]);
+        }
+      }
+    }
+  };
+
+  // Software pipeline: chunk c lives in st[c % STAGES]; the load of chunk c + STAGES − 1 is issued before
+  // chunk c is consumed.
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < NC) load(st[s], s);
+  for (int c0 = 0; c0 < NC; c0 += STAGES) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      const int c = c0 + s;
+      if (c < NC) {
+        if (c + STAGES - 1 < NC) load(st[(s + STAGES - 1) % STAGES], c + STAGES - 1);
+        if constexpr (kJitB) {
+          load_b(jb, c);
+          compute(st[s], jb);
+        } else {
+          compute(st[s], st[s].b);
+        }
+      }
+    }
+  }
+  griddep_launch();
+
+  if (S > 1) {  // split K: park this split's partial; the last of the tile's S warps sums them in split order
+    const int64_t tid = int64_t(job) * (a.R / ml::kTileRows) + tile;  // (job, 16-row tile)
+    float4* mine = reinterpret_cast<float4*>(a.partial + ((tid * S + ks) * 32 + lane) * E);
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+      for (int q = 0; q < NT; ++q)
+        __stcg(mine + m * NT + q, make_float4(acc[m][q][0], acc[m][q][1], acc[m][q][2], acc[m][q][3]));
+    __threadfence();
+    __syncwarp();
+    int old = 0;
+    if (lane == 0) old = atomicAdd(a.counters + tid, 1);
+    old = __shfl_sync(0xffffffffu, old, 0);
+    if (old != S - 1) return;
+    __threadfence();
+    float sum[NM][NT][4];
+    for (int sp = 0; sp < S; ++sp) {
+      const float4* src = reinterpret_cast<const float4*>(a.partial + ((tid * S + sp) * 32 + lane) * E);
+#pragma unroll
+      for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int q = 0; q < NT; ++q) {
+          float v[4];
+          if (sp == ks) {
+            v[0] = acc[m][q][0], v[1] = acc[m][q][1], v[2] = acc[m][q][2], v[3] = acc[m][q][3];
+          } else {
+            const float4 f = __ldcg(src + m * NT + q);
+            v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+          }
+#pragma unroll
+          for (int i = 0; i < 4; ++i) sum[m][q][i] = sp == 0 ? v[i] : sum[m][q][i] + v[i];
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+      for (int q = 0; q < NT; ++q)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[m][q][i] = sum[m][q][i];
+  }
+
+  // Epilogue: C fragment (c0, c1) = row g, tokens 2t, 2t+1; (c2, c3) = row g+8.
+  const int row0 = tile * ml::kTileRows + g;
+#pragma unroll
+  for (int q = 0; q < NT; ++q) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int n = q * 8 + 2 * t + i;
+      if (n >= count) continue;
+      uint16_t* o = a.out + int64_t(a.order[begin + n]) * a.R;
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int idx = 2 * rr + i;
+        if constexpr (kGlu) {
+          o[row0 + 8 * rr] = dev::f32_to_bf16(
+              situ_glu(dev::round_bf16(acc[0][q][idx]), dev::round_bf16(acc[1][q][idx]), a.beta, a.lbeta));
+        } else {
+          o[row0 + 8 * rr] = dev::f32_to_bf16(acc[0][q][idx]);
+        }
+      }
+    }
+  }
+}
+
+template <bool kGlu, int NT, int STAGES, bool kJitB>
+void launch_gemm_nt(const GemmArgs& a, bool special, unsigned grid, bool pdl, cudaStream_t stream) {
+  if (special)
+    moe_detail::launch(expert_gemm_kernel<kGlu, NT, STAGES, true, kJitB>, dim3(grid), dim3(kGemmThreads), 0, stream,
+                       pdl, a);
+  else
+    moe_detail::launch(expert_gemm_kernel<kGlu, NT, STAGES, false, kJitB>, dim3(grid), dim3(kGemmThreads), 0, stream,
+                       pdl, a);
+}
+
+// The t8 kernel's pipeline for w1|w3: deep (activations just in time, 8 stages) unless KESTREL_MOE_T8_DEEP=0
+// (4 stages with the activations staged beside the weights, as w2 keeps). Measured on the H200 (bench_moe,
+// session 12, per launch): w1|w3 at T = 8 / 64 451 / 2,193 µs deep against 472 / 2,382 (74 / 76 % of copy
+// against 70 %); the same for w2 (12 stages) fell from 61–63 % to 47 %, so w2 stays at 4 stages.
+// t8's w1|w3 runs 8 stages deep with the activations read at use (kJitB) when each warp streams at least 32
+// chunks (4 × the stages; from T ≈ 8 at the real shape), else 4 stages with them staged; w2 always the
+// latter. KESTREL_MOE_T8_DEEP=0: never deep (A/B). Measured (H200, session 12, bench_moe per launch, eager):
+// w1|w3 at T = 8 / 64 449 / 2,272 µs deep against 473 / 2,423; at T = 1 (28 chunks a warp) equal; w2 at 12
+// stages, activations at use or one chunk ahead, fell from 61–63 % of copy to 47–53 %.
+bool t8_deep_allowed() {
+  static const bool on = [] {
+    const char* e = std::getenv("KESTREL_MOE_T8_DEEP");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
+constexpr int kT8DeepStages = 8, kT8DeepMinChunks = 4 * kT8DeepStages;
+
+// CTAs of the t8 kernel resident at once on this device: for choose_ksplit.
+int t8_resident(bool glu, bool special) {
+  static std::atomic<int> cached[2][2][16];  // [glu][special][device]
+  int dev = 0;
+  KCUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 16 && cached[glu][special][dev].load() > 0) return cached[glu][special][dev].load();
+  int sms = 0, per_sm = 0;
+  KCUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  auto occ = [&](auto kernel) {
+    KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemmThreads, 0));
+  };
+  // The deep w1|w3 kernel has the 4-stage one's residency (126 and 125 registers: 4 CTAs per SM on sm_90a).
+  if (glu)
+    special ? occ(expert_gemm_kernel<true, 1, 4, true, false>) : occ(expert_gemm_kernel<true, 1, 4, false, false>);
+  else
+    special ? occ(expert_gemm_kernel<false, 1, 4, true, false>) : occ(expert_gemm_kernel<false, 1, 4, false, false>);
+  const int n = std::max(1, sms * per_sm);
+  if (dev < 16) cached[glu][special][dev].store(n);
+  return n;
+}
+
+}  // namespace
+
+// K splits of the t8 kernel for `base` CTAs (job bound × row groups) over C columns. Few jobs leave the last
+// wave mostly empty (T = 1 at the real shape: 768 CTAs of w1|w3 over 528 slots = 1.45 waves, the second
+// running at a third of the bandwidth, for it holds too few warps to keep HBM busy) or, with one or two
+// experts, the only wave; so K is split until the waves are ≥ 85 % full (or fill best), keeping ≥ 8 chunks
+// (512 columns) per split and the scratch in bounds.
+// `forced` ≥ 1 (MoeExpertsOptions::t8_ksplit: tests, benchmarks) takes min(forced, chunks, 8) where the scratch
+// holds it.
+int t8_ksplit(int forced, bool glu, bool special, int64_t base, int64_t C, int64_t counters_free,
+                  int64_t partial_floats, int64_t tiles) {
+  const int64_t NC = C / ml::kChunkCols;
+  auto scratch_ok = [&](int S) { return tiles <= counters_free && tiles * S * 32 * (glu ? 8 : 4) <= partial_floats; };
+  if (forced >= 1) {
+    const int S = int(std::min<int64_t>({forced, NC, 8}));
+    return scratch_ok(S) ? S : 1;
+  }
+  const int64_t res = t8_resident(glu, special);
+  auto fits = [&](int S) { return NC / S >= 8 && scratch_ok(S); };
+  auto fill = [&](int S) {
+    const double w = double(base * S) / double(res);
+    return w / std::ceil(w);
+  };
+  if (fill(1) >= 0.85 || base >= 4 * res) return 1;
+  int best = 1;
+  for (int S = 2; S <= 8 && fits(S); ++S) {
+    if (fill(S) > fill(best) + 0.02) best = S;
+    if (fill(best) >= 0.85) break;
+  }
+  return best;
+}
+
+namespace {
+// grid = (bound on jobs) × (row groups of 64) × a.ksplit; CTAs past the device's job count return at once.
+template <bool kGlu>
+void launch_gemm(const GemmArgs& a, int ct, bool special, int64_t n, int64_t X, bool pdl, cudaStream_t stream) {
+  const int64_t grid = ml::job_bound(n, X, ct) * (a.R / kCtaRows) * a.ksplit;
+  KCUDA_REQUIRE(grid > 0 && grid < (int64_t(1) << 31), "moe expert GEMM: grid " + std::to_string(grid));
+  KCUDA_REQUIRE(a.ksplit == 1 || (ct == 8 && a.partial && a.counters), std::string("moe expert GEMM: split scratch"));
+  if constexpr (kGlu) {
+    if (ct == 8 && t8_deep_allowed() && a.C / ml::kChunkCols / a.ksplit >= kT8DeepMinChunks)
+      return launch_gemm_nt<true, 1, kT8DeepStages, true>(a, special, unsigned(grid), pdl, stream);
+  }
+  if (ct == 8)
+    launch_gemm_nt<kGlu, 1, 4, false>(a, special, unsigned(grid), pdl, stream);
+  else
+    launch_gemm_nt<kGlu, 4, 2, false>(a, special, unsigned(grid), pdl, stream);
+}
+
+}  // namespace
+
+void launch_fixed(const GemmArgs& a, bool glu, int ct, bool special, int64_t n, int64_t X, bool pdl,
+                  cudaStream_t stream) {
+  if (glu)
+    launch_gemm<true>(a, ct, special, n, X, pdl, stream);
+  else
+    launch_gemm<false>(a, ct, special, n, X, pdl, stream);
+}
+
+}  // namespace kestrel::cuda::moe_detail
