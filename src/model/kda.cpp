@@ -44,10 +44,11 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, std::span<const KdaSe
   }
 
   // §3.3 step 1: q̃, k̃, ṽ = Lin(q/k/v_proj)(x); step 4 input Lin(f_a)(x); step 5 input Lin(b_proj)(x);
-  // step 7 input Lin(g_proj)(x): one call over every row (BF16 Lin outputs).
-  Bf16Vec qkv(size_t(3 * rows * HD));  // bf16 [3, rows, HD]
-  Bf16Vec fa(size_t(rows * Dk)), z(size_t(rows * HD));  // bf16 [rows, Dk], bf16 [rows, HD]
-  Bf16Vec bl(size_t(rows * H)), gate(size_t(rows * HD));  // bf16 [rows, H], bf16 [rows, HD]
+  // step 7 input Lin(g_proj)(x): one call over every row (BF16 Lin outputs). Scratch (common.h): the
+  // GEMMs write every element, so no zero-fill (a serial memset per layer, issue #22).
+  Scratch<uint16_t> qkv(size_t(3 * rows * HD));  // bf16 [3, rows, HD]
+  Scratch<uint16_t> fa(size_t(rows * Dk)), z(size_t(rows * HD));  // bf16 [rows, Dk], bf16 [rows, HD]
+  Scratch<uint16_t> bl(size_t(rows * H)), gate(size_t(rows * HD));  // bf16 [rows, H], bf16 [rows, HD]
   const cpu::GemmOut proj[] = {{bf16_ptr(w.q_proj), HD, qkv.data(), nullptr, HD},
                                {bf16_ptr(w.k_proj), HD, qkv.data() + rows * HD, nullptr, HD},
                                {bf16_ptr(w.v_proj), HD, qkv.data() + 2 * rows * HD, nullptr, HD},
@@ -136,7 +137,7 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, std::span<const KdaSe
   }
 
   // Step 7: ô = RMSNorm_{o_norm}(o) ⊙ σ(gate), per head, all FP32, one rounding.
-  Bf16Vec ohat(size_t(rows * HD));  // bf16 [rows, HD]
+  Scratch<uint16_t> ohat(size_t(rows * HD));  // bf16 [rows, HD], every row written below
   cpu::parallel_for(rows, rows * HD * 16, [&](int64_t b, int64_t e) {
     cpu::kda_out_norm_gate_fast(o.data() + b * HD, gate.data() + b * HD, o_norm, eps, ohat.data() + b * HD, e - b, H,
                                 Dk);

@@ -82,9 +82,11 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, std::span<const MlaSe
 
   // Step 1: c_q = RMSNorm_{q_a_layernorm}(Lin(q_a_proj)(x)); q = Lin(q_b_proj)(c_q) per head [N | R].
   // Step 2: [c | k_pe] = Lin(kv_a_proj_with_mqa)(x). Step 5's gate input Lin(g_proj)(x) shares x.
-  Bf16Vec qa(size_t(rows * Q)), cq(size_t(rows * Q)), q(size_t(rows * Hm * QK));  // bf16 [rows, Q], [rows, Hm*QK]
-  Bf16Vec kva(size_t(rows * CW));                                                 // bf16 [rows, C+R]
-  Bf16Vec g(gated ? size_t(rows * Hm * Dv) : 0);                                  // bf16 [rows, Hm*Dv]
+  // Scratch (common.h): GEMM and RMSNorm outputs, every element written (no serial zero-fill).
+  Scratch<uint16_t> qa(size_t(rows * Q)), cq(size_t(rows * Q));  // bf16 [rows, Q] each
+  Scratch<uint16_t> q(size_t(rows * Hm * QK));                   // bf16 [rows, Hm*QK]
+  Scratch<uint16_t> kva(size_t(rows * CW));                      // bf16 [rows, C+R]
+  Scratch<uint16_t> g(gated ? size_t(rows * Hm * Dv) : 0);       // bf16 [rows, Hm*Dv]
   std::vector<cpu::GemmOut> proj = {{bf16_ptr(w.q_a_proj), Q, qa.data(), nullptr, Q},
                                     {bf16_ptr(w.kv_a_proj), CW, kva.data(), nullptr, CW}};
   if (gated) proj.push_back({bf16_ptr(w.g_proj), Hm * Dv, g.data(), nullptr, Hm * Dv});
@@ -120,7 +122,7 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, std::span<const MlaSe
   const uint16_t* kvb = bf16_ptr(w.kv_b_proj);  // bf16 [Hm*(N+Dv), C], per head [W_UK (N rows) | W_UV (Dv rows)]
   const cpu::MlaDims dims{Hm, N, R, Dv, C};
   const bool latent_fast = form == MlaForm::absorbed && cpu::isa() >= cpu::Isa::avx2;
-  std::vector<float> qt(latent_fast ? size_t(rows * Hm * CW) : 0);   // f32 [rows, Hm, C+R]
+  Scratch<float> qt(latent_fast ? size_t(rows * Hm * CW) : 0);       // f32 [rows, Hm, C+R], every row written
   std::vector<float> ohat(latent_fast ? size_t(rows * Hm * C) : 0);  // f32 [rows, Hm, C]
   if (latent_fast) cpu::mla_q_latent(dims, q.data(), kvb, rows, qt.data());
   Bf16Vec o(size_t(rows * Hm * Dv));  // bf16 [rows, Hm*Dv]

@@ -27,6 +27,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/gemm_kernels.h"
 #include "kernels/cpu/isa.h"
+#include "kernels/cpu/simd_avx2.h"
 #include "kernels/cpu/thread_pool.h"
 
 namespace kestrel::cpu {
@@ -186,9 +187,22 @@ std::vector<OutDesc> describe(int64_t in, std::span<const GemmOut> outs) {
   return d;
 }
 
+// bf16 → f32 is exact (a shift), so the vector loop gives the scalar loop's bits. Why: the AVX2 GEMM
+// widens every call's activations on the calling thread before its region; as a scalar loop that was
+// ~2 % of a 2K prefill on an AVX2-only CPU (issue #22).
+KESTREL_AVX2 void bf16_to_f32_avx2(const uint16_t* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm256_storeu_ps(y + i, simd::load_bf16(x + i));
+    _mm256_storeu_ps(y + i + 8, simd::load_bf16(x + i + 8));
+  }
+  for (; i < n; ++i) y[i] = bf16_to_f32(x[i]);
+}
+
 }  // namespace
 
 void bf16_to_f32_n(const uint16_t* x, float* y, int64_t n) {
+  if (isa() >= Isa::avx2) return bf16_to_f32_avx2(x, y, n);
   for (int64_t i = 0; i < n; ++i) y[i] = bf16_to_f32(x[i]);
 }
 
