@@ -1,7 +1,7 @@
 // Row-wise and element-wise CPU ops: RMSNorm, SiTU-GLU, softmax, top-k (MODEL.md §3, §0.8).
 // RMSNorm keeps its FP64 sequential sum of squares (four rows at a time for instruction-level
-// parallelism, eight as register lanes on avx512bf16, each row's order unchanged) and its AVX2 second pass repeats the scalar roundings
-// exactly. situ_glu is the scalar twin; situ_glu_fast the AVX2 one (simd_avx2.h tanh/sigmoid).
+// parallelism in the scalar twin, eight as register lanes on avx2 and avx512bf16, each row's order
+// unchanged) and its AVX2 second pass repeats the scalar roundings exactly. situ_glu is the scalar twin; situ_glu_fast the AVX2 one (simd_avx2.h tanh/sigmoid).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -94,6 +94,35 @@ KESTREL_AVX512BF16 void sumsq_rows8(const uint16_t* x, int64_t n, int64_t nr, do
 #pragma GCC diagnostic pop
 #endif
 
+// sumsq_rows8 on AVX2: the same transposed 8 × 8 blocks, the eight rows' doubles in two registers
+// (rows 0–3, rows 4–7); each row's terms still one double product and one double add in index
+// order, so the same bits. Why: on AVX2-only CPUs the scalar loop was ~2 % of a 2K prefill (issue #22).
+KESTREL_AVX2 void sumsq_rows8_avx2(const uint16_t* x, int64_t n, int64_t nr, double* ss) {
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 r[8];
+    for (int k = 0; k < 8; ++k) r[k] = k < nr ? simd::load_bf16(x + k * n + i) : _mm256_setzero_ps();
+    simd::transpose8x8(r);
+    for (int j = 0; j < 8; ++j) {  // element i + j of every row, in order
+      const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(r[j])), b = _mm256_cvtps_pd(_mm256_extractf128_ps(r[j], 1));
+      lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a));
+      hi = _mm256_add_pd(hi, _mm256_mul_pd(b, b));
+    }
+  }
+  alignas(32) double acc[8];
+  _mm256_store_pd(acc, lo);
+  _mm256_store_pd(acc + 4, hi);
+  for (int64_t r = 0; r < nr; ++r) {
+    double s = acc[r];
+    for (int64_t k = i; k < n; ++k) {  // the row's tail, still in order
+      const double v = double(bf16_to_f32(x[r * n + k]));
+      s += v * v;
+    }
+    ss[r] = s;
+  }
+}
+
 }  // namespace
 
 void add_bf16(const uint16_t* a, const uint16_t* b, uint16_t* y, int64_t n) {
@@ -109,7 +138,7 @@ void sigmoid_gate_bf16(uint16_t* o, const uint16_t* g, int64_t n) {
 void rmsnorm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t T, int64_t n, float eps) {
   KCHECK(n > 0 && T >= 0, "bad rmsnorm shape T={} n={}", T, n);
   const bool avx2 = isa() >= Isa::avx2, avx512 = isa() >= Isa::avx512bf16;
-  const int64_t G = avx512 ? 8 : 4;  // rows per group
+  const int64_t G = avx2 ? 8 : 4;  // rows per group
   parallel_for((T + G - 1) / G, T * n * 4, [&](int64_t b, int64_t e) {
     for (int64_t t0 = G * b; t0 < std::min(T, G * e); t0 += G) {
       const int64_t nr = std::min<int64_t>(G, T - t0);
@@ -118,6 +147,8 @@ void rmsnorm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t T, 
       double ss[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
       if (avx512)
         sumsq_rows8(x + t0 * n, n, nr, ss);
+      else if (avx2)
+        sumsq_rows8_avx2(x + t0 * n, n, nr, ss);
       else
         for (int64_t i = 0; i < n; ++i)
           for (int64_t r = 0; r < 4; ++r) {
