@@ -39,32 +39,37 @@ KESTREL_AVX2 void scale(float* x, float f, int64_t n) {
   for (; i < n; ++i) x[i] *= f;
 }
 
+// Token t's taps read rows t .. t+W−1 of [W−1 stored inputs, this call's T inputs] where they are
+// (hist or x), and the last W−1 of those rows become the new history once at the end: shifting the
+// history token by token was a memmove and a memcpy per token (issue #22). The same values in the
+// same order, so the same bits.
 KESTREL_AVX2 void conv_avx2(const uint16_t* x, int64_t ldx, const float* w, uint16_t* hist, float* y, int64_t ldy,
                             int64_t T, int64_t C, int64_t W) {
   std::vector<float> wt(size_t(W * C));  // f32 [W, C]: the taps transposed so channels are contiguous
   for (int64_t ch = 0; ch < C; ++ch)
     for (int64_t j = 0; j < W; ++j) wt[size_t(j * C + ch)] = w[ch * W + j];
+  auto row = [&](int64_t src) { return src < W - 1 ? hist + src * C : x + (src - (W - 1)) * ldx; };  // bf16 [C]
+  std::vector<const uint16_t*> tap(static_cast<size_t>(W));  // the W rows token t reads
   for (int64_t t = 0; t < T; ++t) {
-    const uint16_t* cur = x + t * ldx;
+    for (int64_t j = 0; j < W; ++j) tap[size_t(j)] = row(t + j);  // tap W−1 is token t itself
     float* dst = y + t * ldy;
     int64_t ch = 0;
     for (; ch + 8 <= C; ch += 8) {
       __m256 acc = _mm256_setzero_ps();
-      for (int64_t j = 0; j < W - 1; ++j)
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(&wt[size_t(j * C + ch)]), simd::load_bf16(hist + j * C + ch)));
-      acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(&wt[size_t((W - 1) * C + ch)]), simd::load_bf16(cur + ch)));
+      for (int64_t j = 0; j < W; ++j)
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(&wt[size_t(j * C + ch)]), simd::load_bf16(tap[size_t(j)] + ch)));
       _mm256_storeu_ps(dst + ch, simd::round_bf16(_mm256_mul_ps(acc, simd::sigmoid(acc))));
     }
     for (; ch < C; ++ch) {
       float acc = 0.0f;
-      for (int64_t j = 0; j < W - 1; ++j) acc += w[ch * W + j] * bf16_to_f32(hist[j * C + ch]);
-      acc += w[ch * W + W - 1] * bf16_to_f32(cur[ch]);
+      for (int64_t j = 0; j < W; ++j) acc += w[ch * W + j] * bf16_to_f32(tap[size_t(j)][ch]);
       dst[ch] = round_bf16(silu(acc));
     }
-    if (W > 1) {
-      std::memmove(hist, hist + C, size_t((W - 2) * C) * 2);
-      std::memcpy(hist + (W - 2) * C, cur, size_t(C) * 2);
-    }
+  }
+  if (W > 1 && T > 0) {  // the new history: rows T .. T+W−2 (some may still be old history rows)
+    std::vector<uint16_t> next(size_t((W - 1) * C));  // bf16 [W−1, C]
+    for (int64_t j = 0; j < W - 1; ++j) std::memcpy(next.data() + j * C, row(T + j), size_t(C) * 2);
+    std::memcpy(hist, next.data(), next.size() * 2);
   }
 }
 
