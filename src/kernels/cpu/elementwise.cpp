@@ -125,14 +125,25 @@ KESTREL_AVX2 void sumsq_rows8_avx2(const uint16_t* x, int64_t n, int64_t nr, dou
 
 }  // namespace
 
+// add_bf16 and sigmoid_gate_bf16 split a prefill's [T, D] over the team in blocks of 1,024 elements
+// (element-wise, so any split gives the same bits): on the engine thread alone they were serial
+// sections of every layer while the other core waited (issue #22). A decode's few rows stay inline.
 void add_bf16(const uint16_t* a, const uint16_t* b, uint16_t* y, int64_t n) {
-  if (isa() >= Isa::avx2) return add_bf16_avx2(a, b, y, n);
-  for (int64_t i = 0; i < n; ++i) y[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+  const bool avx2 = isa() >= Isa::avx2;
+  parallel_for((n + 1023) / 1024, n * 4, [&](int64_t bb, int64_t ee) {
+    const int64_t i0 = bb * 1024, i1 = std::min(n, ee * 1024);
+    if (avx2) return add_bf16_avx2(a + i0, b + i0, y + i0, i1 - i0);
+    for (int64_t i = i0; i < i1; ++i) y[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+  });
 }
 
 void sigmoid_gate_bf16(uint16_t* o, const uint16_t* g, int64_t n) {
-  if (isa() >= Isa::avx2) return gate_avx2(o, g, n);
-  for (int64_t i = 0; i < n; ++i) o[i] = f32_to_bf16(bf16_to_f32(o[i]) * sigmoid(bf16_to_f32(g[i])));
+  const bool avx2 = isa() >= Isa::avx2;
+  parallel_for((n + 1023) / 1024, n * 8, [&](int64_t bb, int64_t ee) {
+    const int64_t i0 = bb * 1024, i1 = std::min(n, ee * 1024);
+    if (avx2) return gate_avx2(o + i0, g + i0, i1 - i0);
+    for (int64_t i = i0; i < i1; ++i) o[i] = f32_to_bf16(bf16_to_f32(o[i]) * sigmoid(bf16_to_f32(g[i])));
+  });
 }
 
 void rmsnorm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t T, int64_t n, float eps) {
