@@ -31,14 +31,27 @@ KESTREL_AVX2 void scale_row_avx2(const uint16_t* x, const uint16_t* w, float r, 
   for (; i < n; ++i) y[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(x[i]) * r));
 }
 
+// x / d, as a multiplication by 1/d when d is a power of two (then x·(1/d) is the same rounding of
+// the same exact quotient, so the same bits): a divide is several times the cost of a multiply, and
+// SiTU-GLU was ~5 % of a 2K prefill on an AVX2-only CPU (issue #22; k3-tiny's beta is 4).
+KESTREL_AVX2 inline __m256 div_by(__m256 x, __m256 d, __m256 inv, bool pow2) {
+  return pow2 ? _mm256_mul_ps(x, inv) : _mm256_div_ps(x, d);
+}
+bool power_of_two(float d) {
+  int e = 0;
+  return std::isnormal(d) && std::frexp(d, &e) == 0.5f && std::isnormal(1.0f / d);
+}
+
 KESTREL_AVX2 void situ_glu_avx2(const uint16_t* g, const uint16_t* u, uint16_t* a, int64_t n, float beta,
                                 float linear_beta) {
   const __m256 b = _mm256_set1_ps(beta), bl = _mm256_set1_ps(linear_beta);
+  const __m256 ib = _mm256_set1_ps(1.0f / beta), ibl = _mm256_set1_ps(1.0f / linear_beta);
+  const bool b2 = power_of_two(beta), bl2 = power_of_two(linear_beta);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 gf = simd::load_bf16(g + i), uf = simd::load_bf16(u + i);
-    const __m256 act = _mm256_mul_ps(_mm256_mul_ps(b, simd::tanh(_mm256_div_ps(gf, b))), simd::sigmoid(gf));
-    simd::store_bf16(a + i, _mm256_mul_ps(act, _mm256_mul_ps(bl, simd::tanh(_mm256_div_ps(uf, bl)))));
+    const __m256 act = _mm256_mul_ps(_mm256_mul_ps(b, simd::tanh(div_by(gf, b, ib, b2))), simd::sigmoid(gf));
+    simd::store_bf16(a + i, _mm256_mul_ps(act, _mm256_mul_ps(bl, simd::tanh(div_by(uf, bl, ibl, bl2)))));
   }
   if (i < n) situ_glu(g + i, u + i, a + i, n - i, beta, linear_beta);
 }
