@@ -261,6 +261,40 @@ TEST(KernelsFast, MlaAbsorbedAgainstTwinWithSelectionAndDense) {
   }
 }
 
+// The AVX2 scan runs a call's tokens column chunk by column chunk with two tokens' passes fused; a
+// token must still get exactly what a scan of it alone gives (decode, chunked prefill, any batch).
+// Dk: 64 (k3-tiny), 40 (16-chunks and an 8-chunk), 13 and 33 (scalar tails), 8.
+TEST(KernelsFast, KdaScanRunEqualsTokenByTokenBitForBit) {
+  std::mt19937_64 rng(32);
+  std::normal_distribution<float> nd;
+  for (int64_t Dk : {64, 40, 13, 33, 8}) {
+    SCOPED_TRACE("Dk=" + std::to_string(Dk));
+    const int64_t T = 9, H = 2, HD = H * Dk;
+    std::vector<float> q(size_t(T * HD)), k(q.size()), v(q.size()), g(q.size()), beta(size_t(T * H));
+    for (auto* x : {&q, &k, &v}) for (auto& e : *x) e = 0.3f * nd(rng);
+    for (auto& e : g) e = -std::abs(nd(rng));
+    for (auto& e : beta) e = 0.5f + 0.1f * nd(rng);
+    std::vector<float> S0(size_t(Dk * Dk));
+    for (auto& e : S0) e = 0.1f * nd(rng);
+    for (int64_t h = 0; h < H; ++h) {
+      std::vector<float> S1 = S0, S2 = S0, o1(q.size(), 0.0f), o2(q.size(), 0.0f);
+      const cpu::KdaHeadIo run{q.data() + h * Dk, k.data() + h * Dk, v.data() + h * Dk, g.data() + h * Dk,
+                               beta.data() + h, HD, H, o1.data() + h * Dk};
+      cpu::kda_scan_recurrent_fast(run, T, Dk, S1.data());
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t off = t * HD + h * Dk;
+        const cpu::KdaHeadIo one{q.data() + off, k.data() + off, v.data() + off, g.data() + off,
+                                 beta.data() + t * H + h, HD, H, o2.data() + off};
+        cpu::kda_scan_recurrent_fast(one, 1, Dk, S2.data());
+      }
+      for (size_t i = 0; i < S1.size(); ++i)
+        ASSERT_EQ(std::bit_cast<uint32_t>(S1[i]), std::bit_cast<uint32_t>(S2[i])) << "state element " << i;
+      for (size_t i = 0; i < o1.size(); ++i)
+        ASSERT_EQ(std::bit_cast<uint32_t>(o1[i]), std::bit_cast<uint32_t>(o2[i])) << "output element " << i;
+    }
+  }
+}
+
 // The AVX2 latent attention takes a query's heads four at a time, sharing each widened latent row;
 // every (query, head) must keep the pair kernel's arithmetic exactly. Shapes: Hm = 4 (k3-tiny), 8
 // (two groups), 6 and 5 (a group and a remainder run by the pair kernel), 3 (remainder only); C with
