@@ -110,7 +110,7 @@ KESTREL_AVX512BF16 void sumsq_rows8(const uint16_t* x, int64_t n, int64_t nr, do
 // sumsq_rows8 on AVX2: the same transposed 8 × 8 blocks, the eight rows' doubles in two registers
 // (rows 0–3, rows 4–7); each row's terms still one double product and one double add in index
 // order, so the same bits. Why: on AVX2-only CPUs the scalar loop was ~2 % of a 2K prefill (issue #22).
-KESTREL_AVX2 void sumsq_rows8_avx2(const uint16_t* x, int64_t n, int64_t nr, double* ss) {
+KESTREL_AVX2 void sumsq_rows8_avx2(const uint16_t* x /* bf16 [nr, n] */, int64_t n, int64_t nr, double* ss /* f64 [nr] */) {
   __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {

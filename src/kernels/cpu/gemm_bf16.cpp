@@ -195,7 +195,7 @@ std::vector<OutDesc> describe(int64_t in, std::span<const GemmOut> outs) {
 // bf16 → f32 is exact (a shift), so the vector loop gives the scalar loop's bits. Why: the AVX2 GEMM
 // widens every call's activations on the calling thread before its region; as a scalar loop that was
 // ~2 % of a 2K prefill on an AVX2-only CPU (issue #22).
-KESTREL_AVX2 void bf16_to_f32_avx2(const uint16_t* x, float* y, int64_t n) {
+KESTREL_AVX2 void bf16_to_f32_avx2(const uint16_t* x /* bf16 [n] */, float* y /* f32 [n] */, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     _mm256_storeu_ps(y + i, simd::load_bf16(x + i));
