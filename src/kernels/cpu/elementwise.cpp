@@ -1,7 +1,8 @@
 // Row-wise and element-wise CPU ops: RMSNorm, SiTU-GLU, softmax, top-k (MODEL.md §3, §0.8).
 // RMSNorm keeps its FP64 sequential sum of squares (four rows at a time for instruction-level
 // parallelism in the scalar twin, eight as register lanes on avx2 and avx512bf16, each row's order
-// unchanged) and its AVX2 second pass repeats the scalar roundings exactly. situ_glu is the scalar twin; situ_glu_fast the AVX2 one (simd_avx2.h tanh/sigmoid).
+// unchanged) and its AVX2 second pass repeats the scalar roundings exactly. situ_glu is the scalar
+// twin; situ_glu_fast the AVX2 one (simd_avx2.h tanh/sigmoid).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -110,7 +111,8 @@ KESTREL_AVX512BF16 void sumsq_rows8(const uint16_t* x, int64_t n, int64_t nr, do
 // sumsq_rows8 on AVX2: the same transposed 8 × 8 blocks, the eight rows' doubles in two registers
 // (rows 0–3, rows 4–7); each row's terms still one double product and one double add in index
 // order, so the same bits. Why: on AVX2-only CPUs the scalar loop was ~2 % of a 2K prefill (issue #22).
-KESTREL_AVX2 void sumsq_rows8_avx2(const uint16_t* x /* bf16 [nr, n] */, int64_t n, int64_t nr, double* ss /* f64 [nr] */) {
+KESTREL_AVX2 void sumsq_rows8_avx2(const uint16_t* x /* bf16 [nr, n] */, int64_t n, int64_t nr,
+                                   double* ss /* f64 [nr] */) {
   __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -118,7 +120,8 @@ KESTREL_AVX2 void sumsq_rows8_avx2(const uint16_t* x /* bf16 [nr, n] */, int64_t
     for (int k = 0; k < 8; ++k) r[k] = k < nr ? simd::load_bf16(x + k * n + i) : _mm256_setzero_ps();
     simd::transpose8x8(r);
     for (int j = 0; j < 8; ++j) {  // element i + j of every row, in order
-      const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(r[j])), b = _mm256_cvtps_pd(_mm256_extractf128_ps(r[j], 1));
+      const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(r[j]));     // rows 0–3
+      const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(r[j], 1));  // rows 4–7
       lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a));
       hi = _mm256_add_pd(hi, _mm256_mul_pd(b, b));
     }

@@ -7,8 +7,9 @@
 // between). Column chunks of 16 run all of a call's tokens (columns are independent), pass 2 of token
 // t fused with pass 1 of token t+1 into one sweep over S (scan_cols), so u, o stay in registers and
 // S is stored once per token. A token's result is the same whether it is scanned alone or in a run
-// (tested bit for bit). The twins' sums over i run in the same order; they differ by FMA contraction and the vector exp (simd_avx2.h), a few ulps
-// (tests/unit/test_kernels_cpu.cpp). Without AVX2 every function here calls its twin.
+// (tested bit for bit). The twins' sums over i run in the same order; they differ by FMA contraction
+// and the vector exp (simd_avx2.h), a few ulps (tests/unit/test_kernels_cpu.cpp). Without AVX2 every
+// function here calls its twin.
 #include <immintrin.h>
 
 #include <cmath>
@@ -59,7 +60,8 @@ KESTREL_AVX2 void conv_avx2(const uint16_t* x, int64_t ldx, const float* w, uint
     for (; ch + 8 <= C; ch += 8) {
       __m256 acc = _mm256_setzero_ps();
       for (int64_t j = 0; j < W; ++j)
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(&wt[size_t(j * C + ch)]), simd::load_bf16(tap[size_t(j)] + ch)));
+        const __m256 wj = _mm256_loadu_ps(&wt[size_t(j * C + ch)]);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(wj, simd::load_bf16(tap[size_t(j)] + ch)));
       _mm256_storeu_ps(dst + ch, simd::round_bf16(_mm256_mul_ps(acc, simd::sigmoid(acc))));
     }
     for (; ch < C; ++ch) {

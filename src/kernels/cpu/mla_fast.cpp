@@ -198,7 +198,8 @@ KESTREL_AVX2 void heads4(int64_t C, int64_t CW, const float* qt, const uint16_t*
   for (int h = 0; h < kH4; ++h)
     for (int64_t cc = 16 * G; cc < C; ++cc) {
       float a = 0.0f;
-      for (int64_t k = 0; k < nk; ++k) a = __builtin_fmaf(s[h * ld + k], bf16_to_f32(rows[int64_t(keys[k]) * CW + cc]), a);
+      for (int64_t k = 0; k < nk; ++k)
+        a = __builtin_fmaf(s[h * ld + k], bf16_to_f32(rows[int64_t(keys[k]) * CW + cc]), a);
       ohat[h * C + cc] = a;
     }
 }
@@ -234,7 +235,8 @@ void mla_attn_latent_fast(const MlaDims& dm, const float* qt, const uint16_t* ro
       int64_t nk = 0;
       const int32_t* keys = query_keys(sel, Ksel, t, pos0, sc, nk);
       int64_t h = 0;
-      for (; h + kH4 <= Hm; h += kH4) heads4(C, CW, qt + (t * Hm + h) * CW, rows, keys, nk, scale, ohat + (t * Hm + h) * C, sc);
+      for (; h + kH4 <= Hm; h += kH4)
+        heads4(C, CW, qt + (t * Hm + h) * CW, rows, keys, nk, scale, ohat + (t * Hm + h) * C, sc);
       for (; h < Hm; ++h) one_pair(C, CW, qt + (t * Hm + h) * CW, rows, keys, nk, scale, ohat + (t * Hm + h) * C, sc);
     }
   });
