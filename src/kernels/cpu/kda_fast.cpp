@@ -59,9 +59,10 @@ KESTREL_AVX2 void conv_avx2(const uint16_t* x, int64_t ldx, const float* w, uint
     int64_t ch = 0;
     for (; ch + 8 <= C; ch += 8) {
       __m256 acc = _mm256_setzero_ps();
-      for (int64_t j = 0; j < W; ++j)
+      for (int64_t j = 0; j < W; ++j) {
         const __m256 wj = _mm256_loadu_ps(&wt[size_t(j * C + ch)]);
         acc = _mm256_add_ps(acc, _mm256_mul_ps(wj, simd::load_bf16(tap[size_t(j)] + ch)));
+      }
       _mm256_storeu_ps(dst + ch, simd::round_bf16(_mm256_mul_ps(acc, simd::sigmoid(acc))));
     }
     for (; ch < C; ++ch) {
