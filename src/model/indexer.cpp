@@ -28,13 +28,14 @@ void indexer_select(const IndexerWeights& w, const TextConfig& c, std::span<cons
     KCHECK(s.cache.Di == Di && s.cache.capacity() >= s.pos0 + s.T,
            "index-key cache view (Di {}, {} tokens) cannot take {} + {}", s.cache.Di, s.cache.capacity(), s.pos0, s.T);
   // Step 1: q_I = Lin(wq_b)(c_q) → [Hi, Di] (this rank's Hl heads, gathered below).
-  Bf16Vec qi(size_t(rows * Hi * Di));                   // bf16 [rows, Hi*Di]
-  Bf16Vec ql(sh.split() ? size_t(rows * Hl * Di) : 0);  // bf16 [rows, Hl*Di]
+  // Scratch (common.h): GEMM outputs (or the gather's), every element written: no serial zero-fill.
+  Scratch<uint16_t> qi(size_t(rows * Hi * Di));                   // bf16 [rows, Hi*Di]
+  Scratch<uint16_t> ql(sh.split() ? size_t(rows * Hl * Di) : 0);  // bf16 [rows, Hl*Di]
   cpu::gemm_bf16(c_q, Q, bf16_ptr(w.wq_b), sh.split() ? ql.data() : qi.data(), Hl * Di, rows, Q, Hl * Di);
   // Step 2 input: Lin(wk)(x); step 3: w = weights_proj(x) in FP32 (no BF16 rounding of the output).
-  Bf16Vec kraw(size_t(rows * Di));                                 // bf16 [rows, Di]
-  std::vector<float> hw(size_t(rows * Hi));                        // f32 [rows, Hi]
-  std::vector<float> hl(sh.split() ? size_t(rows * Hl) : 0);       // f32 [rows, Hl]
+  Scratch<uint16_t> kraw(size_t(rows * Di));                       // bf16 [rows, Di]
+  Scratch<float> hw(size_t(rows * Hi));                            // f32 [rows, Hi]
+  Scratch<float> hl(sh.split() ? size_t(rows * Hl) : 0);           // f32 [rows, Hl]
   const cpu::GemmOut proj[] = {{bf16_ptr(w.wk), Di, kraw.data(), nullptr, Di},
                                {bf16_ptr(w.weights_proj), Hl, nullptr, sh.split() ? hl.data() : hw.data(), Hl}};
   cpu::gemm_bf16_multi(x, D, rows, D, proj);
@@ -45,7 +46,7 @@ void indexer_select(const IndexerWeights& w, const TextConfig& c, std::span<cons
   // Step 2: k_I = LayerNorm_{eps 1e-6}(Lin(wk)(x)) with weight and optional bias, one BF16 rounding.
   const uint16_t* kn_w = bf16_ptr(w.k_norm);
   const uint16_t* kn_b = w.k_norm_bias.empty() ? nullptr : bf16_ptr(w.k_norm_bias);
-  Bf16Vec kn(size_t(rows * Di));  // bf16 [rows, Di]
+  Scratch<uint16_t> kn(size_t(rows * Di));  // bf16 [rows, Di], every row normed
   cpu::indexer_key_norm(kraw.data(), kn_w, kn_b, rows, Di, kn.data());
 
   // Per sequence: write its keys, then steps 5–6 over the keys as the scores see them (dequantised

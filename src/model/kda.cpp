@@ -3,8 +3,10 @@
 // is state); the delta-rule scan runs per (sequence, head) in parallel.
 #include "model/kda.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "core/dtype.h"
 #include "kernels/cpu/cpu_ops.h"
@@ -44,10 +46,11 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, std::span<const KdaSe
   }
 
   // §3.3 step 1: q̃, k̃, ṽ = Lin(q/k/v_proj)(x); step 4 input Lin(f_a)(x); step 5 input Lin(b_proj)(x);
-  // step 7 input Lin(g_proj)(x): one call over every row (BF16 Lin outputs).
-  Bf16Vec qkv(size_t(3 * rows * HD));  // bf16 [3, rows, HD]
-  Bf16Vec fa(size_t(rows * Dk)), z(size_t(rows * HD));  // bf16 [rows, Dk], bf16 [rows, HD]
-  Bf16Vec bl(size_t(rows * H)), gate(size_t(rows * HD));  // bf16 [rows, H], bf16 [rows, HD]
+  // step 7 input Lin(g_proj)(x): one call over every row (BF16 Lin outputs). Scratch (common.h): the
+  // GEMMs write every element, so no zero-fill (a serial memset per layer, issue #22).
+  Scratch<uint16_t> qkv(size_t(3 * rows * HD));  // bf16 [3, rows, HD]
+  Scratch<uint16_t> fa(size_t(rows * Dk)), z(size_t(rows * HD));  // bf16 [rows, Dk], bf16 [rows, HD]
+  Scratch<uint16_t> bl(size_t(rows * H)), gate(size_t(rows * HD));  // bf16 [rows, H], bf16 [rows, HD]
   const cpu::GemmOut proj[] = {{bf16_ptr(w.q_proj), HD, qkv.data(), nullptr, HD},
                                {bf16_ptr(w.k_proj), HD, qkv.data() + rows * HD, nullptr, HD},
                                {bf16_ptr(w.v_proj), HD, qkv.data() + 2 * rows * HD, nullptr, HD},
@@ -66,11 +69,10 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, std::span<const KdaSe
 
   // Step 2: causal depthwise conv over [W−1 stored inputs, current], SiLU, BF16, per sequence and
   // projection; the history shifts token by token (it is the carried state). f32 from here on.
-  Scratch<float> qkv_f(size_t(3 * rows * HD));  // f32 [3, rows, HD], post-conv q, k, v (every row written)
-  cpu::parallel_for_each(3 * n, 3 * rows * HD * W * 8, [&](int64_t item) {
-    const KdaSeq& s = seqs[size_t(item / 3)];
-    const int64_t p = item % 3;
-    if (s.state.trace_conv) {
+  // The traces (speculative decoding) read the history before this call's inputs enter it: first.
+  for (const KdaSeq& s : seqs) {
+    if (!s.state.trace_conv) continue;
+    for (int64_t p = 0; p < 3; ++p) {
       // The history after token t is inputs t+1 .. t+W−1 of [W−1 stored inputs, this call's T inputs].
       const uint16_t* hist = s.state.conv + p * (W - 1) * HD;            // bf16 [W−1, HD], before this call
       const uint16_t* xin = qkv.data() + (p * rows + s.row0) * HD;       // bf16 [T, HD]
@@ -81,8 +83,23 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, std::span<const KdaSe
           std::memcpy(s.state.trace_conv + ((t * 3 + p) * (W - 1) + j) * HD, row, size_t(HD) * 2);
         }
     }
-    cpu::kda_conv_silu_fast(qkv.data() + (p * rows + s.row0) * HD, HD, conv_w[p], s.state.conv + p * (W - 1) * HD,
-                            qkv_f.data() + (p * rows + s.row0) * HD, HD, s.T, HD, W);
+  }
+  // Items are (sequence, projection, channel block): the conv is depthwise, so channels split freely;
+  // (sequence, projection) alone was three items for two threads, one idle for a third of the conv
+  // (issue #22). Blocks are whole multiples of 8 channels from channel 0, so every channel takes the
+  // same vector lane or scalar tail as in one call over all HD channels: the same bits.
+  const int64_t Cb = std::max<int64_t>(8, (HD / 2 + 7) / 8 * 8), nb = (HD + Cb - 1) / Cb;  // channels per block
+  Scratch<float> qkv_f(size_t(3 * rows * HD));  // f32 [3, rows, HD], post-conv q, k, v (every row written)
+  cpu::parallel_for_each(3 * n * nb, 3 * rows * HD * W * 8, [&](int64_t item) {
+    const KdaSeq& s = seqs[size_t(item / (3 * nb))];
+    const int64_t p = item / nb % 3, c0 = item % nb * Cb, cw = std::min(Cb, HD - c0);
+    uint16_t* hist = s.state.conv + p * (W - 1) * HD;  // bf16 [W−1, HD]
+    thread_local std::vector<uint16_t> h;              // bf16 [W−1, cw]: this block's history, contiguous
+    h.resize(size_t((W - 1) * cw));
+    for (int64_t j = 0; j < W - 1; ++j) std::memcpy(h.data() + j * cw, hist + j * HD + c0, size_t(cw) * 2);
+    cpu::kda_conv_silu_fast(qkv.data() + (p * rows + s.row0) * HD + c0, HD, conv_w[p] + c0 * W, h.data(),
+                            qkv_f.data() + (p * rows + s.row0) * HD + c0, HD, s.T, cw, W);
+    for (int64_t j = 0; j < W - 1; ++j) std::memcpy(hist + j * HD + c0, h.data() + j * cw, size_t(cw) * 2);
   });
   float* qf = qkv_f.data();
   float* kf = qkv_f.data() + rows * HD;
@@ -136,7 +153,7 @@ void kda_forward(const KdaWeights& w, const TextConfig& c, std::span<const KdaSe
   }
 
   // Step 7: ô = RMSNorm_{o_norm}(o) ⊙ σ(gate), per head, all FP32, one rounding.
-  Bf16Vec ohat(size_t(rows * HD));  // bf16 [rows, HD]
+  Scratch<uint16_t> ohat(size_t(rows * HD));  // bf16 [rows, HD], every row written below
   cpu::parallel_for(rows, rows * HD * 16, [&](int64_t b, int64_t e) {
     cpu::kda_out_norm_gate_fast(o.data() + b * HD, gate.data() + b * HD, o_norm, eps, ohat.data() + b * HD, e - b, H,
                                 Dk);

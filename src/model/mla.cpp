@@ -37,7 +37,8 @@ namespace {
 // The latent rows one sequence's attention reads (dequantised when the cache is FP8), and its
 // selection rewritten to index them. A short step (decode) whose selections cover fewer rows than the
 // context gathers just the selected rows; otherwise every row 0..S−1 is read and sel is kept.
-void gather_rows(const MlaSeq& s, int64_t CW, int32_t* sel /* i32 [T, Ki] or null */, int64_t Ki, Bf16Vec& rows) {
+void gather_rows(const MlaSeq& s, int64_t CW, int32_t* sel /* i32 [T, Ki] or null */, int64_t Ki,
+                 Scratch<uint16_t>& rows /* bf16 [rows read, C+R], every row read from the cache */) {
   const int64_t S = s.pos0 + s.T;
   if (sel && s.T * Ki < S) {
     std::vector<int32_t> pos(sel, sel + s.T * Ki);
@@ -82,9 +83,11 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, std::span<const MlaSe
 
   // Step 1: c_q = RMSNorm_{q_a_layernorm}(Lin(q_a_proj)(x)); q = Lin(q_b_proj)(c_q) per head [N | R].
   // Step 2: [c | k_pe] = Lin(kv_a_proj_with_mqa)(x). Step 5's gate input Lin(g_proj)(x) shares x.
-  Bf16Vec qa(size_t(rows * Q)), cq(size_t(rows * Q)), q(size_t(rows * Hm * QK));  // bf16 [rows, Q], [rows, Hm*QK]
-  Bf16Vec kva(size_t(rows * CW));                                                 // bf16 [rows, C+R]
-  Bf16Vec g(gated ? size_t(rows * Hm * Dv) : 0);                                  // bf16 [rows, Hm*Dv]
+  // Scratch (common.h): GEMM and RMSNorm outputs, every element written (no serial zero-fill).
+  Scratch<uint16_t> qa(size_t(rows * Q)), cq(size_t(rows * Q));  // bf16 [rows, Q] each
+  Scratch<uint16_t> q(size_t(rows * Hm * QK));                   // bf16 [rows, Hm*QK]
+  Scratch<uint16_t> kva(size_t(rows * CW));                      // bf16 [rows, C+R]
+  Scratch<uint16_t> g(gated ? size_t(rows * Hm * Dv) : 0);       // bf16 [rows, Hm*Dv]
   std::vector<cpu::GemmOut> proj = {{bf16_ptr(w.q_a_proj), Q, qa.data(), nullptr, Q},
                                     {bf16_ptr(w.kv_a_proj), CW, kva.data(), nullptr, CW}};
   if (gated) proj.push_back({bf16_ptr(w.g_proj), Hm * Dv, g.data(), nullptr, Hm * Dv});
@@ -120,10 +123,12 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, std::span<const MlaSe
   const uint16_t* kvb = bf16_ptr(w.kv_b_proj);  // bf16 [Hm*(N+Dv), C], per head [W_UK (N rows) | W_UV (Dv rows)]
   const cpu::MlaDims dims{Hm, N, R, Dv, C};
   const bool latent_fast = form == MlaForm::absorbed && cpu::isa() >= cpu::Isa::avx2;
-  std::vector<float> qt(latent_fast ? size_t(rows * Hm * CW) : 0);   // f32 [rows, Hm, C+R]
-  std::vector<float> ohat(latent_fast ? size_t(rows * Hm * C) : 0);  // f32 [rows, Hm, C]
+  Scratch<float> qt(latent_fast ? size_t(rows * Hm * CW) : 0);       // f32 [rows, Hm, C+R], every row written
+  // ô and o: every sequence's rows and heads are written by the attention (ô = 0 where no key is
+  // visible), and the sequences are the step's rows, so no zero-fill (a serial 512 KB memset per layer).
+  Scratch<float> ohat(latent_fast ? size_t(rows * Hm * C) : 0);      // f32 [rows, Hm, C]
   if (latent_fast) cpu::mla_q_latent(dims, q.data(), kvb, rows, qt.data());
-  Bf16Vec o(size_t(rows * Hm * Dv));  // bf16 [rows, Hm*Dv]
+  Scratch<uint16_t> o(size_t(rows * Hm * Dv));  // bf16 [rows, Hm*Dv]
   cpu::parallel_for_each(int64_t(seqs.size()), rows * Hm * 256 * CW * 3, [&](int64_t i) {
     const MlaSeq& s = seqs[size_t(i)];
     const int64_t S = s.pos0 + s.T;
@@ -142,7 +147,7 @@ void mla_forward(const MlaWeights& w, const TextConfig& c, std::span<const MlaSe
     // Absorbed: attention over the 576-wide latent rows (MQA), W_UK and W_UV folded into q and o.
     std::vector<int32_t> local;  // this sequence's selection, rewritten to index the gathered rows
     if (ssel) local.assign(ssel, ssel + s.T * Ksel);
-    Bf16Vec latent;
+    Scratch<uint16_t> latent;  // bf16 [rows read, C+R]
     gather_rows(s, CW, ssel ? local.data() : nullptr, Ksel, latent);
     const int32_t* lsel = ssel ? local.data() : nullptr;
     if (latent_fast)

@@ -9,10 +9,10 @@ namespace kestrel::model {
 namespace {
 
 // a = SiTU-GLU(Lin(gate)(x), Lin(up)(x)), bf16 [T, F].
-Bf16Vec mlp_hidden(const MlpWeights& w, const TextConfig& c, const uint16_t* x, int64_t T) {
+Scratch<uint16_t> mlp_hidden(const MlpWeights& w, const TextConfig& c, const uint16_t* x, int64_t T) {
   const int64_t D = c.hidden_size, F = w.gate_proj.shape[0];
   Scratch<uint16_t> g(size_t(T * F)), u(size_t(T * F));  // bf16 [T, F] each, written by the GEMM
-  Bf16Vec a(size_t(T * F));                               // bf16 [T, F]
+  Scratch<uint16_t> a(size_t(T * F));                     // bf16 [T, F], written by the SiTU-GLU
   // g = Lin(gate_proj)(x), u = Lin(up_proj)(x): one call, one input.
   const cpu::GemmOut gu[] = {{bf16_ptr(w.gate_proj), F, g.data(), nullptr, F},
                              {bf16_ptr(w.up_proj), F, u.data(), nullptr, F}};
@@ -25,13 +25,13 @@ Bf16Vec mlp_hidden(const MlpWeights& w, const TextConfig& c, const uint16_t* x, 
 
 void mlp_forward(const MlpWeights& w, const TextConfig& c, const uint16_t* x, int64_t T, uint16_t* out) {
   const int64_t D = c.hidden_size, F = w.gate_proj.shape[0];
-  const Bf16Vec a = mlp_hidden(w, c, x, T);
+  const Scratch<uint16_t> a = mlp_hidden(w, c, x, T);
   cpu::gemm_bf16(a.data(), F, bf16_ptr(w.down_proj), out, D, T, F, D);
 }
 
 void mlp_forward_partial(const MlpWeights& w, const TextConfig& c, const uint16_t* x, int64_t T, float* out) {
   const int64_t D = c.hidden_size, F = w.gate_proj.shape[0];
-  const Bf16Vec a = mlp_hidden(w, c, x, T);
+  const Scratch<uint16_t> a = mlp_hidden(w, c, x, T);
   cpu::gemm_bf16_f32(a.data(), F, bf16_ptr(w.down_proj), out, D, T, F, D);
 }
 

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <atomic>
 #include <cmath>
 #include <limits>
@@ -236,7 +237,8 @@ TEST(KernelsFast, MlaAbsorbedAgainstTwinWithSelectionAndDense) {
   // 8-key tail; Hm = 6 with C = 160: the AVX-512 kernel's 4 + 2 heads and 64 + 64 + 32 columns.
   for (auto [d, T, pos0, Ks] : {std::tuple<cpu::MlaDims, int64_t, int64_t, int64_t>{{3, 24, 16, 32, 80}, 9, 50, 20},
                                 {{1, 8, 5, 8, 40}, 1, 0, 1}, {{2, 16, 8, 24, 16}, 4, 13, 9}, {{2, 8, 16, 16, 64}, 2, 70, 16},
-                                {{6, 16, 8, 16, 160}, 3, 40, 23}}) {
+                                {{6, 16, 8, 16, 160}, 3, 40, 23}, {{4, 48, 16, 64, 128}, 5, 30, 17},
+                                {{8, 16, 8, 16, 40}, 2, 9, 6}}) {
   SCOPED_TRACE("C=" + std::to_string(d.C) + " R=" + std::to_string(d.R) + " T=" + std::to_string(T));
   const int64_t S = pos0 + T;
   const auto q = rand_bf16(size_t(T * d.Hm * d.qk()), rng), kvb = rand_bf16(size_t(d.Hm * (d.N + d.Dv) * d.C), rng, 0.2f);
@@ -257,6 +259,78 @@ TEST(KernelsFast, MlaAbsorbedAgainstTwinWithSelectionAndDense) {
     expect_bf16_close(b, a, s ? "mla absorbed (selection)" : "mla absorbed (dense)");
   }
   }
+}
+
+// The AVX2 scan runs a call's tokens column chunk by column chunk with two tokens' passes fused; a
+// token must still get exactly what a scan of it alone gives (decode, chunked prefill, any batch).
+// Dk: 64 (k3-tiny), 40 (16-chunks and an 8-chunk), 13 and 33 (scalar tails), 8.
+TEST(KernelsFast, KdaScanRunEqualsTokenByTokenBitForBit) {
+  std::mt19937_64 rng(32);
+  std::normal_distribution<float> nd;
+  for (int64_t Dk : {64, 40, 13, 33, 8}) {
+    SCOPED_TRACE("Dk=" + std::to_string(Dk));
+    const int64_t T = 9, H = 2, HD = H * Dk;
+    std::vector<float> q(size_t(T * HD)), k(q.size()), v(q.size()), g(q.size()), beta(size_t(T * H));
+    for (auto* x : {&q, &k, &v}) for (auto& e : *x) e = 0.3f * nd(rng);
+    for (auto& e : g) e = -std::abs(nd(rng));
+    for (auto& e : beta) e = 0.5f + 0.1f * nd(rng);
+    std::vector<float> S0(size_t(Dk * Dk));
+    for (auto& e : S0) e = 0.1f * nd(rng);
+    for (int64_t h = 0; h < H; ++h) {
+      std::vector<float> S1 = S0, S2 = S0, o1(q.size(), 0.0f), o2(q.size(), 0.0f);
+      const cpu::KdaHeadIo run{q.data() + h * Dk, k.data() + h * Dk, v.data() + h * Dk, g.data() + h * Dk,
+                               beta.data() + h, HD, H, o1.data() + h * Dk};
+      cpu::kda_scan_recurrent_fast(run, T, Dk, S1.data());
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t off = t * HD + h * Dk;
+        const cpu::KdaHeadIo one{q.data() + off, k.data() + off, v.data() + off, g.data() + off,
+                                 beta.data() + t * H + h, HD, H, o2.data() + off};
+        cpu::kda_scan_recurrent_fast(one, 1, Dk, S2.data());
+      }
+      for (size_t i = 0; i < S1.size(); ++i)
+        ASSERT_EQ(std::bit_cast<uint32_t>(S1[i]), std::bit_cast<uint32_t>(S2[i])) << "state element " << i;
+      for (size_t i = 0; i < o1.size(); ++i)
+        ASSERT_EQ(std::bit_cast<uint32_t>(o1[i]), std::bit_cast<uint32_t>(o2[i])) << "output element " << i;
+    }
+  }
+}
+
+// The AVX2 latent attention takes a query's heads four at a time, sharing each widened latent row;
+// every (query, head) must keep the pair kernel's arithmetic exactly. Shapes: Hm = 4 (k3-tiny), 8
+// (two groups), 6 and 5 (a group and a remainder run by the pair kernel), 3 (remainder only); C with
+// and without a tail past 16-groups; C + R with a score tail; key counts 0, 1, odd; selection and dense.
+TEST(KernelsFast, MlaLatentFourHeadsBitIdenticalToPairs) {
+  if (!have_avx2()) GTEST_SKIP() << "no AVX2";
+  std::mt19937_64 rng(31);
+  std::normal_distribution<float> nd;
+  cpu::force_isa(cpu::Isa::avx2);  // on avx512bf16 CPUs mla_attn_latent_fast would take its own kernel
+  for (auto [d, T, pos0, Ks] : {std::tuple<cpu::MlaDims, int64_t, int64_t, int64_t>{{4, 48, 16, 64, 128}, 6, 40, 19},
+                                {{8, 16, 8, 16, 40}, 3, 5, 4}, {{6, 16, 13, 16, 80}, 4, 21, 9},
+                                {{5, 8, 8, 8, 48}, 2, 0, 1}, {{3, 8, 5, 8, 32}, 3, 11, 7}}) {
+    SCOPED_TRACE("Hm=" + std::to_string(d.Hm) + " C=" + std::to_string(d.C) + " R=" + std::to_string(d.R));
+    const int64_t S = pos0 + T, CW = d.cw();
+    std::vector<float> qt(size_t(T * d.Hm * CW));
+    for (auto& v : qt) v = nd(rng);
+    const auto lat = rand_bf16(size_t(S * CW), rng);
+    std::vector<int32_t> sel(size_t(T * Ks), -1);  // query 0 sees nothing (all −1), the others up to Ks keys
+    for (int64_t t = 1; t < T; ++t) {
+      std::vector<int32_t> all(static_cast<size_t>(pos0 + t + 1));
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), rng);
+      const int64_t n = std::min(Ks, pos0 + t + 1 - (t % 2));
+      std::sort(all.begin(), all.begin() + n);
+      std::copy(all.begin(), all.begin() + n, sel.begin() + t * Ks);
+    }
+    for (const int32_t* s : {(const int32_t*)sel.data(), (const int32_t*)nullptr}) {
+      std::vector<float> a(size_t(T * d.Hm * d.C), -1.0f), b(a.size(), -2.0f);
+      cpu::mla_attn_latent_pairs(d, qt.data(), lat.data(), s, Ks, T, pos0, a.data());
+      cpu::mla_attn_latent_fast(d, qt.data(), lat.data(), s, Ks, T, pos0, b.data());
+      for (size_t i = 0; i < a.size(); ++i)
+        ASSERT_EQ(std::bit_cast<uint32_t>(b[i]), std::bit_cast<uint32_t>(a[i]))
+            << (s ? "selection" : "dense") << " element " << i;
+    }
+  }
+  cpu::force_isa(cpu::Isa::avx512bf16);
 }
 
 TEST(KernelsFast, TopkSortedEqualsTopkThenSort) {

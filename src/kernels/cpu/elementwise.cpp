@@ -1,7 +1,8 @@
 // Row-wise and element-wise CPU ops: RMSNorm, SiTU-GLU, softmax, top-k (MODEL.md §3, §0.8).
 // RMSNorm keeps its FP64 sequential sum of squares (four rows at a time for instruction-level
-// parallelism, eight as register lanes on avx512bf16, each row's order unchanged) and its AVX2 second pass repeats the scalar roundings
-// exactly. situ_glu is the scalar twin; situ_glu_fast the AVX2 one (simd_avx2.h tanh/sigmoid).
+// parallelism in the scalar twin, eight as register lanes on avx2 and avx512bf16, each row's order
+// unchanged) and its AVX2 second pass repeats the scalar roundings exactly. situ_glu is the scalar
+// twin; situ_glu_fast the AVX2 one (simd_avx2.h tanh/sigmoid).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -31,14 +32,27 @@ KESTREL_AVX2 void scale_row_avx2(const uint16_t* x, const uint16_t* w, float r, 
   for (; i < n; ++i) y[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(x[i]) * r));
 }
 
+// x / d, as a multiplication by 1/d when d is a power of two (then x·(1/d) is the same rounding of
+// the same exact quotient, so the same bits): a divide is several times the cost of a multiply, and
+// SiTU-GLU was ~5 % of a 2K prefill on an AVX2-only CPU (issue #22; k3-tiny's beta is 4).
+KESTREL_AVX2 inline __m256 div_by(__m256 x, __m256 d, __m256 inv, bool pow2) {
+  return pow2 ? _mm256_mul_ps(x, inv) : _mm256_div_ps(x, d);
+}
+bool power_of_two(float d) {
+  int e = 0;
+  return std::isnormal(d) && std::frexp(d, &e) == 0.5f && std::isnormal(1.0f / d);
+}
+
 KESTREL_AVX2 void situ_glu_avx2(const uint16_t* g, const uint16_t* u, uint16_t* a, int64_t n, float beta,
                                 float linear_beta) {
   const __m256 b = _mm256_set1_ps(beta), bl = _mm256_set1_ps(linear_beta);
+  const __m256 ib = _mm256_set1_ps(1.0f / beta), ibl = _mm256_set1_ps(1.0f / linear_beta);
+  const bool b2 = power_of_two(beta), bl2 = power_of_two(linear_beta);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 gf = simd::load_bf16(g + i), uf = simd::load_bf16(u + i);
-    const __m256 act = _mm256_mul_ps(_mm256_mul_ps(b, simd::tanh(_mm256_div_ps(gf, b))), simd::sigmoid(gf));
-    simd::store_bf16(a + i, _mm256_mul_ps(act, _mm256_mul_ps(bl, simd::tanh(_mm256_div_ps(uf, bl)))));
+    const __m256 act = _mm256_mul_ps(_mm256_mul_ps(b, simd::tanh(div_by(gf, b, ib, b2))), simd::sigmoid(gf));
+    simd::store_bf16(a + i, _mm256_mul_ps(act, _mm256_mul_ps(bl, simd::tanh(div_by(uf, bl, ibl, bl2)))));
   }
   if (i < n) situ_glu(g + i, u + i, a + i, n - i, beta, linear_beta);
 }
@@ -94,22 +108,64 @@ KESTREL_AVX512BF16 void sumsq_rows8(const uint16_t* x, int64_t n, int64_t nr, do
 #pragma GCC diagnostic pop
 #endif
 
+// sumsq_rows8 on AVX2: the same transposed 8 × 8 blocks, the eight rows' doubles in two registers
+// (rows 0–3, rows 4–7); each row's terms still one double product and one double add in index
+// order, so the same bits. Why: on AVX2-only CPUs the scalar loop was ~2 % of a 2K prefill (issue #22).
+KESTREL_AVX2 void sumsq_rows8_avx2(const uint16_t* x /* bf16 [nr, n] */, int64_t n, int64_t nr,
+                                   double* ss /* f64 [nr] */) {
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 r[8];
+    for (int k = 0; k < 8; ++k) r[k] = k < nr ? simd::load_bf16(x + k * n + i) : _mm256_setzero_ps();
+    simd::transpose8x8(r);
+    for (int j = 0; j < 8; ++j) {  // element i + j of every row, in order
+      const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(r[j]));     // rows 0–3
+      const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(r[j], 1));  // rows 4–7
+      lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a));
+      hi = _mm256_add_pd(hi, _mm256_mul_pd(b, b));
+    }
+  }
+  alignas(32) double acc[8];
+  _mm256_store_pd(acc, lo);
+  _mm256_store_pd(acc + 4, hi);
+  for (int64_t r = 0; r < nr; ++r) {
+    double s = acc[r];
+    for (int64_t k = i; k < n; ++k) {  // the row's tail, still in order
+      const double v = double(bf16_to_f32(x[r * n + k]));
+      s += v * v;
+    }
+    ss[r] = s;
+  }
+}
+
 }  // namespace
 
+// add_bf16 and sigmoid_gate_bf16 split a prefill's [T, D] over the team in blocks of 1,024 elements
+// (element-wise, so any split gives the same bits): on the engine thread alone they were serial
+// sections of every layer while the other core waited (issue #22). A decode's few rows stay inline.
 void add_bf16(const uint16_t* a, const uint16_t* b, uint16_t* y, int64_t n) {
-  if (isa() >= Isa::avx2) return add_bf16_avx2(a, b, y, n);
-  for (int64_t i = 0; i < n; ++i) y[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+  const bool avx2 = isa() >= Isa::avx2;
+  parallel_for((n + 1023) / 1024, n * 4, [&](int64_t bb, int64_t ee) {
+    const int64_t i0 = bb * 1024, i1 = std::min(n, ee * 1024);
+    if (avx2) return add_bf16_avx2(a + i0, b + i0, y + i0, i1 - i0);
+    for (int64_t i = i0; i < i1; ++i) y[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+  });
 }
 
 void sigmoid_gate_bf16(uint16_t* o, const uint16_t* g, int64_t n) {
-  if (isa() >= Isa::avx2) return gate_avx2(o, g, n);
-  for (int64_t i = 0; i < n; ++i) o[i] = f32_to_bf16(bf16_to_f32(o[i]) * sigmoid(bf16_to_f32(g[i])));
+  const bool avx2 = isa() >= Isa::avx2;
+  parallel_for((n + 1023) / 1024, n * 8, [&](int64_t bb, int64_t ee) {
+    const int64_t i0 = bb * 1024, i1 = std::min(n, ee * 1024);
+    if (avx2) return gate_avx2(o + i0, g + i0, i1 - i0);
+    for (int64_t i = i0; i < i1; ++i) o[i] = f32_to_bf16(bf16_to_f32(o[i]) * sigmoid(bf16_to_f32(g[i])));
+  });
 }
 
 void rmsnorm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t T, int64_t n, float eps) {
   KCHECK(n > 0 && T >= 0, "bad rmsnorm shape T={} n={}", T, n);
   const bool avx2 = isa() >= Isa::avx2, avx512 = isa() >= Isa::avx512bf16;
-  const int64_t G = avx512 ? 8 : 4;  // rows per group
+  const int64_t G = avx2 ? 8 : 4;  // rows per group
   parallel_for((T + G - 1) / G, T * n * 4, [&](int64_t b, int64_t e) {
     for (int64_t t0 = G * b; t0 < std::min(T, G * e); t0 += G) {
       const int64_t nr = std::min<int64_t>(G, T - t0);
@@ -118,6 +174,8 @@ void rmsnorm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t T, 
       double ss[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
       if (avx512)
         sumsq_rows8(x + t0 * n, n, nr, ss);
+      else if (avx2)
+        sumsq_rows8_avx2(x + t0 * n, n, nr, ss);
       else
         for (int64_t i = 0; i < n; ++i)
           for (int64_t r = 0; r < 4; ++r) {

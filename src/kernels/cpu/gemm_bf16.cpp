@@ -27,6 +27,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/gemm_kernels.h"
 #include "kernels/cpu/isa.h"
+#include "kernels/cpu/simd_avx2.h"
 #include "kernels/cpu/thread_pool.h"
 
 namespace kestrel::cpu {
@@ -126,8 +127,13 @@ void run(const uint16_t* xb, const float* xf, int64_t ldx, int64_t T, int64_t K,
   for (size_t o = 0; o < outs.size(); ++o) views[o] = packed_view(outs[o], K, f, scratch[o]);
 
   constexpr int64_t kGroup = 4;  // panels per task
-  const int64_t MB = std::clamp<int64_t>((int64_t(192) << 10) / (K * 4) / 6 * 6, 6, 192);
-  const int64_t mblocks = (T + MB - 1) / MB;
+  // Row blocks of at most MBmax rows (the block's activations stay in L2 while the panels pass), as
+  // equal as the micro-kernel's row count allows: a 256-row prefill chunk cut 192 + 64 left one thread
+  // idle for up to a 192-row task at the region's end (issue #22); 132 + 124 (avx2) or 128 + 128 do
+  // not. Which block or tile computes a row never changes its sums (ORDER_K / ORDER_K2 above).
+  const int64_t MBmax = std::clamp<int64_t>((int64_t(192) << 10) / (K * 4) / 6 * 6, 6, 192);
+  const int64_t mblocks = (T + MBmax - 1) / MBmax, mr = f == PanelFormat::kPairs ? 8 : 6;
+  const int64_t MB = std::min(MBmax, ((T + mblocks - 1) / mblocks + mr - 1) / mr * mr);
   std::vector<int64_t> first(outs.size() + 1, 0);  // first task of each output
   int64_t work = 0;
   for (size_t o = 0; o < outs.size(); ++o) {
@@ -186,9 +192,22 @@ std::vector<OutDesc> describe(int64_t in, std::span<const GemmOut> outs) {
   return d;
 }
 
+// bf16 → f32 is exact (a shift), so the vector loop gives the scalar loop's bits. Why: the AVX2 GEMM
+// widens every call's activations on the calling thread before its region; as a scalar loop that was
+// ~2 % of a 2K prefill on an AVX2-only CPU (issue #22).
+KESTREL_AVX2 void bf16_to_f32_avx2(const uint16_t* x /* bf16 [n] */, float* y /* f32 [n] */, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm256_storeu_ps(y + i, simd::load_bf16(x + i));
+    _mm256_storeu_ps(y + i + 8, simd::load_bf16(x + i + 8));
+  }
+  for (; i < n; ++i) y[i] = bf16_to_f32(x[i]);
+}
+
 }  // namespace
 
 void bf16_to_f32_n(const uint16_t* x, float* y, int64_t n) {
+  if (isa() >= Isa::avx2) return bf16_to_f32_avx2(x, y, n);
   for (int64_t i = 0; i < n; ++i) y[i] = bf16_to_f32(x[i]);
 }
 

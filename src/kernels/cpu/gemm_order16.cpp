@@ -1,9 +1,12 @@
 // ORDER16 blocks (gemm_kernels.h) of the MXFP4 expert product: AVX2/FMA, and the portable twin that
 // repeats the same order one element at a time (bit-identical results; the tests compare them).
 //
-// Register tiles: MR rows × NR outputs, one 8-lane accumulator each (4×3 for batches, rows outer; 1×4
+// Register tiles: MR rows × NR outputs, one 8-lane accumulator each (3×3 for batches, rows outer; 1×4
 // when few rows are left, as in decode). Weight rows are decoded f32 in the permuted layout, so a 16-group
-// is two loads per row and two FMAs per (row, output) pair.
+// is two loads per row and two FMAs per (row, output) pair. The batch tile keeps its rows' activations
+// in registers per group (XR) and takes the weights as FMA memory operands; holding the weights and
+// loading the activations (4×3) ran the expert products at ~44 GFLOP/s per core, 3×3 this way at ~53
+// (issue #22: they were 12 % of a 2K prefill on an AVX2-only CPU). Same FMAs per accumulator, same bits.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -41,7 +44,7 @@ float dot_portable(const float* xp, const Block& b, int64_t n) {
 
 // ---- AVX2 -------------------------------------------------------------------------------------
 
-template <int MR, int NR>
+template <int MR, int NR, bool XR = false>
 KESTREL_AVX2 inline void tile(const Block& b, int64_t m0, int64_t n0) {
   const int64_t G = b.K / 16;
   __m256 acc[MR][NR];
@@ -51,14 +54,27 @@ KESTREL_AVX2 inline void tile(const Block& b, int64_t m0, int64_t n0) {
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
   const float* xr = b.xp + m0 * b.ldx;
   for (int64_t g = 0; g < G; ++g) {
-#pragma GCC unroll 4
-    for (int n = 0; n < NR; ++n) {
-      const float* wr = b.wp + (n0 + n) * b.ldw + 16 * g;
-      const __m256 we = _mm256_loadu_ps(wr), wo = _mm256_loadu_ps(wr + 8);
+    if constexpr (XR) {  // a row's even / odd halves in registers, the weights from memory
 #pragma GCC unroll 4
       for (int m = 0; m < MR; ++m) {
-        acc[m][n] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + m * b.ldx + 16 * g), we, acc[m][n]);
-        acc[m][n] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + m * b.ldx + 16 * g + 8), wo, acc[m][n]);
+        const __m256 xe = _mm256_loadu_ps(xr + m * b.ldx + 16 * g), xo = _mm256_loadu_ps(xr + m * b.ldx + 16 * g + 8);
+#pragma GCC unroll 4
+        for (int n = 0; n < NR; ++n) {
+          const float* wr = b.wp + (n0 + n) * b.ldw + 16 * g;
+          acc[m][n] = _mm256_fmadd_ps(xe, _mm256_loadu_ps(wr), acc[m][n]);
+          acc[m][n] = _mm256_fmadd_ps(xo, _mm256_loadu_ps(wr + 8), acc[m][n]);
+        }
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int n = 0; n < NR; ++n) {
+        const float* wr = b.wp + (n0 + n) * b.ldw + 16 * g;
+        const __m256 we = _mm256_loadu_ps(wr), wo = _mm256_loadu_ps(wr + 8);
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) {
+          acc[m][n] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + m * b.ldx + 16 * g), we, acc[m][n]);
+          acc[m][n] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + m * b.ldx + 16 * g + 8), wo, acc[m][n]);
+        }
       }
     }
   }
@@ -96,7 +112,7 @@ KESTREL_AVX2 void rows(const Block& b, int64_t n0) {
 template <int MR>
 KESTREL_AVX2 void cols(const Block& b, int64_t m0) {
   int64_t n = 0;
-  for (; n + 3 <= b.N; n += 3) tile<MR, 3>(b, m0, n);
+  for (; n + 3 <= b.N; n += 3) tile<MR, 3, true>(b, m0, n);
   switch (b.N - n) {
     case 2: tile<MR, 2>(b, m0, n); break;
     case 1: tile<MR, 1>(b, m0, n); break;
@@ -120,14 +136,13 @@ KESTREL_AVX2 void block_avx2(const Block& b) {
     for (; n < b.N; ++n) rows<1>(b, n);
     return;
   }
-  // Batches: rows outer in blocks of 4, the panel's outputs inner (4 × 3 tiles), so a block of
-  // activation rows (4 × K f32) stays in L1 across the panel's tiles; outputs outer streamed every
-  // activation row from L2 once per 3 outputs (T = 256: 47.6 → 49.8 GFLOP/s; 3 × 4 tiles were slower,
-  // 44.2). Every element is summed by the same tile code whatever the tile's shape: results unchanged.
+  // Batches: rows outer in blocks of 3, the panel's outputs inner (3 × 3 tiles), so a block of
+  // activation rows (3 × K f32) stays in L1 across the panel's tiles; outputs outer streamed every
+  // activation row from L2 once per 3 outputs. Every element is summed by the same FMAs whatever the
+  // tile's shape or register use: results unchanged.
   int64_t m = 0;
-  for (; m + 4 <= b.M; m += 4) cols<4>(b, m);
+  for (; m + 3 <= b.M; m += 3) cols<3>(b, m);
   switch (b.M - m) {
-    case 3: cols<3>(b, m); break;
     case 2: cols<2>(b, m); break;
     case 1: cols<1>(b, m); break;
     default: break;

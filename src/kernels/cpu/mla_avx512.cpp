@@ -2,10 +2,11 @@
 // CPUs of the avx512bf16 ISA: one query at a time with all its heads together.
 //
 // Why: the latent rows are shared by every head (MQA over [ĉ | k_pe]) and the selection is per query,
-// so the AVX2 kernel's (query, head) items each read and widened the same 256 rows again; here a
-// row's 16-element group is widened once and multiplied into up to four heads' accumulators, in
-// 16-wide registers (32 of them: 4 keys × 4 heads of scores, or 4 heads × 64 columns of ô, stay
-// in registers). It was 12 % of a 2K-token prefill profile (issue #22).
+// so (query, head) items each read and widened the same 256 rows again (the AVX2 kernel now shares
+// them over four heads too, in its own order); here a row's 32-element group is widened once and
+// multiplied into up to four heads' accumulators, in 16-wide registers (32 of them: 4 keys × 4 heads
+// of scores, or 4 heads × 64 columns of ô, stay in registers). It was 12 % of a 2K-token prefill
+// profile (issue #22).
 // Rows are read 32 bf16 at a time and split into even and odd elements by a shift and a mask (no
 // widening shuffle); q̃ is split the same way once per query.
 // Order per (query, head): score_j = Σ over 32-element groups of the even then the odd products (FMA

@@ -53,6 +53,11 @@ void mla_q_latent(const MlaDims& d, const uint16_t* q /* bf16 [T, Hm, N+R] */, c
 void mla_attn_latent_fast(const MlaDims& d, const float* qt /* f32 [T, Hm, C+R] */,
                           const uint16_t* latent /* bf16 [rows, C+R] */, const int32_t* sel /* i32 [T, Ksel] or null */,
                           int64_t Ksel, int64_t T, int64_t pos0, float* ohat /* f32 [T, Hm, C] */);  // AVX2 only
+// The AVX2 kernel one (query, head) pair at a time, serially: mla_attn_latent_fast's per-head
+// arithmetic without its four-head sharing, kept as the bit-exact reference its test compares with.
+void mla_attn_latent_pairs(const MlaDims& d, const float* qt /* f32 [T, Hm, C+R] */,
+                           const uint16_t* latent /* bf16 [rows, C+R] */, const int32_t* sel /* i32 [T, Ksel] or null */,
+                           int64_t Ksel, int64_t T, int64_t pos0, float* ohat /* f32 [T, Hm, C] */);  // AVX2 only
 // Its AVX-512 form (mla_avx512.cpp), which mla_attn_latent_fast runs on avx512bf16 CPUs: a query's
 // heads share each widened latent row; another FP32 summation order, the same contract.
 void mla_attn_latent_avx512(const MlaDims& d, const float* qt /* f32 [T, Hm, C+R] */,
