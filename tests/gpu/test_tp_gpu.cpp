@@ -222,8 +222,9 @@ TpRun run_tp(const ModelConfig& cfg, const Checkpoint& ckpt, const ModelWeights&
     one = std::make_unique<model::CudaModel>(cfg, w);
     model::CudaModel* m = one.get();
     ec.make_executor = [m, &cfg](const CacheFormats& f, const cache::CacheConfig& cc) {
-      return std::unique_ptr<runtime::StepExecutor>(
-          std::make_unique<runtime::CudaExecutor>(*m, cfg, f, cc, runtime::CudaExecutorOptions{false}));
+      runtime::CudaExecutorOptions eo;
+      eo.cuda_graphs = false;
+      return std::unique_ptr<runtime::StepExecutor>(std::make_unique<runtime::CudaExecutor>(*m, cfg, f, cc, eo));
     };
   } else {
     runtime::CudaTpOptions o;

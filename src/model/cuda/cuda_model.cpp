@@ -73,7 +73,7 @@ struct CudaModel::Impl {
       : cfg(c),
         w(gpu::upload_weights(cfg, mw, arena, o.quant == WeightQuant::ptpc_fp8, o.tp_size > 1)),
         x{cfg.text, alloc, lt, stream.s, {}, {}, {}, gpu::DecodeOptions::from_env(), o.quant == WeightQuant::ptpc_fp8,
-          {}, {}} {
+          {}, {}, {}} {
     // The skinny GEMM's split-K scratch: partials and zeroed counters (every launch leaves them zero).
     x.skinny.part_bytes = cuda::kSkinnyPartBytes;
     x.skinny.part = static_cast<float*>(alloc.alloc(x.skinny.part_bytes));
