@@ -518,7 +518,7 @@ TEST(GpuMoe, ExpertsMatchCpuTwin) {
       wnopdl{MoeTokenTile::wide, -1, 0, 0};
   // Dequantise + cuBLASLt (prefill): forced, and chosen by `automatic` from 256 slots per hit expert.
   const Variant dense{MoeTokenTile::dense}, autolt{MoeTokenTile::automatic, -1, 0, -1, true};
-  // t8 with K split over 2, 3, 4 CTAs per tile (automatic picks 2 for w1|w3 and 3 for w2 at real dims, T = 1),
+  // t8 with K split over 2, 3, 4 CTAs per tile (automatic picks 2 for w1|w3 and for w2 at real dims, T = 1, on the H200),
   // with and without PDL.
   const Variant k2{MoeTokenTile::t8, -1, 0, -1, false, 2}, k3{MoeTokenTile::t8, -1, 0, -1, false, 3},
       k4{MoeTokenTile::t8, -1, 0, -1, false, 4}, k3nopdl{MoeTokenTile::t8, -1, 0, 0, false, 3};

@@ -11,7 +11,7 @@
 // CTAs per tile fills the waves; the splits' FP32 partials meet in the last warp of the tile to finish, summed
 // in split order (deterministic).
 // Measured (H200, session 12, bench_moe; per launch, eager): T = 1 at the real shape w1|w3 85.3 → 75.6 µs with
-// K split in 2 (w2 51.4 → 47.2 in 3); the deep w1|w3 pipeline: t8_deep_allowed below.
+// K split in 2 (w2 51.4 → 47.2, also in 2); the deep w1|w3 pipeline: t8_deep_allowed below.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
