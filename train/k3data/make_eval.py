@@ -41,10 +41,10 @@ def _first_call_turn(conv):
     return dict(conv, messages=msgs[:first + 1])
 
 
-def passkey_set(tok, max_context=65536, reps=2, min_context=1024):
+def passkey_set(tok, max_context=65536, reps=2, min_context=1024, depths=DEPTHS):
     out, ctx, s = [], min_context, EVAL_SEED
     while ctx <= max_context:
-        for d in DEPTHS:
+        for d in depths:
             for k in range(reps):
                 s += 1
                 conv = gen.passkey(s, context_tokens=ctx, depth=d, tok=tok)
@@ -90,13 +90,16 @@ def main(argv=None):
     ap.add_argument("--max-context", type=int, default=8192)
     ap.add_argument("--min-context", type=int, default=1024)
     ap.add_argument("--passkey-reps", type=int, default=2)
+    ap.add_argument("--depths", default=",".join(map(str, DEPTHS)),
+                    help="passkey depths, comma separated (fewer for the 40-second 1M-token prompts)")
     ap.add_argument("--tools", type=int, default=200)
     ap.add_argument("--arith", type=int, default=50, help="problems per effort")
     ap.add_argument("--chat", type=int, default=20)
     a = ap.parse_args(argv)
     tok = chat.Tokenizer(a.tokenizer)
     os.makedirs(a.out, exist_ok=True)
-    write_jsonl(os.path.join(a.out, "passkey.jsonl"), passkey_set(tok, a.max_context, a.passkey_reps, a.min_context))
+    write_jsonl(os.path.join(a.out, "passkey.jsonl"), passkey_set(tok, a.max_context, a.passkey_reps, a.min_context,
+                                                                   tuple(float(d) for d in a.depths.split(","))))
     write_jsonl(os.path.join(a.out, "tool.jsonl"), tool_set(a.tools))
     write_jsonl(os.path.join(a.out, "arith.jsonl"), arith_set(a.arith))
     write_jsonl(os.path.join(a.out, "chat.jsonl"), chat_set(a.chat))

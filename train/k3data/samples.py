@@ -41,25 +41,66 @@ def encode_sample(tok, conv, context_weight=0.1):
     return np.asarray(ids, dtype=np.int32), w
 
 
-def rows(tok, seq_len: int, start_seed: int, stride: int = 1, context_weight=0.1):
-    """Infinite generator of (ids [seq_len] int32, weights [seq_len] float32, next_seed)."""
+def rows(tok, seq_len: int, start_seed: int, stride: int = 1, context_weight=0.1, mix_len: int | None = None,
+         long=None):
+    """Infinite generator of (ids [seq_len] int32, weights [seq_len] float32, next_seed).
+    `mix_len` (default seq_len) sizes the mix's passkey prompts: a long-context stage passes 2048 to keep the
+    original pre-training passkeys in its packed rows; the long ones come only from `long`.
+    `long` (optional): (frac, min_tokens, max_tokens) — that fraction of rows starts with one long passkey
+    sample (long_passkey) and is filled up with the packed mix."""
     eos = tok.special("[EOS]")
     pad = tok.special("[PAD]")
     seed = start_seed
-    buf_ids, buf_w = [], []
-    n = 0
+    pending = None   # a mix sample that did not fit the previous row opens the next one
     while True:
-        conv = conversation(seed % TRAIN_SEED_LIMIT, seq_len)
-        seed += stride
-        ids, w = encode_sample(tok, conv, context_weight)
-        ids, w = ids[: seq_len - 1], w[: seq_len - 1]
-        if n + len(ids) + 1 > seq_len and n > 0:
-            out_i = np.full(seq_len, pad, dtype=np.int32)
-            out_w = np.zeros(seq_len, dtype=np.float32)
-            out_i[:n] = np.concatenate(buf_ids)
-            out_w[:n] = np.concatenate(buf_w)
-            yield out_i, out_w, seed
-            buf_ids, buf_w, n = [], [], 0
-        buf_ids += [ids, np.asarray([eos], dtype=np.int32)]
-        buf_w += [w, np.zeros(1, dtype=np.float32)]
-        n += len(ids) + 1
+        buf_ids, buf_w, n = [], [], 0
+        if long is not None:
+            # the row's fate hangs on the next seed; a long row takes that seed for its passkey (the mix never
+            # draws it), so every row moves the stream on and no two long samples share a seed. It goes first,
+            # so it always fits whole (question and answer included).
+            r = random.Random(seed * 7907 + 3)
+            if r.random() < long[0]:
+                ids, w = long_passkey(tok, seed % TRAIN_SEED_LIMIT, r.randint(long[1], long[2]), seq_len,
+                                      context_weight)
+                seed += stride
+                buf_ids += [ids, np.asarray([eos], dtype=np.int32)]
+                buf_w += [w, np.zeros(1, dtype=np.float32)]
+                n += len(ids) + 1
+        while True:
+            if pending is None:
+                conv = conversation(seed % TRAIN_SEED_LIMIT, mix_len or seq_len)
+                seed += stride
+                ids, w = encode_sample(tok, conv, context_weight)
+                pending = ids[: seq_len - 1], w[: seq_len - 1]
+            ids, w = pending
+            if n + len(ids) + 1 > seq_len and n > 0:
+                break
+            buf_ids += [ids, np.asarray([eos], dtype=np.int32)]
+            buf_w += [w, np.zeros(1, dtype=np.float32)]
+            n += len(ids) + 1
+            pending = None
+        out_i = np.full(seq_len, pad, dtype=np.int32)
+        out_w = np.zeros(seq_len, dtype=np.float32)
+        out_i[:n] = np.concatenate(buf_ids)[:seq_len]
+        out_w[:n] = np.concatenate(buf_w)[:seq_len]
+        yield out_i, out_w, seed
+
+
+# gen.passkey without a tokenizer sizes its filler at 1.25 tokens per word; the test vocabulary spends ~1.5
+# on this filler, so the first try asks for tokens / 1.2 and a rescaled retry fixes the rest
+_FILLER_RATIO = 1.2
+
+
+def long_passkey(tok, seed: int, tokens: int, seq_len: int, context_weight=0.1):
+    """One passkey sample of about `tokens` tokens (key at a random depth), never longer than seq_len - 1 so
+    the question and answer are never cut off.  Returns (ids, weights) as encode_sample does."""
+    want = min(tokens, seq_len - 1)
+    target = int(want / _FILLER_RATIO)
+    for _ in range(4):
+        ids, w = encode_sample(tok, gen.passkey(seed, context_tokens=target), context_weight)
+        if len(ids) <= seq_len - 1 and len(ids) >= 0.9 * want:
+            break
+        target = max(64, int(target * want / len(ids) * (0.99 if len(ids) > want else 1.0)))
+    if len(ids) > seq_len - 1:
+        raise ValueError(f"passkey seed {seed}: {len(ids)} tokens do not fit a {seq_len}-token row")
+    return ids, w

@@ -1,0 +1,81 @@
+"""The long-context stage's rows (train/README.md "Long-context stage"), without torch: every long row holds one
+whole passkey sample (question and answer included) of the asked length at the row's start, the rest of the row is
+the original packed mix, the loss weights follow the same rules, seeds stay below the train/eval split, and
+without `long` the rows are exactly the original ones."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "train"))
+
+from k3data import chat, gen, samples  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return chat.Tokenizer(os.path.join(ROOT, "tests", "data", "tok_golden"))
+
+
+def test_long_passkey_fits_and_has_the_asked_length(tok):
+    for seed, want, seq in ((3, 4096, 8192), (7, 8191, 8192), (11, 15000, 16384), (999_999, 300, 1024)):
+        ids, w = samples.long_passkey(tok, seed, want, seq)
+        assert len(ids) <= seq - 1
+        assert 0.9 * min(want, seq - 1) <= len(ids)
+        conv = gen.passkey(seed)   # the key depends on the seed only, not on the length
+        key = conv["expect"]["answer"]
+        text = tok.decode(ids.tolist())
+        assert text.count(f"The pass key is {key}.") == 1          # the needle
+        assert text.rstrip().endswith(f"{key}<|end_of_msg|>") or key in tok.decode(ids[w == 1.0].tolist())
+        assert set(np.unique(w).tolist()) <= {float(np.float32(0.1)), 1.0}
+
+
+def test_long_rows(tok):
+    seq, lo, hi = 8192, 2048, 8000
+    pad, eos = tok.special("[PAD]"), tok.special("[EOS]")
+    g = samples.rows(tok, seq, 0, mix_len=2048, long=(0.5, lo, hi))
+    n_long, last_seed = 0, 0
+    for _ in range(24):
+        ids, w, seed = next(g)
+        assert ids.shape == w.shape == (seq,) and ids.dtype == np.int32 and w.dtype == np.float32
+        assert last_seed < seed < samples.TRAIN_SEED_LIMIT
+        last_seed = seed
+        # samples are [EOS]-separated, each EOS with weight 0; padding (weight 0) only at the end
+        n = int((ids != pad).sum())
+        assert (ids[n:] == pad).all() and (w[n:] == 0).all() and (ids[:n] != pad).all()
+        ends = np.flatnonzero(ids[:n] == eos)
+        assert len(ends) >= 1 and ends[-1] == n - 1 and (w[ends] == 0).all()
+        first = ids[:ends[0]]
+        if len(first) >= lo * 0.9:   # a long row: its first sample is the long passkey, whole
+            n_long += 1
+            text = tok.decode(first.tolist())
+            assert "pass key" in text and text.count("The pass key is ") == 1
+            ans = tok.decode(first[w[:ends[0]] == 1.0].tolist())
+            key = text.split("The pass key is ")[1][:5]
+            assert key in ans
+            assert len(first) <= seq - 1
+        # the packed mix keeps its original passkey lengths: drawn for mix_len (gen.passkey's 1.25-tokens-per-word
+        # estimate; the test vocabulary spends ~1.5, so up to ~2,800 tokens, whole here where a 2K row cut them)
+        for a, b in zip(np.r_[-1, ends[:-1]] + 1, ends):
+            if a > 0:
+                assert b - a < 3000
+    assert 6 <= n_long <= 18   # half the rows, give or take
+
+
+def test_rows_without_long_are_the_original_ones(tok):
+    # mix_len defaults to seq_len and long to None: the stream k3-tiny was trained on, bit for bit
+    a = samples.rows(tok, 2048, 5, stride=3)
+    b = samples.rows(tok, 2048, 5, stride=3, mix_len=2048, long=None)
+    for _ in range(10):
+        x, y = next(a), next(b)
+        assert (x[0] == y[0]).all() and (x[1] == y[1]).all() and x[2] == y[2]
+
+
+def test_long_rows_are_deterministic(tok):
+    a = samples.rows(tok, 4096, 10, stride=2, mix_len=2048, long=(0.7, 1024, 4000))
+    b = samples.rows(tok, 4096, 10, stride=2, mix_len=2048, long=(0.7, 1024, 4000))
+    for _ in range(6):
+        x, y = next(a), next(b)
+        assert (x[0] == y[0]).all() and (x[1] == y[1]).all() and x[2] == y[2]
