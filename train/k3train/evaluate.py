@@ -24,6 +24,24 @@ from .export import tokenizer_dir
 from .model import K3Model
 
 
+def master_from_mxfp4(packed, scale):
+    """FP32 master weights that hold an MXFP4 tensor's values AND quantise back to its very bytes (§0.9).
+    The plain dequantised values do not always: a block whose largest element rounded down to 3 · 2^e reads as
+    6 · 2^(e-1), so the smallest fitting scale is one lower and the block is re-encoded (same values, other
+    bytes). Raising that one element by 2^-20 relative keeps the scale (its value still rounds to 3 · 2^e),
+    so a model loaded for further training (--init-from) exports unchanged to the bytes it was read from."""
+    from k3ref import mxfp4
+    w = mxfp4.dequant(packed, scale, torch.float32)
+    out, n_in = w.shape
+    blocks = w.view(out, n_in // 32, 32)
+    amax, arg = blocks.abs().max(-1)
+    low = (amax > 0) & (amax <= 3.0 * torch.exp2(scale.float() - 127))
+    if bool(low.any()):
+        r, b = low.nonzero(as_tuple=True)
+        blocks[r, b, arg[r, b]] *= 1.0 + 2.0 ** -20
+    return w
+
+
 def load_exported(model_dir, dev):
     from safetensors import safe_open
 
@@ -44,7 +62,7 @@ def load_exported(model_dir, dev):
                 base, wn = name[: -len("experts.w1")], name[-2:]
                 for e in range(p.shape[0]):
                     k = f"language_model.{base}experts.{e}.{wn}."
-                    p[e] = mxfp4.dequant(raw[k + "weight_packed"], raw[k + "weight_scale"], torch.float32)
+                    p[e] = master_from_mxfp4(raw[k + "weight_packed"], raw[k + "weight_scale"])
             else:
                 p.copy_(raw["language_model." + name].float())
         for L in range(m.cfg.num_hidden_layers):

@@ -167,6 +167,7 @@ class K3Model(nn.Module):
         g = torch.Generator().manual_seed(seed)
         self.names = []
         self._qcache = None
+        self.kl_dense = False   # see mla(): the indexer's KL target in the sparse mode
         self.params = nn.ParameterDict()
         for name, (shape, kind) in param_shapes(tc).items():
             self.params[name.replace(".", "__")] = nn.Parameter(_init(shape, kind, g))
@@ -337,7 +338,10 @@ class K3Model(nn.Module):
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=sel.unsqueeze(1), scale=scale)
         if kl_out is not None and has_idx:
             with torch.no_grad():
-                mask = sel if sel is not None else causal.expand(B, T, S)
+                # kl_dense: the target is the attention over every causal key even when the LM path attends
+                # sparsely, so an indexer that misses a key the heads would attend to can still learn to rank it
+                # in (over the selected set alone a missed key never appears in the loss)
+                mask = sel if sel is not None and not self.kl_dense else causal.expand(B, T, S)
                 s = torch.einsum("bhtd,bhsd->bhts", qb.float(), kb.float()) * scale
                 s = s.masked_fill(~mask.unsqueeze(1), float("-inf"))
                 p = torch.softmax(s, dim=-1).mean(1)                                  # heads-averaged

@@ -37,14 +37,15 @@ SHARD = 15 * 1024 * 1024
 
 
 class Rows(torch.utils.data.IterableDataset):
-    def __init__(self, seq_len, start_seed, batch):
+    def __init__(self, seq_len, start_seed, batch, mix_len=None, long=None):
         self.seq_len, self.start_seed, self.batch = seq_len, start_seed, batch
+        self.mix_len, self.long = mix_len, long
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
         tok = chat.Tokenizer(tokenizer_dir())
-        g = samples.rows(tok, self.seq_len, self.start_seed + wid, stride=nw)
+        g = samples.rows(tok, self.seq_len, self.start_seed + wid, stride=nw, mix_len=self.mix_len, long=self.long)
         while True:
             ids, ws, seeds = [], [], []
             for _ in range(self.batch):
@@ -99,7 +100,21 @@ def load_resume(model, path):
     return meta
 
 
-def main(argv=None):
+TRAIN_ONLY = ("all", "attn", "indexer")
+
+
+def trainable(name, cfg, only):
+    """--train-only: "indexer" = the DSA indexers; "attn" = everything in the MLA layers' self_attn (the
+    indexer included) — the parts that decide what a long context's query can see."""
+    if only == "all":
+        return True
+    if only == "indexer":
+        return ".indexer." in name
+    parts = name.split(".")
+    return parts[:2] == ["model", "layers"] and parts[3] == "self_attn" and cfg.is_mla(int(parts[2]))
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", default=None)
@@ -120,13 +135,43 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval", action="store_true", help="run the evaluation after training")
     ap.add_argument("--eval-args", default="", help="extra args for k3train.evaluate (space separated)")
+    # long-context stage (train/README.md): continue an exported model on longer rows
+    ap.add_argument("--init-from", default=None, help="exported model dir (released layout) to start from")
+    ap.add_argument("--long-frac", type=float, default=0.0, help="fraction of rows opened by one long passkey")
+    ap.add_argument("--long-min", type=int, default=4096, help="shortest long passkey (tokens)")
+    ap.add_argument("--long-max", type=int, default=None, help="longest long passkey (tokens; default --seq - 1)")
+    ap.add_argument("--mix-len", type=int, default=None,
+                    help="the mix's passkey prompts stay under this (default --seq; 2048 keeps the original mix)")
+    ap.add_argument("--kl-target", choices=("selected", "dense"), default="selected",
+                    help="sparse phase: the indexer's KL over its selected keys (V3.2) or over every causal key")
+    ap.add_argument("--train-only", choices=TRAIN_ONLY, default="all",
+                    help="freeze all but the DSA indexers (indexer) or the MLA layers' attention (attn)")
     args = ap.parse_args(argv)
+    if args.resume and args.init_from:
+        ap.error("--resume and --init-from exclude each other")
+    if args.long_max is None:
+        args.long_max = args.seq - 1
+    if args.long_frac > 0 and not 0 < args.long_min <= args.long_max < args.seq:
+        ap.error(f"need 0 < --long-min <= --long-max < --seq ({args.long_min}, {args.long_max}, {args.seq})")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
 
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    config = build_config(args.config)
-    model = K3Model(config["text_config"], seed=args.seed).to(dev)
+    if args.init_from:
+        # the init's own config.json is exported again (its max_position_embeddings, not the builder's)
+        from .evaluate import load_exported
+        with open(os.path.join(args.init_from, "config.json")) as f:
+            config = json.load(f)
+        model = load_exported(args.init_from, dev)
+        print(f"initialised from {args.init_from}", flush=True)
+    else:
+        config = build_config(args.config)
+        model = K3Model(config["text_config"], seed=args.seed).to(dev)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params {n_params:,}", flush=True)
     step, start_seed, log, rewarm_from, before = 0, args.seed * 1000, [], None, 0.0
@@ -137,8 +182,16 @@ def main(argv=None):
         rewarm_from = step
         print(f"resumed at step {step}, data seed {start_seed}", flush=True)
 
+    model.kl_dense = args.kl_target == "dense"
+
+    def keep(n):
+        return trainable(n, model.cfg, args.train_only)
+
     decay, no_decay = [], []
     for n, p in model.named_master():
+        p.requires_grad_(keep(n))
+        if not keep(n):
+            continue
         (decay if p.dim() >= 2 and "res_proj" not in n else no_decay).append(p)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
@@ -150,7 +203,9 @@ def main(argv=None):
             lr *= min(1.0, (s - rewarm_from + 1) / 50)
         return lr
 
-    loader = torch.utils.data.DataLoader(Rows(args.seq, start_seed, args.batch), batch_size=None,
+    print(f"trainable {sum(p.numel() for p in decay + no_decay):,} ({args.train_only})", flush=True)
+    long = (args.long_frac, args.long_min, args.long_max) if args.long_frac > 0 else None
+    loader = torch.utils.data.DataLoader(Rows(args.seq, start_seed, args.batch, args.mix_len, long), batch_size=None,
                                          num_workers=args.workers, prefetch_factor=4 if args.workers else None,
                                          persistent_workers=False)
     it = iter(loader)
@@ -198,7 +253,7 @@ def _loop(args, model, opt, it, dev, lr_at, log, step, first, next_seed, before,
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         with torch.no_grad():
-            for L, cnt in load.items():
+            for L, cnt in (load.items() if args.train_only == "all" else ()):   # frozen experts keep their bias
                 cnt = cnt.float()
                 model.router_bias(L).add_(args.bias_rate * torch.sign(cnt.mean() - cnt))
         step += 1

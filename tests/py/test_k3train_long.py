@@ -1,0 +1,90 @@
+"""The long-context stage of the trainer (train/README.md "Long-context stage"; needs torch, runs on the CPU):
+--init-from loads an exported model so that exporting it unchanged gives back the same bytes (MXFP4 codes
+included), the stage's arguments parse and check, --train-only freezes what it says, and a two-step run from
+models/k3-tiny on long rows trains, exports, and the export loads again."""
+import filecmp
+import json
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "train"))
+sys.path.insert(0, os.path.join(ROOT, "reference"))
+
+from k3ref import mxfp4  # noqa: E402
+from k3train import train  # noqa: E402
+from k3train.evaluate import load_exported, master_from_mxfp4  # noqa: E402
+from k3train.qat import fake_quant  # noqa: E402
+from k3train.export import export  # noqa: E402
+
+TINY = os.path.join(ROOT, "models", "k3-tiny")
+FILES = ("config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+         "model-00002-of-00002.safetensors", "tiktoken.model", "tokenizer_config.json")
+
+
+def test_mxfp4_master_quantises_back_to_its_bytes():
+    # the plain dequantised values may re-encode (a block's max rounded down to 3 · 2^e fits scale e - 1);
+    # master_from_mxfp4 keeps the same values and the same bytes
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g, dtype=torch.float64) * torch.logspace(-3, 1, 256, dtype=torch.float64)
+    w[3, :32] = 0.0                                   # an all-zero block
+    w[5, 32:64] = 0.01
+    w[5, 40] = 3.2                                    # rounds to 3 · 2^0: the re-encoding case
+    packed, scale = mxfp4.quantize(w)
+    plain = mxfp4.quantize(mxfp4.dequant(packed, scale, torch.float32).double())
+    assert not torch.equal(plain[1], scale)           # the case exists
+    m = master_from_mxfp4(packed, scale)
+    assert torch.equal(mxfp4.dequant(*mxfp4.quantize(m.double()), torch.float32),
+                       mxfp4.dequant(packed, scale, torch.float32))
+    again = mxfp4.quantize(m.double())
+    assert torch.equal(again[0], packed) and torch.equal(again[1], scale)
+    assert torch.equal(fake_quant(m), mxfp4.dequant(packed, scale, torch.float32))   # what the forward sees
+
+
+def test_init_from_export_reproduces_the_shipped_bytes(tmp_path):
+    m = load_exported(TINY, torch.device("cpu"))
+    with open(os.path.join(TINY, "config.json")) as f:
+        config = json.load(f)
+    export(m, str(tmp_path), config)
+    for fn in FILES:
+        assert filecmp.cmp(os.path.join(TINY, fn), os.path.join(tmp_path, fn), shallow=False), fn
+
+
+def test_stage_arguments():
+    a = train.parse_args(["--out", "o", "--init-from", TINY, "--seq", "16384", "--long-frac", "0.5",
+                          "--long-min", "4096", "--mix-len", "2048", "--kl-target", "dense"])
+    assert a.long_max == 16383 and a.long_min == 4096 and a.mix_len == 2048 and a.train_only == "all"
+    assert train.parse_args(["--out", "o"]).long_frac == 0.0            # off by default: pre-training unchanged
+    for bad in (["--resume", "r", "--init-from", TINY], ["--long-frac", "0.5", "--seq", "2048", "--long-min", "4096"],
+                ["--long-frac", "0.5", "--seq", "2048", "--long-max", "2048"], ["--train-only", "experts"],
+                ["--kl-target", "all"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--out", "o", *bad])
+
+
+def test_train_only_selects():
+    m = load_exported(TINY, torch.device("cpu"))
+    names = [n for n, _ in m.named_master()]
+    idx = [n for n in names if train.trainable(n, m.cfg, "indexer")]
+    attn = [n for n in names if train.trainable(n, m.cfg, "attn")]
+    assert idx and all(".indexer." in n for n in idx)
+    assert set(idx) < set(attn)
+    assert {int(n.split(".")[2]) for n in attn} == {3, 7}              # the MLA layers only
+    assert all(train.trainable(n, m.cfg, "all") for n in names)
+
+
+def test_two_steps_from_k3_tiny_export_and_load(tmp_path):
+    out = str(tmp_path / "run")
+    train.main(["--out", out, "--init-from", TINY, "--seq", "1024", "--batch", "1", "--max-steps", "2",
+                "--workers", "0", "--long-frac", "1.0", "--long-min", "600", "--mix-len", "2048", "--dense-frac", "0",
+                "--lr", "3e-4", "--warmup", "1", "--kl-target", "dense", "--train-only", "attn", "--log-every", "1"])
+    m0 = load_exported(TINY, torch.device("cpu"))
+    m1 = load_exported(os.path.join(out, "model"), torch.device("cpu"))
+    changed = {n for (n, a), (_, b) in zip(m0.named_master(), m1.named_master()) if not torch.equal(a, b)}
+    assert changed and all(train.trainable(n, m0.cfg, "attn") for n in changed)   # only the MLA attention moved
+    with open(os.path.join(out, "model", "config.json")) as f:
+        assert json.load(f) == json.load(open(os.path.join(TINY, "config.json")))
