@@ -88,3 +88,23 @@ def test_two_steps_from_k3_tiny_export_and_load(tmp_path):
     assert changed and all(train.trainable(n, m0.cfg, "attn") for n in changed)   # only the MLA attention moved
     with open(os.path.join(out, "model", "config.json")) as f:
         assert json.load(f) == json.load(open(os.path.join(TINY, "config.json")))
+
+
+def test_micro_batches_sum_to_the_batch_gradient():
+    # --micro-batch (and the OOM fallback that sets it) must not change the step: same loss, same gradient
+    m = load_exported(TINY, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 12000, (2, 97), generator=g)
+    w = torch.where(torch.rand(2, 97, generator=g) < 0.3, 1.0, 0.1)
+    grads, losses = [], []
+    for micro in (0, 1):
+        a = train.parse_args(["--out", "o", "--batch", "2", "--micro-batch", str(micro)])
+        m.zero_grad(set_to_none=True)
+        lm, tgt, kl, load = train._forward_backward(a, m, ids, w, "dense")
+        losses.append(torch.stack([lm, tgt, kl]))
+        grads.append(torch.cat([p.grad.flatten() for _, p in m.named_master() if p.grad is not None]))
+        assert sum(int(c.sum()) for c in load.values()) == 2 * 96 * 2 * len(load)   # top-2 of every token
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    # not bitwise: the backward runs through BF16 casts, so each piece's gradient is BF16-rounded before the sum
+    rel = ((grads[0] - grads[1]).norm() / grads[0].norm()).item()
+    assert rel < 1e-2, rel

@@ -14,6 +14,10 @@ the master weights as BF16 safetensors shards of ≤ 15 MiB (master-NN), the rou
 training state (step, data seed, config, loss log) as JSON in master-00's metadata.  Adam moments are NOT saved (they would double or triple the size): on resume they restart
 from zero and the learning rate re-warms over 50 steps — documented in train/README.md.  OUT/model/ is the
 export in the released layout.
+
+Long-context stage (train/README.md): --init-from an exported model, --long-frac rows opened by one long passkey,
+--kl-target dense (the indexer learns the attention over every key, not only the ones it already selects),
+--train-only, --micro-batch (halved automatically when a step runs out of GPU memory).
 """
 from __future__ import annotations
 
@@ -126,6 +130,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-steps", type=int, default=10 ** 9)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--micro-batch", type=int, default=0,
+                    help="rows per forward/backward (gradient summed over the batch; default all; halved on OOM)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--kl-weight", type=float, default=1.0)
@@ -227,6 +233,31 @@ def main(argv=None):
                        *args.eval_args.split()], model=model)
 
 
+def _forward_backward(args, model, ids, w, mode):
+    """Loss and gradient of one step, in pieces of --micro-batch rows (default: all at once); each piece's
+    losses are normalised by the whole batch's weights, so the summed gradient is the whole batch's."""
+    dev = ids.device
+    wt_all = w[:, 1:]
+    n_w, n_t = wt_all.sum(), (wt_all == 1.0).sum().clamp_min(1)
+    mb = args.micro_batch or ids.shape[0]
+    pieces = range(0, ids.shape[0], mb)
+    lm_s, tgt_s, kl_s, load = 0.0, 0.0, 0.0, {}
+    for a in pieces:
+        kl, ld = [], {}
+        h = model.hidden(ids[a:a + mb, :-1], mode=mode, kl_out=kl, load_out=ld)
+        logits = model.logits(h)
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[a:a + mb, 1:].reshape(-1), reduction="none")
+        wt = w[a:a + mb, 1:].reshape(-1)
+        lm = (nll * wt).sum() / n_w
+        tgt = (nll * (wt == 1.0)).sum().detach() / n_t
+        klv = (torch.stack(kl).mean() if kl else torch.zeros((), device=dev)) / len(pieces)
+        (lm + args.kl_weight * klv).backward()
+        lm_s, tgt_s, kl_s = lm_s + lm.detach(), tgt_s + tgt, kl_s + klv.detach()
+        for L, c in ld.items():
+            load[L] = load[L] + c if L in load else c
+    return lm_s, tgt_s, kl_s, load
+
+
 def _loop(args, model, opt, it, dev, lr_at, log, step, first, next_seed, before, t_start):
     t_log, tok_log = time.time(), 0
     while step - first < args.max_steps and time.time() - t_start < args.time_budget:
@@ -238,18 +269,20 @@ def _loop(args, model, opt, it, dev, lr_at, log, step, first, next_seed, before,
         lr = lr_at(step, prog)
         for gparam in opt.param_groups:
             gparam["lr"] = lr
-        kl, load = [], {}
-        h = model.hidden(ids[:, :-1], mode=mode, kl_out=kl, load_out=load)
-        logits = model.logits(h)
-        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
-        wt = w[:, 1:].reshape(-1)
-        lm = (nll * wt).sum() / wt.sum()
-        tmask = wt == 1.0
-        tgt = (nll * tmask).sum() / tmask.sum().clamp_min(1)
-        klv = torch.stack(kl).mean() if kl else torch.zeros((), device=dev)
-        loss = lm + args.kl_weight * klv
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        while True:
+            try:
+                lm, tgt, klv, load = _forward_backward(args, model, ids, w, mode)
+                break
+            except torch.cuda.OutOfMemoryError:
+                if (args.micro_batch or args.batch) == 1:
+                    raise
+            # long rows: rather than lose the call, run the step in smaller pieces (same gradient); out of the
+            # except block, so the failed attempt's tensors are gone with its traceback
+            args.micro_batch = (args.micro_batch or args.batch) // 2
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            print(f"out of memory: --micro-batch {args.micro_batch} from step {step} on", flush=True)
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         with torch.no_grad():
