@@ -52,6 +52,10 @@
 #                            # off leaves no file. EVAL_REF_SETS (a pattern, default all) picks the
 #                            # reference's sets ("none": no reference run); EVAL_SERVE_ARGS adds serve
 #                            # flags (e.g. "--index-cache-dtype fp8"), EVAL_PORT moves the port (18123).
+#   bench/gpu/run.sh train_long
+#                            # there: k3-tiny's long-context stage (bench/gpu/train_long.sh): train from
+#                            # models/k3-tiny on 16K rows, export to $OUT/model, passkey 8K..128K and 1M plus
+#                            # tools/arith through `kestrel serve --device cuda`; TL_DEADLINE (560 s) bounds it
 #   bench/gpu/run.sh soak    # there: issue #24's memory soak (≤ ~3 min): `kestrel serve --device cuda` on
 #                            # SOAK_MODEL (default models/k3-tiny) and `kestrel bench --soak`: SOAK_ROUNDS (10) rounds
 #                            # of SOAK_STREAMS (1000) concurrent streams, 30 % of the clients leaving early, the
@@ -443,6 +447,13 @@ case "${1:-}" in
     for f in "$out"/engine-*.txt; do tail -n +1 "$f" | grep -vE "^\s*$" | tail -8; done
     grep -hE "^(kestrel|error)" "$out/serve.log" | head -5 || true
     ;;
+  train_long)
+    # bench/gpu/train_long.sh: k3-tiny's long-context stage, its export and the engine's passkey 8K..1M + kept
+    # skills, in one call (its header lists the TL_* settings).
+    unpack
+    export -f wait_healthy
+    exec bash bench/gpu/train_long.sh
+    ;;
   profile)
     # Per-kernel GPU time of one batch-1 decode step of the reduced mini, by Nsight Compute (hardware timer,
     # kernels serialised: no launch gaps or PDL overlap, so the sum is below the step's wall time). PROFILE_STEP
@@ -598,7 +609,7 @@ case "${1:-}" in
     .gpu-carry/bench_mla "${@:2}"
     ;;
   *)
-    echo "usage: $0 pack|test|all|serving|tp|structured|vision|decode|kda|eval|perf|soak|bench|bench_mla|bench_kda" >&2
+    echo "usage: $0 pack|test|all|serving|tp|structured|vision|decode|kda|eval|perf|soak|train_long|bench|bench_mla|bench_kda" >&2
     exit 2
     ;;
 esac
