@@ -19,7 +19,8 @@ stage() {
 stage "install dependencies"
 scripts/install-deps.sh
 stage "build (release, CUDA when nvcc exists)"
-# CI's build: line tables only and -O1 test code (KESTREL_FAST_BUILD in CMakeLists.txt says why).
+# CI's build: line tables only, -O1 test code and unity translation units (KESTREL_FAST_BUILD and KESTREL_UNITY
+# in CMakeLists.txt say why).
 KESTREL_CMAKE_ARGS="-DKESTREL_FAST_BUILD=ON ${KESTREL_CMAKE_ARGS:-}" scripts/build.sh
 
 stage "unit and model tests (ctest)"
@@ -61,7 +62,7 @@ if [ "${KESTREL_SKIP_ASAN:-0}" != 1 ]; then
   # The fuzz targets under clang, which alone has libFuzzer.
   stage "libFuzzer build (clang, ASan+UBSan)"
   CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKESTREL_SANITIZE=ON \
-    -DKESTREL_FUZZ=ON -DKESTREL_TESTS=OFF -DKESTREL_CUDA=OFF -DKESTREL_FUZZ_SECONDS="${KESTREL_FUZZ_SECONDS:-10}" \
+    -DKESTREL_FUZZ=ON -DKESTREL_TESTS=OFF -DKESTREL_CUDA=OFF -DKESTREL_UNITY=ON -DKESTREL_FUZZ_SECONDS="${KESTREL_FUZZ_SECONDS:-10}" \
     -DPython3_EXECUTABLE="$PWD/.venv/bin/python" >/dev/null
   ninja -C build-fuzz $(cd tests/fuzz && ls fuzz_*.cpp | sed 's/\.cpp$//')
   stage "libFuzzer runs"

@@ -32,8 +32,6 @@ using net::use_awaitable;
 
 namespace {
 
-double secs(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
 std::string clip(std::string s, size_t n = 300) {
   if (s.size() > n) s = s.substr(0, n) + "...";
   return s;

@@ -35,6 +35,9 @@
 
 namespace kestrel::bench {
 
+// Seconds in a steady-clock span (every time the client and the soak report).
+inline double secs(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
 // One non-streamed answer: status 0 and `error` set when no HTTP answer came (refused, timeout).
 struct HttpReply {
   int status = 0;

@@ -225,8 +225,6 @@ nlohmann::json soak_json(const std::vector<SoakRound>& rounds, const SoakSummary
 
 namespace {
 
-double secs(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
 struct Fate {
   enum Kind { complete, queued, stream } kind = complete;
   int after_tokens = 0;                  // stream: drop after this many tokens

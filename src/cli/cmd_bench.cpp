@@ -139,7 +139,7 @@ void print_cpu_ceilings(const std::string& ckpt, int64_t context) {
              context, b / 1e6, b / (c.copy_gbs * 1e9) * 1e3, b / (c.copy_l2_gbs * 1e9) * 1e3);
 }
 
-struct Opts {
+struct BenchOpts {
   std::string base_url = "http://127.0.0.1:8000", endpoint = "/v1/completions", model, tokenizer,
               dataset = "random", dataset_path, preset, api_key, result_file, rate = "inf", label, percentiles = "99";
   int input_len = 1024, output_len = 128, num_prompts = 1000, max_concurrency = 0, num_warmups = 0;
@@ -151,7 +151,7 @@ struct Opts {
 };
 
 // --soak: the rounds, a row printed as each is sampled, the summary, the JSON; exit 1 on a failed check.
-void soak(Opts& o, const bench::ClientOptions& co, const tok::Tokenizer* tok) {
+void soak(BenchOpts& o, const bench::ClientOptions& co, const tok::Tokenizer* tok) {
   using namespace kestrel::bench;
   SoakOptions so = o.soak;
   so.dataset = RandomDatasetOptions{o.num_prompts, o.input_len, o.output_len, o.range_ratio, o.seed};
@@ -186,7 +186,7 @@ void soak(Opts& o, const bench::ClientOptions& co, const tok::Tokenizer* tok) {
 }  // namespace
 
 void register_bench(CLI::App& app) {
-  auto o = std::make_shared<Opts>();
+  auto o = std::make_shared<BenchOpts>();
   CLI::App* cmd = app.add_subcommand("bench", "serving benchmark against an OpenAI-compatible server (as `vllm bench serve`)");
   cmd->add_option("--base-url", o->base_url, "server URL, http://HOST:PORT[/PREFIX]");
   cmd->add_option("--endpoint", o->endpoint, "/v1/completions or /v1/chat/completions");

@@ -93,7 +93,7 @@ void write_npy(const std::string& path, const std::vector<float>& data, int64_t 
   if (!out) fail("{}: write failed", path);
 }
 
-struct Opts {
+struct GenerateOpts {
   EngineFlags engine;
   std::string prompt_tokens, prompt, prompts_file, dump_logits;
   int max_tokens = 16, top_k = 0, logprobs = -1;
@@ -114,7 +114,7 @@ struct Images {
   std::vector<std::shared_ptr<const ImageInput>> inputs;
   std::vector<MediaSpan> media;
 };
-Images load_images(const Opts& o, const tok::Tokenizer* tk, std::span<const int32_t> prompt) {
+Images load_images(const GenerateOpts& o, const tok::Tokenizer* tk, std::span<const int32_t> prompt) {
   const ModelConfig cfg = load_config(o.engine.model);
   if (!cfg.vision.present)
     fail("--image: the checkpoint has no vision tower (its config.json has no vision_config)");
@@ -149,7 +149,7 @@ struct Prompt {
 };
 
 // Prompts from --prompt, --prompt-tokens or --prompts-file (text needs the tokenizer).
-std::vector<Prompt> read_prompts(const Opts& o, const tok::Tokenizer* tk) {
+std::vector<Prompt> read_prompts(const GenerateOpts& o, const tok::Tokenizer* tk) {
   auto encode = [&](const std::string& text, const std::string& what) {
     if (!tk) fail("{}: the checkpoint has no tokenizer (tiktoken.model) to encode text", what);
     Prompt p{{}, true};
@@ -229,7 +229,7 @@ void on_event(Run& run, size_t i, runtime::Engine& engine, bool logprobs, TokenE
   run.cv.notify_all();
 }
 
-void generate(const Opts& o) {
+void generate(const GenerateOpts& o) {
   if (int(!o.prompt_tokens.empty()) + int(!o.prompt.empty()) + int(!o.prompts_file.empty()) != 1)
     fail("give exactly one of --prompt-tokens, --prompt or --prompts-file");
   std::optional<tok::Tokenizer> tokenizer;
@@ -347,7 +347,7 @@ void generate(const Opts& o) {
 }  // namespace
 
 void register_generate(CLI::App& app) {
-  auto o = std::make_shared<Opts>();
+  auto o = std::make_shared<GenerateOpts>();
   CLI::App* cmd = app.add_subcommand("generate", "Generate tokens through the serving engine (CPU or GPU)");
   o->engine.add_to(*cmd);
   auto* pt = cmd->add_option("--prompt-tokens", o->prompt_tokens, "comma-separated prompt token ids");

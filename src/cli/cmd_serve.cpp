@@ -38,7 +38,7 @@
 namespace kestrel::cli {
 namespace {
 
-struct Opts {
+struct ServeOpts {
   EngineFlags engine;
   std::string host = "127.0.0.1", api_key, served_name;
   int port = 8000, max_queue = 256, threads = 1, shutdown_timeout = 10, max_connections = 16384;
@@ -71,7 +71,7 @@ std::vector<std::string> model_aliases(const std::string& given) {
   return out;
 }
 
-void serve(Opts& o) {
+void serve(ServeOpts& o) {
   if (o.api_key.empty())
     if (const char* k = std::getenv("KESTREL_API_KEY")) o.api_key = k;
   server::log::set_level(server::log::parse_level(o.log_level));
@@ -162,7 +162,7 @@ void serve(Opts& o) {
 }  // namespace
 
 void register_serve(CLI::App& app) {
-  auto o = std::make_shared<Opts>();
+  auto o = std::make_shared<ServeOpts>();
   CLI::App* cmd = app.add_subcommand("serve", "OpenAI-compatible HTTP server");
   o->engine.add_to(*cmd);
   cmd->add_option("--host", o->host, "address to listen on");

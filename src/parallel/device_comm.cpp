@@ -14,10 +14,10 @@
 namespace kestrel::parallel {
 namespace {
 
-void check_cuda(cudaError_t e, const char* call) {
+void check_cuda_dc(cudaError_t e, const char* call) {
   if (e != cudaSuccess) fail("same-device comm: {} failed: {}", call, cudaGetErrorString(e));
 }
-#define KDC(call) check_cuda((call), #call)
+#define KDC(call) check_cuda_dc((call), #call)
 
 enum class Op : uint64_t { all_reduce = 1, all_gather, reduce_scatter, broadcast, all_to_all, barrier };
 

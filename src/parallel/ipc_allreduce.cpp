@@ -11,10 +11,6 @@
 
 namespace kestrel::parallel {
 
-namespace {
-constexpr size_t kControlBytes = (cuda::kOneShotFlagBytes + 255) / 256 * 256;  // keeps data 256-byte aligned
-}
-
 struct IpcAllReduce::Impl {
   cuda::OneShotBuffers b;
   void* own = nullptr;              // this rank's allocation: control words, then data
@@ -33,8 +29,8 @@ IpcAllReduce::IpcAllReduce(Comm& bootstrap, size_t max_bytes) : impl_(std::make_
   m.b.n = size_;
   m.b.blocks = cuda::one_shot_blocks(max_bytes_);
   m.b.half_bytes = max_bytes_;
-  KCUDA_CHECK(cudaMalloc(&m.own, kControlBytes + 2 * max_bytes_));
-  KCUDA_CHECK(cudaMemset(m.own, 0, kControlBytes));
+  KCUDA_CHECK(cudaMalloc(&m.own, cuda::kOneShotControlBytes + 2 * max_bytes_));
+  KCUDA_CHECK(cudaMemset(m.own, 0, cuda::kOneShotControlBytes));
   KCUDA_CHECK(cudaDeviceSynchronize());
 
   std::vector<cudaIpcMemHandle_t> handles(static_cast<size_t>(size_));
@@ -50,7 +46,7 @@ IpcAllReduce::IpcAllReduce(Comm& bootstrap, size_t max_bytes) : impl_(std::make_
       m.opened.push_back(base);
     }
     m.b.flags[p] = static_cast<uint32_t*>(base);
-    m.b.data[p] = static_cast<char*>(base) + kControlBytes;
+    m.b.data[p] = static_cast<char*>(base) + cuda::kOneShotControlBytes;
   }
   bootstrap.barrier();
 }

@@ -84,7 +84,7 @@ void check(ncclResult_t r, const char* call) {
 }
 #define KNCCL(call) check((call), #call)
 
-void check_cuda(cudaError_t e, const char* call) {
+void check_cuda_nccl(cudaError_t e, const char* call) {
   if (e != cudaSuccess) fail("CUDA call {} failed: {}", call, cudaGetErrorString(e));
 }
 
@@ -102,9 +102,9 @@ class NcclComm final : public Comm {
     ncclUniqueId id{};
     if (rank_ == 0) KNCCL(l.GetUniqueId(&id));
     bootstrap.broadcast(&id, sizeof(id), DType::u8, 0);
-    check_cuda(cudaSetDevice(device), "cudaSetDevice");
+    check_cuda_nccl(cudaSetDevice(device), "cudaSetDevice");
     KNCCL(l.CommInitRank(&comm_, size_, id, rank_));
-    check_cuda(cudaMalloc(&one_, sizeof(float)), "cudaMalloc");
+    check_cuda_nccl(cudaMalloc(&one_, sizeof(float)), "cudaMalloc");
   }
   ~NcclComm() override {
     if (one_) cudaFree(one_);
@@ -141,7 +141,7 @@ class NcclComm final : public Comm {
   }
   void barrier() override {
     KNCCL(lib().AllReduce(one_, one_, 1, ncclFloat32, ncclSum, comm_, stream_));
-    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    check_cuda_nccl(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
   }
 
  private:

@@ -14,7 +14,6 @@
 namespace kestrel::parallel {
 
 namespace {
-constexpr size_t kControlBytes = (cuda::kOneShotFlagBytes + 255) / 256 * 256;  // keeps data 256-byte aligned
 
 // Restores the calling thread's current device on scope exit (the constructor visits every rank's device).
 struct DeviceGuard {
@@ -28,7 +27,7 @@ struct PeerAllReduceGroup::Impl {
   std::vector<int> devices;
   bool one_device = false;     // every rank on one GPU: each call fenced by two barriers (peer_allreduce.h)
   cuda::OneShotBuffers b;
-  std::vector<void*> own;      // per rank: u8 [kControlBytes + 2·max_bytes] on its device
+  std::vector<void*> own;      // per rank: u8 [cuda::kOneShotControlBytes + 2·max_bytes] on its device
   std::vector<void*> staging;  // per rank: u8 [max_bytes], for messages whose buffer is not 16-byte aligned
   std::atomic<int64_t> calls{0};
 };
@@ -76,14 +75,14 @@ PeerAllReduceGroup::PeerAllReduceGroup(const std::vector<int>& devices, size_t m
     KCUDA_CHECK(cudaSetDevice(devices[size_t(r)]));
     void* p = nullptr;
     void* s = nullptr;
-    KCUDA_CHECK(cudaMalloc(&p, kControlBytes + 2 * max_bytes));
+    KCUDA_CHECK(cudaMalloc(&p, cuda::kOneShotControlBytes + 2 * max_bytes));
     m.own.push_back(p);
     KCUDA_CHECK(cudaMalloc(&s, max_bytes));
     m.staging.push_back(s);
-    KCUDA_CHECK(cudaMemset(p, 0, kControlBytes));
+    KCUDA_CHECK(cudaMemset(p, 0, cuda::kOneShotControlBytes));
     KCUDA_CHECK(cudaDeviceSynchronize());  // zeroed before any rank's first launch (on another stream) reads it
     m.b.flags[r] = static_cast<uint32_t*>(p);
-    m.b.data[r] = static_cast<char*>(p) + kControlBytes;
+    m.b.data[r] = static_cast<char*>(p) + cuda::kOneShotControlBytes;
   }
 }
 

@@ -55,6 +55,8 @@ std::vector<int32_t> sort_desc(std::span<const float> x) {
   return id;
 }
 
+}  // namespace
+
 // std::max_element's answer (the first largest; NaN never wins unless it comes first) in two passes
 // the compiler can keep in registers: the largest value with 8 independent maxima (no loop-carried
 // branch per element), then its first position. At c = 16 the greedy argmax over k3-tiny's 12,256
@@ -74,8 +76,6 @@ int32_t argmax(std::span<const float> x) {
     if (x[i] == m) return int32_t(i);  // −0 == +0: the first zero, as max_element keeps
   return 0;
 }
-
-}  // namespace
 
 PromptLogprob token_logprobs(std::span<const float> raw, int32_t token, int32_t n_top) {
   const size_t V = raw.size();

@@ -30,6 +30,10 @@ using kestrel::SamplingParams;
 using kestrel::PromptLogprob;
 using kestrel::TokenLogprob;
 
+// The greedy token: std::max_element's answer over non-empty `x` (the first largest, so ties go to the lower
+// id; a NaN wins only in first place). The speculative verifier uses it too.
+int32_t argmax(std::span<const float> x);
+
 struct SampleResult {
   int32_t token = -1;
   float logprob = 0.0f;              // of `token` (only when params.logprobs >= 0)

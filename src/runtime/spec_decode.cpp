@@ -25,10 +25,6 @@ model::ForwardOptions serving_options() {
 constexpr uint64_t kDraftSalt = 0x6473706b64726674ull;   // "dspkdrft"
 constexpr uint64_t kVerifySalt = 0x6473706b76657266ull;  // "dspkverf"
 
-int32_t argmax(std::span<const float> x) {
-  return int32_t(std::max_element(x.begin(), x.end()) - x.begin());  // first maximum: the lower id
-}
-
 void check_params(const SamplingParams& p) {
   if (p.repetition_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f)
     fail("speculative decoding does not support repetition/frequency/presence penalties yet");

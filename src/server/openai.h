@@ -30,6 +30,11 @@ class ApiError : public Error {
   std::string param;
 };
 
+// 400 naming the request field at fault: "'<field>' <msg>", with the field as the error's `param`.
+[[noreturn]] inline void bad_field(const std::string& field, const std::string& msg) {
+  throw ApiError(400, "'" + field + "' " + msg, field);
+}
+
 // "invalid_request_error" for 4xx (OpenAI's), "authentication_error" for 401, etc.
 std::string error_type(int status);
 std::string error_body(int status, const std::string& message, const std::string& param = {});

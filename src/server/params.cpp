@@ -11,8 +11,6 @@
 namespace kestrel::server {
 namespace {
 
-[[noreturn]] void bad(const std::string& field, const std::string& msg) { throw ApiError(400, "'" + field + "' " + msg, field); }
-
 // The fields each endpoint honours. Anything else is refused (params.h).
 const std::set<std::string, std::less<>> kCommon = {
     "model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p",
@@ -47,14 +45,14 @@ const ojson* field(const ojson& body, const char* name) {
 std::optional<bool> get_bool(const ojson& body, const char* name) {
   const ojson* v = field(body, name);
   if (!v) return std::nullopt;
-  if (!v->is_boolean()) bad(name, "must be a boolean");
+  if (!v->is_boolean()) bad_field(name, "must be a boolean");
   return v->get<bool>();
 }
 
 std::optional<float> get_number(const ojson& body, const char* name) {
   const ojson* v = field(body, name);
   if (!v) return std::nullopt;
-  if (!v->is_number()) bad(name, "must be a number");
+  if (!v->is_number()) bad_field(name, "must be a number");
   return float(v->get<double>());
 }
 
@@ -64,10 +62,10 @@ std::optional<int64_t> get_int(const ojson& body, const char* name, int64_t lo, 
   const ojson* v = field(body, name);
   if (!v) return std::nullopt;
   const std::string& who = shown.empty() ? std::string(name) : shown;
-  if (!v->is_number_integer()) bad(who, "must be an integer");
-  if (v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(INT64_MAX)) bad(who, "is out of range");
+  if (!v->is_number_integer()) bad_field(who, "must be an integer");
+  if (v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(INT64_MAX)) bad_field(who, "is out of range");
   const int64_t x = v->get<int64_t>();
-  if (x < lo || x > hi) bad(who, fmt::format("must be in [{}, {}], got {}", lo, hi, x));
+  if (x < lo || x > hi) bad_field(who, fmt::format("must be in [{}, {}], got {}", lo, hi, x));
   return x;
 }
 
@@ -75,7 +73,7 @@ uint64_t random_seed() { return (uint64_t(std::random_device{}()) << 32) ^ std::
 
 // OpenAI's logit_bias: {"token id": bias}. Ids and ranges are validate()'s; here only the shape.
 std::vector<std::pair<int32_t, float>> parse_logit_bias(const ojson& v) {
-  if (!v.is_object()) bad("logit_bias", "must be an object mapping token ids to numbers, e.g. {\"1234\": -100}");
+  if (!v.is_object()) bad_field("logit_bias", "must be an object mapping token ids to numbers, e.g. {\"1234\": -100}");
   std::vector<std::pair<int32_t, float>> out;
   for (const auto& [k, b] : v.items()) {
     size_t used = 0;
@@ -86,8 +84,8 @@ std::vector<std::pair<int32_t, float>> parse_logit_bias(const ojson& v) {
       used = 0;
     }
     if (used == 0 || used != k.size() || id < INT32_MIN || id > INT32_MAX)
-      bad("logit_bias", fmt::format("keys must be token ids, got \"{}\"", k));
-    if (!b.is_number()) bad("logit_bias", fmt::format("values must be numbers, got {} for token {}", b.dump(), k));
+      bad_field("logit_bias", fmt::format("keys must be token ids, got \"{}\"", k));
+    if (!b.is_number()) bad_field("logit_bias", fmt::format("values must be numbers, got {} for token {}", b.dump(), k));
     out.push_back({int32_t(id), float(b.get<double>())});
   }
   return out;
@@ -108,17 +106,17 @@ GenParams parse_gen_params(const ojson& body, Api api, const std::string& comple
   check_fields(body, api);
   GenParams g;
   if (auto m = body.find("model"); m != body.end()) {
-    if (!m->is_string()) bad("model", "must be a string");
+    if (!m->is_string()) bad_field("model", "must be a string");
     g.model = m->get<std::string>();
   }
-  if (const ojson* u = field(body, "user"); u && !u->is_string()) bad("user", "must be a string");
+  if (const ojson* u = field(body, "user"); u && !u->is_string()) bad_field("user", "must be a string");
   g.stream = get_bool(body, "stream").value_or(false);
   if (const ojson* so = field(body, "stream_options")) {
-    if (!so->is_object()) bad("stream_options", "must be an object");
-    if (!g.stream) bad("stream_options", "is only allowed when 'stream' is true");
+    if (!so->is_object()) bad_field("stream_options", "must be an object");
+    if (!g.stream) bad_field("stream_options", "is only allowed when 'stream' is true");
     for (const auto& [k, v] : so->items())
       if (k != "include_usage" && k != "continuous_usage_stats")
-        bad("stream_options", fmt::format("has an unsupported key '{}'", k));
+        bad_field("stream_options", fmt::format("has an unsupported key '{}'", k));
     g.include_usage = get_bool(*so, "include_usage").value_or(false);
     g.continuous_usage = get_bool(*so, "continuous_usage_stats").value_or(false);
   }
@@ -138,7 +136,7 @@ GenParams parse_gen_params(const ojson& body, Api api, const std::string& comple
     }
   }
   if (mt) {
-    if (*mt < 0) bad(r.max_tokens_field, fmt::format("must be >= 0, got {}", *mt));
+    if (*mt < 0) bad_field(r.max_tokens_field, fmt::format("must be >= 0, got {}", *mt));
     g.max_tokens = int(*mt);
   }
   SamplingParams& s = r.sampling;
@@ -151,17 +149,17 @@ GenParams parse_gen_params(const ojson& body, Api api, const std::string& comple
   s.frequency_penalty = get_number(body, "frequency_penalty").value_or(0.0f);
   s.repetition_penalty = get_number(body, "repetition_penalty").value_or(1.0f);
   s.min_tokens = int32_t(get_int(body, "min_tokens", 0, INT32_MAX).value_or(0));
-  if (s.min_tokens > 0 && g.max_tokens && *g.max_tokens == 0) bad("min_tokens", fmt::format("needs {} > 0", r.max_tokens_field));
+  if (s.min_tokens > 0 && g.max_tokens && *g.max_tokens == 0) bad_field("min_tokens", fmt::format("needs {} > 0", r.max_tokens_field));
   if (const ojson* lb = field(body, "logit_bias")) s.logit_bias = parse_logit_bias(*lb);
   const auto seed = get_int(body, "seed", INT64_MIN, INT64_MAX);
   s.seed = seed ? uint64_t(*seed) : random_seed();
   r.ignore_eos = get_bool(body, "ignore_eos").value_or(false);
   g.keep_special = !get_bool(body, "skip_special_tokens").value_or(true);
   if (const ojson* ids = field(body, "stop_token_ids")) {
-    if (!ids->is_array()) bad("stop_token_ids", "must be an array of token ids");
+    if (!ids->is_array()) bad_field("stop_token_ids", "must be an array of token ids");
     for (const auto& x : *ids) {
       if (!x.is_number_integer() || x.get<int64_t>() < INT32_MIN || x.get<int64_t>() > INT32_MAX)
-        bad("stop_token_ids", "must be an array of token ids");
+        bad_field("stop_token_ids", "must be an array of token ids");
       r.stop_token_ids.push_back(int32_t(x.get<int64_t>()));
     }
   }
@@ -170,18 +168,18 @@ GenParams parse_gen_params(const ojson& body, Api api, const std::string& comple
       r.stop.push_back(st->get<std::string>());
     } else if (st->is_array()) {
       for (const auto& x : *st) {
-        if (!x.is_string()) bad("stop", "must be a string or an array of strings");
+        if (!x.is_string()) bad_field("stop", "must be a string or an array of strings");
         r.stop.push_back(x.get<std::string>());
       }
     } else {
-      bad("stop", "must be a string or an array of strings");
+      bad_field("stop", "must be a string or an array of strings");
     }
     r.stop.erase(std::remove(r.stop.begin(), r.stop.end(), std::string()), r.stop.end());
   }
   if (api == Api::kChat) {
     const bool logprobs = get_bool(body, "logprobs").value_or(false);
     const auto top = get_int(body, "top_logprobs", 0, INT32_MAX);
-    if (top && *top > 0 && !logprobs) bad("top_logprobs", "requires 'logprobs' to be true");
+    if (top && *top > 0 && !logprobs) bad_field("top_logprobs", "requires 'logprobs' to be true");
     s.logprobs = logprobs ? int32_t(top.value_or(0)) : -1;
     g.parallel_tool_calls = get_bool(body, "parallel_tool_calls").value_or(true);
   } else {
@@ -190,9 +188,9 @@ GenParams parse_gen_params(const ojson& body, Api api, const std::string& comple
     // The prompt's own logprobs come with its echo (lm-evaluation-harness's loglikelihood).
     if (g.echo && s.logprobs >= 0) s.prompt_logprobs = s.logprobs;
     if (const ojson* sfx = field(body, "suffix"); sfx && !(sfx->is_string() && sfx->get<std::string>().empty()))
-      bad("suffix", "is not supported (no fill-in-the-middle)");
+      bad_field("suffix", "is not supported (no fill-in-the-middle)");
     if (auto bo = get_int(body, "best_of", 1, 16); bo && *bo != g.n)
-      bad("best_of", fmt::format("must equal n ({}): kestrel returns every sequence it generates, got {}", g.n, *bo));
+      bad_field("best_of", fmt::format("must equal n ({}): kestrel returns every sequence it generates, got {}", g.n, *bo));
   }
   return g;
 }

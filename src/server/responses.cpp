@@ -10,8 +10,6 @@
 namespace kestrel::server {
 namespace {
 
-[[noreturn]] void bad(const std::string& field, const std::string& msg) { throw ApiError(400, "'" + field + "' " + msg, field); }
-
 // Passed to the chat body as they are (the chat path checks them).
 const std::set<std::string, std::less<>> kPassThrough = {
     "model", "temperature", "top_p", "stream", "parallel_tool_calls", "user", "top_k", "min_p", "repetition_penalty",
@@ -24,7 +22,7 @@ const std::set<std::string, std::less<>> kMapped = {"input", "instructions", "ma
 // Message content (a string, or input_text / output_text parts) as chat text parts.
 ojson content_of(const ojson& c, const std::string& where) {
   if (c.is_string()) return c;
-  if (!c.is_array()) bad(where, "content must be a string or an array of content parts");
+  if (!c.is_array()) bad_field(where, "content must be a string or an array of content parts");
   ojson parts = ojson::array();
   for (const auto& p : c) {
     const std::string type = p.is_object() && p.contains("type") && p["type"].is_string() ? p["type"].get<std::string>() : "";
@@ -33,20 +31,20 @@ ojson content_of(const ojson& c, const std::string& where) {
     } else if (type == "input_image") {
       // {"type": "input_image", "image_url": URL, "detail"?}: the chat API's image_url part, checked and
       // decoded with the chat path's images (server/media.h).
-      if (p.contains("file_id")) bad(where, "input_image with a file_id is not supported (no file storage); send image_url");
-      if (!p.contains("image_url") || !p["image_url"].is_string()) bad(where, "input_image needs a string 'image_url'");
+      if (p.contains("file_id")) bad_field(where, "input_image with a file_id is not supported (no file storage); send image_url");
+      if (!p.contains("image_url") || !p["image_url"].is_string()) bad_field(where, "input_image needs a string 'image_url'");
       ojson img = {{"url", p["image_url"]}};
       if (p.contains("detail")) img["detail"] = p["detail"];
       parts.push_back({{"type", "image_url"}, {"image_url", std::move(img)}});
     } else {
-      bad(where, fmt::format("content part type '{}' is not supported (input_text, output_text, input_image)", type));
+      bad_field(where, fmt::format("content part type '{}' is not supported (input_text, output_text, input_image)", type));
     }
   }
   return parts;
 }
 
 std::string str(const ojson& o, const char* k, const std::string& where) {
-  if (!o.contains(k) || !o[k].is_string()) bad(where, fmt::format("needs a string '{}'", k));
+  if (!o.contains(k) || !o[k].is_string()) bad_field(where, fmt::format("needs a string '{}'", k));
   return o[k].get<std::string>();
 }
 
@@ -59,7 +57,7 @@ ojson messages_of(const ojson& input, const ojson* instructions) {
     msgs.push_back({{"role", "user"}, {"content", input}});
     return msgs;
   }
-  if (!input.is_array() || input.empty()) bad("input", "must be a string or a non-empty array of input items");
+  if (!input.is_array() || input.empty()) bad_field("input", "must be a string or a non-empty array of input items");
   std::string reasoning;
   bool turn_open = false;  // the last message is an assistant turn that tool calls may join
   auto assistant = [&]() -> ojson& {
@@ -74,13 +72,13 @@ ojson messages_of(const ojson& input, const ojson* instructions) {
   for (size_t i = 0; i < input.size(); ++i) {
     const ojson& it = input[i];
     const std::string where = fmt::format("input[{}]", i);
-    if (!it.is_object()) bad(where, "must be an object");
+    if (!it.is_object()) bad_field(where, "must be an object");
     const std::string type = it.contains("type") && it["type"].is_string() ? it["type"].get<std::string>() : "message";
     if (type == "message") {
       const std::string role = str(it, "role", where);
       if (role != "user" && role != "system" && role != "developer" && role != "assistant")
-        bad(where, fmt::format("role '{}' is not one of user, system, developer, assistant", role));
-      if (!it.contains("content")) bad(where, "needs 'content'");
+        bad_field(where, fmt::format("role '{}' is not one of user, system, developer, assistant", role));
+      if (!it.contains("content")) bad_field(where, "needs 'content'");
       if (role == "assistant") {
         ojson& m = assistant();
         ojson c = content_of(it["content"], where);
@@ -116,7 +114,7 @@ ojson messages_of(const ojson& input, const ojson* instructions) {
       msgs.push_back({{"role", "tool"}, {"tool_call_id", str(it, "call_id", where)}, {"content", content}});
       turn_open = false;
     } else {
-      bad(where, fmt::format("item type '{}' is not supported (message, reasoning, function_call, function_call_output)", type));
+      bad_field(where, fmt::format("item type '{}' is not supported (message, reasoning, function_call, function_call_output)", type));
     }
   }
   return msgs;
@@ -136,15 +134,15 @@ ResponsesRequest responses_to_chat(const ojson& body) {
   for (const auto& [k, v] : body.items())
     if (kPassThrough.count(k) && !v.is_null()) chat[k] = v;
   if (body.contains("store") && !body["store"].is_null() && body["store"] != false)
-    bad("store", "must be false: kestrel stores no responses");
+    bad_field("store", "must be false: kestrel stores no responses");
   if (body.contains("truncation") && !body["truncation"].is_null() && body["truncation"] != "disabled")
-    bad("truncation", "must be 'disabled': a prompt beyond the context is refused, never truncated");
+    bad_field("truncation", "must be 'disabled': a prompt beyond the context is refused, never truncated");
   const ojson* instructions = nullptr;
   if (body.contains("instructions") && !body["instructions"].is_null()) {
-    if (!body["instructions"].is_string()) bad("instructions", "must be a string");
+    if (!body["instructions"].is_string()) bad_field("instructions", "must be a string");
     instructions = &body["instructions"];
   }
-  if (!body.contains("input") || body["input"].is_null()) bad("input", "is required");
+  if (!body.contains("input") || body["input"].is_null()) bad_field("input", "is required");
   chat["messages"] = messages_of(body["input"], instructions);
   if (body.contains("max_output_tokens") && !body["max_output_tokens"].is_null()) {
     chat["max_completion_tokens"] = body["max_output_tokens"];
@@ -152,12 +150,12 @@ ResponsesRequest responses_to_chat(const ojson& body) {
   }
   json tools = json::array();
   if (body.contains("tools") && !body["tools"].is_null()) {
-    if (!body["tools"].is_array()) bad("tools", "must be an array");
+    if (!body["tools"].is_array()) bad_field("tools", "must be an array");
     ojson ct = ojson::array();
     for (size_t i = 0; i < body["tools"].size(); ++i) {
       const ojson& t = body["tools"][i];
       if (!t.is_object() || t.value("type", "") != "function")
-        bad("tools", fmt::format("tools[{}]: only function tools are supported", i));
+        bad_field("tools", fmt::format("tools[{}]: only function tools are supported", i));
       ojson fn = {{"name", str(t, "name", fmt::format("tools[{}]", i))}};
       for (const char* k : {"description", "parameters", "strict"})
         if (t.contains(k) && !t[k].is_null()) fn[k] = t[k];
@@ -175,17 +173,17 @@ ResponsesRequest responses_to_chat(const ojson& body) {
     } else if (tc.is_object() && tc.value("type", "") == "function" && tc.contains("name") && tc["name"].is_string()) {
       chat["tool_choice"] = {{"type", "function"}, {"function", {{"name", tc["name"]}}}};
     } else {
-      bad("tool_choice", "must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}");
+      bad_field("tool_choice", "must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}");
     }
     echo["tool_choice"] = json::parse(tc.dump());
   }
   json reasoning = {{"effort", nullptr}, {"summary", nullptr}};
   if (body.contains("reasoning") && !body["reasoning"].is_null()) {
     const ojson& r = body["reasoning"];
-    if (!r.is_object()) bad("reasoning", "must be an object");
+    if (!r.is_object()) bad_field("reasoning", "must be an object");
     for (const auto& [k, v] : r.items()) {
       if (v.is_null()) continue;
-      if (k != "effort") bad("reasoning", fmt::format("key '{}' is not supported (effort)", k));
+      if (k != "effort") bad_field("reasoning", fmt::format("key '{}' is not supported (effort)", k));
     }
     if (r.contains("effort") && !r["effort"].is_null()) {
       chat["reasoning_effort"] = r["effort"];
@@ -196,9 +194,9 @@ ResponsesRequest responses_to_chat(const ojson& body) {
   json text = {{"format", {{"type", "text"}}}};
   if (body.contains("text") && !body["text"].is_null()) {
     const ojson& t = body["text"];
-    if (!t.is_object()) bad("text", "must be an object");
+    if (!t.is_object()) bad_field("text", "must be an object");
     for (const auto& [k, v] : t.items())
-      if (k != "format" && !v.is_null()) bad("text", fmt::format("key '{}' is not supported (format)", k));
+      if (k != "format" && !v.is_null()) bad_field("text", fmt::format("key '{}' is not supported (format)", k));
     if (t.contains("format") && !t["format"].is_null()) {
       const ojson& f = t["format"];
       const std::string type = f.is_object() ? f.value("type", "") : "";
@@ -210,14 +208,14 @@ ResponsesRequest responses_to_chat(const ojson& body) {
       } else if (type == "json_object" || type == "text") {
         chat["response_format"] = {{"type", type}};
       } else {
-        bad("text", "format.type must be text, json_object or json_schema");
+        bad_field("text", "format.type must be text, json_object or json_schema");
       }
       text["format"] = json::parse(f.dump());
     }
   }
   echo["text"] = text;
   if (body.contains("metadata") && !body["metadata"].is_null()) {
-    if (!body["metadata"].is_object()) bad("metadata", "must be an object");
+    if (!body["metadata"].is_object()) bad_field("metadata", "must be an object");
     echo["metadata"] = json::parse(body["metadata"].dump());
   }
   for (const char* k : {"temperature", "top_p", "parallel_tool_calls", "user"})

@@ -21,6 +21,12 @@
 
 namespace kestrel::gputest {
 
+// One BF16 unit in the last place at 1.0 (8 significant bits): the tolerances below are written in it.
+constexpr double kBf16Ulp = 1.0 / 128;
+
+// The first line of every GPU test: fail (not skip) off the GPU machine, so a missing device is never a pass.
+inline void need_gpu() { ASSERT_GT(cuda::device_count(), 0) << "no CUDA device: run this binary on the GPU machine"; }
+
 // splitmix64: fast enough for the 51 M-element weights of the mini shapes.
 struct Rng {
   uint64_t s;

@@ -34,10 +34,7 @@
 namespace kestrel::gputest {
 namespace {
 
-constexpr double kBf16Ulp = 1.0 / 128;
 constexpr float kEps = 1e-5f;
-
-void need_gpu() { ASSERT_GT(cuda::device_count(), 0) << "no CUDA device: run this binary on the GPU machine"; }
 
 // A split-K workspace like the model's (zeroed counters).
 struct Ws {

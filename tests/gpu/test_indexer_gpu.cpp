@@ -36,8 +36,6 @@ namespace {
 
 using kestrel::IndexKeyFormat;
 
-void need_gpu() { ASSERT_GT(cuda::device_count(), 0) << "no CUDA device: run this binary on the GPU machine"; }
-
 // Requests with their own block tables over one pool, pages handed out in a random order.
 struct Pool {
   int P;

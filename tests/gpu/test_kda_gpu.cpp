@@ -30,8 +30,6 @@
 namespace kestrel::gputest {
 namespace {
 
-void need_gpu() { ASSERT_GT(cuda::device_count(), 0) << "no CUDA device: run this binary on the GPU machine"; }
-
 struct Shape {
   int64_t H, Dk;
   const char* what;

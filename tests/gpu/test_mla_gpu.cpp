@@ -17,10 +17,7 @@
 namespace kestrel::gputest {
 namespace {
 
-constexpr double kBf16Ulp = 1.0 / 128;
 const cpu::MlaDims kNano{4, 32, 16, 32, 64}, kMini{12, 128, 64, 128, 512};
-
-void need_gpu() { ASSERT_GT(cuda::device_count(), 0) << "no CUDA device: run this binary on the GPU machine"; }
 
 // A random ascending selection of `count` distinct positions out of [0, visible), −1 padded to Ksel.
 std::vector<int32_t> rand_sel(int64_t visible, int64_t count, int64_t Ksel, Rng& r) {

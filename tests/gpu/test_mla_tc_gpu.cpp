@@ -34,10 +34,8 @@ namespace {
 
 using kestrel::LatentFormat;
 
-const cpu::MlaDims kNano{4, 32, 16, 32, 64}, kMini{12, 128, 64, 128, 512}, kMini16{16, 128, 64, 128, 512};
+const cpu::MlaDims kTcNano{4, 32, 16, 32, 64}, kTcMini{12, 128, 64, 128, 512}, kMini16{16, 128, 64, 128, 512};
 const cpu::MlaDims kOdd{4, 32, 32, 32, 128};  // C 128: no tensor-core instantiation
-
-void need_gpu() { ASSERT_GT(cuda::device_count(), 0) << "no CUDA device: run this binary on the GPU machine"; }
 
 enum class Fill {
   random,  // ĉ, k_pe uniform in ±1.5
@@ -48,7 +46,7 @@ enum class Fill {
 };
 
 // Requests over one shared pool of pages (a few pages nobody owns), latent rows written by the CPU writer.
-struct Pool {
+struct TcPool {
   cpu::MlaDims d;
   LatentFormat lf;
   int P;
@@ -60,7 +58,7 @@ struct Pool {
   Dev<uint8_t> dlat;
   Dev<int32_t> dtables;
 
-  Pool(const cpu::MlaDims& d_, LatentFormat lf_, int P_, std::vector<int64_t> lens_, Fill fill, Rng& rng,
+  TcPool(const cpu::MlaDims& d_, LatentFormat lf_, int P_, std::vector<int64_t> lens_, Fill fill, Rng& rng,
        float lat_lo = 0, float lat_hi = 0)
       : d(d_), lf(lf_), P(P_), lens(std::move(lens_)) {
     for (int64_t n : lens) max_blocks = std::max(max_blocks, (n + P - 1) / P), n_pages += (n + P - 1) / P;
@@ -148,7 +146,7 @@ enum class Op { decode, prefill };
 
 // Runs one launch of `op` over `rows` on the pool and compares every row with the CPU twin. Decode: run
 // again without programmatic dependent launch (mla_tc.h) and once more with it; all three bit-identical.
-void run(Op op, Pool& pool, const Rows& rows, float q_span, bool q_pe_positive, bool q_pe_negative,
+void run(Op op, TcPool& pool, const Rows& rows, float q_span, bool q_pe_positive, bool q_pe_negative,
          const std::string& what, Rng& rng, float q_nope_scale = 1.0f) {
   const auto& d = pool.d;
   const int64_t B = rows.size(), QK = d.qk();
@@ -219,12 +217,12 @@ TEST(GpuMlaTc, DecodeDense) {
     std::vector<int64_t> lens;
     const char* what;
   };
-  for (const Case& c : {Case{kNano, 16, {1, 63, 64, 65, 200}, "nano"}, Case{kNano, 128, {300, 2}, "nano"},
-                        Case{kMini, 128, {1, 63, 64, 65, 2047, 2048, 4100}, "mini"},
-                        Case{kMini, 64, {65, 4100, 130}, "mini"}, Case{kMini16, 128, {1, 65, 4100}, "Hm16"},
+  for (const Case& c : {Case{kTcNano, 16, {1, 63, 64, 65, 200}, "nano"}, Case{kTcNano, 128, {300, 2}, "nano"},
+                        Case{kTcMini, 128, {1, 63, 64, 65, 2047, 2048, 4100}, "mini"},
+                        Case{kTcMini, 64, {65, 4100, 130}, "mini"}, Case{kMini16, 128, {1, 65, 4100}, "Hm16"},
                         Case{kOdd, 16, {100, 33}, "fallback C=128"}}) {
     for (LatentFormat lf : kFormats) {
-      Pool pool(c.d, lf, c.P, c.lens, Fill::random, rng);
+      TcPool pool(c.d, lf, c.P, c.lens, Fill::random, rng);
       Rows rows;
       for (size_t r = 0; r < c.lens.size(); ++r) rows.add(int32_t(r), c.lens[r]);
       // Speculative-style rows on the longest request: one and two tokens back.
@@ -246,12 +244,12 @@ TEST(GpuMlaTc, DecodeSparse) {
     int64_t Ksel;
     const char* what;
   };
-  for (const Case& c : {Case{kNano, 128, {90, 200, 64, 5}, 64, "nano"}, Case{kNano, 16, {300, 65}, 64, "nano"},
-                        Case{kMini, 128, {4100, 2048, 3000, 9000, 100}, 2048, "mini"},
-                        Case{kMini, 64, {2049, 5000}, 2048, "mini"}, Case{kMini16, 128, {4100, 3000}, 2048, "Hm16"},
+  for (const Case& c : {Case{kTcNano, 128, {90, 200, 64, 5}, 64, "nano"}, Case{kTcNano, 16, {300, 65}, 64, "nano"},
+                        Case{kTcMini, 128, {4100, 2048, 3000, 9000, 100}, 2048, "mini"},
+                        Case{kTcMini, 64, {2049, 5000}, 2048, "mini"}, Case{kMini16, 128, {4100, 3000}, 2048, "Hm16"},
                         Case{kOdd, 16, {100, 300}, 64, "fallback C=128"}}) {
     for (LatentFormat lf : kFormats) {
-      Pool pool(c.d, lf, c.P, c.lens, Fill::random, rng);
+      TcPool pool(c.d, lf, c.P, c.lens, Fill::random, rng);
       Rows rows;
       for (size_t r = 0; r < c.lens.size(); ++r) rows.add(int32_t(r), c.lens[r]);
       rows.add(0, c.lens[0] - 1);
@@ -271,37 +269,37 @@ TEST(GpuMlaTc, DecodeBatchesAndScores) {
     {
       std::vector<int64_t> lens(64);
       for (auto& n : lens) n = 1 + int64_t(rng.next() % 5000);
-      Pool pool(kMini, lf, 128, lens, Fill::random, rng);
+      TcPool pool(kTcMini, lf, 128, lens, Fill::random, rng);
       Rows rows;
       for (size_t r = 0; r < lens.size(); ++r) rows.add(int32_t(r), lens[r]);
       run(Op::decode, pool, rows, 1.0f, false, false, "mini B=64 varlen", rng);
     }
     {
-      Pool pool(kMini, lf, 128, {20000, 5}, Fill::random, rng);
+      TcPool pool(kTcMini, lf, 128, {20000, 5}, Fill::random, rng);
       Rows rows;
       rows.add(0, 20000), rows.add(0, 19999), rows.add(1, 5);
       run(Op::decode, pool, rows, 1.0f, false, false, "mini long + short", rng);
     }
     {
-      Pool pool(kMini, lf, 128, {3000, 129}, Fill::dup, rng);
+      TcPool pool(kTcMini, lf, 128, {3000, 129}, Fill::dup, rng);
       Rows rows;
       rows.add(0, 3000), rows.add(1, 129), rows.add(0, 64);
       run(Op::decode, pool, rows, 1.0f, false, false, "mini tied scores", rng);
     }
     for (bool rising : {true, false}) {
-      Pool pool(kMini, lf, 128, {4100, 700}, Fill::ramp, rng);
+      TcPool pool(kTcMini, lf, 128, {4100, 700}, Fill::ramp, rng);
       Rows rows;
       rows.add(0, 4100), rows.add(1, 700), rows.add(0, 65);
       run(Op::decode, pool, rows, 1.0f, rising, !rising, rising ? "mini rising scores" : "mini falling scores", rng);
     }
     {
-      Pool pool(kNano, lf, 16, {500, 70}, Fill::ramp, rng);
+      TcPool pool(kTcNano, lf, 16, {500, 70}, Fill::ramp, rng);
       Rows rows;
       rows.add(0, 500), rows.add(1, 70);
       run(Op::decode, pool, rows, 4.0f, true, false, "nano rising scores", rng);
     }
     {
-      Pool pool(kMini, lf, 128, {2500, 1000}, Fill::random, rng);
+      TcPool pool(kTcMini, lf, 128, {2500, 1000}, Fill::random, rng);
       Rows rows;
       rows.add(0, 2500), rows.add(1, 1000);
       run(Op::decode, pool, rows, 6.0f, false, false, "mini peaky (q ×6)", rng);
@@ -316,7 +314,7 @@ TEST(GpuMlaTc, DecodeSmallAndLargeBatches) {
   Rng rng(67);
   for (LatentFormat lf : kFormats) {
     {
-      Pool pool(kMini, lf, 128, {1344, 4096, 700, 3200}, Fill::random, rng);
+      TcPool pool(kTcMini, lf, 128, {1344, 4096, 700, 3200}, Fill::random, rng);
       for (int64_t r : {0, 1, 3}) {  // one row: 21 splits of 64 keys (16 + 5), 64 (32 + 32), 50 (32 + 16 + 2)
         Rows rows;
         rows.add(int32_t(r), pool.lens[size_t(r)]);
@@ -329,13 +327,13 @@ TEST(GpuMlaTc, DecodeSmallAndLargeBatches) {
     {
       std::vector<int64_t> lens(80);
       for (auto& n : lens) n = 1 + int64_t(rng.next() % 3000);
-      Pool pool(kMini, lf, 64, lens, Fill::random, rng);
+      TcPool pool(kTcMini, lf, 64, lens, Fill::random, rng);
       Rows rows;
       for (size_t r = 0; r < lens.size(); ++r) rows.add(int32_t(r), lens[r]);
       run(Op::decode, pool, rows, 1.0f, false, false, "mini B=80 varlen", rng);
     }
     {
-      Pool pool(kNano, lf, 16, {1, 2000}, Fill::random, rng);
+      TcPool pool(kTcNano, lf, 16, {1, 2000}, Fill::random, rng);
       Rows rows;
       rows.add(1, 2000), rows.add(0, 1);
       run(Op::decode, pool, rows, 1.0f, false, false, "nano B=2", rng);
@@ -371,7 +369,7 @@ TEST(GpuMlaTc, DecodeAndPrefillMagnitudes) {
                       Mag{16, 22, 1.0f / 1048576, "ĉ 2^16..2^22, q×2^-20"}})
     for (LatentFormat lf : kFormats) {
       {
-        Pool pool(kMini, lf, 128, {4100, 700, 65}, Fill::mags, rng, m.lo, m.hi);
+        TcPool pool(kTcMini, lf, 128, {4100, 700, 65}, Fill::mags, rng, m.lo, m.hi);
         Rows rows;
         rows.add(0, 4100), rows.add(1, 700), rows.add(2, 65), rows.add(0, 3000);
         run(Op::decode, pool, rows, 1.0f, false, false, fmt::format("mini {}", m.what), rng, m.q);
@@ -379,14 +377,14 @@ TEST(GpuMlaTc, DecodeAndPrefillMagnitudes) {
         run(Op::decode, pool, rows, 1.0f, false, false, fmt::format("mini {}", m.what), rng, m.q);
       }
       {
-        Pool pool(kNano, lf, 16, {300, 40}, Fill::mags, rng, m.lo, m.hi);
+        TcPool pool(kTcNano, lf, 16, {300, 40}, Fill::mags, rng, m.lo, m.hi);
         Rows rows;
         rows.add(0, 300), rows.add(1, 40);
         run(Op::decode, pool, rows, 1.0f, false, false, fmt::format("nano {}", m.what), rng, m.q);
       }
       {
         const std::vector<std::pair<int64_t, int64_t>> chunks = {{0, 70}, {2000, 40}};
-        Pool pool(kMini, lf, 64, chunk_lens(chunks), Fill::mags, rng, m.lo, m.hi);
+        TcPool pool(kTcMini, lf, 64, chunk_lens(chunks), Fill::mags, rng, m.lo, m.hi);
         run(Op::prefill, pool, chunk_rows(chunks), 1.0f, false, false, fmt::format("mini {}", m.what), rng, m.q);
       }
     }
@@ -402,20 +400,20 @@ TEST(GpuMlaTc, PrefillDense) {
     Fill fill;
     const char* what;
   };
-  for (const Case& c : {Case{kNano, 16, {{0, 70}, {40, 30}, {130, 1}}, Fill::random, "nano"},
-                        Case{kMini, 128, {{0, 130}, {1990, 40}, {4000, 40}}, Fill::random, "mini"},
-                        Case{kMini, 64, {{100, 50}}, Fill::random, "mini"},
+  for (const Case& c : {Case{kTcNano, 16, {{0, 70}, {40, 30}, {130, 1}}, Fill::random, "nano"},
+                        Case{kTcMini, 128, {{0, 130}, {1990, 40}, {4000, 40}}, Fill::random, "mini"},
+                        Case{kTcMini, 64, {{100, 50}}, Fill::random, "mini"},
                         Case{kMini16, 128, {{0, 70}, {2000, 20}}, Fill::random, "Hm16"},
-                        Case{kMini, 128, {{0, 200}}, Fill::ramp, "mini rising scores"},
+                        Case{kTcMini, 128, {{0, 200}}, Fill::ramp, "mini rising scores"},
                         Case{kOdd, 16, {{0, 40}, {50, 10}}, Fill::random, "fallback C=128"}}) {
     for (LatentFormat lf : kFormats) {
-      Pool pool(c.d, lf, c.P, chunk_lens(c.chunks), c.fill, rng);
+      TcPool pool(c.d, lf, c.P, chunk_lens(c.chunks), c.fill, rng);
       run(Op::prefill, pool, chunk_rows(c.chunks), 1.0f, c.fill == Fill::ramp, false, c.what, rng);
     }
   }
   // A few long rows: the plan splits their keys and the split results are merged into bf16 ô.
   for (LatentFormat lf : kFormats) {
-    Pool pool(kMini, lf, 128, {12000, 9001}, Fill::random, rng);
+    TcPool pool(kTcMini, lf, 128, {12000, 9001}, Fill::random, rng);
     Rows rows;
     rows.add(0, 12000), rows.add(1, 9000), rows.add(1, 9001);
     run(Op::prefill, pool, rows, 1.0f, false, false, "mini split rows", rng);
@@ -432,12 +430,12 @@ TEST(GpuMlaTc, PrefillSparse) {
     int64_t Ksel;
     const char* what;
   };
-  for (const Case& c : {Case{kNano, 16, {{0, 70}, {100, 30}}, 64, "nano"},
-                        Case{kMini, 128, {{0, 40}, {2000, 64}, {5000, 32}}, 2048, "mini"},
+  for (const Case& c : {Case{kTcNano, 16, {{0, 70}, {100, 30}}, 64, "nano"},
+                        Case{kTcMini, 128, {{0, 40}, {2000, 64}, {5000, 32}}, 2048, "mini"},
                         Case{kMini16, 128, {{3000, 24}}, 2048, "Hm16"},
                         Case{kOdd, 16, {{60, 20}}, 64, "fallback C=128"}}) {
     for (LatentFormat lf : kFormats) {
-      Pool pool(c.d, lf, c.P, chunk_lens(c.chunks), Fill::random, rng);
+      TcPool pool(c.d, lf, c.P, chunk_lens(c.chunks), Fill::random, rng);
       Rows rows = chunk_rows(c.chunks);
       // Rows past Ksel visible keys: Ksel, Ksel − 7 or Ksel − 14 selected; the others see all visible keys.
       rows.select(c.Ksel, [&](int64_t i, int64_t) { return c.Ksel - (i % 3) * 7; }, rng);
@@ -450,7 +448,7 @@ TEST(GpuMlaTc, RejectsTooManyHeads) {
   need_gpu();
   Rng rng(66);
   const cpu::MlaDims d{20, 128, 64, 128, 512};
-  Pool pool(d, LatentFormat::bf16, 128, {10}, Fill::random, rng);
+  TcPool pool(d, LatentFormat::bf16, 128, {10}, Fill::random, rng);
   Rows rows;
   rows.add(0, 10);
   auto dlens = upload(rows.lens);

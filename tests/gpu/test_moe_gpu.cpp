@@ -36,7 +36,6 @@ namespace kestrel::gputest {
 namespace {
 
 namespace ml = cuda::moe_layout;
-constexpr double kBf16Ulp = 1.0 / 128;
 
 // ---- host helpers ---------------------------------------------------------------------------------------
 // One checkpoint-layout MXFP4 matrix W [R, C].
@@ -285,8 +284,6 @@ TEST(MoeLayout, EmulatedKernelMatchesCpuTwin) {
 }
 
 // ---- GpuMoe ------------------------------------------------------------------------------------------------
-void need_gpu() { ASSERT_GT(cuda::device_count(), 0) << "no CUDA device: run this binary on the GPU machine"; }
-
 const char* tile_name(cuda::MoeTokenTile t) {
   switch (t) {
     case cuda::MoeTokenTile::t8:
@@ -454,7 +451,7 @@ void make_routing(Routing kind, int64_t T, int64_t X, int64_t K, Rng& rng, std::
 }
 
 // One way of running the experts: the GEMM family and the knobs that change how the work is split.
-struct Variant {
+struct MoeVariant {
   cuda::MoeTokenTile tile = cuda::MoeTokenTile::automatic;
   int grouped = -1;    // MoeExpertsOptions::grouped
   int ctas = 0;        // MoeExpertsOptions::stream_ctas
@@ -472,7 +469,7 @@ struct Variant {
     return n;
   }
 };
-cuda::MoeExpertsOptions options(const Variant& v) {
+cuda::MoeExpertsOptions options(const MoeVariant& v) {
   cuda::MoeExpertsOptions o;
   o.tile = v.tile;
   o.grouped = v.grouped;
@@ -483,7 +480,7 @@ cuda::MoeExpertsOptions options(const Variant& v) {
 }
 
 std::vector<uint16_t> run_gpu_moe(const Experts& E, const std::vector<uint16_t>& z, const std::vector<int32_t>& ids,
-                                  const std::vector<float>& wts, int64_t T, int64_t K, const Variant& v) {
+                                  const std::vector<float>& wts, int64_t T, int64_t K, const MoeVariant& v) {
   auto dz = upload(z);
   auto dids = upload(ids);
   auto dw = upload(wts);
@@ -510,22 +507,22 @@ TEST(GpuMoe, ExpertsMatchCpuTwin) {
   need_gpu();
   Rng rng(52);
   using cuda::MoeTokenTile;
-  const Variant autov{}, t8{MoeTokenTile::t8}, t32{MoeTokenTile::t32}, stream{MoeTokenTile::stream},
+  const MoeVariant autov{}, t8{MoeTokenTile::t8}, t32{MoeTokenTile::t32}, stream{MoeTokenTile::stream},
       wide{MoeTokenTile::wide};
   // Stream-K splits: 1 CTA (4 warps share everything), 3 and 7 CTAs (tiles cut by 2..many warps), ungrouped.
-  const Variant s1{MoeTokenTile::stream, -1, 1}, s3{MoeTokenTile::stream, -1, 3}, s7{MoeTokenTile::stream, -1, 7},
+  const MoeVariant s1{MoeTokenTile::stream, -1, 1}, s3{MoeTokenTile::stream, -1, 3}, s7{MoeTokenTile::stream, -1, 7},
       sung{MoeTokenTile::stream, 0}, sgrp{MoeTokenTile::stream, 1}, snopdl{MoeTokenTile::stream, -1, 0, 0},
       wnopdl{MoeTokenTile::wide, -1, 0, 0};
   // Dequantise + cuBLASLt (prefill): forced, and chosen by `automatic` from 256 slots per hit expert.
-  const Variant dense{MoeTokenTile::dense}, autolt{MoeTokenTile::automatic, -1, 0, -1, true};
+  const MoeVariant dense{MoeTokenTile::dense}, autolt{MoeTokenTile::automatic, -1, 0, -1, true};
   // t8 with K split over 2, 3, 4 CTAs per tile (automatic picks 2 for w1|w3 and for w2 at real dims, T = 1, on the H200),
   // with and without PDL.
-  const Variant k2{MoeTokenTile::t8, -1, 0, -1, false, 2}, k3{MoeTokenTile::t8, -1, 0, -1, false, 3},
+  const MoeVariant k2{MoeTokenTile::t8, -1, 0, -1, false, 2}, k3{MoeTokenTile::t8, -1, 0, -1, false, 3},
       k4{MoeTokenTile::t8, -1, 0, -1, false, 4}, k3nopdl{MoeTokenTile::t8, -1, 0, 0, false, 3};
   struct Run {
     int64_t T;
     Routing routing;
-    std::vector<Variant> variants;  // all checked against one CPU reference
+    std::vector<MoeVariant> variants;  // all checked against one CPU reference
   };
   struct Case {
     int64_t X, K, Lt, I;
@@ -570,7 +567,7 @@ TEST(GpuMoe, ExpertsMatchCpuTwin) {
       cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, ref.data());
       const char* rname =
           run.routing == Routing::ties ? "ties" : run.routing == Routing::skewed ? "skewed" : "random";
-      for (const Variant& v : run.variants) {
+      for (const MoeVariant& v : run.variants) {
         const auto got = run_gpu_moe(*E, z, ids, wts, T, c.K, v);
         check_moe("moe_experts_mxfp4 (u~)", fmt::format("{} T={} K={} {} {}", c.what, T, c.K, rname, v.name()), got,
                   ref);
@@ -608,8 +605,8 @@ TEST(GpuMoe, ExpertsOutOfRangeIdsAddNothing) {
     }
     std::vector<uint16_t> ref(size_t(T * Lt));
     cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), T, X, K, Lt, I, 4.0f, 25.0f, ref.data());
-    for (const Variant& v : {Variant{}, Variant{MoeTokenTile::stream, 0}, Variant{MoeTokenTile::stream, 1, 3},
-                             Variant{MoeTokenTile::wide}, Variant{MoeTokenTile::t8}}) {
+    for (const MoeVariant& v : {MoeVariant{}, MoeVariant{MoeTokenTile::stream, 0}, MoeVariant{MoeTokenTile::stream, 1, 3},
+                             MoeVariant{MoeTokenTile::wide}, MoeVariant{MoeTokenTile::t8}}) {
       const auto got = run_gpu_moe(*E, z, gids, wts, T, K, v);
       check_moe("moe_experts_mxfp4 (bad ids)", fmt::format("nano T={} K=4 {}", T, v.name()), got, ref);
     }
@@ -659,8 +656,8 @@ TEST(GpuMoe, ExpertParallelRankComputesItsExpertsOnly) {
         }
         std::vector<uint16_t> ref(size_t(T * Lt));
         cpu::moe_experts(z.data(), ids.data(), ref_w.data(), E->cpu.data(), T, X, K, Lt, I, 4.0f, 25.0f, ref.data());
-        for (const Variant& v : {Variant{}, Variant{MoeTokenTile::stream, 0}, Variant{MoeTokenTile::stream, 1, 3},
-                                 Variant{MoeTokenTile::wide}, Variant{MoeTokenTile::t8}}) {
+        for (const MoeVariant& v : {MoeVariant{}, MoeVariant{MoeTokenTile::stream, 0}, MoeVariant{MoeTokenTile::stream, 1, 3},
+                                 MoeVariant{MoeTokenTile::wide}, MoeVariant{MoeTokenTile::t8}}) {
           const auto got = run_gpu_moe(mine, z, local, wts, T, K, v);
           check_moe("moe_experts_mxfp4 (one EP rank)",
                     fmt::format("nano EP{} rank {} T={} K=4 {}", N, r, T, v.name()), got, ref);
@@ -678,13 +675,13 @@ TEST(GpuMoe, ExpertsGraphReplay) {
   const int64_t X = 16, K = 4, Lt = 128, I = 64;
   const auto E = make_experts(X, Lt, I, rng);
   using cuda::MoeTokenTile;
-  const std::pair<int64_t, Variant> runs[] = {{33, Variant{}},  // stream, grouped
-                                              {33, Variant{MoeTokenTile::wide}},
-                                              {64, Variant{}},  // wide (16 slots per expert)
-                                              {33, Variant{MoeTokenTile::stream, -1, 3}},
-                                              {1, Variant{}},  // stream, ungrouped
-                                              {2, Variant{MoeTokenTile::stream, 1}},
-                                              {5, Variant{MoeTokenTile::t8, -1, 0, -1, false, 2}}};
+  const std::pair<int64_t, MoeVariant> runs[] = {{33, MoeVariant{}},  // stream, grouped
+                                              {33, MoeVariant{MoeTokenTile::wide}},
+                                              {64, MoeVariant{}},  // wide (16 slots per expert)
+                                              {33, MoeVariant{MoeTokenTile::stream, -1, 3}},
+                                              {1, MoeVariant{}},  // stream, ungrouped
+                                              {2, MoeVariant{MoeTokenTile::stream, 1}},
+                                              {5, MoeVariant{MoeTokenTile::t8, -1, 0, -1, false, 2}}};
   for (const auto& [T, v] : runs) {
     auto dz = poisoned<uint16_t>(size_t(T * Lt));
     auto dids = poisoned<int32_t>(size_t(T * K));
@@ -733,7 +730,7 @@ TEST(GpuMoe, T8KSplitIsDeterministic) {
   std::vector<float> wts;
   make_routing(Routing::random, T, X, K, rng, ids, wts);
   for (int ks : {0, 3}) {
-    const Variant v{cuda::MoeTokenTile::t8, -1, 0, -1, false, ks};
+    const MoeVariant v{cuda::MoeTokenTile::t8, -1, 0, -1, false, ks};
     const auto first = run_gpu_moe(*E, z, ids, wts, T, K, v);
     for (int rep = 0; rep < 4; ++rep)
       EXPECT_EQ(run_gpu_moe(*E, z, ids, wts, T, K, v), first) << v.name() << " run " << rep + 1;

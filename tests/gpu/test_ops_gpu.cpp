@@ -24,9 +24,6 @@ namespace {
 constexpr float kEps = 1e-5f;
 // One BF16 rounding of the same f32 value computed in a different order can land one ulp apart;
 // a BF16 ulp is at most 2^-7 of the value. Two such roundings in a row: 2^-6.
-constexpr double kBf16Ulp = 1.0 / 128;
-
-void need_gpu() { ASSERT_GT(cuda::device_count(), 0) << "no CUDA device: run this binary on the GPU machine"; }
 
 // ---- 1. RMSNorm ------------------------------------------------------------------------------------------
 TEST(GpuOps, RmsNorm) {

@@ -19,10 +19,7 @@
 namespace kestrel::gputest {
 namespace {
 
-constexpr double kBf16Ulp = 1.0 / 128;
 const cpu::MlaDims kNano{4, 32, 16, 32, 64}, kMini{12, 128, 64, 128, 512};
-
-void need_gpu() { ASSERT_GT(cuda::device_count(), 0) << "no CUDA device: run this binary on the GPU machine"; }
 
 // Requests with their own block tables over one shared pool of pages, pages handed out in a random order.
 struct Pages {

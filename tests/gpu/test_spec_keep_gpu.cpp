@@ -127,16 +127,16 @@ TEST(GpuSpec, MarkovGreedyMatchesTwin) {
   }
 }
 
-struct Nano {
+struct KeepNano {
   ModelConfig cfg;
   std::unique_ptr<Checkpoint> ckpt;
   ModelWeights w;
   std::unique_ptr<model::CudaModel> gm;
 };
-Nano* nano() {
-  static Nano* s = []() -> Nano* {
+KeepNano* keep_nano() {
+  static KeepNano* s = []() -> KeepNano* {
     for (const std::string& d : gpu_ckpt_dirs()) {
-      auto* p = new Nano;
+      auto* p = new KeepNano;
       p->cfg = load_config(d);
       if (p->cfg.text.hidden_size != 256) {
         delete p;
@@ -147,7 +147,7 @@ Nano* nano() {
       p->gm = std::make_unique<model::CudaModel>(p->cfg, p->w);
       return p;
     }
-    return static_cast<Nano*>(nullptr);
+    return static_cast<KeepNano*>(nullptr);
   }();
   return s;
 }
@@ -197,7 +197,7 @@ std::vector<uint8_t> expected_pools(const model::CudaCache& cc, std::vector<uint
 }
 
 TEST(GpuSpec, KeepVerifiedBatchedEqualsPerSequence) {
-  Nano* S = nano();
+  KeepNano* S = keep_nano();
   ASSERT_TRUE(S != nullptr) << "KESTREL_GPU_CKPTS holds no nano checkpoint (hidden 256): run through "
                                "bench/gpu/run.sh spec";
   model::CudaModel& gm = *S->gm;

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <numeric>
 #include <vector>
 
 #include "core/check.h"
@@ -91,6 +92,38 @@ class FakeExecutor {
   int P_;
   std::vector<std::vector<int32_t>> pages_;  // token id at each page position
   std::vector<uint64_t> slots_;              // "KDA state" per slot
+};
+
+// The scheduler tests' small cache, a request of n counting tokens (first, first + 1, ...) and a scheduler
+// driven by the fake executor with integrity checked after every step.
+inline cache::CacheConfig cache_config(int32_t pages, int32_t slots, int block = 16) {
+  cache::CacheConfig c;
+  c.num_pages = pages;
+  c.num_state_slots = slots;
+  c.block_size = block;
+  return c;
+}
+
+inline Request request(int n, int32_t max_tokens, int32_t first = 1) {
+  Request r;
+  r.prompt.resize(size_t(n));
+  std::iota(r.prompt.begin(), r.prompt.end(), first);
+  r.max_tokens = max_tokens;
+  return r;
+}
+
+struct Harness {
+  cache::CacheConfig cc;
+  Scheduler s;
+  FakeModel model{7, 1000, 0};
+  FakeExecutor exec;
+  Harness(const SchedulerConfig& sc, const cache::CacheConfig& c) : cc(c), s(sc, c), exec(model, c) {}
+  StepPlan step() {
+    StepPlan p = s.schedule();
+    s.complete(p, exec.run(p, s.cache()));
+    s.check_integrity();
+    return p;
+  }
 };
 
 }  // namespace kestrel::sched::testing

@@ -20,6 +20,7 @@
 #include "server/http_server.h"
 #include "tokenizer/parser.h"
 #include "tokenizer/tokenizer.h"
+#include "chat_markers.h"
 
 namespace kestrel::server::testing {
 
@@ -34,7 +35,10 @@ inline std::vector<int32_t> ids(const std::string& text) {
   return out;
 }
 
-inline const std::string O = "<|open|>", C = "<|close|>", S = "<|sep|>", END = "<|end_of_msg|>";
+using chat_markers::C;
+using chat_markers::END;
+using chat_markers::O;
+using chat_markers::S;
 
 
 namespace net = boost::asio;

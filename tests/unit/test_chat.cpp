@@ -6,6 +6,7 @@
 #include "core/check.h"
 #include "tokenizer/chat.h"
 #include "tokenizer/json_py.h"
+#include "chat_markers.h"
 
 using namespace kestrel::tok;
 using ojson = nlohmann::ordered_json;
@@ -21,7 +22,10 @@ ChatPrompt render(const std::string& json, const std::vector<ImagePrompt>& image
   return ChatEncoder(tok()).encode_request(ojson::parse(json), images);
 }
 
-const std::string O = "<|open|>", C = "<|close|>", S = "<|sep|>", E = "<|end_of_msg|>";
+using kestrel::chat_markers::C;
+using kestrel::chat_markers::O;
+using kestrel::chat_markers::S;
+const std::string& E = kestrel::chat_markers::END;
 std::string msg(const std::string& attrs, const std::string& body) {
   return O + "message" + attrs + S + body + C + "message" + S + E;
 }

@@ -34,9 +34,9 @@ using runtime::Engine;
 // executor's own copy of the logits while the output is shorter than min_tokens, the mask row from
 // token_mask is applied, greedy argmax; check_token before take_token, sample_penalised for a refused
 // token. The logits are a script (logit 20 on `want`). Counts the rows that reach the draw all −inf.
-class DeviceLike : public runtime::StepExecutor {
+class MinTokensDevice : public runtime::StepExecutor {
  public:
-  DeviceLike(int64_t V, int32_t want, int* all_masked) : V_(V), want_(want), all_masked_(all_masked) {}
+  MinTokensDevice(int64_t V, int32_t want, int* all_masked) : V_(V), want_(want), all_masked_(all_masked) {}
   sched::StepResult run(const sched::StepPlan& plan, const runtime::StepHooks& hooks) override {
     sched::StepResult result;
     for (const auto* list : {&plan.decodes, &plan.prefills})
@@ -92,7 +92,7 @@ TEST(EngineStructured, MinTokensYieldsToTheGrammarsEnd) {
     const int32_t end = end_of_msg();
     if (device)
       cfg.make_executor = [&](const CacheFormats&, const cache::CacheConfig&) {
-        return std::unique_ptr<runtime::StepExecutor>(std::make_unique<DeviceLike>(V, end, &all_masked));
+        return std::unique_ptr<runtime::StepExecutor>(std::make_unique<MinTokensDevice>(V, end, &all_masked));
       };
     else
       cfg.make_executor = runtime::fake_executor_factory(V, {{end}, {}});

@@ -24,7 +24,7 @@ namespace {
 using runtime::Engine;
 using runtime::EngineConfig;
 
-const testing::NanoCheckpoint& nano() { return testing::nano_checkpoint(); }
+const testing::NanoCheckpoint& vision_nano() { return testing::nano_checkpoint(); }
 
 std::shared_ptr<const ImageInput> image(int gh, int gw, int seed) {
   auto im = std::make_shared<ImageInput>();
@@ -37,7 +37,7 @@ std::shared_ptr<const ImageInput> image(int gh, int gw, int seed) {
 
 // text, [begin content pad×n end] per image, text; the media spans cover the four-token frames.
 Request image_request(const std::vector<std::shared_ptr<const ImageInput>>& ims) {
-  const int32_t pad = nano().cfg.media_placeholder_token_id;
+  const int32_t pad = vision_nano().cfg.media_placeholder_token_id;
   Request r;
   r.prompt = {5, 77, 301, 12, 400};
   for (const auto& im : ims) {
@@ -56,7 +56,7 @@ Request image_request(const std::vector<std::shared_ptr<const ImageInput>>& ims)
 
 // model::prefill of the prompt with the images' rows at its pads: the reference for the engine.
 std::vector<float> model_logits(const Request& r) {
-  const auto& n = nano();
+  const auto& n = vision_nano();
   std::vector<const ImageInput*> ims;
   for (const auto& im : r.images) ims.push_back(im.get());
   const std::vector<uint16_t> rows = vision::encode(n.w.vision, n.cfg.vision, ims);
@@ -105,13 +105,13 @@ double rel_l2(std::span<const float> a, std::span<const float> b) {
 TEST(EngineVision, ChunkedPrefillAcrossMediaSpansGivesTheModelLogits) {
   const Request r = image_request({image(4, 6, 1), image(6, 4, 2)});  // 6 + 6 image tokens, 38-token prompt
   const std::vector<float> want = model_logits(r);
-  const int64_t V = nano().cfg.text.vocab_size, P = int64_t(r.prompt.size());
+  const int64_t V = vision_nano().cfg.text.vocab_size, P = int64_t(r.prompt.size());
   for (int chunk : {5, 7, 1 << 10}) {  // 5 and 7 cut both media spans; the last runs the prompt at once
     EngineConfig cfg;
     cfg.memory_budget = 32 << 20;
     cfg.max_num_batched_tokens = chunk;
     cfg.long_prefill_token_threshold = chunk;
-    Engine e(nano().w, nano().cfg, cfg);
+    Engine e(vision_nano().w, vision_nano().cfg, cfg);
     Runner run;
     run.submit(e, r, 0);
     run.wait(1);
@@ -127,7 +127,7 @@ TEST(EngineVision, TheImageDecidesTheOutputAndTheSameImageGivesTheSameOutput) {
   EngineConfig cfg;
   cfg.memory_budget = 32 << 20;
   cfg.enable_prefix_cache = false;
-  Engine e(nano().w, nano().cfg, cfg);
+  Engine e(vision_nano().w, vision_nano().cfg, cfg);
   Runner run;
   run.submit(e, image_request({image(4, 6, 1)}), 0);
   run.submit(e, image_request({image(4, 6, 1)}), 1);  // same pixels, another object, same step
@@ -190,11 +190,11 @@ TEST(EngineVision, ARepeatedImageHitsThePrefixCacheAndIsNotEncodedAgain) {
   cfg.max_num_batched_tokens = 256;
   Gated* gate = nullptr;
   cfg.make_executor = [&gate](const CacheFormats& f, const cache::CacheConfig& cc) {
-    auto g = std::make_unique<Gated>(std::make_unique<runtime::Executor>(nano().w, nano().cfg, f, cc));
+    auto g = std::make_unique<Gated>(std::make_unique<runtime::Executor>(vision_nano().w, vision_nano().cfg, f, cc));
     gate = g.get();
     return std::unique_ptr<runtime::StepExecutor>(std::move(g));
   };
-  Engine e(nano().w, nano().cfg, cfg);
+  Engine e(vision_nano().w, vision_nano().cfg, cfg);
   ASSERT_NE(gate, nullptr);
   Runner run;
   {
@@ -241,7 +241,7 @@ TEST(EngineVision, ImagesTheModelCannotTakeAreRefusedAtSubmit) {
   EngineConfig cfg;
   cfg.memory_budget = 16 << 20;
   auto refused = [&](const ModelConfig& c, Request r, const char* what) {
-    Engine e(nano().w, c, cfg);
+    Engine e(vision_nano().w, c, cfg);
     try {
       e.submit(std::move(r), [](TokenEvent&&) {});
       ADD_FAILURE() << "accepted: " << what;
@@ -251,20 +251,20 @@ TEST(EngineVision, ImagesTheModelCannotTakeAreRefusedAtSubmit) {
     }
     EXPECT_TRUE(e.ready());
   };
-  ModelConfig blind = nano().cfg;  // as a --no-vision checkpoint
+  ModelConfig blind = vision_nano().cfg;  // as a --no-vision checkpoint
   blind.vision = VisionConfig{};
   refused(blind, image_request({image(2, 2, 0)}), "no vision tower");
   Request fewer = image_request({image(4, 6, 1)});
   fewer.prompt[8] = 5;  // one pad less than the image's 6 tokens
-  refused(nano().cfg, fewer, "media_pad");
+  refused(vision_nano().cfg, fewer, "media_pad");
   Request extra = image_request({image(2, 2, 1)});
   extra.media.push_back({0, 2, 9});
-  refused(nano().cfg, extra, "1 images for 2 media spans");
+  refused(vision_nano().cfg, extra, "1 images for 2 media spans");
   Request odd = image_request({image(2, 2, 1)});
   auto bad = std::make_shared<ImageInput>(*odd.images[0]);
   bad->patches.resize(10);
   odd.images[0] = bad;
-  refused(nano().cfg, odd, "preprocessed even grid");  // request validation, before the tower's own check
+  refused(vision_nano().cfg, odd, "preprocessed even grid");  // request validation, before the tower's own check
 }
 
 }  // namespace

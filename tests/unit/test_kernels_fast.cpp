@@ -38,7 +38,7 @@ namespace {
 
 bool have_avx2() { return cpu::detected_isa() >= cpu::Isa::avx2; }
 
-std::vector<uint16_t> rand_bf16(size_t n, std::mt19937_64& rng, float sd = 1.0f) {
+std::vector<uint16_t> fast_rand_bf16(size_t n, std::mt19937_64& rng, float sd = 1.0f) {
   std::normal_distribution<float> d(0.0f, sd);
   std::vector<uint16_t> v(n);
   for (auto& x : v) x = f32_to_bf16(d(rng));
@@ -65,7 +65,7 @@ void expect_bf16_close(const std::vector<uint16_t>& a, const std::vector<uint16_
   EXPECT_LE(double(diff), 0.01 * double(a.size()) + 1) << what << ": " << diff << " of " << a.size() << " differ";
 }
 
-double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
+double fast_rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), den += double(b[i]) * b[i];
   return std::sqrt(num / std::max(den, 1e-300));
@@ -126,7 +126,7 @@ TEST(KernelsFast, SituGateAddAgainstTwins) {
   std::mt19937_64 rng(21);
   for (int64_t n : {1, 7, 8, 9, 15, 16, 17, 31, 33, 5003}) {  // vector widths 8 and 16; scalar tails
   SCOPED_TRACE("n=" + std::to_string(n));
-  const auto g = rand_bf16(size_t(n), rng, 3.0f), u = rand_bf16(size_t(n), rng, 30.0f);
+  const auto g = fast_rand_bf16(size_t(n), rng, 3.0f), u = fast_rand_bf16(size_t(n), rng, 30.0f);
   std::vector<uint16_t> a(static_cast<size_t>(n)), b(a.size());
   cpu::situ_glu(g.data(), u.data(), a.data(), n, 4.0f, 25.0f);
   cpu::situ_glu_fast(g.data(), u.data(), b.data(), n, 4.0f, 25.0f);
@@ -147,7 +147,7 @@ TEST(KernelsFast, AttnResMixRowsAgainstScalarPath) {
   for (auto [T, D, n] : {std::tuple<int64_t, int64_t, int>{37, 260, 4}, {1, 1, 1}, {3, 7, 2}, {2, 17, 3}, {5, 64, 9}}) {
   SCOPED_TRACE("T=" + std::to_string(T) + " D=" + std::to_string(D) + " n=" + std::to_string(n));
   std::vector<std::vector<uint16_t>> src;
-  for (int i = 0; i < n; ++i) src.push_back(rand_bf16(size_t(T * D), rng, 1.0f + float(i)));
+  for (int i = 0; i < n; ++i) src.push_back(fast_rand_bf16(size_t(T * D), rng, 1.0f + float(i)));
   std::vector<const uint16_t*> p;
   for (auto& v : src) p.push_back(v.data());
   std::vector<float> u(static_cast<size_t>(D));
@@ -173,7 +173,7 @@ TEST(KernelsFast, KdaOpsAndScanAgainstTwins) {
   SCOPED_TRACE("T=" + std::to_string(T) + " H=" + std::to_string(H) + " Dk=" + std::to_string(Dk));
   const int64_t HD = H * Dk;
   // Conv + SiLU through the history.
-  const auto x = rand_bf16(size_t(T * HD), rng);
+  const auto x = fast_rand_bf16(size_t(T * HD), rng);
   std::vector<float> w(size_t(HD * W));
   for (auto& v : w) v = 0.5f * nd(rng);
   std::vector<uint16_t> h1(size_t((W - 1) * HD)), h2;
@@ -193,16 +193,16 @@ TEST(KernelsFast, KdaOpsAndScanAgainstTwins) {
   for (auto& v : k1) v = nd(rng);
   std::vector<float> q2 = q1, k2 = k1, v(q1.size());
   for (auto& e : v) e = nd(rng);
-  const auto z = rand_bf16(size_t(T * HD), rng), bl = rand_bf16(size_t(T * H), rng);
+  const auto z = fast_rand_bf16(size_t(T * HD), rng), bl = fast_rand_bf16(size_t(T * H), rng);
   std::vector<float> dt(static_cast<size_t>(HD)), alog(static_cast<size_t>(H));
   for (auto& e : dt) e = nd(rng);
   for (auto& e : alog) e = 0.3f * nd(rng);
   std::vector<float> g1(size_t(T * HD)), g2(g1.size()), be1(size_t(T * H)), be2(be1.size());
   cpu::kda_qk_norm_gates(q1.data(), k1.data(), z.data(), dt.data(), alog.data(), bl.data(), -5.0f, g1.data(), be1.data(), T, H, Dk);
   cpu::kda_qk_norm_gates_fast(q2.data(), k2.data(), z.data(), dt.data(), alog.data(), bl.data(), -5.0f, g2.data(), be2.data(), T, H, Dk);
-  EXPECT_LT(rel_l2(q2, q1), 1e-6);
-  EXPECT_LT(rel_l2(k2, k1), 1e-6);
-  EXPECT_LT(rel_l2(g2, g1), 1e-6);
+  EXPECT_LT(fast_rel_l2(q2, q1), 1e-6);
+  EXPECT_LT(fast_rel_l2(k2, k1), 1e-6);
+  EXPECT_LT(fast_rel_l2(g2, g1), 1e-6);
   EXPECT_EQ(be2, be1);
   // The recurrent scan from the same non-zero state, over all T tokens.
   for (int64_t h = 0; h < H; ++h) {
@@ -215,11 +215,11 @@ TEST(KernelsFast, KdaOpsAndScanAgainstTwins) {
     io2.o = o2.data() + h * Dk;
     cpu::kda_scan_recurrent(io1, T, Dk, S1.data());
     cpu::kda_scan_recurrent_fast(io2, T, Dk, S2.data());
-    EXPECT_LT(rel_l2(S2, S1), 1e-5) << "head " << h;
-    EXPECT_LT(rel_l2(o2, o1), 1e-5) << "head " << h;
+    EXPECT_LT(fast_rel_l2(S2, S1), 1e-5) << "head " << h;
+    EXPECT_LT(fast_rel_l2(o2, o1), 1e-5) << "head " << h;
   }
   // Output norm and gate.
-  const auto gate = rand_bf16(size_t(T * HD), rng);
+  const auto gate = fast_rand_bf16(size_t(T * HD), rng);
   std::vector<float> onorm(static_cast<size_t>(Dk));
   for (auto& e : onorm) e = 1.0f + 0.1f * nd(rng);
   std::vector<uint16_t> oh1(size_t(T * HD)), oh2(oh1.size());
@@ -241,8 +241,8 @@ TEST(KernelsFast, MlaAbsorbedAgainstTwinWithSelectionAndDense) {
                                 {{8, 16, 8, 16, 40}, 2, 9, 6}}) {
   SCOPED_TRACE("C=" + std::to_string(d.C) + " R=" + std::to_string(d.R) + " T=" + std::to_string(T));
   const int64_t S = pos0 + T;
-  const auto q = rand_bf16(size_t(T * d.Hm * d.qk()), rng), kvb = rand_bf16(size_t(d.Hm * (d.N + d.Dv) * d.C), rng, 0.2f);
-  const auto lat = rand_bf16(size_t(S * d.cw()), rng);
+  const auto q = fast_rand_bf16(size_t(T * d.Hm * d.qk()), rng), kvb = fast_rand_bf16(size_t(d.Hm * (d.N + d.Dv) * d.C), rng, 0.2f);
+  const auto lat = fast_rand_bf16(size_t(S * d.cw()), rng);
   std::vector<int32_t> sel(size_t(T * Ks), -1);
   for (int64_t t = 0; t < T; ++t) {
     std::vector<int32_t> all(static_cast<size_t>(pos0 + t + 1));
@@ -311,7 +311,7 @@ TEST(KernelsFast, MlaLatentFourHeadsBitIdenticalToPairs) {
     const int64_t S = pos0 + T, CW = d.cw();
     std::vector<float> qt(size_t(T * d.Hm * CW));
     for (auto& v : qt) v = nd(rng);
-    const auto lat = rand_bf16(size_t(S * CW), rng);
+    const auto lat = fast_rand_bf16(size_t(S * CW), rng);
     std::vector<int32_t> sel(size_t(T * Ks), -1);  // query 0 sees nothing (all −1), the others up to Ks keys
     for (int64_t t = 1; t < T; ++t) {
       std::vector<int32_t> all(static_cast<size_t>(pos0 + t + 1));
@@ -366,7 +366,7 @@ TEST(KernelsFast, IndexerSelectionIsBitIdenticalToTwin) {
   for (auto [Hi, Di, Ki, T, pos0] : {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>{4, 32, 16, 9, 40},
                                      {3, 20, 8, 30, 0}, {5, 16, 64, 3, 500}, {2, 32, 64, 70, 0}}) {
     const int64_t S = pos0 + T;
-    const auto qi = rand_bf16(size_t(T * Hi * Di), rng), keys = rand_bf16(size_t(S * Di), rng);
+    const auto qi = fast_rand_bf16(size_t(T * Hi * Di), rng), keys = fast_rand_bf16(size_t(S * Di), rng);
     std::vector<float> hw(size_t(T * Hi));
     std::normal_distribution<float> nd;
     for (auto& v : hw) v = nd(rng);
@@ -411,7 +411,7 @@ TEST(KernelsFast, MoeExpertsFastMatchesTwin) {
                      {m[size_t(3 * e + 1)].p.data(), m[size_t(3 * e + 1)].s.data()},
                      {m[size_t(3 * e + 2)].p.data(), m[size_t(3 * e + 2)].s.data()}};
   }
-  const auto z = rand_bf16(size_t(T * Lt), rng);
+  const auto z = fast_rand_bf16(size_t(T * Lt), rng);
   std::vector<int32_t> ids(size_t(T * K));
   std::vector<float> wts(ids.size());
   for (int64_t t = 0; t < T; ++t) {

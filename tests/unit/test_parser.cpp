@@ -7,6 +7,7 @@
 
 #include "tokenizer/chat.h"
 #include "tokenizer/parser.h"
+#include "chat_markers.h"
 
 using namespace kestrel::tok;
 
@@ -17,7 +18,9 @@ const Tokenizer& tok() {
   return t;
 }
 
-const std::string O = "<|open|>", C = "<|close|>", S = "<|sep|>";
+using kestrel::chat_markers::C;
+using kestrel::chat_markers::O;
+using kestrel::chat_markers::S;
 
 // Model output as text, tokenized three ways: as the encoder would (specials allowed), one token
 // per byte (markers split as finely as possible), and in random-sized ordinary chunks.

@@ -18,34 +18,9 @@
 namespace kestrel::sched {
 namespace {
 
-cache::CacheConfig cache_config(int32_t pages, int32_t slots, int block = 16) {
-  cache::CacheConfig c;
-  c.num_pages = pages;
-  c.num_state_slots = slots;
-  c.block_size = block;
-  return c;
-}
-
-Request request(int n, int32_t max_tokens, int32_t first = 1) {
-  Request r;
-  r.prompt.resize(size_t(n));
-  std::iota(r.prompt.begin(), r.prompt.end(), first);
-  r.max_tokens = max_tokens;
-  return r;
-}
-
-struct Harness {
-  Scheduler s;
-  testing::FakeModel model{7, 1000, 0};
-  testing::FakeExecutor exec;
-  Harness(const SchedulerConfig& sc, const cache::CacheConfig& c) : s(sc, c), exec(model, c) {}
-  StepPlan step() {
-    StepPlan p = s.schedule();
-    s.complete(p, exec.run(p, s.cache()));
-    s.check_integrity();
-    return p;
-  }
-};
+using testing::cache_config;
+using testing::Harness;
+using testing::request;
 
 SchedulerConfig fair(int32_t budget, int32_t threshold, int32_t partial = 4, int32_t long_partial = 1) {
   SchedulerConfig c;

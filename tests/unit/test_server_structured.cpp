@@ -17,6 +17,7 @@
 #include "server/http_server.h"
 #include "server/structured.h"
 #include "tokenizer/chat.h"
+#include "chat_markers.h"
 
 using namespace kestrel;
 using namespace kestrel::server;
@@ -35,7 +36,10 @@ std::vector<int32_t> ids(const std::string& text) {
   return out;
 }
 
-const std::string O = "<|open|>", C = "<|close|>", S = "<|sep|>", END = "<|end_of_msg|>";
+using kestrel::chat_markers::C;
+using kestrel::chat_markers::O;
+using kestrel::chat_markers::S;
+using kestrel::chat_markers::END;
 
 ojson body(const std::string& text) { return ojson::parse(text); }
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "tokenizer/text_stream.h"
+#include "chat_markers.h"
 
 namespace kestrel::tok {
 namespace {
@@ -18,7 +19,10 @@ const Tokenizer& T() {
 
 std::vector<TokenId> ids(const std::string& text) { return T().encode(text, /*allow_special=*/true); }
 
-const std::string O = "<|open|>", C = "<|close|>", S = "<|sep|>", END = "<|end_of_msg|>";
+using kestrel::chat_markers::C;
+using kestrel::chat_markers::O;
+using kestrel::chat_markers::S;
+using kestrel::chat_markers::END;
 
 TEST(StopMatcher, HoldsBackPrefixesAndCutsAtTheMatch) {
   StopMatcher m({"STOP", "xy"});

@@ -28,7 +28,7 @@ namespace kestrel::cpu::gemm_detail {
 namespace {
 
 template <int MR, int NP>
-KESTREL_AVX512BF16 inline void micro(const PanelBlock& b, int64_t m0, int64_t p) {
+KESTREL_AVX512BF16 inline void micro512(const PanelBlock& b, int64_t m0, int64_t p) {
   const int64_t P = (b.w.K + 1) / 2, ld = b.ldx;  // k-pairs; x rows are zero-padded to 2P
   const uint32_t* w[NP];
 #pragma GCC unroll 4
@@ -75,17 +75,17 @@ KESTREL_AVX512BF16 void panels_avx512bf16(const PanelBlock& b) {
   int64_t p = 0;
   if (b.M < 4) {  // few rows: four panels at once
     for (; p + 4 <= b.np; p += 4)
-      for (int64_t m = 0; m < b.M; ++m) micro<1, 4>(b, m, p);
+      for (int64_t m = 0; m < b.M; ++m) micro512<1, 4>(b, m, p);
   }
   for (; p + 2 <= b.np; p += 2) {
     int64_t m = 0;
-    for (; m + 8 <= b.M; m += 8) micro<8, 2>(b, m, p);
-    for (; m < b.M; ++m) micro<1, 2>(b, m, p);
+    for (; m + 8 <= b.M; m += 8) micro512<8, 2>(b, m, p);
+    for (; m < b.M; ++m) micro512<1, 2>(b, m, p);
   }
   for (; p < b.np; ++p) {
     int64_t m = 0;
-    for (; m + 8 <= b.M; m += 8) micro<8, 1>(b, m, p);
-    for (; m < b.M; ++m) micro<1, 1>(b, m, p);
+    for (; m + 8 <= b.M; m += 8) micro512<8, 1>(b, m, p);
+    for (; m < b.M; ++m) micro512<1, 1>(b, m, p);
   }
 }
 

@@ -35,6 +35,8 @@ inline constexpr int kOneShotMaxBlocks = 64;
 // (slot [b][p] written by rank p), then u32 epochs [kOneShotMaxBlocks] (this rank's own counters).
 inline constexpr size_t kOneShotFlagWords = size_t(kOneShotMaxBlocks) * (kOneShotMaxRanks + 1);
 inline constexpr size_t kOneShotFlagBytes = kOneShotFlagWords * sizeof(uint32_t);
+// The flags rounded up to 256 bytes: a rank's buffer is [control | data], and the data stays 256-byte aligned.
+inline constexpr size_t kOneShotControlBytes = (kOneShotFlagBytes + 255) / 256 * 256;
 
 struct OneShotBuffers {
   int n = 0;                                // ranks
