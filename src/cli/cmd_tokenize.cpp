@@ -6,6 +6,8 @@
 //   kestrel tokenize --model DIR --jsonl < lines           batch mode for the golden tests: each input
 //       line is {"text": str} or {"hex": raw bytes as hex}, optional "special": true; each output
 //       line is {"ids": [...], "decoded": str} (decoded = decode(ids), invalid UTF-8 replaced).
+//   kestrel tokenize --model DIR --chat --jsonl < lines    the same for chat requests: one request per
+//       input line, one {"prompt": str, "ids": [...]} line out (one process for a whole set of requests).
 // DIR holds tiktoken.model and tokenizer_config.json.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -87,9 +89,43 @@ void run_jsonl(const tok::Tokenizer& t) {
   }
 }
 
+// One chat request rendered as the server does it; image parts (data: URLs) are decoded and expanded
+// whatever the checkpoint's vision; local files are not read here.
+tok::ChatPrompt encode_chat_request(const tok::Tokenizer& t, const std::string& model, const std::string& body) {
+  nlohmann::ordered_json req;
+  try {
+    req = nlohmann::ordered_json::parse(body);
+  } catch (const std::exception& e) {
+    fail("--chat: request is not JSON: {}", e.what());
+  }
+  tok::ChatEncoder enc(t);
+  server::MediaOptions media;
+  media.vision = true;
+  media.preprocess = vision::load_preprocess_config(model);
+  server::RequestImages images(media);
+  return enc.encode_request(req, images.resolver());
+}
+
+void run_chat_jsonl(const tok::Tokenizer& t, const std::string& model) {
+  std::ios::sync_with_stdio(false);
+  std::string line;
+  size_t line_no = 0;
+  while (std::getline(std::cin, line)) {
+    ++line_no;
+    if (line.empty()) continue;
+    tok::ChatPrompt p;
+    try {
+      p = encode_chat_request(t, model, line);
+    } catch (const std::exception& e) {
+      fail("jsonl line {}: {}", line_no, e.what());
+    }
+    std::cout << nlohmann::json{{"prompt", p.text}, {"ids", p.ids}}.dump() << '\n';
+  }
+}
+
 void run(const TokenizeOptions& o) {
   const tok::Tokenizer t = tok::Tokenizer::load(o.model);
-  if (o.jsonl) return run_jsonl(t);
+  if (o.jsonl) return o.chat ? run_chat_jsonl(t, o.model) : run_jsonl(t);
   const std::string input = read_stdin();
   if (o.decode) {
     std::vector<tok::TokenId> ids;
@@ -104,20 +140,7 @@ void run(const TokenizeOptions& o) {
     return;
   }
   if (o.chat) {
-    nlohmann::ordered_json req;
-    try {
-      req = nlohmann::ordered_json::parse(input);
-    } catch (const std::exception& e) {
-      fail("--chat: request is not JSON: {}", e.what());
-    }
-    tok::ChatEncoder enc(t);
-    // Image parts (data: URLs) are decoded and expanded as the server does it, whatever the checkpoint's
-    // vision; local files are not read here.
-    server::MediaOptions media;
-    media.vision = true;
-    media.preprocess = vision::load_preprocess_config(o.model);
-    server::RequestImages images(media);
-    const tok::ChatPrompt p = enc.encode_request(req, images.resolver());
+    const tok::ChatPrompt p = encode_chat_request(t, o.model, input);
     std::cout << p.text << '\n';
     print_ids(p.ids);
     return;
@@ -133,10 +156,11 @@ void register_tokenize(CLI::App& app) {
   sub->add_option("--model", opts->model, "Directory with tiktoken.model and tokenizer_config.json")->required();
   auto* dec = sub->add_flag("--decode", opts->decode, "Read token ids, print the decoded text");
   auto* chat = sub->add_flag("--chat", opts->chat, "Read an OpenAI-style chat request (JSON), print the K3 prompt and its ids");
-  auto* jsonl = sub->add_flag("--jsonl", opts->jsonl, "Batch mode: JSON lines in, {\"ids\",\"decoded\"} lines out");
+  auto* jsonl = sub->add_flag("--jsonl", opts->jsonl,
+                              "Batch mode: JSON lines in, {\"ids\",\"decoded\"} lines out (with --chat: a request per "
+                              "line, {\"prompt\",\"ids\"} out)");
   sub->add_flag("--special", opts->special, "Let special-token text in the input become special ids");
   dec->excludes(chat)->excludes(jsonl);
-  chat->excludes(jsonl);
   sub->callback([opts] {
     try {
       run(*opts);

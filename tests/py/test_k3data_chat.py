@@ -145,13 +145,35 @@ def kestrel_chat(req):
     return prompt, [int(x) for x in ids.split()]
 
 
+def kestrel_chat_batch(reqs):
+    """`kestrel tokenize --chat --jsonl`: every request in one process (one line in, one line out each)."""
+    inp = "".join(json.dumps(q) + "\n" for q in reqs).encode()
+    r = subprocess.run([BIN, "tokenize", "--model", VOCAB, "--chat", "--jsonl"], input=inp, capture_output=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr.decode()
+    out = [json.loads(x) for x in r.stdout.decode().splitlines()]
+    assert len(out) == len(reqs)
+    return [(o["prompt"], o["ids"]) for o in out]
+
+
 def test_encoder_matches_engine(tok):
     r = random.Random(20261129)
-    for n in range(200):
-        req = request(r)
-        prompt, ids = kestrel_chat(req)
+    reqs = [request(r) for _ in range(200)]
+    got = kestrel_chat_batch(reqs)
+    for n, (req, (prompt, ids)) in enumerate(zip(reqs, got)):
         assert chat.render_text(req) == prompt, (n, req)
         assert chat.encode_request(tok, req) == ids, (n, req)
+    # The one-request mode renders the same (three of them, each its own process).
+    for n in (0, 77, 199):
+        assert kestrel_chat(reqs[n]) == got[n], n
+
+
+def test_chat_jsonl_reports_the_bad_line():
+    r = subprocess.run([BIN, "tokenize", "--model", VOCAB, "--chat", "--jsonl"],
+                       input=b'{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": \n', capture_output=True,
+                       timeout=60)
+    assert r.returncode != 0
+    assert "jsonl line 2" in r.stderr.decode()
 
 
 def test_encode_chat_interface(tok):
