@@ -70,6 +70,20 @@ KESTREL_AVX2 void gate_avx2(uint16_t* o, const uint16_t* g, int64_t n) {
   for (; i < n; ++i) o[i] = f32_to_bf16(bf16_to_f32(o[i]) * sigmoid(bf16_to_f32(g[i])));
 }
 
+// The sumsq_rows8 kernels' finish: row r's sum so far (acc[r], elements [0, i)) plus the row's tail [i, n), still
+// one double product and one double add per element in index order.
+inline void sumsq_tails(const uint16_t* x /* bf16 [nr, n] */, int64_t n, int64_t nr, int64_t i, const double* acc,
+                        double* ss /* f64 [nr] */) {
+  for (int64_t r = 0; r < nr; ++r) {
+    double s = acc[r];
+    for (int64_t k = i; k < n; ++k) {
+      const double v = double(bf16_to_f32(x[r * n + k]));
+      s += v * v;
+    }
+    ss[r] = s;
+  }
+}
+
 // Sums of squares of rows [0, nr) (nr ≤ 8) of x (bf16 [nr, n], row stride n) in double, each row's
 // terms added in index order — the scalar loop's arithmetic exactly (a double product, then a double
 // add, per element), but with the eight rows as the eight lanes of one register: an 8 × 8 block of
@@ -95,14 +109,7 @@ KESTREL_AVX512BF16 void sumsq_rows8(const uint16_t* x, int64_t n, int64_t nr, do
   }
   alignas(64) double a[8];
   _mm512_store_pd(a, acc);
-  for (int64_t r = 0; r < nr; ++r) {
-    double s = a[r];
-    for (int64_t k = i; k < n; ++k) {  // the row's tail, still in order
-      const double v = double(bf16_to_f32(x[r * n + k]));
-      s += v * v;
-    }
-    ss[r] = s;
-  }
+  sumsq_tails(x, n, nr, i, a, ss);
 }
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
@@ -129,14 +136,7 @@ KESTREL_AVX2 void sumsq_rows8_avx2(const uint16_t* x /* bf16 [nr, n] */, int64_t
   alignas(32) double acc[8];
   _mm256_store_pd(acc, lo);
   _mm256_store_pd(acc + 4, hi);
-  for (int64_t r = 0; r < nr; ++r) {
-    double s = acc[r];
-    for (int64_t k = i; k < n; ++k) {  // the row's tail, still in order
-      const double v = double(bf16_to_f32(x[r * n + k]));
-      s += v * v;
-    }
-    ss[r] = s;
-  }
+  sumsq_tails(x, n, nr, i, acc, ss);
 }
 
 }  // namespace
