@@ -14,7 +14,9 @@ import sys
 
 
 def short(name):
-    name = name.replace("(anonymous namespace)::", "")
+    # the compiler's "(anonymous namespace)::", and ncu's "<unnamed>::" for the same thing (the template
+    # stripping below would otherwise cut every kernel in an unnamed namespace down to "kestrel::")
+    name = name.replace("(anonymous namespace)::", "").replace("<unnamed>::", "")
     name = re.sub(r"^void ", "", name)
     name = re.sub(r"\(.*", "", name)  # drop the argument list
     name = re.sub(r"<.*", "", name)   # and template arguments
