@@ -62,13 +62,20 @@ void print_ids(const std::vector<tok::TokenId>& ids) {
   std::cout << line << '\n';
 }
 
-void run_jsonl(const tok::Tokenizer& t) {
+// fn(line, line_no) for every non-empty line of stdin (line numbers count the empty ones too).
+template <class F>
+void each_input_line(F&& fn) {
   std::ios::sync_with_stdio(false);
   std::string line;
   size_t line_no = 0;
   while (std::getline(std::cin, line)) {
     ++line_no;
-    if (line.empty()) continue;
+    if (!line.empty()) fn(line, line_no);
+  }
+}
+
+void run_jsonl(const tok::Tokenizer& t) {
+  each_input_line([&](const std::string& line, size_t line_no) {
     nlohmann::json in;
     try {
       in = nlohmann::json::parse(line);
@@ -86,7 +93,7 @@ void run_jsonl(const tok::Tokenizer& t) {
     auto ids = t.encode(text, special);
     nlohmann::json out = {{"ids", ids}, {"decoded", t.decode(ids)}};
     std::cout << out.dump() << '\n';
-  }
+  });
 }
 
 // One chat request rendered as the server does it; image parts (data: URLs) are decoded and expanded
@@ -107,12 +114,7 @@ tok::ChatPrompt encode_chat_request(const tok::Tokenizer& t, const std::string& 
 }
 
 void run_chat_jsonl(const tok::Tokenizer& t, const std::string& model) {
-  std::ios::sync_with_stdio(false);
-  std::string line;
-  size_t line_no = 0;
-  while (std::getline(std::cin, line)) {
-    ++line_no;
-    if (line.empty()) continue;
+  each_input_line([&](const std::string& line, size_t line_no) {
     tok::ChatPrompt p;
     try {
       p = encode_chat_request(t, model, line);
@@ -120,7 +122,7 @@ void run_chat_jsonl(const tok::Tokenizer& t, const std::string& model) {
       fail("jsonl line {}: {}", line_no, e.what());
     }
     std::cout << nlohmann::json{{"prompt", p.text}, {"ids", p.ids}}.dump() << '\n';
-  }
+  });
 }
 
 void run(const TokenizeOptions& o) {
