@@ -12,7 +12,7 @@
 // across requests when B·S exceeds it, as the contiguous rows are), and the chunked KDA prefill scan.
 //
 //   bench_ops [--quick] [--perf] [--model DIR] [--quantization bf16|ptpc-fp8] [--only SECTION,...]
-//     sections: ceilings (always measured; printed as PERF copy_gbps / bf16_gemm_tflops) proj kda moe mla indexer
+//     sections: ceilings (always measured; printed as PERF copy_gbps / bf16_gemm_tflops) proj attnres kda moe mla indexer
 //               paged_mla paged_indexer kda_chunked model
 //     --perf: quick repetitions, PERF lines, and only ceilings + model unless --only says otherwise
 //     --quantization ptpc-fp8: the model section on FP8 dense projections (PERF keys suffixed _fp8)
@@ -36,6 +36,7 @@
 #include "kernels/cuda/gemm_skinny.h"
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/moe.h"
+#include "kernels/cuda/norm.h"
 #include "kernels/cuda/paged.h"
 #include "kernels/cuda/vision.h"
 #include "loader/config.h"
@@ -454,6 +455,50 @@ int main(int argc, char** argv) {
         }
       }
     }
+  }
+
+  // ---- AttnRes points: the one-CTA and the cluster kernel by batch (kernels/cuda/attn_res.cu) ----------------
+  // Twenty dependent points in one CUDA graph (PDL edges, as in the forward), replayed: µs per point. The
+  // crossover sets attn_res.cu's default bound; both kernels are timed whatever it is.
+  if (want("attnres")) {
+    const int64_t nb = 4, Tmax = 64, reps = 20;
+    fmt::print("\n### AttnRes point (attn_res_step), D = {}, {} stored blocks, P += a, store off, FP8 codes on: "
+               "µs per point, {} points in one graph\n\n| T | one-CTA kernel | cluster kernel |\n|---|---|---|\n",
+               D, nb, reps);
+    cuda::DeviceBuffer blocks(size_t(nb * Tmax * D) * 2), partial(size_t(Tmax * D) * 2), av(size_t(Tmax * D) * 2),
+        y(size_t(Tmax * D) * 2), q8(size_t(Tmax * D)), qs(size_t(Tmax) * 4), wv(size_t(3 * D) * 2);
+    fill_bf16(blocks.data(), size_t(nb * Tmax * D), 11);
+    fill_bf16(partial.data(), size_t(Tmax * D), 12);
+    fill_bf16(av.data(), size_t(Tmax * D), 13);
+    fill_bf16(wv.data(), size_t(3 * D), 14);
+    const auto* w16 = static_cast<const uint16_t*>(wv.data());
+    cudaStream_t st;
+    KCUDA_CHECK(cudaStreamCreate(&st));  // blocking: orders with the timer's events on the legacy stream
+    const int saved = cuda::attn_res_cluster_max_t();
+    for (int64_t T : {1, 2, 4, 8, 16, 32, 64}) {
+      double us[2];
+      for (int k = 0; k < 2; ++k) {
+        cuda::set_attn_res_cluster_max_t(k == 0 ? 0 : 64);
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        KCUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        for (int i = 0; i < reps; ++i)
+          cuda::attn_res_step(static_cast<const uint16_t*>(blocks.data()), T * D, int(nb),
+                              static_cast<uint16_t*>(partial.data()), static_cast<const uint16_t*>(av.data()),
+                              cuda::AttnResAdd::add, nullptr, w16, w16 + D, w16 + 2 * D, 1e-6f,
+                              static_cast<uint16_t*>(y.data()), static_cast<uint8_t*>(q8.data()),
+                              static_cast<float*>(qs.data()), T, D, st);
+        KCUDA_CHECK(cudaStreamEndCapture(st, &g));
+        KCUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+        us[k] = tm.median_us([&] { KCUDA_CHECK(cudaGraphLaunch(ge, st)); }, 3, quick ? 10 : 30) / double(reps);
+        KCUDA_CHECK(cudaGraphExecDestroy(ge));
+        KCUDA_CHECK(cudaGraphDestroy(g));
+      }
+      fmt::print("| {} | {:.2f} | {:.2f} |\n", T, us[0], us[1]);
+      if (perf) fmt::print("PERF attn_res_us_b{} {:.2f}\nPERF attn_res_cluster_us_b{} {:.2f}\n", T, us[0], T, us[1]);
+    }
+    cuda::set_attn_res_cluster_max_t(saved);
+    KCUDA_CHECK(cudaStreamDestroy(st));
   }
 
   // ---- KDA recurrent decode --------------------------------------------------------------------------------

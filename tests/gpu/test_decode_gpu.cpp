@@ -6,7 +6,8 @@
 //    run-to-run determinism (split-K without float atomics);
 //  - PTPC FP8: the GPU quantisation bit-exact vs cpu::quantize_fp8_rows, the FP8 skinny GEMM and cuBLASLt's
 //    FP8 GEMM vs cpu::gemm_ptpc_fp8, and (informative) the FP8 error against the BF16 GEMM;
-//  - attn_res_step (one kernel per AttnRes point) vs model::attn_res_mix + cpu::rmsnorm_bf16;
+//  - attn_res_step (one kernel per AttnRes point; its one-CTA and cluster kernels) vs model::attn_res_mix +
+//    cpu::rmsnorm_bf16;
 //  - kda_decode_fused vs the CPU twins of steps 2–7 composed.
 // Timings of the skinny GEMM against cuBLASLt at the real shapes are printed as notes (not asserted).
 #include <cuda_runtime.h>
@@ -296,6 +297,7 @@ TEST(GpuDecode, PtpcFp8QuantAndGemm) {
 TEST(GpuDecode, AttnResStepMatchesTwin) {
   need_gpu();
   Rng rng(104);
+  const int default_bound = cuda::attn_res_cluster_max_t();
   struct Case {
     int64_t T, D;
     int nb;
@@ -306,6 +308,10 @@ TEST(GpuDecode, AttnResStepMatchesTwin) {
   for (Case c : {Case{3, 256, 0, M::none, true, false}, Case{3, 256, 2, M::add, false, true},
                  Case{1, 7168, 4, M::add, true, true}, Case{1, 7168, 1, M::replace, false, false},
                  Case{16, 7168, 3, M::replace, true, true}, Case{64, 7168, 2, M::add, false, false},
+                 // decode launch shape: the row over a cluster of CTAs — every source slot (15 blocks + P), a
+                 // row that does not split evenly (129 vectors over 3 CTAs), the largest decode bucket
+                 Case{1, 7168, 15, M::add, true, true}, Case{2, 1032, 5, M::none, true, true},
+                 Case{64, 7168, 9, M::add, true, true},
                  // prefill launch shape (256 threads looping over the row)
                  Case{600, 7168, 3, M::add, true, true}, Case{512, 256, 1, M::replace, false, false}}) {
     model::AttnResStream s(c.T, c.D, c.nb + 1);
@@ -326,10 +332,19 @@ TEST(GpuDecode, AttnResStepMatchesTwin) {
     auto dy = poisoned<uint16_t>(size_t(c.T * c.D));
     auto dq = poisoned<uint8_t>(size_t(c.T * c.D));
     auto dqs = poisoned<float>(size_t(c.T));
-    cuda::attn_res_step(dblocks.p(), c.T * c.D, c.nb, dp.p(), c.mode == M::none ? nullptr : da.p(), c.mode,
-                        c.store ? dstore.p() : nullptr, dnw.p(), dpw.p(), drw.p(), kEps, dy.p(),
-                        c.fp8 ? dq.p() : nullptr, dqs.p(), c.T, c.D, nullptr);
-    sync();
+    const auto p0 = dp.get();
+    auto run = [&] {
+      dp.buf.copy_from_host(p0.data(), p0.size() * 2);  // P is updated in place
+      const std::vector<uint8_t> junk(size_t(c.T * c.D) * 2, 0xFF);  // outputs NaN-poisoned again for each kernel
+      dy.buf.copy_from_host(junk.data(), size_t(c.T * c.D) * 2);
+      dstore.buf.copy_from_host(junk.data(), size_t(c.T * c.D) * 2);
+      dq.buf.copy_from_host(junk.data(), size_t(c.T * c.D));
+      dqs.buf.copy_from_host(junk.data(), size_t(c.T) * 4);
+      cuda::attn_res_step(dblocks.p(), c.T * c.D, c.nb, dp.p(), c.mode == M::none ? nullptr : da.p(), c.mode,
+                          c.store ? dstore.p() : nullptr, dnw.p(), dpw.p(), drw.p(), kEps, dy.p(),
+                          c.fp8 ? dq.p() : nullptr, dqs.p(), c.T, c.D, nullptr);
+      sync();
+    };
     // CPU: the pending update of P, then Mix + RMSNorm.
     for (size_t i = 0; i < s.partial.size(); ++i) {
       if (c.mode == M::add) s.partial[i] = f32_to_bf16(bf16_to_f32(s.partial[i]) + bf16_to_f32(a[i]));
@@ -338,21 +353,36 @@ TEST(GpuDecode, AttnResStepMatchesTwin) {
     std::vector<uint16_t> h(size_t(c.T * c.D)), y(size_t(c.T * c.D));
     model::attn_res_mix(s, norm_w.data(), proj_w.data(), kEps, h.data());
     cpu::rmsnorm_bf16(h.data(), rms_w.data(), y.data(), c.T, c.D, kEps);
-    const std::string shape = fmt::format("T={} D={} nb={} mode={} store={} fp8={}", c.T, c.D, c.nb, int(c.mode),
-                                          c.store, c.fp8);
     const std::vector<uint16_t> pnew(s.partial.begin(), s.partial.end());
-    check_exact("attn_res_step (P updated)", shape, dp.get().data(), pnew.data(), pnew.size() * 2);
-    if (c.store) check_exact("attn_res_step (stored block)", shape, dstore.get().data(), pnew.data(), pnew.size() * 2);
-    const auto got = dy.get();
-    check_bf16("attn_res_step (y)", shape, got, y, {1e-3, 3 * kBf16Ulp, 2e-3});
-    if (c.fp8) {  // the codes of the kernel's own y, by the twin's rule
-      std::vector<uint8_t> q(got.size());
-      std::vector<float> qs(static_cast<size_t>(c.T));
-      cpu::quantize_fp8_rows(got.data(), c.D, c.T, c.D, q.data(), qs.data());
-      check_exact("attn_res_step (fp8 codes)", shape, dq.get().data(), q.data(), q.size());
-      check_exact("attn_res_step (fp8 scales)", shape, dqs.get().data(), qs.data(), qs.size() * 4);
+    // Both kernels at every case: the one-CTA kernel (cluster bound 0) and the cluster kernel (bound 64, where
+    // T ≤ 64).
+    std::vector<uint16_t> y_by[2];
+    for (int k = 0; k < 2; ++k) {
+      const int bound = k == 0 ? 0 : 64;
+      if (bound > 0 && c.T > bound) continue;
+      cuda::set_attn_res_cluster_max_t(bound);
+      run();
+      const std::string shape = fmt::format("T={} D={} nb={} mode={} store={} fp8={} {}", c.T, c.D, c.nb,
+                                            int(c.mode), c.store, c.fp8, k == 0 ? "one-CTA" : "cluster");
+      check_exact("attn_res_step (P updated)", shape, dp.get().data(), pnew.data(), pnew.size() * 2);
+      if (c.store) check_exact("attn_res_step (stored block)", shape, dstore.get().data(), pnew.data(), pnew.size() * 2);
+      const auto got = dy.get();
+      check_bf16("attn_res_step (y)", shape, got, y, {1e-3, 3 * kBf16Ulp, 2e-3});
+      if (c.fp8) {  // the codes of the kernel's own y, by the twin's rule
+        std::vector<uint8_t> q(got.size());
+        std::vector<float> qs(static_cast<size_t>(c.T));
+        cpu::quantize_fp8_rows(got.data(), c.D, c.T, c.D, q.data(), qs.data());
+        check_exact("attn_res_step (fp8 codes)", shape, dq.get().data(), q.data(), q.size());
+        check_exact("attn_res_step (fp8 scales)", shape, dqs.get().data(), qs.data(), qs.size() * 4);
+      }
+      y_by[k] = got;
     }
+    // Where the row fits one warp (D = 256: 32 vectors) the two kernels do the same operations in the same order.
+    if (c.D == 256 && !y_by[1].empty())
+      check_exact("attn_res_step cluster == one-CTA (D = 256)", fmt::format("T={} nb={}", c.T, c.nb), y_by[1].data(),
+                  y_by[0].data(), y_by[0].size() * 2);
   }
+  cuda::set_attn_res_cluster_max_t(default_bound);
 }
 
 TEST(GpuDecode, KdaDecodeFusedMatchesTwins) {

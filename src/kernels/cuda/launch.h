@@ -17,6 +17,7 @@
 
 #include <cuda_runtime.h>
 
+#include <string>
 #include <utility>
 
 #include "kernels/cuda/cuda_check.h"
@@ -26,21 +27,34 @@ namespace kestrel::cuda {
 bool pdl_enabled();  // KESTREL_PDL (default on), read once
 void set_pdl_enabled(bool on);  // tests and benchmarks
 
-// kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute when enabled.
+// kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute when enabled; cluster_x > 1 also
+// groups grid.x in thread-block clusters of that size (grid.x a multiple of it; at most 8, the portable size).
 template <typename... KArgs, typename... Args>
-void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
-  cudaLaunchAttribute attr[1];
+void launch_pdl_cluster(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                        unsigned cluster_x, Args&&... args) {
+  KCUDA_REQUIRE(cluster_x >= 1 && cluster_x <= 8 && grid.x % cluster_x == 0,
+                std::string("launch_pdl_cluster: cluster size must be 1..8 and divide grid.x"));
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   // Not on the legacy default stream (tests, uploads): plain stream order there.
   attr[0].val.programmaticStreamSerializationAllowed = pdl_enabled() && stream != nullptr ? 1 : 0;
+  attr[1].id = cudaLaunchAttributeClusterDimension;
+  attr[1].val.clusterDim.x = cluster_x;
+  attr[1].val.clusterDim.y = 1;
+  attr[1].val.clusterDim.z = 1;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = cluster_x > 1 ? 2 : 1;
   KCUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+template <typename... KArgs, typename... Args>
+void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
+  launch_pdl_cluster(kernel, grid, block, smem, stream, 1u, std::forward<Args>(args)...);
 }
 
 }  // namespace kestrel::cuda

@@ -37,8 +37,9 @@ void attn_res_mix_rmsnorm(const uint16_t* blocks /* bf16 [nb, T, D], block i at 
 //     this call's own Mix, so the Mix below still sees nb blocks);
 //  3. y = RMSNorm_{rms_w}(Mix([B_0..B_{nb−1}, P])), as attn_res_mix_rmsnorm;
 //  4. if q8 is non-null, the PTPC FP8 codes of y as well (quantize_fp8_rows' rule): the next GEMM's input.
-// One CTA per token with one 16-byte vector per thread (up to 1024 threads; D = 7168: 896), so a batch-1
-// call is one wave of latency instead of a 256-thread loop. PDL launch.
+// Small batches (T ≤ attn_res_cluster_max_t()): a token's row over a cluster of up to 8 CTAs, every source
+// held in registers, the reductions exchanged through distributed shared memory; otherwise one CTA per token
+// (attn_res.cu). PDL launch.
 enum class AttnResAdd : uint8_t { none, add, replace };
 void attn_res_step(const uint16_t* blocks /* bf16 [nb, T, D], block i at i·block_stride */, int64_t block_stride,
                    int nb, uint16_t* partial /* bf16 [T, D], in/out */, const uint16_t* a /* bf16 [T, D] or null */,
@@ -47,6 +48,11 @@ void attn_res_step(const uint16_t* blocks /* bf16 [nb, T, D], block i at i·bloc
                    const uint16_t* rms_w /* bf16 [D] */, float eps, uint16_t* y /* bf16 [T, D] */,
                    uint8_t* q8 /* e4m3 [T, D] or null */, float* q_scale /* f32 [T] */, int64_t T, int64_t D,
                    cudaStream_t stream);
+
+// The most tokens for which attn_res_step takes the cluster kernel (0..64; the default from the measured
+// crossover, or KESTREL_ATTNRES_CLUSTER_MAX_T). The setter is for tests and benchmarks (both kernels).
+int attn_res_cluster_max_t();
+void set_attn_res_cluster_max_t(int t);
 
 // Indexer §3.5 step 2: out = bf16(LayerNorm_{1e-6}(kraw)·w + b) per row (b null = 0). Di ≤ 1024.
 void indexer_key_norm(const uint16_t* kraw /* bf16 [T, Di] */, const uint16_t* w /* bf16 [Di] */,
