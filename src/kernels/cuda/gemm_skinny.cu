@@ -25,7 +25,9 @@
 // the epilogue, then zeroes the counter. Split S: the fewest splits that give ≥ 2 CTAs per SM (8 warps,
 // each with U·2 KB of W in flight: ~64 KB per SM against the ~50 KB that HBM latency × bandwidth asks),
 // and ≥ 8 k-steps per split; all CTAs then fit one wave (4 per SM by registers at T ≤ 16).
-// KESTREL_SKINNY_CTAS_PER_SM changes the 2.
+// KESTREL_SKINNY_CTAS_PER_SM changes the 2. (More splits to even out the SMs' shares where whole-K tiles do
+// not divide over 132 SMs — 327 tiles: busiest SM 3 CTAs against 2.48 — measured slower per kernel: session
+// 14, bench/RESULTS.md.)
 //
 // Resources (ptxas, sm_90a, no spills, no stack): registers bf16 NT=1 110, NT=2 146, NT=4 95, NT=8 134;
 // fp8 124, 166, 136, 178 (so 4, 3, 5, 3 / 4, 3, 3, 2 CTAs per SM); static shared memory 1.5–12 KB. SASS
@@ -262,17 +264,32 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
     prev = __shfl_sync(0xffffffffu, prev, 0);
     if (prev != unsigned(p.splits - 1)) return;
     __threadfence();
-    for (int s = 0; s < p.splits; ++s) {  // split order, the same in every launch
-      const float4* src = reinterpret_cast<const float4*>(p.part + ((int64_t(s) * p.tiles + tile) * 32 + lane) * E);
+    // The S partials summed in split order (the same in every launch); RU splits' loads in flight at once, so
+    // the reading CTA waits about one L2 round trip per RU splits, not per split.
+    constexpr int RU = E <= 8 ? 4 : 1;
+    for (int s0 = 0; s0 < p.splits; s0 += RU) {
+      float4 pv[RU][E / 4];
 #pragma unroll
-      for (int e = 0; e < E / 4; ++e) {
-        const float4 v = __ldcg(src + e);
-        if (s == 0) {
-          a[4 * e] = v.x, a[4 * e + 1] = v.y, a[4 * e + 2] = v.z, a[4 * e + 3] = v.w;
-        } else {
-          a[4 * e] += v.x, a[4 * e + 1] += v.y, a[4 * e + 2] += v.z, a[4 * e + 3] += v.w;
+      for (int k = 0; k < RU; ++k)
+        if (s0 + k < p.splits) {
+          const float4* src =
+              reinterpret_cast<const float4*>(p.part + ((int64_t(s0 + k) * p.tiles + tile) * 32 + lane) * E);
+#pragma unroll
+          for (int e = 0; e < E / 4; ++e) pv[k][e] = __ldcg(src + e);
         }
-      }
+#pragma unroll
+      for (int k = 0; k < RU; ++k)
+        if (s0 + k < p.splits) {
+#pragma unroll
+          for (int e = 0; e < E / 4; ++e) {
+            const float4 v = pv[k][e];
+            if (s0 + k == 0) {
+              a[4 * e] = v.x, a[4 * e + 1] = v.y, a[4 * e + 2] = v.z, a[4 * e + 3] = v.w;
+            } else {
+              a[4 * e] += v.x, a[4 * e + 1] += v.y, a[4 * e + 2] += v.z, a[4 * e + 3] += v.w;
+            }
+          }
+        }
     }
     if (lane == 0) p.counters[tile] = 0u;  // ready for the next launch
   }
