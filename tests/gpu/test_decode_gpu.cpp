@@ -100,7 +100,9 @@ const GemmCase kGemmCases[] = {
     {7168, 6284, "mini KDA stack q|k|v|g|f_a|b"}, {1536, 7168, "mini o_proj"}, {7168, 3808, "mini MLA stack"},
     {1536, 6400, "mini q_b|wq_b"},   {7168, 5120, "mini MoE stack"},    {3584, 7168, "mini latent up"},
     {4224, 7168, "mini dense down"}, {768, 7168, "mini shared down"},   {128, 1536, "mini f_b"},
-    {7168, 128, "mini wk"},          {7168, 12, "mini b_proj"},         {7168, 8448, "mini dense gate|up"}};
+    {7168, 128, "mini wk"},          {7168, 12, "mini b_proj"},         {7168, 8448, "mini dense gate|up"},
+    // partial last k-steps: bf16 16- and 32-byte tails, fp8 80 bytes (lanes' pieces in and out of range)
+    {200, 96, "K tail 16 B"},        {208, 96, "K tail 32 B (fp8 80 B)"}};
 
 TEST(GpuDecode, SkinnyGemmBf16MatchesTwin) {
   need_gpu();

@@ -3,8 +3,8 @@
 // Work: a CTA (4 warps, 128 threads) owns one row tile of W (16 rows) and one K range (its split); the
 // 4 warps take the range's 128-byte k-steps in turn (warp w: steps w, w+4, ...), so at any moment the
 // CTA reads 4 consecutive 128-byte pieces of each of its 16 rows. Per step a lane loads 2×16 bytes of
-// rows g and g+8 (g = lane/4) at byte 32·(lane%4) of the step: 4 lanes cover a row's 128 bytes, one
-// full cache line, and x's rows (tokens) the same way. No shared memory staging, no ldmatrix: the lane's
+// rows g and g+8 (g = lane/4) at bytes 16·(lane%4) and 64 + 16·(lane%4) of the step: 4 lanes cover a row's
+// 128 bytes, one full cache line, each load instruction whole 32-byte sectors; x's rows (tokens) the same way. No shared memory staging, no ldmatrix: the lane's
 // bytes are fed to mma.sync as they are, with the K order permuted consistently for W and x (a dot product
 // does not care about the order of its terms): of the lane's 8 words, mma j uses words 2j and 2j+1 as
 // the fragment's k pair (2q, 2q+1) / (2q+8, 2q+9) for bf16 m16n8k16, or (4q..4q+3) / (4q+16..) for e4m3
@@ -67,6 +67,7 @@ struct Params {
   const float* w_scale;  // fp8
   int T, N, kbytes;      // kbytes = K · element size
   int ksteps, steps_per_split, splits, tiles;
+  int piece;  // byte stride between a lane's two 16-byte pieces of a step: 64 (whole sectors) or 16 (A/B)
   float* part;
   unsigned* counters;
   GemmSegs segs;
@@ -169,7 +170,11 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
   const int s_begin = split * p.steps_per_split;
   const int s_count = min(p.ksteps, s_begin + p.steps_per_split) - s_begin;
   const int n_my = s_count > warp ? (s_count - warp + kWarps - 1) / kWarps : 0;  // this warp's steps
-  const int lane_off = 32 * q;
+  // Lane (g, q) reads, of each 128-byte step of its rows, the 16-byte pieces at 16q and 64 + 16q: the four
+  // lanes of a row cover 64 contiguous bytes per load instruction, two whole 32-byte sectors (p.piece = 64).
+  // p.piece = 16 is the earlier layout (32q and 32q + 16: each load half of four sectors, every sector asked
+  // of L2 twice), kept for A/B timing.
+  const int piece = p.piece, lane_off = (piece == 64 ? 16 : 32) * q;
 
   const uint8_t* wrow[MT][2];
   bool wok[MT][2];
@@ -194,20 +199,21 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
     const int off = s * kStepBytes;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      const bool in_k = off + lane_off + 16 * c + 16 <= p.kbytes;
+      const bool in_k = off + lane_off + piece * c + 16 <= p.kbytes;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) dst[mt][h][c] = (in_k && wok[mt][h]) ? ld_stream(wrow[mt][h] + off + 16 * c) : zero;
+        for (int h = 0; h < 2; ++h)
+          dst[mt][h][c] = (in_k && wok[mt][h]) ? ld_stream(wrow[mt][h] + off + piece * c) : zero;
     }
   };
   auto load_x = [&](uint4(&dst)[NT][2], int s) {
     const int off = s * kStepBytes;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      const bool in_k = off + lane_off + 16 * c + 16 <= p.kbytes;
+      const bool in_k = off + lane_off + piece * c + 16 <= p.kbytes;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) dst[nt][c] = (in_k && xok[nt]) ? ld_act(xrow[nt] + off + 16 * c) : zero;
+      for (int nt = 0; nt < NT; ++nt) dst[nt][c] = (in_k && xok[nt]) ? ld_act(xrow[nt] + off + piece * c) : zero;
     }
   };
 
@@ -343,6 +349,11 @@ int num_sms() {
 
 template <bool FP8>
 void run(Params p, int64_t T, int64_t K, int64_t N, const SkinnyWorkspace& ws, cudaStream_t stream) {
+  static const int piece = [] {
+    const char* e = std::getenv("KESTREL_SKINNY_SECTORS");  // 0: the half-sector layout (A/B timing)
+    return e && e[0] == '0' ? 16 : 64;
+  }();
+  p.piece = piece;
   const int esz = FP8 ? 1 : 2;
   p.T = int(T), p.N = int(N), p.kbytes = int(K * esz), p.ldw = K * esz;
   p.ksteps = int((K * esz + kStepBytes - 1) / kStepBytes);
