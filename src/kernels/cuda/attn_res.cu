@@ -36,7 +36,7 @@ namespace {
 namespace cg = cooperative_groups;
 
 constexpr int kClusterMaxT = 64;      // the most tokens the cluster kernel may take (decode buckets)
-constexpr int kClusterDefaultMaxT = 32;  // measured: cluster 8.0–9.7 µs a point at T ≤ 32, one-CTA 14.5 (RESULTS.md)
+constexpr int kClusterDefaultMaxT = 32;  // cluster 8.0–9.7 µs a point at T ≤ 32, one-CTA 14.5 (RESULTS)
 constexpr int kClusterMax = 8;        // portable cluster size
 constexpr int kClusterVecs = 64;      // fewest 16-byte vectors per CTA worth another CTA in the cluster
 constexpr int kClusterThreads = 256;  // most vectors per CTA (102 registers a thread: 15 sources held)

@@ -4,20 +4,29 @@
 // 4 warps take the range's 128-byte k-steps in turn (warp w: steps w, w+4, ...), so at any moment the
 // CTA reads 4 consecutive 128-byte pieces of each of its 16 rows. Per step a lane loads 2×16 bytes of
 // rows g and g+8 (g = lane/4) at bytes 16·(lane%4) and 64 + 16·(lane%4) of the step: 4 lanes cover a row's
-// 128 bytes, one full cache line, each load instruction whole 32-byte sectors; x's rows (tokens) the same way. No shared memory staging, no ldmatrix: the lane's
-// bytes are fed to mma.sync as they are, with the K order permuted consistently for W and x (a dot product
-// does not care about the order of its terms): of the lane's 8 words, mma j uses words 2j and 2j+1 as
-// the fragment's k pair (2q, 2q+1) / (2q+8, 2q+9) for bf16 m16n8k16, or (4q..4q+3) / (4q+16..) for e4m3
-// m16n8k32 — both the PTX fragment layout of A (rows g, g+8) and of B (token column g) — so W goes from
-// global memory to the tensor cores through registers only. Tokens are the MMA's N side (8 per n-tile,
+// 128 bytes, one full cache line, each load instruction whole 32-byte sectors; x's rows (tokens) the same
+// way. No ldmatrix, no shared layout of W's tile: the lane's bytes are fed to mma.sync as they are (at
+// T ≤ 16 after a round trip through the lane's own slots of a shared-memory ring, see Latency), with the K
+// order permuted consistently for W and x (a dot product does not care about the order of its terms): of
+// the lane's 8 words, mma j uses words 2j and 2j+1 as the fragment's k pair (2q, 2q+1) / (2q+8, 2q+9) for
+// bf16 m16n8k16, or (4q..4q+3) / (4q+16..) for e4m3 m16n8k32 — both the PTX fragment layout of A (rows g,
+// g+8) and of B (token column g). Tokens are the MMA's N side (8 per n-tile,
 // NT tiles: T ≤ 8, 16, 32, 64); rows ≥ N and tokens ≥ T are zero-filled, never loaded.
 //
-// Latency: W loads run U steps ahead in registers (U = 4 for T ≤ 16: 16 × 16 B per lane in flight,
-// 8 KB per warp), x one step ahead (T ≤ 16) or just in time (its L2 latency is short against a step's
-// share of HBM time). W is read with ld.global.nc.L1::no_allocate (read once, leaves L1 to x); x with
+// Latency: at T ≤ 16 (staged, the decode path) each warp keeps 6 steps of W in flight in its own ring in
+// shared memory (cp.async.cg, 16 bytes per lane and piece, zero-filled out of range; 6 × 2 KB a warp, 48 KB a
+// CTA, ~60–100 registers): the lane reads back only the pieces it copied, so cp.async.wait_group is the only
+// sync. With W in registers instead (U = 4 steps, 8 KB a warp, 110 registers) the grids of 2–3 CTAs per SM
+// kept too few bytes in flight (49 % of DRAM peak under Nsight Compute for KDA q|k|v at T = 1), and 8 register
+// steps cost CTAs per SM (180 registers) — both measured slower (session 14, batch-1 step: 633–635 µs with 4
+// register steps, 782 with 8, 602–606 staged). KESTREL_SKINNY_STAGED=0 keeps the register path at every
+// T. At T > 16 W loads run U steps ahead in registers (U = 2). x: one step ahead (T ≤ 16) or just in time
+// (its L2 latency is short against a step's share of HBM time). W is read with ld.global.nc.L1::no_allocate
+// (read once, leaves L1 to x) or cp.async.cg (L2 only); x with
 // ld.global.cg (L2; written by the previous kernel, possibly while this one was already running its
-// prologue under PDL). Before griddepcontrol.wait a CTA issues its first U steps of W (weights are never
-// written), so under PDL the weight stream starts during the previous kernel's tail.
+// prologue under PDL). Before griddepcontrol.wait a CTA issues its first steps of W (weights are never
+// written), so under PDL the weight stream starts during the previous kernel's tail. Both paths feed the same
+// MMAs in the same order: a token's outputs are bit-identical whichever path its batch takes.
 //
 // Reduction (deterministic): warps 1..3 park their accumulators in shared memory, warp 0 adds them in
 // warp order; with a split over CTAs, warp 0 writes its partial (f32, fragment order) and bumps the row
@@ -30,8 +39,9 @@
 // 14, bench/RESULTS.md.)
 //
 // Resources (ptxas, sm_90a, no spills, no stack): registers bf16 NT=1 110, NT=2 146, NT=4 95, NT=8 134;
-// fp8 124, 166, 136, 178 (so 4, 3, 5, 3 / 4, 3, 3, 2 CTAs per SM); static shared memory 1.5–12 KB. SASS
-// per step and warp (bf16 NT=1): 4 LDG.E.NA.128.CONSTANT of W issued U steps ahead, 2 LDG.E.128 (.cg)
+// fp8 124, 166, 136, 178 (so 4, 3, 5, 3 / 4, 3, 3, 2 CTAs per SM); static shared memory 1.5–12 KB; staged
+// NT=1 / 2: bf16 56 / 78, fp8 67 / 102 registers and 48 KB of ring (4 CTAs per SM). SASS per step and
+// warp (bf16 NT=1, register path): 4 LDG.E.NA.128.CONSTANT of W issued U steps ahead, 2 LDG.E.128 (.cg)
 // of x one step ahead, 4 HMMA.16816.F32.BF16; griddepcontrol.launch_dependents / .wait appear as
 // PREEXIT / ACQBULK, the wait after the first U steps of W. On sm_90 ptxas lowers the e4m3 mma.sync
 // (m16n8k32) to F2FP.F16.E4M3.UNPACK (exact e4m3 → f16) + two HMMA.16816.F32 (f16): 12 unpacks per MMA,
@@ -55,7 +65,7 @@
 namespace kestrel::cuda {
 namespace {
 
-constexpr int kWarps = 4, kThreads = 32 * kWarps;
+constexpr int kWarps = 4, kThreads = 32 * kWarps;  // (8 warps a CTA at T ≤ 16 measured slower, session 14)
 constexpr int kStepBytes = 128;  // bytes of each W / x row per k-step
 
 struct Params {
@@ -67,7 +77,6 @@ struct Params {
   const float* w_scale;  // fp8
   int T, N, kbytes;      // kbytes = K · element size
   int ksteps, steps_per_split, splits, tiles;
-  int piece;  // byte stride between a lane's two 16-byte pieces of a step: 64 (whole sectors) or 16 (A/B)
   float* part;
   unsigned* counters;
   GemmSegs segs;
@@ -83,6 +92,23 @@ __device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {  // weights: read
 __device__ __forceinline__ uint4 ld_act(const uint8_t* p) {  // activations: L2 (coherent after the PDL wait)
   uint4 v;
   asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// The staged variant (D > 0): W through shared memory by cp.async (L2 only, zero-filled out of range).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void cp_async16(uint32_t dst, const uint8_t* src, bool in) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ uint4 ld_smem(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(a)
+               : "memory");
   return v;
 }
 
@@ -158,7 +184,7 @@ __device__ __forceinline__ void emit(const GemmSegs& ss, int r, int tok, float v
   }
 }
 
-template <bool FP8, int NT, int MT, int U, bool XPF>
+template <bool FP8, int NT, int MT, int U, bool XPF, int D = 0>
 __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant__ Params p) {
   static_assert(!XPF || U % 2 == 0, "x prefetch alternates two buffers over an even unroll");
   constexpr int E = MT * NT * 4;  // accumulators per lane
@@ -171,10 +197,10 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
   const int s_count = min(p.ksteps, s_begin + p.steps_per_split) - s_begin;
   const int n_my = s_count > warp ? (s_count - warp + kWarps - 1) / kWarps : 0;  // this warp's steps
   // Lane (g, q) reads, of each 128-byte step of its rows, the 16-byte pieces at 16q and 64 + 16q: the four
-  // lanes of a row cover 64 contiguous bytes per load instruction, two whole 32-byte sectors (p.piece = 64).
-  // p.piece = 16 is the earlier layout (32q and 32q + 16: each load half of four sectors, every sector asked
-  // of L2 twice), kept for A/B timing.
-  const int piece = p.piece, lane_off = (piece == 64 ? 16 : 32) * q;
+  // lanes of a row cover 64 contiguous bytes per load instruction, two whole 32-byte sectors. (At 32q and
+  // 32q + 16, each load took half of four sectors: the batch-1 step was 3 % slower, session 14.)
+  constexpr int piece = 64;
+  const int lane_off = 16 * q;
 
   const uint8_t* wrow[MT][2];
   bool wok[MT][2];
@@ -217,6 +243,61 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
     }
   };
 
+  float acc[MT * NT * 4];  // [mt][nt][4]
+#pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] = 0.0f;
+  if constexpr (D > 0) {
+    // Staged: each warp keeps D steps of W in flight in its own shared-memory ring (D · MT · 2 KB) instead of
+    // U steps in registers; a lane reads back only the 16-byte pieces it copied itself (piece-major layout:
+    // 512 bytes per piece, lanes contiguous, no bank conflicts), so cp.async.wait_group is the only sync.
+    extern __shared__ __align__(16) uint8_t ring[];
+    constexpr int kStage = MT * 4 * 512;
+    const uint32_t base = smem_addr(ring) + uint32_t(warp * D * kStage + lane * 16);
+    auto issue = [&](int slot, int st) {
+      const int off = st * kStepBytes;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const bool in_k = off + lane_off + piece * c + 16 <= p.kbytes;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            cp_async16(base + uint32_t(slot * kStage + ((mt * 2 + h) * 2 + c) * 512), wrow[mt][h] + off + piece * c,
+                       in_k && wok[mt][h]);
+      }
+    };
+#pragma unroll
+    for (int u = 0; u < D; ++u) {  // one group per step, empty past the end: wait_group counts stay uniform
+      if (u < n_my) issue(u, s_begin + warp + u * kWarps);
+      cp_async_commit();
+    }
+    dev::pdl_wait();
+    uint4 xb[2][NT][2];
+    if (n_my > 0) load_x(xb[0], s_begin + warp);
+    for (int i = 0; i < n_my; i += 2) {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int idx = i + u;
+        if (idx < n_my) {
+          const int st = s_begin + warp + idx * kWarps, slot = idx % D;
+          if (idx + 1 < n_my) load_x(xb[u ^ 1], st + kWarps);
+          cp_async_wait<D - 1>();  // D + idx groups committed: step idx's has landed
+          uint4 wv[MT][2][2];
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+              for (int c = 0; c < 2; ++c)
+                wv[mt][h][c] = ld_smem(base + uint32_t(slot * kStage + ((mt * 2 + h) * 2 + c) * 512));
+          mma_step<FP8, MT, NT>(acc, wv, xb[u]);
+          if (idx + D < n_my) issue(slot, st + D * kWarps);  // the MMA consumed this slot's registers: in-order issue
+          cp_async_commit();
+        }
+      }
+    }
+    cp_async_wait<0>();
+  } else {
   // Prologue: the first U steps of W (independent of earlier kernels), then wait for them.
   uint4 wb[U][MT][2][2];
 #pragma unroll
@@ -224,9 +305,6 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
     if (u < n_my) load_w(wb[u], s_begin + warp + u * kWarps);
   dev::pdl_wait();
 
-  float acc[E];  // [mt][nt][4]
-#pragma unroll
-  for (int e = 0; e < E; ++e) acc[e] = 0.0f;
   uint4 xb[XPF ? 2 : 1][NT][2];
   if (XPF && n_my > 0) load_x(xb[0], s_begin + warp);
   for (int i = 0; i < n_my; i += U) {
@@ -246,6 +324,7 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
       }
     }
   }
+  }  // register path
 
   // CTA reduction in warp order.
   float(&a)[E] = acc;
@@ -347,13 +426,25 @@ int num_sms() {
   return n;
 }
 
+constexpr int kStages = 6;  // staged variant: 6 steps × 2 KB per warp, 48 KB a CTA (4 CTAs per SM by shared memory)
+
+template <auto Kernel>
+void launch_staged(dim3 grid, cudaStream_t stream, const Params& p) {
+  constexpr int smem = kWarps * kStages * 2048;
+  static const bool attr = [] {
+    KCUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    return true;
+  }();
+  (void)attr;
+  launch_pdl(Kernel, grid, dim3(kThreads), size_t(smem), stream, p);
+}
+
 template <bool FP8>
 void run(Params p, int64_t T, int64_t K, int64_t N, const SkinnyWorkspace& ws, cudaStream_t stream) {
-  static const int piece = [] {
-    const char* e = std::getenv("KESTREL_SKINNY_SECTORS");  // 0: the half-sector layout (A/B timing)
-    return e && e[0] == '0' ? 16 : 64;
+  static const bool staged = [] {  // KESTREL_SKINNY_STAGED=0: W in registers at T ≤ 16 too (A/B timing)
+    const char* e = std::getenv("KESTREL_SKINNY_STAGED");
+    return !(e && e[0] == '0');
   }();
-  p.piece = piece;
   const int esz = FP8 ? 1 : 2;
   p.T = int(T), p.N = int(N), p.kbytes = int(K * esz), p.ldw = K * esz;
   p.ksteps = int((K * esz + kStepBytes - 1) / kStepBytes);
@@ -371,8 +462,14 @@ void run(Params p, int64_t T, int64_t K, int64_t N, const SkinnyWorkspace& ws, c
   }
   const dim3 grid(unsigned(p.tiles), unsigned(p.splits));
   switch (NT) {
-    case 1: launch_pdl(skinny_kernel<FP8, 1, 1, 4, true>, grid, dim3(kThreads), 0, stream, p); break;
-    case 2: launch_pdl(skinny_kernel<FP8, 2, 1, 4, true>, grid, dim3(kThreads), 0, stream, p); break;
+    case 1:
+      if (staged) launch_staged<skinny_kernel<FP8, 1, 1, 4, true, kStages>>(grid, stream, p);
+      else launch_pdl(skinny_kernel<FP8, 1, 1, 4, true>, grid, dim3(kThreads), 0, stream, p);
+      break;
+    case 2:
+      if (staged) launch_staged<skinny_kernel<FP8, 2, 1, 4, true, kStages>>(grid, stream, p);
+      else launch_pdl(skinny_kernel<FP8, 2, 1, 4, true>, grid, dim3(kThreads), 0, stream, p);
+      break;
     case 4: launch_pdl(skinny_kernel<FP8, 4, 1, 2, false>, grid, dim3(kThreads), 0, stream, p); break;
     default: launch_pdl(skinny_kernel<FP8, 8, 1, 2, false>, grid, dim3(kThreads), 0, stream, p); break;
   }
