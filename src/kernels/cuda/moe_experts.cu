@@ -13,9 +13,10 @@
 // Four GEMM families (moe.h MoeTokenTile):
 //   stream (moe_stream.cu), decode: persistent stream-K grid, CT = 8, scales folded into the decode.
 //   wide (moe_wide.cu), prefill: CT = 128, 8-warp CTAs of 128/256 weight rows × all the job's tokens.
-//   t8 / t32 (moe_t8.cu): one CTA = 4 warps = 64 rows for one job, FP32 scale per 32-column block: the path
-//      for weights whose scales cannot be folded, and (t8) the decode path, its K split over 2–8 CTAs when few
-//      jobs would leave its last wave almost empty (the tile counters and partials below).
+//   t8 / t32 (moe_t8.cu): one CTA = 4 warps = 64 rows for one job, FP32 scale per 32-column block (w1|w3:
+//      folded into the decode where the codes allow): the path for weights whose scales cannot be folded, and
+//      (t8) the decode path, its K split over 2–8 CTAs when few jobs would leave its last wave almost empty (the
+//      tile counters and partials below).
 //   dense (moe_dense.cu), large prefill: per hit expert, dequantise to BF16 and two cuBLASLt GEMMs; the one
 //      path with a host synchronisation (it reads the job list), so never chosen while a graph is captured.
 // With stream, wide and t8, launches 2–4 use programmatic dependent launch (moe_mma.cuh): each starts its CTAs
@@ -269,11 +270,12 @@ void launch_group(const int32_t* ids, int64_t n, int64_t X, int ct, const Groups
 // One GEMM (w1|w3 if glu, else w / w2) over the grouping `grp` (ungrouped stream path: grp.jobs == nullptr)
 // by path p; `first`: the GEMM right after the grouping kernel.
 void run_gemm(Path p, bool glu, const GemmArgs& a, const Groups& grp, const int32_t* ids, int64_t n, int64_t X,
-              bool special, const StreamScratch& ss, int ctas, bool first, bool pdl, cudaStream_t stream) {
+              bool special, bool fold_ok, const StreamScratch& ss, int ctas, bool first, bool pdl,
+              cudaStream_t stream) {
   switch (p) {
     case Path::t8:
     case Path::t32:
-      moe_detail::launch_fixed(a, glu, path_ct(p), special, n, X, pdl, stream);
+      moe_detail::launch_fixed(a, glu, path_ct(p), special, fold_ok, n, X, pdl, stream);
       return;
     case Path::stream: {
       const StreamArgs s{a, ids, int(n), int(X), ss.partial, ss.counters + (glu ? 0 : moe_detail::kMaxStreamWarps),
@@ -402,14 +404,14 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
                        w.w13_packed_stride,      w.w13_scale_stride,       int(I),
                        int(Lt),     act,         situ_beta,   situ_linear_beta,
                        ks13,        ss.partial,  ss.counters};
-    run_gemm(path, true, a13, grp, ids, n, X, w.special_scales, ss, ctas13, true, pdl, stream);
+    run_gemm(path, true, a13, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas13, true, pdl, stream);
     mark(opt, 2, stream);
     const GemmArgs a2{act,        I,           1,          grp.order, grp.jobs,
                       grp.n_jobs, w.w2_packed, w.w2_scale, nullptr,   nullptr,
                       w.w2_packed_stride,      w.w2_scale_stride,     int(Lt),
                       int(I),     y,           0.0f,       0.0f,
                       ks2,        ss.partial,  ss.counters + c13};
-    run_gemm(path, false, a2, grp, ids, n, X, w.special_scales, ss, ctas2, false, pdl, stream);
+    run_gemm(path, false, a2, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas2, false, pdl, stream);
     mark(opt, 3, stream);
   }
   const int64_t outs = T * (Lt / 8);
@@ -450,7 +452,7 @@ void mxfp4_matmul_packed(const uint16_t* x, const uint8_t* packed, const uint8_t
                path == Path::stream ? moe_detail::kStreamWarps * ctas : 0, stream);
   const GemmArgs a{x,       C,      1,       grp.order, grp.jobs, grp.n_jobs, packed, scale, nullptr, nullptr,
                    0,       0,      int(R),  int(C),    y,        0.0f,       0.0f,   1,     nullptr, nullptr};
-  run_gemm(path, false, a, grp, ids, T, 1, special_scales, ss, ctas, true, pdl, stream);
+  run_gemm(path, false, a, grp, ids, T, 1, special_scales, !fp32_scales, ss, ctas, true, pdl, stream);
 }
 
 }  // namespace kestrel::cuda

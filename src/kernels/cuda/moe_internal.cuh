@@ -42,9 +42,11 @@ struct GemmArgs {
 };
 
 // Fixed-tile GEMM (moe_t8.cu): t8 (ct = 8, the decode path) or t32 (ct = 32); grid = job_bound(n, X, ct) ×
-// R/kFixedCtaRows × a.ksplit. `special`: the e8m0 scales include the special codes (MoeExpertWeights).
+// R/kFixedCtaRows × a.ksplit. `special`: the e8m0 scales include the special codes (MoeExpertWeights);
+// `fold_ok`: every code is in [1, 128] (not MoeExpertWeights::fp32_scales), so the scales may be folded into
+// the decode.
 inline constexpr int kFixedCtaRows = 64;
-void launch_fixed(const GemmArgs& a, bool glu, int ct, bool special, int64_t n, int64_t X, bool pdl,
+void launch_fixed(const GemmArgs& a, bool glu, int ct, bool special, bool fold_ok, int64_t n, int64_t X, bool pdl,
                   cudaStream_t stream);
 // t8's K split for `base` CTAs over C columns and `tiles` (job, 16-row tile) pairs, given the counters and
 // partial floats the scratch holds (1 when a split does not fit); forced ≥ 1 (MoeExpertsOptions::t8_ksplit)

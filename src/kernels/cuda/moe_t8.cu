@@ -1,11 +1,18 @@
 // Fixed-tile grouped MXFP4 GEMM of the routed experts (moe_experts.cu's t8 and t32 paths): one CTA = 4 warps
-// = 64 rows of one job (an expert and up to 8·NT of its tokens), a warp 16 rows, FP32 scales per 32-column
-// block. Contract: moe_internal.cuh (GemmArgs, launch_fixed, t8_ksplit). t8 (NT = 1) is the decode path,
-// t32 (NT = 4) the prefill path for weights whose scales cannot be folded into the decode.
+// = 64 rows of one job (an expert and up to 8·NT of its tokens), a warp 16 rows. Contract: moe_internal.cuh
+// (GemmArgs, launch_fixed, t8_ksplit). t8 (NT = 1) is the decode path, t32 (NT = 4) the prefill path for
+// weights whose scales cannot be folded into the decode.
 //
 // Layout of the work: grid = (host bound on jobs) × R/64 × ksplit; CTAs past the device's job count exit at
-// once. Per 32-column block two MMAs into a fresh FP32 partial, then acc += 2^(e−127)·partial (exact for every
-// e). Weights come from global memory into registers STAGES − 1 chunks ahead (ld.global.nc, no L1).
+// once. Scales (ScaleMode): for w1|w3 with every code in [1, 128] folded into the decode (the MMAs accumulate
+// scaled weights, the CPU twin's order of operations), else per 32-column block two MMAs into a fresh FP32
+// partial, then acc += 2^(e−127)·partial (exact for every e). Weights come from global memory into registers
+// STAGES − 1 chunks ahead (ld.global.nc, no L1).
+// These kernels are bound by instruction issue as much as by memory: Nsight Compute (H200, session 15, w2 at
+// T = 8) has 0.55 warps issued per scheduler cycle; so a variant that needs more instructions a chunk loses
+// even when it keeps more bytes in flight (a persistent grid streaming W through a cp.async ring in shared
+// memory: 1.8× the time at the same issue rate), and one that needs fewer wins (the folded scales: no FP32
+// partial and four FFMAs per block; w1|w3 5–8 % faster a launch).
 // K split (t8_ksplit): with few jobs (batch 1: 16 experts of one token) the fixed grid leaves its last wave
 // almost empty, and a wave with a few warps per SM keeps far too few bytes in flight; splitting K over 2–8
 // CTAs per tile fills the waves; the splits' FP32 partials meet in the last warp of the tile to finish, summed
@@ -36,6 +43,11 @@ constexpr int kGemmThreads = 32 * kGemmWarps;
 constexpr int kCtaRows = kFixedCtaRows;
 static_assert(kCtaRows == ml::kTileRows * kGemmWarps, "64 output rows per CTA");
 
+// How a kernel applies the e8m0 scales: per 32-column block to an FP32 partial of two MMAs (acc += 2^(e−127) ·
+// partial; kScaleSpecial also decodes the codes 0 and 255), or folded into the weights' decode (moe_mma.cuh:
+// codes in [1, 128] only, MoeExpertWeights::fp32_scales false) so the MMAs accumulate scaled products directly.
+enum ScaleMode : int { kScaleF32 = 0, kScaleSpecial = 1, kScaleFold = 2 };
+
 // NT n-tiles of 8 tokens per job (CT = 8·NT), STAGES chunks of 64 columns in flight per warp.
 // With a.ksplit = S > 1, CTA b takes K split b % S (chunks [NC·s/S, NC·(s+1)/S)) of item b / S; each warp
 // parks its FP32 partial, and the warp that brings the tile's counter to S sums the S partials in split order
@@ -46,7 +58,7 @@ static_assert(kCtaRows == ml::kTileRows * kGemmWarps, "64 output rows per CTA");
 // instead of STAGES − 1 chunks ahead with the weights, so a stage holds only weights and scales (5 registers
 // per matrix instead of 13) and the pipeline can be twice as deep in the same registers. (Reading them one
 // chunk ahead in two register buffers measured slower: 153 registers, 3 CTAs per SM.)
-template <bool kGlu, int NT, int STAGES, bool kSpecial, bool kJitB>
+template <bool kGlu, int NT, int STAGES, int kScales, bool kJitB>
 __global__ void __launch_bounds__(kGemmThreads) expert_gemm_kernel(const GemmArgs a) {
   constexpr int NM = kGlu ? 2 : 1;  // weight matrices per warp
   constexpr int E = NM * NT * 4;    // accumulators per lane
@@ -125,21 +137,36 @@ __global__ void __launch_bounds__(kGemmThreads) expert_gemm_kernel(const GemmArg
       const uint32_t words[4] = {S.w[m].x, S.w[m].y, S.w[m].z, S.w[m].w};
 #pragma unroll
       for (int b = 0; b < 2; ++b) {  // e8m0 block b of the chunk = k16 steps 2b, 2b+1
-        const float sc_g = __uint_as_float(ml::e8m0_f32_bits<kSpecial>(S.s[m], 2 * b));
-        const float sc_g8 = __uint_as_float(ml::e8m0_f32_bits<kSpecial>(S.s[m], 2 * b + 1));
         uint32_t a0[4], a1[4];
-        decode_step_unscaled(words[2 * b], a0);
-        decode_step_unscaled(words[2 * b + 1], a1);
+        if constexpr (kScales == kScaleFold) {
+          // Scaled weights straight from the decode (moe_mma.cuh): the MMAs accumulate into acc.
+          const uint32_t m_g = b ? scale_mult<2>(S.s[m]) : scale_mult<0>(S.s[m]);
+          const uint32_t m_g8 = b ? scale_mult<3>(S.s[m]) : scale_mult<1>(S.s[m]);
+          decode_step(words[2 * b], m_g, m_g8, a0);
+          decode_step(words[2 * b + 1], m_g, m_g8, a1);
 #pragma unroll
-        for (int q = 0; q < NT; ++q) {
-          const uint4 B = Bv[q][b];
-          float p[4];
-          mma_first(p, a0, B.x, B.y);
-          mma_acc(p, a1, B.z, B.w);
-          acc[m][q][0] = fmaf(p[0], sc_g, acc[m][q][0]);  // C rows g (c0, c1) and g+8 (c2, c3)
-          acc[m][q][1] = fmaf(p[1], sc_g, acc[m][q][1]);
-          acc[m][q][2] = fmaf(p[2], sc_g8, acc[m][q][2]);
-          acc[m][q][3] = fmaf(p[3], sc_g8, acc[m][q][3]);
+          for (int q = 0; q < NT; ++q) {
+            const uint4 B = Bv[q][b];
+            mma_acc(acc[m][q], a0, B.x, B.y);
+            mma_acc(acc[m][q], a1, B.z, B.w);
+          }
+        } else {
+          constexpr bool kSpecial = kScales == kScaleSpecial;
+          const float sc_g = __uint_as_float(ml::e8m0_f32_bits<kSpecial>(S.s[m], 2 * b));
+          const float sc_g8 = __uint_as_float(ml::e8m0_f32_bits<kSpecial>(S.s[m], 2 * b + 1));
+          decode_step_unscaled(words[2 * b], a0);
+          decode_step_unscaled(words[2 * b + 1], a1);
+#pragma unroll
+          for (int q = 0; q < NT; ++q) {
+            const uint4 B = Bv[q][b];
+            float p[4];
+            mma_first(p, a0, B.x, B.y);
+            mma_acc(p, a1, B.z, B.w);
+            acc[m][q][0] = fmaf(p[0], sc_g, acc[m][q][0]);  // C rows g (c0, c1) and g+8 (c2, c3)
+            acc[m][q][1] = fmaf(p[1], sc_g, acc[m][q][1]);
+            acc[m][q][2] = fmaf(p[2], sc_g8, acc[m][q][2]);
+            acc[m][q][3] = fmaf(p[3], sc_g8, acc[m][q][3]);
+          }
         }
       }
     }
@@ -232,13 +259,23 @@ __global__ void __launch_bounds__(kGemmThreads) expert_gemm_kernel(const GemmArg
 }
 
 template <bool kGlu, int NT, int STAGES, bool kJitB>
-void launch_gemm_nt(const GemmArgs& a, bool special, unsigned grid, bool pdl, cudaStream_t stream) {
-  if (special)
-    moe_detail::launch(expert_gemm_kernel<kGlu, NT, STAGES, true, kJitB>, dim3(grid), dim3(kGemmThreads), 0, stream,
-                       pdl, a);
+void launch_gemm_nt(const GemmArgs& a, int scales, unsigned grid, bool pdl, cudaStream_t stream) {
+  auto go = [&](auto kernel) { moe_detail::launch(kernel, dim3(grid), dim3(kGemmThreads), 0, stream, pdl, a); };
+  if (scales == kScaleSpecial)
+    go(expert_gemm_kernel<kGlu, NT, STAGES, kScaleSpecial, kJitB>);
+  else if (scales == kScaleFold)
+    go(expert_gemm_kernel<kGlu, NT, STAGES, kScaleFold, kJitB>);
   else
-    moe_detail::launch(expert_gemm_kernel<kGlu, NT, STAGES, false, kJitB>, dim3(grid), dim3(kGemmThreads), 0, stream,
-                       pdl, a);
+    go(expert_gemm_kernel<kGlu, NT, STAGES, kScaleF32, kJitB>);
+}
+
+// Scales folded into the decode (w1|w3, codes in [1, 128]) unless KESTREL_MOE_FOLD=0 (A/B).
+bool fold_allowed() {
+  static const bool on = [] {
+    const char* e = std::getenv("KESTREL_MOE_FOLD");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
 }
 
 // The t8 kernel's pipeline for w1|w3: deep (activations just in time, 8 stages) unless KESTREL_MOE_T8_DEEP=0
@@ -272,9 +309,10 @@ int t8_resident(bool glu, bool special) {
   };
   // The deep w1|w3 kernel has the 4-stage one's residency (126 and 125 registers: 4 CTAs per SM on sm_90a).
   if (glu)
-    special ? occ(expert_gemm_kernel<true, 1, 4, true, false>) : occ(expert_gemm_kernel<true, 1, 4, false, false>);
+    special ? occ(expert_gemm_kernel<true, 1, 4, kScaleSpecial, false>) : occ(expert_gemm_kernel<true, 1, 4, kScaleF32, false>);
   else
-    special ? occ(expert_gemm_kernel<false, 1, 4, true, false>) : occ(expert_gemm_kernel<false, 1, 4, false, false>);
+    special ? occ(expert_gemm_kernel<false, 1, 4, kScaleSpecial, false>)
+            : occ(expert_gemm_kernel<false, 1, 4, kScaleF32, false>);
   const int n = std::max(1, sms * per_sm);
   if (dev < 16) cached[glu][special][dev].store(n);
   return n;
@@ -315,28 +353,32 @@ int t8_ksplit(int forced, bool glu, bool special, int64_t base, int64_t C, int64
 namespace {
 // grid = (bound on jobs) × (row groups of 64) × a.ksplit; CTAs past the device's job count return at once.
 template <bool kGlu>
-void launch_gemm(const GemmArgs& a, int ct, bool special, int64_t n, int64_t X, bool pdl, cudaStream_t stream) {
+void launch_gemm(const GemmArgs& a, int ct, bool special, bool fold_ok, int64_t n, int64_t X, bool pdl,
+                 cudaStream_t stream) {
   const int64_t grid = ml::job_bound(n, X, ct) * (a.R / kCtaRows) * a.ksplit;
   KCUDA_REQUIRE(grid > 0 && grid < (int64_t(1) << 31), "moe expert GEMM: grid " + std::to_string(grid));
   KCUDA_REQUIRE(a.ksplit == 1 || (ct == 8 && a.partial && a.counters), std::string("moe expert GEMM: split scratch"));
+  // Folded only for w1|w3: there it measured 5–8 % faster a launch, w2 1–3 % slower (H200, session 15: w1|w3
+  // T = 1 / 8 / 64 74.0 → 70.1, 446 → 419, 2,218 → 2,053 µs; w2 47.2 → 48.8, 271 → 281, 1,309 → 1,349).
+  const int scales = special ? kScaleSpecial : kGlu && fold_ok && fold_allowed() ? kScaleFold : kScaleF32;
   if constexpr (kGlu) {
     if (ct == 8 && t8_deep_allowed() && a.C / ml::kChunkCols / a.ksplit >= kT8DeepMinChunks)
-      return launch_gemm_nt<true, 1, kT8DeepStages, true>(a, special, unsigned(grid), pdl, stream);
+      return launch_gemm_nt<true, 1, kT8DeepStages, true>(a, scales, unsigned(grid), pdl, stream);
   }
   if (ct == 8)
-    launch_gemm_nt<kGlu, 1, 4, false>(a, special, unsigned(grid), pdl, stream);
+    launch_gemm_nt<kGlu, 1, 4, false>(a, scales, unsigned(grid), pdl, stream);
   else
-    launch_gemm_nt<kGlu, 4, 2, false>(a, special, unsigned(grid), pdl, stream);
+    launch_gemm_nt<kGlu, 4, 2, false>(a, scales, unsigned(grid), pdl, stream);
 }
 
 }  // namespace
 
-void launch_fixed(const GemmArgs& a, bool glu, int ct, bool special, int64_t n, int64_t X, bool pdl,
+void launch_fixed(const GemmArgs& a, bool glu, int ct, bool special, bool fold_ok, int64_t n, int64_t X, bool pdl,
                   cudaStream_t stream) {
   if (glu)
-    launch_gemm<true>(a, ct, special, n, X, pdl, stream);
+    launch_gemm<true>(a, ct, special, fold_ok, n, X, pdl, stream);
   else
-    launch_gemm<false>(a, ct, special, n, X, pdl, stream);
+    launch_gemm<false>(a, ct, special, fold_ok, n, X, pdl, stream);
 }
 
 }  // namespace kestrel::cuda::moe_detail
