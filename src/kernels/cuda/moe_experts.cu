@@ -291,6 +291,12 @@ void run_gemm(Path p, bool glu, const GemmArgs& a, const Groups& grp, const int3
   }
 }
 
+// w2's first weight stages before its PDL wait (GemmArgs::w_early) unless KESTREL_MOE_W_EARLY=0 (A/B).
+bool w_early_allowed() {
+  static const bool on = !env_is("KESTREL_MOE_W_EARLY", "0");
+  return on;
+}
+
 bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
 
 void mark(const MoeExpertsOptions& opt, int i, cudaStream_t stream) {
@@ -406,11 +412,12 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
                        ks13,        ss.partial,  ss.counters};
     run_gemm(path, true, a13, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas13, true, pdl, stream);
     mark(opt, 2, stream);
-    const GemmArgs a2{act,        I,           1,          grp.order, grp.jobs,
+    GemmArgs a2{act,        I,           1,          grp.order, grp.jobs,
                       grp.n_jobs, w.w2_packed, w.w2_scale, nullptr,   nullptr,
                       w.w2_packed_stride,      w.w2_scale_stride,     int(Lt),
                       int(I),     y,           0.0f,       0.0f,
                       ks2,        ss.partial,  ss.counters + c13};
+    a2.w_early = path == Path::t8 && w_early_allowed();
     run_gemm(path, false, a2, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas2, false, pdl, stream);
     mark(opt, 3, stream);
   }

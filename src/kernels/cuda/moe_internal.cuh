@@ -39,6 +39,9 @@ struct GemmArgs {
   int ksplit = 1;
   float* partial = nullptr;
   int32_t* counters = nullptr;
+  // Fixed-tile kernels: the job list comes from a kernel at least two launches back (w2 after w1|w3), so the
+  // first weight stages may be loaded before the PDL wait (moe_t8.cu). KESTREL_MOE_W_EARLY=0 turns it off.
+  bool w_early = false;
 };
 
 // Fixed-tile GEMM (moe_t8.cu): t8 (ct = 8, the decode path) or t32 (ct = 32); grid = job_bound(n, X, ct) ×

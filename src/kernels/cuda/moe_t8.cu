@@ -19,6 +19,9 @@
 // in split order (deterministic).
 // Measured (H200, session 12, bench_moe; per launch, eager): T = 1 at the real shape w1|w3 85.3 → 75.6 µs with
 // K split in 2 (w2 51.4 → 47.2, also in 2); the deep w1|w3 pipeline: t8_deep_allowed below.
+// w2 issues its first weight stages before its PDL wait (GemmArgs::w_early: its job list is two launches old), so
+// they overlap w1|w3's last wave: H200 (session 16, bench_moe graph, alternated) T = 1 119.3 / 120.3 → 118.4 /
+// 118.5 µs, the reduced-mini decode step at batch 1 601.5 / 607.4 → 598.0 / 603.3 µs; T = 8, 64 unchanged.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -62,13 +65,19 @@ template <bool kGlu, int NT, int STAGES, int kScales, bool kJitB>
 __global__ void __launch_bounds__(kGemmThreads) expert_gemm_kernel(const GemmArgs a) {
   constexpr int NM = kGlu ? 2 : 1;  // weight matrices per warp
   constexpr int E = NM * NT * 4;    // accumulators per lane
-  griddep_wait();
+  // a.w_early (w2 after w1|w3): the job list is the grouping kernel's, complete before w1|w3 passed its own
+  // wait and let this kernel launch (launch.h's rule), so only the activations need the wait: the first weight
+  // stages are issued before it, overlapping w1|w3's last wave.
+  if (!a.w_early) griddep_wait();
   const int n_rg = a.R / kCtaRows;
   const int nj = *a.n_jobs;
   const int S = a.ksplit;
   const int ks = int(blockIdx.x % unsigned(S));
   const int64_t item = blockIdx.x / unsigned(S);
-  if (item >= int64_t(nj) * n_rg) return;  // beyond the device's work list
+  if (item >= int64_t(nj) * n_rg) {  // beyond the device's work list
+    if (a.w_early) griddep_wait();     // every PDL path waits before it exits (launch.h)
+    return;
+  }
   // Consecutive CTAs take the same rows of consecutive jobs (an expert's chunks are adjacent): L2 reuse.
   const int rg = int(item / nj), job = int(item - int64_t(rg) * nj);
   const int e = a.jobs[3 * job], begin = a.jobs[3 * job + 1], count = a.jobs[3 * job + 2];
@@ -109,12 +118,14 @@ __global__ void __launch_bounds__(kGemmThreads) expert_gemm_kernel(const GemmArg
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[m][q][i] = 0.0f;
 
-  auto load = [&](Stage& S, int c) {
+  auto load_w = [&](Stage& S, int c) {
 #pragma unroll
     for (int m = 0; m < NM; ++m) {
       S.w[m] = ld_stream16(wp[m] + int64_t(c) * ml::kTileChunkBytes);
       S.s[m] = ld_stream4(wsc[m] + int64_t(c) * ml::kTileChunkScaleBytes);
     }
+  };
+  auto load_sb = [&](Stage& S, int c) {
     if constexpr (!kJitB) {
 #pragma unroll
       for (int q = 0; q < NT; ++q) {
@@ -122,6 +133,10 @@ __global__ void __launch_bounds__(kGemmThreads) expert_gemm_kernel(const GemmArg
         S.b[q][1] = ld_act16(brow[q] + c * ml::kChunkCols + 32);
       }
     }
+  };
+  auto load = [&](Stage& S, int c) {
+    load_w(S, c);
+    load_sb(S, c);
   };
   uint4 jb[NT][2];  // kJitB: the chunk's activations
   auto load_b = [&](uint4(&B)[NT][2], int c) {
@@ -176,7 +191,11 @@ __global__ void __launch_bounds__(kGemmThreads) expert_gemm_kernel(const GemmArg
   // chunk c is consumed.
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s)
-    if (s < NC) load(st[s], s);
+    if (s < NC) load_w(st[s], s);
+  if (a.w_early) griddep_wait();  // the activations come from the kernel before
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < NC) load_sb(st[s], s);
   for (int c0 = 0; c0 < NC; c0 += STAGES) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
