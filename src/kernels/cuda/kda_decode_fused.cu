@@ -4,6 +4,7 @@
 // vectors and the conv window bound come from kda_internal.cuh, shared with decode_kernel.
 #include <cuda_fp16.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
@@ -17,10 +18,22 @@ namespace {
 using kda_detail::kMaxConvW;
 using kda_detail::load4;
 using kda_detail::store4;
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(uint32_t(__cvta_generic_to_shared(smem))),
+               "l"(gmem)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 }  // namespace
 
 // ---- the fused decode chain (kda_decode_fused) -------------------------------------------------------------
-// One CTA of 4·DK threads per (head h, row b). Phases, separated by barriers:
+// One CTA of 4·DK threads per (head h, row b). Before the PDL wait (weights are never written by a kernel) the
+// CTA copies the head's f_b rows into shared memory (cp.async, when f_b is 16-byte aligned: fb_async) and each
+// conv thread reads its channel's conv weights, so their DRAM latency overlaps the previous kernel instead of
+// sitting in phase A's chain (the f_b rows were read as 2-byte loads, 8 in flight a thread, after the conv).
+// Phases, separated by barriers:
 //  A. threads < 3·DK run the conv of one q/k/v channel of the head (conv_decode_kernel's arithmetic,
 //     history shifted in place); then every thread starts its state loads (the decode_kernel layout: DK/32
 //     slices of 128 threads, slice c owning value columns 32c..32c+31) and all threads compute the f_b rows
@@ -36,8 +49,11 @@ __global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(cons
                                                                    uint16_t* __restrict__ hist_pool,
                                                                    const int32_t* __restrict__ slots,
                                                                    StateT* __restrict__ pool,
-                                                                   uint16_t* __restrict__ ohat, int H, int W) {
+                                                                   uint16_t* __restrict__ ohat, int H, int W,
+                                                                   bool fb_async) {
   constexpr int R = DK / 16, SL = DK / 32;
+  __shared__ __align__(16) uint16_t fbs[DK * DK];  // bf16 [DK, DK]: f_b rows h·DK .. h·DK + DK − 1 (fb_async)
+  __shared__ float fas[DK];                        // f_a output of this row (bf16 values)
   __shared__ float cv[3 * DK];     // conv + SiLU outputs (bf16 values): q | k | v
   __shared__ float zs[DK];         // z (bf16 values)
   __shared__ float qs[DK], ks[DK], ds[DK];
@@ -45,10 +61,25 @@ __global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(cons
   __shared__ float red[SL][4][9][8];
   __shared__ float sums[3];
   dev::pdl_trigger();
-  dev::pdl_wait();
   const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
-  if (in.cu && in.cu[b + 1] - in.cu[b] != 1) return;  // a padded row of a graph bucket: no token, no state
   const int64_t HD = int64_t(H) * DK, C3 = 3 * HD;
+  if (fb_async) {
+    const uint16_t* fb_h = wt.f_b + int64_t(h) * DK * DK;
+    for (int v = tid; v < DK * DK / 8; v += 4 * DK) cp_async16(fbs + 8 * v, fb_h + 8 * v);
+    cp_async_commit();
+  }
+  float wcr[kMaxConvW];
+  if (tid < 3 * DK) {
+    const float* wc = wt.conv + ((tid / DK) * HD + int64_t(h) * DK + tid % DK) * W;
+#pragma unroll
+    for (int j = 0; j < kMaxConvW; ++j) wcr[j] = j < W ? wc[j] : 0.0f;
+  }
+  dev::pdl_wait();
+  if (in.cu && in.cu[b + 1] - in.cu[b] != 1) {  // a padded row of a graph bucket: no token, no state
+    cp_async_wait_all();
+    return;
+  }
+  if (tid < DK) fas[tid] = dev::bf16_to_f32(in.fa[int64_t(b) * in.ld_fa + tid]);
   const int slot = slots[b];
   // A. state loads first (longest latency), in decode_kernel's layout.
   const int lane = tid & 31, warp = tid >> 5, slice = warp >> 2, w = warp & 3, sub = lane >> 3, c4 = lane & 7;
@@ -58,18 +89,21 @@ __global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(cons
     const int part = tid / DK, i = tid % DK;
     const int64_t ch = part * HD + int64_t(h) * DK + i;
     uint16_t* hist = hist_pool + int64_t(slot) * (W - 1) * C3;
-    const float* wc = wt.conv + ch * W;
     uint16_t hv[kMaxConvW];
     float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < kMaxConvW - 1; ++j) {
       if (j < W - 1) {
         hv[j] = hist[j * C3 + ch];
-        acc += wc[j] * dev::bf16_to_f32(hv[j]);
+        acc += wcr[j] * dev::bf16_to_f32(hv[j]);
       }
     }
     const uint16_t cur = in.qkv[int64_t(b) * in.ld_qkv + ch];
-    acc += wc[W - 1] * dev::bf16_to_f32(cur);
+    float wlast = wcr[0];
+#pragma unroll
+    for (int j = 1; j < kMaxConvW; ++j)
+      if (j == W - 1) wlast = wcr[j];
+    acc += wlast * dev::bf16_to_f32(cur);
     cv[tid] = dev::round_bf16(acc * dev::sigmoid(acc));
 #pragma unroll
     for (int j = 0; j < kMaxConvW - 1; ++j)
@@ -79,13 +113,21 @@ __global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(cons
   float s[R][4];
 #pragma unroll
   for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
+  cp_async_wait_all();
+  __syncthreads();  // fbs and fas complete
   {  // z = bf16(f_b[h·DK + i, :]·fa), 4 threads per output, DK/4 terms each.
     const int i = tid >> 2, part = tid & 3;
-    const uint16_t* fr = wt.f_b + (int64_t(h) * DK + i) * DK + part * (DK / 4);
-    const uint16_t* fa = in.fa + int64_t(b) * in.ld_fa + part * (DK / 4);
+    const float* fa = fas + part * (DK / 4);
     float acc = 0.0f;
+    if (fb_async) {
+      const uint16_t* fr = fbs + i * DK + part * (DK / 4);
 #pragma unroll 8
-    for (int j = 0; j < DK / 4; ++j) acc = fmaf(dev::bf16_to_f32(fr[j]), dev::bf16_to_f32(fa[j]), acc);
+      for (int j = 0; j < DK / 4; ++j) acc = fmaf(dev::bf16_to_f32(fr[j]), fa[j], acc);
+    } else {
+      const uint16_t* fr = wt.f_b + (int64_t(h) * DK + i) * DK + part * (DK / 4);
+#pragma unroll 8
+      for (int j = 0; j < DK / 4; ++j) acc = fmaf(dev::bf16_to_f32(fr[j]), fa[j], acc);
+    }
     acc += __shfl_xor_sync(0xffffffffu, acc, 1);
     acc += __shfl_xor_sync(0xffffffffu, acc, 2);
     if (part == 0) zs[i] = dev::round_bf16(acc);
@@ -187,6 +229,15 @@ __global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(cons
   }
 }
 
+// KESTREL_KDA_FB_ASYNC=0: the f_b rows read from global memory after the wait, as before (A/B).
+bool fb_async_allowed() {
+  static const bool on = [] {
+    const char* e = std::getenv("KESTREL_KDA_FB_ASYNC");
+    return !(e && e[0] == '0');
+  }();
+  return on;
+}
+
 template <typename StateT>
 void decode_fused(const KdaDecodeIn& in, const KdaDecodeWeights& w, uint16_t* hist_pool, const int32_t* slots,
                   StateT* pool, uint16_t* ohat, int64_t B, int64_t H, int64_t Dk, int64_t W, cudaStream_t stream) {
@@ -199,23 +250,25 @@ void decode_fused(const KdaDecodeIn& in, const KdaDecodeWeights& w, uint16_t* hi
                 std::string("kda_decode_fused: the state pool must be aligned for 4-element vectors"));
   if (B == 0) return;
   const dim3 grid{unsigned(H), unsigned(B), 1u};
+  // f_b rows through shared memory when the 16-byte copies are aligned (every head's block is, if the base is).
+  const bool fb_async = (reinterpret_cast<uintptr_t>(w.f_b) & 15u) == 0 && fb_async_allowed();
   switch (Dk) {
     case 32: {
-      void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int) =
+      void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int, bool) =
           kda_decode_fused_kernel<32, StateT>;
-      launch_pdl(k, grid, dim3(128), 0, stream, in, w, hist_pool, slots, pool, ohat, int(H), int(W));
+      launch_pdl(k, grid, dim3(128), 0, stream, in, w, hist_pool, slots, pool, ohat, int(H), int(W), fb_async);
       break;
     }
     case 64: {
-      void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int) =
+      void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int, bool) =
           kda_decode_fused_kernel<64, StateT>;
-      launch_pdl(k, grid, dim3(256), 0, stream, in, w, hist_pool, slots, pool, ohat, int(H), int(W));
+      launch_pdl(k, grid, dim3(256), 0, stream, in, w, hist_pool, slots, pool, ohat, int(H), int(W), fb_async);
       break;
     }
     case 128: {
-      void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int) =
+      void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int, bool) =
           kda_decode_fused_kernel<128, StateT>;
-      launch_pdl(k, grid, dim3(512), 0, stream, in, w, hist_pool, slots, pool, ohat, int(H), int(W));
+      launch_pdl(k, grid, dim3(512), 0, stream, in, w, hist_pool, slots, pool, ohat, int(H), int(W), fb_async);
       break;
     }
     default: KCUDA_REQUIRE(false, "kda_decode_fused: Dk = " + std::to_string(Dk) + " (supported: 32, 64, 128)");
