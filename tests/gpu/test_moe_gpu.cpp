@@ -31,6 +31,7 @@
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/moe_layout.h"
+#include "kernels/cuda/norm.h"
 
 namespace kestrel::gputest {
 namespace {
@@ -573,6 +574,66 @@ TEST(GpuMoe, ExpertsMatchCpuTwin) {
                   ref);
       }
     }
+  }
+}
+
+// The latent norm in the combine launch (MoeExpertsOptions::norm_w, model/cuda/moe.cpp): ũ bit-identical to the
+// unfused launch, the normalised rows bit-identical to rmsnorm_bf16 on that ũ (the fused kernel keeps
+// rmsnorm_kernel's thread ownership and order), and within the twin's tolerance of the CPU norm of the twin's ũ.
+// Cases: one and many rows, Lt with fewer and more 8-vectors than threads, an out-of-range id, the dense path.
+TEST(GpuMoe, CombineWithLatentNormMatchesSeparateNorm) {
+  need_gpu();
+  Rng rng(57);
+  using cuda::MoeTokenTile;
+  struct Case {
+    int64_t X, K, Lt, I, T;
+    MoeVariant v;
+    bool bad_id;
+  };
+  const std::vector<Case> cases = {{16, 4, 128, 64, 1, {}, false},
+                                   {16, 4, 128, 64, 7, {}, true},
+                                   {16, 4, 128, 64, 300, {MoeTokenTile::dense}, false},
+                                   {8, 2, 3584, 3072, 1, {}, false},
+                                   {8, 2, 3584, 3072, 16, {}, true},
+                                   {32, 16, 4608, 64, 3, {MoeTokenTile::t8}, false}};
+  for (const Case& c : cases) {
+    const auto E = make_experts(c.X, c.Lt, c.I, rng);
+    const auto z = rand_bf16(size_t(c.T * c.Lt), rng, -1.0f, 1.0f);
+    std::vector<int32_t> ids;
+    std::vector<float> wts;
+    make_routing(Routing::random, c.T, c.X, c.K, rng, ids, wts);
+    std::vector<int32_t> gids = ids;
+    if (c.bad_id) gids[1] = -1, wts[1] = 0.0f;  // adds nothing on the GPU; weight 0 for the twin
+    const auto nw = rand_bf16(size_t(c.Lt), rng, 0.5f, 1.5f);
+    const float eps = 1e-6f;
+    auto dz = upload(z);
+    auto dids = upload(gids);
+    auto dw = upload(wts);
+    auto dnw = upload(nw);
+    auto dws = poisoned<uint8_t>(cuda::moe_experts_workspace_bytes(c.T, c.X, c.K, c.Lt, c.I, c.v.tile));
+    auto dut = poisoned<uint16_t>(size_t(c.T * c.Lt));
+    auto dut2 = poisoned<uint16_t>(size_t(c.T * c.Lt));
+    auto dn = poisoned<uint16_t>(size_t(c.T * c.Lt));
+    auto dn2 = poisoned<uint16_t>(size_t(c.T * c.Lt));
+    std::unique_ptr<cuda::GemmLt> lt;
+    cuda::MoeExpertsOptions o = options(c.v);
+    if (c.v.tile == MoeTokenTile::dense) lt = std::make_unique<cuda::GemmLt>(), o.lt = lt.get();
+    cuda::moe_experts_mxfp4(dz.p(), dids.p(), dw.p(), E->dev, c.T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, dws.p(), dut.p(),
+                            nullptr, o);
+    cuda::rmsnorm_bf16(dut.p(), c.Lt, dnw.p(), dn.p(), c.Lt, c.T, c.Lt, eps, nullptr);
+    o.norm_w = dnw.p(), o.norm_eps = eps, o.normed = dn2.p();
+    cuda::moe_experts_mxfp4(dz.p(), dids.p(), dw.p(), E->dev, c.T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, dws.p(), dut2.p(),
+                            nullptr, o);
+    sync();
+    const std::string shape = fmt::format("X={} K={} Lt={} T={} {}{}", c.X, c.K, c.Lt, c.T, c.v.name(),
+                                          c.bad_id ? " bad id" : "");
+    const auto ut = dut.get(), ut2 = dut2.get(), n1 = dn.get(), n2 = dn2.get();
+    EXPECT_EQ(0, std::memcmp(ut.data(), ut2.data(), ut.size() * 2)) << "u~ differs with the fused norm: " << shape;
+    EXPECT_EQ(0, std::memcmp(n1.data(), n2.data(), n1.size() * 2)) << "fused norm != rmsnorm_bf16: " << shape;
+    std::vector<uint16_t> ref(size_t(c.T * c.Lt)), nref(ref.size());
+    cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), c.T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, ref.data());
+    cpu::rmsnorm_bf16(ref.data(), nw.data(), nref.data(), c.T, c.Lt, eps);
+    check_moe("moe_experts_mxfp4 + latent norm", shape, n2, nref);
   }
 }
 

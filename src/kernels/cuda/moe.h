@@ -106,6 +106,11 @@ struct MoeExpertsOptions {
   GemmLt* lt = nullptr;  // cuBLASLt for the dense path (none: dense is never chosen, and forcing it is an error)
   cudaEvent_t* marks = nullptr;  // 5 events recorded before the grouping and after each launch (group,
                                  // w1|w3, w2, combine) for a per-launch breakdown; PDL is off then
+  // Non-null: the combine launch also writes normed = RMSNorm_{norm_w}(ũ) (bf16 [T, Lt], eps norm_eps),
+  // bit-identical to rmsnorm_bf16 on ũ (MODEL.md §3.6 step 5 in the same launch); ũ is still written.
+  const uint16_t* norm_w = nullptr;  // bf16 [Lt]
+  float norm_eps = 0.0f;
+  uint16_t* normed = nullptr;  // bf16 [T, Lt]
 };
 
 // Device scratch for moe_experts_mxfp4, in bytes (256-byte aligned pieces).

@@ -9,7 +9,8 @@
 //      one job per slot, nothing to share) runs prep_kernel instead, which only zeroes them.
 //   2. w1|w3 with SiTU-GLU fused: a = bf16(SiTU-GLU(bf16 g, bf16 u)) per slot.
 //   3. w2: y = bf16(a·W2ᵀ) per slot.
-//   4. combine: ũ_t = bf16(Σ_k w_k·y_k) in top-k order, FP32; deterministic (no atomics on values).
+//   4. combine: ũ_t = bf16(Σ_k w_k·y_k) in top-k order, FP32; deterministic (no atomics on values); with
+//      MoeExpertsOptions::norm_w also §3.6 step 5's RMSNorm of ũ (combine_norm_kernel, one CTA per token).
 // Four GEMM families (moe.h MoeTokenTile):
 //   stream (moe_stream.cu), decode: persistent stream-K grid, CT = 8, scales folded into the decode.
 //   wide (moe_wide.cu), prefill: CT = 128, 8-warp CTAs of 128/256 weight rows × all the job's tokens.
@@ -177,6 +178,64 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const uint16_t
     }
   }
   *reinterpret_cast<uint4*>(ut + t * Lt + j) = dev::pack8(acc);
+}
+
+// 4'. combine + the latent norm (MoeExpertsOptions::norm_w): one CTA of kNormThreads per token. Thread i owns
+// the 8-vectors i, i + kNormThreads, ... — rmsnorm_kernel's (norm.cu) ownership and order — so Σx² and the
+// normalised row are bit-identical to combine_kernel followed by rmsnorm_bf16, one launch fewer.
+constexpr int kNormThreads = 256;  // = norm.cu kThreads
+__global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const uint16_t* __restrict__ y,
+                                                                    const float* __restrict__ wts,
+                                                                    const int32_t* __restrict__ ids, int K, int X,
+                                                                    int Lt, const uint16_t* __restrict__ nw,
+                                                                    float eps, uint16_t* __restrict__ ut,
+                                                                    uint16_t* __restrict__ normed) {
+  __shared__ float scratch[32];
+  griddep_wait();  // y comes from the w2 GEMM
+  griddep_launch();
+  const int64_t t = blockIdx.x;
+  const int nv = Lt / 8;
+  float ss = 0.0f;
+  for (int v = threadIdx.x; v < nv; v += kNormThreads) {
+    const int j = 8 * v;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int k0 = 0; k0 < K; k0 += 8) {  // combine_kernel's loop, the same order of operations
+      uint4 vv[8];
+      float w[8];
+      bool ok[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int64_t slot = t * K + min(k0 + u, K - 1);
+        ok[u] = k0 + u < K && unsigned(__ldg(ids + slot)) < unsigned(X);
+        w[u] = ok[u] ? __ldg(wts + slot) : 0.0f;
+        vv[u] = ok[u] ? ld_act16(y + slot * Lt + j) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        if (!ok[u]) continue;
+        float f[8];
+        dev::unpack8(vv[u], f);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(w[u], f[q]));
+      }
+    }
+    const uint4 packed = dev::pack8(acc);
+    *reinterpret_cast<uint4*>(ut + t * Lt + j) = packed;
+    float f[8];
+    dev::unpack8(packed, f);  // the BF16 ũ, as rmsnorm_kernel reads it
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss = fmaf(f[i], f[i], ss);
+  }
+  ss = dev::block_sum(ss, scratch);
+  const float r = 1.0f / sqrtf(ss / float(Lt) + eps);
+  for (int v = threadIdx.x; v < nv; v += kNormThreads) {  // this thread's own ũ vectors, written above
+    float f[8], g[8];
+    dev::unpack8(*reinterpret_cast<const uint4*>(ut + t * Lt + 8 * v), f);
+    dev::unpack8(dev::ld16(nw + 8 * v), g);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = g[i] * dev::round_bf16(f[i] * r);
+    *reinterpret_cast<uint4*>(normed + t * Lt + 8 * v) = dev::pack8(f);
+  }
 }
 
 // ---- launchers -------------------------------------------------------------------------------------------
@@ -420,6 +479,15 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
     a2.w_early = path == Path::t8 && w_early_allowed();
     run_gemm(path, false, a2, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas2, false, pdl, stream);
     mark(opt, 3, stream);
+  }
+  if (opt.norm_w) {
+    KCUDA_REQUIRE(opt.normed && aligned(opt.normed, 16) && aligned(opt.norm_w, 16) && T < (int64_t(1) << 31),
+                  std::string("moe_experts_mxfp4: the fused latent norm needs 16-byte aligned norm_w and normed"));
+    moe_detail::launch(combine_norm_kernel, dim3(unsigned(T)), dim3(kNormThreads), 0, stream, pdl,
+                       static_cast<const uint16_t*>(y), weights, ids, int(K), int(X), int(Lt), opt.norm_w,
+                       opt.norm_eps, ut, opt.normed);
+    mark(opt, 4, stream);
+    return;
   }
   const int64_t outs = T * (Lt / 8);
   KCUDA_REQUIRE((outs + kCombineThreads - 1) / kCombineThreads < (int64_t(1) << 31),

@@ -56,6 +56,8 @@ struct DecodeOptions {
   // to a power of two within the skinny GEMM (true: KESTREL_SPEC_GRAPH_PAD=1; default: exact counts).
   bool spec_graphs = true;
   bool spec_graph_pad = false;
+  // The latent MoE's RMSNorm of ũ in the experts' combine launch (moe.cpp; false: KESTREL_COMBINE_NORM=0).
+  bool combine_norm = true;
   static DecodeOptions from_env();
 };
 

@@ -2,7 +2,8 @@
 // x is one stacked GEMM (linear.h): the shared experts' gate|up with the SiTU-GLU in its epilogue (step 6's
 // first half), z = Lin(routed_expert_down_proj)(x) (step 2) and, in BF16, the FP32 router logits (step 1).
 // The router and the expert selection run over all rows at once; the routed experts stay MXFP4
-// (kernels/cuda/moe.h); step 7's sum is the epilogue of the latent up-projection.
+// (kernels/cuda/moe.h); on one rank step 5's norm runs in their combine launch (MoeExpertsOptions::norm_w,
+// bit-identical to the separate rmsnorm); step 7's sum is the epilogue of the latent up-projection.
 //
 // Tensor parallelism (docs/parallel.md §3, "The latent MoE needs three collectives"; CPU twin:
 // model/moe_split.cpp): the rank holds X/N router rows, Lt/N latent-down rows, I/N of every expert's
@@ -75,6 +76,10 @@ void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in, c
   void* ws = x.tmp<char>(int64_t(cuda::moe_experts_workspace_bytes(T, w.Xe, K, Lt, I)));
   cuda::MoeExpertsOptions eo;
   eo.lt = &x.lt;  // prefill sizes: dequantise + cuBLASLt (moe.h MoeTokenTile::dense)
+  // Step 5's norm in the combine launch (bit-identical to the separate rmsnorm) when ũ is whole on this rank.
+  u16* un = c.latent_moe_use_norm ? x.tmp<u16>(T * Lt) : nullptr;  // bf16 [T, Lt]
+  const bool norm_in_combine = un && !x.split() && x.fused() && x.opt.combine_norm;
+  if (norm_in_combine) eo.norm_w = w.latent_norm, eo.norm_eps = c.rms_norm_eps, eo.normed = un;
   cuda::moe_experts_mxfp4(z, eids, wts, w.experts, T, w.Xe, K, Lt, I, c.situ_beta, c.situ_linear_beta, ws, ut,
                           x.stream, eo);
   // Under TP each rank's ũ is partial: its I/N slice of every selected expert, or (EP) its own experts' whole
@@ -83,9 +88,8 @@ void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in, c
   x.mark("moe.experts");
   // Step 5: routed = Lin(routed_expert_up_proj)(RMSNorm_{routed_expert_norm}(ũ)).
   const u16* lin = ut;
-  if (c.latent_moe_use_norm) {
-    u16* un = x.tmp<u16>(T * Lt);  // bf16 [T, Lt]
-    cuda::rmsnorm_bf16(ut, Lt, w.latent_norm, un, Lt, T, Lt, c.rms_norm_eps, x.stream);
+  if (un) {
+    if (!norm_in_combine) cuda::rmsnorm_bf16(ut, Lt, w.latent_norm, un, Lt, T, Lt, c.rms_norm_eps, x.stream);
     lin = un;
   }
   if (x.split()) {  // the up-projection's column slice reads this rank's Lt/N columns (made contiguous)
