@@ -145,17 +145,8 @@ __global__ void __launch_bounds__(kGroupThreads) prep_kernel(int32_t* __restrict
 // ---- 4. combine ------------------------------------------------------------------------------------------
 // ũ[t, j..j+7] = bf16(Σ_k w[t,k]·y[t·K+k, j..j+7]), FP32 in top-k order; out-of-range ids add nothing.
 // The K rows are loaded 8 at a time before any is summed (one memory latency per 8 slots, not per slot).
-__global__ void __launch_bounds__(kCombineThreads) combine_kernel(const uint16_t* __restrict__ y,
-                                                                  const float* __restrict__ wts,
-                                                                  const int32_t* __restrict__ ids, int64_t T, int K,
-                                                                  int X, int Lt, uint16_t* __restrict__ ut) {
-  griddep_wait();  // y comes from the w2 GEMM
-  griddep_launch();
-  const int per = Lt / 8;
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= T * per) return;
-  const int64_t t = i / per;
-  const int j = int(i - t * per) * 8;
+__device__ __forceinline__ uint4 combine8(const uint16_t* __restrict__ y, const float* __restrict__ wts,
+                                          const int32_t* __restrict__ ids, int64_t t, int K, int X, int Lt, int j) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int k0 = 0; k0 < K; k0 += 8) {
     uint4 v[8];
@@ -177,7 +168,21 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const uint16_t
       for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(w[u], f[q]));  // no FMA: as the CPU twin
     }
   }
-  *reinterpret_cast<uint4*>(ut + t * Lt + j) = dev::pack8(acc);
+  return dev::pack8(acc);
+}
+
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(const uint16_t* __restrict__ y,
+                                                                  const float* __restrict__ wts,
+                                                                  const int32_t* __restrict__ ids, int64_t T, int K,
+                                                                  int X, int Lt, uint16_t* __restrict__ ut) {
+  griddep_wait();  // y comes from the w2 GEMM
+  griddep_launch();
+  const int per = Lt / 8;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= T * per) return;
+  const int64_t t = i / per;
+  const int j = int(i - t * per) * 8;
+  *reinterpret_cast<uint4*>(ut + t * Lt + j) = combine8(y, wts, ids, t, K, X, Lt, j);
 }
 
 // 4'. combine + the latent norm (MoeExpertsOptions::norm_w): one CTA of kNormThreads per token. Thread i owns
@@ -198,28 +203,7 @@ __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const uint16
   float ss = 0.0f;
   for (int v = threadIdx.x; v < nv; v += kNormThreads) {
     const int j = 8 * v;
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int k0 = 0; k0 < K; k0 += 8) {  // combine_kernel's loop, the same order of operations
-      uint4 vv[8];
-      float w[8];
-      bool ok[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int64_t slot = t * K + min(k0 + u, K - 1);
-        ok[u] = k0 + u < K && unsigned(__ldg(ids + slot)) < unsigned(X);
-        w[u] = ok[u] ? __ldg(wts + slot) : 0.0f;
-        vv[u] = ok[u] ? ld_act16(y + slot * Lt + j) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        if (!ok[u]) continue;
-        float f[8];
-        dev::unpack8(vv[u], f);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(w[u], f[q]));
-      }
-    }
-    const uint4 packed = dev::pack8(acc);
+    const uint4 packed = combine8(y, wts, ids, t, K, X, Lt, j);
     *reinterpret_cast<uint4*>(ut + t * Lt + j) = packed;
     float f[8];
     dev::unpack8(packed, f);  // the BF16 ũ, as rmsnorm_kernel reads it
