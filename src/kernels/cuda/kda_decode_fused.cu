@@ -33,12 +33,17 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // CTA copies the head's f_b rows into shared memory (cp.async, when f_b is 16-byte aligned: fb_async) and each
 // conv thread reads its channel's conv weights, so their DRAM latency overlaps the previous kernel instead of
 // sitting in phase A's chain (the f_b rows were read as 2-byte loads, 8 in flight a thread, after the conv).
+// With `early` (default; KESTREL_KDA_EARLY=0 for A/B) the row's state slice, its conv history and the per-head
+// weights (dt_bias, a_log, o_norm) are loaded before the wait as well: no kernel of a pure-decode step writes
+// them before this one (the previous step, and any copy between steps, completed before the step's input
+// copies), so after the wait only the previous kernel's outputs (q|k|v, f_a, b, gate) are read.
 // Phases, separated by barriers:
 //  A. threads < 3·DK run the conv of one q/k/v channel of the head (conv_decode_kernel's arithmetic,
-//     history shifted in place); then every thread starts its state loads (the decode_kernel layout: DK/32
-//     slices of 128 threads, slice c owning value columns 32c..32c+31) and all threads compute the f_b rows
-//     of the head (4 threads per output, FP32, shuffle-summed, rounded to bf16);
-//  Resources (ptxas): ≤ 64 registers at 512 threads (two CTAs per SM at Dk = 128), no spills.
+//     history shifted in place); then (without early) every thread starts its state loads (the decode_kernel
+//     layout: DK/32 slices of 128 threads, slice c owning value columns 32c..32c+31) and all threads compute
+//     the f_b rows of the head (4 threads per output, FP32, shuffle-summed, rounded to bf16);
+//  Resources (ptxas): 64 registers at 512 threads (two CTAs per SM at Dk = 128); with the early loads (state
+//  and history held in registers through phase A) 8 / 16 bytes of stack at Dk = 128 (FP32 / FP16 state).
 //  B. one warp each sums q² and k²; threads < DK normalise, form g and keep exp(g) (qk_norm_gates' formulas);
 //  C. the delta-rule step of decode_kernel for one token, o into shared memory;
 //  D. one warp sums o²; threads < DK write ô (out_norm_gate's formula).
@@ -50,7 +55,7 @@ __global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(cons
                                                                    const int32_t* __restrict__ slots,
                                                                    StateT* __restrict__ pool,
                                                                    uint16_t* __restrict__ ohat, int H, int W,
-                                                                   bool fb_async) {
+                                                                   bool fb_async, bool early) {
   constexpr int R = DK / 16, SL = DK / 32;
   __shared__ __align__(16) uint16_t fbs[DK * DK];  // bf16 [DK, DK]: f_b rows h·DK .. h·DK + DK − 1 (fb_async)
   __shared__ float fas[DK];                        // f_a output of this row (bf16 values)
@@ -74,30 +79,49 @@ __global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(cons
 #pragma unroll
     for (int j = 0; j < kMaxConvW; ++j) wcr[j] = j < W ? wc[j] : 0.0f;
   }
-  dev::pdl_wait();
-  if (in.cu && in.cu[b + 1] - in.cu[b] != 1) {  // a padded row of a graph bucket: no token, no state
-    cp_async_wait_all();
-    return;
-  }
-  if (tid < DK) fas[tid] = dev::bf16_to_f32(in.fa[int64_t(b) * in.ld_fa + tid]);
-  const int slot = slots[b];
-  // A. state loads first (longest latency), in decode_kernel's layout.
+  // early: the row's own recurrent state and conv history (written only by this layer's launch of an earlier
+  // step, never by a kernel of this step: the fused path runs on pure-decode steps) and the per-head weights
+  // are loaded before the PDL wait too, so no DRAM round trip is left on the chain after it.
+  const bool padded = in.cu && in.cu[b + 1] - in.cu[b] != 1;  // a padded row of a graph bucket: no token, no state
+  const int slot = padded ? 0 : slots[b];
   const int lane = tid & 31, warp = tid >> 5, slice = warp >> 2, w = warp & 3, sub = lane >> 3, c4 = lane & 7;
   const int col = slice * 32 + 4 * c4;
   StateT* S = pool + (int64_t(slot) * H + h) * DK * DK;
+  const int64_t ch = (tid / DK) * HD + int64_t(h) * DK + tid % DK;  // this thread's q/k/v channel (tid < 3·DK)
+  uint16_t* hist = hist_pool + int64_t(slot) * (W - 1) * C3;
+  uint16_t hv[kMaxConvW];
+  float s[R][4];
+  float dtb = 0.0f, alog = 0.0f, onw = 0.0f;
+  auto load_hist = [&] {
+    if (tid < 3 * DK) {
+#pragma unroll
+      for (int j = 0; j < kMaxConvW - 1; ++j)
+        if (j < W - 1) hv[j] = hist[j * C3 + ch];
+    }
+  };
+  auto load_state = [&] {  // decode_kernel's layout
+#pragma unroll
+    for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
+  };
+  if (early && !padded) {
+    load_hist();
+    load_state();
+    if (tid < DK) dtb = wt.dt_bias[int64_t(h) * DK + tid], alog = wt.a_log[h], onw = wt.o_norm[tid];
+  }
+  dev::pdl_wait();
+  if (padded) {
+    cp_async_wait_all();
+    return;
+  }
+  if (!early && tid < DK) dtb = wt.dt_bias[int64_t(h) * DK + tid], alog = wt.a_log[h], onw = wt.o_norm[tid];
+  if (tid < DK) fas[tid] = dev::bf16_to_f32(in.fa[int64_t(b) * in.ld_fa + tid]);
+  // A. the conv of this thread's channel.
+  if (!early) load_hist();
   if (tid < 3 * DK) {
-    const int part = tid / DK, i = tid % DK;
-    const int64_t ch = part * HD + int64_t(h) * DK + i;
-    uint16_t* hist = hist_pool + int64_t(slot) * (W - 1) * C3;
-    uint16_t hv[kMaxConvW];
     float acc = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kMaxConvW - 1; ++j) {
-      if (j < W - 1) {
-        hv[j] = hist[j * C3 + ch];
-        acc += wcr[j] * dev::bf16_to_f32(hv[j]);
-      }
-    }
+    for (int j = 0; j < kMaxConvW - 1; ++j)
+      if (j < W - 1) acc += wcr[j] * dev::bf16_to_f32(hv[j]);
     const uint16_t cur = in.qkv[int64_t(b) * in.ld_qkv + ch];
     float wlast = wcr[0];
 #pragma unroll
@@ -109,10 +133,8 @@ __global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(cons
     for (int j = 0; j < kMaxConvW - 1; ++j)
       if (j < W - 1) hist[j * C3 + ch] = j + 1 < W - 1 ? hv[j + 1] : cur;
   }
-  // The state loads go out here, under the f_b reads and the norms (after the conv: fewer live registers).
-  float s[R][4];
-#pragma unroll
-  for (int m = 0; m < R; ++m) load4(S + (16 * m + 4 * w + sub) * DK + col, s[m]);
+  // Without early, the state loads go out here, under the f_b reads and the norms.
+  if (!early) load_state();
   cp_async_wait_all();
   __syncthreads();  // fbs and fas complete
   {  // z = bf16(f_b[h·DK + i, :]·fa), 4 threads per output, DK/4 terms each.
@@ -145,8 +167,8 @@ __global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(cons
     const float qn = (1.0f / sqrtf(float(DK))) / sqrtf(sums[0] + 1e-6f), kn = 1.0f / sqrtf(sums[1] + 1e-6f);
     qs[tid] = cv[tid] * qn;
     ks[tid] = cv[DK + tid] * kn;
-    const float a = expf(wt.a_log[h]);
-    const float zi = zs[tid] + wt.dt_bias[int64_t(h) * DK + tid];
+    const float a = expf(alog);
+    const float zi = zs[tid] + dtb;
     ds[tid] = expf(wt.lower * dev::sigmoid(a * zi));
   }
   __syncthreads();
@@ -225,8 +247,17 @@ __global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(cons
     const float r = 1.0f / sqrtf(sums[2] / float(DK) + wt.eps);
     const int64_t c = int64_t(h) * DK + tid;
     const float gt = dev::sigmoid(dev::bf16_to_f32(in.gate[int64_t(b) * in.ld_gate + c]));
-    ohat[int64_t(b) * HD + c] = dev::f32_to_bf16(os[tid] * r * wt.o_norm[tid] * gt);
+    ohat[int64_t(b) * HD + c] = dev::f32_to_bf16(os[tid] * r * onw * gt);
   }
+}
+
+// KESTREL_KDA_EARLY=0: the state, conv history and per-head weights loaded after the PDL wait (A/B).
+bool early_allowed() {
+  static const bool on = [] {
+    const char* e = std::getenv("KESTREL_KDA_EARLY");
+    return !(e && e[0] == '0');
+  }();
+  return on;
 }
 
 // KESTREL_KDA_FB_ASYNC=0: the f_b rows read from global memory after the wait, as before (A/B).
@@ -252,23 +283,24 @@ void decode_fused(const KdaDecodeIn& in, const KdaDecodeWeights& w, uint16_t* hi
   const dim3 grid{unsigned(H), unsigned(B), 1u};
   // f_b rows through shared memory when the 16-byte copies are aligned (every head's block is, if the base is).
   const bool fb_async = (reinterpret_cast<uintptr_t>(w.f_b) & 15u) == 0 && fb_async_allowed();
+  const bool early = early_allowed();
   switch (Dk) {
     case 32: {
-      void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int, bool) =
+      void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int, bool, bool) =
           kda_decode_fused_kernel<32, StateT>;
-      launch_pdl(k, grid, dim3(128), 0, stream, in, w, hist_pool, slots, pool, ohat, int(H), int(W), fb_async);
+      launch_pdl(k, grid, dim3(128), 0, stream, in, w, hist_pool, slots, pool, ohat, int(H), int(W), fb_async, early);
       break;
     }
     case 64: {
-      void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int, bool) =
+      void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int, bool, bool) =
           kda_decode_fused_kernel<64, StateT>;
-      launch_pdl(k, grid, dim3(256), 0, stream, in, w, hist_pool, slots, pool, ohat, int(H), int(W), fb_async);
+      launch_pdl(k, grid, dim3(256), 0, stream, in, w, hist_pool, slots, pool, ohat, int(H), int(W), fb_async, early);
       break;
     }
     case 128: {
-      void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int, bool) =
+      void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int, bool, bool) =
           kda_decode_fused_kernel<128, StateT>;
-      launch_pdl(k, grid, dim3(512), 0, stream, in, w, hist_pool, slots, pool, ohat, int(H), int(W), fb_async);
+      launch_pdl(k, grid, dim3(512), 0, stream, in, w, hist_pool, slots, pool, ohat, int(H), int(W), fb_async, early);
       break;
     }
     default: KCUDA_REQUIRE(false, "kda_decode_fused: Dk = " + std::to_string(Dk) + " (supported: 32, 64, 128)");
