@@ -31,6 +31,7 @@ import sys
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 import torch.nn.functional as F
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -168,6 +169,7 @@ class K3Model(nn.Module):
         self.names = []
         self._qcache = None
         self.kl_dense = False   # see mla(): the indexer's KL target in the sparse mode
+        self.q_chunk = 0        # MLA query rows per checkpointed chunk (0: all at once; see mla())
         self.params = nn.ParameterDict()
         for name, (shape, kind) in param_shapes(tc).items():
             self.params[name.replace(".", "__")] = nn.Parameter(_init(shape, kind, g))
@@ -248,18 +250,23 @@ class K3Model(nn.Module):
         oh = bf16(rmsnorm_nr(o, self.p(A + "o_norm.weight"), cfg.rms_norm_eps) * gate)   # §3.3.7
         return lin(oh.reshape(B, T, H * Dk), self.p(A + "o_proj.weight"))
 
-    def indexer_scores(self, L, x, c_q, kI_all, q_lo, S_len):
-        """I [B, T, S] for queries at positions q_lo.. over keys 0..S_len-1 (−inf where not causal)."""
+    def indexer_queries(self, L, x, c_q):
+        """§3.5 steps 1 and 3 for T rows: q_I [B, T, Hi, Di] and the head weights w [B, T, Hi] (FP32, unrounded)."""
         cfg = self.cfg
         J = f"model.layers.{L}.self_attn.indexer."
         B, T, _ = x.shape
-        Hi, Di = cfg.index_n_heads, cfg.index_head_dim
-        qI = lin(c_q, self.p(J + "wq_b.weight")).view(B, T, Hi, Di)       # §3.5.1
-        wts = x @ self.w(J + "weights_proj.weight").t()                   # §3.5.3 wide, unrounded
+        qI = lin(c_q, self.p(J + "wq_b.weight")).view(B, T, cfg.index_n_heads, cfg.index_head_dim)   # §3.5.1
+        wts = x @ self.w(J + "weights_proj.weight").t()                                               # §3.5.3
+        return qI, wts
+
+    def indexer_scores(self, qI, wts, kI_all, q_lo, S_len):
+        """I [B, T, S] for the queries (qI, wts of indexer_queries) at positions q_lo.. over keys 0..S_len-1
+        (−inf where not causal)."""
+        B, T, Hi, Di = qI.shape
         dots = torch.relu(torch.einsum("bthd,bsd->bths", qI, kI_all))
         I = torch.einsum("bth,bths->bts", wts * (Hi ** -0.5 * Di ** -0.5), dots)
-        pos = torch.arange(q_lo, q_lo + T, device=x.device)
-        causal = torch.arange(S_len, device=x.device).unsqueeze(0) <= pos.unsqueeze(1)
+        pos = torch.arange(q_lo, q_lo + T, device=qI.device)
+        causal = torch.arange(S_len, device=qI.device).unsqueeze(0) <= pos.unsqueeze(1)
         return I.masked_fill(~causal, float("-inf")), causal
 
     def mla(self, L, x, st, mode, kl_out, valid=None):
@@ -303,18 +310,59 @@ class K3Model(nn.Module):
             if kvalid is not None:
                 st["kvalid"] = kvalid
         S = k.shape[1]
+        adt = torch.float32 if x.device.type == "cpu" else torch.bfloat16
+        qb, kb, vb = (t.transpose(1, 2).to(adt) for t in (q, k, v))      # [B, Hm, *, d] (BF16 values)
+        want_kl = kl_out is not None and has_idx
+        # the indexer's queries and head weights (inputs detached: it learns from the KL alone), O(T) tensors made
+        # once for every chunk below
+        qI, wts = self.indexer_queries(L, x.detach(), c_q.detach()) if has_idx else (None, None)
+        kIa = kI if has_idx else None
+
+        def attend(t0, t1, qb_c, kb, vb, kI, qI_c, wts_c):
+            return self._attend(qb_c, kb, vb, kI, qI_c, wts_c, kvalid, q_lo + t0, t1 - t0, mode, want_kl)
+
+        chunk = self.q_chunk if self.q_chunk > 0 else T
+        if chunk >= T:
+            o, kl_sum = attend(0, T, qb, kb, vb, kIa, qI, wts)
+        else:
+            # Query rows in chunks, each recomputed in the backward pass (checkpoint): every tensor of the
+            # indexer, the selection and the KL is [B, chunk, S] instead of [B, T, S], and every one of them
+            # is row-wise, so the result is the unchunked one (up to the KL mean's summation order).
+            os_, kls = [], []
+            for t0 in range(0, T, chunk):
+                t1 = min(T, t0 + chunk)
+                oc, klc = torch.utils.checkpoint.checkpoint(
+                    attend, t0, t1, qb[:, :, t0:t1], kb, vb, kIa, qI[:, t0:t1] if has_idx else None,
+                    wts[:, t0:t1] if has_idx else None, use_reentrant=False)
+                os_.append(oc)
+                kls.append(klc)
+            o = torch.cat(os_, dim=2)
+            kl_sum = torch.stack(kls).sum() if want_kl else None
+        if want_kl:
+            kl_out.append(kl_sum / (B * T))
+        o = o.transpose(1, 2).float().reshape(B, T, Hm * Dv)
+        if cfg.mla_use_output_gate:
+            o = bf16(o * torch.sigmoid(lin(x, self.p(A + "g_proj.weight"))))
+        return lin(o, self.p(A + "o_proj.weight"))
+
+    def _attend(self, qb, kb, vb, kI, qI, wts, kvalid, q_lo, T, mode, want_kl):
+        """§3.5 steps 4–6 and §3.4 steps 3–4 for the T query rows at positions q_lo.. (qb [B, Hm, T, d]; the
+        indexer's qI, wts of indexer_queries) over the S keys of kb / vb / kI: the indexer's selection (sparse
+        mode), the attention, and (want_kl) the indexer's KL loss summed over the rows.
+        Returns o [B, Hm, T, Dv] and the KL sum (None without want_kl)."""
+        cfg = self.cfg
+        B, S = qb.shape[0], kb.shape[2]
+        scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+        has_idx = cfg.index_topk > 0
         # padding keys are never attended; a padding query attends to itself only (no empty softmax row)
         pad_mask = None
         if kvalid is not None:
-            pos = torch.arange(q_lo, q_lo + T, device=x.device)
-            own = torch.arange(S, device=x.device).unsqueeze(0) == pos.unsqueeze(1)          # [T, S]
+            pos = torch.arange(q_lo, q_lo + T, device=qb.device)
+            own = torch.arange(S, device=qb.device).unsqueeze(0) == pos.unsqueeze(1)         # [T, S]
             pad_mask = kvalid.unsqueeze(1) | own.unsqueeze(0)                                 # [B, T, S]
-        adt = torch.float32 if x.device.type == "cpu" else torch.bfloat16
-        qb, kb, vb = (t.transpose(1, 2).to(adt) for t in (q, k, v))      # [B, Hm, *, d] (BF16 values)
-        scale = (N + R) ** -0.5
         sel = None
-        if has_idx and (mode == "sparse" or kl_out is not None):
-            I, causal = self.indexer_scores(L, x.detach(), c_q.detach(), kI, q_lo, S)
+        if has_idx and (mode == "sparse" or want_kl):
+            I, causal = self.indexer_scores(qI, wts, kI, q_lo, S)
             if pad_mask is not None:
                 causal = causal & pad_mask
                 I = I.masked_fill(~causal, float("-inf"))
@@ -324,19 +372,20 @@ class K3Model(nn.Module):
                 sel.scatter_(-1, top, True)
                 sel &= causal
         if sel is None and pad_mask is not None:
-            pos = torch.arange(q_lo, q_lo + T, device=x.device)
-            m = (torch.arange(S, device=x.device).unsqueeze(0) <= pos.unsqueeze(1)) & pad_mask
+            pos = torch.arange(q_lo, q_lo + T, device=qb.device)
+            m = (torch.arange(S, device=qb.device).unsqueeze(0) <= pos.unsqueeze(1)) & pad_mask
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=m.unsqueeze(1), scale=scale)
         elif sel is None:
             if q_lo == 0 and T == S:
                 o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
             else:
-                pos = torch.arange(q_lo, q_lo + T, device=x.device)
-                m = torch.arange(S, device=x.device).unsqueeze(0) <= pos.unsqueeze(1)
+                pos = torch.arange(q_lo, q_lo + T, device=qb.device)
+                m = torch.arange(S, device=qb.device).unsqueeze(0) <= pos.unsqueeze(1)
                 o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=m, scale=scale)
         else:
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=sel.unsqueeze(1), scale=scale)
-        if kl_out is not None and has_idx:
+        kl_sum = None
+        if want_kl:
             with torch.no_grad():
                 # kl_dense: the target is the attention over every causal key even when the LM path attends
                 # sparsely, so an indexer that misses a key the heads would attend to can still learn to rank it
@@ -346,12 +395,8 @@ class K3Model(nn.Module):
                 s = s.masked_fill(~mask.unsqueeze(1), float("-inf"))
                 p = torch.softmax(s, dim=-1).mean(1)                                  # heads-averaged
             logq = torch.log_softmax(I.masked_fill(~mask, float("-inf")), dim=-1)
-            kl = (p * (torch.log(p.clamp_min(1e-30)) - logq.masked_fill(~mask, 0.0))).sum(-1)
-            kl_out.append(kl.mean())
-        o = o.transpose(1, 2).float().reshape(B, T, Hm * Dv)
-        if cfg.mla_use_output_gate:
-            o = bf16(o * torch.sigmoid(lin(x, self.p(A + "g_proj.weight"))))
-        return lin(o, self.p(A + "o_proj.weight"))
+            kl_sum = (p * (torch.log(p.clamp_min(1e-30)) - logq.masked_fill(~mask, 0.0))).sum()
+        return o, kl_sum
 
     def glu(self, x, pre):
         cfg = self.cfg

@@ -150,11 +150,16 @@ def parse_args(argv=None):
                     help="the mix's passkey prompts stay under this (default --seq; 2048 keeps the original mix)")
     ap.add_argument("--kl-target", choices=("selected", "dense"), default="selected",
                     help="sparse phase: the indexer's KL over its selected keys (V3.2) or over every causal key")
+    ap.add_argument("--q-chunk", type=int, default=0,
+                    help="MLA query rows per checkpointed chunk (0: all at once): the indexer's, the selection's and "
+                         "the KL's [rows, T, S] tensors become [rows, chunk, S], for rows past 16K (README)")
     ap.add_argument("--train-only", choices=TRAIN_ONLY, default="all",
                     help="freeze all but the DSA indexers (indexer) or the MLA layers' attention (attn)")
     args = ap.parse_args(argv)
     if args.resume and args.init_from:
         ap.error("--resume and --init-from exclude each other")
+    if args.q_chunk < 0:
+        ap.error("--q-chunk must be ≥ 0")
     if args.long_max is None:
         args.long_max = args.seq - 1
     if args.long_frac > 0 and not 0 < args.long_min <= args.long_max < args.seq:
@@ -189,6 +194,7 @@ def main(argv=None):
         print(f"resumed at step {step}, data seed {start_seed}", flush=True)
 
     model.kl_dense = args.kl_target == "dense"
+    model.q_chunk = args.q_chunk
 
     def keep(n):
         return trainable(n, model.cfg, args.train_only)
