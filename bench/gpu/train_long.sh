@@ -7,7 +7,8 @@
 #   TL_DEADLINE       the whole call, training included (default 560): every eval step is cut at it, so the
 #                     device tool's 600 s limit still returns what was measured
 #   TL_SEQ, TL_BATCH  row length and rows per step (16384 × 2: ~90 GB estimated, see train/README.md; rows of
-#                     32K and more want TL_TRAIN_ARGS="--q-chunk 4096", the MLA layers' O(T²) tensors per chunk)
+#                     32K and more want TL_TRAIN_ARGS="--q-chunk 4096 --recompute": the MLA layers' O(T²) tensors
+#                     per chunk of queries, the other sublayers recomputed in the backward pass)
 #   TL_TRAIN_ARGS     more trainer flags (e.g. "--train-only indexer", "--kl-target selected")
 #   TL_INIT           the model to start from (default models/k3-tiny)
 #   TL_1M_DEPTHS      depths of the 1M-token prompts (default 0,0.5,1: ~40 s of prefill each)

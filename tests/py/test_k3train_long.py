@@ -81,7 +81,8 @@ def test_two_steps_from_k3_tiny_export_and_load(tmp_path):
     out = str(tmp_path / "run")
     train.main(["--out", out, "--init-from", TINY, "--seq", "1024", "--batch", "1", "--max-steps", "2",
                 "--workers", "0", "--long-frac", "1.0", "--long-min", "600", "--mix-len", "2048", "--dense-frac", "0",
-                "--lr", "3e-4", "--warmup", "1", "--kl-target", "dense", "--train-only", "attn", "--log-every", "1"])
+                "--lr", "3e-4", "--warmup", "1", "--kl-target", "dense", "--train-only", "attn", "--log-every", "1",
+                "--q-chunk", "256", "--recompute"])   # the long-row switches, end to end
     m0 = load_exported(TINY, torch.device("cpu"))
     m1 = load_exported(os.path.join(out, "model"), torch.device("cpu"))
     changed = {n for (n, a), (_, b) in zip(m0.named_master(), m1.named_master()) if not torch.equal(a, b)}
@@ -122,12 +123,12 @@ def _small_model(seed=3):
     return m
 
 
-def _run(m, toks, mode, chunk, kl_dense, valid=None):
+def _run(m, toks, mode, chunk, kl_dense, valid=None, recompute=False, load=None):
     """Logits, the indexer's KL terms and every gradient of one forward/backward with q_chunk = chunk."""
     m.zero_grad(set_to_none=True)
-    m.q_chunk, m.kl_dense = chunk, kl_dense
+    m.q_chunk, m.kl_dense, m.recompute = chunk, kl_dense, recompute
     kl = []
-    h = m.hidden(toks, mode=mode, kl_out=kl, valid=valid)
+    h = m.hidden(toks, mode=mode, kl_out=kl, valid=valid, load_out=load)
     logits = m.logits(h)
     loss = (logits.float().square().mean() + sum(kl)) if kl else logits.float().square().mean()
     loss.backward()
@@ -180,7 +181,36 @@ def test_query_chunks_give_the_unchunked_forward_and_gradients(mode, kl_dense, p
 
 
 def test_q_chunk_argument():
-    a = train.parse_args(["--out", "o", "--seq", "65536", "--batch", "1", "--q-chunk", "4096"])
-    assert a.q_chunk == 4096
+    a = train.parse_args(["--out", "o", "--seq", "65536", "--batch", "1", "--q-chunk", "4096", "--recompute"])
+    assert a.q_chunk == 4096 and a.recompute
+    assert not train.parse_args(["--out", "o"]).recompute
     with pytest.raises(SystemExit):
         train.parse_args(["--out", "o", "--q-chunk", "-1"])
+
+
+def test_recompute_gives_the_same_loss_gradients_and_router_loads():
+    # --recompute: the KDA and MLP sublayers under checkpoints; the recompute runs the same operations, so
+    # alone it is bit-identical, with --q-chunk as in the test above; the MoE's router loads (assigned per
+    # layer) are counted once.
+    torch.set_num_threads(2)
+    m = _small_model()
+    toks = torch.randint(0, 12000, (2, 45), generator=torch.Generator().manual_seed(12))
+    valid = torch.ones(2, 45, dtype=torch.bool)
+    valid[0, :4] = False
+    load_ref, load_got = {}, {}
+    ref = _run(m, toks, "sparse", 0, True, valid, False, load_ref)
+    got = _run(m, toks, "sparse", 7, True, valid, True, load_got)
+    m.recompute, m.q_chunk = False, 0
+    assert torch.equal(got[0], ref[0])
+    for a, b in zip(got[1], ref[1]):   # the chunked KL mean: float order
+        assert abs(float(a) - float(b)) <= 1e-5 * (1 + abs(float(b)))
+    assert load_ref and load_got.keys() == load_ref.keys()
+    for L in load_ref:
+        assert torch.equal(load_got[L], load_ref[L])
+    diff = sum(float((got[2][n] - gr).square().sum()) for n, gr in ref[2].items())
+    norm = sum(float(gr.square().sum()) for gr in ref[2].values())
+    assert got[2].keys() == ref[2].keys() and (diff / norm) ** 0.5 < 2e-3   # the q-chunk's BF16 gradient noise
+    again = _run(m, toks, "sparse", 0, True, valid, True, {})              # recompute alone: bit-identical
+    m.recompute = False
+    for n, gr in ref[2].items():
+        assert torch.equal(again[2][n], gr), n

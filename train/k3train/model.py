@@ -170,6 +170,7 @@ class K3Model(nn.Module):
         self._qcache = None
         self.kl_dense = False   # see mla(): the indexer's KL target in the sparse mode
         self.q_chunk = 0        # MLA query rows per checkpointed chunk (0: all at once; see mla())
+        self.recompute = False  # recompute the KDA and MLP sublayers in the backward pass (hidden(); long rows)
         self.params = nn.ParameterDict()
         for name, (shape, kind) in param_shapes(tc).items():
             self.params[name.replace(".", "__")] = nn.Parameter(_init(shape, kind, g))
@@ -474,14 +475,26 @@ class K3Model(nn.Module):
                 st = None
                 if state is not None:
                     st = state["kda"].get(L) or self._fresh_kda(state, L, xn)
-                a = self.kda(L, xn, st, valid)
+                if self.recompute and st is None and torch.is_grad_enabled():
+                    # recomputed in the backward pass: the chunked scan's O(T·C·Dk) intermediates are not kept
+                    a = torch.utils.checkpoint.checkpoint(self.kda, L, xn, None, valid, use_reentrant=False)
+                else:
+                    a = self.kda(L, xn, st, valid)
             else:
                 st = state["layers"][L] if state is not None else None
                 a = self.mla(L, xn, st, mode, kl_out, valid)
             P = a if write else bf16(P + a)                                                   # §3.2.4
             x_mlp_in = mix(Bl + [P], self.w(pre + "mlp_res_norm.weight"), self.w(pre + "mlp_res_proj.weight"), eps)
             xm = rmsnorm(x_mlp_in, self.w(pre + "post_attention_layernorm.weight"), eps)
-            m = self.moe(L, xm, load_out) if cfg.is_moe(L) else self.glu(xm, pre + "mlp.")
+            if cfg.is_moe(L):
+                mlp = lambda v, L=L: self.moe(L, v, load_out)  # noqa: E731
+            else:
+                mlp = lambda v, pre=pre: self.glu(v, pre + "mlp.")  # noqa: E731
+            if self.recompute and torch.is_grad_enabled():
+                # load_out[L] is assigned, not appended: the recompute writes the same counts again
+                m = torch.utils.checkpoint.checkpoint(mlp, xm, use_reentrant=False)
+            else:
+                m = mlp(xm)
             P = bf16(P + m)
             if taps is not None and L in taps:
                 taps[L] = P

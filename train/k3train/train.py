@@ -153,6 +153,9 @@ def parse_args(argv=None):
     ap.add_argument("--q-chunk", type=int, default=0,
                     help="MLA query rows per checkpointed chunk (0: all at once): the indexer's, the selection's and "
                          "the KL's [rows, T, S] tensors become [rows, chunk, S], for rows past 16K (README)")
+    ap.add_argument("--recompute", action="store_true",
+                    help="recompute the KDA and MLP sublayers in the backward pass (their O(T) intermediates, "
+                         "~2 MB a token, are not kept): with --q-chunk, rows of 64K tokens and more (README)")
     ap.add_argument("--train-only", choices=TRAIN_ONLY, default="all",
                     help="freeze all but the DSA indexers (indexer) or the MLA layers' attention (attn)")
     args = ap.parse_args(argv)
@@ -195,6 +198,7 @@ def main(argv=None):
 
     model.kl_dense = args.kl_target == "dense"
     model.q_chunk = args.q_chunk
+    model.recompute = args.recompute
 
     def keep(n):
         return trainable(n, model.cfg, args.train_only)
