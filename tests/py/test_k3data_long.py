@@ -79,3 +79,27 @@ def test_long_rows_are_deterministic(tok):
     for _ in range(6):
         x, y = next(a), next(b)
         assert (x[0] == y[0]).all() and (x[1] == y[1]).all() and x[2] == y[2]
+
+
+def test_shallow_long_passkeys(tok):
+    # --long-shallow: that fraction of the long passkeys has its needle in the first tenth of the filler (the
+    # farthest from the question, where k3-tiny misses beyond 32K); shallow = 0 leaves the rows as they were
+    seq, lo, hi = 8192, 3000, 8000
+    a = samples.rows(tok, seq, 5, mix_len=2048, long=(1.0, lo, hi))
+    b = samples.rows(tok, seq, 5, mix_len=2048, long=(1.0, lo, hi, 0.0))
+    for _ in range(3):
+        x, y = next(a), next(b)
+        assert np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]) and x[2] == y[2]
+    eos = tok.special("[EOS]")
+    for shallow, lo_frac, hi_frac in ((1.0, 0.0, 0.15), (0.0, 0.0, 1.0)):
+        g = samples.rows(tok, seq, 40, mix_len=2048, long=(1.0, lo, hi, shallow))
+        where = []
+        for _ in range(8):
+            ids, _, _ = next(g)
+            first = ids[:int(np.flatnonzero(ids == eos)[0])]
+            text = tok.decode(first.tolist())
+            assert text.count("The pass key is ") == 1
+            where.append(text.index("The pass key is ") / len(text))
+        assert all(lo_frac <= f <= hi_frac for f in where), where
+        if shallow == 0.0:
+            assert max(where) > 0.3   # uniform depths reach past the first tenth

@@ -181,9 +181,13 @@ def test_query_chunks_give_the_unchunked_forward_and_gradients(mode, kl_dense, p
 
 
 def test_q_chunk_argument():
-    a = train.parse_args(["--out", "o", "--seq", "65536", "--batch", "1", "--q-chunk", "4096", "--recompute"])
-    assert a.q_chunk == 4096 and a.recompute
-    assert not train.parse_args(["--out", "o"]).recompute
+    a = train.parse_args(["--out", "o", "--seq", "65536", "--batch", "1", "--q-chunk", "4096", "--recompute",
+                          "--long-frac", "0.5", "--long-min", "32768", "--long-shallow", "0.5"])
+    assert a.q_chunk == 4096 and a.recompute and a.long_shallow == 0.5
+    d = train.parse_args(["--out", "o"])
+    assert not d.recompute and d.q_chunk == 0 and d.long_shallow == 0.0
+    with pytest.raises(SystemExit):
+        train.parse_args(["--out", "o", "--long-shallow", "1.5"])
     with pytest.raises(SystemExit):
         train.parse_args(["--out", "o", "--q-chunk", "-1"])
 

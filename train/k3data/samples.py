@@ -46,8 +46,10 @@ def rows(tok, seq_len: int, start_seed: int, stride: int = 1, context_weight=0.1
     """Infinite generator of (ids [seq_len] int32, weights [seq_len] float32, next_seed).
     `mix_len` (default seq_len) sizes the mix's passkey prompts: a long-context stage passes 2048 to keep the
     original pre-training passkeys in its packed rows; the long ones come only from `long`.
-    `long` (optional): (frac, min_tokens, max_tokens) — that fraction of rows starts with one long passkey
-    sample (long_passkey) and is filled up with the packed mix."""
+    `long` (optional): (frac, min_tokens, max_tokens[, shallow]) — that fraction of rows starts with one long
+    passkey sample (long_passkey) and is filled up with the packed mix; a fraction `shallow` of those puts the key
+    in the first tenth of its filler (depth uniform in [0, 0.1), the farthest from the question), the others at a
+    uniformly random depth."""
     eos = tok.special("[EOS]")
     pad = tok.special("[PAD]")
     seed = start_seed
@@ -60,8 +62,10 @@ def rows(tok, seq_len: int, start_seed: int, stride: int = 1, context_weight=0.1
             # so it always fits whole (question and answer included).
             r = random.Random(seed * 7907 + 3)
             if r.random() < long[0]:
-                ids, w = long_passkey(tok, seed % TRAIN_SEED_LIMIT, r.randint(long[1], long[2]), seq_len,
-                                      context_weight)
+                tokens = r.randint(long[1], long[2])
+                # drawn only when asked, so rows without `shallow` are the ones they always were
+                depth = r.uniform(0.0, 0.1) if len(long) > 3 and long[3] > 0 and r.random() < long[3] else None
+                ids, w = long_passkey(tok, seed % TRAIN_SEED_LIMIT, tokens, seq_len, context_weight, depth)
                 seed += stride
                 buf_ids += [ids, np.asarray([eos], dtype=np.int32)]
                 buf_w += [w, np.zeros(1, dtype=np.float32)]
@@ -91,13 +95,13 @@ def rows(tok, seq_len: int, start_seed: int, stride: int = 1, context_weight=0.1
 _FILLER_RATIO = 1.2
 
 
-def long_passkey(tok, seed: int, tokens: int, seq_len: int, context_weight=0.1):
-    """One passkey sample of about `tokens` tokens (key at a random depth), never longer than seq_len - 1 so
-    the question and answer are never cut off.  Returns (ids, weights) as encode_sample does."""
+def long_passkey(tok, seed: int, tokens: int, seq_len: int, context_weight=0.1, depth: float | None = None):
+    """One passkey sample of about `tokens` tokens (key at `depth`, default the seed's random depth), never longer
+    than seq_len - 1 so the question and answer are never cut off.  Returns (ids, weights) as encode_sample does."""
     want = min(tokens, seq_len - 1)
     target = int(want / _FILLER_RATIO)
     for _ in range(4):
-        ids, w = encode_sample(tok, gen.passkey(seed, context_tokens=target), context_weight)
+        ids, w = encode_sample(tok, gen.passkey(seed, context_tokens=target, depth=depth), context_weight)
         if len(ids) <= seq_len - 1 and len(ids) >= 0.9 * want:
             break
         target = max(64, int(target * want / len(ids) * (0.99 if len(ids) > want else 1.0)))

@@ -146,6 +146,9 @@ def parse_args(argv=None):
     ap.add_argument("--long-frac", type=float, default=0.0, help="fraction of rows opened by one long passkey")
     ap.add_argument("--long-min", type=int, default=4096, help="shortest long passkey (tokens)")
     ap.add_argument("--long-max", type=int, default=None, help="longest long passkey (tokens; default --seq - 1)")
+    ap.add_argument("--long-shallow", type=float, default=0.0,
+                    help="fraction of the long passkeys with the key in the first tenth of the filler (farthest from "
+                         "the question; the rest at a uniform depth)")
     ap.add_argument("--mix-len", type=int, default=None,
                     help="the mix's passkey prompts stay under this (default --seq; 2048 keeps the original mix)")
     ap.add_argument("--kl-target", choices=("selected", "dense"), default="selected",
@@ -163,6 +166,8 @@ def parse_args(argv=None):
         ap.error("--resume and --init-from exclude each other")
     if args.q_chunk < 0:
         ap.error("--q-chunk must be ≥ 0")
+    if not 0.0 <= args.long_shallow <= 1.0:
+        ap.error("--long-shallow must be in [0, 1]")
     if args.long_max is None:
         args.long_max = args.seq - 1
     if args.long_frac > 0 and not 0 < args.long_min <= args.long_max < args.seq:
@@ -220,7 +225,7 @@ def main(argv=None):
         return lr
 
     print(f"trainable {sum(p.numel() for p in decay + no_decay):,} ({args.train_only})", flush=True)
-    long = (args.long_frac, args.long_min, args.long_max) if args.long_frac > 0 else None
+    long = (args.long_frac, args.long_min, args.long_max, args.long_shallow) if args.long_frac > 0 else None
     loader = torch.utils.data.DataLoader(Rows(args.seq, start_seed, args.batch, args.mix_len, long), batch_size=None,
                                          num_workers=args.workers, prefetch_factor=4 if args.workers else None,
                                          persistent_workers=False)
