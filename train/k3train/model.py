@@ -22,6 +22,10 @@ it learns only from the KL loss and the rest of the model only from the LM loss 
 
 `state` (optional) carries KDA recurrent/conv state and the MLA key/value/index-key caches across calls, so
 long prompts are prefilled in pieces and decoding is incremental.
+
+Long training rows (train/README.md, `--q-chunk`, `--recompute`): `q_chunk` runs the MLA layers' indexer,
+selection, attention and KL per chunk of query rows under checkpoints (nothing [B, T, S] outlives a chunk);
+`recompute` checkpoints the KDA and MLP sublayers. Neither changes the math: everything chunked is row-wise.
 """
 from __future__ import annotations
 
