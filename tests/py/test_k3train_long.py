@@ -218,3 +218,20 @@ def test_recompute_gives_the_same_loss_gradients_and_router_loads():
     m.recompute = False
     for n, gr in ref[2].items():
         assert torch.equal(again[2][n], gr), n
+
+
+def test_topk_mask_is_the_sorted_selection():
+    # the trainer's selection mask without a sort == the reference's topk_lower_index (ties to the lower index,
+    # rows with fewer than k finite scores, all-equal rows)
+    from k3ref.numerics import topk_lower_index
+    from k3train.model import topk_mask_lower_index
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(-3, 4, (3, 50, 300), generator=g).float()   # many exact ties
+    x[0, :, 200:] = float("-inf")                                  # masked keys
+    x[1, 5, 3:] = float("-inf")                                    # fewer than k finite scores
+    x[2, 7] = 1.0                                                  # one all-equal row
+    for k in (1, 8, 64, 299):
+        ref = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, topk_lower_index(x, k), True)
+        got = topk_mask_lower_index(x, k)
+        assert torch.equal(got, ref), k
+        assert (got.sum(-1) == k).all()

@@ -51,6 +51,17 @@ from k3ref.numerics import bf16, layernorm, rmsnorm, rmsnorm_nr, situ_glu, topk_
 from .kda_batched import delta_rule_chunked_batched  # noqa: E402
 from .qat import ste  # noqa: E402
 
+def topk_mask_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The mask of k_ref.topk_lower_index(scores, k) along the last dim (the k largest, exact ties to the lower
+    index, §0.8) without sorting the row: the k-th largest value by torch.topk, everything above it, then the
+    lowest-index ties at it. O(S) a row instead of a sort of S (the indexer's rows reach 64K keys)."""
+    thr = torch.topk(scores, k, dim=-1).values[..., -1:]
+    above = scores > thr
+    tie = scores == thr
+    need = k - above.sum(-1, keepdim=True)
+    return above | (tie & (torch.cumsum(tie, dim=-1) <= need))
+
+
 FP32_TENSORS = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight", "e_score_correction_bias")
 
 
@@ -372,10 +383,7 @@ class K3Model(nn.Module):
                 causal = causal & pad_mask
                 I = I.masked_fill(~causal, float("-inf"))
             if mode == "sparse" and S > cfg.index_topk:
-                top = topk_lower_index(I.detach(), cfg.index_topk)   # §3.5.6, ties -> lower key (§0.8)
-                sel = torch.zeros_like(causal.expand(B, T, S))
-                sel.scatter_(-1, top, True)
-                sel &= causal
+                sel = topk_mask_lower_index(I.detach(), cfg.index_topk) & causal   # §3.5.6, ties -> lower key
         if sel is None and pad_mask is not None:
             pos = torch.arange(q_lo, q_lo + T, device=qb.device)
             m = (torch.arange(S, device=qb.device).unsqueeze(0) <= pos.unsqueeze(1)) & pad_mask
