@@ -51,8 +51,9 @@ from k3ref.numerics import bf16, layernorm, rmsnorm, rmsnorm_nr, situ_glu, topk_
 from .kda_batched import delta_rule_chunked_batched  # noqa: E402
 from .qat import ste  # noqa: E402
 
+
 def topk_mask_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The mask of k_ref.topk_lower_index(scores, k) along the last dim (the k largest, exact ties to the lower
+    """The mask of k3ref's topk_lower_index(scores, k) along the last dim (the k largest, exact ties to the lower
     index, §0.8) without sorting the row: the k-th largest value by torch.topk, everything above it, then the
     lowest-index ties at it. O(S) a row instead of a sort of S (the indexer's rows reach 64K keys)."""
     thr = torch.topk(scores, k, dim=-1).values[..., -1:]
