@@ -18,14 +18,9 @@ namespace {
 using kda_detail::kMaxConvW;
 using kda_detail::load4;
 using kda_detail::store4;
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(uint32_t(__cvta_generic_to_shared(smem))),
-               "l"(gmem)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+using kda_detail::cp_async16;
+using kda_detail::cp_async_commit;
+using kda_detail::cp_async_wait;
 }  // namespace
 
 // ---- the fused decode chain (kda_decode_fused) -------------------------------------------------------------
@@ -70,7 +65,7 @@ __global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(cons
   const int64_t HD = int64_t(H) * DK, C3 = 3 * HD;
   if (fb_async) {
     const uint16_t* fb_h = wt.f_b + int64_t(h) * DK * DK;
-    for (int v = tid; v < DK * DK / 8; v += 4 * DK) cp_async16(fbs + 8 * v, fb_h + 8 * v);
+    for (int v = tid; v < DK * DK / 8; v += 4 * DK) cp_async16(fbs + 8 * v, fb_h + 8 * v, 16);
     cp_async_commit();
   }
   float wcr[kMaxConvW];
@@ -110,7 +105,7 @@ __global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(cons
   }
   dev::pdl_wait();
   if (padded) {
-    cp_async_wait_all();
+    cp_async_wait<0>();
     return;
   }
   if (!early && tid < DK) dtb = wt.dt_bias[int64_t(h) * DK + tid], alog = wt.a_log[h], onw = wt.o_norm[tid];
@@ -123,7 +118,7 @@ __global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(cons
     for (int j = 0; j < kMaxConvW - 1; ++j)
       if (j < W - 1) acc += wcr[j] * dev::bf16_to_f32(hv[j]);
     const uint16_t cur = in.qkv[int64_t(b) * in.ld_qkv + ch];
-    float wlast = wcr[0];
+    float wlast = wcr[0];  // wcr[W − 1], picked by unrolled compares: a runtime index would put wcr in local memory
 #pragma unroll
     for (int j = 1; j < kMaxConvW; ++j)
       if (j == W - 1) wlast = wcr[j];
@@ -135,7 +130,7 @@ __global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(cons
   }
   // Without early, the state loads go out here, under the f_b reads and the norms.
   if (!early) load_state();
-  cp_async_wait_all();
+  cp_async_wait<0>();
   __syncthreads();  // fbs and fas complete
   {  // z = bf16(f_b[h·DK + i, :]·fa), 4 threads per output, DK/4 terms each.
     const int i = tid >> 2, part = tid & 3;
@@ -251,22 +246,11 @@ __global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(cons
   }
 }
 
-// KESTREL_KDA_EARLY=0: the state, conv history and per-head weights loaded after the PDL wait (A/B).
-bool early_allowed() {
-  static const bool on = [] {
-    const char* e = std::getenv("KESTREL_KDA_EARLY");
-    return !(e && e[0] == '0');
-  }();
-  return on;
-}
-
-// KESTREL_KDA_FB_ASYNC=0: the f_b rows read from global memory after the wait, as before (A/B).
-bool fb_async_allowed() {
-  static const bool on = [] {
-    const char* e = std::getenv("KESTREL_KDA_FB_ASYNC");
-    return !(e && e[0] == '0');
-  }();
-  return on;
+// A/B switches, on unless the variable is "0": KESTREL_KDA_FB_ASYNC (the f_b rows through shared memory) and
+// KESTREL_KDA_EARLY (the state, conv history and per-head weights before the PDL wait).
+bool env_on(const char* name) {
+  const char* e = std::getenv(name);
+  return !(e && e[0] == '0');
 }
 
 template <typename StateT>
@@ -282,8 +266,8 @@ void decode_fused(const KdaDecodeIn& in, const KdaDecodeWeights& w, uint16_t* hi
   if (B == 0) return;
   const dim3 grid{unsigned(H), unsigned(B), 1u};
   // f_b rows through shared memory when the 16-byte copies are aligned (every head's block is, if the base is).
-  const bool fb_async = (reinterpret_cast<uintptr_t>(w.f_b) & 15u) == 0 && fb_async_allowed();
-  const bool early = early_allowed();
+  static const bool fb_async_on = env_on("KESTREL_KDA_FB_ASYNC"), early = env_on("KESTREL_KDA_EARLY");
+  const bool fb_async = (reinterpret_cast<uintptr_t>(w.f_b) & 15u) == 0 && fb_async_on;
   switch (Dk) {
     case 32: {
       void (*k)(KdaDecodeIn, KdaDecodeWeights, uint16_t*, const int32_t*, StateT*, uint16_t*, int, int, bool, bool) =
