@@ -326,7 +326,6 @@ class K3Model(nn.Module):
                 st["kI"] = kI.detach()
             if kvalid is not None:
                 st["kvalid"] = kvalid
-        S = k.shape[1]
         adt = torch.float32 if x.device.type == "cpu" else torch.bfloat16
         qb, kb, vb = (t.transpose(1, 2).to(adt) for t in (q, k, v))      # [B, Hm, *, d] (BF16 values)
         want_kl = kl_out is not None and has_idx
