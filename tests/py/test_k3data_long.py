@@ -103,3 +103,50 @@ def test_shallow_long_passkeys(tok):
         assert all(lo_frac <= f <= hi_frac for f in where), where
         if shallow == 0.0:
             assert max(where) > 0.3   # uniform depths reach past the first tenth
+
+
+def test_forget_windows_sit_between_the_needle_and_the_question(tok):
+    # --kda-forget: a `width`-token window after the needle's last token and before the question's first, only
+    # in long passkey rows, where the row's own draws put it; without `forget` the rows are the 3-tuples they were
+    seq, lo, hi, width = 8192, 3000, 8000, 4
+    eos = tok.special("[EOS]")
+    a = samples.rows(tok, seq, 7, mix_len=2048, long=(0.6, lo, hi))
+    b = samples.rows(tok, seq, 7, mix_len=2048, long=(0.6, lo, hi), forget=(1.0, width))
+    n_long = n_win = 0
+    for _ in range(10):
+        x, y = next(a), next(b)
+        assert len(x) == 3 and len(y) == 4
+        assert np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]) and x[2] == y[2]
+        ids, f = y[0], y[3]
+        assert f.shape == (seq,) and f.dtype == bool
+        first = ids[:int(np.flatnonzero(ids == eos)[0])]
+        text = tok.decode(first.tolist())
+        is_long = len(first) >= 0.9 * lo and text.count("The pass key is ") == 1
+        n_long += is_long
+        if not f.any():
+            continue
+        assert is_long
+        n_win += 1
+        at = np.flatnonzero(f)
+        assert len(at) == width and at[-1] - at[0] == width - 1          # one contiguous window
+        key = text.split("The pass key is ")[1][:5]
+        before = tok.decode(first[:at[0]].tolist())
+        after = tok.decode(first[at[-1] + 1:].tolist())
+        assert before.count(key) == 2 and f"{key} is the pass key." in before   # the whole needle precedes it
+        assert "What is the pass key?" in after and key in after              # the question and answer follow it
+    assert n_long >= 3 and n_win >= n_long - 1   # a needle at depth ≈ 1 may leave no room for a window
+    c = samples.rows(tok, seq, 7, mix_len=2048, long=(0.6, lo, hi), forget=(0.0, width))
+    for _ in range(4):
+        assert not next(c)[3].any()
+
+
+def test_forget_span_bounds(tok):
+    # the span's ends are exact: the first start is the token after the needle's last, the last start leaves the
+    # window ending on the token before the question's first
+    ids, _ = samples.long_passkey(tok, 12, 3000, 4096, depth=0.5)
+    lo, hi = samples.forget_span(tok, ids, 4)
+    text = lambda a, b: tok.decode(ids[a:b].tolist())  # noqa: E731
+    key = text(0, len(ids)).split("The pass key is ")[1][:5]
+    assert text(0, lo).endswith(f"{key} is the pass key.") and not text(0, lo - 1).endswith("pass key.")
+    assert "What is the pass key?" not in text(0, hi + 4) and "What is the pass key?" in text(0, hi + 5 + 8)
+    assert lo < hi

@@ -42,20 +42,26 @@ def encode_sample(tok, conv, context_weight=0.1):
 
 
 def rows(tok, seq_len: int, start_seed: int, stride: int = 1, context_weight=0.1, mix_len: int | None = None,
-         long=None):
+         long=None, forget=None):
     """Infinite generator of (ids [seq_len] int32, weights [seq_len] float32, next_seed).
     `mix_len` (default seq_len) sizes the mix's passkey prompts: a long-context stage passes 2048 to keep the
     original pre-training passkeys in its packed rows; the long ones come only from `long`.
     `long` (optional): (frac, min_tokens, max_tokens[, shallow]) — that fraction of rows starts with one long
     passkey sample (long_passkey) and is filled up with the packed mix; a fraction `shallow` of those puts the key
     in the first tenth of its filler (depth uniform in [0, 0.1), the farthest from the question), the others at a
-    uniformly random depth."""
+    uniformly random depth.
+    `forget` (optional, with `long`): (frac, width) — that fraction of the long passkeys gets a forget window of
+    `width` tokens at a uniformly random place between the needle's end and the question (forget_span); the rows
+    are then (ids, weights, next_seed, forget [seq_len] bool), True on the window, and the trainer sets every KDA
+    layer's decay there to its floor (K3Model.kda), so that the key can only come back through the MLA layers.
+    Without `forget` the rows are 3-tuples, exactly the ones they always were."""
     eos = tok.special("[EOS]")
     pad = tok.special("[PAD]")
     seed = start_seed
     pending = None   # a mix sample that did not fit the previous row opens the next one
     while True:
         buf_ids, buf_w, n = [], [], 0
+        fmask = np.zeros(seq_len, dtype=bool) if forget is not None else None
         if long is not None:
             # the row's fate hangs on the next seed; a long row takes that seed for its passkey (the mix never
             # draws it), so every row moves the stream on and no two long samples share a seed. It goes first,
@@ -66,6 +72,11 @@ def rows(tok, seq_len: int, start_seed: int, stride: int = 1, context_weight=0.1
                 # drawn only when asked, so rows without `shallow` are the ones they always were
                 depth = r.uniform(0.0, 0.1) if len(long) > 3 and long[3] > 0 and r.random() < long[3] else None
                 ids, w = long_passkey(tok, seed % TRAIN_SEED_LIMIT, tokens, seq_len, context_weight, depth)
+                if forget is not None and forget[0] > 0 and r.random() < forget[0]:   # drawn after the above
+                    lo, hi = forget_span(tok, ids, forget[1])
+                    if lo <= hi:
+                        p = r.randint(lo, hi)
+                        fmask[p:p + forget[1]] = True
                 seed += stride
                 buf_ids += [ids, np.asarray([eos], dtype=np.int32)]
                 buf_w += [w, np.zeros(1, dtype=np.float32)]
@@ -87,7 +98,7 @@ def rows(tok, seq_len: int, start_seed: int, stride: int = 1, context_weight=0.1
         out_w = np.zeros(seq_len, dtype=np.float32)
         out_i[:n] = np.concatenate(buf_ids)[:seq_len]
         out_w[:n] = np.concatenate(buf_w)[:seq_len]
-        yield out_i, out_w, seed
+        yield (out_i, out_w, seed) if forget is None else (out_i, out_w, seed, fmask)
 
 
 # gen.passkey without a tokenizer sizes its filler at 1.25 tokens per word; the test vocabulary spends ~1.5
@@ -108,3 +119,20 @@ def long_passkey(tok, seed: int, tokens: int, seq_len: int, context_weight=0.1, 
     if len(ids) > seq_len - 1:
         raise ValueError(f"passkey seed {seed}: {len(ids)} tokens do not fit a {seq_len}-token row")
     return ids, w
+
+
+def forget_span(tok, ids, width: int):
+    """(lo, hi): the first and last token a `width`-token forget window may start at in a passkey sample's ids —
+    after the needle's last token ("... {key} is the pass key.") and ending before the question's first token, so
+    the needle is written to the KDA states before the window and the question read after it. lo > hi when the
+    filler between them is shorter than the window (a needle at depth 1)."""
+    texts = [tok.decode([int(i)]) for i in ids]
+    ends = np.cumsum([len(t) for t in texts])
+    full = "".join(texts)
+    key_at = full.index("The pass key is ") + len("The pass key is ")
+    key = full[key_at:key_at + 5]
+    needle_end = full.index(f"{key} is the pass key.", key_at) + len(f"{key} is the pass key.")
+    question = full.index(gen.PASSKEY_Q.strip(), needle_end)
+    lo = int(np.searchsorted(ends, needle_end, side="left")) + 1        # the token after the needle's last
+    first_q = int(np.searchsorted(ends, question, side="right"))        # the token holding the question's start
+    return lo, first_q - width
