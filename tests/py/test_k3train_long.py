@@ -82,7 +82,7 @@ def test_two_steps_from_k3_tiny_export_and_load(tmp_path):
     train.main(["--out", out, "--init-from", TINY, "--seq", "1024", "--batch", "1", "--max-steps", "2",
                 "--workers", "0", "--long-frac", "1.0", "--long-min", "600", "--mix-len", "2048", "--dense-frac", "0",
                 "--lr", "3e-4", "--warmup", "1", "--kl-target", "dense", "--train-only", "attn", "--log-every", "1",
-                "--q-chunk", "256", "--recompute"])   # the long-row switches, end to end
+                "--q-chunk", "256", "--recompute", "--kda-forget", "1.0"])   # the long-row switches, end to end
     m0 = load_exported(TINY, torch.device("cpu"))
     m1 = load_exported(os.path.join(out, "model"), torch.device("cpu"))
     changed = {n for (n, a), (_, b) in zip(m0.named_master(), m1.named_master()) if not torch.equal(a, b)}
@@ -235,3 +235,49 @@ def test_topk_mask_is_the_sorted_selection():
         got = topk_mask_lower_index(x, k)
         assert torch.equal(got, ref), k
         assert (got.sum(-1) == k).all()
+
+
+def test_kda_forget_window_cuts_the_states_past():
+    # --kda-forget: on a forget window every channel decays at the gate's floor, so a KDA layer's output after
+    # the window no longer depends on its input before it (a needle there can only come back through the MLA
+    # layers); before the window nothing changes, and without a window the past does matter (the test can fail)
+    torch.set_num_threads(2)
+    m = _small_model()
+    L = next(i for i in range(m.cfg.num_hidden_layers) if m.cfg.is_kda(i))
+    g = torch.Generator().manual_seed(5)
+    T, p, width = 96, 40, 4
+    x = torch.randn(2, T, m.cfg.hidden_size, generator=g)
+    y = x.clone()
+    y[:, :p] = torch.randn(2, p, m.cfg.hidden_size, generator=g)      # another past, the same present
+    forget = torch.zeros(2, T, dtype=torch.bool)
+    forget[:, p:p + width] = True
+    with torch.no_grad():
+        plain = m.kda(L, x, None)
+        ox, oy = m.kda(L, x, None, forget=forget), m.kda(L, y, None, forget=forget)
+        nx = m.kda(L, y, None)
+    after = slice(p + width, T)
+    assert torch.equal(ox[:, :p], plain[:, :p])                          # before the window: unchanged
+    scale = ox[:, after].abs().max()
+    assert (ox[:, after] - oy[:, after]).abs().max() <= 1e-2 * scale    # after it: the past is gone (to BF16 ulps)
+    assert (plain[:, after] - nx[:, after]).abs().max() > 0.05 * scale  # without it the past shows
+    # through the model: hidden() hands the windows to every KDA layer, with --recompute too
+    toks = torch.randint(0, 12000, (1, 64), generator=g)
+    fw = torch.zeros(1, 64, dtype=torch.bool)
+    fw[0, 30:34] = True
+    with torch.no_grad():
+        h0, h1 = m.hidden(toks), m.hidden(toks, forget=fw)
+    assert torch.equal(h0[:, :30], h1[:, :30]) and not torch.equal(h0[:, 34:], h1[:, 34:])
+    m.recompute = True
+    h2 = m.hidden(toks, forget=fw)
+    m.recompute = False
+    assert torch.equal(h2.detach(), h1)
+
+
+def test_kda_forget_arguments():
+    a = train.parse_args(["--out", "o", "--seq", "4096", "--long-frac", "0.5", "--long-min", "1024",
+                          "--kda-forget", "0.5"])
+    assert a.kda_forget == 0.5 and a.forget_width == 4
+    for bad in (["--long-frac", "0.5", "--long-min", "1024", "--kda-forget", "1.5"], ["--kda-forget", "0.5"],
+                ["--long-frac", "0.5", "--long-min", "1024", "--kda-forget", "0.5", "--forget-width", "0"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--out", "o", "--seq", "4096", *bad])

@@ -230,7 +230,10 @@ class K3Model(nn.Module):
         return getattr(self, f"bias_{L}")
 
     # ---- layers ----------------------------------------------------------------------------------------
-    def kda(self, L, x, st, valid=None):
+    def kda(self, L, x, st, valid=None, forget=None):
+        """§3.3 for one KDA layer. forget (optional) [B, T] bool, training only: True tokens decay every channel
+        at the gate's floor (gate_lower_bound per token: e^-20 of the state is left after a 4-token window), so
+        what the state held before the window is gone (the long-context stage's --kda-forget)."""
         cfg = self.cfg
         A = f"model.layers.{L}.self_attn."
         B, T, _ = x.shape
@@ -255,6 +258,8 @@ class K3Model(nn.Module):
         z = (z + self.p(A + "dt_bias")).view(B, T, H, Dk)                  # §3.3.4
         a = torch.exp(self.p(A + "A_log")[:H]).view(1, 1, H, 1)
         g = cfg.gate_lower_bound * torch.sigmoid(a * z)
+        if forget is not None:
+            g = torch.where(forget[..., None, None], torch.full_like(g, cfg.gate_lower_bound), g)
         beta = torch.sigmoid(lin(x, self.p(A + "b_proj.weight")))          # §3.3.5
         if valid is not None:   # padding tokens neither decay nor write the state
             g = torch.where(valid[..., None, None], g, torch.zeros_like(g))
@@ -458,14 +463,15 @@ class K3Model(nn.Module):
                 "kda": {}}
 
     def hidden(self, tokens, state=None, mode="dense", kl_out=None, load_out=None, capture=None, valid=None,
-               taps=None, media=None):
+               taps=None, media=None, forget=None):
         """tokens [B, T] -> final normed hidden [B, T, D] (FP32, BF16 values).
         valid (optional) [B, T] bool: False marks left padding, which leaves every state untouched and is
         never attended to, so a left-padded batch computes what each prompt computes alone.
         taps (optional) dict {layer: None}: filled with the AttnRes partial sum P [B, T, D] after each listed
         layer (the DSpark draft's input, MODEL.md §5 "Target taps"; k3ref.Model.tap_layers does the same).
         media (optional): (mask [B, T] bool, rows [n, D] BF16-valued) — the True positions (the <|media_pad|>
-        tokens, row-major) take the image rows in order instead of their embeddings (§3.1, MODEL.md §6)."""
+        tokens, row-major) take the image rows in order instead of their embeddings (§3.1, MODEL.md §6).
+        forget (optional) [B, T] bool: training's KDA forget windows (kda())."""
         cfg = self.cfg
         eps, bs = cfg.rms_norm_eps, cfg.attn_res_block_size
         P = b16(self.p("model.embed_tokens.weight"))[tokens].float()        # §3.1
@@ -489,9 +495,9 @@ class K3Model(nn.Module):
                     st = state["kda"].get(L) or self._fresh_kda(state, L, xn)
                 if self.recompute and st is None and torch.is_grad_enabled():
                     # recomputed in the backward pass: the chunked scan's O(T·C·Dk) intermediates are not kept
-                    a = torch.utils.checkpoint.checkpoint(self.kda, L, xn, None, valid, use_reentrant=False)
+                    a = torch.utils.checkpoint.checkpoint(self.kda, L, xn, None, valid, forget, use_reentrant=False)
                 else:
-                    a = self.kda(L, xn, st, valid)
+                    a = self.kda(L, xn, st, valid, forget)
             else:
                 st = state["layers"][L] if state is not None else None
                 a = self.mla(L, xn, st, mode, kl_out, valid)

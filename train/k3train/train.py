@@ -41,23 +41,27 @@ SHARD = 15 * 1024 * 1024
 
 
 class Rows(torch.utils.data.IterableDataset):
-    def __init__(self, seq_len, start_seed, batch, mix_len=None, long=None):
+    def __init__(self, seq_len, start_seed, batch, mix_len=None, long=None, forget=None):
         self.seq_len, self.start_seed, self.batch = seq_len, start_seed, batch
-        self.mix_len, self.long = mix_len, long
+        self.mix_len, self.long, self.forget = mix_len, long, forget
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
         tok = chat.Tokenizer(tokenizer_dir())
-        g = samples.rows(tok, self.seq_len, self.start_seed + wid, stride=nw, mix_len=self.mix_len, long=self.long)
+        g = samples.rows(tok, self.seq_len, self.start_seed + wid, stride=nw, mix_len=self.mix_len, long=self.long,
+                         forget=self.forget)
         while True:
-            ids, ws, seeds = [], [], []
+            ids, ws, seeds, fs = [], [], [], []
             for _ in range(self.batch):
-                i, w, s = next(g)
+                i, w, s, *f = next(g)
                 ids.append(i)
                 ws.append(w)
                 seeds.append(s)
-            yield torch.from_numpy(np.stack(ids)).long(), torch.from_numpy(np.stack(ws)), max(seeds)
+                fs += f
+            out = (torch.from_numpy(np.stack(ids)).long(), torch.from_numpy(np.stack(ws)), max(seeds))
+            # with forget: the rows' forget windows too ([B, T] bool); other users unpack three
+            yield out + (torch.from_numpy(np.stack(fs)),) if self.forget is not None else out
 
 
 def save_resume(model, path, meta):
@@ -149,6 +153,11 @@ def parse_args(argv=None):
     ap.add_argument("--long-shallow", type=float, default=0.0,
                     help="fraction of the long passkeys with the key in the first tenth of the filler (farthest from "
                          "the question; the rest at a uniform depth)")
+    ap.add_argument("--kda-forget", type=float, default=0.0,
+                    help="fraction of the long passkeys with a forget window between the needle and the question: "
+                         "every KDA layer's decay at its floor there, so the key must come back through the MLA "
+                         "layers, whose NoPE retrieval does not weaken with distance (README)")
+    ap.add_argument("--forget-width", type=int, default=4, help="tokens in a forget window (e^-5 each)")
     ap.add_argument("--mix-len", type=int, default=None,
                     help="the mix's passkey prompts stay under this (default --seq; 2048 keeps the original mix)")
     ap.add_argument("--kl-target", choices=("selected", "dense"), default="selected",
@@ -168,6 +177,10 @@ def parse_args(argv=None):
         ap.error("--q-chunk must be ≥ 0")
     if not 0.0 <= args.long_shallow <= 1.0:
         ap.error("--long-shallow must be in [0, 1]")
+    if not 0.0 <= args.kda_forget <= 1.0 or args.forget_width < 1:
+        ap.error("--kda-forget must be in [0, 1] and --forget-width ≥ 1")
+    if args.kda_forget > 0 and args.long_frac <= 0:
+        ap.error("--kda-forget needs long passkey rows (--long-frac > 0)")
     if args.long_max is None:
         args.long_max = args.seq - 1
     if args.long_frac > 0 and not 0 < args.long_min <= args.long_max < args.seq:
@@ -226,7 +239,9 @@ def main(argv=None):
 
     print(f"trainable {sum(p.numel() for p in decay + no_decay):,} ({args.train_only})", flush=True)
     long = (args.long_frac, args.long_min, args.long_max, args.long_shallow) if args.long_frac > 0 else None
-    loader = torch.utils.data.DataLoader(Rows(args.seq, start_seed, args.batch, args.mix_len, long), batch_size=None,
+    forget = (args.kda_forget, args.forget_width) if args.kda_forget > 0 else None
+    loader = torch.utils.data.DataLoader(Rows(args.seq, start_seed, args.batch, args.mix_len, long, forget),
+                                         batch_size=None,
                                          num_workers=args.workers, prefetch_factor=4 if args.workers else None,
                                          persistent_workers=False)
     it = iter(loader)
@@ -248,9 +263,10 @@ def main(argv=None):
                        *args.eval_args.split()], model=model)
 
 
-def _forward_backward(args, model, ids, w, mode):
+def _forward_backward(args, model, ids, w, mode, forget=None):
     """Loss and gradient of one step, in pieces of --micro-batch rows (default: all at once); each piece's
-    losses are normalised by the whole batch's weights, so the summed gradient is the whole batch's."""
+    losses are normalised by the whole batch's weights, so the summed gradient is the whole batch's.
+    forget (optional) [B, T] bool: the rows' KDA forget windows (--kda-forget)."""
     dev = ids.device
     wt_all = w[:, 1:]
     n_w, n_t = wt_all.sum(), (wt_all == 1.0).sum().clamp_min(1)
@@ -259,7 +275,9 @@ def _forward_backward(args, model, ids, w, mode):
     lm_s, tgt_s, kl_s, load = 0.0, 0.0, 0.0, {}
     for a in pieces:
         kl, ld = [], {}
-        h = model.hidden(ids[a:a + mb, :-1], mode=mode, kl_out=kl, load_out=ld)
+        fg = forget[a:a + mb, :-1] if forget is not None else None
+        h = model.hidden(ids[a:a + mb, :-1], mode=mode, kl_out=kl, load_out=ld,
+                         forget=fg if fg is not None and bool(fg.any()) else None)
         logits = model.logits(h)
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[a:a + mb, 1:].reshape(-1), reduction="none")
         wt = w[a:a + mb, 1:].reshape(-1)
@@ -277,9 +295,10 @@ def _loop(args, model, opt, it, dev, lr_at, log, step, first, next_seed, before,
     t_log, tok_log = time.time(), 0
     while step - first < args.max_steps and time.time() - t_start < args.time_budget:
         prog = (before + time.time() - t_start) / args.total_seconds
-        ids, w, ns = next(it)
+        ids, w, ns, *fg = next(it)
         next_seed = max(next_seed, int(ns))
         ids, w = ids.to(dev, non_blocking=True), w.to(dev, non_blocking=True)
+        fg = fg[0].to(dev, non_blocking=True) if fg else None
         mode = "dense" if prog < args.dense_frac else "sparse"
         lr = lr_at(step, prog)
         for gparam in opt.param_groups:
@@ -287,7 +306,7 @@ def _loop(args, model, opt, it, dev, lr_at, log, step, first, next_seed, before,
         opt.zero_grad(set_to_none=True)
         while True:
             try:
-                lm, tgt, klv, load = _forward_backward(args, model, ids, w, mode)
+                lm, tgt, klv, load = _forward_backward(args, model, ids, w, mode, fg)
                 break
             except torch.cuda.OutOfMemoryError:
                 if (args.micro_batch or args.batch) == 1:
