@@ -281,3 +281,26 @@ def test_kda_forget_arguments():
                 ["--long-frac", "0.5", "--long-min", "1024", "--kda-forget", "0.5", "--forget-width", "0"]):
         with pytest.raises(SystemExit):
             train.parse_args(["--out", "o", "--seq", "4096", *bad])
+
+
+def test_passkey_probe_on_k3_tiny():
+    # k3train.probe_passkey (train/README.md): the shipped model answers a 1K passkey, so teacher-forced every
+    # answer token is predicted; the needle positions hold the key; every MLA layer reports a rank and margin at
+    # each answer row; zeroing the KDA states after the needle changes what the layers see after it
+    from k3data import chat, gen
+    from k3train import probe_passkey
+    torch.set_num_threads(2)
+    m = load_exported(TINY, torch.device("cpu")).eval()
+    tok = chat.Tokenizer(TINY)
+    r = probe_passkey.probe(m, tok, 1024, 0.5, piece=256)
+    assert r["answer"] and all(w == p for _, w, p in r["answer"])
+    assert tok.decode([w for _, w, _ in r["answer"]]) == r["key"] * 2          # the reasoning's key, the content's
+    ids = chat.encode_training(tok, gen.passkey(1_000_001, 1024, depth=0.5, tok=tok)["messages"])[0]
+    assert tok.decode([ids[p] for p in r["needle"]]) == r["key"] * 2          # the needle's two copies
+    mla_layers = [L for L in range(m.cfg.num_hidden_layers) if m.cfg.is_mla(L)]
+    rows = {row for row, _, _ in r["answer"]}
+    assert {L for L, _ in r["ranks"]} == set(mla_layers) and {row for _, row in r["ranks"]} <= rows
+    assert all(rank >= 0 for rank, _ in r["ranks"].values())
+    reset = probe_passkey.probe(m, tok, 1024, 0.5, reset_at=max(r["needle"]) + 8, piece=256)
+    assert reset["ranks"].keys() == r["ranks"].keys()
+    assert any(abs(reset["ranks"][k][1] - r["ranks"][k][1]) > 1e-6 for k in r["ranks"])
