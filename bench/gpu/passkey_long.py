@@ -3,7 +3,7 @@
 
 Sends each item of a passkey set (JSONL, optionally .xz, as written by `train/k3data/make_eval.py`) as one streamed
 chat request, one at a time, and reports per item the time to the first streamed token (the prefill of the whole
-context, since the answer is a few tokens), the answer and whether it holds the expected pass key. Prints the
+context, since the answer is a few tokens), the answer and whether its last integer is the pass key. Prints the
 scoreboard lines `PERF passkey_1m_ok <1 if every item was answered, else 0>` and `PERF passkey_1m_prefill_s <median
 seconds to the first token>` when --perf-prefix is passkey_1m (the default).
 
@@ -12,10 +12,16 @@ seconds to the first token>` when --perf-prefix is passkey_1m (the default).
 import argparse
 import json
 import lzma
+import os
 import statistics
 import sys
 import time
 import urllib.request
+
+# the eval sets' rule (`kestrel eval`, k3train.evaluate): the answer's last integer is the key, exactly — an
+# answer that merely contains it ("340266" for 34026) is wrong
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "train"))
+from k3data.score import last_int_correct  # noqa: E402
 
 
 def items(path):
@@ -62,7 +68,7 @@ def main():
     ok, ttfts = [], []
     for it in items(a.set):
         ttft, answer, total = ask(a.base_url.rstrip("/"), a.model, it, a.timeout)
-        good = it["expect"]["answer"] in answer
+        good = last_int_correct(answer, it["expect"]["answer"])
         ok.append(good)
         ttfts.append(ttft)
         print(f"{it['id']}: context {it['meta'].get('context_tokens')} depth {it['meta'].get('depth')}: "
