@@ -9,8 +9,8 @@
 #   TL_SEQ, TL_BATCH  row length and rows per step (16384 × 2: ~90 GB estimated, see train/README.md; rows of
 #                     32K and more want TL_TRAIN_ARGS="--q-chunk 4096 --recompute": the MLA layers' O(T²) tensors
 #                     per chunk of queries, the other sublayers recomputed in the backward pass)
-#   TL_TRAIN_ARGS     more trainer flags (e.g. "--train-only indexer", "--kl-target selected")
-#   TL_INIT           the model to start from (default models/k3-tiny)
+#   TL_TRAIN_ARGS     more trainer flags (e.g. "--train-only indexer", "--kl-target selected", "--kda-forget 0.7")
+#   TL_INIT           the model to start from (default models/k3-tiny; a path inside the checkout: train/ reads ../TL_INIT)
 #   TL_1M_DEPTHS      depths of the 1M-token prompts (default 0,0.5,1: ~40 s of prefill each)
 #   TL_SKIP_TRAIN=1   measure TL_INIT itself (a baseline run of the same evals)
 #   TL_DEVICE         the servers' device (default cuda; cpu for a dry run of the flow)
