@@ -126,9 +126,7 @@ def forget_span(tok, ids, width: int):
     after the needle's last token ("... {key} is the pass key.") and ending before the question's first token, so
     the needle is written to the KDA states before the window and the question read after it. lo > hi when the
     filler between them is shorter than the window (a needle at depth 1)."""
-    texts = [tok.decode([int(i)]) for i in ids]
-    ends = np.cumsum([len(t) for t in texts])
-    full = "".join(texts)
+    full, ends = decoded_ends(tok, ids)
     key_at = full.index("The pass key is ") + len("The pass key is ")
     key = full[key_at:key_at + 5]
     needle_end = full.index(f"{key} is the pass key.", key_at) + len(f"{key} is the pass key.")
@@ -136,3 +134,10 @@ def forget_span(tok, ids, width: int):
     lo = int(np.searchsorted(ends, needle_end, side="left")) + 1        # the token after the needle's last
     first_q = int(np.searchsorted(ends, question, side="right"))        # the token holding the question's start
     return lo, first_q - width
+
+
+def decoded_ends(tok, ids):
+    """(text, ends): the ids decoded one token at a time and joined, and ends[i] = the text offset just past token
+    i — so the token holding character c is searchsorted(ends, c, side="right")."""
+    texts = [tok.decode([int(i)]) for i in ids]
+    return "".join(texts), np.cumsum([len(t) for t in texts])

@@ -22,7 +22,7 @@ import argparse
 import numpy as np
 import torch
 
-from k3data import chat, gen
+from k3data import chat, gen, samples
 
 from .evaluate import load_exported
 
@@ -33,9 +33,7 @@ def probe(model, tok, context, depth, seed=1_000_001, reset_at=0, piece=4096):
     rec = gen.passkey(seed, context, depth=depth, tok=tok)
     key = rec["expect"]["answer"]
     ids, mask = chat.encode_training(tok, rec["messages"])
-    texts = [tok.decode([i]) for i in ids]
-    ends = np.cumsum([len(t) for t in texts])
-    full = "".join(texts)
+    full, ends = samples.decoded_ends(tok, ids)
     first_gen = mask.index(1)
     spans, j = [], full.find(key)
     while j >= 0:   # every occurrence of the key, as token positions
