@@ -187,6 +187,8 @@ class K3Model(nn.Module):
         self.kl_dense = False   # see mla(): the indexer's KL target in the sparse mode
         self.q_chunk = 0        # MLA query rows per checkpointed chunk (0: all at once; see mla())
         self.recompute = False  # recompute the KDA and MLP sublayers in the backward pass (hidden(); long rows)
+        self.kda_memory = 0     # > 0: kda() also returns the memory-cap hinge (--kda-memory; train/README.md)
+        self.u_stats = None     # dict: kda() stores each layer's gate logits exp(A_log)·z there (calibration)
         self.params = nn.ParameterDict()
         for name, (shape, kind) in param_shapes(tc).items():
             self.params[name.replace(".", "__")] = nn.Parameter(_init(shape, kind, g))
@@ -233,7 +235,11 @@ class K3Model(nn.Module):
     def kda(self, L, x, st, valid=None, forget=None):
         """§3.3 for one KDA layer. forget (optional) [B, T] bool, training only: True tokens decay every channel
         at the gate's floor (gate_lower_bound per token: e^-20 of the state is left after a 4-token window), so
-        what the state held before the window is gone (the long-context stage's --kda-forget)."""
+        what the state held before the window is gone (the long-context stage's --kda-forget).
+        With self.kda_memory = N > 0 (training's --kda-memory) it returns (output, hinge): hinge is the mean over
+        tokens and channels of relu(log(1/N) − log(−g)), zero when every token decays each channel by at least
+        1/N — a state that forgets within ~N tokens, so what it holds at the end of a training row is what it
+        holds at 1M tokens (the math is the spec's; only the weights learn to keep the gate there)."""
         cfg = self.cfg
         A = f"model.layers.{L}.self_attn."
         B, T, _ = x.shape
@@ -258,6 +264,19 @@ class K3Model(nn.Module):
         z = (z + self.p(A + "dt_bias")).view(B, T, H, Dk)                  # §3.3.4
         a = torch.exp(self.p(A + "A_log")[:H]).view(1, 1, H, 1)
         g = cfg.gate_lower_bound * torch.sigmoid(a * z)
+        hinge = None
+        if self.u_stats is not None:
+            u = (a * z).detach()
+            self.u_stats[L] = u[valid] if valid is not None else u.flatten(0, 1)       # [tokens, H, Dk]
+        if self.kda_memory > 0:   # log(−g) = log(−lower_bound) + log σ(a·z), in FP32 without the sigmoid's underflow
+            logdec = math.log(-cfg.gate_lower_bound) + F.logsigmoid(a * z)
+            over = torch.relu(math.log(1.0 / self.kda_memory) - logdec)            # [B, T, H, Dk]
+            keep = torch.ones(B, T, dtype=torch.bool, device=x.device)
+            if valid is not None:
+                keep = keep & valid
+            if forget is not None:
+                keep = keep & ~forget
+            hinge = (over * keep[..., None, None]).sum() / (keep.sum().clamp_min(1) * H * Dk)
         if forget is not None:
             g = torch.where(forget[..., None, None], torch.full_like(g, cfg.gate_lower_bound), g)
         beta = torch.sigmoid(lin(x, self.p(A + "b_proj.weight")))          # §3.3.5
@@ -270,7 +289,8 @@ class K3Model(nn.Module):
             st["S"] = S.detach()
         gate = torch.sigmoid(lin(x, self.p(A + "g_proj.weight"))).view(B, T, H, Dk)
         oh = bf16(rmsnorm_nr(o, self.p(A + "o_norm.weight"), cfg.rms_norm_eps) * gate)   # §3.3.7
-        return lin(oh.reshape(B, T, H * Dk), self.p(A + "o_proj.weight"))
+        out = lin(oh.reshape(B, T, H * Dk), self.p(A + "o_proj.weight"))
+        return (out, hinge) if hinge is not None else out
 
     def indexer_queries(self, L, x, c_q):
         """§3.5 steps 1 and 3 for T rows: q_I [B, T, Hi, Di] and the head weights w [B, T, Hi] (FP32, unrounded)."""
@@ -463,7 +483,7 @@ class K3Model(nn.Module):
                 "kda": {}}
 
     def hidden(self, tokens, state=None, mode="dense", kl_out=None, load_out=None, capture=None, valid=None,
-               taps=None, media=None, forget=None):
+               taps=None, media=None, forget=None, mem_out=None):
         """tokens [B, T] -> final normed hidden [B, T, D] (FP32, BF16 values).
         valid (optional) [B, T] bool: False marks left padding, which leaves every state untouched and is
         never attended to, so a left-padded batch computes what each prompt computes alone.
@@ -471,7 +491,8 @@ class K3Model(nn.Module):
         layer (the DSpark draft's input, MODEL.md §5 "Target taps"; k3ref.Model.tap_layers does the same).
         media (optional): (mask [B, T] bool, rows [n, D] BF16-valued) — the True positions (the <|media_pad|>
         tokens, row-major) take the image rows in order instead of their embeddings (§3.1, MODEL.md §6).
-        forget (optional) [B, T] bool: training's KDA forget windows (kda())."""
+        forget (optional) [B, T] bool: training's KDA forget windows (kda()).
+        mem_out (optional) list: with self.kda_memory > 0, each KDA layer's memory-cap hinge is appended."""
         cfg = self.cfg
         eps, bs = cfg.rms_norm_eps, cfg.attn_res_block_size
         P = b16(self.p("model.embed_tokens.weight"))[tokens].float()        # §3.1
@@ -498,6 +519,10 @@ class K3Model(nn.Module):
                     a = torch.utils.checkpoint.checkpoint(self.kda, L, xn, None, valid, forget, use_reentrant=False)
                 else:
                     a = self.kda(L, xn, st, valid, forget)
+                if isinstance(a, tuple):
+                    a, hinge = a
+                    if mem_out is not None:
+                        mem_out.append(hinge)
             else:
                 st = state["layers"][L] if state is not None else None
                 a = self.mla(L, xn, st, mode, kl_out, valid)

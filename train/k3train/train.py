@@ -158,6 +158,12 @@ def parse_args(argv=None):
                          "every KDA layer's decay at its floor there, so the key must come back through the MLA "
                          "layers, whose NoPE retrieval does not weaken with distance (README)")
     ap.add_argument("--forget-width", type=int, default=4, help="tokens in a forget window (e^-5 each)")
+    ap.add_argument("--kda-memory", type=int, default=0,
+                    help="N > 0: cap the KDA states' memory at ~N tokens — the channels whose median decay is "
+                         "slower than 1/N a token get dt_bias raised once at the start, and a hinge on every "
+                         "token's log-decay below 1/N joins the loss — so the states a 32K row ends with are the "
+                         "states of a 1M-token prompt (README)")
+    ap.add_argument("--kda-memory-weight", type=float, default=1.0, help="weight of the --kda-memory hinge")
     ap.add_argument("--mix-len", type=int, default=None,
                     help="the mix's passkey prompts stay under this (default --seq; 2048 keeps the original mix)")
     ap.add_argument("--kl-target", choices=("selected", "dense"), default="selected",
@@ -179,6 +185,8 @@ def parse_args(argv=None):
         ap.error("--long-shallow must be in [0, 1]")
     if not 0.0 <= args.kda_forget <= 1.0 or args.forget_width < 1:
         ap.error("--kda-forget must be in [0, 1] and --forget-width ≥ 1")
+    if args.kda_memory < 0 or args.kda_memory_weight < 0:
+        ap.error("--kda-memory and --kda-memory-weight must be ≥ 0")
     if args.kda_forget > 0 and args.long_frac <= 0:
         ap.error("--kda-forget needs long passkey rows (--long-frac > 0)")
     if args.long_max is None:
@@ -217,6 +225,7 @@ def main(argv=None):
     model.kl_dense = args.kl_target == "dense"
     model.q_chunk = args.q_chunk
     model.recompute = args.recompute
+    model.kda_memory = args.kda_memory
 
     def keep(n):
         return trainable(n, model.cfg, args.train_only)
@@ -272,23 +281,65 @@ def _forward_backward(args, model, ids, w, mode, forget=None):
     n_w, n_t = wt_all.sum(), (wt_all == 1.0).sum().clamp_min(1)
     mb = args.micro_batch or ids.shape[0]
     pieces = range(0, ids.shape[0], mb)
-    lm_s, tgt_s, kl_s, load = 0.0, 0.0, 0.0, {}
+    lm_s, tgt_s, kl_s, mem_s, load = 0.0, 0.0, 0.0, 0.0, {}
     for a in pieces:
-        kl, ld = [], {}
+        kl, ld, mem = [], {}, []
         fg = forget[a:a + mb, :-1] if forget is not None else None
         h = model.hidden(ids[a:a + mb, :-1], mode=mode, kl_out=kl, load_out=ld,
-                         forget=fg if fg is not None and bool(fg.any()) else None)
+                         forget=fg if fg is not None and bool(fg.any()) else None, mem_out=mem)
         logits = model.logits(h)
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[a:a + mb, 1:].reshape(-1), reduction="none")
         wt = w[a:a + mb, 1:].reshape(-1)
         lm = (nll * wt).sum() / n_w
         tgt = (nll * (wt == 1.0)).sum().detach() / n_t
         klv = (torch.stack(kl).mean() if kl else torch.zeros((), device=dev)) / len(pieces)
-        (lm + args.kl_weight * klv).backward()
-        lm_s, tgt_s, kl_s = lm_s + lm.detach(), tgt_s + tgt, kl_s + klv.detach()
+        memv = (torch.stack(mem).mean() if mem else torch.zeros((), device=dev)) / len(pieces)
+        (lm + args.kl_weight * klv + args.kda_memory_weight * memv).backward()
+        lm_s, tgt_s, kl_s, mem_s = lm_s + lm.detach(), tgt_s + tgt, kl_s + klv.detach(), mem_s + memv.detach()
         for L, c in ld.items():
             load[L] = load[L] + c if L in load else c
-    return lm_s, tgt_s, kl_s, load
+    return lm_s, tgt_s, kl_s, mem_s, load
+
+
+def calibrate_kda_memory(model, ids, n_mem, lo_q=0.05, hi_q=0.95, span=4.0):
+    """--kda-memory's one-time start, on the gate logits u = exp(A_log)·z of `ids` [B, T] (per token and channel):
+    k3-tiny's KDA keeps most channels for 10^5..10^30 tokens on most tokens (its u spans tens of units below the
+    floor), which Adam's ~lr-sized steps could not undo in a short stage. Each channel whose lo_q quantile of u
+    lies below the floor u_f (−g = 5·σ(u_f) = 1/n_mem) gets the affine map u ↦ s·u + t that sends that quantile to
+    u_f + 0.5 and its hi_q quantile to max(its own value, u_f + 0.5 + span) (s ≤ 1): f_b_proj's row scaled by s
+    and dt_bias set to s·dt_bias + t/exp(A_log). The tokens keep their order (which ones forget, which keep), only
+    the tail that would keep a state for ever is pulled to ~n_mem tokens; the hinge then holds the rest.
+    Returns {layer: channels changed}."""
+    cfg = model.cfg
+    H, Dk = cfg.kda_num_heads, cfg.kda_head_dim
+    p = 1.0 / (n_mem * -cfg.gate_lower_bound)
+    u_f = math.log(p / (1.0 - p))
+    was, model.kda_memory, model.u_stats = model.kda_memory, 0, {}
+    try:
+        with torch.no_grad():
+            model.hidden(ids)
+        stats = model.u_stats
+    finally:
+        model.kda_memory, model.u_stats = was, None
+    changed = {}
+    with torch.no_grad():
+        for L, u in sorted(stats.items()):                          # u FP32 [tokens, H, Dk]
+            A = f"model.layers.{L}.self_attn."
+            q = torch.quantile(u.reshape(u.shape[0], -1).double(), torch.tensor([lo_q, hi_q], dtype=torch.double,
+                               device=u.device), dim=0)              # [2, H·Dk]
+            lo, hi = q[0], q[1]
+            lo_t = torch.full_like(lo, u_f + 0.5)
+            hi_t = torch.maximum(hi, lo_t + span)
+            s = ((hi_t - lo_t) / (hi - lo).clamp_min(1e-6)).clamp(max=1.0)
+            t = lo_t - s * lo
+            fix = lo < u_f
+            s, t = torch.where(fix, s, torch.ones_like(s)), torch.where(fix, t, torch.zeros_like(t))
+            a = torch.exp(model.p(A + "A_log")[:H]).double().repeat_interleave(Dk)   # [H·Dk]
+            wb, db = model.p(A + "f_b_proj.weight"), model.p(A + "dt_bias")
+            wb.mul_(s.to(wb.dtype).unsqueeze(1))
+            db.copy_((s * db.double() + t / a).to(db.dtype))
+            changed[L] = int(fix.sum())
+    return changed
 
 
 def _loop(args, model, opt, it, dev, lr_at, log, step, first, next_seed, before, t_start):
@@ -299,6 +350,9 @@ def _loop(args, model, opt, it, dev, lr_at, log, step, first, next_seed, before,
         next_seed = max(next_seed, int(ns))
         ids, w = ids.to(dev, non_blocking=True), w.to(dev, non_blocking=True)
         fg = fg[0].to(dev, non_blocking=True) if fg else None
+        if args.kda_memory and step == first:   # the first batch's first row calibrates the gates (once a run)
+            raised = calibrate_kda_memory(model, ids[:1, :8192], args.kda_memory)
+            print(json.dumps({"kda_memory": args.kda_memory, "channels_raised": raised}), flush=True)
         mode = "dense" if prog < args.dense_frac else "sparse"
         lr = lr_at(step, prog)
         for gparam in opt.param_groups:
@@ -306,7 +360,7 @@ def _loop(args, model, opt, it, dev, lr_at, log, step, first, next_seed, before,
         opt.zero_grad(set_to_none=True)
         while True:
             try:
-                lm, tgt, klv, load = _forward_backward(args, model, ids, w, mode, fg)
+                lm, tgt, klv, memv, load = _forward_backward(args, model, ids, w, mode, fg)
                 break
             except torch.cuda.OutOfMemoryError:
                 if (args.micro_batch or args.batch) == 1:
@@ -329,7 +383,8 @@ def _loop(args, model, opt, it, dev, lr_at, log, step, first, next_seed, before,
             torch.cuda.synchronize() if dev.type == "cuda" else None
             dt = time.time() - t_log
             rec = {"step": step, "mode": mode, "loss": round(lm.item(), 4), "target_loss": round(tgt.item(), 4),
-                   "kl": round(klv.item(), 4), "gnorm": round(gn.item(), 3), "lr": lr,
+                   "kl": round(klv.item(), 4), **({"mem": round(memv.item(), 5)} if args.kda_memory else {}),
+                   "gnorm": round(gn.item(), 3), "lr": lr,
                    "tok_per_s": round(tok_log / dt), "elapsed_s": round(time.time() - t_start, 1)}
             log.append(rec)
             print(json.dumps(rec), flush=True)
