@@ -97,7 +97,8 @@ kill $srv1 $srv2 2>/dev/null; wait $srv1 $srv2 2>/dev/null
 
 {
   cat "$logs/summary_head.txt" 2>/dev/null
-  echo "model: $model; training: ${TL_TRAIN_SECONDS:-270} s, seq ${TL_SEQ:-16384} × ${TL_BATCH:-2}, ${TL_TRAIN_ARGS:-}"
+  if [ "${TL_SKIP_TRAIN:-0}" = 1 ]; then echo "model: $model (not trained: TL_SKIP_TRAIN)"; else
+    echo "model: $model; training: ${TL_TRAIN_SECONDS:-270} s, seq ${TL_SEQ:-16384} × ${TL_BATCH:-2}, ${TL_TRAIN_ARGS:-}"; fi
   grep -E '^\{' "$logs/train.log" 2>/dev/null | awk 'NR % 8 == 1' | cut -c1-200; grep -E '^\{' "$logs/train.log" 2>/dev/null | tail -1
   grep -hE "params|trainable|saved step|Error|error" "$logs/train.log" 2>/dev/null | head -6
   for b in passkey-8k128k passkey-1k4k tool arith; do
