@@ -98,11 +98,13 @@ def test_micro_batches_sum_to_the_batch_gradient():
     ids = torch.randint(0, 12000, (2, 97), generator=g)
     w = torch.where(torch.rand(2, 97, generator=g) < 0.3, 1.0, 0.1)
     grads, losses = [], []
-    for micro in (0, 1):
-        a = train.parse_args(["--out", "o", "--batch", "2", "--micro-batch", str(micro)])
+    for micro in (0, 1):   # with the --kda-memory hinge: it too is summed over the pieces
+        a = train.parse_args(["--out", "o", "--batch", "2", "--micro-batch", str(micro), "--kda-memory", "4096"])
+        m.kda_memory = a.kda_memory
         m.zero_grad(set_to_none=True)
-        lm, tgt, kl, load = train._forward_backward(a, m, ids, w, "dense")
-        losses.append(torch.stack([lm, tgt, kl]))
+        lm, tgt, kl, mem, load = train._forward_backward(a, m, ids, w, "dense")
+        assert mem > 0                                   # the shipped model's slow channels (see below)
+        losses.append(torch.stack([lm, tgt, kl, mem]))
         grads.append(torch.cat([p.grad.flatten() for _, p in m.named_master() if p.grad is not None]))
         assert sum(int(c.sum()) for c in load.values()) == 2 * 96 * 2 * len(load)   # top-2 of every token
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
