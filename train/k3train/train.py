@@ -159,10 +159,10 @@ def parse_args(argv=None):
                          "layers, whose NoPE retrieval does not weaken with distance (README)")
     ap.add_argument("--forget-width", type=int, default=4, help="tokens in a forget window (e^-5 each)")
     ap.add_argument("--kda-memory", type=int, default=0,
-                    help="N > 0: cap the KDA states' memory at ~N tokens — the channels whose median decay is "
-                         "slower than 1/N a token get dt_bias raised once at the start, and a hinge on every "
-                         "token's log-decay below 1/N joins the loss — so the states a 32K row ends with are the "
-                         "states of a 1M-token prompt (README)")
+                    help="N > 0: cap the KDA states' memory at ~N tokens — each channel whose gate keeps 5 %% of "
+                         "the tokens longer than N is mapped once at the start (calibrate_kda_memory), and a hinge "
+                         "on every token's log-decay below 1/N joins the loss — so the states a 32K row ends with "
+                         "are the states of a 1M-token prompt (README)")
     ap.add_argument("--kda-memory-weight", type=float, default=1.0, help="weight of the --kda-memory hinge")
     ap.add_argument("--mix-len", type=int, default=None,
                     help="the mix's passkey prompts stay under this (default --seq; 2048 keeps the original mix)")
@@ -351,8 +351,8 @@ def _loop(args, model, opt, it, dev, lr_at, log, step, first, next_seed, before,
         ids, w = ids.to(dev, non_blocking=True), w.to(dev, non_blocking=True)
         fg = fg[0].to(dev, non_blocking=True) if fg else None
         if args.kda_memory and step == first:   # the first batch's first row calibrates the gates (once a run)
-            raised = calibrate_kda_memory(model, ids[:1, :8192], args.kda_memory)
-            print(json.dumps({"kda_memory": args.kda_memory, "channels_raised": raised}), flush=True)
+            mapped = calibrate_kda_memory(model, ids[:1, :8192], args.kda_memory)
+            print(json.dumps({"kda_memory": args.kda_memory, "channels_mapped": mapped}), flush=True)
         mode = "dense" if prog < args.dense_frac else "sparse"
         lr = lr_at(step, prog)
         for gparam in opt.param_groups:
