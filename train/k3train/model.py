@@ -263,17 +263,14 @@ class K3Model(nn.Module):
         z = lin(lin(x, self.p(A + "f_a_proj.weight")), self.p(A + "f_b_proj.weight"))
         z = (z + self.p(A + "dt_bias")).view(B, T, H, Dk)                  # §3.3.4
         a = torch.exp(self.p(A + "A_log")[:H]).view(1, 1, H, 1)
-        g = cfg.gate_lower_bound * torch.sigmoid(a * z)
+        u = a * z                                                           # gate logits [B, T, H, Dk]
+        g = cfg.gate_lower_bound * torch.sigmoid(u)
         hinge = None
         if self.u_stats is not None:
-            u = (a * z).detach()
-            self.u_stats[L] = u[valid] if valid is not None else u.flatten(0, 1)       # [tokens, H, Dk]
-        if self.kda_memory > 0:   # log(−g) = log(−lower_bound) + log σ(a·z), in FP32 without the sigmoid's underflow
-            logdec = math.log(-cfg.gate_lower_bound) + F.logsigmoid(a * z)
-            over = torch.relu(math.log(1.0 / self.kda_memory) - logdec)            # [B, T, H, Dk]
-            keep = torch.ones(B, T, dtype=torch.bool, device=x.device)
-            if valid is not None:
-                keep = keep & valid
+            self.u_stats[L] = (u[valid] if valid is not None else u.flatten(0, 1)).detach()   # [tokens, H, Dk]
+        if self.kda_memory > 0:   # log(−g) = log(−lower_bound) + log σ(u), in FP32 without the sigmoid's underflow
+            over = torch.relu(math.log(1.0 / self.kda_memory) - math.log(-cfg.gate_lower_bound) - F.logsigmoid(u))
+            keep = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
             if forget is not None:
                 keep = keep & ~forget
             hinge = (over * keep[..., None, None]).sum() / (keep.sum().clamp_min(1) * H * Dk)
