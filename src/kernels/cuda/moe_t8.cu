@@ -61,8 +61,10 @@ enum ScaleMode : int { kScaleF32 = 0, kScaleSpecial = 1, kScaleFold = 2 };
 // instead of STAGES − 1 chunks ahead with the weights, so a stage holds only weights and scales (5 registers
 // per matrix instead of 13) and the pipeline can be twice as deep in the same registers. (Reading them one
 // chunk ahead in two register buffers measured slower: 153 registers, 3 CTAs per SM.)
-template <bool kGlu, int NT, int STAGES, int kScales, bool kJitB>
-__global__ void __launch_bounds__(kGemmThreads) expert_gemm_kernel(const GemmArgs a) {
+// MINB > 0 asks ptxas for that many CTAs per SM (__launch_bounds__'s second argument). 0 leaves the code as it
+// was; 1 is not the same: it took w2 from 92 to 98 registers and made it 25 % slower (H200, session 21).
+template <bool kGlu, int NT, int STAGES, int kScales, bool kJitB, int MINB = 0>
+__global__ void __launch_bounds__(kGemmThreads, MINB) expert_gemm_kernel(const GemmArgs a) {
   constexpr int NM = kGlu ? 2 : 1;  // weight matrices per warp
   constexpr int E = NM * NT * 4;    // accumulators per lane
   // a.w_early (w2 after w1|w3): the job list is the grouping kernel's, complete before w1|w3 passed its own
@@ -277,15 +279,15 @@ __global__ void __launch_bounds__(kGemmThreads) expert_gemm_kernel(const GemmArg
   }
 }
 
-template <bool kGlu, int NT, int STAGES, bool kJitB>
+template <bool kGlu, int NT, int STAGES, bool kJitB, int MINB = 0>
 void launch_gemm_nt(const GemmArgs& a, int scales, unsigned grid, bool pdl, cudaStream_t stream) {
   auto go = [&](auto kernel) { moe_detail::launch(kernel, dim3(grid), dim3(kGemmThreads), 0, stream, pdl, a); };
   if (scales == kScaleSpecial)
-    go(expert_gemm_kernel<kGlu, NT, STAGES, kScaleSpecial, kJitB>);
+    go(expert_gemm_kernel<kGlu, NT, STAGES, kScaleSpecial, kJitB, MINB>);
   else if (scales == kScaleFold)
-    go(expert_gemm_kernel<kGlu, NT, STAGES, kScaleFold, kJitB>);
+    go(expert_gemm_kernel<kGlu, NT, STAGES, kScaleFold, kJitB, MINB>);
   else
-    go(expert_gemm_kernel<kGlu, NT, STAGES, kScaleF32, kJitB>);
+    go(expert_gemm_kernel<kGlu, NT, STAGES, kScaleF32, kJitB, MINB>);
 }
 
 // Scales folded into the decode (w1|w3, codes in [1, 128]) unless KESTREL_MOE_FOLD=0 (A/B).
@@ -315,25 +317,59 @@ bool t8_deep_allowed() {
 }
 constexpr int kT8DeepStages = 8, kT8DeepMinChunks = 4 * kT8DeepStages;
 
-// CTAs of the t8 kernel resident at once on this device: for choose_ksplit.
-int t8_resident(bool glu, bool special) {
-  static std::atomic<int> cached[2][2][16];  // [glu][special][device]
+// t8's 4-stage pipeline (w2 always; w1|w3 below the deep path's 32 chunks a warp) over a grid of at least one
+// wave of the staged kernel (before the K split: t8_jit) reads the activations at use (kJitB), w2 asked for ≤ 64
+// registers (59: 8 CTAs per SM instead of 5), unless KESTREL_MOE_T8_JIT=0 (the activations staged with the
+// weights, as before: w2 92 registers, w1|w3 119). Smaller grids keep the staged kernel: the reduced mini's
+// decode step (2 of 4 experts hit: 96–112 CTAs before the split) was 6 µs slower with both GEMMs at use (H200,
+// session 21, five alternations, pipelined 578.7–579.3 against 570.6–573.7 µs). Measured (H200, session 21,
+// bench_moe, real shape, alternated in one call): experts at T = 1 / 8 / 64, graph, 118.6 / 695 / 3,353 µs staged
+// against 108.5 / 635 / 3,110 (55 → 61, 72 → 80, 75 → 81 % of copy); per launch (eager) w2 46.8 / 270 / 1,304 →
+// 35.2 / 209 / 1,032 µs, w1|w3 at T = 1 70.0 → 67.7. Warps to switch between pay, not bytes in flight: w2 with 6
+// stages at 6 CTAs per SM took 45 / 230 / 1,119 µs; and w1|w3 with one matrix a warp (8 CTAs per SM, 32 rows a
+// CTA, the GLU halves meeting in shared memory) was no faster at T = 1 (68.0) and slower at T = 8 / 64 (450 /
+// 2,259 against 420 / 2,079): its 32 single-chain warps a SM against 20 warps of two chains each.
+constexpr int kT8W2MinCtas = 8;
+bool t8_jit_allowed() {
+  static const bool on = [] {
+    const char* e = std::getenv("KESTREL_MOE_T8_JIT");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
+int t8_resident(bool glu, bool special, bool jit);
+// Whether t8's 4-stage launch of `base` CTAs (jobs × 64-row groups, before the K split) reads the activations at use.
+bool t8_jit(bool glu, bool special, int64_t base) {
+  return t8_jit_allowed() && base >= t8_resident(glu, special, false);
+}
+
+// CTAs of the t8 kernel resident at once on this device (jit: the activations read at use): for t8_ksplit.
+int t8_resident(bool glu, bool special, bool jit) {
+  static std::atomic<int> cached[2][2][2][16];  // [glu][special][jit][device]
   int dev = 0;
   KCUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 16 && cached[glu][special][dev].load() > 0) return cached[glu][special][dev].load();
+  if (dev < 16 && cached[glu][special][jit][dev].load() > 0) return cached[glu][special][jit][dev].load();
   int sms = 0, per_sm = 0;
   KCUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   auto occ = [&](auto kernel) {
     KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemmThreads, 0));
   };
-  // The deep w1|w3 kernel has the 4-stage one's residency (126 and 125 registers: 4 CTAs per SM on sm_90a).
-  if (glu)
-    special ? occ(expert_gemm_kernel<true, 1, 4, kScaleSpecial, false>) : occ(expert_gemm_kernel<true, 1, 4, kScaleF32, false>);
-  else
-    special ? occ(expert_gemm_kernel<false, 1, 4, kScaleSpecial, false>)
-            : occ(expert_gemm_kernel<false, 1, 4, kScaleF32, false>);
+  // The 4-stage kernel's residency (sm_90a: w1|w3 89–96 registers with the activations at use, 5 CTAs per SM,
+  // 119–127 staged, 4; w2 59, 8, or 91–93 staged, 5). The deep w1|w3 kernel (126) has 4.
+  if (!jit) {
+    if (glu)
+      special ? occ(expert_gemm_kernel<true, 1, 4, kScaleSpecial, false>) : occ(expert_gemm_kernel<true, 1, 4, kScaleF32, false>);
+    else
+      special ? occ(expert_gemm_kernel<false, 1, 4, kScaleSpecial, false>)
+              : occ(expert_gemm_kernel<false, 1, 4, kScaleF32, false>);
+  } else if (glu) {
+    special ? occ(expert_gemm_kernel<true, 1, 4, kScaleSpecial, true>) : occ(expert_gemm_kernel<true, 1, 4, kScaleF32, true>);
+  } else {
+    special ? occ(expert_gemm_kernel<false, 1, 4, kScaleSpecial, true, kT8W2MinCtas>)
+            : occ(expert_gemm_kernel<false, 1, 4, kScaleF32, true, kT8W2MinCtas>);
+  }
   const int n = std::max(1, sms * per_sm);
-  if (dev < 16) cached[glu][special][dev].store(n);
+  if (dev < 16) cached[glu][special][jit][dev].store(n);
   return n;
 }
 
@@ -354,7 +390,7 @@ int t8_ksplit(int forced, bool glu, bool special, int64_t base, int64_t C, int64
     const int S = int(std::min<int64_t>({forced, NC, 8}));
     return scratch_ok(S) ? S : 1;
   }
-  const int64_t res = t8_resident(glu, special);
+  const int64_t res = t8_resident(glu, special, t8_jit(glu, special, base));
   auto fits = [&](int S) { return NC / S >= 8 && scratch_ok(S); };
   auto fill = [&](int S) {
     const double w = double(base * S) / double(res);
@@ -374,7 +410,7 @@ namespace {
 template <bool kGlu>
 void launch_gemm(const GemmArgs& a, int ct, bool special, bool fold_ok, int64_t n, int64_t X, bool pdl,
                  cudaStream_t stream) {
-  const int64_t grid = ml::job_bound(n, X, ct) * (a.R / kCtaRows) * a.ksplit;
+  const int64_t base = ml::job_bound(n, X, ct) * (a.R / kCtaRows), grid = base * a.ksplit;
   KCUDA_REQUIRE(grid > 0 && grid < (int64_t(1) << 31), "moe expert GEMM: grid " + std::to_string(grid));
   KCUDA_REQUIRE(a.ksplit == 1 || (ct == 8 && a.partial && a.counters), std::string("moe expert GEMM: split scratch"));
   // Folded only for w1|w3: there it measured 5–8 % faster a launch, w2 1–3 % slower (H200, session 15: w1|w3
@@ -384,9 +420,14 @@ void launch_gemm(const GemmArgs& a, int ct, bool special, bool fold_ok, int64_t 
     if (ct == 8 && t8_deep_allowed() && a.C / ml::kChunkCols / a.ksplit >= kT8DeepMinChunks)
       return launch_gemm_nt<true, 1, kT8DeepStages, true>(a, scales, unsigned(grid), pdl, stream);
   }
-  if (ct == 8)
+  if (ct == 8 && t8_jit(kGlu, special, base)) {
+    if constexpr (kGlu)
+      launch_gemm_nt<true, 1, 4, true>(a, scales, unsigned(grid), pdl, stream);
+    else
+      launch_gemm_nt<false, 1, 4, true, kT8W2MinCtas>(a, scales, unsigned(grid), pdl, stream);
+  } else if (ct == 8) {
     launch_gemm_nt<kGlu, 1, 4, false>(a, scales, unsigned(grid), pdl, stream);
-  else
+  } else
     launch_gemm_nt<kGlu, 4, 2, false>(a, scales, unsigned(grid), pdl, stream);
 }
 
