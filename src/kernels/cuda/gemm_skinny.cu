@@ -36,7 +36,9 @@
 // and ≥ 8 k-steps per split; all CTAs then fit one wave (4 per SM by registers at T ≤ 16).
 // KESTREL_SKINNY_CTAS_PER_SM changes the 2. (More splits to even out the SMs' shares where whole-K tiles do
 // not divide over 132 SMs — 327 tiles: busiest SM 3 CTAs against 2.48 — measured slower per kernel: session
-// 14, bench/RESULTS.md.)
+// 14, bench/RESULTS.md.) Prefetching weights into L2 lost on the batch-1 step both ways it was tried: this
+// launch's rows before its PDL wait (session 17) and the next projection's from this launch's tail (session 21:
+// 18–85 µs a step slower for 8–32 MB).
 //
 // Resources (ptxas, sm_90a, no spills, no stack): registers bf16 NT=1 110, NT=2 146, NT=4 95, NT=8 134;
 // fp8 124, 166, 136, 178 (so 4, 3, 5, 3 / 4, 3, 3, 2 CTAs per SM); static shared memory 1.5–12 KB; staged

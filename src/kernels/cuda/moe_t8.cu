@@ -300,12 +300,12 @@ bool fold_allowed() {
 }
 
 // The t8 kernel's pipeline for w1|w3: deep (activations just in time, 8 stages) unless KESTREL_MOE_T8_DEEP=0
-// (4 stages with the activations staged beside the weights, as w2 keeps). Measured on the H200 (bench_moe,
+// (the 4-stage kernel, below). Measured on the H200 (bench_moe,
 // session 12, per launch): w1|w3 at T = 8 / 64 451 / 2,193 µs deep against 472 / 2,382 (74 / 76 % of copy
 // against 70 %); the same for w2 (12 stages) fell from 61–63 % to 47 %, so w2 stays at 4 stages.
 // t8's w1|w3 runs 8 stages deep with the activations read at use (kJitB) when each warp streams at least 32
-// chunks (4 × the stages; from T ≈ 8 at the real shape), else 4 stages with them staged; w2 always the
-// latter. KESTREL_MOE_T8_DEEP=0: never deep (A/B). Measured (H200, session 12, bench_moe per launch, eager):
+// chunks (4 × the stages; from T ≈ 8 at the real shape), else 4 stages (t8_jit below); w2 always 4 stages.
+// KESTREL_MOE_T8_DEEP=0: never deep (A/B). Measured (H200, session 12, bench_moe per launch, eager):
 // w1|w3 at T = 8 / 64 449 / 2,272 µs deep against 473 / 2,423; at T = 1 (28 chunks a warp) equal; w2 at 12
 // stages, activations at use or one chunk ahead, fell from 61–63 % of copy to 47–53 %.
 bool t8_deep_allowed() {
