@@ -3,14 +3,18 @@
 // The schema stays a json tree; construction walks it once (check) so that validation never meets a
 // malformed keyword, and compiles every pattern into a cache keyed by its source. Validation
 // (validate_node) walks schema and instance together; `why` is null inside anyOf/oneOf/not/contains/
-// if, whose branch failures are expected and need no message. Both walks are depth-limited, so a
-// deeply nested schema or a $ref cycle that consumes no instance ({"$ref": "#"}) ends with an error
-// instead of exhausting the stack.
+// if, whose branch failures are expected and need no message. Both walks are limited in depth and in the
+// stack bytes they use (StackGuard), so a deeply nested schema or instance, or a $ref cycle that consumes no
+// instance ({"$ref": "#"}), ends with an error instead of exhausting the stack. The byte limit is what holds
+// under AddressSanitizer, whose redzones make a frame of val() ~33 KB: 512 nested applications overflowed an
+// 8 MiB stack there (fuzz_json_schema, session 21); a normal build meets the count limit first.
 #include "evalclient/json_schema.h"
 
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstddef>
+#include <cstdint>
 #include <map>
 #include <regex>
 #include <set>
@@ -30,6 +34,28 @@ namespace {
 
 constexpr int kMaxSchemaDepth = 256;    // nesting of subschemas when checking
 constexpr int kMaxValidateDepth = 512;  // schema applications on one path when validating
+constexpr size_t kMaxStackBytes = size_t(2) << 20;  // stack one check or validation may use
+
+// The frame address where this thread's outermost check or validation began (null outside one).
+thread_local const char* t_stack_base = nullptr;
+struct StackGuard {  // set by the outermost entry point on this thread, cleared when it returns
+  bool outer;
+  StackGuard() : outer(t_stack_base == nullptr) {
+    if (outer) t_stack_base = static_cast<const char*>(__builtin_frame_address(0));
+  }
+  ~StackGuard() {
+    if (outer) t_stack_base = nullptr;
+  }
+  StackGuard(const StackGuard&) = delete;
+  StackGuard& operator=(const StackGuard&) = delete;
+};
+// Bytes of stack between the outermost entry point and the caller (either direction of growth).
+[[gnu::noinline]] size_t stack_used() {
+  const auto here = reinterpret_cast<uintptr_t>(__builtin_frame_address(0));
+  const auto base = reinterpret_cast<uintptr_t>(t_stack_base);
+  if (!t_stack_base) return 0;
+  return here < base ? base - here : here - base;
+}
 
 const std::set<std::string> kAnnotations = {
     "$schema", "$comment", "title", "description", "default", "examples", "deprecated", "readOnly",
@@ -197,6 +223,7 @@ struct JsonSchema::Impl {
   void check(const json& s, const std::string& path, int depth, bool is_root = false) {
     const std::string at = path.empty() ? "(root)" : path;
     if (depth > kMaxSchemaDepth) fail("schema {}: nested deeper than {} levels", at, kMaxSchemaDepth);
+    if (stack_used() > kMaxStackBytes) fail("schema {}: nested too deeply (more than {} KiB of stack)", at, kMaxStackBytes >> 10);
     if (s.is_boolean()) return;
     if (!s.is_object()) fail("schema {}: a schema must be an object or a boolean (got {})", at, show(s));
     for (auto it = s.begin(); it != s.end(); ++it) {
@@ -307,6 +334,9 @@ struct JsonSchema::Impl {
            std::string* why) const {
     if (depth > kMaxValidateDepth)
       return no(why, ip, sp, fmt::format("schema applications nested deeper than {} ($ref cycle?)", kMaxValidateDepth));
+    if (stack_used() > kMaxStackBytes)
+      return no(why, ip, sp, fmt::format("schema applications nested too deeply (more than {} KiB of stack; $ref cycle?)",
+                                         kMaxStackBytes >> 10));
     if (s.is_boolean()) return s.get<bool>() || no(why, ip, sp, "the schema 'false' admits nothing");
     auto kw = [&](const char* k) -> const json* {
       const auto it = s.find(k);
@@ -528,6 +558,7 @@ JsonSchema::JsonSchema(const json& schema, SchemaOptions opt) : impl_(std::make_
   impl_->root = schema;
   impl_->opt = opt;
   Impl& I = *impl_;
+  const StackGuard guard;
   I.check(I.root, "", 0, true);
   // Resolve every $ref, checking each target as a schema (a target inside an unknown keyword was not
   // checked yet, and may hold more $refs: repeat until none is new).
@@ -563,6 +594,7 @@ JsonSchema::JsonSchema(JsonSchema&&) noexcept = default;
 JsonSchema& JsonSchema::operator=(JsonSchema&&) noexcept = default;
 
 std::string JsonSchema::validate(const json& instance) const {
+  const StackGuard guard;
   std::string why;
   if (impl_->val(impl_->root, instance, "", "", 0, &why)) return "";
   return why.empty() ? "invalid" : why;
