@@ -36,25 +36,18 @@ constexpr int kMaxSchemaDepth = 256;    // nesting of subschemas when checking
 constexpr int kMaxValidateDepth = 512;  // schema applications on one path when validating
 constexpr size_t kMaxStackBytes = size_t(2) << 20;  // stack one check or validation may use
 
-// The frame address where this thread's outermost check or validation began (null outside one).
-thread_local const char* t_stack_base = nullptr;
-struct StackGuard {  // set by the outermost entry point on this thread, cleared when it returns
-  bool outer;
-  StackGuard() : outer(t_stack_base == nullptr) {
-    if (outer) t_stack_base = static_cast<const char*>(__builtin_frame_address(0));
-  }
-  ~StackGuard() {
-    if (outer) t_stack_base = nullptr;
-  }
-  StackGuard(const StackGuard&) = delete;
-  StackGuard& operator=(const StackGuard&) = delete;
+// The frame where this thread's outermost check or validation began (0 outside one): StackGuard sets it
+// in the outermost entry point and clears it when that returns.
+thread_local uintptr_t t_stack_base = 0;
+struct StackGuard {
+  const bool outer = t_stack_base == 0;
+  StackGuard() { if (outer) t_stack_base = reinterpret_cast<uintptr_t>(__builtin_frame_address(0)); }
+  ~StackGuard() { if (outer) t_stack_base = 0; }
 };
 // Bytes of stack between the outermost entry point and the caller (either direction of growth).
 [[gnu::noinline]] size_t stack_used() {
   const auto here = reinterpret_cast<uintptr_t>(__builtin_frame_address(0));
-  const auto base = reinterpret_cast<uintptr_t>(t_stack_base);
-  if (!t_stack_base) return 0;
-  return here < base ? base - here : here - base;
+  return t_stack_base == 0 ? 0 : here < t_stack_base ? t_stack_base - here : here - t_stack_base;
 }
 
 const std::set<std::string> kAnnotations = {
