@@ -520,6 +520,9 @@ TEST(GpuMoe, ExpertsMatchCpuTwin) {
   // with and without PDL.
   const MoeVariant k2{MoeTokenTile::t8, -1, 0, -1, false, 2}, k3{MoeTokenTile::t8, -1, 0, -1, false, 3},
       k4{MoeTokenTile::t8, -1, 0, -1, false, 4}, k3nopdl{MoeTokenTile::t8, -1, 0, 0, false, 3};
+  // t8 at T = 1 runs ungrouped (one job per slot, ids read before the PDL wait); grouped there, and ungrouped at
+  // T > 1 (slots sharing an expert each read it), by hand.
+  const MoeVariant t8g{MoeTokenTile::t8, 1}, t8u{MoeTokenTile::t8, 0}, t8gk3{MoeTokenTile::t8, 1, 0, -1, false, 3};
   struct Run {
     int64_t T;
     Routing routing;
@@ -533,8 +536,8 @@ TEST(GpuMoe, ExpertsMatchCpuTwin) {
   };
   const std::vector<Case> cases = {
       {16, 4, 128, 64, "nano",
-       {{1, Routing::random, {autov, sgrp, s1}},
-        {2, Routing::random, {autov, s3, k2}},
+       {{1, Routing::random, {autov, sgrp, s1, t8g}},
+        {2, Routing::random, {autov, s3, k2, t8u}},
         {7, Routing::random, {autov, sung, s7, snopdl, dense}},
         {64, Routing::random, {autov, stream, s1, s3}},
         {64, Routing::ties, {t32, stream, wide}},
@@ -543,13 +546,13 @@ TEST(GpuMoe, ExpertsMatchCpuTwin) {
         {4096, Routing::skewed, {autov, wide, s7, dense}}}},
       {8, 2, 3584, 3072, "mini (8 of 112 experts)",
        {{1, Routing::random, {autov, sgrp, s3, autolt}},
-        {7, Routing::random, {autov, s7, wide, k3}},
+        {7, Routing::random, {autov, s7, wide, k3, t8u}},
         {64, Routing::random, {autov, stream, dense}},
         {300, Routing::random, {t8, stream}},
         {300, Routing::skewed, {t32, wide, s3, dense}},
         {1024, Routing::random, {autolt}}}},
       {32, 16, 3584, 3072, "real dims, 32 experts top-16",
-       {{1, Routing::random, {autov, sgrp, t8, k2, k4, k3nopdl}},
+       {{1, Routing::random, {autov, sgrp, t8, k2, k4, k3nopdl, t8g, t8gk3}},
         {2, Routing::random, {autov, k3}},
         {16, Routing::ties, {autov, wide, t8, dense, k4}},
         {16, Routing::random, {t32, stream, s7}}}},
@@ -740,7 +743,8 @@ TEST(GpuMoe, ExpertsGraphReplay) {
                                               {33, MoeVariant{MoeTokenTile::wide}},
                                               {64, MoeVariant{}},  // wide (16 slots per expert)
                                               {33, MoeVariant{MoeTokenTile::stream, -1, 3}},
-                                              {1, MoeVariant{}},  // stream, ungrouped
+                                              {1, MoeVariant{}},  // t8, ungrouped (T = 1)
+                                              {1, MoeVariant{MoeTokenTile::stream}},  // stream, ungrouped
                                               {2, MoeVariant{MoeTokenTile::stream, 1}},
                                               {5, MoeVariant{MoeTokenTile::t8, -1, 0, -1, false, 2}}};
   for (const auto& [T, v] : runs) {

@@ -99,7 +99,8 @@ struct MoeExpertsOptions {
   MoeTokenTile tile = MoeTokenTile::automatic;
   int pdl = -1;          // programmatic dependent launch between the 4 launches: 1 on, 0 off, -1 on unless
                          // KESTREL_MOE_PDL=0 in the environment
-  int grouped = -1;      // stream path: 1 group tokens by expert, 0 one job per slot, -1 ungrouped iff T ≤ 2
+  int grouped = -1;      // stream, t8: 1 group tokens by expert, 0 one job per slot (at T > 1 an expert is read per slot),
+                         // -1 ungrouped iff T ≤ 2 (stream), T = 1 (t8)
   int stream_ctas = 0;   // stream path: CTAs of the persistent grid (tests force other splits); 0: all that fit
   int t8_ksplit = 0;     // t8 path: K split over this many CTAs per 64-row tile (tests, benchmarks; at most the
                          // tile's 64-column chunks and 8); 0: chosen so the last wave is full (moe_experts.cu)

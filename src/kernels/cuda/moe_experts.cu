@@ -5,8 +5,11 @@
 // Four launches on one stream, no host synchronisation, fixed grids (CUDA-graph capturable):
 //   1. group (one block): slots (t·K + k) counted per expert, scanned, scattered into expert order; the
 //      experts' tokens cut into jobs of at most CT tokens, written as a device work list (expert, first
-//      position, count) with its length. It also zeroes the decode GEMMs' counters. Ungrouped decode (T ≤ 2:
-//      one job per slot, nothing to share) runs prep_kernel instead, which only zeroes them.
+//      position, count) with its length. It also zeroes the decode GEMMs' counters. Ungrouped decode (one job
+//      per slot: stream at T ≤ 2, t8 at T = 1, where the top-k slots are distinct experts) runs prep_kernel
+//      instead, which only zeroes them; t8's GEMMs then read the ids (from before prep_kernel) and their first
+//      weight stages before their PDL wait. H200 (session 22, bench_moe, alternated): T = 1 graph 109.3 / 108.2 →
+//      105.7 / 105.9 µs (61 → 62 % of copy); the reduced mini's step unchanged within its noise (±1 µs).
 //   2. w1|w3 with SiTU-GLU fused: a = bf16(SiTU-GLU(bf16 g, bf16 u)) per slot.
 //   3. w2: y = bf16(a·W2ᵀ) per slot.
 //   4. combine: ũ_t = bf16(Σ_k w_k·y_k) in top-k order, FP32; deterministic (no atomics on values); with
@@ -334,6 +337,12 @@ void run_gemm(Path p, bool glu, const GemmArgs& a, const Groups& grp, const int3
   }
 }
 
+// t8 ungrouped at T = 1 (GemmArgs::ids) unless KESTREL_MOE_T8_UNGROUPED=0 (A/B).
+bool t8_ungrouped_allowed() {
+  static const bool on = !env_is("KESTREL_MOE_T8_UNGROUPED", "0");
+  return on;
+}
+
 // w2's first weight stages before its PDL wait (GemmArgs::w_early) unless KESTREL_MOE_W_EARLY=0 (A/B).
 bool w_early_allowed() {
   static const bool on = !env_is("KESTREL_MOE_W_EARLY", "0");
@@ -399,7 +408,12 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
                 std::string("moe_experts_mxfp4: the dense path needs MoeExpertsOptions::lt"));
   const int ct = path_ct(path);
   const bool pdl = use_pdl(path, opt);
-  const bool grouped = path != Path::stream || opt.grouped == 1 || (opt.grouped == -1 && T > 2);
+  // Ungrouped (no grouping kernel, one job per slot): stream at T ≤ 2; t8 at T = 1, where the token's top-k
+  // slots are distinct experts, so there is nothing to share, and both GEMMs may load weights before their PDL
+  // wait (the ids come from before prep_kernel).
+  const bool grouped = path == Path::stream ? opt.grouped == 1 || (opt.grouped == -1 && T > 2)
+                       : path == Path::t8   ? opt.grouped == 1 || (opt.grouped == -1 && (T > 1 || !t8_ungrouped_allowed()))
+                                            : true;
   char* p = static_cast<char*>(workspace);
   Groups grp = carve_groups(p, n, X);
   uint16_t* act = reinterpret_cast<uint16_t*>(p);  // bf16 [n, I], row per slot
@@ -419,7 +433,7 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
   int ks13 = 1, ks2 = 1;
   int64_t c13 = 0;
   if (path == Path::t8) {
-    const int64_t bound = ml::job_bound(n, X, 8), cap = 2 * int64_t(moe_detail::kMaxStreamWarps);
+    const int64_t bound = grouped ? ml::job_bound(n, X, 8) : n, cap = 2 * int64_t(moe_detail::kMaxStreamWarps);
     const int64_t pf = int64_t(moe_detail::kStreamPartialBytes / 4);
     ks13 = moe_detail::t8_ksplit(opt.t8_ksplit, true, w.special_scales, bound * (I / kCtaRows), Lt, cap, pf,
                          bound * (I / ml::kTileRows));
@@ -453,7 +467,9 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
                        w.w13_packed_stride,      w.w13_scale_stride,       int(I),
                        int(Lt),     act,         situ_beta,   situ_linear_beta,
                        ks13,        ss.partial,  ss.counters};
-    run_gemm(path, true, a13, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas13, true, pdl, stream);
+    GemmArgs a13u = a13;
+    if (path == Path::t8 && !grouped) a13u.ids = ids, a13u.n_ids = int(n), a13u.X = int(X), a13u.w_early = w_early_allowed();
+    run_gemm(path, true, a13u, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas13, true, pdl, stream);
     mark(opt, 2, stream);
     GemmArgs a2{act,        I,           1,          grp.order, grp.jobs,
                       grp.n_jobs, w.w2_packed, w.w2_scale, nullptr,   nullptr,
@@ -461,6 +477,7 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
                       int(I),     y,           0.0f,       0.0f,
                       ks2,        ss.partial,  ss.counters + c13};
     a2.w_early = path == Path::t8 && w_early_allowed();
+    if (path == Path::t8 && !grouped) a2.ids = ids, a2.n_ids = int(n), a2.X = int(X);
     run_gemm(path, false, a2, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas2, false, pdl, stream);
     mark(opt, 3, stream);
   }

@@ -39,9 +39,14 @@ struct GemmArgs {
   int ksplit = 1;
   float* partial = nullptr;
   int32_t* counters = nullptr;
-  // Fixed-tile kernels: the job list comes from a kernel at least two launches back (w2 after w1|w3), so the
-  // first weight stages may be loaded before the PDL wait (moe_t8.cu). KESTREL_MOE_W_EARLY=0 turns it off.
+  // Fixed-tile kernels: the job list comes from a kernel at least two launches back (w2 after w1|w3; either
+  // GEMM when ungrouped, behind prep_kernel), so the first weight stages may be loaded before the PDL wait
+  // (moe_t8.cu). KESTREL_MOE_W_EARLY=0 turns it off for w2.
   bool w_early = false;
+  // Fixed-tile kernels, ungrouped (one token: its top-k slots are distinct experts, nothing to share): with ids
+  // set, job j = slot j of expert ids[j] (count 0 outside [0, X)), J = n_ids; jobs, order, n_jobs unused.
+  const int32_t* ids = nullptr;  // i32 [n_ids]
+  int n_ids = 0, X = 0;
 };
 
 // Fixed-tile GEMM (moe_t8.cu): t8 (ct = 8, the decode path) or t32 (ct = 32); grid = job_bound(n, X, ct) ×

@@ -63,16 +63,19 @@ enum ScaleMode : int { kScaleF32 = 0, kScaleSpecial = 1, kScaleFold = 2 };
 // chunk ahead in two register buffers measured slower: 153 registers, 3 CTAs per SM.)
 // MINB > 0 asks ptxas for that many CTAs per SM (__launch_bounds__'s second argument). 0 leaves the code as it
 // was; 1 is not the same: it took w2 from 92 to 98 registers and made it 25 % slower (H200, session 21).
-template <bool kGlu, int NT, int STAGES, int kScales, bool kJitB, int MINB = 0>
+// kIds: ungrouped (GemmArgs::ids): job j = slot j of expert ids[j]; a separate instantiation, so the grouped
+// kernels' code is unchanged (the runtime branch cost w1|w3 3.5 µs a launch at T = 1: 94 registers, not 89).
+template <bool kGlu, int NT, int STAGES, int kScales, bool kJitB, int MINB = 0, bool kIds = false>
 __global__ void __launch_bounds__(kGemmThreads, MINB) expert_gemm_kernel(const GemmArgs a) {
   constexpr int NM = kGlu ? 2 : 1;  // weight matrices per warp
   constexpr int E = NM * NT * 4;    // accumulators per lane
   // a.w_early (w2 after w1|w3): the job list is the grouping kernel's, complete before w1|w3 passed its own
   // wait and let this kernel launch (launch.h's rule), so only the activations need the wait: the first weight
-  // stages are issued before it, overlapping w1|w3's last wave.
+  // stages are issued before it, overlapping w1|w3's last wave. Ungrouped (kIds), both GEMMs: the ids come from
+  // before prep_kernel, an ordinary launch that began only when they were complete.
   if (!a.w_early) griddep_wait();
   const int n_rg = a.R / kCtaRows;
-  const int nj = *a.n_jobs;
+  const int nj = kIds ? a.n_ids : *a.n_jobs;
   const int S = a.ksplit;
   const int ks = int(blockIdx.x % unsigned(S));
   const int64_t item = blockIdx.x / unsigned(S);
@@ -82,7 +85,15 @@ __global__ void __launch_bounds__(kGemmThreads, MINB) expert_gemm_kernel(const G
   }
   // Consecutive CTAs take the same rows of consecutive jobs (an expert's chunks are adjacent): L2 reuse.
   const int rg = int(item / nj), job = int(item - int64_t(rg) * nj);
-  const int e = a.jobs[3 * job], begin = a.jobs[3 * job + 1], count = a.jobs[3 * job + 2];
+  const int e = kIds ? a.ids[job] : a.jobs[3 * job];
+  const int begin = kIds ? job : a.jobs[3 * job + 1];
+  const int count = kIds ? 1 : a.jobs[3 * job + 2];
+  if (kIds && unsigned(e) >= unsigned(a.X)) {  // an id outside [0, X): nothing to compute
+    if (a.w_early) griddep_wait();
+    return;
+  }
+  // Position p of the job's tokens in expert order → slot (ungrouped: the job is the slot).
+  auto slot_at = [&](int p) { return kIds ? p : a.order[p]; };
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int tile = rg * kGemmWarps + warp;
   const int NCall = a.C / ml::kChunkCols;
@@ -102,7 +113,7 @@ __global__ void __launch_bounds__(kGemmThreads, MINB) expert_gemm_kernel(const G
   const uint16_t* brow[NT];
 #pragma unroll
   for (int q = 0; q < NT; ++q) {
-    const int slot = a.order[begin + min(q * 8 + g, count - 1)];
+    const int slot = slot_at(begin + min(q * 8 + g, count - 1));
     brow[q] = a.x + int64_t(slot / a.x_div) * a.ldx + 8 * t + c_begin * ml::kChunkCols;
   }
 
@@ -264,7 +275,7 @@ __global__ void __launch_bounds__(kGemmThreads, MINB) expert_gemm_kernel(const G
     for (int i = 0; i < 2; ++i) {
       const int n = q * 8 + 2 * t + i;
       if (n >= count) continue;
-      uint16_t* o = a.out + int64_t(a.order[begin + n]) * a.R;
+      uint16_t* o = a.out + int64_t(slot_at(begin + n)) * a.R;
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         const int idx = 2 * rr + i;
@@ -279,15 +290,23 @@ __global__ void __launch_bounds__(kGemmThreads, MINB) expert_gemm_kernel(const G
   }
 }
 
-template <bool kGlu, int NT, int STAGES, bool kJitB, int MINB = 0>
-void launch_gemm_nt(const GemmArgs& a, int scales, unsigned grid, bool pdl, cudaStream_t stream) {
+template <bool kGlu, int NT, int STAGES, bool kJitB, int MINB = 0, bool kIds = false>
+void launch_gemm_ids(const GemmArgs& a, int scales, unsigned grid, bool pdl, cudaStream_t stream) {
   auto go = [&](auto kernel) { moe_detail::launch(kernel, dim3(grid), dim3(kGemmThreads), 0, stream, pdl, a); };
   if (scales == kScaleSpecial)
-    go(expert_gemm_kernel<kGlu, NT, STAGES, kScaleSpecial, kJitB, MINB>);
+    go(expert_gemm_kernel<kGlu, NT, STAGES, kScaleSpecial, kJitB, MINB, kIds>);
   else if (scales == kScaleFold)
-    go(expert_gemm_kernel<kGlu, NT, STAGES, kScaleFold, kJitB, MINB>);
+    go(expert_gemm_kernel<kGlu, NT, STAGES, kScaleFold, kJitB, MINB, kIds>);
   else
-    go(expert_gemm_kernel<kGlu, NT, STAGES, kScaleF32, kJitB, MINB>);
+    go(expert_gemm_kernel<kGlu, NT, STAGES, kScaleF32, kJitB, MINB, kIds>);
+}
+// t8 (NT = 1) has an ungrouped instantiation (a.ids); t32 is always grouped.
+template <bool kGlu, int NT, int STAGES, bool kJitB, int MINB = 0>
+void launch_gemm_nt(const GemmArgs& a, int scales, unsigned grid, bool pdl, cudaStream_t stream) {
+  if constexpr (NT == 1) {
+    if (a.ids) return launch_gemm_ids<kGlu, NT, STAGES, kJitB, MINB, true>(a, scales, grid, pdl, stream);
+  }
+  launch_gemm_ids<kGlu, NT, STAGES, kJitB, MINB, false>(a, scales, grid, pdl, stream);
 }
 
 // Scales folded into the decode (w1|w3, codes in [1, 128]) unless KESTREL_MOE_FOLD=0 (A/B).
@@ -410,7 +429,8 @@ namespace {
 template <bool kGlu>
 void launch_gemm(const GemmArgs& a, int ct, bool special, bool fold_ok, int64_t n, int64_t X, bool pdl,
                  cudaStream_t stream) {
-  const int64_t base = ml::job_bound(n, X, ct) * (a.R / kCtaRows), grid = base * a.ksplit;
+  const int64_t base = (a.ids ? n : ml::job_bound(n, X, ct)) * (a.R / kCtaRows), grid = base * a.ksplit;
+  KCUDA_REQUIRE(!a.ids || (ct == 8 && a.n_ids == n), std::string("moe expert GEMM: ungrouped needs t8 over n slots"));
   KCUDA_REQUIRE(grid > 0 && grid < (int64_t(1) << 31), "moe expert GEMM: grid " + std::to_string(grid));
   KCUDA_REQUIRE(a.ksplit == 1 || (ct == 8 && a.partial && a.counters), std::string("moe expert GEMM: split scratch"));
   // Folded only for w1|w3: there it measured 5–8 % faster a launch, w2 1–3 % slower (H200, session 15: w1|w3
