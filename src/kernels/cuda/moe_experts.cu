@@ -33,8 +33,9 @@
 //   launch, PDL off: group 8.6, w1|w3 72.6 = 61 %, w2 48.1 = 46 %, combine 5.9): 768 and 896 CTAs for 528
 //   and 792 slots (1.45 and 1.13 waves; the second runs with a few warps per SM, far too few bytes in flight),
 //   while at T = 8 (11 waves) the same kernels stream at 80 / 74 %. stream was meant to fix that but streams
-//   slower per byte (52 % at T = 8, without PDL; its loop is not unrolled over the ring), so T = 1 now splits
-//   t8's K instead: w1|w3 and w2 × 2 (2.9 and 2.7 waves). Session 12: see bench/RESULTS.md.
+//   slower per byte (52 % at T = 8, without PDL; not for its ring: moe_stream.cu), so T = 1 splits
+//   t8's K instead (session 12: w1|w3 and w2 × 2; since session 21 w1|w3 × 3 and w2 unsplit at 8 CTAs per SM;
+//   session 22, ungrouped: 106 µs = 62 % of copy in the graph). See bench/RESULTS.md.
 //   T = 4096: 4.3 TFLOP (16 slots × 4096 tokens × 3 GEMMs of 3584 × 3072). t32: 26.6 ms (163 TFLOP/s: an FFMA per
 //   accumulator per 32-column block, 4 HMMA per decoded word). wide: 2·⌈count/8⌉ HMMA per decoded word, no
 //   scale FMAs, ≈ 2.2 instructions per HMMA; ≈ 73 tokens per expert = 10 n-tiles of 16; predicted 8–11 ms.

@@ -22,8 +22,12 @@
 // Per 512 weight bytes a warp issues ≈ 90 instructions (SASS, w1|w3, per 1 KB chunk: 51 LOP3, 38 IMAD, 32 HMUL2,
 // 14 SHF, 9 LEA, 8 PRMT, 8 HMMA, 4 LDS, 4 LDGSTS, 2 LDG): about the fixed-tile kernel's 87 — the E2M1 decode
 // (≈ 14 integer ops + 4 HMUL2 per 32-bit word) dominates and the scale folding only pays for the cp.async ring.
-// At copy speed an SM has ≈ 124 issue slots and ≈ 62 ALU slots per 512 bytes: the kernel should stream at
-// the ≈ 80 % of copy the fixed-tile kernel reached at T = 8 and 64 — now at every T.
+// At copy speed an SM has ≈ 124 issue slots and ≈ 62 ALU slots per 512 bytes, so it was meant to stream at the
+// ≈ 80 % of copy the fixed-tile kernel reaches at T = 8 and 64 at every T. Measured, it does not (H200, session 22,
+// bench/RESULTS.md): 47–56 % at T = 1–8 against t8's 61–77 %, and not because of the ring — t8's register
+// pipeline in this kernel streamed no faster; making the CTA the unit of the split (its 4 warps on 4 adjacent
+// tiles at one chunk, as t8's CTAs) gained 10 µs of w1|w3's 87 at T = 1, still 13 µs behind t8; doing the work
+// in rounds lost (each cut tile's partial, fence and counter stall its warp). So `automatic` never picks it.
 #include <algorithm>
 #include <atomic>
 
