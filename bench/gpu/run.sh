@@ -22,6 +22,9 @@
 #   bench/gpu/run.sh perf    # there: the scoreboard in one run (≤ 8 min): ceilings, kernels, the reduced-mini
 #                            # decode step and prefill, `kestrel serve` + `kestrel bench` at c=1/64, the peers;
 #                            # writes $OUT/perf.json (copy it to bench/gpu/perf.json) and a markdown table
+#   bench/gpu/run.sh extras  # here: what perf carries beside .gpu-carry (both git-ignored, remade from public
+#                            # sources): .whl/ (PyPI fla-core 0.6.0, the KDA peer) and sets1m/ (the 1M-token
+#                            # passkey set); carry [".gpu-carry", ".whl", "sets1m"] with models/k3-tiny-long
 #   bench/gpu/run.sh tp      # there: nano + nano_tp_gpu checkpoints, the GPU tensor-parallel tests (GpuTp.*: the
 #                            # same-device communicator, the engine as TP2/TP4 and EP2/EP4 on one GPU against TP1;
 #                            # GpuMoe.ExpertParallel*: one EP rank's experts against the CPU twin)
@@ -123,6 +126,18 @@ case "${1:-}" in
     # tool's 64 MiB: one xz archive (~18 MB) keeps room for eval sets; unpacked there by Python's lzma.
     tar cJf .gpu-carry/pkg.tar.xz -C .gpu-carry pkg && rm -rf .gpu-carry/pkg
     du -sh .gpu-carry
+    ;;
+  extras)
+    mkdir -p .whl sets1m
+    ls .whl/fla_core-0.6.0-*.whl >/dev/null 2>&1 || .venv/bin/python -m pip download -q fla-core==0.6.0 --no-deps -d .whl
+    if [ ! -f sets1m/passkey-1m.jsonl.xz ]; then
+      # Three prompts of 1,048,576 tokens, the key at depths 0, 0.5 and 1 (each ≈ 40–60 s of prefill on the H200).
+      t="$(mktemp -d)"
+      (cd train && ../.venv/bin/python -m k3data.make_eval --out "$t" --min-context 1048576 --max-context 1048576 \
+        --depths 0,0.5,1 --passkey-reps 1 --tools 0 --arith 0 --chat 0) && xz -9 -c "$t/passkey.jsonl" > sets1m/passkey-1m.jsonl.xz
+      rm -rf "$t"
+    fi
+    du -sh .whl sets1m
     ;;
   test)
     unpack
