@@ -463,14 +463,17 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
   }
   if (path != Path::dense) {
     mark(opt, 1, stream);
-    const GemmArgs a13{z,           Lt,          int(K),      grp.order,  grp.jobs,
+    // Ungrouped t8 (GemmArgs::ids): jobs from the ids; w1|w3 may then load weights before its PDL wait too.
+    auto ungroup = [&](GemmArgs& a) {
+      if (path == Path::t8 && !grouped) a.ids = ids, a.n_ids = int(n), a.X = int(X), a.w_early = w_early_allowed();
+    };
+    GemmArgs a13{z,           Lt,          int(K),      grp.order,  grp.jobs,
                        grp.n_jobs,  w.w1_packed, w.w1_scale,  w.w3_packed, w.w3_scale,
                        w.w13_packed_stride,      w.w13_scale_stride,       int(I),
                        int(Lt),     act,         situ_beta,   situ_linear_beta,
                        ks13,        ss.partial,  ss.counters};
-    GemmArgs a13u = a13;
-    if (path == Path::t8 && !grouped) a13u.ids = ids, a13u.n_ids = int(n), a13u.X = int(X), a13u.w_early = w_early_allowed();
-    run_gemm(path, true, a13u, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas13, true, pdl, stream);
+    ungroup(a13);
+    run_gemm(path, true, a13, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas13, true, pdl, stream);
     mark(opt, 2, stream);
     GemmArgs a2{act,        I,           1,          grp.order, grp.jobs,
                       grp.n_jobs, w.w2_packed, w.w2_scale, nullptr,   nullptr,
@@ -478,7 +481,7 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
                       int(I),     y,           0.0f,       0.0f,
                       ks2,        ss.partial,  ss.counters + c13};
     a2.w_early = path == Path::t8 && w_early_allowed();
-    if (path == Path::t8 && !grouped) a2.ids = ids, a2.n_ids = int(n), a2.X = int(X);
+    ungroup(a2);
     run_gemm(path, false, a2, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas2, false, pdl, stream);
     mark(opt, 3, stream);
   }
