@@ -802,6 +802,72 @@ TEST(GpuMoe, T8KSplitIsDeterministic) {
   }
 }
 
+// Ungrouped t8 at T = 1 under PDL (GemmArgs::ready): w2's CTAs start during w1|w3's last wave and each waits for
+// its own slot's tiles. On a non-blocking stream (PDL on; the tests above run on the legacy stream, where it is
+// off), eager and in a CUDA graph, with the inputs changed every run and the workspace set to NaN before each
+// PDL run (so a w2 or combine that read early would read NaN): every run bit-identical to the same inputs
+// without PDL (w2 after w1|w3 has finished). Real dims; one id outside [0, X) (expert parallelism) in half the runs.
+TEST(GpuMoe, T8ReadinessUnderPdlMatchesSerial) {
+  need_gpu();
+  Rng rng(58);
+  const int64_t X = 32, K = 16, Lt = 3584, I = 3072, T = 1;
+  const auto E = make_experts(X, Lt, I, rng);
+  auto dz = poisoned<uint16_t>(size_t(T * Lt));
+  auto dids = poisoned<int32_t>(size_t(T * K));
+  auto dw = poisoned<float>(size_t(T * K));
+  auto dws = poisoned<uint8_t>(cuda::moe_experts_workspace_bytes(T, X, K, Lt, I));
+  auto dut = poisoned<uint16_t>(size_t(T * Lt));
+  auto dnormed = poisoned<uint16_t>(size_t(T * Lt));
+  auto dnw = upload(rand_bf16(size_t(Lt), rng, 0.5f, 1.5f));
+  cudaStream_t stream;
+  KCUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cuda::MoeExpertsOptions o;  // automatic: t8 ungrouped at T = 1; the combine with the latent norm (the engine's)
+  o.norm_w = dnw.p(), o.norm_eps = 1e-6f, o.normed = dnormed.p();
+  auto run = [&] {
+    cuda::moe_experts_mxfp4(dz.p(), dids.p(), dw.p(), E->dev, T, X, K, Lt, I, 4.0f, 25.0f, dws.p(), dut.p(), stream, o);
+  };
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  KCUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  run();
+  KCUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  KCUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 0; rep < 12; ++rep) {
+    const auto z = rand_bf16(size_t(T * Lt), rng, -1.0f, 1.0f);
+    std::vector<int32_t> ids;
+    std::vector<float> wts;
+    make_routing(Routing::random, T, X, K, rng, ids, wts);
+    if (rep % 2) ids[size_t(rep % K)] = int32_t(X + 3);
+    dz.buf.copy_from_host(z.data(), z.size() * 2);
+    dids.buf.copy_from_host(ids.data(), ids.size() * 4);
+    dw.buf.copy_from_host(wts.data(), wts.size() * 4);
+    sync();
+    o.pdl = 0;
+    run();
+    KCUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto serial = dut.get(), serial_normed = dnormed.get();
+    // NaN over the workspace (activations, y): a w2 reading before its slot is ready would not find the right
+    // values left by the serial run. The counters are zeroed by the experts' own first kernel.
+    KCUDA_CHECK(cudaMemsetAsync(dws.p(), 0xff, cuda::moe_experts_workspace_bytes(T, X, K, Lt, I), stream));
+    o.pdl = -1;
+    if (rep % 3 == 2)
+      KCUDA_CHECK(cudaGraphLaunch(exec, stream));
+    else
+      run();
+    KCUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(dut.get(), serial) << "run " << rep << (rep % 3 == 2 ? " (graph)" : " (eager)");
+    EXPECT_EQ(dnormed.get(), serial_normed) << "normed, run " << rep;
+    if (rep == 0) {  // and the serial run itself against the CPU twin
+      std::vector<uint16_t> ref(size_t(T * Lt));
+      cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), T, X, K, Lt, I, 4.0f, 25.0f, ref.data());
+      check_moe("moe_experts_mxfp4 (PDL, readiness)", "real dims T=1", serial, ref);
+    }
+  }
+  KCUDA_CHECK(cudaGraphExecDestroy(exec));
+  KCUDA_CHECK(cudaGraphDestroy(graph));
+  KCUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 // Weights not packed for the kernels are refused with an error, not computed with.
 TEST(GpuMoe, UnpackedWeightsRejected) {
   need_gpu();

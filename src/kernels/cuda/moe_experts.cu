@@ -11,7 +11,9 @@
 //      weight stages before their PDL wait. H200 (session 22, bench_moe, alternated): T = 1 graph 109.3 / 108.2 →
 //      105.7 / 105.9 µs (61 → 62 % of copy); the reduced mini's step unchanged within its noise (±1 µs).
 //   2. w1|w3 with SiTU-GLU fused: a = bf16(SiTU-GLU(bf16 g, bf16 u)) per slot.
-//   3. w2: y = bf16(a·W2ᵀ) per slot.
+//   3. w2: y = bf16(a·W2ᵀ) per slot. Ungrouped t8: it starts during w1|w3's last wave and each CTA waits only
+//      for its own slot's w1|w3 tiles (per-slot readiness counters, zeroed with the split counters; moe_t8.cu).
+//      H200 (session 23, bench_moe, alternated): T = 1 graph 106.5 → 102.5 µs (62 → 65 % of copy).
 //   4. combine: ũ_t = bf16(Σ_k w_k·y_k) in top-k order, FP32; deterministic (no atomics on values); with
 //      MoeExpertsOptions::norm_w also §3.6 step 5's RMSNorm of ũ (combine_norm_kernel, one CTA per token).
 // Four GEMM families (moe.h MoeTokenTile):
@@ -35,7 +37,8 @@
 //   while at T = 8 (11 waves) the same kernels stream at 80 / 74 %. stream was meant to fix that but streams
 //   slower per byte (52 % at T = 8, without PDL; not for its ring: moe_stream.cu), so T = 1 splits
 //   t8's K instead (session 12: w1|w3 and w2 × 2; since session 21 w1|w3 × 3 and w2 unsplit at 8 CTAs per SM;
-//   session 22, ungrouped: 106 µs = 62 % of copy in the graph). See bench/RESULTS.md.
+//   session 22, ungrouped: 106 µs = 62 % of copy in the graph; session 23, w2 per-slot readiness: 102.5 µs = 65 %).
+//   See bench/RESULTS.md.
 //   T = 4096: 4.3 TFLOP (16 slots × 4096 tokens × 3 GEMMs of 3584 × 3072). t32: 26.6 ms (163 TFLOP/s: an FFMA per
 //   accumulator per 32-column block, 4 HMMA per decoded word). wide: 2·⌈count/8⌉ HMMA per decoded word, no
 //   scale FMAs, ≈ 2.2 instructions per HMMA; ≈ 73 tokens per expert = 10 n-tiles of 16; predicted 8–11 ms.
@@ -350,6 +353,13 @@ bool w_early_allowed() {
   return on;
 }
 
+// Ungrouped t8: w2 waits per slot for w1|w3's tiles (GemmArgs::ready) instead of the whole grid, unless
+// KESTREL_MOE_T8_READY=0 (A/B).
+bool t8_ready_allowed() {
+  static const bool on = !env_is("KESTREL_MOE_T8_READY", "0");
+  return on;
+}
+
 bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
 
 void mark(const MoeExpertsOptions& opt, int i, cudaStream_t stream) {
@@ -443,6 +453,14 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
                         bound * (Lt / ml::kTileRows));
     n_zero = int(c13 + (ks2 > 1 ? bound * (Lt / ml::kTileRows) : 0));
   }
+  // Ungrouped t8 with w2's early weights: per-slot readiness counters after the split counters (GemmArgs::ready),
+  // zeroed with them.
+  int32_t* ready = nullptr;
+  if (path == Path::t8 && !grouped && w_early_allowed() && t8_ready_allowed() &&
+      n_zero + n <= 2 * int64_t(moe_detail::kMaxStreamWarps)) {
+    ready = ss.counters + n_zero;
+    n_zero += int(n);
+  }
 
   mark(opt, 0, stream);
   if (path == Path::dense) {
@@ -466,6 +484,7 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
     // Ungrouped t8 (GemmArgs::ids): jobs from the ids; w1|w3 may then load weights before its PDL wait too.
     auto ungroup = [&](GemmArgs& a) {
       if (path == Path::t8 && !grouped) a.ids = ids, a.n_ids = int(n), a.X = int(X), a.w_early = w_early_allowed();
+      a.ready = ready, a.ready_need = int(I / ml::kTileRows);
     };
     GemmArgs a13{z,           Lt,          int(K),      grp.order,  grp.jobs,
                        grp.n_jobs,  w.w1_packed, w.w1_scale,  w.w3_packed, w.w3_scale,

@@ -47,6 +47,12 @@ struct GemmArgs {
   // set, job j = slot j of expert ids[j] (count 0 outside [0, X)), J = n_ids; jobs, order, n_jobs unused.
   const int32_t* ids = nullptr;  // i32 [n_ids]
   int n_ids = 0, X = 0;
+  // Ungrouped t8 with w_early only: readiness per slot, i32 [n_ids], zero when w1|w3 starts (moe_t8.cu). w1|w3
+  // adds 1 to ready[job] per finished 16-row tile and lets w2 launch right after its own PDL wait; w2 then waits until
+  // ready[job] == ready_need (w1|w3's tiles per slot) instead of its PDL wait, so the w2 CTAs of the slots done
+  // first run beside w1|w3's last wave. Both take the jobs in job-major order then (a slot's CTAs adjacent).
+  int32_t* ready = nullptr;
+  int ready_need = 0;
 };
 
 // Fixed-tile GEMM (moe_t8.cu): t8 (ct = 8, the decode path) or t32 (ct = 32); grid = job_bound(n, X, ct) ×

@@ -22,6 +22,16 @@
 // w2 issues its first weight stages before its PDL wait (GemmArgs::w_early: its job list is two launches old), so
 // they overlap w1|w3's last wave: H200 (session 16, bench_moe graph, alternated) T = 1 119.3 / 120.3 → 118.4 /
 // 118.5 µs, the reduced-mini decode step at batch 1 601.5 / 607.4 → 598.0 / 603.3 µs; T = 8, 64 unchanged.
+// Ungrouped (T = 1), w2 waits per slot (GemmArgs::ready) rather than for w1|w3's whole grid: its CTAs for the
+// slots finished first fill the slots w1|w3's last wave leaves empty. H200 (session 23, bench_moe graph, three
+// alternations): T = 1 106.2 / 106.7 / 108.7 → 102.6 / 102.5 / 102.4 µs (62 → 65 % of copy); the reduced mini's
+// step unchanged (its MoE at 4 experts is small). Lost in the same call: letting the combine wait per slot for w2's
+// tiles too and prep_kernel under PDL (103.2–103.5 µs, slower by 1), and w1|w3's split forced to 1 (the deep
+// kernel: 107.6–108.3), 2 (102.4–102.9, the same) or deep at 3 (107.8–108.2). Also lost (never committed): the
+// weights by bulk copies (TMA) into a per-warp ring of 2–3 groups of 4 chunks in shared memory, read into
+// registers a group at a time: w1|w3 72 → 92 µs a launch, w2 36 → 43 (eager, T = 1), 102 → 122–130 µs in the
+// graph — the ring's coarse arrival (a warp waits for its whole group) and fewer resident CTAs cost more than the
+// load instructions it saves.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -73,6 +83,10 @@ __global__ void __launch_bounds__(kGemmThreads, MINB) expert_gemm_kernel(const G
   // wait and let this kernel launch (launch.h's rule), so only the activations need the wait: the first weight
   // stages are issued before it, overlapping w1|w3's last wave. Ungrouped (kIds), both GEMMs: the ids come from
   // before prep_kernel, an ordinary launch that began only when they were complete.
+  // Readiness (GemmArgs::ready): w1|w3 lets w2 launch right after its own wait (prep_kernel's zeroes visible),
+  // so w2 starts once every w1|w3 CTA is resident; w2 waits per slot below and keeps the transitive PDL rule by
+  // one CTA's wait at the end (its grid cannot complete before w1|w3 has).
+  const bool ready = kIds && a.ready != nullptr;
   if (!a.w_early) griddep_wait();
   const int n_rg = a.R / kCtaRows;
   const int nj = kIds ? a.n_ids : *a.n_jobs;
@@ -84,7 +98,9 @@ __global__ void __launch_bounds__(kGemmThreads, MINB) expert_gemm_kernel(const G
     return;
   }
   // Consecutive CTAs take the same rows of consecutive jobs (an expert's chunks are adjacent): L2 reuse.
-  const int rg = int(item / nj), job = int(item - int64_t(rg) * nj);
+  // With readiness, job-major instead: a slot's CTAs adjacent, so the slots finish (and unblock w2) one by one.
+  const int rg = ready ? int(item % n_rg) : int(item / nj);
+  const int job = ready ? int(item / n_rg) : int(item - int64_t(rg) * nj);
   const int e = kIds ? a.ids[job] : a.jobs[3 * job];
   const int begin = kIds ? job : a.jobs[3 * job + 1];
   const int count = kIds ? 1 : a.jobs[3 * job + 2];
@@ -205,7 +221,16 @@ __global__ void __launch_bounds__(kGemmThreads, MINB) expert_gemm_kernel(const G
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s)
     if (s < NC) load_w(st[s], s);
-  if (a.w_early) griddep_wait();  // the activations come from the kernel before
+  if (ready && !kGlu) {  // this slot's activations: every w1|w3 tile of it stored (released by its counter)
+    if (threadIdx.x == 0) {
+      while (ld_acquire_gpu(a.ready + job) < a.ready_need) __nanosleep(64);
+      __threadfence();
+    }
+    __syncthreads();
+  } else if (a.w_early) {
+    griddep_wait();  // the activations come from the kernel before
+    if (ready) griddep_launch();
+  }
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s)
     if (s < NC) load_sb(st[s], s);
@@ -225,6 +250,7 @@ __global__ void __launch_bounds__(kGemmThreads, MINB) expert_gemm_kernel(const G
     }
   }
   griddep_launch();
+  if (ready && !kGlu && blockIdx.x == gridDim.x - 1) griddep_wait();  // w1|w3 complete before this grid is
 
   if (S > 1) {  // split K: park this split's partial; the last of the tile's S warps sums them in split order
     const int64_t tid = int64_t(job) * (a.R / ml::kTileRows) + tile;  // (job, 16-row tile)
@@ -287,6 +313,11 @@ __global__ void __launch_bounds__(kGemmThreads, MINB) expert_gemm_kernel(const G
         }
       }
     }
+  }
+  if (ready && kGlu) {  // release this 16-row tile of the slot to w2
+    __threadfence();
+    __syncwarp();
+    if (lane == 0) atomicAdd(a.ready + job, 1);
   }
 }
 
