@@ -59,6 +59,14 @@
 #                            # there: k3-tiny's long-context stage (bench/gpu/train_long.sh): train from
 #                            # models/k3-tiny on 16K rows, export to $OUT/model, passkey 8K..128K and 1M plus
 #                            # tools/arith through `kestrel serve --device cuda`; TL_DEADLINE (560 s) bounds it
+#   bench/gpu/run.sh suite   # there: the whole GPU suite on every checkpoint it looks for (nano, nano_vl, mini,
+#                            # nano_tp_gpu and the nano draft, made in parallel); log in $OUT/gpu_suite.log, the
+#                            # summary and any failure printed; SUITE_TIMEOUT (400 s) bounds the tests
+#   bench/gpu/run.sh ab ROUNDS "ENV=A ENV2=B" "ENV=C" ... -- CMD [ARGS]
+#                            # there: A/B by environment: CMD (a binary of .gpu-carry/ or any command) under each
+#                            # setting in turn ("" = as is), ROUNDS times, each run headed by its setting; GREP (a
+#                            # pattern) keeps only matching lines; AB_MINI=1 first makes /tmp/kestrel_ckpt/mini (for
+#                            # bench_ops --perf --only model --model /tmp/kestrel_ckpt/mini)
 #   bench/gpu/run.sh soak    # there: issue #24's memory soak (≤ ~3 min): `kestrel serve --device cuda` on
 #                            # SOAK_MODEL (default models/k3-tiny) and `kestrel bench --soak`: SOAK_ROUNDS (10) rounds
 #                            # of SOAK_STREAMS (1000) concurrent streams, 30 % of the clients leaving early, the
@@ -81,6 +89,20 @@ unpack() {
     .gpu-carry/pkg.tar.xz .gpu-carry
   if [ -d .gpu-carry/pkg ]; then mv .gpu-carry/pkg/* .gpu-carry/ && rmdir .gpu-carry/pkg; fi
   export LD_LIBRARY_PATH="$PWD/.gpu-carry/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
+}
+
+# When BIN does not find the toolkit's cuBLASLt, put the first copy found (e.g. the nvidia-cublas wheel's) on the path.
+lt_path() {
+  if ! ldd "$1" | grep -q "libcublasLt.so.13 => /"; then
+    d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
+    export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
+  fi
+}
+
+# The reduced mini (4 layers at one TP8 rank's shapes, 4 experts): the step benchmarks' and tests' checkpoint.
+make_mini() {
+  [ -f "$1/config.json" ] || python3 reference/make_checkpoint.py --config mini --out "$1" --seed 1 --fast-experts \
+    --no-vision --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 >/dev/null
 }
 
 # Waits up to 120 s for `kestrel serve` on 127.0.0.1:PORT to answer /health; returns 1 at once if its process PID
@@ -142,11 +164,7 @@ case "${1:-}" in
   test)
     unpack
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-    if ! ldd .gpu-carry/kestrel_gpu_tests | grep -q "libcublasLt.so.13 => /"; then
-      # Fall back to the pip wheel's copy (nvidia-cublas) if the toolkit's is not on the path.
-      d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
-      export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
-    fi
+    lt_path .gpu-carry/kestrel_gpu_tests
     ldd .gpu-carry/kestrel_gpu_tests | grep -E "not found|cublasLt|openblas" || true
     # NCCL is dlopen'ed (src/parallel/nccl_comm.h); point at a copy when the loader path lacks one
     # (PyTorch's wheels ship site-packages/nvidia/nccl/lib/libnccl.so.2).
@@ -609,11 +627,43 @@ case "${1:-}" in
     ;;
   bench)
     unpack
-    if ! ldd .gpu-carry/bench_ops | grep -q "libcublasLt.so.13 => /"; then
-      d="$(dirname "$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")"
-      export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
-    fi
+    lt_path .gpu-carry/bench_ops
     .gpu-carry/bench_ops "${@:2}"
+    ;;
+  suite)
+    out="${OUT:-/tmp}"
+    ck=/tmp/kestrel_ckpt
+    mkdir -p "$ck"
+    mk() { [ -f "$ck/$1/config.json" ] || python3 reference/make_checkpoint.py --out "$ck/$1" "${@:2}" >/dev/null; }
+    mk nano --config nano --seed 1 --no-vision &
+    mk nano_vl --config nano --seed 1 &
+    make_mini "$ck/mini" &
+    mk nano_tp_gpu --config nano --seed 2 --no-vision --override index_n_heads=4 --override moe_intermediate_size=256 &
+    [ -f "$ck/nano-dspark/config.json" ] || python3 reference/make_draft.py --config nano --out "$ck/nano-dspark" --seed 1 >/dev/null &
+    wait
+    export KESTREL_GPU_CKPTS="$ck/nano:$ck/nano_vl:$ck/mini:$ck/nano_tp_gpu" KESTREL_GPU_DSPARK="$ck/nano-dspark"
+    timeout "${SUITE_TIMEOUT:-400}" "$self" test --gtest_brief=1 "${@:2}" > "$out/gpu_suite.log" 2>&1 || echo "suite: exit $?"
+    grep -E "^\[ +(FAILED|PASSED|SKIPPED) +\]|tests? from .* ran|Failure$" "$out/gpu_suite.log" | head -40 || true
+    ;;
+  ab)
+    unpack
+    [ "$#" -ge 4 ] || { echo "usage: $0 ab ROUNDS SETTING... -- CMD [ARGS]" >&2; exit 2; }
+    rounds="$2"
+    shift 2
+    sets=()
+    while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do sets+=("$1"); shift; done
+    [ "$#" -ge 2 ] || { echo "ab: no command after --" >&2; exit 2; }
+    shift
+    cmd=("$@")
+    [ -x ".gpu-carry/${cmd[0]}" ] && cmd[0]=".gpu-carry/${cmd[0]}" && lt_path "${cmd[0]}"
+    [ "${AB_MINI:-0}" = 1 ] && make_mini /tmp/kestrel_ckpt/mini
+    for r in $(seq "$rounds"); do
+      for s in "${sets[@]}"; do
+        echo "== round $r: ${s:-(as is)}"
+        # shellcheck disable=SC2086  # a setting is several VAR=VALUE words
+        env $s "${cmd[@]}" 2>&1 | { if [ -n "${GREP:-}" ]; then grep -E "$GREP" || true; else cat; fi; } || echo "ab: exit $?"
+      done
+    done
     ;;
   bench_mla)
     # MLA attention over paged caches: tensor-core decode/prefill vs the CUDA-core and naive baselines.
@@ -625,7 +675,7 @@ case "${1:-}" in
     .gpu-carry/bench_mla "${@:2}"
     ;;
   *)
-    echo "usage: $0 pack|test|all|serving|tp|structured|vision|decode|kda|eval|perf|soak|train_long|bench|bench_mla|bench_kda" >&2
+    echo "usage: $0 pack|test|suite|ab|all|serving|tp|structured|vision|decode|kda|eval|perf|soak|train_long|bench|bench_mla|bench_kda" >&2
     exit 2
     ;;
 esac
