@@ -179,8 +179,7 @@ case "${1:-}" in
     ck=/tmp/kestrel_ckpt
     mkdir -p "$ck"
     python3 reference/make_checkpoint.py --config nano --out "$ck/nano" --seed 1 --no-vision >/dev/null &
-    python3 reference/make_checkpoint.py --config mini --out "$ck/mini" --seed 1 --fast-experts --no-vision \
-      --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 >/dev/null &
+    make_mini "$ck/mini" &
     # Variants with every expert selected (router top-k = all: no discrete routing choice left).
     python3 reference/make_checkpoint.py --config nano --out "$ck/nano_kall" --seed 1 --no-vision \
       --override num_experts_per_token=16 >/dev/null &
@@ -197,8 +196,7 @@ case "${1:-}" in
     ck=/tmp/kestrel_ckpt
     mkdir -p "$ck"
     [ -f "$ck/nano/config.json" ] || python3 reference/make_checkpoint.py --config nano --out "$ck/nano" --seed 1 --no-vision >/dev/null &
-    [ -f "$ck/mini/config.json" ] || python3 reference/make_checkpoint.py --config mini --out "$ck/mini" --seed 1 --fast-experts --no-vision \
-      --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 >/dev/null &
+    make_mini "$ck/mini" &
     wait
     export KESTREL_GPU_CKPTS="$ck/nano:$ck/mini"
     "$self" test --gtest_filter='GpuServingOps.*:GpuSampling.*:GpuEngine.*:GpuGraphs.*:GpuModel.*' 2>&1 \
@@ -259,8 +257,7 @@ case "${1:-}" in
     [ -f "$ck/nano-dspark/config.json" ] || python3 reference/make_draft.py --config nano --out "$ck/nano-dspark" --seed 1 >/dev/null
     # The reduced mini and its draft are made while the tests run (about a minute: the draft is 2.3 B parameters).
     (
-      [ -f "$ck/mini/config.json" ] || python3 reference/make_checkpoint.py --config mini --out "$ck/mini" --seed 1 \
-        --fast-experts --no-vision --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 >/dev/null
+      make_mini "$ck/mini"
       [ -f "$ck/mini-dspark/config.json" ] || python3 reference/make_draft.py --config mini --out "$ck/mini-dspark" --seed 1 \
         --override vocab_size=8192 --override 'target_layer_ids=[0,1,2,3]' >/dev/null
     ) &
@@ -377,8 +374,7 @@ case "${1:-}" in
     ck=/tmp/kestrel_ckpt
     mkdir -p "$ck"
     [ -f "$ck/nano/config.json" ] || python3 reference/make_checkpoint.py --config nano --out "$ck/nano" --seed 1 --no-vision >/dev/null &
-    [ -f "$ck/mini/config.json" ] || python3 reference/make_checkpoint.py --config mini --out "$ck/mini" --seed 1 --fast-experts --no-vision \
-      --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 >/dev/null &
+    make_mini "$ck/mini" &
     wait
     export KESTREL_GPU_CKPTS="$ck/nano:$ck/mini"
     "$self" test --gtest_filter="${DECODE_TESTS:-GpuDecode.*:GpuFp8.*:GpuGraphs.*:GpuEngine.*:GpuModel.*:GpuOps.*}" 2>&1 \
@@ -495,8 +491,7 @@ case "${1:-}" in
     ck=/tmp/kestrel_ckpt
     unpack
     mkdir -p "$ck"
-    [ -f "$ck/mini/config.json" ] || python3 reference/make_checkpoint.py --config mini --out "$ck/mini" --seed 1 \
-      --fast-experts --no-vision --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 >/dev/null
+    make_mini "$ck/mini"
     ncu_bin="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
     # Launches: the ceilings' few hundred, then prefill + eager steps; 3,000 covers several forwards.
     timeout "${PROFILE_TIMEOUT:-300}" "$ncu_bin" --clock-control none --metrics gpu__time_duration.sum --csv --launch-count "${PROFILE_LAUNCHES:-3000}" \
@@ -518,9 +513,7 @@ case "${1:-}" in
       export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
     fi
     mkdir -p "$ck" "$out/perf"
-    [ -f "$ck/mini/config.json" ] || python3 reference/make_checkpoint.py --config mini --out "$ck/mini" --seed 1 \
-      --fast-experts --no-vision --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 \
-      >/dev/null &
+    make_mini "$ck/mini" &
     ckpt_pid=$!
     if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
