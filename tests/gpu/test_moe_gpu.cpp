@@ -627,12 +627,26 @@ TEST(GpuMoe, CombineWithLatentNormMatchesSeparateNorm) {
     o.norm_w = dnw.p(), o.norm_eps = eps, o.normed = dn2.p();
     cuda::moe_experts_mxfp4(dz.p(), dids.p(), dw.p(), E->dev, c.T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, dws.p(), dut2.p(),
                             nullptr, o);
+    // The normed rows into the left part of wider rows (MoeExpertsOptions::normed_ld: the GPU model's stacked
+    // out-projection input): the same values, the padding columns never written.
+    const int64_t ldn = c.Lt + 64;
+    auto dn3 = poisoned<uint16_t>(size_t(c.T * ldn));
+    o.normed = dn3.p(), o.normed_ld = ldn;
+    cuda::moe_experts_mxfp4(dz.p(), dids.p(), dw.p(), E->dev, c.T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, dws.p(), dut2.p(),
+                            nullptr, o);
     sync();
     const std::string shape = fmt::format("X={} K={} Lt={} T={} {}{}", c.X, c.K, c.Lt, c.T, c.v.name(),
                                           c.bad_id ? " bad id" : "");
-    const auto ut = dut.get(), ut2 = dut2.get(), n1 = dn.get(), n2 = dn2.get();
+    const auto ut = dut.get(), ut2 = dut2.get(), n1 = dn.get(), n2 = dn2.get(), n3 = dn3.get();
     EXPECT_EQ(0, std::memcmp(ut.data(), ut2.data(), ut.size() * 2)) << "u~ differs with the fused norm: " << shape;
     EXPECT_EQ(0, std::memcmp(n1.data(), n2.data(), n1.size() * 2)) << "fused norm != rmsnorm_bf16: " << shape;
+    const uint16_t poison = 0xFFFF;  // poisoned()'s bytes
+    for (int64_t t = 0; t < c.T; ++t) {
+      EXPECT_EQ(0, std::memcmp(n1.data() + t * c.Lt, n3.data() + t * ldn, size_t(c.Lt) * 2))
+          << "row " << t << " with normed_ld " << ldn << ": " << shape;
+      for (int64_t j = c.Lt; j < ldn; ++j)
+        ASSERT_EQ(n3[size_t(t * ldn + j)], poison) << "padding written at row " << t << ": " << shape;
+    }
     std::vector<uint16_t> ref(size_t(c.T * c.Lt)), nref(ref.size());
     cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), c.T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, ref.data());
     cpu::rmsnorm_bf16(ref.data(), nw.data(), nref.data(), c.T, c.Lt, eps);

@@ -111,7 +111,9 @@ struct MoeExpertsOptions {
   // bit-identical to rmsnorm_bf16 on ũ (MODEL.md §3.6 step 5 in the same launch); ũ is still written.
   const uint16_t* norm_w = nullptr;  // bf16 [Lt]
   float norm_eps = 0.0f;
-  uint16_t* normed = nullptr;  // bf16 [T, Lt]
+  uint16_t* normed = nullptr;  // bf16 [T, Lt], row stride normed_ld
+  int64_t normed_ld = 0;       // elements between normed's rows (0: Lt); a multiple of 8, at least Lt — the GPU
+                               // model writes the rows into the left part of the MoE out-projection's input
 };
 
 // Device scratch for moe_experts_mxfp4, in bytes (256-byte aligned pieces).

@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const uint16
                                                                     const int32_t* __restrict__ ids, int K, int X,
                                                                     int Lt, const uint16_t* __restrict__ nw,
                                                                     float eps, uint16_t* __restrict__ ut,
-                                                                    uint16_t* __restrict__ normed) {
+                                                                    uint16_t* __restrict__ normed, int64_t ldn) {
   __shared__ float scratch[32];
   griddep_wait();  // y comes from the w2 GEMM
   griddep_launch();
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const uint16
     dev::unpack8(dev::ld16(nw + 8 * v), g);
 #pragma unroll
     for (int i = 0; i < 8; ++i) f[i] = g[i] * dev::round_bf16(f[i] * r);
-    *reinterpret_cast<uint4*>(normed + t * Lt + 8 * v) = dev::pack8(f);
+    *reinterpret_cast<uint4*>(normed + t * ldn + 8 * v) = dev::pack8(f);
   }
 }
 
@@ -505,11 +505,14 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
     mark(opt, 3, stream);
   }
   if (opt.norm_w) {
-    KCUDA_REQUIRE(opt.normed && aligned(opt.normed, 16) && aligned(opt.norm_w, 16) && T < (int64_t(1) << 31),
-                  std::string("moe_experts_mxfp4: the fused latent norm needs 16-byte aligned norm_w and normed"));
+    const int64_t ldn = opt.normed_ld ? opt.normed_ld : Lt;
+    KCUDA_REQUIRE(opt.normed && aligned(opt.normed, 16) && aligned(opt.norm_w, 16) && T < (int64_t(1) << 31) &&
+                      ldn >= Lt && ldn % 8 == 0,
+                  "moe_experts_mxfp4: the fused latent norm needs 16-byte aligned norm_w and normed rows (normed_ld " +
+                      std::to_string(ldn) + ")");
     moe_detail::launch(combine_norm_kernel, dim3(unsigned(T)), dim3(kNormThreads), 0, stream, pdl,
                        static_cast<const uint16_t*>(y), weights, ids, int(K), int(X), int(Lt), opt.norm_w,
-                       opt.norm_eps, ut, opt.normed);
+                       opt.norm_eps, ut, opt.normed, ldn);
     mark(opt, 4, stream);
     return;
   }

@@ -3,7 +3,11 @@
 // first half), z = Lin(routed_expert_down_proj)(x) (step 2) and, in BF16, the FP32 router logits (step 1).
 // The router and the expert selection run over all rows at once; the routed experts stay MXFP4
 // (kernels/cuda/moe.h); on one rank step 5's norm runs in their combine launch (MoeExpertsOptions::norm_w,
-// bit-identical to the separate rmsnorm); step 7's sum is the epilogue of the latent up-projection.
+// bit-identical to the separate rmsnorm). Steps 5–7 with BF16 weights and shared experts: one GEMM over
+// [RMSNorm(ũ) | a_sh] with latent up and shared down side by side along K (weights.h MoeWeightsDev::out_proj;
+// the combine writes the normed rows and the shared GEMM's epilogue a_sh straight into that input row), one
+// launch fewer per layer than the shared down-projection plus the latent up-projection with step 7's add in
+// its epilogue (the path for FP8 weights, KESTREL_MOE_STACK_OUT=0, or no shared experts).
 //
 // Tensor parallelism (docs/parallel.md §3, "The latent MoE needs three collectives"; CPU twin:
 // model/moe_split.cpp): the rank holds X/N router rows, Lt/N latent-down rows, I/N of every expert's
@@ -36,11 +40,17 @@ void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in, c
                 I = w.I, Is = w.Is, Xl = w.Xl, Ll = w.Ll;  // I, Is, Xl, Ll: this rank's (all of them on one rank)
   float* r = x.tmp<float>(T * Xl);                        // f32 [T, Xl]: router logits (this rank's experts)
   u16* z = x.tmp<u16>(T * Ll);                            // bf16 [T, Ll]: this rank's slice of z
-  u16* a_sh = w.has_shared ? x.tmp<u16>(T * Is) : nullptr;  // bf16 [T, Is]: the shared experts' SiTU-GLU
+  // Stacked out-projection (w.out_proj): its input row is [RMSNorm(ũ), this rank's Ll columns | a_sh].
+  const bool stacked = w.out_proj.N > 0;
+  const int64_t ldo = Ll + Is;
+  u16* oin = stacked ? x.tmp<u16>(T * ldo) : nullptr;  // bf16 [T, Ll + Is]
+  // bf16 [T, Is], row stride ld_sh: the shared experts' SiTU-GLU
+  u16* a_sh = !w.has_shared ? nullptr : stacked ? oin + Ll : x.tmp<u16>(T * Is);
+  const int64_t ld_sh = stacked ? ldo : Is;
   {
     cuda::GemmSegs sg;
     sg.glu_beta = c.situ_beta, sg.glu_linear_beta = c.situ_linear_beta;
-    if (w.has_shared) sg.seg[sg.n++] = seg_glu(0, a_sh, Is);
+    if (w.has_shared) sg.seg[sg.n++] = seg_glu(0, a_sh, ld_sh);
     sg.seg[sg.n++] = seg_bf16(w.off_down, z, Ll);
     if (w.off_router >= 0) sg.seg[sg.n++] = seg_f32(w.off_router, r, Xl);
     linear(x, w.in_proj, in, D, T, sg, in8);
@@ -76,10 +86,14 @@ void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in, c
   void* ws = x.tmp<char>(int64_t(cuda::moe_experts_workspace_bytes(T, w.Xe, K, Lt, I)));
   cuda::MoeExpertsOptions eo;
   eo.lt = &x.lt;  // prefill sizes: dequantise + cuBLASLt (moe.h MoeTokenTile::dense)
-  // Step 5's norm in the combine launch (bit-identical to the separate rmsnorm) when ũ is whole on this rank.
-  u16* un = c.latent_moe_use_norm ? x.tmp<u16>(T * Lt) : nullptr;  // bf16 [T, Lt]
+  // Step 5's norm in the combine launch (bit-identical to the separate rmsnorm) when ũ is whole on this rank;
+  // stacked, on one rank it writes straight into the out-projection's input.
+  const bool norm_into_oin = stacked && !x.split() && c.latent_moe_use_norm;
+  u16* un = !c.latent_moe_use_norm ? nullptr : norm_into_oin ? oin : x.tmp<u16>(T * Lt);  // bf16 [T, Lt], ld_un
+  const int64_t ld_un = norm_into_oin ? ldo : Lt;
   const bool norm_in_combine = un && !x.split() && x.fused() && x.opt.combine_norm;
-  if (norm_in_combine) eo.norm_w = w.latent_norm, eo.norm_eps = c.rms_norm_eps, eo.normed = un;
+  if (norm_in_combine)
+    eo.norm_w = w.latent_norm, eo.norm_eps = c.rms_norm_eps, eo.normed = un, eo.normed_ld = ld_un;
   cuda::moe_experts_mxfp4(z, eids, wts, w.experts, T, w.Xe, K, Lt, I, c.situ_beta, c.situ_linear_beta, ws, ut,
                           x.stream, eo);
   // Under TP each rank's ũ is partial: its I/N slice of every selected expert, or (EP) its own experts' whole
@@ -89,8 +103,21 @@ void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in, c
   // Step 5: routed = Lin(routed_expert_up_proj)(RMSNorm_{routed_expert_norm}(ũ)).
   const u16* lin = ut;
   if (un) {
-    if (!norm_in_combine) cuda::rmsnorm_bf16(ut, Lt, w.latent_norm, un, Lt, T, Lt, c.rms_norm_eps, x.stream);
+    if (!norm_in_combine) cuda::rmsnorm_bf16(ut, Lt, w.latent_norm, un, ld_un, T, Lt, c.rms_norm_eps, x.stream);
     lin = un;
+  }
+  if (stacked) {
+    // Steps 5–7 in one GEMM: out = bf16(RMSNorm(ũ)·W_upᵀ + a_sh·W_downᵀ), one FP32 sum (the unstacked path
+    // below rounds the shared part to BF16 before adding it; the spec rounds both: within a BF16 rounding).
+    if (lin != oin) {  // under TP the rank's Ll columns (or, without the norm, ũ itself) into the left part
+      const u16* src = lin + (x.split() ? int64_t(x.tp.rank) * Ll : 0);
+      KCUDA_CHECK(cudaMemcpy2DAsync(oin, size_t(ldo) * 2, src, size_t(Lt) * 2, size_t(Ll) * 2, size_t(T),
+                                    cudaMemcpyDeviceToDevice, x.stream));
+    }
+    linear(x, w.out_proj, oin, ldo, T, out, D);
+    tp_all_reduce(x, out, T * D);  // under TP: routed + shared partial sums
+    x.mark("moe.up+shared");
+    return;
   }
   if (x.split()) {  // the up-projection's column slice reads this rank's Lt/N columns (made contiguous)
     u16* mine = x.tmp<u16>(T * Ll);  // bf16 [T, Ll]

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <utility>
@@ -108,6 +109,29 @@ class Uploader {
     return d;
   }
   LinearDev linear(const TensorView& v, bool quantise = true) { return linear({Part{&v}}, quantise); }
+  // [a | b]: two BF16 matrices with the same rows side by side along K (row n = a's row n, then b's), one GEMM
+  // for x_a·aᵀ + x_b·bᵀ over the input [x_a | x_b]. BF16 only (a quantised row's scale would span both).
+  LinearDev linear_kcat(const TensorView& a, const TensorView& b) {
+    KCHECK(!fp8_, "linear_kcat: BF16 weights only");
+    KCHECK(a.is_contiguous() && b.is_contiguous(), "upload: a strided view (pack it first, model::pack_strided)");
+    KCHECK(a.dtype == DType::bf16 && b.dtype == DType::bf16 && a.shape.rank == 2 && b.shape.rank == 2 &&
+               a.shape[0] == b.shape[0],
+           "side-by-side weights must be bf16 [N, ·] with the same N");
+    const int64_t N = a.shape[0], Ka = a.shape[1], Kb = b.shape[1], K = Ka + Kb;
+    std::vector<uint16_t> host(size_t(N * K));
+    const auto* pa = static_cast<const uint16_t*>(a.data);
+    const auto* pb = static_cast<const uint16_t*>(b.data);
+    for (int64_t n = 0; n < N; ++n) {
+      std::memcpy(host.data() + n * K, pa + n * Ka, size_t(Ka) * 2);
+      std::memcpy(host.data() + n * K + Ka, pb + n * Kb, size_t(Kb) * 2);
+    }
+    LinearDev d;
+    d.N = N, d.K = K;
+    void* p = arena_.alloc(host.size() * 2);
+    KCUDA_CHECK(cudaMemcpy(p, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
+    d.w = static_cast<const u16*>(p);
+    return d;
+  }
   MlpWeightsDev mlp(const MlpWeights& m) {
     MlpWeightsDev d;
     d.gate_up = linear({Part{&m.gate_proj, &m.up_proj}});
@@ -172,7 +196,6 @@ MoeWeightsDev upload_moe(Uploader& up, const TextConfig& tc, const MoeWeights& m
     in.push_back(Part{&m.shared.gate_proj, &m.shared.up_proj});
     r = 2 * m.shared.gate_proj.shape[0];
     d.Is = m.shared.gate_proj.shape[0];
-    d.shared_down = up.linear(m.shared.down_proj);
   }
   d.off_down = r;
   in.push_back(Part{&m.latent_down});
@@ -182,7 +205,18 @@ MoeWeightsDev upload_moe(Uploader& up, const TextConfig& tc, const MoeWeights& m
   if (up.fp8()) d.router = up.linear(m.router, false);
   d.router_bias = up.f32(m.router_bias);
   d.latent_norm = up.bf16(m.latent_norm);
-  d.latent_up = up.linear(m.latent_up);
+  // BF16 with shared experts: latent up | shared down side by side (MoeWeightsDev::out_proj), unless
+  // KESTREL_MOE_STACK_OUT=0 (A/B: the two GEMMs and the add epilogue, as before).
+  static const bool stack_out = [] {
+    const char* e = std::getenv("KESTREL_MOE_STACK_OUT");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  if (m.has_shared && !up.fp8() && stack_out) {
+    d.out_proj = up.linear_kcat(m.latent_up, m.shared.down_proj);
+  } else {
+    d.latent_up = up.linear(m.latent_up);
+    if (m.has_shared) d.shared_down = up.linear(m.shared.down_proj);
+  }
   d.Xl = m.router.shape[0];
   d.Ll = m.latent_down.shape[0];
   // Experts repacked once into the tensor-core layout of kernels/cuda/moe_layout.h (the same bytes, permuted).

@@ -5,7 +5,8 @@
 // Packing done at upload: projections that read the same input are stacked row-wise into one matrix
 // (linear.h), so a decode step reads each layer's input-side weights in one launch: KDA q|k|v|g|f_a|b,
 // MLA q_a|kv_a|wk|g_proj|weights_proj and q_b|wq_b, MoE shared gate|up|latent_down|router; gate|up pairs are
-// interleaved by 8 rows so the SiTU-GLU runs in the GEMM's epilogue. The three conv kernels are stacked so
+// interleaved by 8 rows so the SiTU-GLU runs in the GEMM's epilogue. The MoE's two output-side matrices (latent
+// up, shared down: same output rows, different inputs) sit side by side along K instead (MoeWeightsDev::out_proj). The three conv kernels are stacked so
 // the conv is one launch over q|k|v; routed experts stay MXFP4, each layer's X experts repacked by cuda::pack_experts_mxfp4 into the tensor-core
 // fragment order moe_experts_mxfp4 reads (kernels/cuda/moe_layout.h: the same bytes, permuted).
 // Tied embeddings: lm_head points at embed.
@@ -63,7 +64,7 @@ struct MoeWeightsDev {
   LinearDev router;        // [X, D] on its own (ptpc-fp8); N = 0 otherwise
   const float* router_bias;  // f32 [X] (under TP: gathered over the ranks at attach, cuda_model.cpp)
   const u16* latent_norm;  // bf16 [Lt] (likewise)
-  LinearDev latent_up;     // [D, Lt] (under TP: [D, Lt/N], the rank's columns)
+  LinearDev latent_up;     // [D, Lt] (under TP: [D, Lt/N], the rank's columns); N = 0 when out_proj holds it
   int64_t I = 0;           // the experts' intermediate width on this rank (I, or I/N under TP; I under EP)
   int64_t Xl = 0, Ll = 0;  // router rows and latent-down rows on this rank (X and Lt on one rank)
   // The experts `experts` holds: global ids [x_lo, x_lo + Xe) — all X (x_lo = 0) on one rank and under the
@@ -71,8 +72,11 @@ struct MoeWeightsDev {
   int64_t x_lo = 0, Xe = 0;
   cuda::MoeExpertWeights experts;
   bool has_shared;
-  LinearDev shared_down;   // [D, Is]
+  LinearDev shared_down;   // [D, Is]; N = 0 when out_proj holds it
   int64_t Is = 0;
+  // BF16 with shared experts: [latent_up | shared_down] side by side, [D, Ll + Is] — steps 5's up-projection,
+  // 6's down-projection and 7's sum in one GEMM over [RMSNorm(ũ) | a_sh] (moe.cpp). N = 0 otherwise.
+  LinearDev out_proj;
 };
 
 struct LayerWeightsDev {
