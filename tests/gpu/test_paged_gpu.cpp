@@ -13,6 +13,7 @@
 #include "kernels/cpu/mla_ops.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/norm.h"
 #include "kernels/cuda/paged.h"
 #include "model/cache_view.h"
 
@@ -161,6 +162,88 @@ TEST(GpuPaged, WritesBitExact) {
         const auto got_lat32 = dlat32.get(), got_key32 = dkey32.get();
         check_exact("paged_write_latent i32 slots", shape, got_lat32.data(), lat_cpu.data(), lat_cpu.size());
         check_exact("paged_write_keys i32 slots", shape, got_key32.data(), key_cpu.data(), key_cpu.size());
+      }
+    }
+  }
+}
+
+// MLA's norms and cache writes in one launch (mla_norms_and_writes) against the separate launches it replaces
+// (rmsnorm_bf16 twice, paged_write_latent, indexer_key_norm, paged_write_keys): the same normalised rows and the
+// same arena bytes, for every format, with and without an indexer, skipped rows (slot −1) included.
+TEST(GpuPaged, MlaNormsAndWritesMatchSeparateLaunches) {
+  need_gpu();
+  Rng rng(52);
+  struct Shape {
+    cpu::MlaDims d;
+    int64_t Q, Di;
+    int P;
+    const char* what;
+  };
+  for (const Shape& sh : {Shape{kNano, 96, 32, 16, "nano P=16"}, Shape{kMini, 1536, 128, 128, "mini"},
+                          Shape{kNano, 64, 0, 128, "nano, no indexer"}}) {
+    for (LatentFormat lf : {LatentFormat::bf16, LatentFormat::fp8}) {
+      for (IndexKeyFormat kf : {IndexKeyFormat::fp8, IndexKeyFormat::mxfp4, IndexKeyFormat::bf16}) {
+        const auto& d = sh.d;
+        const int64_t CW = d.cw(), Q = sh.Q, Di = sh.Di;
+        const Pages pg(sh.P, {3, 70}, rng);
+        const cuda::PagedMlaCache shape_only = gpu_cache(d, Di, lf, kf, sh.P, nullptr, nullptr, nullptr, 0);
+        const auto lat0 = rand_u8(size_t(pg.n_pages * sh.P * shape_only.latent_token_bytes()), rng, 0, 255);
+        const auto key0 = rand_u8(size_t(pg.n_pages * sh.P * std::max<int64_t>(1, shape_only.key_token_bytes())),
+                                  rng, 0, 255);
+        const int64_t T = 73;
+        std::vector<int32_t> slots;
+        for (size_t b = 0; b < pg.lens.size(); ++b)
+          for (int64_t pos = 0; pos < pg.lens[b]; ++pos)
+            slots.push_back(slots.size() % 11 == 7 ? -1 : int32_t(pg.slot(b, pos)));
+        const auto qa = rand_rows(T, Q, rng), rows = rand_rows(T, CW, rng);
+        const auto kraw = Di ? rand_rows(T, Di, rng) : std::vector<uint16_t>{};
+        auto dqa = upload(qa);
+        auto dqw = upload(rand_bf16(size_t(Q), rng, 0.5f, 1.5f));
+        auto dkvw = upload(rand_bf16(size_t(d.C), rng, 0.5f, 1.5f));
+        auto dkw = upload(rand_bf16(size_t(std::max<int64_t>(Di, 1)), rng, 0.5f, 1.5f));
+        auto dkb = upload(rand_bf16(size_t(std::max<int64_t>(Di, 1)), rng, -0.2f, 0.2f));
+        auto dkraw = upload(Di ? kraw : std::vector<uint16_t>(1));
+        auto dslots = upload(slots);
+        const float eps = 1e-6f;
+        // Separate launches.
+        auto lat1 = upload(lat0), key1 = upload(key0);
+        auto rows1 = upload(rows);
+        auto cq1 = poisoned<uint16_t>(size_t(T * Q));
+        auto knew1 = poisoned<uint16_t>(size_t(std::max<int64_t>(T * Di, 1)));
+        const auto c1 = gpu_cache(d, Di, lf, kf, sh.P, lat1.p(), Di ? key1.p() : nullptr, nullptr, 0);
+        cuda::rmsnorm_bf16(dqa.p(), Q, dqw.p(), cq1.p(), Q, T, Q, eps, nullptr);
+        cuda::rmsnorm_bf16(rows1.p(), CW, dkvw.p(), rows1.p(), CW, T, d.C, eps, nullptr);
+        cuda::paged_write_latent(c1, rows1.p(), CW, dslots.p(), T, nullptr);
+        if (Di) {
+          cuda::indexer_key_norm(dkraw.p(), dkw.p(), dkb.p(), T, Di, knew1.p(), nullptr);
+          cuda::paged_write_keys(c1, knew1.p(), Di, dslots.p(), T, nullptr);
+        }
+        // One launch.
+        auto lat2 = upload(lat0), key2 = upload(key0);
+        auto rows2 = upload(rows);
+        auto cq2 = poisoned<uint16_t>(size_t(T * Q));
+        auto knew2 = poisoned<uint16_t>(size_t(std::max<int64_t>(T * Di, 1)));
+        const auto c2 = gpu_cache(d, Di, lf, kf, sh.P, lat2.p(), Di ? key2.p() : nullptr, nullptr, 0);
+        cuda::MlaProjNorms pn;
+        pn.qa = dqa.p(), pn.cq = cq2.p(), pn.q_a_norm = dqw.p(), pn.Q = Q, pn.rows = rows2.p(), pn.kv_a_norm = dkvw.p();
+        if (Di) pn.kraw = dkraw.p(), pn.knew = knew2.p(), pn.k_norm = dkw.p(), pn.k_norm_bias = dkb.p();
+        pn.eps = eps;
+        cuda::mla_norms_and_writes(c2, pn, dslots.p(), T, nullptr);
+        sync();
+        const std::string shape = fmt::format("{} Q={} latent {} keys {}", sh.what, Q, lname(lf), kname(kf));
+        EXPECT_EQ(cq2.get(), cq1.get()) << "c_q: " << shape;
+        EXPECT_EQ(rows2.get(), rows1.get()) << "normalised [c | k_pe]: " << shape;
+        EXPECT_NE(rows1.get(), rows) << "the norm changed nothing: " << shape;
+        const auto got_lat = lat2.get(), want_lat = lat1.get();
+        check_exact("mla_norms_and_writes latent arena", shape, got_lat.data(), want_lat.data(), want_lat.size());
+        const auto got_key = key2.get(), want_key = key1.get();
+        check_exact("mla_norms_and_writes key arena", shape, got_key.data(), want_key.data(), want_key.size());
+        if (Di) {
+          EXPECT_EQ(knew2.get(), knew1.get()) << "indexer keys: " << shape;
+        } else {
+          EXPECT_EQ(got_key, key0) << "no indexer, but the key arena changed: " << shape;
+          break;  // the key format does not matter without an indexer
+        }
       }
     }
   }

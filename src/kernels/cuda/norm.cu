@@ -11,6 +11,7 @@
 #include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/norm.h"
+#include "kernels/cuda/norm_rows.cuh"
 #include "kernels/cuda/quant.cuh"
 
 namespace kestrel::cuda {
@@ -25,26 +26,7 @@ __global__ void __launch_bounds__(kThreads) rmsnorm_kernel(const uint16_t* x, in
   __shared__ float scratch[32];
   dev::pdl_trigger();
   dev::pdl_wait();
-  const uint16_t* xr = x + int64_t(blockIdx.x) * ldx;
-  uint16_t* yr = y + int64_t(blockIdx.x) * ldy;
-  const int nv = n / 8;
-  float ss = 0.0f;
-  for (int v = threadIdx.x; v < nv; v += blockDim.x) {
-    float f[8];
-    dev::unpack8(__ldcg(reinterpret_cast<const uint4*>(xr + 8 * v)), f);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) ss = fmaf(f[i], f[i], ss);
-  }
-  ss = dev::block_sum(ss, scratch);
-  const float r = 1.0f / sqrtf(ss / float(n) + eps);
-  for (int v = threadIdx.x; v < nv; v += blockDim.x) {
-    float f[8], g[8];
-    dev::unpack8(__ldcg(reinterpret_cast<const uint4*>(xr + 8 * v)), f);
-    dev::unpack8(dev::ld16(w + 8 * v), g);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] = g[i] * dev::round_bf16(f[i] * r);
-    *reinterpret_cast<uint4*>(yr + 8 * v) = dev::pack8(f);
-  }
+  rows_dev::rmsnorm_row(x + int64_t(blockIdx.x) * ldx, w, y + int64_t(blockIdx.x) * ldy, n, eps, scratch);
 }
 
 __global__ void __launch_bounds__(kThreads) attn_res_mix_rmsnorm_kernel(
@@ -199,24 +181,7 @@ __global__ void indexer_key_norm_kernel(const uint16_t* __restrict__ kraw, const
                                         const uint16_t* __restrict__ bias, int64_t Di, uint16_t* __restrict__ out) {
   __shared__ double scratch[32];
   const int64_t t = blockIdx.x;
-  const uint16_t* k = kraw + t * Di;
-  double s = 0.0;
-  for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) s += double(dev::bf16_to_f32(k[i]));
-  const double mean = dev::block_sum_d(s, scratch) / double(Di);
-  double v = 0.0;
-  for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) {
-    const double dd = double(dev::bf16_to_f32(k[i])) - mean;
-    v += dd * dd;
-  }
-  const double var = dev::block_sum_d(v, scratch);
-  const float rstd = float(1.0 / sqrt(var / double(Di) + 1e-6));
-  const float meanf = float(mean);
-  for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) {
-    const float b = bias ? dev::bf16_to_f32(bias[i]) : 0.0f;
-    const float xn = __fmul_rn(__fsub_rn(dev::bf16_to_f32(k[i]), meanf), rstd);
-    const float y = __fadd_rn(__fmul_rn(xn, dev::bf16_to_f32(w[i])), b);
-    out[t * Di + i] = dev::f32_to_bf16(y);
-  }
+  rows_dev::key_norm_row(kraw + t * Di, w, bias, Di, out + t * Di, scratch);
 }
 
 }  // namespace
@@ -225,7 +190,7 @@ void indexer_key_norm(const uint16_t* kraw, const uint16_t* w, const uint16_t* b
                       cudaStream_t stream) {
   if (T == 0) return;
   KCUDA_REQUIRE(Di <= 1024, std::string("indexer_key_norm: Di > 1024"));
-  indexer_key_norm_kernel<<<unsigned(T), 128, 0, stream>>>(kraw, w, b, Di, out);
+  indexer_key_norm_kernel<<<unsigned(T), rows_dev::kKeyNormThreads, 0, stream>>>(kraw, w, b, Di, out);
   KCUDA_CHECK_LAUNCH();
 }
 

@@ -8,6 +8,8 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_util.cuh"
+#include "kernels/cuda/launch.h"
+#include "kernels/cuda/norm_rows.cuh"
 #include "kernels/cuda/paged.h"
 #include "kernels/cuda/quant.cuh"
 
@@ -42,15 +44,12 @@ __device__ __forceinline__ float fp8_scale(float amax) {
   return dev::e8m0_to_f32(dev::e8m0_ceil_pow2(m / kFp8Max));
 }
 
-template <typename SlotT>
-__global__ void __launch_bounds__(kWriteThreads)
-    write_latent_kernel(LatentFormat fmt, int C, int R, int64_t tb, const uint16_t* __restrict__ rows,
-                        int64_t ld, const SlotT* __restrict__ slots, uint8_t* __restrict__ arena) {
-  __shared__ float scratch[32];
-  const int64_t t = blockIdx.x, slot = int64_t(slots[t]);
-  if (slot < 0) return;
+// One row into its latent slot (slot ≥ 0). FP8: one value per thread per 128-value group (threads past the
+// first 128 of a larger block add nothing to the group's amax).
+__device__ __forceinline__ void write_latent_row(LatentFormat fmt, int C, int R, int64_t tb,
+                                                 const uint16_t* __restrict__ row, int64_t slot,
+                                                 uint8_t* __restrict__ arena, float* scratch) {
   uint8_t* dst = arena + slot * tb;
-  const uint16_t* row = rows + t * ld;
   if (fmt == LatentFormat::bf16) {
     uint16_t* d16 = reinterpret_cast<uint16_t*>(dst);
     for (int i = threadIdx.x; i < C + R; i += blockDim.x) d16[i] = row[i];
@@ -58,8 +57,8 @@ __global__ void __launch_bounds__(kWriteThreads)
   }
   const int groups = (C + 127) / 128;
   for (int g = 0; g < groups; ++g) {
-    const int i = g * 128 + int(threadIdx.x);  // blockDim = 128: one value per thread
-    const bool in = i < C;
+    const int i = g * 128 + int(threadIdx.x);
+    const bool in = threadIdx.x < 128 && i < C;
     const float x = in ? dev::bf16_to_f32(row[i]) : 0.0f;
     const float amax = block_amax(in ? amax_step(0.0f, x) : 0.0f, scratch);
     const float s = fp8_scale(amax);
@@ -72,15 +71,21 @@ __global__ void __launch_bounds__(kWriteThreads)
 
 template <typename SlotT>
 __global__ void __launch_bounds__(kWriteThreads)
-    write_keys_kernel(IndexKeyFormat fmt, int P, int Di, int64_t tb, const uint16_t* __restrict__ keys, int64_t ld,
-                      const SlotT* __restrict__ slots, uint8_t* __restrict__ arena) {
+    write_latent_kernel(LatentFormat fmt, int C, int R, int64_t tb, const uint16_t* __restrict__ rows,
+                        int64_t ld, const SlotT* __restrict__ slots, uint8_t* __restrict__ arena) {
   __shared__ float scratch[32];
   const int64_t t = blockIdx.x, slot = int64_t(slots[t]);
   if (slot < 0) return;
+  write_latent_row(fmt, C, R, tb, rows + t * ld, slot, arena, scratch);
+}
+
+// One key row into its slot (slot ≥ 0): BF16, FP8 (amax over the whole row) or MXFP4 (a warp per 32-value block).
+__device__ __forceinline__ void write_key_row(IndexKeyFormat fmt, int P, int Di, int64_t tb,
+                                              const uint16_t* __restrict__ key, int64_t slot,
+                                              uint8_t* __restrict__ arena, float* scratch) {
   const int64_t page = slot / P, prow = slot % P, K = index_key_kernel_page(P);
   uint8_t* kpage = arena + page * P * tb + (prow / K) * K * tb;
   const int64_t r = prow % K;
-  const uint16_t* key = keys + t * ld;
   if (fmt == IndexKeyFormat::bf16) {
     uint16_t* d16 = reinterpret_cast<uint16_t*>(kpage + r * tb);
     for (int i = threadIdx.x; i < Di; i += blockDim.x) d16[i] = key[i];
@@ -120,6 +125,16 @@ __global__ void __launch_bounds__(kWriteThreads)
     if ((lane & 1) == 0) vals[b * 16 + lane / 2] = uint8_t(code | (hi << 4));
     if (lane == 0) scales[b] = any_bad ? uint8_t(255) : uint8_t(k + 127);
   }
+}
+
+template <typename SlotT>
+__global__ void __launch_bounds__(kWriteThreads)
+    write_keys_kernel(IndexKeyFormat fmt, int P, int Di, int64_t tb, const uint16_t* __restrict__ keys, int64_t ld,
+                      const SlotT* __restrict__ slots, uint8_t* __restrict__ arena) {
+  __shared__ float scratch[32];
+  const int64_t t = blockIdx.x, slot = int64_t(slots[t]);
+  if (slot < 0) return;
+  write_key_row(fmt, P, Di, tb, keys + t * ld, slot, arena, scratch);
 }
 
 template <typename SlotT>
@@ -171,6 +186,71 @@ void paged_write_keys(const PagedMlaCache& c, const uint16_t* keys, int64_t ld, 
 void paged_write_keys(const PagedMlaCache& c, const uint16_t* keys, int64_t ld, const int32_t* slots, int64_t T,
                       cudaStream_t stream) {
   write_keys(c, keys, ld, slots, T, stream);
+}
+
+// ---- MLA's norms and cache writes after its input projection, one launch --------------------------------------
+namespace {
+
+constexpr int kNormsThreads = 256;  // = norm.cu's kThreads: rmsnorm_row's order of Σx² (bit-identical rows)
+
+// Grid (T, 2 or 3): blockIdx.y = task, blockIdx.x = token; the tasks are independent, so their CTAs run side by side.
+//   0: cq = RMSNorm_{q_a_norm}(qa)
+//   1: ĉ = RMSNorm_{kv_a_norm}(c) in place in rows = [c | k_pe], then the row into its latent slot
+//   2: knew = LayerNorm(kraw) (the indexer's keys), then into its key slot
+__global__ void __launch_bounds__(kNormsThreads) mla_norms_kernel(const PagedMlaCache c, const MlaProjNorms a,
+                                                                  const int32_t* __restrict__ slots, int64_t ltb,
+                                                                  int64_t ktb) {
+  __shared__ float scratch[32];
+  __shared__ double scratch_d[32];
+  dev::pdl_trigger();
+  dev::pdl_wait();  // qa, rows and kraw come from the projection before
+  const int64_t t = blockIdx.x;
+  const int64_t slot = slots[t];
+  const int CW = int(c.C + c.R);
+  switch (blockIdx.y) {
+    case 0:
+      rows_dev::rmsnorm_row(a.qa + t * a.Q, a.q_a_norm, a.cq + t * a.Q, int(a.Q), a.eps, scratch);
+      return;
+    case 1: {
+      uint16_t* row = a.rows + t * CW;
+      rows_dev::rmsnorm_row(row, a.kv_a_norm, row, int(c.C), a.eps, scratch);
+      __syncthreads();  // the block's normalised values, visible to every thread that copies them
+      if (slot >= 0) write_latent_row(c.latent_format, int(c.C), int(c.R), ltb, row, slot, c.latent, scratch);
+      return;
+    }
+    default: {
+      uint16_t* knew = a.knew + t * c.Di;
+      rows_dev::key_norm_row(a.kraw + t * c.Di, a.k_norm, a.k_norm_bias, c.Di, knew, scratch_d);
+      __syncthreads();
+      if (slot >= 0) write_key_row(c.key_format, c.block_size, int(c.Di), ktb, knew, slot, c.keys, scratch);
+      return;
+    }
+  }
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+}  // namespace
+
+void mla_norms_and_writes(const PagedMlaCache& c, const MlaProjNorms& a, const int32_t* slots, int64_t T,
+                          cudaStream_t stream) {
+  KCUDA_REQUIRE(T >= 0 && T < (int64_t(1) << 31), std::string("mla_norms_and_writes: bad T"));
+  if (T == 0) return;
+  const bool indexer = a.kraw != nullptr;
+  KCUDA_REQUIRE(slots && a.qa && a.cq && a.q_a_norm && a.rows && a.kv_a_norm && c.latent && c.block_size > 0 &&
+                    (!indexer || (a.knew && a.k_norm && c.keys)),
+                std::string("mla_norms_and_writes: null pointer"));
+  KCUDA_REQUIRE(a.Q > 0 && a.Q % 8 == 0 && c.C > 0 && c.C % 8 == 0 && c.R >= 0 && c.R % 8 == 0 && a.Q < (1 << 30),
+                "mla_norms_and_writes: bad shape Q=" + std::to_string(a.Q) + " C=" + std::to_string(c.C) +
+                    " R=" + std::to_string(c.R));
+  KCUDA_REQUIRE(!indexer || (c.Di > 0 && c.Di % 8 == 0 && c.Di <= 1024 &&
+                             (c.key_format != IndexKeyFormat::mxfp4 || c.Di % 32 == 0)),
+                "mla_norms_and_writes: bad Di " + std::to_string(c.Di));
+  KCUDA_REQUIRE(aligned16(a.qa) && aligned16(a.cq) && aligned16(a.q_a_norm) && aligned16(a.rows) &&
+                    aligned16(a.kv_a_norm) && ((c.C + c.R) * 2) % 16 == 0,
+                std::string("mla_norms_and_writes: the normalised rows must be 16-byte aligned"));
+  launch_pdl(mla_norms_kernel, dim3(unsigned(T), indexer ? 3u : 2u), dim3(kNormsThreads), 0, stream, c, a, slots,
+             c.latent_token_bytes(), c.key_token_bytes());
 }
 
 }  // namespace kestrel::cuda

@@ -51,6 +51,27 @@ void paged_write_keys(const PagedMlaCache& c, const uint16_t* keys /* bf16 [T, D
 void paged_write_keys(const PagedMlaCache& c, const uint16_t* keys /* bf16 [T, Di], row stride ld */, int64_t ld,
                       const int32_t* slots /* i32 [T] */, int64_t T, cudaStream_t stream);
 
+// MLA's norms and cache writes after its stacked input projection (MODEL.md §3.4 steps 1–2, §3.5 step 2), one
+// launch whose CTAs take the tasks side by side: cq = RMSNorm_{q_a_norm}(qa); ĉ = RMSNorm_{kv_a_norm}(c) in place in
+// rows = [c | k_pe] and the row into its latent slot; with an indexer (kraw non-null) knew = LayerNorm(kraw) and
+// into its key slot. The same values and bytes as rmsnorm_bf16 (twice), paged_write_latent, indexer_key_norm and
+// paged_write_keys one after the other (four or five launches). Rows contiguous; slots as above.
+struct MlaProjNorms {
+  const uint16_t* qa = nullptr;         // bf16 [T, Q]
+  uint16_t* cq = nullptr;               // bf16 [T, Q]
+  const uint16_t* q_a_norm = nullptr;   // bf16 [Q]
+  int64_t Q = 0;
+  uint16_t* rows = nullptr;             // bf16 [T, C+R], normalised in place
+  const uint16_t* kv_a_norm = nullptr;  // bf16 [C]
+  const uint16_t* kraw = nullptr;       // bf16 [T, Di] (null: no indexer)
+  uint16_t* knew = nullptr;             // bf16 [T, Di]
+  const uint16_t* k_norm = nullptr;     // bf16 [Di]
+  const uint16_t* k_norm_bias = nullptr;  // bf16 [Di] or null (bias 0)
+  float eps = 0.0f;                     // the RMSNorms' (the key LayerNorm's is 1e-6)
+};
+void mla_norms_and_writes(const PagedMlaCache& c, const MlaProjNorms& a, const int32_t* slots /* i32 [T] */,
+                          int64_t T, cudaStream_t stream);
+
 // ---- absorbed MLA decode over the paged latent cache ------------------------------------------------------
 // B query rows (one query each; several rows may share a request, e.g. speculative tokens). Row b uses
 // block-table row req[b] (req null: b) and attends to positions 0..lens[b]−1, or (sparse) to sel[b, ..]

@@ -12,7 +12,8 @@
 //
 // Switches (read once per CudaModel from the environment; bench/gpu and the GPU tests use them to show
 // what each change is worth): KESTREL_SKINNY=0 (cuBLASLt for every GEMM), KESTREL_SKINNY_MAX_T (default 16),
-// KESTREL_FUSE=0 (no fused decode kernels: AttnRes, KDA chain, GEMM epilogues), KESTREL_GRAPH_ATTN=0 (the
+// KESTREL_FUSE=0 (no fused decode kernels: AttnRes, KDA chain, GEMM epilogues, MLA's norms), KESTREL_MLA_NORMS=0
+// (MLA's norms and cache writes as five launches), KESTREL_GRAPH_ATTN=0 (the
 // attention stays an eager island between graph segments), KESTREL_PDL=0 (kernels/cuda/launch.h),
 // KESTREL_SPEC_TRACE=launches (DSpark verify rows' KDA position by position, speculative.cpp),
 // KESTREL_SPEC_GRAPHS=0 / KESTREL_SPEC_GRAPH_PAD=1 (DSpark steps in CUDA graphs, graphs.h).
@@ -58,6 +59,9 @@ struct DecodeOptions {
   bool spec_graph_pad = false;
   // The latent MoE's RMSNorm of ũ in the experts' combine launch (moe.cpp; false: KESTREL_COMBINE_NORM=0).
   bool combine_norm = true;
+  // MLA's q_a and kv_a norms, the indexer's key norm and both cache writes in one launch (mla.cpp; false:
+  // KESTREL_MLA_NORMS=0, five launches).
+  bool mla_norms = true;
   static DecodeOptions from_env();
 };
 

@@ -121,7 +121,18 @@ void mla_forward(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchS
   u16* cq = x.tmp<u16>(T * Q);       // bf16 [T, Q]
   u16* q = x.tmp<u16>(T * Hm * QK);  // bf16 [T, Hm·(N+R)]
   u16* qi = w.has_indexer ? x.tmp<u16>(T * Hi * Di) : nullptr;  // bf16 [T, Hi·Di]
-  cuda::rmsnorm_bf16(qa, Q, w.q_a_norm, cq, Q, T, Q, eps, x.stream);
+  u16* knew = w.has_indexer ? x.tmp<u16>(T * Di) : nullptr;  // bf16 [T, Di]: the indexer's new keys
+  // Fused (one launch, before q_proj): this norm, step 2's norm and cache write and §3.5 step 2's below.
+  const bool one_launch = x.fused() && x.opt.mla_norms;
+  if (one_launch) {
+    cuda::MlaProjNorms pn;
+    pn.qa = qa, pn.cq = cq, pn.q_a_norm = w.q_a_norm, pn.Q = Q, pn.rows = rows, pn.kv_a_norm = w.kv_a_norm;
+    if (w.has_indexer) pn.kraw = kraw, pn.knew = knew, pn.k_norm = w.k_norm, pn.k_norm_bias = w.k_norm_bias;
+    pn.eps = eps;
+    cuda::mla_norms_and_writes(cc.mla_view(layer, nullptr, 0), pn, s.d_pool_rows, T, x.stream);
+  } else {
+    cuda::rmsnorm_bf16(qa, Q, w.q_a_norm, cq, Q, T, Q, eps, x.stream);
+  }
   {
     cuda::GemmSegs sg;
     sg.seg[sg.n++] = seg_bf16(0, q, Hm * QK);
@@ -130,14 +141,15 @@ void mla_forward(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchS
   }
   // Step 2: ĉ = RMSNorm(c) in place next to k_pe (each thread of the norm rewrites only what it read), and
   // the new rows go into their pages.
-  cuda::rmsnorm_bf16(rows, CW, w.kv_a_norm, rows, CW, T, C, eps, x.stream);
-  if (cc.formats.latent == LatentFormat::bf16)
-    cuda::copy_rows(rows, nullptr, cc.latent[size_t(layer)], s.d_pool_rows, T, CW * 2, x.stream);
-  else  // quantise on write, byte-identical to MlaCacheView::write_latent
-    cuda::paged_write_latent(cc.mla_view(layer, nullptr, 0), rows, CW, s.d_pool_rows, T, x.stream);
+  if (!one_launch) {
+    cuda::rmsnorm_bf16(rows, CW, w.kv_a_norm, rows, CW, T, C, eps, x.stream);
+    if (cc.formats.latent == LatentFormat::bf16)
+      cuda::copy_rows(rows, nullptr, cc.latent[size_t(layer)], s.d_pool_rows, T, CW * 2, x.stream);
+    else  // quantise on write, byte-identical to MlaCacheView::write_latent
+      cuda::paged_write_latent(cc.mla_view(layer, nullptr, 0), rows, CW, s.d_pool_rows, T, x.stream);
+  }
   // §3.5 step 2: the indexer keys k_I = LayerNorm(Lin(wk)(x)) into their pages.
-  if (w.has_indexer) {
-    u16* knew = x.tmp<u16>(T * Di);  // bf16 [T, Di]
+  if (w.has_indexer && !one_launch) {
     cuda::indexer_key_norm(kraw, w.k_norm, w.k_norm_bias, T, Di, knew, x.stream);
     if (cc.formats.index_keys == IndexKeyFormat::bf16)
       cuda::copy_rows(knew, nullptr, cc.index_k[size_t(layer)], s.d_pool_rows, T, Di * 2, x.stream);
