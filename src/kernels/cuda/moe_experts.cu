@@ -9,7 +9,9 @@
 //      per slot: stream at T ≤ 2, t8 at T = 1, where the top-k slots are distinct experts) runs prep_kernel
 //      instead, which only zeroes them; t8's GEMMs then read the ids (from before prep_kernel) and their first
 //      weight stages before their PDL wait. H200 (session 22, bench_moe, alternated): T = 1 graph 109.3 / 108.2 →
-//      105.7 / 105.9 µs (61 → 62 % of copy); the reduced mini's step unchanged within its noise (±1 µs).
+//      105.7 / 105.9 µs (61 → 62 % of copy); the reduced mini's step unchanged within its noise (±1 µs). Zeroing
+//      them in the router's launch instead, with no prep_kernel, measured within the noise (session 24: prep_kernel
+//      triggers its dependents at once, so w1|w3 already starts with it).
 //   2. w1|w3 with SiTU-GLU fused: a = bf16(SiTU-GLU(bf16 g, bf16 u)) per slot.
 //   3. w2: y = bf16(a·W2ᵀ) per slot. Ungrouped t8: it starts during w1|w3's last wave and each CTA waits only
 //      for its own slot's w1|w3 tiles (per-slot readiness counters, zeroed with the split counters; moe_t8.cu).

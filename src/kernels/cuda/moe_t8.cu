@@ -31,7 +31,8 @@
 // weights by bulk copies (TMA) into a per-warp ring of 2–3 groups of 4 chunks in shared memory, read into
 // registers a group at a time: w1|w3 72 → 92 µs a launch, w2 36 → 43 (eager, T = 1), 102 → 122–130 µs in the
 // graph — the ring's coarse arrival (a warp waits for its whole group) and fewer resident CTAs cost more than the
-// load instructions it saves.
+// load instructions it saves. Lost too (session 24, bench_moe graph at T = 1): w1|w3 with 6 stages (117 registers,
+// 4 CTAs per SM) 106–108 µs against 103–104, and unsplit with 4 stages (1.16 waves, w2 filling the tail) 109.5.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
