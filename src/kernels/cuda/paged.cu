@@ -2,6 +2,8 @@
 // (the same amax, the same power-of-two scale rule, the same integer RNE through kernels/cuda/quant.cuh),
 // so the bytes equal the CPU writer's. amax is a max-reduction, which is exact in any order; NaN inputs
 // are skipped by the comparison `amax < |x|` as in std::max on the CPU.
+// At the end, mla_norms_and_writes: MLA's norms after its input projection and these writes in one launch, the
+// tasks side by side (grid T × 2|3), through the same row functions (write_*_row; norm_rows.cuh).
 // The paged readers are the attention kernels themselves (mla_decode.cu, mla_prefill.cu, mla_decode_simple.cu,
 // indexer.cu).
 #include <string>
