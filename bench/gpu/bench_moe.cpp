@@ -127,6 +127,9 @@ bool make_variant(const std::string& name, Variant& v) {
   v.name = name;
   v.opt = cuda::MoeExpertsOptions{};
   if (name == "auto") return true;
+  if (name == "auto-f32") return v.opt.t8_scales = 0, true;   // t8: FP32 scales in both GEMMs
+  if (name == "auto-fold") return v.opt.t8_scales = 1, true;  // t8: w1|w3 folded, w2 FP32 scales
+  if (name == "auto-raw") return v.opt.t8_scales = 2, true;   // t8: w1|w3 folded, w2's raw decode of h·2^100
   if (name == "t8") return v.opt.tile = MoeTokenTile::t8, true;
   if (name == "t32") return v.opt.tile = MoeTokenTile::t32, true;
   if (name == "stream") return v.opt.tile = MoeTokenTile::stream, true;
@@ -191,7 +194,7 @@ int main(int argc, char** argv) {
       vnames = split(argv[++i]);
     } else {
       fmt::print(stderr,
-                 "usage: bench_moe [--quick] [--perf] [--breakdown] [--batches 1,8,64,256,4096] [--variants auto,t8,t32,"
+                 "usage: bench_moe [--quick] [--perf] [--breakdown] [--batches 1,8,64,256,4096] [--variants auto,auto-f32,auto-fold,auto-raw,t8,t32,"
                  "stream,wide,stream-nopdl,stream-grouped,stream-ungrouped,wide-nopdl,stream-ctasN,t8-nopdl,t8-ksN]\n");
       return 2;
     }

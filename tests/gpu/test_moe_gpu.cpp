@@ -459,6 +459,7 @@ struct MoeVariant {
   int pdl = -1;        // MoeExpertsOptions::pdl
   bool lt = false;     // MoeExpertsOptions::lt given (automatic may take the dense path); always for dense
   int ksplit = 0;      // MoeExpertsOptions::t8_ksplit
+  int scales = -1;     // MoeExpertsOptions::t8_scales
   std::string name() const {
     std::string n = tile_name(tile);
     if (lt && tile != cuda::MoeTokenTile::dense) n += " +cuBLASLt";
@@ -467,6 +468,7 @@ struct MoeVariant {
     if (ctas > 0) n += fmt::format(" {} CTAs", ctas);
     if (pdl == 0) n += " no-PDL";
     if (ksplit > 0) n += fmt::format(" K/{}", ksplit);
+    if (scales >= 0) n += scales == 0 ? " fp32-scales" : scales == 1 ? " folded" : " raw w2";
     return n;
   }
 };
@@ -477,6 +479,7 @@ cuda::MoeExpertsOptions options(const MoeVariant& v) {
   o.stream_ctas = v.ctas;
   o.pdl = v.pdl;
   o.t8_ksplit = v.ksplit;
+  o.t8_scales = v.scales;
   return o;
 }
 
@@ -813,6 +816,44 @@ TEST(GpuMoe, T8KSplitIsDeterministic) {
     const auto first = run_gpu_moe(*E, z, ids, wts, T, K, v);
     for (int rep = 0; rep < 4; ++rep)
       EXPECT_EQ(run_gpu_moe(*E, z, ids, wts, T, K, v), first) << v.name() << " run " << rep + 1;
+  }
+}
+
+// w1|w3 → w2 with h·2^100 and w2's raw decode (moe_t8.cu kScaleFoldH / kScaleRaw): every FP32 partial of w2 is
+// exactly 2^-26 times the FP32-scale kernel's (powers of two commute with the rounding while nothing is
+// subnormal), so the output must be bit-identical to t8_scales = 1 (w1|w3 folded, w2 FP32 scales), whatever the
+// batch (ungrouped T = 1, grouped), the K split and PDL — and within the twin's tolerance. Scale codes up to the
+// fold's 128; below ~2^-100 (codes under ~30) w2's raw sums would turn subnormal 2^26 sooner than the FP32-scale
+// kernel's: outputs that small differ (both are ≈ 0), so those codes are not asked to match here.
+TEST(GpuMoe, T8RawDecodeMatchesFp32Scales) {
+  need_gpu();
+  Rng rng(59);
+  struct Case {
+    int64_t X, K, Lt, I, T;
+    int s_lo, s_hi;
+  };
+  for (const Case c : {Case{16, 4, 256, 128, 1, 100, 128}, Case{16, 4, 256, 128, 7, 100, 128},
+                       Case{64, 8, 512, 256, 40, 100, 128}, Case{32, 16, 3584, 3072, 1, 116, 124},
+                       Case{32, 16, 3584, 3072, 8, 116, 124}}) {
+    const auto E = make_experts(c.X, c.Lt, c.I, rng, c.s_lo, c.s_hi);
+    const auto z = rand_bf16(size_t(c.T * c.Lt), rng, -2.0f, 2.0f);
+    std::vector<int32_t> ids;
+    std::vector<float> wts;
+    make_routing(Routing::random, c.T, c.X, c.K, rng, ids, wts);
+    std::vector<uint16_t> ref(size_t(c.T * c.Lt));
+    cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), c.T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, ref.data());
+    const std::string shape = fmt::format("X={} K={} Lt={} I={} T={} codes {}..{}", c.X, c.K, c.Lt, c.I, c.T, c.s_lo, c.s_hi);
+    for (int ks : {0, 1, 3}) {
+      for (int pdl : {-1, 0}) {
+        const MoeVariant fold{cuda::MoeTokenTile::t8, -1, 0, pdl, false, ks, 1};
+        MoeVariant raw = fold;
+        raw.scales = 2;
+        const auto want = run_gpu_moe(*E, z, ids, wts, c.T, c.K, fold);
+        const auto got = run_gpu_moe(*E, z, ids, wts, c.T, c.K, raw);
+        EXPECT_EQ(got, want) << shape << " " << raw.name();
+        check_moe("moe_experts_mxfp4 " + raw.name(), shape, got, ref);
+      }
+    }
   }
 }
 

@@ -104,6 +104,10 @@ struct MoeExpertsOptions {
   int stream_ctas = 0;   // stream path: CTAs of the persistent grid (tests force other splits); 0: all that fit
   int t8_ksplit = 0;     // t8 path: K split over this many CTAs per 64-row tile (tests, benchmarks; at most the
                          // tile's 64-column chunks and 8); 0: chosen so the last wave is full (moe_experts.cu)
+  int t8_scales = -1;    // t8 path, how the e8m0 scales are applied (moe_t8.cu): 0 FP32 per block in both GEMMs,
+                         // 1 folded into w1|w3's decode (w2 FP32), 2 folded, and w2's raw decode of h·2^100;
+                         // -1: 2 unless KESTREL_MOE_RAW=0 (then 1) or KESTREL_MOE_FOLD=0 (then 0). Codes
+                         // outside [1, 128] always take FP32 scales.
   GemmLt* lt = nullptr;  // cuBLASLt for the dense path (none: dense is never chosen, and forcing it is an error)
   cudaEvent_t* marks = nullptr;  // 5 events recorded before the grouping and after each launch (group,
                                  // w1|w3, w2, combine) for a per-launch breakdown; PDL is off then

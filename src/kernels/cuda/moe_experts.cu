@@ -45,6 +45,7 @@
 //   accumulator per 32-column block, 4 HMMA per decoded word). wide: 2·⌈count/8⌉ HMMA per decoded word, no
 //   scale FMAs, ≈ 2.2 instructions per HMMA; ≈ 73 tokens per expert = 10 n-tiles of 16; predicted 8–11 ms.
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -355,6 +356,16 @@ bool w_early_allowed() {
   return on;
 }
 
+// t8: h handed to w2 as h·2^100 for its raw decode (moe_t8.cu kScaleRaw) unless KESTREL_MOE_RAW=0 (A/B).
+bool t8_raw_allowed() {
+#ifdef KESTREL_MOE_INTEGER_DECODE
+  return false;  // the raw decode relies on BF16 subnormal inputs
+#else
+  static const bool on = !env_is("KESTREL_MOE_RAW", "0");
+  return on;
+#endif
+}
+
 // Ungrouped t8: w2 waits per slot for w1|w3's tiles (GemmArgs::ready) instead of the whole grid, unless
 // KESTREL_MOE_T8_READY=0 (A/B).
 bool t8_ready_allowed() {
@@ -464,6 +475,15 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
     n_zero += int(n);
   }
 
+  // t8: w1|w3 hands w2 h·2^100 for its raw decode (GemmArgs::h_scaled) where the codes allow the fold and
+  // |h| ≤ β·β_lin (SiTU) stays far below BF16's 2^128 / 2^100.
+  const int t8_scales = opt.t8_scales >= 0               ? opt.t8_scales
+                        : env_is("KESTREL_MOE_FOLD", "0") ? 0
+                        : t8_raw_allowed()                ? 2
+                                                          : 1;
+  const bool h_scaled = path == Path::t8 && t8_scales == 2 && !w.special_scales && !w.fp32_scales &&
+                        std::fabs(situ_beta * situ_linear_beta) < 1e6f;
+
   mark(opt, 0, stream);
   if (path == Path::dense) {
     // One job per hit expert (ct = n); the GEMMs on cuBLASLt, y in slot order for the combine below.
@@ -494,6 +514,8 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
                        int(Lt),     act,         situ_beta,   situ_linear_beta,
                        ks13,        ss.partial,  ss.counters};
     ungroup(a13);
+    a13.h_scaled = h_scaled;
+    a13.no_fold = t8_scales == 0;
     run_gemm(path, true, a13, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas13, true, pdl, stream);
     mark(opt, 2, stream);
     GemmArgs a2{act,        I,           1,          grp.order, grp.jobs,
@@ -503,6 +525,7 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
                       ks2,        ss.partial,  ss.counters + c13};
     a2.w_early = path == Path::t8 && w_early_allowed();
     ungroup(a2);
+    a2.h_scaled = h_scaled;
     run_gemm(path, false, a2, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas2, false, pdl, stream);
     mark(opt, 3, stream);
   }

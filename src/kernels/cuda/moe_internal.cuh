@@ -53,6 +53,10 @@ struct GemmArgs {
   // first run beside w1|w3's last wave. Both take the jobs in job-major order then (a slot's CTAs adjacent).
   int32_t* ready = nullptr;
   int ready_need = 0;
+  // t8 only, both GEMMs alike (codes in [1, 128]): w1|w3 writes h·2^100 and w2 reads it with the raw decode
+  // (moe_t8.cu kScaleFoldH / kScaleRaw).
+  bool h_scaled = false;
+  bool no_fold = false;   // FP32 scales even where w1|w3 could fold them (MoeExpertsOptions::t8_scales = 0)
 };
 
 // Fixed-tile GEMM (moe_t8.cu): t8 (ct = 8, the decode path) or t32 (ct = 32); grid = job_bound(n, X, ct) ×

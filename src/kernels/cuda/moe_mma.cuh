@@ -131,6 +131,12 @@ __device__ __forceinline__ void decode_step_unscaled(uint32_t w, uint32_t (&a)[4
 #endif
 }
 
+// The four A registers as decoded, v·2^-126 (moe_t8.cu's kScaleRaw scales the activations instead).
+__device__ __forceinline__ void decode_step_raw(uint32_t w, uint32_t (&a)[4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) a[j] = ml::e2m1_pair_bits(w, j);
+}
+
 // bf16x2 multiplier of byte i of a group scale word (moe_layout.h: byte i = row g + 8·(i & 1), block i >> 1):
 // 2^(e−1) in both halves, exponent field e + 126 (e in [1, 128]: the launcher checks the weights' flag).
 // The integer decode gives v itself, so its multiplier is 2^(e−127) (exponent field e).

@@ -60,7 +60,20 @@ static_assert(kCtaRows == ml::kTileRows * kGemmWarps, "64 output rows per CTA");
 // How a kernel applies the e8m0 scales: per 32-column block to an FP32 partial of two MMAs (acc += 2^(e−127) ·
 // partial; kScaleSpecial also decodes the codes 0 and 255), or folded into the weights' decode (moe_mma.cuh:
 // codes in [1, 128] only, MoeExpertWeights::fp32_scales false) so the MMAs accumulate scaled products directly.
-enum ScaleMode : int { kScaleF32 = 0, kScaleSpecial = 1, kScaleFold = 2 };
+// w1|w3 → w2 with h scaled by 2^100 (GemmArgs::h_scaled; t8 only, codes in [1, 128]): w1|w3 decodes folded
+// and writes h·2^100 (kScaleFoldH; exact in BF16: |h| ≤ β·β_lin), and w2 (kScaleRaw) gives the decode's BF16
+// v·2^-126 to the MMA as it is — no multiply; 0 and ±0.5 are BF16 subnormals, which the tensor cores take
+// exactly — so each of its FP32 block partials is 2^-26 times kScaleF32's, bit for bit (powers of two commute
+// with the rounding while nothing is subnormal: sums above 2^-100, so outputs that are not ≈ 0); the accumulators
+// carry the factor to the epilogue, which takes it off. Saves w2 the 4 HMUL2 per packed word, ~1/4 of its
+// instructions.
+// Measured (H200, session 25, bench_moe, alternated, per launch eager): w2 at T = 1 / 8 / 64 36.0 / 216 /
+// 1,085 µs → 34.1 / 201 / 1,028 (61 → 64, 77 → 83, 77 → 81 % of copy). The same raw decode for w1|w3 (z
+// scaled by 2^100 in the kernel, or once by prep_kernel) was no faster than the fold at T = 1 and 8 (73–75 vs
+// 73.4–73.8, 437–438 vs 437–443 µs) and slower at T = 64 (2,178–2,281 vs 2,144–2,151): not kept.
+enum ScaleMode : int { kScaleF32 = 0, kScaleSpecial = 1, kScaleFold = 2, kScaleFoldH = 3, kScaleRaw = 4 };
+constexpr float kRawUnscale = 67108864.0f;            // 2^26 = 2^126 / 2^100
+constexpr float kRawScaleH = 1.2676506002282294e30f;  // 2^100
 
 // NT n-tiles of 8 tokens per job (CT = 8·NT), STAGES chunks of 64 columns in flight per warp.
 // With a.ksplit = S > 1, CTA b takes K split b % S (chunks [NC·s/S, NC·(s+1)/S)) of item b / S; each warp
@@ -80,6 +93,9 @@ template <bool kGlu, int NT, int STAGES, int kScales, bool kJitB, int MINB = 0, 
 __global__ void __launch_bounds__(kGemmThreads, MINB) expert_gemm_kernel(const GemmArgs a) {
   constexpr int NM = kGlu ? 2 : 1;  // weight matrices per warp
   constexpr int E = NM * NT * 4;    // accumulators per lane
+  constexpr bool kRaw = kScales == kScaleRaw;
+  constexpr bool kFold = kScales == kScaleFold || kScales == kScaleFoldH;
+  static_assert(kGlu ? kScales != kScaleRaw : kScales != kScaleFoldH, "h·2^100 goes from w1|w3 to w2");
   // a.w_early (w2 after w1|w3): the job list is the grouping kernel's, complete before w1|w3 passed its own
   // wait and let this kernel launch (launch.h's rule), so only the activations need the wait: the first weight
   // stages are issued before it, overlapping w1|w3's last wave. Ungrouped (kIds), both GEMMs: the ids come from
@@ -183,7 +199,7 @@ __global__ void __launch_bounds__(kGemmThreads, MINB) expert_gemm_kernel(const G
 #pragma unroll
       for (int b = 0; b < 2; ++b) {  // e8m0 block b of the chunk = k16 steps 2b, 2b+1
         uint32_t a0[4], a1[4];
-        if constexpr (kScales == kScaleFold) {
+        if constexpr (kFold) {
           // Scaled weights straight from the decode (moe_mma.cuh): the MMAs accumulate into acc.
           const uint32_t m_g = b ? scale_mult<2>(S.s[m]) : scale_mult<0>(S.s[m]);
           const uint32_t m_g8 = b ? scale_mult<3>(S.s[m]) : scale_mult<1>(S.s[m]);
@@ -199,8 +215,13 @@ __global__ void __launch_bounds__(kGemmThreads, MINB) expert_gemm_kernel(const G
           constexpr bool kSpecial = kScales == kScaleSpecial;
           const float sc_g = __uint_as_float(ml::e8m0_f32_bits<kSpecial>(S.s[m], 2 * b));
           const float sc_g8 = __uint_as_float(ml::e8m0_f32_bits<kSpecial>(S.s[m], 2 * b + 1));
-          decode_step_unscaled(words[2 * b], a0);
-          decode_step_unscaled(words[2 * b + 1], a1);
+          if constexpr (kRaw) {
+            decode_step_raw(words[2 * b], a0);
+            decode_step_raw(words[2 * b + 1], a1);
+          } else {
+            decode_step_unscaled(words[2 * b], a0);
+            decode_step_unscaled(words[2 * b + 1], a1);
+          }
 #pragma unroll
           for (int q = 0; q < NT; ++q) {
             const uint4 B = Bv[q][b];
@@ -294,6 +315,14 @@ __global__ void __launch_bounds__(kGemmThreads, MINB) expert_gemm_kernel(const G
         for (int i = 0; i < 4; ++i) acc[m][q][i] = sum[m][q][i];
   }
 
+  if constexpr (kRaw) {  // the partials' 2^-26 (exact: a power of two, no subnormal in reach)
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+      for (int q = 0; q < NT; ++q)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[m][q][i] *= kRawUnscale;
+  }
   // Epilogue: C fragment (c0, c1) = row g, tokens 2t, 2t+1; (c2, c3) = row g+8.
   const int row0 = tile * ml::kTileRows + g;
 #pragma unroll
@@ -307,8 +336,9 @@ __global__ void __launch_bounds__(kGemmThreads, MINB) expert_gemm_kernel(const G
       for (int rr = 0; rr < 2; ++rr) {
         const int idx = 2 * rr + i;
         if constexpr (kGlu) {
-          o[row0 + 8 * rr] = dev::f32_to_bf16(
-              situ_glu(dev::round_bf16(acc[0][q][idx]), dev::round_bf16(acc[1][q][idx]), a.beta, a.lbeta));
+          float h = situ_glu(dev::round_bf16(acc[0][q][idx]), dev::round_bf16(acc[1][q][idx]), a.beta, a.lbeta);
+          if constexpr (kScales == kScaleFoldH) h = dev::round_bf16(h) * kRawScaleH;  // exact: w2's raw input
+          o[row0 + 8 * rr] = dev::f32_to_bf16(h);
         } else {
           o[row0 + 8 * rr] = dev::f32_to_bf16(acc[0][q][idx]);
         }
@@ -325,6 +355,13 @@ __global__ void __launch_bounds__(kGemmThreads, MINB) expert_gemm_kernel(const G
 template <bool kGlu, int NT, int STAGES, bool kJitB, int MINB = 0, bool kIds = false>
 void launch_gemm_ids(const GemmArgs& a, int scales, unsigned grid, bool pdl, cudaStream_t stream) {
   auto go = [&](auto kernel) { moe_detail::launch(kernel, dim3(grid), dim3(kGemmThreads), 0, stream, pdl, a); };
+  if constexpr (NT == 1) {
+    if constexpr (kGlu) {
+      if (scales == kScaleFoldH) return go(expert_gemm_kernel<kGlu, NT, STAGES, kScaleFoldH, kJitB, MINB, kIds>);
+    } else {
+      if (scales == kScaleRaw) return go(expert_gemm_kernel<kGlu, NT, STAGES, kScaleRaw, kJitB, MINB, kIds>);
+    }
+  }
   if (scales == kScaleSpecial)
     go(expert_gemm_kernel<kGlu, NT, STAGES, kScaleSpecial, kJitB, MINB, kIds>);
   else if (scales == kScaleFold)
@@ -467,7 +504,12 @@ void launch_gemm(const GemmArgs& a, int ct, bool special, bool fold_ok, int64_t 
   KCUDA_REQUIRE(a.ksplit == 1 || (ct == 8 && a.partial && a.counters), std::string("moe expert GEMM: split scratch"));
   // Folded only for w1|w3: there it measured 5–8 % faster a launch, w2 1–3 % slower (H200, session 15: w1|w3
   // T = 1 / 8 / 64 74.0 → 70.1, 446 → 419, 2,218 → 2,053 µs; w2 47.2 → 48.8, 271 → 281, 1,309 → 1,349).
-  const int scales = special ? kScaleSpecial : kGlu && fold_ok && fold_allowed() ? kScaleFold : kScaleF32;
+  const int scales = special                             ? kScaleSpecial
+                     : a.h_scaled                        ? (kGlu ? kScaleFoldH : kScaleRaw)
+                     : kGlu && fold_ok && !a.no_fold && fold_allowed() ? kScaleFold
+                                                         : kScaleF32;
+  KCUDA_REQUIRE(!a.h_scaled || (ct == 8 && fold_ok && !special),
+                std::string("moe expert GEMM: h·2^100 needs t8 and codes in [1, 128]"));
   if constexpr (kGlu) {
     if (ct == 8 && t8_deep_allowed() && a.C / ml::kChunkCols / a.ksplit >= kT8DeepMinChunks)
       return launch_gemm_nt<true, 1, kT8DeepStages, true>(a, scales, unsigned(grid), pdl, stream);
