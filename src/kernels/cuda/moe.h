@@ -79,7 +79,8 @@ MoeExpertWeights pack_experts_mxfp4(const MoeExpertHost* experts /* [X] */, int6
 //           e8m0 scales folded into the BF16 decode; at T ≤ 2 the tokens are not grouped (one job per slot).
 //   wide    prefill: jobs of up to 128 tokens, 256-thread CTAs of 128/256 weight rows × all the job's tokens.
 //   t8, t32 the first tensor-core kernels (fixed grid, FP32 scale per 32-column block — for w1|w3 folded into
-//           the decode where the codes allow (KESTREL_MOE_FOLD=0: never) — tiles of 8 / 32 tokens): the only ones
+//           the decode where the codes allow (KESTREL_MOE_FOLD=0: never), and t8's w2 then decoding h·2^100
+//           without the multiply (KESTREL_MOE_RAW=0: not) — tiles of 8 / 32 tokens): the only ones
 //           for weights with MoeExpertWeights::fp32_scales (stream/wide fall back to t8/t32).
 // `automatic`: t32 when the slots per possibly-hit expert, T·K / min(X, T·K), reach 16, else t8. Measured on the
 // H200 (2026-12-01): bench_moe --perf (896 × top-16, 3584→3072): t8 127.8 µs at T=1 (16 slots) / 3.15 ms at

@@ -15,14 +15,15 @@
 //   2. w1|w3 with SiTU-GLU fused: a = bf16(SiTU-GLU(bf16 g, bf16 u)) per slot.
 //   3. w2: y = bf16(a·W2ᵀ) per slot. Ungrouped t8: it starts during w1|w3's last wave and each CTA waits only
 //      for its own slot's w1|w3 tiles (per-slot readiness counters, zeroed with the split counters; moe_t8.cu).
-//      H200 (session 23, bench_moe, alternated): T = 1 graph 106.5 → 102.5 µs (62 → 65 % of copy).
+//      H200 (session 23, bench_moe, alternated): T = 1 graph 106.5 → 102.5 µs (62 → 65 % of copy). t8 hands
+//      it h·2^100 and it decodes without the BF16 multiply (GemmArgs::h_scaled; moe_t8.cu kScaleRaw).
 //   4. combine: ũ_t = bf16(Σ_k w_k·y_k) in top-k order, FP32; deterministic (no atomics on values); with
 //      MoeExpertsOptions::norm_w also §3.6 step 5's RMSNorm of ũ (combine_norm_kernel, one CTA per token).
 // Four GEMM families (moe.h MoeTokenTile):
 //   stream (moe_stream.cu), decode: persistent stream-K grid, CT = 8, scales folded into the decode.
 //   wide (moe_wide.cu), prefill: CT = 128, 8-warp CTAs of 128/256 weight rows × all the job's tokens.
-//   t8 / t32 (moe_t8.cu): one CTA = 4 warps = 64 rows for one job, FP32 scale per 32-column block (w1|w3:
-//      folded into the decode where the codes allow): the path for weights whose scales cannot be folded, and
+//   t8 / t32 (moe_t8.cu): one CTA = 4 warps = 64 rows for one job, FP32 scale per 32-column block (where the
+//      codes allow, t8's w1|w3 folds them into the decode and w2 takes h·2^100 raw): the path for weights whose scales cannot be folded, and
 //      (t8) the decode path, its K split over 2–8 CTAs when few jobs would leave its last wave almost empty (the
 //      tile counters and partials below).
 //   dense (moe_dense.cu), large prefill: per hit expert, dequantise to BF16 and two cuBLASLt GEMMs; the one
@@ -39,7 +40,8 @@
 //   while at T = 8 (11 waves) the same kernels stream at 80 / 74 %. stream was meant to fix that but streams
 //   slower per byte (52 % at T = 8, without PDL; not for its ring: moe_stream.cu), so T = 1 splits
 //   t8's K instead (session 12: w1|w3 and w2 × 2; since session 21 w1|w3 × 3 and w2 unsplit at 8 CTAs per SM;
-//   session 22, ungrouped: 106 µs = 62 % of copy in the graph; session 23, w2 per-slot readiness: 102.5 µs = 65 %).
+//   session 22, ungrouped: 106 µs = 62 % of copy in the graph; session 23, w2 per-slot readiness: 102.5 µs = 65 %;
+//   session 25, w2's raw decode: 100.4–101.0 µs = 66 %).
 //   See bench/RESULTS.md.
 //   T = 4096: 4.3 TFLOP (16 slots × 4096 tokens × 3 GEMMs of 3584 × 3072). t32: 26.6 ms (163 TFLOP/s: an FFMA per
 //   accumulator per 32-column block, 4 HMMA per decoded word). wide: 2·⌈count/8⌉ HMMA per decoded word, no
