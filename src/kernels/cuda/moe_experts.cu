@@ -23,9 +23,9 @@
 //   stream (moe_stream.cu), decode: persistent stream-K grid, CT = 8, scales folded into the decode.
 //   wide (moe_wide.cu), prefill: CT = 128, 8-warp CTAs of 128/256 weight rows × all the job's tokens.
 //   t8 / t32 (moe_t8.cu): one CTA = 4 warps = 64 rows for one job, FP32 scale per 32-column block (where the
-//      codes allow, t8's w1|w3 folds them into the decode and w2 takes h·2^100 raw): the path for weights whose scales cannot be folded, and
-//      (t8) the decode path, its K split over 2–8 CTAs when few jobs would leave its last wave almost empty (the
-//      tile counters and partials below).
+//      codes allow, t8's w1|w3 folds them into the decode and w2 takes h·2^100 raw): the path for weights whose
+//      scales cannot be folded, and (t8) the decode path, its K split over 2–8 CTAs when few jobs would leave its
+//      last wave almost empty (the tile counters and partials below).
 //   dense (moe_dense.cu), large prefill: per hit expert, dequantise to BF16 and two cuBLASLt GEMMs; the one
 //      path with a host synchronisation (it reads the job list), so never chosen while a graph is captured.
 // With stream, wide and t8, launches 2–4 use programmatic dependent launch (moe_mma.cuh): each starts its CTAs

@@ -64,13 +64,14 @@ static_assert(kCtaRows == ml::kTileRows * kGemmWarps, "64 output rows per CTA");
 // and writes h·2^100 (kScaleFoldH; exact in BF16: |h| ≤ β·β_lin), and w2 (kScaleRaw) gives the decode's BF16
 // v·2^-126 to the MMA as it is — no multiply; 0 and ±0.5 are BF16 subnormals, which the tensor cores take
 // exactly — so each of its FP32 block partials is 2^-26 times kScaleF32's, bit for bit (powers of two commute
-// with the rounding while nothing is subnormal: sums above 2^-100, so outputs that are not ≈ 0); the accumulators
-// carry the factor to the epilogue, which takes it off. Saves w2 the 4 HMUL2 per packed word, ~1/4 of its
-// instructions.
-// Measured (H200, session 25, bench_moe, alternated, per launch eager): w2 at T = 1 / 8 / 64 36.0 / 216 /
-// 1,085 µs → 34.1 / 201 / 1,028 (61 → 64, 77 → 83, 77 → 81 % of copy). The same raw decode for w1|w3 (z
-// scaled by 2^100 in the kernel, or once by prep_kernel) was no faster than the fold at T = 1 and 8 (73–75 vs
-// 73.4–73.8, 437–438 vs 437–443 µs) and slower at T = 64 (2,178–2,281 vs 2,144–2,151): not kept.
+// with the rounding while nothing is subnormal: sums above 2^-100, so outputs that are not ≈ 0); the
+// accumulators carry the factor to the epilogue, which takes it off. Saves w2 the 4 HMUL2 per packed word,
+// ~1/4 of its instructions.
+// Measured (H200, session 25, bench_moe, alternated): w2 per launch (eager) at T = 1 / 8 36.2 / 208–209 µs →
+// 33.9–34.0 / 195–196 (61 → 65, 80 → 85 % of copy); experts in the graph T = 1 102.5 → 100.4–101.0 µs,
+// T = 64 3,213 → 3,065. The same raw decode for w1|w3 (z scaled by 2^100 in the kernel, or once by
+// prep_kernel) was no faster than the fold at T = 1 and 8 (73–75 vs 73.4–73.8, 437–438 vs 437–443 µs) and
+// slower at T = 64 (2,178–2,281 vs 2,144–2,151): not kept.
 enum ScaleMode : int { kScaleF32 = 0, kScaleSpecial = 1, kScaleFold = 2, kScaleFoldH = 3, kScaleRaw = 4 };
 constexpr float kRawUnscale = 67108864.0f;            // 2^26 = 2^126 / 2^100
 constexpr float kRawScaleH = 1.2676506002282294e30f;  // 2^100
@@ -507,7 +508,7 @@ void launch_gemm(const GemmArgs& a, int ct, bool special, bool fold_ok, int64_t 
   const int scales = special                             ? kScaleSpecial
                      : a.h_scaled                        ? (kGlu ? kScaleFoldH : kScaleRaw)
                      : kGlu && fold_ok && !a.no_fold && fold_allowed() ? kScaleFold
-                                                         : kScaleF32;
+                                                                       : kScaleF32;
   KCUDA_REQUIRE(!a.h_scaled || (ct == 8 && fold_ok && !special),
                 std::string("moe expert GEMM: h·2^100 needs t8 and codes in [1, 128]"));
   if constexpr (kGlu) {
