@@ -71,7 +71,8 @@ static_assert(kCtaRows == ml::kTileRows * kGemmWarps, "64 output rows per CTA");
 // 33.9–34.0 / 195–196 (61 → 65, 80 → 85 % of copy); experts in the graph T = 1 102.5 → 100.4–101.0 µs,
 // T = 64 3,213 → 3,065. The same raw decode for w1|w3 (z scaled by 2^100 in the kernel, or once by
 // prep_kernel) was no faster than the fold at T = 1 and 8 (73–75 vs 73.4–73.8, 437–438 vs 437–443 µs) and
-// slower at T = 64 (2,178–2,281 vs 2,144–2,151): not kept.
+// slower at T = 64 (2,178–2,281 vs 2,144–2,151): not kept. Nor for t32's w2 (NT = 4, prefill): 9 % slower a
+// launch at T = 1,024 / 4,096 (4,431 / 13,284 vs 4,036–4,056 / 12,143–12,155 µs), so h_scaled stays t8's.
 enum ScaleMode : int { kScaleF32 = 0, kScaleSpecial = 1, kScaleFold = 2, kScaleFoldH = 3, kScaleRaw = 4 };
 constexpr float kRawUnscale = 67108864.0f;            // 2^26 = 2^126 / 2^100
 constexpr float kRawScaleH = 1.2676506002282294e30f;  // 2^100
