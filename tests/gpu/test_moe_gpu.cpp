@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -101,10 +102,12 @@ void emulate_mma(float (&d)[32][4], const float (&a)[32][4][2], const float (&b)
 
 // y [T, R] from the kernel-layout bytes, following expert_gemm_kernel step by step for 8-token tiles; with
 // `fold`, the stream/wide kernels instead (moe_mma.cuh): each A register multiplied by the bf16 pair
-// ((e + 126) << 7) of its row's scale byte, the MMAs accumulating straight into one accumulator.
+// ((e + 126) << 7) of its row's scale byte, the MMAs accumulating straight into one accumulator. With `raw`
+// (moe_t8.cu kScaleRaw, FP32 scales): A as decoded (v·2^-126, subnormal for ±0.5), x scaled by 2^100, the
+// accumulators multiplied by 2^26 at the end.
 std::vector<float> emulate_kernel(const std::vector<uint8_t>& kp, const std::vector<uint8_t>& ks, bool special,
                                   const std::vector<float>& x /* [T, C], BF16 values */, int64_t T, int64_t R,
-                                  int64_t C, bool fold = false) {
+                                  int64_t C, bool fold = false, bool raw = false) {
   const int64_t RT = R / 16, NC = C / 64;
   std::vector<float> y(size_t(T * R), std::nanf(""));
   for (int64_t n0 = 0; n0 < T; n0 += 8) {
@@ -123,7 +126,7 @@ std::vector<float> emulate_kernel(const std::vector<uint8_t>& kp, const std::vec
                                uint32_t(lp[4 * s + 3]) << 24;
             for (int j = 0; j < 4; ++j) {
               const uint32_t bits = ml::e2m1_pair_bits(w, j);
-              for (int h = 0; h < 2; ++h) A[s][l][j][h] = bf16_bits_to_f32(bits >> (16 * h)) * 0x1p126f;
+              for (int h = 0; h < 2; ++h) A[s][l][j][h] = bf16_bits_to_f32(bits >> (16 * h)) * (raw ? 1.0f : 0x1p126f);
             }
           }
           // Activations: 16-byte load of block b at column 64c + 32b + 8t; word m = B register m&1 of step 2b + m/2.
@@ -131,7 +134,8 @@ std::vector<float> emulate_kernel(const std::vector<uint8_t>& kp, const std::vec
           for (int b = 0; b < 2; ++b)
             for (int m = 0; m < 4; ++m)
               for (int h = 0; h < 2; ++h)
-                Bv[2 * b + m / 2][l][m % 2][h] = x[size_t(tok * C + 64 * c + 32 * b + 8 * t + 2 * m + h)];
+                Bv[2 * b + m / 2][l][m % 2][h] =
+                    x[size_t(tok * C + 64 * c + 32 * b + 8 * t + 2 * m + h)] * (raw ? 0x1p100f : 1.0f);
           const uint8_t* sp = &ks[size_t((rt * NC + c) * 32 + g * 4)];
           sw[l] = uint32_t(sp[0]) | uint32_t(sp[1]) << 8 | uint32_t(sp[2]) << 16 | uint32_t(sp[3]) << 24;
         }
@@ -169,7 +173,7 @@ std::vector<float> emulate_kernel(const std::vector<uint8_t>& kp, const std::vec
         const int g = l / 4, t = l % 4;
         for (int i = 0; i < 4; ++i) {
           const int64_t n = 2 * t + i % 2;
-          if (n < count) y[size_t((n0 + n) * R + rt * 16 + g + 8 * (i / 2))] = acc[l][i];
+          if (n < count) y[size_t((n0 + n) * R + rt * 16 + g + 8 * (i / 2))] = acc[l][i] * (raw ? 0x1p26f : 1.0f);
         }
       }
     }
@@ -281,6 +285,23 @@ TEST(MoeLayout, EmulatedKernelMatchesCpuTwin) {
                                                                         << got[i] << " vs " << want[i];
       }
     }
+  }
+}
+
+// The raw decode's claim on the host (moe_t8.cu kScaleRaw): with A as decoded and x·2^100, every MMA's FP32 sum is
+// 2^-26 times the FP32-scale kernel's, so after the final 2^26 the outputs are the same bits — for foldable codes
+// [1, 128] over x and sums far from subnormal (codes ≥ 100 here); GpuMoe.RawW2DecodeMatchesFp32Scales checks the
+// tensor cores do the same.
+TEST(MoeLayout, EmulatedRawDecodeMatchesFp32Scales) {
+  Rng rng(9);
+  for (int64_t T : {1, 5, 8, 13}) {
+    Mx m = random_mx(48, 256, rng, 100, 128);
+    const std::vector<float> x = to_f32(rand_bf16(size_t(T * 256), rng, -2.0f, 2.0f));
+    const auto [kp, ks] = pack(m);
+    const auto f32 = emulate_kernel(kp, ks, false, x, T, 48, 256);
+    const auto raw = emulate_kernel(kp, ks, false, x, T, 48, 256, false, true);
+    for (size_t i = 0; i < f32.size(); ++i)
+      ASSERT_EQ(std::bit_cast<uint32_t>(raw[i]), std::bit_cast<uint32_t>(f32[i])) << "T " << T << " at " << i;
   }
 }
 
