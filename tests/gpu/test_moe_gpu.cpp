@@ -290,7 +290,7 @@ TEST(MoeLayout, EmulatedKernelMatchesCpuTwin) {
 
 // The raw decode's claim on the host (moe_t8.cu kScaleRaw): with A as decoded and x·2^100, every MMA's FP32 sum is
 // 2^-26 times the FP32-scale kernel's, so after the final 2^26 the outputs are the same bits — for foldable codes
-// [1, 128] over x and sums far from subnormal (codes ≥ 100 here); GpuMoe.RawW2DecodeMatchesFp32Scales checks the
+// [1, 128] over x and sums far from subnormal (codes ≥ 100 here); GpuMoe.T8RawDecodeMatchesFp32Scales checks the
 // tensor cores do the same.
 TEST(MoeLayout, EmulatedRawDecodeMatchesFp32Scales) {
   Rng rng(9);
