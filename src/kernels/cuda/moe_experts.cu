@@ -358,6 +358,12 @@ bool w_early_allowed() {
   return on;
 }
 
+// w1|w3's scales folded into the decode (GemmArgs::no_fold false) unless KESTREL_MOE_FOLD=0 (A/B).
+bool fold_env_off() {
+  static const bool off = env_is("KESTREL_MOE_FOLD", "0");
+  return off;
+}
+
 // t8: h handed to w2 as h·2^100 for its raw decode (moe_t8.cu kScaleRaw) unless KESTREL_MOE_RAW=0 (A/B).
 bool t8_raw_allowed() {
 #ifdef KESTREL_MOE_INTEGER_DECODE
@@ -480,7 +486,7 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
   // t8: w1|w3 hands w2 h·2^100 for its raw decode (GemmArgs::h_scaled) where the codes allow the fold and
   // |h| ≤ β·β_lin (SiTU) stays far below BF16's 2^128 / 2^100.
   const int t8_scales = opt.t8_scales >= 0               ? opt.t8_scales
-                        : env_is("KESTREL_MOE_FOLD", "0") ? 0
+                        : fold_env_off()                  ? 0
                         : t8_raw_allowed()                ? 2
                                                           : 1;
   const bool h_scaled = path == Path::t8 && t8_scales == 2 && !w.special_scales && !w.fp32_scales &&

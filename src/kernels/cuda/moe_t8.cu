@@ -380,15 +380,6 @@ void launch_gemm_nt(const GemmArgs& a, int scales, unsigned grid, bool pdl, cuda
   launch_gemm_ids<kGlu, NT, STAGES, kJitB, MINB, false>(a, scales, grid, pdl, stream);
 }
 
-// Scales folded into the decode (w1|w3, codes in [1, 128]) unless KESTREL_MOE_FOLD=0 (A/B).
-bool fold_allowed() {
-  static const bool on = [] {
-    const char* e = std::getenv("KESTREL_MOE_FOLD");
-    return !(e && std::strcmp(e, "0") == 0);
-  }();
-  return on;
-}
-
 // The t8 kernel's pipeline for w1|w3: deep (activations just in time, 8 stages) unless KESTREL_MOE_T8_DEEP=0
 // (the 4-stage kernel, below). Measured on the H200 (bench_moe,
 // session 12, per launch): w1|w3 at T = 8 / 64 451 / 2,193 µs deep against 472 / 2,382 (74 / 76 % of copy
@@ -508,8 +499,8 @@ void launch_gemm(const GemmArgs& a, int ct, bool special, bool fold_ok, int64_t 
   // T = 1 / 8 / 64 74.0 → 70.1, 446 → 419, 2,218 → 2,053 µs; w2 47.2 → 48.8, 271 → 281, 1,309 → 1,349).
   const int scales = special                             ? kScaleSpecial
                      : a.h_scaled                        ? (kGlu ? kScaleFoldH : kScaleRaw)
-                     : kGlu && fold_ok && !a.no_fold && fold_allowed() ? kScaleFold
-                                                                       : kScaleF32;
+                     : kGlu && fold_ok && !a.no_fold     ? kScaleFold
+                                                         : kScaleF32;
   KCUDA_REQUIRE(!a.h_scaled || (ct == 8 && fold_ok && !special),
                 std::string("moe expert GEMM: h·2^100 needs t8 and codes in [1, 128]"));
   if constexpr (kGlu) {
