@@ -481,6 +481,8 @@ struct MoeVariant {
   bool lt = false;     // MoeExpertsOptions::lt given (automatic may take the dense path); always for dense
   int ksplit = 0;      // MoeExpertsOptions::t8_ksplit
   int scales = -1;     // MoeExpertsOptions::t8_scales
+  int persist = -1;    // MoeExpertsOptions::t8_persist
+  int p_ctas = 0;      // MoeExpertsOptions::t8p_ctas
   std::string name() const {
     std::string n = tile_name(tile);
     if (lt && tile != cuda::MoeTokenTile::dense) n += " +cuBLASLt";
@@ -490,6 +492,9 @@ struct MoeVariant {
     if (pdl == 0) n += " no-PDL";
     if (ksplit > 0) n += fmt::format(" K/{}", ksplit);
     if (scales >= 0) n += scales == 0 ? " fp32-scales" : scales == 1 ? " folded" : " raw w2";
+    if (persist == 0) n += " fixed-grid";
+    if (persist > 0) n += fmt::format(" persistent{}", persist == 1 ? " w1|w3" : persist == 2 ? " w2" : "");
+    if (p_ctas > 0) n += fmt::format(" ≤{} CTAs/SM", p_ctas);
     return n;
   }
 };
@@ -501,6 +506,9 @@ cuda::MoeExpertsOptions options(const MoeVariant& v) {
   o.pdl = v.pdl;
   o.t8_ksplit = v.ksplit;
   o.t8_scales = v.scales;
+  o.t8_persist = v.persist;
+  o.t8p_ctas = v.p_ctas;
+  o.t8p_split = v.persist > 0 ? v.ksplit : 0;
   return o;
 }
 
@@ -878,6 +886,69 @@ TEST(GpuMoe, T8RawDecodeMatchesFp32Scales) {
   }
 }
 
+// The persistent t8 (moe_t8p.cu; one token, ungrouped): the same tiles and sums as the fixed-grid t8, so for
+// the same K split its output must be bit-identical — whichever GEMMs run persistent, however many units each
+// CTA takes (t8p_ctas: 1 CTA per SM gives every CTA many units, each loaded while the last one finishes), with
+// ids outside [0, X) (expert parallelism: compacted away) — and within the twin's tolerance. Forced splits (the
+// persistent kernel's default is none) that divide both GEMMs' chunks; split 0: each path's own choice.
+TEST(GpuMoe, T8PersistentMatchesFixedGrid) {
+  need_gpu();
+  Rng rng(61);
+  struct Case {
+    int64_t X, K, Lt, I;
+    int bad;                // ids set outside [0, X)
+    std::vector<int> kss;   // K splits both paths can take (the fixed grid's FP32 partials must fit its scratch)
+  };
+  for (const Case& c : {Case{16, 4, 256, 256, 0, {0, 1, 2}}, Case{4, 2, 3584, 3072, 0, {0, 1, 2, 4, 8}},
+                        Case{32, 16, 3584, 3072, 0, {0, 1, 2}}, Case{32, 16, 3584, 3072, 13, {0, 1, 2}},
+                        Case{16, 16, 512, 768, 16, {0, 1}}}) {
+    const int64_t T = 1;
+    const auto E = make_experts(c.X, c.Lt, c.I, rng);
+    const auto z = rand_bf16(size_t(T * c.Lt), rng, -1.0f, 1.0f);
+    std::vector<int32_t> ids;
+    std::vector<float> wts;
+    make_routing(Routing::random, T, c.X, c.K, rng, ids, wts);
+    // The twin takes only valid, distinct ids: an id outside [0, X) (given to the GPU) is an unused one with
+    // weight 0 for it.
+    std::vector<int32_t> gids = ids;
+    for (int b = 0; b < c.bad; ++b) {
+      const size_t i = size_t((b * 5) % c.K);
+      gids[i] = int32_t(c.X + b);
+      wts[i] = 0.0f;
+    }
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (gids[i] == ids[i]) continue;
+      for (int32_t e = 0; e < c.X; ++e) {
+        if (std::find(gids.begin(), gids.end(), e) == gids.end() && std::find(ids.begin(), ids.end(), e) == ids.end()) {
+          ids[i] = e;
+          break;
+        }
+      }
+    }
+    std::vector<uint16_t> ref(size_t(T * c.Lt), 0);  // every slot outside: ũ = 0
+    if (c.bad < c.K)
+      cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, ref.data());
+    const std::string shape = fmt::format("X={} K={} Lt={} I={} T=1, {} ids outside", c.X, c.K, c.Lt, c.I, c.bad);
+    for (int ks : c.kss) {
+      MoeVariant fixed{cuda::MoeTokenTile::t8, -1, 0, -1, false, ks};
+      fixed.persist = 0;
+      const auto want = run_gpu_moe(*E, z, gids, wts, T, c.K, fixed);
+      check_moe("moe_experts_mxfp4 " + fixed.name(), shape, want, ref);
+      for (int persist : {1, 2, 3}) {
+        for (int p_ctas : {0, 1}) {
+          MoeVariant v = fixed;
+          v.persist = persist, v.p_ctas = p_ctas;
+          const auto got = run_gpu_moe(*E, z, gids, wts, T, c.K, v);
+          if (ks > 0) {
+            EXPECT_EQ(got, want) << shape << " " << v.name();
+          }
+          check_moe("moe_experts_mxfp4 " + v.name(), shape, got, ref);
+        }
+      }
+    }
+  }
+}
+
 // Ungrouped t8 at T = 1 under PDL (GemmArgs::ready): w2's CTAs start during w1|w3's last wave and each waits for
 // its own slot's tiles. On a non-blocking stream (PDL on; the tests above run on the legacy stream, where it is
 // off), eager and in a CUDA graph, with the inputs changed every run and the workspace set to NaN before each
@@ -897,50 +968,54 @@ TEST(GpuMoe, T8ReadinessUnderPdlMatchesSerial) {
   auto dnw = upload(rand_bf16(size_t(Lt), rng, 0.5f, 1.5f));
   cudaStream_t stream;
   KCUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cuda::MoeExpertsOptions o;  // automatic: t8 ungrouped at T = 1; the combine with the latent norm (the engine's)
-  o.norm_w = dnw.p(), o.norm_eps = 1e-6f, o.normed = dnormed.p();
-  auto run = [&] {
-    cuda::moe_experts_mxfp4(dz.p(), dids.p(), dw.p(), E->dev, T, X, K, Lt, I, 4.0f, 25.0f, dws.p(), dut.p(), stream, o);
-  };
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  KCUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  run();
-  KCUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  KCUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int rep = 0; rep < 12; ++rep) {
-    const auto z = rand_bf16(size_t(T * Lt), rng, -1.0f, 1.0f);
-    std::vector<int32_t> ids;
-    std::vector<float> wts;
-    make_routing(Routing::random, T, X, K, rng, ids, wts);
-    if (rep % 2) ids[size_t(rep % K)] = int32_t(X + 3);
-    dz.buf.copy_from_host(z.data(), z.size() * 2);
-    dids.buf.copy_from_host(ids.data(), ids.size() * 4);
-    dw.buf.copy_from_host(wts.data(), wts.size() * 4);
-    sync();
-    o.pdl = 0;
+  for (const int persist : {0, 1, 3}) {
+    SCOPED_TRACE(persist == 0 ? "fixed-grid t8" : persist == 1 ? "persistent w1|w3 (the default)" : "both persistent");
+    cuda::MoeExpertsOptions o;  // automatic: t8 ungrouped at T = 1; the combine with the latent norm (the engine's)
+    o.norm_w = dnw.p(), o.norm_eps = 1e-6f, o.normed = dnormed.p();
+    o.t8_persist = persist;
+    auto run = [&] {
+      cuda::moe_experts_mxfp4(dz.p(), dids.p(), dw.p(), E->dev, T, X, K, Lt, I, 4.0f, 25.0f, dws.p(), dut.p(), stream, o);
+    };
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    KCUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
     run();
-    KCUDA_CHECK(cudaStreamSynchronize(stream));
-    const auto serial = dut.get(), serial_normed = dnormed.get();
-    // NaN over the workspace (activations, y): a w2 reading before its slot is ready would not find the right
-    // values left by the serial run. The counters are zeroed by the experts' own first kernel.
-    KCUDA_CHECK(cudaMemsetAsync(dws.p(), 0xff, cuda::moe_experts_workspace_bytes(T, X, K, Lt, I), stream));
-    o.pdl = -1;
-    if (rep % 3 == 2)
-      KCUDA_CHECK(cudaGraphLaunch(exec, stream));
-    else
+    KCUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    KCUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int rep = 0; rep < 12; ++rep) {
+      const auto z = rand_bf16(size_t(T * Lt), rng, -1.0f, 1.0f);
+      std::vector<int32_t> ids;
+      std::vector<float> wts;
+      make_routing(Routing::random, T, X, K, rng, ids, wts);
+      if (rep % 2) ids[size_t(rep % K)] = int32_t(X + 3);
+      dz.buf.copy_from_host(z.data(), z.size() * 2);
+      dids.buf.copy_from_host(ids.data(), ids.size() * 4);
+      dw.buf.copy_from_host(wts.data(), wts.size() * 4);
+      sync();
+      o.pdl = 0;
       run();
-    KCUDA_CHECK(cudaStreamSynchronize(stream));
-    EXPECT_EQ(dut.get(), serial) << "run " << rep << (rep % 3 == 2 ? " (graph)" : " (eager)");
-    EXPECT_EQ(dnormed.get(), serial_normed) << "normed, run " << rep;
-    if (rep == 0) {  // and the serial run itself against the CPU twin
-      std::vector<uint16_t> ref(size_t(T * Lt));
-      cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), T, X, K, Lt, I, 4.0f, 25.0f, ref.data());
-      check_moe("moe_experts_mxfp4 (PDL, readiness)", "real dims T=1", serial, ref);
+      KCUDA_CHECK(cudaStreamSynchronize(stream));
+      const auto serial = dut.get(), serial_normed = dnormed.get();
+      // NaN over the workspace (activations, y): a w2 reading before its slot is ready would not find the right
+      // values left by the serial run. The counters are zeroed by the experts' own first kernel.
+      KCUDA_CHECK(cudaMemsetAsync(dws.p(), 0xff, cuda::moe_experts_workspace_bytes(T, X, K, Lt, I), stream));
+      o.pdl = -1;
+      if (rep % 3 == 2)
+        KCUDA_CHECK(cudaGraphLaunch(exec, stream));
+      else
+        run();
+      KCUDA_CHECK(cudaStreamSynchronize(stream));
+      EXPECT_EQ(dut.get(), serial) << "run " << rep << (rep % 3 == 2 ? " (graph)" : " (eager)");
+      EXPECT_EQ(dnormed.get(), serial_normed) << "normed, run " << rep;
+      if (rep == 0) {  // and the serial run itself against the CPU twin
+        std::vector<uint16_t> ref(size_t(T * Lt));
+        cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), T, X, K, Lt, I, 4.0f, 25.0f, ref.data());
+        check_moe("moe_experts_mxfp4 (PDL, readiness)", "real dims T=1", serial, ref);
+      }
     }
+    KCUDA_CHECK(cudaGraphExecDestroy(exec));
+    KCUDA_CHECK(cudaGraphDestroy(graph));
   }
-  KCUDA_CHECK(cudaGraphExecDestroy(exec));
-  KCUDA_CHECK(cudaGraphDestroy(graph));
   KCUDA_CHECK(cudaStreamDestroy(stream));
 }
 

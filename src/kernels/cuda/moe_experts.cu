@@ -12,7 +12,11 @@
 //      105.7 / 105.9 µs (61 → 62 % of copy); the reduced mini's step unchanged within its noise (±1 µs). Zeroing
 //      them in the router's launch instead, with no prep_kernel, measured within the noise (session 24: prep_kernel
 //      triggers its dependents at once, so w1|w3 already starts with it).
-//   2. w1|w3 with SiTU-GLU fused: a = bf16(SiTU-GLU(bf16 g, bf16 u)) per slot.
+//   2. w1|w3 with SiTU-GLU fused: a = bf16(SiTU-GLU(bf16 g, bf16 u)) per slot. Ungrouped t8 at the real shape:
+//      persistent (moe_t8p.cu: a resident grid, each CTA streaming whole tiles in turn through one pipeline), and
+//      w2 then splits K in 2 to fill the room it leaves. H200 (session 26, bench_moe, alternated): T = 1 graph
+//      100.4–100.5 → 94.0–94.6 µs (65 → 70 % of copy). KESTREL_MOE_T8P=0 (or MoeExpertsOptions::t8_persist = 0):
+//      the fixed grid.
 //   3. w2: y = bf16(a·W2ᵀ) per slot. Ungrouped t8: it starts during w1|w3's last wave and each CTA waits only
 //      for its own slot's w1|w3 tiles (per-slot readiness counters, zeroed with the split counters; moe_t8.cu).
 //      H200 (session 23, bench_moe, alternated): T = 1 graph 106.5 → 102.5 µs (62 → 65 % of copy). t8 hands
@@ -41,7 +45,7 @@
 //   slower per byte (52 % at T = 8, without PDL; not for its ring: moe_stream.cu), so T = 1 splits
 //   t8's K instead (session 12: w1|w3 and w2 × 2; since session 21 w1|w3 × 3 and w2 unsplit at 8 CTAs per SM;
 //   session 22, ungrouped: 106 µs = 62 % of copy in the graph; session 23, w2 per-slot readiness: 102.5 µs = 65 %;
-//   session 25, w2's raw decode: 100.4–101.0 µs = 66 %).
+//   session 25, w2's raw decode: 100.4–101.0 µs = 66 %; session 26, persistent w1|w3: 94.0–94.6 µs = 70 %).
 //   See bench/RESULTS.md.
 //   T = 4096: 4.3 TFLOP (16 slots × 4096 tokens × 3 GEMMs of 3584 × 3072). t32: 26.6 ms (163 TFLOP/s: an FFMA per
 //   accumulator per 32-column block, 4 HMMA per decoded word). wide: 2·⌈count/8⌉ HMMA per decoded word, no
@@ -68,7 +72,6 @@ using moe_detail::StreamArgs;
 
 constexpr int kGroupThreads = 1024;
 constexpr int kMaxGroupExperts = 8192;  // group kernel: two i32 counters per expert in shared memory
-constexpr int kCtaRows = moe_detail::kFixedCtaRows;  // output rows per CTA of the t8 / t32 kernels
 constexpr int kCombineThreads = 256;
 
 // ---- device helpers: moe_mma.cuh ---------------------------------------------------------------------
@@ -381,6 +384,23 @@ bool t8_ready_allowed() {
   return on;
 }
 
+// Ungrouped t8: the GEMMs that run persistent (moe_t8p.cu), bit mask 1 w1|w3, 2 w2: w1|w3 unless KESTREL_MOE_T8P
+// says otherwise (0: neither, for A/B).
+int t8p_env() {
+  static const int v = [] {
+    const char* s = std::getenv("KESTREL_MOE_T8P");
+    return s ? std::atoi(s) & 3 : 1;
+  }();
+  return v;
+}
+int t8p_ctas_env() {
+  static const int v = [] {
+    const char* s = std::getenv("KESTREL_MOE_T8P_CTAS");
+    return s ? std::atoi(s) : 0;
+  }();
+  return v;
+}
+
 bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
 
 void mark(const MoeExpertsOptions& opt, int i, cudaStream_t stream) {
@@ -460,19 +480,14 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
   }
   // Counters to zero: w1|w3's [0, 4·ctas13) and w2's [kMaxStreamWarps, kMaxStreamWarps + 4·ctas2): one range.
   int n_zero = path == Path::stream ? moe_detail::kMaxStreamWarps + moe_detail::kStreamWarps * ctas2 : 0;
-  // t8 with K split (choose_ksplit): w1|w3's tile counters at [0, c13), w2's at [c13, c13 + c2), partials shared
-  // (w2 starts after w1|w3 has finished).
-  int ks13 = 1, ks2 = 1;
-  int64_t c13 = 0;
+  // t8: the K splits and counters (moe_t8.cu plan_t8), the persistent w1|w3 (moe_t8p.cu) where it applies.
+  moe_detail::T8Plan t8;
   if (path == Path::t8) {
-    const int64_t bound = grouped ? ml::job_bound(n, X, 8) : n, cap = 2 * int64_t(moe_detail::kMaxStreamWarps);
-    const int64_t pf = int64_t(moe_detail::kStreamPartialBytes / 4);
-    ks13 = moe_detail::t8_ksplit(opt.t8_ksplit, true, w.special_scales, bound * (I / kCtaRows), Lt, cap, pf,
-                         bound * (I / ml::kTileRows));
-    c13 = ks13 > 1 ? bound * (I / ml::kTileRows) : 0;
-    ks2 = moe_detail::t8_ksplit(opt.t8_ksplit, false, w.special_scales, bound * (Lt / kCtaRows), I, cap - c13, pf,
-                        bound * (Lt / ml::kTileRows));
-    n_zero = int(c13 + (ks2 > 1 ? bound * (Lt / ml::kTileRows) : 0));
+    const int persist = grouped || w.special_scales ? 0 : opt.t8_persist >= 0 ? opt.t8_persist : t8p_env();
+    t8 = moe_detail::plan_t8(grouped, w.special_scales, n, X, Lt, I, opt.t8_ksplit, persist, opt.t8p_split,
+                             opt.t8p_ctas > 0 ? opt.t8p_ctas : t8p_ctas_env(), int64_t(moe_detail::kStreamPartialBytes / 4),
+                             2 * int64_t(moe_detail::kMaxStreamWarps));
+    n_zero = t8.n_zero;
   }
   // Ungrouped t8 with w2's early weights: per-slot readiness counters after the split counters (GemmArgs::ready),
   // zeroed with them.
@@ -520,21 +535,27 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
                        grp.n_jobs,  w.w1_packed, w.w1_scale,  w.w3_packed, w.w3_scale,
                        w.w13_packed_stride,      w.w13_scale_stride,       int(I),
                        int(Lt),     act,         situ_beta,   situ_linear_beta,
-                       ks13,        ss.partial,  ss.counters};
+                       t8.ks13,     ss.partial,  ss.counters};
     ungroup(a13);
     a13.h_scaled = h_scaled;
     a13.no_fold = t8_scales == 0;
-    run_gemm(path, true, a13, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas13, true, pdl, stream);
+    if (t8.pp13.grid > 0)
+      moe_detail::launch_t8p(a13, true, !w.fp32_scales, t8.pp13.grid, pdl, stream);
+    else
+      run_gemm(path, true, a13, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas13, true, pdl, stream);
     mark(opt, 2, stream);
     GemmArgs a2{act,        I,           1,          grp.order, grp.jobs,
                       grp.n_jobs, w.w2_packed, w.w2_scale, nullptr,   nullptr,
                       w.w2_packed_stride,      w.w2_scale_stride,     int(Lt),
                       int(I),     y,           0.0f,       0.0f,
-                      ks2,        ss.partial,  ss.counters + c13};
+                      t8.ks2,     ss.partial + t8.p13,  ss.counters + t8.c13};
     a2.w_early = path == Path::t8 && w_early_allowed();
     ungroup(a2);
     a2.h_scaled = h_scaled;
-    run_gemm(path, false, a2, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas2, false, pdl, stream);
+    if (t8.pp2.grid > 0)
+      moe_detail::launch_t8p(a2, false, !w.fp32_scales, t8.pp2.grid, pdl, stream);
+    else
+      run_gemm(path, false, a2, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas2, false, pdl, stream);
     mark(opt, 3, stream);
   }
   if (opt.norm_w) {

@@ -64,6 +64,10 @@ struct GemmArgs {
 // `fold_ok`: every code is in [1, 128] (not MoeExpertWeights::fp32_scales), so the scales may be folded into
 // the decode.
 inline constexpr int kFixedCtaRows = 64;
+// How a t8/t32 kernel applies the e8m0 scales (moe_t8.cu explains each).
+enum ScaleMode : int { kScaleF32 = 0, kScaleSpecial = 1, kScaleFold = 2, kScaleFoldH = 3, kScaleRaw = 4 };
+inline constexpr float kRawUnscale = 67108864.0f;            // 2^26 = 2^126 / 2^100
+inline constexpr float kRawScaleH = 1.2676506002282294e30f;  // 2^100
 void launch_fixed(const GemmArgs& a, bool glu, int ct, bool special, bool fold_ok, int64_t n, int64_t X, bool pdl,
                   cudaStream_t stream);
 // t8's K split for `base` CTAs over C columns and `tiles` (job, 16-row tile) pairs, given the counters and
@@ -71,6 +75,36 @@ void launch_fixed(const GemmArgs& a, bool glu, int ct, bool special, bool fold_o
 // takes min(forced, C/64, 8).
 int t8_ksplit(int forced, bool glu, bool special, int64_t base, int64_t C, int64_t counters_free,
               int64_t partial_floats, int64_t tiles);
+
+// Persistent t8 for one token (moe_t8p.cu): ungrouped (a.ids, 1..kT8pMaxSlots slots), a grid of at most the
+// resident CTAs, each running one pipeline over its units. t8p_plan picks the K split (dividing C/64; forced
+// if forced_split > 0) and the grid for n slots of R rows (ctas_per_sm > 0 caps the CTAs per SM), given the
+// scratch's partial floats and free counters; grid 0: not applicable.
+inline constexpr int kT8pMaxSlots = 64;
+struct T8pPlan {
+  int split = 0, grid = 0;
+};
+T8pPlan t8p_plan(bool glu, int64_t n, int64_t R, int64_t C, int forced_split, int ctas_per_sm, int64_t partial_floats,
+                 int64_t counters_free);
+// Split partial floats the kernel uses for n slots of R rows at split S (f32 [n·R/16, S, 8, NM, 2]).
+inline int64_t t8p_partial_floats(bool glu, int64_t n, int64_t R, int S) {
+  return S > 1 ? n * (R / 16) * S * 8 * 2 * (glu ? 2 : 1) : 0;
+}
+void launch_t8p(const GemmArgs& a, bool glu, bool fold_ok, int grid, bool pdl, cudaStream_t stream);
+
+// The t8 path's plan for one call (moe_t8.cu plan_t8): K splits of w1|w3 and w2, their tile counters at
+// [0, c13) and [c13, n_zero) of the scratch's counters (n_zero: how many the first kernel zeroes, before the
+// readiness counters), w2's partials after w1|w3's p13 floats (ungrouped: w2 runs beside w1|w3's last tiles;
+// grouped: after it, sharing them, p13 = 0), and the persistent launches (grid > 0) where `persist` (bit mask
+// 1 w1|w3, 2 w2) asks for them and t8p_plan accepts. forced_split / t8p_split: MoeExpertsOptions'.
+struct T8Plan {
+  int ks13 = 1, ks2 = 1;
+  int64_t c13 = 0, p13 = 0;
+  int n_zero = 0;
+  T8pPlan pp13, pp2;
+};
+T8Plan plan_t8(bool grouped, bool special, int64_t n, int64_t X, int64_t Lt, int64_t I, int forced_split, int persist,
+               int t8p_split, int t8p_ctas, int64_t partial_floats, int64_t counters);
 
 // Decode GEMM (moe_stream.cu): the same work as GemmArgs, or, with jobs == nullptr ("ungrouped"), job j =
 // slot j of expert ids[j] (one token; count 0 if the id is outside [0, X)).

@@ -73,9 +73,7 @@ static_assert(kCtaRows == ml::kTileRows * kGemmWarps, "64 output rows per CTA");
 // prep_kernel) was no faster than the fold at T = 1 and 8 (73–75 vs 73.4–73.8, 437–438 vs 437–443 µs) and
 // slower at T = 64 (2,178–2,281 vs 2,144–2,151): not kept. Nor for t32's w2 (NT = 4, prefill): 9 % slower a
 // launch at T = 1,024 / 4,096 (4,431 / 13,284 vs 4,036–4,056 / 12,143–12,155 µs), so h_scaled stays t8's.
-enum ScaleMode : int { kScaleF32 = 0, kScaleSpecial = 1, kScaleFold = 2, kScaleFoldH = 3, kScaleRaw = 4 };
-constexpr float kRawUnscale = 67108864.0f;            // 2^26 = 2^126 / 2^100
-constexpr float kRawScaleH = 1.2676506002282294e30f;  // 2^100
+// (ScaleMode, kRawUnscale, kRawScaleH: moe_internal.cuh, shared with moe_t8p.cu.)
 
 // NT n-tiles of 8 tokens per job (CT = 8·NT), STAGES chunks of 64 columns in flight per warp.
 // With a.ksplit = S > 1, CTA b takes K split b % S (chunks [NC·s/S, NC·(s+1)/S)) of item b / S; each warp
@@ -484,6 +482,33 @@ int t8_ksplit(int forced, bool glu, bool special, int64_t base, int64_t C, int64
     if (fill(best) >= 0.85) break;
   }
   return best;
+}
+
+T8Plan plan_t8(bool grouped, bool special, int64_t n, int64_t X, int64_t Lt, int64_t I, int forced_split, int persist,
+               int t8p_split, int t8p_ctas, int64_t pf, int64_t cap) {
+  T8Plan t;
+  const int64_t bound = grouped ? ml::job_bound(n, X, 8) : n;
+  if (persist & 1) t.pp13 = t8p_plan(true, n, I, Lt, t8p_split, t8p_ctas, pf, cap);
+  if (t.pp13.grid > 0) {
+    t.ks13 = t.pp13.split;
+    t.p13 = t8p_partial_floats(true, n, I, t.ks13);
+  } else {
+    t.ks13 = t8_ksplit(forced_split, true, special, bound * (I / kCtaRows), Lt, cap, pf, bound * (I / ml::kTileRows));
+    t.p13 = t.ks13 > 1 ? bound * (I / ml::kTileRows) * t.ks13 * 32 * 8 : 0;
+  }
+  t.c13 = t.ks13 > 1 ? bound * (I / ml::kTileRows) : 0;
+  if (grouped) t.p13 = 0;  // w2 starts after w1|w3 has finished: the partials are shared
+  if (persist & 2) t.pp2 = t8p_plan(false, n, Lt, I, t8p_split, 0, pf - t.p13, cap - t.c13);
+  // Beside a persistent w1|w3, the fixed-grid w2 splits K in 2 (unless forced): its smaller CTAs fill the room
+  // the persistent grid leaves as its first units' slots become ready. H200 (session 26, bench_moe graph, T = 1,
+  // two rounds): 100.4–101.2 µs unsplit against 94.0–94.6 (splits 3 / 4: 96.6 / 98.2; fixed-grid pair 100.4–100.5).
+  if (t.pp2.grid > 0)
+    t.ks2 = t.pp2.split;
+  else
+    t.ks2 = t8_ksplit(forced_split > 0 ? forced_split : t.pp13.grid > 0 ? 2 : 0, false, special,
+                      bound * (Lt / kCtaRows), I, cap - t.c13, pf - t.p13, bound * (Lt / ml::kTileRows));
+  t.n_zero = int(t.c13 + (t.ks2 > 1 ? bound * (Lt / ml::kTileRows) : 0));
+  return t;
 }
 
 namespace {
