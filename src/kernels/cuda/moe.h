@@ -109,8 +109,9 @@ struct MoeExpertsOptions {
                          // 1 folded into w1|w3's decode (w2 FP32), 2 folded, and w2's raw decode of h·2^100;
                          // -1: 2 unless KESTREL_MOE_RAW=0 (then 1) or KESTREL_MOE_FOLD=0 (then 0). Codes
                          // outside [1, 128] always take FP32 scales.
-  int t8_persist = -1;   // t8 ungrouped (T = 1): which GEMMs run the persistent kernel (moe_t8p.cu), a bit mask:
-                         // 1 w1|w3, 2 w2; -1: KESTREL_MOE_T8P (default 0)
+  int t8_persist = -1;   // t8 ungrouped (T = 1): which GEMMs may run the persistent kernel (moe_t8p.cu, where the
+                         // tiles fill at least half the resident CTAs), a bit mask: 1 w1|w3, 2 w2; -1:
+                         // KESTREL_MOE_T8P, default 1 (w1|w3; w2 then splits K in 2)
   int t8p_ctas = 0;      // persistent w1|w3: CTAs per SM at most (0: all that fit; KESTREL_MOE_T8P_CTAS)
   int t8p_split = 0;     // persistent GEMMs: K split forced (tests, benchmarks); 0: none (moe_t8p.cu)
   GemmLt* lt = nullptr;  // cuBLASLt for the dense path (none: dense is never chosen, and forcing it is an error)

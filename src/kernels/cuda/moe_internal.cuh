@@ -77,9 +77,10 @@ int t8_ksplit(int forced, bool glu, bool special, int64_t base, int64_t C, int64
               int64_t partial_floats, int64_t tiles);
 
 // Persistent t8 for one token (moe_t8p.cu): ungrouped (a.ids, 1..kT8pMaxSlots slots), a grid of at most the
-// resident CTAs, each running one pipeline over its units. t8p_plan picks the K split (dividing C/64; forced
-// if forced_split > 0) and the grid for n slots of R rows (ctas_per_sm > 0 caps the CTAs per SM), given the
-// scratch's partial floats and free counters; grid 0: not applicable.
+// resident CTAs, each running one pipeline over its units. t8p_plan gives the grid for n slots of R rows
+// (ctas_per_sm > 0 caps the CTAs per SM) with no K split, or with forced_split > 0 that split (it must leave a
+// unit a multiple of the pipeline's stages and fit the scratch's partial floats and free counters); grid 0:
+// not applicable (also, unforced, when the n·R/64 tiles are fewer than half the resident CTAs).
 inline constexpr int kT8pMaxSlots = 64;
 struct T8pPlan {
   int split = 0, grid = 0;

@@ -16,7 +16,8 @@
 // K split (t8_ksplit): with few jobs (batch 1: 16 experts of one token) the fixed grid leaves its last wave
 // almost empty, and a wave with a few warps per SM keeps far too few bytes in flight; splitting K over 2–8
 // CTAs per tile fills the waves; the splits' FP32 partials meet in the last warp of the tile to finish, summed
-// in split order (deterministic).
+// in split order (deterministic). At one token where the tiles fill half the resident CTAs (the real shape), w1|w3
+// runs moe_t8p.cu's persistent kernel instead (same tiles and sums, no K split, no tail wave; plan_t8 below).
 // Measured (H200, session 12, bench_moe; per launch, eager): T = 1 at the real shape w1|w3 85.3 → 75.6 µs with
 // K split in 2 (w2 51.4 → 47.2, also in 2); the deep w1|w3 pipeline: t8_deep_allowed below.
 // w2 issues its first weight stages before its PDL wait (GemmArgs::w_early: its job list is two launches old), so
