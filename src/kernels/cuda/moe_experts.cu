@@ -384,23 +384,6 @@ bool t8_ready_allowed() {
   return on;
 }
 
-// Ungrouped t8: the GEMMs that run persistent (moe_t8p.cu), bit mask 1 w1|w3, 2 w2: w1|w3 unless KESTREL_MOE_T8P
-// says otherwise (0: neither, for A/B).
-int t8p_env() {
-  static const int v = [] {
-    const char* s = std::getenv("KESTREL_MOE_T8P");
-    return s ? std::atoi(s) & 3 : 1;
-  }();
-  return v;
-}
-int t8p_ctas_env() {
-  static const int v = [] {
-    const char* s = std::getenv("KESTREL_MOE_T8P_CTAS");
-    return s ? std::atoi(s) : 0;
-  }();
-  return v;
-}
-
 bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
 
 void mark(const MoeExpertsOptions& opt, int i, cudaStream_t stream) {
@@ -483,9 +466,8 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
   // t8: the K splits and counters (moe_t8.cu plan_t8), the persistent w1|w3 (moe_t8p.cu) where it applies.
   moe_detail::T8Plan t8;
   if (path == Path::t8) {
-    const int persist = grouped || w.special_scales ? 0 : opt.t8_persist >= 0 ? opt.t8_persist : t8p_env();
-    t8 = moe_detail::plan_t8(grouped, w.special_scales, n, X, Lt, I, opt.t8_ksplit, persist, opt.t8p_split,
-                             opt.t8p_ctas > 0 ? opt.t8p_ctas : t8p_ctas_env(), int64_t(moe_detail::kStreamPartialBytes / 4),
+    t8 = moe_detail::plan_t8(grouped, w.special_scales, n, X, Lt, I, opt.t8_ksplit, opt.t8_persist, opt.t8p_split,
+                             opt.t8p_ctas, int64_t(moe_detail::kStreamPartialBytes / 4),
                              2 * int64_t(moe_detail::kMaxStreamWarps));
     n_zero = t8.n_zero;
   }

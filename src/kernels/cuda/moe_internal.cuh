@@ -97,7 +97,9 @@ void launch_t8p(const GemmArgs& a, bool glu, bool fold_ok, int grid, bool pdl, c
 // [0, c13) and [c13, n_zero) of the scratch's counters (n_zero: how many the first kernel zeroes, before the
 // readiness counters), w2's partials after w1|w3's p13 floats (ungrouped: w2 runs beside w1|w3's last tiles;
 // grouped: after it, sharing them, p13 = 0), and the persistent launches (grid > 0) where `persist` (bit mask
-// 1 w1|w3, 2 w2) asks for them and t8p_plan accepts. forced_split / t8p_split: MoeExpertsOptions'.
+// 1 w1|w3, 2 w2; −1: KESTREL_MOE_T8P, default 1) asks for them and t8p_plan accepts (never grouped or with
+// special scale codes). The other arguments: MoeExpertsOptions' t8_ksplit, t8p_split, t8p_ctas (0:
+// KESTREL_MOE_T8P_CTAS, else all that fit).
 struct T8Plan {
   int ks13 = 1, ks2 = 1;
   int64_t c13 = 0, p13 = 0;

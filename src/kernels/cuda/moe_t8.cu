@@ -485,10 +485,29 @@ int t8_ksplit(int forced, bool glu, bool special, int64_t base, int64_t C, int64
   return best;
 }
 
+namespace {
+// The GEMMs that run persistent at one token (moe_t8p.cu), bit mask 1 w1|w3, 2 w2: w1|w3 unless KESTREL_MOE_T8P
+// says otherwise (0: neither, for A/B); KESTREL_MOE_T8P_CTAS caps its CTAs per SM.
+int env_int(const char* name, int fallback) {
+  const char* s = std::getenv(name);
+  return s ? std::atoi(s) : fallback;
+}
+int t8p_env() {
+  static const int v = env_int("KESTREL_MOE_T8P", 1) & 3;
+  return v;
+}
+int t8p_ctas_env() {
+  static const int v = env_int("KESTREL_MOE_T8P_CTAS", 0);
+  return v;
+}
+}  // namespace
+
 T8Plan plan_t8(bool grouped, bool special, int64_t n, int64_t X, int64_t Lt, int64_t I, int forced_split, int persist,
                int t8p_split, int t8p_ctas, int64_t pf, int64_t cap) {
   T8Plan t;
   const int64_t bound = grouped ? ml::job_bound(n, X, 8) : n;
+  persist = grouped || special ? 0 : persist >= 0 ? persist : t8p_env();
+  if (t8p_ctas <= 0) t8p_ctas = t8p_ctas_env();
   if (persist & 1) t.pp13 = t8p_plan(true, n, I, Lt, t8p_split, t8p_ctas, pf, cap);
   if (t.pp13.grid > 0) {
     t.ks13 = t.pp13.split;
