@@ -483,6 +483,7 @@ struct MoeVariant {
   int scales = -1;     // MoeExpertsOptions::t8_scales
   int persist = -1;    // MoeExpertsOptions::t8_persist
   int p_ctas = 0;      // MoeExpertsOptions::t8p_ctas
+  int p_kh = 0;        // MoeExpertsOptions::t8p_kh (2: no forced persistent split; ksplit is the fixed grid's)
   std::string name() const {
     std::string n = tile_name(tile);
     if (lt && tile != cuda::MoeTokenTile::dense) n += " +cuBLASLt";
@@ -495,6 +496,7 @@ struct MoeVariant {
     if (persist == 0) n += " fixed-grid";
     if (persist > 0) n += fmt::format(" persistent{}", persist == 1 ? " w1|w3" : persist == 2 ? " w2" : "");
     if (p_ctas > 0) n += fmt::format(" ≤{} CTAs/SM", p_ctas);
+    if (p_kh == 2) n += " K halves";
     return n;
   }
 };
@@ -508,7 +510,8 @@ cuda::MoeExpertsOptions options(const MoeVariant& v) {
   o.t8_scales = v.scales;
   o.t8_persist = v.persist;
   o.t8p_ctas = v.p_ctas;
-  o.t8p_split = v.persist > 0 ? v.ksplit : 0;
+  o.t8p_split = v.persist > 0 ? (v.p_kh == 2 ? 1 : v.ksplit) : 0;
+  o.t8p_kh = v.p_kh;
   return o;
 }
 
@@ -936,13 +939,16 @@ TEST(GpuMoe, T8PersistentMatchesFixedGrid) {
       check_moe("moe_experts_mxfp4 " + fixed.name(), shape, want, ref);
       for (int persist : {1, 2, 3}) {
         for (int p_ctas : {0, 1}) {
-          MoeVariant v = fixed;
-          v.persist = persist, v.p_ctas = p_ctas;
-          const auto got = run_gpu_moe(*E, z, gids, wts, T, c.K, v);
-          if (ks > 0) {
-            EXPECT_EQ(got, want) << shape << " " << v.name();
+          // K halves in a CTA (no persistent split) sum as the fixed grid's split 2 does: compared there.
+          for (int kh : ks == 2 ? std::vector<int>{1, 2} : std::vector<int>{1}) {
+            MoeVariant v = fixed;
+            v.persist = persist, v.p_ctas = p_ctas, v.p_kh = kh;
+            const auto got = run_gpu_moe(*E, z, gids, wts, T, c.K, v);
+            if (ks > 0) {
+              EXPECT_EQ(got, want) << shape << " " << v.name();
+            }
+            check_moe("moe_experts_mxfp4 " + v.name(), shape, got, ref);
           }
-          check_moe("moe_experts_mxfp4 " + v.name(), shape, got, ref);
         }
       }
     }

@@ -114,6 +114,8 @@ struct MoeExpertsOptions {
                          // KESTREL_MOE_T8P, default 1 (w1|w3; w2 then splits K in 2)
   int t8p_ctas = 0;      // persistent w1|w3: CTAs per SM at most (0: all that fit; KESTREL_MOE_T8P_CTAS)
   int t8p_split = 0;     // persistent GEMMs: K split forced (tests, benchmarks); 0: none (moe_t8p.cu)
+  int t8p_kh = 0;        // persistent GEMMs without a forced split: 2 cuts each tile's K in halves over two warps
+                         // of a CTA (moe_t8p.cu), 1 not; 0: KESTREL_MOE_T8P_KH, default 2
   GemmLt* lt = nullptr;  // cuBLASLt for the dense path (none: dense is never chosen, and forcing it is an error)
   cudaEvent_t* marks = nullptr;  // 5 events recorded before the grouping and after each launch (group,
                                  // w1|w3, w2, combine) for a per-launch breakdown; PDL is off then

@@ -467,7 +467,7 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
   moe_detail::T8Plan t8;
   if (path == Path::t8) {
     t8 = moe_detail::plan_t8(grouped, w.special_scales, n, X, Lt, I, opt.t8_ksplit, opt.t8_persist, opt.t8p_split,
-                             opt.t8p_ctas, int64_t(moe_detail::kStreamPartialBytes / 4),
+                             opt.t8p_ctas, opt.t8p_kh, int64_t(moe_detail::kStreamPartialBytes / 4),
                              2 * int64_t(moe_detail::kMaxStreamWarps));
     n_zero = t8.n_zero;
   }
@@ -522,7 +522,7 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
     a13.h_scaled = h_scaled;
     a13.no_fold = t8_scales == 0;
     if (t8.pp13.grid > 0)
-      moe_detail::launch_t8p(a13, true, !w.fp32_scales, t8.pp13.grid, pdl, stream);
+      moe_detail::launch_t8p(a13, true, !w.fp32_scales, t8.pp13, pdl, stream);
     else
       run_gemm(path, true, a13, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas13, true, pdl, stream);
     mark(opt, 2, stream);
@@ -535,7 +535,7 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
     ungroup(a2);
     a2.h_scaled = h_scaled;
     if (t8.pp2.grid > 0)
-      moe_detail::launch_t8p(a2, false, !w.fp32_scales, t8.pp2.grid, pdl, stream);
+      moe_detail::launch_t8p(a2, false, !w.fp32_scales, t8.pp2, pdl, stream);
     else
       run_gemm(path, false, a2, grp, ids, n, X, w.special_scales, !w.fp32_scales, ss, ctas2, false, pdl, stream);
     mark(opt, 3, stream);

@@ -57,6 +57,7 @@ struct GemmArgs {
   // (moe_t8.cu kScaleFoldH / kScaleRaw).
   bool h_scaled = false;
   bool no_fold = false;   // FP32 scales even where w1|w3 could fold them (MoeExpertsOptions::t8_scales = 0)
+  int t8p_kh = 1;         // persistent t8 only: K halves per CTA (T8pPlan::kh)
 };
 
 // Fixed-tile GEMM (moe_t8.cu): t8 (ct = 8, the decode path) or t32 (ct = 32); grid = job_bound(n, X, ct) ×
@@ -80,18 +81,20 @@ int t8_ksplit(int forced, bool glu, bool special, int64_t base, int64_t C, int64
 // resident CTAs, each running one pipeline over its units. t8p_plan gives the grid for n slots of R rows
 // (ctas_per_sm > 0 caps the CTAs per SM) with no K split, or with forced_split > 0 that split (it must leave a
 // unit a multiple of the pipeline's stages and fit the scratch's partial floats and free counters); grid 0:
-// not applicable (also, unforced, when the n·R/64 tiles are fewer than half the resident CTAs).
+// not applicable (also, unforced, when the n·R/64 tiles are fewer than half the resident CTAs). kh = 2 (asked,
+// no K split): a CTA's 4 warps take 2 tiles, each tile's K in halves summed in shared memory (twice the units,
+// so more warps resident: moe_t8p.cu); bit-identical to the fixed grid split in 2.
 inline constexpr int kT8pMaxSlots = 64;
 struct T8pPlan {
-  int split = 0, grid = 0;
+  int split = 0, grid = 0, kh = 1;
 };
-T8pPlan t8p_plan(bool glu, int64_t n, int64_t R, int64_t C, int forced_split, int ctas_per_sm, int64_t partial_floats,
-                 int64_t counters_free);
+T8pPlan t8p_plan(bool glu, int64_t n, int64_t R, int64_t C, int forced_split, int ctas_per_sm, int kh,
+                 int64_t partial_floats, int64_t counters_free);
 // Split partial floats the kernel uses for n slots of R rows at split S (f32 [n·R/16, S, 8, NM, 2]).
 inline int64_t t8p_partial_floats(bool glu, int64_t n, int64_t R, int S) {
   return S > 1 ? n * (R / 16) * S * 8 * 2 * (glu ? 2 : 1) : 0;
 }
-void launch_t8p(const GemmArgs& a, bool glu, bool fold_ok, int grid, bool pdl, cudaStream_t stream);
+void launch_t8p(const GemmArgs& a, bool glu, bool fold_ok, const T8pPlan& plan, bool pdl, cudaStream_t stream);
 
 // The t8 path's plan for one call (moe_t8.cu plan_t8): K splits of w1|w3 and w2, their tile counters at
 // [0, c13) and [c13, n_zero) of the scratch's counters (n_zero: how many the first kernel zeroes, before the
@@ -99,7 +102,7 @@ void launch_t8p(const GemmArgs& a, bool glu, bool fold_ok, int grid, bool pdl, c
 // grouped: after it, sharing them, p13 = 0), and the persistent launches (grid > 0) where `persist` (bit mask
 // 1 w1|w3, 2 w2; −1: KESTREL_MOE_T8P, default 1) asks for them and t8p_plan accepts (never grouped or with
 // special scale codes). The other arguments: MoeExpertsOptions' t8_ksplit, t8p_split, t8p_ctas (0:
-// KESTREL_MOE_T8P_CTAS, else all that fit).
+// KESTREL_MOE_T8P_CTAS, else all that fit), t8p_kh (0: KESTREL_MOE_T8P_KH, default 2).
 struct T8Plan {
   int ks13 = 1, ks2 = 1;
   int64_t c13 = 0, p13 = 0;
@@ -107,7 +110,7 @@ struct T8Plan {
   T8pPlan pp13, pp2;
 };
 T8Plan plan_t8(bool grouped, bool special, int64_t n, int64_t X, int64_t Lt, int64_t I, int forced_split, int persist,
-               int t8p_split, int t8p_ctas, int64_t partial_floats, int64_t counters);
+               int t8p_split, int t8p_ctas, int t8p_kh, int64_t partial_floats, int64_t counters);
 
 // Decode GEMM (moe_stream.cu): the same work as GemmArgs, or, with jobs == nullptr ("ungrouped"), job j =
 // slot j of expert ids[j] (one token; count 0 if the id is outside [0, X)).

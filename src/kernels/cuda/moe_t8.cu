@@ -500,15 +500,20 @@ int t8p_ctas_env() {
   static const int v = env_int("KESTREL_MOE_T8P_CTAS", 0);
   return v;
 }
+int t8p_kh_env() {
+  static const int v = env_int("KESTREL_MOE_T8P_KH", 2) == 1 ? 1 : 2;
+  return v;
+}
 }  // namespace
 
 T8Plan plan_t8(bool grouped, bool special, int64_t n, int64_t X, int64_t Lt, int64_t I, int forced_split, int persist,
-               int t8p_split, int t8p_ctas, int64_t pf, int64_t cap) {
+               int t8p_split, int t8p_ctas, int t8p_kh, int64_t pf, int64_t cap) {
   T8Plan t;
   const int64_t bound = grouped ? ml::job_bound(n, X, 8) : n;
   persist = grouped || special ? 0 : persist >= 0 ? persist : t8p_env();
   if (t8p_ctas <= 0) t8p_ctas = t8p_ctas_env();
-  if (persist & 1) t.pp13 = t8p_plan(true, n, I, Lt, t8p_split, t8p_ctas, pf, cap);
+  if (t8p_kh <= 0) t8p_kh = t8p_kh_env();
+  if (persist & 1) t.pp13 = t8p_plan(true, n, I, Lt, t8p_split, t8p_ctas, t8p_kh, pf, cap);
   if (t.pp13.grid > 0) {
     t.ks13 = t.pp13.split;
     t.p13 = t8p_partial_floats(true, n, I, t.ks13);
@@ -518,7 +523,7 @@ T8Plan plan_t8(bool grouped, bool special, int64_t n, int64_t X, int64_t Lt, int
   }
   t.c13 = t.ks13 > 1 ? bound * (I / ml::kTileRows) : 0;
   if (grouped) t.p13 = 0;  // w2 starts after w1|w3 has finished: the partials are shared
-  if (persist & 2) t.pp2 = t8p_plan(false, n, Lt, I, t8p_split, 0, pf - t.p13, cap - t.c13);
+  if (persist & 2) t.pp2 = t8p_plan(false, n, Lt, I, t8p_split, 0, t8p_kh, pf - t.p13, cap - t.c13);
   // Beside a persistent w1|w3, the fixed-grid w2 splits K in 2 (unless forced): its smaller CTAs fill the room
   // the persistent grid leaves as its first units' slots become ready. H200 (session 26, bench_moe graph, T = 1,
   // two rounds): 100.4–101.2 µs unsplit against 94.0–94.6 (splits 3 / 4: 96.6 / 98.2; fixed-grid pair 100.4–100.5).

@@ -15,14 +15,25 @@
 // µs (61 → 67 % of copy); the experts in the graph 100.4–100.5 → 94.0–94.6 µs (65 → 70 %) with w2 beside it split
 // in 2 (moe_experts.cu; unsplit w2: 100.4–101.2, the persistent w1|w3's gain lost to w2's later start);
 // scoreboard 95.6 µs = 69.0 % of the run's copy (bench/gpu/perf.json).
-// Lost (same calls): w2 persistent too (graph 108–115 µs: w2's CTAs cannot be resident beside w1|w3's, so its
-// statically assigned units wait); 8-stage pipelines (w1|w3 4 CTAs per SM, w2 6; slower in the first layout,
-// KESTREL_MOE_T8P_DEEP=1, not re-measured since); capping the CTAs per SM at 3 or 4 (the same 384-CTA grid).
+// K halves (session 27): with whole tiles as units the real shape's 768 tiles fill only 384 CTAs (2.9 warps a
+// scheduler, Nsight Compute: 0.54 instructions issued a cycle, a third of the samples waiting on weights), so
+// by default a CTA's 4 warps take 2 tiles and split each tile's K in halves: warp w + 2 parks its partial in
+// shared memory at the unit's end, one barrier, warp w adds it (halves in K order: bit-identical to the fixed
+// grid's split 2) and runs the epilogue — twice the units, a 512-CTA grid of 3 units each, no global exchange.
+// With 4 CTAs an SM asked of ptxas (launch_any): w1|w3 65–68 → 59.6–60.4 µs a launch, graph 94.6–95.3 → 91.5–92.0
+// (71–72 % of copy); K halves alone at 5 CTAs: −0.3 to −0.6 in the graph. KESTREL_MOE_T8P_KH=1 for A/B.
+// Not the memory pattern: a probe streaming the same bytes in the same 512-byte pieces, 4 in flight a
+// stream, no compute, took 44–46 µs — the kernel's issue rate and the loads' distance are the gap.
+// Lost (sessions 26–27): w2 persistent too (graph 108–115 µs: w2's CTAs cannot be resident beside w1|w3's, so its
+// statically assigned units wait); 8-stage pipelines (KESTREL_MOE_T8P_DEEP=1, launch_any); capping the CTAs per SM
+// at 3 or 4 with whole tiles (the same 384-CTA grid), or at 2 (256 CTAs × 3 units: graph 109–110 µs); 3 CTAs per
+// SM with K halves (384 × 4 units: 95.4–95.7 against 92.0–92.8); the weight loads as volatile asm (no change).
 //
 // Layout of the work: the valid slots (ids in [0, X)) are compacted per CTA into shared memory (an id outside
-// [0, X) — expert parallelism — costs nothing); unit u = (valid slot j, 64-row group rg, K split ks) with
+// [0, X) — expert parallelism — costs nothing); unit u = (valid slot j, row group rg, K split ks) with
 // u = (j·n_rg + rg)·S + ks: round i of the grid takes consecutive units, so the slots finish in order (w2 waits
-// per slot: GemmArgs::ready). A warp owns 16 rows of its CTA's row group, as in t8.
+// per slot: GemmArgs::ready). A warp owns 16 rows of its CTA's row group (64 rows; 32 with K halves, warps w
+// and w + 2 on one tile), as in t8.
 // Code layout matters: with the epilogue inlined in the unrolled loop (once per stage, where a unit may end) the
 // hot loop spread over ~90 KB of code, instruction fetch stalled, and the same work as the fixed-grid kernel ran
 // 28 % slower (w2 at T = 1, same grid: 43.4 against 33.8 µs); so a unit's last group of STAGES chunks is peeled
@@ -73,6 +84,7 @@ __global__ void __launch_bounds__(kThreads, MINB) t8p_kernel(const GemmArgs a) {
   static_assert(kScales != kScaleSpecial, "special codes: the fixed-grid kernel");
   __shared__ int s_slot[kT8pMaxSlots], s_e[kT8pMaxSlots];
   __shared__ int s_nv;
+  __shared__ float2 s_half[2][kWarps / 2][8][NM];  // KH = 2: the second half's partials, by unit parity
   const bool ready = a.ready != nullptr;
   if (!a.w_early) griddep_wait();
   // Valid slots, compacted in slot order (every CTA alike; n_ids ≤ kT8pMaxSlots, checked on the host).
@@ -93,7 +105,9 @@ __global__ void __launch_bounds__(kThreads, MINB) t8p_kernel(const GemmArgs a) {
   }
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int n_rg = a.R / kCtaRows, S = a.ksplit, NCall = a.C / ml::kChunkCols, NC = NCall / S;
+  // KH = 2: warps w and w + 2 share a 16-row tile, each with half of K (quarter q = kq of the split's chunks).
+  const int KH = a.t8p_kh, TW = kWarps / KH, tw = warp % TW, kq = warp / TW;  // tiles a CTA, this warp's
+  const int n_rg = a.R / (ml::kTileRows * TW), S = a.ksplit, NCall = a.C / ml::kChunkCols, NC = NCall / (S * KH);
   const int U = s_nv * n_rg * S, G = int(gridDim.x);
   const int nu = int(blockIdx.x) < U ? (U - 1 - int(blockIdx.x)) / G + 1 : 0;  // this CTA's units
   if (nu == 0) {
@@ -109,7 +123,7 @@ __global__ void __launch_bounds__(kThreads, MINB) t8p_kernel(const GemmArgs a) {
     r.ks = u % S;
     const int item = u / S;
     r.j = item / n_rg;
-    r.tile = (item - r.j * n_rg) * kWarps + warp;
+    r.tile = (item - r.j * n_rg) * TW + tw;
     return r;
   };
 
@@ -132,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, MINB) t8p_kernel(const GemmArgs a) {
   auto aim = [&](int u) {
     const Unit r = unit(u);
     ne = s_e[r.j];
-    ntc = r.tile * NCall + r.ks * NC;
+    ntc = r.tile * NCall + (r.ks * KH + kq) * NC;
   };
   Ptrs cp;
   aim(int(blockIdx.x));
@@ -156,7 +170,7 @@ __global__ void __launch_bounds__(kThreads, MINB) t8p_kernel(const GemmArgs a) {
   const uint16_t* brow = nullptr;
   auto aim_b = [&] {
     const Unit cur = unit(ucur);
-    brow = a.x + int64_t(s_slot[cur.j] / a.x_div) * a.ldx + 8 * t + int64_t(cur.ks) * NC * ml::kChunkCols;
+    brow = a.x + int64_t(s_slot[cur.j] / a.x_div) * a.ldx + 8 * t + int64_t(cur.ks * KH + kq) * NC * ml::kChunkCols;
   };
   float acc[NM][4];
 #pragma unroll
@@ -216,11 +230,23 @@ __global__ void __launch_bounds__(kThreads, MINB) t8p_kernel(const GemmArgs a) {
 
   // The end of a unit: park / sum the split partials, then the epilogue of token column 0 (lanes t = 0 hold
   // rows g and g + 8 in acc[m][0], acc[m][2]), then the next unit's state.
-  auto finish = [&] {
+  auto finish = [&](int i) {
     const Unit cur = unit(ucur);
     const int slot = s_slot[cur.j];
-    bool last = true;
-    if (S > 1) {
+    if (KH > 1) {  // the second half's partial to its partner through shared memory (parity i: one barrier a unit)
+      float2* r = s_half[i & 1][tw][g];
+      if (kq == 1 && t == 0) {
+#pragma unroll
+        for (int m = 0; m < NM; ++m) r[m] = make_float2(acc[m][0], acc[m][2]);
+      }
+      __syncthreads();
+      if (kq == 0 && t == 0) {  // halves summed in K order, as a split's partials are
+#pragma unroll
+        for (int m = 0; m < NM; ++m) acc[m][0] = acc[m][0] + r[m].x, acc[m][2] = acc[m][2] + r[m].y;
+      }
+    }
+    bool last = kq == 0;
+    if (S > 1 && last) {
       const int64_t tid = int64_t(slot) * (a.R / ml::kTileRows) + cur.tile;  // (slot, 16-row tile)
       float2* part = reinterpret_cast<float2*>(a.partial) + (tid * S * 8 + g) * NM;  // [S][8][NM] float2
       if (t == 0) {
@@ -315,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, MINB) t8p_kernel(const GemmArgs a) {
         load(st[s - 1], np, s - 1);
       compute(st[s], B);
     }
-    finish();
+    finish(i);
     cp = np;
     if (i + 2 < nu) aim(int(blockIdx.x) + (i + 2) * G);
   }
@@ -336,11 +362,14 @@ void launch_scales(const GemmArgs& a, int scales, int grid, bool pdl, cudaStream
   }
 }
 
-// Pipeline depth and CTAs asked per SM: 4 stages (w1|w3 at 5 CTAs, ≤ 102 registers; w2 at 8, ≤ 64), the
-// fixed-grid kernels' settings; KESTREL_MOE_T8P_DEEP=1: 8 stages (w1|w3 at 4 CTAs, w2 at 6), for A/B. Slower in
-// the first code layout (H200, bench_moe T = 1: w1|w3 115 against 98 µs a launch, w2 62 against 43); not
-// re-measured since. ptxas (sm_90a, 4 stages): w1|w3 96 registers and 56 bytes of spill stores, w2 64 and
-// 100 (where in the code is not checked; the times above include them).
+// Pipeline depth and CTAs asked per SM: 4 stages, w1|w3 at 4 CTAs (127 registers, no spill; the grid at T = 1
+// is 4 CTAs an SM at most, K halves) and w2 at 8 (≤ 64 registers, 92 bytes of spill stores). Asking w1|w3 for 5
+// CTAs (the fixed-grid kernel's 102-register cap) spilled 56 bytes and left ptxas no room to keep the loads
+// ahead: Nsight Compute put a third of the warps' samples on a long-scoreboard wait at the first use of a
+// stage's weights (H200, session 27: w1|w3 a launch 65–68 → 62 µs, graph −1 to −2 µs; 3 CTAs: no better).
+// KESTREL_MOE_T8P_DEEP=1: 8 stages (w1|w3 at 4 CTAs, w2 at 6), for A/B: slower (first code layout: w1|w3 115
+// against 98 µs a launch, w2 62 against 43; session 27 at 5 CTAs for the 4-stage one: graph 97.7–97.9 against
+// 94.6–95.0 µs).
 bool deep() {
   static const bool on = [] {
     const char* e = std::getenv("KESTREL_MOE_T8P_DEEP");
@@ -354,7 +383,7 @@ void launch_any(const GemmArgs& a, int scales, int grid, bool pdl, cudaStream_t 
   if (deep())
     launch_scales<kGlu, 8, kGlu ? 4 : 6>(a, scales, grid, pdl, stream);
   else
-    launch_scales<kGlu, 4, kGlu ? 5 : 8>(a, scales, grid, pdl, stream);
+    launch_scales<kGlu, 4, kGlu ? 4 : 8>(a, scales, grid, pdl, stream);
 }
 
 // Resident CTAs per SM of the kernel launch_any would run.
@@ -367,7 +396,7 @@ int per_sm(bool glu) {
   int n = 0;
   auto occ = [&](auto kernel) { KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0)); };
   if (glu)
-    d ? occ(t8p_kernel<true, 8, kScaleFoldH, 4>) : occ(t8p_kernel<true, 4, kScaleFoldH, 5>);
+    d ? occ(t8p_kernel<true, 8, kScaleFoldH, 4>) : occ(t8p_kernel<true, 4, kScaleFoldH, 4>);
   else
     d ? occ(t8p_kernel<false, 8, kScaleRaw, 6>) : occ(t8p_kernel<false, 4, kScaleRaw, 8>);
   n = std::max(n, 1);
@@ -377,19 +406,20 @@ int per_sm(bool glu) {
 
 }  // namespace
 
-T8pPlan t8p_plan(bool glu, int64_t n, int64_t R, int64_t C, int forced_split, int ctas_per_sm,
+T8pPlan t8p_plan(bool glu, int64_t n, int64_t R, int64_t C, int forced_split, int ctas_per_sm, int kh,
                  int64_t partial_floats, int64_t counters_free) {
   T8pPlan p;
   if (n < 1 || n > kT8pMaxSlots || R % kCtaRows != 0 || C % ml::kChunkCols != 0) return p;
+  kh = kh == 2 && forced_split <= 1 ? 2 : 1;  // halves only without a K split (bit-identical to the fixed grid's 2)
   int dev = 0, sms = 0;
   KCUDA_CHECK(cudaGetDevice(&dev));
   KCUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   const int per = ctas_per_sm > 0 ? std::min(ctas_per_sm, per_sm(glu)) : per_sm(glu);
-  const int64_t res = int64_t(sms) * per, NCall = C / ml::kChunkCols, base = n * (R / kCtaRows);
+  const int64_t res = int64_t(sms) * per, NCall = C / ml::kChunkCols, base = n * (R / kCtaRows) * kh;
   const int64_t tiles = n * (R / ml::kTileRows);
   const int64_t stages = deep() ? 8 : 4;  // launch_any's pipeline: a unit's chunks must be a multiple of it
   auto fits = [&](int64_t S) {
-    return NCall % S == 0 && (NCall / S) % stages == 0 &&
+    return NCall % (S * kh) == 0 && (NCall / (S * kh)) % stages == 0 &&
            (S == 1 || (tiles <= counters_free && t8p_partial_floats(glu, n, R, int(S)) <= partial_floats));
   };
   // No K split unless forced (tests, benchmarks): the header says why. Units are whole tiles, k per CTA, the
@@ -402,17 +432,22 @@ T8pPlan t8p_plan(bool glu, int64_t n, int64_t R, int64_t C, int forced_split, in
   if (best_S == 0) return p;
   const int64_t U = base * best_S, k = (U + res - 1) / res;
   p.split = int(best_S);
+  p.kh = kh;
   p.grid = int((U + k - 1) / k);  // every CTA k units but the last few
   return p;
 }
 
-void launch_t8p(const GemmArgs& a, bool glu, bool fold_ok, int grid, bool pdl, cudaStream_t stream) {
+void launch_t8p(const GemmArgs& a_in, bool glu, bool fold_ok, const T8pPlan& plan, bool pdl, cudaStream_t stream) {
+  GemmArgs a = a_in;
+  a.t8p_kh = plan.kh;
+  const int grid = plan.grid, S = a.ksplit * a.t8p_kh;
   KCUDA_REQUIRE(a.ids && a.n_ids >= 1 && a.n_ids <= kT8pMaxSlots && grid > 0,
                 std::string("moe persistent t8: ungrouped, 1..64 slots"));
+  KCUDA_REQUIRE(a.t8p_kh == 1 || (a.t8p_kh == 2 && a.ksplit == 1), std::string("moe persistent t8: K halves, no split"));
   const int stages = deep() ? 8 : 4;
-  KCUDA_REQUIRE(a.ksplit >= 1 && a.C % ml::kChunkCols == 0 && (a.C / ml::kChunkCols) % a.ksplit == 0 &&
-                    (a.C / ml::kChunkCols / a.ksplit) % stages == 0 && a.R % kCtaRows == 0,
-                "moe persistent t8: split " + std::to_string(a.ksplit) + " of " + std::to_string(a.C) +
+  KCUDA_REQUIRE(a.ksplit >= 1 && a.C % ml::kChunkCols == 0 && (a.C / ml::kChunkCols) % S == 0 &&
+                    (a.C / ml::kChunkCols / S) % stages == 0 && a.R % kCtaRows == 0,
+                "moe persistent t8: split " + std::to_string(S) + " of " + std::to_string(a.C) +
                     " columns: a unit's 64-column chunks must be a multiple of " + std::to_string(stages));
   KCUDA_REQUIRE(a.ksplit == 1 || (a.partial && a.counters), std::string("moe persistent t8: split scratch"));
   const int scales = a.h_scaled ? (glu ? kScaleFoldH : kScaleRaw) : glu && !a.no_fold && fold_ok ? kScaleFold : kScaleF32;
