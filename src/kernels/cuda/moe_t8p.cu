@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kThreads, MINB) t8p_kernel(const GemmArgs a) {
   }
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  // KH = 2: warps w and w + 2 share a 16-row tile, each with half of K (quarter q = kq of the split's chunks).
+  // KH = 2: warps w and w + 2 share a 16-row tile, each with half kq of the (split's) chunks.
   const int KH = a.t8p_kh, TW = kWarps / KH, tw = warp % TW, kq = warp / TW;  // tiles a CTA, this warp's
   const int n_rg = a.R / (ml::kTileRows * TW), S = a.ksplit, NCall = a.C / ml::kChunkCols, NC = NCall / (S * KH);
   const int U = s_nv * n_rg * S, G = int(gridDim.x);
@@ -422,10 +422,10 @@ T8pPlan t8p_plan(bool glu, int64_t n, int64_t R, int64_t C, int forced_split, in
     return NCall % (S * kh) == 0 && (NCall / (S * kh)) % stages == 0 &&
            (S == 1 || (tiles <= counters_free && t8p_partial_floats(glu, n, R, int(S)) <= partial_floats));
   };
-  // No K split unless forced (tests, benchmarks): the header says why. Units are whole tiles, k per CTA, the
-  // grid ⌈base / k⌉ with k the fewest that fits the resident CTAs: every CTA streams the same chunks.
+  // No K split unless forced (tests, benchmarks): the header says why. Units are whole tiles (or halves), k per
+  // CTA, the grid ⌈base / k⌉ with k the fewest that fits the resident CTAs: every CTA streams the same chunks.
   // Without a forced split, only where the tiles alone give every resident CTA about one unit or more (the
-  // reduced mini's 2 slots: 96 tiles for 660 CTAs keep the fixed grid and its K split).
+  // reduced mini's 2 slots: 192 half-tile units for 528 CTAs keep the fixed grid and its K split).
   if (forced_split <= 0 && base * 2 < res) return p;
   int64_t best_S = forced_split > 0 ? forced_split : 1;
   if (!fits(best_S)) best_S = 0;
