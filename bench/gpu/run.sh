@@ -19,6 +19,12 @@
 #                            # batch-1/64 decode step of mini split by op (bench_ops --only model)
 #   bench/gpu/run.sh profile # there: Nsight Compute's per-kernel times of one batch-1 decode step of the
 #                            # reduced mini (bench/gpu/ncu_step.py turns the CSV into a table)
+#   bench/gpu/run.sh timeline [BENCH_OPS ARGS]
+#                            # there: bench_ops --perf --only model on the reduced mini with the CUPTI kernel
+#                            # tracer injected (bench/gpu/kernel_trace.cpp), then bench/gpu/timeline.py: per graph
+#                            # replay, each kernel's start, gap / overlap and exposed time (what PDL hides and what it
+#                            # does not); $OUT/timeline.md, $OUT/trace.csv.xz. The tracer slows the host side (the
+#                            # traced step graph measured 675 against 595 µs), not the kernels' own spans
 #   bench/gpu/run.sh perf    # there: the scoreboard in one run (≤ 8 min): ceilings, kernels, the reduced-mini
 #                            # decode step and prefill, `kestrel serve` + `kestrel bench` at c=1/64, the peers;
 #                            # writes $OUT/perf.json (copy it to bench/gpu/perf.json) and a markdown table
@@ -132,6 +138,12 @@ case "${1:-}" in
     for b in build/bench/bench_moe build/bench/bench_mla build/bench/bench_kda build/bench/bench_indexer build/bench/bench_structured_engine; do  # per-kernel benchmarks, when built
       [ -x "$b" ] && ! skip "$b" && objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
     done
+    # The kernel tracer (timeline mode) and the CUPTI it links, when built and not skipped.
+    t=build/bench/libkestrel_kernel_trace.so
+    if [ -f "$t" ] && ! skip "$t"; then
+      objcopy --strip-debug "$t" ".gpu-carry/pkg/$(basename "$t")"
+      cp -L "$(ldd "$t" | awk '/libcupti/ {print $3; exit}')" .gpu-carry/pkg/lib/
+    fi
     # PACK_EXTRA="kestrel_unit_tests": the CPU unit-test binary too (structured mode's k3-tiny run on the GPU engine).
     for n in ${PACK_EXTRA:-}; do
       b="$(find build -name "$n" -type f -perm -u+x | head -1)"
@@ -498,6 +510,21 @@ case "${1:-}" in
       .gpu-carry/bench_ops --perf --only model --model "$ck/mini" > "$out/ncu_step.csv" 2> "$out/ncu_step.err" || true
     python3 bench/gpu/ncu_step.py "$out/ncu_step.csv" --step "${PROFILE_STEP:-3}" | tee "$out/profile_step.md" | head -150
     ;;
+  timeline)
+    # Kernel timeline of the reduced mini's decode-step graphs (header). The tracer is a CUPTI injection library:
+    # the CUDA driver loads it into bench_ops (CUDA_INJECTION64_PATH); it writes every kernel's span at exit.
+    out="${OUT:-/tmp}"
+    unpack
+    lt_path .gpu-carry/bench_ops
+    make_mini /tmp/kestrel_ckpt/mini
+    [ -f .gpu-carry/libkestrel_kernel_trace.so ] || { echo "timeline: no libkestrel_kernel_trace.so packed" >&2; exit 2; }
+    CUDA_INJECTION64_PATH="$PWD/.gpu-carry/libkestrel_kernel_trace.so" KESTREL_TRACE_OUT="$out/trace.csv" \
+      .gpu-carry/bench_ops "${@:2}" --perf --only model --model /tmp/kestrel_ckpt/mini > "$out/timeline_bench.log" 2>&1 \
+      || echo "timeline: bench_ops exit $?"
+    grep -E "^PERF decode_step|kernel_trace" "$out/timeline_bench.log" || true
+    python3 bench/gpu/timeline.py "$out/trace.csv" > "$out/timeline.md" && head -"${TIMELINE_LINES:-80}" "$out/timeline.md"
+    xz -6 -f "$out/trace.csv"
+    ;;
   perf)
     # The scoreboard: every number of bench/gpu/perf.json measured in this one run (ceilings, our kernels, the
     # engine through `kestrel serve`, and the peers), then perf.py writes perf.json + a markdown table.
@@ -668,7 +695,7 @@ case "${1:-}" in
     .gpu-carry/bench_mla "${@:2}"
     ;;
   *)
-    echo "usage: $0 pack|test|suite|ab|all|serving|tp|structured|vision|decode|kda|eval|perf|soak|train_long|bench|bench_mla|bench_kda" >&2
+    echo "usage: $0 pack|test|suite|ab|all|serving|tp|structured|vision|decode|kda|eval|timeline|perf|soak|train_long|bench|bench_mla|bench_kda" >&2
     exit 2
     ;;
 esac
