@@ -61,7 +61,14 @@ void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_recor
   *max_records = 0;
 }
 
-void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+size_t g_dropped = 0;
+
+void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t* buffer, size_t, size_t valid) {
+  size_t dropped = 0;
+  if (cuptiActivityGetNumDroppedRecords(ctx, stream, &dropped) == CUPTI_SUCCESS && dropped) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_dropped += dropped;
+  }
   CUpti_Activity* rec = nullptr;
   std::vector<Rec> got;
   while (cuptiActivityGetNextRecord(buffer, valid, &rec) == CUPTI_SUCCESS) {
@@ -89,7 +96,8 @@ void write_out() {
     std::fprintf(f, "%llu,%llu,%u,%llu,%u,%u,%dx%dx%d,%d,%s\n", (unsigned long long)r.start, (unsigned long long)r.end,
                  r.graph, (unsigned long long)r.graph_node, r.corr, r.stream, r.gx, r.gy, r.gz, r.bx, r.name.c_str());
   std::fclose(f);
-  std::fprintf(stderr, "kernel_trace: %zu kernels -> %s\n", g_recs->size(), path ? path : "kernel_trace.csv");
+  std::fprintf(stderr, "kernel_trace: %zu kernels -> %s (%zu records dropped by CUPTI)\n", g_recs->size(),
+               path ? path : "kernel_trace.csv", g_dropped);
 }
 
 }  // namespace
