@@ -13,10 +13,10 @@
 //      them in the router's launch instead, with no prep_kernel, measured within the noise (session 24: prep_kernel
 //      triggers its dependents at once, so w1|w3 already starts with it).
 //   2. w1|w3 with SiTU-GLU fused: a = bf16(SiTU-GLU(bf16 g, bf16 u)) per slot. Ungrouped t8 at the real shape:
-//      persistent (moe_t8p.cu: a resident grid, each CTA streaming whole tiles in turn through one pipeline), and
-//      w2 then splits K in 2 to fill the room it leaves. H200 (session 26, bench_moe, alternated): T = 1 graph
-//      100.4–100.5 → 94.0–94.6 µs (65 → 70 % of copy). KESTREL_MOE_T8P=0 (or MoeExpertsOptions::t8_persist = 0):
-//      the fixed grid.
+//      persistent (moe_t8p.cu: a resident grid, each CTA streaming tiles in turn through one pipeline, each tile's
+//      K in halves over two warps), and w2 beside it splits K in 2. H200 (bench_moe, alternated): T = 1 graph
+//      100.4–100.5 → 94.0–94.6 µs with whole tiles (session 26), → 91.5–92.0 µs (71–72 % of copy) with K halves
+//      and 4 CTAs an SM (session 27). KESTREL_MOE_T8P=0 (or MoeExpertsOptions::t8_persist = 0): the fixed grid.
 //   3. w2: y = bf16(a·W2ᵀ) per slot. Ungrouped t8: it starts during w1|w3's last wave and each CTA waits only
 //      for its own slot's w1|w3 tiles (per-slot readiness counters, zeroed with the split counters; moe_t8.cu).
 //      H200 (session 23, bench_moe, alternated): T = 1 graph 106.5 → 102.5 µs (62 → 65 % of copy). t8 hands
@@ -45,7 +45,7 @@
 //   slower per byte (52 % at T = 8, without PDL; not for its ring: moe_stream.cu), so T = 1 splits
 //   t8's K instead (session 12: w1|w3 and w2 × 2; since session 21 w1|w3 × 3 and w2 unsplit at 8 CTAs per SM;
 //   session 22, ungrouped: 106 µs = 62 % of copy in the graph; session 23, w2 per-slot readiness: 102.5 µs = 65 %;
-//   session 25, w2's raw decode: 100.4–101.0 µs = 66 %; session 26, persistent w1|w3: 94.0–94.6 µs = 70 %).
+//   session 25, w2's raw decode: 100.4–101.0 µs = 66 %; session 26, persistent w1|w3: 94.0–94.6 µs = 70 %; session 27, its K halves: 91.5–92.0 µs = 71–72 %).
 //   See bench/RESULTS.md.
 //   T = 4096: 4.3 TFLOP (16 slots × 4096 tokens × 3 GEMMs of 3584 × 3072). t32: 26.6 ms (163 TFLOP/s: an FFMA per
 //   accumulator per 32-column block, 4 HMMA per decoded word). wide: 2·⌈count/8⌉ HMMA per decoded word, no

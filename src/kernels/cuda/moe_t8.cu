@@ -17,7 +17,7 @@
 // almost empty, and a wave with a few warps per SM keeps far too few bytes in flight; splitting K over 2–8
 // CTAs per tile fills the waves; the splits' FP32 partials meet in the last warp of the tile to finish, summed
 // in split order (deterministic). At one token where the tiles fill half the resident CTAs (the real shape), w1|w3
-// runs moe_t8p.cu's persistent kernel instead (same tiles and sums, no K split, no tail wave; plan_t8 below).
+// runs moe_t8p.cu's persistent kernel instead (same tiles and sums as split 2, no tail wave; plan_t8 below).
 // Measured (H200, session 12, bench_moe; per launch, eager): T = 1 at the real shape w1|w3 85.3 → 75.6 µs with
 // K split in 2 (w2 51.4 → 47.2, also in 2); the deep w1|w3 pipeline: t8_deep_allowed below.
 // w2 issues its first weight stages before its PDL wait (GemmArgs::w_early: its job list is two launches old), so
@@ -524,9 +524,10 @@ T8Plan plan_t8(bool grouped, bool special, int64_t n, int64_t X, int64_t Lt, int
   t.c13 = t.ks13 > 1 ? bound * (I / ml::kTileRows) : 0;
   if (grouped) t.p13 = 0;  // w2 starts after w1|w3 has finished: the partials are shared
   if (persist & 2) t.pp2 = t8p_plan(false, n, Lt, I, t8p_split, 0, t8p_kh, pf - t.p13, cap - t.c13);
-  // Beside a persistent w1|w3, the fixed-grid w2 splits K in 2 (unless forced): its smaller CTAs fill the room
-  // the persistent grid leaves as its first units' slots become ready. H200 (session 26, bench_moe graph, T = 1,
-  // two rounds): 100.4–101.2 µs unsplit against 94.0–94.6 (splits 3 / 4: 96.6 / 98.2; fixed-grid pair 100.4–100.5).
+  // Beside a persistent w1|w3, the fixed-grid w2 splits K in 2 (unless forced). H200 (bench_moe graph, T = 1, two
+  // rounds): session 26 (whole tiles, room left beside them) 100.4–101.2 µs unsplit against 94.0–94.6 (splits 3 / 4:
+  // 96.6 / 98.2); session 27 (K halves at 4 CTAs an SM fill the registers, so w2 mostly runs after w1|w3): split 2
+  // 91.9 / 91.9 against unsplit 92.7 / 93.0, split 3 92.7 / 92.9, persistent w2 95.1 / 95.8.
   if (t.pp2.grid > 0)
     t.ks2 = t.pp2.split;
   else
