@@ -20,9 +20,11 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <string>
+#include <utility>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_util.cuh"
@@ -218,13 +220,20 @@ __global__ void __launch_bounds__(1024) attn_res_step_kernel(
 // One AttnRes point for token blockIdx.y, vectors [rank·per, rank·per + per) of its row on CTA `rank` of the
 // cluster (grid.x = C = the cluster size). The same arithmetic per element as attn_res_step_kernel; the
 // reductions run over warps, then cluster ranks, so at D = 7168 y may differ from it in the last bit.
+// NB ≥ 0: the number of stored blocks known at compile time (the launcher's switch; −1: nb_rt at run time).
+// Why: at batch 1 a point's time is its warps' instruction chain, and the per-source steps unrolled to the
+// 15-block bound under run-time guards cost ~1,130 instructions a warp at 9.3 cycles each for the reduced
+// mini's 0–3 blocks (Nsight Compute, session 28: 9.0 µs a point at 1.49 GHz).
+template <int NB>
 __global__ void __launch_bounds__(kClusterThreads) attn_res_cluster_kernel(
-    const uint16_t* __restrict__ blocks, int64_t block_stride, int nb, uint16_t* __restrict__ partial,
+    const uint16_t* __restrict__ blocks, int64_t block_stride, int nb_rt, uint16_t* __restrict__ partial,
     const uint16_t* __restrict__ a, AttnResAdd mode, uint16_t* __restrict__ store_block,
     const uint16_t* __restrict__ mix_norm_w, const uint16_t* __restrict__ mix_proj_w,
     const uint16_t* __restrict__ rms_w, float eps, uint16_t* __restrict__ y, uint8_t* __restrict__ q8,
     float* __restrict__ q_scale, int D, int per) {
   constexpr int S = kAttnResMaxSources;
+  static_assert(NB < S, "NB stored blocks and P");
+  const int nb = NB >= 0 ? NB : nb_rt;
   __shared__ float red[kClusterThreads / 32][2 * S];  // per warp: dot, Σv² per source (P last); Σh²; amax
   __shared__ float pub[3][2 * S];  // this CTA's partials, read by the cluster: [0] dot/Σv², [1] Σh², [2] amax
   __shared__ float tot[2 * S];
@@ -383,6 +392,20 @@ __global__ void __launch_bounds__(kClusterThreads) attn_res_cluster_kernel(
   cluster.sync();  // no CTA leaves while another may still read its pub[]
 }
 
+// The cluster kernel for nb stored blocks (KESTREL_ATTNRES_NB=0: the run-time instantiation, for A/B).
+template <int... I>
+auto cluster_kernel_table(std::integer_sequence<int, I...>) {
+  return std::array{attn_res_cluster_kernel<-1>, attn_res_cluster_kernel<I>...};
+}
+auto cluster_kernel_for(int nb) {
+  static const auto table = cluster_kernel_table(std::make_integer_sequence<int, kAttnResMaxSources>{});
+  static const bool on = [] {
+    const char* e = std::getenv("KESTREL_ATTNRES_NB");
+    return !(e && e[0] == '0');
+  }();
+  return on && nb >= 0 && nb < kAttnResMaxSources ? table[size_t(nb) + 1] : table[0];
+}
+
 }  // namespace
 
 int attn_res_cluster_max_t() { return cluster_max_t().load(std::memory_order_relaxed); }
@@ -418,7 +441,7 @@ void attn_res_step(const uint16_t* blocks, int64_t block_stride, int nb, uint16_
   if (T <= attn_res_cluster_max_t() && nv <= int64_t(kClusterMax) * kClusterThreads) {
     const int64_t C = std::clamp<int64_t>((nv + kClusterVecs - 1) / kClusterVecs, 1, kClusterMax);
     const int64_t per = (nv + C - 1) / C;
-    launch_pdl_cluster(attn_res_cluster_kernel, dim3(unsigned(C), unsigned(T)), dim3(unsigned((per + 31) / 32 * 32)),
+    launch_pdl_cluster(cluster_kernel_for(nb), dim3(unsigned(C), unsigned(T)), dim3(unsigned((per + 31) / 32 * 32)),
                        0, stream, unsigned(C), blocks, block_stride, nb, partial, a, mode, store_block, mix_norm_w,
                        mix_proj_w, rms_w, eps, y, q8, q_scale, int(D), int(per));
     return;

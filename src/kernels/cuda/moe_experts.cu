@@ -160,22 +160,29 @@ __global__ void __launch_bounds__(kGroupThreads) prep_kernel(int32_t* __restrict
 // ---- 4. combine ------------------------------------------------------------------------------------------
 // ũ[t, j..j+7] = bf16(Σ_k w[t,k]·y[t·K+k, j..j+7]), FP32 in top-k order; out-of-range ids add nothing.
 // The K rows are loaded 8 at a time before any is summed (one memory latency per 8 slots, not per slot).
+// KT > 0: K == KT ≤ 8 known at compile time (the launcher's switch), so the batch is exactly the K slots. Why:
+// at batch 1 these kernels are one CTA whose time is its warps' instruction chain, and the generic batch of 8
+// (clamped slots, predicates) cost the reduced mini's top-2 combine + norm ~1,200 instructions a warp (Nsight
+// Compute, session 28: 8.3 µs a launch at 7.3 cycles an instruction).
+template <int KT>
 __device__ __forceinline__ uint4 combine8(const uint16_t* __restrict__ y, const float* __restrict__ wts,
-                                          const int32_t* __restrict__ ids, int64_t t, int K, int X, int Lt, int j) {
+                                          const int32_t* __restrict__ ids, int64_t t, int K_, int X, int Lt, int j) {
+  constexpr int U = KT > 0 ? KT : 8;
+  const int K = KT > 0 ? KT : K_;
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int k0 = 0; k0 < K; k0 += 8) {
-    uint4 v[8];
-    float w[8];
-    bool ok[8];
+  for (int k0 = 0; k0 < K; k0 += U) {
+    uint4 v[U];
+    float w[U];
+    bool ok[U];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int64_t slot = t * K + min(k0 + u, K - 1);
       ok[u] = k0 + u < K && unsigned(__ldg(ids + slot)) < unsigned(X);
       w[u] = ok[u] ? __ldg(wts + slot) : 0.0f;
       v[u] = ok[u] ? ld_act16(y + slot * Lt + j) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
+    for (int u = 0; u < U; ++u) {
       if (!ok[u]) continue;
       float f[8];
       dev::unpack8(v[u], f);
@@ -186,6 +193,7 @@ __device__ __forceinline__ uint4 combine8(const uint16_t* __restrict__ y, const 
   return dev::pack8(acc);
 }
 
+template <int KT>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const uint16_t* __restrict__ y,
                                                                   const float* __restrict__ wts,
                                                                   const int32_t* __restrict__ ids, int64_t T, int K,
@@ -197,13 +205,14 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const uint16_t
   if (i >= T * per) return;
   const int64_t t = i / per;
   const int j = int(i - t * per) * 8;
-  *reinterpret_cast<uint4*>(ut + t * Lt + j) = combine8(y, wts, ids, t, K, X, Lt, j);
+  *reinterpret_cast<uint4*>(ut + t * Lt + j) = combine8<KT>(y, wts, ids, t, K, X, Lt, j);
 }
 
 // 4'. combine + the latent norm (MoeExpertsOptions::norm_w): one CTA of kNormThreads per token. Thread i owns
 // the 8-vectors i, i + kNormThreads, ... — rmsnorm_kernel's (norm.cu) ownership and order — so Σx² and the
 // normalised row are bit-identical to combine_kernel followed by rmsnorm_bf16, one launch fewer.
 constexpr int kNormThreads = 256;  // = norm.cu kThreads
+template <int KT>
 __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const uint16_t* __restrict__ y,
                                                                     const float* __restrict__ wts,
                                                                     const int32_t* __restrict__ ids, int K, int X,
@@ -218,7 +227,7 @@ __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const uint16
   float ss = 0.0f;
   for (int v = threadIdx.x; v < nv; v += kNormThreads) {
     const int j = 8 * v;
-    const uint4 packed = combine8(y, wts, ids, t, K, X, Lt, j);
+    const uint4 packed = combine8<KT>(y, wts, ids, t, K, X, Lt, j);
     *reinterpret_cast<uint4*>(ut + t * Lt + j) = packed;
     float f[8];
     dev::unpack8(packed, f);  // the BF16 ũ, as rmsnorm_kernel reads it
@@ -238,6 +247,17 @@ __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const uint16
 }
 
 // ---- launchers -------------------------------------------------------------------------------------------
+// The combine instantiation for K slots a token: k[K] for K ≤ 8 (exact batches), else k[0] (batches of 8);
+// KESTREL_MOE_COMBINE_KT=0 takes k[0] always (A/B).
+template <typename F, typename... Fs>
+F pick_kt(int64_t K, F generic, Fs... exact) {
+  static const bool on = [] {
+    const char* e = std::getenv("KESTREL_MOE_COMBINE_KT");
+    return !(e && e[0] == '0');
+  }();
+  const F k[] = {generic, exact...};
+  return on && K >= 1 && K < int64_t(sizeof...(Fs)) + 1 ? k[K] : generic;
+}
 size_t round256(size_t n) { return (n + 255) & ~size_t(255); }
 
 enum class Path { t8, t32, stream, wide, dense };
@@ -546,7 +566,10 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
                       ldn >= Lt && ldn % 8 == 0,
                   "moe_experts_mxfp4: the fused latent norm needs 16-byte aligned norm_w and normed rows (normed_ld " +
                       std::to_string(ldn) + ")");
-    moe_detail::launch(combine_norm_kernel, dim3(unsigned(T)), dim3(kNormThreads), 0, stream, pdl,
+    moe_detail::launch(pick_kt(K, combine_norm_kernel<0>, combine_norm_kernel<1>, combine_norm_kernel<2>,
+                               combine_norm_kernel<3>, combine_norm_kernel<4>, combine_norm_kernel<5>,
+                               combine_norm_kernel<6>, combine_norm_kernel<7>, combine_norm_kernel<8>),
+                       dim3(unsigned(T)), dim3(kNormThreads), 0, stream, pdl,
                        static_cast<const uint16_t*>(y), weights, ids, int(K), int(X), int(Lt), opt.norm_w,
                        opt.norm_eps, ut, opt.normed, ldn);
     mark(opt, 4, stream);
@@ -555,7 +578,10 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
   const int64_t outs = T * (Lt / 8);
   KCUDA_REQUIRE((outs + kCombineThreads - 1) / kCombineThreads < (int64_t(1) << 31),
                 std::string("moe_experts_mxfp4: too many outputs"));
-  moe_detail::launch(combine_kernel, dim3(unsigned((outs + kCombineThreads - 1) / kCombineThreads)),
+  moe_detail::launch(pick_kt(K, combine_kernel<0>, combine_kernel<1>, combine_kernel<2>, combine_kernel<3>,
+                             combine_kernel<4>, combine_kernel<5>, combine_kernel<6>, combine_kernel<7>,
+                             combine_kernel<8>),
+                     dim3(unsigned((outs + kCombineThreads - 1) / kCombineThreads)),
                      dim3(kCombineThreads), 0, stream, pdl, static_cast<const uint16_t*>(y), weights, ids, T, int(K),
                      int(X), int(Lt), ut);
   mark(opt, 4, stream);
