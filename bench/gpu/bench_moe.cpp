@@ -15,7 +15,10 @@
 // without PDL, stream-ctasN (the persistent grid forced to N CTAs), t8-nopdl, t8-ksN (t8's K split forced to
 // N) — so each change can be seen on its own. The comparison peer is bench/gpu/moe_peer.py.
 //
-//   bench_moe [--quick] [--batches 1,8,64,256,4096] [--variants auto,t8,...] [--breakdown] [--perf]
+//   bench_moe [--quick] [--batches 1,8,64,256,4096] [--variants auto,t8,...] [--breakdown] [--perf] [--topk K]
+//
+// --topk K (default 16): K experts a token instead of 16 — e.g. 2, what one rank of an EP8 deployment sees at batch 1
+// (896 / 8 experts a rank, 16 / 8 of a token's hits) and what the reduced mini's MoE layers run (bench_ops).
 //
 // --breakdown: per launch (group, w1|w3, w2, combine) median µs of eager calls with events between the launches
 // (PDL off there), for each variant. --perf: the scoreboard only (auto, graph replay, T = 1, 8, 64, 256, 4096;
@@ -189,6 +192,7 @@ std::vector<int64_t> parse_list(const std::string& s) {
 
 int main(int argc, char** argv) {
   bool quick = false, perf = false, breakdown = false;
+  int64_t K = 16;  // experts a token (--topk)
   std::vector<int64_t> batches = {1, 8, 64, 256, 4096};
   std::vector<std::string> vnames = {"auto", "t8", "stream", "stream-nopdl", "stream-grouped", "t32", "wide", "wide-nopdl"};
   for (int i = 1; i < argc; ++i) {
@@ -203,12 +207,22 @@ int main(int argc, char** argv) {
       batches = parse_list(argv[++i]);
     } else if (a == "--variants" && i + 1 < argc) {
       vnames = split(argv[++i]);
+    } else if (a == "--topk" && i + 1 < argc) {
+      K = std::atoll(argv[++i]);
+      if (K < 1 || K > 64) {
+        fmt::print(stderr, "bench_moe: --topk {} outside [1, 64]\n", K);
+        return 2;
+      }
     } else {
       fmt::print(stderr,
-                 "usage: bench_moe [--quick] [--perf] [--breakdown] [--batches 1,8,64,256,4096] [--variants auto,auto-f32,auto-fold,auto-raw,t8,t32,"
+                 "usage: bench_moe [--quick] [--perf] [--breakdown] [--topk K] [--batches 1,8,64,256,4096] [--variants auto,auto-f32,auto-fold,auto-raw,t8,t32,"
                  "stream,wide,stream-nopdl,stream-grouped,stream-ungrouped,wide-nopdl,stream-ctasN,t8-nopdl,t8-ksN]\n");
       return 2;
     }
+  }
+  if (perf && K != 16) {
+    fmt::print(stderr, "bench_moe: --perf measures the scoreboard's top-16 only\n");
+    return 2;
   }
   if (perf) {
     quick = true;
@@ -244,7 +258,7 @@ int main(int argc, char** argv) {
       copy_gbs = 2.0 * double(n) / us / 1e3;
     }
 
-    const int64_t X = 896, K = 16, Lt = 3584, I = 3072;
+    const int64_t X = 896, Lt = 3584, I = 3072;
     const int64_t p13 = I * Lt / 2, s13 = I * Lt / 32, p2 = Lt * I / 2, s2 = Lt * I / 32;
     const double expert_bytes = double(2 * (p13 + s13) + p2 + s2);
     cuda::DeviceBuffer w1p(size_t(X * p13)), w3p(size_t(X * p13)), w2p(size_t(X * p2)), w1s(size_t(X * s13)),
@@ -264,9 +278,9 @@ int main(int argc, char** argv) {
 
     fmt::print("## MoE routed experts, MXFP4 W4A16 on tensor cores — {} ({} SMs)\n\n", prop.name,
                prop.multiProcessorCount);
-    fmt::print("896 experts, top-16, Lt 3584, I 3072: {:.2f} MB per expert, {:.1f} GB in all. Device-to-device copy "
+    fmt::print("896 experts, top-{}, Lt 3584, I 3072: {:.2f} MB per expert, {:.1f} GB in all. Device-to-device copy "
                "measured now: {:.0f} GB/s.\n\n",
-               expert_bytes / 1e6, expert_bytes * double(X) / 1e9, copy_gbs);
+               K, expert_bytes / 1e6, expert_bytes * double(X) / 1e9, copy_gbs);
     if (perf) fmt::print("PERF copy_gbps {:.1f}\n", copy_gbs);
     fmt::print("| T | variant | experts hit | weight bytes | eager µs | graph µs | graph queued µs | GB/s (graph) | % of copy "
                "| % of copy (queued) | TFLOP/s |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
