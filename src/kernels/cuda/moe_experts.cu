@@ -212,6 +212,10 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const uint16_t
 // the 8-vectors i, i + kNormThreads, ... — rmsnorm_kernel's (norm.cu) ownership and order — so Σx² and the
 // normalised row are bit-identical to combine_kernel followed by rmsnorm_bf16, one launch fewer.
 constexpr int kNormThreads = 256;  // = norm.cu kThreads
+// Rows of at most kNormHeld vectors a thread (Lt ≤ 4096: the real latent 3584 is 448 vectors) keep their ũ vectors
+// in registers between the two passes and read their norm weights (never written by a kernel) before the PDL
+// wait; the passes' loops are unrolled, so a thread's loads are in flight together. Longer rows loop as before.
+constexpr int kNormHeld = 2;
 template <int KT>
 __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const uint16_t* __restrict__ y,
                                                                     const float* __restrict__ wts,
@@ -220,17 +224,55 @@ __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const uint16
                                                                     float eps, uint16_t* __restrict__ ut,
                                                                     uint16_t* __restrict__ normed, int64_t ldn) {
   __shared__ float scratch[32];
-  griddep_wait();  // y comes from the w2 GEMM
-  griddep_launch();
   const int64_t t = blockIdx.x;
   const int nv = Lt / 8;
+  if (nv <= kNormHeld * kNormThreads) {
+    uint4 g8[kNormHeld], u8[kNormHeld];
+#pragma unroll
+    for (int i = 0; i < kNormHeld; ++i) {
+      const int v = int(threadIdx.x) + i * kNormThreads;
+      g8[i] = v < nv ? dev::ld16(nw + 8 * v) : make_uint4(0, 0, 0, 0);
+    }
+    griddep_wait();  // y comes from the w2 GEMM
+    griddep_launch();
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kNormHeld; ++i) {
+      const int v = int(threadIdx.x) + i * kNormThreads;
+      if (v < nv) {
+        u8[i] = combine8<KT>(y, wts, ids, t, K, X, Lt, 8 * v);
+        *reinterpret_cast<uint4*>(ut + t * Lt + 8 * v) = u8[i];
+        float f[8];
+        dev::unpack8(u8[i], f);  // the BF16 ũ, as rmsnorm_kernel reads it
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
+      }
+    }
+    ss = dev::block_sum(ss, scratch);
+    const float r = 1.0f / sqrtf(ss / float(Lt) + eps);
+#pragma unroll
+    for (int i = 0; i < kNormHeld; ++i) {
+      const int v = int(threadIdx.x) + i * kNormThreads;
+      if (v < nv) {
+        float f[8], g[8];
+        dev::unpack8(u8[i], f);
+        dev::unpack8(g8[i], g);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = g[e] * dev::round_bf16(f[e] * r);
+        *reinterpret_cast<uint4*>(normed + t * ldn + 8 * v) = dev::pack8(f);
+      }
+    }
+    return;
+  }
+  griddep_wait();
+  griddep_launch();
   float ss = 0.0f;
   for (int v = threadIdx.x; v < nv; v += kNormThreads) {
     const int j = 8 * v;
     const uint4 packed = combine8<KT>(y, wts, ids, t, K, X, Lt, j);
     *reinterpret_cast<uint4*>(ut + t * Lt + j) = packed;
     float f[8];
-    dev::unpack8(packed, f);  // the BF16 ũ, as rmsnorm_kernel reads it
+    dev::unpack8(packed, f);
 #pragma unroll
     for (int i = 0; i < 8; ++i) ss = fmaf(f[i], f[i], ss);
   }
