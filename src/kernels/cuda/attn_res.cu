@@ -38,7 +38,10 @@ namespace {
 namespace cg = cooperative_groups;
 
 constexpr int kClusterMaxT = 64;      // the most tokens the cluster kernel may take (decode buckets)
-constexpr int kClusterDefaultMaxT = 32;  // cluster 8.0–9.7 µs a point at T ≤ 32, one-CTA 14.5 (RESULTS)
+// Every decode bucket (T ≤ 64) on the cluster kernel: with both kernels instantiated per stored-block count
+// (session 28, bench_ops --only attnres, 4 blocks) cluster 6.0 / 8.4 / 11.3 µs a point at T = 1 / 32 / 64, one-CTA
+// 11.5–12.0; before, cluster 8.1 / 9.7 / 16.7 against one-CTA 14.5, so the bound was 32.
+constexpr int kClusterDefaultMaxT = 64;
 constexpr int kClusterMax = 8;        // portable cluster size
 constexpr int kClusterVecs = 64;      // fewest 16-byte vectors per CTA worth another CTA in the cluster
 constexpr int kClusterThreads = 256;  // most vectors per CTA (102 registers a thread: 15 sources held)
@@ -67,12 +70,16 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   return m;
 }
 
+// NB ≥ 0: the stored-block count at compile time, as for the cluster kernel below (−1: nb_rt at run time).
+template <int NB>
 __global__ void __launch_bounds__(1024) attn_res_step_kernel(
-    const uint16_t* __restrict__ blocks, int64_t block_stride, int nb, uint16_t* __restrict__ partial,
+    const uint16_t* __restrict__ blocks, int64_t block_stride, int nb_rt, uint16_t* __restrict__ partial,
     const uint16_t* __restrict__ a, AttnResAdd mode, uint16_t* __restrict__ store_block,
     const uint16_t* __restrict__ mix_norm_w, const uint16_t* __restrict__ mix_proj_w,
     const uint16_t* __restrict__ rms_w, float eps, uint16_t* __restrict__ y, uint8_t* __restrict__ q8,
     float* __restrict__ q_scale, int D) {
+  static_assert(NB < kAttnResMaxSources, "NB stored blocks and P");
+  const int nb = NB >= 0 ? NB : nb_rt;
   extern __shared__ float h[];  // f32 [D], the BF16-rounded mix
   __shared__ float red[2 * kAttnResMaxSources][33];
   __shared__ float alpha[kAttnResMaxSources];
@@ -392,18 +399,29 @@ __global__ void __launch_bounds__(kClusterThreads) attn_res_cluster_kernel(
   cluster.sync();  // no CTA leaves while another may still read its pub[]
 }
 
-// The cluster kernel for nb stored blocks (KESTREL_ATTNRES_NB=0: the run-time instantiation, for A/B).
+// The kernels for nb stored blocks (KESTREL_ATTNRES_NB=0: the run-time instantiations, for A/B).
 template <int... I>
 auto cluster_kernel_table(std::integer_sequence<int, I...>) {
   return std::array{attn_res_cluster_kernel<-1>, attn_res_cluster_kernel<I>...};
 }
-auto cluster_kernel_for(int nb) {
-  static const auto table = cluster_kernel_table(std::make_integer_sequence<int, kAttnResMaxSources>{});
+template <int... I>
+auto step_kernel_table(std::integer_sequence<int, I...>) {
+  return std::array{attn_res_step_kernel<-1>, attn_res_step_kernel<I>...};
+}
+size_t nb_index(int nb) {
   static const bool on = [] {
     const char* e = std::getenv("KESTREL_ATTNRES_NB");
     return !(e && e[0] == '0');
   }();
-  return on && nb >= 0 && nb < kAttnResMaxSources ? table[size_t(nb) + 1] : table[0];
+  return on && nb >= 0 && nb < kAttnResMaxSources ? size_t(nb) + 1 : 0;
+}
+auto cluster_kernel_for(int nb) {
+  static const auto table = cluster_kernel_table(std::make_integer_sequence<int, kAttnResMaxSources>{});
+  return table[nb_index(nb)];
+}
+auto step_kernel_for(int nb) {
+  static const auto table = step_kernel_table(std::make_integer_sequence<int, kAttnResMaxSources>{});
+  return table[nb_index(nb)];
 }
 
 }  // namespace
@@ -430,12 +448,6 @@ void attn_res_step(const uint16_t* blocks, int64_t block_stride, int nb, uint16_
   KCUDA_REQUIRE(T >= 0 && T < (int64_t(1) << 31), std::string("attn_res_step: bad T"));
   if (T == 0) return;
   const size_t smem = size_t(D) * 4;
-  static bool attr_set = false;  // one device per process; the largest D once is enough
-  static size_t attr_smem = 0;
-  if (smem > 48 * 1024 && (!attr_set || smem > attr_smem)) {
-    KCUDA_CHECK(cudaFuncSetAttribute(attn_res_step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    attr_set = true, attr_smem = smem;
-  }
   const int64_t nv = D / 8;
   // Small batches: the row over a cluster of C CTAs (enough vectors per CTA to be worth one), `per` vectors each.
   if (T <= attn_res_cluster_max_t() && nv <= int64_t(kClusterMax) * kClusterThreads) {
@@ -452,7 +464,10 @@ void attn_res_step(const uint16_t* blocks, int64_t block_stride, int nb, uint16_
   // prefill: 4.3 ms for its 8 AttnRes points at one thread per vector).
   const unsigned threads =
       T >= 512 ? unsigned(std::min<int64_t>(256, (nv + 31) / 32 * 32)) : unsigned(std::min<int64_t>(1024, (nv + 31) / 32 * 32));
-  launch_pdl(attn_res_step_kernel, dim3(unsigned(T)), dim3(threads), smem, stream, blocks, block_stride, nb, partial,
+  const auto kernel = step_kernel_for(nb);
+  if (smem > 48 * 1024)  // D > 12288 only (no configuration of ours): the attribute per launch is cheap enough
+    KCUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  launch_pdl(kernel, dim3(unsigned(T)), dim3(threads), smem, stream, blocks, block_stride, nb, partial,
              a, mode, store_block, mix_norm_w, mix_proj_w, rms_w, eps, y, q8, q_scale, int(D));
 }
 
