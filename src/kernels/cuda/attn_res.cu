@@ -2,11 +2,12 @@
 // partial sum P, the optional stored block, the Mix over the stored blocks and P, the RMSNorm after it and
 // optionally the next GEMM's FP8 codes — one kernel per point. Twin: model::attn_res_mix + cpu::rmsnorm_bf16.
 //
-// Two kernels, chosen by the launcher:
-// - attn_res_step_kernel (more tokens than attn_res_cluster_max_t(): prefill, larger decode batches): one CTA
+// Two kernels, chosen by the launcher, each instantiated per stored-block count (0..15, a table indexed by nb;
+// the run-time form for A/B) — at decode a point's time is its warps' instruction chain, see the cluster kernel:
+// - attn_res_step_kernel (more tokens than attn_res_cluster_max_t(), default 64: prefill): one CTA
 //   per token looping over the row. The sources are re-read in each pass (up to 16 sources × D values do not
 //   fit in registers); h, the mixed row, waits in shared memory (f32 [D]) for the norm.
-// - attn_res_cluster_kernel (small decode batches): a token's row is cut over a cluster of C ≤ 8 CTAs
+// - attn_res_cluster_kernel (decode batches, T ≤ 64): a token's row is cut over a cluster of C ≤ 8 CTAs
 //   (D = 7168: 8 CTAs × 112 vectors), one 16-byte vector of every source per thread, held in registers from
 //   its single load to the end. The per-source dot products and sums of squares, Σh² and the FP8 amax are
 //   summed over the warps, then over the cluster through distributed shared memory (each CTA publishes its
