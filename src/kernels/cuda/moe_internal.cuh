@@ -96,6 +96,13 @@ inline int64_t t8p_partial_floats(bool glu, int64_t n, int64_t R, int S) {
 }
 void launch_t8p(const GemmArgs& a, bool glu, bool fold_ok, const T8pPlan& plan, bool pdl, cudaStream_t stream);
 
+// Launch 4 (moe_combine.cu): ũ = bf16(Σ_k w_k·y_k) per token, bf16 [T, Lt] into ut, from y bf16 [T·K, Lt] (slot
+// rows), wts f32 [T, K], ids i32 [T, K] (ids outside [0, X) add nothing); with norm_w (bf16 [Lt]) also the
+// RMSNorm of ũ into normed (row stride ldn).
+void launch_combine(const uint16_t* y, const float* wts, const int32_t* ids, int64_t T, int64_t K, int64_t X,
+                    int64_t Lt, uint16_t* ut, const uint16_t* norm_w, float eps, uint16_t* normed, int64_t ldn, bool pdl,
+                    cudaStream_t stream);
+
 // The t8 path's plan for one call (moe_t8.cu plan_t8): K splits of w1|w3 and w2, their tile counters at
 // [0, c13) and [c13, n_zero) of the scratch's counters (n_zero: how many the first kernel zeroes, before the
 // readiness counters), w2's partials after w1|w3's p13 floats (ungrouped: w2 runs beside w1|w3's last tiles;
