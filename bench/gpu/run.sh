@@ -25,6 +25,9 @@
 #                            # replay, each kernel's start, gap / overlap and exposed time (what PDL hides and what it
 #                            # does not); $OUT/timeline.md, $OUT/trace.csv.xz. The tracer slows the host side (the
 #                            # traced step graph measured 675 against 595 µs), not the kernels' own spans
+#   bench/gpu/run.sh timeline_ab ROUNDS SETTING...
+#                            # there: the same under each setting (VAR=VALUE words, "" = as is), alternated, then
+#                            # each kernel's exposed time per setting side by side ($OUT/timeline_ab.md)
 #   bench/gpu/run.sh perf    # there: the scoreboard in one run (≤ 8 min): ceilings, kernels, the reduced-mini
 #                            # decode step and prefill, `kestrel serve` + `kestrel bench` at c=1/64, the peers;
 #                            # writes $OUT/perf.json (copy it to bench/gpu/perf.json) and a markdown table
@@ -525,6 +528,35 @@ case "${1:-}" in
     python3 bench/gpu/timeline.py "$out/trace.csv" > "$out/timeline.md" && head -"${TIMELINE_LINES:-80}" "$out/timeline.md"
     xz -6 -f "$out/trace.csv"
     ;;
+  timeline_ab)
+    # The same timeline under several settings, alternated ROUNDS times, then each kernel name's exposed time side
+    # by side (timeline.py with several traces): `run.sh timeline_ab 2 "" "KESTREL_ATTNRES_NB=0"`. A setting is
+    # VAR=VALUE words ("" = as is); columns s<i>r<round>, in the order given.
+    out="${OUT:-/tmp}"
+    unpack
+    lt_path .gpu-carry/bench_ops
+    make_mini /tmp/kestrel_ckpt/mini
+    [ -f .gpu-carry/libkestrel_kernel_trace.so ] || { echo "timeline_ab: no libkestrel_kernel_trace.so packed" >&2; exit 2; }
+    [ "$#" -ge 3 ] || { echo "usage: $0 timeline_ab ROUNDS SETTING..." >&2; exit 2; }
+    rounds="$2"
+    shift 2
+    traces=() labels=()
+    for r in $(seq "$rounds"); do
+      i=0
+      for s in "$@"; do
+        t="$out/trace_s${i}r$r.csv"
+        echo "== s${i}r$r: ${s:-(as is)}"
+        # shellcheck disable=SC2086  # a setting is several VAR=VALUE words
+        env $s CUDA_INJECTION64_PATH="$PWD/.gpu-carry/libkestrel_kernel_trace.so" KESTREL_TRACE_OUT="$t" \
+          .gpu-carry/bench_ops --perf --only model --model /tmp/kestrel_ckpt/mini 2>&1 | grep -E "^PERF decode_step" || true
+        traces+=("$t") labels+=("s${i}r$r")
+        i=$((i + 1))
+      done
+    done
+    python3 bench/gpu/timeline.py "${traces[@]}" --labels "$(IFS=,; echo "${labels[*]}")" > "$out/timeline_ab.md" &&
+      head -"${TIMELINE_LINES:-40}" "$out/timeline_ab.md"
+    xz -6 -f "${traces[@]}"
+    ;;
   perf)
     # The scoreboard: every number of bench/gpu/perf.json measured in this one run (ceilings, our kernels, the
     # engine through `kestrel serve`, and the peers), then perf.py writes perf.json + a markdown table.
@@ -695,7 +727,7 @@ case "${1:-}" in
     .gpu-carry/bench_mla "${@:2}"
     ;;
   *)
-    echo "usage: $0 pack|test|suite|ab|all|serving|tp|structured|vision|decode|kda|eval|timeline|perf|soak|train_long|bench|bench_mla|bench_kda" >&2
+    echo "usage: $0 pack|test|suite|ab|all|serving|tp|structured|vision|decode|kda|eval|timeline|timeline_ab|perf|soak|train_long|bench|bench_mla|bench_kda" >&2
     exit 2
     ;;
 esac
