@@ -114,6 +114,21 @@ make_mini() {
     --no-vision --override num_experts=4 --override num_hidden_layers=4 --override vocab_size=8192 >/dev/null
 }
 
+# The kernel tracer (timeline modes): the binaries unpacked, the reduced mini made, the tracer present.
+trace_setup() {
+  unpack
+  lt_path .gpu-carry/bench_ops
+  make_mini /tmp/kestrel_ckpt/mini
+  [ -f .gpu-carry/libkestrel_kernel_trace.so ] || { echo "$1: no libkestrel_kernel_trace.so packed" >&2; exit 2; }
+}
+# traced_step CSV [BENCH_OPS ARGS]: the reduced mini's step benchmark with every kernel's span written to CSV.
+traced_step() {
+  local csv="$1"
+  shift
+  CUDA_INJECTION64_PATH="$PWD/.gpu-carry/libkestrel_kernel_trace.so" KESTREL_TRACE_OUT="$csv" \
+    .gpu-carry/bench_ops "$@" --perf --only model --model /tmp/kestrel_ckpt/mini
+}
+
 # Waits up to 120 s for `kestrel serve` on 127.0.0.1:PORT to answer /health; returns 1 at once if its process PID
 # has exited (the callers decide whether that ends the mode), 0 when healthy or after the wait (as the loops did).
 wait_healthy() {
@@ -517,13 +532,8 @@ case "${1:-}" in
     # Kernel timeline of the reduced mini's decode-step graphs (header). The tracer is a CUPTI injection library:
     # the CUDA driver loads it into bench_ops (CUDA_INJECTION64_PATH); it writes every kernel's span at exit.
     out="${OUT:-/tmp}"
-    unpack
-    lt_path .gpu-carry/bench_ops
-    make_mini /tmp/kestrel_ckpt/mini
-    [ -f .gpu-carry/libkestrel_kernel_trace.so ] || { echo "timeline: no libkestrel_kernel_trace.so packed" >&2; exit 2; }
-    CUDA_INJECTION64_PATH="$PWD/.gpu-carry/libkestrel_kernel_trace.so" KESTREL_TRACE_OUT="$out/trace.csv" \
-      .gpu-carry/bench_ops "${@:2}" --perf --only model --model /tmp/kestrel_ckpt/mini > "$out/timeline_bench.log" 2>&1 \
-      || echo "timeline: bench_ops exit $?"
+    trace_setup timeline
+    traced_step "$out/trace.csv" "${@:2}" > "$out/timeline_bench.log" 2>&1 || echo "timeline: bench_ops exit $?"
     grep -E "^PERF decode_step|kernel_trace" "$out/timeline_bench.log" || true
     python3 bench/gpu/timeline.py "$out/trace.csv" > "$out/timeline.md" && head -"${TIMELINE_LINES:-80}" "$out/timeline.md"
     xz -6 -f "$out/trace.csv"
@@ -533,13 +543,10 @@ case "${1:-}" in
     # by side (timeline.py with several traces): `run.sh timeline_ab 2 "" "KESTREL_ATTNRES_NB=0"`. A setting is
     # VAR=VALUE words ("" = as is); columns s<i>r<round>, in the order given.
     out="${OUT:-/tmp}"
-    unpack
-    lt_path .gpu-carry/bench_ops
-    make_mini /tmp/kestrel_ckpt/mini
-    [ -f .gpu-carry/libkestrel_kernel_trace.so ] || { echo "timeline_ab: no libkestrel_kernel_trace.so packed" >&2; exit 2; }
     [ "$#" -ge 3 ] || { echo "usage: $0 timeline_ab ROUNDS SETTING..." >&2; exit 2; }
     rounds="$2"
     shift 2
+    trace_setup timeline_ab
     traces=() labels=()
     for r in $(seq "$rounds"); do
       i=0
@@ -547,8 +554,7 @@ case "${1:-}" in
         t="$out/trace_s${i}r$r.csv"
         echo "== s${i}r$r: ${s:-(as is)}"
         # shellcheck disable=SC2086  # a setting is several VAR=VALUE words
-        env $s CUDA_INJECTION64_PATH="$PWD/.gpu-carry/libkestrel_kernel_trace.so" KESTREL_TRACE_OUT="$t" \
-          .gpu-carry/bench_ops --perf --only model --model /tmp/kestrel_ckpt/mini 2>&1 | grep -E "^PERF decode_step" || true
+        (for kv in $s; do export "${kv?}"; done; traced_step "$t") 2>&1 | grep -E "^PERF decode_step" || true
         traces+=("$t") labels+=("s${i}r$r")
         i=$((i + 1))
       done
