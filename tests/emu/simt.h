@@ -92,6 +92,10 @@ template <typename T>
 inline void __stcs(T* p, T v) {
   *p = v;
 }
+template <typename T>
+inline void __stwb(T* p, T v) {
+  *p = v;
+}
 
 // FP16 / BF16 as bit patterns, converted with the repository's own RNE rules (core/dtype.h).
 struct __half {

@@ -110,6 +110,10 @@ __global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(cons
   }
   if (!early && tid < DK) dtb = wt.dt_bias[int64_t(h) * DK + tid], alog = wt.a_log[h], onw = wt.o_norm[tid];
   if (tid < DK) fas[tid] = dev::bf16_to_f32(in.fa[int64_t(b) * in.ld_fa + tid]);
+  // The row's β logit and this thread's output-gate logit, read here beside f_a (all three written by the
+  // previous kernel): issued at the end of phases C and D they put two more L2 round trips on the chain.
+  const uint16_t bl_raw = in.bl[int64_t(b) * in.ld_bl + h];
+  const uint16_t gate_raw = tid < DK ? in.gate[int64_t(b) * in.ld_gate + int64_t(h) * DK + tid] : uint16_t(0);
   // A. the conv of this thread's channel.
   if (!early) load_hist();
   if (tid < 3 * DK) {
@@ -169,7 +173,7 @@ __global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(cons
   __syncthreads();
   // C. one delta-rule step (decode_kernel's arithmetic for one token).
   {
-    const float bt = dev::sigmoid(dev::bf16_to_f32(in.bl[int64_t(b) * in.ld_bl + h]));
+    const float bt = dev::sigmoid(dev::bf16_to_f32(bl_raw));
     float vv[4], kr[R], a[4] = {0.0f, 0.0f, 0.0f, 0.0f}, bq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, kq = 0.0f;
 #pragma unroll
     for (int c = 0; c < 4; ++c) vv[c] = cv[2 * DK + col + c];
@@ -241,7 +245,7 @@ __global__ void __launch_bounds__(4 * DK, 256 / DK) kda_decode_fused_kernel(cons
   if (tid < DK) {
     const float r = 1.0f / sqrtf(sums[2] / float(DK) + wt.eps);
     const int64_t c = int64_t(h) * DK + tid;
-    const float gt = dev::sigmoid(dev::bf16_to_f32(in.gate[int64_t(b) * in.ld_gate + c]));
+    const float gt = dev::sigmoid(dev::bf16_to_f32(gate_raw));
     ohat[int64_t(b) * HD + c] = dev::f32_to_bf16(os[tid] * r * onw * gt);
   }
 }
