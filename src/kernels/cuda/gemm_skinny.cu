@@ -20,8 +20,10 @@
 // kept too few bytes in flight (49 % of DRAM peak under Nsight Compute for KDA q|k|v at T = 1), and 8 register
 // steps cost CTAs per SM (180 registers) — both measured slower (session 14, batch-1 step: 633–635 µs with 4
 // register steps, 782 with 8, 602–606 staged). KESTREL_SKINNY_STAGED=0 keeps the register path at every
-// T. At T > 16 W loads run U steps ahead in registers (U = 2). x: one step ahead (T ≤ 16) or just in time
-// (its L2 latency is short against a step's share of HBM time). W is read with ld.global.nc.L1::no_allocate
+// T. At T > 16 W loads run U steps ahead in registers (U = 2). x: D steps ahead on the staged path at T ≤ 8
+// (2 at T ≤ 16, one on the register path) or just in time at T > 16: in the steady state a step's share of
+// HBM time hides x's L2 latency, but right after the PDL wait the ring's steps are already there and x alone
+// sets the pace (session 29). W is read with ld.global.nc.L1::no_allocate
 // (read once, leaves L1 to x) or cp.async.cg (L2 only); x with
 // ld.global.cg (L2; written by the previous kernel, possibly while this one was already running its
 // prologue under PDL). Before griddepcontrol.wait a CTA issues its first steps of W (weights are never
@@ -274,15 +276,21 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
       cp_async_commit();
     }
     dev::pdl_wait();
-    uint4 xb[2][NT][2];
-    if (n_my > 0) load_x(xb[0], s_begin + warp);
-    for (int i = 0; i < n_my; i += 2) {
+    // x runs XD steps ahead in a register ring. At NT = 1 XD = D: right after the wait every step whose W is
+    // already in the ring has its x in flight too, so those steps cost one L2 round trip together instead of
+    // one each (x one step ahead put D round trips in a row on the chain — the whole of a launch whose W fit
+    // its rings, e.g. o_proj). NT = 2 keeps 2 (6 would cost ~50 more registers a thread).
+    constexpr int XD = NT == 1 ? D : 2;
+    uint4 xb[XD][NT][2];
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < XD; ++u)
+      if (u < n_my) load_x(xb[u], s_begin + warp + u * kWarps);
+    for (int i = 0; i < n_my; i += XD) {
+#pragma unroll
+      for (int u = 0; u < XD; ++u) {
         const int idx = i + u;
         if (idx < n_my) {
-          const int st = s_begin + warp + idx * kWarps, slot = idx % D;
-          if (idx + 1 < n_my) load_x(xb[u ^ 1], st + kWarps);
+          const int st = s_begin + warp + idx * kWarps, slot = XD == D ? u : idx % D;
           cp_async_wait<D - 1>();  // D + idx groups committed: step idx's has landed
           uint4 wv[MT][2][2];
 #pragma unroll
@@ -293,6 +301,7 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
               for (int c = 0; c < 2; ++c)
                 wv[mt][h][c] = ld_smem(base + uint32_t(slot * kStage + ((mt * 2 + h) * 2 + c) * 512));
           mma_step<FP8, MT, NT>(acc, wv, xb[u]);
+          if (idx + XD < n_my) load_x(xb[u], st + XD * kWarps);  // the MMA has read xb[u]
           if (idx + D < n_my) issue(slot, st + D * kWarps);  // the MMA consumed this slot's registers: in-order issue
           cp_async_commit();
         }
