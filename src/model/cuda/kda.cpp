@@ -37,10 +37,11 @@ void kda_forward(Context& x, const KdaWeightsDev& w, CudaCache& cc, const BatchS
   x.mark("kda.proj");
   u16* hist = cc.kda_conv[size_t(layer)];  // bf16 [slots+1, W−1, 3·HD]
   u16* ohat = x.tmp<u16>(T * HD);          // bf16 [T, HD]
-  if (x.fused() && s.nd == s.n && T <= 16) {
-    // Steps 2–7 for every (one-token) row in one launch. Small batches only: on the H200 the fused chain
-    // saved time at batch 1 but the whole fused step was ~110 µs slower at batch 64 (KESTREL_FUSE=0: 2,892 vs
-    // 3,002 µs), where the separate launches (f_b as a GEMM) keep more of the GPU busy.
+  if (x.fused() && s.nd == s.n && T <= x.opt.kda_fused_max_t) {
+    // Steps 2–7 for every (one-token) row in one launch, up to kda_fused_max_t rows (16). At batch 64 the
+    // separate launches (f_b as a GEMM) keep more of the GPU busy: the whole fused step was ~110 µs slower
+    // there in session 9 (2,892 vs 3,002 µs), and with the 16-byte state stores and the loads before the PDL
+    // wait still no faster in session 29 (graph 1,113–1,119 against 1,105–1,118 µs; KESTREL_KDA_FUSED_MAX_T).
     const cuda::KdaDecodeIn di{qkv, 3 * HD, gate, HD, fa, Dk, bl, H, s.d_cu};
     const cuda::KdaDecodeWeights dw{w.conv, w.f_b_bf16, w.dt_bias, w.a_log, w.o_norm, c.kda.gate_lower_bound,
                                     c.rms_norm_eps};

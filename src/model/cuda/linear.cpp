@@ -31,6 +31,10 @@ DecodeOptions DecodeOptions::from_env() {
     const long v = std::strtol(e, nullptr, 10);
     if (v >= 0 && v <= cuda::kSkinnyMaxT) o.skinny_max_t = v;
   }
+  if (const char* e = std::getenv("KESTREL_KDA_FUSED_MAX_T")) {
+    const long v = std::strtol(e, nullptr, 10);
+    if (v >= 0) o.kda_fused_max_t = v;
+  }
   return o;
 }
 

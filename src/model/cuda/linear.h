@@ -12,6 +12,7 @@
 //
 // Switches (read once per CudaModel from the environment; bench/gpu and the GPU tests use them to show
 // what each change is worth): KESTREL_SKINNY=0 (cuBLASLt for every GEMM), KESTREL_SKINNY_MAX_T (default 16),
+// KESTREL_KDA_FUSED_MAX_T (default 16: the fused KDA decode chain up to that many rows),
 // KESTREL_FUSE=0 (no fused decode kernels: AttnRes, KDA chain, GEMM epilogues, MLA's norms), KESTREL_MLA_NORMS=0
 // (MLA's norms and cache writes as five launches), KESTREL_GRAPH_ATTN=0 (the
 // attention stays an eager island between graph segments), KESTREL_PDL=0 (kernels/cuda/launch.h),
@@ -62,6 +63,9 @@ struct DecodeOptions {
   // MLA's q_a and kv_a norms, the indexer's key norm and both cache writes in one launch (mla.cpp; false:
   // KESTREL_MLA_NORMS=0, five launches).
   bool mla_norms = true;
+  // Pure-decode steps of at most this many rows run KDA's steps 2–7 as the one fused launch (kda.cpp, which
+  // says why 16; KESTREL_KDA_FUSED_MAX_T).
+  int64_t kda_fused_max_t = 16;
   static DecodeOptions from_env();
 };
 
