@@ -1,4 +1,5 @@
 // Skinny GEMM (see gemm_skinny.h): y = x·Wᵀ for T ≤ 64, W streamed once at close to the copy rate.
+// (A little over 600 lines: one kernel, its launcher and the measurements behind its choices, kept together.)
 //
 // Work: a CTA (4 warps, 128 threads) owns one row tile of W (16 rows) and one K range (its split); the
 // 4 warps take the range's 128-byte k-steps in turn (warp w: steps w, w+4, ...), so at any moment the
@@ -33,7 +34,10 @@
 // Reduction (deterministic): warps 1..3 park their accumulators in shared memory, warp 0 adds them in
 // warp order; with a split over CTAs, warp 0 writes its partial (f32, fragment order) and bumps the row
 // tile's counter; the CTA that sees the last count sums the S partials in split order (ld.cg) and runs
-// the epilogue, then zeroes the counter. Split S: the fewest splits that give ≥ 2 CTAs per SM (8 warps,
+// the epilogue, then zeroes the counter. At T > 16 (32 or 64 accumulators a lane) all 4 warps of that CTA
+// share the sum, each a quarter of the accumulators (same additions, same bits): warp 0 alone had waited
+// one L2 round trip per split (S = 14 for a 7168-wide K: ~10 µs; the ptpc-fp8 path's b_proj rows at
+// T > 16 go through here, 64 tokens a launch). Split S: the fewest splits that give ≥ 2 CTAs per SM (8 warps,
 // each with U·2 KB of W in flight: ~64 KB per SM against the ~50 KB that HBM latency × bandwidth asks),
 // and ≥ 8 k-steps per split; all CTAs then fit one wave (4 per SM by registers at T ≤ 16).
 // KESTREL_SKINNY_CTAS_PER_SM changes the 2. (More splits to even out the SMs' shares where whole-K tiles do
@@ -344,13 +348,67 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
     for (int e = 0; e < E; ++e) red[warp - 1][e][lane] = a[e];
   }
   __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int w = 0; w < kWarps - 1; ++w)
+#pragma unroll
+      for (int e = 0; e < E; ++e) a[e] += red[w][e][lane];
+  }
+  if constexpr (E >= 16) {  // T > 16: the last CTA's sum of the S partials spread over its 4 warps
+    if (p.splits > 1) {
+      __shared__ unsigned last;
+      if (warp == 0) {
+        float4* mine = reinterpret_cast<float4*>(p.part + ((int64_t(split) * p.tiles + tile) * 32 + lane) * E);
+#pragma unroll
+        for (int e = 0; e < E / 4; ++e) mine[e] = make_float4(a[4 * e], a[4 * e + 1], a[4 * e + 2], a[4 * e + 3]);
+        __threadfence();
+        if (lane == 0) last = atomicAdd(&p.counters[tile], 1u) == unsigned(p.splits - 1);
+      }
+      __syncthreads();  // also: warp 0 has read red before the other warps reuse it below
+      if (!last) return;
+      __threadfence();
+      // Warp w sums accumulators [w·E/4, (w+1)·E/4) of every lane over the splits in split order (the same
+      // additions as warp 0 alone made, so the same bits), 4 splits' loads in flight at a time: with E = 32 and
+      // S = 14 one warp alone waited 14 L2 round trips in a row, the 4 warps wait 4 side by side.
+      constexpr int EW = E / 4, RS = 4;
+      float sum[EW];
+      for (int s0 = 0; s0 < p.splits; s0 += RS) {
+        float4 pv[RS][EW / 4];
+#pragma unroll
+        for (int k = 0; k < RS; ++k)
+          if (s0 + k < p.splits) {
+            const float4* src = reinterpret_cast<const float4*>(
+                p.part + ((int64_t(s0 + k) * p.tiles + tile) * 32 + lane) * E + warp * EW);
+#pragma unroll
+            for (int e = 0; e < EW / 4; ++e) pv[k][e] = __ldcg(src + e);
+          }
+#pragma unroll
+        for (int k = 0; k < RS; ++k)
+          if (s0 + k < p.splits) {
+#pragma unroll
+            for (int e = 0; e < EW / 4; ++e) {
+              const float4 v = pv[k][e];
+              if (s0 + k == 0) {
+                sum[4 * e] = v.x, sum[4 * e + 1] = v.y, sum[4 * e + 2] = v.z, sum[4 * e + 3] = v.w;
+              } else {
+                sum[4 * e] += v.x, sum[4 * e + 1] += v.y, sum[4 * e + 2] += v.z, sum[4 * e + 3] += v.w;
+              }
+            }
+          }
+      }
+      float* sums = &red[0][0][0];  // f32 [E][32]: 3·E·32 floats of room
+#pragma unroll
+      for (int e = 0; e < EW; ++e) sums[(warp * EW + e) * 32 + lane] = sum[e];
+      __syncthreads();
+      if (warp != 0) return;
+#pragma unroll
+      for (int e = 0; e < E; ++e) a[e] = sums[e * 32 + lane];
+      if (lane == 0) p.counters[tile] = 0u;  // ready for the next launch
+    }
+  }
   if (warp != 0) return;
-#pragma unroll
-  for (int w = 0; w < kWarps - 1; ++w)
-#pragma unroll
-    for (int e = 0; e < E; ++e) a[e] += red[w][e][lane];
 
-  if (p.splits > 1) {
+  if (E < 16 && p.splits > 1) {
     float4* mine = reinterpret_cast<float4*>(p.part + ((int64_t(split) * p.tiles + tile) * 32 + lane) * E);
 #pragma unroll
     for (int e = 0; e < E / 4; ++e) mine[e] = make_float4(a[4 * e], a[4 * e + 1], a[4 * e + 2], a[4 * e + 3]);
