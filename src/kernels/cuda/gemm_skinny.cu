@@ -1,5 +1,4 @@
 // Skinny GEMM (see gemm_skinny.h): y = x·Wᵀ for T ≤ 64, W streamed once at close to the copy rate.
-// (A little over 600 lines: one kernel, its launcher and the measurements behind its choices, kept together.)
 //
 // Work: a CTA (4 warps, 128 threads) owns one row tile of W (16 rows) and one K range (its split); the
 // 4 warps take the range's 128-byte k-steps in turn (warp w: steps w, w+4, ...), so at any moment the
@@ -192,6 +191,36 @@ __device__ __forceinline__ void emit(const GemmSegs& ss, int r, int tok, float v
   }
 }
 
+// Split-K: the S partials of row tile `tile` (lane `lane`, E accumulators a lane) summed in split order over
+// accumulators [e0, e0 + N), RS splits' loads in flight at once (the same additions in every launch).
+template <int E, int N, int RS>
+__device__ __forceinline__ void sum_splits(const Params& p, int tile, int lane, int e0, float (&out)[N]) {
+  for (int s0 = 0; s0 < p.splits; s0 += RS) {
+    float4 pv[RS][N / 4];
+#pragma unroll
+    for (int k = 0; k < RS; ++k)
+      if (s0 + k < p.splits) {
+        const float4* src =
+            reinterpret_cast<const float4*>(p.part + ((int64_t(s0 + k) * p.tiles + tile) * 32 + lane) * E + e0);
+#pragma unroll
+        for (int e = 0; e < N / 4; ++e) pv[k][e] = __ldcg(src + e);
+      }
+#pragma unroll
+    for (int k = 0; k < RS; ++k)
+      if (s0 + k < p.splits) {
+#pragma unroll
+        for (int e = 0; e < N / 4; ++e) {
+          const float4 v = pv[k][e];
+          if (s0 + k == 0) {
+            out[4 * e] = v.x, out[4 * e + 1] = v.y, out[4 * e + 2] = v.z, out[4 * e + 3] = v.w;
+          } else {
+            out[4 * e] += v.x, out[4 * e + 1] += v.y, out[4 * e + 2] += v.z, out[4 * e + 3] += v.w;
+          }
+        }
+      }
+  }
+}
+
 template <bool FP8, int NT, int MT, int U, bool XPF, int D = 0>
 __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant__ Params p) {
   static_assert(!XPF || U % 2 == 0, "x prefetch alternates two buffers over an even unroll");
@@ -370,32 +399,9 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
       // Warp w sums accumulators [w·E/4, (w+1)·E/4) of every lane over the splits in split order (the same
       // additions as warp 0 alone made, so the same bits), 4 splits' loads in flight at a time: with E = 32 and
       // S = 14 one warp alone waited 14 L2 round trips in a row, the 4 warps wait 4 side by side.
-      constexpr int EW = E / 4, RS = 4;
+      constexpr int EW = E / 4;
       float sum[EW];
-      for (int s0 = 0; s0 < p.splits; s0 += RS) {
-        float4 pv[RS][EW / 4];
-#pragma unroll
-        for (int k = 0; k < RS; ++k)
-          if (s0 + k < p.splits) {
-            const float4* src = reinterpret_cast<const float4*>(
-                p.part + ((int64_t(s0 + k) * p.tiles + tile) * 32 + lane) * E + warp * EW);
-#pragma unroll
-            for (int e = 0; e < EW / 4; ++e) pv[k][e] = __ldcg(src + e);
-          }
-#pragma unroll
-        for (int k = 0; k < RS; ++k)
-          if (s0 + k < p.splits) {
-#pragma unroll
-            for (int e = 0; e < EW / 4; ++e) {
-              const float4 v = pv[k][e];
-              if (s0 + k == 0) {
-                sum[4 * e] = v.x, sum[4 * e + 1] = v.y, sum[4 * e + 2] = v.z, sum[4 * e + 3] = v.w;
-              } else {
-                sum[4 * e] += v.x, sum[4 * e + 1] += v.y, sum[4 * e + 2] += v.z, sum[4 * e + 3] += v.w;
-              }
-            }
-          }
-      }
+      sum_splits<E, EW, 4>(p, tile, lane, warp * EW, sum);
       float* sums = &red[0][0][0];  // f32 [E][32]: 3·E·32 floats of room
 #pragma unroll
       for (int e = 0; e < EW; ++e) sums[(warp * EW + e) * 32 + lane] = sum[e];
@@ -418,33 +424,8 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
     prev = __shfl_sync(0xffffffffu, prev, 0);
     if (prev != unsigned(p.splits - 1)) return;
     __threadfence();
-    // The S partials summed in split order (the same in every launch); RU splits' loads in flight at once, so
-    // the reading CTA waits about one L2 round trip per RU splits, not per split.
-    constexpr int RU = E <= 8 ? 4 : 1;
-    for (int s0 = 0; s0 < p.splits; s0 += RU) {
-      float4 pv[RU][E / 4];
-#pragma unroll
-      for (int k = 0; k < RU; ++k)
-        if (s0 + k < p.splits) {
-          const float4* src =
-              reinterpret_cast<const float4*>(p.part + ((int64_t(s0 + k) * p.tiles + tile) * 32 + lane) * E);
-#pragma unroll
-          for (int e = 0; e < E / 4; ++e) pv[k][e] = __ldcg(src + e);
-        }
-#pragma unroll
-      for (int k = 0; k < RU; ++k)
-        if (s0 + k < p.splits) {
-#pragma unroll
-          for (int e = 0; e < E / 4; ++e) {
-            const float4 v = pv[k][e];
-            if (s0 + k == 0) {
-              a[4 * e] = v.x, a[4 * e + 1] = v.y, a[4 * e + 2] = v.z, a[4 * e + 3] = v.w;
-            } else {
-              a[4 * e] += v.x, a[4 * e + 1] += v.y, a[4 * e + 2] += v.z, a[4 * e + 3] += v.w;
-            }
-          }
-        }
-    }
+    // RU = 4 splits' loads in flight at once: the reading CTA waits about one L2 round trip per 4 splits.
+    sum_splits<E, E, 4>(p, tile, lane, 0, a);
     if (lane == 0) p.counters[tile] = 0u;  // ready for the next launch
   }
 
