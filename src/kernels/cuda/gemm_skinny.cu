@@ -48,8 +48,8 @@
 // Resources (ptxas, sm_90a, no spills, no stack): registers bf16 NT=1 110, NT=2 146, NT=4 95, NT=8 134;
 // fp8 124, 166, 136, 178 (so 4, 3, 5, 3 / 4, 3, 3, 2 CTAs per SM); static shared memory 1.5–12 KB; staged
 // NT=1 / 2: bf16 94 / 78, fp8 96 / 101 registers (NT=1: x 6 steps ahead) and 48 KB of ring (4 CTAs per
-// SM). SASS per step and warp (bf16 NT=1, register path): 4 LDG.E.NA.128.CONSTANT of W issued U steps ahead, 2 LDG.E.128 (.cg)
-// of x one step ahead, 4 HMMA.16816.F32.BF16; griddepcontrol.launch_dependents / .wait appear as
+// SM). SASS per step and warp (bf16 NT=1, register path): 4 LDG.E.NA.128.CONSTANT of W issued U steps
+// ahead, 2 LDG.E.128 (.cg) of x one step ahead, 4 HMMA.16816.F32.BF16; griddepcontrol.launch_dependents / .wait appear as
 // PREEXIT / ACQBULK, the wait after the first U steps of W. On sm_90 ptxas lowers the e4m3 mma.sync
 // (m16n8k32) to F2FP.F16.E4M3.UNPACK (exact e4m3 → f16) + two HMMA.16816.F32 (f16): 12 unpacks per MMA,
 // ~0.4 warp-instructions per cycle per SM at the copy rate — the FP8 path stays memory-bound, at half the
