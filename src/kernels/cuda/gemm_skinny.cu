@@ -66,6 +66,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_util.cuh"
+#include "kernels/cuda/gemm_epi.cuh"
 #include "kernels/cuda/gemm_skinny.h"
 #include "kernels/cuda/launch.h"
 
@@ -161,34 +162,6 @@ __device__ __forceinline__ void mma_step(float (&acc)[MT * NT * 4], const uint4 
       mma<FP8>(d, word<2>(w[mt][0][1]), word<2>(w[mt][1][1]), word<3>(w[mt][0][1]), word<3>(w[mt][1][1]),
                word<2>(x[nt][1]), word<3>(x[nt][1]));
     }
-}
-
-__device__ __forceinline__ int seg_of(const GemmSegs& s, int r) {
-  int i = 0;
-  while (i + 1 < s.n && int64_t(r) >= s.seg[i + 1].n0) ++i;
-  return i;
-}
-
-__device__ __forceinline__ float situ(float g, float u, float beta, float lbeta) {  // = elementwise.cu situ_kernel
-  const float act = beta * tanhf(g / beta) * dev::sigmoid(g);
-  return act * (lbeta * tanhf(u / lbeta));
-}
-
-__device__ __forceinline__ void emit(const GemmSegs& ss, int r, int tok, float v) {
-  const GemmSeg& s = ss.seg[seg_of(ss, r)];
-  const int64_t i = int64_t(tok) * s.ldy + (r - s.n0);
-  switch (s.epi) {
-    case GemmEpi::f32:
-      static_cast<float*>(s.y)[i] = v;
-      break;
-    case GemmEpi::add_bf16: {
-      const float a = dev::bf16_to_f32(s.add[int64_t(tok) * s.ld_add + (r - s.n0)]);
-      static_cast<uint16_t*>(s.y)[i] = dev::f32_to_bf16(dev::round_bf16(v) + a);
-      break;
-    }
-    default:
-      static_cast<uint16_t*>(s.y)[i] = dev::f32_to_bf16(v);
-  }
 }
 
 // Split-K: the S partials of row tile `tile` (lane `lane`, E accumulators a lane) summed in split order over
@@ -434,34 +407,17 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
   for (int mt = 0; mt < MT; ++mt) {
     const int rb = (tile * MT + mt) * 16;
     if (rb >= p.N) break;
-    const int si = seg_of(p.segs, rb);
-    const GemmSeg& sg = p.segs.seg[si];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int e0 = (mt * NT + nt) * 4;
       float d[4] = {acc[e0], acc[e0 + 1], acc[e0 + 2], acc[e0 + 3]};
-      const int r0 = rb + g, r1 = rb + g + 8, c0 = 8 * nt + 2 * q, c1 = c0 + 1;
       if constexpr (FP8) {
+        const int r0 = rb + g, r1 = rb + g + 8, c0 = 8 * nt + 2 * q, c1 = c0 + 1;
         const float s0 = r0 < p.N ? __ldg(p.w_scale + r0) : 0.0f, s1 = r1 < p.N ? __ldg(p.w_scale + r1) : 0.0f;
         const float x0 = c0 < p.T ? __ldcg(p.x_scale + c0) : 0.0f, x1 = c1 < p.T ? __ldcg(p.x_scale + c1) : 0.0f;
         d[0] = (d[0] * s0) * x0, d[1] = (d[1] * s0) * x1, d[2] = (d[2] * s1) * x0, d[3] = (d[3] * s1) * x1;
       }
-      if (sg.epi == GemmEpi::situ_glu8) {  // the whole 16-row tile is in the segment (checked on the host)
-        const int f = (rb - int(sg.n0)) / 2 + g;
-        uint16_t* y = static_cast<uint16_t*>(sg.y);
-        const float b = p.segs.glu_beta, lb = p.segs.glu_linear_beta;
-        if (c0 < p.T) y[int64_t(c0) * sg.ldy + f] = dev::f32_to_bf16(situ(dev::round_bf16(d[0]), dev::round_bf16(d[2]), b, lb));
-        if (c1 < p.T) y[int64_t(c1) * sg.ldy + f] = dev::f32_to_bf16(situ(dev::round_bf16(d[1]), dev::round_bf16(d[3]), b, lb));
-      } else {
-        if (r0 < p.N) {
-          if (c0 < p.T) emit(p.segs, r0, c0, d[0]);
-          if (c1 < p.T) emit(p.segs, r0, c1, d[1]);
-        }
-        if (r1 < p.N) {
-          if (c0 < p.T) emit(p.segs, r1, c0, d[2]);
-          if (c1 < p.T) emit(p.segs, r1, c1, d[3]);
-        }
-      }
+      epi::store_frag(p.segs, p.N, p.T, rb, nt, d, g, q);
     }
   }
 }
