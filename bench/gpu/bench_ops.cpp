@@ -444,6 +444,15 @@ int main(int argc, char** argv) {
                                    skinny_ws, nullptr);
           }, 5, quick ? 20 : 50);
           row(std::string(g.name) + " (skinny)", fmt::format("B={} {}→{}", B, g.K, g.N), sus, bytes, flops, "—");
+          if (B > 16) {  // and the wide GEMM, which takes 17–64 rows on the decode path (gemm_wide.cu)
+            it = 0;
+            const double wus = tm.median_us([&] {
+              cuda::gemm_wide_bf16(static_cast<uint16_t*>(x.data()), g.K,
+                                   static_cast<uint16_t*>(w.data()) + (it++ % copies) * g.K * g.N, B, g.K, g.N, sg,
+                                   skinny_ws, nullptr);
+            }, 5, quick ? 20 : 50);
+            row(std::string(g.name) + " (wide)", fmt::format("B={} {}→{}", B, g.K, g.N), wus, bytes, flops, "—");
+          }
         }
         if (B == 1) {
           it = 0;

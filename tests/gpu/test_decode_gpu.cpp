@@ -4,6 +4,7 @@
 //    rounded at the same point, at nano, mini and real per-rank shapes for T = 1, 2, 7, 16, 33, 64; stacked
 //    segments with every epilogue; batch invariance (a token's outputs bit-identical for every T ≤ 64) and
 //    run-to-run determinism (split-K without float atomics);
+//  - the wide GEMM (gemm_wide.cu, 17–64 rows) the same way, batch invariant over T = 17..64;
 //  - PTPC FP8: the GPU quantisation bit-exact vs cpu::quantize_fp8_rows, the FP8 skinny GEMM and cuBLASLt's
 //    FP8 GEMM vs cpu::gemm_ptpc_fp8, and (informative) the FP8 error against the BF16 GEMM;
 //  - attn_res_step (one kernel per AttnRes point; its one-CTA and cluster kernels) vs model::attn_res_mix +
@@ -174,10 +175,11 @@ TEST(GpuDecode, SkinnyGemmBf16MatchesTwin) {
 }
 
 // Stacked segments with every epilogue in one launch vs separate CPU GEMMs and the CPU elementwise twins.
-TEST(GpuDecode, SkinnyGemmStackedEpilogues) {
-  need_gpu();
-  Rng rng(102);
-  Ws ws;
+// `gemm` launches one kernel over the stack (x bf16 [T, K], W bf16 [N, K]).
+using StackedGemm = std::function<void(const uint16_t* x, const uint16_t* w, int64_t T, int64_t K, int64_t N,
+                                       const cuda::GemmSegs& s)>;
+void stacked_epilogues(const char* kernel, const StackedGemm& gemm, std::initializer_list<int64_t> Ts, uint64_t seed) {
+  Rng rng(seed);
   const float beta = 2.0f, lbeta = 1.5f;
   for (int64_t K : {256, 7168}) {
     const int64_t F = 136, Nb = 100, Nf = 12, Na = 64;  // gate/up F rows each, bf16, f32, add segments
@@ -193,7 +195,7 @@ TEST(GpuDecode, SkinnyGemmStackedEpilogues) {
     for (const auto* part : {&wb, &wf, &wa}) w.insert(w.end(), part->begin(), part->end());
     const int64_t N = 2 * F + Nb + Nf + Na;
     auto dw = upload(w);
-    for (int64_t T : {1, 7, 64}) {
+    for (int64_t T : Ts) {
       const auto x = rand_bf16(size_t(T * K), rng, -1.0f, 1.0f);
       const auto addend = rand_bf16(size_t(T * Na), rng, -1.0f, 1.0f);
       auto dx = upload(x);
@@ -208,8 +210,7 @@ TEST(GpuDecode, SkinnyGemmStackedEpilogues) {
       s.seg[2] = {2 * F + Nb, df.p(), Nf, cuda::GemmEpi::f32, nullptr, 0};
       s.seg[3] = {2 * F + Nb + Nf, dadd.p(), Na, cuda::GemmEpi::add_bf16, dadd.p(), Na};
       s.n = 4;
-      ASSERT_TRUE(cuda::gemm_skinny_ok(dx.p(), K, dw.p(), T, K, N, s, false));
-      cuda::gemm_skinny_bf16(dx.p(), K, dw.p(), T, K, N, s, ws.get(), nullptr);
+      gemm(dx.p(), dw.p(), T, K, N, s);
       sync();
       std::vector<uint16_t> g(size_t(T * F)), u(size_t(T * F)), a(size_t(T * F)), yb(size_t(T * Nb)), ya(size_t(T * Na));
       std::vector<float> yf(size_t(T * Nf));
@@ -220,16 +221,116 @@ TEST(GpuDecode, SkinnyGemmStackedEpilogues) {
       cpu::gemm_bf16_f32(x.data(), K, wf.data(), yf.data(), Nf, T, K, Nf);
       cpu::gemm_bf16(x.data(), K, wa.data(), ya.data(), Na, T, K, Na);
       for (size_t i = 0; i < ya.size(); ++i) ya[i] = f32_to_bf16(bf16_to_f32(ya[i]) + bf16_to_f32(addend[i]));
-      const std::string shape = fmt::format("K={} T={} [glu {} | bf16 {} | f32 {} | add {}]", K, T, 2 * F, Nb, Nf, Na);
+      const std::string shape = fmt::format("{} K={} T={} [glu {} | bf16 {} | f32 {} | add {}]", kernel, K, T, 2 * F, Nb, Nf, Na);
       // GLU: its inputs are one-ulp-close BF16 values, so the output is within a few ulps.
-      check_bf16("skinny epilogue situ_glu8", shape, da.get(), a, {1e-3, 4 * kBf16Ulp, 1e-2});
-      check_bf16("skinny epilogue bf16", shape, db.get(), yb, {1e-3, kBf16Ulp, 2e-3});
+      check_bf16("epilogue situ_glu8", shape, da.get(), a, {1e-3, 4 * kBf16Ulp, 1e-2});
+      check_bf16("epilogue bf16", shape, db.get(), yb, {1e-3, kBf16Ulp, 2e-3});
       double fs = 0;
       for (float v : yf) fs = std::max(fs, double(std::fabs(v)));
-      check("skinny epilogue f32", shape, df.get().data(), yf.data(), yf.size(), {1e-5 * fs + 1e-6, 1e-4, 1e-5});
-      check_bf16("skinny epilogue add_bf16 (in place)", shape, dadd.get(), ya, {1e-3, 2 * kBf16Ulp, 2e-3});
+      check("epilogue f32", shape, df.get().data(), yf.data(), yf.size(), {1e-5 * fs + 1e-6, 1e-4, 1e-5});
+      check_bf16("epilogue add_bf16 (in place)", shape, dadd.get(), ya, {1e-3, 2 * kBf16Ulp, 2e-3});
     }
   }
+}
+
+TEST(GpuDecode, SkinnyGemmStackedEpilogues) {
+  need_gpu();
+  Ws ws;
+  stacked_epilogues("skinny", [&](const uint16_t* x, const uint16_t* w, int64_t T, int64_t K, int64_t N,
+                                  const cuda::GemmSegs& s) {
+    ASSERT_TRUE(cuda::gemm_skinny_ok(x, K, w, T, K, N, s, false));
+    cuda::gemm_skinny_bf16(x, K, w, T, K, N, s, ws.get(), nullptr);
+  }, {1, 7, 64}, 102);
+}
+
+TEST(GpuDecode, WideGemmStackedEpilogues) {
+  need_gpu();
+  Ws ws;
+  stacked_epilogues("wide", [&](const uint16_t* x, const uint16_t* w, int64_t T, int64_t K, int64_t N,
+                                const cuda::GemmSegs& s) {
+    ASSERT_TRUE(cuda::gemm_wide_ok(x, K, w, T, K, N, s, ws.get()));
+    cuda::gemm_wide_bf16(x, K, w, T, K, N, s, ws.get(), nullptr);
+  }, {17, 40, 64}, 104);
+}
+
+// The wide GEMM (17–64 rows) vs the same twins, at every shape with K % 128 == 0; batch invariance over
+// T = 17..64 (a token's outputs bit-identical), determinism; timings vs cuBLASLt at T = 32 and 64 as notes.
+TEST(GpuDecode, WideGemmBf16MatchesTwin) {
+  need_gpu();
+  Rng rng(105);
+  Ws ws;
+  {  // what it refuses: K not a multiple of 128, more than 64 rows, a null output
+    cuda::DeviceBuffer a(size_t(65 * 256) * 2), b(size_t(96 * 256) * 2), y(size_t(65 * 96) * 2);
+    const auto* xa = static_cast<const uint16_t*>(a.data());
+    const auto* wb = static_cast<const uint16_t*>(b.data());
+    EXPECT_TRUE(cuda::gemm_wide_ok(xa, 256, wb, 64, 256, 96, one_seg(y.data(), 96), ws.get()));
+    EXPECT_FALSE(cuda::gemm_wide_ok(xa, 200, wb, 64, 200, 96, one_seg(y.data(), 96), ws.get()));
+    EXPECT_FALSE(cuda::gemm_wide_ok(xa, 256, wb, 65, 256, 96, one_seg(y.data(), 96), ws.get()));
+    EXPECT_FALSE(cuda::gemm_wide_ok(xa, 256, wb, 64, 256, 96, one_seg(nullptr, 96), ws.get()));
+  }
+  int ran = 0;
+  for (const GemmCase& c : kGemmCases) {
+    if (c.K % 128 != 0) continue;
+    ++ran;
+    const int64_t Tmax = 64;
+    const auto x = rand_bf16(size_t(Tmax * c.K), rng, -1.0f, 1.0f);
+    const auto w = rand_bf16(size_t(c.N * c.K), rng, -0.02f, 0.02f);
+    auto dx = upload(x);
+    auto dw = upload(w);
+    std::vector<uint16_t> ref_all(size_t(Tmax * c.N));
+    cpu::gemm_bf16(x.data(), c.K, w.data(), ref_all.data(), c.N, Tmax, c.K, c.N);
+    double scale = 0;
+    for (uint16_t v : ref_all) scale = std::max(scale, double(std::fabs(bf16_to_f32(v))));
+    std::vector<uint16_t> first;  // tokens 0..16 at T = 17 (batch invariance reference)
+    for (int64_t T : {17, 24, 32, 33, 64}) {
+      auto dy = poisoned<uint16_t>(size_t(T * c.N));
+      ASSERT_TRUE(cuda::gemm_wide_ok(dx.p(), c.K, dw.p(), T, c.K, c.N, one_seg(dy.p(), c.N), ws.get()));
+      cuda::gemm_wide_bf16(dx.p(), c.K, dw.p(), T, c.K, c.N, one_seg(dy.p(), c.N), ws.get(), nullptr);
+      sync();
+      const auto got = dy.get();
+      const std::vector<uint16_t> ref(ref_all.begin(), ref_all.begin() + T * c.N);
+      const std::string shape = fmt::format("{} T={} K={} N={} S={}", c.what, T, c.K, c.N,
+                                            cuda::gemm_wide_splits(c.N, c.K, ws.get()));
+      check_bf16("gemm_wide_bf16 vs cpu twin", shape, got, ref, {2e-3 * scale, kBf16Ulp, 2e-3});
+      const std::vector<int64_t> rows{0, T - 1};
+      const auto r64 = fp64_ref_rows(x, w, c.K, c.N, rows);
+      std::vector<float> g64;
+      for (int64_t t : rows)
+        for (int64_t n = 0; n < c.N; ++n) g64.push_back(bf16_to_f32(got[size_t(t * c.N + n)]));
+      check("gemm_wide_bf16 vs fp64", shape, g64.data(), r64.data(), r64.size(), {2e-3 * scale, kBf16Ulp, 1e-2});
+      if (T == 17) first.assign(got.begin(), got.end());
+      check_exact("gemm_wide_bf16 batch invariance", shape, got.data(), first.data(), first.size() * 2);
+      auto dy2 = poisoned<uint16_t>(size_t(T * c.N));
+      cuda::gemm_wide_bf16(dx.p(), c.K, dw.p(), T, c.K, c.N, one_seg(dy2.p(), c.N), ws.get(), nullptr);
+      sync();
+      check_exact("gemm_wide_bf16 determinism", shape, dy2.get().data(), got.data(), got.size() * 2);
+    }
+    if (c.K * c.N >= 8000000) {
+      const int copies = 4;
+      cuda::DeviceBuffer wc(size_t(copies * c.N * c.K) * 2);
+      for (int i = 0; i < copies; ++i)
+        KCUDA_CHECK(cudaMemcpy(static_cast<uint16_t*>(wc.data()) + i * c.N * c.K, dw.p(), size_t(c.N * c.K) * 2,
+                               cudaMemcpyDeviceToDevice));
+      cuda::GemmLt lt;
+      auto dy = poisoned<uint16_t>(size_t(Tmax * c.N));
+      for (int64_t T : {32, 64}) {
+        int it = 0;
+        const float tw = time_us([&] {
+          cuda::gemm_wide_bf16(dx.p(), c.K, static_cast<uint16_t*>(wc.data()) + (it++ % copies) * c.N * c.K, T, c.K,
+                               c.N, one_seg(dy.p(), c.N), ws.get(), nullptr);
+        });
+        it = 0;
+        const float tl = time_us([&] {
+          lt.bf16(dx.p(), c.K, static_cast<uint16_t*>(wc.data()) + (it++ % copies) * c.N * c.K, dy.p(), c.N, T, c.K,
+                  c.N, nullptr);
+        });
+        const double gb = double(c.N * c.K * 2) / 1e9;
+        note(fmt::format("  timing {} T={} ({:.1f} MB): wide {:.1f} us ({:.2f} TB/s), cuBLASLt {:.1f} us ({:.2f} TB/s)",
+                         c.what, T, gb * 1e3, tw, gb / tw * 1e3, tl, gb / tl * 1e3));
+      }
+    }
+  }
+  EXPECT_GE(ran, 12);
 }
 
 TEST(GpuDecode, PtpcFp8QuantAndGemm) {

@@ -84,4 +84,17 @@ void gemm_skinny_fp8(const uint8_t* x /* e4m3 [T, K], row stride ldx */, int64_t
                      const float* w_scale /* f32 [N] */, int64_t T, int64_t K, int64_t N, const GemmSegs& segs,
                      const SkinnyWorkspace& ws, cudaStream_t stream);
 
+// The wide GEMM (gemm_wide.cu): BF16, 17–64 token rows, a CTA per 64 rows of W and all tokens (x read from
+// L2 once per 64 rows instead of once per 16), the same segments, epilogues, determinism and batch invariance
+// (for every T in 17..64) as the skinny kernel, the same workspace. True if it takes these operands: the
+// skinny kernel's rules (bf16), K a multiple of 128, ldx a multiple of 8, a workspace with counters for every
+// 64-row tile.
+bool gemm_wide_ok(const void* x, int64_t ldx, const void* w, int64_t T, int64_t K, int64_t N, const GemmSegs& segs,
+                  const SkinnyWorkspace& ws);
+// Its split over CTAs for an [N, K] matrix (a function of N, K, the SM count and the workspace's size).
+int gemm_wide_splits(int64_t N, int64_t K, const SkinnyWorkspace& ws);
+void gemm_wide_bf16(const uint16_t* x /* bf16 [T, K], row stride ldx */, int64_t ldx,
+                    const uint16_t* w /* bf16 [N, K], contiguous */, int64_t T, int64_t K, int64_t N,
+                    const GemmSegs& segs, const SkinnyWorkspace& ws, cudaStream_t stream);
+
 }  // namespace kestrel::cuda

@@ -25,6 +25,7 @@ DecodeOptions DecodeOptions::from_env() {
   o.combine_norm = !off("KESTREL_COMBINE_NORM");
   o.mla_norms = !off("KESTREL_MLA_NORMS");
   o.spec_graphs = !off("KESTREL_SPEC_GRAPHS");
+  if (const char* e = std::getenv("KESTREL_WIDE")) o.wide = std::strcmp(e, "0") != 0;
   if (const char* e = std::getenv("KESTREL_SPEC_GRAPH_PAD")) o.spec_graph_pad = std::strcmp(e, "1") == 0;
   if (const char* e = std::getenv("KESTREL_SPEC_TRACE")) o.spec_trace_kernels = std::strcmp(e, "launches") != 0;
   if (const char* e = std::getenv("KESTREL_SKINNY_MAX_T")) {
@@ -62,6 +63,11 @@ void linear(Context& c, const LinearDev& W, const u16* x, int64_t ldx, int64_t T
       cuda::gemm_skinny_fp8(q.q, K, q.s, W.w8, W.ws, T, K, N, segs, c.skinny, c.stream);
     else
       cuda::gemm_skinny_bf16(x, ldx, W.w, T, K, N, segs, c.skinny, c.stream);
+    return;
+  }
+  // Above the skinny kernel's rows and up to 64: the wide GEMM, BF16, all segments in one launch.
+  if (!W.fp8() && c.opt.wide && T <= cuda::kSkinnyMaxT && cuda::gemm_wide_ok(x, ldx, W.w, T, K, N, segs, c.skinny)) {
+    cuda::gemm_wide_bf16(x, ldx, W.w, T, K, N, segs, c.skinny, c.stream);
     return;
   }
   // cuBLASLt, one call per segment over the segment's rows of W (contiguous), epilogues separately.
