@@ -1,6 +1,8 @@
 // Wide GEMM (gemm_skinny.h: gemm_wide_bf16): y = x·Wᵀ for 17–64 token rows, BF16, W streamed once, on wgmma.
-// Opt-in (KESTREL_WIDE=1, model/cuda/linear.h): on the H200 it is not yet faster than cuBLASLt over the batch-64
-// decode step (session 30, bench/RESULTS.md: 1,116–1,134 µs against 1,111–1,114).
+// model/cuda/linear.h takes it for stacked projections of ≥ 3 outputs (KESTREL_WIDE): there it replaces one
+// cuBLASLt launch per output plus the epilogues' launches, and the batch-64 decode step fell from 1,103–1,110 to
+// 1,043–1,071 µs on the H200 (session 30). On single matrices it is still slower than cuBLASLt (below); for
+// every projection the step took 1,116–1,141 µs.
 //
 // Why a second kernel: the skinny kernel's CTA owns 16 rows of W, so at T = 64 every CTA reads all of x
 // (64 tokens × K) from L2 for only 16 rows of W (x's L2 traffic 4× W's); it measured 2–3.5× slower than

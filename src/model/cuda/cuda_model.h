@@ -8,7 +8,8 @@
 // The folder, one concern per file (MODEL.md §3 sections in each layer file):
 //   cuda_model.*   this façade: weights + caches + one forward per step, logits, greedy, the device sampler
 //   weights.*      upload, stacking, PTPC FP8 re-quantisation and expert packing: structs of device pointers
-//   linear.*       Lin(W)(x): the skinny GEMM for decode, cuBLASLt (BF16 / FP8) for prefill; the switches
+//   linear.*       Lin(W)(x): the skinny GEMM for decode (≤ 16 rows), the wide GEMM for stacks of 17–64 rows,
+//                  cuBLASLt (BF16 / FP8) otherwise; the switches
 //   cache.*        CudaCache: paged latent / index-key pools, KDA state pools, zero / copy slot
 //   batch.*        BatchStep: how a step's sequences are stacked, and the metadata it uploads
 //   graphs.*       CUDA graphs: bucketed capture and replay of decode and DSpark verify steps
@@ -18,9 +19,10 @@
 //   moe.cpp (§3.6), mlp.cpp (§3.7), attn_res.cpp (§3.2), speculative.cpp (§5: taps, verify rows, KDA trace)
 // Forms: prefill rows (T > 1) run the naive MLA form, decode rows (T = 1) the absorbed one, like the CPU
 // defaults; KDA always runs the recurrent scan (the CPU prefill uses the chunked form, equal in exact
-// arithmetic, different in FP32 rounding). Projections of T ≤ 64 rows run the skinny GEMM (linear.h), whose
-// results do not depend on T; beyond that the GPU path is not batch invariant (cuBLASLt may choose another
-// algorithm for another row count, the expert and attention kernels plan by row count).
+// arithmetic, different in FP32 rounding). Projections of T ≤ 16 rows run the skinny GEMM (linear.h), whose
+// results do not depend on T (the wide GEMM's do not within 17–64 rows); beyond that the GPU path is not batch
+// invariant (cuBLASLt may choose another algorithm for another row count, the expert and attention kernels plan
+// by row count).
 #pragma once
 
 #include <cstdint>

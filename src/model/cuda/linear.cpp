@@ -25,7 +25,10 @@ DecodeOptions DecodeOptions::from_env() {
   o.combine_norm = !off("KESTREL_COMBINE_NORM");
   o.mla_norms = !off("KESTREL_MLA_NORMS");
   o.spec_graphs = !off("KESTREL_SPEC_GRAPHS");
-  if (const char* e = std::getenv("KESTREL_WIDE")) o.wide = std::strcmp(e, "0") != 0;
+  if (const char* e = std::getenv("KESTREL_WIDE")) {
+    const long v = std::strtol(e, nullptr, 10);
+    if (v >= 0 && v <= cuda::kGemmMaxSegs) o.wide_min_segs = int(v);
+  }
   if (const char* e = std::getenv("KESTREL_SPEC_GRAPH_PAD")) o.spec_graph_pad = std::strcmp(e, "1") == 0;
   if (const char* e = std::getenv("KESTREL_SPEC_TRACE")) o.spec_trace_kernels = std::strcmp(e, "launches") != 0;
   if (const char* e = std::getenv("KESTREL_SKINNY_MAX_T")) {
@@ -65,8 +68,10 @@ void linear(Context& c, const LinearDev& W, const u16* x, int64_t ldx, int64_t T
       cuda::gemm_skinny_bf16(x, ldx, W.w, T, K, N, segs, c.skinny, c.stream);
     return;
   }
-  // Above the skinny kernel's rows and up to 64: the wide GEMM, BF16, all segments in one launch.
-  if (!W.fp8() && c.opt.wide && T <= cuda::kSkinnyMaxT && cuda::gemm_wide_ok(x, ldx, W.w, T, K, N, segs, c.skinny)) {
+  // Above the skinny kernel's rows and up to 64, for stacks of at least wide_min_segs outputs: the wide GEMM,
+  // BF16, all segments in one launch (cuBLASLt below takes one launch per segment, plus the epilogues').
+  if (!W.fp8() && c.opt.wide_min_segs > 0 && segs.n >= c.opt.wide_min_segs && T <= cuda::kSkinnyMaxT &&
+      cuda::gemm_wide_ok(x, ldx, W.w, T, K, N, segs, c.skinny)) {
     cuda::gemm_wide_bf16(x, ldx, W.w, T, K, N, segs, c.skinny, c.stream);
     return;
   }

@@ -7,13 +7,14 @@
 // (kernels/cuda/gemm_skinny.h). linear() picks the kernel:
 //  - T ≤ skinny_max_t (decode): the skinny GEMM, all segments and epilogues in one launch (FP8: the
 //    activation is quantised per token first, or its codes come from the producing kernel, `pre`);
-//  - T ≤ 64 above that, BF16 (batched decode): the wide GEMM (gemm_wide.cu), all segments in one launch;
+//  - T ≤ 64 above that, BF16 (batched decode), stacks of ≥ wide_min_segs outputs: the wide GEMM (gemm_wide.cu),
+//    all segments in one launch;
 //  - otherwise (prefill) cuBLASLt per segment (BF16, or FP8 with outer-vector scales), the add and SiTU-GLU
 //    epilogues as separate elementwise kernels: the same numerics as the skinny path up to FP32 order.
 //
 // Switches (read once per CudaModel from the environment; bench/gpu and the GPU tests use them to show
 // what each change is worth): KESTREL_SKINNY=0 (cuBLASLt for every GEMM), KESTREL_SKINNY_MAX_T (default 16),
-// KESTREL_WIDE=0/1 (the wide GEMM for 17–64 rows),
+// KESTREL_WIDE=N (the wide GEMM for 17–64 rows, stacks of ≥ N outputs; default 3, 0 = off),
 // KESTREL_KDA_FUSED_MAX_T (default 16: the fused KDA decode chain up to that many rows),
 // KESTREL_FUSE=0 (no fused decode kernels: AttnRes, KDA chain, GEMM epilogues, MLA's norms), KESTREL_MLA_NORMS=0
 // (MLA's norms and cache writes as five launches), KESTREL_GRAPH_ATTN=0 (the
@@ -50,9 +51,12 @@ struct DecodeOptions {
   // The skinny GEMM up to 16 rows, cuBLASLt above: on the H200 the reduced-mini decode step took 710 µs at
   // batch 1 with it (778 without) but 3,002 µs at batch 64 with it up to 64 rows (1,991 with cuBLASLt).
   int64_t skinny_max_t = 16;
-  // BF16 projections of skinny_max_t < T ≤ 64 rows on the wide GEMM instead of cuBLASLt (KESTREL_WIDE=1). Off:
-  // the batch-64 step measured 1,116–1,134 µs with it against 1,111–1,114 without (gemm_wide.cu's header).
-  bool wide = false;
+  // BF16 projections of skinny_max_t < T ≤ 64 rows on the wide GEMM instead of cuBLASLt when their stack has at
+  // least this many output segments (KESTREL_WIDE=N; 0 = never, 1 = every projection). cuBLASLt takes one launch
+  // per segment plus the epilogues' (SiTU-GLU, the router's FP32 GEMM), the wide GEMM one launch for the stack.
+  // Batch-64 step on the H200 (session 30, two rounds): 3 → 1,071 / 1,043 µs, 4 → 1,073 / 1,076, 1 (every
+  // projection) → 1,118–1,141, 0 → 1,103–1,110. 3 takes the KDA, MLA and MoE input stacks.
+  int wide_min_segs = 3;
   bool fuse = true;
   bool graph_attn = true;
   // DSpark verify rows: the traced KDA kernels, one launch per layer (false: KESTREL_SPEC_TRACE=launches,
