@@ -103,14 +103,8 @@ __device__ __forceinline__ uint4 ld_act(const uint8_t* p) {  // activations: L2 
   return v;
 }
 
-// The staged variant (D > 0): W through shared memory by cp.async (L2 only, zero-filled out of range).
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void cp_async16(uint32_t dst, const uint8_t* src, bool in) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+// The staged variant (D > 0): W through shared memory by cp.async (dev::cp_async16: L2 only, zero-filled out of
+// range), read back with ld.shared.
 __device__ __forceinline__ uint4 ld_smem(uint32_t a) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -262,7 +256,7 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
     // 512 bytes per piece, lanes contiguous, no bank conflicts), so cp.async.wait_group is the only sync.
     extern __shared__ __align__(16) uint8_t ring[];
     constexpr int kStage = MT * 4 * 512;
-    const uint32_t base = smem_addr(ring) + uint32_t(warp * D * kStage + lane * 16);
+    const uint32_t base = dev::smem_addr(ring) + uint32_t(warp * D * kStage + lane * 16);
     auto issue = [&](int slot, int st) {
       const int off = st * kStepBytes;
 #pragma unroll
@@ -272,14 +266,14 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            cp_async16(base + uint32_t(slot * kStage + ((mt * 2 + h) * 2 + c) * 512), wrow[mt][h] + off + piece * c,
+            dev::cp_async16(base + uint32_t(slot * kStage + ((mt * 2 + h) * 2 + c) * 512), wrow[mt][h] + off + piece * c,
                        in_k && wok[mt][h]);
       }
     };
 #pragma unroll
     for (int u = 0; u < D; ++u) {  // one group per step, empty past the end: wait_group counts stay uniform
       if (u < n_my) issue(u, s_begin + warp + u * kWarps);
-      cp_async_commit();
+      dev::cp_async_commit();
     }
     dev::pdl_wait();
     // x runs XD steps ahead in a register ring. At NT = 1 XD = D: right after the wait every step whose W is
@@ -297,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
         const int idx = i + u;
         if (idx < n_my) {
           const int st = s_begin + warp + idx * kWarps, slot = XD == D ? u : idx % D;
-          cp_async_wait<D - 1>();  // D + idx groups committed: step idx's has landed
+          dev::cp_async_wait<D - 1>();  // D + idx groups committed: step idx's has landed
           uint4 wv[MT][2][2];
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt)
@@ -309,11 +303,11 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
           mma_step<FP8, MT, NT>(acc, wv, xb[u]);
           if (idx + XD < n_my) load_x(xb[u], st + XD * kWarps);  // the MMA has read xb[u]
           if (idx + D < n_my) issue(slot, st + D * kWarps);  // the MMA consumed this slot's registers: in-order issue
-          cp_async_commit();
+          dev::cp_async_commit();
         }
       }
     }
-    cp_async_wait<0>();
+    dev::cp_async_wait<0>();
   } else {
   // Prologue: the first U steps of W (independent of earlier kernels), then wait for them.
   uint4 wb[U][MT][2][2];
@@ -422,15 +416,6 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
   }
 }
 
-int num_sms() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-      return 132;
-    return v;
-  }();
-  return n;
-}
 
 constexpr int kStages = 6;  // staged variant: 6 steps × 2 KB per warp, 48 KB a CTA (4 CTAs per SM by shared memory)
 
@@ -492,7 +477,7 @@ int gemm_skinny_splits(int64_t N, int64_t K, bool fp8) {
     return v >= 1 && v <= 32 ? v : 2;
   }();
   const int64_t tiles = (N + 15) / 16, ksteps = (K * (fp8 ? 1 : 2) + kStepBytes - 1) / kStepBytes;
-  int64_t S = (int64_t(num_sms()) * per_sm + tiles - 1) / tiles;
+  int64_t S = (int64_t(sm_count()) * per_sm + tiles - 1) / tiles;
   S = std::min<int64_t>(S, std::max<int64_t>(1, ksteps / 8));  // ≥ 2 steps per warp
   return int(std::clamp<int64_t>(S, 1, 16));
 }

@@ -80,13 +80,6 @@ struct Params {
   GemmSegs segs;
 };
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool in) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 // wgmma (sm_90a). Shared-memory matrix descriptor of a K-major tile with the 128-byte swizzle: start address
 // >> 4 (bits 0–13), leading byte offset (unused for this layout: 1), stride byte offset 1024 >> 4 (one 8-row
 // atom of 128-byte rows, bits 32–45), swizzle mode 1 = 128 B (bits 62–63). The tile base is 1024-byte
@@ -150,7 +143,7 @@ __global__ void __launch_bounds__(kThreads) wide_kernel(const __grid_constant__ 
 
   const int s_begin = split * p.steps_per_split;
   const int n = min(p.ksteps, s_begin + p.steps_per_split) - s_begin;
-  const uint32_t base = (smem_addr(smem) + 1023u) & ~1023u;  // the swizzle atoms' alignment
+  const uint32_t base = (dev::smem_addr(smem) + 1023u) & ~1023u;  // the swizzle atoms' alignment
 
   // Copy roles. A thread copies 16-byte chunk c = tid % 8 of rows tid/8 + 16·i of each half: W i < 4 (64 rows),
   // x i < NT/2 (8·NT tokens). Those rows share row & 7, so every destination is one swizzled offset plus a
@@ -179,34 +172,34 @@ __global__ void __launch_bounds__(kThreads) wide_kernel(const __grid_constant__ 
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) cp_async16(d + uint32_t(h * 8192 + i * 2048), wsrc[i] + st * kStepElems + 64 * h, win[i]);
+      for (int i = 0; i < 4; ++i) dev::cp_async16(d + uint32_t(h * 8192 + i * 2048), wsrc[i] + st * kStepElems + 64 * h, win[i]);
   };
   auto issue_x = [&](int slot, int st) {
     const uint32_t d = base + uint32_t(slot * kStage + kWBytes) + dst0;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int i = 0; i < IX; ++i) cp_async16(d + uint32_t(h * kXH + i * 2048), xsrc[i] + st * kStepElems + 64 * h, xin[i]);
+      for (int i = 0; i < IX; ++i) dev::cp_async16(d + uint32_t(h * kXH + i * 2048), xsrc[i] + st * kStepElems + 64 * h, xin[i]);
   };
 
 #pragma unroll
   for (int s = 0; s < D; ++s) {
     if (s < n) issue_w(s, s);
-    cp_async_commit();
+    dev::cp_async_commit();
   }
   dev::pdl_wait();
 #pragma unroll
   for (int s = 0; s < D; ++s)
     if (s < n) issue_x(s, s);
-  cp_async_commit();
-  cp_async_wait<0>();
+  dev::cp_async_commit();
+  dev::cp_async_wait<0>();
 
   float acc[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
 
   for (int i = 0; i < n; ++i) {
-    if (i > 0) cp_async_wait<D - 1>();  // stage i has landed (this thread's copies) ...
+    if (i > 0) dev::cp_async_wait<D - 1>();  // stage i has landed (this thread's copies) ...
     fence_proxy_async();
     __syncthreads();  // ... everyone's, and step i − 1 − AS's wgmma (waited below) has left its slot
     const int nx = i + D;
@@ -214,7 +207,7 @@ __global__ void __launch_bounds__(kThreads) wide_kernel(const __grid_constant__ 
       issue_w(nx % ST, nx);
       issue_x(nx % ST, nx);
     }
-    cp_async_commit();  // empty past the end: the wait counts stay uniform
+    dev::cp_async_commit();  // empty past the end: the wait counts stay uniform
 
     const uint32_t sw = base + uint32_t((i % ST) * kStage), sx = sw + kWBytes;
     fence_acc(acc);
@@ -231,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) wide_kernel(const __grid_constant__ 
   }
   wgmma_wait<0>();
   fence_acc(acc);
-  cp_async_wait<0>();
+  dev::cp_async_wait<0>();
 
   if (p.splits > 1) {
     __shared__ unsigned last;
@@ -283,15 +276,6 @@ __global__ void __launch_bounds__(kThreads) wide_kernel(const __grid_constant__ 
   }
 }
 
-int num_sms() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-      return 132;
-    return v;
-  }();
-  return n;
-}
 
 template <int NT>
 void launch(dim3 grid, cudaStream_t stream, const Params& p) {
@@ -313,7 +297,7 @@ constexpr size_t kPartPerTile = size_t(kThreads) * 32 * 4;
 int gemm_wide_splits(int64_t N, int64_t K, const SkinnyWorkspace& ws) {
   const int64_t tiles = (N + kRows - 1) / kRows, ksteps = K / kStepElems;
   // One CTA per SM at most (the ring's 129 KB of shared memory at NT = 8): the grid stays one wave.
-  int64_t S = std::max<int64_t>(1, int64_t(num_sms()) / tiles);
+  int64_t S = std::max<int64_t>(1, int64_t(sm_count()) / tiles);
   S = std::min<int64_t>(S, std::max<int64_t>(1, ksteps / 2));
   S = std::min<int64_t>(S, int64_t(ws.part_bytes / (kPartPerTile * size_t(tiles))));
   S = std::clamp<int64_t>(S, 1, 16);

@@ -20,6 +20,17 @@ bool pdl_enabled() {
   return v != 0;
 }
 
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        v <= 0)
+      return 132;
+    return v;
+  }();
+  return n;
+}
+
 void set_pdl_enabled(bool on) { g_pdl.store(on ? 1 : 0, std::memory_order_relaxed); }
 
 }  // namespace kestrel::cuda

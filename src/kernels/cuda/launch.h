@@ -25,6 +25,7 @@
 namespace kestrel::cuda {
 
 bool pdl_enabled();  // KESTREL_PDL (default on), read once
+int sm_count();      // the current device's SM count, read once (132 if the query fails)
 void set_pdl_enabled(bool on);  // tests and benchmarks
 
 // kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute when enabled; cluster_x > 1 also
