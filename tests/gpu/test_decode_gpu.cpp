@@ -105,6 +105,30 @@ const GemmCase kGemmCases[] = {
     // partial last k-steps: bf16 16- and 32-byte tails, fp8 80 bytes (lanes' pieces in and out of range)
     {200, 96, "K tail 16 B"},        {208, 96, "K tail 32 B (fp8 80 B)"}};
 
+// Timing at the large shapes (K·N ≥ 8M, notes, not asserted): `gemm` (W copy, T, y) against cuBLASLt over 4
+// weight copies rotated so the 50 MB L2 does not serve them; x bf16 [64, K].
+void time_against_lt(const GemmCase& c, const uint16_t* dx, const uint16_t* dw, std::initializer_list<int64_t> Ts,
+                     const char* name, const std::function<void(const uint16_t*, int64_t, uint16_t*)>& gemm) {
+  if (c.K * c.N < 8000000) return;
+  const int copies = 4;
+  cuda::DeviceBuffer wc(size_t(copies * c.N * c.K) * 2);
+  for (int i = 0; i < copies; ++i)
+    KCUDA_CHECK(cudaMemcpy(static_cast<uint16_t*>(wc.data()) + i * c.N * c.K, dw, size_t(c.N * c.K) * 2,
+                           cudaMemcpyDeviceToDevice));
+  auto wcopy = [&](int i) { return static_cast<const uint16_t*>(wc.data()) + (i % copies) * c.N * c.K; };
+  cuda::GemmLt lt;
+  auto dy = poisoned<uint16_t>(size_t(64 * c.N));
+  for (int64_t T : Ts) {
+    int it = 0;
+    const float tk = time_us([&] { gemm(wcopy(it++), T, dy.p()); });
+    it = 0;
+    const float tl = time_us([&] { lt.bf16(dx, c.K, wcopy(it++), dy.p(), c.N, T, c.K, c.N, nullptr); });
+    const double gb = double(c.N * c.K * 2) / 1e9;
+    note(fmt::format("  timing {} T={} ({:.1f} MB): {} {:.1f} us ({:.2f} TB/s), cuBLASLt {:.1f} us ({:.2f} TB/s)", c.what,
+                     T, gb * 1e3, name, tk, gb / tk * 1e3, tl, gb / tl * 1e3));
+  }
+}
+
 TEST(GpuDecode, SkinnyGemmBf16MatchesTwin) {
   need_gpu();
   Rng rng(101);
@@ -146,31 +170,9 @@ TEST(GpuDecode, SkinnyGemmBf16MatchesTwin) {
       const auto got2 = dy2.get();
       check_exact("gemm_skinny_bf16 determinism", shape, got2.data(), got.data(), got.size() * 2);
     }
-    // Timing at the large shapes: skinny vs cuBLASLt (4 weight copies rotated so L2 does not serve them).
-    if (c.K * c.N >= 8000000) {
-      const int copies = 4;
-      cuda::DeviceBuffer wc(size_t(copies * c.N * c.K) * 2);
-      for (int i = 0; i < copies; ++i)
-        KCUDA_CHECK(cudaMemcpy(static_cast<uint16_t*>(wc.data()) + i * c.N * c.K, dw.p(), size_t(c.N * c.K) * 2,
-                               cudaMemcpyDeviceToDevice));
-      cuda::GemmLt lt;
-      auto dy = poisoned<uint16_t>(size_t(Tmax * c.N));
-      for (int64_t T : {1, 16, 64}) {
-        int it = 0;
-        const float ts = time_us([&] {
-          cuda::gemm_skinny_bf16(dx.p(), c.K, static_cast<uint16_t*>(wc.data()) + (it++ % copies) * c.N * c.K, T, c.K,
-                                 c.N, one_seg(dy.p(), c.N), ws.get(), nullptr);
-        });
-        it = 0;
-        const float tl = time_us([&] {
-          lt.bf16(dx.p(), c.K, static_cast<uint16_t*>(wc.data()) + (it++ % copies) * c.N * c.K, dy.p(), c.N, T, c.K,
-                  c.N, nullptr);
-        });
-        const double gb = double(c.N * c.K * 2) / 1e9;
-        note(fmt::format("  timing {} T={} ({:.1f} MB): skinny {:.1f} us ({:.2f} TB/s), cuBLASLt {:.1f} us ({:.2f} TB/s)",
-                         c.what, T, gb * 1e3, ts, gb / ts * 1e3, tl, gb / tl * 1e3));
-      }
-    }
+    time_against_lt(c, dx.p(), dw.p(), {1, 16, 64}, "skinny", [&](const uint16_t* wc, int64_t T, uint16_t* y) {
+      cuda::gemm_skinny_bf16(dx.p(), c.K, wc, T, c.K, c.N, one_seg(y, c.N), ws.get(), nullptr);
+    });
   }
 }
 
@@ -305,30 +307,9 @@ TEST(GpuDecode, WideGemmBf16MatchesTwin) {
       sync();
       check_exact("gemm_wide_bf16 determinism", shape, dy2.get().data(), got.data(), got.size() * 2);
     }
-    if (c.K * c.N >= 8000000) {
-      const int copies = 4;
-      cuda::DeviceBuffer wc(size_t(copies * c.N * c.K) * 2);
-      for (int i = 0; i < copies; ++i)
-        KCUDA_CHECK(cudaMemcpy(static_cast<uint16_t*>(wc.data()) + i * c.N * c.K, dw.p(), size_t(c.N * c.K) * 2,
-                               cudaMemcpyDeviceToDevice));
-      cuda::GemmLt lt;
-      auto dy = poisoned<uint16_t>(size_t(Tmax * c.N));
-      for (int64_t T : {32, 64}) {
-        int it = 0;
-        const float tw = time_us([&] {
-          cuda::gemm_wide_bf16(dx.p(), c.K, static_cast<uint16_t*>(wc.data()) + (it++ % copies) * c.N * c.K, T, c.K,
-                               c.N, one_seg(dy.p(), c.N), ws.get(), nullptr);
-        });
-        it = 0;
-        const float tl = time_us([&] {
-          lt.bf16(dx.p(), c.K, static_cast<uint16_t*>(wc.data()) + (it++ % copies) * c.N * c.K, dy.p(), c.N, T, c.K,
-                  c.N, nullptr);
-        });
-        const double gb = double(c.N * c.K * 2) / 1e9;
-        note(fmt::format("  timing {} T={} ({:.1f} MB): wide {:.1f} us ({:.2f} TB/s), cuBLASLt {:.1f} us ({:.2f} TB/s)",
-                         c.what, T, gb * 1e3, tw, gb / tw * 1e3, tl, gb / tl * 1e3));
-      }
-    }
+    time_against_lt(c, dx.p(), dw.p(), {32, 64}, "wide", [&](const uint16_t* wc, int64_t T, uint16_t* y) {
+      cuda::gemm_wide_bf16(dx.p(), c.K, wc, T, c.K, c.N, one_seg(y, c.N), ws.get(), nullptr);
+    });
   }
   EXPECT_GE(ran, 12);
 }
