@@ -105,10 +105,14 @@ const GemmCase kGemmCases[] = {
     // partial last k-steps: bf16 16- and 32-byte tails, fp8 80 bytes (lanes' pieces in and out of range)
     {200, 96, "K tail 16 B"},        {208, 96, "K tail 32 B (fp8 80 B)"}};
 
-// Timing at the large shapes (K·N ≥ 8M, notes, not asserted): `gemm` (W copy, T, y) against cuBLASLt over 4
-// weight copies rotated so the 50 MB L2 does not serve them; x bf16 [64, K].
+// A decode GEMM under test: one launch over a stack (x bf16 [T, K], W bf16 [N, K]).
+using StackedGemm = std::function<void(const uint16_t* x, const uint16_t* w, int64_t T, int64_t K, int64_t N,
+                                       const cuda::GemmSegs& s)>;
+
+// Timing at the large shapes (K·N ≥ 8M, notes, not asserted): `gemm` against cuBLASLt over 4 weight copies
+// rotated so the 50 MB L2 does not serve them; x bf16 [64, K].
 void time_against_lt(const GemmCase& c, const uint16_t* dx, const uint16_t* dw, std::initializer_list<int64_t> Ts,
-                     const char* name, const std::function<void(const uint16_t*, int64_t, uint16_t*)>& gemm) {
+                     const char* name, const StackedGemm& gemm) {
   if (c.K * c.N < 8000000) return;
   const int copies = 4;
   cuda::DeviceBuffer wc(size_t(copies * c.N * c.K) * 2);
@@ -120,66 +124,70 @@ void time_against_lt(const GemmCase& c, const uint16_t* dx, const uint16_t* dw, 
   auto dy = poisoned<uint16_t>(size_t(64 * c.N));
   for (int64_t T : Ts) {
     int it = 0;
-    const float tk = time_us([&] { gemm(wcopy(it++), T, dy.p()); });
+    const float tk = time_us([&] { gemm(dx, wcopy(it++), T, c.K, c.N, one_seg(dy.p(), c.N)); });
     it = 0;
     const float tl = time_us([&] { lt.bf16(dx, c.K, wcopy(it++), dy.p(), c.N, T, c.K, c.N, nullptr); });
     const double gb = double(c.N * c.K * 2) / 1e9;
-    note(fmt::format("  timing {} T={} ({:.1f} MB): {} {:.1f} us ({:.2f} TB/s), cuBLASLt {:.1f} us ({:.2f} TB/s)", c.what,
-                     T, gb * 1e3, name, tk, gb / tk * 1e3, tl, gb / tl * 1e3));
+    note(fmt::format("  timing {} T={} ({:.1f} MB): {} {:.1f} us ({:.2f} TB/s), cuBLASLt {:.1f} us ({:.2f} TB/s)",
+                     c.what, T, gb * 1e3, name, tk, gb / tk * 1e3, tl, gb / tl * 1e3));
   }
+}
+
+// One kernel vs the twins at shape c: the CPU twin (one BF16 rounding of FP32 sums in another order: ulp;
+// cancellation: atol) and FP64 rounded at the same point on the first and last rows, for every T of Ts; batch
+// invariance (the rows of Ts' first T bit-identical for every later T); determinism (a second launch, same
+// bits); then the timing notes at timing_Ts. `splits` names the split-K count in the failure's shape.
+void gemm_matches_twin(const char* name, const GemmCase& c, Rng& rng, const StackedGemm& gemm, int splits,
+                       std::initializer_list<int64_t> Ts, std::initializer_list<int64_t> timing_Ts) {
+  const int64_t Tmax = 64;
+  const auto x = rand_bf16(size_t(Tmax * c.K), rng, -1.0f, 1.0f);
+  const auto w = rand_bf16(size_t(c.N * c.K), rng, -0.02f, 0.02f);
+  auto dx = upload(x);
+  auto dw = upload(w);
+  std::vector<uint16_t> ref_all(size_t(Tmax * c.N));
+  cpu::gemm_bf16(x.data(), c.K, w.data(), ref_all.data(), c.N, Tmax, c.K, c.N);
+  double scale = 0;
+  for (uint16_t v : ref_all) scale = std::max(scale, double(std::fabs(bf16_to_f32(v))));
+  const std::string what = fmt::format("gemm_{}_bf16", name);
+  std::vector<uint16_t> first;  // the outputs at the first T (batch invariance reference)
+  for (int64_t T : Ts) {
+    auto dy = poisoned<uint16_t>(size_t(T * c.N));
+    gemm(dx.p(), dw.p(), T, c.K, c.N, one_seg(dy.p(), c.N));
+    sync();
+    const auto got = dy.get();
+    const std::vector<uint16_t> ref(ref_all.begin(), ref_all.begin() + T * c.N);
+    const std::string shape = fmt::format("{} T={} K={} N={} S={}", c.what, T, c.K, c.N, splits);
+    check_bf16(what + " vs cpu twin", shape, got, ref, {2e-3 * scale, kBf16Ulp, 2e-3});
+    const std::vector<int64_t> rows = T == 1 ? std::vector<int64_t>{0} : std::vector<int64_t>{0, T - 1};
+    const auto r64 = fp64_ref_rows(x, w, c.K, c.N, rows);
+    std::vector<float> g64;
+    for (int64_t t : rows)
+      for (int64_t n = 0; n < c.N; ++n) g64.push_back(bf16_to_f32(got[size_t(t * c.N + n)]));
+    check(what + " vs fp64", shape, g64.data(), r64.data(), r64.size(), {2e-3 * scale, kBf16Ulp, 1e-2});
+    if (first.empty()) first = got;
+    check_exact(what + " batch invariance", shape, got.data(), first.data(), first.size() * 2);
+    auto dy2 = poisoned<uint16_t>(size_t(T * c.N));
+    gemm(dx.p(), dw.p(), T, c.K, c.N, one_seg(dy2.p(), c.N));
+    sync();
+    check_exact(what + " determinism", shape, dy2.get().data(), got.data(), got.size() * 2);
+  }
+  time_against_lt(c, dx.p(), dw.p(), timing_Ts, name, gemm);
 }
 
 TEST(GpuDecode, SkinnyGemmBf16MatchesTwin) {
   need_gpu();
   Rng rng(101);
   Ws ws;
-  for (const GemmCase& c : kGemmCases) {
-    const int64_t Tmax = 64;
-    const auto x = rand_bf16(size_t(Tmax * c.K), rng, -1.0f, 1.0f);
-    const auto w = rand_bf16(size_t(c.N * c.K), rng, -0.02f, 0.02f);
-    auto dx = upload(x);
-    auto dw = upload(w);
-    std::vector<uint16_t> ref_all(size_t(Tmax * c.N));
-    cpu::gemm_bf16(x.data(), c.K, w.data(), ref_all.data(), c.N, Tmax, c.K, c.N);
-    double scale = 0;
-    for (uint16_t v : ref_all) scale = std::max(scale, double(std::fabs(bf16_to_f32(v))));
-    std::vector<uint16_t> row0;  // token 0's outputs at T = 1 (batch invariance reference)
-    for (int64_t T : {1, 2, 7, 16, 33, 64}) {
-      auto dy = poisoned<uint16_t>(size_t(T * c.N));
-      cuda::gemm_skinny_bf16(dx.p(), c.K, dw.p(), T, c.K, c.N, one_seg(dy.p(), c.N), ws.get(), nullptr);
-      sync();
-      const auto got = dy.get();
-      const std::vector<uint16_t> ref(ref_all.begin(), ref_all.begin() + T * c.N);
-      const std::string shape = fmt::format("{} T={} K={} N={} S={}", c.what, T, c.K, c.N,
-                                            cuda::gemm_skinny_splits(c.N, c.K, false));
-      // vs the CPU twin: one BF16 rounding of FP32 sums in another order (ulp), cancellation (atol).
-      check_bf16("gemm_skinny_bf16 vs cpu twin", shape, got, ref, {2e-3 * scale, kBf16Ulp, 2e-3});
-      // vs FP64 rounded at the same point, on the first and last rows.
-      const std::vector<int64_t> rows = T == 1 ? std::vector<int64_t>{0} : std::vector<int64_t>{0, T - 1};
-      const auto r64 = fp64_ref_rows(x, w, c.K, c.N, rows);
-      std::vector<float> g64;
-      for (int64_t t : rows)
-        for (int64_t n = 0; n < c.N; ++n) g64.push_back(bf16_to_f32(got[size_t(t * c.N + n)]));
-      check("gemm_skinny_bf16 vs fp64", shape, g64.data(), r64.data(), r64.size(), {2e-3 * scale, kBf16Ulp, 1e-2});
-      // Batch invariance: token 0 bit-identical for every T; determinism: a second launch, same bits.
-      if (T == 1) row0.assign(got.begin(), got.begin() + c.N);
-      check_exact("gemm_skinny_bf16 batch invariance", shape, got.data(), row0.data(), size_t(c.N) * 2);
-      auto dy2 = poisoned<uint16_t>(size_t(T * c.N));
-      cuda::gemm_skinny_bf16(dx.p(), c.K, dw.p(), T, c.K, c.N, one_seg(dy2.p(), c.N), ws.get(), nullptr);
-      sync();
-      const auto got2 = dy2.get();
-      check_exact("gemm_skinny_bf16 determinism", shape, got2.data(), got.data(), got.size() * 2);
-    }
-    time_against_lt(c, dx.p(), dw.p(), {1, 16, 64}, "skinny", [&](const uint16_t* wc, int64_t T, uint16_t* y) {
-      cuda::gemm_skinny_bf16(dx.p(), c.K, wc, T, c.K, c.N, one_seg(y, c.N), ws.get(), nullptr);
-    });
-  }
+  const StackedGemm skinny = [&](const uint16_t* x, const uint16_t* w, int64_t T, int64_t K, int64_t N,
+                                 const cuda::GemmSegs& s) {
+    cuda::gemm_skinny_bf16(x, K, w, T, K, N, s, ws.get(), nullptr);
+  };
+  for (const GemmCase& c : kGemmCases)
+    gemm_matches_twin("skinny", c, rng, skinny, cuda::gemm_skinny_splits(c.N, c.K, false), {1, 2, 7, 16, 33, 64},
+                      {1, 16, 64});
 }
 
 // Stacked segments with every epilogue in one launch vs separate CPU GEMMs and the CPU elementwise twins.
-// `gemm` launches one kernel over the stack (x bf16 [T, K], W bf16 [N, K]).
-using StackedGemm = std::function<void(const uint16_t* x, const uint16_t* w, int64_t T, int64_t K, int64_t N,
-                                       const cuda::GemmSegs& s)>;
 void stacked_epilogues(const char* kernel, const StackedGemm& gemm, std::initializer_list<int64_t> Ts, uint64_t seed) {
   Rng rng(seed);
   const float beta = 2.0f, lbeta = 1.5f;
@@ -214,7 +222,8 @@ void stacked_epilogues(const char* kernel, const StackedGemm& gemm, std::initial
       s.n = 4;
       gemm(dx.p(), dw.p(), T, K, N, s);
       sync();
-      std::vector<uint16_t> g(size_t(T * F)), u(size_t(T * F)), a(size_t(T * F)), yb(size_t(T * Nb)), ya(size_t(T * Na));
+      std::vector<uint16_t> g(size_t(T * F)), u(size_t(T * F)), a(size_t(T * F)), yb(size_t(T * Nb)),
+          ya(size_t(T * Na));
       std::vector<float> yf(size_t(T * Nf));
       cpu::gemm_bf16(x.data(), K, gate.data(), g.data(), F, T, K, F);
       cpu::gemm_bf16(x.data(), K, up.data(), u.data(), F, T, K, F);
@@ -223,7 +232,8 @@ void stacked_epilogues(const char* kernel, const StackedGemm& gemm, std::initial
       cpu::gemm_bf16_f32(x.data(), K, wf.data(), yf.data(), Nf, T, K, Nf);
       cpu::gemm_bf16(x.data(), K, wa.data(), ya.data(), Na, T, K, Na);
       for (size_t i = 0; i < ya.size(); ++i) ya[i] = f32_to_bf16(bf16_to_f32(ya[i]) + bf16_to_f32(addend[i]));
-      const std::string shape = fmt::format("{} K={} T={} [glu {} | bf16 {} | f32 {} | add {}]", kernel, K, T, 2 * F, Nb, Nf, Na);
+      const std::string shape =
+          fmt::format("{} K={} T={} [glu {} | bf16 {} | f32 {} | add {}]", kernel, K, T, 2 * F, Nb, Nf, Na);
       // GLU: its inputs are one-ulp-close BF16 values, so the output is within a few ulps.
       check_bf16("epilogue situ_glu8", shape, da.get(), a, {1e-3, 4 * kBf16Ulp, 1e-2});
       check_bf16("epilogue bf16", shape, db.get(), yb, {1e-3, kBf16Ulp, 2e-3});
@@ -270,46 +280,16 @@ TEST(GpuDecode, WideGemmBf16MatchesTwin) {
     EXPECT_FALSE(cuda::gemm_wide_ok(xa, 256, wb, 65, 256, 96, one_seg(y.data(), 96), ws.get()));
     EXPECT_FALSE(cuda::gemm_wide_ok(xa, 256, wb, 64, 256, 96, one_seg(nullptr, 96), ws.get()));
   }
+  const StackedGemm wide = [&](const uint16_t* x, const uint16_t* w, int64_t T, int64_t K, int64_t N,
+                               const cuda::GemmSegs& s) {
+    ASSERT_TRUE(cuda::gemm_wide_ok(x, K, w, T, K, N, s, ws.get()));
+    cuda::gemm_wide_bf16(x, K, w, T, K, N, s, ws.get(), nullptr);
+  };
   int ran = 0;
   for (const GemmCase& c : kGemmCases) {
     if (c.K % 128 != 0) continue;
     ++ran;
-    const int64_t Tmax = 64;
-    const auto x = rand_bf16(size_t(Tmax * c.K), rng, -1.0f, 1.0f);
-    const auto w = rand_bf16(size_t(c.N * c.K), rng, -0.02f, 0.02f);
-    auto dx = upload(x);
-    auto dw = upload(w);
-    std::vector<uint16_t> ref_all(size_t(Tmax * c.N));
-    cpu::gemm_bf16(x.data(), c.K, w.data(), ref_all.data(), c.N, Tmax, c.K, c.N);
-    double scale = 0;
-    for (uint16_t v : ref_all) scale = std::max(scale, double(std::fabs(bf16_to_f32(v))));
-    std::vector<uint16_t> first;  // tokens 0..16 at T = 17 (batch invariance reference)
-    for (int64_t T : {17, 24, 32, 33, 64}) {
-      auto dy = poisoned<uint16_t>(size_t(T * c.N));
-      ASSERT_TRUE(cuda::gemm_wide_ok(dx.p(), c.K, dw.p(), T, c.K, c.N, one_seg(dy.p(), c.N), ws.get()));
-      cuda::gemm_wide_bf16(dx.p(), c.K, dw.p(), T, c.K, c.N, one_seg(dy.p(), c.N), ws.get(), nullptr);
-      sync();
-      const auto got = dy.get();
-      const std::vector<uint16_t> ref(ref_all.begin(), ref_all.begin() + T * c.N);
-      const std::string shape = fmt::format("{} T={} K={} N={} S={}", c.what, T, c.K, c.N,
-                                            cuda::gemm_wide_splits(c.N, c.K, ws.get()));
-      check_bf16("gemm_wide_bf16 vs cpu twin", shape, got, ref, {2e-3 * scale, kBf16Ulp, 2e-3});
-      const std::vector<int64_t> rows{0, T - 1};
-      const auto r64 = fp64_ref_rows(x, w, c.K, c.N, rows);
-      std::vector<float> g64;
-      for (int64_t t : rows)
-        for (int64_t n = 0; n < c.N; ++n) g64.push_back(bf16_to_f32(got[size_t(t * c.N + n)]));
-      check("gemm_wide_bf16 vs fp64", shape, g64.data(), r64.data(), r64.size(), {2e-3 * scale, kBf16Ulp, 1e-2});
-      if (T == 17) first.assign(got.begin(), got.end());
-      check_exact("gemm_wide_bf16 batch invariance", shape, got.data(), first.data(), first.size() * 2);
-      auto dy2 = poisoned<uint16_t>(size_t(T * c.N));
-      cuda::gemm_wide_bf16(dx.p(), c.K, dw.p(), T, c.K, c.N, one_seg(dy2.p(), c.N), ws.get(), nullptr);
-      sync();
-      check_exact("gemm_wide_bf16 determinism", shape, dy2.get().data(), got.data(), got.size() * 2);
-    }
-    time_against_lt(c, dx.p(), dw.p(), {32, 64}, "wide", [&](const uint16_t* wc, int64_t T, uint16_t* y) {
-      cuda::gemm_wide_bf16(dx.p(), c.K, wc, T, c.K, c.N, one_seg(y, c.N), ws.get(), nullptr);
-    });
+    gemm_matches_twin("wide", c, rng, wide, cuda::gemm_wide_splits(c.N, c.K, ws.get()), {17, 24, 32, 33, 64}, {32, 64});
   }
   EXPECT_GE(ran, 12);
 }

@@ -90,7 +90,9 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 // cp.async wrote the tiles through the generic proxy; wgmma reads them through the async proxy.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
@@ -172,14 +174,16 @@ __global__ void __launch_bounds__(kThreads) wide_kernel(const __grid_constant__ 
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) dev::cp_async16(d + uint32_t(h * 8192 + i * 2048), wsrc[i] + st * kStepElems + 64 * h, win[i]);
+      for (int i = 0; i < 4; ++i)
+        dev::cp_async16(d + uint32_t(h * 8192 + i * 2048), wsrc[i] + st * kStepElems + 64 * h, win[i]);
   };
   auto issue_x = [&](int slot, int st) {
     const uint32_t d = base + uint32_t(slot * kStage + kWBytes) + dst0;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int i = 0; i < IX; ++i) dev::cp_async16(d + uint32_t(h * kXH + i * 2048), xsrc[i] + st * kStepElems + 64 * h, xin[i]);
+      for (int i = 0; i < IX; ++i)
+        dev::cp_async16(d + uint32_t(h * kXH + i * 2048), xsrc[i] + st * kStepElems + 64 * h, xin[i]);
   };
 
 #pragma unroll
