@@ -79,8 +79,12 @@ __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.lau
 
 #ifndef KESTREL_SIMT_EMU  // (the CPU emulation of the KDA kernels, tests/emu, has no shared-memory window)
 // cp.async (sm_80+): 16 bytes global → shared, L2 only (.cg); src-size 0 when !in zero-fills the destination
-// without reading (src must still be a valid address). Groups: commit, then wait until at most N are pending.
+// without reading (src must still be a valid address); the two-argument form always copies. Groups: commit,
+// then wait until at most N are pending; the other threads see the data after a barrier.
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool in) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 16 : 0) : "memory");
 }

@@ -51,6 +51,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/indexer.h"
 #include "kernels/cuda/indexer_topk.h"
 
@@ -88,17 +89,10 @@ __device__ __forceinline__ int tile_off(int n, int c) {
   return n * DI * 2 + ((c ^ ((n / DIV) % MOD)) << 4);
 }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return uint32_t(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+using dev::cp_async16;  // 16-byte copies global → shared (device_util.cuh)
+using dev::cp_async_commit;
+using dev::cp_async_wait;
+using dev::smem_addr;
 
 // Two e4m3 pairs (a 32-bit word) → two f16x2 words, exactly.
 __device__ __forceinline__ void e4m3x4_to_f16x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
@@ -236,10 +230,10 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_scores_tc(const ScoreArgs
             a.arena + (int64_t(table[pos / a.P]) * a.P + ((pos % a.P) & ~(a.KP - 1))) * L::TB;
         for (int ci = tid; ci < cpk; ci += kThreads) {
           if constexpr (L::kDequant) {
-            cp_async16(dst + kp * kp_bytes + ci * 16, src + ci * 16);
+            cp_async16(smem_addr(dst + kp * kp_bytes + ci * 16), src + ci * 16);
           } else {
             const int n = kp * a.KP + ci / (DI / 8), c = ci % (DI / 8);
-            cp_async16(dst + tile_off<DI>(n, c), src + ci * 16);
+            cp_async16(smem_addr(dst + tile_off<DI>(n, c)), src + ci * 16);
           }
         }
       }
@@ -338,7 +332,7 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_scores_tc(const ScoreArgs
     }
     if (row >= 0) {
       const int kw = kTile / wpr;  // this warp's keys of the tile: [part·kw, part·kw + kw)
-      const uint32_t tile_base = smem_u32(bt);
+      const uint32_t tile_base = smem_addr(bt);
       for (int n0 = part * kw; n0 < part * kw + kw; n0 += 16) {
         if (p0 + n0 >= row_len) break;
         float acc[2][2][4];

@@ -76,8 +76,8 @@ __global__ void __launch_bounds__(kThreads) stream_gemm_kernel(const StreamArgs 
   extern __shared__ __align__(16) uint8_t ssm[];
   const GemmArgs& A = a.g;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const uint32_t wring = smem_u32(ssm) + uint32_t(warp * ring_bytes<NM>() + lane * 16);
-  const uint32_t sring = smem_u32(ssm) + uint32_t(warp * ring_bytes<NM>() + kStages * NM * ml::kTileChunkBytes + lane * 4);
+  const uint32_t wring = smem_addr(ssm) + uint32_t(warp * ring_bytes<NM>() + lane * 16);
+  const uint32_t sring = smem_addr(ssm) + uint32_t(warp * ring_bytes<NM>() + kStages * NM * ml::kTileChunkBytes + lane * 4);
 
   if (a.wait_first) {
     griddep_wait();

@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kThreads, 1) wide_gemm_kernel(const GemmArgs a
   const int nq = (count + 7) >> 3;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int NC = a.C / ml::kChunkCols;
-  const uint32_t bbase = smem_u32(bsm);
+  const uint32_t bbase = smem_addr(bsm);
 
   // B producer: thread i copies 16-byte unit (i & 7) of tokens (i >> 3) + 32k, k = 0..3.
   const int unit = threadIdx.x & 7, tok0 = threadIdx.x >> 3;
@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(kThreads, 1) wide_gemm_kernel(const GemmArgs a
     const uint32_t s = bbase + uint32_t((c % kBStages) * kBStageBytes) + dst;
 #pragma unroll
     for (int k = 0; k < 4; ++k)
-      if (need[k]) cp_async16_zfill(s + uint32_t(k * 32 * 128), src[k] + c * ml::kChunkCols, valid[k]);
+      if (need[k]) cp_async16(s + uint32_t(k * 32 * 128), src[k] + c * ml::kChunkCols, valid[k]);
   };
 
   // A: this warp's two tiles (w1|w3: tile w of W1 and W3; w2: tiles 2w, 2w+1) of row group rg.

@@ -66,17 +66,10 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const uint16_t* p) {
                : "memory");
 }
 
-// 16-byte copy global → shared through L2 (cp.async.cg); src_bytes 0 writes 16 zero bytes (src must still be
-// a valid address). Completion: cp_async_commit, then cp_async_wait<n>, then a barrier for the other threads.
-__device__ __forceinline__ void cp_async16(uint16_t* dst, const uint16_t* src, int src_bytes) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+using dev::cp_async16;  // 16-byte copies global → shared (device_util.cuh), zero-filled where !in
+using dev::cp_async_commit;
+using dev::cp_async_wait;
+using dev::smem_addr;
 
 template <int D>
 constexpr int attn_smem_bytes() {
@@ -125,8 +118,8 @@ __global__ void __launch_bounds__(128, 3) attn_kernel(const uint16_t* __restrict
       const int key = i / (D / 8), c8 = (i % (D / 8)) * 8;
       const bool in = k0 + key < N;
       const int64_t off = in ? (k0 + key) * ld + c8 : 0;  // past the end: a valid address, 0 bytes read
-      cp_async16(Kd + key * KP + c8, Kb + off, in ? 16 : 0);  // zeros past the image's end: finite V rows
-      cp_async16(Vd + key * KP + c8, Vb + off, in ? 16 : 0);
+      cp_async16(smem_addr(Kd + key * KP + c8), Kb + off, in);  // zeros past the image's end: finite V rows
+      cp_async16(smem_addr(Vd + key * KP + c8), Vb + off, in);
     }
     cp_async_commit();
   };
