@@ -13,8 +13,10 @@
 // barrier, shows up); a block in which no fiber can progress (a barrier some threads never reach, an
 // mbarrier phase that never completes) throws simt::Deadlock; the schedule order (threads forward or in
 // reverse) is selectable, so an unordered write/read pair between threads is caught in one of the two.
-// mma.sync: the m16n8k8 TF32 and m16n8k16 BF16 / FP16 fragment layouts of the PTX ISA, operands taken as the
-// hardware takes them (TF32: the top 19 bits), products summed in f64 and rounded to f32 once.
+// mma.sync: the m16n8k8 TF32, m16n8k16 BF16 / FP16 and m16n8k32 E4M3 fragment layouts of the PTX ISA, operands
+// taken as the hardware takes them (TF32: the top 19 bits), products summed in f64 and rounded to f32 once.
+// 32-bit shared addresses (ld.shared, cp.async in inline PTX) are offsets into the CTA's dynamic shared memory,
+// bounds-checked.
 // Bulk copies (TMA) land immediately at issue; fences are no-ops.
 #pragma once
 
@@ -43,7 +45,8 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))  // GNU form: allowed after `static` (alignas is not)
+#define __grid_constant__
 
 // ---- vector types and built-in variables ---------------------------------------------------------------------
 struct uint3 {
@@ -154,7 +157,8 @@ struct Bar {
 };
 
 struct Cta {
-  unsigned char* smem = nullptr;
+  unsigned char* smem = nullptr;  // the launch's dynamic shared memory
+  size_t smem_bytes = 0;
   Bar bars[16];
   struct Warp {
     int arrived = 0;
@@ -257,6 +261,7 @@ inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function
         for (int c = 0; c < nc; ++c) {
           Cta& cta = b.ctas[size_t(c)];
           cta.smem = smem[size_t(c)].get();
+          cta.smem_bytes = smem_bytes;
           std::memset(cta.smem, 0xFF, smem_bytes);
           cta.warps.resize(size_t((n + 31) / 32));
           cta.live = n;
@@ -368,6 +373,22 @@ inline T* map_rank(T* p, int rank) {
 
 inline int lane_id() { return self().local % 32; }
 
+// 32-bit shared addresses (cvta.to.shared; what ld.shared and cp.async take in the kernels' inline PTX): the
+// byte offset into the calling CTA's dynamic shared memory, the only shared memory they address that way here.
+// Both directions are bounds-checked, so an address off the end of the launch's allocation throws.
+inline uint32_t smem_handle(const void* p) {
+  Cta& c = my_cta();
+  const auto* b = static_cast<const unsigned char*>(p);
+  if (b < c.smem || b > c.smem + c.smem_bytes)
+    throw std::runtime_error("simt: a shared address outside the CTA's dynamic shared memory");
+  return uint32_t(b - c.smem);
+}
+inline unsigned char* smem_at(uint32_t a, size_t bytes) {
+  Cta& c = my_cta();
+  if (size_t(a) + bytes > c.smem_bytes) throw std::runtime_error("simt: a shared access past the dynamic shared memory");
+  return c.smem + a;
+}
+
 template <typename T>
 inline T shfl_from(T v, int src) {
   static_assert(sizeof(T) <= 8);
@@ -407,6 +428,26 @@ inline void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], M
         const float bv = half_operand(uint32_t(s[4 * col + ((kk & 7) >> 1)][4 + (kk >> 3)]), kk & 1, type);
         acc += double(av) * double(bv);
       }
+    }
+    d[r] = float(acc);
+  }
+}
+
+// mma.sync m16n8k32 e4m3 × e4m3 + f32 (PTX ISA fragment layouts for 8-bit types): A registers 0 / 1 hold rows
+// g / g+8 at k = 4t..4t+3 (byte i = k 4t+i), registers 2 / 3 the same rows at k = 16+4t..; B registers 0 / 1
+// column g at k = 4t.. / 16+4t... FP8 values are exact in f64; products summed in f64, rounded to f32 once.
+inline void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  uint64_t in[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+  const auto* s = warp_exchange(in, 6);
+  const int lane = lane_id(), g = lane >> 2, t = lane & 3;
+  auto e4m3 = [](uint64_t word, int byte) { return double(kestrel::f8e4m3_to_f32(uint8_t(word >> (8 * byte)))); };
+  for (int r = 0; r < 4; ++r) {
+    const int row = g + 8 * (r >> 1), col = 2 * t + (r & 1);
+    double acc = d[r];
+    for (int kk = 0; kk < 32; ++kk) {
+      const double av = e4m3(s[4 * (row & 7) + ((kk & 15) >> 2)][(row >> 3) + 2 * (kk >> 4)], kk & 3);
+      const double bv = e4m3(s[4 * col + ((kk & 15) >> 2)][4 + (kk >> 4)], kk & 3);
+      acc += av * bv;
     }
     d[r] = float(acc);
   }
@@ -457,6 +498,17 @@ inline void mbar_check(Mbar& m) {
 }  // namespace simt
 
 inline void __syncthreads() { simt::barrier(0, -1); }
+// Fibers run one at a time and CTAs one after another: every write is visible at once, atomics are plain.
+inline void __threadfence() {}
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  const unsigned old = *p;
+  *p = old + v;
+  return old;
+}
+template <typename T>
+inline T __ldcg(const T* p) {
+  return *p;
+}
 template <typename T>
 inline T __shfl_sync(unsigned, T v, int src, int width = 32) {
   const int lane = simt::lane_id();

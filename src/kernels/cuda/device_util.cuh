@@ -71,13 +71,20 @@ __device__ __forceinline__ double block_sum_d(double v, double* scratch) {
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+#ifndef KESTREL_SIMT_EMU  // (tests/emu, the CPU emulation the kernels are also compiled for: the #else below)
 // Programmatic Dependent Launch (kernels/cuda/launch.h): wait until the previous kernel on the stream has
 // completed and its writes are visible (a no-op without a programmatic dependency); let the next kernel's
 // CTAs launch (they run up to their own wait). Every PDL kernel calls pdl_wait() on every path.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
-#ifndef KESTREL_SIMT_EMU  // (the CPU emulation of the KDA kernels, tests/emu, has no shared-memory window)
+// The launch's dynamic shared memory (16-byte aligned).
+template <typename T>
+__device__ __forceinline__ T* dyn_smem() {
+  extern __shared__ __align__(16) unsigned char dev_dyn_smem[];
+  return reinterpret_cast<T*>(dev_dyn_smem);
+}
+
 // cp.async (sm_80+): 16 bytes global → shared, L2 only (.cg); src-size 0 when !in zero-fills the destination
 // without reading (src must still be a valid address); the two-argument form always copies. Groups: commit,
 // then wait until at most N are pending; the other threads see the data after a barrier.
@@ -91,6 +98,27 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool i
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+#else
+// The emulator's forms (tests/emu/simt.h): kernels run one after another, so the PDL calls have nothing to do;
+// shared addresses are offsets into the CTA's dynamic shared memory; copies land at the wait for their group.
+inline void pdl_wait() {}
+inline void pdl_trigger() {}
+template <typename T>
+inline T* dyn_smem() {
+  return reinterpret_cast<T*>(simt::my_cta().smem);
+}
+inline uint32_t smem_addr(const void* p) { return simt::smem_handle(p); }
+inline void cp_async16(uint32_t dst, const void* src, bool in) {
+  if (dst % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0)
+    throw std::runtime_error("simt: cp.async of 16 bytes not 16-byte aligned");
+  simt::cp_async(simt::smem_at(dst, 16), src, 16, in ? 16 : 0);
+}
+inline void cp_async16(uint32_t dst, const void* src) { cp_async16(dst, src, true); }
+inline void cp_async_commit() { simt::cp_commit(); }
+template <int N>
+inline void cp_async_wait() {
+  simt::cp_wait(N);
+}
 #endif
 
 }  // namespace kestrel::cuda::dev

@@ -58,17 +58,23 @@
 // Predicted (H200, copy 4.27 TB/s): a 20+ MB matrix at T ≤ 16 in ≥ 85 % of the copy rate plus ~2 µs of
 // launch and tail (e.g. KDA q|k|v|g|f_a|b 90 MB ≈ 23 µs, o_proj 22 MB ≈ 7 µs, MoE latent down 51 MB ≈
 // 14 µs); T = 64 within ~20 % of that (x traffic 4× W's from L2).
+//
+// Emulation: tests/emu compiles this file against the CPU emulation of the thread hierarchy (simt.h) to run the
+// kernel without a GPU; there the inline-PTX wrappers below take their #else forms and the host side (launchers,
+// split choice) is left out, but plan() — the launch geometry — is shared, so the test launches what run() does.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <string>
 
+#ifndef KESTREL_SIMT_EMU
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
+#endif
 #include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/gemm_epi.cuh"
 #include "kernels/cuda/gemm_skinny.h"
-#include "kernels/cuda/launch.h"
 
 namespace kestrel::cuda {
 namespace {
@@ -90,6 +96,12 @@ struct Params {
   GemmSegs segs;
 };
 
+template <int I>
+__device__ __forceinline__ uint32_t word(const uint4& v) {
+  return I == 0 ? v.x : I == 1 ? v.y : I == 2 ? v.z : v.w;
+}
+
+#ifndef KESTREL_SIMT_EMU
 __device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {  // weights: read once, not kept in L1
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -114,11 +126,6 @@ __device__ __forceinline__ uint4 ld_smem(uint32_t a) {
   return v;
 }
 
-template <int I>
-__device__ __forceinline__ uint32_t word(const uint4& v) {
-  return I == 0 ? v.x : I == 1 ? v.y : I == 2 ? v.z : v.w;
-}
-
 template <bool FP8>
 __device__ __forceinline__ void mma(float* d /* f32 [4] */, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                     uint32_t b1) {
@@ -136,6 +143,24 @@ __device__ __forceinline__ void mma(float* d /* f32 [4] */, uint32_t a0, uint32_
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
 }
+#else
+inline uint4 ld16_checked(const void* p) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) throw std::runtime_error("simt: 16-byte load not 16-byte aligned");
+  uint4 v;
+  std::memcpy(&v, p, 16);
+  return v;
+}
+inline uint4 ld_stream(const uint8_t* p) { return ld16_checked(p); }
+inline uint4 ld_act(const uint8_t* p) { return ld16_checked(p); }
+inline uint4 ld_smem(uint32_t a) { return ld16_checked(simt::smem_at(a, 16)); }
+template <bool FP8>
+inline void mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  float (&dd)[4] = *reinterpret_cast<float(*)[4]>(d);
+  const uint32_t a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};
+  if constexpr (FP8) simt::mma_e4m3(dd, a, b);
+  else simt::mma(dd, a, b, simt::MmaType::bf16);
+}
+#endif
 
 // Lane (g, q) of a step: words 0..7 = bytes 32q..32q+31 of the step in rows g / g+8 (W) or token g (x).
 // mma j takes words 2j (k pair 2q.. / 4q..) and 2j+1 (2q+8.. / 4q+16..): word 2j is uint4 j>>1, component
@@ -254,7 +279,7 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
     // Staged: each warp keeps D steps of W in flight in its own shared-memory ring (D · MT · 2 KB) instead of
     // U steps in registers; a lane reads back only the 16-byte pieces it copied itself (piece-major layout:
     // 512 bytes per piece, lanes contiguous, no bank conflicts), so cp.async.wait_group is the only sync.
-    extern __shared__ __align__(16) uint8_t ring[];
+    uint8_t* ring = dev::dyn_smem<uint8_t>();
     constexpr int kStage = MT * 4 * 512;
     const uint32_t base = dev::smem_addr(ring) + uint32_t(warp * D * kStage + lane * 16);
     auto issue = [&](int slot, int st) {
@@ -418,10 +443,43 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
 
 
 constexpr int kStages = 6;  // staged variant: 6 steps × 2 KB per warp, 48 KB a CTA (4 CTAs per SM by shared memory)
+constexpr int kStagedSmem = kWarps * kStages * 2048;
 
+// The launch geometry for T tokens, K inputs, N rows and at most S0 splits (gemm_skinny_splits): each split
+// whole k-steps, none empty; returns NT, the 8-token n-tiles the kernel instantiation covers (1, 2, 4, 8).
+int plan(Params& p, int64_t T, int64_t K, int64_t N, bool fp8, int S0) {
+  const int esz = fp8 ? 1 : 2;
+  p.T = int(T), p.N = int(N), p.kbytes = int(K * esz), p.ldw = K * esz;
+  p.ksteps = int((K * esz + kStepBytes - 1) / kStepBytes);
+  p.steps_per_split = (p.ksteps + S0 - 1) / S0;
+  p.splits = (p.ksteps + p.steps_per_split - 1) / p.steps_per_split;
+  p.tiles = int((N + 15) / 16);  // MT = 1 for every instantiation
+  return T <= 8 ? 1 : T <= 16 ? 2 : T <= 32 ? 4 : 8;
+}
+
+// The instantiation for NT n-tiles (plan) with W staged through shared memory or held in registers (the
+// choice exists at NT ≤ 2): f.template operator()<Kernel>(its dynamic shared memory, bytes). run() and the
+// emulation test (tests/emu) launch through this one table.
+template <bool FP8, class F>
+void dispatch(int NT, bool staged, F&& f) {
+  switch (NT) {
+    case 1:
+      if (staged) f.template operator()<skinny_kernel<FP8, 1, 1, 4, true, kStages>>(kStagedSmem);
+      else f.template operator()<skinny_kernel<FP8, 1, 1, 4, true>>(0);
+      break;
+    case 2:
+      if (staged) f.template operator()<skinny_kernel<FP8, 2, 1, 4, true, kStages>>(kStagedSmem);
+      else f.template operator()<skinny_kernel<FP8, 2, 1, 4, true>>(0);
+      break;
+    case 4: f.template operator()<skinny_kernel<FP8, 4, 1, 2, false>>(0); break;
+    default: f.template operator()<skinny_kernel<FP8, 8, 1, 2, false>>(0); break;
+  }
+}
+
+#ifndef KESTREL_SIMT_EMU
 template <auto Kernel>
 void launch_staged(dim3 grid, cudaStream_t stream, const Params& p) {
-  constexpr int smem = kWarps * kStages * 2048;
+  constexpr int smem = kStagedSmem;
   static const bool attr = [] {
     KCUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return true;
@@ -436,14 +494,7 @@ void run(Params p, int64_t T, int64_t K, int64_t N, const SkinnyWorkspace& ws, c
     const char* e = std::getenv("KESTREL_SKINNY_STAGED");
     return !(e && e[0] == '0');
   }();
-  const int esz = FP8 ? 1 : 2;
-  p.T = int(T), p.N = int(N), p.kbytes = int(K * esz), p.ldw = K * esz;
-  p.ksteps = int((K * esz + kStepBytes - 1) / kStepBytes);
-  const int S0 = gemm_skinny_splits(N, K, FP8);
-  p.steps_per_split = (p.ksteps + S0 - 1) / S0;
-  p.splits = (p.ksteps + p.steps_per_split - 1) / p.steps_per_split;
-  p.tiles = int((N + 15) / 16);  // MT = 1 for every instantiation below
-  const int NT = T <= 8 ? 1 : T <= 16 ? 2 : T <= 32 ? 4 : 8;
+  const int NT = plan(p, T, K, N, FP8, gemm_skinny_splits(N, K, FP8));
   if (p.splits > 1) {
     const size_t need = size_t(p.splits) * size_t(p.tiles) * 32 * size_t(NT * 4) * 4;
     KCUDA_REQUIRE(ws.part && ws.counters && need <= ws.part_bytes && p.tiles <= ws.n_counters,
@@ -452,23 +503,18 @@ void run(Params p, int64_t T, int64_t K, int64_t N, const SkinnyWorkspace& ws, c
     p.part = ws.part, p.counters = ws.counters;
   }
   const dim3 grid(unsigned(p.tiles), unsigned(p.splits));
-  switch (NT) {
-    case 1:
-      if (staged) launch_staged<skinny_kernel<FP8, 1, 1, 4, true, kStages>>(grid, stream, p);
-      else launch_pdl(skinny_kernel<FP8, 1, 1, 4, true>, grid, dim3(kThreads), 0, stream, p);
-      break;
-    case 2:
-      if (staged) launch_staged<skinny_kernel<FP8, 2, 1, 4, true, kStages>>(grid, stream, p);
-      else launch_pdl(skinny_kernel<FP8, 2, 1, 4, true>, grid, dim3(kThreads), 0, stream, p);
-      break;
-    case 4: launch_pdl(skinny_kernel<FP8, 4, 1, 2, false>, grid, dim3(kThreads), 0, stream, p); break;
-    default: launch_pdl(skinny_kernel<FP8, 8, 1, 2, false>, grid, dim3(kThreads), 0, stream, p); break;
-  }
+  dispatch<FP8>(NT, staged, [&]<auto Kernel>(int smem) {
+    if (smem > 0) launch_staged<Kernel>(grid, stream, p);
+    else launch_pdl(Kernel, grid, dim3(kThreads), 0, stream, p);
+  });
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+#endif  // KESTREL_SIMT_EMU
 
 }  // namespace
+
+#ifndef KESTREL_SIMT_EMU
 
 int gemm_skinny_splits(int64_t N, int64_t K, bool fp8) {
   static const int per_sm = [] {
@@ -528,5 +574,7 @@ void gemm_skinny_fp8(const uint8_t* x, int64_t ldx, const float* x_scale, const 
   p.segs = segs;
   run<true>(p, T, K, N, ws, stream);
 }
+
+#endif  // KESTREL_SIMT_EMU
 
 }  // namespace kestrel::cuda

@@ -1,0 +1,252 @@
+// The skinny decode GEMM (src/kernels/cuda/gemm_skinny.cu) on the CPU emulation of simt.h, against the CPU
+// twins with the tolerances of tests/gpu/test_decode_gpu.cpp: both paths at T ≤ 16 (W staged through the
+// shared-memory ring, or in registers), the 32- and 64-token instantiations, split-K over CTAs (the last CTA's
+// sum, the counters left at zero), a 16-byte K tail, the stacked epilogues (SiTU-GLU, bf16, f32, in-place add)
+// in one launch, the FP8 (PTPC) variant, batch invariance and what lies beyond each output row's ldy. This
+// catches index, fragment-layout and split-K mistakes in CI, where no GPU exists; tests/gpu adds the real
+// tensor cores, the launchers' split choice and timing. The launch geometry is the kernel file's own plan() and
+// dispatch() (the table run() launches through), so what runs here is what run() would launch.
+#include <gtest/gtest.h>
+
+#include "simt.h"  // first: defines the CUDA surface the kernel source below is written against
+
+#include "kernels/cuda/gemm_skinny.cu"
+//
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "kernels/cpu/cpu_ops.h"
+
+namespace kestrel {
+namespace {
+
+struct Rng {
+  uint64_t s;
+  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
+  uint64_t next() {
+    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  float uniform(float lo, float hi) { return lo + (hi - lo) * float(next() >> 40) * (1.0f / 16777216.0f); }
+};
+
+std::vector<uint16_t> rand_bf16(size_t n, Rng& rng, float lo, float hi) {
+  std::vector<uint16_t> x(n);
+  for (auto& e : x) e = f32_to_bf16(rng.uniform(lo, hi));
+  return x;
+}
+
+// |got − ref| ≤ atol + rtol·|ref| element-wise (NaN fails) and the relative L2 error ≤ l2.
+void expect_close(const std::string& what, const std::vector<float>& got, const std::vector<float>& ref, double atol,
+                  double rtol, double l2) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  double num = 0, den = 0;
+  size_t bad = 0, first = got.size();
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double d = double(got[i]) - double(ref[i]);
+    num += d * d, den += double(ref[i]) * double(ref[i]);
+    if (!std::isfinite(got[i]) || std::fabs(d) > atol + rtol * std::fabs(double(ref[i]))) {
+      if (first == got.size()) first = i;
+      ++bad;
+    }
+  }
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size() << " out of tolerance, first at " << first
+                     << " (got " << (first < got.size() ? got[first] : 0.0f) << ", want "
+                     << (first < got.size() ? ref[first] : 0.0f) << ")";
+  EXPECT_LE(den > 0 ? std::sqrt(num / den) : std::sqrt(num), l2) << what << ": relative L2 error";
+}
+std::vector<float> to_f32(const std::vector<uint16_t>& b) {
+  std::vector<float> f(b.size());
+  for (size_t i = 0; i < b.size(); ++i) f[i] = bf16_to_f32(b[i]);
+  return f;
+}
+double max_abs(const std::vector<float>& x) {
+  double m = 0;
+  for (float v : x) m = std::max(m, double(std::fabs(v)));
+  return m;
+}
+
+// A [rows, ld] output of `cols` columns, every element NaN-poisoned (bf16 0xFFFF / f32 0xFFFFFFFF): what the
+// kernel does not write keeps the poison.
+template <typename T>
+struct Out {
+  int64_t rows, cols, ld;
+  std::vector<T> v;
+  Out(int64_t r, int64_t c, int64_t l) : rows(r), cols(c), ld(l), v(size_t(r * l)) { std::memset(v.data(), 0xFF, v.size() * sizeof(T)); }
+  std::vector<T> packed() const {  // [rows, cols]
+    std::vector<T> p;
+    for (int64_t t = 0; t < rows; ++t) p.insert(p.end(), v.begin() + t * ld, v.begin() + t * ld + cols);
+    return p;
+  }
+  bool padding_poisoned() const {
+    for (int64_t t = 0; t < rows; ++t)
+      for (int64_t c = cols; c < ld; ++c) {
+        T e;
+        std::memset(&e, 0xFF, sizeof(T));
+        if (std::memcmp(&v[size_t(t * ld + c)], &e, sizeof(T)) != 0) return false;
+      }
+    return true;
+  }
+};
+
+cuda::GemmSegs one_seg(void* y, int64_t ldy, cuda::GemmEpi epi = cuda::GemmEpi::bf16) {
+  cuda::GemmSegs s;
+  s.seg[0] = {0, y, ldy, epi, nullptr, 0};
+  s.n = 1;
+  return s;
+}
+
+// One launch of the skinny kernel on the emulator, as run() makes it: plan() for at most S0 splits, a split-K
+// workspace (partials NaN-poisoned, counters zero) and the instantiation dispatch() picks. Returns the splits.
+int launch(const void* x, int64_t ldx_bytes, const void* w, const float* x_scale, const float* w_scale, int64_t T,
+           int64_t K, int64_t N, const cuda::GemmSegs& segs, bool fp8, bool staged, int S0) {
+  cuda::Params p{};
+  p.x = static_cast<const uint8_t*>(x), p.ldx = ldx_bytes, p.w = static_cast<const uint8_t*>(w);
+  p.x_scale = x_scale, p.w_scale = w_scale, p.segs = segs;
+  const int NT = cuda::plan(p, T, K, N, fp8, S0);
+  std::vector<float> part(size_t(p.splits) * size_t(p.tiles) * 32 * size_t(NT * 4), std::nanf(""));
+  std::vector<unsigned> counters(size_t(p.tiles), 0u);
+  p.part = part.data(), p.counters = counters.data();
+  auto go = [&]<auto Kernel>(int smem) {
+    simt::launch(dim3(unsigned(p.tiles), unsigned(p.splits)), dim3(cuda::kThreads), size_t(smem), [&] { Kernel(p); });
+  };
+  if (fp8) cuda::dispatch<true>(NT, staged, go);
+  else cuda::dispatch<false>(NT, staged, go);
+  for (size_t i = 0; i < counters.size(); ++i)
+    EXPECT_EQ(counters[i], 0u) << "split-K counter " << i << " not reset (T=" << T << " K=" << K << " N=" << N << ")";
+  return p.splits;
+}
+
+// BF16 y = x·Wᵀ over Ts against cpu::gemm_bf16 (one BF16 rounding of FP32 sums in another order: an ulp;
+// cancellation: atol), with rows padded past N (ldy = N + 5) left poisoned, and batch invariance: a token's
+// outputs bit-identical for every T of Ts and both paths.
+void bf16_matches_twin(int64_t K, int64_t N, const std::vector<int64_t>& Ts, const std::vector<int>& S0s,
+                       uint64_t seed) {
+  Rng rng(seed);
+  const int64_t Tmax = *std::max_element(Ts.begin(), Ts.end());
+  const auto x = rand_bf16(size_t(Tmax * K), rng, -1.0f, 1.0f);
+  const auto w = rand_bf16(size_t(N * K), rng, -0.02f, 0.02f);
+  std::vector<uint16_t> ref_all(size_t(Tmax * N));
+  cpu::gemm_bf16(x.data(), K, w.data(), ref_all.data(), N, Tmax, K, N);
+  const double scale = max_abs(to_f32(ref_all));
+  for (int S0 : S0s) {
+    std::vector<uint16_t> first;  // token 0's outputs at the first T
+    for (int64_t T : Ts)
+      for (bool staged : {true, false}) {
+        if (!staged && T > 16) continue;  // one path above 16 tokens
+        Out<uint16_t> y(T, N, N + 5);
+        const int S = launch(x.data(), K * 2, w.data(), nullptr, nullptr, T, K, N, one_seg(y.v.data(), y.ld), false,
+                             staged, S0);
+        const std::string shape = "bf16 K=" + std::to_string(K) + " N=" + std::to_string(N) + " T=" +
+                                  std::to_string(T) + " S=" + std::to_string(S) + (staged ? " staged" : " registers");
+        const auto got = y.packed();
+        expect_close(shape + " vs cpu::gemm_bf16", to_f32(got),
+                     to_f32(std::vector<uint16_t>(ref_all.begin(), ref_all.begin() + T * N)), 2e-3 * scale,
+                     1.0 / 128, 2e-3);
+        EXPECT_TRUE(y.padding_poisoned()) << shape << ": wrote past column N of a row";
+        if (first.empty()) first.assign(got.begin(), got.begin() + N);
+        EXPECT_EQ(0, std::memcmp(first.data(), got.data(), size_t(N) * 2)) << shape << ": token 0 not batch invariant";
+      }
+  }
+}
+
+// The stacked epilogues in one launch: [gate|up interleaved by 8 (SiTU-GLU) | bf16 | f32 | add in place],
+// against separate CPU GEMMs and cpu::situ_glu, at a 16-byte K tail (K = 200) and a whole one.
+void stacked_epilogues(int64_t K, const std::vector<int64_t>& Ts, uint64_t seed) {
+  Rng rng(seed);
+  const float beta = 2.0f, lbeta = 1.5f;
+  const int64_t F = 24, Nb = 20, Nf = 12, Na = 16;  // gate/up F rows each, then the bf16, f32, add segments
+  const auto gate = rand_bf16(size_t(F * K), rng, -0.05f, 0.05f), up = rand_bf16(size_t(F * K), rng, -0.05f, 0.05f);
+  const auto wb = rand_bf16(size_t(Nb * K), rng, -0.02f, 0.02f), wf = rand_bf16(size_t(Nf * K), rng, -0.02f, 0.02f);
+  const auto wa = rand_bf16(size_t(Na * K), rng, -0.02f, 0.02f);
+  std::vector<uint16_t> w;
+  for (int64_t f0 = 0; f0 < F; f0 += 8) {
+    w.insert(w.end(), gate.begin() + f0 * K, gate.begin() + (f0 + 8) * K);
+    w.insert(w.end(), up.begin() + f0 * K, up.begin() + (f0 + 8) * K);
+  }
+  for (const auto* part : {&wb, &wf, &wa}) w.insert(w.end(), part->begin(), part->end());
+  const int64_t N = 2 * F + Nb + Nf + Na;
+  for (int64_t T : Ts) {
+    const auto x = rand_bf16(size_t(T * K), rng, -1.0f, 1.0f);
+    const auto addend = rand_bf16(size_t(T * Na), rng, -1.0f, 1.0f);
+    Out<uint16_t> ya(T, F, F + 3), yb(T, Nb, Nb + 1);
+    Out<float> yf(T, Nf, Nf + 2);
+    std::vector<uint16_t> yadd = addend;  // in place: y = bf16(bf16(acc) + y)
+    cuda::GemmSegs s;
+    s.glu_beta = beta, s.glu_linear_beta = lbeta;
+    s.seg[0] = {0, ya.v.data(), ya.ld, cuda::GemmEpi::situ_glu8, nullptr, 0};
+    s.seg[1] = {2 * F, yb.v.data(), yb.ld, cuda::GemmEpi::bf16, nullptr, 0};
+    s.seg[2] = {2 * F + Nb, yf.v.data(), yf.ld, cuda::GemmEpi::f32, nullptr, 0};
+    s.seg[3] = {2 * F + Nb + Nf, yadd.data(), Na, cuda::GemmEpi::add_bf16, yadd.data(), Na};
+    s.n = 4;
+    launch(x.data(), K * 2, w.data(), nullptr, nullptr, T, K, N, s, false, true, 3);
+    std::vector<uint16_t> g(size_t(T * F)), u(size_t(T * F)), a(size_t(T * F)), rb(size_t(T * Nb)), ra(size_t(T * Na));
+    std::vector<float> rf(size_t(T * Nf));
+    cpu::gemm_bf16(x.data(), K, gate.data(), g.data(), F, T, K, F);
+    cpu::gemm_bf16(x.data(), K, up.data(), u.data(), F, T, K, F);
+    cpu::situ_glu(g.data(), u.data(), a.data(), T * F, beta, lbeta);
+    cpu::gemm_bf16(x.data(), K, wb.data(), rb.data(), Nb, T, K, Nb);
+    cpu::gemm_bf16_f32(x.data(), K, wf.data(), rf.data(), Nf, T, K, Nf);
+    cpu::gemm_bf16(x.data(), K, wa.data(), ra.data(), Na, T, K, Na);
+    for (size_t i = 0; i < ra.size(); ++i) ra[i] = f32_to_bf16(bf16_to_f32(ra[i]) + bf16_to_f32(addend[i]));
+    const std::string shape = "stack K=" + std::to_string(K) + " T=" + std::to_string(T);
+    // GLU: its inputs are ulp-close BF16 values, so the output is within a few ulps.
+    expect_close(shape + " situ_glu8", to_f32(ya.packed()), to_f32(a), 1e-3, 4.0 / 128, 1e-2);
+    expect_close(shape + " bf16", to_f32(yb.packed()), to_f32(rb), 1e-3, 1.0 / 128, 2e-3);
+    expect_close(shape + " f32", yf.packed(), rf, 1e-5 * max_abs(rf) + 1e-6, 1e-4, 1e-5);
+    expect_close(shape + " add_bf16 (in place)", to_f32(yadd), to_f32(ra), 1e-3, 2.0 / 128, 2e-3);
+    EXPECT_TRUE(ya.padding_poisoned() && yb.padding_poisoned() && yf.padding_poisoned()) << shape;
+  }
+}
+
+// PTPC FP8: codes and scales from cpu::quantize_fp8_rows, y against cpu::gemm_ptpc_fp8 (e4m3 products exact,
+// FP32 sums in another order).
+void fp8_matches_twin(int64_t K, int64_t N, const std::vector<int64_t>& Ts, int S0, uint64_t seed) {
+  Rng rng(seed);
+  const int64_t Tmax = *std::max_element(Ts.begin(), Ts.end());
+  const auto x = rand_bf16(size_t(Tmax * K), rng, -1.0f, 1.0f);
+  const auto w = rand_bf16(size_t(N * K), rng, -0.02f, 0.02f);
+  std::vector<uint8_t> xq(size_t(Tmax * K)), wq(size_t(N * K));
+  std::vector<float> xs(static_cast<size_t>(Tmax)), ws(static_cast<size_t>(N));
+  cpu::quantize_fp8_rows(x.data(), K, Tmax, K, xq.data(), xs.data());
+  cpu::quantize_fp8_rows(w.data(), K, N, K, wq.data(), ws.data());
+  std::vector<uint16_t> ref_all(size_t(Tmax * N));
+  cpu::gemm_ptpc_fp8(xq.data(), xs.data(), wq.data(), ws.data(), ref_all.data(), N, Tmax, K, N);
+  const double scale = max_abs(to_f32(ref_all));
+  for (int64_t T : Ts)
+    for (bool staged : {true, false}) {
+      if (!staged && T > 16) continue;
+      Out<uint16_t> y(T, N, N);
+      const int S = launch(xq.data(), K, wq.data(), xs.data(), ws.data(), T, K, N, one_seg(y.v.data(), N), true,
+                           staged, S0);
+      const std::string shape = "fp8 K=" + std::to_string(K) + " N=" + std::to_string(N) + " T=" + std::to_string(T) +
+                                " S=" + std::to_string(S) + (staged ? " staged" : " registers");
+      expect_close(shape + " vs cpu::gemm_ptpc_fp8", to_f32(y.packed()),
+                   to_f32(std::vector<uint16_t>(ref_all.begin(), ref_all.begin() + T * N)), 2e-3 * scale, 1.0 / 128,
+                   2e-3);
+    }
+}
+
+// Every shape table runs in scripts/test.sh (about 6 s on the 2-core CI machine): each instantiation (NT = 1,
+// 2 staged and in registers, 4, 8) at every bucket boundary of T, unsplit and split over CTAs, K with a 16-byte
+// tail (bf16 K = 200), an 80-byte one (fp8 K = 208) and whole steps.
+TEST(EmuGemm, SkinnyBf16Shapes) {
+  for (int64_t K : {200, 512, 1024})
+    for (int64_t N : {16, 24, 40}) bf16_matches_twin(K, N, {1, 5, 8, 9, 16, 17, 32, 33, 64}, {1, 3, 8}, uint64_t(K + N));
+}
+TEST(EmuGemm, SkinnyStackedEpilogues) {
+  for (int64_t K : {200, 1024}) stacked_epilogues(K, {1, 7, 16, 40, 64}, uint64_t(K));
+}
+TEST(EmuGemm, SkinnyFp8Shapes) {
+  for (int64_t K : {208, 1024})
+    for (int S0 : {1, 4}) fp8_matches_twin(K, 40, {1, 8, 16, 17, 33, 64}, S0, uint64_t(K + S0));
+}
+
+}  // namespace
+}  // namespace kestrel
