@@ -12,7 +12,7 @@
 // across requests when B·S exceeds it, as the contiguous rows are), and the chunked KDA prefill scan.
 //
 //   bench_ops [--quick] [--perf] [--model DIR] [--quantization bf16|ptpc-fp8] [--only SECTION,...]
-//     sections: ceilings (always measured; printed as PERF copy_gbps / bf16_gemm_tflops) proj attnres kda moe mla indexer
+//     sections: ceilings (always measured; printed as PERF copy_gbps / bf16_gemm_tflops) proj attnres kda route moe mla indexer
 //               paged_mla paged_indexer kda_chunked model
 //     --perf: quick repetitions, PERF lines, and only ceilings + model unless --only says otherwise
 //     --quantization ptpc-fp8: the model section on FP8 dense projections (PERF keys suffixed _fp8)
@@ -546,6 +546,46 @@ int main(int argc, char** argv) {
       const double flops = double(B) * H * Dk * Dk * 8;
       row("kda_recurrent", fmt::format("B={}", B), us, bytes, flops, anchor[bi]);
     }
+  }
+
+  // ---- MoE router -----------------------------------------------------------------------------------------
+  if (want("route")) {
+    const int reps = 20;
+    fmt::print("\n### MoE router (moe_route): µs per launch, {} dependent launches in one graph (PDL)\n\n"
+               "| X | K | T | block kernel | two-level kernel |\n|---|---|---|---|---|\n", reps);
+    cudaStream_t st;
+    KCUDA_CHECK(cudaStreamCreate(&st));  // blocking: orders with the timer's events on the legacy stream
+    const bool saved = cuda::moe_route_two_level();
+    for (auto [X, K] : {std::pair<int64_t, int64_t>{112, 2}, {896, 16}})
+      for (int64_t T : {1, 8, 64}) {
+        std::vector<float> h(size_t(T * X));
+        std::mt19937_64 r(uint64_t(X * 100 + T));
+        for (auto& v : h) v = float(int64_t(r() % 8001) - 4000) / 1000.0f;
+        cuda::DeviceBuffer lg(h.size() * 4), bias(size_t(X) * 4), ids(size_t(T * K) * 4), wts(size_t(T * K) * 4);
+        KCUDA_CHECK(cudaMemcpy(lg.data(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+        KCUDA_CHECK(cudaMemset(bias.data(), 0, size_t(X) * 4));
+        double us[2];
+        for (int k = 0; k < 2; ++k) {
+          cuda::set_moe_route_two_level(k == 1);
+          cudaGraph_t g;
+          cudaGraphExec_t ge;
+          KCUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+          for (int i = 0; i < reps; ++i)
+            cuda::moe_route(static_cast<const float*>(lg.data()), static_cast<const float*>(bias.data()), T, X, K,
+                            true, 2.5f, static_cast<int32_t*>(ids.data()), static_cast<float*>(wts.data()), st);
+          KCUDA_CHECK(cudaStreamEndCapture(st, &g));
+          KCUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+          us[k] = tm.median_us([&] { KCUDA_CHECK(cudaGraphLaunch(ge, st)); }, 3, quick ? 10 : 30) / double(reps);
+          KCUDA_CHECK(cudaGraphExecDestroy(ge));
+          KCUDA_CHECK(cudaGraphDestroy(g));
+        }
+        fmt::print("| {} | {} | {} | {:.2f} | {:.2f} |\n", X, K, T, us[0], us[1]);
+        if (perf)
+          fmt::print("PERF route_block_us_x{}_k{}_b{} {:.2f}\nPERF route_2l_us_x{}_k{}_b{} {:.2f}\n", X, K, T, us[0], X,
+                     K, T, us[1]);
+      }
+    cuda::set_moe_route_two_level(saved);
+    KCUDA_CHECK(cudaStreamDestroy(st));
   }
 
   // ---- MoE experts ----------------------------------------------------------------------------------------

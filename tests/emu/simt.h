@@ -121,6 +121,9 @@ inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) {
 }
 
 typedef struct CUstream_st* cudaStream_t;
+typedef struct CUevent_st* cudaEvent_t;
+using std::isinf;  // CUDA's device isnan / isinf are global functions
+using std::isnan;
 
 namespace simt {
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "harness.h"
@@ -406,36 +407,62 @@ TEST(GpuOps, KdaOutNormGate) {
 }
 
 // ---- 4. MoE --------------------------------------------------------------------------------------------------
+// Both router kernels (moe.cu: two levels of warp arg-maxes at X ≤ 2048, a block-wide one at any X) vs the twin, and vs
+// each other bit for bit; the emulation (tests/emu/test_emu_route.cpp) covers more cases on the CPU.
 TEST(GpuOps, MoeRoute) {
   need_gpu();
   struct Case {
     int64_t T, X, K;
-    bool ties;
+    int kind;  // 0 random, 1 exact ties, 2 more picks than numbers (the rest NaN, ranked lowest)
     const char* what;
   };
   Rng rng(41);
-  for (Case c : {Case{5, 16, 4, false, "nano"}, Case{64, 112, 2, false, "mini"}, Case{8, 896, 16, false, "full"},
-                 Case{8, 896, 16, true, "full, exact ties"}, Case{3, 16, 4, true, "nano, exact ties"}}) {
+  const bool saved = cuda::moe_route_two_level();
+  for (Case c : {Case{5, 16, 4, 0, "nano"}, Case{64, 112, 2, 0, "mini"}, Case{8, 896, 16, 0, "full"},
+                 Case{8, 896, 16, 1, "full, exact ties"}, Case{3, 16, 4, 1, "nano, exact ties"},
+                 Case{6, 1024, 64, 0, "1024 experts, top-64"}, Case{3, 2050, 8, 0, "past the two-level kernel's 2048"},
+                 Case{5, 72, 40, 2, "mostly NaN"}}) {
     std::vector<float> logits = rand_f32(size_t(c.T * c.X), rng, -4.0f, 4.0f);
     std::vector<float> bias = rand_f32(size_t(c.X), rng, -0.1f, 0.1f);
-    if (c.ties) {  // few distinct values and no bias: most selections are decided by the index rule
+    if (c.kind == 1) {  // few distinct values and no bias: most selections are decided by the index rule
       for (auto& l : logits) l = float(rng.next() % 3) - 1.0f;
       std::fill(bias.begin(), bias.end(), 0.0f);
+    } else if (c.kind == 2) {
+      for (size_t i = 0; i < logits.size(); ++i)
+        if (i % 4 != 1) logits[i] = std::nanf("");
     }
     std::vector<int32_t> ids(size_t(c.T * c.K));
     std::vector<float> wts(size_t(c.T * c.K));
     cpu::moe_route(logits.data(), bias.data(), c.T, c.X, c.K, true, 1.0f, ids.data(), wts.data());
     auto dl = upload(logits);
     auto db = upload(bias);
-    auto dids = poisoned<int32_t>(ids.size());
-    auto dw = poisoned<float>(wts.size());
-    cuda::moe_route(dl.p(), db.p(), c.T, c.X, c.K, true, 1.0f, dids.p(), dw.p(), nullptr);
-    sync();
-    const std::string shape = fmt::format("{} T={} X={} K={}", c.what, c.T, c.X, c.K);
-    const auto gids = dids.get();
-    check_exact("moe_route (ids)", shape, gids.data(), ids.data(), ids.size() * 4);
-    check("moe_route (weights)", shape, dw.get().data(), wts.data(), wts.size(), {1e-7, 1e-5, 1e-6});
+    std::vector<int32_t> first_ids;
+    std::vector<float> first_w;
+    for (bool warp : {false, true}) {
+      cuda::set_moe_route_two_level(warp);
+      auto dids = poisoned<int32_t>(ids.size());
+      auto dw = poisoned<float>(wts.size());
+      cuda::moe_route(dl.p(), db.p(), c.T, c.X, c.K, true, 1.0f, dids.p(), dw.p(), nullptr);
+      sync();
+      const std::string shape = fmt::format("{} T={} X={} K={} ({})", c.what, c.T, c.X, c.K, warp ? "two-level" : "block");
+      const auto gids = dids.get();
+      const auto gw = dw.get();
+      check_exact("moe_route (ids)", shape, gids.data(), ids.data(), ids.size() * 4);
+      if (c.kind == 2) {  // NaN experts picked: σ(NaN) makes Σ, so every weight of the token, NaN, as in the twin
+        for (size_t i = 0; i < wts.size(); ++i)
+          EXPECT_EQ(std::isnan(gw[i]), std::isnan(wts[i])) << shape << " weight " << i;
+      } else {
+        check("moe_route (weights)", shape, gw.data(), wts.data(), wts.size(), {1e-7, 1e-5, 1e-6});
+      }
+      if (first_ids.empty()) {
+        first_ids = gids, first_w = gw;
+      } else {
+        check_exact("moe_route two-level vs block kernel (ids)", shape, gids.data(), first_ids.data(), gids.size() * 4);
+        check_exact("moe_route two-level vs block kernel (weights)", shape, gw.data(), first_w.data(), gw.size() * 4);
+      }
+    }
   }
+  cuda::set_moe_route_two_level(saved);
 }
 
 // The routed experts (moe_experts_mxfp4) are tested in test_moe_gpu.cpp.

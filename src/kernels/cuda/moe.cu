@@ -1,9 +1,34 @@
 // MoE router (MODEL.md §3.6 step 1) and the expert-parallel id map; see moe.h. The routed experts are in
 // moe_experts.cu.
 //
-// One block per token: sigmoid scores in shared memory, then K rounds of a block-wide arg-max over the
-// not-yet-chosen experts (ties to the lower index), then the un-biased weights, renormalised.
+// Router, two kernels with the same selection (K rounds of an arg-max over the not-yet-chosen experts, ties to
+// the lower index — a strict total order on (key, index), so any reduction order picks the same expert) and the
+// same weight arithmetic (Σ in round order, then w/(Σ + 1e-20)·scaling), so the same bits:
+//   two-level (X ≤ 2048, every K; route_2l_kernel below): per token, 8 warps each pick their own experts' top-K
+//     with shuffles alone, then one warp merges the 8 ordered lists — no barrier but the one between the levels;
+//   block (any X ≤ 8192): per token, the scores in shared memory and a block-wide arg-max a round: two
+//     __syncthreads, a serial pass over the warps' winners and, per candidate, a pass over the picks so far.
+// H200 (session 32, bench_ops --only route, 20 launches in a graph, µs a launch, T = 1 / 8 / 64): top-16 of 896
+// (the real shape) block 34.6 / 32.3 / 31.9 → two-level 17.5 / 16.9 / 16.9; top-2 of 112 (the reduced mini)
+// 3.7 / 3.8 / 3.8 → 3.0 / 3.1 / 3.1; the reduced mini's step b1 543.5 / 546.0 → 537.5 / 539.5 µs (alternated).
+// Lost: one warp per token with 28 slots a lane (41.8 µs at top-16: the winning lane's 28-slot rescan is a serial
+// chain in every round). Still ~0.5 µs a round a level at top-16 — the next step is fewer rounds (e.g. a
+// sorting network over each warp's slots).
+// Both launch with PDL (launch.h): the bias (a weight) is read before the wait. KESTREL_ROUTE_TWO_LEVEL=0 (or
+// set_moe_route_two_level(false)): the block kernel at every X (A/B timing, tests).
+//
+// Emulation: tests/emu compiles this file against simt.h (the launchers, which need CUDA, are left out there)
+// to run both kernels against cpu::moe_route in CI.
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
+#ifndef KESTREL_SIMT_EMU
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
+#endif
 #include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/moe.h"
 
@@ -27,12 +52,13 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(const float* __res
                                                               const float* __restrict__ bias, int X, int K,
                                                               bool renorm, float scaling, int32_t* __restrict__ ids,
                                                               float* __restrict__ wts) {
-  extern __shared__ float sm[];  // s [X], sel [X]
-  float* s = sm;
-  float* sel = sm + X;
+  float* s = dev::dyn_smem<float>();  // f32 [X]: σ(logits)
+  float* sel = s + X;                 // f32 [X]: σ + bias, NaN → −inf
   __shared__ Cand warp_best[32];
   __shared__ int chosen[kMaxTopK];
   const int64_t t = blockIdx.x;
+  dev::pdl_trigger();
+  dev::pdl_wait();  // the logits come from the kernel before
   for (int e = threadIdx.x; e < X; e += blockDim.x) {
     const float sv = dev::sigmoid(logits[t * X + e]);
     s[e] = sv;
@@ -77,6 +103,120 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(const float* __res
   }
 }
 
+// Two levels, one block of 8 warps per token; J = slots a lane, X ≤ 256·J. Expert e = 256j + 32w + l sits in
+// lane l of warp w (coalesced loads). Level 1: warp w picks the top min(K, its experts) of its own experts, in
+// order, into shared memory — a round is a 5-step shuffle arg-max of the lanes' cached bests, after which only
+// the winning lane rescans its J slots. Level 2: warp 0 merges the 8 ordered lists, lane i holding the head of
+// list i: a round is again a shuffle arg-max, and the winning list moves its head on. The global top-K is the
+// top-K of the union of the warps' top-K lists, and every arg-max is over the same strict order, so the picks
+// and their order are the block kernel's.
+constexpr int kRoute2Warps = 8;
+template <int J>
+__global__ void __launch_bounds__(32 * kRoute2Warps) route_2l_kernel(const float* __restrict__ logits,
+                                                                   const float* __restrict__ bias, int X, int K,
+                                                                   bool renorm, float scaling, int32_t* __restrict__ ids,
+                                                                   float* __restrict__ wts) {
+  __shared__ float c_key[kRoute2Warps][kMaxTopK], c_s[kRoute2Warps][kMaxTopK];  // level 1's lists, in order
+  __shared__ int c_idx[kRoute2Warps][kMaxTopK];
+  const int lane = int(threadIdx.x) & 31, w = int(threadIdx.x) >> 5;
+  const int64_t t = blockIdx.x;
+  auto expert = [&](int j) { return 256 * j + 32 * w + lane; };
+  // How many experts warp v holds: each slot row j gives it min(32, X − (256j + 32v)) if positive.
+  auto list_len = [&](int v) {
+    int n = 0;
+#pragma unroll
+    for (int j = 0; j < J; ++j) n += min(32, max(0, X - (256 * j + 32 * v)));
+    return min(K, n);
+  };
+  float b[J];  // the bias: a weight, never written by a kernel, so read before the wait
+#pragma unroll
+  for (int j = 0; j < J; ++j) b[j] = expert(j) < X ? __ldg(bias + expert(j)) : 0.0f;
+  dev::pdl_trigger();
+  dev::pdl_wait();  // the logits come from the kernel before
+  float s[J], key[J];
+  uint32_t taken = 0;  // bit j: slot j chosen already, or past X (never a candidate)
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    if (expert(j) < X) {
+      s[j] = dev::sigmoid(logits[t * X + expert(j)]);
+      const float k = s[j] + b[j];
+      key[j] = isnan(k) ? -INFINITY : k;  // NaN ranks below every number
+    } else {
+      s[j] = 0.0f, key[j] = -INFINITY, taken |= 1u << j;
+    }
+  }
+  // Level 1. The lane's best free slot (−inf keys included: at equal keys the lower index wins).
+  Cand mine;
+  float mine_s = 0.0f;
+  auto rescan = [&] {
+    mine = Cand{-INFINITY, 0x7fffffff};
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const Cand c{key[j], expert(j)};
+      if (!((taken >> j) & 1u) && better(c, mine)) mine = c, mine_s = s[j];
+    }
+  };
+  auto warp_best = [](Cand best) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const Cand other{__shfl_xor_sync(0xffffffffu, best.key, o), __shfl_xor_sync(0xffffffffu, best.idx, o)};
+      if (better(other, best)) best = other;
+    }
+    return best;  // the same in every lane
+  };
+  rescan();
+  const int rounds = list_len(w);  // warp-uniform
+  for (int r = 0; r < rounds; ++r) {
+    const Cand best = warp_best(mine);
+    const int winner = best.idx & 31;
+    const float ws = __shfl_sync(0xffffffffu, mine_s, winner);
+    if (lane == 0) c_key[w][r] = best.key, c_idx[w][r] = best.idx, c_s[w][r] = ws;
+    if (lane == winner) {
+      taken |= 1u << (best.idx >> 8);
+      rescan();
+    }
+  }
+  __syncthreads();
+  if (w != 0) return;
+  // Level 2: lanes 0..7 walk the lists (the other lanes hold nothing that can win).
+  const int len = lane < kRoute2Warps ? list_len(lane) : 0;
+  int pos = 0;
+  Cand head;
+  float head_s = 0.0f;
+  auto load = [&] {
+    head = Cand{-INFINITY, 0x7fffffff};
+    if (pos < len) head = Cand{c_key[lane][pos], c_idx[lane][pos]}, head_s = c_s[lane][pos];
+  };
+  load();
+  float sum = 0.0f;  // Σ of the chosen σ in round order (every lane the same)
+  int id_lo = 0, id_hi = 0;
+  float w_lo = 0.0f, w_hi = 0.0f;  // lane l keeps rounds l and 32 + l
+  for (int r = 0; r < K; ++r) {
+    const Cand best = warp_best(head);
+    const int winner = (best.idx >> 5) & (kRoute2Warps - 1);  // the warp (list) that holds expert best.idx
+    const float ws = __shfl_sync(0xffffffffu, head_s, winner);
+    sum += ws;
+    if (lane == (r & 31)) {
+      if (r < 32) id_lo = best.idx, w_lo = ws;
+      else id_hi = best.idx, w_hi = ws;
+    }
+    if (lane == winner) {
+      ++pos;
+      load();
+    }
+  }
+  auto put = [&](int r, int id, float v) {
+    if (renorm) v /= (sum + 1e-20f);
+    ids[t * K + r] = id;
+    wts[t * K + r] = v * scaling;
+  };
+  if (lane < K) put(lane, id_lo, w_lo);
+  if (32 + lane < K) put(32 + lane, id_hi, w_hi);
+}
+
+// The slots a lane for X experts: 1, 2, 4 or 8 (0: more than 2048, the block kernel's).
+int route_2l_slots(int64_t X) { return X <= 256 ? 1 : X <= 512 ? 2 : X <= 1024 ? 4 : X <= 2048 ? 8 : 0; }
+
 // ---- expert parallelism: global → local ids --------------------------------------------------------
 __global__ void local_ids_kernel(const int32_t* __restrict__ ids, int n, int lo, int count,
                                  int32_t* __restrict__ local) {
@@ -87,6 +227,19 @@ __global__ void local_ids_kernel(const int32_t* __restrict__ ids, int n, int lo,
 }
 
 }  // namespace
+
+#ifndef KESTREL_SIMT_EMU
+namespace {
+std::atomic<bool>& route_2l_flag() {
+  static std::atomic<bool> on{[] {
+    const char* e = std::getenv("KESTREL_ROUTE_TWO_LEVEL");
+    return !(e && e[0] == '0');
+  }()};
+  return on;
+}
+}  // namespace
+bool moe_route_two_level() { return route_2l_flag().load(std::memory_order_relaxed); }
+void set_moe_route_two_level(bool on) { route_2l_flag().store(on); }
 
 void moe_local_ids(const int32_t* ids, int64_t n, int64_t lo, int64_t count, int32_t* local, cudaStream_t stream) {
   KCUDA_REQUIRE(ids && local, std::string("moe_local_ids: null pointer"));
@@ -107,12 +260,24 @@ void moe_route(const float* logits, const float* bias, int64_t T, int64_t X, int
                 "moe_route: X = " + std::to_string(X) + ", K = " + std::to_string(K));
   KCUDA_REQUIRE(T >= 0 && T < (int64_t(1) << 31), std::string("moe_route: bad T"));
   if (T == 0) return;
+  const int J = moe_route_two_level() ? route_2l_slots(X) : 0;
+  if (J > 0) {
+    auto go = [&](auto kernel) {
+      launch_pdl(kernel, dim3(unsigned(T)), dim3(32 * kRoute2Warps), 0, stream, logits, bias, int(X), int(K),
+                 renormalize, scaling, ids, weights);
+    };
+    if (J == 1) go(route_2l_kernel<1>);
+    else if (J == 2) go(route_2l_kernel<2>);
+    else if (J == 4) go(route_2l_kernel<4>);
+    else go(route_2l_kernel<8>);
+    return;
+  }
   const size_t smem = size_t(2 * X) * 4;
   if (smem > 48 * 1024)
     KCUDA_CHECK(cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  route_kernel<<<unsigned(T), kRouteThreads, smem, stream>>>(logits, bias, int(X), int(K), renormalize, scaling, ids,
-                                                              weights);
-  KCUDA_CHECK_LAUNCH();
+  launch_pdl(route_kernel, dim3(unsigned(T)), dim3(kRouteThreads), smem, stream, logits, bias, int(X), int(K),
+             renormalize, scaling, ids, weights);
 }
+#endif  // KESTREL_SIMT_EMU
 
 }  // namespace kestrel::cuda

@@ -1,0 +1,113 @@
+// The MoE router kernels (src/kernels/cuda/moe.cu: the two-level kernel at X ≤ 2048 and the block kernel)
+// on the CPU emulation of simt.h against cpu::moe_route: ids exact (selection order, ties to the lower expert,
+// NaN ranking lowest), weights bit-exact (the emulation's expf is the twin's, the sums run in the same order),
+// and the two kernels bit-identical to each other. tests/gpu (GpuOps.MoeRoute) runs the same kernels on the
+// device, where expf may differ from the host's by an ulp.
+#include <gtest/gtest.h>
+
+#include "simt.h"  // first: defines the CUDA surface the kernel source below is written against
+
+#include "kernels/cuda/moe.cu"
+//
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/moe_ops.h"
+
+namespace kestrel {
+namespace {
+
+struct Rng {
+  uint64_t s;
+  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
+  uint64_t next() {
+    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  float uniform(float lo, float hi) { return lo + (hi - lo) * float(next() >> 40) * (1.0f / 16777216.0f); }
+};
+
+enum class Logits { random, ties, specials, mostly_nan };
+
+struct Routed {
+  std::vector<int32_t> ids;
+  std::vector<float> wts;
+};
+
+// The two-level kernel (two_level = true) or the block kernel, launched as moe_route launches them.
+Routed run_kernel(bool two_level, const std::vector<float>& logits, const std::vector<float>& bias, int64_t T, int64_t X,
+                  int64_t K, bool renorm, float scaling) {
+  Routed r{std::vector<int32_t>(size_t(T * K), -7), std::vector<float>(size_t(T * K), std::nanf(""))};
+  if (two_level) {
+    const int J = cuda::route_2l_slots(X);
+    EXPECT_GT(J, 0) << "X = " << X;
+    auto go = [&](auto kernel) {
+      simt::launch(dim3(unsigned(T)), dim3(32 * cuda::kRoute2Warps), 0, [&] {
+        kernel(logits.data(), bias.data(), int(X), int(K), renorm, scaling, r.ids.data(), r.wts.data());
+      });
+    };
+    if (J == 1) go(cuda::route_2l_kernel<1>);
+    else if (J == 2) go(cuda::route_2l_kernel<2>);
+    else if (J == 4) go(cuda::route_2l_kernel<4>);
+    else go(cuda::route_2l_kernel<8>);
+  } else {
+    simt::launch(dim3(unsigned(T)), dim3(cuda::kRouteThreads), size_t(2 * X) * 4, [&] {
+      cuda::route_kernel(logits.data(), bias.data(), int(X), int(K), renorm, scaling, r.ids.data(), r.wts.data());
+    });
+  }
+  return r;
+}
+
+void check_case(int64_t T, int64_t X, int64_t K, Logits kind, bool renorm, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<float> logits(static_cast<size_t>(T * X)), bias(static_cast<size_t>(X));
+  for (auto& l : logits) l = rng.uniform(-4.0f, 4.0f);
+  for (auto& b : bias) b = rng.uniform(-0.1f, 0.1f);
+  if (kind == Logits::ties) {  // few distinct values and no bias: most picks are decided by the index rule
+    for (auto& l : logits) l = float(rng.next() % 3) - 1.0f;
+    std::fill(bias.begin(), bias.end(), 0.0f);
+  } else if (kind == Logits::specials) {  // NaN ranks below every number, ±inf saturate the sigmoid
+    const float inf = std::numeric_limits<float>::infinity();
+    for (size_t i = 0; i < logits.size(); i += 5) logits[i] = i % 3 == 0 ? std::nanf("") : i % 3 == 1 ? inf : -inf;
+  } else if (kind == Logits::mostly_nan) {  // more picks than numbers: the NaN experts follow, lowest index first
+    for (size_t i = 0; i < logits.size(); ++i)
+      if (i % 4 != 1) logits[i] = std::nanf("");
+  }
+  const float scaling = 2.5f;
+  Routed ref{std::vector<int32_t>(size_t(T * K)), std::vector<float>(size_t(T * K))};
+  cpu::moe_route(logits.data(), bias.data(), T, X, K, renorm, scaling, ref.ids.data(), ref.wts.data());
+  const std::string shape = "T=" + std::to_string(T) + " X=" + std::to_string(X) + " K=" + std::to_string(K) +
+                            (kind == Logits::ties ? " ties" : kind == Logits::specials ? " NaN/inf" : kind == Logits::mostly_nan ? " mostly NaN" : "") +
+                            (renorm ? "" : " unnormalised");
+  for (bool two_level : {false, true}) {
+    if (two_level && cuda::route_2l_slots(X) == 0) continue;
+    const Routed got = run_kernel(two_level, logits, bias, T, X, K, renorm, scaling);
+    const std::string what = shape + (two_level ? " two-level kernel" : " block kernel");
+    EXPECT_EQ(got.ids, ref.ids) << what << ": ids";
+    EXPECT_EQ(0, std::memcmp(got.wts.data(), ref.wts.data(), ref.wts.size() * 4)) << what << ": weights not bit-exact";
+  }
+}
+
+TEST(EmuRoute, WarpAndBlockKernelsMatchTheTwin) {
+  check_case(5, 16, 4, Logits::random, true, 1);     // nano
+  check_case(9, 112, 2, Logits::random, true, 2);    // mini (warps 4..7 hold no experts)
+  check_case(3, 896, 16, Logits::random, true, 3);   // the real shape
+  check_case(2, 896, 16, Logits::ties, true, 4);
+  check_case(3, 16, 4, Logits::ties, true, 5);
+  check_case(2, 100, 7, Logits::specials, true, 6);  // NaN and ±inf logits; X not a multiple of 32
+  check_case(2, 1024, 64, Logits::random, true, 7);  // 4 slots a lane, 64 picks
+  check_case(2, 2048, 64, Logits::ties, true, 12);   // the two-level kernel's bound: 8 slots a lane
+  check_case(1, 300, 40, Logits::random, false, 8);  // no renormalisation; picks past lane 31
+  check_case(2, 1030, 8, Logits::random, true, 9);   // 5 slot rows, the last partial
+  check_case(1, 2050, 16, Logits::random, true, 13); // past 2048: the block kernel only
+  check_case(1, 5, 5, Logits::random, true, 10);     // every expert chosen
+  check_case(3, 72, 40, Logits::mostly_nan, true, 11);
+}
+
+}  // namespace
+}  // namespace kestrel
