@@ -93,7 +93,7 @@ void check_case(int64_t T, int64_t X, int64_t K, Logits kind, bool renorm, uint6
   }
 }
 
-TEST(EmuRoute, WarpAndBlockKernelsMatchTheTwin) {
+TEST(EmuRoute, TwoLevelAndBlockKernelsMatchTheTwin) {
   check_case(5, 16, 4, Logits::random, true, 1);     // nano
   check_case(9, 112, 2, Logits::random, true, 2);    // mini (warps 4..7 hold no experts)
   check_case(3, 896, 16, Logits::random, true, 3);   // the real shape
