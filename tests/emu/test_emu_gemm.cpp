@@ -248,5 +248,31 @@ TEST(EmuGemm, SkinnyFp8Shapes) {
     for (int S0 : {1, 4}) fp8_matches_twin(K, 40, {1, 8, 16, 17, 33, 64}, S0, uint64_t(K + S0));
 }
 
+// Results must not depend on the order threads run in: a missing barrier or cp.async wait lets some schedule read
+// shared memory not yet written (NaN-poisoned) or already overwritten (the CTA's warp-order sum, the staged ring).
+TEST(EmuGemm, SkinnyScheduleOrderDoesNotMatter) {
+  Rng rng(61);
+  const int64_t K = 1024, N = 40, Tmax = 40;
+  const auto x = rand_bf16(size_t(Tmax * K), rng, -1.0f, 1.0f);
+  const auto w = rand_bf16(size_t(N * K), rng, -0.02f, 0.02f);
+  struct Case {
+    int64_t T;
+    bool staged;
+  };
+  for (const Case c : {Case{5, true}, Case{12, true}, Case{5, false}, Case{33, false}}) {
+    std::vector<uint16_t> first;
+    for (const simt::Schedule sch : {simt::Schedule::threads, simt::Schedule::threads_reverse, simt::Schedule::warps,
+                                     simt::Schedule::warps_reverse, simt::Schedule::ctas}) {
+      simt::g_schedule = sch;
+      std::vector<uint16_t> y(size_t(c.T * N));
+      launch(x.data(), K * 2, w.data(), nullptr, nullptr, c.T, K, N, one_seg(y.data(), N), false, c.staged, 4);
+      simt::g_schedule = simt::Schedule::threads;
+      if (first.empty()) first = y;
+      EXPECT_EQ(0, std::memcmp(y.data(), first.data(), y.size() * 2))
+          << "T=" << c.T << (c.staged ? " staged" : " registers") << " schedule " << int(sch);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kestrel

@@ -109,5 +109,26 @@ TEST(EmuRoute, TwoLevelAndBlockKernelsMatchTheTwin) {
   check_case(3, 72, 40, Logits::mostly_nan, true, 11);
 }
 
+// The two-level kernel's lists cross a barrier between its levels, the block kernel's scores and picks several:
+// every schedule gives the same bits.
+TEST(EmuRoute, ScheduleOrderDoesNotMatter) {
+  Rng rng(21);
+  const int64_t T = 2, X = 896, K = 16;
+  std::vector<float> logits(static_cast<size_t>(T * X)), bias(static_cast<size_t>(X));
+  for (auto& l : logits) l = rng.uniform(-4.0f, 4.0f);
+  for (auto& b : bias) b = rng.uniform(-0.1f, 0.1f);
+  for (bool two_level : {false, true}) {
+    const Routed first = run_kernel(two_level, logits, bias, T, X, K, true, 1.0f);
+    for (const simt::Schedule sch : {simt::Schedule::threads_reverse, simt::Schedule::warps,
+                                     simt::Schedule::warps_reverse, simt::Schedule::ctas}) {
+      simt::g_schedule = sch;
+      const Routed r = run_kernel(two_level, logits, bias, T, X, K, true, 1.0f);
+      simt::g_schedule = simt::Schedule::threads;
+      EXPECT_EQ(r.ids, first.ids) << (two_level ? "two-level" : "block") << " schedule " << int(sch);
+      EXPECT_EQ(0, std::memcmp(r.wts.data(), first.wts.data(), r.wts.size() * 4)) << int(sch);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kestrel
