@@ -552,10 +552,10 @@ int main(int argc, char** argv) {
   if (want("route")) {
     const int reps = 20;
     fmt::print("\n### MoE router (moe_route): µs per launch, {} dependent launches in one graph (PDL)\n\n"
-               "| X | K | T | block kernel | two-level kernel |\n|---|---|---|---|---|\n", reps);
+               "| X | K | T | block kernel | two-level kernel | sort kernel |\n|---|---|---|---|---|---|\n", reps);
     cudaStream_t st;
     KCUDA_CHECK(cudaStreamCreate(&st));  // blocking: orders with the timer's events on the legacy stream
-    const bool saved = cuda::moe_route_two_level();
+    const cuda::MoeRouteKernel saved = cuda::moe_route_kernel();
     for (auto [X, K] : {std::pair<int64_t, int64_t>{112, 2}, {896, 16}})
       for (int64_t T : {1, 8, 64}) {
         std::vector<float> h(size_t(T * X));
@@ -564,9 +564,11 @@ int main(int argc, char** argv) {
         cuda::DeviceBuffer lg(h.size() * 4), bias(size_t(X) * 4), ids(size_t(T * K) * 4), wts(size_t(T * K) * 4);
         KCUDA_CHECK(cudaMemcpy(lg.data(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
         KCUDA_CHECK(cudaMemset(bias.data(), 0, size_t(X) * 4));
-        double us[2];
-        for (int k = 0; k < 2; ++k) {
-          cuda::set_moe_route_two_level(k == 1);
+        double us[3];
+        for (int k = 0; k < 3; ++k) {
+          cuda::set_moe_route_kernel(k == 0 ? cuda::MoeRouteKernel::block
+                                     : k == 1 ? cuda::MoeRouteKernel::two_level
+                                              : cuda::MoeRouteKernel::sort);
           cudaGraph_t g;
           cudaGraphExec_t ge;
           KCUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
@@ -579,12 +581,13 @@ int main(int argc, char** argv) {
           KCUDA_CHECK(cudaGraphExecDestroy(ge));
           KCUDA_CHECK(cudaGraphDestroy(g));
         }
-        fmt::print("| {} | {} | {} | {:.2f} | {:.2f} |\n", X, K, T, us[0], us[1]);
+        fmt::print("| {} | {} | {} | {:.2f} | {:.2f} | {:.2f} |\n", X, K, T, us[0], us[1], us[2]);
         if (perf)
-          fmt::print("PERF route_block_us_x{}_k{}_b{} {:.2f}\nPERF route_2l_us_x{}_k{}_b{} {:.2f}\n", X, K, T, us[0], X,
-                     K, T, us[1]);
+          fmt::print("PERF route_block_us_x{0}_k{1}_b{2} {3:.2f}\nPERF route_2l_us_x{0}_k{1}_b{2} {4:.2f}\n"
+                     "PERF route_sort_us_x{0}_k{1}_b{2} {5:.2f}\n",
+                     X, K, T, us[0], us[1], us[2]);
       }
-    cuda::set_moe_route_two_level(saved);
+    cuda::set_moe_route_kernel(saved);
     KCUDA_CHECK(cudaStreamDestroy(st));
   }
 

@@ -512,6 +512,10 @@ template <typename T>
 inline T __ldcg(const T* p) {
   return *p;
 }
+inline void __syncwarp(unsigned = 0xffffffffu) {  // every lane of the warp (a collective with nothing to swap)
+  const uint64_t none = 0;
+  simt::warp_exchange(&none, 1);
+}
 template <typename T>
 inline T __shfl_sync(unsigned, T v, int src, int width = 32) {
   const int lane = simt::lane_id();

@@ -1,7 +1,7 @@
-// The MoE router kernels (src/kernels/cuda/moe.cu: the two-level kernel at X ≤ 2048 and the block kernel)
+// The MoE router kernels (src/kernels/cuda/moe.cu: the block kernel, and the two-level and sorting ones at X ≤ 2048)
 // on the CPU emulation of simt.h against cpu::moe_route: ids exact (selection order, ties to the lower expert,
 // NaN ranking lowest), weights bit-exact (the emulation's expf is the twin's, the sums run in the same order),
-// and the two kernels bit-identical to each other. tests/gpu (GpuOps.MoeRoute) runs the same kernels on the
+// and the kernels bit-identical to each other. tests/gpu (GpuOps.MoeRoute) runs the same kernels on the
 // device, where expf may differ from the host's by an ulp.
 #include <gtest/gtest.h>
 
@@ -39,11 +39,29 @@ struct Routed {
   std::vector<float> wts;
 };
 
-// The two-level kernel (two_level = true) or the block kernel, launched as moe_route launches them.
-Routed run_kernel(bool two_level, const std::vector<float>& logits, const std::vector<float>& bias, int64_t T, int64_t X,
+// The block kernel (which = 0), the two-level one (1) or the sorting one (2), launched as moe_route launches them.
+Routed run_kernel(int which, const std::vector<float>& logits, const std::vector<float>& bias, int64_t T, int64_t X,
                   int64_t K, bool renorm, float scaling) {
   Routed r{std::vector<int32_t>(size_t(T * K), -7), std::vector<float>(size_t(T * K), std::nanf(""))};
-  if (two_level) {
+  if (which == 2) {
+    const int J = cuda::route_2l_slots(X), J2 = cuda::route_sort_slots2(K);
+    auto go = [&](auto kernel) {
+      simt::launch(dim3(unsigned(T)), dim3(32 * cuda::kRoute2Warps), 0, [&] {
+        kernel(logits.data(), bias.data(), int(X), int(K), renorm, scaling, r.ids.data(), r.wts.data());
+      });
+    };
+    auto by_j2 = [&]<int JJ>() {
+      if (J2 == 1) go(cuda::route_sort_kernel<JJ, 1>);
+      else if (J2 == 2) go(cuda::route_sort_kernel<JJ, 2>);
+      else if (J2 == 4) go(cuda::route_sort_kernel<JJ, 4>);
+      else if (J2 == 8) go(cuda::route_sort_kernel<JJ, 8>);
+      else go(cuda::route_sort_kernel<JJ, 16>);
+    };
+    if (J == 1) by_j2.template operator()<1>();
+    else if (J == 2) by_j2.template operator()<2>();
+    else if (J == 4) by_j2.template operator()<4>();
+    else by_j2.template operator()<8>();
+  } else if (which == 1) {
     const int J = cuda::route_2l_slots(X);
     EXPECT_GT(J, 0) << "X = " << X;
     auto go = [&](auto kernel) {
@@ -84,16 +102,16 @@ void check_case(int64_t T, int64_t X, int64_t K, Logits kind, bool renorm, uint6
   const std::string shape = "T=" + std::to_string(T) + " X=" + std::to_string(X) + " K=" + std::to_string(K) +
                             (kind == Logits::ties ? " ties" : kind == Logits::specials ? " NaN/inf" : kind == Logits::mostly_nan ? " mostly NaN" : "") +
                             (renorm ? "" : " unnormalised");
-  for (bool two_level : {false, true}) {
-    if (two_level && cuda::route_2l_slots(X) == 0) continue;
-    const Routed got = run_kernel(two_level, logits, bias, T, X, K, renorm, scaling);
-    const std::string what = shape + (two_level ? " two-level kernel" : " block kernel");
+  for (int which : {0, 1, 2}) {
+    if (which > 0 && cuda::route_2l_slots(X) == 0) continue;
+    const Routed got = run_kernel(which, logits, bias, T, X, K, renorm, scaling);
+    const std::string what = shape + (which == 2 ? " sort kernel" : which == 1 ? " two-level kernel" : " block kernel");
     EXPECT_EQ(got.ids, ref.ids) << what << ": ids";
     EXPECT_EQ(0, std::memcmp(got.wts.data(), ref.wts.data(), ref.wts.size() * 4)) << what << ": weights not bit-exact";
   }
 }
 
-TEST(EmuRoute, TwoLevelAndBlockKernelsMatchTheTwin) {
+TEST(EmuRoute, EveryKernelMatchesTheTwin) {
   check_case(5, 16, 4, Logits::random, true, 1);     // nano
   check_case(9, 112, 2, Logits::random, true, 2);    // mini (warps 4..7 hold no experts)
   check_case(3, 896, 16, Logits::random, true, 3);   // the real shape
@@ -117,14 +135,14 @@ TEST(EmuRoute, ScheduleOrderDoesNotMatter) {
   std::vector<float> logits(static_cast<size_t>(T * X)), bias(static_cast<size_t>(X));
   for (auto& l : logits) l = rng.uniform(-4.0f, 4.0f);
   for (auto& b : bias) b = rng.uniform(-0.1f, 0.1f);
-  for (bool two_level : {false, true}) {
-    const Routed first = run_kernel(two_level, logits, bias, T, X, K, true, 1.0f);
+  for (int which : {0, 1, 2}) {
+    const Routed first = run_kernel(which, logits, bias, T, X, K, true, 1.0f);
     for (const simt::Schedule sch : {simt::Schedule::threads_reverse, simt::Schedule::warps,
                                      simt::Schedule::warps_reverse, simt::Schedule::ctas}) {
       simt::g_schedule = sch;
-      const Routed r = run_kernel(two_level, logits, bias, T, X, K, true, 1.0f);
+      const Routed r = run_kernel(which, logits, bias, T, X, K, true, 1.0f);
       simt::g_schedule = simt::Schedule::threads;
-      EXPECT_EQ(r.ids, first.ids) << (two_level ? "two-level" : "block") << " schedule " << int(sch);
+      EXPECT_EQ(r.ids, first.ids) << "kernel " << which << " schedule " << int(sch);
       EXPECT_EQ(0, std::memcmp(r.wts.data(), first.wts.data(), r.wts.size() * 4)) << int(sch);
     }
   }

@@ -407,8 +407,9 @@ TEST(GpuOps, KdaOutNormGate) {
 }
 
 // ---- 4. MoE --------------------------------------------------------------------------------------------------
-// Both router kernels (moe.cu: two levels of warp arg-maxes at X ≤ 2048, a block-wide one at any X) vs the twin, and vs
-// each other bit for bit; the emulation (tests/emu/test_emu_route.cpp) covers more cases on the CPU.
+// The three router kernels (moe.cu: a block-wide arg-max a round at any X; two levels of warp arg-maxes, or of
+// sorting networks, at X ≤ 2048) vs the twin, and vs the block kernel bit for bit; the emulation
+// (tests/emu/test_emu_route.cpp) covers more cases on the CPU.
 TEST(GpuOps, MoeRoute) {
   need_gpu();
   struct Case {
@@ -417,7 +418,7 @@ TEST(GpuOps, MoeRoute) {
     const char* what;
   };
   Rng rng(41);
-  const bool saved = cuda::moe_route_two_level();
+  const cuda::MoeRouteKernel saved = cuda::moe_route_kernel();
   for (Case c : {Case{5, 16, 4, 0, "nano"}, Case{64, 112, 2, 0, "mini"}, Case{8, 896, 16, 0, "full"},
                  Case{8, 896, 16, 1, "full, exact ties"}, Case{3, 16, 4, 1, "nano, exact ties"},
                  Case{6, 1024, 64, 0, "1024 experts, top-64"}, Case{3, 2050, 8, 0, "past the two-level kernel's 2048"},
@@ -438,13 +439,13 @@ TEST(GpuOps, MoeRoute) {
     auto db = upload(bias);
     std::vector<int32_t> first_ids;
     std::vector<float> first_w;
-    for (bool warp : {false, true}) {
-      cuda::set_moe_route_two_level(warp);
+    for (const auto kind : {cuda::MoeRouteKernel::block, cuda::MoeRouteKernel::two_level, cuda::MoeRouteKernel::sort}) {
+      cuda::set_moe_route_kernel(kind);
       auto dids = poisoned<int32_t>(ids.size());
       auto dw = poisoned<float>(wts.size());
       cuda::moe_route(dl.p(), db.p(), c.T, c.X, c.K, true, 1.0f, dids.p(), dw.p(), nullptr);
       sync();
-      const std::string shape = fmt::format("{} T={} X={} K={} ({})", c.what, c.T, c.X, c.K, warp ? "two-level" : "block");
+      const std::string shape = fmt::format("{} T={} X={} K={} ({})", c.what, c.T, c.X, c.K, kind == cuda::MoeRouteKernel::sort ? "sort" : kind == cuda::MoeRouteKernel::two_level ? "two-level" : "block");
       const auto gids = dids.get();
       const auto gw = dw.get();
       check_exact("moe_route (ids)", shape, gids.data(), ids.data(), ids.size() * 4);
@@ -457,12 +458,12 @@ TEST(GpuOps, MoeRoute) {
       if (first_ids.empty()) {
         first_ids = gids, first_w = gw;
       } else {
-        check_exact("moe_route two-level vs block kernel (ids)", shape, gids.data(), first_ids.data(), gids.size() * 4);
-        check_exact("moe_route two-level vs block kernel (weights)", shape, gw.data(), first_w.data(), gw.size() * 4);
+        check_exact("moe_route vs the block kernel (ids)", shape, gids.data(), first_ids.data(), gids.size() * 4);
+        check_exact("moe_route vs the block kernel (weights)", shape, gw.data(), first_w.data(), gw.size() * 4);
       }
     }
   }
-  cuda::set_moe_route_two_level(saved);
+  cuda::set_moe_route_kernel(saved);
 }
 
 // The routed experts (moe_experts_mxfp4) are tested in test_moe_gpu.cpp.

@@ -14,8 +14,8 @@
 // Lost: one warp per token with 28 slots a lane (41.8 µs at top-16: the winning lane's 28-slot rescan is a serial
 // chain in every round). Still ~0.5 µs a round a level at top-16 — the next step is fewer rounds (e.g. a
 // sorting network over each warp's slots).
-// Both launch with PDL (launch.h): the bias (a weight) is read before the wait. KESTREL_ROUTE_TWO_LEVEL=0 (or
-// set_moe_route_two_level(false)): the block kernel at every X (A/B timing, tests).
+// All launch with PDL (launch.h): the bias (a weight) is read before the wait. KESTREL_ROUTE=block|two-level|sort
+// (or set_moe_route_kernel) picks the kernel at X ≤ 2048 (A/B timing, tests); the default is two-level.
 //
 // Emulation: tests/emu compiles this file against simt.h (the launchers, which need CUDA, are left out there)
 // to run both kernels against cpu::moe_route in CI.
@@ -214,6 +214,115 @@ __global__ void __launch_bounds__(32 * kRoute2Warps) route_2l_kernel(const float
   if (32 + lane < K) put(32 + lane, id_hi, w_hi);
 }
 
+// Sorting networks instead of K rounds (route_sort_kernel; KESTREL_ROUTE=sort — written after the session's device
+// time was spent: checked on the SIMT emulator only (tests/emu), not yet run on the GPU or measured):
+// the same two levels and layout as route_2l_kernel, but level 1 sorts each warp's 32·J (key, index) pairs with a
+// bitonic network (in-register steps for strides < J, shuffles above: 15 dependent shuffle stages at J = 4
+// against 16 rounds × 5), and level 2 sorts the 8 lists (each padded to Kp, a power of two ≥ K; J2 = 8·Kp/32 a
+// lane) the same way; the top K are positions 0..K−1 in the block kernel's order. σ of a pick is recomputed from
+// its logit (the same function of the same input: the same bits) and Σ runs over the picks in order.
+template <int N>
+__device__ __forceinline__ void bitonic_sort_desc(Cand (&v)[N], int lane) {
+  // Position of v[j] in lane l: p = l·N + j. A pair (p, p ^ st) with p the lower keeps the better in front when
+  // its k-block is descending ((p & k) == 0), at the back otherwise; the last k-block (k = 32·N) is descending.
+#pragma unroll
+  for (int k = 2; k <= 32 * N; k <<= 1) {
+#pragma unroll
+    for (int st = k >> 1; st > 0; st >>= 1) {
+      if (st >= N) {
+        const int lm = st / N;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          const Cand o{__shfl_xor_sync(0xffffffffu, v[j].key, lm), __shfl_xor_sync(0xffffffffu, v[j].idx, lm)};
+          const int p = lane * N + j;
+          const bool lower = (lane & lm) == 0, desc = (p & k) == 0;
+          const bool o_first = better(o, v[j]);
+          if (lower == desc ? o_first : !o_first) v[j] = o;  // lower of a descending pair takes the better one
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < N; ++j)
+          if ((j & st) == 0) {
+            const int q = j | st, p = lane * N + j;
+            const bool desc = (p & k) == 0;
+            if (desc ? better(v[q], v[j]) : better(v[j], v[q])) {
+              const Cand t = v[j];
+              v[j] = v[q], v[q] = t;
+            }
+          }
+      }
+    }
+  }
+}
+
+template <int J, int J2>
+__global__ void __launch_bounds__(32 * kRoute2Warps) route_sort_kernel(const float* __restrict__ logits,
+                                                                     const float* __restrict__ bias, int X, int K,
+                                                                     bool renorm, float scaling,
+                                                                     int32_t* __restrict__ ids, float* __restrict__ wts) {
+  constexpr int Kp = 32 * J2 / kRoute2Warps;  // a list's room in level 2 (≥ K)
+  __shared__ Cand lists[kRoute2Warps][Kp];
+  __shared__ float sv[kMaxTopK];
+  const int lane = int(threadIdx.x) & 31, w = int(threadIdx.x) >> 5;
+  const int64_t t = blockIdx.x;
+  const Cand none{-INFINITY, 0x7fffffff};  // sorts after every expert, a NaN one included (lower index)
+  float b[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int e = 256 * j + 32 * w + lane;
+    b[j] = e < X ? __ldg(bias + e) : 0.0f;
+  }
+  dev::pdl_trigger();
+  dev::pdl_wait();  // the logits come from the kernel before
+  Cand v[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int e = 256 * j + 32 * w + lane;
+    v[j] = none;
+    if (e < X) {
+      const float k = dev::sigmoid(logits[t * X + e]) + b[j];
+      v[j] = Cand{isnan(k) ? -INFINITY : k, e};
+    }
+  }
+  bitonic_sort_desc<J>(v, lane);
+  // The warp's best Kp (≥ K) in order: what lies past its K-th cannot be among the K best of all.
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int p = lane * J + j;
+    if (p < Kp) lists[w][p] = v[j];
+  }
+  for (int p = 32 * J + lane; p < Kp; p += 32) lists[w][p] = none;  // a list's room past its warp's experts
+  __syncthreads();
+  if (w != 0) return;
+  Cand u[J2];  // position p = lane·J2 + j of the 8 lists side by side
+#pragma unroll
+  for (int j = 0; j < J2; ++j) {
+    const int p = lane * J2 + j;
+    u[j] = lists[p / Kp][p % Kp];
+  }
+  bitonic_sort_desc<J2>(u, lane);
+#pragma unroll
+  for (int j = 0; j < J2; ++j) {
+    const int r = lane * J2 + j;
+    if (r < K) sv[r] = dev::sigmoid(logits[t * X + u[j].idx]);
+  }
+  __syncwarp();
+  float sum = 0.0f;  // Σ of the chosen σ in pick order, as the other kernels
+  for (int r = 0; r < K; ++r) sum += sv[r];
+#pragma unroll
+  for (int j = 0; j < J2; ++j) {
+    const int r = lane * J2 + j;
+    if (r < K) {
+      float x = sv[r];
+      if (renorm) x /= (sum + 1e-20f);
+      ids[t * K + r] = u[j].idx;
+      wts[t * K + r] = x * scaling;
+    }
+  }
+}
+// Level 2's slots a lane for K picks: 8 lists of Kp = the power of two ≥ K (at least 4), over 32 lanes.
+int route_sort_slots2(int64_t K) { return K <= 4 ? 1 : K <= 8 ? 2 : K <= 16 ? 4 : K <= 32 ? 8 : 16; }
+
 // The slots a lane for X experts: 1, 2, 4 or 8 (0: more than 2048, the block kernel's).
 int route_2l_slots(int64_t X) { return X <= 256 ? 1 : X <= 512 ? 2 : X <= 1024 ? 4 : X <= 2048 ? 8 : 0; }
 
@@ -230,16 +339,19 @@ __global__ void local_ids_kernel(const int32_t* __restrict__ ids, int n, int lo,
 
 #ifndef KESTREL_SIMT_EMU
 namespace {
-std::atomic<bool>& route_2l_flag() {
-  static std::atomic<bool> on{[] {
-    const char* e = std::getenv("KESTREL_ROUTE_TWO_LEVEL");
-    return !(e && e[0] == '0');
+std::atomic<MoeRouteKernel>& route_kernel_choice() {
+  static std::atomic<MoeRouteKernel> k{[] {
+    const char* e = std::getenv("KESTREL_ROUTE");
+    const std::string v = e ? e : "two-level";
+    KCUDA_REQUIRE(v == "block" || v == "two-level" || v == "sort",
+                  "KESTREL_ROUTE=" + v + " (expected block, two-level or sort)");
+    return v == "block" ? MoeRouteKernel::block : v == "sort" ? MoeRouteKernel::sort : MoeRouteKernel::two_level;
   }()};
-  return on;
+  return k;
 }
 }  // namespace
-bool moe_route_two_level() { return route_2l_flag().load(std::memory_order_relaxed); }
-void set_moe_route_two_level(bool on) { route_2l_flag().store(on); }
+MoeRouteKernel moe_route_kernel() { return route_kernel_choice().load(std::memory_order_relaxed); }
+void set_moe_route_kernel(MoeRouteKernel k) { route_kernel_choice().store(k); }
 
 void moe_local_ids(const int32_t* ids, int64_t n, int64_t lo, int64_t count, int32_t* local, cudaStream_t stream) {
   KCUDA_REQUIRE(ids && local, std::string("moe_local_ids: null pointer"));
@@ -260,7 +372,27 @@ void moe_route(const float* logits, const float* bias, int64_t T, int64_t X, int
                 "moe_route: X = " + std::to_string(X) + ", K = " + std::to_string(K));
   KCUDA_REQUIRE(T >= 0 && T < (int64_t(1) << 31), std::string("moe_route: bad T"));
   if (T == 0) return;
-  const int J = moe_route_two_level() ? route_2l_slots(X) : 0;
+  const MoeRouteKernel kind = moe_route_kernel();
+  const int J = kind == MoeRouteKernel::block ? 0 : route_2l_slots(X);
+  if (J > 0 && kind == MoeRouteKernel::sort) {
+    const int J2 = route_sort_slots2(K);
+    auto go = [&](auto kernel) {
+      launch_pdl(kernel, dim3(unsigned(T)), dim3(32 * kRoute2Warps), 0, stream, logits, bias, int(X), int(K),
+                 renormalize, scaling, ids, weights);
+    };
+    auto by_j2 = [&]<int JJ>() {
+      if (J2 == 1) go(route_sort_kernel<JJ, 1>);
+      else if (J2 == 2) go(route_sort_kernel<JJ, 2>);
+      else if (J2 == 4) go(route_sort_kernel<JJ, 4>);
+      else if (J2 == 8) go(route_sort_kernel<JJ, 8>);
+      else go(route_sort_kernel<JJ, 16>);
+    };
+    if (J == 1) by_j2.template operator()<1>();
+    else if (J == 2) by_j2.template operator()<2>();
+    else if (J == 4) by_j2.template operator()<4>();
+    else by_j2.template operator()<8>();
+    return;
+  }
   if (J > 0) {
     auto go = [&](auto kernel) {
       launch_pdl(kernel, dim3(unsigned(T)), dim3(32 * kRoute2Warps), 0, stream, logits, bias, int(X), int(K),

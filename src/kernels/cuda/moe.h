@@ -12,16 +12,17 @@ namespace kestrel::cuda {
 
 // After the FP32 router GEMM: s = σ(logits); top-k of s + bias (exact ties to the lower expert
 // index; NaN ranks lowest); w = s[idx], renormalised (w/(Σw + 1e-20)) if asked, times `scaling`.
-// X ≤ 8192, K ≤ 64. Two levels of warp arg-maxes at X ≤ 2048, else a block-wide arg-max a round: the same
-// bits (moe.cu).
+// X ≤ 8192, K ≤ 64. Two levels of warp arg-maxes (or sorting networks) at X ≤ 2048, else a block-wide arg-max
+// a round: the same bits (moe.cu).
 void moe_route(const float* logits /* f32 [T, X] */, const float* bias /* f32 [X] */, int64_t T, int64_t X, int64_t K,
                bool renormalize, float scaling, int32_t* ids /* i32 [T, K] */, float* weights /* f32 [T, K] */,
                cudaStream_t stream);
 
-// Whether moe_route may take the two-level kernel (KESTREL_ROUTE_TWO_LEVEL, default on); the setter is for
-// tests and benchmarks (the block kernel at every X when off).
-bool moe_route_two_level();
-void set_moe_route_two_level(bool on);
+// The router kernel moe_route takes at X ≤ 2048 (moe.cu; past that always the block kernel): KESTREL_ROUTE =
+// block | two-level (the default) | sort; the setter is for tests and benchmarks. All three give the same bits.
+enum class MoeRouteKernel { block, two_level, sort };
+MoeRouteKernel moe_route_kernel();
+void set_moe_route_kernel(MoeRouteKernel k);
 
 // Expert parallelism (docs/parallel.md §3): a rank holds experts [lo, lo + count) only. Maps the router's
 // global ids to the rank's local ones: local[i] = ids[i] − lo if ids[i] ∈ [lo, lo + count), else −1, which
