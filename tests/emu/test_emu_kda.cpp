@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "emu_rng.h"
 #include "kernels/cpu/kda_ops.h"
 #include "kernels/cpu/kda_scan.h"
 
@@ -30,17 +31,7 @@ namespace {
 
 namespace kd = cuda::kda_detail;
 
-struct Rng {
-  uint64_t s;
-  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
-  uint64_t next() {
-    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  float uniform(float lo, float hi) { return lo + (hi - lo) * float(next() >> 40) * (1.0f / 16777216.0f); }
-};
+using emutest::Rng;
 
 enum class Gates { model, near_bound, near_zero };
 
