@@ -19,13 +19,13 @@
 #include <vector>
 
 #include "core/dtype.h"
-#include "emu_rng.h"
+#include "../test_rng.h"
 #include "kernels/cpu/cpu_ops.h"
 
 namespace kestrel {
 namespace {
 
-using emutest::Rng;
+using testutil::Rng;
 
 std::vector<uint16_t> rand_bf16(size_t n, Rng& rng, float lo, float hi) {
   std::vector<uint16_t> x(n);

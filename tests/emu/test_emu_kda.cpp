@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "core/dtype.h"
-#include "emu_rng.h"
+#include "../test_rng.h"
 #include "kernels/cpu/kda_ops.h"
 #include "kernels/cpu/kda_scan.h"
 
@@ -31,7 +31,7 @@ namespace {
 
 namespace kd = cuda::kda_detail;
 
-using emutest::Rng;
+using testutil::Rng;
 
 enum class Gates { model, near_bound, near_zero };
 

@@ -15,13 +15,13 @@
 #include <string>
 #include <vector>
 
-#include "emu_rng.h"
+#include "../test_rng.h"
 #include "kernels/cpu/moe_ops.h"
 
 namespace kestrel {
 namespace {
 
-using emutest::Rng;
+using testutil::Rng;
 
 enum class Logits { random, ties, specials, mostly_nan };
 

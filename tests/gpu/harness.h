@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "../test_rng.h"
 #include "core/dtype.h"
 #include "kernels/cuda/device_buffer.h"
 
@@ -27,18 +28,7 @@ constexpr double kBf16Ulp = 1.0 / 128;
 // The first line of every GPU test: fail (not skip) off the GPU machine, so a missing device is never a pass.
 inline void need_gpu() { ASSERT_GT(cuda::device_count(), 0) << "no CUDA device: run this binary on the GPU machine"; }
 
-// splitmix64: fast enough for the 51 M-element weights of the mini shapes.
-struct Rng {
-  uint64_t s;
-  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
-  uint64_t next() {
-    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  float uniform(float lo, float hi) { return lo + (hi - lo) * float(next() >> 40) * (1.0f / 16777216.0f); }
-};
+using testutil::Rng;  // tests/test_rng.h
 
 inline std::vector<uint16_t> rand_bf16(size_t n, Rng& r, float lo, float hi) {
   std::vector<uint16_t> v(n);

@@ -28,6 +28,7 @@
 
 #include <ucontext.h>
 
+#include "../test_rng.h"
 #include "core/dtype.h"
 #include "kernels/cpu/mla_ops.h"
 #include "model/cache_view.h"
@@ -330,17 +331,7 @@ void run_grid(const Params& p) {
     }
 }
 
-struct Rng {
-  uint64_t s;
-  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
-  uint64_t next() {
-    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  float uniform(float lo, float hi) { return lo + (hi - lo) * float(next() >> 40) * (1.0f / 16777216.0f); }
-};
+using testutil::Rng;  // tests/test_rng.h
 
 struct Case {
   cpu::MlaDims d;

@@ -1,9 +1,10 @@
-// The emulator tests' random numbers (splitmix64): deterministic per seed, the same stream on every machine.
+// The tests' random numbers (splitmix64; tests/gpu, tests/emu, tests/unit): deterministic per seed, the same stream
+// on every machine, fast enough for the 51 M-element weights of the mini shapes.
 #pragma once
 
 #include <cstdint>
 
-namespace kestrel::emutest {
+namespace kestrel::testutil {
 
 struct Rng {
   uint64_t s;
@@ -17,4 +18,4 @@ struct Rng {
   float uniform(float lo, float hi) { return lo + (hi - lo) * float(next() >> 40) * (1.0f / 16777216.0f); }
 };
 
-}  // namespace kestrel::emutest
+}  // namespace kestrel::testutil
