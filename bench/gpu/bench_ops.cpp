@@ -556,7 +556,7 @@ int main(int argc, char** argv) {
     cudaStream_t st;
     KCUDA_CHECK(cudaStreamCreate(&st));  // blocking: orders with the timer's events on the legacy stream
     const cuda::MoeRouteKernel saved = cuda::moe_route_kernel();
-    for (auto [X, K] : {std::pair<int64_t, int64_t>{112, 2}, {896, 16}})
+    for (auto [X, K] : {std::pair<int64_t, int64_t>{112, 2}, {112, 8}, {896, 4}, {896, 8}, {896, 16}})
       for (int64_t T : {1, 8, 64}) {
         std::vector<float> h(size_t(T * X));
         std::mt19937_64 r(uint64_t(X * 100 + T));

@@ -439,13 +439,14 @@ TEST(GpuOps, MoeRoute) {
     auto db = upload(bias);
     std::vector<int32_t> first_ids;
     std::vector<float> first_w;
-    for (const auto kind : {cuda::MoeRouteKernel::block, cuda::MoeRouteKernel::two_level, cuda::MoeRouteKernel::sort}) {
+    for (const auto kind : {cuda::MoeRouteKernel::block, cuda::MoeRouteKernel::two_level, cuda::MoeRouteKernel::sort,
+                            cuda::MoeRouteKernel::automatic}) {
       cuda::set_moe_route_kernel(kind);
       auto dids = poisoned<int32_t>(ids.size());
       auto dw = poisoned<float>(wts.size());
       cuda::moe_route(dl.p(), db.p(), c.T, c.X, c.K, true, 1.0f, dids.p(), dw.p(), nullptr);
       sync();
-      const std::string shape = fmt::format("{} T={} X={} K={} ({})", c.what, c.T, c.X, c.K, kind == cuda::MoeRouteKernel::sort ? "sort" : kind == cuda::MoeRouteKernel::two_level ? "two-level" : "block");
+      const std::string shape = fmt::format("{} T={} X={} K={} ({})", c.what, c.T, c.X, c.K, kind == cuda::MoeRouteKernel::sort ? "sort" : kind == cuda::MoeRouteKernel::two_level ? "two-level" : kind == cuda::MoeRouteKernel::block ? "block" : "auto");
       const auto gids = dids.get();
       const auto gw = dw.get();
       check_exact("moe_route (ids)", shape, gids.data(), ids.data(), ids.size() * 4);

@@ -12,10 +12,14 @@
 // (the real shape) block 34.6 / 32.3 / 31.9 → two-level 17.5 / 16.9 / 16.9; top-2 of 112 (the reduced mini)
 // 3.7 / 3.8 / 3.8 → 3.0 / 3.1 / 3.1; the reduced mini's step b1 543.5 / 546.0 → 537.5 / 539.5 µs (alternated).
 // Lost: one warp per token with 28 slots a lane (41.8 µs at top-16: the winning lane's 28-slot rescan is a serial
-// chain in every round). Still ~0.5 µs a round a level at top-16 — the next step is fewer rounds (e.g. a
-// sorting network over each warp's slots).
-// All launch with PDL (launch.h): the bias (a weight) is read before the wait. KESTREL_ROUTE=block|two-level|sort
-// (or set_moe_route_kernel) picks the kernel at X ≤ 2048 (A/B timing, tests); the default is two-level.
+// chain in every round). Still ~0.5 µs a round a level at top-16 — hence the third kernel, sorting networks
+// (route_sort_kernel). Session 33, same bench, µs a launch (T = 1..64), two-level / sort: top-2 of 112 2.5–2.7 /
+// 3.3–3.4; top-8 of 112 7.1–7.2 / 5.0–5.1; top-4 of 896 5.9–6.0 / 9.8–9.9; top-8 of 896 9.5–9.6 / 11.2–11.3;
+// top-16 of 896 16.8–16.9 / 15.3–15.6. Two levels cost ~0.8–0.9 µs a pick; the network's cost grows with the
+// slots a lane (J) and not with K, so the crossover moves with J: K ≈ 3 at J = 1, ≈ 13 at J = 4.
+// All launch with PDL (launch.h): the bias (a weight) is read before the wait. KESTREL_ROUTE=auto|block|two-level|
+// sort (or set_moe_route_kernel) picks the kernel at X ≤ 2048 (A/B timing, tests); the default, auto, takes the
+// sorting networks at K ≥ 4·J and two levels below.
 //
 // Emulation: tests/emu compiles this file against simt.h (the launchers, which need CUDA, are left out there)
 // to run both kernels against cpu::moe_route in CI.
@@ -214,8 +218,8 @@ __global__ void __launch_bounds__(32 * kRoute2Warps) route_2l_kernel(const float
   if (32 + lane < K) put(32 + lane, id_hi, w_hi);
 }
 
-// Sorting networks instead of K rounds (route_sort_kernel; KESTREL_ROUTE=sort — written after the session's device
-// time was spent: checked on the SIMT emulator only (tests/emu), not yet run on the GPU or measured):
+// Sorting networks instead of K rounds (route_sort_kernel; the default at K ≥ kRouteSortMinK, see the header;
+// bit-exact against the twin on the SIMT emulator in CI and against the other kernels in GpuOps.MoeRoute):
 // the same two levels and layout as route_2l_kernel, but level 1 sorts each warp's 32·J (key, index) pairs with a
 // bitonic network (in-register steps for strides < J, shuffles above: 15 dependent shuffle stages at J = 4
 // against 16 rounds × 5), and level 2 sorts the 8 lists (each padded to Kp, a power of two ≥ K; J2 = 8·Kp/32 a
@@ -342,10 +346,13 @@ namespace {
 std::atomic<MoeRouteKernel>& route_kernel_choice() {
   static std::atomic<MoeRouteKernel> k{[] {
     const char* e = std::getenv("KESTREL_ROUTE");
-    const std::string v = e ? e : "two-level";
-    KCUDA_REQUIRE(v == "block" || v == "two-level" || v == "sort",
-                  "KESTREL_ROUTE=" + v + " (expected block, two-level or sort)");
-    return v == "block" ? MoeRouteKernel::block : v == "sort" ? MoeRouteKernel::sort : MoeRouteKernel::two_level;
+    const std::string v = e ? e : "auto";
+    KCUDA_REQUIRE(v == "auto" || v == "block" || v == "two-level" || v == "sort",
+                  "KESTREL_ROUTE=" + v + " (expected auto, block, two-level or sort)");
+    return v == "block"       ? MoeRouteKernel::block
+           : v == "sort"      ? MoeRouteKernel::sort
+           : v == "two-level" ? MoeRouteKernel::two_level
+                              : MoeRouteKernel::automatic;
   }()};
   return k;
 }
@@ -372,7 +379,10 @@ void moe_route(const float* logits, const float* bias, int64_t T, int64_t X, int
                 "moe_route: X = " + std::to_string(X) + ", K = " + std::to_string(K));
   KCUDA_REQUIRE(T >= 0 && T < (int64_t(1) << 31), std::string("moe_route: bad T"));
   if (T == 0) return;
-  const MoeRouteKernel kind = moe_route_kernel();
+  MoeRouteKernel kind = moe_route_kernel();
+  // auto: the sorting networks from 4 picks per slot a lane (the measured crossovers, see the header).
+  if (kind == MoeRouteKernel::automatic)
+    kind = K >= 4 * int64_t(route_2l_slots(X)) ? MoeRouteKernel::sort : MoeRouteKernel::two_level;
   const int J = kind == MoeRouteKernel::block ? 0 : route_2l_slots(X);
   if (J > 0 && kind == MoeRouteKernel::sort) {
     const int J2 = route_sort_slots2(K);
