@@ -29,6 +29,28 @@ struct Stream {  // the model's non-blocking stream
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
 };
+// Page-locked host memory for the ids a step hands back (greedy, sample): a copy from device memory into
+// pageable memory goes through the driver's staging buffer and costs a few µs more on every step's critical
+// path (the key decode_step_mini_us_b1 counts it).
+struct PinnedIds {
+  int32_t* p = nullptr;
+  int64_t cap = 0;
+  PinnedIds() = default;
+  ~PinnedIds() {
+    if (p) cudaFreeHost(p);
+  }
+  PinnedIds(const PinnedIds&) = delete;
+  PinnedIds& operator=(const PinnedIds&) = delete;
+  int32_t* get(int64_t n) {  // i32 [n], valid until the next get
+    if (n > cap) {
+      if (p) KCUDA_CHECK(cudaFreeHost(p));
+      p = nullptr, cap = 0;
+      KCUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&p), size_t(std::max<int64_t>(n, 64)) * 4));
+      cap = std::max<int64_t>(n, 64);
+    }
+    return p;
+  }
+};
 }  // namespace
 
 struct CudaModel::Impl {
@@ -65,6 +87,8 @@ struct CudaModel::Impl {
   uint16_t* taps_dev = nullptr;
   const uint16_t* taps_cur = nullptr;
   int64_t taps_cap = 0, taps_rows = 0;
+
+  PinnedIds ids_host;  // the last greedy / sample ids on their way to the caller
 
   int tp_size = 1, tp_rank = 0;
   int64_t vocab_lo = 0, vocab_rows = 0;  // this rank's embedding rows [vocab_lo, vocab_lo + vocab_rows)
@@ -284,8 +308,10 @@ struct CudaModel::Impl {
     const int64_t V = cfg.text.vocab_size;
     int32_t* d = static_cast<int32_t*>(alloc.alloc(size_t(n) * 4));  // i32 [n]
     cuda::argmax_rows(logits_cur + first * V, V, n, V, d, x.stream);
-    KCUDA_CHECK(cudaMemcpyAsync(host, d, size_t(n) * 4, cudaMemcpyDeviceToHost, x.stream));
+    int32_t* pin = ids_host.get(n);
+    KCUDA_CHECK(cudaMemcpyAsync(pin, d, size_t(n) * 4, cudaMemcpyDeviceToHost, x.stream));
     KCUDA_CHECK(cudaStreamSynchronize(x.stream));
+    std::copy(pin, pin + n, host);
     alloc.free(d);
   }
 
@@ -311,8 +337,10 @@ struct CudaModel::Impl {
     }
     cuda::apply_penalties(const_cast<float*>(logits_cur), V, V, de, m, x.stream);
     cuda::sample_rows(logits_cur, V, V, dp, n, di, x.stream);
-    KCUDA_CHECK(cudaMemcpyAsync(host, di, size_t(n) * 4, cudaMemcpyDeviceToHost, x.stream));
+    int32_t* pin = ids_host.get(n);
+    KCUDA_CHECK(cudaMemcpyAsync(pin, di, size_t(n) * 4, cudaMemcpyDeviceToHost, x.stream));
     KCUDA_CHECK(cudaStreamSynchronize(x.stream));
+    std::copy(pin, pin + n, host);
     alloc.free(dp), alloc.free(de), alloc.free(di);
   }
 };
