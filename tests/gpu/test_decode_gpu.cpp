@@ -26,6 +26,7 @@
 #include "kernels/cpu/kda_scan.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/gemm_skinny.h"
 #include "kernels/cuda/kda.h"
@@ -446,6 +447,67 @@ TEST(GpuDecode, AttnResStepMatchesTwin) {
       check_exact("attn_res_step cluster == one-CTA (D = 256)", fmt::format("T={} nb={}", c.T, c.nb), y_by[1].data(),
                   y_by[0].data(), y_by[0].size() * 2);
   }
+  cuda::set_attn_res_cluster_max_t(default_bound);
+}
+
+// The first point of a step gathers P from the embedding table itself (attn_res_step's a_ids, replace mode):
+// the same bits as embed_gather followed by the point with P left as it is — P, the stored block B_0, y and the
+// FP8 codes — on both kernels, with repeated ids and the table's last row.
+TEST(GpuDecode, AttnResFirstPointGathersEmbedding) {
+  need_gpu();
+  Rng rng(105);
+  const int default_bound = cuda::attn_res_cluster_max_t();
+  using M = cuda::AttnResAdd;
+  for (const int64_t D : {256, 7168})
+    for (const int64_t T : {1, 3, 70}) {
+      const int64_t V = 50;
+      const auto table = rand_bf16(size_t(V * D), rng, -2.0f, 2.0f);
+      std::vector<int32_t> ids(static_cast<size_t>(T));
+      for (int64_t t = 0; t < T; ++t) ids[size_t(t)] = t == 0 ? int32_t(V - 1) : int32_t(rng.next() % uint64_t(V));
+      if (T > 2) ids[2] = ids[1];
+      const auto norm_w = rand_bf16(size_t(D), rng, 0.5f, 1.5f), proj_w = rand_bf16(size_t(D), rng, -0.05f, 0.05f);
+      const auto rms_w = rand_bf16(size_t(D), rng, 0.5f, 1.5f);
+      auto dt = upload(table);
+      auto di = upload(ids);
+      auto dnw = upload(norm_w), dpw = upload(proj_w), drw = upload(rms_w);
+      for (const bool fp8 : {false, true})
+        for (const int bound : {0, 64}) {
+          cuda::set_attn_res_cluster_max_t(bound);
+          std::vector<uint16_t> out[2][3];  // [path][P, block, y]
+          std::vector<uint8_t> q[2];
+          std::vector<float> qs[2];
+          for (int path = 0; path < 2; ++path) {
+            auto dp = poisoned<uint16_t>(size_t(T * D));
+            auto dstore = poisoned<uint16_t>(size_t(T * D));
+            auto dy = poisoned<uint16_t>(size_t(T * D));
+            auto dq = poisoned<uint8_t>(size_t(T * D));
+            auto dqs = poisoned<float>(size_t(T));
+            if (path == 0) {  // embed_gather, then the point with P as it is
+              cuda::embed_gather(dt.p(), di.p(), T, D, dp.p(), nullptr);
+              cuda::attn_res_step(nullptr, T * D, 0, dp.p(), nullptr, M::none, dstore.p(), dnw.p(), dpw.p(), drw.p(),
+                                  kEps, dy.p(), fp8 ? dq.p() : nullptr, dqs.p(), T, D, nullptr);
+            } else {  // the point gathers
+              cuda::attn_res_step(nullptr, T * D, 0, dp.p(), dt.p(), M::replace, dstore.p(), dnw.p(), dpw.p(),
+                                  drw.p(), kEps, dy.p(), fp8 ? dq.p() : nullptr, dqs.p(), T, D, nullptr, di.p());
+            }
+            sync();
+            out[path][0] = dp.get(), out[path][1] = dstore.get(), out[path][2] = dy.get();
+            if (fp8) q[path] = dq.get(), qs[path] = dqs.get();
+          }
+          const std::string shape = fmt::format("T={} D={} fp8={} cluster bound {}", T, D, fp8, bound);
+          std::vector<uint16_t> rows(size_t(T * D));
+          for (int64_t t = 0; t < T; ++t)
+            std::copy_n(table.begin() + int64_t(ids[size_t(t)]) * D, D, rows.begin() + t * D);
+          check_exact("first point: P is the embedding rows", shape, out[1][0].data(), rows.data(), rows.size() * 2);
+          check_exact("first point: P", shape, out[1][0].data(), out[0][0].data(), rows.size() * 2);
+          check_exact("first point: stored block", shape, out[1][1].data(), out[0][1].data(), rows.size() * 2);
+          check_exact("first point: y", shape, out[1][2].data(), out[0][2].data(), rows.size() * 2);
+          if (fp8) {
+            check_exact("first point: fp8 codes", shape, q[1].data(), q[0].data(), q[0].size());
+            check_exact("first point: fp8 scales", shape, qs[1].data(), qs[0].data(), qs[0].size() * 4);
+          }
+        }
+    }
   cuda::set_attn_res_cluster_max_t(default_bound);
 }
 

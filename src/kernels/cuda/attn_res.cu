@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(1024) attn_res_step_kernel(
     const uint16_t* __restrict__ a, AttnResAdd mode, uint16_t* __restrict__ store_block,
     const uint16_t* __restrict__ mix_norm_w, const uint16_t* __restrict__ mix_proj_w,
     const uint16_t* __restrict__ rms_w, float eps, uint16_t* __restrict__ y, uint8_t* __restrict__ q8,
-    float* __restrict__ q_scale, int D) {
+    float* __restrict__ q_scale, int D, const int32_t* __restrict__ a_ids) {
   static_assert(NB < kAttnResMaxSources, "NB stored blocks and P");
   const int nb = NB >= 0 ? NB : nb_rt;
   extern __shared__ float h[];  // f32 [D], the BF16-rounded mix
@@ -104,16 +104,17 @@ __global__ void __launch_bounds__(1024) attn_res_step_kernel(
 
   // Step 1–2: P up to date (each thread owns its vectors: no hazard), the stored block.
   if (mode != AttnResAdd::none || store_block) {
+    const uint16_t* arow = a ? a + (a_ids ? int64_t(a_ids[t]) : t) * D : nullptr;  // a_ids: after the wait
     for (int v = threadIdx.x; v < nv; v += blockDim.x) {
       uint4 pv;
       if (mode == AttnResAdd::replace) {
-        pv = ld(a + t * D + 8 * v);
+        pv = ld(arow + 8 * v);
       } else {
         pv = ld(P + 8 * v);
         if (mode == AttnResAdd::add) {
           float f[8], g[8];
           dev::unpack8(pv, f);
-          dev::unpack8(ld(a + t * D + 8 * v), g);
+          dev::unpack8(ld(arow + 8 * v), g);
 #pragma unroll
           for (int j = 0; j < 8; ++j) f[j] = f[j] + g[j];
           pv = dev::pack8(f);
@@ -238,7 +239,7 @@ __global__ void __launch_bounds__(kClusterThreads) attn_res_cluster_kernel(
     const uint16_t* __restrict__ a, AttnResAdd mode, uint16_t* __restrict__ store_block,
     const uint16_t* __restrict__ mix_norm_w, const uint16_t* __restrict__ mix_proj_w,
     const uint16_t* __restrict__ rms_w, float eps, uint16_t* __restrict__ y, uint8_t* __restrict__ q8,
-    float* __restrict__ q_scale, int D, int per) {
+    float* __restrict__ q_scale, int D, int per, const int32_t* __restrict__ a_ids) {
   constexpr int S = kAttnResMaxSources;
   static_assert(NB < S, "NB stored blocks and P");
   const int nb = NB >= 0 ? NB : nb_rt;
@@ -267,14 +268,15 @@ __global__ void __launch_bounds__(kClusterThreads) attn_res_cluster_kernel(
   uint4 pv = zero;
   if (act) {
     uint16_t* P = partial + t * D + 8 * v;
+    const uint16_t* arow = a ? a + (a_ids ? int64_t(a_ids[t]) : t) * D : nullptr;  // a_ids: after the wait
     if (mode == AttnResAdd::replace) {
-      pv = ld(a + t * D + 8 * v);
+      pv = ld(arow + 8 * v);
     } else {
       pv = ld(P);
       if (mode == AttnResAdd::add) {
         float f[8], g[8];
         dev::unpack8(pv, f);
-        dev::unpack8(ld(a + t * D + 8 * v), g);
+        dev::unpack8(ld(arow + 8 * v), g);
 #pragma unroll
         for (int j = 0; j < 8; ++j) f[j] = f[j] + g[j];
         pv = dev::pack8(f);
@@ -433,10 +435,11 @@ void set_attn_res_cluster_max_t(int t) { cluster_max_t().store(std::clamp(t, 0, 
 void attn_res_step(const uint16_t* blocks, int64_t block_stride, int nb, uint16_t* partial, const uint16_t* a,
                    AttnResAdd mode, uint16_t* store_block, const uint16_t* mix_norm_w, const uint16_t* mix_proj_w,
                    const uint16_t* rms_w, float eps, uint16_t* y, uint8_t* q8, float* q_scale, int64_t T, int64_t D,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, const int32_t* a_ids) {
   KCUDA_REQUIRE(partial && mix_norm_w && mix_proj_w && rms_w && y && (nb == 0 || blocks) &&
                     (mode == AttnResAdd::none || a) && (!q8 || q_scale),
                 std::string("attn_res_step: null pointer"));
+  KCUDA_REQUIRE(!a_ids || mode == AttnResAdd::replace, std::string("attn_res_step: a_ids only with replace"));
   KCUDA_REQUIRE(nb >= 0 && nb + 1 <= kAttnResMaxSources,
                 "attn_res_step: " + std::to_string(nb) + " stored blocks (at most " +
                     std::to_string(kAttnResMaxSources - 1) + ")");
@@ -456,7 +459,7 @@ void attn_res_step(const uint16_t* blocks, int64_t block_stride, int nb, uint16_
     const int64_t per = (nv + C - 1) / C;
     launch_pdl_cluster(cluster_kernel_for(nb), dim3(unsigned(C), unsigned(T)), dim3(unsigned((per + 31) / 32 * 32)),
                        0, stream, unsigned(C), blocks, block_stride, nb, partial, a, mode, store_block, mix_norm_w,
-                       mix_proj_w, rms_w, eps, y, q8, q_scale, int(D), int(per));
+                       mix_proj_w, rms_w, eps, y, q8, q_scale, int(D), int(per), a_ids);
     return;
   }
   // One CTA per token. Decode: a thread per 16-byte vector (up to 1024), the shortest chain of dependent steps.
@@ -469,7 +472,7 @@ void attn_res_step(const uint16_t* blocks, int64_t block_stride, int nb, uint16_
   if (smem > 48 * 1024)  // D > 12288 only (no configuration of ours): the attribute per launch is cheap enough
     KCUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   launch_pdl(kernel, dim3(unsigned(T)), dim3(threads), smem, stream, blocks, block_stride, nb, partial,
-             a, mode, store_block, mix_norm_w, mix_proj_w, rms_w, eps, y, q8, q_scale, int(D));
+             a, mode, store_block, mix_norm_w, mix_proj_w, rms_w, eps, y, q8, q_scale, int(D), a_ids);
 }
 
 }  // namespace kestrel::cuda

@@ -32,7 +32,9 @@ void attn_res_mix_rmsnorm(const uint16_t* blocks /* bf16 [nb, T, D], block i at 
                           cudaStream_t stream);
 
 // One AttnRes point of the stream (MODEL.md §3.2), fused into one kernel per call (contiguous rows, ld = D):
-//  1. the partial sum is brought up to date: P := bf16(P + a) (add), P := a (replace), or left (none);
+//  1. the partial sum is brought up to date: P := bf16(P + a) (add), P := a (replace), or left (none); with
+//     a_ids (replace only) token t's row of a is row a_ids[t] — the first point gathers P from the embedding
+//     table itself (§3.1), one launch fewer than embed_gather and a point (the same bits);
 //  2. if store_block is non-null the updated P is copied there (a write layer's new block — stored after
 //     this call's own Mix, so the Mix below still sees nb blocks);
 //  3. y = RMSNorm_{rms_w}(Mix([B_0..B_{nb−1}, P])), as attn_res_mix_rmsnorm;
@@ -47,7 +49,7 @@ void attn_res_step(const uint16_t* blocks /* bf16 [nb, T, D], block i at i·bloc
                    const uint16_t* mix_norm_w /* bf16 [D] */, const uint16_t* mix_proj_w /* bf16 [D] */,
                    const uint16_t* rms_w /* bf16 [D] */, float eps, uint16_t* y /* bf16 [T, D] */,
                    uint8_t* q8 /* e4m3 [T, D] or null */, float* q_scale /* f32 [T] */, int64_t T, int64_t D,
-                   cudaStream_t stream);
+                   cudaStream_t stream, const int32_t* a_ids = nullptr /* i32 [T] rows of a, or null */);
 
 // The most tokens for which attn_res_step takes the cluster kernel (0..64; the default from the measured
 // crossover, or KESTREL_ATTNRES_CLUSTER_MAX_T). The setter is for tests and benchmarks (both kernels).

@@ -3,6 +3,7 @@
 // cpu::rmsnorm_bf16).
 #include <cuda_runtime.h>
 
+#include "core/check.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/norm.h"
@@ -11,12 +12,15 @@
 
 namespace kestrel::model::gpu {
 
-AttnResDev attn_res_begin(Context& x, const u16* embed, const int32_t* d_ids, int64_t T) {
+AttnResDev attn_res_begin(Context& x, const u16* embed, const int32_t* d_ids, int64_t T, bool gather) {
   AttnResDev rs;
   rs.T = T, rs.D = x.c.hidden_size;
   rs.blocks = x.tmp<u16>(int64_t(x.c.num_attn_res_blocks()) * T * rs.D);
   rs.partial = x.tmp<u16>(T * rs.D);
-  cuda::embed_gather(embed, d_ids, T, rs.D, rs.partial, x.stream);
+  if (gather)
+    cuda::embed_gather(embed, d_ids, T, rs.D, rs.partial, x.stream);
+  else
+    rs.embed = embed, rs.embed_ids = d_ids;
   return rs;
 }
 
@@ -53,8 +57,14 @@ void attn_res_point(Context& x, AttnResDev& rs, const u16* a, cuda::AttnResAdd m
     qs = x.tmp<float>(T);
     *out8 = {q8, qs};
   }
+  const int32_t* a_ids = nullptr;
+  if (rs.embed_ids) {  // the first point: P := embed_tokens[ids] (replace, the rows gathered by the kernel)
+    KCHECK(mode == cuda::AttnResAdd::none && !a && rs.nb == 0, "attn_res_point: P not gathered before a later point");
+    mode = cuda::AttnResAdd::replace, a = rs.embed, a_ids = rs.embed_ids;
+    rs.embed = nullptr, rs.embed_ids = nullptr;
+  }
   cuda::attn_res_step(rs.blocks, T * D, rs.nb, rs.partial, a, mode, block, res_norm, res_proj, norm, x.c.rms_norm_eps,
-                      out, q8, qs, T, D, x.stream);
+                      out, q8, qs, T, D, x.stream, a_ids);
   if (store) ++rs.nb;
 }
 

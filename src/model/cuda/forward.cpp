@@ -24,7 +24,9 @@ void forward_layers(Context& x, const WeightsDev& w, CudaCache& cc, const BatchS
   // §3.1: P = embed_tokens[id], no stored blocks. Under TP each rank holds V/N rows of the table and
   // looks up its own ids (the others read the zero row appended at upload, cuda_model.cpp), so one
   // all-reduce assembles P exactly (one nonzero term per element).
-  AttnResDev rs = attn_res_begin(x, w.embed, d_ids, T);
+  // Fused, on one rank and without image rows, the first AttnRes point gathers P itself (attn_res_begin).
+  AttnResDev rs =
+      attn_res_begin(x, w.embed, d_ids, T, !(fused && x.opt.embed_in_point && !x.split() && s.embed_rows.empty()));
   // §5 DSpark taps: P after layer L. In both forms P holds it once the first AttnRes point of layer L+1 (or
   // the final one) has run: the fused point applies layer L's pending MLP update first, and a point only
   // reads P (a write layer copies it into a block).

@@ -40,10 +40,14 @@ struct AttnResDev {
   u16* partial = nullptr;  // bf16 [T, D]: P
   int nb = 0;              // blocks stored so far
   int64_t T = 0, D = 0;
+  // P not yet gathered (attn_res_begin with gather = false): the first attn_res_point reads it from the table.
+  const u16* embed = nullptr;      // bf16 [V, D]
+  const int32_t* embed_ids = nullptr;  // i32 [T]
 };
-// §3.1: P = embed_tokens[ids], no stored blocks.
+// §3.1: P = embed_tokens[ids], no stored blocks. gather = false leaves the gather to the first (fused) point:
+// one launch fewer on every step (not under TP, whose ranks all-reduce P first, nor with image rows).
 AttnResDev attn_res_begin(Context& x, const u16* embed /* bf16 [V, D] */, const int32_t* d_ids /* i32 [T] */,
-                          int64_t T);
+                          int64_t T, bool gather = true);
 // §3.2 steps 1/5 (and the final Mix) fused with the RMSNorm that follows: out = RMSNorm_norm(Mix(B, P)).
 void attn_res_mix_norm(Context& x, const AttnResDev& rs, const u16* res_norm /* bf16 [D] */,
                        const u16* res_proj /* bf16 [D] */, const u16* norm /* bf16 [D] */,

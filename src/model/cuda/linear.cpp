@@ -23,6 +23,7 @@ DecodeOptions DecodeOptions::from_env() {
   o.fuse = !off("KESTREL_FUSE");
   o.graph_attn = !off("KESTREL_GRAPH_ATTN");
   o.combine_norm = !off("KESTREL_COMBINE_NORM");
+  o.embed_in_point = !off("KESTREL_EMBED_IN_POINT");
   o.mla_norms = !off("KESTREL_MLA_NORMS");
   o.spec_graphs = !off("KESTREL_SPEC_GRAPHS");
   if (const char* e = std::getenv("KESTREL_WIDE")) {

@@ -69,6 +69,7 @@ struct DecodeOptions {
   bool spec_graph_pad = false;
   // The latent MoE's RMSNorm of ũ in the experts' combine launch (moe.cpp; false: KESTREL_COMBINE_NORM=0).
   bool combine_norm = true;
+  bool embed_in_point = true;  // the first AttnRes point gathers P from the embedding table (KESTREL_EMBED_IN_POINT)
   // MLA's q_a and kv_a norms, the indexer's key norm and both cache writes in one launch (mla.cpp; false:
   // KESTREL_MLA_NORMS=0, five launches).
   bool mla_norms = true;
