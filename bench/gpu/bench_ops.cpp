@@ -220,13 +220,19 @@ static void decode_step(const std::string& model_dir, bool fp8, bool perf) {
       // The same step through the CUDA graph bucket: one capture run, then timed replays.
       m.enable_cuda_graphs(true);
       m.forward_batch(*cache, seqs);
-      std::vector<double> gstep;
+      std::vector<double> gstep, gfwd;
       for (int i = 0; i < 2 * reps; ++i) {
         const auto t0 = std::chrono::steady_clock::now();
         m.forward_batch(*cache, seqs);
+        const auto t1 = std::chrono::steady_clock::now();
         m.greedy(ids.data());
         gstep.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+        gfwd.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
       }
+      // The host's share: forward_batch returns once the step's inputs are uploaded and its graph launched.
+      std::sort(gfwd.begin(), gfwd.end());
+      fmt::print("graph step B = {}: forward_batch returns after {:.1f} µs (median host time to launch)\n", B,
+                 gfwd[gfwd.size() / 2]);
       // Back to back: N replays queued, one argmax and sync at the end — the GPU's time per step when the host
       // work of step N+1 overlaps step N (what the wall time above would be with host preparation overlapped).
       std::vector<double> pstep;

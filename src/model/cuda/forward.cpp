@@ -6,8 +6,9 @@
 // Fused form (Context::fused(): the default unless KESTREL_FUSE=0 or debug captures are on): each AttnRes
 // point is one kernel (attn_res_point) that first applies the pending update of P — step 4 or step 6 of
 // the previous sublayer — stores a write layer's block, then mixes and normalises (and, with ptpc-fp8,
-// quantises the normalised rows for the FP8 projections that read them). Unfused: the separate copy, add
-// and Mix + RMSNorm launches of attn_res.cpp, in the order of §3.2.
+// quantises the normalised rows for the FP8 projections that read them); on one rank and without image rows
+// the first point also gathers P from the embedding table (§3.1), so the step starts with it. Unfused: the
+// separate copy, add and Mix + RMSNorm launches of attn_res.cpp, in the order of §3.2.
 #include <string>
 
 #include "kernels/cuda/rows.h"
