@@ -1,13 +1,14 @@
 // MoE router (MODEL.md §3.6 step 1) and the expert-parallel id map; see moe.h. The routed experts are in
 // moe_experts.cu.
 //
-// Router, two kernels with the same selection (K rounds of an arg-max over the not-yet-chosen experts, ties to
-// the lower index — a strict total order on (key, index), so any reduction order picks the same expert) and the
-// same weight arithmetic (Σ in round order, then w/(Σ + 1e-20)·scaling), so the same bits:
+// Router, three kernels with the same selection (the top K by a strict total order on (key, index): ties to the
+// lower index, so any reduction order picks the same experts) and the same weight arithmetic (Σ in pick order,
+// then w/(Σ + 1e-20)·scaling), so the same bits:
 //   two-level (X ≤ 2048, every K; route_2l_kernel below): per token, 8 warps each pick their own experts' top-K
 //     with shuffles alone, then one warp merges the 8 ordered lists — no barrier but the one between the levels;
 //   block (any X ≤ 8192): per token, the scores in shared memory and a block-wide arg-max a round: two
-//     __syncthreads, a serial pass over the warps' winners and, per candidate, a pass over the picks so far.
+//     __syncthreads, a serial pass over the warps' winners and, per candidate, a pass over the picks so far;
+//   sort (X ≤ 2048; route_sort_kernel below): the two levels of two-level as bitonic sorting networks.
 // H200 (session 32, bench_ops --only route, 20 launches in a graph, µs a launch, T = 1 / 8 / 64): top-16 of 896
 // (the real shape) block 34.6 / 32.3 / 31.9 → two-level 17.5 / 16.9 / 16.9; top-2 of 112 (the reduced mini)
 // 3.7 / 3.8 / 3.8 → 3.0 / 3.1 / 3.1; the reduced mini's step b1 543.5 / 546.0 → 537.5 / 539.5 µs (alternated).
@@ -22,7 +23,7 @@
 // sorting networks at K ≥ 4·J and two levels below.
 //
 // Emulation: tests/emu compiles this file against simt.h (the launchers, which need CUDA, are left out there)
-// to run both kernels against cpu::moe_route in CI.
+// to run the three kernels against cpu::moe_route in CI.
 #include <cuda_runtime.h>
 
 #include <atomic>
