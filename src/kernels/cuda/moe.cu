@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(32 * kRoute2Warps) route_2l_kernel(const float
   if (32 + lane < K) put(32 + lane, id_hi, w_hi);
 }
 
-// Sorting networks instead of K rounds (route_sort_kernel; the default at K ≥ kRouteSortMinK, see the header;
+// Sorting networks instead of K rounds (route_sort_kernel; auto's pick where K ≥ 4·J, see the header;
 // bit-exact against the twin on the SIMT emulator in CI and against the other kernels in GpuOps.MoeRoute):
 // the same two levels and layout as route_2l_kernel, but level 1 sorts each warp's 32·J (key, index) pairs with a
 // bitonic network (in-register steps for strides < J, shuffles above: 15 dependent shuffle stages at J = 4
