@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "../test_glu_stack.h"
 #include "../test_rng.h"
 #include "kernels/cpu/cpu_ops.h"
 
@@ -156,12 +157,7 @@ void stacked_epilogues(int64_t K, const std::vector<int64_t>& Ts, uint64_t seed)
   const auto gate = rand_bf16(size_t(F * K), rng, -0.05f, 0.05f), up = rand_bf16(size_t(F * K), rng, -0.05f, 0.05f);
   const auto wb = rand_bf16(size_t(Nb * K), rng, -0.02f, 0.02f), wf = rand_bf16(size_t(Nf * K), rng, -0.02f, 0.02f);
   const auto wa = rand_bf16(size_t(Na * K), rng, -0.02f, 0.02f);
-  std::vector<uint16_t> w;
-  for (int64_t f0 = 0; f0 < F; f0 += 8) {
-    w.insert(w.end(), gate.begin() + f0 * K, gate.begin() + (f0 + 8) * K);
-    w.insert(w.end(), up.begin() + f0 * K, up.begin() + (f0 + 8) * K);
-  }
-  for (const auto* part : {&wb, &wf, &wa}) w.insert(w.end(), part->begin(), part->end());
+  const std::vector<uint16_t> w = testutil::glu_stack(gate, up, F, K, {&wb, &wf, &wa});
   const int64_t N = 2 * F + Nb + Nf + Na;
   for (int64_t T : Ts) {
     const auto x = rand_bf16(size_t(T * K), rng, -1.0f, 1.0f);

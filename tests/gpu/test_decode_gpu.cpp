@@ -20,6 +20,7 @@
 #include <functional>
 #include <numeric>
 
+#include "../test_glu_stack.h"
 #include "harness.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/kda_ops.h"
@@ -198,12 +199,7 @@ void stacked_epilogues(const char* kernel, const StackedGemm& gemm, std::initial
     const auto wb = rand_bf16(size_t(Nb * K), rng, -0.02f, 0.02f), wf = rand_bf16(size_t(Nf * K), rng, -0.02f, 0.02f);
     const auto wa = rand_bf16(size_t(Na * K), rng, -0.02f, 0.02f);
     // The stack: [gate|up interleaved by 8 | bf16 | f32 | add].
-    std::vector<uint16_t> w;
-    for (int64_t f0 = 0; f0 < F; f0 += 8) {
-      w.insert(w.end(), gate.begin() + f0 * K, gate.begin() + (f0 + 8) * K);
-      w.insert(w.end(), up.begin() + f0 * K, up.begin() + (f0 + 8) * K);
-    }
-    for (const auto* part : {&wb, &wf, &wa}) w.insert(w.end(), part->begin(), part->end());
+    const std::vector<uint16_t> w = testutil::glu_stack(gate, up, F, K, {&wb, &wf, &wa});
     const int64_t N = 2 * F + Nb + Nf + Na;
     auto dw = upload(w);
     for (int64_t T : Ts) {
