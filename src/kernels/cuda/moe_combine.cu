@@ -23,7 +23,10 @@ using namespace moe_dev;
 constexpr int kCombineThreads = 256;
 
 // ũ[t, j..j+7] = bf16(Σ_k w[t,k]·y[t·K+k, j..j+7]), FP32 in top-k order; out-of-range ids add nothing.
-// The K rows are loaded 8 at a time before any is summed (one memory latency per 8 slots, not per slot).
+// The K rows are loaded 8 at a time before any is summed (one memory latency per 8 slots, not per slot), and
+// independently of the ids: a slot's y row exists whatever its id (y is [T·K, Lt] in slot order on every path),
+// so the loads of y, ids and weights issue together and an out-of-range slot is skipped only when summing — the
+// same bits as predicating the y load on the id, one dependent L2 round trip (ids → y) fewer at batch 1.
 // KT > 0: K == KT ≤ 8 known at compile time (the launcher's switch), so the batch is exactly the K slots. Why:
 // at batch 1 these kernels are one CTA whose time is its warps' instruction chain, and the generic batch of 8
 // (clamped slots, predicates) cost the reduced mini's top-2 combine + norm ~1,200 instructions a warp (Nsight
@@ -40,10 +43,10 @@ __device__ __forceinline__ uint4 combine8(const uint16_t* __restrict__ y, const 
     bool ok[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t slot = t * K + min(k0 + u, K - 1);
+      const int64_t slot = t * K + min(k0 + u, K - 1);  // clamped: always a row of y
+      v[u] = ld_act16(y + slot * Lt + j);
+      w[u] = __ldg(wts + slot);
       ok[u] = k0 + u < K && unsigned(__ldg(ids + slot)) < unsigned(X);
-      w[u] = ok[u] ? __ldg(wts + slot) : 0.0f;
-      v[u] = ok[u] ? ld_act16(y + slot * Lt + j) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
