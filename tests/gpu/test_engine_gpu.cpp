@@ -77,31 +77,38 @@ TEST(GpuServingOps, CopyRowsGatherAndScatter) {
 
 TEST(GpuServingOps, ArgmaxRowsMatchesGreedySampler) {
   Rng r(72);
-  for (int64_t V : {1, 7, 1000, 163840}) {
-    const int64_t n = 9;
+  // The split kernel's workspace (zeroed once; every call must leave it zeroed), and the row kernel without it.
+  auto ws = upload(std::vector<uint8_t>(cuda::argmax_workspace_bytes(), 0));
+  for (int64_t V : {1, 7, 1000, 4097, 163840})
+  for (int64_t n : {int64_t(1), int64_t(9)})
+  for (void* w : {static_cast<void*>(nullptr), static_cast<void*>(ws.p())}) {
     auto x = rand_f32(size_t(n * V), r, -4.0f, 4.0f);
     // Row 1: an exact tie of the maximum at two ids (the lower wins); row 2: the maximum at the end;
     // row 3: a NaN before the maximum (never chosen).
-    if (V > 2) {
+    if (V > 2 && n > 3) {
       x[size_t(V + V / 3)] = 9.0f, x[size_t(V + V / 2)] = 9.0f;
       x[size_t(3 * V - 1)] = 9.0f;
       x[size_t(3 * V)] = NAN, x[size_t(3 * V + V - 1)] = 9.0f;
     }
     auto dx = upload(x);
     auto got = poisoned<int32_t>(size_t(n));
-    cuda::argmax_rows(dx.p(), V, n, V, got.p(), nullptr);
+    cuda::argmax_rows(dx.p(), V, n, V, got.p(), nullptr, w);
     sync();
     std::vector<int32_t> ref(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) {
       std::span<const float> row(x.data() + i * V, size_t(V));
-      if (V > 2 && i == 3) {
+      if (V > 2 && n > 3 && i == 3) {
         ref[size_t(i)] = int32_t(V - 1);  // the twin's max_element is undefined with NaN; the rule is "skip NaN"
         continue;
       }
       ref[size_t(i)] = runtime::sample_token(runtime::SamplingParams{}, row, {}, {}, 0).token;
     }
-    check_exact("argmax_rows", fmt::format("n={} V={}", n, V), got.get().data(), ref.data(), ref.size() * 4);
+    check_exact("argmax_rows", fmt::format("n={} V={} {}", n, V, w ? "split" : "row"), got.get().data(), ref.data(),
+                ref.size() * 4);
   }
+  const auto after = ws.get();
+  // The counters lead the workspace (argmax.cu SplitWs): all zero again.
+  for (size_t i = 0; i < 128 * sizeof(unsigned); ++i) ASSERT_EQ(after[i], 0) << "argmax counter byte " << i;
 }
 
 // The device sampler against its twin: the RNG is the same SplitMix64, so for the same (seed, index)

@@ -1,58 +1,18 @@
-// Greedy argmax and the full sampler per row (see sampling.h). Argmax: each thread scans a strided
-// slice keeping (value, id) with ties to the lower id, then warp shuffles and a shared-memory pass
-// reduce with the same rule. The sampler's passes are block reductions over the row (in L2 after the
-// first); the candidate keys pack (order-preserving logit bits << 32 | ~id), so one descending sort
-// gives the CPU twin's (logit desc, id asc) order.
+// The full sampler per row (see sampling.h; the greedy argmax is argmax.cu). Its passes are block
+// reductions over the row (in L2 after the first); the candidate keys pack (order-preserving logit bits << 32
+// | ~id), so one descending sort gives the CPU twin's (logit desc, id asc) order.
 #include <algorithm>
 #include <cmath>
 #include <string>
 
+#include "kernels/cuda/argmax.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/sampling.h"
 
 namespace kestrel::cuda {
 namespace {
 
-// (a, ia) beats (b, ib): larger value, or equal value and lower id; NaN never beats anything, and
-// anything non-NaN beats NaN (ib < 0 marks "nothing yet").
-__device__ __forceinline__ bool better(float a, int ia, float b, int ib) {
-  if (ia < 0) return false;
-  if (ib < 0) return true;
-  if (a != a) return false;
-  if (b != b) return true;
-  return a > b || (a == b && ia < ib);
-}
-
-__global__ void argmax_kernel(const float* x, int64_t ld, int64_t V, int32_t* ids) {
-  const float* row = x + int64_t(blockIdx.x) * ld;
-  float bv = 0.0f;
-  int bi = -1;
-  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
-    const float f = row[v];
-    if (better(f, int(v), bv, bi)) bv = f, bi = int(v);
-  }
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    if (better(ov, oi, bv, bi)) bv = ov, bi = oi;
-  }
-  __shared__ float sv[32];
-  __shared__ int si[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) sv[warp] = bv, si[warp] = bi;
-  __syncthreads();
-  if (warp == 0) {
-    const int nw = blockDim.x >> 5;
-    bv = lane < nw ? sv[lane] : 0.0f;
-    bi = lane < nw ? si[lane] : -1;
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (better(ov, oi, bv, bi)) bv = ov, bi = oi;
-    }
-    if (lane == 0) ids[blockIdx.x] = bi < 0 ? 0 : bi;
-  }
-}
+using argmax_detail::better;  // argmax.cuh: the argmax order (larger value, then lower id; NaN last)
 
 // Block-wide reductions over 1024 threads (any multiple of 32 works); every thread gets the result.
 template <typename T, typename Op>
@@ -288,14 +248,6 @@ __global__ void penalty_kernel(float* logits, int64_t ld, const PenaltyEntry* e,
 }
 
 }  // namespace
-
-void argmax_rows(const float* x, int64_t ld, int64_t n, int64_t V, int32_t* ids, cudaStream_t stream) {
-  KCUDA_REQUIRE(n >= 0 && V >= 1 && V < (int64_t(1) << 31) && ld >= V,
-                "argmax_rows: n " + std::to_string(n) + ", V " + std::to_string(V) + ", ld " + std::to_string(ld));
-  if (n == 0) return;
-  argmax_kernel<<<unsigned(n), 1024, 0, stream>>>(x, ld, V, ids);
-  KCUDA_CHECK_LAUNCH();
-}
 
 void apply_penalties(float* logits, int64_t ld, int64_t V, const PenaltyEntry* entries, int64_t m,
                      cudaStream_t stream) {

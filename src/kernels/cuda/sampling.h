@@ -22,9 +22,13 @@
 
 namespace kestrel::cuda {
 
-// ids[r] = argmax_v x[r, v], ties to the lower v, NaN never chosen. One block per row; V ≥ 1.
+// ids[r] = argmax_v x[r, v], ties to the lower v, NaN never chosen (an all-NaN row gives 0); V ≥ 1 (argmax.cu).
+// With a workspace, up to 128 rows are each split over CTAs (the last CTA of a row reduces; KESTREL_ARGMAX_SPLIT=0:
+// never), else one CTA per row — the same ids. The workspace: argmax_workspace_bytes() bytes, zeroed once by the
+// caller; every call leaves it zeroed; one stream at a time.
+size_t argmax_workspace_bytes();
 void argmax_rows(const float* x /* f32 [B, V], row stride ld */, int64_t ld, int64_t n, int64_t V,
-                 int32_t* ids /* i32 [B] */, cudaStream_t stream);
+                 int32_t* ids /* i32 [B] */, cudaStream_t stream, void* workspace = nullptr);
 
 inline constexpr int kSampleCandidates = 1024;
 

@@ -89,6 +89,7 @@ struct CudaModel::Impl {
   int64_t taps_cap = 0, taps_rows = 0;
 
   PinnedIds ids_host;  // the last greedy / sample ids on their way to the caller
+  void* argmax_ws = nullptr;  // cuda::argmax_rows' split workspace: zeroed once, left zeroed by every call
 
   int tp_size = 1, tp_rank = 0;
   int64_t vocab_lo = 0, vocab_rows = 0;  // this rank's embedding rows [vocab_lo, vocab_lo + vocab_rows)
@@ -145,6 +146,7 @@ struct CudaModel::Impl {
     alloc.free(x.skinny.part);
     alloc.free(x.skinny.counters);
     alloc.free(mask_dev);
+    alloc.free(argmax_ws);
     alloc.free(mask_idx_dev);
     alloc.free(taps_dev);
     if (mask_ready) cudaEventDestroy(mask_ready);
@@ -307,7 +309,11 @@ struct CudaModel::Impl {
     if (n == 0) return;
     const int64_t V = cfg.text.vocab_size;
     int32_t* d = static_cast<int32_t*>(alloc.alloc(size_t(n) * 4));  // i32 [n]
-    cuda::argmax_rows(logits_cur + first * V, V, n, V, d, x.stream);
+    if (!argmax_ws) {  // ordered before the argmax by the stream
+      argmax_ws = alloc.alloc(cuda::argmax_workspace_bytes());
+      KCUDA_CHECK(cudaMemsetAsync(argmax_ws, 0, cuda::argmax_workspace_bytes(), x.stream));
+    }
+    cuda::argmax_rows(logits_cur + first * V, V, n, V, d, x.stream, argmax_ws);
     int32_t* pin = ids_host.get(n);
     KCUDA_CHECK(cudaMemcpyAsync(pin, d, size_t(n) * 4, cudaMemcpyDeviceToHost, x.stream));
     KCUDA_CHECK(cudaStreamSynchronize(x.stream));
