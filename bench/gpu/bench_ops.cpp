@@ -12,7 +12,7 @@
 // across requests when B·S exceeds it, as the contiguous rows are), and the chunked KDA prefill scan.
 //
 //   bench_ops [--quick] [--perf] [--model DIR] [--quantization bf16|ptpc-fp8] [--only SECTION,...]
-//     sections: ceilings (always measured; printed as PERF copy_gbps / bf16_gemm_tflops) proj attnres kda route moe mla indexer
+//     sections: ceilings (always measured; printed as PERF copy_gbps / bf16_gemm_tflops) proj attnres kda route argmax moe mla indexer
 //               paged_mla paged_indexer kda_chunked model
 //     --perf: quick repetitions, PERF lines, and only ceilings + model unless --only says otherwise
 //     --quantization ptpc-fp8: the model section on FP8 dense projections (PERF keys suffixed _fp8)
@@ -38,6 +38,7 @@
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/paged.h"
+#include "kernels/cuda/sampling.h"
 #include "kernels/cuda/vision.h"
 #include "loader/config.h"
 #include "loader/safetensors.h"
@@ -594,6 +595,42 @@ int main(int argc, char** argv) {
                      X, K, T, us[0], us[1], us[2]);
       }
     cuda::set_moe_route_kernel(saved);
+    KCUDA_CHECK(cudaStreamDestroy(st));
+  }
+
+  // ---- greedy argmax ---------------------------------------------------------------------------------------
+  if (want("argmax")) {
+    const int reps = 20;
+    const int64_t V = 163840;  // the real vocabulary
+    fmt::print("\n### Greedy argmax (argmax_rows, V = {}): µs per launch, {} dependent launches in one graph\n\n"
+               "| rows | one CTA a row | split over CTAs |\n|---|---|---|\n", V, reps);
+    cudaStream_t st;
+    KCUDA_CHECK(cudaStreamCreate(&st));  // blocking: orders with the timer's events on the legacy stream
+    cuda::DeviceBuffer ws(cuda::argmax_workspace_bytes());
+    KCUDA_CHECK(cudaMemset(ws.data(), 0, cuda::argmax_workspace_bytes()));
+    for (int64_t n : {1, 8, 64}) {
+      std::vector<float> h(size_t(n * V));
+      std::mt19937_64 r{uint64_t(n)};
+      for (auto& v : h) v = float(int64_t(r() % 8001) - 4000) / 1000.0f;
+      cuda::DeviceBuffer lg(h.size() * 4), ids(size_t(n) * 4);
+      KCUDA_CHECK(cudaMemcpy(lg.data(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+      double us[2];
+      for (int k = 0; k < 2; ++k) {
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        KCUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        for (int i = 0; i < reps; ++i)
+          cuda::argmax_rows(static_cast<const float*>(lg.data()), V, n, V, static_cast<int32_t*>(ids.data()), st,
+                            k == 0 ? nullptr : ws.data());
+        KCUDA_CHECK(cudaStreamEndCapture(st, &g));
+        KCUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+        us[k] = tm.median_us([&] { KCUDA_CHECK(cudaGraphLaunch(ge, st)); }, 3, quick ? 10 : 30) / double(reps);
+        KCUDA_CHECK(cudaGraphExecDestroy(ge));
+        KCUDA_CHECK(cudaGraphDestroy(g));
+      }
+      fmt::print("| {} | {:.2f} | {:.2f} |\n", n, us[0], us[1]);
+      if (perf) fmt::print("PERF argmax_row_us_b{0} {1:.2f}\nPERF argmax_split_us_b{0} {2:.2f}\n", n, us[0], us[1]);
+    }
     KCUDA_CHECK(cudaStreamDestroy(st));
   }
 
