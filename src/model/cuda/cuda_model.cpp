@@ -331,6 +331,16 @@ struct CudaModel::Impl {
     for (const auto& e : pen)
       KCHECK(e.row >= 0 && e.row < logits_rows && e.token >= 0 && e.token < V && e.count >= 0,
              "sample: bad penalty entry (row {}, token {}, count {})", e.row, e.token, e.count);
+    // Every row greedy on consecutive logits rows, nothing applied to the logits (no penalty entry, no mask): the
+    // argmax alone — sample_kernel's temperature-0 branch gives the same id (the maximum, then the lowest id
+    // holding it, NaN skipped) — without the parameters' upload, and split over CTAs at few rows (argmax.cu).
+    bool plain_greedy = m == 0 && !(masks && masks->rows > 0);
+    for (int64_t k = 0; k < n && plain_greedy; ++k)
+      plain_greedy = params[size_t(k)].temperature == 0.0f && params[size_t(k)].row == params[0].row + k;
+    if (plain_greedy) {
+      greedy_rows(params[0].row, n, host);
+      return;
+    }
     auto* dp = static_cast<cuda::SampleParams*>(alloc.alloc(size_t(n) * sizeof(cuda::SampleParams)));
     auto* de = static_cast<cuda::PenaltyEntry*>(alloc.alloc(size_t(std::max<int64_t>(m, 1)) * sizeof(cuda::PenaltyEntry)));
     auto* di = static_cast<int32_t*>(alloc.alloc(size_t(n) * 4));
