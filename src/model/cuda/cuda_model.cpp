@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "core/check.h"
 #include "kernels/cuda/cuda_check.h"
@@ -31,9 +32,12 @@ struct Stream {  // the model's non-blocking stream
 };
 // Page-locked host memory for the ids a step hands back (greedy, sample): a copy into pageable memory goes
 // through the driver's staging buffer, one more host copy on every step's critical path. (Session 33, H200: the
-// graph step's host share, 17–24 µs, did not move measurably with it.)
+// graph step's host share, 17–24 µs, did not move measurably with it.) The memory is also mapped into the device's
+// address space, so the argmax / sampler kernels write the ids straight into it (dev()) instead of a device buffer
+// and a copy-engine transfer after them (KESTREL_IDS_MAPPED=0: the device buffer and the copy, for A/B).
 struct PinnedIds {
   int32_t* p = nullptr;
+  int32_t* d = nullptr;  // p as the device addresses it
   int64_t cap = 0;
   PinnedIds() = default;
   ~PinnedIds() {
@@ -44,11 +48,20 @@ struct PinnedIds {
   int32_t* get(int64_t n) {  // i32 [n], valid until the next get
     if (n > cap) {
       if (p) KCUDA_CHECK(cudaFreeHost(p));
-      p = nullptr, cap = 0;
-      KCUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&p), size_t(std::max<int64_t>(n, 64)) * 4));
+      p = d = nullptr, cap = 0;
+      KCUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&p), size_t(std::max<int64_t>(n, 64)) * 4, cudaHostAllocMapped));
       cap = std::max<int64_t>(n, 64);
+      KCUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d), p, 0));
     }
     return p;
+  }
+  int32_t* dev() const { return d; }  // after get()
+  static bool mapped() {
+    static const bool on = [] {
+      const char* e = std::getenv("KESTREL_IDS_MAPPED");
+      return !(e && e[0] == '0');
+    }();
+    return on;
   }
 };
 }  // namespace
@@ -308,17 +321,18 @@ struct CudaModel::Impl {
            first, first + n, logits_rows);
     if (n == 0) return;
     const int64_t V = cfg.text.vocab_size;
-    int32_t* d = static_cast<int32_t*>(alloc.alloc(size_t(n) * 4));  // i32 [n]
+    int32_t* pin = ids_host.get(n);
+    const bool mapped = PinnedIds::mapped();
+    int32_t* d = mapped ? ids_host.dev() : static_cast<int32_t*>(alloc.alloc(size_t(n) * 4));  // i32 [n]
     if (!argmax_ws) {  // ordered before the argmax by the stream
       argmax_ws = alloc.alloc(cuda::argmax_workspace_bytes());
       KCUDA_CHECK(cudaMemsetAsync(argmax_ws, 0, cuda::argmax_workspace_bytes(), x.stream));
     }
     cuda::argmax_rows(logits_cur + first * V, V, n, V, d, x.stream, argmax_ws);
-    int32_t* pin = ids_host.get(n);
-    KCUDA_CHECK(cudaMemcpyAsync(pin, d, size_t(n) * 4, cudaMemcpyDeviceToHost, x.stream));
-    KCUDA_CHECK(cudaStreamSynchronize(x.stream));
+    if (!mapped) KCUDA_CHECK(cudaMemcpyAsync(pin, d, size_t(n) * 4, cudaMemcpyDeviceToHost, x.stream));
+    KCUDA_CHECK(cudaStreamSynchronize(x.stream));  // the kernel's stores to mapped memory are visible after it
     std::copy(pin, pin + n, host);
-    alloc.free(d);
+    if (!mapped) alloc.free(d);
   }
 
   void sample(std::span<const cuda::SampleParams> params, std::span<const cuda::PenaltyEntry> pen, int32_t* host,
@@ -343,7 +357,9 @@ struct CudaModel::Impl {
     }
     auto* dp = static_cast<cuda::SampleParams*>(alloc.alloc(size_t(n) * sizeof(cuda::SampleParams)));
     auto* de = static_cast<cuda::PenaltyEntry*>(alloc.alloc(size_t(std::max<int64_t>(m, 1)) * sizeof(cuda::PenaltyEntry)));
-    auto* di = static_cast<int32_t*>(alloc.alloc(size_t(n) * 4));
+    int32_t* pin = ids_host.get(n);
+    const bool mapped = PinnedIds::mapped();
+    int32_t* di = mapped ? ids_host.dev() : static_cast<int32_t*>(alloc.alloc(size_t(n) * 4));
     KCUDA_CHECK(cudaMemcpyAsync(dp, params.data(), size_t(n) * sizeof(cuda::SampleParams), cudaMemcpyHostToDevice, x.stream));
     if (m > 0)
       KCUDA_CHECK(cudaMemcpyAsync(de, pen.data(), size_t(m) * sizeof(cuda::PenaltyEntry), cudaMemcpyHostToDevice, x.stream));
@@ -353,11 +369,11 @@ struct CudaModel::Impl {
     }
     cuda::apply_penalties(const_cast<float*>(logits_cur), V, V, de, m, x.stream);
     cuda::sample_rows(logits_cur, V, V, dp, n, di, x.stream);
-    int32_t* pin = ids_host.get(n);
-    KCUDA_CHECK(cudaMemcpyAsync(pin, di, size_t(n) * 4, cudaMemcpyDeviceToHost, x.stream));
+    if (!mapped) KCUDA_CHECK(cudaMemcpyAsync(pin, di, size_t(n) * 4, cudaMemcpyDeviceToHost, x.stream));
     KCUDA_CHECK(cudaStreamSynchronize(x.stream));
     std::copy(pin, pin + n, host);
-    alloc.free(dp), alloc.free(de), alloc.free(di);
+    alloc.free(dp), alloc.free(de);
+    if (!mapped) alloc.free(di);
   }
 };
 
