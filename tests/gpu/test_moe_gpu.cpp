@@ -484,6 +484,7 @@ struct MoeVariant {
   int persist = -1;    // MoeExpertsOptions::t8_persist
   int p_ctas = 0;      // MoeExpertsOptions::t8p_ctas
   int p_kh = 0;        // MoeExpertsOptions::t8p_kh (2: no forced persistent split; ksplit is the fixed grid's)
+  int few_deep = 0;    // MoeExpertsOptions::t8_few_deep (the default 0 here, whatever the environment says)
   std::string name() const {
     std::string n = tile_name(tile);
     if (lt && tile != cuda::MoeTokenTile::dense) n += " +cuBLASLt";
@@ -497,6 +498,7 @@ struct MoeVariant {
     if (persist > 0) n += fmt::format(" persistent{}", persist == 1 ? " w1|w3" : persist == 2 ? " w2" : "");
     if (p_ctas > 0) n += fmt::format(" ≤{} CTAs/SM", p_ctas);
     if (p_kh == 2) n += " K halves";
+    if (few_deep > 0) n += fmt::format(" 8-stage{}", few_deep == 1 ? " w1|w3" : few_deep == 2 ? " w2" : "");
     return n;
   }
 };
@@ -512,6 +514,7 @@ cuda::MoeExpertsOptions options(const MoeVariant& v) {
   o.t8p_ctas = v.p_ctas;
   o.t8p_split = v.persist > 0 ? (v.p_kh == 2 ? 1 : v.ksplit) : 0;
   o.t8p_kh = v.p_kh;
+  o.t8_few_deep = v.few_deep;
   return o;
 }
 
@@ -950,6 +953,51 @@ TEST(GpuMoe, T8PersistentMatchesFixedGrid) {
             check_moe("moe_experts_mxfp4 " + v.name(), shape, got, ref);
           }
         }
+      }
+    }
+  }
+}
+
+// The 8-stage t8 kernel for few slots at one token (MoeExpertsOptions::t8_few_deep): bit-identical to the 4-stage
+// kernel it replaces — the same chunks in the same order, only more of them in flight — for w1|w3, w2 or both,
+// at the reduced mini's top-2 of 4 real-shape experts (its 480 / 560 CTAs fit one wave), with the fixed grid's
+// K splits, and an id outside [0, X) (expert parallelism).
+TEST(GpuMoe, T8FewDeepMatchesFourStages) {
+  need_gpu();
+  Rng rng(67);
+  struct Case {
+    int64_t X, K, Lt, I;
+    int bad;  // ids set outside [0, X)
+  };
+  for (const Case& c : {Case{4, 2, 3584, 3072, 0}, Case{4, 2, 3584, 3072, 1}, Case{16, 4, 256, 256, 0}}) {
+    const int64_t T = 1;
+    const auto E = make_experts(c.X, c.Lt, c.I, rng);
+    const auto z = rand_bf16(size_t(T * c.Lt), rng, -1.0f, 1.0f);
+    std::vector<int32_t> ids;
+    std::vector<float> wts;
+    make_routing(Routing::random, T, c.X, c.K, rng, ids, wts);
+    std::vector<int32_t> gids = ids;
+    for (int b = 0; b < c.bad; ++b) gids[size_t(b)] = int32_t(c.X + b), wts[size_t(b)] = 0.0f;
+    // The twin over the valid slots only (an outside id adds nothing; its weight is 0 here).
+    std::vector<int32_t> tids = ids;
+    for (int b = 0; b < c.bad; ++b)
+      for (int32_t e = 0; e < c.X; ++e)
+        if (std::find(tids.begin(), tids.end(), e) == tids.end()) {
+          tids[size_t(b)] = e;
+          break;
+        }
+    std::vector<uint16_t> ref(size_t(T * c.Lt));
+    cpu::moe_experts(z.data(), tids.data(), wts.data(), E->cpu.data(), T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, ref.data());
+    const std::string shape = fmt::format("X={} K={} Lt={} I={} T=1, {} ids outside", c.X, c.K, c.Lt, c.I, c.bad);
+    for (int ks : {0, 2, 5}) {
+      MoeVariant four{cuda::MoeTokenTile::t8, -1, 0, -1, false, ks};
+      four.persist = 0;
+      const auto want = run_gpu_moe(*E, z, gids, wts, T, c.K, four);
+      check_moe("moe_experts_mxfp4 " + four.name(), shape, want, ref);
+      for (int fd : {1, 2, 3}) {
+        MoeVariant v = four;
+        v.few_deep = fd;
+        EXPECT_EQ(run_gpu_moe(*E, z, gids, wts, T, c.K, v), want) << shape << " " << v.name();
       }
     }
   }

@@ -504,6 +504,30 @@ int t8p_kh_env() {
   static const int v = env_int("KESTREL_MOE_T8P_KH", 2) == 1 ? 1 : 2;
   return v;
 }
+// Few slots at one token (the reduced mini's top-2: w1|w3 480 CTAs of ~11 chunks a warp, w2 560): the whole grid
+// is resident at once, so the 4-stage pipeline's limit is bytes in flight, not CTAs — Nsight Compute (session 28)
+// has w1|w3 there at 26 % of DRAM peak, 12.9 warps an SM, 7.45 cycles between a warp's instructions; ~39 KB in
+// flight an SM against the ~174 KB each SM must read. GemmArgs::few_deep (MoeExpertsOptions::t8_few_deep,
+// KESTREL_MOE_T8_FEW_DEEP; default off, unmeasured) takes the 8-stage kernel with the activations read at use for
+// an ungrouped grid that fits one wave of it: 7 of a warp's chunks in flight from its start. The same sums in the
+// same order (bit-identical; GpuMoe.T8FewDeepMatchesFourStages).
+int t8_deep_resident(bool glu) {
+  static std::atomic<int> cached[2][16];  // [glu][device]
+  int dev = 0;
+  KCUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 16 && cached[glu][dev].load() > 0) return cached[glu][dev].load();
+  int sms = 0, per_sm = 0;
+  KCUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  if (glu)
+    KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, expert_gemm_kernel<true, 1, kT8DeepStages, kScaleFoldH, true, 0, true>, kGemmThreads, 0));
+  else
+    KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, expert_gemm_kernel<false, 1, kT8DeepStages, kScaleRaw, true, 0, true>, kGemmThreads, 0));
+  const int n = std::max(1, sms * per_sm);
+  if (dev < 16) cached[glu][dev].store(n);
+  return n;
+}
 }  // namespace
 
 T8Plan plan_t8(bool grouped, bool special, int64_t n, int64_t X, int64_t Lt, int64_t I, int forced_split, int persist,
@@ -554,6 +578,8 @@ void launch_gemm(const GemmArgs& a, int ct, bool special, bool fold_ok, int64_t 
                                                          : kScaleF32;
   KCUDA_REQUIRE(!a.h_scaled || (ct == 8 && fold_ok && !special),
                 std::string("moe expert GEMM: h·2^100 needs t8 and codes in [1, 128]"));
+  if (ct == 8 && a.ids && a.few_deep && grid <= t8_deep_resident(kGlu))
+    return launch_gemm_ids<kGlu, 1, kT8DeepStages, true, 0, true>(a, scales, unsigned(grid), pdl, stream);
   if constexpr (kGlu) {
     if (ct == 8 && t8_deep_allowed() && a.C / ml::kChunkCols / a.ksplit >= kT8DeepMinChunks)
       return launch_gemm_nt<true, 1, kT8DeepStages, true>(a, scales, unsigned(grid), pdl, stream);
