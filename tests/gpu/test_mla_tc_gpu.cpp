@@ -24,6 +24,7 @@
 #include "harness.h"
 #include "kernels/cpu/mla_ops.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/mla_tc.h"
 #include "kernels/cuda/paged.h"
@@ -192,6 +193,17 @@ void run(Op op, TcPool& pool, const Rows& rows, float q_span, bool q_pe_positive
                                              << " not bit-identical";
     }
     cuda::tc::set_pdl(true);
+    {  // Step 5's gate in the merge launch: bit-identical to the gate kernel after the decode.
+      auto g = rand_bf16(ref.size(), rng, -6.0f, 6.0f);
+      g[0] = f32_to_bf16(-100.0f), g[g.size() - 1] = f32_to_bf16(100.0f);  // σ at both ends
+      auto dg = upload(g);
+      auto gated = poisoned<uint16_t>(ref.size());
+      cuda::mla_decode_paged(lt, d, dq.p(), dkvb.p(), cache, bt, ws.data(), gated.p(), nullptr, dg.p());
+      auto sep = upload(dout.get());
+      cuda::sigmoid_gate_bf16(sep.p(), dg.p(), int64_t(ref.size()), nullptr);
+      sync();
+      EXPECT_TRUE(gated.get() == sep.get()) << what << ": the gate in the merge differs from the gate kernel";
+    }
   } else {
     cuda::DeviceBuffer ws(cuda::mla_prefill_paged_workspace_bytes(d, B, max_keys));
     cuda::mla_prefill_paged(lt, d, dq.p(), dkvb.p(), cache, bt, ws.data(), dout.p(), nullptr);

@@ -12,6 +12,8 @@
 //     second launch), then each warp forms o[r, e] = Σ_c W_UV,h[e, c] ô[r, c] for its e, lanes over c in
 //     16-byte steps. RBM (rows per CTA) shrinks as the splits grow so that a CTA merges ≤ ~32 split rows:
 //     B = 1 with 64 splits is 96 CTAs of one row each; B = 64 with 2 splits 384 CTAs of 8 rows.
+//     With a gate (§3.4 step 5), the stored o is bf16(o·σ(g)) — the gate kernel's arithmetic, its launch saved:
+//     each CTA reads its RBM × ET gate values into shared memory while the merge runs.
 // The merge weights follow the CPU twin: M = max_s m_s, w_s = 2^(m_s − M); a split with no keys has
 // m = −inf, weight 0, and its accumulator (never written) is never read. ô stays FP32 like the CPU twin's;
 // only o is rounded (bf16). Every sum runs in a fixed order: bit-identical from run to run.
@@ -21,6 +23,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_util.cuh"
+#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/mla_tc.h"
 #include "kernels/cuda/paged.h"
 
@@ -111,19 +114,26 @@ __global__ void __launch_bounds__(256, 2)  // ≤ 128 registers: two CTAs per SM
                     const float* __restrict__ part_ml /* f32 [B, n_splits, Hm, 2] */,
                     const float* __restrict__ part_acc /* f32 [B, n_splits, Hm, C] */,
                     const uint16_t* __restrict__ kv_b /* bf16 [Hm*(N+Dv), C] */,
-                    uint16_t* __restrict__ o /* bf16 [B, Hm*Dv] */) {
+                    uint16_t* __restrict__ o /* bf16 [B, Hm*Dv] */,
+                    const uint16_t* __restrict__ gate /* bf16 [B, Hm*Dv] or null */) {
   constexpr int ET = RBM >= 4 ? 32 : 16, EPW = ET / 8;  // output columns per CTA, per warp
   constexpr int NCH = C / 4, KPL = (NCH + 31) / 32;     // 4-column chunks of a row, per lane
   constexpr int SPL = tc::kMaxSplits / 32;              // splits per lane, at most
   tc::pdl_enter();
   extern __shared__ __align__(16) float msm[];
   __shared__ float inv_l[RBM];
+  __shared__ float sg[RBM * ET];    // σ(g) of this CTA's outputs (gate only)
   float* oh = msm;                  // f32 [RBM, C]
   float* wts = msm + RBM * C;       // f32 [RBM, n_splits]
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int e0 = blockIdx.x * ET, h = blockIdx.y, b0 = blockIdx.z * RBM;
   const int rows = min(RBM, B - b0);
   const int64_t astride = int64_t(Hm) * C;  // floats between splits
+  static_assert(RBM * ET <= 256, "one gate value a thread");
+  if (gate && tid < RBM * ET) {  // read now, used at the store (a load there would sit on the chain's end)
+    const int r = tid / ET, e = e0 + tid % ET;
+    sg[tid] = r < rows && e < Dv ? dev::sigmoid(dev::bf16_to_f32(gate[(int64_t(b0 + r) * Hm + h) * Dv + e])) : 0.0f;
+  }
   if (w < rows) {
     // (m, l) of every split in one round of loads, then M = max m, weights 2^(m − M), L = Σ weight·l.
     const float2* ml = reinterpret_cast<const float2*>(part_ml) + int64_t(b0 + w) * n_splits * Hm + h;  // stride Hm
@@ -202,7 +212,11 @@ __global__ void __launch_bounds__(256, 2)  // ≤ 128 registers: two CTAs per SM
 #pragma unroll
     for (int r = 0; r < RBM; ++r) {
       const float s = dev::warp_sum(acc[r]);
-      if (lane == 0 && r < rows && e < Dv) o[(int64_t(b0 + r) * Hm + h) * Dv + e] = dev::f32_to_bf16(s);
+      if (lane == 0 && r < rows && e < Dv) {
+        uint16_t v = dev::f32_to_bf16(s);
+        if (gate) v = dev::f32_to_bf16(dev::bf16_to_f32(v) * sg[r * ET + (e - e0)]);  // as gate_kernel
+        o[(int64_t(b0 + r) * Hm + h) * Dv + e] = v;
+      }
     }
   }
 }
@@ -215,26 +229,26 @@ bool absorb_fits(const MlaDims& d, const uint16_t* q) {
 
 template <int RBM, int C>
 void launch_merge(const MlaDims& d, int64_t B, int n_splits, const float* part_ml, const float* part_acc,
-                  const uint16_t* kv_b, uint16_t* o, cudaStream_t stream, bool pdl) {
+                  const uint16_t* kv_b, uint16_t* o, cudaStream_t stream, bool pdl, const uint16_t* gate) {
   constexpr int ET = RBM >= 4 ? 32 : 16;
   const dim3 grid(unsigned((d.Dv + ET - 1) / ET), unsigned(d.Hm), unsigned((B + RBM - 1) / RBM));
   const size_t smem = size_t(RBM) * size_t(C + n_splits) * 4;
   tc::launch_kernel(merge_uv_kernel<RBM, C>, grid, dim3(256), smem, stream, pdl, int(B), int(d.Hm), int(d.N),
-                    int(d.Dv), n_splits, part_ml, part_acc, kv_b, o);
+                    int(d.Dv), n_splits, part_ml, part_acc, kv_b, o, gate);
 }
 
 template <int C>
 void merge_for(const MlaDims& d, int64_t B, int n_splits, const float* part_ml, const float* part_acc,
-               const uint16_t* kv_b, uint16_t* o, cudaStream_t stream, bool pdl) {
+               const uint16_t* kv_b, uint16_t* o, cudaStream_t stream, bool pdl, const uint16_t* gate) {
   // Rows per CTA: a CTA merges ≤ ~32 (row, split) partials.
   if (n_splits > 16)
-    launch_merge<1, C>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
+    launch_merge<1, C>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl, gate);
   else if (n_splits > 8)
-    launch_merge<2, C>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
+    launch_merge<2, C>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl, gate);
   else if (n_splits > 4)
-    launch_merge<4, C>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
+    launch_merge<4, C>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl, gate);
   else
-    launch_merge<8, C>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
+    launch_merge<8, C>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl, gate);
 }
 
 }  // namespace
@@ -263,14 +277,14 @@ void absorb(GemmLt& lt, const MlaDims& d, const uint16_t* q, const uint16_t* kv_
 }
 
 void merge_uv(const MlaDims& d, int64_t B, int n_splits, const float* part_ml, const float* part_acc,
-              const uint16_t* kv_b, uint16_t* o, cudaStream_t stream, bool pdl) {
+              const uint16_t* kv_b, uint16_t* o, cudaStream_t stream, bool pdl, const uint16_t* gate) {
   KCUDA_REQUIRE(B > 0 && B < (int64_t(1) << 31) && n_splits >= 1 && n_splits <= kMaxSplits && (d.C == 512 || d.C == 64),
                 std::string("mla merge: bad batch, splits or C"));
   KCUDA_REQUIRE(part_ml && part_acc && kv_b && o, std::string("mla merge: null pointer"));
   if (d.C == 512)
-    merge_for<512>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
+    merge_for<512>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl, gate);
   else
-    merge_for<64>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl);
+    merge_for<64>(d, B, n_splits, part_ml, part_acc, kv_b, o, stream, pdl, gate);
 }
 
 }  // namespace tc
@@ -281,10 +295,12 @@ size_t mla_decode_paged_workspace_bytes(const MlaDims& d, int64_t B, int64_t max
 }
 
 void mla_decode_paged(GemmLt& lt, const MlaDims& d, const uint16_t* q, const uint16_t* kv_b, const PagedMlaCache& c,
-                      const MlaPagedBatch& bt, void* workspace, uint16_t* o, cudaStream_t stream) {
+                      const MlaPagedBatch& bt, void* workspace, uint16_t* o, cudaStream_t stream,
+                      const uint16_t* gate) {
   if (bt.B == 0) return;
   if (!tc::supported(d)) {
     mla_decode_paged_simple(lt, d, q, kv_b, c, bt, workspace, o, stream);
+    if (gate) sigmoid_gate_bf16(o, gate, bt.B * d.Hm * d.Dv, stream);
     return;
   }
   KCUDA_REQUIRE(bt.B > 0 && bt.B < (int64_t(1) << 31) && bt.max_keys > 0,
@@ -302,7 +318,7 @@ void mla_decode_paged(GemmLt& lt, const MlaDims& d, const uint16_t* q, const uin
   a.d = d, a.cache = &c, a.lens = bt.lens, a.req = bt.req, a.sel = bt.sel, a.Ksel = bt.Ksel, a.B = bt.B;
   a.plan = pl, a.qt = ws.qt, a.q = q, a.part_ml = ws.part_ml, a.part_acc = ws.part_acc, a.pdl = pdl;
   tc::attend(a, stream);
-  tc::merge_uv(d, bt.B, pl.n_splits, ws.part_ml, ws.part_acc, kv_b, o, stream, pdl);
+  tc::merge_uv(d, bt.B, pl.n_splits, ws.part_ml, ws.part_acc, kv_b, o, stream, pdl, gate);
 }
 
 }  // namespace kestrel::cuda

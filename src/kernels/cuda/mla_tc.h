@@ -74,10 +74,12 @@ void absorb_cuda_cores(const MlaDims& d, const uint16_t* q /* bf16 [B, Hm, N+R] 
                        const uint16_t* kv_b /* bf16 [Hm*(N+Dv), C] */, float* qt /* f32 [B, Hm, C] */, int64_t B,
                        cudaStream_t stream, bool pdl);
 // o[b, h] = W_UV,h · (Σ_s 2^(m_s−M) acc_s / Σ_s 2^(m_s−M) l_s): the log-sum-exp merge of the splits fused
-// with W_UV, parallel over heads, blocks of output columns and blocks of rows.
+// with W_UV, parallel over heads, blocks of output columns and blocks of rows. With a gate (MODEL.md §3.4 step
+// 5's ô = o ⊙ σ(g)), each stored o is bf16(o · σ(g)) — sigmoid_gate_bf16's arithmetic on the same bf16 o.
 void merge_uv(const MlaDims& d, int64_t B, int n_splits, const float* part_ml /* f32 [B, n_splits, Hm, 2] */,
               const float* part_acc /* f32 [B, n_splits, Hm, C] */, const uint16_t* kv_b /* bf16 [Hm*(N+Dv), C] */,
-              uint16_t* o /* bf16 [B, Hm*Dv] */, cudaStream_t stream, bool pdl);
+              uint16_t* o /* bf16 [B, Hm*Dv] */, cudaStream_t stream, bool pdl,
+              const uint16_t* gate = nullptr /* bf16 [B, Hm*Dv] or null */);
 
 // Programmatic dependent launch (sm_90): the decode launches q̃, the core and the merge with
 // cudaLaunchAttributeProgrammaticStreamSerialization, so each grid is scheduled while its predecessor

@@ -92,10 +92,13 @@ struct MlaPagedBatch {
   int64_t max_keys = 0;
 };
 size_t mla_decode_paged_workspace_bytes(const MlaDims& d, int64_t B, int64_t max_keys);
+// gate (optional): MODEL.md §3.4 step 5's σ(g) applied to o in the last launch, o = bf16(o · σ(g)) exactly as
+// sigmoid_gate_bf16 would after it (one launch fewer on the decode chain).
 void mla_decode_paged(GemmLt& lt, const MlaDims& d, const uint16_t* q /* bf16 [B, Hm, N+R] */,
                       const uint16_t* kv_b /* bf16 [Hm*(N+Dv), C] */, const PagedMlaCache& cache,
                       const MlaPagedBatch& batch, void* workspace /* mla_decode_paged_workspace_bytes */,
-                      uint16_t* o /* bf16 [B, Hm*Dv] */, cudaStream_t stream);
+                      uint16_t* o /* bf16 [B, Hm*Dv] */, cudaStream_t stream,
+                      const uint16_t* gate = nullptr /* bf16 [B, Hm*Dv] or null */);
 size_t mla_decode_paged_simple_workspace_bytes(const MlaDims& d, int64_t B, int64_t max_keys);
 void mla_decode_paged_simple(GemmLt& lt, const MlaDims& d, const uint16_t* q /* bf16 [B, Hm, N+R] */,
                              const uint16_t* kv_b /* bf16 [Hm*(N+Dv), C] */, const PagedMlaCache& cache,

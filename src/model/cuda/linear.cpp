@@ -25,6 +25,7 @@ DecodeOptions DecodeOptions::from_env() {
   o.combine_norm = !off("KESTREL_COMBINE_NORM");
   o.embed_in_point = !off("KESTREL_EMBED_IN_POINT");
   o.mla_norms = !off("KESTREL_MLA_NORMS");
+  o.mla_gate_in_merge = !off("KESTREL_MLA_GATE_IN_MERGE");
   o.spec_graphs = !off("KESTREL_SPEC_GRAPHS");
   if (const char* e = std::getenv("KESTREL_WIDE")) {
     const long v = std::strtol(e, nullptr, 10);

@@ -73,6 +73,9 @@ struct DecodeOptions {
   // MLA's q_a and kv_a norms, the indexer's key norm and both cache writes in one launch (mla.cpp; false:
   // KESTREL_MLA_NORMS=0, five launches).
   bool mla_norms = true;
+  // MLA's output gate σ(g) applied in the absorbed decode's last launch when every attended row is a decode row
+  // (mla.cpp; false: KESTREL_MLA_GATE_IN_MERGE=0, the gate's own launch after the attention).
+  bool mla_gate_in_merge = true;
   // Pure-decode steps of at most this many rows run KDA's steps 2–7 as the one fused launch (kda.cpp, which
   // says why 16; KESTREL_KDA_FUSED_MAX_T).
   int64_t kda_fused_max_t = 16;

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 
+#include "core/check.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/indexer.h"
@@ -25,19 +26,29 @@
 namespace kestrel::model::gpu {
 namespace {
 
+// The rows the attention covers: decode rows 0..nd−1 and all of them, Treal. Every row of a whole-step graph
+// (padded rows see their own hidden row), else the real ones.
+struct AttendedRows {
+  int64_t nd, Treal;
+};
+AttendedRows attended_rows(const BatchStep& s) {
+  return {s.attn_padded ? s.nd : std::min(s.nd, s.n_real), s.attn_padded || s.n_real == s.n ? s.T : s.n_real};
+}
+
 // §3.5 steps 5–6 and §3.4 steps 3–4 for the real sequences of the step: selects with the indexer (qi,
 // hw null without one), then attends, writing the o rows. Runs as an island.
 // Hi: the model's indexer heads (under TP q_I and w arrive gathered over the ranks: every rank scores all
 // heads and selects the same keys, docs/parallel.md §3); Hm = the config's, this rank's.
+// gate (non-null only when every attended row is a decode row): step 5's σ(g) applied by the absorbed decode.
 void mla_attend(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchStep& s, int layer,
                 const u16* q /* bf16 [T, Hm·(N+R)] */, const u16* qi /* bf16 [T, Hi·Di] */,
-                const float* hw /* f32 [T, Hi] */, int64_t Hi, u16* o /* bf16 [T, Hm·Dv] */) {
+                const float* hw /* f32 [T, Hi] */, int64_t Hi, u16* o /* bf16 [T, Hm·Dv] */,
+                const u16* gate /* bf16 [T, Hm·Dv] or null */) {
   const TextConfig& c = x.c;
   const int64_t C = c.kv_lora_rank, R = c.qk_rope_head_dim, N = c.qk_nope_head_dim, Dv = c.v_head_dim,
                 Hm = c.num_attention_heads, QK = N + R, Ki = c.index_topk;
-  // Rows attended: every row of a whole-step graph (padded rows see their own hidden row), else the real ones.
-  const int64_t nd = s.attn_padded ? s.nd : std::min(s.nd, s.n_real),
-                Treal = s.attn_padded || s.n_real == s.n ? s.T : s.n_real;
+  const auto [nd, Treal] = attended_rows(s);
+  KCHECK(!gate || (nd == Treal && s.nvr == 0), "mla: the gate in the decode needs a pure-decode step");
   // Plans (key splits, chunks) follow the context bound, not the exact longest context, so an eager step and
   // the whole-step graph of its bucket run the same plan (graphs.h).
   const int64_t bound_all = attn_bound(s.max_S), bound_dec = attn_bound(s.max_dec_S);
@@ -60,7 +71,7 @@ void mla_attend(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchSt
     const int64_t max_keys = sel ? std::min(bound_dec, Ki) : bound_dec;
     const cuda::MlaPagedBatch bt{s.d_dec_lens, nullptr, sel, Ki, nd, max_keys};
     void* ws = x.tmp<char>(int64_t(cuda::mla_decode_paged_workspace_bytes(dims, nd, max_keys)));
-    cuda::mla_decode_paged(x.lt, dims, q, w.kv_b, pv, bt, ws, o, x.stream);
+    cuda::mla_decode_paged(x.lt, dims, q, w.kv_b, pv, bt, ws, o, x.stream, gate);
   }
   if (s.nvr > 0) {
     // DSpark verify rows (§5, rows nd .. nd+nvr−1, never in a graph): the absorbed decode again, one query per
@@ -171,12 +182,18 @@ void mla_forward(Context& x, const MlaWeightsDev& w, CudaCache& cc, const BatchS
   // §3.5 steps 5–6 and §3.4 steps 3–4: everything whose shape depends on the contexts (an island of the
   // graph unless the step's attention is captured, graphs.h).
   u16* o = x.tmp<u16>(T * Hm * Dv);  // bf16 [T, Hm·Dv]
-  x.island(s, [&x, &w, &cc, layer, q, qi, hw, Hi_all, o](const BatchStep& st) {
-    mla_attend(x, w, cc, st, layer, q, qi, hw, Hi_all, o);
+  // Step 5's gate inside the absorbed decode's last launch when it covers every attended row (rows past them are
+  // padding, whose outputs are dropped): one launch fewer on the decode chain, the same bits. Decided from the
+  // step's shape, which a graph bucket's replays share with its capture (pure decodes, or verify rows).
+  const AttendedRows ar = attended_rows(s);
+  const bool gate_in_attn = g && x.fused() && x.opt.mla_gate_in_merge && ar.nd > 0 && ar.nd == ar.Treal && s.nvr == 0;
+  const u16* attn_gate = gate_in_attn ? g : nullptr;
+  x.island(s, [&x, &w, &cc, layer, q, qi, hw, Hi_all, o, attn_gate](const BatchStep& st) {
+    mla_attend(x, w, cc, st, layer, q, qi, hw, Hi_all, o, attn_gate);
   });
   // Step 5: ô = concat_h(o_h) ⊙ σ(Lin(g_proj)(x)); out = Lin(o_proj)(ô). Under TP: this rank's Hm/N heads
   // through its o_proj columns, a partial sum, all-reduced.
-  if (g) cuda::sigmoid_gate_bf16(o, g, T * Hm * Dv, x.stream);
+  if (g && !gate_in_attn) cuda::sigmoid_gate_bf16(o, g, T * Hm * Dv, x.stream);
   linear(x, w.o_proj, o, Hm * Dv, T, out, D);
   tp_all_reduce(x, out, T * D);
   x.mark("mla.gate+o_proj");
