@@ -527,24 +527,45 @@ TEST(EmuMoeScales, RawDecodeMatchesFoldedAndFp32) {
 }
 TEST(EmuMoeSmoke, ScaleModes) { scale_modes({{1, kTwoSms, -1, 0}}, 111); }
 
-// Codes outside [1, 128] (MoeExpertWeights::fp32_scales): no fold, both GEMMs FP32 scales whatever t8_scales asks,
-// the persistent kernel too at one token.
+// Codes outside [1, 128] (MoeExpertWeights::fp32_scales): no fold, both GEMMs FP32 scales whatever t8_scales asks —
+// the persistent kernels at one token too (w2 as well with whole tiles), t8 and t32 grouped.
 TEST(EmuMoeSmoke, Fp32ScaleWeights) {
   Rng rng(112);
-  const auto E = make_experts(8, 512, 128, rng, 110, 130);
+  const auto E = make_experts(8, 512, 256, rng, 110, 130);
   ASSERT_TRUE(E->w.fp32_scales && !E->w.special_scales);
   DeviceScope dev(kTwoSms);
-  for (int64_t T : {1, 4}) {
-    const auto z = rand_bf16(size_t(T * E->Lt), rng, -1.0f, 1.0f);
-    const Routing r = route(T, 3, iota(8), rng, 1);
-    const std::string g = T > 1 ? "grouped " : "ungrouped ";
-    const MoeRun run = run_moe(*E, z, r, cuda::MoeExpertsOptions{});
-    EXPECT_EQ(run.launched,
-              (std::vector<std::string>{T > 1 ? "group" : "prep",
-                                        T > 1 ? "t8 jit w1|w3 grouped f32-scales" : "t8p w1|w3 f32-scales",
-                                        "t8 jit w2 " + g + "f32-scales", "combine K=3"}))
-        << joined(run.launched);
-    expect_twin("fp32 scales T=" + std::to_string(T), run.ut, twin(*E, z, r));
+  struct Case {
+    int64_t T;
+    MoeTokenTile tile;
+    int persist, p_kh;
+    std::vector<std::string> launched;
+  };
+  const std::vector<Case> cases = {
+      {1,
+       MoeTokenTile::automatic,
+       -1,
+       0,
+       {"prep", "t8p w1|w3 f32-scales", "t8 jit w2 ungrouped f32-scales", "combine K=3"}},
+      {1, MoeTokenTile::automatic, 3, 1, {"prep", "t8p w1|w3 f32-scales", "t8p w2 f32-scales", "combine K=3"}},
+      {4,
+       MoeTokenTile::automatic,
+       -1,
+       0,
+       {"group", "t8 jit w1|w3 grouped f32-scales", "t8 jit w2 grouped f32-scales", "combine K=3"}},
+      {4,
+       MoeTokenTile::t32,
+       -1,
+       0,
+       {"group", "t32 w1|w3 grouped f32-scales", "t32 w2 grouped f32-scales", "combine K=3"}},
+  };
+  for (const Case& c : cases) {
+    const auto z = rand_bf16(size_t(c.T * E->Lt), rng, -1.0f, 1.0f);
+    const Routing r = route(c.T, 3, iota(8), rng, 1);
+    cuda::MoeExpertsOptions o;
+    o.tile = c.tile, o.t8_persist = c.persist, o.t8p_kh = c.p_kh;
+    const MoeRun run = run_moe(*E, z, r, o);
+    EXPECT_EQ(run.launched, c.launched) << joined(run.launched);
+    expect_twin("fp32 scales T=" + std::to_string(c.T) + " " + c.launched[1], run.ut, twin(*E, z, r));
   }
 }
 
@@ -566,14 +587,23 @@ TEST(EmuMoeSmoke, SpecialCodes) {
     const auto z = rand_bf16(size_t(T * E->Lt), rng, -1.0f, 1.0f);
     const Routing r = route(T, 2, iota(8), rng, 2);
     const std::string g = T > 1 ? "grouped " : "ungrouped ";
+    const auto ref = twin(*E, z, r);
+    EXPECT_TRUE(std::isnan(bf16_to_f32(ref[37]))) << "the twin's NaN row";
     const MoeRun run = run_moe(*E, z, r, cuda::MoeExpertsOptions{});
     EXPECT_EQ(run.launched, (std::vector<std::string>{
                                 T > 1 ? "group" : "prep", "t8 staged w1|w3 " + g + "special-scales",
                                 (T > 1 ? "t8 staged w2 " : "t8 jit w2 ") + g + "special-scales", "combine K=2"}))
         << joined(run.launched);
-    const auto ref = twin(*E, z, r);
-    EXPECT_TRUE(std::isnan(bf16_to_f32(ref[37]))) << "the twin's NaN row";
     expect_twin("special codes T=" + std::to_string(T), run.ut, ref);
+    if (T > 1) {  // and t32's exact-scale kernels
+      cuda::MoeExpertsOptions o;
+      o.tile = MoeTokenTile::t32;
+      const MoeRun t32 = run_moe(*E, z, r, o);
+      EXPECT_EQ(t32.launched, (std::vector<std::string>{"group", "t32 w1|w3 grouped special-scales",
+                                                        "t32 w2 grouped special-scales", "combine K=2"}))
+          << joined(t32.launched);
+      expect_twin("special codes T=" + std::to_string(T) + " t32", t32.ut, ref);
+    }
   }
 }
 
