@@ -18,6 +18,8 @@
 // 32-bit shared addresses (ld.shared, cp.async in inline PTX) are offsets into the CTA's dynamic shared memory,
 // bounds-checked.
 // Bulk copies (TMA) land immediately at issue; fences are no-ops.
+// The host side of the CUDA runtime the kernel files' launchers call (launches, device properties, copies):
+// simt_runtime.h, which the cuda_runtime.h stand-in includes.
 #pragma once
 
 #include <ucontext.h>
@@ -68,10 +70,14 @@ struct alignas(8) uint2 {
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
 };
+struct alignas(8) int2 {
+  int x, y;
+};
 inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline int2 make_int2(int x, int y) { return {x, y}; }
 
 inline uint3 threadIdx, blockIdx;
 inline dim3 blockDim, gridDim;
@@ -98,6 +104,22 @@ inline void __stcs(T* p, T v) {
 template <typename T>
 inline void __stwb(T* p, T v) {
   *p = v;
+}
+template <typename T>
+inline void __stcg(T* p, T v) {
+  *p = v;
+}
+// The _rn intrinsics are there so that nvcc does not contract them into an FMA; tests/emu is compiled with
+// -ffp-contract=off, so g++ does not either.
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline int __popc(unsigned x) { return std::popcount(x); }
+// As CUDA defines it: byte n of the result is byte (s >> 4n) & 7 of the eight bytes y:x (x the low four).
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const uint64_t v = uint64_t(y) << 32 | x;
+  unsigned r = 0;
+  for (int n = 0; n < 4; ++n) r |= unsigned(v >> (8 * ((s >> (4 * n)) & 7u)) & 0xFFu) << (8 * n);
+  return r;
 }
 
 // FP16 / BF16 as bit patterns, converted with the repository's own RNE rules (core/dtype.h).
@@ -508,6 +530,14 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) {
   *p = old + v;
   return old;
 }
+inline int atomicAdd(int* p, int v) {
+  const int old = *p;
+  *p = int(unsigned(old) + unsigned(v));  // wraps as the hardware's does
+  return old;
+}
+// A thread that spins on a flag gives the others the turn: a flag never set shows up as simt::Deadlock (no thread
+// progresses), not as a hang.
+inline void __nanosleep(unsigned) { simt::yield(); }
 template <typename T>
 inline T __ldcg(const T* p) {
   return *p;
@@ -531,6 +561,14 @@ template <typename T>
 inline T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
   const int lane = simt::lane_id(), base = lane & ~(width - 1);
   return simt::shfl_from(v, base + ((lane ^ mask) & (width - 1)));
+}
+// Bit l set if lane l is in `mask` and its predicate is true (every lane of the warp takes part here).
+inline unsigned __ballot_sync(unsigned mask, int pred) {
+  const uint64_t in = pred != 0;
+  const auto* s = simt::warp_exchange(&in, 1);
+  unsigned r = 0;
+  for (int l = 0; l < 32; ++l) r |= unsigned(s[l][0] != 0 && (mask >> l & 1u)) << l;
+  return r;
 }
 
 // The inline-PTX wrappers of src/kernels/cuda/kda_internal.cuh.
@@ -630,3 +668,70 @@ inline void cp_async_wait() {
   simt::cp_wait(N);
 }
 }  // namespace kestrel::cuda::kda_detail
+
+// The inline-PTX wrappers of src/kernels/cuda/moe_mma.cuh (and moe_t8p.cu's ld_act16x2), as the PTX ISA defines the
+// instructions. Vector loads must be naturally aligned there (a misaligned one faults): so here.
+namespace kestrel::cuda::moe_dev {
+template <size_t A>
+inline const void* aligned_global(const void* p, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % A != 0) throw std::runtime_error(std::string("simt: misaligned ") + what);
+  return p;
+}
+template <typename T>
+inline T load_as(const void* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+// ld.global.nc.L1::no_allocate.v4.u32 / .u32 (weights) and ld.global.v4.u32 (activations).
+inline uint4 ld_stream16(const uint8_t* p) { return load_as<uint4>(aligned_global<16>(p, "ld.global.nc.v4.u32")); }
+inline uint32_t ld_stream4(const uint8_t* p) { return load_as<uint32_t>(aligned_global<4>(p, "ld.global.nc.u32")); }
+inline uint4 ld_act16(const uint16_t* p) { return load_as<uint4>(aligned_global<16>(p, "ld.global.v4.u32")); }
+// ld.acquire.gpu: grids run one after another here, so whatever released the flag has finished: a plain load.
+inline int ld_acquire_gpu(const int32_t* p) { return load_as<int>(aligned_global<4>(p, "ld.acquire.gpu.b32")); }
+// ld.shared.v4.u32 / .u32 at a 32-bit shared address (simt::smem_handle's offsets, bounds-checked).
+inline uint4 lds128(uint32_t addr) {
+  if (addr % 16 != 0) throw std::runtime_error("simt: misaligned ld.shared.v4.u32");
+  return load_as<uint4>(simt::smem_at(addr, 16));
+}
+inline uint32_t lds32(uint32_t addr) {
+  if (addr % 4 != 0) throw std::runtime_error("simt: misaligned ld.shared.u32");
+  return load_as<uint32_t>(simt::smem_at(addr, 4));
+}
+// cp.async.ca.shared.global, 4 bytes: lands at the wait for its group (simt::cp_async).
+inline void cp_async4(uint32_t dst, const void* src) {
+  if (dst % 4 != 0) throw std::runtime_error("simt: misaligned cp.async of 4 bytes");
+  simt::cp_async(simt::smem_at(dst, 4), aligned_global<4>(src, "cp.async source"), 4, 4);
+}
+// griddepcontrol.wait / .launch_dependents: the grid before has finished when this one starts.
+inline void griddep_wait() {}
+inline void griddep_launch() {}
+// mul.rn.bf16x2: each half the BF16 product rounded to nearest even, subnormals kept. The product of two BF16 values
+// (8-bit significands) has at most 16 significant bits, so FP32 holds it exactly unless it lies below 2^-134, where
+// both this and the direct rounding give 0 (below half the least BF16 subnormal, 2^-133): one rounding either way.
+inline uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d = 0;
+  for (int h = 0; h < 2; ++h) {
+    const float p = kestrel::bf16_to_f32(uint16_t(a >> (16 * h))) * kestrel::bf16_to_f32(uint16_t(b >> (16 * h)));
+    d |= uint32_t(kestrel::f32_to_bf16(p)) << (16 * h);
+  }
+  return d;
+}
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, C = 0 (mma_first) or C = D (mma_acc).
+inline void mma_first(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  const uint32_t b[2] = {b0, b1};
+  d[0] = d[1] = d[2] = d[3] = 0.0f;
+  simt::mma(d, a, b, simt::MmaType::bf16);
+}
+inline void mma_acc(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  const uint32_t b[2] = {b0, b1};
+  simt::mma(d, a, b, simt::MmaType::bf16);
+}
+}  // namespace kestrel::cuda::moe_dev
+namespace kestrel::cuda::moe_detail {
+// moe_t8p.cu: two ld.global.v4.u32, at p and 64 bytes on.
+inline void ld_act16x2(const uint16_t* p, uint4 (&b)[2]) {
+  b[0] = moe_dev::ld_act16(p);
+  b[1] = moe_dev::ld_act16(p + 32);
+}
+}  // namespace kestrel::cuda::moe_detail

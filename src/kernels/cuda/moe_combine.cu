@@ -7,6 +7,8 @@
 // whose time is its warps' instruction chain (Nsight Compute, session 28: the generic batches cost the reduced
 // mini's top-2 combine + norm ~1,200 instructions a warp, 8.3 µs a launch; per-K and with the row held in
 // registers, 717 and 5.7 µs).
+// Emulation: tests/emu (test_emu_moe.cpp) compiles this file unchanged for the CPU emulation of simt.h (moe_mma.cuh's
+// inline PTX from the emulator, launch_combine over its emulated CUDA runtime, tests/emu/simt_runtime.h).
 #include <cstdlib>
 #include <string>
 

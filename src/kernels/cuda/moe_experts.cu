@@ -50,6 +50,10 @@
 //   T = 4096: 4.3 TFLOP (16 slots × 4096 tokens × 3 GEMMs of 3584 × 3072). t32: 26.6 ms (163 TFLOP/s: an FFMA per
 //   accumulator per 32-column block, 4 HMMA per decoded word). wide: 2·⌈count/8⌉ HMMA per decoded word, no
 //   scale FMAs, ≈ 2.2 instructions per HMMA; ≈ 73 tokens per expert = 10 n-tiles of 16; predicted 8–11 ms.
+// Emulation: tests/emu (test_emu_moe.cpp) compiles this file for the CPU emulation of simt.h and runs the launchers
+// as they are (the CUDA runtime they call: tests/emu/simt_runtime.h); only what g++ cannot take is behind
+// KESTREL_SIMT_EMU: the <<<...>>> launches (there the same grids through moe_detail::launch, PDL off as here) and the
+// extern __shared__ declaration (there the emulator's dynamic shared memory).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -109,7 +113,11 @@ __global__ void __launch_bounds__(kGroupThreads) group_kernel(const int32_t* __r
                                                              int32_t* __restrict__ order, int32_t* __restrict__ jobs,
                                                              int32_t* __restrict__ n_jobs, int32_t* __restrict__ zero,
                                                              int n_zero) {
+#ifndef KESTREL_SIMT_EMU
   extern __shared__ int32_t gsm[];  // count [X], cursor [X]
+#else
+  int32_t* const gsm = dev::dyn_smem<int32_t>();
+#endif
   __shared__ int2 warp_sums[32];
   griddep_launch();  // the next GEMM may start its CTAs now; it waits for this kernel before reading its output
   int32_t* cnt = gsm;
@@ -238,10 +246,15 @@ StreamScratch carve_stream(char*& p) {
 void launch_group(const int32_t* ids, int64_t n, int64_t X, int ct, const Groups& g, int32_t* zero, int n_zero,
                   cudaStream_t stream) {
   const size_t smem = size_t(2 * X) * 4;
+#ifndef KESTREL_SIMT_EMU
   if (smem > 48 * 1024)
     KCUDA_CHECK(cudaFuncSetAttribute(group_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   group_kernel<<<1, kGroupThreads, smem, stream>>>(ids, int(n), int(X), ct, g.order, g.jobs, g.n_jobs, zero, n_zero);
   KCUDA_CHECK_LAUNCH();
+#else
+  moe_detail::launch(group_kernel, dim3(1), dim3(kGroupThreads), smem, stream, false, ids, int(n), int(X), ct, g.order,
+                     g.jobs, g.n_jobs, zero, n_zero);
+#endif
 }
 
 // One GEMM (w1|w3 if glu, else w / w2) over the grouping `grp` (ungrouped stream path: grp.jobs == nullptr)
@@ -432,8 +445,12 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
     launch_group(ids, n, X, ct, grp, ss.counters, n_zero, stream);
   } else {
     grp = Groups{nullptr, nullptr, nullptr};
+#ifndef KESTREL_SIMT_EMU
     prep_kernel<<<1, kGroupThreads, 0, stream>>>(ss.counters, n_zero);
     KCUDA_CHECK_LAUNCH();
+#else
+    moe_detail::launch(prep_kernel, dim3(1), dim3(kGroupThreads), 0, stream, false, ss.counters, n_zero);
+#endif
   }
   if (path != Path::dense) {
     mark(opt, 1, stream);

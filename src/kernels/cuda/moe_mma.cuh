@@ -10,6 +10,8 @@
 // The MMAs then accumulate scaled products directly: no FP32 partial per 32-column block, no FMA per
 // accumulator, the CPU twin's order of operations (w = v·s, then Σ w·x). Weights with a code outside [1, 128]
 // (MoeExpertWeights::fp32_scales) take the FP32-scale kernel in moe_experts.cu.
+// Emulation: under KESTREL_SIMT_EMU (tests/emu, the kernels compiled by g++ for a CPU emulation of the thread
+// hierarchy) the inline-PTX wrappers below come from tests/emu/simt.h instead, with the PTX ISA's semantics.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,6 +26,7 @@ namespace kestrel::cuda::moe_dev {
 namespace ml = moe_layout;
 
 // ---- loads ------------------------------------------------------------------------------------------------
+#ifndef KESTREL_SIMT_EMU
 // Weights are read once per job: 16-byte loads that skip L1 (read-only for the whole program).
 __device__ __forceinline__ uint4 ld_stream16(const uint8_t* p) {
   uint4 v;
@@ -61,6 +64,7 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
   return v;
 }
+#endif  // KESTREL_SIMT_EMU
 using dev::smem_addr;
 
 // ---- cp.async (global → shared, asynchronous; groups complete in commit order) ----------------------------
@@ -69,6 +73,7 @@ using dev::smem_addr;
 using dev::cp_async16;
 using dev::cp_async_commit;
 using dev::cp_async_wait;
+#ifndef KESTREL_SIMT_EMU
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
 }
@@ -100,6 +105,7 @@ __device__ __forceinline__ void mma_acc(float (&d)[4], const uint32_t (&a)[4], u
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+#endif  // KESTREL_SIMT_EMU
 
 // The four A registers (BF16 pairs) of one k16 step from its packed 32-bit word, each multiplied by m[j & 1]
 // (registers 0, 2 hold row g, registers 1, 3 row g + 8: moe_layout.h).

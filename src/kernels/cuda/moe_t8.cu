@@ -34,6 +34,9 @@
 // graph — the ring's coarse arrival (a warp waits for its whole group) and fewer resident CTAs cost more than the
 // load instructions it saves. Lost too (session 24, bench_moe graph at T = 1): w1|w3 with 6 stages (117 registers,
 // 4 CTAs per SM) 106–108 µs against 103–104, and unsplit with 4 stages (1.16 waves, w2 filling the tail) 109.5.
+// Emulation: tests/emu (test_emu_moe.cpp) compiles this file unchanged for the CPU emulation of simt.h: the inline PTX
+// of moe_mma.cuh takes the emulator's definitions, and plan_t8 and the launchers run over its emulated CUDA runtime
+// (tests/emu/simt_runtime.h), so the test launches what the GPU would.
 #include <algorithm>
 #include <atomic>
 #include <cmath>

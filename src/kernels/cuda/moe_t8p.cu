@@ -45,6 +45,8 @@
 // run before the wait. w1|w3 lets w2 launch right after its wait (readiness) or after its loop; w2 waits per
 // unit on its slot's readiness counter, and its last CTA waits on the grid before it exits (launch.h's
 // transitive rule), as moe_t8.cu does.
+// Emulation: tests/emu (test_emu_moe.cpp) compiles this file for the CPU emulation of simt.h, where the inline PTX
+// below takes the emulator's definition and the launchers run as they are (tests/emu/simt_runtime.h).
 #include <algorithm>
 #include <atomic>
 #include <string>
@@ -67,6 +69,7 @@ constexpr int kCtaRows = kFixedCtaRows;
 
 // A chunk's two activation vectors (blocks 0 and 1) in one asm statement, so both loads issue together at the
 // top of the chunk (ptxas otherwise placed the second after the first block's MMAs: two exposed latencies).
+#ifndef KESTREL_SIMT_EMU
 __device__ __forceinline__ void ld_act16x2(const uint16_t* p, uint4 (&b)[2]) {
   asm volatile(
       "ld.global.v4.u32 {%0, %1, %2, %3}, [%8];\n\t"
@@ -74,6 +77,7 @@ __device__ __forceinline__ void ld_act16x2(const uint16_t* p, uint4 (&b)[2]) {
       : "=r"(b[0].x), "=r"(b[0].y), "=r"(b[0].z), "=r"(b[0].w), "=r"(b[1].x), "=r"(b[1].y), "=r"(b[1].z), "=r"(b[1].w)
       : "l"(p));
 }
+#endif  // KESTREL_SIMT_EMU (tests/emu/simt.h defines it)
 
 template <bool kGlu, int STAGES, int kScales, int MINB>
 __global__ void __launch_bounds__(kThreads, MINB) t8p_kernel(const GemmArgs a) {
