@@ -513,7 +513,7 @@ int t8p_kh_env() {
 // flight an SM against the ~174 KB each SM must read. GemmArgs::few_deep (MoeExpertsOptions::t8_few_deep,
 // KESTREL_MOE_T8_FEW_DEEP; default off, unmeasured) takes the 8-stage kernel with the activations read at use for
 // an ungrouped grid that fits one wave of it: 7 of a warp's chunks in flight from its start. The same sums in the
-// same order (bit-identical; GpuMoe.T8FewDeepMatchesFourStages).
+// same order (bit-identical: GpuMoe.T8FewDeepMatchesFourStages, EmuMoeDecode.Batch1EveryWayOfSplitting).
 int t8_deep_resident(bool glu) {
   static std::atomic<int> cached[2][16];  // [glu][device]
   int dev = 0;
