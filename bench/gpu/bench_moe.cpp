@@ -13,7 +13,8 @@
 // (moe.h MoeTokenTile and MoeExpertsOptions): auto (what the engine runs), the GEMM families forced (t8, t32:
 // FP32-scale kernels; stream: decode; wide: prefill), stream without PDL / grouped at T ≤ 2 / ungrouped, wide
 // without PDL, stream-ctasN (the persistent grid forced to N CTAs), t8-nopdl, t8-ksN (t8's K split forced to
-// N) — so each change can be seen on its own. The comparison peer is bench/gpu/moe_peer.py.
+// N), t8pM[-cN][-sS][-kK][-hH][-fF] (the persistent / fixed-grid t8 knobs, F the few-slot 8-stage mask) — so each
+// change can be seen on its own. The comparison peer is bench/gpu/moe_peer.py.
 //
 //   bench_moe [--quick] [--batches 1,8,64,256,4096] [--variants auto,t8,...] [--breakdown] [--perf] [--topk K]
 //
