@@ -235,6 +235,72 @@ TEST(EmuGemm, SkinnyFp8Shapes) {
     for (int S0 : {1, 4}) fp8_matches_twin(K, 40, {1, 8, 16, 17, 33, 64}, S0, uint64_t(K + S0));
 }
 
+// The computed prefix (SkinnyCombinePrefix: the MoE combine + latent norm formed by each CTA, T = 1): x's first
+// `cols` columns are RMSNorm(bf16(Σ_k w_k·y_k)) — the contract written out here (slots in order, products then
+// sums, an id outside [0, X) adding nothing, then cpu::rmsnorm_bf16) — and the rest comes from x. x's prefix
+// columns are NaN in memory (the kernel must not read them) and so is the skipped slot's y row; against
+// cpu::gemm_bf16 of the reference row with the tolerances above (the norm's Σũ² runs in another order: an ulp of
+// a normed value may move), for splits 1 and 3 and every schedule order (the prefix crosses the CTA's warps).
+TEST(EmuGemm, SkinnyComputedPrefix) {
+  Rng rng(71);
+  const int64_t cols = 256, rest = 192, K = cols + rest, N = 80, Ks = 4, X = 8;
+  const std::vector<int32_t> ids = {5, -1, 0, 7};
+  const std::vector<float> wts = {0.4f, 3.0f, 0.35f, 0.25f};
+  auto y = rand_bf16(size_t(Ks * cols), rng, -2.0f, 2.0f);
+  for (int64_t c = 0; c < cols; ++c) y[size_t(1 * cols + c)] = 0xFFFF;  // the skipped slot: NaN
+  const auto nw = rand_bf16(size_t(cols), rng, 0.5f, 1.5f);
+  auto x = rand_bf16(size_t(K), rng, -1.0f, 1.0f);
+  for (int64_t c = 0; c < cols; ++c) x[size_t(c)] = 0xFFFF;  // must come from the prefix, never from memory
+  const auto w = rand_bf16(size_t(N * K), rng, -0.02f, 0.02f);
+  // The reference row.
+  std::vector<uint16_t> ut(static_cast<size_t>(cols)), row(x);
+  for (int64_t c = 0; c < cols; ++c) {
+    float acc = 0.0f;
+    for (int64_t k = 0; k < Ks; ++k) {
+      if (unsigned(ids[size_t(k)]) >= unsigned(X)) continue;
+      const float prod = wts[size_t(k)] * bf16_to_f32(y[size_t(k * cols + c)]);
+      acc = acc + prod;
+    }
+    ut[size_t(c)] = f32_to_bf16(acc);
+  }
+  cpu::rmsnorm_bf16(ut.data(), nw.data(), row.data(), 1, cols, 1e-5f);
+  std::vector<uint16_t> ref(static_cast<size_t>(N));
+  cpu::gemm_bf16(row.data(), K, w.data(), ref.data(), N, 1, K, N);
+  const double scale = max_abs(to_f32(ref));
+  cuda::SkinnyCombinePrefix pre;
+  pre.y = y.data(), pre.wts = wts.data(), pre.ids = ids.data(), pre.K = int(Ks), pre.X = int(X);
+  pre.norm_w = nw.data(), pre.eps = 1e-5f, pre.cols = int(cols);
+  for (int S0 : {1, 3}) {
+    std::vector<uint16_t> first;
+    for (const simt::Schedule sch : {simt::Schedule::threads, simt::Schedule::threads_reverse, simt::Schedule::warps,
+                                     simt::Schedule::warps_reverse}) {
+      simt::g_schedule = sch;
+      cuda::Params p{};
+      p.x = reinterpret_cast<const uint8_t*>(x.data()), p.ldx = K * 2, p.w = reinterpret_cast<const uint8_t*>(w.data());
+      Out<uint16_t> out(1, N, N + 5);
+      p.segs = one_seg(out.v.data(), out.ld), p.pre = pre;
+      ASSERT_EQ(cuda::plan(p, 1, K, N, false, S0), 1);
+      std::vector<float> part(size_t(p.splits) * size_t(p.tiles) * 32 * 4, std::nanf(""));
+      std::vector<unsigned> counters(size_t(p.tiles), 0u);
+      p.part = part.data(), p.counters = counters.data();
+      cuda::dispatch_prefix(int(cols), [&]<auto Kernel>(int smem) {
+        simt::launch(dim3(unsigned(p.tiles), unsigned(p.splits)), dim3(cuda::kThreads), size_t(smem), [&] { Kernel(p); });
+      });
+      simt::g_schedule = simt::Schedule::threads;
+      const std::string what = "prefix S=" + std::to_string(p.splits) + " schedule " + std::to_string(int(sch));
+      expect_close(what, to_f32(out.packed()), to_f32(ref), 2e-3 * scale, 2.0 / 128, 5e-3);
+      EXPECT_TRUE(out.padding_poisoned()) << what;
+      if (first.empty()) first = out.packed();
+      EXPECT_EQ(out.packed(), first) << what << ": the schedule changed the bits";
+    }
+  }
+  cuda::SkinnyCombinePrefix bad = pre;
+  bad.cols = 100;  // not whole k-steps
+  EXPECT_FALSE(cuda::gemm_skinny_prefix_ok(bad, 1, K));
+  EXPECT_FALSE(cuda::gemm_skinny_prefix_ok(pre, 2, K));  // T = 1 only
+  EXPECT_TRUE(cuda::gemm_skinny_prefix_ok(pre, 1, K));
+}
+
 // Results must not depend on the order threads run in: a missing barrier or cp.async wait lets some schedule read
 // shared memory not yet written (NaN-poisoned) or already overwritten (the CTA's warp-order sum, the staged ring).
 TEST(EmuGemm, SkinnyScheduleOrderDoesNotMatter) {

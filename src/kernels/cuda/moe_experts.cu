@@ -496,6 +496,12 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
                   "moe_experts_mxfp4: the fused latent norm needs 16-byte aligned norm_w and normed rows (normed_ld " +
                       std::to_string(ldn) + ")");
   }
+  if (opt.skip_combine) {  // the caller combines (MoeExpertsOptions::skip_combine)
+    KCUDA_REQUIRE(opt.y_out != nullptr, std::string("moe_experts_mxfp4: skip_combine needs y_out"));
+    *opt.y_out = static_cast<const uint16_t*>(y);
+    mark(opt, 4, stream);
+    return;
+  }
   moe_detail::launch_combine(static_cast<const uint16_t*>(y), weights, ids, T, K, X, Lt, ut, opt.norm_w, opt.norm_eps,
                              opt.normed, ldn, pdl, stream);
   mark(opt, 4, stream);
