@@ -20,6 +20,8 @@
 // Bulk copies (TMA) land immediately at issue; fences are no-ops.
 // The host side of the CUDA runtime the kernel files' launchers call (launches, device properties, copies):
 // simt_runtime.h, which the cuda_runtime.h stand-in includes.
+// Length (past ~600 lines): the fiber scheduler and every emulated instruction family the kernel files use, in one
+// header that each emulated translation unit includes first.
 #pragma once
 
 #include <ucontext.h>

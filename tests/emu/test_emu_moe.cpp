@@ -23,6 +23,8 @@
 // The split and readiness counters are not reset by the GEMMs (the first kernel of the next call zeroes them), so
 // after a run each holds its arrivals: the checks below ask exactly the split count of every (job, tile) that ran
 // and the w1|w3 tiles of every valid slot, zero elsewhere in what the first kernel zeroed, and the poison beyond.
+// Length (~900 lines): one file for the whole expert pipeline, whose cases share the experts, the routing builders,
+// the run-and-log helper and the counter checks; its sections follow the pipeline (batch 1, grouped, scales, combine).
 #include <gtest/gtest.h>
 
 #include "simt.h"  // first: defines the CUDA surface the kernel headers below are written against

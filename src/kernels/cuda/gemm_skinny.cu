@@ -65,6 +65,9 @@
 // steps read shared memory. Every CTA repeats the whole row (the norm needs all of it: ~14 KB of y from L2 at
 // top-2); what it saves is the combine's own launch between the experts and this GEMM.
 //
+// Length: one file past ~600 lines because the kernel, its plan() and its dispatch tables are what the emulator
+// test includes and launches as they are; split, the test would need the pieces re-assembled.
+//
 // Emulation: tests/emu compiles this file against the CPU emulation of the thread hierarchy (simt.h) to run the
 // kernel without a GPU; there the inline-PTX wrappers below take their #else forms and the host side (launchers,
 // split choice) is left out, but plan() — the launch geometry — is shared, so the test launches what run() does.
