@@ -897,6 +897,20 @@ TEST(GpuMoe, T8RawDecodeMatchesFp32Scales) {
 // CTA takes (t8p_ctas: 1 CTA per SM gives every CTA many units, each loaded while the last one finishes), with
 // ids outside [0, X) (expert parallelism: compacted away) — and within the twin's tolerance. Forced splits (the
 // persistent kernel's default is none) that divide both GEMMs' chunks; split 0: each path's own choice.
+// The twin takes only valid, distinct ids: where the GPU's ids (gids) hold one outside [0, X) — weight 0 there —
+// the twin's ids (in/out, the routing before) take an expert neither list uses, which then adds 0 · y.
+void twin_ids_for_outside(const std::vector<int32_t>& gids, int64_t X, std::vector<int32_t>& ids) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (gids[i] == ids[i]) continue;
+    for (int32_t e = 0; e < X; ++e) {
+      if (std::find(gids.begin(), gids.end(), e) == gids.end() && std::find(ids.begin(), ids.end(), e) == ids.end()) {
+        ids[i] = e;
+        break;
+      }
+    }
+  }
+}
+
 TEST(GpuMoe, T8PersistentMatchesFixedGrid) {
   need_gpu();
   Rng rng(61);
@@ -914,23 +928,13 @@ TEST(GpuMoe, T8PersistentMatchesFixedGrid) {
     std::vector<int32_t> ids;
     std::vector<float> wts;
     make_routing(Routing::random, T, c.X, c.K, rng, ids, wts);
-    // The twin takes only valid, distinct ids: an id outside [0, X) (given to the GPU) is an unused one with
-    // weight 0 for it.
-    std::vector<int32_t> gids = ids;
+    std::vector<int32_t> gids = ids;  // the GPU's: some outside [0, X), weight 0
     for (int b = 0; b < c.bad; ++b) {
       const size_t i = size_t((b * 5) % c.K);
       gids[i] = int32_t(c.X + b);
       wts[i] = 0.0f;
     }
-    for (size_t i = 0; i < ids.size(); ++i) {
-      if (gids[i] == ids[i]) continue;
-      for (int32_t e = 0; e < c.X; ++e) {
-        if (std::find(gids.begin(), gids.end(), e) == gids.end() && std::find(ids.begin(), ids.end(), e) == ids.end()) {
-          ids[i] = e;
-          break;
-        }
-      }
-    }
+    twin_ids_for_outside(gids, c.X, ids);
     std::vector<uint16_t> ref(size_t(T * c.Lt), 0);  // every slot outside: ũ = 0
     if (c.bad < c.K)
       cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, ref.data());
@@ -976,18 +980,11 @@ TEST(GpuMoe, T8FewDeepMatchesFourStages) {
     std::vector<int32_t> ids;
     std::vector<float> wts;
     make_routing(Routing::random, T, c.X, c.K, rng, ids, wts);
-    std::vector<int32_t> gids = ids;
+    std::vector<int32_t> gids = ids;  // the GPU's: the first `bad` outside [0, X), weight 0
     for (int b = 0; b < c.bad; ++b) gids[size_t(b)] = int32_t(c.X + b), wts[size_t(b)] = 0.0f;
-    // The twin over the valid slots only (an outside id adds nothing; its weight is 0 here).
-    std::vector<int32_t> tids = ids;
-    for (int b = 0; b < c.bad; ++b)
-      for (int32_t e = 0; e < c.X; ++e)
-        if (std::find(tids.begin(), tids.end(), e) == tids.end()) {
-          tids[size_t(b)] = e;
-          break;
-        }
+    twin_ids_for_outside(gids, c.X, ids);
     std::vector<uint16_t> ref(size_t(T * c.Lt));
-    cpu::moe_experts(z.data(), tids.data(), wts.data(), E->cpu.data(), T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, ref.data());
+    cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, ref.data());
     const std::string shape = fmt::format("X={} K={} Lt={} I={} T=1, {} ids outside", c.X, c.K, c.Lt, c.I, c.bad);
     for (int ks : {0, 2, 5}) {
       MoeVariant four{cuda::MoeTokenTile::t8, -1, 0, -1, false, ks};

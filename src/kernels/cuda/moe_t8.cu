@@ -426,34 +426,39 @@ bool t8_jit(bool glu, bool special, int64_t base) {
   return t8_jit_allowed() && base >= t8_resident(glu, special, false);
 }
 
-// CTAs of the t8 kernel resident at once on this device (jit: the activations read at use): for t8_ksplit.
-int t8_resident(bool glu, bool special, bool jit) {
-  static std::atomic<int> cached[2][2][2][16];  // [glu][special][jit][device]
+// CTAs of `kernel` (kGemmThreads a CTA, no dynamic shared memory) resident at once on the current device, cached
+// per device in `cache`.
+template <class Kernel>
+int resident_ctas(Kernel kernel, std::atomic<int> (&cache)[16]) {
   int dev = 0;
   KCUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 16 && cached[glu][special][jit][dev].load() > 0) return cached[glu][special][jit][dev].load();
+  if (dev < 16 && cache[dev].load() > 0) return cache[dev].load();
   int sms = 0, per_sm = 0;
   KCUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  auto occ = [&](auto kernel) {
-    KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemmThreads, 0));
-  };
-  // The 4-stage kernel's residency (sm_90a: w1|w3 89–96 registers with the activations at use, 5 CTAs per SM,
-  // 119–127 staged, 4; w2 59, 8, or 91–93 staged, 5). The deep w1|w3 kernel (126) has 4.
+  KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemmThreads, 0));
+  const int n = std::max(1, sms * per_sm);
+  if (dev < 16) cache[dev].store(n);
+  return n;
+}
+
+// CTAs of the t8 kernel resident at once on this device (jit: the activations read at use): for t8_ksplit.
+// The 4-stage kernel's residency (sm_90a: w1|w3 89–96 registers with the activations at use, 5 CTAs per SM,
+// 119–127 staged, 4; w2 59, 8, or 91–93 staged, 5). The deep w1|w3 kernel (126) has 4.
+int t8_resident(bool glu, bool special, bool jit) {
+  static std::atomic<int> cached[2][2][2][16];  // [glu][special][jit][device]
+  auto& c = cached[glu][special][jit];
   if (!jit) {
     if (glu)
-      special ? occ(expert_gemm_kernel<true, 1, 4, kScaleSpecial, false>) : occ(expert_gemm_kernel<true, 1, 4, kScaleF32, false>);
-    else
-      special ? occ(expert_gemm_kernel<false, 1, 4, kScaleSpecial, false>)
-              : occ(expert_gemm_kernel<false, 1, 4, kScaleF32, false>);
-  } else if (glu) {
-    special ? occ(expert_gemm_kernel<true, 1, 4, kScaleSpecial, true>) : occ(expert_gemm_kernel<true, 1, 4, kScaleF32, true>);
-  } else {
-    special ? occ(expert_gemm_kernel<false, 1, 4, kScaleSpecial, true, kT8W2MinCtas>)
-            : occ(expert_gemm_kernel<false, 1, 4, kScaleF32, true, kT8W2MinCtas>);
+      return special ? resident_ctas(expert_gemm_kernel<true, 1, 4, kScaleSpecial, false>, c)
+                     : resident_ctas(expert_gemm_kernel<true, 1, 4, kScaleF32, false>, c);
+    return special ? resident_ctas(expert_gemm_kernel<false, 1, 4, kScaleSpecial, false>, c)
+                   : resident_ctas(expert_gemm_kernel<false, 1, 4, kScaleF32, false>, c);
   }
-  const int n = std::max(1, sms * per_sm);
-  if (dev < 16) cached[glu][special][jit][dev].store(n);
-  return n;
+  if (glu)
+    return special ? resident_ctas(expert_gemm_kernel<true, 1, 4, kScaleSpecial, true>, c)
+                   : resident_ctas(expert_gemm_kernel<true, 1, 4, kScaleF32, true>, c);
+  return special ? resident_ctas(expert_gemm_kernel<false, 1, 4, kScaleSpecial, true, kT8W2MinCtas>, c)
+                 : resident_ctas(expert_gemm_kernel<false, 1, 4, kScaleF32, true, kT8W2MinCtas>, c);
 }
 
 }  // namespace
@@ -516,20 +521,8 @@ int t8p_kh_env() {
 // same order (bit-identical: GpuMoe.T8FewDeepMatchesFourStages, EmuMoeDecode.Batch1EveryWayOfSplitting).
 int t8_deep_resident(bool glu) {
   static std::atomic<int> cached[2][16];  // [glu][device]
-  int dev = 0;
-  KCUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 16 && cached[glu][dev].load() > 0) return cached[glu][dev].load();
-  int sms = 0, per_sm = 0;
-  KCUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  if (glu)
-    KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, expert_gemm_kernel<true, 1, kT8DeepStages, kScaleFoldH, true, 0, true>, kGemmThreads, 0));
-  else
-    KCUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, expert_gemm_kernel<false, 1, kT8DeepStages, kScaleRaw, true, 0, true>, kGemmThreads, 0));
-  const int n = std::max(1, sms * per_sm);
-  if (dev < 16) cached[glu][dev].store(n);
-  return n;
+  return glu ? resident_ctas(expert_gemm_kernel<true, 1, kT8DeepStages, kScaleFoldH, true, 0, true>, cached[1])
+             : resident_ctas(expert_gemm_kernel<false, 1, kT8DeepStages, kScaleRaw, true, 0, true>, cached[0]);
 }
 }  // namespace
 
