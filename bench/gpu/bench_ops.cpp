@@ -12,7 +12,7 @@
 // across requests when B·S exceeds it, as the contiguous rows are), and the chunked KDA prefill scan.
 //
 //   bench_ops [--quick] [--perf] [--model DIR] [--quantization bf16|ptpc-fp8] [--only SECTION,...]
-//     sections: ceilings (always measured; printed as PERF copy_gbps / bf16_gemm_tflops) proj attnres kda route argmax moe mla indexer
+//     sections: ceilings (always measured; printed as PERF copy_gbps / bf16_gemm_tflops) proj attnres kda route argmax sample moe mla indexer
 //               paged_mla paged_indexer kda_chunked model
 //     --perf: quick repetitions, PERF lines, and only ceilings + model unless --only says otherwise
 //     --quantization ptpc-fp8: the model section on FP8 dense projections (PERF keys suffixed _fp8)
@@ -630,6 +630,54 @@ int main(int argc, char** argv) {
       }
       fmt::print("| {} | {:.2f} | {:.2f} |\n", n, us[0], us[1]);
       if (perf) fmt::print("PERF argmax_row_us_b{0} {1:.2f}\nPERF argmax_split_us_b{0} {2:.2f}\n", n, us[0], us[1]);
+    }
+    KCUDA_CHECK(cudaStreamDestroy(st));
+  }
+
+  // ---- the device sampler ------------------------------------------------------------------------------------
+  // sample_rows (one CTA a row) with the knobs a chat client sends, beside the greedy argmax above: what a sampled
+  // decode step pays after its graph (never measured before session 34 put it here).
+  if (want("sample")) {
+    const int reps = 10;
+    const int64_t V = 163840;
+    struct Knobs {
+      const char* name;
+      int32_t top_k;
+      float temperature, top_p, min_p;
+    };
+    const Knobs knobs[] = {{"T=0.7", 0, 0.7f, 1.0f, 0.0f},
+                           {"T=0.7 top_p=0.95", 0, 0.7f, 0.95f, 0.0f},
+                           {"T=0.7 top_k=50", 50, 0.7f, 1.0f, 0.0f},
+                           {"T=1 min_p=0.05", 0, 1.0f, 1.0f, 0.05f}};
+    fmt::print("\n### Device sampler (sample_rows, V = {}): µs per launch, {} dependent launches in one graph\n\n"
+               "| rows | knobs | µs |\n|---|---|---|\n", V, reps);
+    cudaStream_t st;
+    KCUDA_CHECK(cudaStreamCreate(&st));  // blocking: orders with the timer's events on the legacy stream
+    for (int64_t n : {1, 8, 64}) {
+      std::vector<float> h(size_t(n * V));
+      std::mt19937_64 r{uint64_t(n + 7)};
+      for (auto& v : h) v = float(int64_t(r() % 16001) - 8000) / 1000.0f;  // logits in [−8, 8]
+      cuda::DeviceBuffer lg(h.size() * 4), ids(size_t(n) * 4), prm(size_t(n) * sizeof(cuda::SampleParams));
+      KCUDA_CHECK(cudaMemcpy(lg.data(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+      for (const Knobs& k : knobs) {
+        std::vector<cuda::SampleParams> ps(static_cast<size_t>(n));
+        for (int64_t i = 0; i < n; ++i)
+          ps[size_t(i)] = {int32_t(i), k.top_k, k.temperature, k.top_p, k.min_p, 1234u, uint64_t(i)};
+        KCUDA_CHECK(cudaMemcpy(prm.data(), ps.data(), ps.size() * sizeof(cuda::SampleParams), cudaMemcpyHostToDevice));
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        KCUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        for (int i = 0; i < reps; ++i)
+          cuda::sample_rows(static_cast<const float*>(lg.data()), V, V, static_cast<const cuda::SampleParams*>(prm.data()),
+                            n, static_cast<int32_t*>(ids.data()), st);
+        KCUDA_CHECK(cudaStreamEndCapture(st, &g));
+        KCUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+        const double us = tm.median_us([&] { KCUDA_CHECK(cudaGraphLaunch(ge, st)); }, 2, quick ? 5 : 15) / double(reps);
+        KCUDA_CHECK(cudaGraphExecDestroy(ge));
+        KCUDA_CHECK(cudaGraphDestroy(g));
+        fmt::print("| {} | {} | {:.1f} |\n", n, k.name, us);
+        if (perf) fmt::print("PERF sample_us_b{}_knobs{} {:.1f}\n", n, &k - knobs, us);  // knobs: the table's order
+      }
     }
     KCUDA_CHECK(cudaStreamDestroy(st));
   }
