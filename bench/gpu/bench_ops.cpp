@@ -100,7 +100,21 @@ struct Timer {
     KCUDA_CHECK(cudaGetLastError());
     std::sort(t.begin(), t.end());
     return t[t.size() / 2];
+  }  // µs per launch of `launch(st)` issued `reps` times in a row into one CUDA graph, replayed (warm, then reps2
+  // timed): the launches' own cost without the host's, each waiting for the one before (PDL where they use it).
+  double graph_us(cudaStream_t st, int reps, const std::function<void(cudaStream_t)>& launch, int warm, int reps2) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    KCUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < reps; ++i) launch(st);
+    KCUDA_CHECK(cudaStreamEndCapture(st, &g));
+    KCUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+    const double us = median_us([&] { KCUDA_CHECK(cudaGraphLaunch(ge, st)); }, warm, reps2) / double(reps);
+    KCUDA_CHECK(cudaGraphExecDestroy(ge));
+    KCUDA_CHECK(cudaGraphDestroy(g));
+    return us;
   }
+
 };
 
 double g_bw = 0, g_tflops = 0;  // measured ceilings: GB/s, TFLOP/s
@@ -495,20 +509,13 @@ int main(int argc, char** argv) {
       double us[2];
       for (int k = 0; k < 2; ++k) {
         cuda::set_attn_res_cluster_max_t(k == 0 ? 0 : 64);
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        KCUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        for (int i = 0; i < reps; ++i)
+        us[k] = tm.graph_us(st, reps, [&](cudaStream_t st) {
           cuda::attn_res_step(static_cast<const uint16_t*>(blocks.data()), T * D, int(nb),
                               static_cast<uint16_t*>(partial.data()), static_cast<const uint16_t*>(av.data()),
                               cuda::AttnResAdd::add, nullptr, w16, w16 + D, w16 + 2 * D, 1e-6f,
                               static_cast<uint16_t*>(y.data()), static_cast<uint8_t*>(q8.data()),
                               static_cast<float*>(qs.data()), T, D, st);
-        KCUDA_CHECK(cudaStreamEndCapture(st, &g));
-        KCUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-        us[k] = tm.median_us([&] { KCUDA_CHECK(cudaGraphLaunch(ge, st)); }, 3, quick ? 10 : 30) / double(reps);
-        KCUDA_CHECK(cudaGraphExecDestroy(ge));
-        KCUDA_CHECK(cudaGraphDestroy(g));
+        }, 3, quick ? 10 : 30);
       }
       fmt::print("| {} | {:.2f} | {:.2f} |\n", T, us[0], us[1]);
       if (perf) fmt::print("PERF attn_res_us_b{} {:.2f}\nPERF attn_res_cluster_us_b{} {:.2f}\n", T, us[0], T, us[1]);
@@ -576,17 +583,10 @@ int main(int argc, char** argv) {
           cuda::set_moe_route_kernel(k == 0 ? cuda::MoeRouteKernel::block
                                      : k == 1 ? cuda::MoeRouteKernel::two_level
                                               : cuda::MoeRouteKernel::sort);
-          cudaGraph_t g;
-          cudaGraphExec_t ge;
-          KCUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-          for (int i = 0; i < reps; ++i)
+          us[k] = tm.graph_us(st, reps, [&](cudaStream_t st) {
             cuda::moe_route(static_cast<const float*>(lg.data()), static_cast<const float*>(bias.data()), T, X, K,
                             true, 2.5f, static_cast<int32_t*>(ids.data()), static_cast<float*>(wts.data()), st);
-          KCUDA_CHECK(cudaStreamEndCapture(st, &g));
-          KCUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-          us[k] = tm.median_us([&] { KCUDA_CHECK(cudaGraphLaunch(ge, st)); }, 3, quick ? 10 : 30) / double(reps);
-          KCUDA_CHECK(cudaGraphExecDestroy(ge));
-          KCUDA_CHECK(cudaGraphDestroy(g));
+          }, 3, quick ? 10 : 30);
         }
         fmt::print("| {} | {} | {} | {:.2f} | {:.2f} | {:.2f} |\n", X, K, T, us[0], us[1], us[2]);
         if (perf)
@@ -616,17 +616,10 @@ int main(int argc, char** argv) {
       KCUDA_CHECK(cudaMemcpy(lg.data(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
       double us[2];
       for (int k = 0; k < 2; ++k) {
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        KCUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        for (int i = 0; i < reps; ++i)
+        us[k] = tm.graph_us(st, reps, [&](cudaStream_t st) {
           cuda::argmax_rows(static_cast<const float*>(lg.data()), V, n, V, static_cast<int32_t*>(ids.data()), st,
                             k == 0 ? nullptr : ws.data());
-        KCUDA_CHECK(cudaStreamEndCapture(st, &g));
-        KCUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-        us[k] = tm.median_us([&] { KCUDA_CHECK(cudaGraphLaunch(ge, st)); }, 3, quick ? 10 : 30) / double(reps);
-        KCUDA_CHECK(cudaGraphExecDestroy(ge));
-        KCUDA_CHECK(cudaGraphDestroy(g));
+        }, 3, quick ? 10 : 30);
       }
       fmt::print("| {} | {:.2f} | {:.2f} |\n", n, us[0], us[1]);
       if (perf) fmt::print("PERF argmax_row_us_b{0} {1:.2f}\nPERF argmax_split_us_b{0} {2:.2f}\n", n, us[0], us[1]);
@@ -664,17 +657,10 @@ int main(int argc, char** argv) {
         for (int64_t i = 0; i < n; ++i)
           ps[size_t(i)] = {int32_t(i), k.top_k, k.temperature, k.top_p, k.min_p, 1234u, uint64_t(i)};
         KCUDA_CHECK(cudaMemcpy(prm.data(), ps.data(), ps.size() * sizeof(cuda::SampleParams), cudaMemcpyHostToDevice));
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        KCUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        for (int i = 0; i < reps; ++i)
+        const double us = tm.graph_us(st, reps, [&](cudaStream_t st) {
           cuda::sample_rows(static_cast<const float*>(lg.data()), V, V, static_cast<const cuda::SampleParams*>(prm.data()),
                             n, static_cast<int32_t*>(ids.data()), st);
-        KCUDA_CHECK(cudaStreamEndCapture(st, &g));
-        KCUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-        const double us = tm.median_us([&] { KCUDA_CHECK(cudaGraphLaunch(ge, st)); }, 2, quick ? 5 : 15) / double(reps);
-        KCUDA_CHECK(cudaGraphExecDestroy(ge));
-        KCUDA_CHECK(cudaGraphDestroy(g));
+        }, 2, quick ? 5 : 15);
         fmt::print("| {} | {} | {:.1f} |\n", n, k.name, us);
         if (perf) fmt::print("PERF sample_us_b{}_knobs{} {:.1f}\n", n, &k - knobs, us);  // knobs: the table's order
       }

@@ -897,18 +897,44 @@ TEST(GpuMoe, T8RawDecodeMatchesFp32Scales) {
 // CTA takes (t8p_ctas: 1 CTA per SM gives every CTA many units, each loaded while the last one finishes), with
 // ids outside [0, X) (expert parallelism: compacted away) — and within the twin's tolerance. Forced splits (the
 // persistent kernel's default is none) that divide both GEMMs' chunks; split 0: each path's own choice.
-// The twin takes only valid, distinct ids: where the GPU's ids (gids) hold one outside [0, X) — weight 0 there —
-// the twin's ids (in/out, the routing before) take an expert neither list uses, which then adds 0 · y.
-void twin_ids_for_outside(const std::vector<int32_t>& gids, int64_t X, std::vector<int32_t>& ids) {
+// One token for the ungrouped t8 tests: random experts and routing, `bad` of the GPU's ids (slots 5b mod K) set
+// outside [0, X) with weight 0, and the twin's ũ — the twin takes only valid, distinct ids, so where the GPU's
+// id is outside, the twin's is an expert neither list uses (adding 0 · y); every slot outside: ũ = 0.
+struct OneToken {
+  std::unique_ptr<Experts> E;
+  std::vector<uint16_t> z, ref;
+  std::vector<int32_t> gids;  // the GPU's ids
+  std::vector<float> wts;
+  std::string shape;
+};
+OneToken one_token(int64_t X, int64_t K, int64_t Lt, int64_t I, int bad, Rng& rng) {
+  OneToken o;
+  o.E = make_experts(X, Lt, I, rng);
+  o.z = rand_bf16(size_t(Lt), rng, -1.0f, 1.0f);
+  std::vector<int32_t> ids;
+  make_routing(Routing::random, 1, X, K, rng, ids, o.wts);
+  o.gids = ids;
+  for (int b = 0; b < bad; ++b) {
+    const size_t i = size_t((b * 5) % K);
+    o.gids[i] = int32_t(X + b);
+    o.wts[i] = 0.0f;
+  }
   for (size_t i = 0; i < ids.size(); ++i) {
-    if (gids[i] == ids[i]) continue;
+    if (o.gids[i] == ids[i]) continue;
     for (int32_t e = 0; e < X; ++e) {
-      if (std::find(gids.begin(), gids.end(), e) == gids.end() && std::find(ids.begin(), ids.end(), e) == ids.end()) {
+      const bool unused = std::find(o.gids.begin(), o.gids.end(), e) == o.gids.end() &&
+                          std::find(ids.begin(), ids.end(), e) == ids.end();
+      if (unused) {
         ids[i] = e;
         break;
       }
     }
   }
+  o.ref.assign(size_t(Lt), 0);
+  if (bad < K)
+    cpu::moe_experts(o.z.data(), ids.data(), o.wts.data(), o.E->cpu.data(), 1, X, K, Lt, I, 4.0f, 25.0f, o.ref.data());
+  o.shape = fmt::format("X={} K={} Lt={} I={} T=1, {} ids outside", X, K, Lt, I, bad);
+  return o;
 }
 
 TEST(GpuMoe, T8PersistentMatchesFixedGrid) {
@@ -923,38 +949,23 @@ TEST(GpuMoe, T8PersistentMatchesFixedGrid) {
                         Case{32, 16, 3584, 3072, 0, {0, 1, 2}}, Case{32, 16, 3584, 3072, 13, {0, 1, 2}},
                         Case{16, 16, 512, 768, 16, {0, 1}}}) {
     const int64_t T = 1;
-    const auto E = make_experts(c.X, c.Lt, c.I, rng);
-    const auto z = rand_bf16(size_t(T * c.Lt), rng, -1.0f, 1.0f);
-    std::vector<int32_t> ids;
-    std::vector<float> wts;
-    make_routing(Routing::random, T, c.X, c.K, rng, ids, wts);
-    std::vector<int32_t> gids = ids;  // the GPU's: some outside [0, X), weight 0
-    for (int b = 0; b < c.bad; ++b) {
-      const size_t i = size_t((b * 5) % c.K);
-      gids[i] = int32_t(c.X + b);
-      wts[i] = 0.0f;
-    }
-    twin_ids_for_outside(gids, c.X, ids);
-    std::vector<uint16_t> ref(size_t(T * c.Lt), 0);  // every slot outside: ũ = 0
-    if (c.bad < c.K)
-      cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, ref.data());
-    const std::string shape = fmt::format("X={} K={} Lt={} I={} T=1, {} ids outside", c.X, c.K, c.Lt, c.I, c.bad);
+    const OneToken o = one_token(c.X, c.K, c.Lt, c.I, c.bad, rng);
     for (int ks : c.kss) {
       MoeVariant fixed{cuda::MoeTokenTile::t8, -1, 0, -1, false, ks};
       fixed.persist = 0;
-      const auto want = run_gpu_moe(*E, z, gids, wts, T, c.K, fixed);
-      check_moe("moe_experts_mxfp4 " + fixed.name(), shape, want, ref);
+      const auto want = run_gpu_moe(*o.E, o.z, o.gids, o.wts, T, c.K, fixed);
+      check_moe("moe_experts_mxfp4 " + fixed.name(), o.shape, want, o.ref);
       for (int persist : {1, 2, 3}) {
         for (int p_ctas : {0, 1}) {
           // K halves in a CTA (no persistent split) sum as the fixed grid's split 2 does: compared there.
           for (int kh : ks == 2 ? std::vector<int>{1, 2} : std::vector<int>{1}) {
             MoeVariant v = fixed;
             v.persist = persist, v.p_ctas = p_ctas, v.p_kh = kh;
-            const auto got = run_gpu_moe(*E, z, gids, wts, T, c.K, v);
+            const auto got = run_gpu_moe(*o.E, o.z, o.gids, o.wts, T, c.K, v);
             if (ks > 0) {
-              EXPECT_EQ(got, want) << shape << " " << v.name();
+              EXPECT_EQ(got, want) << o.shape << " " << v.name();
             }
-            check_moe("moe_experts_mxfp4 " + v.name(), shape, got, ref);
+            check_moe("moe_experts_mxfp4 " + v.name(), o.shape, got, o.ref);
           }
         }
       }
@@ -975,26 +986,16 @@ TEST(GpuMoe, T8FewDeepMatchesFourStages) {
   };
   for (const Case& c : {Case{4, 2, 3584, 3072, 0}, Case{4, 2, 3584, 3072, 1}, Case{16, 4, 256, 256, 0}}) {
     const int64_t T = 1;
-    const auto E = make_experts(c.X, c.Lt, c.I, rng);
-    const auto z = rand_bf16(size_t(T * c.Lt), rng, -1.0f, 1.0f);
-    std::vector<int32_t> ids;
-    std::vector<float> wts;
-    make_routing(Routing::random, T, c.X, c.K, rng, ids, wts);
-    std::vector<int32_t> gids = ids;  // the GPU's: the first `bad` outside [0, X), weight 0
-    for (int b = 0; b < c.bad; ++b) gids[size_t(b)] = int32_t(c.X + b), wts[size_t(b)] = 0.0f;
-    twin_ids_for_outside(gids, c.X, ids);
-    std::vector<uint16_t> ref(size_t(T * c.Lt));
-    cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, ref.data());
-    const std::string shape = fmt::format("X={} K={} Lt={} I={} T=1, {} ids outside", c.X, c.K, c.Lt, c.I, c.bad);
+    const OneToken o = one_token(c.X, c.K, c.Lt, c.I, c.bad, rng);
     for (int ks : {0, 2, 5}) {
       MoeVariant four{cuda::MoeTokenTile::t8, -1, 0, -1, false, ks};
       four.persist = 0;
-      const auto want = run_gpu_moe(*E, z, gids, wts, T, c.K, four);
-      check_moe("moe_experts_mxfp4 " + four.name(), shape, want, ref);
+      const auto want = run_gpu_moe(*o.E, o.z, o.gids, o.wts, T, c.K, four);
+      check_moe("moe_experts_mxfp4 " + four.name(), o.shape, want, o.ref);
       for (int fd : {1, 2, 3}) {
         MoeVariant v = four;
         v.few_deep = fd;
-        EXPECT_EQ(run_gpu_moe(*E, z, gids, wts, T, c.K, v), want) << shape << " " << v.name();
+        EXPECT_EQ(run_gpu_moe(*o.E, o.z, o.gids, o.wts, T, c.K, v), want) << o.shape << " " << v.name();
       }
     }
   }

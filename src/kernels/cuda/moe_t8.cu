@@ -420,12 +420,6 @@ bool t8_jit_allowed() {
   }();
   return on;
 }
-int t8_resident(bool glu, bool special, bool jit);
-// Whether t8's 4-stage launch of `base` CTAs (jobs × 64-row groups, before the K split) reads the activations at use.
-bool t8_jit(bool glu, bool special, int64_t base) {
-  return t8_jit_allowed() && base >= t8_resident(glu, special, false);
-}
-
 // CTAs of `kernel` (kGemmThreads a CTA, no dynamic shared memory) resident at once on the current device, cached
 // per device in `cache`.
 template <class Kernel>
@@ -459,6 +453,11 @@ int t8_resident(bool glu, bool special, bool jit) {
                    : resident_ctas(expert_gemm_kernel<true, 1, 4, kScaleF32, true>, c);
   return special ? resident_ctas(expert_gemm_kernel<false, 1, 4, kScaleSpecial, true, kT8W2MinCtas>, c)
                  : resident_ctas(expert_gemm_kernel<false, 1, 4, kScaleF32, true, kT8W2MinCtas>, c);
+}
+
+// Whether t8's 4-stage launch of `base` CTAs (jobs × 64-row groups, before the K split) reads the activations at use.
+bool t8_jit(bool glu, bool special, int64_t base) {
+  return t8_jit_allowed() && base >= t8_resident(glu, special, false);
 }
 
 }  // namespace
@@ -512,13 +511,10 @@ int t8p_kh_env() {
   static const int v = env_int("KESTREL_MOE_T8P_KH", 2) == 1 ? 1 : 2;
   return v;
 }
-// Few slots at one token (the reduced mini's top-2: w1|w3 480 CTAs of ~11 chunks a warp, w2 560): the whole grid
-// is resident at once, so the 4-stage pipeline's limit is bytes in flight, not CTAs — Nsight Compute (session 28)
-// has w1|w3 there at 26 % of DRAM peak, 12.9 warps an SM, 7.45 cycles between a warp's instructions; ~39 KB in
-// flight an SM against the ~174 KB each SM must read. GemmArgs::few_deep (MoeExpertsOptions::t8_few_deep,
-// KESTREL_MOE_T8_FEW_DEEP; default off, unmeasured) takes the 8-stage kernel with the activations read at use for
-// an ungrouped grid that fits one wave of it: 7 of a warp's chunks in flight from its start. The same sums in the
-// same order (bit-identical: GpuMoe.T8FewDeepMatchesFourStages, EmuMoeDecode.Batch1EveryWayOfSplitting).
+// Few slots at one token (the reduced mini's top-2: 480 / 560 CTAs, all resident at once): bytes in flight bind, not
+// CTAs (Nsight, session 28: w1|w3 at 26 % of DRAM peak, ~39 KB in flight an SM of the ~174 KB each reads).
+// GemmArgs::few_deep (t8_few_deep; off, unmeasured) takes the 8-stage kernel where the grid fits one wave of it —
+// the same sums in the same order (GpuMoe.T8FewDeepMatchesFourStages, EmuMoeDecode.Batch1EveryWayOfSplitting).
 int t8_deep_resident(bool glu) {
   static std::atomic<int> cached[2][16];  // [glu][device]
   return glu ? resident_ctas(expert_gemm_kernel<true, 1, kT8DeepStages, kScaleFoldH, true, 0, true>, cached[1])
