@@ -321,14 +321,22 @@ struct CudaModel::Impl {
            first, first + n, logits_rows);
     if (n == 0) return;
     const int64_t V = cfg.text.vocab_size;
-    int32_t* pin = ids_host.get(n);
-    const bool mapped = PinnedIds::mapped();
-    int32_t* d = mapped ? ids_host.dev() : static_cast<int32_t*>(alloc.alloc(size_t(n) * 4));  // i32 [n]
     if (!argmax_ws) {  // ordered before the argmax by the stream
       argmax_ws = alloc.alloc(cuda::argmax_workspace_bytes());
       KCUDA_CHECK(cudaMemsetAsync(argmax_ws, 0, cuda::argmax_workspace_bytes(), x.stream));
     }
-    cuda::argmax_rows(logits_cur + first * V, V, n, V, d, x.stream, argmax_ws);
+    ids_to_host(n, host,
+                [&](int32_t* d) { cuda::argmax_rows(logits_cur + first * V, V, n, V, d, x.stream, argmax_ws); });
+  }
+
+  // Enqueues launch(d), a kernel writing n ids to the device address d, waits for it and copies the ids to host:
+  // d is the mapped page-locked buffer itself, or (KESTREL_IDS_MAPPED=0) a device buffer copied into it.
+  template <class Launch>
+  void ids_to_host(int64_t n, int32_t* host, Launch&& launch) {
+    int32_t* pin = ids_host.get(n);
+    const bool mapped = PinnedIds::mapped();
+    int32_t* d = mapped ? ids_host.dev() : static_cast<int32_t*>(alloc.alloc(size_t(n) * 4));  // i32 [n]
+    launch(d);
     if (!mapped) KCUDA_CHECK(cudaMemcpyAsync(pin, d, size_t(n) * 4, cudaMemcpyDeviceToHost, x.stream));
     KCUDA_CHECK(cudaStreamSynchronize(x.stream));  // the kernel's stores to mapped memory are visible after it
     std::copy(pin, pin + n, host);
@@ -357,9 +365,6 @@ struct CudaModel::Impl {
     }
     auto* dp = static_cast<cuda::SampleParams*>(alloc.alloc(size_t(n) * sizeof(cuda::SampleParams)));
     auto* de = static_cast<cuda::PenaltyEntry*>(alloc.alloc(size_t(std::max<int64_t>(m, 1)) * sizeof(cuda::PenaltyEntry)));
-    int32_t* pin = ids_host.get(n);
-    const bool mapped = PinnedIds::mapped();
-    int32_t* di = mapped ? ids_host.dev() : static_cast<int32_t*>(alloc.alloc(size_t(n) * 4));
     KCUDA_CHECK(cudaMemcpyAsync(dp, params.data(), size_t(n) * sizeof(cuda::SampleParams), cudaMemcpyHostToDevice, x.stream));
     if (m > 0)
       KCUDA_CHECK(cudaMemcpyAsync(de, pen.data(), size_t(m) * sizeof(cuda::PenaltyEntry), cudaMemcpyHostToDevice, x.stream));
@@ -368,12 +373,8 @@ struct CudaModel::Impl {
       cuda::apply_token_masks(const_cast<float*>(logits_cur), V, V, dp, idx, mask_dev, mask_words, n, x.stream);
     }
     cuda::apply_penalties(const_cast<float*>(logits_cur), V, V, de, m, x.stream);
-    cuda::sample_rows(logits_cur, V, V, dp, n, di, x.stream);
-    if (!mapped) KCUDA_CHECK(cudaMemcpyAsync(pin, di, size_t(n) * 4, cudaMemcpyDeviceToHost, x.stream));
-    KCUDA_CHECK(cudaStreamSynchronize(x.stream));
-    std::copy(pin, pin + n, host);
+    ids_to_host(n, host, [&](int32_t* d) { cuda::sample_rows(logits_cur, V, V, dp, n, d, x.stream); });
     alloc.free(dp), alloc.free(de);
-    if (!mapped) alloc.free(di);
   }
 };
 
