@@ -175,6 +175,9 @@ static StepCounts count_step(const TextConfig& t, bool fp8) {
 // events between op groups time every launch; the wall time of a graph-replayed step is printed too.
 // Then an 8K-token prefill of one sequence. PERF lines (suffix _fp8 with --quantization ptpc-fp8):
 //   decode_step_mini_us_b1 / _b64   graph-replayed step, median wall time (host prep, sync, argmax included)
+//   decode_step_mini_ahead_us_b1 / _b64   graph steps run ahead (async scheduling): step N+1 enqueued with its
+//                                   tokens fed from step N's device ids before step N's ids are taken; median
+//                                   wall time per step
 //   decode_step_mini_pipelined_us_b1 / _b64   20 graph steps queued back to back, one argmax + sync: the
 //                                   GPU's time per step with the host's share overlapped
 //   decode_step_mini_floor_us       bytes a batch-1 step must read (the weights less the experts it does not
@@ -205,7 +208,7 @@ static void decode_step(const std::string& model_dir, bool fp8, bool perf) {
     for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((i * 7919 + 13) % 8000 % tc.vocab_size);
     std::vector<int32_t> tok(size_t(Bmax), 17);
     struct Res {
-      double median_us, graph_us, pipelined_us;
+      double median_us, graph_us, pipelined_us, ahead_us;
       std::vector<std::pair<std::string, double>> ops;
     };
     std::map<int64_t, Res> res;
@@ -258,10 +261,34 @@ static void decode_step(const std::string& model_dir, bool fp8, bool perf) {
         m.greedy(ids.data());
         pstep.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / n);
       }
+      // Run-ahead (the engine's loop under --async-scheduling, runtime/executor_cuda.h): each step enqueued with
+      // its tokens taken from the previous step's ids on the device (CudaSeq::prev_id), then the previous step's
+      // ids taken; wall time per step, one step always in flight.
+      const int32_t placeholder = -1;
+      std::vector<model::CudaSeq> aseqs = seqs;
+      for (int64_t b = 0; b < B; ++b) aseqs[size_t(b)].tokens = {&placeholder, 1}, aseqs[size_t(b)].prev_id = int32_t(b);
+      std::vector<cuda::SampleParams> gp;
+      for (int64_t b = 0; b < B; ++b) gp.push_back({int32_t(b), 0, 0.0f, 1.0f, 0.0f, 0, 0});
+      m.forward_batch(*cache, seqs);
+      int64_t ticket = m.sample_ahead(gp);
+      std::vector<double> astep;
+      for (int i = 0; i < 2 * reps; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        m.forward_batch(*cache, aseqs);
+        const int64_t next = m.sample_ahead(gp);
+        m.take_ids(ticket, ids.data());
+        ticket = next;
+        astep.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+      }
+      m.take_ids(ticket, ids.data());
+      fmt::print("graph step B = {}: run ahead (tokens fed on the device) {:.1f} µs a step (median)\n", B,
+                 [&] { auto a = astep; std::sort(a.begin(), a.end()); return a[a.size() / 2]; }());
       m.enable_cuda_graphs(false);
       std::sort(gstep.begin(), gstep.end());
       std::sort(pstep.begin(), pstep.end());
-      res[B] = {step[step.size() / 2], gstep[gstep.size() / 2], pstep[pstep.size() / 2], m.op_times()};
+      std::sort(astep.begin(), astep.end());
+      res[B] = {step[step.size() / 2], gstep[gstep.size() / 2], pstep[pstep.size() / 2], astep[astep.size() / 2],
+                m.op_times()};
     }
     // The batch-1 floor: bytes that must be read once.
     const StepCounts sc = count_step(tc, fp8);
@@ -300,9 +327,11 @@ static void decode_step(const std::string& model_dir, bool fp8, bool perf) {
     fmt::print("PERF decode_step_mini_us_b1{} {:.1f}\nPERF decode_step_mini_us_b64{} {:.1f}\n"
                "PERF decode_step_mini_floor_us{} {:.1f}\nPERF decode_step_mini_eager_us_b1{} {:.1f}\n"
                "PERF decode_step_mini_eager_us_b64{} {:.1f}\nPERF decode_step_mini_pipelined_us_b1{} {:.1f}\n"
-               "PERF decode_step_mini_pipelined_us_b64{} {:.1f}\n",
+               "PERF decode_step_mini_pipelined_us_b64{} {:.1f}\nPERF decode_step_mini_ahead_us_b1{} {:.1f}\n"
+               "PERF decode_step_mini_ahead_us_b64{} {:.1f}\n",
                sfx, res[1].graph_us, sfx, res[Bmax].graph_us, sfx, floor_us, sfx, res[1].median_us, sfx,
-               res[Bmax].median_us, sfx, res[1].pipelined_us, sfx, res[Bmax].pipelined_us);
+               res[Bmax].median_us, sfx, res[1].pipelined_us, sfx, res[Bmax].pipelined_us, sfx, res[1].ahead_us, sfx,
+               res[Bmax].ahead_us);
     std::fflush(stdout);
 
     // ---- an 8K-token prefill of one sequence ----

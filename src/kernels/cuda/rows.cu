@@ -1,4 +1,5 @@
-// Row copies by index map (see rows.h): one 16-byte vector per thread step, grid-stride.
+// Row copies by index map (see rows.h): one 16-byte vector per thread step, grid-stride; and the run-ahead
+// ids' resolution (one CTA).
 #include <algorithm>
 #include <string>
 
@@ -31,7 +32,23 @@ __global__ void copy_rows_multi_kernel(const RowArrays* arrays, const int32_t* s
   }
 }
 
+__global__ void resolve_pending_ids_kernel(int32_t* ids, int64_t n, const int32_t* prev) {
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int32_t v = ids[i];
+    if (v <= -2) ids[i] = prev[-2 - int64_t(v)];
+  }
+}
+
 }  // namespace
+
+void resolve_pending_ids(int32_t* ids, int64_t n, const int32_t* prev, cudaStream_t stream) {
+  KCUDA_REQUIRE(n >= 0 && (n == 0 || (ids != nullptr && prev != nullptr)),
+                "resolve_pending_ids: n " + std::to_string(n) + " with a null ids or prev");
+  if (n == 0) return;
+  // One CTA: a decode batch's ids (≤ a few hundred) are one or two loads per thread.
+  resolve_pending_ids_kernel<<<1, 256, 0, stream>>>(ids, n, prev);
+  KCUDA_CHECK_LAUNCH();
+}
 
 void copy_rows_multi(const RowArrays* arrays, int64_t n_arrays, int64_t max_row_bytes, const int32_t* src_idx,
                      const int32_t* dst_idx, int64_t n, cudaStream_t stream) {

@@ -8,13 +8,14 @@
 
 #include "core/check.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/rows.h"
 #include "model/cuda/cache.h"
 #include "model/cuda/context.h"
 
 namespace kestrel::model::gpu {
 
 BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int64_t V, BatchInputs& in,
-                         std::span<const CudaEmbedRows> embed) {
+                         std::span<const CudaEmbedRows> embed, int64_t n_prev) {
   KCHECK(!seqs.empty(), "forward_batch: no sequences");
   BatchStep s;
   s.n = int64_t(seqs.size());
@@ -46,9 +47,14 @@ BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int
     for (int32_t p : q.block_table)
       KCHECK(p >= 0 && p < cc.num_pages, "forward_batch: page {} outside [0, {})", p, cc.num_pages);
     const auto pool_row = [&](int64_t pos) { return int32_t(int64_t(q.block_table[size_t(pos / P)]) * P + pos % P); };
+    if (q.prev_id >= 0) {  // run-ahead: the token is on the device (resolve_pending_ids), validated when sampled
+      KCHECK(g == 0 && q.prev_id < n_prev, "forward_batch: sequence {} takes id {} of the last sample_ahead ({} ids; "
+             "a single-token sequence only)", b, q.prev_id, n_prev);
+      in.pending = true;
+    }
     for (int64_t i = 0; i < Tb; ++i) {
-      const int32_t t = q.tokens[size_t(i)];
-      if (t < 0 || t >= V) fail("token id {} at position {} is outside [0, {})", t, q.pos0 + i, V);
+      const int32_t t = q.prev_id >= 0 ? cuda::pending_id(q.prev_id) : q.tokens[size_t(i)];
+      if (q.prev_id < 0 && (t < 0 || t >= V)) fail("token id {} at position {} is outside [0, {})", t, q.pos0 + i, V);
       in.ids.push_back(t);
       in.pool_rows.push_back(pool_row(q.pos0 + i));
     }

@@ -64,13 +64,15 @@ struct BatchInputs {
   std::vector<int32_t> dec_lens, tables, row_lens, row_req;  // context inputs
   std::vector<int32_t> embed_dst;  // step rows that take image rows (BatchStep::embed_rows)
   bool all_last = true;  // every sequence wants exactly its last logits row
+  bool pending = false;  // some ids are run-ahead marks (rows.h pending_id), resolved on the device
 };
 
 // Validates `seqs` against `cc` (token ids < V, decodes first, then verify sequences wanting all logits, distinct slots, pages in range, block
 // tables covering the contexts) and `embed` (sequences in range, at most one entry each, positions inside
 // the sequence and ascending, rows 16-byte aligned); kestrel::Error otherwise. Describes the step.
+// n_prev: the ids of the latest sample_ahead, which CudaSeq::prev_id indexes (0: no sequence may have one).
 BatchStep describe_batch(std::span<const CudaSeq> seqs, const CudaCache& cc, int64_t V, BatchInputs& in,
-                         std::span<const CudaEmbedRows> embed = {});
+                         std::span<const CudaEmbedRows> embed = {}, int64_t n_prev = 0);
 // Uploads the context inputs.
 void upload_context(Context& x, BatchStep& s, const BatchInputs& in);
 // Uploads the static inputs of an eager step; returns the device token ids (the logits rows follow the

@@ -12,7 +12,9 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_alloc.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/rows.h"
 #include "kernels/cuda/token_mask.h"
+#include "model/cuda/ahead.h"
 #include "model/cuda/batch.h"
 #include "model/cuda/cache.h"
 #include "model/cuda/context.h"
@@ -103,6 +105,7 @@ struct CudaModel::Impl {
 
   PinnedIds ids_host;  // the last greedy / sample ids on their way to the caller
   void* argmax_ws = nullptr;  // cuda::argmax_rows' split workspace: zeroed once, left zeroed by every call
+  gpu::AheadIds ahead;        // run-ahead sampling's ids (sample_ahead, CudaSeq::prev_id)
 
   int tp_size = 1, tp_rank = 0;
   int64_t vocab_lo = 0, vocab_rows = 0;  // this rank's embedding rows [vocab_lo, vocab_lo + vocab_rows)
@@ -162,6 +165,7 @@ struct CudaModel::Impl {
     alloc.free(argmax_ws);
     alloc.free(mask_idx_dev);
     alloc.free(taps_dev);
+    ahead.release(alloc);
     if (mask_ready) cudaEventDestroy(mask_ready);
   }
 
@@ -226,7 +230,8 @@ struct CudaModel::Impl {
     const int64_t V = tc.vocab_size;
     staged_table = nullptr, staged_rows = staged_n = -1, staged_row_of = nullptr;  // masks staged for the last forward
     gpu::BatchInputs in;
-    gpu::BatchStep s = gpu::describe_batch(seqs, cc, V, in, embed);
+    gpu::BatchStep s = gpu::describe_batch(seqs, cc, V, in, embed, ahead.latest_n());
+    KCHECK(!in.pending || tp_size == 1, "forward_batch: run-ahead sequences (prev_id) run on one rank only");
     if (tp_size > 1) {
       KCHECK(x.split(), "CudaModel: rank {} of TP{} has no communicator (attach_comm)", tp_rank, tp_size);
       // The rank's embedding rows: its own ids, shifted; every other id reads the zero row after them.
@@ -248,6 +253,7 @@ struct CudaModel::Impl {
     const int64_t width = int64_t(tap_layers.size()) * tc.hidden_size;  // the taps' row: n·D
     if (!use_graph) {
       const int32_t* d_ids = gpu::upload_inputs(x, s, in);
+      if (in.pending) cuda::resolve_pending_ids(const_cast<int32_t*>(d_ids), s.T, ahead.latest(), x.stream);
       gpu::upload_embed_rows(x, s, in);
       const int64_t nr = int64_t(in.lrows.size());
       if (nr > logits_cap) {
@@ -279,7 +285,8 @@ struct CudaModel::Impl {
           [&](const int32_t* ids, const int32_t* lrows, int64_t nr, float* lg, uint16_t* taps) {
             gpu::TapsDev td{tap_layers.data(), int64_t(tap_layers.size()), taps};
             gpu::forward_layers(x, w, cc, s, ids, lrows, nr, true, lg, taps ? &td : nullptr);
-          });
+          },
+          ahead.latest());
       ++graph_steps;
       logits_cur = go.logits;
       logits_rows = real_rows;
@@ -376,6 +383,34 @@ struct CudaModel::Impl {
     ids_to_host(n, host, [&](int32_t* d) { cuda::sample_rows(logits_cur, V, V, dp, n, d, x.stream); });
     alloc.free(dp), alloc.free(de);
   }
+
+  // Run-ahead: sample()'s launches for rows without penalties or masks, into the ticket's device ids, no wait.
+  int64_t sample_ahead(std::span<const cuda::SampleParams> params) {
+    const int64_t V = cfg.text.vocab_size, n = int64_t(params.size());
+    KCHECK(tp_size == 1, "sample_ahead: one rank only");
+    for (const auto& p : params)
+      KCHECK(p.row >= 0 && p.row < logits_rows, "sample_ahead: logits row {} outside the {} of the last forward",
+             p.row, logits_rows);
+    bool plain_greedy = true;
+    for (int64_t k = 0; k < n && plain_greedy; ++k)
+      plain_greedy = params[size_t(k)].temperature == 0.0f && params[size_t(k)].row == params[0].row + k;
+    int32_t* d = ahead.begin(alloc, n);
+    if (plain_greedy) {
+      if (!argmax_ws) {  // ordered before the argmax by the stream
+        argmax_ws = alloc.alloc(cuda::argmax_workspace_bytes());
+        KCUDA_CHECK(cudaMemsetAsync(argmax_ws, 0, cuda::argmax_workspace_bytes(), x.stream));
+      }
+      cuda::argmax_rows(logits_cur + params[0].row * V, V, n, V, d, x.stream, argmax_ws);
+    } else {
+      auto* dp = static_cast<cuda::SampleParams*>(alloc.alloc(size_t(n) * sizeof(cuda::SampleParams)));
+      KCUDA_CHECK(cudaMemcpyAsync(dp, params.data(), size_t(n) * sizeof(cuda::SampleParams), cudaMemcpyHostToDevice,
+                                  x.stream));
+      cuda::sample_rows(logits_cur, V, V, dp, n, d, x.stream);
+      alloc.free(dp);  // reused only by later work on this stream
+    }
+    ahead.end(x.stream);
+    return ahead.ticket();
+  }
 };
 
 WeightQuant parse_weight_quant(const std::string& s) {
@@ -410,6 +445,8 @@ void CudaModel::sample(std::span<const cuda::SampleParams> params, std::span<con
                        int32_t* ids_host, const TokenMasks* masks) {
   impl_->sample(params, penalties, ids_host, masks);
 }
+int64_t CudaModel::sample_ahead(std::span<const cuda::SampleParams> params) { return impl_->sample_ahead(params); }
+void CudaModel::take_ids(int64_t ticket, int32_t* host) { impl_->ahead.take(ticket, host); }
 void CudaModel::set_taps(std::span<const int> layers) {
   for (int L : layers)
     KCHECK(L >= 0 && L < impl_->cfg.text.num_hidden_layers, "set_taps: layer {} of {}", L,

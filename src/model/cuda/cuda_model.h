@@ -56,6 +56,8 @@ struct Draft;      // model/dspark.h
 // (same kernels; only batch-size effects differ), and the KDA state after each position is kept in the
 // cache's trace (keep_verified picks the accepted one). Needs logits = all; such sequences come after the
 // single-token ones and before the prefills.
+// prev_id ≥ 0 (run-ahead, a decode only): its one token is entry prev_id of the ids the latest sample_ahead
+// enqueued — still on the device when this forward is enqueued; `tokens` then holds one placeholder (ignored).
 struct CudaSeq {
   std::span<const int32_t> tokens;
   int64_t pos0 = 0;
@@ -63,6 +65,7 @@ struct CudaSeq {
   std::span<const int32_t> block_table;
   enum class Logits : uint8_t { none, last, all } logits = Logits::last;
   bool verify = false;
+  int32_t prev_id = -1;
 };
 
 // Image rows of one sequence of a forward (MODEL.md §3.1, §6; the CPU's model::EmbedOverride): the positions
@@ -142,6 +145,14 @@ class CudaModel {
   };
   void sample(std::span<const cuda::SampleParams> params, std::span<const cuda::PenaltyEntry> penalties,
               int32_t* ids_host /* i32 [params.size()] */, const TokenMasks* masks = nullptr);
+  // ---- run-ahead (async scheduling: runtime/executor_cuda.h; model/cuda/ahead.h) --------------------------
+  // sample() without the host's wait, for rows with no penalty entry and no mask: enqueues the sampling of the
+  // last forward's rows and returns a ticket at once. The ids (params order) stay on the device for the next
+  // forward, whose sequences with CudaSeq::prev_id = k take entry k as their token, and reach the host on a side
+  // stream: take_ids(ticket, host) waits for that step's ids only (not for a forward queued after them). At most
+  // two tickets not yet taken; each taken once. All-greedy consecutive rows take the argmax alone, as in sample().
+  int64_t sample_ahead(std::span<const cuda::SampleParams> params);
+  void take_ids(int64_t ticket, int32_t* host /* i32 [n of that call] */);
   // ---- DSpark speculation (speculative.cpp; MODEL.md §5, docs/speculative.md) ----------------------------
   // Taps: with layers set (the draft's target_layer_ids, ascending or not), every forward copies the
   // AttnRes partial sum P after each listed layer into a device buffer bf16 [T, n·D] (row = step row,

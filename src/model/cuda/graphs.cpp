@@ -6,6 +6,7 @@
 #include "core/check.h"
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/rows.h"
 #include "model/cuda/batch.h"
 #include "model/cuda/cache.h"
 #include "model/cuda/context.h"
@@ -95,7 +96,8 @@ bool verify_graph_step(const Context& x, const BatchStep& s, bool kda_state_f16)
 }
 
 GraphOut run_graph_step(Context& x, CudaCache& cc, BatchStep& s, const BatchInputs& in,
-                        std::span<const int> tap_layers, int64_t tap_width, const StepBody& body) {
+                        std::span<const int> tap_layers, int64_t tap_width, const StepBody& body,
+                        const int32_t* prev_ids) {
   const int64_t V = x.c.vocab_size;
   const bool verify = s.nv > 0;
   KCHECK(verify ? s.nv == s.n && s.nd == 0 : s.nd == s.n, "run_graph_step: a step of {} decodes and {} verify "
@@ -146,6 +148,9 @@ GraphOut run_graph_step(Context& x, CudaCache& cc, BatchStep& s, const BatchInpu
     for (int64_t r = 0; r < T; ++r) meta.push_back(int32_t(r / R));
   }
   KCUDA_CHECK(cudaMemcpyAsync(g.meta, meta.data(), meta.size() * 4, cudaMemcpyHostToDevice, x.stream));
+  // Run-ahead rows: their ids from the previous step's sampling, on the device (outside the graph: the source
+  // buffer alternates between two slots, ahead.h).
+  if (in.pending) cuda::resolve_pending_ids(g.meta, nR, prev_ids, x.stream);
   s.T = T, s.n = B;
   if (verify)
     s.nv = B, s.nvr = T;

@@ -125,8 +125,11 @@ struct GraphOut {
 // Runs the pure-decode or pure-verify step `s` (s.n ≤ kMaxGraphBatch sequences) through the bucket of `cc`
 // for its size: rewrites the bucket's static inputs from `in`, pads `s` to the bucket (s.n = B, s.T = B·R,
 // s.nd = B or s.nv = B; s.n_real keeps the real count), then captures (first time, or the tap layers
-// changed) or replays. `tap_layers`, `tap_width` (n·D): the taps the body copies (none: empty, 0).
+// changed) or replays. `tap_layers`, `tap_width` (n·D): the taps the body copies (none: empty, 0). With
+// in.pending, the run-ahead rows' ids are resolved from `prev_ids` (the latest sample_ahead's device ids) in the
+// bucket after its inputs are rewritten, before the graph runs.
 GraphOut run_graph_step(Context& x, CudaCache& cc, BatchStep& s, const BatchInputs& in,
-                        std::span<const int> tap_layers, int64_t tap_width, const StepBody& body);
+                        std::span<const int> tap_layers, int64_t tap_width, const StepBody& body,
+                        const int32_t* prev_ids = nullptr);
 
 }  // namespace kestrel::model::gpu
