@@ -1,6 +1,6 @@
 // Run-ahead on the GPU (async scheduling: model/cuda/ahead.h, CudaModel::sample_ahead / take_ids, CudaSeq::prev_id):
 //  1. GpuServingOps.ResolvePendingIdsMatchesTwin: kernels/cuda/rows.h resolve_pending_ids against its CPU twin
-//     (marked rows replaced, every other entry untouched, the empty call).
+//     (marked rows replaced, a handed-back −1 as 0, every other entry untouched, the empty call).
 //  2. GpuAhead.DeviceFedTokensMatchSyncSteps, per checkpoint (KESTREL_GPU_CKPTS), eager and through graph buckets,
 //     at 1 and 3 sequences: greedy decoding with each step enqueued before the previous step's ids are on the host
 //     (the tokens fed from the device, the sequences' order reversed every other step so prev_id is not the
@@ -33,6 +33,7 @@ TEST(GpuServingOps, ResolvePendingIdsMatchesTwin) {
     const int64_t n_prev = 1 + n / 2;
     std::vector<int32_t> prev(static_cast<size_t>(n_prev)), ids(static_cast<size_t>(n));
     for (auto& v : prev) v = int32_t(r.next() % 100000);
+    prev[0] = -1;  // a row the sampler handed back: resolved to 0
     for (int64_t i = 0; i < n; ++i)  // a third marked, the rest plain ids (0 and −1 included: not marks)
       ids[size_t(i)] = i % 3 == 0 ? cuda::pending_id(int32_t(r.next() % uint64_t(n_prev)))
                                   : i % 7 == 1 ? int32_t(i % 2) - 1 : int32_t(r.next() % 100000);

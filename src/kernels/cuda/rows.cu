@@ -35,7 +35,7 @@ __global__ void copy_rows_multi_kernel(const RowArrays* arrays, const int32_t* s
 __global__ void resolve_pending_ids_kernel(int32_t* ids, int64_t n, const int32_t* prev) {
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     const int32_t v = ids[i];
-    if (v <= -2) ids[i] = prev[-2 - int64_t(v)];
+    if (v <= -2) ids[i] = max(prev[-2 - int64_t(v)], 0);
   }
 }
 

@@ -53,15 +53,17 @@ inline void cpu_copy_rows_multi(const RowArrays* arrays, int64_t n_arrays, const
 
 // Run-ahead token ids (async scheduling; model/cuda/ahead.h): a step enqueued before the host has the previous
 // step's sampled ids marks each such row's token as −2 − k, k the row of the previous step's ids that holds it.
-// For i < n: ids[i] ≤ −2 becomes prev[−2 − ids[i]]; every other entry is left as it is. The host checked every
-// k < n_prev when it built ids (the device checks nothing); one small launch, capturable (device memory only).
+// For i < n: ids[i] ≤ −2 becomes prev[−2 − ids[i]] (a negative one — the sampler's "host samples this row" —
+// becomes 0, so the embedding gather stays in range; such a step's output for that row is never used); every other
+// entry is left as it is. The host checked every k < n_prev when it built ids (the device checks nothing); one
+// small launch, capturable (device memory only).
 void resolve_pending_ids(int32_t* ids /* i32 [n] */, int64_t n, const int32_t* prev /* i32 [n_prev] */,
                          cudaStream_t stream);
 constexpr int32_t pending_id(int32_t k) { return -2 - k; }  // the mark of "the previous step's id k"
 
 inline void cpu_resolve_pending_ids(int32_t* ids, int64_t n, const int32_t* prev) {
   for (int64_t i = 0; i < n; ++i)
-    if (ids[i] <= -2) ids[i] = prev[-2 - int64_t(ids[i])];
+    if (ids[i] <= -2) ids[i] = prev[-2 - int64_t(ids[i])] < 0 ? 0 : prev[-2 - int64_t(ids[i])];
 }
 
 }  // namespace kestrel::cuda
