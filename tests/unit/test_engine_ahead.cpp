@@ -25,7 +25,8 @@
 #include "runtime/executor.h"
 #include "runtime/fake_executor.h"
 
-namespace kestrel {
+// A namespace of its own: CI batches test files into unity translation units (KESTREL_UNITY).
+namespace kestrel::engine_ahead_testing {
 namespace {
 
 using runtime::Engine;
@@ -216,15 +217,19 @@ TEST(AsyncScheduling, ArrivalMidRunIsAdmittedAtOnce) {
 // A cancel from a sink (at request 1's 5th token, while the next step is already in flight when async): the
 // request ends with exactly those 5 tokens and nothing after its final event; the others are unaffected.
 TEST(AsyncScheduling, CancelMidRunEndsAtTheCancelledToken) {
+  // Requests 1 and 2 come from request 0's first event (on the engine thread), so all three decode together
+  // from a fixed step on, whatever the test thread's timing.
   auto with_cancel = [](Engine& e, Events& ev) {
-    auto id = std::make_shared<RequestId>(0);  // its own sink cancels it: the id, known after submit()
-    e.submit(greedy(16, 30, 21), ev.sink(0));
-    *id = e.submit(seeded(25, 30, 22), ev.sink(1, [&e, id](size_t n) {
-            if (n == 5) {
-              EXPECT_TRUE(e.cancel(*id));
-            }
-          })).id;
-    e.submit(greedy(8, 30, 23), ev.sink(2));
+    e.submit(greedy(16, 30, 21), ev.sink(0, [&e, &ev](size_t n) {
+      if (n != 1) return;
+      auto id = std::make_shared<RequestId>(0);  // its own sink cancels it: the id, known after submit()
+      *id = e.submit(seeded(25, 30, 22), ev.sink(1, [&e, id](size_t k) {
+              if (k == 5) {
+                EXPECT_TRUE(e.cancel(*id));
+              }
+            })).id;
+      e.submit(greedy(8, 30, 23), ev.sink(2));
+    }));
   };
   const RunResult sync = run(roomy(), false, with_cancel), async = run(roomy(), true, with_cancel);
   // Async: the cancel lands while the step with request 1's 6th token is in flight; that token is dropped.
@@ -464,4 +469,4 @@ TEST(AsyncScheduling, ExecutorLaunchAndCollectInOrder) {
 }
 
 }  // namespace
-}  // namespace kestrel
+}  // namespace kestrel::engine_ahead_testing

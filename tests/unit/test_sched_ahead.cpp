@@ -14,7 +14,8 @@
 #include "sched/scheduler.h"
 #include "sched_fake_executor.h"
 
-namespace kestrel::sched {
+// A namespace of its own: CI batches test files into unity translation units (KESTREL_UNITY).
+namespace kestrel::sched::ahead_testing {
 namespace {
 
 using testing::cache_config;
@@ -325,4 +326,4 @@ TEST(SchedAhead, OnlyAStepOfPlainDecodesCanBeContinued) {
 }
 
 }  // namespace
-}  // namespace kestrel::sched
+}  // namespace kestrel::sched::ahead_testing
