@@ -82,9 +82,10 @@ struct StepHooks {
   // The sampled token (and stop flag) for a sequence with `sample` set, from its last logits.
   std::function<sched::SeqResult(const sched::ScheduledSeq&, std::span<const float> logits /* f32 [V] */)> sample;
   // Optional (device executors): what the sampler of a sequence needs (its parameters, prompt and
-  // output so far, stop ids; the draw index is output.size()), and the hook that takes a token sampled on the
-  // device by the same rules, so the logits never come back to the host. An executor may ignore
-  // these and call `sample` instead.
+  // output so far, stop ids; the draw index is output.size(), + 1 for a run-ahead row with its token
+  // pending: StepExecutor::launch), and the hook that takes a token sampled on the device by the same
+  // rules, so the logits never come back to the host. An executor may ignore these and call `sample`
+  // instead (not in launch(), which has no `sample`).
   struct SamplingInputs {
     const SamplingParams* params = nullptr;
     std::span<const int32_t> prompt, output;
