@@ -245,8 +245,9 @@ TEST(AsyncScheduling, CancelMidRunEndsAtTheCancelledToken) {
   EXPECT_GT(async.stats.ahead_steps, 0);
 }
 
-// A request that is not plain is in every decode step of its batch (submitted first, longest): nothing runs
-// ahead, and the tokens (logprobs too) are the synchronous engine's. The same batch all plain runs ahead.
+// A request that is not plain is in every decode step of its batch (first and longest; the other comes from its
+// first event): nothing runs ahead, and the tokens (logprobs too) are the synchronous engine's. The same batch
+// all plain runs ahead.
 TEST(AsyncScheduling, ANonPlainRequestKeepsItsBatchSynchronous) {
   const std::vector<std::pair<const char*, std::function<void(SamplingParams&)>>> kinds = {
       {"plain", [](SamplingParams&) {}},
@@ -259,8 +260,9 @@ TEST(AsyncScheduling, ANonPlainRequestKeepsItsBatchSynchronous) {
     auto submit = [&](Engine& e, Events& ev) {
       Request first = seeded(18, 20, 31);
       edit(first.sampling);
-      e.submit(first, ev.sink(0));
-      e.submit(greedy(11, 12, 32), ev.sink(1));
+      e.submit(first, ev.sink(0, [&e, &ev](size_t n) {
+        if (n == 1) e.submit(greedy(11, 12, 32), ev.sink(1));
+      }));
     };
     const RunResult sync = run(roomy(), false, submit), async = run(roomy(), true, submit);
     SCOPED_TRACE(name);
@@ -293,12 +295,17 @@ TEST(AsyncScheduling, MemoryPressureWithPreemption) {
   cfg.max_num_batched_tokens = 64;
   const cache::CacheLayout l = cache::CacheLayout::from_config(nano().cfg.text, cfg.formats);
   cfg.memory_budget = l.total_state_bytes(6) + l.total_page_bytes(16);  // 256 tokens for ~450 wanted
+  // The others from the first one's first event, so they all overlap whatever the test thread's timing.
   auto submit = [](Engine& e, Events& ev) {
-    const size_t lens[] = {60, 45, 70, 52, 30};
-    const int32_t max_tokens[] = {40, 35, 30, 38, 33};
-    for (int i = 0; i < 5; ++i)
-      e.submit(i % 2 ? seeded(lens[i], max_tokens[i], 40 + uint32_t(i)) : greedy(lens[i], max_tokens[i], 40 + uint32_t(i)),
-               ev.sink(i));
+    auto make = [](int i) {
+      const size_t lens[] = {60, 45, 70, 52, 30};
+      const int32_t max_tokens[] = {40, 35, 30, 38, 33};
+      return i % 2 ? seeded(lens[i], max_tokens[i], 40 + uint32_t(i)) : greedy(lens[i], max_tokens[i], 40 + uint32_t(i));
+    };
+    e.submit(make(0), ev.sink(0, [&e, &ev, make](size_t n) {
+      if (n != 1) return;
+      for (int i = 1; i < 5; ++i) e.submit(make(i), ev.sink(i));
+    }));
   };
   const RunResult sync = run(cfg, false, submit), async = run(cfg, true, submit);
   expect_same(sync, async);
@@ -376,8 +383,13 @@ TEST(AsyncScheduling, AFailedLaunchEndsEveryRequestAndLeavesNothingLaunched) {
   Events ev;
   {
     Engine e(nano().w, nano().cfg, cfg);
-    e.submit(greedy(10, 30, 70), ev.sink(0));
-    e.submit(seeded(12, 30, 71), ev.sink(1));
+    // Request 1 from request 0's first event (the engine thread): both are running when the launch fails,
+    // however late the test thread would have come.
+    e.submit(greedy(10, 30, 70), ev.sink(0, [&e, &ev](size_t n) {
+      if (n == 1) {
+        EXPECT_TRUE(e.submit(seeded(12, 30, 71), ev.sink(1)).accepted());
+      }
+    }));
     e.wait_idle();
     EXPECT_FALSE(e.ready());
     EXPECT_NE(e.failure().find("injected launch failure"), std::string::npos) << e.failure();
