@@ -332,6 +332,9 @@ void generate(const GenerateOpts& o) {
   fmt::print("engine: {} steps, {} preemptions, prefix cache {} hits / {} queries skipping {} tokens, {} positions "
              "computed\n",
              st.steps, st.preemptions, st.prefix_hits, st.prefix_queries, st.prefix_hit_tokens, st.tokens_forwarded);
+  if (st.ahead_steps > 0)  // --async-scheduling
+    fmt::print("async scheduling: {} of {} steps launched ahead of the previous step's tokens\n", st.ahead_steps,
+               st.steps);
   // DSpark (--speculative-config): vLLM's counters and the mean acceptance length (accepted draft tokens per
   // verification step, plus the token every step emits), what k3data/spec_eval.py reads.
   if (st.spec_drafts > 0)

@@ -112,6 +112,11 @@ void EngineFlags::add_to(CLI::App& cmd) {
   cmd.add_option("--max-long-partial-prefills", max_long_partial_prefills,
                  "long prompts prefilling at once (shorter ones pass a waiting long one)")
       ->check(CLI::Range(1, 1 << 16));
+  cmd.add_flag("--async-scheduling", async_scheduling,
+               "run-ahead: in pure decode of plain requests (no logprobs, penalties, bias, structured output), "
+               "launch each step before the previous one's tokens are back, so the device never waits for the host "
+               "between steps (docs/serving.md). Same tokens either way; on the CPU, whose forward is synchronous, "
+               "nothing overlaps. Executors that cannot run ahead (tensor parallel, fake) ignore it with a note");
   cmd.add_option("--speculative-config", speculative_config,
                  "DSpark speculative decoding, vLLM's JSON: {\"method\":\"dspark\",\"model\":\"DIR\","
                  "\"num_speculative_tokens\":7,\"draft_sample_method\":\"probabilistic\",\"rejection_sample_method\":\"block\"}");
@@ -150,6 +155,7 @@ runtime::EngineOptions EngineFlags::options(int default_max_num_seqs) const {
   ec.prefill_step_target_s = o.device == runtime::Device::cuda ? 0.05 : 0.75;
   ec.max_num_partial_prefills = max_num_partial_prefills;
   ec.max_long_partial_prefills = max_long_partial_prefills;
+  ec.async_scheduling = async_scheduling;
   return o;
 }
 

@@ -10,6 +10,7 @@
 //   --tensor-parallel-size N  --enable-expert-parallel  --decode-context-parallel-size N  (docs/parallel.md)
 //   --enable-custom-all-reduce  --debug-tp-on-one-gpu
 //   --long-prefill-token-threshold N  --max-num-partial-prefills N  --max-long-partial-prefills N
+//   --async-scheduling (pure-decode steps run ahead of the host: docs/serving.md)
 //
 // Without --model the embedded k3-tiny is used when it is found (default_model_dir()).
 //   --speculative-config JSON (vLLM's keys; DSpark)
@@ -45,6 +46,7 @@ struct EngineFlags {
   int max_num_partial_prefills = 4, max_long_partial_prefills = 1;
   bool model_given = false;  // --model was on the command line (else the embedded default)
   std::string speculative_config;  // --speculative-config JSON (runtime/spec_config.h)
+  bool async_scheduling = false;   // --async-scheduling (runtime/engine.h EngineConfig::async_scheduling)
 
   void add_to(CLI::App& cmd);
   // Fills in `model` when --model was not given: the embedded k3-tiny, or a kestrel::Error naming

@@ -195,6 +195,9 @@ struct EngineStats {
   // DSpark speculation (vLLM's vllm:spec_decode_num_* counters): verification steps, draft tokens
   // proposed, draft tokens accepted. Mean acceptance length = 1 + accepted / drafts.
   int64_t spec_drafts = 0, spec_draft_tokens = 0, spec_accepted_tokens = 0;
+  // Async scheduling (run-ahead, docs/serving.md): steps planned and launched before the previous step's
+  // tokens were known (included in `steps`).
+  int64_t ahead_steps = 0;
 
   // vLLM's kv_cache_usage: cached prefix pages nobody holds are reclaimable, so they count as free.
   double kv_usage() const { return pages_total ? double(pages_held) / double(pages_total) : 0.0; }

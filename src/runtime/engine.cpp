@@ -1,6 +1,7 @@
-// Engine loop (see engine.h). About 665 lines: the step hooks that tie the executor to the requests — sampling,
+// Engine loop (see engine.h). About 690 lines: the step hooks that tie the executor to the requests — sampling,
 // structured-output masks, speculation, images — stay beside the loop they serve; the mask jobs' start at the
-// forward's launch and min_tokens' held stops read the same per-step state as those hooks.
+// forward's launch and min_tokens' held stops read the same per-step state as those hooks. Run-ahead steps
+// (async scheduling) have their own file, engine_ahead.cpp, and share this file's step tail (finish_step).
 #include "runtime/engine.h"
 
 #include <fmt/format.h>
@@ -119,6 +120,10 @@ Engine::Engine(const ModelConfig& c, EngineConfig cfg)
     fail("speculative decoding needs an executor that speculates (the CPU or the one-GPU executor)");
   exec_ = cfg_.make_executor(cfg_.formats, plan_.cache_config(cfg_.enable_prefix_cache));
   KCHECK(exec_ != nullptr, "engine: the executor factory returned nothing");
+  run_ahead_ = cfg_.async_scheduling && exec_->runs_ahead();
+  if (cfg_.async_scheduling && !run_ahead_)  // accepted, as vLLM accepts it for any backend; said once
+    fmt::print(stderr, "kestrel: --async-scheduling: this executor cannot run steps ahead; every step runs "
+                       "synchronously\n");
   if (cfg_.eos_token_ids.empty() && c.text.eos_token_id >= 0) cfg_.eos_token_ids = {c.text.eos_token_id};
   // Before any step is measured, long chunks start small; the first measurements size them.
   if (cfg_.prefill_step_target_s > 0.0 && cfg_.long_prefill_token_threshold > 0)
@@ -166,6 +171,7 @@ Submission Engine::submit(Request r, TokenSink sink) {
   }
   q->r = std::move(r);
   q->sink = std::move(sink);
+  q->speculate = cfg_.speculative && speculates(q->r);
   Submission s;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -175,7 +181,7 @@ Submission Engine::submit(Request r, TokenSink sink) {
       return s;
     }
     s.id = next_id_++;
-    sched_.submit(s.id, q->r, cfg_.speculative && speculates(q->r));  // throws for a request the page pool can never hold; nothing is kept
+    sched_.submit(s.id, q->r, q->speculate);  // throws for a request the page pool can never hold; nothing is kept
     prompt_tokens_ += int64_t(q->r.prompt.size());
     reqs_.emplace(s.id, std::move(q));
     s.status = SubmitStatus::accepted;
@@ -300,7 +306,7 @@ void Engine::ensure_masks() {
 
 // This step's mask jobs: one per constrained sequence that samples (its table row), run by the pool in
 // this order while the executor runs the forward.
-void Engine::start_masks(const sched::StepPlan& plan, const std::vector<std::pair<RequestId, Req*>>& in_step) {
+void Engine::start_masks(const sched::StepPlan& plan, const InStep& in_step) {
   std::vector<MaskPool::Job> jobs;
   const auto t0 = std::chrono::steady_clock::now();
   size_t k = 0;  // in_step lists the plan's sequences in this order (loop())
@@ -418,6 +424,7 @@ sched::SeqResult Engine::sample_host(Req& q, const sched::ScheduledSeq& x, std::
 
 void Engine::end_all(FinishReason why, const std::string& error, Outbox& out) {
   for (auto& [id, q] : reqs_) {
+    if (q->ended) continue;  // its final event is out
     TokenEvent ev;
     ev.id = id;
     ev.finish = why;
@@ -428,23 +435,25 @@ void Engine::end_all(FinishReason why, const std::string& error, Outbox& out) {
   reqs_.clear();
 }
 
-// One step: the executor's run, with the hooks that tie it to the requests of this plan.
-void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<RequestId, Req*>>& in_step) {
-  // Executors call the hooks in plan order (or close to it), one or several hooks per row in turn: look at
-  // the entry last found, then the ones after it, so a batch of B rows costs O(B) lookups, not O(B²).
-  size_t hint = 0;
-  auto find = [&](RequestId id) -> Req& {
-    const size_t n = in_step.size();
-    const size_t from = hint > 0 ? hint - 1 : 0;
-    for (size_t k = 0; k < n; ++k) {
-      const size_t i = (from + k) % n;
-      if (in_step[i].first == id) {
-        hint = i + 1;
-        return *in_step[i].second;
-      }
+// Executors call the hooks in plan order (or close to it), one or several hooks per row in turn: look at
+// the entry last found, then the ones after it, so a batch of B rows costs O(B) lookups, not O(B²).
+Engine::Req& Engine::step_req(const InStep& in_step, RequestId id, size_t& hint) {
+  const size_t n = in_step.size();
+  const size_t from = hint > 0 ? hint - 1 : 0;
+  for (size_t k = 0; k < n; ++k) {
+    const size_t i = (from + k) % n;
+    if (in_step[i].first == id) {
+      hint = i + 1;
+      return *in_step[i].second;
     }
-    fail("engine: request {} is not in this step", id);
-  };
+  }
+  fail("engine: request {} is not in this step", id);
+}
+
+// One step: the executor's run, with the hooks that tie it to the requests of this plan.
+void Engine::run_step(sched::StepPlan& plan, const InStep& in_step) {
+  size_t hint = 0;
+  auto find = [&](RequestId id) -> Req& { return step_req(in_step, id, hint); };
   // Structured outputs: the masks of this step start filling on the pool — before the run, or, with an
   // executor that announces its forward, once the forward is enqueued (StepHooks::forward_launched) — and
   // must be done before this function leaves (the requests they name may go away after it), also on a
@@ -552,7 +561,11 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
   const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   mask_plan_ = nullptr;  // a step whose executor never needed them: nothing to start
   worker_.wait_all();
+  finish_step(plan, in_step, result, step_s, nullptr);
+}
 
+void Engine::finish_step(const sched::StepPlan& plan, const InStep& in_step, const sched::StepResult& result,
+                         double step_s, const sched::StepPlan* next) {
   // Bookkeeping under the lock; sinks after it.
   Outbox out;
   {
@@ -605,8 +618,18 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
       stamp(*reqs_.at(id), ev);
       out.push_back({reqs_.at(id)->sink, std::move(ev)});
     }
+    // Requests that ended at the step before (run-ahead) had their last row here.
+    for (auto& [id, q] : in_step)
+      if (q->ended) reqs_.erase(id);
+    auto in_next = [&](RequestId id) {
+      return next && std::any_of(next->decodes.begin(), next->decodes.end(),
+                                 [&](const sched::ScheduledSeq& x) { return x.id == id; });
+    };
     for (auto& [sink, ev] : out)
-      if (ev.finished()) reqs_.erase(ev.id);  // `sink` is a copy: it outlives the request
+      if (ev.finished()) {
+        if (in_next(ev.id)) reqs_.at(ev.id)->ended = true;  // its row of `next` is in flight: kept until then
+        else reqs_.erase(ev.id);  // `sink` is a copy: it outlives the request
+      }
   }
   for (auto& [sink, ev] : out) sink(std::move(ev));
   std::unique_lock<std::mutex> lk(mu_);
@@ -618,7 +641,7 @@ void Engine::run_step(sched::StepPlan& plan, const std::vector<std::pair<Request
 void Engine::loop() {
   for (;;) {
     sched::StepPlan plan;
-    std::vector<std::pair<RequestId, Req*>> in_step;  // requests of this plan (nodes are stable)
+    InStep in_step;  // requests of this plan (nodes are stable)
     {
       std::unique_lock<std::mutex> lk(mu_);
       cv_.wait(lk, [&] { return stop_ || !sched_.idle() || !reqs_.empty(); });
@@ -633,7 +656,8 @@ void Engine::loop() {
       }
     }
     try {
-      run_step(plan, in_step);
+      if (starts_run_ahead(plan, in_step)) run_ahead(std::move(plan), std::move(in_step));
+      else run_step(plan, in_step);
     } catch (const std::exception& e) {
       // A step that threw leaves caches half-written: end every request with the error, refuse more.
       Outbox out;

@@ -28,6 +28,12 @@
 // token checked; a refused one is drawn again under the mask (draw index with bit 63 set). A
 // terminated grammar ends the request (finish stop); no allowed token (the nesting limit) or a refused
 // token ends it with an error event; neither touches other requests.
+//
+// Async scheduling (EngineConfig::async_scheduling, an executor that runs_ahead(); engine_ahead.cpp,
+// docs/serving.md): in steady pure decode of plain requests the loop launches step N+1 (scheduler.h
+// schedule_ahead) before it collects step N, so the device never waits for the host between them. A
+// request that finishes at N while its row of N+1 is in flight gets its final event at N; its Req stays
+// (`ended`, no more events) until N+1 is collected.
 #pragma once
 
 #include <condition_variable>
@@ -93,6 +99,9 @@ struct EngineConfig {
   // Structured outputs: threads of the mask pool (runtime/constraints.h MaskPool); 0: automatic
   // (a quarter of the cores, 1 to 8).
   int32_t mask_threads = 0;
+  // vLLM's --async-scheduling: pure-decode steps of plain requests run ahead (see the header). Ignored, with
+  // one line on stderr, when the executor cannot (StepExecutor::runs_ahead()).
+  bool async_scheduling = false;
 };
 
 class Engine final : public kestrel::Engine {
@@ -158,10 +167,27 @@ class Engine final : public kestrel::Engine {
     int32_t job = -1;               // this step's mask job (= table row); −1: none
     int64_t allowed = -2;           // its result (MaskPool); −2: not waited for yet
     std::string error;              // set: this step's event ends the request with this error
+    bool speculate = false;         // its decodes draft and verify (EngineConfig::speculative)
+    // Run-ahead: its final event is out, but a step in flight still computes a row of it (ignored when
+    // collected); erased then.
+    bool ended = false;
   };
   using Outbox = std::vector<std::pair<TokenSink, TokenEvent>>;
+  using InStep = std::vector<std::pair<RequestId, Req*>>;  // a plan's requests, in plan order
   void loop();
-  void run_step(sched::StepPlan& plan, const std::vector<std::pair<RequestId, Req*>>& in_step);
+  void run_step(sched::StepPlan& plan, const InStep& in_step);
+  // The tail of a step (run_step's, and each collected run-ahead step's): complete() under the lock, events
+  // out, finished requests erased — or kept as `ended` when `next`, the step in flight after this one,
+  // computes them — then the sinks. Waits a little when nothing ran and nothing was sent.
+  void finish_step(const sched::StepPlan& plan, const InStep& in_step, const sched::StepResult& result,
+                   double step_s, const sched::StepPlan* next);
+  // The Req of `id` in in_step, looking from `hint` on (executors call hooks in plan order: O(1) a row).
+  static Req& step_req(const InStep& in_step, RequestId id, size_t& hint);
+  // Run-ahead (engine_ahead.cpp): whether a request's rows may run ahead, whether a plan may start a
+  // chain of run-ahead steps, and the chain itself, from that plan until no decode can continue.
+  bool plain(const Req& q) const;
+  bool starts_run_ahead(const sched::StepPlan& plan, const InStep& in_step) const;
+  void run_ahead(sched::StepPlan plan, InStep in_step);
   // words: the mask the token was drawn under (null: none — free text, or a device token already checked).
   sched::SeqResult emit(Req& q, const SampleResult& s, const uint32_t* words = nullptr);
   // The constrained host sampler: free text unmasked then checked, otherwise (or refused) masked.
@@ -175,7 +201,7 @@ class Engine final : public kestrel::Engine {
   // min_tokens, a budget's last token), and the end wins, so no row reaches a sampler with every id at
   // −inf (docs/structured-outputs.md, "min_tokens").
   std::span<const int32_t> held_stops(const Req& q, const uint32_t* words, int64_t allowed) const;
-  void start_masks(const sched::StepPlan& plan, const std::vector<std::pair<RequestId, Req*>>& in_step);
+  void start_masks(const sched::StepPlan& plan, const InStep& in_step);
   // Starts this step's mask jobs unless they have started (StepHooks::forward_launched, or the first hook
   // that needs a mask, whichever comes first).
   void ensure_masks();
@@ -195,10 +221,11 @@ class Engine final : public kestrel::Engine {
   std::vector<float> masked_logits_;          // f32 [V]: scratch
   // This step's plan until its mask jobs start (engine thread; null once started).
   const sched::StepPlan* mask_plan_ = nullptr;
-  const std::vector<std::pair<RequestId, Req*>>* mask_in_step_ = nullptr;
+  const InStep* mask_in_step_ = nullptr;
   StructuredStats sstats_;                    // engine thread; copied under mu_ below
   StructuredStats sstats_copy_;
   std::unique_ptr<StepExecutor> exec_;
+  bool run_ahead_ = false;  // async_scheduling and an executor that runs ahead
 
   mutable std::mutex mu_;
   std::condition_variable cv_;       // work arrived / stop

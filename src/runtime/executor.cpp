@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <string>
 #include <vector>
 
 #include "core/check.h"
@@ -96,8 +97,80 @@ std::vector<model::EmbedOverride> Executor::media_rows(const sched::ScheduledSeq
   return out;
 }
 
+void StepExecutor::launch(const sched::StepPlan& plan, const StepHooks&) {
+  fail("executor: launch() of step {}, but this executor does not run ahead (runs_ahead() is false)", plan.step);
+}
+
+sched::StepResult StepExecutor::collect(const sched::StepPlan& plan, const StepHooks&) {
+  fail("executor: collect() of step {}, but this executor does not run ahead (runs_ahead() is false)", plan.step);
+}
+
 sched::StepResult Executor::run(const sched::StepPlan& plan, const StepHooks& hooks) {
+  if (!launched_.empty()) fail("executor: run() of step {} while step {} is launched and not collected", plan.step,
+                               launched_.front().step);
   return run_rank(plan, hooks, nullptr);
+}
+
+void Executor::launch(const sched::StepPlan& plan, const StepHooks& hooks) {
+  if (launched_.size() >= 2)
+    fail("executor: launch() of step {} with steps {} and {} not collected (at most two)", plan.step,
+         launched_[0].step, launched_[1].step);
+  KCHECK(bool(hooks.sampling_inputs), "executor: launch() without the sampling_inputs hook");
+  if (!plan.prefills.empty() || !plan.copies_before.empty() || !plan.copies_after.empty())
+    fail("executor: launch() of step {}: only decodes run ahead ({} prefills, {} + {} copies)", plan.step,
+         plan.prefills.size(), plan.copies_before.size(), plan.copies_after.size());
+  // The pending inputs: what the previous launch sampled (on a device they would never leave its memory).
+  sched::StepPlan resolved = plan;
+  for (sched::ScheduledSeq& x : resolved.decodes) {
+    if (!x.sample || x.num_draft != 0 || x.end - x.start != 1 || x.tokens.size() != 1)
+      fail("executor: launch() of step {}: request {} is not a single-token sampled decode", plan.step, x.id);
+    if (!x.token_pending) continue;
+    auto t = last_launch_tokens_.find(x.id);
+    if (t == last_launch_tokens_.end())
+      fail("executor: launch() of step {}: request {} waits for a token the previous launch did not sample",
+           plan.step, x.id);
+    x.tokens[0] = t->second;
+    x.token_pending = false;
+  }
+  // Sampling here by the engine's rule (sampler.h), so the draw is the one run() + the engine would make.
+  Launched l;
+  l.step = plan.step;
+  StepHooks own;
+  own.sample = [&](const sched::ScheduledSeq& r_x, std::span<const float> logits) {
+    // run_rank samples the rows in plan order: this is row l.tokens.size() of the engine's plan.
+    const sched::ScheduledSeq& x = plan.decodes.at(l.tokens.size());
+    KCHECK(x.id == r_x.id, "executor: step {} sampled request {} in place of {}", plan.step, r_x.id, x.id);
+    const StepHooks::SamplingInputs si = hooks.sampling_inputs(x);
+    const uint64_t index = uint64_t(si.output.size()) + (x.token_pending ? 1 : 0);
+    sched::SeqResult r;
+    r.token = sample_token(*si.params, logits, si.prompt, si.output, index, si.stop_ids).token;
+    l.tokens.push_back(r.token);
+    return r;
+  };
+  run_rank(resolved, own, nullptr);
+  KCHECK(l.tokens.size() == plan.decodes.size(), "executor: step {} sampled {} of {} rows", plan.step,
+         l.tokens.size(), plan.decodes.size());
+  last_launch_tokens_.clear();
+  for (size_t i = 0; i < plan.decodes.size(); ++i) last_launch_tokens_[plan.decodes[i].id] = l.tokens[i];
+  launched_.push_back(std::move(l));
+}
+
+sched::StepResult Executor::collect(const sched::StepPlan& plan, const StepHooks& hooks) {
+  if (launched_.empty() || launched_.front().step != plan.step)
+    fail("executor: collect() of step {}, but the oldest launched step is {}", plan.step,
+         launched_.empty() ? std::string("none") : std::to_string(launched_.front().step));
+  KCHECK(bool(hooks.take_token), "executor: collect() without the take_token hook");
+  const Launched l = std::move(launched_.front());
+  launched_.pop_front();
+  KCHECK(l.tokens.size() == plan.decodes.size(), "executor: collect() of step {} with {} rows, launched with {}",
+         plan.step, plan.decodes.size(), l.tokens.size());
+  sched::StepResult result;
+  for (size_t i = 0; i < plan.decodes.size(); ++i) {
+    sched::SeqResult r = hooks.take_token(plan.decodes[i], l.tokens[i]);
+    r.id = plan.decodes[i].id;
+    result.seqs.push_back(r);
+  }
+  return result;
 }
 
 sched::StepResult Executor::run_rank(const sched::StepPlan& plan, const StepHooks& hooks, parallel::Comm* comm) {
@@ -127,6 +200,7 @@ sched::StepResult Executor::run_rank(const sched::StepPlan& plan, const StepHook
              x.tokens.size(), x.num_draft);
       KCHECK(x.num_draft == 0 || (spec_ && x.sample && x.tokens.size() == 1),
              "request {}: a speculative decode without a draft (or not a one-anchor decode)", x.id);
+      KCHECK(!x.token_pending, "request {}: a pending token outside launch()", x.id);
       seqs.push_back(&x);
     }
   for (const auto* list : {&plan.finished, &plan.cancelled})

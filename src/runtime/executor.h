@@ -15,9 +15,14 @@
 // forward, runs its anchor + drafts as rows of the same batched forward (all logits, KDA states traced per
 // position), and is verified after it; the KDA state after the last kept position is kept and the engine's
 // take_tokens hook emits the step's tokens. Every sequence's committed rows feed the draft's caches.
+//
+// Run-ahead (StepExecutor::launch/collect, the engine's async scheduling): the CPU executor is the GPU's
+// twin in sequencing, not in overlap — launch() runs the forward and samples every row itself (a pending
+// token taken from the previous launch's tokens), collect() hands the tokens over.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <span>
@@ -77,9 +82,10 @@ struct StepHooks {
   // The sampled token (and stop flag) for a sequence with `sample` set, from its last logits.
   std::function<sched::SeqResult(const sched::ScheduledSeq&, std::span<const float> logits /* f32 [V] */)> sample;
   // Optional (device executors): what the sampler of a sequence needs (its parameters, prompt and
-  // output so far, stop ids; the draw index is output.size()), and the hook that takes a token sampled on the
-  // device by the same rules, so the logits never come back to the host. An executor may ignore
-  // these and call `sample` instead.
+  // output so far, stop ids; the draw index is output.size(), + 1 for a run-ahead row with its token
+  // pending: StepExecutor::launch), and the hook that takes a token sampled on the device by the same
+  // rules, so the logits never come back to the host. An executor may ignore these and call `sample`
+  // instead (not in launch(), which has no `sample`).
   struct SamplingInputs {
     const SamplingParams* params = nullptr;
     std::span<const int32_t> prompt, output;
@@ -156,6 +162,24 @@ class StepExecutor {
   virtual bool supports_images() const { return false; }
   // Whether run() calls StepHooks::forward_launched once it has enqueued the forward (device executors).
   virtual bool announces_forward() const { return false; }
+
+  // Run-ahead (sched/scheduler.h schedule_ahead; docs/serving.md "Async scheduling"): whether launch() and
+  // collect() exist. The engine calls them only then; the defaults fail.
+  virtual bool runs_ahead() const { return false; }
+  // Enqueues the step and may return before its forward is done. At most two steps are launched and not
+  // yet collected. The plan holds only single-token decodes (sample set, no drafts; no prefills, no
+  // copies) of requests the engine found plain (no constraint, logprobs, penalties, bias, held stop ids,
+  // logits hook), so the executor samples every row itself, from hooks.sampling_inputs(x) (its spans valid
+  // during that call only), and calls no other hook here. A row with token_pending takes as its input the
+  // token that the previously launched step sampled for the same request, and its draw index is
+  // output.size() + 1 (the engine's output does not hold that token yet); any other row's is output.size().
+  // So seeded sampling draws exactly what run() would. The plan's finished, cancelled and preempted lists mean
+  // what they mean to run() (a chain's first step, from schedule(), may carry them; continuations never do).
+  virtual void launch(const sched::StepPlan& plan, const StepHooks& hooks);
+  // Finishes the oldest launched step (`plan` is it; collects come in launch order) and returns its result,
+  // calling hooks.take_token for every row, in plan order, now. The step is forgotten before the first
+  // hook, so a hook that throws leaves nothing to collect.
+  virtual sched::StepResult collect(const sched::StepPlan& plan, const StepHooks& hooks);
 };
 
 // Builds an engine's executor once the memory plan has sized its caches.
@@ -170,6 +194,10 @@ class Executor : public StepExecutor {
   sched::StepResult run(const sched::StepPlan& plan, const StepHooks& hooks) override;
   const ExecutorStats& stats() const override { return stats_; }
   bool supports_images() const override { return w_.has_vision && c_.vision.present; }
+  // Run-ahead: launch() does the whole step (forward and sampling, as run() does), collect() hands it over.
+  bool runs_ahead() const override { return true; }
+  void launch(const sched::StepPlan& plan, const StepHooks& hooks) override;
+  sched::StepResult collect(const sched::StepPlan& plan, const StepHooks& hooks) override;
   // One rank's part of a tensor-parallel step (executor_tp.h): the same work, every forward passing
   // `comm` to the model (`w` and `c` are then this rank's shard and rank_config). Null = run().
   sched::StepResult run_rank(const sched::StepPlan& plan, const StepHooks& hooks, parallel::Comm* comm);
@@ -191,6 +219,14 @@ class Executor : public StepExecutor {
   // The embedding overrides of x's positions [start, end) (encoding its images first if needed).
   std::vector<model::EmbedOverride> media_rows(const sched::ScheduledSeq& x, const StepHooks& hooks);
   std::unique_ptr<SpecDrafter> spec_;  // set with options.speculative
+  // Run-ahead: launched steps not yet collected (oldest first), each row's sampled token in plan order; and
+  // the tokens of the latest launch by request, which the next launch's pending rows take.
+  struct Launched {
+    uint64_t step = 0;
+    std::vector<int32_t> tokens;
+  };
+  std::deque<Launched> launched_;
+  std::unordered_map<cache::RequestId, int32_t> last_launch_tokens_;
 };
 
 }  // namespace kestrel::runtime

@@ -65,8 +65,9 @@ bool Scheduler::cancel(RequestId id) {
   auto it = seqs_.find(id);
   if (it == seqs_.end()) return false;
   Seq& s = it->second;
+  if (s.retired) return false;  // finished already; only its memory waits for a step in flight
   if (s.cancel_pending) return true;
-  if (in_flight_ && s.running) {
+  if (!in_flight_.empty() && s.running) {
     s.cancel_pending = true;  // the step in flight still uses its pages; complete() frees them
     return true;
   }
@@ -74,7 +75,7 @@ bool Scheduler::cancel(RequestId id) {
   return true;
 }
 
-void Scheduler::finish(Seq& s, FinishReason why) {
+void Scheduler::release(Seq& s) {
   const RequestId id = s.id;
   if (s.running) {
     cache_.free(id);
@@ -82,6 +83,11 @@ void Scheduler::finish(Seq& s, FinishReason why) {
   } else {
     waiting_.erase({s.arrival, id});
   }
+  seqs_.erase(id);
+}
+
+void Scheduler::finish(Seq& s, FinishReason why) {
+  const RequestId id = s.id;
   FinishedRequest f;
   f.id = id;
   f.output.assign(s.tokens.begin() + s.prompt_len, s.tokens.end());
@@ -94,7 +100,13 @@ void Scheduler::finish(Seq& s, FinishReason why) {
     finished_since_.push_back(id);
     ++stats_.finished;
   }
-  seqs_.erase(id);
+  if (s.in_flight > 0) {
+    // Run-ahead: a later step in flight still writes its pages and state; complete() of that step releases them.
+    s.retired = true;
+    s.cancel_pending = false;
+    return;
+  }
+  release(s);
 }
 
 std::vector<FinishedRequest> Scheduler::drain_finished() {
@@ -169,8 +181,22 @@ ScheduledSeq Scheduler::make_scheduled(const Seq& s, int64_t end, bool reset) co
   return x;
 }
 
+void Scheduler::start_flight(const StepPlan& plan) {
+  Flight f;
+  f.step = plan.step;
+  f.decodes_only = plan.prefills.empty();
+  for (const auto* list : {&plan.decodes, &plan.prefills})
+    for (const ScheduledSeq& x : *list) {
+      f.decodes_only = f.decodes_only && x.num_draft == 0;
+      f.rows.push_back({x.id, x.start, x.end});
+      ++seq(x.id).in_flight;
+    }
+  in_flight_.push_back(std::move(f));
+}
+
 StepPlan Scheduler::schedule() {
-  if (in_flight_) fail("scheduler: schedule() called again before complete() of step {}", in_flight_step_);
+  if (!in_flight_.empty())
+    fail("scheduler: schedule() called again before complete() of step {}", in_flight_.front().step);
   StepPlan plan;
   plan.step = next_step_++;
   plan.finished.swap(finished_since_);
@@ -296,23 +322,74 @@ StepPlan Scheduler::schedule() {
   for (const auto& x : plan.prefills) stats_.prefill_tokens += x.end - x.start;
   plan.num_tokens = max_budget(config_) - budget;
   ++stats_.steps;
-  in_flight_ = true;
-  in_flight_step_ = plan.step;
+  start_flight(plan);
+  return plan;
+}
+
+StepPlan Scheduler::schedule_ahead() {
+  if (in_flight_.size() != 1)
+    fail("scheduler: schedule_ahead() needs exactly one step in flight, {} are", in_flight_.size());
+  const Flight& prev = in_flight_.front();
+  if (!prev.decodes_only)
+    fail("scheduler: schedule_ahead() after step {}, which has prefills or drafts (only decodes can run ahead)",
+         prev.step);
+  StepPlan plan;
+  plan.step = next_step_;
+  for (const Flight::Row& row : prev.rows) {
+    Seq& s = seq(row.id);
+    if (s.retired || s.cancel_pending) continue;
+    // Its tokens so far + the one `prev` samples must leave room for one more.
+    const int64_t generated = int64_t(s.tokens.size()) - s.prompt_len;
+    if (generated + 1 >= s.max_tokens) continue;
+    KCHECK(row.end == int64_t(s.tokens.size()), "request {}: step {} ends at {} with {} tokens known", s.id,
+           prev.step, row.end, s.tokens.size());
+    // Pages for position row.end, without preempting: a preemption would free pages the step in flight
+    // writes. One that cannot grow goes on through schedule() after this.
+    const int64_t end = row.end + 1;
+    if (!cache_.grow(s.id, end)) continue;
+    ScheduledSeq x;
+    x.id = s.id;
+    x.start = row.end;
+    x.end = end;
+    x.tokens = {-1};
+    x.token_pending = true;
+    x.sample = true;
+    x.state_slot = cache_.state_slot(s.id);
+    const auto& pages = cache_.block_table(s.id).pages;
+    x.block_table.assign(pages.begin(), pages.begin() + pages_for(end));
+    plan.decodes.push_back(std::move(x));
+  }
+  if (!plan.has_work()) return plan;
+  ++next_step_;
+  plan.num_tokens = int64_t(plan.decodes.size());
+  stats_.decode_tokens += plan.num_tokens;
+  ++stats_.steps;
+  ++stats_.ahead_steps;
+  start_flight(plan);
   return plan;
 }
 
 void Scheduler::complete(const StepPlan& plan, const StepResult& result) {
-  if (!in_flight_ || plan.step != in_flight_step_)
-    fail("scheduler: complete() for step {} but the step in flight is {}", plan.step,
-         in_flight_ ? std::to_string(in_flight_step_) : std::string("none"));
+  if (in_flight_.empty() || plan.step != in_flight_.front().step)
+    fail("scheduler: complete() for step {} but the oldest step in flight is {}", plan.step,
+         in_flight_.empty() ? std::string("none") : std::to_string(in_flight_.front().step));
   std::unordered_map<RequestId, const SeqResult*> by_id;
   for (const SeqResult& r : result.seqs)
     if (!by_id.emplace(r.id, &r).second) fail("step {}: two results for request {}", plan.step, r.id);
-  // Validate the whole result before changing anything, so a bad one leaves the state intact.
+  // Validate the whole result before changing anything, so a bad one leaves the state intact. A retired
+  // request's row may have a result or not (its step was launched before it finished); it is ignored.
+  auto retired = [&](RequestId id) {
+    auto it = seqs_.find(id);
+    return it != seqs_.end() && it->second.retired;
+  };
   size_t expected = 0;
   for (const auto* list : {&plan.decodes, &plan.prefills})
     for (const ScheduledSeq& x : *list) {
       if (!x.sample) continue;
+      if (retired(x.id)) {
+        expected += by_id.count(x.id);
+        continue;
+      }
       ++expected;
       auto r = by_id.find(x.id);
       if (r == by_id.end()) fail("step {}: no sampled token for request {}", plan.step, x.id);
@@ -327,13 +404,18 @@ void Scheduler::complete(const StepPlan& plan, const StepResult& result) {
           fail("step {}: request {} accepted token {} outside the vocabulary", plan.step, x.id, a);
     }
   if (expected != by_id.size()) fail("step {}: {} results for {} sampling requests", plan.step, by_id.size(), expected);
-  in_flight_ = false;
+  in_flight_.pop_front();
 
   for (const auto* list : {&plan.decodes, &plan.prefills})
     for (const ScheduledSeq& x : *list) {
       auto it = seqs_.find(x.id);
       KCHECK(it != seqs_.end() && it->second.running, "step {} scheduled request {} that is gone", plan.step, x.id);
       Seq& s = it->second;
+      --s.in_flight;
+      if (s.retired) {  // finished at the previous complete(): nothing of this row counts
+        if (s.in_flight == 0) release(s);
+        continue;
+      }
       KCHECK(s.computed == x.start, "request {} advanced under a plan in flight", x.id);
       s.computed = x.end;
       const SeqResult* spec = x.num_draft > 0 && !s.cancel_pending ? by_id.at(x.id) : nullptr;
@@ -356,6 +438,8 @@ void Scheduler::complete(const StepPlan& plan, const StepResult& result) {
       }
     }
   cache_.end_step();
+  // Cancels that landed while this step was in flight; one whose request a later step in flight still
+  // computes is reported now and retired (finish()).
   std::vector<RequestId> cancels;
   for (auto& [id, s] : seqs_)
     if (s.cancel_pending) cancels.push_back(id);
@@ -363,7 +447,8 @@ void Scheduler::complete(const StepPlan& plan, const StepResult& result) {
 }
 
 int32_t Scheduler::evict_prefix_cache() {
-  if (in_flight_) fail("scheduler: evict_prefix_cache() while step {} is in flight", in_flight_step_);
+  if (!in_flight_.empty())
+    fail("scheduler: evict_prefix_cache() while step {} is in flight", in_flight_.front().step);
   return cache_.evict_all();
 }
 
@@ -384,6 +469,33 @@ void Scheduler::check_integrity() const {
     } else {
       KCHECK(s.computed == 0 && !s.prefill_done, "waiting request {} keeps progress", id);
     }
+    // Retired: finished, kept only for the steps in flight that compute it (see the header).
+    KCHECK(!s.retired || (s.running && s.in_flight > 0 && !s.cancel_pending), "request {} retired but running {}, "
+           "in {} steps in flight, cancel pending {}", id, s.running, s.in_flight, s.cancel_pending);
+  }
+  // Steps in flight: at most two (run-ahead), each row a running request, each request's rows consecutive
+  // from its computed position (the later step starts where the earlier ends) and covered by its pages.
+  KCHECK(in_flight_.size() <= 2, "{} steps in flight", in_flight_.size());
+  KCHECK(in_flight_.size() < 2 || in_flight_.front().decodes_only, "a step runs ahead of step {}, which is not "
+         "decodes only", in_flight_.front().step);
+  std::unordered_map<RequestId, std::pair<int32_t, int64_t>> seen;  // rows so far, end of the last
+  for (const Flight& f : in_flight_)
+    for (const Flight::Row& row : f.rows) {
+      auto it = seqs_.find(row.id);
+      KCHECK(it != seqs_.end() && it->second.running, "step {} in flight computes request {}, which is not running",
+             f.step, row.id);
+      const Seq& s = it->second;
+      auto [n, last_end] = seen.count(row.id) ? seen.at(row.id) : std::pair<int32_t, int64_t>{0, s.computed};
+      KCHECK(row.start == last_end, "step {} computes request {} from {}, expected {}", f.step, row.id, row.start,
+             last_end);
+      KCHECK(cache_.block_table(row.id).num_tokens >= row.end, "request {}: step {} in flight writes past its pages",
+             row.id, f.step);
+      seen[row.id] = {n + 1, row.end};
+    }
+  for (const auto& [id, s] : seqs_) {
+    const auto it = seen.find(id);
+    KCHECK((it == seen.end() ? 0 : it->second.first) == s.in_flight, "request {} counts {} steps in flight, {} list it",
+           id, s.in_flight, it == seen.end() ? 0 : it->second.first);
   }
 }
 

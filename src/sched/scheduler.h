@@ -29,9 +29,21 @@
 // Prefill chunks end at the block boundaries where a KDA checkpoint is wanted (the prompt's last
 // full block, every checkpoint_interval_blocks blocks, and the point where a cached chain stops):
 // the executor snapshots state after the forward pass, which must be exactly the boundary state.
+//
+// Run-ahead (the engine's async scheduling, docs/serving.md): while a decodes-only step N is in
+// flight, schedule_ahead() plans its continuation N+1 before N's tokens are known, so a device need
+// not idle while the host completes N. N+1 holds every decode of N whose request is still alive and
+// will still be below max_tokens after N's token, one position further, with its input token pending
+// (ScheduledSeq::token_pending: the executor takes it from N's result). It admits, prefills, preempts
+// and copies nothing: a request whose pages cannot grow without preempting is left out and goes on
+// through schedule() once nothing is in flight. At most two steps are in flight; complete() takes them
+// in order. A request that finishes at complete(N) (stop id, cancel) while N+1 still computes its row
+// is *retired*: its finish is reported at once (drain_finished, stats), but it keeps its pages, slot
+// and queue entry until complete(N+1), which ignores its row — the executor may still be writing them.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <set>
 #include <string>
@@ -83,6 +95,9 @@ struct ScheduledSeq {
   // > 0: a speculative decode. tokens holds the anchor only (position start); the executor drafts the
   // num_draft tokens at [start+1, end) and verifies all of them in the step's forward; sample is set.
   int32_t num_draft = 0;
+  // A run-ahead decode (schedule_ahead): tokens = {-1}, a placeholder; the token at position `start` is
+  // the one that the step launched just before this one samples for the same request.
+  bool token_pending = false;
 };
 
 struct StepPlan {
@@ -131,16 +146,24 @@ class Scheduler {
   // Frees everything the request holds (deferred to complete() while a plan is in flight). False
   // when the id is unknown or already finished.
   bool cancel(RequestId id);
+  // The next step; nothing may be in flight.
   StepPlan schedule();
+  // Run-ahead (see the header): the continuation of the one step in flight, which must be decodes only
+  // (no prefills, no drafts). Nothing in it when no decode can continue; such a plan is not in flight
+  // (do not complete it) and counts as no step. finished/cancelled stay for the next schedule().
+  StepPlan schedule_ahead();
   // The chunk size of long prompts' prefills from the next schedule() on: clamped to [1, L]; 0 = L.
   void set_long_prefill_chunk(int32_t n) { long_chunk_ = n; }
   int32_t long_prefill_chunk() const;
+  // The oldest step in flight has run. A retired request's row (see the header) may have a result or
+  // not; it is ignored either way.
   void complete(const StepPlan& plan, const StepResult& result);
   std::vector<FinishedRequest> drain_finished();
 
   bool idle() const { return seqs_.empty(); }
   size_t num_waiting() const { return waiting_.size(); }
-  size_t num_running() const { return running_.size(); }
+  size_t num_running() const { return running_.size(); }  // retired requests included: they hold a slot
+  size_t num_in_flight() const { return in_flight_.size(); }
   // The scheduler's share of the engine's counters: steps, admissions, preemptions, prefix cache,
   // prefill/decode tokens, finished and cancelled requests (the rest stays 0).
   const EngineStats& stats() const { return stats_; }
@@ -163,11 +186,23 @@ class Scheduler {
     bool no_prefix_hit = false;    // every prompt position is computed (its logits are wanted)
     bool long_prefill = false;     // admitted with more than long_prefill_token_threshold tokens to prefill
     bool speculate = false;        // decodes verify draft tokens
+    bool retired = false;          // finished and reported; released when its last step in flight completes
+    int32_t in_flight = 0;         // steps in flight that compute a row of it (at most two)
     int64_t computed = 0;          // positions whose caches are written
     int64_t cacheable = 0;         // tokens known at admission: blocks below may enter the prefix cache
     std::set<int64_t> checkpoints; // token boundaries where a KDA snapshot is wanted
   };
   using Key = std::pair<uint64_t, RequestId>;  // (arrival, id): ordered by priority
+  // A step in flight: what schedule_ahead() continues and check_integrity() checks.
+  struct Flight {
+    struct Row {
+      RequestId id = 0;
+      int64_t start = 0, end = 0;
+    };
+    uint64_t step = 0;
+    bool decodes_only = true;  // no prefills, no drafts: schedule_ahead() may continue it
+    std::vector<Row> rows;     // decodes, then prefills, as planned
+  };
 
   Seq& seq(RequestId id);
   int64_t chunk_end(const Seq& s, int64_t budget, bool long_prefill) const;
@@ -175,7 +210,10 @@ class Scheduler {
   bool grow_or_preempt(Seq& s, int64_t end, const std::set<RequestId>& scheduled, StepPlan& plan);
   void preempt(Seq& s, StepPlan& plan);
   ScheduledSeq make_scheduled(const Seq& s, int64_t end, bool reset) const;
+  // Reports s as finished; releases it at once unless a step in flight computes a row of it (retired).
   void finish(Seq& s, FinishReason why);
+  void release(Seq& s);  // frees its memory and forgets it (s is gone after)
+  void start_flight(const StepPlan& plan);
   int32_t pages_for(int64_t tokens) const;
 
   SchedulerConfig config_;
@@ -186,8 +224,7 @@ class Scheduler {
   int32_t long_chunk_ = 0;
   uint64_t next_arrival_ = 0;
   uint64_t next_step_ = 0;
-  bool in_flight_ = false;
-  uint64_t in_flight_step_ = 0;
+  std::deque<Flight> in_flight_;  // oldest first; at most two (run-ahead)
   std::vector<RequestId> finished_since_;
   std::vector<RequestId> cancelled_since_;
   std::vector<FinishedRequest> outputs_;

@@ -90,6 +90,9 @@ std::string Metrics::render(const EngineStats& st) const {
   counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", uint64_t(st.spec_drafts));
   counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", uint64_t(st.spec_draft_tokens));
   counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", uint64_t(st.spec_accepted_tokens));
+  // Async scheduling (0 without --async-scheduling, or with an executor that cannot run ahead).
+  counter("kestrel:ahead_steps", "Engine steps launched before the previous step's tokens were known.",
+          uint64_t(st.ahead_steps));
   o += "# HELP vllm:request_success Count of successfully processed requests.\n# TYPE vllm:request_success counter\n";
   for (const char* r : {"stop", "length", "abort", "error"}) {
     auto it = success_.find(r);

@@ -7,11 +7,14 @@
 // at each page position, read back through the block table. So a wrong page, a missing restore, a
 // snapshot taken at the wrong time or a page overwritten while shared changes the output, and
 // comparing with solo_output() catches it. Writing into a page that another holder shares throws.
+// A run-ahead row (token_pending) takes the token that the previous run() sampled for its request, as a
+// device executor's launch() would; steps run in call order, so running N+1 before complete(N) is run-ahead.
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <map>
 #include <numeric>
 #include <vector>
 
@@ -63,11 +66,17 @@ class FakeExecutor {
         if (x.reset_state) slots_.at(size_t(x.state_slot)) = model_.initial_state();
     for (const cache::SlotCopy& c : plan.copies_before) slots_.at(size_t(c.dst)) = slots_.at(size_t(c.src));
     StepResult r;
+    std::map<RequestId, int32_t> sampled;
     for (const auto* list : {&plan.decodes, &plan.prefills})
       for (const ScheduledSeq& x : *list) {
         uint64_t& st = slots_.at(size_t(x.state_slot));
         for (int64_t pos = x.start; pos < x.end; ++pos) {
-          const int32_t t = x.tokens.at(size_t(pos - x.start));
+          int32_t t = x.tokens.at(size_t(pos - x.start));
+          if (x.token_pending) {
+            KCHECK(x.tokens.size() == 1 && last_.count(x.id), "step {}: request {} waits for a token never sampled",
+                   plan.step, x.id);
+            t = last_.at(x.id);
+          }
           const cache::PageId page = x.block_table.at(size_t(pos / P_));
           KCHECK(cm.pages().refcount(page) == 1, "step {}: request {} writes shared page {}", plan.step, x.id, page);
           pages_[size_t(page)][size_t(pos % P_)] = t;
@@ -82,8 +91,10 @@ class FakeExecutor {
         }
         const int32_t tok = model_.sample(st, ck);
         r.seqs.push_back({x.id, tok, model_.stops(tok), {}});
+        sampled[x.id] = tok;
       }
     for (const cache::SlotCopy& c : plan.copies_after) slots_.at(size_t(c.dst)) = slots_.at(size_t(c.src));
+    last_ = std::move(sampled);
     return r;
   }
 
@@ -92,6 +103,7 @@ class FakeExecutor {
   int P_;
   std::vector<std::vector<int32_t>> pages_;  // token id at each page position
   std::vector<uint64_t> slots_;              // "KDA state" per slot
+  std::map<RequestId, int32_t> last_;        // the previous run's tokens (run-ahead's pending inputs)
 };
 
 // The scheduler tests' small cache, a request of n counting tokens (first, first + 1, ...) and a scheduler

@@ -19,10 +19,11 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 // Each test process (ctest runs them in parallel) and each test gets its own directory: rewriting a
-// file that another process has memory-mapped would crash that process with SIGBUS.
+// file that another process has memory-mapped would crash that process with SIGBUS. (GoogleTest's ::testing,
+// spelled out: in CI's unity build a file batched before this one may declare kestrel::testing.)
 fs::path test_dir() {
-  const auto* info = testing::UnitTest::GetInstance()->current_test_info();
-  return fs::path(testing::TempDir()) / fmt::format("kestrel_st_{}_{}", ::getpid(), info ? info->name() : "none");
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return fs::path(::testing::TempDir()) / fmt::format("kestrel_st_{}_{}", ::getpid(), info ? info->name() : "none");
 }
 
 std::string write_raw(const std::string& name, const std::string& header, const std::string& data,

@@ -5,8 +5,12 @@
 // completes must have produced exactly its solo output (preemption by recompute and prefix hits
 // must not change a token); a cancelled one a prefix of it. At the end nothing leaks: with no
 // request left, only cache entries hold pages and checkpoints, and evicting them returns all.
+// With run-ahead on, a decodes-only step is usually followed by a chain of continuations (schedule_ahead),
+// each run before the step before it completes, with cancels landing while two steps are in flight: the
+// same checks hold after every call.
 #include <gtest/gtest.h>
 
+#include <deque>
 #include <map>
 #include <random>
 
@@ -19,10 +23,11 @@ namespace {
 
 struct SimTotals {
   int64_t steps = 0, completed = 0, cancelled = 0, rejected = 0;
+  int64_t ahead_steps = 0, retired_stops = 0, retired_cancels = 0;  // run-ahead
   EngineStats stats;
 };
 
-SimTotals simulate(uint64_t seed, int64_t steps, int hash_bits = 64) {
+SimTotals simulate(uint64_t seed, int64_t steps, int hash_bits = 64, bool run_ahead = false) {
   std::mt19937_64 rng(seed);
   auto uniform = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   auto chance = [&](double p) { return std::bernoulli_distribution(p)(rng); };
@@ -105,10 +110,40 @@ SimTotals simulate(uint64_t seed, int64_t steps, int hash_bits = 64) {
     s.check_integrity();
     // Cancelling a request whose step is in flight must wait for complete().
     if (!plan.prefills.empty() && chance(0.005)) s.cancel(plan.prefills.front().id);
-    s.complete(plan, exec.run(plan, s.cache()));
-    s.check_integrity();
-    for (const auto& f : s.drain_finished()) check_output(f);
-    ++tot.steps;
+    std::deque<std::pair<StepPlan, StepResult>> flight;
+    flight.emplace_back(plan, exec.run(plan, s.cache()));
+    while (!flight.empty()) {
+      // Run-ahead: a continuation of the decodes-only step in flight, run before that step completes — most
+      // of the time while nobody waits (the engine's rule), now and then even when someone does.
+      const StepPlan& cur = flight.front().first;
+      if (run_ahead && flight.size() == 1 && cur.has_work() && cur.prefills.empty() &&
+          chance(s.num_waiting() == 0 ? 0.9 : 0.2)) {
+        StepPlan next = s.schedule_ahead();
+        s.check_integrity();
+        KCHECK(next.num_tokens <= int64_t(cur.decodes.size()), "a continuation longer than its step");
+        if (next.has_work()) {
+          StepResult r = exec.run(next, s.cache());
+          flight.emplace_back(std::move(next), std::move(r));
+          ++tot.ahead_steps;
+        }
+      }
+      if (run_ahead && flight.size() == 2 && chance(0.02)) {  // lands while both are in flight
+        const auto& rows = flight.back().first.decodes;
+        s.cancel(rows[size_t(uniform(0, int64_t(rows.size()) - 1))].id);
+        s.check_integrity();
+      }
+      s.complete(flight.front().first, flight.front().second);
+      flight.pop_front();
+      s.check_integrity();
+      for (const auto& f : s.drain_finished()) {
+        // Finished while the step still in flight computes it: retired (released at that step's complete).
+        if (!flight.empty())
+          for (const ScheduledSeq& x : flight.front().first.decodes)
+            if (x.id == f.id) ++(f.reason == FinishReason::cancelled ? tot.retired_cancels : tot.retired_stops);
+        check_output(f);
+      }
+      ++tot.steps;
+    }
   }
   KCHECK(live.empty(), "{} requests never finished", live.size());
   const auto& cm = s.cache();
@@ -143,6 +178,27 @@ TEST(SchedSimulation, TenThousandStepsThreeSeeds) {
     EXPECT_GT(st.preemptions, 0);
     EXPECT_GT(st.prefix_hits, 0);
     EXPECT_GT(st.prefix_hit_tokens, 0);
+  }
+}
+
+// Run-ahead chains between the normal steps: every output still matches its solo run, and requests stop
+// (the fake model's stop ids), finish at max_tokens and are cancelled while two steps are in flight.
+TEST(SchedSimulation, RunAheadChains) {
+  for (uint64_t seed : {4u, 5u}) {
+    SimTotals t;
+    ASSERT_NO_THROW(t = simulate(seed, 3000, 64, true)) << "seed " << seed;
+    std::printf("seed %llu with run-ahead: %lld steps (%lld ahead), %lld completed, %lld cancelled, %lld preemptions; "
+                "%lld stops and %lld cancels while the next step was in flight\n",
+                (unsigned long long)seed, (long long)t.steps, (long long)t.ahead_steps, (long long)t.completed,
+                (long long)t.cancelled, (long long)t.stats.preemptions, (long long)t.retired_stops,
+                (long long)t.retired_cancels);
+    EXPECT_EQ(t.stats.ahead_steps, t.ahead_steps);
+    EXPECT_GT(t.retired_stops, 0);
+    EXPECT_GT(t.retired_cancels, 0);
+    EXPECT_GT(t.ahead_steps, t.steps / 4);
+    EXPECT_GT(t.completed, 100);
+    EXPECT_GT(t.cancelled, 0);
+    EXPECT_GT(t.stats.preemptions, 0);
   }
 }
 

@@ -282,6 +282,8 @@ TEST(ServerHttp, NonStreamingCompletionAndErrors) {
   // Without speculation the spec_decode counters are there and zero (the nano e2e test sees them count).
   EXPECT_NE(m.find("vllm:spec_decode_num_drafts_total{model_name=\"m\"} 0"), std::string::npos) << m;
   EXPECT_NE(m.find("vllm:spec_decode_num_accepted_tokens_total{model_name=\"m\"} 0"), std::string::npos) << m;
+  // Nor without --async-scheduling any step run ahead (tests/py/test_async_serve.py sees it count).
+  EXPECT_NE(m.find("kestrel:ahead_steps_total{model_name=\"m\"} 0"), std::string::npos) << m;
   EXPECT_NE(m.find("vllm:request_success_total{model_name=\"m\",finished_reason=\"length\"} 1"), std::string::npos) << m;
   // n = 16 choices against 4 running + 8 waiting: the 13th is refused, the 12 before it are cancelled,
   // and their late events touch nothing; the server goes on answering.

@@ -23,7 +23,9 @@
 #include "structured/json_schema_grammar.h"
 #include "test_structured_util.h"
 
-namespace kestrel::structured {
+// A namespace of its own: test_structured.cpp has the same helpers (end_of_msg, compile), and CI's unity build
+// (KESTREL_UNITY) may batch the two files into one translation unit.
+namespace kestrel::structured::budget_testing {
 namespace {
 
 using testing::k3_tokenizer;
@@ -410,4 +412,4 @@ TEST(StructuredBudget, RequiredNestingNeedsItsRoom) {
 }
 
 }  // namespace
-}  // namespace kestrel::structured
+}  // namespace kestrel::structured::budget_testing
