@@ -596,18 +596,22 @@ case "${1:-}" in
     wait "$ckpt_pid"
     # The engine: one decode step and an 8K prefill of the reduced mini, then serving through kestrel serve.
     timeout "$(left)" .gpu-carry/bench_ops --perf --only model --model "$ck/mini" 2>&1 | tee "$out/perf/model.log" | grep PERF || true
+    # Twice: as served by default, then with --async-scheduling (run-ahead decode steps; keys serve_mini_async_*).
     port=18124
-    .gpu-carry/kestrel serve --device cuda --model "$ck/mini" --port "$port" --max-num-seqs 64 \
-      --gpu-memory-utilization 0.5 >"$out/perf/serve.log" 2>&1 &
-    srv=$!
-    wait_healthy "$port" "$srv" || true
-    for c in 1 64; do
-      n=$(( c == 1 ? 16 : 192 ))
-      timeout "${5:-$(left)}" .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --tokenizer "$ck/mini" \
-        --input-len 1024 --output-len 128 --ignore-eos --num-prompts "$n" --max-concurrency "$c" --num-warmups 2 \
-        --no-progress --result-file "$out/perf/serve_c$c.json" >"$out/perf/serve_bench_c$c.log" 2>&1 || true
+    for mode in "" async; do
+      .gpu-carry/kestrel serve --device cuda --model "$ck/mini" --port "$port" --max-num-seqs 64 \
+        --gpu-memory-utilization 0.5 ${mode:+--async-scheduling} >"$out/perf/serve${mode:+_$mode}.log" 2>&1 &
+      srv=$!
+      wait_healthy "$port" "$srv" || true
+      for c in 1 64; do
+        n=$(( c == 1 ? 16 : 192 ))
+        timeout "${5:-$(left)}" .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --tokenizer "$ck/mini" \
+          --input-len 1024 --output-len 128 --ignore-eos --num-prompts "$n" --max-concurrency "$c" --num-warmups 2 \
+          --no-progress --result-file "$out/perf/serve${mode:+_$mode}_c$c.json" \
+          >"$out/perf/serve_bench${mode:+_$mode}_c$c.log" 2>&1 || true
+      done
+      kill $srv 2>/dev/null; wait $srv 2>/dev/null || true
     done
-    kill $srv 2>/dev/null; wait $srv 2>/dev/null || true
     # One million tokens: k3-tiny after its long-context stage (PASSKEY_MODEL, default models/k3-tiny-long)
     # answers pass keys at 1,048,576 tokens of context (issue #15), when the set (train/k3data/make_eval.py
     # --min-context 1048576 --max-context 1048576, xz-compressed) is carried.
@@ -624,7 +628,9 @@ case "${1:-}" in
     fi
     python3 bench/gpu/perf.py --logs "$out/perf" --out "$out/perf.json" --commit "$(cat .gpu-carry/COMMIT 2>/dev/null)" \
       --machine "$(cat "$out/perf/machine.txt")" \
-      --serve "serve_mini_c1=$out/perf/serve_c1.json" "serve_mini_c64=$out/perf/serve_c64.json" | tee "$out/perf.md"
+      --serve "serve_mini_c1=$out/perf/serve_c1.json" "serve_mini_c64=$out/perf/serve_c64.json" \
+      "serve_mini_async_c1=$out/perf/serve_async_c1.json" "serve_mini_async_c64=$out/perf/serve_async_c64.json" \
+      | tee "$out/perf.md"
     # The device tool brings back at most 8 files: the logs travel as one archive.
     tar czf "$out/perf_logs.tgz" -C "$out" perf && rm -rf "$out/perf"
     ;;

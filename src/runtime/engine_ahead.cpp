@@ -29,7 +29,8 @@ bool Engine::plain(const Req& q) const {
          // min_tokens holds the stop ids back by the output's length, one short at launch; once reached, never
          && q.output.size() >= size_t(std::max(p.min_tokens, 0))
          && !q.speculate       // a speculating decode drafts and verifies γ positions: only run() does that
-         && q.error.empty();   // an error ends the request with this step's event
+         && q.error.empty()    // an error ends the request with this step's event
+         && exec_->samples_ahead(p);  // the executor draws it without a host fallback (the GPU: greedy only)
 }
 
 bool Engine::starts_run_ahead(const sched::StepPlan& plan, const InStep& in_step) const {

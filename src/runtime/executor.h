@@ -166,6 +166,14 @@ class StepExecutor {
   // Run-ahead (sched/scheduler.h schedule_ahead; docs/serving.md "Async scheduling"): whether launch() and
   // collect() exist. The engine calls them only then; the defaults fail.
   virtual bool runs_ahead() const { return false; }
+  // Whether launch() draws a row with these parameters by itself, never handing it back to the host — whose
+  // logits the next launched step has overwritten by collect() time. The engine's plain() asks it; a request it
+  // refuses keeps its batch synchronous. The CPU executor samples on the host: every row. (The GPU's device
+  // sampler may hand a row back: greedy rows only.)
+  virtual bool samples_ahead(const SamplingParams& p) const {
+    (void)p;
+    return true;
+  }
   // Enqueues the step and may return before its forward is done. At most two steps are launched and not
   // yet collected. The plan holds only single-token decodes (sample set, no drafts; no prefills, no
   // copies) of requests the engine found plain (no constraint, logprobs, penalties, bias, held stop ids,

@@ -229,6 +229,7 @@ CudaExecutor::CudaExecutor(model::CudaModel& model, const ModelConfig& c, const 
   if (cc.block_size != formats.block_size)
     fail("executor: cache config block size {} != format block size {}", cc.block_size, formats.block_size);
   impl_ = std::make_unique<Impl>(model, c, formats, cc);
+  model_ = &model, cache_ = impl_->cache.get();
   model.enable_cuda_graphs(options.cuda_graphs);
   follower_ = options.follower;
   if (options.speculative) {
@@ -272,6 +273,13 @@ CudaExecutor::~CudaExecutor() {
   if (impl_ && impl_->gdraft) impl_->gdraft->set_marker({});  // the profile goes first (Impl's members)
 }
 
+bool CudaExecutor::runs_ahead() const { return !follower_ && !impl_->spec; }
+
+void CudaExecutor::forget_media(const sched::StepPlan& plan) {
+  for (const auto* list : {&plan.finished, &plan.cancelled})
+    for (cache::RequestId id : *list) impl_->media.erase(id);
+}
+
 sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks& hooks) {
   KCHECK(follower_ || bool(hooks.sample), "executor: no sampler hook");
   const auto t0 = std::chrono::steady_clock::now();
@@ -295,8 +303,10 @@ sched::StepResult CudaExecutor::run(const sched::StepPlan& plan, const StepHooks
     for (const sched::ScheduledSeq& x : *list)
       if (x.reset_state) m.zero_slot(cc, x.state_slot);
   for (const cache::SlotCopy& cp : plan.copies_before) m.copy_slot(cc, cp.src, cp.dst);
-  for (const auto* list : {&plan.finished, &plan.cancelled})
-    for (cache::RequestId id : *list) impl_->media.erase(id);
+  forget_media(plan);
+  // A synchronous step ends a run-ahead chain: the next pending token must come from a launched step.
+  KCHECK(launched_.empty(), "executor: run() with {} run-ahead steps not collected", launched_.size());
+  prev_rows_.clear();
 
   // The batch: single-token sequences first (one absorbed MLA launch), then speculative decodes (verify
   // sequences), in plan order otherwise.

@@ -37,8 +37,10 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
+#include <unordered_map>
 #include <vector>
 
 #include "cache/layout.h"
@@ -50,6 +52,7 @@
 
 namespace kestrel::model {
 class CudaModel;
+struct CudaCache;
 }
 namespace kestrel::vision {
 class VisionCuda;
@@ -92,6 +95,17 @@ class CudaExecutor : public StepExecutor {
   const ExecutorStats& stats() const override { return stats_; }
   bool supports_images() const override { return vision_ != nullptr; }
   bool announces_forward() const override { return !follower_; }
+  // Run-ahead (async scheduling; executor_cuda_ahead.cpp): a step of plain decodes is enqueued with its
+  // sampling (CudaModel::sample_ahead) and launch() returns; the pending tokens come from the previous launched
+  // step's ids on the device (CudaSeq::prev_id), so step N+1 is queued behind step N before the host has N's ids.
+  // collect() waits for the oldest step's ids only and hands them to take_token. Not under speculation or as a
+  // tensor-parallel follower.
+  bool runs_ahead() const override;
+  // Greedy rows only: the device sampler hands some rows back to the host (sampling.h: top-k > 1024, a wide
+  // min-p, > 2048 ties at the cut), and the argmax never does.
+  bool samples_ahead(const SamplingParams& p) const override { return p.temperature == 0.0f; }
+  void launch(const sched::StepPlan& plan, const StepHooks& hooks) override;
+  sched::StepResult collect(const sched::StepPlan& plan, const StepHooks& hooks) override;
 
  private:
   struct Impl;
@@ -99,6 +113,19 @@ class CudaExecutor : public StepExecutor {
   ExecutorStats stats_;
   bool follower_ = false;
   vision::VisionCuda* vision_ = nullptr;
+  // Run-ahead state: the launched steps not yet collected (oldest first), and each request's row in the latest
+  // launched step's ids (where the next step's pending token is). A run() step ends the chain.
+  struct Launched {
+    uint64_t step = 0;
+    int64_t ticket = -1;  // CudaModel::sample_ahead's
+    size_t rows = 0;
+  };
+  std::deque<Launched> launched_;
+  std::unordered_map<cache::RequestId, int32_t> prev_rows_;
+  std::vector<int32_t> ahead_ids_;  // collect()'s ids, reused
+  model::CudaModel* model_ = nullptr;  // impl_'s model and cache, for executor_cuda_ahead.cpp
+  model::CudaCache* cache_ = nullptr;
+  void forget_media(const sched::StepPlan& plan);  // the finished and cancelled requests' image rows
 };
 
 // The device sampler's logit adjustments for one row (kernels/cuda/sampling.h PenaltyEntry), appended

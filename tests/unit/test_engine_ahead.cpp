@@ -285,6 +285,54 @@ TEST(AsyncScheduling, ANonPlainRequestKeepsItsBatchSynchronous) {
   EXPECT_EQ(async.stats.ahead_steps, 9);
 }
 
+// An executor that draws only some rows by itself (the GPU's: greedy only, StepExecutor::samples_ahead): a
+// batch with a seeded request stays synchronous until that request ends, then the greedy one runs ahead; the
+// tokens are the synchronous engine's either way. The CPU executor underneath, its samples_ahead narrowed.
+class GreedyAhead : public runtime::StepExecutor {
+ public:
+  explicit GreedyAhead(std::unique_ptr<runtime::StepExecutor> inner) : inner_(std::move(inner)) {}
+  sched::StepResult run(const sched::StepPlan& plan, const runtime::StepHooks& hooks) override {
+    return inner_->run(plan, hooks);
+  }
+  const runtime::ExecutorStats& stats() const override { return inner_->stats(); }
+  bool runs_ahead() const override { return true; }
+  bool samples_ahead(const SamplingParams& p) const override { return p.temperature == 0.0f; }
+  void launch(const sched::StepPlan& plan, const runtime::StepHooks& hooks) override {
+    for (const sched::ScheduledSeq& x : plan.decodes)
+      EXPECT_EQ(hooks.sampling_inputs(x).params->temperature, 0.0f) << "a sampled row launched ahead";
+    inner_->launch(plan, hooks);
+  }
+  sched::StepResult collect(const sched::StepPlan& plan, const runtime::StepHooks& hooks) override {
+    return inner_->collect(plan, hooks);
+  }
+
+ private:
+  std::unique_ptr<runtime::StepExecutor> inner_;
+};
+
+TEST(AsyncScheduling, RowsTheExecutorCannotDrawKeepTheBatchSynchronous) {
+  EngineConfig cfg = roomy();
+  cfg.make_executor = [](const CacheFormats& f, const cache::CacheConfig& cc) {
+    return std::unique_ptr<runtime::StepExecutor>(
+        std::make_unique<GreedyAhead>(std::make_unique<runtime::Executor>(nano().w, nano().cfg, f, cc)));
+  };
+  // The seeded request (8 tokens) ends long before the greedy one (30): from then on the greedy one runs ahead.
+  auto submit = [](Engine& e, Events& ev) {
+    e.submit(seeded(12, 8, 41), ev.sink(0, [&e, &ev](size_t n) {
+      if (n == 1) e.submit(greedy(9, 30, 42), ev.sink(1));
+    }));
+  };
+  const RunResult sync = run(cfg, false, submit), async = run(cfg, true, submit);
+  expect_same(sync, async);
+  EXPECT_GT(async.stats.ahead_steps, 10);
+  EXPECT_LT(async.stats.ahead_steps, 29) << "steps with the seeded request ran ahead";
+  // Seeded alone: never ahead.
+  auto seeded_only = [](Engine& e, Events& ev) { e.submit(seeded(12, 12, 43), ev.sink(0)); };
+  const RunResult s2 = run(cfg, false, seeded_only), a2 = run(cfg, true, seeded_only);
+  expect_same(s2, a2);
+  EXPECT_EQ(a2.stats.ahead_steps, 0);
+}
+
 // A page pool far smaller than the requests need: preemption by recompute in the normal steps, continuations
 // left out when their pages cannot grow — and still every token the synchronous engine gives.
 TEST(AsyncScheduling, MemoryPressureWithPreemption) {
