@@ -254,9 +254,10 @@ TEST(GpuAhead, EngineAsyncSchedulingMatchesSync) {
       if (seed < 0) {
         EXPECT_GT(async.second.ahead_steps, 10) << name << ": greedy decode chains should run ahead";
       } else {
-        // The seeded request (9 tokens) keeps its batches synchronous; after it ends the others run ahead.
+        // The seeded request (9 tokens: the prefill step and 8 decode steps) keeps its batches synchronous; after
+        // it ends the others run ahead (about 10 of the 20 steps; all but ~2 if the seeded rows ran ahead too).
         EXPECT_GT(async.second.ahead_steps, 0) << name;
-        EXPECT_LT(async.second.ahead_steps, sync.second.steps - 9) << name;
+        EXPECT_LE(async.second.ahead_steps, sync.second.steps - 9) << name;
       }
       note(fmt::format("{:<28} {:<34} {} steps, {} ahead; tokens identical to the synchronous engine", "engine run-ahead",
                        fmt::format("{}{}", name, seed >= 0 ? " (one seeded)" : ""), async.second.steps,
