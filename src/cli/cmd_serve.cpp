@@ -47,7 +47,7 @@ struct ServeOpts {
   bool no_access_log = false;
   std::vector<std::string> allowed_origins;
   bool fake = false, debug_routes = false;
-  int fake_delay_ms = 0, fake_load_ms = 0;
+  int fake_delay_ms = 0, fake_load_ms = 0, fake_step_us = 0;
   server::StructuredOptions structured;
   bool no_complete_within_max_tokens = false;
   // Image input (server/media.h).
@@ -100,6 +100,7 @@ void serve(ServeOpts& o) {
   if (o.fake) {
     eo.fake = true;
     eo.fake_executor.step_delay = std::chrono::milliseconds(o.fake_delay_ms);
+    eo.fake_executor.device_step = std::chrono::microseconds(o.fake_step_us);
     eo.fake_load_delay = std::chrono::milliseconds(o.fake_load_ms);
     if (!eo.memory_budget && eo.gpu_memory_utilization == 0.0) eo.memory_budget = int64_t(64) << 30;
   }
@@ -224,6 +225,10 @@ void register_serve(CLI::App& app) {
       ->check(CLI::Range(1, 4096));
   cmd->add_flag("--fake-engine", o->fake, "no weights: random tokens (tests and HTTP benchmarks)");
   cmd->add_option("--fake-delay-ms", o->fake_delay_ms, "fake engine: pause per engine step")->check(CLI::Range(0, 60000));
+  cmd->add_option("--fake-step-us", o->fake_step_us,
+                  "fake engine: model a device taking this many µs a step, waited for only when the tokens are "
+                  "needed (with --async-scheduling, behind the next step: the engine's host share per step shows)")
+      ->check(CLI::Range(0, 10000000));
   cmd->add_option("--fake-load-ms", o->fake_load_ms, "fake engine: pretend loading takes this long")->check(CLI::Range(0, 600000));
   cmd->callback([o] { serve(*o); });
 }

@@ -333,6 +333,24 @@ TEST(AsyncScheduling, RowsTheExecutorCannotDrawKeepTheBatchSynchronous) {
   EXPECT_EQ(a2.stats.ahead_steps, 0);
 }
 
+// The fake executor with a modelled device (FakeExecutorOptions::device_step, `kestrel serve --fake-engine
+// --fake-step-us`) runs ahead too: its streams (random logits seeded by the prompt and the output index, the pending
+// row's index one further) are the synchronous engine's, greedy and seeded.
+TEST(AsyncScheduling, FakeExecutorWithAModelledDeviceRunsAhead) {
+  EngineConfig cfg = roomy();
+  runtime::FakeExecutorOptions fo;
+  fo.device_step = std::chrono::microseconds(50);
+  cfg.make_executor = runtime::fake_executor_factory(nano().cfg.text.vocab_size, fo);
+  auto submit = [](Engine& e, Events& ev) {
+    e.submit(greedy(7, 20, 51), ev.sink(0));
+    e.submit(seeded(9, 14, 52), ev.sink(1));
+    e.submit(greedy(5, 9, 53), ev.sink(2));
+  };
+  const RunResult sync = run(cfg, false, submit), async = run(cfg, true, submit);
+  expect_same(sync, async);
+  EXPECT_GT(async.stats.ahead_steps, 10);
+}
+
 // A page pool far smaller than the requests need: preemption by recompute in the normal steps, continuations
 // left out when their pages cannot grow — and still every token the synchronous engine gives.
 TEST(AsyncScheduling, MemoryPressureWithPreemption) {
