@@ -1,8 +1,9 @@
 // CudaExecutor's run-ahead steps (async scheduling; executor_cuda.h, executor.h StepExecutor::launch / collect,
-// docs/serving.md "Async scheduling"). The engine hands launch() only plans of plain single-token decodes (no
+// docs/serving.md "Async scheduling"). The engine hands launch() only plans of plain greedy single-token decodes (no
 // logprobs, penalties, bias, masks or min_tokens hold; nothing to copy or snapshot), so a step is: the forward
-// (through its graph bucket when graphs are on), then CudaModel::sample_ahead — the argmax alone when every row is
-// greedy, the device sampler otherwise — and launch() returns with both queued. A decode whose token is pending
+// (through its graph bucket when graphs are on), then CudaModel::sample_ahead — the argmax — and launch() returns
+// with both queued. Greedy rows only (samples_ahead): the device sampler may hand a row back to the host (−1), and by
+// the time collect() sees that, the next step has overwritten the row's logits. A decode whose token is pending
 // (ScheduledSeq::token_pending) reads it from the previous launched step's ids on the device (CudaSeq::prev_id =
 // its row there), so the two forwards follow each other on the stream without the host between them. collect()
 // waits for that step's ids only (a side-stream copy, model/cuda/ahead.h) — the next step keeps the GPU busy
