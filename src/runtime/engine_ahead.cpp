@@ -3,7 +3,7 @@
 // plans its continuation (sched/scheduler.h schedule_ahead), which is launched before the first step is
 // collected — its input tokens pending, taken by the executor from the step before. Then the first is
 // collected and completed as run_step() would (finish_step), and the chain goes on one step behind until no
-// decode can continue or a request is waiting for admission; every other plan runs through run_step().
+// decode can continue or a waiting request could be admitted; every other plan runs through run_step().
 #include <algorithm>
 #include <chrono>
 #include <deque>
@@ -83,12 +83,13 @@ void Engine::run_ahead(sched::StepPlan first, InStep first_in_step) {
     launch(*flights.back());
     auto last_collect = std::chrono::steady_clock::now();
     for (;;) {
-      // The continuation, unless someone waits for admission (schedule() admits; it needs nothing in flight)
+      // The continuation, unless a waiting request could be admitted now (schedule() admits, and it needs nothing
+      // in flight; one that cannot come in yet — no slot, no pages — does not stop the chain: Scheduler::could_admit)
       // or the engine stops. The chain's requests are all plain: it starts from a plan of plain requests, and
       // a plain request stays plain (its output only grows).
       {
         std::lock_guard<std::mutex> lk(mu_);
-        if (!stop_ && sched_.num_waiting() == 0) {
+        if (!stop_ && !sched_.could_admit()) {
           sched::StepPlan ahead = sched_.schedule_ahead();
           if (ahead.has_work()) {
             InStep in;

@@ -446,6 +446,20 @@ void Scheduler::complete(const StepPlan& plan, const StepResult& result) {
   for (RequestId id : cancels) finish(seq(id), FinishReason::cancelled);
 }
 
+bool Scheduler::could_admit() const {
+  if (waiting_.empty()) return false;
+  // A retired request's slot is as good as free: it goes when the step in flight completes, before any schedule().
+  int32_t running = 0;
+  for (const Key& k : running_) running += !seqs_.at(k.second).retired;
+  if (running >= config_.max_num_seqs) return false;
+  // The admission loop's first candidate: the head (a long prompt is passed over only while long prefills run,
+  // and none runs beside a chain of decodes, which is when this is asked).
+  const Seq& s = seqs_.at(waiting_.begin()->second);
+  const int64_t n = int64_t(s.tokens.size());
+  const cache::PrefixHit hit = s.no_prefix_hit ? cache::PrefixHit{} : cache_.lookup(s.tokens, s.extras, n - 1);
+  return cache_.available_pages(&hit) >= pages_for(hit.num_tokens + 1) - int32_t(hit.pages.size());
+}
+
 int32_t Scheduler::evict_prefix_cache() {
   if (!in_flight_.empty())
     fail("scheduler: evict_prefix_cache() while step {} is in flight", in_flight_.front().step);

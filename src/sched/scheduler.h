@@ -164,6 +164,12 @@ class Scheduler {
   size_t num_waiting() const { return waiting_.size(); }
   size_t num_running() const { return running_.size(); }  // retired requests included: they hold a slot
   size_t num_in_flight() const { return in_flight_.size(); }
+  // Whether schedule() might admit the head of the queue now: a slot under max_num_seqs (retired requests' slots
+  // counted free: they are released before the next schedule()), and pages for at least
+  // one token past its prefix hit. False means it surely would not (run-ahead then goes on: breaking a chain for a
+  // request that cannot come in yet only loses overlap, e.g. under a backlog of more requests than slots); true
+  // may still admit nothing (the first chunk may need more pages), which only costs one synchronous step.
+  bool could_admit() const;
   // The scheduler's share of the engine's counters: steps, admissions, preemptions, prefix cache,
   // prefill/decode tokens, finished and cancelled requests (the rest stays 0).
   const EngineStats& stats() const { return stats_; }

@@ -333,6 +333,23 @@ TEST(AsyncScheduling, RowsTheExecutorCannotDrawKeepTheBatchSynchronous) {
   EXPECT_EQ(a2.stats.ahead_steps, 0);
 }
 
+// More requests than slots (max_running 2, 6 submitted at once): the waiting ones cannot come in until a running one
+// ends, so the decode chains run ahead beside the backlog (Scheduler::could_admit) instead of stopping for it — and
+// each request is admitted as soon as a slot frees, with the synchronous engine's tokens.
+TEST(AsyncScheduling, ABacklogThatCannotBeAdmittedDoesNotStopTheChain) {
+  EngineConfig cfg = roomy();
+  cfg.max_running = 2;
+  auto submit = [](Engine& e, Events& ev) {
+    for (int k = 0; k < 6; ++k)
+      e.submit(k % 2 ? seeded(6 + 3 * size_t(k), 10 + 2 * k, 60 + uint32_t(k)) : greedy(5 + size_t(k), 12 + k, 60 + uint32_t(k)),
+               ev.sink(k));
+  };
+  const RunResult sync = run(cfg, false, submit), async = run(cfg, true, submit);
+  expect_same(sync, async);
+  // Every decode step but a chain's first (and the steps next to an admission) runs ahead: most of them.
+  EXPECT_GT(async.stats.ahead_steps, async.stats.steps / 2) << async.stats.steps << " steps";
+}
+
 // The fake executor with a modelled device (FakeExecutorOptions::device_step, `kestrel serve --fake-engine
 // --fake-step-us`) runs ahead too: its streams (random logits seeded by the prompt and the output index, the pending
 // row's index one further) are the synchronous engine's, greedy and seeded.
