@@ -1,7 +1,7 @@
 """`--async-scheduling` (run-ahead, docs/serving.md) end to end on nano: `kestrel serve` with the flag answers
 concurrent greedy and seeded completions with exactly the text of a server without it, its /metrics counts the
 steps that ran ahead (0 without the flag), and `kestrel generate` prints the same tokens either way plus how many
-steps ran ahead."""
+steps ran ahead; the fake engine with a modelled device (--fake-step-us) does the same."""
 import concurrent.futures
 import re
 
@@ -70,3 +70,22 @@ def test_generate_with_async_scheduling_prints_the_same_tokens(kestrel_bin, nano
     assert m, on.stdout
     assert 0 < int(m.group(1)) < int(m.group(2))
     assert "async scheduling" not in off.stdout
+
+
+def test_fake_engine_with_a_modelled_device_runs_ahead(kestrel_bin, nano_dir):
+    """`--fake-engine --fake-step-us N` (a modelled device, fake_executor.h; bench/engine_async_ab.sh): with
+    --async-scheduling its steps run ahead, and its streams — random logits seeded by the prompt and the output
+    index — are those of the same fake without the flag."""
+    flags = ("--fake-engine", "--fake-step-us", "200")
+    s = serve(kestrel_bin, nano_dir, *flags)
+    try:
+        plain = completions(s)
+        assert ahead_steps(s) == 0
+    finally:
+        assert s.stop() == 0
+    s = serve(kestrel_bin, nano_dir, *flags, "--async-scheduling")
+    try:
+        assert completions(s) == plain
+        assert ahead_steps(s) > 0
+    finally:
+        assert s.stop() == 0
