@@ -20,6 +20,7 @@
 
 #include "cache/layout.h"
 #include "core/check.h"
+#include "engine_events.h"
 #include "nano_checkpoint.h"
 #include "runtime/engine.h"
 #include "runtime/executor.h"
@@ -34,48 +35,7 @@ using runtime::EngineConfig;
 
 const testing::NanoCheckpoint& nano() { return testing::nano_checkpoint(); }
 
-// Each request's events by key, with a global order, checked as they come: indices in order, nothing
-// after the final event. `on_token(n)` runs on the engine thread (in the sink) when the request has n tokens.
-class Events {
- public:
-  struct Out {
-    std::vector<int32_t> tokens;
-    std::vector<float> logprobs;
-    std::vector<int64_t> order;  // global event number of each token
-    FinishReason reason = FinishReason::none;
-    std::string error;
-    int finals = 0;
-    int64_t final_order = -1;
-  };
-  TokenSink sink(int key, std::function<void(size_t)> on_token = {}) {
-    return [this, key, on_token](TokenEvent&& ev) {
-      size_t n = 0;
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        Out& o = out_[key];
-        EXPECT_EQ(o.finals, 0) << "request " << key << ": an event after its final one";
-        if (ev.token >= 0) {
-          EXPECT_EQ(ev.index, int32_t(o.tokens.size())) << "request " << key;
-          o.tokens.push_back(ev.token);
-          o.logprobs.push_back(ev.logprob);
-          o.order.push_back(next_++);
-          n = o.tokens.size();
-        }
-        if (ev.finished()) o.reason = ev.finish, o.error = ev.error, ++o.finals, o.final_order = next_++;
-      }
-      if (n > 0 && on_token) on_token(n);
-    };
-  }
-  std::map<int, Out> all() {
-    std::lock_guard<std::mutex> lk(mu_);
-    return out_;
-  }
-
- private:
-  std::mutex mu_;
-  std::map<int, Out> out_;
-  int64_t next_ = 0;
-};
+using Events = testing::EngineEvents;
 
 struct RunResult {
   std::map<int, Events::Out> out;

@@ -66,6 +66,14 @@ const FinishedRequest& by_id(const std::vector<FinishedRequest>& done, RequestId
   throw Error(fmt::format("request {} did not finish", id));
 }
 
+// Drives requests 1 (`a`) and 2 (`b`) to the end: each output is its solo one.
+void expect_solo_outputs(Harness& h, const Request& a, const Request& b) {
+  const auto done = drive(h);
+  ASSERT_EQ(done.size(), 2u);
+  EXPECT_EQ(by_id(done, 1).output, h.model.solo_output(a.prompt, a.max_tokens));
+  EXPECT_EQ(by_id(done, 2).output, h.model.solo_output(b.prompt, b.max_tokens));
+}
+
 TEST(SchedAhead, ContinuationIsOnePositionFurtherWithItsTokenPending) {
   Harness h(config(), cache_config(16, 4));
   const Request a = request(15, 10), b = request(5, 10, 100);
@@ -117,10 +125,7 @@ TEST(SchedAhead, ContinuationIsOnePositionFurtherWithItsTokenPending) {
   EXPECT_EQ(h.s.num_in_flight(), 1u);
   h.s.complete(next, rnext);
   h.s.check_integrity();
-  const auto done = drive(h);
-  ASSERT_EQ(done.size(), 2u);
-  EXPECT_EQ(by_id(done, 1).output, h.model.solo_output(a.prompt, a.max_tokens));
-  EXPECT_EQ(by_id(done, 2).output, h.model.solo_output(b.prompt, b.max_tokens));
+  expect_solo_outputs(h, a, b);
 }
 
 TEST(SchedAhead, MaxTokensLeavesTheLastTokenOut) {
@@ -188,10 +193,7 @@ TEST(SchedAhead, AFullPoolLeavesAContinuationOutAndPreemptsNobody) {
   h.s.complete(next, rnext);
   h.s.check_integrity();
   // Request 1 goes on through schedule() (which may preempt there); both outputs are their solo ones.
-  const auto done = drive(h);
-  ASSERT_EQ(done.size(), 2u);
-  EXPECT_EQ(by_id(done, 1).output, h.model.solo_output(a.prompt, a.max_tokens));
-  EXPECT_EQ(by_id(done, 2).output, h.model.solo_output(b.prompt, b.max_tokens));
+  expect_solo_outputs(h, a, b);
 }
 
 // A stop at N while N+1 computes the request: reported at N; pages, slot and queue entry kept until N+1

@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 
 #include "cache/layout.h"
+#include "engine_events.h"
 #include "nano_checkpoint.h"
 #include "nano_draft_dir.h"
 #include "model/model.h"
@@ -31,34 +32,7 @@ using runtime::EngineConfig;
 
 const testing::NanoCheckpoint& nano() { return testing::nano_checkpoint(); }
 
-// Each request's tokens and finals, by submission key.
-class Events {
- public:
-  TokenSink sink(int key) {
-    return [this, key](TokenEvent&& ev) {
-      std::lock_guard<std::mutex> lk(mu_);
-      auto& o = out_[key];
-      if (ev.token >= 0) {
-        EXPECT_EQ(ev.index, int32_t(o.tokens.size())) << "request " << key;
-        o.tokens.push_back(ev.token);
-      }
-      if (ev.finished()) ++o.finals, o.reason = ev.finish;
-    };
-  }
-  struct Out {
-    std::vector<int32_t> tokens;
-    int finals = 0;
-    FinishReason reason = FinishReason::none;
-  };
-  Out get(int key) {
-    std::lock_guard<std::mutex> lk(mu_);
-    return out_[key];
-  }
-
- private:
-  std::mutex mu_;
-  std::map<int, Out> out_;
-};
+using Events = testing::EngineEvents;
 
 std::vector<int32_t> random_prompt(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
