@@ -30,7 +30,7 @@ bool Engine::plain(const Req& q) const {
          && q.output.size() >= size_t(std::max(p.min_tokens, 0))
          && !q.speculate       // a speculating decode drafts and verifies γ positions: only run() does that
          && q.error.empty()    // an error ends the request with this step's event
-         && exec_->samples_ahead(p);  // the executor draws it without a host fallback (the GPU: greedy only)
+         && exec_->samples_ahead(p);  // the executor draws it without a host fallback
 }
 
 bool Engine::starts_run_ahead(const sched::StepPlan& plan, const InStep& in_step) const {

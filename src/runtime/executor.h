@@ -58,7 +58,7 @@ struct ExecutorStats {
   int64_t tokens_forwarded = 0;  // positions run through the model: the prefill work actually done
   int64_t samples = 0;
   int64_t device_samples = 0;         // device executors: tokens sampled on the device
-  int64_t host_fallback_samples = 0;  // device rows the device sampler handed back to the host
+  int64_t host_fallback_samples = 0;  // device-sampled rows redrawn on the host (a grammar refused the device's token)
   double forward_seconds = 0.0;
   int64_t images_encoded = 0;    // images run through the vision tower (once per request)
   int64_t vision_calls = 0;      // encoder calls (CPU: one per request; GPU: a step's new images in one)
@@ -168,8 +168,8 @@ class StepExecutor {
   virtual bool runs_ahead() const { return false; }
   // Whether launch() draws a row with these parameters by itself, never handing it back to the host — whose
   // logits the next launched step has overwritten by collect() time. The engine's plain() asks it; a request it
-  // refuses keeps its batch synchronous. The CPU executor samples on the host: every row. (The GPU's device
-  // sampler may hand a row back: greedy rows only.)
+  // refuses keeps its batch synchronous. The CPU executor samples on the host, the GPU's device sampler never
+  // hands a row back: every row, for both.
   virtual bool samples_ahead(const SamplingParams& p) const {
     (void)p;
     return true;

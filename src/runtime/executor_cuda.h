@@ -101,9 +101,9 @@ class CudaExecutor : public StepExecutor {
   // collect() waits for the oldest step's ids only and hands them to take_token. Not under speculation or as a
   // tensor-parallel follower.
   bool runs_ahead() const override;
-  // Greedy rows only: the device sampler hands some rows back to the host (sampling.h: top-k > 1024, a wide
-  // min-p, > 2048 ties at the cut), and the argmax never does.
-  bool samples_ahead(const SamplingParams& p) const override { return p.temperature == 0.0f; }
+  // Every row: the device sampler hands none back to the host (kernels/cuda/sampling.h), so greedy and sampled
+  // rows alike run ahead (the engine's plain() still keeps penalties, bias, logprobs and masks out).
+  bool samples_ahead(const SamplingParams&) const override { return true; }
   void launch(const sched::StepPlan& plan, const StepHooks& hooks) override;
   sched::StepResult collect(const sched::StepPlan& plan, const StepHooks& hooks) override;
 

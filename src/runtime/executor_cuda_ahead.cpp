@@ -1,9 +1,10 @@
 // CudaExecutor's run-ahead steps (async scheduling; executor_cuda.h, executor.h StepExecutor::launch / collect,
 // docs/serving.md "Async scheduling"). The engine hands launch() only plans of plain greedy single-token decodes (no
 // logprobs, penalties, bias, masks or min_tokens hold; nothing to copy or snapshot), so a step is: the forward
-// (through its graph bucket when graphs are on), then CudaModel::sample_ahead — the argmax — and launch() returns
-// with both queued. Greedy rows only (samples_ahead): the device sampler may hand a row back to the host (−1), and by
-// the time collect() sees that, the next step has overwritten the row's logits. A decode whose token is pending
+// (through its graph bucket when graphs are on), then CudaModel::sample_ahead — the argmax, or the sampler for rows
+// with a temperature — and launch() returns with both queued. The device sampler never hands a row back to the host
+// (kernels/cuda/sampling.h): by the time collect() could see that, the next step has overwritten the row's logits. A
+// decode whose token is pending
 // (ScheduledSeq::token_pending) reads it from the previous launched step's ids on the device (CudaSeq::prev_id =
 // its row there), so the two forwards follow each other on the stream without the host between them. collect()
 // waits for that step's ids only (a side-stream copy, model/cuda/ahead.h) — the next step keeps the GPU busy
@@ -52,8 +53,6 @@ void CudaExecutor::launch(const sched::StepPlan& plan, const StepHooks& hooks) {
     const StepHooks::SamplingInputs in = hooks.sampling_inputs(x);
     KCHECK(in.params != nullptr, "executor: no sampling parameters for request {}", x.id);
     const SamplingParams& sp = *in.params;
-    KCHECK(samples_ahead(sp), "executor: run-ahead request {} is not greedy (the engine's plain() asks samples_ahead)",
-           x.id);
     const uint64_t index = uint64_t(in.output.size()) + (x.token_pending ? 1 : 0);
     params.push_back({int32_t(i), sp.top_k, sp.temperature, sp.top_p, sp.min_p, sp.seed, index});
     rows[x.id] = int32_t(i);
@@ -82,8 +81,7 @@ sched::StepResult CudaExecutor::collect(const sched::StepPlan& plan, const StepH
   sched::StepResult result;
   for (size_t i = 0; i < plan.decodes.size(); ++i) {
     const sched::ScheduledSeq& x = plan.decodes[i];
-    // Greedy rows only (the engine's rule): the argmax never hands a row back (−1), whose logits the next step
-    // has overwritten by now.
+    // Neither the argmax nor the sampler hands a row back (−1), whose logits the next step has overwritten by now.
     KCHECK(ahead_ids_[i] >= 0, "executor: run-ahead request {} got no device token", x.id);
     sched::SeqResult r = hooks.take_token(x, ahead_ids_[i]);
     r.id = x.id;

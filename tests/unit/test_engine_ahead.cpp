@@ -245,8 +245,8 @@ TEST(AsyncScheduling, ANonPlainRequestKeepsItsBatchSynchronous) {
   EXPECT_EQ(async.stats.ahead_steps, 9);
 }
 
-// An executor that draws only some rows by itself (the GPU's: greedy only, StepExecutor::samples_ahead): a
-// batch with a seeded request stays synchronous until that request ends, then the greedy one runs ahead; the
+// An executor that draws only some rows by itself (StepExecutor::samples_ahead; a device sampler that could hand
+// rows back to the host would be one): a batch with a seeded request stays synchronous until that request ends, then the greedy one runs ahead; the
 // tokens are the synchronous engine's either way. The CPU executor underneath, its samples_ahead narrowed.
 class GreedyAhead : public runtime::StepExecutor {
  public:

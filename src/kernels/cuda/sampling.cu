@@ -98,21 +98,43 @@ __global__ void __launch_bounds__(1024) sample_kernel(const float* logits, int64
     if (c >= Kp) lo = mid;
     else hi = mid - 1;
   }
-  if (tid == 0) s_count = 0;
-  __syncthreads();
-  for (int64_t v = tid; v < V; v += nt) {
-    const uint32_t o = ord(x[v]);
-    if (o >= lo) {
-      const int i = atomicAdd(&s_count, 1);
-      if (i < kGather) keys[i] = (uint64_t(o) << 32) | uint64_t(0xFFFFFFFFu - uint32_t(v));
+  // The composite key of element v: (logit image, ~id), unique per element; descending key order is the
+  // twin's (logit desc, id asc) order.
+  auto key_of = [&](int64_t v) { return (uint64_t(ord(x[v])) << 32) | uint64_t(0xFFFFFFFFu - uint32_t(v)); };
+  // The L-th largest key (1 ≤ L ≤ V): the largest k with #{key ≥ k} ≥ L, by bisection over the 64-bit keys (64
+  // counting passes; only on the rare paths below). Uniform across the block.
+  auto kth_key = [&](int64_t L) -> uint64_t {
+    uint64_t klo = 0, khi = ~0ull;
+    while (klo < khi) {
+      const uint64_t d = khi - klo, mid = klo + d / 2 + (d & 1);  // the upper middle, without overflow
+      long long cntk = 0;
+      for (int64_t v = tid; v < V; v += nt) cntk += key_of(v) >= mid;
+      cntk = block_reduce<long long>(cntk, [](long long a, long long b) { return a + b; }, si);
+      if (cntk >= L) klo = mid;
+      else khi = mid - 1;
     }
-  }
-  __syncthreads();
-  const int cnt = s_count;
-  if (cnt > kGather) {  // more ties at the cut than the gather holds: the host samples this row
-    if (tid == 0) ids[blockIdx.x] = -1;
-    return;
-  }
+    return klo;
+  };
+  // Gathers every element whose key is ≥ kmin, or (kmin == 0) whose logit image is ≥ lo; returns the count.
+  auto gather = [&](uint64_t kmin) {
+    if (tid == 0) s_count = 0;
+    __syncthreads();
+    for (int64_t v = tid; v < V; v += nt) {
+      const uint32_t o = ord(x[v]);
+      if (kmin ? key_of(v) >= kmin : o >= lo) {
+        const int i = atomicAdd(&s_count, 1);
+        if (i < kGather) keys[i] = (uint64_t(o) << 32) | uint64_t(0xFFFFFFFFu - uint32_t(v));
+      }
+    }
+    __syncthreads();
+    const int r = s_count;
+    __syncthreads();  // every thread read the count before a later gather resets it
+    return r;
+  };
+  int cnt = gather(0);
+  // More ties at the cut than the gather holds (e.g. a flat row): gather exactly the first Kp keys instead,
+  // cut at the Kp-th key (its ties split by id, as the twin's order does).
+  if (cnt > kGather) cnt = gather(kth_key(Kp));
   for (int i = cnt + tid; i < kGather; i += nt) keys[i] = 0ull;
   __syncthreads();
   // Bitonic sort, descending.
@@ -168,20 +190,29 @@ __global__ void __launch_bounds__(1024) sample_kernel(const float* logits, int64
     if (tid == 0) ids[blockIdx.x] = int32_t(0xFFFFFFFFu - uint32_t(keys[pick] & 0xFFFFFFFFull));
     return;
   }
-  // The kept prefix runs past the candidates. Without top-k and min-p (plain temperature, or top-p
-  // over a flat distribution) walk the tail by bisection on the composite key: the token where the
-  // running mass crosses M is the largest key x with cum[c−1] + mass{x ≤ key < last candidate} ≥ M
-  // (or > M for the draw). 64 passes over the row each; other cases go to the host.
-  if (p.min_p > 0.0f || Kc != V) {
-    if (tid == 0) ids[blockIdx.x] = -1;
-    return;
-  }
+  // The kept prefix runs past the candidates: walk the tail by bisection on the composite key. The token where
+  // the running mass crosses M is the largest key x with cum[c−1] + mass{x ≤ key < last candidate} ≥ M (or > M
+  // for the draw), 64 passes over the row each. A top-k above the candidates or a min-p that keeps all of them
+  // bounds the tail from below: kb, the L-th key, L = min(top-k, #{prob ≥ min_p · p_max}) (a prefix, as
+  // probabilities fall along the order) — so no row goes back to the host.
   const uint64_t klast = keys[c - 1];
   const double head = cum[c - 1];
+  uint64_t kb = 0;  // smallest key the top-k and min-p cuts keep
+  if (p.min_p > 0.0f || Kc != V) {
+    int64_t L = Kc;
+    if (p.min_p > 0.0f) {  // the twin's test, term for term: exp(·)/Z ≥ min_p · p_max
+      const double cut = double(p.min_p) * p0;
+      long long m = 0;
+      for (int64_t v = tid; v < V; v += nt) m += exp((double(x[v]) - double(topf)) / T) / Z >= cut;
+      m = block_reduce<long long>(m, [](long long a, long long b) { return a + b; }, si);
+      L = L < m ? L : (m > 1 ? m : 1);
+    }
+    kb = L >= V ? 0 : kth_key(L);
+  }
   auto tail_mass = [&](uint64_t from, uint64_t to) {  // Σ prob over keys in [from, to)
     double m = 0.0;
     for (int64_t v = tid; v < V; v += nt) {
-      const uint64_t key = (uint64_t(ord(x[v])) << 32) | uint64_t(0xFFFFFFFFu - uint32_t(v));
+      const uint64_t key = key_of(v);
       if (key >= from && key < to) m += exp((double(x[v]) - double(topf)) / T);
     }
     return block_reduce<double>(m, [](double a, double b) { return a + b; }, sd) / Z;
@@ -200,14 +231,14 @@ __global__ void __launch_bounds__(1024) sample_kernel(const float* logits, int64
     }
     return lo;
   };
-  uint64_t boundary = 0;  // smallest kept key
+  uint64_t boundary = kb;  // smallest kept key
   double kept;
   if (p.top_p < 1.0f) {
-    const uint64_t b = find(double(p.top_p), false, 0);
-    boundary = b == ~0ull ? 0 : b;
+    const uint64_t b = find(double(p.top_p), false, kb);
+    boundary = b == ~0ull ? kb : b;
     kept = head + tail_mass(boundary, klast);
   } else {
-    kept = head + tail_mass(0, klast);
+    kept = head + tail_mass(kb, klast);
   }
   const double target = uniform01(p.seed, p.index) * kept;
   if (target < head) {
@@ -221,7 +252,7 @@ __global__ void __launch_bounds__(1024) sample_kernel(const float* logits, int64
   if (k == ~0ull) {  // rounding: the last kept token (the smallest kept key), as the twin does
     unsigned long long low = ~0ull;
     for (int64_t v = tid; v < V; v += nt) {
-      const uint64_t key = (uint64_t(ord(x[v])) << 32) | uint64_t(0xFFFFFFFFu - uint32_t(v));
+      const uint64_t key = key_of(v);
       if (key >= boundary && key < klast && key < low) low = key;
     }
     low = block_reduce<unsigned long long>(low, [](unsigned long long a, unsigned long long b) { return a < b ? a : b; },

@@ -10,10 +10,13 @@
 // order-preserving integer image of the logits (32 counting passes), gathered into shared memory and
 // bitonic-sorted by (logit desc, id asc); the probability prefix sums are a block scan. When the kept
 // prefix is not closed inside those 1024 candidates (no top-k ≤ 1024 and neither min-p nor top-p
-// stops within them, e.g. plain temperature sampling): without top-k and min-p, the top-p boundary
-// and the draw are found in the rest of the row by bisection on the composite (logit, id) key, 64
-// mass passes each; with a top-k > 1024 or a min-p that keeps more than 1024 tokens, or when more
-// than 2048 logits tie at the cut, the row's id is −1: the caller samples that row on the host.
+// stops within them, e.g. plain temperature sampling), the top-p boundary and the draw are found in
+// the rest of the row by bisection on the composite (logit, id) key, 64 mass passes each, above the
+// bound a top-k > 1024 or a wide min-p sets (the L-th key, 64 counting passes); when more than 2048
+// logits tie at the cut, the candidates are the first 1024 keys exactly (the same bisection). So
+// every row gets a token here — none is handed back to the host, which run-ahead decoding relies on
+// (the next step has overwritten the logits by the time the host could look); the rare slow paths
+// cost ~64–192 passes over the row.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -56,7 +59,7 @@ struct PenaltyEntry {
 void apply_penalties(float* logits /* f32 [B, V], row stride ld */, int64_t ld, int64_t V,
                      const PenaltyEntry* entries /* device [m] */, int64_t m, cudaStream_t stream);
 
-// ids[i] = the token drawn for params[i] (−1: sample this row on the host, see above).
+// ids[i] = the token drawn for params[i] (always a token in [0, V): see above).
 void sample_rows(const float* logits /* f32 [*, V], row stride ld */, int64_t ld, int64_t V,
                  const SampleParams* params /* device [B] */, int64_t n, int32_t* ids /* i32 [B] */,
                  cudaStream_t stream);
