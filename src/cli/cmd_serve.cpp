@@ -18,6 +18,7 @@
 // SIGINT/SIGTERM drain running requests (up to --shutdown-timeout seconds) and exit 0.
 #include <fmt/format.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -48,6 +49,7 @@ struct ServeOpts {
   std::vector<std::string> allowed_origins;
   bool fake = false, debug_routes = false;
   int fake_delay_ms = 0, fake_load_ms = 0, fake_step_us = 0;
+  double fake_token_us = 0.0;
   server::StructuredOptions structured;
   bool no_complete_within_max_tokens = false;
   // Image input (server/media.h).
@@ -101,6 +103,7 @@ void serve(ServeOpts& o) {
     eo.fake = true;
     eo.fake_executor.step_delay = std::chrono::milliseconds(o.fake_delay_ms);
     eo.fake_executor.device_step = std::chrono::microseconds(o.fake_step_us);
+    eo.fake_executor.device_token = std::chrono::nanoseconds(std::llround(o.fake_token_us * 1000.0));
     eo.fake_load_delay = std::chrono::milliseconds(o.fake_load_ms);
     if (!eo.memory_budget && eo.gpu_memory_utilization == 0.0) eo.memory_budget = int64_t(64) << 30;
   }
@@ -229,6 +232,10 @@ void register_serve(CLI::App& app) {
                   "fake engine: model a device taking this many µs a step, waited for only when the tokens are "
                   "needed (with --async-scheduling, behind the next step: the engine's host share per step shows)")
       ->check(CLI::Range(0, 10000000));
+  cmd->add_option("--fake-token-us", o->fake_token_us,
+                  "fake engine, with --fake-step-us: the modelled device's time per token of a step on top (prefill "
+                  "chunks cost what they would)")
+      ->check(CLI::Range(0.0, 10000.0));
   cmd->add_option("--fake-load-ms", o->fake_load_ms, "fake engine: pretend loading takes this long")->check(CLI::Range(0, 600000));
   cmd->callback([o] { serve(*o); });
 }

@@ -23,7 +23,7 @@ sched::StepResult FakeExecutor::run(const sched::StepPlan& plan, const StepHooks
   // step), so only what the engine does around run() stays outside it.
   const bool device = plan.has_work() && options_.device_step.count() > 0;
   KCHECK(!device || launched_.empty(), "fake executor: run() with {} launched steps not collected", launched_.size());
-  const Clock::time_point ready = device ? enqueue_device() : t0;
+  const Clock::time_point ready = device ? enqueue_device(plan.num_tokens) : t0;
   ++stats_.steps;
   sched::StepResult result;
   for (const auto* list : {&plan.decodes, &plan.prefills})
@@ -72,8 +72,8 @@ const std::vector<float>& FakeExecutor::fake_logits(std::span<const int32_t> pro
   return logits_;
 }
 
-FakeExecutor::Clock::time_point FakeExecutor::enqueue_device() {
-  device_free_ = std::max(Clock::now(), device_free_) + options_.device_step;
+FakeExecutor::Clock::time_point FakeExecutor::enqueue_device(int64_t tokens) {
+  device_free_ = std::max(Clock::now(), device_free_) + options_.device_step + tokens * options_.device_token;
   return device_free_;
 }
 
@@ -92,7 +92,7 @@ void FakeExecutor::launch(const sched::StepPlan& plan, const StepHooks& hooks) {
   const auto t0 = Clock::now();
   Launched l;
   l.step = plan.step;
-  l.ready = enqueue_device();  // as in run(): the token draws below stand for the device's sampling
+  l.ready = enqueue_device(plan.num_tokens);  // as in run(): the token draws below stand for the device's sampling
   for (const sched::ScheduledSeq& x : plan.decodes) {
     KCHECK(x.sample && x.num_draft == 0 && x.end - x.start == 1, "fake executor: request {} is no plain decode", x.id);
     const StepHooks::SamplingInputs in = hooks.sampling_inputs(x);

@@ -10,7 +10,8 @@
 // prompt up to each position. Tokens are drawn by the engine's one sampler. The caches exist as the scheduler's bookkeeping only
 // (no bytes are allocated), so /metrics shows the occupancy a real engine would have.
 // With FakeExecutorOptions::device_step (`kestrel serve --fake-engine --fake-step-us N`) the executor models a
-// device that takes N µs a step: a step's device time starts when it is enqueued or when the device finishes the
+// device that takes N µs a step (plus --fake-token-us per token of the step, so prefill chunks cost what they
+// would: FakeExecutorOptions::device_token): a step's device time starts when it is enqueued or when the device finishes the
 // step before, whichever is later, and the host waits for it (spinning, as a CUDA sync does) only when it needs
 // the tokens — in run() at once, in collect() (run-ahead: runs_ahead() is true then) after the engine's own work.
 // So the engine's host share between steps — what async scheduling hides — shows in the time per token.
@@ -29,6 +30,7 @@ struct FakeExecutorOptions {
   std::vector<int32_t> script;               // non-empty: greedy output repeats this
   std::chrono::microseconds step_delay{0};   // sleep per engine step (streams last long enough to measure)
   std::chrono::microseconds device_step{0};  // > 0: a modelled device's time per step (see the header)
+  std::chrono::nanoseconds device_token{0};  // with device_step: its time per token of the step on top (prefill cost)
 };
 
 class FakeExecutor : public StepExecutor {
@@ -57,7 +59,8 @@ class FakeExecutor : public StepExecutor {
   };
   std::vector<Launched> launched_;  // oldest first, at most two
   const std::vector<float>& fake_logits(std::span<const int32_t> prompt, uint64_t index);
-  Clock::time_point enqueue_device();   // the modelled device takes one more step; returns when it is done
+  // The modelled device takes one more step of `tokens` tokens; returns when it is done.
+  Clock::time_point enqueue_device(int64_t tokens);
   static void wait_until(Clock::time_point t);
 };
 

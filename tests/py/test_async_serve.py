@@ -1,9 +1,10 @@
 """`--async-scheduling` (run-ahead, docs/serving.md) end to end on nano: `kestrel serve` with the flag answers
 concurrent greedy and seeded completions with exactly the text of a server without it, its /metrics counts the
 steps that ran ahead (0 without the flag), and `kestrel generate` prints the same tokens either way plus how many
-steps ran ahead; the fake engine with a modelled device (--fake-step-us) does the same."""
+steps ran ahead; the fake engine with a modelled device (--fake-step-us) does the same, and charges --fake-token-us per token."""
 import concurrent.futures
 import re
+import time
 
 import openai
 
@@ -89,3 +90,24 @@ def test_fake_engine_with_a_modelled_device_runs_ahead(kestrel_bin, nano_dir):
         assert ahead_steps(s) > 0
     finally:
         assert s.stop() == 0
+
+
+def test_fake_engine_models_a_cost_per_token(kestrel_bin, nano_dir):
+    """`--fake-token-us T` adds T µs of modelled device time per token of a step: a prompt's prefill step takes at
+    least its tokens × T (a lower bound — the fake waits for its modelled device), and the tokens are unchanged."""
+    flags = ("--fake-engine", "--fake-step-us", "100")
+    client = lambda s: openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    prompt = " ".join(str(i) for i in range(60))
+    out = {}
+    for token_us in ("0", "400"):
+        s = serve(kestrel_bin, nano_dir, *flags, "--fake-token-us", token_us)
+        try:
+            t0 = time.monotonic()
+            r = client(s).completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+            out[token_us] = (time.monotonic() - t0, r.choices[0].text, r.usage.prompt_tokens)
+        finally:
+            assert s.stop() == 0
+    (fast, text0, n), (slow, text1, _) = out["0"], out["400"]
+    assert text0 == text1
+    assert n >= 100 and slow >= n * 400e-6, (n, slow)
+    assert slow > fast
