@@ -13,8 +13,8 @@
 // (moe.h MoeTokenTile and MoeExpertsOptions): auto (what the engine runs), the GEMM families forced (t8, t32:
 // FP32-scale kernels; stream: decode; wide: prefill), stream without PDL / grouped at T ≤ 2 / ungrouped, wide
 // without PDL, stream-ctasN (the persistent grid forced to N CTAs), t8-nopdl, t8-ksN (t8's K split forced to
-// N), t8pM[-cN][-sS][-kK][-hH][-fF] (the persistent / fixed-grid t8 knobs, F the few-slot 8-stage mask) — so each
-// change can be seen on its own. The comparison peer is bench/gpu/moe_peer.py.
+// N), t8pM[-cN][-sS][-kK][-hH] (the persistent / fixed-grid t8 knobs) — so each change can be seen on its own.
+// The comparison peer is bench/gpu/moe_peer.py.
 //
 //   bench_moe [--quick] [--batches 1,8,64,256,4096] [--variants auto,t8,...] [--breakdown] [--perf] [--topk K]
 //
@@ -148,18 +148,15 @@ bool make_variant(const std::string& name, Variant& v) {
     if (n < 1 || n > 8) return false;
     return v.opt.tile = MoeTokenTile::t8, v.opt.t8_ksplit = n, true;
   }
-  if (name.rfind("t8p", 0) == 0) {  // t8pM[-cN][-sS][-kK][-hH][-fF]: persistent t8 for the GEMMs of mask M (1 w1|w3, 2 w2),
-    // ≤ N CTAs per SM, its K split S; the fixed-grid GEMM's split K; H K halves; F the 8-stage fixed grid's mask
-    // (MoeExpertsOptions::t8_few_deep)
-    const int m = std::atoi(name.c_str() + 3);
-    const size_t c = name.find("-c"), sp = name.find("-s"), k = name.find("-k"), h = name.find("-h"), f = name.find("-f");
+  if (name.rfind("t8p", 0) == 0) {  // t8pM[-cN][-sS][-kK][-hH]: persistent t8 for the GEMMs of mask M (1 w1|w3, 2 w2),
+    const int m = std::atoi(name.c_str() + 3);  // ≤ N CTAs per SM, its K split S; the fixed-grid GEMM's split K; H K halves
+    const size_t c = name.find("-c"), sp = name.find("-s"), k = name.find("-k"), h = name.find("-h");
     if (m < 0 || m > 3) return false;
     v.opt.t8_persist = m;
     if (c != std::string::npos) v.opt.t8p_ctas = std::atoi(name.c_str() + c + 2);
     if (sp != std::string::npos) v.opt.t8p_split = std::atoi(name.c_str() + sp + 2);
     if (k != std::string::npos) v.opt.t8_ksplit = std::atoi(name.c_str() + k + 2);
     if (h != std::string::npos) v.opt.t8p_kh = std::atoi(name.c_str() + h + 2);
-    if (f != std::string::npos) v.opt.t8_few_deep = std::atoi(name.c_str() + f + 2) & 3;
     return true;
   }
   if (name.rfind("stream-ctas", 0) == 0) {  // stream-ctasN: the persistent grid forced to N CTAs

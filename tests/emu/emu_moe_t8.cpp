@@ -34,8 +34,6 @@ void name_t8() {
 [[maybe_unused]] const bool named = [] {
   name_t8<false>();
   name_t8<true>();
-  // w2 on 8 stages exists ungrouped only (MoeExpertsOptions::t8_few_deep).
-  name_family<false, 1, kT8DeepStages, true, 0, true, kScaleF32, kScaleSpecial, kScaleFold, kScaleRaw>("t8 deep");
   name_family<true, 4, 2, false, 0, false, kScaleF32, kScaleSpecial, kScaleFold>("t32");
   name_family<false, 4, 2, false, 0, false, kScaleF32, kScaleSpecial, kScaleFold>("t32");
   return true;

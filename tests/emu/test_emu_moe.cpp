@@ -363,9 +363,9 @@ struct Batch1Case {
   std::vector<std::string> launched;
   const char* same_as;  // an earlier case with the same K splits, or nullptr
 };
-cuda::MoeExpertsOptions b1(int persist, int ksplit, int p_split, int p_kh, int few_deep = 0) {
+cuda::MoeExpertsOptions b1(int persist, int ksplit, int p_split, int p_kh) {
   cuda::MoeExpertsOptions o;
-  o.t8_persist = persist, o.t8_ksplit = ksplit, o.t8p_split = p_split, o.t8p_kh = p_kh, o.t8_few_deep = few_deep;
+  o.t8_persist = persist, o.t8_ksplit = ksplit, o.t8p_split = p_split, o.t8p_kh = p_kh;
   return o;
 }
 const std::vector<Batch1Case>& batch1_cases() {
@@ -392,20 +392,6 @@ const std::vector<Batch1Case>& batch1_cases() {
        {},
        {"prep", "t8 staged w1|w3 ungrouped folded h*2^100", "t8 staged w2 ungrouped raw", K8},
        "fixed grid, automatic split"},
-      // t8_few_deep: the 8-stage kernel where the ungrouped grid fits one wave of it (the H200 here; on two SMs
-      // it does not, and the 4-stage kernels run), the same chunks in the same order.
-      {"fixed grid, split 2, 8 stages",
-       kH200,
-       b1(0, 2, 0, 0, 3),
-       {"prep", "t8 deep w1|w3 ungrouped folded h*2^100", "t8 deep w2 ungrouped raw", K8},
-       "fixed grid, split 2"},
-      {"fixed grid, split 3, 8-stage w2",
-       kH200,
-       b1(0, 3, 0, 0, 2),
-       {"prep", "t8 staged w1|w3 ungrouped folded h*2^100", "t8 deep w2 ungrouped raw", K8},
-       "fixed grid, split 3"},
-      {"fixed grid, split 2, 8 stages asked on two SMs", kTwoSms, b1(0, 2, 0, 0, 3), {"prep", fixed13, fixed2, K8},
-       "fixed grid, split 2"},
   };
   return cases;
 }
@@ -459,8 +445,7 @@ TEST(EmuMoeSmoke, Batch1) {
   const auto E = make_experts(16, 512, 256, rng);
   const auto z = rand_bf16(512, rng, -1.0f, 1.0f);
   batch1(*E, outside_rank(rng), z, "T=1 top-8, 3 ids outside",
-         {"automatic", "fixed grid, split 2", "fixed grid, automatic split", "both persistent, whole tiles",
-          "fixed grid, split 2, 8 stages"});
+         {"automatic", "fixed grid, split 2", "fixed grid, automatic split", "both persistent, whole tiles"});
 }
 
 // The prep kernel zeroes the counters at every call: a second run on the same workspace (counters left at their

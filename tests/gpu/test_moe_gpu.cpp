@@ -484,7 +484,6 @@ struct MoeVariant {
   int persist = -1;    // MoeExpertsOptions::t8_persist
   int p_ctas = 0;      // MoeExpertsOptions::t8p_ctas
   int p_kh = 0;        // MoeExpertsOptions::t8p_kh (2: no forced persistent split; ksplit is the fixed grid's)
-  int few_deep = 0;    // MoeExpertsOptions::t8_few_deep (the default 0 here, whatever the environment says)
   std::string name() const {
     std::string n = tile_name(tile);
     if (lt && tile != cuda::MoeTokenTile::dense) n += " +cuBLASLt";
@@ -498,7 +497,6 @@ struct MoeVariant {
     if (persist > 0) n += fmt::format(" persistent{}", persist == 1 ? " w1|w3" : persist == 2 ? " w2" : "");
     if (p_ctas > 0) n += fmt::format(" ≤{} CTAs/SM", p_ctas);
     if (p_kh == 2) n += " K halves";
-    if (few_deep > 0) n += fmt::format(" 8-stage{}", few_deep == 1 ? " w1|w3" : few_deep == 2 ? " w2" : "");
     return n;
   }
 };
@@ -514,7 +512,6 @@ cuda::MoeExpertsOptions options(const MoeVariant& v) {
   o.t8p_ctas = v.p_ctas;
   o.t8p_split = v.persist > 0 ? (v.p_kh == 2 ? 1 : v.ksplit) : 0;
   o.t8p_kh = v.p_kh;
-  o.t8_few_deep = v.few_deep;
   return o;
 }
 
@@ -897,7 +894,7 @@ TEST(GpuMoe, T8RawDecodeMatchesFp32Scales) {
 // CTA takes (t8p_ctas: 1 CTA per SM gives every CTA many units, each loaded while the last one finishes), with
 // ids outside [0, X) (expert parallelism: compacted away) — and within the twin's tolerance. Forced splits (the
 // persistent kernel's default is none) that divide both GEMMs' chunks; split 0: each path's own choice.
-// One token for the ungrouped t8 tests: random experts and routing, `bad` of the GPU's ids (slots 5b mod K) set
+// One token for the test below: random experts and routing, `bad` of the GPU's ids (slots 5b mod K) set
 // outside [0, X) with weight 0, and the twin's ũ — the twin takes only valid, distinct ids, so where the GPU's
 // id is outside, the twin's is an expert neither list uses (adding 0 · y); every slot outside: ũ = 0.
 struct OneToken {
@@ -968,34 +965,6 @@ TEST(GpuMoe, T8PersistentMatchesFixedGrid) {
             check_moe("moe_experts_mxfp4 " + v.name(), o.shape, got, o.ref);
           }
         }
-      }
-    }
-  }
-}
-
-// The 8-stage t8 kernel for few slots at one token (MoeExpertsOptions::t8_few_deep): bit-identical to the 4-stage
-// kernel it replaces — the same chunks in the same order, only more of them in flight — for w1|w3, w2 or both,
-// at the reduced mini's top-2 of 4 real-shape experts (its 480 / 560 CTAs fit one wave), with the fixed grid's
-// K splits, and an id outside [0, X) (expert parallelism).
-TEST(GpuMoe, T8FewDeepMatchesFourStages) {
-  need_gpu();
-  Rng rng(67);
-  struct Case {
-    int64_t X, K, Lt, I;
-    int bad;  // ids set outside [0, X)
-  };
-  for (const Case& c : {Case{4, 2, 3584, 3072, 0}, Case{4, 2, 3584, 3072, 1}, Case{16, 4, 256, 256, 0}}) {
-    const int64_t T = 1;
-    const OneToken o = one_token(c.X, c.K, c.Lt, c.I, c.bad, rng);
-    for (int ks : {0, 2, 5}) {
-      MoeVariant four{cuda::MoeTokenTile::t8, -1, 0, -1, false, ks};
-      four.persist = 0;
-      const auto want = run_gpu_moe(*o.E, o.z, o.gids, o.wts, T, c.K, four);
-      check_moe("moe_experts_mxfp4 " + four.name(), o.shape, want, o.ref);
-      for (int fd : {1, 2, 3}) {
-        MoeVariant v = four;
-        v.few_deep = fd;
-        EXPECT_EQ(run_gpu_moe(*o.E, o.z, o.gids, o.wts, T, c.K, v), want) << o.shape << " " << v.name();
       }
     }
   }

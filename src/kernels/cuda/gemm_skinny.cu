@@ -59,15 +59,6 @@
 // launch and tail (e.g. KDA q|k|v|g|f_a|b 90 MB ≈ 23 µs, o_proj 22 MB ≈ 7 µs, MoE latent down 51 MB ≈
 // 14 µs); T = 64 within ~20 % of that (x traffic 4× W's from L2).
 //
-// Computed prefix (gemm_skinny.h SkinnyCombinePrefix; staged BF16 at T = 1, the CMB instantiation): after its PDL
-// wait each CTA forms x's first columns itself — the MoE experts' combine and latent norm — into shared memory
-// behind the W ring (7 KB at the real latent; 90 registers, 4 CTAs per SM as before), and its x loads of those
-// steps read shared memory. Every CTA repeats the whole row (the norm needs all of it: ~14 KB of y from L2 at
-// top-2); what it saves is the combine's own launch between the experts and this GEMM.
-//
-// Length: one file past ~600 lines because the kernel, its plan() and its dispatch tables are what the emulator
-// test includes and launches as they are; split, the test would need the pieces re-assembled.
-//
 // Emulation: tests/emu compiles this file against the CPU emulation of the thread hierarchy (simt.h) to run the
 // kernel without a GPU; there the inline-PTX wrappers below take their #else forms and the host side (launchers,
 // split choice) is left out, but plan() — the launch geometry — is shared, so the test launches what run() does.
@@ -103,7 +94,6 @@ struct Params {
   float* part;
   unsigned* counters;
   GemmSegs segs;
-  SkinnyCombinePrefix pre;  // CMB instantiations only
 };
 
 template <int I>
@@ -223,55 +213,9 @@ __device__ __forceinline__ void sum_splits(const Params& p, int tile, int lane, 
   }
 }
 
-// x's computed prefix (SkinnyCombinePrefix), T = 1: every thread of the CTA takes 16-byte vectors v ≡ tid of the
-// row; pass 1 combines the slots (moe_combine.cu combine8's order: slot k after k − 1, products then sums, no
-// FMA) into bf16 ũ in shared memory and sums ũ², the CTA adds the warps' sums in warp order, pass 2 rewrites the
-// thread's own vectors as norm_w ⊙ bf16(ũ·r) (rmsnorm_kernel's formula). The caller syncs before anyone reads xs.
-__device__ __forceinline__ void combine_prefix(const SkinnyCombinePrefix& c, uint16_t* xs /* bf16 [cols] */,
-                                               float* red /* f32 [kWarps] */) {
-  const int tid = int(threadIdx.x), nv = c.cols / 8;
-  float ss = 0.0f;
-  for (int v = tid; v < nv; v += kThreads) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int k = 0; k < c.K; ++k) {
-      const uint4 yv = ld_act(reinterpret_cast<const uint8_t*>(c.y + int64_t(k) * c.cols + 8 * v));
-      const float w = __ldcg(c.wts + k);
-      if (unsigned(__ldcg(c.ids + k)) >= unsigned(c.X)) continue;
-      float f[8];
-      dev::unpack8(yv, f);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w, f[e]));
-    }
-    const uint4 u = dev::pack8(acc);
-    *reinterpret_cast<uint4*>(xs + 8 * v) = u;
-    float f[8];
-    dev::unpack8(u, f);  // the BF16 ũ, as the norm reads it
-#pragma unroll
-    for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
-  }
-  ss = dev::warp_sum(ss);
-  if ((tid & 31) == 0) red[tid >> 5] = ss;
-  __syncthreads();
-  float tot = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) tot += red[w];
-  const float r = 1.0f / sqrtf(tot / float(c.cols) + c.eps);
-  for (int v = tid; v < nv; v += kThreads) {  // this thread's own vectors, written above
-    float f[8], g[8];
-    dev::unpack8(*reinterpret_cast<const uint4*>(xs + 8 * v), f);
-    dev::unpack8(dev::ld16(c.norm_w + 8 * v), g);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) f[e] = g[e] * dev::round_bf16(f[e] * r);
-    *reinterpret_cast<uint4*>(xs + 8 * v) = dev::pack8(f);
-  }
-}
-
-// CMB: x's first p.pre.cols columns computed by the CTA (SkinnyCombinePrefix; staged, BF16, NT = 1 only), held in
-// shared memory after the W ring and read from there.
-template <bool FP8, int NT, int MT, int U, bool XPF, int D = 0, bool CMB = false>
+template <bool FP8, int NT, int MT, int U, bool XPF, int D = 0>
 __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant__ Params p) {
   static_assert(!XPF || U % 2 == 0, "x prefetch alternates two buffers over an even unroll");
-  static_assert(!CMB || (D > 0 && !FP8 && NT == 1), "the computed prefix: staged BF16 at T = 1");
   constexpr int E = MT * NT * 4;  // accumulators per lane
   __shared__ __align__(16) float red[kWarps - 1][E][32];
   const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5, g = lane >> 2, q = lane & 3;
@@ -318,21 +262,13 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
           dst[mt][h][c] = (in_k && wok[mt][h]) ? ld_stream(wrow[mt][h] + off + piece * c) : zero;
     }
   };
-  // CMB: the computed prefix's bytes, after the W ring in dynamic shared memory (a whole number of k-steps).
-  const int pre_bytes = CMB ? 2 * p.pre.cols : 0;
-  const uint32_t pre_base = CMB ? dev::smem_addr(dev::dyn_smem<uint8_t>() + kWarps * D * MT * 4 * 512) : 0u;
   auto load_x = [&](uint4(&dst)[NT][2], int s) {
     const int off = s * kStepBytes;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const bool in_k = off + lane_off + piece * c + 16 <= p.kbytes;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        if (CMB && off < pre_bytes)
-          dst[nt][c] = xok[nt] ? ld_smem(pre_base + uint32_t(off + lane_off + piece * c)) : zero;
-        else
-          dst[nt][c] = (in_k && xok[nt]) ? ld_act(xrow[nt] + off + piece * c) : zero;
-      }
+      for (int nt = 0; nt < NT; ++nt) dst[nt][c] = (in_k && xok[nt]) ? ld_act(xrow[nt] + off + piece * c) : zero;
     }
   };
 
@@ -365,11 +301,6 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
       dev::cp_async_commit();
     }
     dev::pdl_wait();
-    if constexpr (CMB) {  // the prefix of x, after the wait (y, the weights and ids come from earlier kernels)
-      __shared__ float pre_red[kWarps];
-      combine_prefix(p.pre, reinterpret_cast<uint16_t*>(ring + kWarps * D * kStage), pre_red);
-      __syncthreads();  // every warp reads pieces other threads wrote
-    }
     // x runs XD steps ahead in a register ring. At NT = 1 XD = D: right after the wait every step whose W is
     // already in the ring has its x in flight too, so those steps cost one L2 round trip together instead of
     // one each (x one step ahead put D round trips in a row on the chain — the whole of a launch whose W fit
@@ -544,18 +475,13 @@ void dispatch(int NT, bool staged, F&& f) {
     default: f.template operator()<skinny_kernel<FP8, 8, 1, 2, false>>(0); break;
   }
 }
-// The computed-prefix instantiation (BF16, T = 1, staged): its dynamic shared memory is the ring and the prefix.
-template <class F>
-void dispatch_prefix(int cols, F&& f) {
-  f.template operator()<skinny_kernel<false, 1, 1, 4, true, kStages, true>>(kStagedSmem + 2 * cols);
-}
 
 #ifndef KESTREL_SIMT_EMU
 template <auto Kernel>
-void launch_staged(dim3 grid, cudaStream_t stream, const Params& p, int smem = kStagedSmem) {
-  static const bool attr = [] {  // the most any launch of this instantiation asks (the prefix's bound included)
-    KCUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     kStagedSmem + 2 * kSkinnyPrefixMaxCols));
+void launch_staged(dim3 grid, cudaStream_t stream, const Params& p) {
+  constexpr int smem = kStagedSmem;
+  static const bool attr = [] {
+    KCUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return true;
   }();
   (void)attr;
@@ -564,7 +490,10 @@ void launch_staged(dim3 grid, cudaStream_t stream, const Params& p, int smem = k
 
 template <bool FP8>
 void run(Params p, int64_t T, int64_t K, int64_t N, const SkinnyWorkspace& ws, cudaStream_t stream) {
-  const bool staged = gemm_skinny_staged();
+  static const bool staged = [] {  // KESTREL_SKINNY_STAGED=0: W in registers at T ≤ 16 too (A/B timing)
+    const char* e = std::getenv("KESTREL_SKINNY_STAGED");
+    return !(e && e[0] == '0');
+  }();
   const int NT = plan(p, T, K, N, FP8, gemm_skinny_splits(N, K, FP8));
   if (p.splits > 1) {
     const size_t need = size_t(p.splits) * size_t(p.tiles) * 32 * size_t(NT * 4) * 4;
@@ -574,11 +503,6 @@ void run(Params p, int64_t T, int64_t K, int64_t N, const SkinnyWorkspace& ws, c
     p.part = ws.part, p.counters = ws.counters;
   }
   const dim3 grid(unsigned(p.tiles), unsigned(p.splits));
-  if (p.pre.y) {  // gemm_skinny_prefix_ok: T = 1, BF16
-    KCUDA_REQUIRE(!FP8 && NT == 1 && staged, std::string("gemm_skinny: the computed prefix needs the staged BF16 path"));
-    dispatch_prefix(p.pre.cols, [&]<auto Kernel>(int smem) { launch_staged<Kernel>(grid, stream, p, smem); });
-    return;
-  }
   dispatch<FP8>(NT, staged, [&]<auto Kernel>(int smem) {
     if (smem > 0) launch_staged<Kernel>(grid, stream, p);
     else launch_pdl(Kernel, grid, dim3(kThreads), 0, stream, p);
@@ -589,20 +513,6 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 #endif  // KESTREL_SIMT_EMU
 
 }  // namespace
-
-bool gemm_skinny_staged() {
-  static const bool staged = [] {  // KESTREL_SKINNY_STAGED=0: W in registers at T ≤ 16 too (A/B timing)
-    const char* e = std::getenv("KESTREL_SKINNY_STAGED");
-    return !(e && e[0] == '0');
-  }();
-  return staged;
-}
-
-bool gemm_skinny_prefix_ok(const SkinnyCombinePrefix& c, int64_t T, int64_t K) {
-  const bool al = ((reinterpret_cast<uintptr_t>(c.y) | reinterpret_cast<uintptr_t>(c.norm_w)) & 15u) == 0;
-  return T == 1 && c.y && c.wts && c.ids && c.norm_w && c.K >= 1 && c.X >= 0 && c.cols > 0 && c.cols % 64 == 0 &&
-         c.cols <= kSkinnyPrefixMaxCols && c.cols <= K && al;
-}
 
 #ifndef KESTREL_SIMT_EMU
 
@@ -643,18 +553,13 @@ bool gemm_skinny_ok(const void* x, int64_t ldx, const void* w, int64_t T, int64_
 }
 
 void gemm_skinny_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t T, int64_t K, int64_t N,
-                      const GemmSegs& segs, const SkinnyWorkspace& ws, cudaStream_t stream,
-                      const SkinnyCombinePrefix* prefix) {
+                      const GemmSegs& segs, const SkinnyWorkspace& ws, cudaStream_t stream) {
   KCUDA_REQUIRE(gemm_skinny_ok(x, ldx, w, T, K, N, segs, false),
                 "gemm_skinny_bf16: unsupported operands T=" + std::to_string(T) + " K=" + std::to_string(K) +
                     " N=" + std::to_string(N) + " ldx=" + std::to_string(ldx));
-  KCUDA_REQUIRE(!prefix || gemm_skinny_prefix_ok(*prefix, T, K),
-                "gemm_skinny_bf16: unsupported computed prefix (T=" + std::to_string(T) + ", cols=" +
-                    std::to_string(prefix ? prefix->cols : 0) + ")");
   Params p{};
   p.x = reinterpret_cast<const uint8_t*>(x), p.ldx = ldx * 2, p.w = reinterpret_cast<const uint8_t*>(w);
   p.segs = segs;
-  if (prefix) p.pre = *prefix;
   run<false>(p, T, K, N, ws, stream);
 }
 

@@ -75,33 +75,9 @@ bool gemm_skinny_ok(const void* x, int64_t ldx, const void* w, int64_t T, int64_
 // The split over CTAs the launcher uses for an [N, K] matrix (a function of N, K and the SM count).
 int gemm_skinny_splits(int64_t N, int64_t K, bool fp8);
 
-// A prefix of x computed by the kernel itself (BF16, T = 1): x[0, c) = RMSNorm_{norm_w}(bf16(Σ_k w_k·y_k)) for
-// c < cols — the routed experts' combine and MODEL.md §3.6 step 5's norm, moe_combine.cu's arithmetic (Σ_k in
-// top-k order, FP32, slots with an id outside [0, X) adding nothing; Σũ² in another order, so a normed value may
-// differ from combine_norm_kernel's in its last bit) — instead of read from x; columns from cols on come from x.
-// Why: the combine was a one-CTA launch between the experts' w2 and the MoE out-projection (7.6 µs exposed a
-// layer in the batch-1 timeline, session 32); each CTA of the projection now forms the row itself right after its
-// PDL wait, its first weight steps already in flight. Every CTA computes the whole row (the norm needs all of it)
-// into shared memory (cols · 2 bytes).
-struct SkinnyCombinePrefix {
-  const uint16_t* y = nullptr;       // bf16 [K, cols] (the experts' y: a row per slot, slot order)
-  const float* wts = nullptr;        // f32 [K]
-  const int32_t* ids = nullptr;      // i32 [K]
-  int K = 0, X = 0;
-  const uint16_t* norm_w = nullptr;  // bf16 [cols]
-  float eps = 0.0f;
-  int cols = 0;                      // a multiple of 64, at most kSkinnyPrefixMaxCols, at most the GEMM's K
-};
-inline constexpr int kSkinnyPrefixMaxCols = 8192;
-// The skinny kernel takes this prefix for these operands (T = 1; the staged path, gemm_skinny_staged()).
-bool gemm_skinny_prefix_ok(const SkinnyCombinePrefix& pre, int64_t T, int64_t K);
-// Whether the kernel stages W through shared memory at T ≤ 16 (unless KESTREL_SKINNY_STAGED=0).
-bool gemm_skinny_staged();
-
 void gemm_skinny_bf16(const uint16_t* x /* bf16 [T, K], row stride ldx */, int64_t ldx,
                       const uint16_t* w /* bf16 [N, K], contiguous */, int64_t T, int64_t K, int64_t N,
-                      const GemmSegs& segs, const SkinnyWorkspace& ws, cudaStream_t stream,
-                      const SkinnyCombinePrefix* prefix = nullptr);
+                      const GemmSegs& segs, const SkinnyWorkspace& ws, cudaStream_t stream);
 
 void gemm_skinny_fp8(const uint8_t* x /* e4m3 [T, K], row stride ldx */, int64_t ldx,
                      const float* x_scale /* f32 [T] */, const uint8_t* w /* e4m3 [N, K], contiguous */,

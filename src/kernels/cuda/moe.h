@@ -124,14 +124,6 @@ struct MoeExpertsOptions {
   int t8p_split = 0;     // persistent GEMMs: K split forced (tests, benchmarks); 0: none (moe_t8p.cu)
   int t8p_kh = 0;        // persistent GEMMs without a forced split: 2 cuts each tile's K in halves over two warps
                          // of a CTA (moe_t8p.cu), 1 not; 0: KESTREL_MOE_T8P_KH, default 2
-  int t8_few_deep = -1;  // t8 ungrouped (T = 1), a bit mask: 1 w1|w3, 2 w2 take the 8-stage kernel (activations at
-                         // use) where their grid fits one wave of it — few slots, e.g. the reduced mini's top-2 (moe_t8.cu);
-                         // -1: KESTREL_MOE_T8_FEW_DEEP, default 0 (unmeasured). The same bits either way.
-  // The combine left to the caller (e.g. the MoE out-projection's computed prefix, gemm_skinny.h
-  // SkinnyCombinePrefix): no combine launch, ut and normed not written, and *y_out set to the experts' y (bf16
-  // [T·K, Lt], a row per slot in slot order, inside the workspace: valid until the workspace is reused).
-  bool skip_combine = false;
-  const uint16_t** y_out = nullptr;
   GemmLt* lt = nullptr;  // cuBLASLt for the dense path (none: dense is never chosen, and forcing it is an error)
   cudaEvent_t* marks = nullptr;  // 5 events recorded before the grouping and after each launch (group,
                                  // w1|w3, w2, combine) for a per-launch breakdown; PDL is off then

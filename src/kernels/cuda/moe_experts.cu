@@ -293,16 +293,6 @@ bool w_early_allowed() {
   return on;
 }
 
-// The 8-stage t8 kernel for few slots at one token (GemmArgs::few_deep, moe_t8.cu): KESTREL_MOE_T8_FEW_DEEP, a bit
-// mask (1 w1|w3, 2 w2), default 0.
-int t8_few_deep_env() {
-  static const int v = [] {
-    const char* e = std::getenv("KESTREL_MOE_T8_FEW_DEEP");
-    return e ? std::atoi(e) & 3 : 0;
-  }();
-  return v;
-}
-
 // w1|w3's scales folded into the decode (GemmArgs::no_fold false) unless KESTREL_MOE_FOLD=0 (A/B).
 bool fold_env_off() {
   static const bool off = env_is("KESTREL_MOE_FOLD", "0");
@@ -467,8 +457,6 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
     ungroup(a13);
     a13.h_scaled = h_scaled;
     a13.no_fold = t8_scales == 0;
-    const int few_deep = opt.t8_few_deep >= 0 ? opt.t8_few_deep : t8_few_deep_env();
-    a13.few_deep = (few_deep & 1) != 0;
     if (t8.pp13.grid > 0)
       moe_detail::launch_t8p(a13, true, !w.fp32_scales, t8.pp13, pdl, stream);
     else
@@ -482,7 +470,6 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
     a2.w_early = path == Path::t8 && w_early_allowed();
     ungroup(a2);
     a2.h_scaled = h_scaled;
-    a2.few_deep = (few_deep & 2) != 0;
     if (t8.pp2.grid > 0)
       moe_detail::launch_t8p(a2, false, !w.fp32_scales, t8.pp2, pdl, stream);
     else
@@ -495,12 +482,6 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
                       ldn >= Lt && ldn % 8 == 0,
                   "moe_experts_mxfp4: the fused latent norm needs 16-byte aligned norm_w and normed rows (normed_ld " +
                       std::to_string(ldn) + ")");
-  }
-  if (opt.skip_combine) {  // the caller combines (MoeExpertsOptions::skip_combine)
-    KCUDA_REQUIRE(opt.y_out != nullptr, std::string("moe_experts_mxfp4: skip_combine needs y_out"));
-    *opt.y_out = static_cast<const uint16_t*>(y);
-    mark(opt, 4, stream);
-    return;
   }
   moe_detail::launch_combine(static_cast<const uint16_t*>(y), weights, ids, T, K, X, Lt, ut, opt.norm_w, opt.norm_eps,
                              opt.normed, ldn, pdl, stream);

@@ -58,9 +58,6 @@ struct GemmArgs {
   bool h_scaled = false;
   bool no_fold = false;   // FP32 scales even where w1|w3 could fold them (MoeExpertsOptions::t8_scales = 0)
   int t8p_kh = 1;         // persistent t8 only: K halves per CTA (T8pPlan::kh)
-  // Ungrouped t8 only: the 8-stage kernel (activations at use) where the grid fits one wave of it
-  // (MoeExpertsOptions::t8_few_deep; moe_t8.cu).
-  bool few_deep = false;
 };
 
 // Fixed-tile GEMM (moe_t8.cu): t8 (ct = 8, the decode path) or t32 (ct = 32); grid = job_bound(n, X, ct) ×

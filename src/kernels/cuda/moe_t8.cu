@@ -511,15 +511,6 @@ int t8p_kh_env() {
   static const int v = env_int("KESTREL_MOE_T8P_KH", 2) == 1 ? 1 : 2;
   return v;
 }
-// Few slots at one token (the reduced mini's top-2: 480 / 560 CTAs, all resident at once): bytes in flight bind, not
-// CTAs (Nsight, session 28: w1|w3 at 26 % of DRAM peak, ~39 KB in flight an SM of the ~174 KB each reads).
-// GemmArgs::few_deep (t8_few_deep; off, unmeasured) takes the 8-stage kernel where the grid fits one wave of it —
-// the same sums in the same order (GpuMoe.T8FewDeepMatchesFourStages, EmuMoeDecode.Batch1EveryWayOfSplitting).
-int t8_deep_resident(bool glu) {
-  static std::atomic<int> cached[2][16];  // [glu][device]
-  return glu ? resident_ctas(expert_gemm_kernel<true, 1, kT8DeepStages, kScaleFoldH, true, 0, true>, cached[1])
-             : resident_ctas(expert_gemm_kernel<false, 1, kT8DeepStages, kScaleRaw, true, 0, true>, cached[0]);
-}
 }  // namespace
 
 T8Plan plan_t8(bool grouped, bool special, int64_t n, int64_t X, int64_t Lt, int64_t I, int forced_split, int persist,
@@ -570,8 +561,6 @@ void launch_gemm(const GemmArgs& a, int ct, bool special, bool fold_ok, int64_t 
                                                          : kScaleF32;
   KCUDA_REQUIRE(!a.h_scaled || (ct == 8 && fold_ok && !special),
                 std::string("moe expert GEMM: h·2^100 needs t8 and codes in [1, 128]"));
-  if (ct == 8 && a.ids && a.few_deep && grid <= t8_deep_resident(kGlu))
-    return launch_gemm_ids<kGlu, 1, kT8DeepStages, true, 0, true>(a, scales, unsigned(grid), pdl, stream);
   if constexpr (kGlu) {
     if (ct == 8 && t8_deep_allowed() && a.C / ml::kChunkCols / a.ksplit >= kT8DeepMinChunks)
       return launch_gemm_nt<true, 1, kT8DeepStages, true>(a, scales, unsigned(grid), pdl, stream);

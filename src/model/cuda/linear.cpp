@@ -26,7 +26,6 @@ DecodeOptions DecodeOptions::from_env() {
   o.embed_in_point = !off("KESTREL_EMBED_IN_POINT");
   o.mla_norms = !off("KESTREL_MLA_NORMS");
   o.mla_gate_in_merge = !off("KESTREL_MLA_GATE_IN_MERGE");
-  if (const char* e = std::getenv("KESTREL_MOE_COMBINE_IN_GEMM")) o.moe_combine_in_gemm = std::strcmp(e, "1") == 0;
   o.spec_graphs = !off("KESTREL_SPEC_GRAPHS");
   if (const char* e = std::getenv("KESTREL_WIDE")) {
     const long v = std::strtol(e, nullptr, 10);
@@ -46,17 +45,10 @@ DecodeOptions DecodeOptions::from_env() {
 }
 
 void linear(Context& c, const LinearDev& W, const u16* x, int64_t ldx, int64_t T, const cuda::GemmSegs& segs,
-            const Fp8Act* pre, const cuda::SkinnyCombinePrefix* prefix) {
+            const Fp8Act* pre) {
   KCHECK(W.N > 0 && W.K > 0 && (W.w || W.w8) && segs.n >= 1, "linear: empty weight or no output segments");
   if (T == 0) return;
   const int64_t K = W.K, N = W.N;
-  if (prefix) {  // the caller checked linear_prefix_ok
-    KCHECK(linear_prefix_ok(c, W, T) && cuda::gemm_skinny_prefix_ok(*prefix, T, K) &&
-               cuda::gemm_skinny_ok(x, ldx, W.w, T, K, N, segs, false),
-           "linear: a computed prefix needs the skinny BF16 path at one token");
-    cuda::gemm_skinny_bf16(x, ldx, W.w, T, K, N, segs, c.skinny, c.stream, prefix);
-    return;
-  }
   Fp8Act q;
   if (W.fp8()) {
     if (pre && pre->q) {
@@ -130,10 +122,6 @@ void linear(Context& c, const LinearDev& W, const u16* x, int64_t ldx, int64_t T
       }
     }
   }
-}
-
-bool linear_prefix_ok(const Context& c, const LinearDev& W, int64_t T) {
-  return T == 1 && !W.fp8() && W.w && c.opt.skinny && c.opt.skinny_max_t >= 1 && cuda::gemm_skinny_staged();
 }
 
 void linear(Context& c, const LinearDev& W, const u16* x, int64_t ldx, int64_t T, u16* y, int64_t ldy,

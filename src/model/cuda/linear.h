@@ -76,10 +76,6 @@ struct DecodeOptions {
   // MLA's output gate σ(g) applied in the absorbed decode's last launch when every attended row is a decode row
   // (mla.cpp; false: KESTREL_MLA_GATE_IN_MERGE=0, the gate's own launch after the attention).
   bool mla_gate_in_merge = true;
-  // The routed experts' combine and latent norm computed by the MoE out-projection's CTAs at one token (moe.cpp,
-  // gemm_skinny.h SkinnyCombinePrefix) instead of the combine launch: KESTREL_MOE_COMBINE_IN_GEMM=1 (off by
-  // default until measured).
-  bool moe_combine_in_gemm = false;
   // Pure-decode steps of at most this many rows run KDA's steps 2–7 as the one fused launch (kda.cpp, which
   // says why 16; KESTREL_KDA_FUSED_MAX_T).
   int64_t kda_fused_max_t = 16;
@@ -94,12 +90,9 @@ inline cuda::GemmSeg seg_add(int64_t n0, u16* y, int64_t ldy, const u16* add, in
 }
 inline cuda::GemmSeg seg_glu(int64_t n0, u16* y, int64_t ldy) { return {n0, y, ldy, cuda::GemmEpi::situ_glu8, nullptr, 0}; }
 
-// The segments' outputs := x·Wᵀ, x bf16 [T, W.K] with row stride ldx. prefix: x's first prefix->cols columns
-// computed by the skinny kernel (gemm_skinny.h SkinnyCombinePrefix; BF16 weights, T = 1, the skinny path only).
+// The segments' outputs := x·Wᵀ, x bf16 [T, W.K] with row stride ldx.
 void linear(Context& c, const LinearDev& W, const u16* x, int64_t ldx, int64_t T, const cuda::GemmSegs& segs,
-            const Fp8Act* pre = nullptr, const cuda::SkinnyCombinePrefix* prefix = nullptr);
-// Whether linear() can take a computed prefix for W at T rows (BF16 W, one row, the skinny kernel's staged path).
-bool linear_prefix_ok(const Context& c, const LinearDev& W, int64_t T);
+            const Fp8Act* pre = nullptr);
 // One plain segment: y (bf16 [T, N], row stride ldy) = bf16(x·Wᵀ).
 void linear(Context& c, const LinearDev& W, const u16* x, int64_t ldx, int64_t T, u16* y, int64_t ldy,
             const Fp8Act* pre = nullptr);

@@ -3,9 +3,7 @@
 // first half), z = Lin(routed_expert_down_proj)(x) (step 2) and, in BF16, the FP32 router logits (step 1).
 // The router and the expert selection run over all rows at once; the routed experts stay MXFP4
 // (kernels/cuda/moe.h); on one rank step 5's norm runs in their combine launch (MoeExpertsOptions::norm_w,
-// bit-identical to the separate rmsnorm) — or, at one token with KESTREL_MOE_COMBINE_IN_GEMM=1, in the
-// out-projection's own CTAs (gemm_skinny.h SkinnyCombinePrefix). Steps 5–7 with BF16 weights and shared experts:
-// one GEMM over
+// bit-identical to the separate rmsnorm). Steps 5–7 with BF16 weights and shared experts: one GEMM over
 // [RMSNorm(ũ) | a_sh] with latent up and shared down side by side along K (weights.h MoeWeightsDev::out_proj;
 // the combine writes the normed rows and the shared GEMM's epilogue a_sh straight into that input row), one
 // launch fewer per layer than the shared down-projection plus the latent up-projection with step 7's add in
@@ -96,13 +94,6 @@ void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in, c
   const bool norm_in_combine = un && !x.split() && x.fused() && x.opt.combine_norm;
   if (norm_in_combine)
     eo.norm_w = w.latent_norm, eo.norm_eps = c.rms_norm_eps, eo.normed = un, eo.normed_ld = ld_un;
-  // At one token (KESTREL_MOE_COMBINE_IN_GEMM=1): the combine and the norm formed by the stacked out-projection's
-  // CTAs themselves from the experts' y (gemm_skinny.h SkinnyCombinePrefix), no combine launch between them; the
-  // left Ll columns of oin are then never written nor read.
-  const uint16_t* yk = nullptr;  // bf16 [K, Lt]: the experts' y, a row per slot (in the workspace)
-  const bool combine_in_gemm = norm_in_combine && norm_into_oin && T == 1 && x.opt.moe_combine_in_gemm &&
-                               Lt % 64 == 0 && Lt <= cuda::kSkinnyPrefixMaxCols && linear_prefix_ok(x, w.out_proj, T);
-  if (combine_in_gemm) eo.skip_combine = true, eo.y_out = &yk;
   cuda::moe_experts_mxfp4(z, eids, wts, w.experts, T, w.Xe, K, Lt, I, c.situ_beta, c.situ_linear_beta, ws, ut,
                           x.stream, eo);
   // Under TP each rank's ũ is partial: its I/N slice of every selected expert, or (EP) its own experts' whole
@@ -123,17 +114,7 @@ void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in, c
       KCUDA_CHECK(cudaMemcpy2DAsync(oin, size_t(ldo) * 2, src, size_t(Lt) * 2, size_t(Ll) * 2, size_t(T),
                                     cudaMemcpyDeviceToDevice, x.stream));
     }
-    if (combine_in_gemm) {
-      cuda::SkinnyCombinePrefix pre;
-      pre.y = yk, pre.wts = wts, pre.ids = eids, pre.K = int(K), pre.X = int(w.Xe);
-      pre.norm_w = w.latent_norm, pre.eps = c.rms_norm_eps, pre.cols = int(Ll);
-      cuda::GemmSegs os;
-      os.seg[0] = seg_bf16(0, out, D);
-      os.n = 1;
-      linear(x, w.out_proj, oin, ldo, T, os, nullptr, &pre);
-    } else {
-      linear(x, w.out_proj, oin, ldo, T, out, D);
-    }
+    linear(x, w.out_proj, oin, ldo, T, out, D);
     tp_all_reduce(x, out, T * D);  // under TP: routed + shared partial sums
     x.mark("moe.up+shared");
     return;
