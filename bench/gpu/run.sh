@@ -607,7 +607,7 @@ case "${1:-}" in
         n=$(( c == 1 ? 16 : 192 ))
         timeout "${5:-$(left)}" .gpu-carry/kestrel bench --base-url "http://127.0.0.1:$port" --tokenizer "$ck/mini" \
           --input-len 1024 --output-len 128 --ignore-eos --num-prompts "$n" --max-concurrency "$c" --num-warmups 2 \
-          --no-progress --result-file "$out/perf/serve${mode:+_$mode}_c$c.json" \
+          --no-progress --save-detailed --result-file "$out/perf/serve${mode:+_$mode}_c$c.json" \
           >"$out/perf/serve_bench${mode:+_$mode}_c$c.log" 2>&1 || true
       done
       kill $srv 2>/dev/null; wait $srv 2>/dev/null || true
