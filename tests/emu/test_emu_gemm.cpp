@@ -2,7 +2,8 @@
 // twins with the tolerances of tests/gpu/test_decode_gpu.cpp: both paths at T ≤ 16 (W staged through the
 // shared-memory ring, or in registers), the 32- and 64-token instantiations, split-K over CTAs (the last CTA's
 // sum, the counters left at zero), a 16-byte K tail, the stacked epilogues (SiTU-GLU, bf16, f32, in-place add)
-// in one launch, the FP8 (PTPC) variant, batch invariance and what lies beyond each output row's ldy. This
+// in one launch, the FP8 (PTPC) variant, batch invariance, what lies beyond each output row's ldy, and the MoE
+// router's top-k in the kernel's tail (GemmRoute: ids and weights bit-exact against cpu::moe_route). This
 // catches index, fragment-layout and split-K mistakes in CI, where no GPU exists; tests/gpu adds the real
 // tensor cores, the launchers' split choice and timing. The launch geometry is the kernel file's own plan() and
 // dispatch() (the table run() launches through), so what runs here is what run() would launch.
@@ -22,6 +23,7 @@
 #include "../test_glu_stack.h"
 #include "../test_rng.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/moe_ops.h"
 
 namespace kestrel {
 namespace {
@@ -105,13 +107,17 @@ int launch(const void* x, int64_t ldx_bytes, const void* w, const float* x_scale
   std::vector<float> part(size_t(p.splits) * size_t(p.tiles) * 32 * size_t(NT * 4), std::nanf(""));
   std::vector<unsigned> counters(size_t(p.tiles), 0u);
   p.part = part.data(), p.counters = counters.data();
+  unsigned route_counter = 0;  // the workspace's last counter in run()
+  const bool route = segs.route.seg >= 0;
+  if (route) p.route_counter = &route_counter, cuda::plan_route(p);
   auto go = [&]<auto Kernel>(int smem) {
     simt::launch(dim3(unsigned(p.tiles), unsigned(p.splits)), dim3(cuda::kThreads), size_t(smem), [&] { Kernel(p); });
   };
   if (fp8) cuda::dispatch<true>(NT, staged, go);
-  else cuda::dispatch<false>(NT, staged, go);
+  else cuda::dispatch<false>(NT, staged, go, route);
   for (size_t i = 0; i < counters.size(); ++i)
     EXPECT_EQ(counters[i], 0u) << "split-K counter " << i << " not reset (T=" << T << " K=" << K << " N=" << N << ")";
+  EXPECT_EQ(route_counter, 0u) << "route counter not reset (T=" << T << " N=" << N << ")";
   return p.splits;
 }
 
@@ -220,6 +226,57 @@ void fp8_matches_twin(int64_t K, int64_t N, const std::vector<int64_t>& Ts, int 
     }
 }
 
+// The router's top-k in the kernel's tail (GemmRoute): a stack [bf16 rows | router logits f32 [T, X] | bf16 rows
+// (when `after`)] with the router's rows starting at row `off` (inside a 16-row tile or on its edge, so its rows
+// span one or several tiles, each possibly split over CTAs). The ids and weights must be cpu::moe_route's on the
+// logits the launch wrote, bit for bit (the emulation's expf is the twin's), and nothing past [T, Kt] written;
+// the logits themselves within the f32 tolerance of cpu::gemm_bf16_f32.
+enum class RouteLogits { random, ties, nan_bias };
+void route_tail_matches_twin(int64_t K, int64_t off, int64_t X, int64_t Kt, bool after, const std::vector<int64_t>& Ts,
+                             const std::vector<int>& S0s, RouteLogits kind, bool renorm, uint64_t seed) {
+  Rng rng(seed);
+  const int64_t Na = after ? 8 : 0, N = off + X + Na, Tmax = *std::max_element(Ts.begin(), Ts.end());
+  const auto x = rand_bf16(size_t(Tmax * K), rng, -1.0f, 1.0f);
+  auto w = rand_bf16(size_t(N * K), rng, -0.05f, 0.05f);
+  std::vector<float> bias(static_cast<size_t>(X));
+  for (auto& b : bias) b = rng.uniform(-0.1f, 0.1f);
+  if (kind == RouteLogits::ties) {  // expert pairs with equal rows (equal logits, bit for bit) and no bias
+    for (int64_t e = 1; e < X; e += 2)
+      std::copy_n(w.begin() + (off + e - 1) * K, K, w.begin() + (off + e) * K);
+    std::fill(bias.begin(), bias.end(), 0.0f);
+  } else if (kind == RouteLogits::nan_bias) {  // NaN keys rank below every number
+    for (int64_t e = 0; e < X; e += 3) bias[size_t(e)] = std::nanf("");
+  }
+  const float scaling = 2.5f;
+  for (int S0 : S0s)
+    for (int64_t T : Ts) {
+      std::vector<uint16_t> ya(size_t(T * off + 1)), yc(size_t(T * Na + 1));
+      Out<float> logits(T, X, X);
+      std::vector<int32_t> ids(size_t(T * Kt + 4), -7);
+      std::vector<float> wts(size_t(T * Kt + 4), -7.0f);
+      cuda::GemmSegs s;
+      s.seg[s.n++] = {0, ya.data(), off, cuda::GemmEpi::bf16, nullptr, 0};
+      s.route = {s.n, bias.data(), int(Kt), renorm, scaling, ids.data(), wts.data()};
+      s.seg[s.n++] = {off, logits.v.data(), X, cuda::GemmEpi::f32, nullptr, 0};
+      if (after) s.seg[s.n++] = {off + X, yc.data(), Na, cuda::GemmEpi::bf16, nullptr, 0};
+      const int S = launch(x.data(), K * 2, w.data(), nullptr, nullptr, T, K, N, s, false, true, S0);
+      const std::string shape = "route K=" + std::to_string(K) + " off=" + std::to_string(off) + " X=" +
+                                std::to_string(X) + " top-" + std::to_string(Kt) + " T=" + std::to_string(T) +
+                                " S=" + std::to_string(S) + (after ? " +after" : "") +
+                                (kind == RouteLogits::ties ? " ties" : kind == RouteLogits::nan_bias ? " NaN bias" : "");
+      std::vector<float> ref_logits(size_t(T * X));
+      cpu::gemm_bf16_f32(x.data(), K, w.data() + off * K, ref_logits.data(), X, T, K, X);
+      expect_close(shape + " logits", logits.v, ref_logits, 1e-5 * max_abs(ref_logits) + 1e-6, 1e-4, 1e-5);
+      std::vector<int32_t> rid(size_t(T * Kt));
+      std::vector<float> rw(size_t(T * Kt));
+      cpu::moe_route(logits.v.data(), bias.data(), T, X, Kt, renorm, scaling, rid.data(), rw.data());
+      EXPECT_EQ(std::vector<int32_t>(ids.begin(), ids.begin() + T * Kt), rid) << shape << ": ids";
+      EXPECT_EQ(0, std::memcmp(wts.data(), rw.data(), rw.size() * 4)) << shape << ": weights not bit-exact";
+      for (int64_t i = T * Kt; i < T * Kt + 4; ++i)
+        EXPECT_TRUE(ids[size_t(i)] == -7 && wts[size_t(i)] == -7.0f) << shape << ": wrote past [T, K]";
+    }
+}
+
 // Every shape table runs in scripts/test.sh (about 6 s on the 2-core CI machine): each instantiation (NT = 1,
 // 2 staged and in registers, 4, 8) at every bucket boundary of T, unsplit and split over CTAs, K with a 16-byte
 // tail (bf16 K = 200), an 80-byte one (fp8 K = 208) and whole steps.
@@ -233,6 +290,25 @@ TEST(EmuGemm, SkinnyStackedEpilogues) {
 TEST(EmuGemm, SkinnyFp8Shapes) {
   for (int64_t K : {208, 1024})
     for (int S0 : {1, 4}) fp8_matches_twin(K, 40, {1, 8, 16, 17, 33, 64}, S0, uint64_t(K + S0));
+}
+
+// The reduced mini's router (4 experts, top-2, its rows inside one tile after 5,120 others: here 40), the mini's
+// EP share (112, top-2) and nano's (16, top-4), the bound (256 experts, 8 slots a lane; 32 picks), ties, NaN keys,
+// several tiles each split over CTAs (S0 = 3), T from 1 to 16 (all four warps route).
+TEST(EmuGemm, SkinnyRouteTailMatchesTwin) {
+  route_tail_matches_twin(256, 40, 4, 2, false, {1, 3, 16}, {1, 3}, RouteLogits::random, true, 71);
+  route_tail_matches_twin(256, 37, 112, 2, true, {1, 5}, {1, 3}, RouteLogits::random, true, 72);
+  route_tail_matches_twin(200, 16, 16, 4, true, {2, 9}, {1}, RouteLogits::ties, true, 73);
+  route_tail_matches_twin(256, 3, 256, 32, false, {1, 4}, {3}, RouteLogits::random, false, 74);
+  route_tail_matches_twin(256, 21, 40, 8, true, {6}, {1, 3}, RouteLogits::nan_bias, true, 75);
+  route_tail_matches_twin(256, 0, 5, 5, true, {2}, {1}, RouteLogits::random, true, 76);  // every expert picked
+  // The tail's flag crosses a barrier and the counter CTAs: every schedule gives the twin's bits.
+  for (const simt::Schedule sch : {simt::Schedule::threads_reverse, simt::Schedule::warps, simt::Schedule::warps_reverse,
+                                   simt::Schedule::ctas}) {
+    simt::g_schedule = sch;
+    route_tail_matches_twin(256, 37, 112, 2, true, {5}, {3}, RouteLogits::random, true, 77);
+    simt::g_schedule = simt::Schedule::threads;
+  }
 }
 
 // Results must not depend on the order threads run in: a missing barrier or cp.async wait lets some schedule read

@@ -4,6 +4,8 @@
 //    rounded at the same point, at nano, mini and real per-rank shapes for T = 1, 2, 7, 16, 33, 64; stacked
 //    segments with every epilogue; batch invariance (a token's outputs bit-identical for every T ≤ 64) and
 //    run-to-run determinism (split-K without float atomics);
+//  - the MoE router's top-k in the skinny GEMM's tail (GemmRoute): ids and weights bit-identical to moe_route on the
+//    logits of the same launch, the logits bit-identical to the launch without it;
 //  - the wide GEMM (gemm_wide.cu, 17–64 rows) the same way, batch invariant over T = 17..64;
 //  - PTPC FP8: the GPU quantisation bit-exact vs cpu::quantize_fp8_rows, the FP8 skinny GEMM and cuBLASLt's
 //    FP8 GEMM vs cpu::gemm_ptpc_fp8, and (informative) the FP8 error against the BF16 GEMM;
@@ -25,12 +27,14 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/kda_ops.h"
 #include "kernels/cpu/kda_scan.h"
+#include "kernels/cpu/moe_ops.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/gemm_skinny.h"
 #include "kernels/cuda/kda.h"
+#include "kernels/cuda/moe.h"
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/ptpc.h"
 #include "model/attn_res.h"
@@ -250,6 +254,85 @@ TEST(GpuDecode, SkinnyGemmStackedEpilogues) {
     ASSERT_TRUE(cuda::gemm_skinny_ok(x, K, w, T, K, N, s, false));
     cuda::gemm_skinny_bf16(x, K, w, T, K, N, s, ws.get(), nullptr);
   }, {1, 7, 64}, 102);
+}
+
+// The MoE in-projection's stack at the mini's per-rank shapes ([shared gate|up 2·768 | z 3,584 | router X] × 7,168)
+// with the router's top-k in the launch's tail: the outputs bit-identical to the same launch without it, the ids
+// and weights bit-identical to moe_route on those logits (the same selection and arithmetic on the device), and
+// the ids the CPU twin's (weights within its ulps: the device's expf). X = 4 (the reduced mini, one tile), 112 (the
+// mini's EP share, 8 tiles), 256 (the bound); T = 1..16; a stack whose router rows start inside a tile.
+TEST(GpuDecode, SkinnyGemmRouteTail) {
+  need_gpu();
+  Rng rng(103);
+  Ws ws;
+  const int64_t K = 7168;
+  struct Case {
+    int64_t F, Z, X, Kt;
+  };
+  for (const Case c : {Case{768, 3584, 4, 2}, Case{768, 3584, 112, 2}, Case{0, 3576, 256, 8}, Case{0, 40, 112, 32}}) {
+    const int64_t N = 2 * c.F + c.Z + c.X;
+    const auto w = rand_bf16(size_t(N * K), rng, -0.02f, 0.02f);
+    const auto bias = rand_f32(size_t(c.X), rng, -0.1f, 0.1f);
+    auto dw = upload(w);
+    auto db = upload(bias);
+    for (int64_t T : {1, 2, 7, 16}) {
+      const auto x = rand_bf16(size_t(T * K), rng, -1.0f, 1.0f);
+      auto dx = upload(x);
+      const std::string shape = fmt::format("[glu {} | z {} | router {}] K={} top-{} T={}", 2 * c.F, c.Z, c.X, K, c.Kt, T);
+      std::vector<uint16_t> outs[2];
+      std::vector<float> logits[2];
+      std::vector<int32_t> ids[2];
+      std::vector<float> wts[2];
+      for (int with : {0, 1}) {
+        auto da = poisoned<uint16_t>(size_t(std::max<int64_t>(T * c.F, 1)));
+        auto dz = poisoned<uint16_t>(size_t(T * c.Z));
+        auto dl = poisoned<float>(size_t(T * c.X));
+        auto dids = poisoned<int32_t>(size_t(T * c.Kt));
+        auto dwt = poisoned<float>(size_t(T * c.Kt));
+        cuda::GemmSegs s;
+        if (c.F > 0) s.seg[s.n++] = {0, da.p(), c.F, cuda::GemmEpi::situ_glu8, nullptr, 0};
+        s.seg[s.n++] = {2 * c.F, dz.p(), c.Z, cuda::GemmEpi::bf16, nullptr, 0};
+        if (with) s.route = {s.n, db.p(), int(c.Kt), true, 2.5f, dids.p(), dwt.p()};
+        s.seg[s.n++] = {2 * c.F + c.Z, dl.p(), c.X, cuda::GemmEpi::f32, nullptr, 0};
+        if (with) {
+          ASSERT_TRUE(cuda::gemm_skinny_route_ok(T, s, N, ws.get())) << shape;
+        }
+        cuda::gemm_skinny_bf16(dx.p(), K, dw.p(), T, K, N, s, ws.get(), nullptr);
+        if (!with) cuda::moe_route(dl.p(), db.p(), T, c.X, c.Kt, true, 2.5f, dids.p(), dwt.p(), nullptr);
+        sync();
+        outs[with] = dz.get();
+        if (c.F > 0) {
+          const auto a = da.get();
+          outs[with].insert(outs[with].end(), a.begin(), a.end());
+        }
+        logits[with] = dl.get(), ids[with] = dids.get(), wts[with] = dwt.get();
+      }
+      check_exact("route tail: outputs vs the launch without it", shape, outs[1].data(), outs[0].data(),
+                  outs[0].size() * 2);
+      check_exact("route tail: logits vs the launch without it", shape, logits[1].data(), logits[0].data(),
+                  logits[0].size() * 4);
+      check_exact("route tail: ids vs moe_route", shape, ids[1].data(), ids[0].data(), ids[0].size() * 4);
+      check_exact("route tail: weights vs moe_route", shape, wts[1].data(), wts[0].data(), wts[0].size() * 4);
+      std::vector<int32_t> rid(size_t(T * c.Kt));
+      std::vector<float> rw(size_t(T * c.Kt));
+      cpu::moe_route(logits[1].data(), bias.data(), T, c.X, c.Kt, true, 2.5f, rid.data(), rw.data());
+      check_exact("route tail: ids vs cpu::moe_route", shape, ids[1].data(), rid.data(), rid.size() * 4);
+      check("route tail: weights vs cpu::moe_route", shape, wts[1].data(), rw.data(), rw.size(), {1e-7, 1e-5, 1e-6});
+    }
+  }
+  // What the tail refuses (linear() then launches moe_route after the GEMM): more than 16 tokens, more than 256
+  // experts, more picks than 32, a route on a non-FP32 segment.
+  cuda::GemmSegs s;
+  float* fake = reinterpret_cast<float*>(16);
+  s.seg[s.n++] = {0, fake, 300, cuda::GemmEpi::f32, nullptr, 0};
+  s.route = {0, fake, 2, true, 1.0f, reinterpret_cast<int32_t*>(16), fake};
+  EXPECT_FALSE(cuda::gemm_skinny_route_ok(1, s, 300, ws.get()));
+  EXPECT_TRUE(cuda::gemm_skinny_route_ok(1, s, 256, ws.get()));
+  EXPECT_FALSE(cuda::gemm_skinny_route_ok(17, s, 256, ws.get()));
+  s.route.K = 33;
+  EXPECT_FALSE(cuda::gemm_skinny_route_ok(1, s, 256, ws.get()));
+  s.route.K = 2, s.seg[0].epi = cuda::GemmEpi::bf16;
+  EXPECT_FALSE(cuda::gemm_skinny_route_ok(1, s, 256, ws.get()));
 }
 
 TEST(GpuDecode, WideGemmStackedEpilogues) {

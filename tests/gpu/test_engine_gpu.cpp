@@ -513,5 +513,65 @@ TEST(GpuGraphs, ReplayBitIdenticalToEagerPerBucket) {
   }
 }
 
+// The MoE router's top-k in the in-projection's tail (KESTREL_ROUTE_IN_GEMM=1, DecodeOptions::route_in_gemm, read
+// by the model's constructor): decode steps of B requests through the step graphs give the default model's
+// logits bit for bit — in the tail at B ≤ 16 (the skinny kernel), after the wide GEMM at 32 (linear()'s fallback).
+TEST(GpuGraphs, RouteInGemmBitIdentical) {
+  const auto dirs = gpu_ckpt_dirs();
+  ASSERT_FALSE(dirs.empty()) << "KESTREL_GPU_CKPTS is not set: run through bench/gpu/run.sh";
+  for (const std::string& dir : dirs) {
+    const ModelConfig cfg = load_config(dir);
+    const Checkpoint ckpt(dir);
+    const ModelWeights w = bind_weights(cfg, ckpt);
+    const int64_t V = cfg.text.vocab_size, Bmax = 32, ctx = 70;
+    const int P = 16;
+    const int64_t per = (ctx + 1 + P - 1) / P;
+    // Logits of decode steps at each B (slots restored between them), from a model built with `route` set.
+    auto run = [&](bool route) {
+      const char* old = std::getenv("KESTREL_ROUTE_IN_GEMM");
+      const std::string keep = old ? old : "";
+      setenv("KESTREL_ROUTE_IN_GEMM", route ? "1" : "0", 1);
+      model::CudaModel m(cfg, w);
+      if (old) setenv("KESTREL_ROUTE_IN_GEMM", keep.c_str(), 1);
+      else unsetenv("KESTREL_ROUTE_IN_GEMM");
+      auto cache = m.new_cache(int32_t(Bmax * per), int32_t(2 * Bmax),
+                               CacheFormats{P, LatentFormat::bf16, IndexKeyFormat::bf16, KdaStateDtype::f32});
+      std::vector<std::vector<int32_t>> tables(static_cast<size_t>(Bmax)), prompts(static_cast<size_t>(Bmax));
+      for (int64_t b = 0; b < Bmax; ++b) {
+        for (int64_t i = 0; i < per; ++i) tables[size_t(b)].push_back(int32_t(b * per + i));
+        for (int64_t i = 0; i < ctx - b % 7; ++i)
+          prompts[size_t(b)].push_back(int32_t((i * 37 + b * 11 + 3) % std::min<int64_t>(V, 1000)));
+        model::CudaSeq q{prompts[size_t(b)], 0, int32_t(b), tables[size_t(b)], model::CudaSeq::Logits::none};
+        m.forward_batch(*cache, std::span<const model::CudaSeq>(&q, 1));
+        m.copy_slot(*cache, int32_t(b), int32_t(Bmax + b));  // backup
+      }
+      std::vector<int32_t> tok(static_cast<size_t>(Bmax));
+      for (int64_t b = 0; b < Bmax; ++b) tok[size_t(b)] = int32_t((b * 97 + 5) % std::min<int64_t>(V, 1000));
+      m.enable_cuda_graphs(true);
+      std::vector<std::vector<float>> out;
+      for (int64_t B : {1, 4, 16, 32}) {
+        std::vector<model::CudaSeq> seqs;
+        for (int64_t b = 0; b < B; ++b)
+          seqs.push_back({std::span<const int32_t>(&tok[size_t(b)], 1), int64_t(prompts[size_t(b)].size()),
+                          int32_t(b), tables[size_t(b)], model::CudaSeq::Logits::last});
+        for (int rep = 0; rep < 2; ++rep) {  // capture, then replay
+          EXPECT_EQ(m.forward_batch(*cache, seqs), B);
+          out.emplace_back(size_t(B * V));
+          m.copy_logits(out.back().data());
+          for (int64_t b = 0; b < B; ++b) m.copy_slot(*cache, int32_t(Bmax + b), int32_t(b));  // restore
+        }
+      }
+      return out;
+    };
+    const auto plain = run(false), routed = run(true);
+    ASSERT_EQ(plain.size(), routed.size());
+    const std::string name = cfg.text.hidden_size == 256 ? "nano" : "mini(reduced)";
+    for (size_t i = 0; i < plain.size(); ++i)
+      check_exact("route in GEMM == moe_route launch", fmt::format("{} step {} (B={}, {})", name, i,
+                                                                   plain[i].size() / size_t(V), i % 2 ? "replay" : "capture"),
+                  routed[i].data(), plain[i].data(), plain[i].size() * 4);
+  }
+}
+
 }  // namespace
 }  // namespace kestrel::gputest

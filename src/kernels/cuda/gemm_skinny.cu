@@ -45,6 +45,12 @@
 // launch's rows before its PDL wait (session 17) and the next projection's from this launch's tail (session 21:
 // 18–85 µs a step slower for 8–32 MB).
 //
+// Router tail (ROUTE: GemmRoute on the segments; the staged BF16 kernels at T ≤ 16 only): after the epilogue, the
+// CTAs that stored the router segment's tiles count themselves on the workspace's last counter and the last one
+// routes the tokens, one warp a token (moe_route.cuh: moe_route's bits) — the decode step's router launch and one
+// kernel boundary a MoE layer saved. Opt-in until timed (DecodeOptions::route_in_gemm); its instantiations are
+// separate, so the others' PTX did not change with it (96 / 80 registers at NT = 1 / 2, no spills).
+//
 // Resources (ptxas, sm_90a, no spills, no stack): registers bf16 NT=1 110, NT=2 146, NT=4 95, NT=8 134;
 // fp8 124, 166, 136, 178 (so 4, 3, 5, 3 / 4, 3, 3, 2 CTAs per SM); static shared memory 1.5–12 KB; staged
 // NT=1 / 2: bf16 94 / 78, fp8 96 / 101 registers (NT=1: x 6 steps ahead) and 48 KB of ring (4 CTAs per
@@ -58,6 +64,9 @@
 // Predicted (H200, copy 4.27 TB/s): a 20+ MB matrix at T ≤ 16 in ≥ 85 % of the copy rate plus ~2 µs of
 // launch and tail (e.g. KDA q|k|v|g|f_a|b 90 MB ≈ 23 µs, o_proj 22 MB ≈ 7 µs, MoE latent down 51 MB ≈
 // 14 µs); T = 64 within ~20 % of that (x traffic 4× W's from L2).
+//
+// Length (past ~600 lines): one kernel whose two load paths, split-K ending and router tail share one accumulator
+// layout and one launch plan (with the emulation); split into files, that layout would be described in each.
 //
 // Emulation: tests/emu compiles this file against the CPU emulation of the thread hierarchy (simt.h) to run the
 // kernel without a GPU; there the inline-PTX wrappers below take their #else forms and the host side (launchers,
@@ -75,6 +84,7 @@
 #include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/gemm_epi.cuh"
 #include "kernels/cuda/gemm_skinny.h"
+#include "kernels/cuda/moe_route.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -94,6 +104,8 @@ struct Params {
   float* part;
   unsigned* counters;
   GemmSegs segs;
+  unsigned* route_counter;     // segs.route: the workspace's last counter
+  int route_tile0, route_tiles;  // the row tiles that hold the router segment's rows
 };
 
 template <int I>
@@ -213,10 +225,11 @@ __device__ __forceinline__ void sum_splits(const Params& p, int tile, int lane, 
   }
 }
 
-template <bool FP8, int NT, int MT, int U, bool XPF, int D = 0>
+template <bool FP8, int NT, int MT, int U, bool XPF, int D = 0, bool ROUTE = false>
 __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant__ Params p) {
   static_assert(!XPF || U % 2 == 0, "x prefetch alternates two buffers over an even unroll");
   constexpr int E = MT * NT * 4;  // accumulators per lane
+  static_assert(!ROUTE || (E < 16 && !FP8), "the route tail follows the E < 16 BF16 ending");
   __shared__ __align__(16) float red[kWarps - 1][E][32];
   const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5, g = lane >> 2, q = lane & 3;
   const int tile = int(blockIdx.x), split = int(blockIdx.y);
@@ -404,40 +417,51 @@ __global__ void __launch_bounds__(kThreads) skinny_kernel(const __grid_constant_
       if (lane == 0) p.counters[tile] = 0u;  // ready for the next launch
     }
   }
-  if (warp != 0) return;
-
-  if (E < 16 && p.splits > 1) {
-    float4* mine = reinterpret_cast<float4*>(p.part + ((int64_t(split) * p.tiles + tile) * 32 + lane) * E);
+  // Warp 0: the split-K sum where this CTA is its tile's last split, then the epilogue; false if it is not the last.
+  auto finish = [&]() -> bool {
+    if (E < 16 && p.splits > 1) {
+      float4* mine = reinterpret_cast<float4*>(p.part + ((int64_t(split) * p.tiles + tile) * 32 + lane) * E);
 #pragma unroll
-    for (int e = 0; e < E / 4; ++e) mine[e] = make_float4(a[4 * e], a[4 * e + 1], a[4 * e + 2], a[4 * e + 3]);
-    __threadfence();
-    unsigned prev = 0;
-    if (lane == 0) prev = atomicAdd(&p.counters[tile], 1u);
-    prev = __shfl_sync(0xffffffffu, prev, 0);
-    if (prev != unsigned(p.splits - 1)) return;
-    __threadfence();
-    // RU = 4 splits' loads in flight at once: the reading CTA waits about one L2 round trip per 4 splits.
-    sum_splits<E, E, 4>(p, tile, lane, 0, a);
-    if (lane == 0) p.counters[tile] = 0u;  // ready for the next launch
-  }
-
-  // Epilogue: d[0] (row g, token 2q), d[1] (g, 2q+1), d[2] (g+8, 2q), d[3] (g+8, 2q+1).
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int rb = (tile * MT + mt) * 16;
-    if (rb >= p.N) break;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int e0 = (mt * NT + nt) * 4;
-      float d[4] = {acc[e0], acc[e0 + 1], acc[e0 + 2], acc[e0 + 3]};
-      if constexpr (FP8) {
-        const int r0 = rb + g, r1 = rb + g + 8, c0 = 8 * nt + 2 * q, c1 = c0 + 1;
-        const float s0 = r0 < p.N ? __ldg(p.w_scale + r0) : 0.0f, s1 = r1 < p.N ? __ldg(p.w_scale + r1) : 0.0f;
-        const float x0 = c0 < p.T ? __ldcg(p.x_scale + c0) : 0.0f, x1 = c1 < p.T ? __ldcg(p.x_scale + c1) : 0.0f;
-        d[0] = (d[0] * s0) * x0, d[1] = (d[1] * s0) * x1, d[2] = (d[2] * s1) * x0, d[3] = (d[3] * s1) * x1;
-      }
-      epi::store_frag(p.segs, p.N, p.T, rb, nt, d, g, q);
+      for (int e = 0; e < E / 4; ++e) mine[e] = make_float4(a[4 * e], a[4 * e + 1], a[4 * e + 2], a[4 * e + 3]);
+      __threadfence();
+      unsigned prev = 0;
+      if (lane == 0) prev = atomicAdd(&p.counters[tile], 1u);
+      prev = __shfl_sync(0xffffffffu, prev, 0);
+      if (prev != unsigned(p.splits - 1)) return false;
+      __threadfence();
+      // RU = 4 splits' loads in flight at once: the reading CTA waits about one L2 round trip per 4 splits.
+      sum_splits<E, E, 4>(p, tile, lane, 0, a);
+      if (lane == 0) p.counters[tile] = 0u;  // ready for the next launch
     }
+
+    // Epilogue: d[0] (row g, token 2q), d[1] (g, 2q+1), d[2] (g+8, 2q), d[3] (g+8, 2q+1).
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int rb = (tile * MT + mt) * 16;
+      if (rb >= p.N) break;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int e0 = (mt * NT + nt) * 4;
+        float d[4] = {acc[e0], acc[e0 + 1], acc[e0 + 2], acc[e0 + 3]};
+        if constexpr (FP8) {
+          const int r0 = rb + g, r1 = rb + g + 8, c0 = 8 * nt + 2 * q, c1 = c0 + 1;
+          const float s0 = r0 < p.N ? __ldg(p.w_scale + r0) : 0.0f, s1 = r1 < p.N ? __ldg(p.w_scale + r1) : 0.0f;
+          const float x0 = c0 < p.T ? __ldcg(p.x_scale + c0) : 0.0f, x1 = c1 < p.T ? __ldcg(p.x_scale + c1) : 0.0f;
+          d[0] = (d[0] * s0) * x0, d[1] = (d[1] * s0) * x1, d[2] = (d[2] * s1) * x0, d[3] = (d[3] * s1) * x1;
+        }
+        epi::store_frag(p.segs, p.N, p.T, rb, nt, d, g, q);
+      }
+    }
+    return true;
+  };
+  if constexpr (ROUTE) {  // the router's top-k after the tiles that hold its logits (moe_route.cuh)
+    __shared__ unsigned route_go;
+    const bool stored = warp == 0 && finish();
+    route_dev::route_after_tiles(p.segs, p.N, p.T, p.route_counter, p.route_tile0, p.route_tiles, tile, stored,
+                                 kWarps, &route_go);
+  } else {
+    if (warp != 0) return;
+    finish();
   }
 }
 
@@ -457,11 +481,28 @@ int plan(Params& p, int64_t T, int64_t K, int64_t N, bool fp8, int S0) {
   return T <= 8 ? 1 : T <= 16 ? 2 : T <= 32 ? 4 : 8;
 }
 
+// The router's tiles (segs.route, see route_tail): those holding rows of its segment.
+void plan_route(Params& p) {
+  const GemmSegs& s = p.segs;
+  if (s.route.seg < 0) return;
+  const int64_t n0 = s.seg[s.route.seg].n0, n1 = s.route.seg + 1 < s.n ? s.seg[s.route.seg + 1].n0 : p.N;
+  p.route_tile0 = int(n0 / 16);
+  p.route_tiles = int((n1 - 1) / 16) - p.route_tile0 + 1;
+}
+
 // The instantiation for NT n-tiles (plan) with W staged through shared memory or held in registers (the
 // choice exists at NT ≤ 2): f.template operator()<Kernel>(its dynamic shared memory, bytes). run() and the
-// emulation test (tests/emu) launch through this one table.
+// emulation test (tests/emu) launch through this one table. route: the staged BF16 kernels with the router's
+// tail (gemm_skinny_route_ok).
 template <bool FP8, class F>
-void dispatch(int NT, bool staged, F&& f) {
+void dispatch(int NT, bool staged, F&& f, bool route = false) {
+  if constexpr (!FP8) {
+    if (route && staged && NT <= 2) {
+      if (NT == 1) f.template operator()<skinny_kernel<false, 1, 1, 4, true, kStages, true>>(kStagedSmem);
+      else f.template operator()<skinny_kernel<false, 2, 1, 4, true, kStages, true>>(kStagedSmem);
+      return;
+    }
+  }
   switch (NT) {
     case 1:
       if (staged) f.template operator()<skinny_kernel<FP8, 1, 1, 4, true, kStages>>(kStagedSmem);
@@ -488,26 +529,43 @@ void launch_staged(dim3 grid, cudaStream_t stream, const Params& p) {
   launch_pdl(Kernel, grid, dim3(kThreads), size_t(smem), stream, p);
 }
 
-template <bool FP8>
-void run(Params p, int64_t T, int64_t K, int64_t N, const SkinnyWorkspace& ws, cudaStream_t stream) {
-  static const bool staged = [] {  // KESTREL_SKINNY_STAGED=0: W in registers at T ≤ 16 too (A/B timing)
+bool staged_on() {  // KESTREL_SKINNY_STAGED=0: W in registers at T ≤ 16 too (A/B timing)
+  static const bool on = [] {
     const char* e = std::getenv("KESTREL_SKINNY_STAGED");
     return !(e && e[0] == '0');
   }();
+  return on;
+}
+
+template <bool FP8>
+void run(Params p, int64_t T, int64_t K, int64_t N, const SkinnyWorkspace& ws, cudaStream_t stream) {
+  const bool staged = staged_on();
   const int NT = plan(p, T, K, N, FP8, gemm_skinny_splits(N, K, FP8));
   if (p.splits > 1) {
     const size_t need = size_t(p.splits) * size_t(p.tiles) * 32 * size_t(NT * 4) * 4;
-    KCUDA_REQUIRE(ws.part && ws.counters && need <= ws.part_bytes && p.tiles <= ws.n_counters,
+    KCUDA_REQUIRE(ws.part && ws.counters && need <= ws.part_bytes && p.tiles < ws.n_counters,
                   "gemm_skinny: split-K workspace too small (" + std::to_string(need) + " bytes, " +
-                      std::to_string(p.tiles) + " counters needed)");
+                      std::to_string(p.tiles + 1) + " counters needed)");
     p.part = ws.part, p.counters = ws.counters;
   }
+  const bool route = p.segs.route.seg >= 0;
+  if (route) {
+    KCUDA_REQUIRE(gemm_skinny_route_ok(T, p.segs, N, ws),
+                  "gemm_skinny: the router's top-k cannot run in this launch (T=" + std::to_string(T) +
+                      "; see gemm_skinny_route_ok)");
+    p.route_counter = ws.counters + (ws.n_counters - 1);
+    plan_route(p);
+  }
   const dim3 grid(unsigned(p.tiles), unsigned(p.splits));
-  dispatch<FP8>(NT, staged, [&]<auto Kernel>(int smem) {
-    if (smem > 0) launch_staged<Kernel>(grid, stream, p);
-    else launch_pdl(Kernel, grid, dim3(kThreads), 0, stream, p);
-  });
+  dispatch<FP8>(
+      NT, staged,
+      [&]<auto Kernel>(int smem) {
+        if (smem > 0) launch_staged<Kernel>(grid, stream, p);
+        else launch_pdl(Kernel, grid, dim3(kThreads), 0, stream, p);
+      },
+      route);
 }
+
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 #endif  // KESTREL_SIMT_EMU
@@ -552,6 +610,14 @@ bool gemm_skinny_ok(const void* x, int64_t ldx, const void* w, int64_t T, int64_
   return true;
 }
 
+bool gemm_skinny_route_ok(int64_t T, const GemmSegs& segs, int64_t N, const SkinnyWorkspace& ws) {
+  const GemmRoute& r = segs.route;
+  if (r.seg < 0 || r.seg >= segs.n || !r.bias || !r.ids || !r.weights || !ws.counters || ws.n_counters < 1) return false;
+  const GemmSeg& s = segs.seg[r.seg];
+  const int64_t X = (r.seg + 1 < segs.n ? segs.seg[r.seg + 1].n0 : N) - s.n0;
+  return T >= 1 && T <= 16 && staged_on() && s.epi == GemmEpi::f32 && route_dev::warp_route_ok(X, r.K);
+}
+
 void gemm_skinny_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t T, int64_t K, int64_t N,
                       const GemmSegs& segs, const SkinnyWorkspace& ws, cudaStream_t stream) {
   KCUDA_REQUIRE(gemm_skinny_ok(x, ldx, w, T, K, N, segs, false),
@@ -566,7 +632,7 @@ void gemm_skinny_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t
 void gemm_skinny_fp8(const uint8_t* x, int64_t ldx, const float* x_scale, const uint8_t* w, const float* w_scale,
                      int64_t T, int64_t K, int64_t N, const GemmSegs& segs, const SkinnyWorkspace& ws,
                      cudaStream_t stream) {
-  KCUDA_REQUIRE(x_scale && w_scale && gemm_skinny_ok(x, ldx, w, T, K, N, segs, true),
+  KCUDA_REQUIRE(x_scale && w_scale && segs.route.seg < 0 && gemm_skinny_ok(x, ldx, w, T, K, N, segs, true),
                 "gemm_skinny_fp8: unsupported operands T=" + std::to_string(T) + " K=" + std::to_string(K) +
                     " N=" + std::to_string(N) + " ldx=" + std::to_string(ldx));
   Params p{};

@@ -48,13 +48,29 @@ struct GemmSeg {
   const uint16_t* add = nullptr;  // add_bf16: bf16 [T, ·], row stride ld_add (may alias y)
   int64_t ld_add = 0;
 };
+// The MoE router's top-k over an f32 segment (MODEL.md §3.6 step 1): ids and weights exactly moe_route's (moe.h)
+// on the segment's [T, X] logits (X = the segment's length). The skinny kernel runs it in the last CTA to store
+// the segment's rows (gemm_skinny_route_ok; one router launch and one kernel boundary fewer a MoE layer); every
+// other GEMM path leaves it to the caller (model/cuda/linear.cpp launches moe_route after the GEMM).
+struct GemmRoute {
+  int seg = -1;                 // index of the f32 segment holding the logits; −1: no route
+  const float* bias = nullptr;  // f32 [X]
+  int K = 0;
+  bool renormalize = false;
+  float scaling = 1.0f;
+  int32_t* ids = nullptr;    // i32 [T, K]
+  float* weights = nullptr;  // f32 [T, K]
+};
+
 struct GemmSegs {
   GemmSeg seg[kGemmMaxSegs];
   int n = 0;
   float glu_beta = 1.0f, glu_linear_beta = 1.0f;  // situ_glu8 segments
+  GemmRoute route;
 };
 
-// Split-K scratch, owned by the caller: partial sums (f32) and one counter per row tile. The counters must
+// Split-K scratch, owned by the caller: partial sums (f32) and one counter per row tile; the last counter is the
+// router's (GemmRoute), so a split launch's tiles stay below n_counters. The counters must
 // be zero before the first launch; every launch leaves them zero. One workspace serves launches on one
 // stream (PDL-ordered launches included: a launch touches it only after its griddepcontrol.wait).
 struct SkinnyWorkspace {
@@ -74,6 +90,10 @@ bool gemm_skinny_ok(const void* x, int64_t ldx, const void* w, int64_t T, int64_
                     bool fp8);
 // The split over CTAs the launcher uses for an [N, K] matrix (a function of N, K and the SM count).
 int gemm_skinny_splits(int64_t N, int64_t K, bool fp8);
+// True if gemm_skinny_bf16 runs segs.route in its own launch for T tokens (T ≤ 16 on the staged path — the
+// decode buckets; X ≤ 256 experts, K ≤ min(X, 32): moe_route.cuh; the segment f32; a workspace with counters);
+// otherwise a route on the segments is refused by the launcher and belongs to the caller.
+bool gemm_skinny_route_ok(int64_t T, const GemmSegs& segs, int64_t N, const SkinnyWorkspace& ws);
 
 void gemm_skinny_bf16(const uint16_t* x /* bf16 [T, K], row stride ldx */, int64_t ldx,
                       const uint16_t* w /* bf16 [N, K], contiguous */, int64_t T, int64_t K, int64_t N,

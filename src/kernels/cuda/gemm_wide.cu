@@ -315,6 +315,7 @@ bool gemm_wide_ok(const void* x, int64_t ldx, const void* w, int64_t T, int64_t 
   if (T < 1 || T > kSkinnyMaxT || K <= 0 || K % kStepElems != 0 || ldx % 8 != 0 || !aligned16(x) || !aligned16(w))
     return false;
   if (!gemm_skinny_ok(x, ldx, w, T, K, N, segs, false)) return false;  // the segment rules and size limits
+  if (segs.route.seg >= 0) return false;  // the router's top-k is the caller's after this kernel (gemm_skinny.h)
   const int64_t tiles = (N + kRows - 1) / kRows;
   // (gemm_wide_splits caps the split count by the workspace's partials.)
   return tiles <= ws.n_counters && ws.counters && ws.part;

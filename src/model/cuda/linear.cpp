@@ -8,6 +8,7 @@
 
 #include "core/check.h"
 #include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/moe.h"
 #include "kernels/cuda/ptpc.h"
 #include "model/cuda/context.h"
 
@@ -26,6 +27,7 @@ DecodeOptions DecodeOptions::from_env() {
   o.embed_in_point = !off("KESTREL_EMBED_IN_POINT");
   o.mla_norms = !off("KESTREL_MLA_NORMS");
   o.mla_gate_in_merge = !off("KESTREL_MLA_GATE_IN_MERGE");
+  if (const char* e = std::getenv("KESTREL_ROUTE_IN_GEMM")) o.route_in_gemm = std::strcmp(e, "1") == 0;
   o.spec_graphs = !off("KESTREL_SPEC_GRAPHS");
   if (const char* e = std::getenv("KESTREL_WIDE")) {
     const long v = std::strtol(e, nullptr, 10);
@@ -49,6 +51,23 @@ void linear(Context& c, const LinearDev& W, const u16* x, int64_t ldx, int64_t T
   KCHECK(W.N > 0 && W.K > 0 && (W.w || W.w8) && segs.n >= 1, "linear: empty weight or no output segments");
   if (T == 0) return;
   const int64_t K = W.K, N = W.N;
+  // The router's top-k on the segments (gemm_skinny.h GemmRoute): in the skinny launch where it can run there,
+  // else moe_route after whichever GEMM runs (the same ids and weights either way).
+  if (segs.route.seg >= 0 &&
+      !(!W.fp8() && c.opt.skinny && T <= c.opt.skinny_max_t && cuda::gemm_skinny_ok(x, ldx, W.w, T, K, N, segs, false) &&
+        cuda::gemm_skinny_route_ok(T, segs, N, c.skinny))) {
+    const cuda::GemmRoute& r = segs.route;
+    KCHECK(r.seg < segs.n && segs.seg[r.seg].epi == cuda::GemmEpi::f32, "linear: the route's segment is not FP32");
+    const cuda::GemmSeg& rs = segs.seg[r.seg];
+    const int64_t X = (r.seg + 1 < segs.n ? segs.seg[r.seg + 1].n0 : N) - rs.n0;
+    KCHECK(rs.ldy == X, "linear: the route's logits must be contiguous rows ([T, X])");
+    cuda::GemmSegs plain = segs;
+    plain.route = cuda::GemmRoute{};
+    linear(c, W, x, ldx, T, plain, pre);
+    cuda::moe_route(static_cast<const float*>(rs.y), r.bias, T, X, r.K, r.renormalize, r.scaling, r.ids, r.weights,
+                    c.stream);
+    return;
+  }
   Fp8Act q;
   if (W.fp8()) {
     if (pre && pre->q) {

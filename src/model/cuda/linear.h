@@ -17,7 +17,8 @@
 // KESTREL_WIDE=N (the wide GEMM for 17–64 rows, stacks of ≥ N outputs; default 3, 0 = off),
 // KESTREL_KDA_FUSED_MAX_T (default 16: the fused KDA decode chain up to that many rows),
 // KESTREL_FUSE=0 (no fused decode kernels: AttnRes, KDA chain, GEMM epilogues, MLA's norms), KESTREL_MLA_NORMS=0
-// (MLA's norms and cache writes as five launches), KESTREL_GRAPH_ATTN=0 (the
+// (MLA's norms and cache writes as five launches), KESTREL_ROUTE_IN_GEMM=1 (the MoE router's top-k in the skinny
+// GEMM's tail), KESTREL_GRAPH_ATTN=0 (the
 // attention stays an eager island between graph segments), KESTREL_PDL=0 (kernels/cuda/launch.h),
 // KESTREL_SPEC_TRACE=launches (DSpark verify rows' KDA position by position, speculative.cpp),
 // KESTREL_SPEC_GRAPHS=0 / KESTREL_SPEC_GRAPH_PAD=1 (DSpark steps in CUDA graphs, graphs.h).
@@ -76,6 +77,10 @@ struct DecodeOptions {
   // MLA's output gate σ(g) applied in the absorbed decode's last launch when every attended row is a decode row
   // (mla.cpp; false: KESTREL_MLA_GATE_IN_MERGE=0, the gate's own launch after the attention).
   bool mla_gate_in_merge = true;
+  // The MoE router's top-k in the tail of the skinny GEMM that makes its logits, on one rank at T ≤ 16 and X ≤ 256
+  // (moe.cpp, gemm_skinny.h GemmRoute): one launch and one kernel boundary fewer a MoE layer. Off until timed on
+  // the GPU (KESTREL_ROUTE_IN_GEMM=1: on).
+  bool route_in_gemm = false;
   // Pure-decode steps of at most this many rows run KDA's steps 2–7 as the one fused launch (kda.cpp, which
   // says why 16; KESTREL_KDA_FUSED_MAX_T).
   int64_t kda_fused_max_t = 16;

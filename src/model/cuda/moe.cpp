@@ -1,7 +1,8 @@
 // Latent MoE on the GPU, MODEL.md §3.6 steps 1–7 in order (CPU twin: model/moe.cpp). Everything that reads
 // x is one stacked GEMM (linear.h): the shared experts' gate|up with the SiTU-GLU in its epilogue (step 6's
 // first half), z = Lin(routed_expert_down_proj)(x) (step 2) and, in BF16, the FP32 router logits (step 1).
-// The router and the expert selection run over all rows at once; the routed experts stay MXFP4
+// The router and the expert selection run over all rows at once (with route_in_gemm, on one rank, the selection
+// rides on the in-projection's launch: gemm_skinny.h GemmRoute); the routed experts stay MXFP4
 // (kernels/cuda/moe.h); on one rank step 5's norm runs in their combine launch (MoeExpertsOptions::norm_w,
 // bit-identical to the separate rmsnorm). Steps 5–7 with BF16 weights and shared experts: one GEMM over
 // [RMSNorm(ũ) | a_sh] with latent up and shared down side by side along K (weights.h MoeWeightsDev::out_proj;
@@ -47,17 +48,31 @@ void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in, c
   // bf16 [T, Is], row stride ld_sh: the shared experts' SiTU-GLU
   u16* a_sh = !w.has_shared ? nullptr : stacked ? oin + Ll : x.tmp<u16>(T * Is);
   const int64_t ld_sh = stacked ? ldo : Is;
+  // Step 1's selection (below) attached to the GEMM that makes the logits when the whole router is on this rank:
+  // linear() runs it in the skinny kernel's tail where it can (DecodeOptions::route_in_gemm), else right after.
+  int32_t* ids = x.tmp<int32_t>(T * K);  // i32 [T, K]
+  float* wts = x.tmp<float>(T * K);      // f32 [T, K]
+  const bool route_in_gemm = x.opt.route_in_gemm && !x.split();
+  cuda::GemmRoute route;
+  if (route_in_gemm) {
+    route.bias = w.router_bias, route.K = int(K), route.renormalize = c.moe_renormalize;
+    route.scaling = c.routed_scaling_factor, route.ids = ids, route.weights = wts;
+  }
   {
     cuda::GemmSegs sg;
     sg.glu_beta = c.situ_beta, sg.glu_linear_beta = c.situ_linear_beta;
     if (w.has_shared) sg.seg[sg.n++] = seg_glu(0, a_sh, ld_sh);
     sg.seg[sg.n++] = seg_bf16(w.off_down, z, Ll);
-    if (w.off_router >= 0) sg.seg[sg.n++] = seg_f32(w.off_router, r, Xl);
+    if (w.off_router >= 0) {
+      if (route_in_gemm) sg.route = route, sg.route.seg = sg.n;
+      sg.seg[sg.n++] = seg_f32(w.off_router, r, Xl);
+    }
     linear(x, w.in_proj, in, D, T, sg, in8);
     if (w.off_router < 0) {  // ptpc-fp8: the FP32 router stays a BF16 GEMM of its own
       cuda::GemmSegs rs;
       rs.seg[0] = seg_f32(0, r, Xl);
       rs.n = 1;
+      if (route_in_gemm) rs.route = route, rs.route.seg = 0;
       linear(x, w.router, in, D, T, rs);
     }
   }
@@ -69,10 +84,9 @@ void moe_forward(Context& x, const MoeWeightsDev& w, int layer, const u16* in, c
     r = r_all, z = z_all;
   }
   // Step 1: selection on σ(logits) + bias; weights the un-biased scores, renormalised, times
-  // routed_scaling_factor.
-  int32_t* ids = x.tmp<int32_t>(T * K);  // i32 [T, K]
-  float* wts = x.tmp<float>(T * K);      // f32 [T, K]
-  cuda::moe_route(r, w.router_bias, T, X, K, c.moe_renormalize, c.routed_scaling_factor, ids, wts, x.stream);
+  // routed_scaling_factor (already done with the logits' GEMM when route_in_gemm).
+  if (!route_in_gemm)
+    cuda::moe_route(r, w.router_bias, T, X, K, c.moe_renormalize, c.routed_scaling_factor, ids, wts, x.stream);
   x.caps.ids_i32(layer, "router_ids", ids, T * K, x.stream);
   x.mark("moe.router+down");
   // Steps 3–4: the selected experts on z, ũ = bf16(Σ_k w_k · y_k).
