@@ -595,7 +595,8 @@ int main(int argc, char** argv) {
   if (want("route")) {
     const int reps = 20;
     fmt::print("\n### MoE router (moe_route): µs per launch, {} dependent launches in one graph (PDL)\n\n"
-               "| X | K | T | block kernel | two-level kernel | sort kernel |\n|---|---|---|---|---|---|\n", reps);
+               "| X | K | T | block kernel | two-level kernel | sort kernel | radix kernel |\n|---|---|---|---|---|---|---|\n",
+               reps);
     cudaStream_t st;
     KCUDA_CHECK(cudaStreamCreate(&st));  // blocking: orders with the timer's events on the legacy stream
     const cuda::MoeRouteKernel saved = cuda::moe_route_kernel();
@@ -607,21 +608,22 @@ int main(int argc, char** argv) {
         cuda::DeviceBuffer lg(h.size() * 4), bias(size_t(X) * 4), ids(size_t(T * K) * 4), wts(size_t(T * K) * 4);
         KCUDA_CHECK(cudaMemcpy(lg.data(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
         KCUDA_CHECK(cudaMemset(bias.data(), 0, size_t(X) * 4));
-        double us[3];
-        for (int k = 0; k < 3; ++k) {
-          cuda::set_moe_route_kernel(k == 0 ? cuda::MoeRouteKernel::block
+        double us[4];
+        for (int k = 0; k < 4; ++k) {
+          cuda::set_moe_route_kernel(k == 0   ? cuda::MoeRouteKernel::block
                                      : k == 1 ? cuda::MoeRouteKernel::two_level
-                                              : cuda::MoeRouteKernel::sort);
+                                     : k == 2 ? cuda::MoeRouteKernel::sort
+                                              : cuda::MoeRouteKernel::radix);
           us[k] = tm.graph_us(st, reps, [&](cudaStream_t st) {
             cuda::moe_route(static_cast<const float*>(lg.data()), static_cast<const float*>(bias.data()), T, X, K,
                             true, 2.5f, static_cast<int32_t*>(ids.data()), static_cast<float*>(wts.data()), st);
           }, 3, quick ? 10 : 30);
         }
-        fmt::print("| {} | {} | {} | {:.2f} | {:.2f} | {:.2f} |\n", X, K, T, us[0], us[1], us[2]);
+        fmt::print("| {} | {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |\n", X, K, T, us[0], us[1], us[2], us[3]);
         if (perf)
           fmt::print("PERF route_block_us_x{0}_k{1}_b{2} {3:.2f}\nPERF route_2l_us_x{0}_k{1}_b{2} {4:.2f}\n"
-                     "PERF route_sort_us_x{0}_k{1}_b{2} {5:.2f}\n",
-                     X, K, T, us[0], us[1], us[2]);
+                     "PERF route_sort_us_x{0}_k{1}_b{2} {5:.2f}\nPERF route_radix_us_x{0}_k{1}_b{2} {6:.2f}\n",
+                     X, K, T, us[0], us[1], us[2], us[3]);
       }
     cuda::set_moe_route_kernel(saved);
     KCUDA_CHECK(cudaStreamDestroy(st));

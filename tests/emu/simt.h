@@ -116,6 +116,7 @@ inline void __stcg(T* p, T v) {
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline int __popc(unsigned x) { return std::popcount(x); }
+inline int __ffs(unsigned x) { return x ? std::countr_zero(x) + 1 : 0; }
 // As CUDA defines it: byte n of the result is byte (s >> 4n) & 7 of the eight bytes y:x (x the low four).
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   const uint64_t v = uint64_t(y) << 32 | x;
@@ -570,6 +571,15 @@ inline unsigned __ballot_sync(unsigned mask, int pred) {
   const auto* s = simt::warp_exchange(&in, 1);
   unsigned r = 0;
   for (int l = 0; l < 32; ++l) r |= unsigned(s[l][0] != 0 && (mask >> l & 1u)) << l;
+  return r;
+}
+
+// Bit l set if lane l is in `mask` and holds the caller's value (every lane of the warp takes part here).
+inline unsigned __match_any_sync(unsigned mask, unsigned v) {
+  const uint64_t in = v;
+  const auto* s = simt::warp_exchange(&in, 1);
+  unsigned r = 0;
+  for (int l = 0; l < 32; ++l) r |= unsigned((mask >> l & 1u) && s[l][0] == in) << l;
   return r;
 }
 

@@ -1,4 +1,4 @@
-// The MoE router kernels (src/kernels/cuda/moe.cu: the block kernel, and the two-level and sorting ones at X ≤ 2048)
+// The MoE router kernels (src/kernels/cuda/moe.cu: the block kernel, and the two-level, sorting and radix ones at X ≤ 2048)
 // on the CPU emulation of simt.h against cpu::moe_route: ids exact (selection order, ties to the lower expert,
 // NaN ranking lowest), weights bit-exact (the emulation's expf is the twin's, the sums run in the same order),
 // and the kernels bit-identical to each other. tests/gpu (GpuOps.MoeRoute) runs the same kernels on the
@@ -34,7 +34,18 @@ struct Routed {
 Routed run_kernel(int which, const std::vector<float>& logits, const std::vector<float>& bias, int64_t T, int64_t X,
                   int64_t K, bool renorm, float scaling) {
   Routed r{std::vector<int32_t>(size_t(T * K), -7), std::vector<float>(size_t(T * K), std::nanf(""))};
-  if (which == 2) {
+  if (which == 3) {
+    const int J = cuda::route_2l_slots(X);
+    auto go = [&](auto kernel) {
+      simt::launch(dim3(unsigned(T)), dim3(cuda::kRadixThreads), 0, [&] {
+        kernel(logits.data(), bias.data(), int(X), int(K), renorm, scaling, r.ids.data(), r.wts.data());
+      });
+    };
+    if (J == 1) go(cuda::route_radix_kernel<1>);
+    else if (J == 2) go(cuda::route_radix_kernel<2>);
+    else if (J == 4) go(cuda::route_radix_kernel<4>);
+    else go(cuda::route_radix_kernel<8>);
+  } else if (which == 2) {
     const int J = cuda::route_2l_slots(X), J2 = cuda::route_sort_slots2(K);
     auto go = [&](auto kernel) {
       simt::launch(dim3(unsigned(T)), dim3(32 * cuda::kRoute2Warps), 0, [&] {
@@ -93,10 +104,10 @@ void check_case(int64_t T, int64_t X, int64_t K, Logits kind, bool renorm, uint6
   const std::string shape = "T=" + std::to_string(T) + " X=" + std::to_string(X) + " K=" + std::to_string(K) +
                             (kind == Logits::ties ? " ties" : kind == Logits::specials ? " NaN/inf" : kind == Logits::mostly_nan ? " mostly NaN" : "") +
                             (renorm ? "" : " unnormalised");
-  for (int which : {0, 1, 2}) {
+  for (int which : {0, 1, 2, 3}) {
     if (which > 0 && cuda::route_2l_slots(X) == 0) continue;
     const Routed got = run_kernel(which, logits, bias, T, X, K, renorm, scaling);
-    const std::string what = shape + (which == 2 ? " sort kernel" : which == 1 ? " two-level kernel" : " block kernel");
+    const std::string what = shape + (which == 3 ? " radix kernel" : which == 2 ? " sort kernel" : which == 1 ? " two-level kernel" : " block kernel");
     EXPECT_EQ(got.ids, ref.ids) << what << ": ids";
     EXPECT_EQ(0, std::memcmp(got.wts.data(), ref.wts.data(), ref.wts.size() * 4)) << what << ": weights not bit-exact";
   }
@@ -126,7 +137,7 @@ TEST(EmuRoute, ScheduleOrderDoesNotMatter) {
   std::vector<float> logits(static_cast<size_t>(T * X)), bias(static_cast<size_t>(X));
   for (auto& l : logits) l = rng.uniform(-4.0f, 4.0f);
   for (auto& b : bias) b = rng.uniform(-0.1f, 0.1f);
-  for (int which : {0, 1, 2}) {
+  for (int which : {0, 1, 2, 3}) {
     const Routed first = run_kernel(which, logits, bias, T, X, K, true, 1.0f);
     for (const simt::Schedule sch : {simt::Schedule::threads_reverse, simt::Schedule::warps,
                                      simt::Schedule::warps_reverse, simt::Schedule::ctas}) {

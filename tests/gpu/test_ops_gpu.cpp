@@ -407,8 +407,8 @@ TEST(GpuOps, KdaOutNormGate) {
 }
 
 // ---- 4. MoE --------------------------------------------------------------------------------------------------
-// The three router kernels (moe.cu: a block-wide arg-max a round at any X; two levels of warp arg-maxes, or of
-// sorting networks, at X ≤ 2048) vs the twin, and vs the block kernel bit for bit; the emulation
+// The four router kernels (moe.cu: a block-wide arg-max a round at any X; two levels of warp arg-maxes, or of
+// sorting networks, or a radix select, at X ≤ 2048) vs the twin, and vs the block kernel bit for bit; the emulation
 // (tests/emu/test_emu_route.cpp) covers more cases on the CPU.
 TEST(GpuOps, MoeRoute) {
   need_gpu();
@@ -440,13 +440,13 @@ TEST(GpuOps, MoeRoute) {
     std::vector<int32_t> first_ids;
     std::vector<float> first_w;
     for (const auto kind : {cuda::MoeRouteKernel::block, cuda::MoeRouteKernel::two_level, cuda::MoeRouteKernel::sort,
-                            cuda::MoeRouteKernel::automatic}) {
+                            cuda::MoeRouteKernel::radix, cuda::MoeRouteKernel::automatic}) {
       cuda::set_moe_route_kernel(kind);
       auto dids = poisoned<int32_t>(ids.size());
       auto dw = poisoned<float>(wts.size());
       cuda::moe_route(dl.p(), db.p(), c.T, c.X, c.K, true, 1.0f, dids.p(), dw.p(), nullptr);
       sync();
-      const std::string shape = fmt::format("{} T={} X={} K={} ({})", c.what, c.T, c.X, c.K, kind == cuda::MoeRouteKernel::sort ? "sort" : kind == cuda::MoeRouteKernel::two_level ? "two-level" : kind == cuda::MoeRouteKernel::block ? "block" : "auto");
+      const std::string shape = fmt::format("{} T={} X={} K={} ({})", c.what, c.T, c.X, c.K, kind == cuda::MoeRouteKernel::radix ? "radix" : kind == cuda::MoeRouteKernel::sort ? "sort" : kind == cuda::MoeRouteKernel::two_level ? "two-level" : kind == cuda::MoeRouteKernel::block ? "block" : "auto");
       const auto gids = dids.get();
       const auto gw = dw.get();
       check_exact("moe_route (ids)", shape, gids.data(), ids.data(), ids.size() * 4);

@@ -8,7 +8,8 @@
 //     with shuffles alone, then one warp merges the 8 ordered lists — no barrier but the one between the levels;
 //   block (any X ≤ 8192): per token, the scores in shared memory and a block-wide arg-max a round: two
 //     __syncthreads, a serial pass over the warps' winners and, per candidate, a pass over the picks so far;
-//   sort (X ≤ 2048; route_sort_kernel below): the two levels of two-level as bitonic sorting networks.
+//   sort (X ≤ 2048; route_sort_kernel below): the two levels of two-level as bitonic sorting networks;
+//   radix (X ≤ 2048; route_radix_kernel below, opt-in): a radix select of the K-th key over all 8 warps.
 // H200 (session 32, bench_ops --only route, 20 launches in a graph, µs a launch, T = 1 / 8 / 64): top-16 of 896
 // (the real shape) block 34.6 / 32.3 / 31.9 → two-level 17.5 / 16.9 / 16.9; top-2 of 112 (the reduced mini)
 // 3.7 / 3.8 / 3.8 → 3.0 / 3.1 / 3.1; the reduced mini's step b1 543.5 / 546.0 → 537.5 / 539.5 µs (alternated).
@@ -325,6 +326,122 @@ __global__ void __launch_bounds__(32 * kRoute2Warps) route_sort_kernel(const flo
     }
   }
 }
+// Radix select instead of rounds or networks (route_radix_kernel, X ≤ 2048; KESTREL_ROUTE=radix — opt-in until
+// timed). Why: the other kernels leave the selection to one or two warps whose instruction chains are long — the
+// sort kernel at top-16 of 896 is ~4,400 SASS instructions, one warp running about half of them in a row after the
+// barrier (its 15.3 µs a launch) — where here every pass spreads over the 8 warps. Each expert becomes one 45-bit
+// key c = (monotone bits of σ + bias, NaN → −inf) << 13 | (8191 − e): distinct keys, larger = earlier in the order
+// (ties to the lower index). The K-th largest key is found 8 bits at a time from the top: per pass a 256-bin
+// histogram of the keys still in play (warp-aggregated shared-memory atomics: most keys share their top digits),
+// one warp's scan of the bins from the top for the digit where the count reaches the picks still wanted, and an
+// early stop once a bin holds exactly those (usually after 2–4 passes; 6 at most). The K picks are gathered, each
+// placed by its rank among them (K compares), and the weights are the other kernels': σ of the picks, Σ in pick
+// order, w/(Σ + 1e-20)·scaling — the same bits.
+constexpr int kRadixThreads = 256, kRadixBits = 45, kRadixIdxBits = 13;
+__device__ __forceinline__ uint64_t radix_key(float k, int e) {
+  if (isnan(k)) k = -INFINITY;  // NaN ranks below every number
+  if (k == 0.0f) k = 0.0f;      // −0 and +0 are one key (the others compare them equal)
+  const uint32_t u = __float_as_uint(k);
+  const uint32_t mono = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // order-preserving
+  return (uint64_t(mono) << kRadixIdxBits) | uint64_t((1 << kRadixIdxBits) - 1 - e);
+}
+template <int J>
+__global__ void __launch_bounds__(kRadixThreads) route_radix_kernel(const float* __restrict__ logits,
+                                                                  const float* __restrict__ bias, int X, int K,
+                                                                  bool renorm, float scaling, int32_t* __restrict__ ids,
+                                                                  float* __restrict__ wts) {
+  __shared__ unsigned hist[256];
+  __shared__ int sh_d, sh_above, sh_hd, n_pick;
+  __shared__ uint64_t pick_c[kMaxTopK];
+  __shared__ float pick_s[kMaxTopK], sorted_s[kMaxTopK];
+  __shared__ float sh_sum;
+  const int tid = int(threadIdx.x), lane = tid & 31;
+  const int64_t t = blockIdx.x;
+  float b[J];  // the bias: a weight, read before the wait
+#pragma unroll
+  for (int j = 0; j < J; ++j) b[j] = 256 * j + tid < X ? __ldg(bias + 256 * j + tid) : 0.0f;
+  dev::pdl_trigger();
+  dev::pdl_wait();  // the logits come from the kernel before
+  uint64_t c[J];  // 0 past X: below every expert's key (never picked, K ≤ X)
+  float s[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int e = 256 * j + tid;
+    c[j] = 0, s[j] = 0.0f;
+    if (e < X) {
+      s[j] = dev::sigmoid(logits[t * X + e]);
+      c[j] = radix_key(s[j] + b[j], e);
+    }
+  }
+  if (tid == 0) n_pick = 0;
+  // Invariant: the picks are the keys whose bits from `prev` up exceed P's, plus `rem` of those equal to them.
+  uint64_t P = 0;
+  int prev = kRadixBits, shift = kRadixBits, rem = K;
+  for (int pass = 0; pass < (kRadixBits + 7) / 8; ++pass) {  // the last pass (shift 0) always ends it
+    shift = max(0, prev - 8);
+    const int width = prev - shift;
+    hist[tid] = 0;
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const bool in_play = (c[j] >> prev) == (P >> prev);
+      const unsigned d = in_play ? unsigned(c[j] >> shift) & ((1u << width) - 1u) : 256u;
+      const unsigned same = __match_any_sync(0xffffffffu, d);
+      if (in_play && lane == __ffs(same) - 1) atomicAdd(&hist[d], unsigned(__popc(same)));
+    }
+    __syncthreads();
+    if (tid < 32) {  // lane l: bins 255 − 8l − i, i = 0..7 (from the top)
+      int h[8], tot = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) tot += (h[i] = int(hist[255 - 8 * lane - i]));
+      int incl = tot;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      int run = incl - tot;  // keys in the bins above this lane's
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (run < rem && run + h[i] >= rem) sh_d = 255 - 8 * lane - i, sh_above = run, sh_hd = h[i];
+        run += h[i];
+      }
+    }
+    __syncthreads();
+    P |= uint64_t(sh_d) << shift;
+    prev = shift;
+    if (sh_above + sh_hd == rem) break;  // the bin holds exactly the picks still wanted (always so at shift 0)
+    rem -= sh_above;
+  }
+  // The picks: keys whose bits from `shift` up reach P's — exactly K of them.
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+    if (c[j] != 0 && (c[j] >> shift) >= (P >> shift)) {
+      const int slot = atomicAdd(&n_pick, 1);
+      pick_c[slot] = c[j], pick_s[slot] = s[j];
+    }
+  __syncthreads();
+  if (tid < K) {  // place pick tid by its rank among the K
+    const uint64_t mine = pick_c[tid];
+    int rank = 0;
+    for (int i = 0; i < K; ++i) rank += pick_c[i] > mine;
+    ids[t * K + rank] = (1 << kRadixIdxBits) - 1 - int(mine & ((1u << kRadixIdxBits) - 1u));
+    sorted_s[rank] = pick_s[tid];
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float sum = 0.0f;  // Σ of the chosen σ in pick order, as the other kernels
+    for (int r = 0; r < K; ++r) sum += sorted_s[r];
+    sh_sum = sum;
+  }
+  __syncthreads();
+  if (tid < K) {
+    float v = sorted_s[tid];
+    if (renorm) v /= (sh_sum + 1e-20f);
+    wts[t * K + tid] = v * scaling;
+  }
+}
+
 // Level 2's slots a lane for K picks: 8 lists of Kp = the power of two ≥ K (at least 4), over 32 lanes.
 int route_sort_slots2(int64_t K) { return K <= 4 ? 1 : K <= 8 ? 2 : K <= 16 ? 4 : K <= 32 ? 8 : 16; }
 
@@ -348,10 +465,11 @@ std::atomic<MoeRouteKernel>& route_kernel_choice() {
   static std::atomic<MoeRouteKernel> k{[] {
     const char* e = std::getenv("KESTREL_ROUTE");
     const std::string v = e ? e : "auto";
-    KCUDA_REQUIRE(v == "auto" || v == "block" || v == "two-level" || v == "sort",
-                  "KESTREL_ROUTE=" + v + " (expected auto, block, two-level or sort)");
+    KCUDA_REQUIRE(v == "auto" || v == "block" || v == "two-level" || v == "sort" || v == "radix",
+                  "KESTREL_ROUTE=" + v + " (expected auto, block, two-level, sort or radix)");
     return v == "block"       ? MoeRouteKernel::block
            : v == "sort"      ? MoeRouteKernel::sort
+           : v == "radix"     ? MoeRouteKernel::radix
            : v == "two-level" ? MoeRouteKernel::two_level
                               : MoeRouteKernel::automatic;
   }()};
@@ -385,6 +503,17 @@ void moe_route(const float* logits, const float* bias, int64_t T, int64_t X, int
   if (kind == MoeRouteKernel::automatic)
     kind = K >= 4 * int64_t(route_2l_slots(X)) ? MoeRouteKernel::sort : MoeRouteKernel::two_level;
   const int J = kind == MoeRouteKernel::block ? 0 : route_2l_slots(X);
+  if (J > 0 && kind == MoeRouteKernel::radix) {
+    auto go = [&](auto kernel) {
+      launch_pdl(kernel, dim3(unsigned(T)), dim3(kRadixThreads), 0, stream, logits, bias, int(X), int(K), renormalize,
+                 scaling, ids, weights);
+    };
+    if (J == 1) go(route_radix_kernel<1>);
+    else if (J == 2) go(route_radix_kernel<2>);
+    else if (J == 4) go(route_radix_kernel<4>);
+    else go(route_radix_kernel<8>);
+    return;
+  }
   if (J > 0 && kind == MoeRouteKernel::sort) {
     const int J2 = route_sort_slots2(K);
     auto go = [&](auto kernel) {

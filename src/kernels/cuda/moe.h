@@ -19,9 +19,9 @@ void moe_route(const float* logits /* f32 [T, X] */, const float* bias /* f32 [X
                cudaStream_t stream);
 
 // The router kernel moe_route takes at X ≤ 2048 (moe.cu; past that always the block kernel): KESTREL_ROUTE =
-// auto (the default: sort from 4 picks per slot a lane, two-level below) | block | two-level | sort; the setter
-// is for tests and benchmarks. All three kernels give the same bits.
-enum class MoeRouteKernel { automatic, block, two_level, sort };
+// auto (the default: sort from 4 picks per slot a lane, two-level below) | block | two-level | sort | radix (opt-in,
+// not yet timed); the setter is for tests and benchmarks. All four kernels give the same bits.
+enum class MoeRouteKernel { automatic, block, two_level, sort, radix };
 MoeRouteKernel moe_route_kernel();
 void set_moe_route_kernel(MoeRouteKernel k);
 
