@@ -26,12 +26,14 @@
 //   cpu::rmsnorm_bf16 on ũ, whose Σx² is in double).
 //   Switch (unmeasured, so OFF by default): KESTREL_MOE_COMBINE_CLUSTER=1 takes it where it applies, 0 or unset the
 //   one-CTA kernel; MoeExpertsOptions::combine_cluster (1 / 0) overrides the environment for tests and benchmarks.
-//   A/B on the GPU machine (bench/gpu/run.sh's ab and timeline_ab modes, after `run.sh pack` with bench_moe and the
-//   kernel tracer built):
+//   A/B on the GPU machine: here `PACK_TARGETS="bench_moe bench_ops kestrel_kernel_trace kestrel_gpu_tests"
+//   PACK_SKIP=kestrel bench/gpu/run.sh pack`, carried as run.sh's header says; there, one command:
 //     bench/gpu/run.sh ab 2 "" -- bench_moe --topk 2 --batches 1,8,64 --variants auto-norm-cta,auto-norm-cluster --breakdown
-//       (the reduced mini's top-2 at the real Lt = 3584; the breakdown's combine column is this launch alone, PDL off;
-//       the graph / queued columns the whole experts call with PDL), and the exposed time in the reduced mini's step:
+//   (the reduced mini's top-2 at the real Lt = 3584, both kernels alternated in one process, twice: the breakdown's
+//   combine column is this launch alone, PDL off; the graph / queued columns the whole experts call with PDL). The
+//   exposed time in the reduced mini's decode step (the ~6–8 µs this kernel is for):
 //     bench/gpu/run.sh timeline_ab 2 "KESTREL_MOE_COMBINE_CLUSTER=0" "KESTREL_MOE_COMBINE_CLUSTER=1"
+//   and its tests: bench/gpu/run.sh test --gtest_filter='GpuMoe.Combine*'.
 // Emulation: tests/emu (test_emu_moe.cpp) compiles this file unchanged for the CPU emulation of simt.h (moe_mma.cuh's
 // inline PTX from the emulator, launch_combine over its emulated CUDA runtime, tests/emu/simt_runtime.h, which runs a
 // cluster's CTAs together).
