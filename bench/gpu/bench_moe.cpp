@@ -13,13 +13,18 @@
 // (moe.h MoeTokenTile and MoeExpertsOptions): auto (what the engine runs), the GEMM families forced (t8, t32:
 // FP32-scale kernels; stream: decode; wide: prefill), stream without PDL / grouped at T ≤ 2 / ungrouped, wide
 // without PDL, stream-ctasN (the persistent grid forced to N CTAs), t8-nopdl, t8-ksN (t8's K split forced to
-// N), t8pM[-cN][-sS][-kK][-hH] (the persistent / fixed-grid t8 knobs) — so each change can be seen on its own.
+// N), t8pM[-cN][-sS][-kK][-hH] (the persistent / fixed-grid t8 knobs), auto-norm (the latent RMSNorm fused into the
+// combine launch, as the engine runs it: MoeExpertsOptions::norm_w; its kernel as KESTREL_MOE_COMBINE_CLUSTER says),
+// auto-norm-cta / auto-norm-cluster (the same with the one-CTA or the cluster combine + norm forced,
+// MoeExpertsOptions::combine_cluster = 0 / 1; moe_combine.cu) — so each change can be seen on its own.
 // The comparison peer is bench/gpu/moe_peer.py.
 //
 //   bench_moe [--quick] [--batches 1,8,64,256,4096] [--variants auto,t8,...] [--breakdown] [--perf] [--topk K]
 //
 // --topk K (default 16): K experts a token instead of 16 — e.g. 2, what one rank of an EP8 deployment sees at batch 1
 // (896 / 8 experts a rank, 16 / 8 of a token's hits) and what the reduced mini's MoE layers run (bench_ops).
+// The cluster combine's A/B (moe_combine.cu), alternated in one process:
+//   bench_moe --topk 2 --batches 1,8,64 --variants auto-norm-cta,auto-norm-cluster --breakdown
 //
 // --breakdown: per launch (group, w1|w3, w2, combine) median µs of eager calls with events between the launches
 // (PDL off there), for each variant. --perf: the scoreboard only (auto, graph replay, T = 1, 8, 64, 256, 4096;
@@ -124,6 +129,7 @@ struct Timer {
 struct Variant {
   std::string name;
   cuda::MoeExpertsOptions opt;
+  bool norm = false;  // the latent RMSNorm in the combine launch (norm_w, normed: set per batch below)
 };
 // The variants bench_moe knows, by name.
 bool make_variant(const std::string& name, Variant& v) {
@@ -131,6 +137,9 @@ bool make_variant(const std::string& name, Variant& v) {
   v.name = name;
   v.opt = cuda::MoeExpertsOptions{};
   if (name == "auto") return true;
+  if (name == "auto-norm") return v.norm = true, true;
+  if (name == "auto-norm-cta") return v.norm = true, v.opt.combine_cluster = 0, true;
+  if (name == "auto-norm-cluster") return v.norm = true, v.opt.combine_cluster = 1, true;
   if (name == "auto-f32") return v.opt.t8_scales = 0, true;   // t8: FP32 scales in both GEMMs
   if (name == "auto-fold") return v.opt.t8_scales = 1, true;  // t8: w1|w3 folded, w2 FP32 scales
   if (name == "auto-raw") return v.opt.t8_scales = 2, true;   // t8: w1|w3 folded, w2's raw decode of h·2^100
@@ -217,7 +226,8 @@ int main(int argc, char** argv) {
     } else {
       fmt::print(stderr,
                  "usage: bench_moe [--quick] [--perf] [--breakdown] [--topk K] [--batches 1,8,64,256,4096] [--variants auto,auto-f32,auto-fold,auto-raw,t8,t32,"
-                 "stream,wide,stream-nopdl,stream-grouped,stream-ungrouped,wide-nopdl,stream-ctasN,t8-nopdl,t8-ksN]\n");
+                 "stream,wide,stream-nopdl,stream-grouped,stream-ungrouped,wide-nopdl,stream-ctasN,t8-nopdl,t8-ksN,"
+                 "t8pM[-cN][-sS][-kK][-hH],auto-norm,auto-norm-cta,auto-norm-cluster]\n");
       return 2;
     }
   }
@@ -293,7 +303,8 @@ int main(int argc, char** argv) {
       std::vector<cuda::DeviceBuffer> dids, dz;
       std::vector<int64_t> hit(kSets);
       cuda::DeviceBuffer dw(size_t(T * K) * 4), dut(size_t(T * Lt) * 2),
-          ws(cuda::moe_experts_workspace_bytes(T, X, K, Lt, I));
+          ws(cuda::moe_experts_workspace_bytes(T, X, K, Lt, I)), dnw(size_t(Lt) * 2), dnormed(size_t(T * Lt) * 2);
+      fill_bf16(dnw.data(), size_t(Lt), 99);  // the *-norm variants' latent norm weight
       {
         std::vector<float> wts(size_t(T * K), 1.0f / K);
         KCUDA_CHECK(cudaMemcpy(dw.data(), wts.data(), wts.size() * 4, cudaMemcpyHostToDevice));
@@ -321,8 +332,12 @@ int main(int argc, char** argv) {
       const double bytes = mean_hit * expert_bytes;
       const double flops = 2.0 * double(T * K) * double(2 * I * Lt + Lt * I);
       const int reps = perf ? (T >= 1024 ? 10 : 30) : quick ? 10 : (T >= 1024 ? 20 : 50);
-      for (const Variant& var : variants) {
+      for (Variant var : variants) {
         // Variants that only differ from another at this T are still run: their rows show the same path.
+        if (var.norm) {
+          var.opt.norm_w = static_cast<const uint16_t*>(dnw.data()), var.opt.norm_eps = 1e-6f;
+          var.opt.normed = static_cast<uint16_t*>(dnormed.data());
+        }
         auto call = [&](int i, const cuda::MoeExpertsOptions& opt) {
           const int s = i % kSets;
           cuda::moe_experts_mxfp4(static_cast<uint16_t*>(dz[size_t(s)].data()),

@@ -4,15 +4,17 @@
 //
 // Every CUDA thread of a block is a fiber (ucontext) with its own stack; the fibers of one block run
 // cooperatively, one at a time, each until it waits: at __syncthreads / a named barrier, at a warp
-// collective (shuffles, mma.sync), at an unfinished mbarrier phase. Blocks of a grid run one after another.
-// threadIdx / blockIdx are set before each fiber resumes.
+// collective (shuffles, mma.sync), at an unfinished mbarrier phase. Blocks of a grid run one after another; the
+// CTAs of a thread-block cluster run together, each with its own dynamic shared memory, which the others reach
+// through mapa (map_rank). threadIdx / blockIdx are set before each fiber resumes.
 //
 // What it checks on the way: shared memory starts as NaN bytes (0xFF) at every block, so a read of
 // anything not written shows up; cp.async copies land only when the issuing thread waits for their group,
 // and their destinations read as NaN until then (a read before the wait, or by another thread before a
 // barrier, shows up); a block in which no fiber can progress (a barrier some threads never reach, an
 // mbarrier phase that never completes) throws simt::Deadlock; the schedule order (threads forward or in
-// reverse) is selectable, so an unordered write/read pair between threads is caught in one of the two.
+// reverse) is selectable, so an unordered write/read pair between threads is caught in one of the two; a read of
+// the shared memory of a cluster's CTA that has exited (no cluster barrier before its exit) throws.
 // mma.sync: the m16n8k8 TF32, m16n8k16 BF16 / FP16 and m16n8k32 E4M3 fragment layouts of the PTX ISA, operands
 // taken as the hardware takes them (TF32: the top 19 bits), products summed in f64 and rounded to f32 once.
 // 32-bit shared addresses (ld.shared, cp.async in inline PTX) are offsets into the CTA's dynamic shared memory,
@@ -171,6 +173,8 @@ struct Fiber {
   bool done = false;
   std::vector<Copy> pending;
   int group = 0;  // groups committed so far
+  bool cluster_arrived = false;  // between barrier.cluster.arrive and .wait (cluster_arrive / cluster_wait)
+  uint64_t cluster_gen = 0;      // the cluster barrier's generation it arrived at
 };
 
 struct Mbar {
@@ -372,6 +376,26 @@ inline void barrier(int id, int count) {
 }
 // barrier.cluster.arrive + wait: every live thread of the cluster.
 inline void cluster_barrier() { wait_bar(g_block->cluster_bar, g_block->live); }
+// The same apart (barrier.cluster.arrive, later barrier.cluster.wait): arrive counts the thread in the current phase
+// and goes on; wait returns once that phase completed. A thread must alternate them, as the PTX ISA requires.
+inline void cluster_arrive() {
+  Block& b = *g_block;
+  Fiber& f = self();
+  if (f.cluster_arrived) throw std::runtime_error("simt: barrier.cluster.arrive twice without a wait");
+  f.cluster_arrived = true;
+  f.cluster_gen = b.cluster_bar.gen;
+  if (++b.cluster_bar.arrived >= b.live) {
+    b.cluster_bar.arrived = 0;
+    ++b.cluster_bar.gen;
+    ++b.progress;
+  }
+}
+inline void cluster_wait() {
+  Fiber& f = self();
+  if (!f.cluster_arrived) throw std::runtime_error("simt: barrier.cluster.wait without an arrive");
+  f.cluster_arrived = false;
+  while (g_block->cluster_bar.gen == f.cluster_gen) yield();
+}
 
 // All 32 lanes of the calling warp deposit `nwords` 64-bit words; returns the deposits of this generation,
 // slot[lane][word], valid until the warp's next collective but one.
@@ -391,12 +415,15 @@ inline const uint64_t (*warp_exchange(const uint64_t* in, int nwords))[12] {
   return w.slot[gen & 1];
 }
 
-// The address `p` (in the calling CTA's shared memory) has in CTA `rank` of the cluster (mapa).
+// The address `p` (in the calling CTA's shared memory) has in CTA `rank` of the cluster (mapa). The shared memory
+// of a CTA whose threads have all exited is gone (a cluster barrier missing before the exit): that throws.
 template <typename T>
 inline T* map_rank(T* p, int rank) {
   Cta& me = my_cta();
   const ptrdiff_t off = reinterpret_cast<unsigned char*>(p) - me.smem;
-  return reinterpret_cast<T*>(g_block->ctas.at(size_t(rank)).smem + off);
+  Cta& them = g_block->ctas.at(size_t(rank));
+  if (them.live == 0) throw std::runtime_error("simt: shared memory of a CTA of the cluster that has exited");
+  return reinterpret_cast<T*>(them.smem + off);
 }
 
 inline int lane_id() { return self().local % 32; }
@@ -718,6 +745,16 @@ inline void cp_async4(uint32_t dst, const void* src) {
 // griddepcontrol.wait / .launch_dependents: the grid before has finished when this one starts.
 inline void griddep_wait() {}
 inline void griddep_launch() {}
+// barrier.cluster.arrive / .wait (the cluster's CTAs run together, simt::launch), and ld.shared::cluster through
+// mapa: p must lie in the calling CTA's dynamic shared memory (the only shared memory that has a place in every CTA
+// here: `__shared__` arrays are one static array for all CTAs), bounds-checked.
+inline void cluster_arrive() { simt::cluster_arrive(); }
+inline void cluster_wait() { simt::cluster_wait(); }
+inline void cluster_sync() { simt::cluster_barrier(); }
+inline float ld_shared_cluster(const float* p, uint32_t rank) {
+  simt::smem_at(simt::smem_handle(p), sizeof(float));
+  return load_as<float>(simt::map_rank(const_cast<float*>(p), int(rank)));
+}
 // mul.rn.bf16x2: each half the BF16 product rounded to nearest even, subnormals kept. The product of two BF16 values
 // (8-bit significands) has at most 16 significant bits, so FP32 holds it exactly unless it lies below 2^-134, where
 // both this and the direct rounding give 0 (below half the least BF16 subnormal, 2^-133): one rounding either way.

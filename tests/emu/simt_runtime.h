@@ -6,8 +6,9 @@
 //
 //   cudaLaunchKernelEx   runs the whole grid before it returns (simt::launch): the grids of a stream run one after
 //                        another, so programmatic dependent launch has nothing to overlap and a grid sees every
-//                        write of the grids before it. Each launch is logged in simt::g_launches with the kernel's
-//                        name (simt::name_kernel) for tests to check what ran.
+//                        write of the grids before it; the cluster-dimension attribute runs each cluster's CTAs
+//                        together. Each launch is logged in simt::g_launches with the kernel's name
+//                        (simt::name_kernel) and its cluster shape for tests to check what ran.
 //   device properties    from a table of emulated devices, simt::g_devices (SM count, CTAs resident per SM: one
 //                        number for every kernel, where the real occupancy depends on each kernel's registers);
 //                        cudaGetDevice answers simt::g_device, so the launchers' per-device caches stay right when a
@@ -48,6 +49,7 @@ struct Launched {
   dim3 grid, block;
   size_t smem;
   bool pdl;  // asked for programmatic stream serialization
+  dim3 cluster;  // the thread-block cluster's shape (1, 1, 1 without the attribute)
 };
 inline std::vector<Launched> g_launches;
 
@@ -83,9 +85,12 @@ inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, void (*
   return cudaSuccess;
 }
 
-enum cudaLaunchAttributeID { cudaLaunchAttributeProgrammaticStreamSerialization = 5 };
+enum cudaLaunchAttributeID { cudaLaunchAttributeClusterDimension = 4, cudaLaunchAttributeProgrammaticStreamSerialization = 5 };
 union cudaLaunchAttributeValue {
   int programmaticStreamSerializationAllowed;
+  struct {
+    unsigned x, y, z;
+  } clusterDim;
 };
 struct cudaLaunchAttribute {
   cudaLaunchAttributeID id;
@@ -108,13 +113,23 @@ inline cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* cfg, void (*kern
       cfg->dynamicSmemBytes > 227 * 1024)
     return cudaErrorInvalidConfiguration;
   bool pdl = false;
-  for (unsigned i = 0; i < cfg->numAttrs; ++i)
+  dim3 cluster(1, 1, 1);
+  for (unsigned i = 0; i < cfg->numAttrs; ++i) {
     pdl = pdl || (cfg->attrs[i].id == cudaLaunchAttributeProgrammaticStreamSerialization &&
                   cfg->attrs[i].val.programmaticStreamSerializationAllowed);
+    if (cfg->attrs[i].id == cudaLaunchAttributeClusterDimension) {
+      const auto& c = cfg->attrs[i].val.clusterDim;
+      cluster = dim3(c.x, c.y, c.z);
+    }
+  }
+  // Portable cluster sizes only (at most 8 CTAs), dividing the grid, as the hardware requires.
+  if (cluster.x < 1 || cluster.y < 1 || cluster.z < 1 || cluster.x * cluster.y * cluster.z > 8 || g.x % cluster.x ||
+      g.y % cluster.y || g.z % cluster.z)
+    return cudaErrorInvalidConfiguration;
   simt::g_launches.push_back(
-      {simt::kernel_name(reinterpret_cast<const void*>(kernel)), g, b, cfg->dynamicSmemBytes, pdl});
+      {simt::kernel_name(reinterpret_cast<const void*>(kernel)), g, b, cfg->dynamicSmemBytes, pdl, cluster});
   const std::tuple<std::decay_t<ExpTypes>...> params(std::forward<ActTypes>(args)...);
-  simt::launch(g, b, cfg->dynamicSmemBytes, [&] { std::apply(kernel, params); });
+  simt::launch(g, b, cfg->dynamicSmemBytes, [&] { std::apply(kernel, params); }, cluster);
   return cudaSuccess;
 }
 

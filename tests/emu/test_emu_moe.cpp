@@ -1,9 +1,9 @@
 // The routed-MoE expert kernels (src/kernels/cuda/moe_experts.cu's prep and grouping kernels, moe_t8.cu's fixed-grid
-// t8 / t32 GEMMs, moe_t8p.cu's persistent w1|w3 and w2, moe_combine.cu's combine and combine + RMSNorm) on the CPU
-// emulation of simt.h, against the CPU twins cpu::moe_experts, cpu::mxfp4_gemm and cpu::rmsnorm_bf16 with the
-// tolerances of tests/gpu/test_moe_gpu.cpp, and bit-identical where the GPU test asks that of two variants (K halves
-// and the fixed grid's split 2, the persistent and fixed grids at one split, w2's raw decode and its FP32 scales, the
-// fused norm's ũ and the plain combine's). This catches index, layout, split-K, work-list and barrier mistakes in
+// t8 / t32 GEMMs, moe_t8p.cu's persistent w1|w3 and w2, moe_combine.cu's combine and combine + RMSNorm, one CTA or
+// one cluster a token) on the CPU emulation of simt.h, against the CPU twins cpu::moe_experts, cpu::mxfp4_gemm and
+// cpu::rmsnorm_bf16 with the tolerances of tests/gpu/test_moe_gpu.cpp, and bit-identical where the GPU test asks that
+// of two variants (K halves and the fixed grid's split 2, the persistent and fixed grids at one split, w2's raw decode
+// and its FP32 scales, the fused norm's ũ and the plain combine's, the cluster combine's ũ and the one-CTA one's). This catches index, layout, split-K, work-list and barrier mistakes in
 // CI, where no GPU exists; tests/gpu adds the real tensor cores, programmatic dependent launch and timing.
 //
 // What runs is what the GPU would run: the launchers themselves (moe_experts_mxfp4, mxfp4_matmul_packed,
@@ -23,7 +23,7 @@
 // The split and readiness counters are not reset by the GEMMs (the first kernel of the next call zeroes them), so
 // after a run each holds its arrivals: the checks below ask exactly the split count of every (job, tile) that ran
 // and the w1|w3 tiles of every valid slot, zero elsewhere in what the first kernel zeroed, and the poison beyond.
-// Length (~900 lines): one file for the whole expert pipeline, whose cases share the experts, the routing builders,
+// Length (~1,100 lines): one file for the whole expert pipeline, whose cases share the experts, the routing builders,
 // the run-and-log helper and the counter checks; its sections follow the pipeline (batch 1, grouped, scales, combine).
 #include <gtest/gtest.h>
 
@@ -759,6 +759,219 @@ TEST(EmuMoeSmoke, LaunchCombineIsTheTwinsSum) {
                    1e-6, 2 * kBf16Ulp, 1e-2);
     }
   }
+}
+
+// ---- combine + norm over a cluster -------------------------------------------------------------------------------
+// moe_combine.cu's cluster kernel (MoeExpertsOptions::combine_cluster = 1) through launch_combine on nano's and the
+// mini's latent widths (Lt 128: one CTA of one warp; 3584: 7 CTAs of 64 vectors), K within and past the per-K kernels
+// (16: batches of 8), one token, three, and the bound of 64; ids outside [0, X) (−1, X) over NaN rows with nonzero
+// weights. ũ must be the twin's sum bit for bit (so also the one-CTA kernel's); normed, written into the left part of
+// rows wider than Lt, within 2 BF16 steps of the one-CTA kernel's (bit-identical at C = 1) and of cpu::rmsnorm_bf16
+// on ũ — the tolerance moe_combine.cu's header derives. Without a norm the option changes nothing (the plain combine
+// runs); past 64 tokens the one-CTA kernel runs.
+
+// BF16 steps between two values: their patterns' distance on the ordered line (−0 and +0 the same point).
+int bf16_steps(uint16_t a, uint16_t b) {
+  auto ord = [](uint16_t v) { return v & 0x8000u ? -int(v & 0x7FFFu) : int(v); };
+  return std::abs(ord(a) - ord(b));
+}
+// got within max_steps of want everywhere (both finite); *differ counts the elements that are not identical.
+void expect_steps(const std::string& what, const std::vector<uint16_t>& got, const std::vector<uint16_t>& want,
+                  int max_steps, size_t* differ = nullptr) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  size_t bad = 0, diff = 0, first = got.size();
+  for (size_t i = 0; i < got.size(); ++i) {
+    const bool finite = std::isfinite(bf16_to_f32(got[i])) && std::isfinite(bf16_to_f32(want[i]));
+    diff += got[i] != want[i];
+    if ((!finite || bf16_steps(got[i], want[i]) > max_steps) && bad++ == 0) first = i;
+  }
+  if (differ) *differ = diff;
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size() << " more than " << max_steps
+                     << " BF16 steps apart (or not finite), first at " << first << " (got "
+                     << (first < got.size() ? bf16_to_f32(got[first]) : 0.0f) << ", want "
+                     << (first < got.size() ? bf16_to_f32(want[first]) : 0.0f) << ")";
+}
+
+constexpr int kClusterSteps = 2;  // moe_combine.cu: normed within 2 BF16 steps of the one-CTA kernel's
+
+struct CombineInputs {
+  int64_t T, K, X, Lt;
+  std::vector<uint16_t> y, nw;
+  std::vector<int32_t> ids;
+  std::vector<float> wts;
+  std::vector<uint16_t> ref;  // the twin's ũ: Σ_k w_k·y_k in FP32, k in order, no FMA, one BF16 rounding
+};
+CombineInputs combine_inputs(int64_t T, int64_t K, int64_t Lt, Rng& rng) {
+  CombineInputs in{T, K, 16, Lt, rand_bf16(size_t(T * K * Lt), rng, -2.0f, 2.0f), rand_bf16(size_t(Lt), rng, 0.5f, 1.5f),
+                   std::vector<int32_t>(size_t(T * K)), std::vector<float>(size_t(T * K)), {}};
+  for (size_t i = 0; i < in.ids.size(); ++i) {
+    // Every fifth slot outside the rank (−1 and X in turn): with K = 1 whole rows of ũ are 0 (Σx² = 0, r = 1/√eps).
+    in.ids[i] = i % 5 == 3 ? (i % 10 == 3 ? -1 : int32_t(in.X)) : int32_t(rng.next() % uint64_t(in.X));
+    in.wts[i] = rng.uniform(0.05f, 0.5f);
+    if (unsigned(in.ids[i]) >= unsigned(in.X)) std::fill_n(in.y.begin() + int64_t(i) * Lt, Lt, uint16_t(0xFFFF));
+  }
+  in.ref.resize(size_t(T * Lt));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < Lt; ++j) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k)
+        if (unsigned(in.ids[size_t(t * K + k)]) < unsigned(in.X))
+          acc += in.wts[size_t(t * K + k)] * bf16_to_f32(in.y[size_t((t * K + k) * Lt + j)]);
+      in.ref[size_t(t * Lt + j)] = f32_to_bf16(acc);
+    }
+  return in;
+}
+struct CombineOut {
+  std::vector<uint16_t> ut, normed;  // normed: the Lt left columns of each row
+  simt::Launched launch;
+};
+// One launch_combine: with `norm` the fused RMSNorm into rows of ldn = Lt + 64 (the padding must stay poisoned).
+CombineOut run_combine(const std::string& what, const CombineInputs& in, bool norm, int cluster) {
+  const int64_t T = in.T, Lt = in.Lt, ldn = Lt + 64;
+  const Mem dy = upload(in.y), dids = upload(in.ids), dw = upload(in.wts), dnw = upload(in.nw);
+  Mem dut(size_t(T * Lt) * 2), dn(size_t(T * ldn) * 2);
+  simt::g_launches.clear();
+  md::launch_combine(dy.as<uint16_t>(), dw.as<float>(), dids.as<int32_t>(), T, in.K, in.X, Lt, dut.as<uint16_t>(),
+                     norm ? dnw.as<uint16_t>() : nullptr, 1e-6f, norm ? dn.as<uint16_t>() : nullptr, ldn, true, nullptr,
+                     cluster);
+  CombineOut out;
+  EXPECT_EQ(simt::g_launches.size(), 1u) << what;
+  if (simt::g_launches.size() == 1) out.launch = simt::g_launches[0];
+  out.ut = download<uint16_t>(dut, size_t(T * Lt));
+  if (norm) {
+    const auto rows = download<uint16_t>(dn, size_t(T * ldn));
+    for (int64_t t = 0; t < T; ++t) {
+      out.normed.insert(out.normed.end(), rows.begin() + t * ldn, rows.begin() + t * ldn + Lt);
+      for (int64_t j = Lt; j < ldn; ++j)
+        if (rows[size_t(t * ldn + j)] != 0xFFFF) {
+          ADD_FAILURE() << what << ": padding of normed row " << t << " written";
+          break;
+        }
+    }
+  }
+  return out;
+}
+// The cluster size the launcher picks for a row of Lt (moe_combine.cu: 64 vectors a CTA at least, 8 CTAs at most).
+unsigned expected_cluster(int64_t Lt) { return unsigned(std::clamp<int64_t>((Lt / 8 + 63) / 64, 1, 8)); }
+
+void combine_cluster_cases(const std::vector<int64_t>& Lts, const std::vector<int64_t>& Ks,
+                           const std::vector<int64_t>& Ts, uint64_t seed) {
+  Rng rng(seed);
+  for (const int64_t Lt : Lts)
+    for (const int64_t K : Ks)
+      for (const int64_t T : Ts) {
+        const CombineInputs in = combine_inputs(T, K, Lt, rng);
+        const std::string what = "Lt=" + std::to_string(Lt) + " K=" + std::to_string(K) + " T=" + std::to_string(T);
+        const std::string kt = K > 8 ? " K>8" : " K=" + std::to_string(K);
+        const CombineOut one = run_combine(what + " one CTA", in, true, 0);
+        const CombineOut cl = run_combine(what + " cluster", in, true, 1);
+        const CombineOut plain = run_combine(what + " no norm", in, false, 1);
+        EXPECT_EQ(one.launch.kernel, "combine+norm" + kt) << what;
+        EXPECT_EQ(plain.launch.kernel, "combine" + kt) << what << ": the option without a norm";
+        const bool applies = T <= md::kCombineClusterMaxT;
+        const unsigned C = expected_cluster(Lt);
+        if (applies) {
+          EXPECT_EQ(cl.launch.kernel, "combine+norm cluster" + kt) << what;
+          EXPECT_TRUE(cl.launch.grid.x == C && cl.launch.grid.y == unsigned(T) && cl.launch.cluster.x == (C > 1 ? C : 1))
+              << what << ": grid " << cl.launch.grid.x << "×" << cl.launch.grid.y << ", cluster " << cl.launch.cluster.x;
+          EXPECT_TRUE(cl.launch.pdl) << what;
+        } else {
+          EXPECT_EQ(cl.launch.kernel, "combine+norm" + kt) << what << ": past the cluster kernel's bound";
+        }
+        expect_bits(what + " cluster ũ vs the twin's sum", cl.ut, in.ref);
+        expect_bits(what + " one-CTA ũ vs the twin's sum", one.ut, in.ref);
+        expect_bits(what + " plain ũ vs the twin's sum", plain.ut, in.ref);
+        std::vector<uint16_t> cpu_n(in.ref.size());
+        cpu::rmsnorm_bf16(in.ref.data(), in.nw.data(), cpu_n.data(), T, Lt, 1e-6f);
+        size_t differ = 0;
+        expect_steps(what + " cluster normed vs the one-CTA kernel's", cl.normed, one.normed, kClusterSteps, &differ);
+        if (C == 1 || !applies) {
+          EXPECT_EQ(differ, 0u) << what << ": the same Σx² order, the same bits";
+        }
+        expect_steps(what + " cluster normed vs cpu::rmsnorm_bf16", cl.normed, cpu_n, kClusterSteps);
+        expect_steps(what + " one-CTA normed vs cpu::rmsnorm_bf16", one.normed, cpu_n, kClusterSteps);
+      }
+}
+TEST(EmuMoeCombine, ClusterNormEveryShape) {
+  combine_cluster_cases({128, 3584}, {1, 2, 4, 8, 16}, {1, 3, 64}, 161);
+  combine_cluster_cases({128, 1024, 4160, 16384}, {3}, {2, 65}, 162);  // C = 2, 8 (65 vectors a CTA), 8 × 256; T > 64
+}
+TEST(EmuMoeSmoke, ClusterNorm) { combine_cluster_cases({128, 3584}, {2, 16}, {3}, 163); }
+
+// Through moe_experts_mxfp4 (MoeExpertsOptions::combine_cluster): nano's shape and a mini-like Lt = 3584 with a small I,
+// one and three tokens, an id outside the rank; ũ bit-identical to the one-CTA run's (and within the twin's
+// tolerance), normed within 2 steps of it (nano: identical), the option's 0 and −1 (the environment, unset in tests:
+// off) the one-CTA kernel.
+void cluster_through_pipeline(const std::vector<int64_t>& Lts, const std::vector<int64_t>& Ts, uint64_t seed) {
+  Rng rng(seed);
+  for (const int64_t Lt : Lts) {
+    const int64_t X = 8, K = 2, I = 64;
+    const auto E = make_experts(X, Lt, I, rng);
+    for (const int64_t T : Ts) {
+      const auto z = rand_bf16(size_t(T * Lt), rng, -1.0f, 1.0f);
+      Routing r = route(T, K, iota(X), rng);
+      set_outside(r, size_t(T * K - 1), -1, X);
+      const auto ref = twin(*E, z, r);
+      const auto nw = rand_bf16(size_t(Lt), rng, 0.5f, 1.5f);
+      const std::string what = "pipeline Lt=" + std::to_string(Lt) + " T=" + std::to_string(T);
+      cuda::MoeExpertsOptions o;
+      o.combine_cluster = 1;
+      const MoeRun cl = run_moe(*E, z, r, o, &nw, Lt + 64);
+      o.combine_cluster = 0;
+      const MoeRun one = run_moe(*E, z, r, o, &nw, Lt + 64);
+      o.combine_cluster = -1;
+      const MoeRun env = run_moe(*E, z, r, o, &nw, Lt + 64);
+      EXPECT_EQ(cl.launched.back(), "combine+norm cluster K=2") << what << ": " << joined(cl.launched);
+      EXPECT_EQ(one.launched.back(), "combine+norm K=2") << what;
+      EXPECT_EQ(env.launched.back(), "combine+norm K=2") << what << ": the default is off";
+      expect_twin(what, cl.ut, ref);
+      expect_bits(what + " ũ, cluster vs one CTA", cl.ut, one.ut);
+      expect_norm(what + " cluster", cl, ref, nw, T, Lt, Lt + 64);
+      std::vector<uint16_t> a, b;
+      for (int64_t t = 0; t < T; ++t) {
+        a.insert(a.end(), cl.normed.begin() + t * (Lt + 64), cl.normed.begin() + t * (Lt + 64) + Lt);
+        b.insert(b.end(), one.normed.begin() + t * (Lt + 64), one.normed.begin() + t * (Lt + 64) + Lt);
+      }
+      size_t differ = 0;
+      expect_steps(what + " normed, cluster vs one CTA", a, b, kClusterSteps, &differ);
+      if (expected_cluster(Lt) == 1) {
+        EXPECT_EQ(differ, 0u) << what << ": the same Σx² order, the same bits";
+      }
+    }
+  }
+}
+TEST(EmuMoeCombine, ClusterThroughThePipeline) { cluster_through_pipeline({128, 3584}, {1, 3}, 164); }
+TEST(EmuMoeSmoke, ClusterThroughThePipeline) { cluster_through_pipeline({128}, {3}, 165); }
+
+// The cluster kernel's bits do not depend on the order its threads and CTAs run in: a missing cluster barrier (a
+// partial read before it is written, a CTA leaving while another still reads its shared memory — the emulator
+// throws on that) or CTA barrier shows up under one of the schedules; `ctas` runs each CTA as far as it can first.
+void cluster_schedules(const std::vector<int64_t>& Ts, const std::vector<simt::Schedule>& schedules, uint64_t seed) {
+  Rng rng(seed);
+  for (const int64_t Lt : {128, 3584})
+    for (const int64_t T : Ts) {
+      const CombineInputs in = combine_inputs(T, 2, Lt, rng);
+      const std::string what = "Lt=" + std::to_string(Lt) + " T=" + std::to_string(T);
+      const CombineOut first = run_combine(what, in, true, 1);
+      for (const simt::Schedule sch : schedules) {
+        simt::g_schedule = sch;
+        const CombineOut run = run_combine(what, in, true, 1);
+        simt::g_schedule = simt::Schedule::threads;
+        const std::string w = what + " schedule " + std::to_string(int(sch));
+        EXPECT_EQ(run.launch.kernel, "combine+norm cluster K=2") << w;
+        expect_bits(w + " ũ", run.ut, first.ut);
+        expect_bits(w + " normed", run.normed, first.normed);
+      }
+    }
+}
+TEST(EmuMoeCombine, ClusterScheduleOrderDoesNotMatter) {
+  cluster_schedules({1, 3},
+                    {simt::Schedule::threads_reverse, simt::Schedule::warps, simt::Schedule::warps_reverse,
+                     simt::Schedule::ctas},
+                    166);
+}
+TEST(EmuMoeSmoke, ClusterScheduleOrder) {
+  cluster_schedules({1}, {simt::Schedule::warps_reverse, simt::Schedule::ctas}, 167);
 }
 
 // ---- one matrix: every code and scale

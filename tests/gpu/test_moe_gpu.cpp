@@ -655,6 +655,7 @@ TEST(GpuMoe, CombineWithLatentNormMatchesSeparateNorm) {
     auto dn2 = poisoned<uint16_t>(size_t(c.T * c.Lt));
     std::unique_ptr<cuda::GemmLt> lt;
     cuda::MoeExpertsOptions o = options(c.v);
+    o.combine_cluster = 0;  // the one-CTA kernel keeps rmsnorm_kernel's order (the cluster's: the test below)
     if (c.v.tile == MoeTokenTile::dense) lt = std::make_unique<cuda::GemmLt>(), o.lt = lt.get();
     cuda::moe_experts_mxfp4(dz.p(), dids.p(), dw.p(), E->dev, c.T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, dws.p(), dut.p(),
                             nullptr, o);
@@ -686,6 +687,90 @@ TEST(GpuMoe, CombineWithLatentNormMatchesSeparateNorm) {
     cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), c.T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, ref.data());
     cpu::rmsnorm_bf16(ref.data(), nw.data(), nref.data(), c.T, c.Lt, eps);
     check_moe("moe_experts_mxfp4 + latent norm", shape, n2, nref);
+  }
+}
+
+// The combine + norm over a thread-block cluster (MoeExpertsOptions::combine_cluster = 1, moe_combine.cu) against the
+// one-CTA kernel (0), with PDL between the launches as the engine runs them: ũ bit-identical, normed (into rows wider
+// than Lt) within 2 BF16 steps of it — the order of its FP32 Σx², moe_combine.cu's bound — and bit-identical where
+// the cluster is one CTA (nano's Lt = 128), both within that bound of cpu::rmsnorm_bf16 on ũ and within the twin's
+// tolerance of the CPU norm of the twin's ũ. Cases: nano and the mini's Lt = 3584 (7 CTAs), top-1/2/4/8/16 (16:
+// batches of 8), T = 1, 3, 64 (the bound), and 65 (past it: both options run the one-CTA kernel), an id outside the
+// rank, the padding of the wider rows never written.
+TEST(GpuMoe, CombineClusterMatchesOneCta) {
+  need_gpu();
+  Rng rng(58);
+  struct Case {
+    int64_t X, K, Lt, I, T;
+    bool bad_id;
+  };
+  const std::vector<Case> cases = {{16, 4, 128, 64, 1, false},   {16, 4, 128, 64, 64, true},  {16, 16, 128, 64, 3, true},
+                                   {8, 2, 3584, 3072, 1, false}, {8, 2, 3584, 3072, 3, true}, {8, 1, 3584, 64, 64, true},
+                                   {16, 8, 3584, 64, 64, false}, {32, 16, 3584, 64, 3, true}, {8, 2, 3584, 64, 65, false}};
+  auto steps = [](uint16_t a, uint16_t b) {  // BF16 steps apart on the ordered line (−0 = +0)
+    auto ord = [](uint16_t v) { return v & 0x8000u ? -int(v & 0x7FFFu) : int(v); };
+    return std::abs(ord(a) - ord(b));
+  };
+  for (const Case& c : cases) {
+    const auto E = make_experts(c.X, c.Lt, c.I, rng);
+    const auto z = rand_bf16(size_t(c.T * c.Lt), rng, -1.0f, 1.0f);
+    std::vector<int32_t> ids;
+    std::vector<float> wts;
+    make_routing(Routing::random, c.T, c.X, c.K, rng, ids, wts);
+    std::vector<int32_t> gids = ids;
+    if (c.bad_id) gids[1] = -1, wts[1] = 0.0f;  // adds nothing on the GPU; weight 0 for the twin
+    const auto nw = rand_bf16(size_t(c.Lt), rng, 0.5f, 1.5f);
+    const float eps = 1e-6f;
+    const int64_t ldn = c.Lt + 64;
+    auto dz = upload(z);
+    auto dids = upload(gids);
+    auto dw = upload(wts);
+    auto dnw = upload(nw);
+    auto dws = poisoned<uint8_t>(cuda::moe_experts_workspace_bytes(c.T, c.X, c.K, c.Lt, c.I));
+    cudaStream_t st;  // PDL needs a stream other than the legacy default one
+    KCUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    std::vector<uint16_t> ut[2], normed[2];
+    for (int cl = 0; cl < 2; ++cl) {
+      auto dut = poisoned<uint16_t>(size_t(c.T * c.Lt));
+      auto dn = poisoned<uint16_t>(size_t(c.T * ldn));
+      cuda::MoeExpertsOptions o;
+      o.pdl = 1, o.combine_cluster = cl;
+      o.norm_w = dnw.p(), o.norm_eps = eps, o.normed = dn.p(), o.normed_ld = ldn;
+      cuda::moe_experts_mxfp4(dz.p(), dids.p(), dw.p(), E->dev, c.T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, dws.p(), dut.p(),
+                              st, o);
+      KCUDA_CHECK(cudaStreamSynchronize(st));
+      ut[cl] = dut.get(), normed[cl] = dn.get();
+    }
+    KCUDA_CHECK(cudaStreamDestroy(st));
+    const std::string shape =
+        fmt::format("X={} K={} Lt={} T={}{}", c.X, c.K, c.Lt, c.T, c.bad_id ? " bad id" : "");
+    EXPECT_EQ(0, std::memcmp(ut[0].data(), ut[1].data(), ut[0].size() * 2)) << "u~ differs on the cluster: " << shape;
+    std::vector<uint16_t> rows[2];  // the Lt left columns of each normed row
+    const uint16_t poison = 0xFFFF;  // poisoned()'s bytes
+    for (int cl = 0; cl < 2; ++cl)
+      for (int64_t t = 0; t < c.T; ++t) {
+        rows[cl].insert(rows[cl].end(), normed[cl].begin() + t * ldn, normed[cl].begin() + t * ldn + c.Lt);
+        for (int64_t j = c.Lt; j < ldn; ++j)
+          ASSERT_EQ(normed[cl][size_t(t * ldn + j)], poison) << "padding written at row " << t << ": " << shape;
+      }
+    std::vector<uint16_t> own(rows[0].size());
+    cpu::rmsnorm_bf16(ut[1].data(), nw.data(), own.data(), c.T, c.Lt, eps);
+    size_t differ = 0, far = 0, far_cpu = 0;
+    for (size_t i = 0; i < rows[0].size(); ++i) {
+      const bool finite = std::isfinite(bf16_to_f32(rows[1][i])) && std::isfinite(bf16_to_f32(rows[0][i]));
+      differ += rows[0][i] != rows[1][i];
+      far += !finite || steps(rows[0][i], rows[1][i]) > 2;
+      far_cpu += !finite || steps(rows[1][i], own[i]) > 2 || steps(rows[0][i], own[i]) > 2;
+    }
+    EXPECT_EQ(far, 0u) << "normed: cluster more than 2 BF16 steps from the one-CTA kernel: " << shape;
+    EXPECT_EQ(far_cpu, 0u) << "normed more than 2 BF16 steps from cpu::rmsnorm_bf16 of its u~: " << shape;
+    if (c.Lt <= 512 || c.T > 64) {  // a cluster of one CTA (its Σx² in the same order), or the one-CTA kernel twice
+      EXPECT_EQ(differ, 0u) << "normed: the same Σx² order should give the same bits: " << shape;
+    }
+    std::vector<uint16_t> ref(size_t(c.T * c.Lt)), nref(ref.size());
+    cpu::moe_experts(z.data(), ids.data(), wts.data(), E->cpu.data(), c.T, c.X, c.K, c.Lt, c.I, 4.0f, 25.0f, ref.data());
+    cpu::rmsnorm_bf16(ref.data(), nw.data(), nref.data(), c.T, c.Lt, eps);
+    check_moe("moe_experts_mxfp4 + latent norm on a cluster", shape, rows[1], nref);
   }
 }
 

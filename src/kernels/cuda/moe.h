@@ -134,6 +134,10 @@ struct MoeExpertsOptions {
   uint16_t* normed = nullptr;  // bf16 [T, Lt], row stride normed_ld
   int64_t normed_ld = 0;       // elements between normed's rows (0: Lt); a multiple of 8, at least Lt — the GPU
                                // model writes the rows into the left part of the MoE out-projection's input
+  // With norm_w at T ≤ 64 (decode): 1 runs the combine + norm with each token's row cut over a thread-block cluster
+  // (moe_combine.cu: ũ the same bits, normed within 2 BF16 ulps of the one-CTA kernel's — the order of its FP32
+  // Σx²), 0 one CTA per token; −1: 1 iff KESTREL_MOE_COMBINE_CLUSTER=1 (default off until measured on the GPU).
+  int combine_cluster = -1;
 };
 
 // Device scratch for moe_experts_mxfp4, in bytes (256-byte aligned pieces).

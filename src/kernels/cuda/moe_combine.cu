@@ -1,14 +1,43 @@
 // Step 4 of the routed experts (moe_experts.cu's launch 4; MODEL.md §3.6 steps 4–5): the combine
 // ũ_t = bf16(Σ_k w_k·y_k) in top-k order, FP32, deterministic (no atomics on values), and optionally step 5's
-// RMSNorm of ũ in the same launch (MoeExpertsOptions::norm_w; one CTA per token). CPU twin: cpu::moe_experts
-// followed by cpu::rmsnorm_bf16.
+// RMSNorm of ũ in the same launch (MoeExpertsOptions::norm_w). CPU twin: cpu::moe_experts followed by
+// cpu::rmsnorm_bf16.
 //
-// Both kernels are instantiated per top-k (1..8; larger K takes batches of 8): at batch 1 the launch is one CTA
-// whose time is its warps' instruction chain (Nsight Compute, session 28: the generic batches cost the reduced
-// mini's top-2 combine + norm ~1,200 instructions a warp, 8.3 µs a launch; per-K and with the row held in
-// registers, 717 and 5.7 µs).
+// All kernels are instantiated per top-k (1..8; larger K takes batches of 8): at batch 1 the launch's time is its
+// warps' instruction chain (Nsight Compute, session 28: the generic batches cost the reduced mini's top-2 combine +
+// norm ~1,200 instructions a warp, 8.3 µs a launch; per-K and with the row held in registers, 717 and 5.7 µs).
+// Three kernels:
+// - combine_kernel (no norm): a thread per 16-byte vector of ũ over the whole batch.
+// - combine_norm_kernel: one CTA of 256 threads per token, each holding up to two vectors of the row in registers.
+// - combine_norm_cluster_kernel (decode, T ≤ kCombineClusterMaxT = 64, Lt ≤ 16384): a token's row cut over a
+//   thread-block cluster of C ≤ 8 CTAs, one vector a thread held in registers from its single load (Lt = 3584:
+//   7 CTAs × 64 vectors; nano's Lt = 128: C = 1, one warp). Each warp publishes its Σx² in its CTA's shared memory;
+//   after one cluster barrier each warp reads the cluster's warp partials from distributed shared memory, one a lane,
+//   and sums them by its xor tree, so all CTAs compute the same norm factor. Why: at batch 1 the one-CTA kernel is
+//   one SM's dependent chain (two vectors a thread, a block-wide sum); AttnRes's points went 10 → 6 µs the same way
+//   (attn_res.cu attn_res_cluster_kernel). The second barrier, which keeps each CTA's shared memory alive until the
+//   others have read it, is split: arrive after the reads, wait only before exiting, so the norm's arithmetic and
+//   stores overlap it.
+//   Numerics: ũ is bit-identical to the other kernels' (the same combine8 per vector). The normed row differs from
+//   combine_norm_kernel's only by the order of the FP32 Σx² (at C = 1 — Lt ≤ 512, nano's 128 — the same partials in
+//   the same order: bit-identical); the norm factor then moves by a few FP32 ulps, which can move
+//   bf16(ũ·r) by one BF16 step and so w·bf16(ũ·r), rounded once, by at most 2: normed within 2 BF16 ulps of the
+//   one-CTA kernel's per element (tests/emu and tests/gpu check that bound; both kernels are within it of
+//   cpu::rmsnorm_bf16 on ũ, whose Σx² is in double).
+//   Switch (unmeasured, so OFF by default): KESTREL_MOE_COMBINE_CLUSTER=1 takes it where it applies, 0 or unset the
+//   one-CTA kernel; MoeExpertsOptions::combine_cluster (1 / 0) overrides the environment for tests and benchmarks.
+//   A/B on the GPU machine: here `PACK_TARGETS="bench_moe bench_ops kestrel_kernel_trace kestrel_gpu_tests"
+//   PACK_SKIP=kestrel bench/gpu/run.sh pack`, carried as run.sh's header says; there, one command:
+//     bench/gpu/run.sh ab 2 "" -- bench_moe --topk 2 --batches 1,8,64 --variants auto-norm-cta,auto-norm-cluster --breakdown
+//   (the reduced mini's top-2 at the real Lt = 3584, both kernels alternated in one process, twice: the breakdown's
+//   combine column is this launch alone, PDL off; the graph / queued columns the whole experts call with PDL). The
+//   exposed time in the reduced mini's decode step (the ~6–8 µs this kernel is for):
+//     bench/gpu/run.sh timeline_ab 2 "KESTREL_MOE_COMBINE_CLUSTER=0" "KESTREL_MOE_COMBINE_CLUSTER=1"
+//   and its tests: bench/gpu/run.sh test --gtest_filter='GpuMoe.Combine*'.
 // Emulation: tests/emu (test_emu_moe.cpp) compiles this file unchanged for the CPU emulation of simt.h (moe_mma.cuh's
-// inline PTX from the emulator, launch_combine over its emulated CUDA runtime, tests/emu/simt_runtime.h).
+// inline PTX from the emulator, launch_combine over its emulated CUDA runtime, tests/emu/simt_runtime.h, which runs a
+// cluster's CTAs together).
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -157,6 +186,72 @@ __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const uint16
   }
 }
 
+// 4''. combine + the latent norm over a cluster (see the header): token blockIdx.y, CTA blockIdx.x = its rank in the
+// cluster (grid.x = C = the cluster size), which owns vectors [rank·per, rank·per + per) of the row, one a thread.
+// The dynamic shared memory holds the CTA's per-warp Σx², f32 [blockDim.x / 32]: dynamic, so that its offset is the
+// same in every CTA (and the emulator's mapa finds it).
+constexpr int kClusterMax = 8;        // portable cluster size
+constexpr int kClusterVecs = 64;      // fewest 16-byte vectors a CTA worth another CTA in the cluster (attn_res.cu's)
+constexpr int kClusterThreads = 256;  // most vectors a CTA: rows up to 8 · 256 vectors (Lt 16384)
+template <int KT>
+__global__ void __launch_bounds__(kClusterThreads) combine_norm_cluster_kernel(
+    const uint16_t* __restrict__ y /* bf16 [T·K, Lt] */, const float* __restrict__ wts /* f32 [T, K] */,
+    const int32_t* __restrict__ ids /* i32 [T, K] */, int K, int X, int Lt, const uint16_t* __restrict__ nw /* bf16 [Lt] */,
+    float eps, uint16_t* __restrict__ ut /* bf16 [T, Lt] */, uint16_t* __restrict__ normed /* bf16 [T, ldn] */,
+    int64_t ldn, int per) {
+  float* const part = dev::dyn_smem<float>();
+  const int C = int(gridDim.x), rank = int(blockIdx.x), nwarps = int(blockDim.x) >> 5;
+  const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
+  const int64_t t = blockIdx.y;
+  const int v = rank * per + int(threadIdx.x);
+  const bool act = int(threadIdx.x) < per && v < Lt / 8;
+  // Every thread runs to the end (no early exit): the cluster barriers count them all.
+  const uint4 g8 = act ? dev::ld16(nw + 8 * v) : make_uint4(0, 0, 0, 0);  // never written by a kernel: before the wait
+  griddep_wait();  // y comes from the w2 GEMM
+  griddep_launch();
+  uint4 u8 = make_uint4(0, 0, 0, 0);
+  float ss = 0.0f;
+  if (act) {
+    u8 = combine8<KT>(y, wts, ids, t, K, X, Lt, 8 * v);
+    *reinterpret_cast<uint4*>(ut + t * Lt + 8 * v) = u8;
+    float f[8];
+    dev::unpack8(u8, f);  // the BF16 ũ, as rmsnorm_kernel reads it
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
+  }
+  ss = dev::warp_sum(ss);
+  if (lane == 0) part[warp] = ss;
+  // C = 1 (a row of at most kClusterVecs vectors): the CTA's own warps only, a CTA barrier.
+  if (C > 1)
+    cluster_sync();
+  else
+    __syncthreads();
+  // Σx² over the cluster: the partial of (rank, warp) in lane 8·warp + rank (past 4 warps a CTA, lane i also adds
+  // that of lane i + 32; 0 where there is none: shifts, not divisions, after the barrier), summed by the warp's xor
+  // tree — combine_norm_kernel's second level. Every warp of every CTA adds the same values in the same order, so
+  // all compute the same factor; the loads are one or two a lane, issued together (one distributed-shared-memory
+  // latency, not one a partial in a chain).
+  auto partial = [&](int i) {
+    const int q = i & (kClusterMax - 1), w = i / kClusterMax;
+    if (q >= C || w >= nwarps) return 0.0f;
+    return C > 1 ? ld_shared_cluster(part + w, unsigned(q)) : part[w];
+  };
+  float tot = partial(lane);
+  if (nwarps > 32 / kClusterMax) tot += partial(lane + 32);
+  tot = dev::warp_sum(tot);
+  if (C > 1) cluster_arrive();  // this CTA has read the others' partials: they may exit once all have
+  const float rn = 1.0f / sqrtf(tot / float(Lt) + eps);  // combine_norm_kernel's expression
+  if (act) {
+    float f[8], g[8];
+    dev::unpack8(u8, f);
+    dev::unpack8(g8, g);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = g[e] * dev::round_bf16(f[e] * rn);
+    *reinterpret_cast<uint4*>(normed + t * ldn + 8 * v) = dev::pack8(f);
+  }
+  if (C > 1) cluster_wait();  // part[] stays until every CTA of the cluster has read it
+}
+
 // The combine instantiation for K slots a token: k[K] for K ≤ 8 (exact batches), else k[0] (batches of 8);
 // KESTREL_MOE_COMBINE_KT=0 takes k[0] always (A/B).
 template <typename F, typename... Fs>
@@ -169,15 +264,38 @@ F pick_kt(int64_t K, F generic, Fs... exact) {
   return on && K >= 1 && K < int64_t(sizeof...(Fs)) + 1 ? k[K] : generic;
 }
 
+// MoeExpertsOptions::combine_cluster: 1 / 0 as given, −1 KESTREL_MOE_COMBINE_CLUSTER (1 on; default off: unmeasured).
+bool cluster_wanted(int cluster) {
+  static const bool env_on = [] {
+    const char* e = std::getenv("KESTREL_MOE_COMBINE_CLUSTER");
+    return e && e[0] == '1';
+  }();
+  return cluster == 1 || (cluster < 0 && env_on);
+}
+
 }  // namespace
 
 void launch_combine(const uint16_t* y, const float* wts, const int32_t* ids, int64_t T, int64_t K, int64_t X,
                     int64_t Lt, uint16_t* ut, const uint16_t* norm_w, float eps, uint16_t* normed, int64_t ldn, bool pdl,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, int cluster) {
   KCUDA_REQUIRE(y && wts && ids && ut && T >= 0 && K >= 1 && Lt % 8 == 0 && T < (int64_t(1) << 31),
                 "moe combine: bad arguments (T = " + std::to_string(T) + ", K = " + std::to_string(K) + ", Lt = " +
                     std::to_string(Lt) + ")");
   if (T == 0) return;
+  const int64_t nv = Lt / 8;
+  if (norm_w && cluster_wanted(cluster) && T <= kCombineClusterMaxT && nv <= int64_t(kClusterMax) * kClusterThreads) {
+    // C CTAs of `per` vectors (enough for each to be worth a CTA), threads rounded up to whole warps.
+    const int64_t C = std::clamp<int64_t>((nv + kClusterVecs - 1) / kClusterVecs, 1, kClusterMax);
+    const int64_t per = (nv + C - 1) / C, threads = (per + 31) / 32 * 32;
+    launch_cluster(pick_kt(K, combine_norm_cluster_kernel<0>, combine_norm_cluster_kernel<1>,
+                           combine_norm_cluster_kernel<2>, combine_norm_cluster_kernel<3>,
+                           combine_norm_cluster_kernel<4>, combine_norm_cluster_kernel<5>,
+                           combine_norm_cluster_kernel<6>, combine_norm_cluster_kernel<7>,
+                           combine_norm_cluster_kernel<8>),
+                   dim3(unsigned(C), unsigned(T)), dim3(unsigned(threads)), size_t(threads / 32) * sizeof(float), stream,
+                   pdl, unsigned(C), y, wts, ids, int(K), int(X), int(Lt), norm_w, eps, ut, normed, ldn, int(per));
+    return;
+  }
   if (norm_w) {  // the caller checked normed's alignment and ldn
     launch(pick_kt(K, combine_norm_kernel<0>, combine_norm_kernel<1>, combine_norm_kernel<2>, combine_norm_kernel<3>,
                    combine_norm_kernel<4>, combine_norm_kernel<5>, combine_norm_kernel<6>, combine_norm_kernel<7>,

@@ -22,7 +22,8 @@
 //      H200 (session 23, bench_moe, alternated): T = 1 graph 106.5 → 102.5 µs (62 → 65 % of copy). t8 hands
 //      it h·2^100 and it decodes without the BF16 multiply (GemmArgs::h_scaled; moe_t8.cu kScaleRaw).
 //   4. combine: ũ_t = bf16(Σ_k w_k·y_k) in top-k order, FP32; deterministic (no atomics on values); with
-//      MoeExpertsOptions::norm_w also §3.6 step 5's RMSNorm of ũ (moe_combine.cu: one CTA per token).
+//      MoeExpertsOptions::norm_w also §3.6 step 5's RMSNorm of ũ (moe_combine.cu: one CTA per token, or at T ≤ 64
+//      with MoeExpertsOptions::combine_cluster / KESTREL_MOE_COMBINE_CLUSTER=1 a cluster of CTAs per token).
 // Four GEMM families (moe.h MoeTokenTile):
 //   stream (moe_stream.cu), decode: persistent stream-K grid, CT = 8, scales folded into the decode.
 //   wide (moe_wide.cu), prefill: CT = 128, 8-warp CTAs of 128/256 weight rows × all the job's tokens.
@@ -484,7 +485,7 @@ void moe_experts_mxfp4(const uint16_t* z, const int32_t* ids, const float* weigh
                       std::to_string(ldn) + ")");
   }
   moe_detail::launch_combine(static_cast<const uint16_t*>(y), weights, ids, T, K, X, Lt, ut, opt.norm_w, opt.norm_eps,
-                             opt.normed, ldn, pdl, stream);
+                             opt.normed, ldn, pdl, stream, opt.combine_cluster);
   mark(opt, 4, stream);
 }
 

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 #include <utility>
 
 #include "kernels/cuda/cuda_check.h"
@@ -98,10 +99,13 @@ void launch_t8p(const GemmArgs& a, bool glu, bool fold_ok, const T8pPlan& plan, 
 
 // Launch 4 (moe_combine.cu): ũ = bf16(Σ_k w_k·y_k) per token, bf16 [T, Lt] into ut, from y bf16 [T·K, Lt] (slot
 // rows), wts f32 [T, K], ids i32 [T, K] (ids outside [0, X) add nothing); with norm_w (bf16 [Lt]) also the
-// RMSNorm of ũ into normed (row stride ldn).
+// RMSNorm of ũ into normed (row stride ldn). `cluster` (MoeExpertsOptions::combine_cluster): with norm_w at
+// T ≤ kCombineClusterMaxT, 1 cuts each token's row over a thread-block cluster, 0 keeps one CTA per token,
+// −1 asks KESTREL_MOE_COMBINE_CLUSTER (default 0).
+inline constexpr int64_t kCombineClusterMaxT = 64;
 void launch_combine(const uint16_t* y, const float* wts, const int32_t* ids, int64_t T, int64_t K, int64_t X,
                     int64_t Lt, uint16_t* ut, const uint16_t* norm_w, float eps, uint16_t* normed, int64_t ldn, bool pdl,
-                    cudaStream_t stream);
+                    cudaStream_t stream, int cluster = -1);
 
 // The t8 path's plan for one call (moe_t8.cu plan_t8): K splits of w1|w3 and w2, their tile counters at
 // [0, c13) and [c13, n_zero) of the scratch's counters (n_zero: how many the first kernel zeroes, before the
@@ -166,21 +170,39 @@ struct DenseArgs {
 size_t dense_scratch_bytes(int64_t T, int64_t Lt, int64_t I);
 void run_dense(const DenseArgs& a, cudaStream_t stream);
 
-// Launches kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization if `pdl`.
+// Launches kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization if `pdl`, and
+// grid.x grouped in thread-block clusters of cluster_x CTAs if cluster_x > 1 (grid.x a multiple of it; at most 8,
+// the portable size). The MoE launches decide PDL themselves (MoeExpertsOptions::pdl), not launch.h's switch.
 template <typename... KArgs, typename... Args>
-void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
-            Args&&... args) {
+void launch_cluster(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+                    unsigned cluster_x, Args&&... args) {
+  KCUDA_REQUIRE(cluster_x >= 1 && cluster_x <= 8 && grid.x % cluster_x == 0,
+                std::string("moe launch: cluster size must be 1..8 and divide grid.x"));
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster_x > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster_x;
+    attr[n].val.clusterDim.y = 1;
+    attr[n++].val.clusterDim.z = 1;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.numAttrs = n;
   KCUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+template <typename... KArgs, typename... Args>
+void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+            Args&&... args) {
+  launch_cluster(kernel, grid, block, smem, stream, pdl, 1u, std::forward<Args>(args)...);
 }
 
 }  // namespace kestrel::cuda::moe_detail

@@ -1,6 +1,6 @@
 // Device helpers shared by the MoE expert kernels (moe_experts.cu: grouping, the FP32-scale kernel and the
 // combine; moe_stream.cu: decode; moe_wide.cu: prefill): loads, cp.async, programmatic dependent launch,
-// BF16 mma.sync, and the MXFP4 decode of one packed 32-bit word into four A registers (layout: moe_layout.h).
+// cluster barriers and distributed shared memory loads, BF16 mma.sync, and the MXFP4 decode of one packed 32-bit word into four A registers (layout: moe_layout.h).
 // Device code only.
 //
 // Scale folding. The decode forms each E2M1 value v as the BF16 v·2^-126 and multiplies by a bf16x2 constant.
@@ -84,6 +84,28 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
 // after its wait, so a kernel that starts early finds every kernel before its predecessor complete.
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+// ---- thread-block clusters (moe_combine.cu's cluster kernel) ----------------------------------------------
+// Every thread of every CTA of the cluster, each warp's threads together (.aligned). arrive releases the thread's
+// earlier writes (its shared memory's included) at cluster scope; wait returns once every thread arrived, acquiring
+// theirs. Apart, the work between them overlaps the barrier's latency; cluster_sync is both at once.
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_sync() {
+  cluster_arrive();
+  cluster_wait();
+}
+// The float at p's offset in the shared memory of CTA `rank` of the cluster (distributed shared memory: mapa, then
+// a shared::cluster load). Volatile: never hoisted above the cluster barrier that published the value.
+__device__ __forceinline__ float ld_shared_cluster(const float* p, uint32_t rank) {
+  float v;
+  asm volatile(
+      "{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, %1, %2;\n ld.shared::cluster.f32 %0, [ra];\n}\n"
+      : "=f"(v)
+      : "r"(smem_addr(p)), "r"(rank)
+      : "memory");
+  return v;
+}
 
 // ---- math -------------------------------------------------------------------------------------------------
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
