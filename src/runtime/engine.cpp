@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 
 #include "core/check.h"
@@ -121,6 +122,8 @@ Engine::Engine(const ModelConfig& c, EngineConfig cfg)
   exec_ = cfg_.make_executor(cfg_.formats, plan_.cache_config(cfg_.enable_prefix_cache));
   KCHECK(exec_ != nullptr, "engine: the executor factory returned nothing");
   run_ahead_ = cfg_.async_scheduling && exec_->runs_ahead();
+  if (const char* lead = std::getenv("KESTREL_AHEAD_LEAD_US"))  // the A/B of the late launch (engine.h)
+    cfg_.ahead_launch_lead_s = std::atof(lead) * 1e-6;
   if (cfg_.async_scheduling && !run_ahead_)  // accepted, as vLLM accepts it for any backend; said once
     fmt::print(stderr, "kestrel: --async-scheduling: this executor cannot run steps ahead; every step runs "
                        "synchronously\n");

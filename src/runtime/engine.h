@@ -102,6 +102,12 @@ struct EngineConfig {
   // vLLM's --async-scheduling: pure-decode steps of plain requests run ahead (see the header). Ignored, with
   // one line on stderr, when the executor cannot (StepExecutor::runs_ahead()).
   bool async_scheduling = false;
+  // Run-ahead's late launch (engine_ahead.cpp), with an executor whose launch() returns while the step computes: the
+  // continuation of the step in flight is planned and launched this long before that step is expected to end (the
+  // chain's recent period), so that a request arriving meanwhile ends the chain and enters the very next step, as
+  // it would without run-ahead, instead of the one after. The engine adds its own planning and launch time to it.
+  // < 0: launch at once (a new request then waits one whole step more). KESTREL_AHEAD_LEAD_US overrides it (µs).
+  double ahead_launch_lead_s = 200e-6;
 };
 
 class Engine final : public kestrel::Engine {
@@ -226,6 +232,11 @@ class Engine final : public kestrel::Engine {
   StructuredStats sstats_copy_;
   std::unique_ptr<StepExecutor> exec_;
   bool run_ahead_ = false;  // async_scheduling and an executor that runs ahead
+  // Late launch (engine_ahead.cpp; engine thread only), seconds, the latest 8 of each: the periods of run-ahead steps
+  // that ran back to back (collect to collect), and the engine's own time from a continuation being due to its
+  // launch's return (planning, launching, a late wake-up).
+  std::vector<double> ahead_periods_;
+  std::vector<double> ahead_launch_times_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;       // work arrived / stop

@@ -4,10 +4,21 @@
 // collected — its input tokens pending, taken by the executor from the step before. Then the first is
 // collected and completed as run_step() would (finish_step), and the chain goes on one step behind until no
 // decode can continue or a waiting request could be admitted; every other plan runs through run_step().
+//
+// Late launch: a launched continuation cannot take a request that arrives after it was planned, so whatever
+// arrives while step N computes waits for N+1 too if N+1 is already launched. Launched right after N-1 was
+// collected (at N's start), that was every arrival during N: one whole decode step more than the synchronous
+// loop, whose next step is planned when N ends. In `kestrel bench`'s closed loop at 64 requests that step grew
+// the queue of prompts each wave of new requests waited behind — the H200's median TTFT 28.5 → 35.9 ms under
+// --async-scheduling (bench/RESULTS.md). So with an executor whose launch() returns while its step computes, the
+// continuation is planned only `ahead_launch_lead_s` (plus the engine's own planning and launch time) before N is
+// expected to end — N's start (the collect of N-1, or its own launch) plus the shortest recent period of steps
+// that ran back to back — and the wait ends early when a request that could be admitted is submitted.
 #include <algorithm>
 #include <chrono>
 #include <deque>
 #include <memory>
+#include <optional>
 
 #include "core/check.h"
 #include "runtime/engine.h"
@@ -51,6 +62,8 @@ void Engine::run_ahead(sched::StepPlan first, InStep first_in_step) {
     size_t hint = 0;
     StepHooks hooks;
     std::chrono::steady_clock::time_point launched;
+    std::chrono::steady_clock::time_point started;  // on the device, as far as the host knows (late launch)
+    bool queued = false;  // launched while the step before it was in flight: it runs right behind it
   };
   auto make = [this](sched::StepPlan plan, InStep in_step) {
     auto f = std::make_unique<Flight>();
@@ -74,21 +87,47 @@ void Engine::run_ahead(sched::StepPlan first, InStep first_in_step) {
     return f;
   };
   std::deque<std::unique_ptr<Flight>> flights;  // launched and not collected, oldest first (at most two)
+  using Clock = std::chrono::steady_clock;
   auto launch = [&](Flight& f) {
-    f.launched = std::chrono::steady_clock::now();
+    f.launched = Clock::now();
     exec_->launch(f.plan, f.hooks);
+  };
+  // Late launch (see the top of this file): when the continuation of the step in flight is planned, if known.
+  const bool late = cfg_.ahead_launch_lead_s >= 0.0 && exec_->launches_async();
+  auto launch_at = [&](const Flight& f) -> std::optional<Clock::time_point> {
+    if (!late || ahead_periods_.size() < 2) return std::nullopt;  // not before the period was seen twice
+    const double period = *std::min_element(ahead_periods_.begin(), ahead_periods_.end());
+    const double own = ahead_launch_times_.empty()
+                           ? 0.0 : *std::max_element(ahead_launch_times_.begin(), ahead_launch_times_.end());
+    const double wait = period - cfg_.ahead_launch_lead_s - own;
+    if (wait <= 0.0) return std::nullopt;
+    return f.started + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(wait));
+  };
+  auto remember = [](std::vector<double>& v, double x) {  // the latest 8
+    if (v.size() == 8) v.erase(v.begin());
+    v.push_back(x);
   };
   try {
     flights.push_back(make(std::move(first), std::move(first_in_step)));
     launch(*flights.back());
-    auto last_collect = std::chrono::steady_clock::now();
+    flights.back()->started = flights.back()->launched;  // nothing was in flight
+    auto last_collect = Clock::now();
     for (;;) {
       // The continuation, unless a waiting request could be admitted now (schedule() admits, and it needs nothing
       // in flight; one that cannot come in yet — no slot, no pages — does not stop the chain: Scheduler::could_admit)
       // or the engine stops. The chain's requests are all plain: it starts from a plan of plain requests, and
       // a plain request stays plain (its output only grows).
+      Clock::time_point due;  // when the continuation was due: from then to its launch's return is the engine's own
       {
-        std::lock_guard<std::mutex> lk(mu_);
+        std::unique_lock<std::mutex> lk(mu_);
+        // Late launch: not before shortly ahead of the step in flight's end, unless such a request comes first
+        // (submit() notifies cv_).
+        const auto at = launch_at(*flights.front());
+        due = Clock::now();
+        if (at && *at > due) {
+          cv_.wait_until(lk, *at, [&] { return stop_ || sched_.could_admit(); });
+          due = std::min(*at, Clock::now());  // a late wake-up counts as the engine's own time
+        }
         if (!stop_ && !sched_.could_admit()) {
           sched::StepPlan ahead = sched_.schedule_ahead();
           if (ahead.has_work()) {
@@ -98,7 +137,11 @@ void Engine::run_ahead(sched::StepPlan first, InStep first_in_step) {
           }
         }
       }
-      if (flights.size() == 2) launch(*flights.back());
+      if (flights.size() == 2) {
+        flights.back()->queued = true;
+        launch(*flights.back());
+        remember(ahead_launch_times_, std::chrono::duration<double>(Clock::now() - due).count());
+      }
       Flight& cur = *flights.front();
       sched::StepResult result = exec_->collect(cur.plan, cur.hooks);
       // Rows of requests that ended at the step before carry no token of theirs (the scheduler ignores them
@@ -108,9 +151,14 @@ void Engine::run_ahead(sched::StepPlan first, InStep first_in_step) {
       });
       // The step's time: from its launch, or from the collect before when it was launched earlier (the
       // chain's period), for the long-prefill chunk sizing (finish_step).
-      const auto now = std::chrono::steady_clock::now();
+      const auto now = Clock::now();
       const double step_s = std::chrono::duration<double>(now - std::max(cur.launched, last_collect)).count();
+      // Queued behind the step before, it ran right behind it: the collect-to-collect time is the device's period.
+      if (cur.queued) remember(ahead_periods_, step_s);
       last_collect = now;
+      // Queued behind `cur`, the next step started when `cur` ended. (The host reaches this collect before that end
+      // unless it woke up late, and then launched the next step late too, which started at its launch.)
+      if (flights.size() == 2) flights.back()->started = now;
       const std::unique_ptr<Flight> done = std::move(flights.front());
       flights.pop_front();
       finish_step(done->plan, done->in_step, result, step_s, flights.empty() ? nullptr : &flights.front()->plan);

@@ -166,6 +166,10 @@ class StepExecutor {
   // Run-ahead (sched/scheduler.h schedule_ahead; docs/serving.md "Async scheduling"): whether launch() and
   // collect() exist. The engine calls them only then; the defaults fail.
   virtual bool runs_ahead() const { return false; }
+  // Whether launch() returns while its step still computes (a device: the GPU, the fake executor's modelled one).
+  // The engine then plans and launches the next continuation only shortly before the step in flight ends
+  // (Engine::run_ahead, "late launch"); the CPU executor's launch() does the whole step, so it launches at once.
+  virtual bool launches_async() const { return false; }
   // Whether launch() draws a row with these parameters by itself, never handing it back to the host — whose
   // logits the next launched step has overwritten by collect() time. The engine's plain() asks it; a request it
   // refuses keeps its batch synchronous. The CPU executor samples on the host, the GPU's device sampler never

@@ -101,6 +101,7 @@ class CudaExecutor : public StepExecutor {
   // collect() waits for the oldest step's ids only and hands them to take_token. Not under speculation or as a
   // tensor-parallel follower.
   bool runs_ahead() const override;
+  bool launches_async() const override { return true; }  // launch() enqueues the forward and the sampling
   // Every row: the device sampler hands none back to the host (kernels/cuda/sampling.h), so greedy and sampled
   // rows alike run ahead (the engine's plain() still keeps penalties, bias, logprobs and masks out).
   bool samples_ahead(const SamplingParams&) const override { return true; }

@@ -42,6 +42,7 @@ class FakeExecutor : public StepExecutor {
   bool supports_images() const override { return true; }
   // Run-ahead with the modelled device only (without it there is nothing to overlap).
   bool runs_ahead() const override { return options_.device_step.count() > 0; }
+  bool launches_async() const override { return runs_ahead(); }  // the modelled device computes after launch()
   void launch(const sched::StepPlan& plan, const StepHooks& hooks) override;
   sched::StepResult collect(const sched::StepPlan& plan, const StepHooks& hooks) override;
 

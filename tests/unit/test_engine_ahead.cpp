@@ -14,6 +14,7 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -291,6 +292,45 @@ TEST(AsyncScheduling, RowsTheExecutorCannotDrawKeepTheBatchSynchronous) {
   const RunResult s2 = run(cfg, false, seeded_only), a2 = run(cfg, true, seeded_only);
   expect_same(s2, a2);
   EXPECT_EQ(a2.stats.ahead_steps, 0);
+}
+
+// A request that arrives from another thread (a client: the HTTP side) while a run-ahead step computes enters the
+// step after it, as without run-ahead: the continuation is launched only shortly before the step in flight ends
+// (Engine::run_ahead, "late launch"), not right after the step before was collected — which made every such
+// arrival wait one whole decode step more, and, in `kestrel bench`'s closed loop at 64 requests, grew the queue of
+// prompts that each wave of new requests waits behind (bench/RESULTS.md, docs/serving.md). The modelled device
+// (fake executor) takes 40 ms a step; the request comes 10 ms after request 0's 4th token is out.
+TEST(AsyncScheduling, AnArrivalDuringAStepInFlightEntersTheNextStep) {
+  EngineConfig cfg = roomy();
+  runtime::FakeExecutorOptions fo;
+  fo.device_step = std::chrono::milliseconds(40);
+  cfg.make_executor = runtime::fake_executor_factory(nano().cfg.text.vocab_size, fo);
+  std::map<bool, size_t> before;  // async: request 0's tokens out before the late request's first token
+  for (const bool async : {false, true}) {
+    std::thread client;
+    auto submit = [&client](Engine& e, Events& ev) {
+      e.submit(greedy(8, 10, 71), ev.sink(0, [&e, &ev, &client](size_t n) {
+        if (n == 4)
+          client = std::thread([&e, &ev] {
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+            e.submit(greedy(6, 2, 72), ev.sink(1));
+          });
+        if (n == 10) client.join();  // its last token: the client is long done (the engine outlives it)
+      }));
+    };
+    const RunResult r = run(cfg, async, submit);
+    ASSERT_EQ(r.out.count(1), 1u) << (async ? "async" : "sync");
+    const auto& a = r.out.at(0).order;
+    const int64_t b_first = r.out.at(1).order.at(0);
+    before[async] = size_t(std::count_if(a.begin(), a.end(), [&](int64_t o) { return o < b_first; }));
+    if (async) {
+      EXPECT_GT(r.stats.ahead_steps, 3);
+    }
+  }
+  // Request 0's 5th token comes from the step in flight at the arrival, its 6th from the step the late request
+  // enters (decodes are listed first, so it is out just before that request's first token).
+  EXPECT_EQ(before[false], 6u);
+  EXPECT_EQ(before[true], before[false]) << "with run-ahead the late request entered a step later";
 }
 
 // More requests than slots (max_running 2, 6 submitted at once): the waiting ones cannot come in until a running one
