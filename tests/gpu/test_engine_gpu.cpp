@@ -445,6 +445,46 @@ TEST(GpuEngine, QuantisedCachesMatchCpuEngine) {
 // the capture run and through a replay (KDA slots restored from backups between the runs). Then a
 // padded batch (3 requests in bucket 4, 5 in 8) against the eager step of the same 3/5: the padded
 // rows must not disturb the real ones (rel L2 ≤ 1e-3, identical argmax; bit equality reported).
+// Bmax requests on one model, contexts 70 − b % 7 (nano's cross its index_topk), prefilled on slots 0..Bmax−1 with
+// backups on Bmax..2·Bmax−1; step(B, graphs) runs one decode step of the first B through the graphs or eagerly and
+// returns their logits (f32 [B, V]), restoring their slots afterwards.
+struct DecodeBatch {
+  model::CudaModel& m;
+  int64_t V, Bmax;
+  model::CudaCachePtr cache;
+  std::vector<std::vector<int32_t>> tables, prompts;
+  std::vector<int32_t> tok;
+  DecodeBatch(model::CudaModel& mm, int64_t vocab, int64_t bmax) : m(mm), V(vocab), Bmax(bmax), cache(nullptr, nullptr) {
+    const int64_t ctx = 70;
+    const int P = 16;
+    const int64_t per = (ctx + 1 + P - 1) / P;
+    cache = m.new_cache(int32_t(Bmax * per), int32_t(2 * Bmax),
+                        CacheFormats{P, LatentFormat::bf16, IndexKeyFormat::bf16, KdaStateDtype::f32});
+    tables.resize(size_t(Bmax)), prompts.resize(size_t(Bmax)), tok.resize(size_t(Bmax));
+    for (int64_t b = 0; b < Bmax; ++b) {
+      for (int64_t i = 0; i < per; ++i) tables[size_t(b)].push_back(int32_t(b * per + i));
+      for (int64_t i = 0; i < ctx - b % 7; ++i) prompts[size_t(b)].push_back(int32_t((i * 31 + b * 17 + 5) % std::min<int64_t>(V, 1000)));
+      model::CudaSeq q{prompts[size_t(b)], 0, int32_t(b), tables[size_t(b)], model::CudaSeq::Logits::none};
+      m.forward_batch(*cache, std::span<const model::CudaSeq>(&q, 1));
+      m.copy_slot(*cache, int32_t(b), int32_t(Bmax + b));  // backup
+      tok[size_t(b)] = int32_t((b * 101 + 7) % std::min<int64_t>(V, 1000));
+    }
+  }
+  std::vector<float> step(int64_t B, bool graphs) {
+    std::vector<model::CudaSeq> seqs;
+    for (int64_t b = 0; b < B; ++b)
+      seqs.push_back({std::span<const int32_t>(&tok[size_t(b)], 1), int64_t(prompts[size_t(b)].size()), int32_t(b),
+                      tables[size_t(b)], model::CudaSeq::Logits::last});
+    m.enable_cuda_graphs(graphs);
+    const int64_t rows = m.forward_batch(*cache, seqs);
+    EXPECT_EQ(rows, B);
+    std::vector<float> out(size_t(B * V));
+    m.copy_logits(out.data());
+    for (int64_t b = 0; b < B; ++b) m.copy_slot(*cache, int32_t(Bmax + b), int32_t(b));  // restore
+    return out;
+  }
+};
+
 TEST(GpuGraphs, ReplayBitIdenticalToEagerPerBucket) {
   const auto dirs = gpu_ckpt_dirs();
   ASSERT_FALSE(dirs.empty()) << "KESTREL_GPU_CKPTS is not set: run through bench/gpu/run.sh";
@@ -452,35 +492,10 @@ TEST(GpuGraphs, ReplayBitIdenticalToEagerPerBucket) {
     const ModelConfig cfg = load_config(dir);
     const Checkpoint ckpt(dir);
     const ModelWeights w = bind_weights(cfg, ckpt);
-    const int64_t V = cfg.text.vocab_size, Bmax = 64, ctx = 70;
-    const int P = 16;
-    const int64_t per = (ctx + 1 + P - 1) / P;
+    const int64_t V = cfg.text.vocab_size, Bmax = 64;
     model::CudaModel m(cfg, w);
-    auto cache = m.new_cache(int32_t(Bmax * per), int32_t(2 * Bmax),
-                             CacheFormats{P, LatentFormat::bf16, IndexKeyFormat::bf16, KdaStateDtype::f32});
-    std::vector<std::vector<int32_t>> tables(static_cast<size_t>(Bmax)), prompts(static_cast<size_t>(Bmax));
-    for (int64_t b = 0; b < Bmax; ++b) {
-      for (int64_t i = 0; i < per; ++i) tables[size_t(b)].push_back(int32_t(b * per + i));
-      for (int64_t i = 0; i < ctx - b % 7; ++i) prompts[size_t(b)].push_back(int32_t((i * 31 + b * 17 + 5) % std::min<int64_t>(V, 1000)));
-      model::CudaSeq q{prompts[size_t(b)], 0, int32_t(b), tables[size_t(b)], model::CudaSeq::Logits::none};
-      m.forward_batch(*cache, std::span<const model::CudaSeq>(&q, 1));
-      m.copy_slot(*cache, int32_t(b), int32_t(Bmax + b));  // backup
-    }
-    std::vector<int32_t> tok(static_cast<size_t>(Bmax));
-    for (int64_t b = 0; b < Bmax; ++b) tok[size_t(b)] = int32_t((b * 101 + 7) % std::min<int64_t>(V, 1000));
-    auto step = [&](int64_t B, bool graphs) {
-      std::vector<model::CudaSeq> seqs;
-      for (int64_t b = 0; b < B; ++b)
-        seqs.push_back({std::span<const int32_t>(&tok[size_t(b)], 1), int64_t(prompts[size_t(b)].size()), int32_t(b),
-                        tables[size_t(b)], model::CudaSeq::Logits::last});
-      m.enable_cuda_graphs(graphs);
-      const int64_t rows = m.forward_batch(*cache, seqs);
-      EXPECT_EQ(rows, B);
-      std::vector<float> out(size_t(B * V));
-      m.copy_logits(out.data());
-      for (int64_t b = 0; b < B; ++b) m.copy_slot(*cache, int32_t(Bmax + b), int32_t(b));  // restore
-      return out;
-    };
+    DecodeBatch batch(m, V, Bmax);
+    auto step = [&](int64_t B, bool graphs) { return batch.step(B, graphs); };
     const std::string name = cfg.text.hidden_size == 256 ? "nano" : "mini(reduced)";
     for (int64_t B = 1; B <= Bmax; B *= 2) {
       const int64_t before = m.graph_steps();
@@ -523,10 +538,8 @@ TEST(GpuGraphs, RouteInGemmBitIdentical) {
     const ModelConfig cfg = load_config(dir);
     const Checkpoint ckpt(dir);
     const ModelWeights w = bind_weights(cfg, ckpt);
-    const int64_t V = cfg.text.vocab_size, Bmax = 32, ctx = 70;
-    const int P = 16;
-    const int64_t per = (ctx + 1 + P - 1) / P;
-    // Logits of decode steps at each B (slots restored between them), from a model built with `route` set.
+    const int64_t V = cfg.text.vocab_size;
+    // Logits of decode steps at each B (capture, then replay), from a model built with `route` set.
     auto run = [&](bool route) {
       const char* old = std::getenv("KESTREL_ROUTE_IN_GEMM");
       const std::string keep = old ? old : "";
@@ -534,33 +547,10 @@ TEST(GpuGraphs, RouteInGemmBitIdentical) {
       model::CudaModel m(cfg, w);
       if (old) setenv("KESTREL_ROUTE_IN_GEMM", keep.c_str(), 1);
       else unsetenv("KESTREL_ROUTE_IN_GEMM");
-      auto cache = m.new_cache(int32_t(Bmax * per), int32_t(2 * Bmax),
-                               CacheFormats{P, LatentFormat::bf16, IndexKeyFormat::bf16, KdaStateDtype::f32});
-      std::vector<std::vector<int32_t>> tables(static_cast<size_t>(Bmax)), prompts(static_cast<size_t>(Bmax));
-      for (int64_t b = 0; b < Bmax; ++b) {
-        for (int64_t i = 0; i < per; ++i) tables[size_t(b)].push_back(int32_t(b * per + i));
-        for (int64_t i = 0; i < ctx - b % 7; ++i)
-          prompts[size_t(b)].push_back(int32_t((i * 37 + b * 11 + 3) % std::min<int64_t>(V, 1000)));
-        model::CudaSeq q{prompts[size_t(b)], 0, int32_t(b), tables[size_t(b)], model::CudaSeq::Logits::none};
-        m.forward_batch(*cache, std::span<const model::CudaSeq>(&q, 1));
-        m.copy_slot(*cache, int32_t(b), int32_t(Bmax + b));  // backup
-      }
-      std::vector<int32_t> tok(static_cast<size_t>(Bmax));
-      for (int64_t b = 0; b < Bmax; ++b) tok[size_t(b)] = int32_t((b * 97 + 5) % std::min<int64_t>(V, 1000));
-      m.enable_cuda_graphs(true);
+      DecodeBatch batch(m, V, 32);
       std::vector<std::vector<float>> out;
-      for (int64_t B : {1, 4, 16, 32}) {
-        std::vector<model::CudaSeq> seqs;
-        for (int64_t b = 0; b < B; ++b)
-          seqs.push_back({std::span<const int32_t>(&tok[size_t(b)], 1), int64_t(prompts[size_t(b)].size()),
-                          int32_t(b), tables[size_t(b)], model::CudaSeq::Logits::last});
-        for (int rep = 0; rep < 2; ++rep) {  // capture, then replay
-          EXPECT_EQ(m.forward_batch(*cache, seqs), B);
-          out.emplace_back(size_t(B * V));
-          m.copy_logits(out.back().data());
-          for (int64_t b = 0; b < B; ++b) m.copy_slot(*cache, int32_t(Bmax + b), int32_t(b));  // restore
-        }
-      }
+      for (int64_t B : {1, 4, 16, 32})
+        for (int rep = 0; rep < 2; ++rep) out.push_back(batch.step(B, true));
       return out;
     };
     const auto plain = run(false), routed = run(true);
