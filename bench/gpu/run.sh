@@ -153,7 +153,7 @@ case "${1:-}" in
     for b in build/tests/gpu/kestrel_gpu_tests build/src/cli/kestrel build/bench/bench_ops; do
       skip "$b" || objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
     done
-    for b in build/bench/bench_moe build/bench/bench_mla build/bench/bench_kda build/bench/bench_indexer build/bench/bench_structured_engine build/bench/bench_sync; do  # per-kernel benchmarks, when built
+    for b in build/bench/bench_moe build/bench/bench_mla build/bench/bench_kda build/bench/bench_indexer build/bench/bench_structured_engine build/bench/bench_sync build/bench/bench_overlap; do  # per-kernel benchmarks, when built
       [ -x "$b" ] && ! skip "$b" && objcopy --strip-debug "$b" ".gpu-carry/pkg/$(basename "$b")"
     done
     # The kernel tracer (timeline mode) and the CUPTI it links, when built and not skipped.
