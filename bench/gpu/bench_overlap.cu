@@ -33,6 +33,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/launch.h"
+#include "graph_replay.h"
 
 namespace kestrel::bench {
 namespace {
@@ -209,29 +210,8 @@ Timing run(bool resident, const Args& a, int sms, int reps, cudaStream_t s) {  /
     }
   }
   KCUDA_CHECK(cudaStreamEndCapture(s, &graph));
-  cudaGraphExec_t exec;
-  KCUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t e0, e1;
-  KCUDA_CHECK(cudaEventCreate(&e0));
-  KCUDA_CHECK(cudaEventCreate(&e1));
-  for (int w = 0; w < 3; ++w) KCUDA_CHECK(cudaGraphLaunch(exec, s));
-  std::vector<double> t;
-  for (int r = 0; r < reps; ++r) {
-    KCUDA_CHECK(cudaEventRecord(e0, s));
-    KCUDA_CHECK(cudaGraphLaunch(exec, s));
-    KCUDA_CHECK(cudaEventRecord(e1, s));
-    KCUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    KCUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    t.push_back(double(ms) * 1e3 / a.L);
-  }
-  std::sort(t.begin(), t.end());
-  Timing out{t[t.size() / 2], std::vector<float>(size_t(a.N))};
+  Timing out{median_replay_us(graph, s, reps) / a.L, std::vector<float>(size_t(a.N))};
   KCUDA_CHECK(cudaMemcpy(out.y_last.data(), a.y + int64_t(a.L - 1) * a.N, size_t(a.N) * 4, cudaMemcpyDeviceToHost));
-  KCUDA_CHECK(cudaEventDestroy(e0));
-  KCUDA_CHECK(cudaEventDestroy(e1));
-  KCUDA_CHECK(cudaGraphExecDestroy(exec));
-  KCUDA_CHECK(cudaGraphDestroy(graph));
   return out;
 }
 

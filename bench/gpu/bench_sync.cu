@@ -28,6 +28,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/launch.h"
+#include "graph_replay.h"
 
 namespace kestrel::bench {
 namespace {
@@ -105,33 +106,13 @@ Res run(Kind kind, int G, int N, int reps, cudaStream_t s) {
     }
   }
   KCUDA_CHECK(cudaStreamEndCapture(s, &graph));
-  cudaGraphExec_t exec;
-  KCUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t e0, e1;
-  KCUDA_CHECK(cudaEventCreate(&e0));
-  KCUDA_CHECK(cudaEventCreate(&e1));
-  for (int w = 0; w < 3; ++w) KCUDA_CHECK(cudaGraphLaunch(exec, s));
-  std::vector<double> t;
-  for (int r = 0; r < reps; ++r) {
-    KCUDA_CHECK(cudaEventRecord(e0, s));
-    KCUDA_CHECK(cudaGraphLaunch(exec, s));
-    KCUDA_CHECK(cudaEventRecord(e1, s));
-    KCUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    KCUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    t.push_back(double(ms) * 1e3 / N);
-  }
-  std::sort(t.begin(), t.end());
+  const double us = median_replay_us(graph, s, reps) / N;
   std::vector<int> last(static_cast<size_t>(G));
   KCUDA_CHECK(cudaMemcpy(last.data(), buf + int64_t(N - 1) * G, size_t(G) * 4, cudaMemcpyDeviceToHost));
   const bool ok = std::all_of(last.begin(), last.end(), [&](int v) { return v == N; });
-  KCUDA_CHECK(cudaEventDestroy(e0));
-  KCUDA_CHECK(cudaEventDestroy(e1));
-  KCUDA_CHECK(cudaGraphExecDestroy(exec));
-  KCUDA_CHECK(cudaGraphDestroy(graph));
   KCUDA_CHECK(cudaFree(buf));
   KCUDA_CHECK(cudaFree(bar));
-  return {t[t.size() / 2], ok};
+  return {us, ok};
 }
 
 }  // namespace
